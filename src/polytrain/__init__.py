@@ -1,0 +1,37 @@
+"""polytrain: hybrid distributed training on torch.distributed.
+
+BytePS, Herring, Parallax, FastMoE, HetPipe and PipeTransformer behind one API::
+
+    import polytrain
+
+    ctx = polytrain.init()                       # join the run; servers serve here
+    model, opt = polytrain.distribute(model, opt, strategy="ddp")
+    for x, y in batches:
+        x = polytrain.shard(x, ctx.worker_index, ctx.num_workers)
+        ...                                      # the plain PyTorch loop
+
+    polytrain.launch(main, workers=4, nodes=2)   # run main() in 4 local processes
+"""
+
+from . import log as _log  # noqa: F401 - configures the "polytrain" logger
+from .config import TrainConfig
+from .data import shard
+from .errors import CommError, CommTimeout, ConfigError, LaunchError, PeerLost, PolytrainError
+from .launch import Layout, launch
+from .runtime import Context, current, init, is_initialized
+from .strategies import (
+                         Strategy,
+                         distribute,
+                         full_state_dict,
+                         get_strategy,
+                         register,
+                         strategy_names,
+                         strategy_of,
+)
+
+__version__ = "0.1.0"
+
+__all__ = ["init", "launch", "distribute", "shard", "current", "is_initialized", "Context",
+           "Layout", "TrainConfig", "Strategy", "register", "get_strategy", "strategy_names",
+           "strategy_of", "full_state_dict", "PolytrainError", "ConfigError", "LaunchError",
+           "CommError", "CommTimeout", "PeerLost", "__version__"]

@@ -1,0 +1,89 @@
+"""The one module that reads (and names) polytrain's environment variables."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from typing import Mapping
+
+__all__: list[str] = []
+
+RANK = "RANK"
+WORLD_SIZE = "WORLD_SIZE"
+LOCAL_RANK = "LOCAL_RANK"
+LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
+MASTER_ADDR = "MASTER_ADDR"
+MASTER_PORT = "MASTER_PORT"
+OMP_NUM_THREADS = "OMP_NUM_THREADS"
+ROLE = "POLYTRAIN_ROLE"
+NODE = "POLYTRAIN_NODE"
+TIMEOUT = "POLYTRAIN_TIMEOUT"
+LOG_LEVEL = "POLYTRAIN_LOG_LEVEL"
+ERROR_FILE = "POLYTRAIN_ERROR_FILE"
+PARENT_PID = "POLYTRAIN_PARENT_PID"
+DEFAULT_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class ProcessEnv:
+    """What the launcher (ours or torchrun) told this process."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int | None
+    role: str
+    node: str
+    timeout_s: float
+    launched: bool  # False: a plain `python script.py`, a world of one
+
+
+def read(environ: Mapping[str, str] | None = None) -> ProcessEnv:
+    env = os.environ if environ is None else environ
+    launched = RANK in env and WORLD_SIZE in env
+    port = env.get(MASTER_PORT)
+    local_rank = int(env.get(LOCAL_RANK, "0"))
+    return ProcessEnv(
+        rank=int(env.get(RANK, "0")),
+        world_size=int(env.get(WORLD_SIZE, "1")),
+        local_rank=local_rank,
+        master_addr=env.get(MASTER_ADDR, "127.0.0.1"),
+        master_port=int(port) if port else None,
+        role=_role(env.get(ROLE, "worker"), local_rank),
+        node=env.get(NODE) or socket.gethostname(),
+        timeout_s=float(env.get(TIMEOUT, DEFAULT_TIMEOUT_S)),
+        launched=launched,
+    )
+
+
+def _role(spec: str, local_rank: int) -> str:
+    """``worker``, ``server``, or a comma list indexed by LOCAL_RANK (``worker,worker,server``)."""
+    roles = [r.strip() for r in spec.split(",")]
+    if len(roles) == 1:
+        return roles[0]
+    if local_rank >= len(roles):
+        return "invalid: " + spec
+    return roles[local_rank]
+
+
+def log_level() -> str:
+    return os.environ.get(LOG_LEVEL, "WARNING").upper()
+
+
+def error_file() -> str | None:
+    return os.environ.get(ERROR_FILE)
+
+
+def parent_pid() -> int | None:
+    pid = os.environ.get(PARENT_PID)
+    return int(pid) if pid else None
+
+
+def user_set(name: str) -> bool:
+    return name in os.environ
+
+
+def cuda_visible() -> str | None:
+    return os.environ.get("CUDA_VISIBLE_DEVICES")

@@ -1,0 +1,44 @@
+"""The ``polytrain`` command: a thin entry point over one module per subcommand."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from ..errors import ConfigError, LaunchError, PolytrainError
+from . import env, launch, train
+
+__all__ = ["main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="polytrain", description="Hybrid distributed training on torch.distributed.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for module in (train, launch, env):
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    try:
+        return int(ns.run(ns))
+    except ConfigError as e:
+        print(f"polytrain {ns.command}: error: {e}", file=sys.stderr)
+        return 2
+    except LaunchError as e:
+        print(f"polytrain {ns.command}: error: {e}", file=sys.stderr)
+        return e.exitcode if e.exitcode == 130 else 1
+    except PolytrainError as e:
+        print(f"polytrain {ns.command}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"polytrain {ns.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

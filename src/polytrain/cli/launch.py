@@ -1,0 +1,37 @@
+"""``polytrain launch``: run a script in local worker and server processes."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from ..launch.launcher import launch_script
+from ..launch.layout import Layout
+
+__all__: list[str] = []
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("launch", help="run SCRIPT in local worker and server processes",
+                       description="Start W workers (spread over N emulated machines) and K "
+                                   "servers on this machine, each running SCRIPT; roles and "
+                                   "machines reach polytrain.init() through the environment.")
+    p.add_argument("--workers", type=int, default=1, metavar="W", help="default 1")
+    p.add_argument("--nodes", type=int, default=1, metavar="N", help="default 1")
+    p.add_argument("--servers", type=int, default=0, metavar="K",
+                   help="dedicated server processes (default 0)")
+    p.add_argument("--colocated", type=int, default=0, metavar="C",
+                   help="server processes on every worker machine (default 0)")
+    p.add_argument("--port", type=int, default=None, help="rendezvous port (default: a free one)")
+    p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                   help="longest wait on another process (default 120)")
+    p.add_argument("script", metavar="SCRIPT")
+    p.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS")
+    p.set_defaults(run=run)
+
+
+def run(ns: argparse.Namespace) -> int:
+    layout = Layout(workers=ns.workers, nodes=ns.nodes, servers=ns.servers,
+                    colocated=ns.colocated)
+    launch_script(ns.script, ns.args, layout=layout, port=ns.port, timeout_s=ns.timeout)
+    return 0

@@ -1,0 +1,87 @@
+"""Command-line flags made from the fields of frozen option dataclasses."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from ..errors import ConfigError
+
+__all__: list[str] = []
+
+
+@dataclass
+class OptionFlag:
+    """One flag: its spelling and the owners (strategies) whose Options have the field."""
+
+    flag: str
+    owners: list[str] = field(default_factory=list)
+
+
+def flag_name(f: dataclasses.Field[Any]) -> str:
+    """``partition_bytes`` -> ``--partition-bytes``; ``async_`` -> ``--async``."""
+    return str(f.metadata.get("flag") or "--" + f.name.rstrip("_").replace("_", "-"))
+
+
+def _base_type(hint: Any) -> Any:
+    """``int | None`` -> ``int``."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return hint
+
+
+def add_option_flags(parser: Any, owners: Iterable[tuple[str, type]]) -> dict[str, OptionFlag]:
+    """Add a flag for every field of every ``(owner, Options class)``; equal names share one.
+
+    Every flag defaults to None ("not given") so the owner's own default
+    applies; a bool field that defaults to True gets a ``--no-...`` flag.
+    """
+    flags: dict[str, OptionFlag] = {}
+    actions: dict[str, argparse.Action] = {}
+    for owner, options_cls in owners:
+        hints = typing.get_type_hints(options_cls)
+        for f in dataclasses.fields(options_cls):
+            if f.name in flags:
+                flags[f.name].owners.append(owner)
+                continue
+            kind = _base_type(hints[f.name])
+            help_text = str(f.metadata.get("help", ""))
+            if kind is bool:
+                flag = flag_name(f)
+                if f.default is True:
+                    flag = "--no-" + flag.removeprefix("--")
+                actions[f.name] = parser.add_argument(
+                    flag, dest=f.name, action="store_const", const=f.default is not True,
+                    default=None, help=help_text)
+            else:
+                flag = flag_name(f)
+                actions[f.name] = parser.add_argument(
+                    flag, dest=f.name, type=kind, default=None, help=help_text,
+                    choices=f.metadata.get("choices"),
+                    metavar=str(f.metadata.get("metavar", f.name.rstrip("_").upper())))
+            flags[f.name] = OptionFlag(flag, [owner])
+    for name, opt in flags.items():
+        actions[name].help = f"{actions[name].help} [{', '.join(opt.owners)}]".strip()
+    return flags
+
+
+def given_options(ns: argparse.Namespace, owner: str, options_cls: type,
+                  flags: dict[str, OptionFlag]) -> dict[str, Any]:
+    """The flags given on the command line for ``owner``; another owner's flag is refused."""
+    mine = {f.name for f in dataclasses.fields(options_cls)}
+    out: dict[str, Any] = {}
+    for name, opt in flags.items():
+        value = getattr(ns, name, None)
+        if value is None:
+            continue
+        if name not in mine:
+            raise ConfigError(f"{opt.flag} is an option of {', '.join(opt.owners)}, not of "
+                              f"{owner!r}", f"leave it out, or pick --strategy {opt.owners[0]}")
+        out[name] = value
+    return out

@@ -1,0 +1,97 @@
+"""``polytrain train``: train a reference model with a strategy and write its metrics."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from ..config import OPTIMIZERS, TrainConfig
+from ..data import dataset_names
+from ..launch.launcher import Launcher
+from ..models import model_names
+from ..strategies.base import get_strategy, strategy_names
+from ..train import train
+from .options import OptionFlag, add_option_flags, given_options
+
+__all__: list[str] = []
+
+_flags: dict[str, OptionFlag] = {}
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("train", help="train a model with a strategy (GPT on text by default)",
+                       description="Train a reference model with a distributed strategy in "
+                                   "local processes; writes metrics.json and final.pt to --out.")
+    d = TrainConfig.__dataclass_fields__
+    p.add_argument("--strategy", default=d["strategy"].default, metavar="NAME",
+                   help=f"one of {', '.join(strategy_names())} (default ddp)")
+    p.add_argument("--model", default=d["model"].default, metavar="NAME",
+                   help=f"one of {', '.join(model_names())} (default gpt)")
+    p.add_argument("--data", default=d["data"].default, metavar="NAME",
+                   help=f"one of {', '.join(dataset_names())} (default text)")
+    p.add_argument("--workers", type=int, default=None, metavar="W",
+                   help="worker processes in all (default 2; 1 for single)")
+    p.add_argument("--nodes", type=int, default=1, metavar="N",
+                   help="emulated machines the workers are spread over (default 1)")
+    p.add_argument("--servers", type=int, default=0, metavar="K",
+                   help="dedicated server processes, each its own CPU machine (default 0)")
+    p.add_argument("--steps", type=int, default=d["steps"].default, metavar="T",
+                   help="training steps (default 500)")
+    p.add_argument("--batch-size", type=int, default=d["batch_size"].default, metavar="B",
+                   help="GLOBAL batch per step (default 32)")
+    p.add_argument("--lr", type=float, default=d["lr"].default, help="learning rate (default 2e-3)")
+    p.add_argument("--optimizer", default=d["optimizer"].default, choices=OPTIMIZERS,
+                   help="default adam")
+    p.add_argument("--seed", type=int, default=0, metavar="S", help="default 0")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="write DIR/metrics.json and DIR/final.pt")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--timeout", type=float, default=d["timeout_s"].default, metavar="SECONDS",
+                   help="longest wait on another process before failing (default 120)")
+    p.add_argument("--port", type=int, default=None, help="rendezvous port (default: a free one)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="default cpu")
+    m = p.add_argument_group("model options")
+    m.add_argument("--seq-len", type=int, default=None, help="sequence length (default 64)")
+    m.add_argument("--d-model", type=int, default=None,
+                   help="width (default 128 for gpt, 64 for mlp)")
+    m.add_argument("--layers", type=int, default=None,
+                   help="blocks or hidden layers (default 4 for gpt, 2 for mlp)")
+    m.add_argument("--heads", type=int, default=None, help="attention heads (gpt; default 4)")
+    s = p.add_argument_group("strategy options")
+    _flags.update(add_option_flags(s, [(n, get_strategy(n).Options) for n in strategy_names()]))
+    p.set_defaults(run=run)
+
+
+def config_from_args(ns: argparse.Namespace) -> TrainConfig:
+    cls = get_strategy(ns.strategy)
+    model_options = {k: getattr(ns, k) for k in ("seq_len", "d_model", "layers", "heads")
+                     if getattr(ns, k) is not None}
+    return TrainConfig(
+        strategy=ns.strategy, model=ns.model, data=ns.data, workers=ns.workers, nodes=ns.nodes,
+        servers=ns.servers, steps=ns.steps, batch_size=ns.batch_size, lr=ns.lr,
+        optimizer=ns.optimizer, seed=ns.seed, out=ns.out, quiet=ns.quiet, timeout_s=ns.timeout,
+        port=ns.port, device=ns.device, model_options=model_options,
+        strategy_options=given_options(ns, ns.strategy, cls.Options, _flags))
+
+
+def run(ns: argparse.Namespace) -> int:
+    config = config_from_args(ns)
+    layout = config.layout()
+    if not config.quiet:
+        print(f"polytrain: {config.model} on {config.data}, strategy {config.strategy}, "
+              f"{config.steps} steps of {config.batch_size} | {layout.describe()}",
+              file=sys.stderr)
+    if get_strategy(config.strategy).distributed:
+        metrics = Launcher(layout, port=config.port, timeout_s=config.timeout_s
+                           ).run_fn(train, (config,))[0]
+    else:
+        metrics = train(config)
+    assert metrics is not None
+    st = metrics["step_time_s"]
+    print(f"final loss {metrics['final_loss']:.4f} | {metrics['samples_per_s']:.1f} samples/s | "
+          f"step {st['median'] * 1e3:.1f} ms median, {st['p90'] * 1e3:.1f} ms p90 | "
+          f"{metrics['wall_time_s']:.1f} s")
+    if config.out:
+        print(f"wrote {config.out}/metrics.json and {config.out}/final.pt")
+    return 0

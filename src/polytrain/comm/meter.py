@@ -1,0 +1,137 @@
+"""The traffic meter: every byte the library sends or receives, per peer and per step."""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+from .topology import Topology
+
+__all__ = ["TrafficMeter", "MeterReport", "MachineTraffic", "machine_traffic", "SENT", "RECV"]
+
+SENT = "sent"
+RECV = "recv"
+
+# (peer rank, SENT or RECV, estimated) -> bytes
+_Key = tuple[int, str, bool]
+
+
+@dataclass(frozen=True)
+class MeterReport:
+    """One rank's meter readings, picklable: the totals and one window per marked step."""
+
+    rank: int
+    totals: dict[_Key, int]
+    steps: list[dict[_Key, int]] = field(default_factory=list)
+
+    def bytes(self, direction: str, peers: Iterable[int] | None = None) -> int:
+        """Total bytes sent (or received) to ``peers`` (default: all), measured and estimated."""
+        wanted = None if peers is None else set(peers)
+        return sum(n for (p, d, _), n in self.totals.items()
+                   if d == direction and (wanted is None or p in wanted))
+
+
+class TrafficMeter:
+    """Counts the bytes of every message this process sends or receives.
+
+    The communication core calls :meth:`record` for each point-to-point
+    message; collectives whose bytes move inside torch are recorded as
+    ``estimated`` from their algorithm's cost. :meth:`mark_step` closes a
+    training step's window, so reports give bytes per step.
+    """
+
+    def __init__(self, rank: int, topology: Topology) -> None:
+        self.rank = rank
+        self.topology = topology
+        self._lock = threading.Lock()
+        self._totals: dict[_Key, int] = defaultdict(int)
+        self._window: dict[_Key, int] = defaultdict(int)
+        self._steps: list[dict[_Key, int]] = []
+
+    def record(self, peer: int, nbytes: int, direction: str, *, estimated: bool = False) -> None:
+        key = (peer, direction, estimated)
+        with self._lock:
+            self._totals[key] += nbytes
+            self._window[key] += nbytes
+
+    def mark_step(self) -> None:
+        """End the current step: what was recorded since the last mark becomes one step."""
+        with self._lock:
+            self._steps.append(dict(self._window))
+            self._window.clear()
+
+    def report(self) -> MeterReport:
+        with self._lock:
+            return MeterReport(self.rank, dict(self._totals), [dict(s) for s in self._steps])
+
+    def total(self, direction: str, *, inter: bool | None = None) -> int:
+        """Bytes sent or received so far; ``inter`` keeps only cross-machine (or local) peers."""
+        with self._lock:
+            items = list(self._totals.items())
+        return sum(n for (p, d, _), n in items if d == direction and (
+            inter is None or self.topology.is_inter(self.rank, p) == inter))
+
+    def record_ring_allreduce(self, ranks: Sequence[int], nbytes: int) -> None:
+        """Record a ring all-reduce of ``nbytes`` over ``ranks`` (estimated: torch moved it).
+
+        A ring of p ranks has every rank send 2(p-1)/p of the buffer to its
+        successor and receive as much from its predecessor.
+        """
+        p = len(ranks)
+        if p < 2 or self.rank not in ranks:
+            return
+        i = list(ranks).index(self.rank)
+        share = 2 * (p - 1) * nbytes // p
+        self.record(ranks[(i + 1) % p], share, SENT, estimated=True)
+        self.record(ranks[(i - 1) % p], share, RECV, estimated=True)
+
+
+@dataclass(frozen=True)
+class MachineTraffic:
+    """Bytes one machine sends to and receives from other machines per steady-state step."""
+
+    name: str
+    kind: str  # "worker" or "server"
+    sent_bytes_per_step: float
+    recv_bytes_per_step: float
+    estimated: bool
+
+    def as_dict(self) -> dict[str, object]:
+        return {"name": self.name, "kind": self.kind,
+                "sent_bytes_per_step": self.sent_bytes_per_step,
+                "recv_bytes_per_step": self.recv_bytes_per_step, "estimated": self.estimated}
+
+
+def machine_traffic(reports: Sequence[MeterReport], topology: Topology, *,
+                    warmup: int = 1) -> list[MachineTraffic]:
+    """Cross-machine bytes per step for every machine, from the ranks' reports.
+
+    Each message is counted once: from its sender's report when the sender
+    reported, else from its receiver's (so workers' reports alone cover their
+    traffic with servers). Steps after the first ``warmup`` are averaged.
+    """
+    reporting = {r.rank for r in reports}
+    nsteps = min((len(r.steps) for r in reports), default=0)
+    first = warmup if nsteps > warmup else 0
+    counted = max(1, nsteps - first)
+    sent: dict[str, float] = defaultdict(float)
+    recv: dict[str, float] = defaultdict(float)
+    estimated: set[str] = set()
+    for rep in reports:
+        here = topology.machine(rep.rank)
+        for step in rep.steps[first:nsteps]:
+            for (peer, direction, est), n in step.items():
+                there = topology.machine(peer)
+                if there == here or (direction == RECV and peer in reporting):
+                    continue
+                src, dst = (here, there) if direction == SENT else (there, here)
+                sent[src] += n / counted
+                recv[dst] += n / counted
+                if est:
+                    estimated.update((src, dst))
+    worker_machines = set(topology.worker_machines)
+    return [MachineTraffic(m, "worker" if m in worker_machines else "server",
+                           sent[m], recv[m], m in estimated)
+            for m in topology.machines]

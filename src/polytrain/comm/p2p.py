@@ -1,0 +1,128 @@
+"""Point-to-point messages between ranks: tagged, asynchronous, metered, with timeouts."""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..errors import CommError, CommTimeout, PeerLost
+from .meter import RECV, SENT, TrafficMeter
+from .topology import Topology
+
+__all__ = ["Transport", "Handle"]
+
+_LOST_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+                 "Socket closed", "connection closed")
+
+
+class Handle:
+    """An outstanding send or receive; :meth:`wait` finishes it or raises a clear error."""
+
+    def __init__(self, transport: Transport, work: Any, peer: int | None, nbytes: int,
+                 direction: str, what: str, staged: torch.Tensor | None = None,
+                 target: torch.Tensor | None = None) -> None:
+        self._transport = transport
+        self._work = work
+        self._peer = peer
+        self._nbytes = nbytes
+        self._direction = direction
+        self._what = what
+        self._staged = staged  # CPU copy of a device tensor (kept alive while in flight)
+        self._target = target  # device tensor a staged receive is copied into
+        self._done = False
+        self.source: int | None = peer
+
+    def wait(self, timeout_s: float | None = None) -> int:
+        """Block until the message has moved; return the peer's rank."""
+        if self._done:
+            assert self.source is not None
+            return self.source
+        t = self._transport
+        timeout = t.timeout_s if timeout_s is None else timeout_s
+        try:
+            self._work.wait(timeout=datetime.timedelta(seconds=timeout))
+        except RuntimeError as e:
+            raise t.error(e, self._peer, self._what, timeout) from None
+        if self.source is None:
+            self.source = int(self._work.source_rank())
+        if self._direction == RECV:
+            t.meter.record(self.source, self._nbytes, RECV)
+            if self._target is not None and self._staged is not None:
+                self._target.copy_(self._staged)
+        self._done = True
+        return self.source
+
+    def poll(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the message; False if it has not moved yet.
+
+        A receive stays posted after a False, so the next poll or wait finishes it.
+        """
+        if self._done:
+            return True
+        try:
+            self.wait(timeout_s)
+        except CommTimeout:
+            return False
+        return True
+
+
+class Transport:
+    """Metered ``isend``/``irecv`` of tensors over one process group that spans every rank.
+
+    Tensors on a GPU are staged through CPU copies (gloo moves CPU memory); a
+    peer that stops or does not answer within ``timeout_s`` raises an error
+    naming its rank, role and machine and what was being moved.
+    """
+
+    def __init__(self, *, rank: int, topology: Topology, group: Any, meter: TrafficMeter,
+                 timeout_s: float) -> None:
+        self.rank = rank
+        self.topology = topology
+        self.group = group
+        self.meter = meter
+        self.timeout_s = timeout_s
+
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int, what: str = "a message") -> Handle:
+        staged = tensor.detach()
+        if staged.device.type != "cpu":
+            staged = staged.cpu()
+        staged = staged.contiguous()
+        nbytes = staged.numel() * staged.element_size()
+        try:
+            work = dist.isend(staged, dst, group=self.group, tag=tag)
+        except RuntimeError as e:
+            raise self.error(e, dst, what, self.timeout_s) from None
+        self.meter.record(dst, nbytes, SENT)
+        return Handle(self, work, dst, nbytes, SENT, what, staged=staged)
+
+    def irecv(self, tensor: torch.Tensor, src: int | None, tag: int,
+              what: str = "a message") -> Handle:
+        if not tensor.is_contiguous():
+            raise CommError(f"irecv needs a contiguous tensor ({what})",
+                            "receive into a contiguous buffer and copy from it")
+        staged = tensor if tensor.device.type == "cpu" else torch.empty_like(tensor, device="cpu")
+        try:
+            work = dist.irecv(staged, src, group=self.group, tag=tag)
+        except RuntimeError as e:
+            raise self.error(e, src, what, self.timeout_s) from None
+        nbytes = staged.numel() * staged.element_size()
+        return Handle(self, work, src, nbytes, RECV, what, staged=staged,
+                      target=tensor if staged is not tensor else None)
+
+    def error(self, exc: Exception, peer: int | None, what: str, timeout_s: float) -> CommError:
+        """Turn torch's error for a message with ``peer`` into one that says who and what."""
+        who = "any peer" if peer is None else self.topology.name(peer)
+        text = str(exc)
+        if "Timed out" in text or "timed out" in text or "Timeout" in text:
+            return CommTimeout(
+                f"rank {self.rank}: {who} did not complete {what} within {timeout_s:g} s",
+                "if that process is alive but slow, raise the timeout (--timeout or "
+                "POLYTRAIN_TIMEOUT); otherwise look at its log")
+        if any(m in text for m in _LOST_MARKERS):
+            return PeerLost(f"rank {self.rank}: lost {who} during {what}: the process stopped",
+                            "look at that process's log for its error")
+        first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+        return CommError(f"rank {self.rank}: {what} with {who} failed: {first}")

@@ -1,0 +1,91 @@
+"""Run options as frozen dataclasses, validated before any process starts."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+
+from .data import check_divisible, dataset_names
+from .errors import ConfigError
+from .launch.layout import Layout
+from .models import get_model
+from .strategies.base import get_strategy, make_options
+
+__all__ = ["TrainConfig", "OPTIMIZERS"]
+
+OPTIMIZERS = ("sgd", "adam")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Everything ``polytrain train`` needs; the CLI builds one and so can a user.
+
+    Args:
+        strategy: a registered strategy (default ``ddp``).
+        model: a registered model (default ``gpt``); model_options go to its constructor.
+        data: a data set (default ``text``: the standard library's source, as bytes).
+        workers, nodes, servers: the layout (default 2 workers on 1 machine, no servers;
+            ``single`` runs 1 worker).
+        steps: training steps (default 500). batch_size: GLOBAL batch (default 32).
+        lr, optimizer: learning rate and ``sgd`` or ``adam`` (default 2e-3, adam).
+        seed: weights and batches are a function of it (default 0).
+        out: directory for ``metrics.json`` and ``final.pt`` (default: none written).
+        quiet: no progress bar. timeout_s: longest wait on a peer. port: rendezvous port.
+        device: ``cpu`` or ``cuda``. strategy_options: the strategy's own options.
+    """
+
+    strategy: str = "ddp"
+    model: str = "gpt"
+    data: str = "text"
+    workers: int | None = None  # None: 1 for ``single``, else 2
+    nodes: int = 1
+    servers: int = 0
+    steps: int = 500
+    batch_size: int = 32
+    lr: float = 2e-3
+    optimizer: str = "adam"
+    seed: int = 0
+    out: str | None = None
+    quiet: bool = False
+    timeout_s: float = 120.0
+    port: int | None = None
+    device: str = "cpu"
+    model_options: Mapping[str, Any] = field(default_factory=dict)
+    strategy_options: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.workers is None:
+            object.__setattr__(self, "workers", 2 if get_strategy(self.strategy).distributed else 1)
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"unknown optimizer {self.optimizer!r}; the optimizers are: "
+                              f"{', '.join(OPTIMIZERS)}", "pass --optimizer sgd or adam")
+        if self.steps < 1:
+            raise ConfigError(f"--steps must be at least 1 (got {self.steps})", "pass --steps 300")
+        if not self.lr > 0:
+            raise ConfigError(f"--lr must be positive (got {self.lr})", "pass --lr 0.003")
+        if self.timeout_s <= 0:
+            raise ConfigError(f"--timeout must be positive (got {self.timeout_s})",
+                              "pass --timeout 120")
+        if self.data not in dataset_names():
+            raise ConfigError(f"unknown data set {self.data!r}; the data sets are: "
+                              f"{', '.join(dataset_names())}", "pass --data text")
+        with torch.device("meta"):  # the model's own checks, without allocating it
+            get_model(self.model).make(**self.model_options)
+        cls = get_strategy(self.strategy)
+        options = make_options(cls, dict(self.strategy_options))
+        layout = self.layout()
+        cls.check_layout(layout, options)
+        check_divisible(self.batch_size, cls.replicas(layout, options))
+
+    def layout(self) -> Layout:
+        cls = get_strategy(self.strategy)
+        options = make_options(cls, dict(self.strategy_options))
+        assert self.workers is not None
+        return Layout(workers=self.workers, nodes=self.nodes, servers=self.servers,
+                      colocated=cls.colocated_servers(options))
+
+    def replace(self, **changes: Any) -> TrainConfig:
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,60 @@
+"""Deterministic global batches, and each replica's contiguous slice of them."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+
+from ..errors import ConfigError
+
+__all__ = ["GlobalBatches", "shard", "check_divisible"]
+
+
+class GlobalBatches:
+    """Windows of a corpus drawn at random, the same in every process for the same seed.
+
+    Every process iterates the same sequence of (batch_size, window) int64
+    batches; data-parallel replicas then :func:`shard` them.
+
+    Example::
+
+        batches = GlobalBatches(stdlib_corpus(), batch_size=32, window=65, seed=0)
+        first = next(iter(batches))   # (32, 65)
+    """
+
+    def __init__(self, corpus: torch.Tensor, *, batch_size: int, window: int, seed: int) -> None:
+        if batch_size < 1:
+            raise ConfigError(f"--batch-size must be at least 1 (got {batch_size})",
+                              "pass --batch-size 32")
+        if corpus.numel() <= window:
+            raise ConfigError(f"corpus of {corpus.numel()} tokens is shorter than a window "
+                              f"of {window}", "pass a smaller --seq-len")
+        self.corpus = corpus
+        self.batch_size = batch_size
+        self.window = window
+        self.seed = seed
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        gen = torch.Generator().manual_seed(self.seed)
+        offsets = torch.arange(self.window)
+        high = self.corpus.numel() - self.window
+        while True:
+            starts = torch.randint(0, high, (self.batch_size,), generator=gen)
+            yield self.corpus[starts[:, None] + offsets].long()
+
+
+def check_divisible(batch_size: int, replicas: int) -> None:
+    if batch_size % replicas:
+        up = -(-batch_size // replicas) * replicas
+        raise ConfigError(
+            f"global batch {batch_size} is not divisible by {replicas} data-parallel replicas: "
+            f"each replica takes an equal slice",
+            f"pass --batch-size {up} (or another multiple of {replicas})")
+
+
+def shard(batch: torch.Tensor, index: int, count: int) -> torch.Tensor:
+    """Replica ``index`` of ``count``'s contiguous, equal slice of a global batch (dim 0)."""
+    check_divisible(batch.shape[0], count)
+    per = batch.shape[0] // count
+    return batch[index * per:(index + 1) * per]

@@ -1,0 +1,131 @@
+"""The first code a launched process runs: set up, run the target, report how it ended.
+
+``python -m polytrain.launch.child PAYLOAD`` where PAYLOAD is the launcher's
+pickle: a function with its arguments, or a script with its argv. A failure is
+written to ``POLYTRAIN_ERROR_FILE`` as JSON (cause, time, whether it only
+followed another process's failure) for the launcher to report.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import faulthandler
+import gc
+import json
+import os
+import pickle
+import runpy
+import signal
+import sys
+import time
+import traceback
+import types
+from typing import Any
+
+from .. import _env
+
+__all__: list[str] = []
+
+# Errors that mean "a peer went away first": the launcher prefers other causes.
+_SECONDARY_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+                      "peer_lost")
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to kill this process when the launcher dies, so no orphan survives it."""
+    parent = _env.parent_pid()
+    if parent is None or not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        return
+    if os.getppid() != parent:  # the launcher died before prctl took effect
+        os._exit(1)
+
+
+def _write_error(cause: str, secondary: bool) -> None:
+    path = _env.error_file()
+    if not path:
+        return
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump({"cause": cause, "time": time.time(), "secondary": secondary}, f)
+    os.replace(tmp, path)
+
+
+def _is_secondary(exc: BaseException) -> bool:
+    if getattr(exc, "peer_lost", False):
+        return True
+    return any(m in str(exc) for m in _SECONDARY_MARKERS)
+
+
+def _load_main(path: str | None) -> None:
+    """Make the launching script's functions importable as ``__main__`` (as multiprocessing)."""
+    if not path or not os.path.isfile(path):
+        return
+    module = types.ModuleType("__mp_main__")
+    module.__file__ = path
+    sys.modules["__mp_main__"] = module
+    sys.modules["__main__"] = module
+    with open(path, "rb") as f:
+        code = compile(f.read(), path, "exec")
+    exec(code, module.__dict__)
+
+
+def _run(payload: dict[str, Any]) -> Any:
+    for entry in reversed(payload["sys_path"]):
+        if entry not in sys.path:
+            sys.path.insert(0, entry)
+    if payload["kind"] == "script":
+        script = payload["script"]
+        sys.argv = [script, *payload["argv"]]
+        sys.path.insert(0, os.path.dirname(script))
+        runpy.run_path(script, run_name="__main__")
+        return None
+    _load_main(payload["main_file"])
+    fn, args, kwargs = pickle.loads(payload["target"])
+    return fn(*args, **kwargs)
+
+
+def _fail(cause: str, secondary: bool, code: int = 1) -> None:
+    _write_error(cause, secondary)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip atexit hooks: a graceful shutdown would wait on peers that may be gone.
+    os._exit(code)
+
+
+def main() -> None:
+    faulthandler.enable()  # a crash inside torch still shows where Python was
+    _die_with_parent()
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(143))
+    with open(sys.argv[1], "rb") as f:
+        payload = pickle.load(f)
+    result_file = os.path.join(os.path.dirname(sys.argv[1]),
+                               f"result-{os.environ.get(_env.RANK, '0')}.pkl")
+    who = (f"[polytrain rank {os.environ.get(_env.RANK)} {os.environ.get(_env.ROLE)}"
+           f"@{os.environ.get(_env.NODE)}]")
+    try:
+        result = _run(payload)
+    except SystemExit as e:
+        if e.code not in (0, None):
+            _fail(f"exited with code {e.code}", False,
+                  e.code if isinstance(e.code, int) else 1)
+        result = None
+    except KeyboardInterrupt:
+        os._exit(130)
+    except BaseException as e:  # noqa: BLE001 - every failure must reach the launcher
+        print(f"{who} failed:\n{traceback.format_exc()}", file=sys.stderr, end="", flush=True)
+        _fail(f"{type(e).__name__}: {e}", _is_secondary(e))
+    # Free cycles that hold process groups now: torch aborts if it frees them during exit.
+    gc.collect()
+    if payload["kind"] == "fn":
+        with open(result_file + ".tmp", "wb") as f:
+            pickle.dump(result, f)
+        os.replace(result_file + ".tmp", result_file)
+
+
+if __name__ == "__main__":
+    main()

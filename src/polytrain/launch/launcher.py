@@ -1,0 +1,271 @@
+"""The local launcher: starts a layout's processes, watches them, stops them all on a failure."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+from .. import _env
+from ..errors import ConfigError, LaunchError
+from .layout import Layout, ProcessSpec
+
+__all__ = ["launch", "launch_script", "Launcher", "free_port"]
+
+log = logging.getLogger(__name__)
+
+_POLL_S = 0.05
+_GRACE_S = 3.0
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that nobody listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _check_port(host: str, port: int) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise ConfigError(
+                f"port {port} on {host} is in use ({e.strerror}); the rendezvous needs a free one",
+                "pass another --port, or leave --port out to pick a free port") from None
+
+
+@dataclass
+class _Child:
+    spec: ProcessSpec
+    proc: subprocess.Popen[bytes]
+    error_file: Path
+    result_file: Path
+    stopped_by_us: bool = False
+
+
+@dataclass(frozen=True)
+class _Failure:
+    spec: ProcessSpec
+    exitcode: int
+    cause: str
+    time: float
+    secondary: bool  # it failed because another process had failed first
+
+    def order(self) -> tuple[int, float]:
+        return (1 if self.secondary else 0, self.time)
+
+    def describe(self) -> str:
+        return (f"{self.spec.role} rank {self.spec.rank} (machine {self.spec.machine}) "
+                f"failed: {self.cause}")
+
+
+class Launcher:
+    """Runs one :class:`Layout` as local processes on ``127.0.0.1``.
+
+    Every process gets its rank, role and machine in its environment (the
+    variables torchrun sets, plus ``POLYTRAIN_ROLE`` and ``POLYTRAIN_NODE``). If
+    one fails or dies, the others are stopped and :class:`LaunchError` names the
+    first one to fail: its rank, role, machine and the cause.
+
+    Args:
+        layout: the processes to start.
+        port: rendezvous port (default: a free one); a port in use is refused.
+        env: extra environment variables for every process.
+        timeout_s: polytrain's communication timeout inside the processes.
+    """
+
+    def __init__(self, layout: Layout, *, port: int | None = None,
+                 env: Mapping[str, str] | None = None, timeout_s: float | None = None) -> None:
+        self.layout = layout
+        self.host = "127.0.0.1"
+        if port is None:
+            port = free_port(self.host)
+        else:
+            _check_port(self.host, port)
+        self.port = port
+        self.env = dict(env or {})
+        self.timeout_s = timeout_s
+
+    def run_fn(self, fn: Callable[..., Any], args: Sequence[Any] = (),
+               kwargs: Mapping[str, Any] | None = None) -> list[Any]:
+        """Run ``fn(*args, **kwargs)`` in every process; return the workers' results by rank."""
+        try:
+            target = pickle.dumps((fn, tuple(args), dict(kwargs or {})))
+        except (pickle.PicklingError, AttributeError, TypeError) as e:
+            raise ConfigError(
+                f"launch() cannot send {getattr(fn, '__qualname__', fn)!r} and its arguments to "
+                f"the processes ({e})",
+                "pass a function defined at module level, with picklable arguments") from None
+        main = sys.modules.get("__main__")
+        payload = {"kind": "fn", "target": target, "sys_path": list(sys.path),
+                   "main_file": getattr(main, "__file__", None)}
+        return self._run(payload)
+
+    def run_script(self, script: str, argv: Sequence[str] = ()) -> None:
+        """Run ``python SCRIPT ARGV...`` in every process."""
+        if not Path(script).is_file():
+            raise ConfigError(f"script {script!r} does not exist", "pass the path of a Python file")
+        payload = {"kind": "script", "script": str(Path(script).resolve()), "argv": list(argv),
+                   "sys_path": [], "main_file": None}
+        self._run(payload)
+
+    # -- processes --------------------------------------------------------------------------
+
+    def _child_env(self, spec: ProcessSpec, workdir: Path) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(self.env)
+        on_machine = sum(1 for p in self.layout.processes() if p.machine == spec.machine)
+        env.update({
+            _env.RANK: str(spec.rank),
+            _env.WORLD_SIZE: str(self.layout.world_size),
+            _env.LOCAL_RANK: str(spec.local_rank),
+            _env.LOCAL_WORLD_SIZE: str(on_machine),
+            _env.MASTER_ADDR: self.host,
+            _env.MASTER_PORT: str(self.port),
+            _env.ROLE: spec.role,
+            _env.NODE: spec.machine,
+            _env.ERROR_FILE: str(workdir / f"error-{spec.rank}.json"),
+            _env.PARENT_PID: str(os.getpid()),
+        })
+        if self.timeout_s is not None:
+            env[_env.TIMEOUT] = str(self.timeout_s)
+        if not _env.user_set(_env.OMP_NUM_THREADS):
+            # torchrun's rule: processes that share the CPUs do not each take all of them.
+            env[_env.OMP_NUM_THREADS] = str(max(1, (os.cpu_count() or 1) // self.layout.world_size))
+        return env
+
+    def _run(self, payload: dict[str, Any]) -> list[Any]:
+        with tempfile.TemporaryDirectory(prefix="polytrain-") as tmp:
+            workdir = Path(tmp)
+            payload_file = workdir / "payload.pkl"
+            payload_file.write_bytes(pickle.dumps(payload))
+            children: list[_Child] = []
+            try:
+                for spec in self.layout.processes():
+                    proc = subprocess.Popen(
+                        [sys.executable, "-m", "polytrain.launch.child", str(payload_file)],
+                        env=self._child_env(spec, workdir))
+                    children.append(_Child(spec, proc, workdir / f"error-{spec.rank}.json",
+                                           workdir / f"result-{spec.rank}.pkl"))
+                log.info("started %d processes on port %d: %s", len(children), self.port,
+                         self.layout.describe())
+                self._watch(children)
+            except KeyboardInterrupt:
+                self._stop(children)
+                raise LaunchError(f"interrupted (Ctrl-C): stopped all {len(children)} processes",
+                                  exitcode=130) from None
+            finally:
+                self._stop(children)
+            return [_read_result(c.result_file) for c in children if c.spec.role == "worker"]
+
+    def _watch(self, children: list[_Child]) -> None:
+        while True:
+            codes = [c.proc.poll() for c in children]
+            failed = [c for c, code in zip(children, codes) if code not in (None, 0)]
+            if failed:
+                failures = [_failure(c) for c in failed]
+                self._stop(children)
+                # Whoever else died before we stopped them counts too: pick the root cause.
+                failures += [_failure(c) for c in children
+                             if c not in failed and c.proc.returncode not in (None, 0)
+                             and not c.stopped_by_us]
+                first = min(failures, key=_Failure.order)
+                others = len(failures) - 1
+                tail = f" ({others} other process{'es' if others > 1 else ''} failed after it)" \
+                    if others else ""
+                raise LaunchError(
+                    first.describe() + tail,
+                    "the traceback of that process is printed above; fix its cause and rerun",
+                    rank=first.spec.rank, role=first.spec.role, machine=first.spec.machine,
+                    exitcode=first.exitcode)
+            if all(code == 0 for code in codes):
+                return
+            time.sleep(_POLL_S)
+
+    def _stop(self, children: list[_Child]) -> None:
+        running = [c for c in children if c.proc.poll() is None]
+        for c in running:
+            c.stopped_by_us = True
+            c.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + _GRACE_S
+        for c in running:
+            try:
+                c.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                c.proc.kill()
+                c.proc.wait()
+
+
+def _failure(child: _Child) -> _Failure:
+    code = child.proc.returncode
+    assert code is not None
+    if child.error_file.exists():
+        try:
+            info = json.loads(child.error_file.read_text())
+            return _Failure(child.spec, code, info["cause"], info["time"], info["secondary"])
+        except (ValueError, KeyError, OSError):
+            pass
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        # A process killed by a signal nobody in the run sent is the likeliest root cause.
+        return _Failure(child.spec, code, f"killed by {name} ({-code})", 0.0, False)
+    return _Failure(child.spec, code, f"exited with code {code}", time.time(), False)
+
+
+def _read_result(path: Path) -> Any:
+    if not path.exists():
+        return None
+    with path.open("rb") as f:
+        return pickle.load(f)
+
+
+def launch(fn: Callable[..., Any], *, workers: int = 1, nodes: int = 1, servers: int = 0,
+           colocated: int = 0, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None,
+           port: int | None = None, env: Mapping[str, str] | None = None,
+           timeout_s: float | None = None) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` in every process of a local layout.
+
+    Workers are spread evenly over ``nodes`` emulated machines; each of the
+    ``servers`` runs on a CPU machine of its own, and ``colocated`` more servers
+    run on every worker machine. Inside ``fn``, :func:`polytrain.init` joins the
+    run (a server serves there and exits when the workers finish).
+
+    Example::
+
+        def main(steps):
+            ctx = polytrain.init()
+            ...
+            return ctx.rank
+
+        ranks = polytrain.launch(main, workers=4, nodes=2, args=(100,))
+
+    Returns:
+        the workers' return values, by rank.
+
+    Raises:
+        LaunchError: a process failed or died (the others are stopped); the
+            message names its rank, role, machine and the cause.
+    """
+    layout = Layout(workers=workers, nodes=nodes, servers=servers, colocated=colocated)
+    return Launcher(layout, port=port, env=env, timeout_s=timeout_s).run_fn(fn, args, kwargs)
+
+
+def launch_script(script: str, argv: Sequence[str] = (), *, layout: Layout,
+                  port: int | None = None, env: Mapping[str, str] | None = None,
+                  timeout_s: float | None = None) -> None:
+    """Run a Python script in every process of ``layout`` (what ``polytrain launch`` does)."""
+    Launcher(layout, port=port, env=env, timeout_s=timeout_s).run_script(script, argv)

@@ -1,0 +1,38 @@
+"""Logging with the process's rank, role and machine in every line's prefix."""
+
+from __future__ import annotations
+
+import logging
+
+from . import _env
+
+__all__ = ["set_identity"]
+
+_identity = "[polytrain]"
+
+
+class _Prefix(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.polytrain_id = _identity
+        return True
+
+
+def set_identity(rank: int, role: str, machine: str) -> None:
+    """Put ``rank role@machine`` in front of every polytrain log line of this process."""
+    global _identity
+    _identity = f"[polytrain {rank} {role}@{machine}]"
+
+
+def _configure() -> None:
+    root = logging.getLogger("polytrain")
+    if root.handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.addFilter(_Prefix())
+    handler.setFormatter(logging.Formatter("%(polytrain_id)s %(levelname)s %(name)s: %(message)s"))
+    root.addHandler(handler)
+    root.setLevel(_env.log_level())
+    root.propagate = False
+
+
+_configure()

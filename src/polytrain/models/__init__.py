@@ -1,0 +1,76 @@
+"""Reference models, selectable by name, and the task each one learns."""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import ConfigError
+from .gpt import GPT
+from .mlp import MLP
+
+__all__ = ["GPT", "MLP", "ModelSpec", "register_model", "get_model", "model_names"]
+
+
+def _next_token(window: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return window[:, :-1], window[:, 1:]
+
+
+def _next_byte(window: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return window[:, :-1], window[:, -1]
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over every position: logits (..., vocab), targets (...)."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A named model: how to build it, and how a window of data becomes (inputs, targets)."""
+
+    name: str
+    build: Callable[..., nn.Module]
+    split: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    description: str
+
+    def make(self, **options: Any) -> nn.Module:
+        """Build the model; options it does not take are refused by name."""
+        params = inspect.signature(self.build).parameters
+        if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+            unknown = sorted(set(options) - set(params))
+            if unknown:
+                raise ConfigError(f"model {self.name!r} takes no option {', '.join(unknown)}",
+                                  f"its options are: {', '.join(params)}")
+        return self.build(**options)
+
+
+_MODELS: dict[str, ModelSpec] = {}
+
+
+def register_model(spec: ModelSpec) -> None:
+    _MODELS[spec.name] = spec
+
+
+def model_names() -> list[str]:
+    return sorted(_MODELS)
+
+
+def get_model(name: str) -> ModelSpec:
+    try:
+        return _MODELS[name]
+    except KeyError:
+        raise ConfigError(f"unknown model {name!r}; the models are: {', '.join(model_names())}",
+                          "pass one of them, e.g. --model gpt") from None
+
+
+register_model(ModelSpec("gpt", GPT, _next_token, cross_entropy,
+                         "GPT-style decoder predicting every next byte"))
+register_model(ModelSpec("mlp", MLP, _next_byte, cross_entropy,
+                         "MLP predicting the byte after a window"))

@@ -1,0 +1,114 @@
+"""The wire format between workers and servers: fixed headers, tags, dtype codes.
+
+A request is a header (8 int64, tag 0, so a server can receive it from any
+rank) and, when ``numel > 0``, a payload tagged ``tag(seq, PAYLOAD)``. A
+response, when the op has one, is tagged ``tag(seq, RESPONSE)`` and its size
+is known to the worker in advance, so the worker posts the receive before it
+sends the request.
+
+    worker                         server
+    ------------------------------------------------------------
+    irecv(response, seq)      |
+    isend(header)  ---------> |  irecv(header, any source)
+    isend(payload) ---------> |  irecv(payload, src, seq)
+                              |  store handles it (now or later)
+    wait(response) <--------- |  isend(response, seq)
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any
+
+import torch
+
+__all__: list[str] = []
+
+HEADER_TAG = 0
+LIVENESS_TAG = 1  # a worker's last message; a server's receive of it fails if the worker dies
+HEADER_LEN = 8
+STATUS_BYTES = 2048  # a declaration's answer: JSON, zero-padded
+
+# Header fields.
+OP, KEY, ROUND, NUMEL, DTYPE, SEQ, ARG0, ARG1 = range(HEADER_LEN)
+
+PAYLOAD = 1
+RESPONSE = 2
+_SEQ_SPACE = 1 << 26
+
+
+class Op(IntEnum):
+    DECLARE = 1    # payload: JSON declaration; answer: JSON status
+    PUSH = 2       # payload: this rank's contribution to round ROUND of KEY
+    PULL = 3       # answer: the result of round ROUND of KEY
+    PUSHPULL = 4   # PUSH then PULL in one request
+    FINISH = 5     # this worker sends nothing more
+    SET = 6        # payload: new value of KEY (parameter stores)
+    GET = 7        # answer: current value of KEY (parameter stores)
+    CLOCK = 8      # a worker's clock advanced to ROUND (parameter stores)
+
+
+class Kind(IntEnum):
+    """What a key's store does with pushes: the store kinds a server knows."""
+
+    SUM = 1        # synchronous summation per round
+    PARAM = 2      # parameters that pushes update (asynchronous, clocked)
+
+
+DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float64, torch.float16, torch.bfloat16,
+                                   torch.int64, torch.int32, torch.uint8, torch.int8, torch.bool)
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    return DTYPES.index(dtype)
+
+
+def tag(seq: int, channel: int) -> int:
+    """The tag of a request's payload or response; seq 0 is never used (header tag)."""
+    return (seq % _SEQ_SPACE + 1) * 4 + channel
+
+
+@dataclass
+class Request:
+    """A header as the server received it, with its payload once that has arrived."""
+
+    src: int
+    op: Op
+    key: int
+    round: int
+    numel: int
+    dtype: torch.dtype
+    seq: int
+    arg0: int
+    arg1: int
+    payload: torch.Tensor | None = None
+
+    @classmethod
+    def parse(cls, src: int, header: torch.Tensor) -> Request:
+        h = header.tolist()
+        return cls(src, Op(h[OP]), h[KEY], h[ROUND], h[NUMEL], DTYPES[h[DTYPE]], h[SEQ],
+                   h[ARG0], h[ARG1])
+
+
+def header(op: Op, *, key: int = 0, round: int = 0, numel: int = 0,
+           dtype: torch.dtype = torch.uint8, seq: int = 0, arg0: int = 0,
+           arg1: int = 0) -> torch.Tensor:
+    return torch.tensor([int(op), key, round, numel, dtype_code(dtype), seq, arg0, arg1],
+                        dtype=torch.int64)
+
+
+def encode(obj: Any, size: int | None = None) -> torch.Tensor:
+    """JSON as a uint8 tensor, zero-padded to ``size`` when given."""
+    raw = json.dumps(obj).encode()
+    if size is not None:
+        if len(raw) > size:
+            raw = json.dumps({"ok": False, "error": "answer too long: " + raw[:200].decode()}
+                             ).encode()
+        raw = raw.ljust(size, b"\0")
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+
+
+def decode(t: torch.Tensor) -> Any:
+    return json.loads(bytes(t.tolist()).rstrip(b"\0").decode())

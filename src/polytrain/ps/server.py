@@ -1,0 +1,181 @@
+"""The server process: receives requests from any worker and runs them on engine threads."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Any
+
+import torch
+
+from ..comm.p2p import Handle, Transport
+from ..comm.topology import Topology
+from ..errors import CommError, CommTimeout
+from .protocol import (
+    HEADER_LEN,
+    HEADER_TAG,
+    LIVENESS_TAG,
+    PAYLOAD,
+    RESPONSE,
+    STATUS_BYTES,
+    Op,
+    Request,
+    decode,
+    encode,
+    tag,
+)
+from .store import STORES, Declaration, Store
+
+__all__ = ["Server"]
+
+log = logging.getLogger(__name__)
+
+_POLL_S = 0.5
+
+
+class _Engine(threading.Thread):
+    """One summation thread: runs the requests of the keys pinned to it, in arrival order."""
+
+    def __init__(self, server: Server, index: int) -> None:
+        super().__init__(name=f"polytrain-engine-{index}", daemon=True)
+        self.server = server
+        self.queue: queue.Queue[tuple[Request, Handle | None] | None] = queue.Queue()
+        self.load = 0  # bytes of the keys pinned here
+
+    def run(self) -> None:
+        try:
+            while (item := self.queue.get()) is not None:
+                req, payload = item
+                if payload is not None:
+                    payload.wait()
+                self.server.stores[req.key].handle(req)
+        except BaseException as e:  # noqa: BLE001 - handed to the main loop, which raises it
+            self.server.fail(e)
+
+
+class Server:
+    """The summation / parameter service of one server process.
+
+    Workers declare keys (each owned by one server), then push and pull them.
+    Headers arrive from any worker on the main thread; each key is pinned to
+    the least-loaded of ``threads`` engine threads (by declared bytes), which
+    receives its payloads, applies them to the key's store and answers. The
+    server returns from :meth:`serve` once every worker has sent FINISH.
+
+    Args:
+        transport: metered point-to-point messages over a group of all ranks.
+        topology: the run's roles and machines.
+        threads: engine threads (default 4, as BytePS).
+        idle_timeout_s: how long to wait for the next request before failing.
+    """
+
+    def __init__(self, transport: Transport, topology: Topology, *, threads: int = 4,
+                 idle_timeout_s: float) -> None:
+        self.transport = transport
+        self.topology = topology
+        self.rank = transport.rank
+        self.idle_timeout_s = idle_timeout_s
+        self.stores: dict[int, Store] = {}
+        self.declarations: dict[int, tuple[int, Declaration]] = {}  # key -> (first rank, decl)
+        self.pinned: dict[int, _Engine] = {}
+        self.engines = [_Engine(self, i) for i in range(max(1, threads))]
+        self._error: BaseException | None = None
+
+    def fail(self, error: BaseException) -> None:
+        if self._error is None:
+            self._error = error
+
+    def serve(self) -> None:
+        """Answer requests until every worker has finished."""
+        for e in self.engines:
+            e.start()
+        try:
+            self._loop()
+        finally:
+            for e in self.engines:
+                e.queue.put(None)
+            for e in self.engines:
+                e.join(timeout=self.transport.timeout_s)
+        if self._error is not None:
+            raise self._error
+
+    def _loop(self) -> None:
+        # A receive from one worker fails at once if that worker dies (a receive from any
+        # source does not), so each worker gets one that its FINISH completes.
+        alive = {w: self.transport.irecv(torch.empty(1, dtype=torch.int64), w, LIVENESS_TAG,
+                                         "the end of training")
+                 for w in self.topology.workers}
+        pending = set(self.topology.workers)
+        while pending:
+            header = torch.empty(HEADER_LEN, dtype=torch.int64)
+            handle = self.transport.irecv(header, None, HEADER_TAG, "a request header")
+            deadline = time.monotonic() + self.idle_timeout_s
+            while not handle.poll(_POLL_S):
+                if self._error is not None:
+                    raise self._error
+                for w in [w for w, h in alive.items() if h.poll(0.0)]:
+                    del alive[w]  # finished; or poll raised PeerLost naming the dead worker
+                if time.monotonic() > deadline:
+                    raise CommTimeout(
+                        f"server rank {self.rank}: no request from the workers "
+                        f"{sorted(pending)} for {self.idle_timeout_s:g} s",
+                        "if the workers are alive but slow between steps, raise the timeout "
+                        "(--timeout or POLYTRAIN_TIMEOUT)")
+            req = Request.parse(handle.source or 0, header)
+            if req.op == Op.FINISH:
+                pending.discard(req.src)
+                log.debug("rank %d finished; waiting for %s", req.src, sorted(pending))
+            elif req.op == Op.DECLARE:
+                self._declare(req)
+            else:
+                self._dispatch(req)
+        for h in alive.values():
+            h.wait()
+
+    def _receive_payload(self, req: Request) -> Handle | None:
+        if req.numel == 0:
+            return None
+        req.payload = torch.empty(req.numel, dtype=req.dtype)
+        return self.transport.irecv(req.payload, req.src, tag(req.seq, PAYLOAD),
+                                    f"payload of {req.op.name} key {req.key}")
+
+    def _dispatch(self, req: Request) -> None:
+        engine = self.pinned.get(req.key)
+        if engine is None:
+            raise CommError(
+                f"server rank {self.rank}: rank {req.src} sent {req.op.name} for key {req.key}, "
+                f"which nobody declared here",
+                "declare every key (with its owner server) before pushing or pulling it")
+        engine.queue.put((req, self._receive_payload(req)))
+
+    def _declare(self, req: Request) -> None:
+        handle = self._receive_payload(req)
+        assert handle is not None and req.payload is not None
+        handle.wait()
+        decl = Declaration(**decode(req.payload))
+        answer: dict[str, Any] = {"ok": True}
+        if decl.key in self.declarations:
+            first, known = self.declarations[decl.key]
+            what = known.mismatch(decl)
+            if what is not None:
+                answer = {"ok": False, "error": (
+                    f"{self.topology.name(req.src)} declared {decl.describe()}, but "
+                    f"{self.topology.name(first)} declared {known.describe()} "
+                    f"(they differ in {what})")}
+        elif decl.kind not in STORES:
+            answer = {"ok": False, "error": f"server rank {self.rank} knows no store kind "
+                                            f"{decl.kind} (declared for {decl.describe()})"}
+        else:
+            self.declarations[decl.key] = (req.src, decl)
+            engine = min(self.engines, key=lambda e: e.load)
+            engine.load += decl.numel * decl.torch_dtype.itemsize
+            self.pinned[decl.key] = engine
+            self.stores[decl.key] = STORES[decl.kind](decl, self.respond)
+        self.respond(req, encode(answer, STATUS_BYTES))
+
+    def respond(self, req: Request, tensor: torch.Tensor) -> None:
+        """Send the answer to ``req`` (called from engine threads)."""
+        self.transport.isend(tensor, req.src, tag(req.seq, RESPONSE),
+                             f"answer to {req.op.name} of key {req.key}").wait()

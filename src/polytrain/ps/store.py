@@ -1,0 +1,135 @@
+"""What a server keeps for one key: the store kinds and how they answer requests."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from ..errors import CommError
+from .protocol import Kind, Op, Request
+
+__all__ = ["Declaration", "Store", "SumStore", "STORES", "register_store"]
+
+Respond = Callable[[Request, torch.Tensor], None]
+
+
+@dataclass(frozen=True)
+class Declaration:
+    """A key as a worker declares it; every worker's declaration of a key must agree."""
+
+    key: int
+    kind: int
+    name: str
+    numel: int
+    dtype: str
+    pushers: int
+    pullers: int
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def as_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        dtype = getattr(torch, self.dtype.removeprefix("torch."))
+        assert isinstance(dtype, torch.dtype)
+        return dtype
+
+    def describe(self) -> str:
+        dtype = self.dtype.removeprefix("torch.")
+        return (f"key {self.key} = {self.name!r}, {self.numel} x {dtype}"
+                f", {Kind(self.kind).name.lower()} store, {self.pushers} pushers")
+
+    def mismatch(self, other: Declaration) -> str | None:
+        """What differs between two declarations of the same key, or None."""
+        for name in ("kind", "name", "numel", "dtype", "pushers", "pullers", "options"):
+            if getattr(self, name) != getattr(other, name):
+                return name
+        return None
+
+
+class Store(ABC):
+    """One key's state on a server. ``handle`` runs on the key's engine thread only."""
+
+    def __init__(self, decl: Declaration, respond: Respond) -> None:
+        self.decl = decl
+        self.respond = respond
+
+    @abstractmethod
+    def handle(self, req: Request) -> None:
+        """Apply a request; answer it with ``self.respond`` now or once it can be answered."""
+
+    def fail(self, req: Request, what: str) -> CommError:
+        return CommError(f"server: {self.decl.describe()}: request {req.op.name} of round "
+                         f"{req.round} from rank {req.src}: {what}")
+
+
+class _Round:
+    __slots__ = ("pushes", "result", "waiting", "served")
+
+    def __init__(self) -> None:
+        self.pushes: dict[int, torch.Tensor] = {}
+        self.result: torch.Tensor | None = None
+        self.waiting: list[Request] = []
+        self.served = 0
+
+
+class SumStore(Store):
+    """Synchronous summation: round r's result is the sum of the ``pushers`` pushes of round r.
+
+    Pushes are summed in the order of the pushers' ranks once all have
+    arrived, so results do not depend on arrival order; pulls that arrive
+    early wait. A round is freed once its ``pullers`` pulls are answered.
+    """
+
+    def __init__(self, decl: Declaration, respond: Respond) -> None:
+        super().__init__(decl, respond)
+        self.rounds: dict[int, _Round] = {}
+        dtype = decl.torch_dtype
+        self.acc_dtype = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+    def handle(self, req: Request) -> None:
+        rnd = self.rounds.setdefault(req.round, _Round())
+        if req.op in (Op.PUSH, Op.PUSHPULL):
+            if req.src in rnd.pushes or rnd.result is not None:
+                raise self.fail(req, "this rank already pushed this round")
+            assert req.payload is not None
+            rnd.pushes[req.src] = req.payload
+            if len(rnd.pushes) == self.decl.pushers:
+                rnd.result = self._sum(rnd.pushes)
+                rnd.pushes.clear()
+                waiting, rnd.waiting = rnd.waiting, []
+                for r in waiting:
+                    self._serve(r, rnd)
+        if req.op in (Op.PULL, Op.PUSHPULL):
+            if rnd.result is None:
+                rnd.waiting.append(req)
+            else:
+                self._serve(req, rnd)
+        elif req.op != Op.PUSH:
+            raise self.fail(req, "a sum store answers PUSH, PULL and PUSHPULL only")
+
+    def _sum(self, pushes: dict[int, torch.Tensor]) -> torch.Tensor:
+        ranks = sorted(pushes)
+        acc = pushes[ranks[0]].to(self.acc_dtype, copy=True)
+        for r in ranks[1:]:
+            acc.add_(pushes[r])
+        return acc.to(self.decl.torch_dtype)
+
+    def _serve(self, req: Request, rnd: _Round) -> None:
+        assert rnd.result is not None
+        self.respond(req, rnd.result)
+        rnd.served += 1
+        if rnd.served == self.decl.pullers:
+            del self.rounds[req.round]
+
+
+STORES: dict[int, type[Store]] = {Kind.SUM: SumStore}
+
+
+def register_store(kind: int, store: type[Store]) -> None:
+    """Teach servers a new store kind (parameter stores, clocked stores, ...)."""
+    STORES[kind] = store

@@ -1,0 +1,291 @@
+"""Joining a run: ``polytrain.init()`` and the context it returns."""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import gc
+import logging
+import sys
+import threading
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from . import _env
+from .comm.meter import MeterReport, TrafficMeter
+from .comm.p2p import Transport
+from .comm.topology import Topology
+from .errors import CommError, CommTimeout, ConfigError
+from .launch.launcher import free_port
+from .log import set_identity
+from .ps.client import PSClient
+from .ps.server import Server
+
+__all__ = ["Context", "init", "current", "is_initialized"]
+
+log = logging.getLogger(__name__)
+
+# A server notices dead workers at once; this bounds how long live but stuck ones may idle.
+_SERVER_IDLE_S = 3600.0
+
+
+@dataclass(frozen=True)
+class Groups:
+    """The process groups strategies use; ``None`` where this rank is not a member."""
+
+    workers: Any
+    local: Any      # the workers of this rank's machine
+    leaders: Any    # the first worker of every worker machine
+    service: Any    # every rank: point-to-point traffic with servers, apart from collectives
+
+
+class Context:
+    """This process's place in the run, returned by :func:`init`.
+
+    Attributes:
+        rank, world_size: in the whole run (servers included).
+        role: ``"worker"`` or ``"server"``; machine: its machine's name.
+        topology: every rank's role and machine (:class:`~polytrain.comm.Topology`).
+        groups: process groups among workers (all, same machine, leaders) and of all ranks.
+        meter: the traffic meter; transport: metered point-to-point messages.
+        ps_client: requests to the servers (workers only).
+        device: where this worker computes (``cpu`` or ``cuda:i``).
+        timeout_s: how long any wait on a peer may take.
+    """
+
+    def __init__(self, *, rank: int, topology: Topology, groups: Groups, timeout_s: float,
+                 device: torch.device, backend: str) -> None:
+        self.rank = rank
+        self.topology = topology
+        self.groups = groups
+        self.timeout_s = timeout_s
+        self.device = device
+        self.backend = backend
+        self.meter = TrafficMeter(rank, topology)
+        self.transport = Transport(rank=rank, topology=topology, group=groups.service,
+                                   meter=self.meter, timeout_s=timeout_s)
+        self.ps_client = PSClient(self.transport, topology)
+        self.final_reports: list[MeterReport] = []
+        self._closed = False
+        self._lock = threading.Lock()
+
+    @property
+    def world_size(self) -> int:
+        return self.topology.world_size
+
+    @property
+    def role(self) -> str:
+        return self.topology.role(self.rank)
+
+    @property
+    def machine(self) -> str:
+        return self.topology.machine(self.rank)
+
+    @property
+    def is_worker(self) -> bool:
+        return self.role == "worker"
+
+    @property
+    def num_workers(self) -> int:
+        return len(self.topology.workers)
+
+    @property
+    def worker_index(self) -> int:
+        """This worker's position among all workers (0 .. num_workers-1)."""
+        return self.topology.worker_index(self.rank)
+
+    @property
+    def local_workers(self) -> tuple[int, ...]:
+        return self.topology.workers_on(self.machine)
+
+    @property
+    def local_index(self) -> int:
+        """This worker's position among its machine's workers."""
+        return self.local_workers.index(self.rank)
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.topology.worker_machines)
+
+    @property
+    def node_index(self) -> int:
+        return self.topology.worker_machines.index(self.machine)
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank in self.topology.leaders
+
+    def new_group(self, ranks: Sequence[int], *, cuda: bool = False) -> Any:
+        """A process group of ``ranks`` that only its members create (others need not call)."""
+        backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
+        return dist.new_group(sorted(ranks), backend=backend,
+                              timeout=datetime.timedelta(seconds=self.timeout_s),
+                              use_local_synchronization=True)
+
+    def shutdown(self) -> list[MeterReport]:
+        """Leave the run: tell the servers, gather every rank's meter report, close the groups.
+
+        Idempotent; called at exit if the script does not. Returns the reports by rank.
+        """
+        with self._lock:
+            if self._closed:
+                return self.final_reports
+            self._closed = True
+        global _context
+        try:
+            if self.is_worker:
+                self.ps_client.finish()
+            reports: list[Any] = [None] * self.world_size
+            dist.all_gather_object(reports, self.meter.report())
+            self.final_reports = reports
+        finally:
+            gc.collect()  # a cycle that holds a process group must not be freed during exit
+            dist.destroy_process_group()
+            _context = None
+        return self.final_reports
+
+
+_context: Context | None = None
+_failed = False
+
+
+def current() -> Context:
+    """The context of this process (after :func:`init`)."""
+    if _context is None:
+        raise ConfigError("polytrain is not initialised in this process",
+                          "call polytrain.init() first")
+    return _context
+
+
+def is_initialized() -> bool:
+    return _context is not None
+
+
+def init(*, device: str | torch.device | None = None, timeout_s: float | None = None,
+         server_threads: int = 4) -> Context:
+    """Join the run this process was launched into, and learn everyone's role and machine.
+
+    Works under ``polytrain launch``/:func:`polytrain.launch`, under ``torchrun``
+    (role from ``POLYTRAIN_ROLE``, machine from ``POLYTRAIN_NODE``), and in a plain
+    ``python script.py`` (a run of one worker). A server-role process serves the
+    workers inside this call and exits when they finish, so scripts are written
+    from a worker's point of view.
+
+    Example::
+
+        ctx = polytrain.init()
+        model, opt = polytrain.distribute(model, opt, strategy="ddp")
+
+    Args:
+        device: where workers compute: ``"cpu"`` (default), ``"cuda"`` (the GPU of
+            the worker's local rank; groups among workers then use NCCL for CUDA
+            tensors), or an explicit device.
+        timeout_s: the longest wait on any peer (default POLYTRAIN_TIMEOUT, else 120 s).
+        server_threads: engine threads of each server process (default 4).
+    """
+    global _context
+    if _context is not None:
+        return _context
+    env = _env.read()
+    timeout = float(timeout_s if timeout_s is not None else env.timeout_s)
+    _join(env, timeout)
+    rank = dist.get_rank()
+    roles: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(roles, (env.role, env.node))
+    topology = Topology.from_roles(roles)
+    worker_device = _pick_device(device, env.local_rank) if env.role == "worker" else None
+    cuda = worker_device is not None and worker_device.type == "cuda"
+    groups = _make_groups(topology, rank, cuda, timeout)
+    set_identity(rank, env.role, env.node)
+    ctx = Context(rank=rank, topology=topology, groups=groups, timeout_s=timeout,
+                  device=worker_device or torch.device("cpu"),
+                  backend="cpu:gloo,cuda:nccl" if cuda else "gloo")
+    _context = ctx
+    log.info("joined: %d processes\n%s", ctx.world_size, topology.describe())
+    if ctx.role == "server":
+        Server(ctx.transport, topology, threads=server_threads,
+               idle_timeout_s=max(timeout, _SERVER_IDLE_S)).serve()
+        ctx.shutdown()
+        sys.exit(0)
+    atexit.register(_shutdown_at_exit)
+    return ctx
+
+
+def _join(env: _env.ProcessEnv, timeout: float) -> None:
+    if dist.is_initialized():
+        return
+    if env.launched:
+        if env.master_port is None:
+            raise ConfigError(f"rank {env.rank}: MASTER_PORT is not set",
+                              "start the script with polytrain launch or torchrun")
+        init_method = f"tcp://{env.master_addr}:{env.master_port}"
+        rank, world = env.rank, env.world_size
+    else:
+        init_method, rank, world = f"tcp://127.0.0.1:{free_port()}", 0, 1
+    try:
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=timeout))
+    except (RuntimeError, dist.DistStoreError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CommTimeout(
+            f"rank {rank} ({env.role}, machine {env.node}) could not join the run of {world} "
+            f"processes at {init_method} within {timeout:g} s: {first}",
+            "check that all WORLD_SIZE processes were started and can reach MASTER_ADDR") from None
+
+
+def _pick_device(device: str | torch.device | None, local_rank: int) -> torch.device:
+    if device is None or str(device) == "cpu":
+        return torch.device("cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError("device 'cuda' was asked for but torch sees no CUDA device",
+                              "pass --device cpu, or install a CUDA build of torch")
+        if dev.index is None:
+            dev = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(dev)
+    return dev
+
+
+def _make_groups(topology: Topology, rank: int, cuda: bool, timeout: float) -> Groups:
+    # Every rank creates every group, in the same order (torch's rule for new_group).
+    backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
+    td = datetime.timedelta(seconds=timeout)
+
+    def group(ranks: Sequence[int], backend: str = backend) -> Any:
+        g = dist.new_group(list(ranks), backend=backend, timeout=td)
+        return g if rank in ranks else None
+
+    workers = group(topology.workers)
+    local = None
+    for m in topology.worker_machines:
+        g = group(topology.workers_on(m))
+        if g is not None:
+            local = g
+    leaders = group(topology.leaders)
+    service = group(range(topology.world_size), "gloo")
+    return Groups(workers=workers, local=local, leaders=leaders, service=service)
+
+
+def _mark_failed(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+    global _failed
+    _failed = True
+    _previous_hook(kind, value, tb)
+
+
+_previous_hook = sys.excepthook
+sys.excepthook = _mark_failed
+
+
+def _shutdown_at_exit() -> None:
+    # After an unhandled error the peers are stopped by the launcher (ours or torchrun);
+    # waiting on them here would only delay the exit.
+    if _context is None or _failed:
+        return
+    try:
+        _context.shutdown()
+    except CommError as e:
+        log.warning("shutdown at exit failed: %s", e)

@@ -1,0 +1,189 @@
+"""The strategy contract, the registry of strategy names, and ``distribute``."""
+
+from __future__ import annotations
+
+import dataclasses
+from abc import ABC, abstractmethod
+from typing import Any, Callable, ClassVar
+
+import torch
+from torch import nn
+
+from .. import runtime
+from ..errors import ConfigError
+from ..launch.layout import Layout
+from ..runtime import Context
+from .checks import broadcast_module, check_same_model
+
+__all__ = ["Strategy", "NoOptions", "register", "get_strategy", "strategy_names", "distribute",
+           "strategy_of", "full_state_dict", "LossFn"]
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class NoOptions:
+    """A strategy without options of its own."""
+
+
+class Strategy(ABC):
+    """How a model and its optimizer train across processes.
+
+    A strategy is named in the registry, takes its options as a frozen
+    dataclass (``Options``: the CLI builds flags from its fields), says which
+    layouts it can run on, and wraps a model and optimizer so that the plain
+    PyTorch loop (``zero_grad``, forward, ``backward``, ``step``) trains them.
+    Strategies whose step is not that loop (pipelines) override :meth:`train_step`.
+    """
+
+    name: ClassVar[str]
+    Options: ClassVar[type] = NoOptions
+    #: False only for ``single``: everything else joins a run of processes.
+    distributed: ClassVar[bool] = True
+
+    def __init__(self, ctx: Context | None, options: Any) -> None:
+        self.ctx = ctx
+        self.options = options
+
+    # -- what the launcher and CLI ask before starting processes -------------------------------
+
+    @classmethod
+    def check_layout(cls, layout: Layout, options: Any) -> None:
+        """Refuse layouts the strategy cannot run on (raise ConfigError with a hint)."""
+        if layout.servers and not cls.uses_servers(options):
+            raise ConfigError(f"strategy {cls.name!r} does not use servers (got --servers "
+                              f"{layout.servers})", "leave out --servers")
+
+    @classmethod
+    def uses_servers(cls, options: Any) -> bool:
+        return False
+
+    @classmethod
+    def replicas(cls, layout: Layout, options: Any) -> int:
+        """How many data-parallel replicas share each global batch on ``layout``."""
+        return layout.workers
+
+    @classmethod
+    def colocated_servers(cls, options: Any) -> int:
+        """Server processes the strategy wants on every worker machine (default none)."""
+        return 0
+
+    # -- the contract --------------------------------------------------------------------------
+
+    @abstractmethod
+    def wrap(self, model: nn.Module,
+             optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
+        """Return the model and optimizer to train with (parameters already in agreement)."""
+
+    @property
+    def replica(self) -> tuple[int, int]:
+        """(index, count) of this worker's data-parallel replica: its slice of a global batch."""
+        assert self.ctx is not None
+        return self.ctx.worker_index, self.ctx.num_workers
+
+    def train_step(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                   inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn) -> float | None:
+        """One step on this replica's slice; returns its mean loss (None: not held here)."""
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(model(inputs), targets)
+        loss.backward()
+        optimizer.step()
+        return float(loss.detach())
+
+    def state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The full model's state on CPU, with the keys of the unwrapped model.
+
+        Every worker calls it (it may gather shards or stages); worker 0's result is whole.
+        """
+        inner = getattr(model, "module", model)
+        return {k: v.detach().cpu().clone() for k, v in inner.state_dict().items()}
+
+    def close(self) -> None:  # noqa: B027 - optional hook, empty by default
+        """Release what the strategy holds (threads, buffers); the context stays open."""
+
+
+_REGISTRY: dict[str, type[Strategy]] = {}
+
+
+def register(cls: type[Strategy]) -> type[Strategy]:
+    """Class decorator: make a strategy available by its ``name``."""
+    if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
+        raise ConfigError(f"two strategies are named {cls.name!r}", "give each a unique name")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def strategy_names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def get_strategy(name: str) -> type[Strategy]:
+    """The strategy class called ``name``; the error lists the valid names."""
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ConfigError(f"unknown strategy {name!r}; the strategies are: "
+                          f"{', '.join(strategy_names())}",
+                          "pass one of them, e.g. --strategy ddp") from None
+
+
+def make_options(cls: type[Strategy], options: dict[str, Any]) -> Any:
+    """Build ``cls.Options`` from keyword options, naming any that it does not have."""
+    fields = {f.name for f in dataclasses.fields(cls.Options)}
+    unknown = sorted(set(options) - fields)
+    if unknown:
+        valid = ", ".join(sorted(fields)) or "none"
+        raise ConfigError(f"strategy {cls.name!r} has no option {', '.join(map(repr, unknown))}; "
+                          f"its options are: {valid}", "leave those options out")
+    return cls.Options(**options)
+
+
+def distribute(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str = "ddp", *,
+               ctx: Context | None = None,
+               **options: Any) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """Wrap ``model`` and ``optimizer`` to train with ``strategy``; use them as usual.
+
+    Checks that every worker built the same model (names, shapes, dtypes), makes
+    the parameters identical everywhere (broadcast from worker 0), and hands
+    the model to the strategy.
+
+    Example::
+
+        ctx = polytrain.init()
+        model, opt = polytrain.distribute(model, torch.optim.Adam(model.parameters()),
+                                          strategy="ddp")
+        for x, y in batches:
+            opt.zero_grad(); loss_fn(model(x), y).backward(); opt.step()
+
+    Args:
+        strategy: a registered name (:func:`strategy_names` lists them).
+        ctx: the run (default: :func:`polytrain.init`'s).
+        options: the strategy's own options (its ``Options`` fields).
+    """
+    cls = get_strategy(strategy)
+    opts = make_options(cls, options)
+    if cls.distributed:
+        ctx = ctx or runtime.init()
+        if not ctx.is_worker:
+            raise ConfigError(f"rank {ctx.rank} is a server and cannot train a model",
+                              "call distribute() on workers only")
+        check_same_model(ctx, model)
+        broadcast_module(ctx, model)
+    instance = cls(ctx, opts)
+    wrapped, opt = instance.wrap(model, optimizer)
+    object.__setattr__(wrapped, "_polytrain_strategy", instance)
+    return wrapped, opt
+
+
+def strategy_of(model: nn.Module) -> Strategy:
+    """The strategy instance that :func:`distribute` attached to ``model``."""
+    strategy = getattr(model, "_polytrain_strategy", None)
+    if not isinstance(strategy, Strategy):
+        raise ConfigError("this model did not come from polytrain.distribute()",
+                          "pass the model that distribute() returned")
+    return strategy
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model's state on CPU with the plain model's keys (shards and stages gathered)."""
+    return strategy_of(model).state_dict(model)

@@ -1,0 +1,60 @@
+"""Start-up agreement among workers: the same model everywhere, the same initial weights."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..errors import ConfigError
+from ..runtime import Context
+
+__all__ = ["check_same_model", "broadcast_module", "model_signature"]
+
+
+def model_signature(model: nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, shape, dtype) of every parameter and buffer, in registration order."""
+    sig = [(n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()]
+    sig += [(n, tuple(b.shape), str(b.dtype)) for n, b in model.named_buffers()]
+    return sig
+
+
+def _first_difference(a: list[Any], b: list[Any]) -> str:
+    names_a = {n: (s, d) for n, s, d in a}
+    names_b = {n: (s, d) for n, s, d in b}
+    for n, s, d in a:
+        if n not in names_b:
+            return f"has {n!r} {list(s)} that the other lacks"
+        if names_b[n] != (s, d):
+            s2, d2 = names_b[n]
+            return f"{n!r} is {list(s)} {d} there but {list(s2)} {d2} here"
+    for n, s, _ in b:
+        if n not in names_a:
+            return f"lacks {n!r} {list(s)}"
+    return "declares the same tensors in another order"
+
+
+def check_same_model(ctx: Context, model: nn.Module) -> None:
+    """Raise ConfigError on every worker if any worker built a different model."""
+    sig = model_signature(model)
+    everyone: list[Any] = [None] * ctx.num_workers
+    dist.all_gather_object(everyone, sig, group=ctx.groups.workers)
+    reference = everyone[0]
+    for i, other in enumerate(everyone):
+        if other != reference:
+            rank = ctx.topology.workers[i]
+            raise ConfigError(
+                f"worker rank {rank}'s model differs from worker rank {ctx.topology.workers[0]}'s:"
+                f" compared with worker {ctx.topology.workers[0]}, worker {rank} "
+                f"{_first_difference(reference, other)}",
+                "build the same model with the same options on every worker")
+
+
+@torch.no_grad()
+def broadcast_module(ctx: Context, model: nn.Module) -> None:
+    """Copy worker 0's parameters and buffers to every worker."""
+    src = ctx.topology.workers[0]
+    for t in list(model.parameters()) + list(model.buffers()):
+        dist.broadcast(t.data, src=src, group=ctx.groups.workers)

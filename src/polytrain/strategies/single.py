@@ -1,0 +1,37 @@
+"""``single``: one process, no distribution; the reference every strategy is checked against."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import ConfigError
+from ..launch.layout import Layout
+from .base import Strategy, register
+
+__all__ = ["Single"]
+
+
+@register
+class Single(Strategy):
+    """Train in this process alone. Its ``final.pt`` is what synchronous strategies must match."""
+
+    name = "single"
+    distributed = False
+
+    @classmethod
+    def check_layout(cls, layout: Layout, options: Any) -> None:
+        if layout.world_size > 1:
+            raise ConfigError(
+                f"strategy 'single' trains in one process (got {layout.describe()})",
+                "leave out --workers, --nodes and --servers, or pick --strategy ddp")
+
+    def wrap(self, model: nn.Module,
+             optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
+        return model, optimizer
+
+    @property
+    def replica(self) -> tuple[int, int]:
+        return 0, 1

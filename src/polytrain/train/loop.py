@@ -1,0 +1,105 @@
+"""The training loop every ``polytrain train`` process runs, whatever the strategy."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..config import TrainConfig
+from ..data import GlobalBatches, get_dataset, shard
+from ..models import get_model
+from ..runtime import Context, init
+from ..strategies.base import distribute, get_strategy, strategy_of
+from .metrics import build_metrics
+from .progress import Progress
+
+__all__ = ["train", "make_optimizer"]
+
+log = logging.getLogger(__name__)
+
+
+def make_optimizer(name: str, params: Any, lr: float) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr)
+    return torch.optim.Adam(params, lr=lr)
+
+
+def train(config: TrainConfig) -> dict[str, Any] | None:
+    """Train as this process's part of the run; worker 0 returns (and writes) the metrics."""
+    started = time.perf_counter()
+    distributed = get_strategy(config.strategy).distributed
+    ctx: Context | None = init(timeout_s=config.timeout_s, device=config.device) \
+        if distributed else None  # a server serves inside init() and exits there
+    device = ctx.device if ctx is not None else torch.device(config.device)
+    spec = get_model(config.model)
+    torch.manual_seed(config.seed)
+    model = spec.make(**config.model_options).to(device)
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    seq_len = int(getattr(model, "seq_len", config.model_options.get("seq_len", 64)))
+    optimizer = make_optimizer(config.optimizer, model.parameters(), config.lr)
+    model, optimizer = distribute(model, optimizer, config.strategy, ctx=ctx,
+                                  **dict(config.strategy_options))
+    strategy = strategy_of(model)
+    index, count = strategy.replica
+    lead = ctx is None or ctx.worker_index == 0
+    batches = GlobalBatches(get_dataset(config.data), batch_size=config.batch_size,
+                            window=seq_len + 1, seed=config.seed)
+    progress = Progress(config.steps, enabled=lead and not config.quiet)
+    losses: list[float | None] = []
+    times: list[float] = []
+    for step, batch in zip(range(config.steps), batches):
+        inputs, targets = spec.split(batch)
+        inputs = shard(inputs, index, count).to(device)
+        targets = shard(targets, index, count).to(device)
+        t0 = time.perf_counter()
+        loss = strategy.train_step(model, optimizer, inputs, targets, spec.loss)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+        losses.append(loss)
+        if ctx is not None:
+            ctx.meter.mark_step()
+        progress.update(step, loss, config.batch_size / max(times[-1], 1e-9))
+    global_losses = _global_losses(ctx, losses)
+    state = strategy.state_dict(model)
+    reports = _worker_reports(ctx)
+    strategy.close()
+    if ctx is not None:
+        ctx.shutdown()
+    if not lead:
+        return None
+    metrics = build_metrics(config=config, losses=global_losses, times=times,
+                            model_bytes=model_bytes,
+                            topology=ctx.topology if ctx is not None else None,
+                            reports=reports, wall_s=time.perf_counter() - started)
+    if config.out is not None:
+        out = Path(config.out)
+        out.mkdir(parents=True, exist_ok=True)
+        torch.save(state, out / "final.pt")
+        (out / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
+    return metrics
+
+
+def _global_losses(ctx: Context | None, losses: list[float | None]) -> list[float]:
+    """The mean over replicas of each step's loss (ranks that hold no loss contribute nothing)."""
+    values = torch.tensor([0.0 if x is None else x for x in losses], dtype=torch.float64)
+    counts = torch.tensor([0.0 if x is None else 1.0 for x in losses], dtype=torch.float64)
+    if ctx is not None and ctx.num_workers > 1:
+        both = torch.stack([values, counts])
+        dist.all_reduce(both, group=ctx.groups.workers)
+        values, counts = both[0], both[1]
+    return (values / counts.clamp(min=1)).tolist()
+
+
+def _worker_reports(ctx: Context | None) -> list[Any]:
+    if ctx is None:
+        return []
+    reports: list[Any] = [None] * ctx.num_workers
+    dist.all_gather_object(reports, ctx.meter.report(), group=ctx.groups.workers)
+    return reports

@@ -1,0 +1,70 @@
+"""What a run reports: ``metrics.json`` (the contract of DESIGN.md) from losses, times, meters."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any, Sequence
+
+import torch
+
+from ..comm.meter import MeterReport, machine_traffic
+from ..comm.topology import Topology
+
+__all__ = ["steady", "step_times", "build_metrics"]
+
+
+def steady(values: Sequence[float]) -> list[float]:
+    """Drop the warm-up: the first step, or the first 10% of steps if that is more."""
+    skip = max(1, len(values) // 10) if len(values) > 1 else 0
+    return list(values[skip:])
+
+
+def step_times(times: Sequence[float]) -> dict[str, float]:
+    s = sorted(steady(times))
+    if not s:
+        return {"median": 0.0, "p90": 0.0, "mean": 0.0}
+    p90 = s[min(len(s) - 1, int(round(0.9 * (len(s) - 1))))]
+    return {"median": statistics.median(s), "p90": p90, "mean": statistics.fmean(s)}
+
+
+def build_metrics(*, config: Any, losses: Sequence[float], times: Sequence[float],
+                  model_bytes: int, topology: Topology | None,
+                  reports: Sequence[MeterReport], wall_s: float) -> dict[str, Any]:
+    """The metrics of one run; traffic is per machine, cross-machine bytes per steady step."""
+    import polytrain
+
+    warm = steady(times)
+    samples_per_s = config.batch_size * len(warm) / sum(warm) if warm and sum(warm) > 0 else 0.0
+    machines = []
+    if topology is not None and reports:
+        skip = len(times) - len(warm)
+        machines = [m.as_dict() for m in machine_traffic(reports, topology, warmup=skip)]
+    return {
+        "strategy": config.strategy,
+        "model": config.model,
+        "data": config.data,
+        "workers": config.workers,
+        "nodes": config.nodes,
+        "servers": config.servers,
+        "steps": config.steps,
+        "batch_size": config.batch_size,
+        "optimizer": config.optimizer,
+        "lr": config.lr,
+        "seed": config.seed,
+        "device": config.device,
+        "model_options": dict(config.model_options),
+        "strategy_options": dict(config.strategy_options),
+        "losses": list(losses),
+        "final_loss": losses[-1] if losses else None,
+        "samples_per_s": samples_per_s,
+        "step_time_s": step_times(times),
+        "wall_time_s": wall_s,
+        "model_bytes": model_bytes,
+        "traffic": {
+            "machines": machines,
+            "estimated": any(m["estimated"] for m in machines),
+            "note": "bytes crossing machines per steady-state step; 'estimated' marks bytes "
+                    "moved inside torch collectives, counted from their algorithm's cost",
+        },
+        "versions": {"polytrain": polytrain.__version__, "torch": torch.__version__},
+    }

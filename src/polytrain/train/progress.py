@@ -1,0 +1,44 @@
+"""A one-line progress bar with loss and throughput (periodic lines when not on a terminal)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import TextIO
+
+__all__ = ["Progress"]
+
+
+class Progress:
+    """Shows ``step/total``, the loss and samples/s; redraws at most 10 times a second."""
+
+    def __init__(self, total: int, *, enabled: bool = True, stream: TextIO | None = None,
+                 label: str = "train") -> None:
+        self.total = total
+        self.enabled = enabled
+        self.stream = stream or sys.stderr
+        self.label = label
+        self.tty = self.stream.isatty()
+        self._last = 0.0
+        self._every = max(1, total // 10)
+
+    def update(self, step: int, loss: float | None, samples_per_s: float) -> None:
+        if not self.enabled:
+            return
+        done = step + 1
+        loss_txt = "   -  " if loss is None else f"{loss:6.3f}"
+        text = (f"{self.label} {done:>{len(str(self.total))}}/{self.total} loss {loss_txt} "
+                f"{samples_per_s:8.1f} samples/s")
+        if self.tty:
+            now = time.monotonic()
+            if now - self._last < 0.1 and done < self.total:
+                return
+            self._last = now
+            width = 24
+            filled = width * done // self.total
+            self.stream.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {text}")
+            if done == self.total:
+                self.stream.write("\n")
+        elif done % self._every == 0 or done == self.total:
+            self.stream.write(text + "\n")
+        self.stream.flush()

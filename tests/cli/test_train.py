@@ -1,0 +1,100 @@
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from polytrain.cli import main
+from polytrain.models import GPT
+
+TINY = ["--steps", "5", "--batch-size", "8", "--seq-len", "16", "--d-model", "32", "--quiet",
+        "--timeout", "30"]
+
+
+def cli(*args: str, timeout: float = 100) -> subprocess.CompletedProcess:
+    exe = Path(sys.executable).with_name("polytrain")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run([str(exe), *args], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.mark.timeout(120)
+def test_train_writes_metrics_and_final_state_as_the_contract_says(tmp_path):
+    out = tmp_path / "ddp"
+    run = cli("train", "--strategy", "ddp", "--workers", "4", "--nodes", "2", "--out", str(out),
+              *TINY)
+    assert run.returncode == 0, run.stderr
+    assert "final loss" in run.stdout and f"wrote {out}/metrics.json" in run.stdout
+    m = json.loads((out / "metrics.json").read_text())
+    assert (m["strategy"], m["model"], m["workers"], m["nodes"], m["servers"], m["steps"]) == \
+        ("ddp", "gpt", 4, 2, 0, 5)
+    assert len(m["losses"]) == 5 and all(math.isfinite(x) for x in m["losses"])
+    assert m["final_loss"] == m["losses"][-1]
+    assert m["losses"][0] > m["losses"][-1]  # it learns
+    assert m["samples_per_s"] > 0
+    assert 0 < m["step_time_s"]["median"] <= m["step_time_s"]["p90"]
+    reference = GPT(seq_len=16, d_model=32)
+    grad_bytes = sum(p.numel() * 4 for p in reference.parameters())
+    assert m["model_bytes"] == grad_bytes
+    machines = m["traffic"]["machines"]
+    assert [x["name"] for x in machines] == ["node0", "node1"]
+    for x in machines:
+        # A ring of 4 workers over 2 machines: each machine's one outgoing edge carries
+        # 2(p-1)/p of the gradient per step; torch moved it, so it is an estimate.
+        assert x["kind"] == "worker" and x["estimated"] is True
+        assert x["sent_bytes_per_step"] == pytest.approx(1.5 * grad_bytes, rel=1e-6)
+        assert x["recv_bytes_per_step"] == pytest.approx(1.5 * grad_bytes, rel=1e-6)
+    state = torch.load(out / "final.pt")
+    assert list(state) == list(reference.state_dict())
+
+    single = tmp_path / "single"
+    run = cli("train", "--strategy", "single", "--out", str(single), *TINY)
+    assert run.returncode == 0, run.stderr
+    s = torch.load(single / "final.pt")
+    assert max(float((s[k] - state[k]).abs().max()) for k in s) < 1e-5
+    assert json.loads((single / "metrics.json").read_text())["traffic"]["machines"] == []
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--strategy", "bytepz"], r"unknown strategy 'bytepz'; the strategies are: .*ddp"),
+    (["--model", "resnet"], r"unknown model 'resnet'; the models are: .*gpt.*mlp"),
+    (["--data", "imagenet"], r"unknown data set 'imagenet'; the data sets are: text"),
+    (["--workers", "3", "--nodes", "2"], r"--workers 3 is not divisible by --nodes 2.*HINT"),
+    (["--workers", "3", "--batch-size", "32"],
+     r"global batch 32 is not divisible by 3 data-parallel replicas.*HINT: pass --batch-size 33"),
+    (["--servers", "1"], r"strategy 'ddp' does not use servers.*HINT: leave out --servers"),
+    (["--strategy", "single", "--workers", "2"], r"strategy 'single' trains in one process"),
+    (["--steps", "0"], r"--steps must be at least 1"),
+    (["--d-model", "64", "--heads", "5"], r"d_model 64 is not divisible by heads 5"),
+])
+def test_bad_input_gets_one_clear_line_and_no_process(args, message, capsys):
+    import re
+
+    code = main(["train", "--quiet", *args])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.count("\n") == 1 and err.startswith("polytrain train: error: "), err
+    assert re.search(message, err), err
+
+
+def test_a_port_in_use_is_refused(capsys):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert main(["train", "--quiet", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"port {port} on 127.0.0.1 is in use" in err and "HINT: pass another --port" in err
+
+
+def test_env_prints_versions_and_devices(capsys):
+    assert main(["env"]) == 0
+    out = capsys.readouterr().out
+    for key in ("polytrain", "torch", "numpy", "cpus", "gpus", "backend gloo", "strategies"):
+        assert key in out
+    assert torch.__version__ in out

@@ -1,0 +1,53 @@
+import pytest
+
+from polytrain import ConfigError
+from polytrain.comm import Topology, TrafficMeter, machine_traffic
+
+TOPO = Topology.from_roles([("worker", "node0"), ("worker", "node0"), ("worker", "node1"),
+                            ("worker", "node1"), ("server", "server0")])
+
+
+def test_topology_derives_roles_machines_and_leaders():
+    assert TOPO.workers == (0, 1, 2, 3) and TOPO.servers == (4,)
+    assert TOPO.worker_machines == ("node0", "node1") and TOPO.leaders == (0, 2)
+    assert TOPO.dedicated_servers == (4,) and TOPO.colocated_servers == ()
+    assert TOPO.is_inter(1, 2) and not TOPO.is_inter(2, 3)
+    assert TOPO.name(4) == "server rank 4 (machine server0)"
+
+
+def test_topology_refuses_bad_roles_and_runs_without_workers():
+    with pytest.raises(ConfigError, match="rank 1 has role 'boss'"):
+        Topology.from_roles([("worker", "a"), ("boss", "a")])
+    with pytest.raises(ConfigError, match="a run needs a worker"):
+        Topology.from_roles([("server", "a")])
+
+
+def test_each_message_is_counted_once_per_machine_and_per_step():
+    meters = [TrafficMeter(r, TOPO) for r in range(4)]
+    for _ in range(3):
+        for m in meters:
+            m.record(4, 100, "sent")        # push to the server
+            m.record(4, 100, "recv")        # pull from it
+        meters[1].record(2, 10, "sent")     # worker to worker across machines:
+        meters[2].record(1, 10, "recv")     # both ends record it, counted once
+        meters[0].record(1, 999, "sent")    # inside node0: never counted
+        meters[1].record(0, 999, "recv")
+        for m in meters:
+            m.mark_step()
+    traffic = {t.name: t for t in machine_traffic([m.report() for m in meters], TOPO, warmup=1)}
+    per_step = {n: (t.sent_bytes_per_step, t.recv_bytes_per_step) for n, t in traffic.items()}
+    assert per_step["node0"] == (210, 200) and per_step["node1"] == (200, 210)
+    assert traffic["server0"].kind == "server"
+    assert traffic["server0"].recv_bytes_per_step == 400 == traffic["server0"].sent_bytes_per_step
+    assert not any(t.estimated for t in traffic.values())
+
+
+def test_ring_allreduce_estimate_marks_estimated():
+    meters = [TrafficMeter(r, TOPO) for r in range(4)]
+    for m in meters:
+        m.record_ring_allreduce([0, 1, 2, 3], 1000)
+        m.mark_step()
+    traffic = machine_traffic([m.report() for m in meters], TOPO, warmup=0)
+    node0 = next(t for t in traffic if t.name == "node0")
+    assert node0.sent_bytes_per_step == 1500 and node0.recv_bytes_per_step == 1500
+    assert node0.estimated

@@ -1,0 +1,54 @@
+"""Pure plans: partitions, buckets and placements, without communication."""
+
+import pytest
+import torch
+
+from polytrain import ConfigError
+from polytrain.comm import TensorSpec, flatten, partition, plan_buckets, unflatten_into
+from polytrain.ps import balanced
+
+F32 = torch.float32
+
+
+def test_partitions_are_near_equal_bounded_and_cover_every_element():
+    specs = [TensorSpec("w", (1000, 3), F32), TensorSpec("b", (7,), F32)]
+    parts = partition(specs, partition_bytes=4000)
+    assert [p.key for p in parts] == list(range(len(parts)))
+    assert all(p.nbytes <= 4000 for p in parts)
+    w = [p for p in parts if p.name == "w"]
+    assert len(w) == 3 and {p.numel for p in w} == {1000}
+    assert sum(p.numel for p in parts) == 3007
+    assert [p.offset for p in w] == [0, 1000, 2000]
+    assert parts[-1].label == "b[0]" and parts[-1].numel == 7
+
+
+def test_partition_size_must_be_positive():
+    with pytest.raises(ConfigError, match="partition_bytes must be positive"):
+        partition([TensorSpec("w", (4,), F32)], 0)
+
+
+def test_buckets_go_in_reverse_order_up_to_the_cap_and_round_trip():
+    specs = [TensorSpec(f"t{i}", (n,), F32) for i, n in enumerate([10, 10, 30, 5])]
+    buckets = plan_buckets(specs, cap_bytes=80)
+    assert [b.members for b in buckets] == [(3,), (2,), (1, 0)]
+    tensors = [torch.randn(s.shape) for s in specs]
+    flat = flatten(buckets[2], tensors)
+    assert torch.equal(flat, torch.cat([tensors[1], tensors[0]]))
+    copies = [torch.zeros_like(t) for t in tensors]
+    unflatten_into(buckets[2], flat * 2, copies)
+    assert torch.equal(copies[0], tensors[0] * 2) and torch.equal(copies[1], tensors[1] * 2)
+
+
+def test_balanced_placement_evens_bytes_and_is_the_same_everywhere():
+    specs = [TensorSpec(f"t{i}", (n,), F32) for i, n in enumerate([1000, 300, 300, 200, 200])]
+    parts = partition(specs, partition_bytes=1 << 20)
+    a = balanced(parts, [4, 5])
+    b = balanced(parts, [4, 5])
+    assert a == b
+    assert a.bytes_by_owner() == {4: 4000, 5: 4000}
+    assert "server rank 4: 1 partitions, 4000 bytes" in a.describe()
+
+
+def test_a_placement_needs_a_server():
+    with pytest.raises(ConfigError, match="needs at least one server"):
+        balanced(partition([TensorSpec("w", (4,), F32)], 64), [])

@@ -1,0 +1,32 @@
+import pytest
+import torch
+
+from polytrain import ConfigError
+from polytrain.data import GlobalBatches, get_dataset, shard, stdlib_corpus
+
+
+def test_corpus_is_real_text_read_offline():
+    corpus = stdlib_corpus()
+    assert corpus.dtype == torch.uint8 and corpus.numel() > 1 << 20
+    assert b"def " in bytes(corpus[:100_000].tolist())
+
+
+def test_same_seed_gives_the_same_global_batches_and_another_seed_others():
+    corpus = get_dataset("text")
+    a = [b for _, b in zip(range(3), GlobalBatches(corpus, batch_size=4, window=9, seed=1))]
+    b = [b for _, b in zip(range(3), GlobalBatches(corpus, batch_size=4, window=9, seed=1))]
+    c = next(iter(GlobalBatches(corpus, batch_size=4, window=9, seed=2)))
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert not torch.equal(a[0], c) and a[0].shape == (4, 9) and a[0].dtype == torch.int64
+
+
+def test_shards_are_equal_contiguous_slices_that_rebuild_the_batch():
+    batch = torch.arange(24).view(8, 3)
+    parts = [shard(batch, i, 4) for i in range(4)]
+    assert torch.equal(torch.cat(parts), batch) and parts[1].tolist() == [[6, 7, 8], [9, 10, 11]]
+
+
+def test_a_batch_that_does_not_split_evenly_is_refused_with_the_fix():
+    with pytest.raises(ConfigError, match=r"global batch 10 is not divisible by 4 .* "
+                                          r"HINT: pass --batch-size 12"):
+        shard(torch.zeros(10), 0, 4)

@@ -1,0 +1,53 @@
+"""The one spawn harness of the multi-process tests: local processes over gloo, bounded in time.
+
+Functions given to :func:`spawn` run in fresh processes, so they live at module
+level of a test module (or here). Each process uses one thread; every
+communication wait inside is bounded by ``COMM_TIMEOUT_S``, and pytest-timeout
+bounds the whole test (``@pytest.mark.timeout``; 120 s by default).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+import polytrain
+from polytrain.launch import Launcher
+from polytrain.train import train
+
+__all__ = ["spawn", "run_config", "single_of", "max_abs_diff", "COMM_TIMEOUT_S"]
+
+COMM_TIMEOUT_S = 30.0
+_ENV = {"OMP_NUM_THREADS": "1"}
+
+
+def spawn(fn: Callable[..., Any], *, workers: int, nodes: int = 1, servers: int = 0,
+          colocated: int = 0, args: Sequence[Any] = ()) -> list[Any]:
+    """Run ``fn(*args)`` in a local layout; return the workers' results by rank."""
+    return polytrain.launch(fn, workers=workers, nodes=nodes, servers=servers,
+                            colocated=colocated, args=args, timeout_s=COMM_TIMEOUT_S, env=_ENV)
+
+
+def run_config(config: polytrain.TrainConfig) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Train ``config`` as ``polytrain train`` would; return its metrics and ``final.pt``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        config = config.replace(out=tmp, quiet=True, timeout_s=COMM_TIMEOUT_S)
+        if polytrain.get_strategy(config.strategy).distributed:
+            metrics = Launcher(config.layout(), env=_ENV).run_fn(train, (config,))[0]
+        else:
+            metrics = train(config)
+        return metrics, torch.load(Path(tmp) / "final.pt")
+
+
+def single_of(config: polytrain.TrainConfig) -> polytrain.TrainConfig:
+    """The ``single`` run with the same model, data, seed, steps and optimizer."""
+    return config.replace(strategy="single", workers=1, nodes=1, servers=0, strategy_options={})
+
+
+def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """Largest elementwise difference of two state dicts with the same keys."""
+    assert a.keys() == b.keys(), (sorted(a), sorted(b))
+    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)

@@ -1,0 +1,166 @@
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import polytrain
+from polytrain import ConfigError, LaunchError
+from polytrain.launch import free_port
+from tests.harness import spawn
+from tests.launch import scripts
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead too.
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().split()[2] != "Z"
+
+
+@pytest.mark.timeout(60)
+def test_roles_machines_and_groups_reach_every_process():
+    results = spawn(scripts.identity, workers=4, nodes=2, servers=1)
+    assert [r["rank"] for r in results] == [0, 1, 2, 3]
+    assert [r["machine"] for r in results] == ["node0", "node0", "node1", "node1"]
+    for r in results:
+        assert r["role"] == "worker"
+        assert r["workers"] == (0, 1, 2, 3) and r["servers"] == (4,)
+        assert r["leaders"] == (0, 2)
+        assert r["sum_of_worker_ranks"] == 6.0
+        assert r["threads"] == "1"
+    assert results[2]["local"] == (2, 3)
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_that_raises_stops_the_run_and_is_named():
+    start = time.monotonic()
+    with pytest.raises(LaunchError) as info:
+        spawn(scripts.worker_raises, workers=3, args=(1,))
+    assert time.monotonic() - start < 30
+    message = str(info.value)
+    assert "worker rank 1 (machine node0) failed: RuntimeError: boom on purpose from rank 1" \
+        in message
+    assert info.value.rank == 1 and info.value.role == "worker"
+
+
+@pytest.mark.timeout(60)
+def test_a_process_killed_by_a_signal_is_named():
+    with pytest.raises(LaunchError, match=r"worker rank 2 \(machine node1\) failed: killed by "
+                                          r"SIGKILL \(9\)"):
+        spawn(scripts.killed_by_signal, workers=4, nodes=2, args=(2,))
+
+
+@pytest.mark.timeout(60)
+def test_a_server_killed_mid_run_stops_the_run_within_30_s(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(LaunchError, match=r"server rank 2 \(machine server0\) failed: killed by "
+                                          r"SIGKILL"):
+        spawn(scripts.server_dies_mid_run, workers=2, servers=1, args=(str(tmp_path),))
+    assert time.monotonic() - start < 30
+    pids = [int(p.read_text()) for p in tmp_path.glob("pid-*")]
+    assert len(pids) == 3 and not any(_alive(p) for p in pids)
+
+
+@pytest.mark.timeout(60)
+def test_no_orphans_when_the_launcher_itself_is_killed(tmp_path):
+    # The launcher's children die with it (PR_SET_PDEATHSIG), even on kill -9.
+    code = (f"import polytrain; from tests.launch import scripts; "
+            f"polytrain.launch(scripts.write_pid_and_hang, workers=2, servers=1, "
+            f"args=({str(tmp_path)!r},))")
+    launcher = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT)
+    deadline = time.monotonic() + 30
+    while len(list(tmp_path.glob("pid-*"))) < 3:
+        assert time.monotonic() < deadline, "children did not start"
+        time.sleep(0.1)
+    pids = [int(p.read_text()) for p in tmp_path.glob("pid-*")]
+    launcher.kill()
+    launcher.wait()
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in pids)
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_stops_every_child(tmp_path):
+    code = (f"import polytrain; from tests.launch import scripts; "
+            f"polytrain.launch(scripts.write_pid_and_hang, workers=2, "
+            f"args=({str(tmp_path)!r},))")
+    launcher = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT,
+                                stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while len(list(tmp_path.glob("pid-*"))) < 2:
+        assert time.monotonic() < deadline, "children did not start"
+        time.sleep(0.1)
+    pids = [int(p.read_text()) for p in tmp_path.glob("pid-*")]
+    launcher.send_signal(subprocess.signal.SIGINT)
+    _, err = launcher.communicate(timeout=20)
+    assert "interrupted (Ctrl-C): stopped all 2 processes" in err
+    assert not any(_alive(p) for p in pids)
+
+
+def test_a_port_in_use_is_refused_before_anything_starts():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(ConfigError, match=rf"port {port} on 127.0.0.1 is in use.*HINT: "
+                                              r"pass another --port"):
+            polytrain.launch(scripts.identity, workers=2, port=port)
+
+
+def test_a_function_that_cannot_be_sent_is_refused():
+    with pytest.raises(ConfigError, match="function defined at module level"):
+        polytrain.launch(lambda: None, workers=2)
+
+
+@pytest.mark.timeout(90)
+def test_the_same_script_runs_under_torchrun_standalone(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import json, os, sys, torch, torch.distributed as dist, polytrain\n"
+        "ctx = polytrain.init()\n"
+        "x = torch.tensor([1.0]); dist.all_reduce(x, group=ctx.groups.workers)\n"
+        "out = {'rank': ctx.rank, 'role': ctx.role, 'machine': ctx.machine,\n"
+        "       'servers': list(ctx.topology.servers), 'sum': float(x)}\n"
+        "open(os.path.join(sys.argv[1], f'out-{ctx.rank}.json'), 'w').write(json.dumps(out))\n")
+    torchrun = Path(sys.executable).with_name("torchrun")
+    env = dict(os.environ, POLYTRAIN_ROLE="worker,worker,server", POLYTRAIN_NODE="box",
+               PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
+    run = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "3",
+                          "--master-port", str(free_port()), str(script), str(tmp_path)],
+                         env=env, capture_output=True, text=True, timeout=80)
+    assert run.returncode == 0, run.stderr[-3000:]
+    import json
+    outs = sorted((json.loads(p.read_text()) for p in tmp_path.glob("out-*.json")),
+                  key=lambda o: o["rank"])
+    assert [o["role"] for o in outs] == ["worker", "worker"]
+    assert all(o["machine"] == "box" and o["servers"] == [2] and o["sum"] == 2.0 for o in outs)
+
+
+@pytest.mark.timeout(90)
+def test_polytrain_launch_runs_a_script_and_reports_its_failure(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import os, polytrain\n"
+        "ctx = polytrain.init()\n"
+        "if ctx.rank == 1:\n"
+        "    raise ValueError('bad shard on rank 1')\n")
+    cli = Path(sys.executable).with_name("polytrain")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
+    run = subprocess.run([str(cli), "launch", "--workers", "2", "--servers", "1", str(script)],
+                         env=env, capture_output=True, text=True, timeout=80)
+    assert run.returncode == 1
+    assert re.search(r"polytrain launch: error: worker rank 1 \(machine node0\) failed: "
+                     r"ValueError: bad shard on rank 1", run.stderr), run.stderr[-2000:]

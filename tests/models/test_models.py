@@ -1,0 +1,45 @@
+import pytest
+import torch
+
+from polytrain import ConfigError
+from polytrain.models import GPT, MLP, get_model
+
+
+def test_gpt_is_a_sequence_of_named_layers_with_the_expected_shapes():
+    torch.manual_seed(0)
+    model = GPT(seq_len=16, d_model=32, layers=3, heads=4)
+    assert [name for name, _ in model.named_children()] == ["embed", "h0", "h1", "h2", "head"]
+    logits = model(torch.randint(0, 256, (2, 16)))
+    assert logits.shape == (2, 16, 256)
+    assert len(model.blocks) == 3
+
+
+def test_gpt_is_causal():
+    torch.manual_seed(0)
+    model = GPT(seq_len=8, d_model=16, layers=1, heads=2)
+    x = torch.randint(0, 256, (1, 8))
+    y = x.clone()
+    y[0, 5] = (y[0, 5] + 1) % 256
+    a, b = model(x), model(y)
+    assert torch.allclose(a[0, :5], b[0, :5]) and not torch.allclose(a[0, 5], b[0, 5])
+
+
+def test_same_seed_same_weights():
+    torch.manual_seed(3)
+    a = GPT(seq_len=8, d_model=16, layers=1, heads=2).state_dict()
+    torch.manual_seed(3)
+    b = GPT(seq_len=8, d_model=16, layers=1, heads=2).state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_mlp_predicts_the_next_byte():
+    spec = get_model("mlp")
+    model = spec.make(seq_len=8, d_model=16)
+    x, y = spec.split(torch.randint(0, 256, (4, 9)))
+    assert isinstance(model, MLP) and model(x).shape == (4, 256) and y.shape == (4,)
+    assert spec.loss(model(x), y).ndim == 0
+
+
+def test_unknown_model_options_are_named():
+    with pytest.raises(ConfigError, match="model 'gpt' takes no option experts"):
+        get_model("gpt").make(experts=4)

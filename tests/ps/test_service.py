@@ -1,0 +1,93 @@
+import pytest
+import torch
+
+import polytrain
+from polytrain import LaunchError
+from polytrain.comm import TensorSpec, partition
+from polytrain.ps import SumClient, balanced
+from polytrain.ps.protocol import HEADER_LEN
+from tests.harness import spawn
+
+SPECS = [TensorSpec("a", (1000,), torch.float32), TensorSpec("b", (37, 11), torch.float32)]
+HEADER_BYTES = HEADER_LEN * 8
+
+
+def contribution(worker: int, round_: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * worker + round_)
+    return [torch.randn(s.shape, generator=g) for s in SPECS]
+
+
+def push_sums(partition_bytes: int, rounds: int) -> dict:
+    ctx = polytrain.init()
+    parts = partition(SPECS, partition_bytes)
+    placement = balanced(parts, ctx.topology.servers)
+    sums = SumClient(ctx.ps_client, placement, pushers=ctx.num_workers)
+    sums.declare()
+    before = ctx.meter.report()
+    results = []
+    for r in range(rounds):
+        tensors = contribution(ctx.worker_index, r)
+        outs = [torch.empty_like(t) for t in tensors]
+        pending = [sums.push_pull(i, t, out) for i, (t, out) in enumerate(zip(tensors, outs))]
+        for p in pending:
+            p.wait()
+        results.append(outs)
+    after = ctx.meter.report()
+    sent = {s: after.bytes("sent", [s]) - before.bytes("sent", [s]) for s in ctx.topology.servers}
+    recv = {s: after.bytes("recv", [s]) - before.bytes("recv", [s]) for s in ctx.topology.servers}
+    reports = ctx.shutdown()
+    return {"results": results, "sent": sent, "recv": recv, "owned": placement.bytes_by_owner(),
+            "requests": {s: placement.owners.count(s) * rounds for s in ctx.topology.servers},
+            "server_reports": {r.rank: r for r in reports if r.rank in ctx.topology.servers},
+            "worker_reports": [r for r in reports if r.rank in ctx.topology.workers]}
+
+
+@pytest.mark.timeout(90)
+def test_four_workers_push_to_two_servers_and_pull_exact_sums():
+    rounds = 2
+    out = spawn(push_sums, workers=4, nodes=2, servers=2, args=(1024, rounds))
+    for r in range(rounds):
+        expected = [sum(contribution(w, r)[i] for w in range(4)) for i in range(len(SPECS))]
+        for worker in out:
+            for got, want in zip(worker["results"][r], expected):
+                # The service sums in rank order: the same bits everywhere, equal to a local sum.
+                assert torch.allclose(got, want, atol=1e-6)
+        assert all(torch.equal(a, b) for w in out for a, b in
+                   zip(w["results"][r], out[0]["results"][r]))
+    w0 = out[0]
+    assert sorted(w0["owned"]) == [4, 5]  # ranks 4 and 5 are the servers
+    total = sum(s.nbytes for s in SPECS)
+    assert sum(w0["owned"].values()) == total
+    assert max(w0["owned"].values()) / min(w0["owned"].values()) <= 1.05
+    for worker in out:
+        for server, owned in worker["owned"].items():
+            n = worker["requests"][server]
+            # Every round pushes the owned bytes with one header per partition, and pulls them back.
+            assert worker["sent"][server] == rounds * owned + n * HEADER_BYTES
+            assert worker["recv"][server] == rounds * owned
+    # The servers' own meters saw what the workers say they sent and received, byte for byte.
+    for server, report in w0["server_reports"].items():
+        workers_sent = sum(r.bytes("sent", [server]) for r in w0["worker_reports"])
+        workers_recv = sum(r.bytes("recv", [server]) for r in w0["worker_reports"])
+        assert report.bytes("recv") == workers_sent
+        assert report.bytes("sent") == workers_recv
+
+
+def declare_mismatch() -> None:
+    ctx = polytrain.init()
+    shape = (1000,) if ctx.worker_index == 0 else (999,)
+    parts = partition([TensorSpec("a", shape, torch.float32)], 1 << 20)
+    SumClient(ctx.ps_client, balanced(parts, ctx.topology.servers), pushers=2).declare()
+    import time
+    time.sleep(30)  # worker 0 would wait for sums that never come
+
+
+@pytest.mark.timeout(60)
+def test_workers_that_declare_different_tensors_get_a_clear_error():
+    with pytest.raises(LaunchError) as info:
+        spawn(declare_mismatch, workers=2, servers=1)
+    msg = str(info.value)
+    assert "worker rank 1 (machine node0) failed: ConfigError: worker rank 1 (machine node0) " \
+           "declared key 0 = 'a[0]', 999 x float32" in msg
+    assert "but worker rank 0 (machine node0) declared key 0 = 'a[0]', 1000 x float32" in msg
+    assert "differ in numel" in msg and "HINT: build the same model" in msg
