@@ -19,7 +19,11 @@ _LOST_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Broke
 
 
 class Handle:
-    """An outstanding send or receive; :meth:`wait` finishes it or raises a clear error."""
+    """An outstanding send or receive; :meth:`wait` finishes it or raises a clear error.
+
+    A wait that times out is fatal for the group: gloo then closes every
+    connection of it. So wait only as long as a peer may legitimately take.
+    """
 
     def __init__(self, transport: Transport, work: Any, peer: int | None, nbytes: int,
                  direction: str, what: str, staged: torch.Tensor | None = None,
@@ -54,19 +58,6 @@ class Handle:
                 self._target.copy_(self._staged)
         self._done = True
         return self.source
-
-    def poll(self, timeout_s: float) -> bool:
-        """Wait up to ``timeout_s`` for the message; False if it has not moved yet.
-
-        A receive stays posted after a False, so the next poll or wait finishes it.
-        """
-        if self._done:
-            return True
-        try:
-            self.wait(timeout_s)
-        except CommTimeout:
-            return False
-        return True
 
 
 class Transport:

@@ -120,6 +120,14 @@ class PSClient:
         return Pending(self.request(server, Op.PUSHPULL, key=key, round=round, payload=tensor,
                                     answer=out))
 
+    def set(self, server: int, *, key: int, tensor: torch.Tensor) -> Pending:
+        """Replace a parameter store's value."""
+        return Pending(self.request(server, Op.SET, key=key, payload=tensor))
+
+    def get(self, server: int, *, key: int, out: torch.Tensor) -> Pending:
+        """Read a parameter store's current value, without waiting on clocks."""
+        return Pending(self.request(server, Op.GET, key=key, answer=out))
+
     def finish(self) -> None:
         """Tell every server this worker is done (servers exit once all workers are)."""
         handles = []

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 from typing import Any
 
 import torch
@@ -88,11 +87,22 @@ class Server:
             self._error = error
 
     def serve(self) -> None:
-        """Answer requests until every worker has finished."""
-        for e in self.engines:
-            e.start()
+        """Answer requests until every worker has finished; raise the first failure."""
+        # Threads do all waiting on gloo: a timed-out wait closes every connection of the
+        # group, so nothing here may poll with a timeout. The main thread only supervises.
+        threads = [threading.Thread(target=self._guard, args=(self._receive,), daemon=True,
+                                    name="polytrain-receive")]
+        threads += [threading.Thread(target=self._guard, args=(self._watch, w), daemon=True,
+                                     name=f"polytrain-watch-{w}")
+                    for w in self.topology.workers]
+        for t in self.engines + threads:
+            t.start()
         try:
-            self._loop()
+            for t in threads:
+                while t.is_alive():
+                    t.join(_POLL_S)
+                    if self._error is not None:
+                        raise self._error
         finally:
             for e in self.engines:
                 e.queue.put(None)
@@ -101,29 +111,26 @@ class Server:
         if self._error is not None:
             raise self._error
 
-    def _loop(self) -> None:
-        # A receive from one worker fails at once if that worker dies (a receive from any
-        # source does not), so each worker gets one that its FINISH completes.
-        alive = {w: self.transport.irecv(torch.empty(1, dtype=torch.int64), w, LIVENESS_TAG,
-                                         "the end of training")
-                 for w in self.topology.workers}
+    def _guard(self, fn: Any, *args: Any) -> None:
+        try:
+            fn(*args)
+        except BaseException as e:  # noqa: BLE001 - the main thread raises it
+            self.fail(e)
+
+    def _receive(self) -> None:
         pending = set(self.topology.workers)
-        while pending:
+        while pending and self._error is None:
             header = torch.empty(HEADER_LEN, dtype=torch.int64)
-            handle = self.transport.irecv(header, None, HEADER_TAG, "a request header")
-            deadline = time.monotonic() + self.idle_timeout_s
-            while not handle.poll(_POLL_S):
-                if self._error is not None:
-                    raise self._error
-                for w in [w for w, h in alive.items() if h.poll(0.0)]:
-                    del alive[w]  # finished; or poll raised PeerLost naming the dead worker
-                if time.monotonic() > deadline:
-                    raise CommTimeout(
-                        f"server rank {self.rank}: no request from the workers "
-                        f"{sorted(pending)} for {self.idle_timeout_s:g} s",
-                        "if the workers are alive but slow between steps, raise the timeout "
-                        "(--timeout or POLYTRAIN_TIMEOUT)")
-            req = Request.parse(handle.source or 0, header)
+            try:
+                src = self.transport.irecv(header, None, HEADER_TAG, "a request header"
+                                           ).wait(self.idle_timeout_s)
+            except CommTimeout:
+                raise CommTimeout(
+                    f"server rank {self.rank}: no request from the workers {sorted(pending)} "
+                    f"for {self.idle_timeout_s:g} s",
+                    "if the workers are alive but slow between steps, raise the timeout "
+                    "(--timeout or POLYTRAIN_TIMEOUT)") from None
+            req = Request.parse(src, header)
             if req.op == Op.FINISH:
                 pending.discard(req.src)
                 log.debug("rank %d finished; waiting for %s", req.src, sorted(pending))
@@ -131,8 +138,13 @@ class Server:
                 self._declare(req)
             else:
                 self._dispatch(req)
-        for h in alive.values():
-            h.wait()
+
+    def _watch(self, worker: int) -> None:
+        # A receive from one worker fails at once if that worker dies (a receive from any
+        # source does not): the worker's last message completes this one.
+        signal = torch.empty(1, dtype=torch.int64)
+        self.transport.irecv(signal, worker, LIVENESS_TAG, "the end of training"
+                             ).wait(self.idle_timeout_s)
 
     def _receive_payload(self, req: Request) -> Handle | None:
         if req.numel == 0:

@@ -11,7 +11,7 @@ import torch
 from ..errors import CommError
 from .protocol import Kind, Op, Request
 
-__all__ = ["Declaration", "Store", "SumStore", "STORES", "register_store"]
+__all__ = ["Declaration", "Store", "SumStore", "ParamStore", "STORES", "register_store"]
 
 Respond = Callable[[Request, torch.Tensor], None]
 
@@ -127,7 +127,65 @@ class SumStore(Store):
             del self.rounds[req.round]
 
 
-STORES: dict[int, type[Store]] = {Kind.SUM: SumStore}
+class ParamStore(Store):
+    """Parameters held on the server, updated by pushes, read with bounded staleness.
+
+    - SET replaces the value (a worker initialises it once after declaring).
+    - PUSH adds the payload (an update: new minus old weights, already scaled
+      by the worker) and advances the pusher's clock by one.
+    - PULL of round c answers the value once every one of the ``pushers`` has
+      clock >= c - staleness (``options["staleness"]``, default 0); earlier
+      pulls wait. With staleness 0 a pull of round c is a barrier on all
+      pushers' c-th push; GET answers the current value at once.
+
+    Clocks count pushes per key, so no coordination across servers is needed:
+    this is the clocked parameter service of asynchronous BytePS (bounded
+    staleness) and of HetPipe's Wave Synchronous Parallel (a clock is a wave).
+    """
+
+    def __init__(self, decl: Declaration, respond: Respond) -> None:
+        super().__init__(decl, respond)
+        self.value = torch.zeros(decl.numel, dtype=decl.torch_dtype)
+        self.staleness = int(decl.options.get("staleness", 0))
+        self.clocks: dict[int, int] = {}
+        self.waiting: list[Request] = []
+
+    @property
+    def global_clock(self) -> int:
+        """The slowest pusher's clock (0 until every pusher has pushed)."""
+        if len(self.clocks) < self.decl.pushers:
+            return 0
+        return min(self.clocks.values())
+
+    def handle(self, req: Request) -> None:
+        if req.op == Op.SET:
+            assert req.payload is not None
+            self.value.copy_(req.payload)
+        elif req.op == Op.PUSH:
+            assert req.payload is not None
+            if req.src not in self.clocks and len(self.clocks) == self.decl.pushers:
+                raise self.fail(req, f"more pushers than the {self.decl.pushers} declared")
+            self.value.add_(req.payload)
+            self.clocks[req.src] = self.clocks.get(req.src, 0) + 1
+            ready = [r for r in self.waiting if self._ready(r)]
+            self.waiting = [r for r in self.waiting if not self._ready(r)]
+            for r in ready:
+                self.respond(r, self.value)
+        elif req.op == Op.PULL:
+            if self._ready(req):
+                self.respond(req, self.value)
+            else:
+                self.waiting.append(req)
+        elif req.op == Op.GET:
+            self.respond(req, self.value)
+        else:
+            raise self.fail(req, "a parameter store answers SET, PUSH, PULL and GET only")
+
+    def _ready(self, req: Request) -> bool:
+        return self.global_clock >= req.round - self.staleness
+
+
+STORES: dict[int, type[Store]] = {Kind.SUM: SumStore, Kind.PARAM: ParamStore}
 
 
 def register_store(kind: int, store: type[Store]) -> None:
