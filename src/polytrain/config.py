@@ -73,11 +73,12 @@ class TrainConfig:
             raise ConfigError(f"unknown data set {self.data!r}; the data sets are: "
                               f"{', '.join(dataset_names())}", "pass --data text")
         with torch.device("meta"):  # the model's own checks, without allocating it
-            get_model(self.model).make(**self.model_options)
+            model = get_model(self.model).make(**self.model_options)
         cls = get_strategy(self.strategy)
         options = make_options(cls, dict(self.strategy_options))
         layout = self.layout()
         cls.check_layout(layout, options)
+        cls.check_model(model, layout, options)
         check_divisible(self.batch_size, cls.replicas(layout, options))
 
     def layout(self) -> Layout:

@@ -1,6 +1,7 @@
-"""Strategies: the contract, the registry, and the reference strategies ``single`` and ``ddp``."""
+"""Strategies: the contract, the registry, ``single`` and ``ddp`` (the references), ``moe``."""
 
 from . import ddp as _ddp  # noqa: F401 - registers "ddp"
+from . import moe as _moe  # noqa: F401 - registers "moe"
 from . import single as _single  # noqa: F401 - registers "single"
 from .base import (
                    NoOptions,
