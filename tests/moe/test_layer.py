@@ -130,3 +130,13 @@ def test_no_tokens_at_all():
 def test_bad_options_are_named(kwargs, message):
     with pytest.raises(ConfigError, match=message):
         MoE(D, E, **kwargs)
+
+
+@pytest.mark.parametrize("chunk_bytes", [1 << 20, 12 * 4 * 5])  # one chunk; a few rows each
+def test_inference_streams_chunks_and_computes_the_same(chunk_bytes):
+    layer = layer_of("gshard", 2, drops=True).eval()
+    layer.experts.chunk_bytes = chunk_bytes
+    x = torch.randn(T, D)
+    with torch.no_grad():
+        streamed = layer(x)
+    assert torch.allclose(streamed, layer(x), atol=1e-6)  # the training path: gather, combine

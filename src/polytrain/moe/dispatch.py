@@ -24,6 +24,7 @@ from typing import Callable, Sequence
 import torch
 
 from .exchange import ExpertGroup, all_to_all, exchange_counts
+from .experts import ExpertMLP, chunk_plan
 
 __all__ = ["Routing", "route", "expert_major", "combine", "moe_apply", "ExpertsFn"]
 
@@ -105,6 +106,23 @@ def combine(y: torch.Tensor, routing: Routing, scores: torch.Tensor) -> torch.Te
     return out.squeeze(1)                                                  # (tokens, d)
 
 
+def _streamed(x: torch.Tensor, routing: Routing, scores: torch.Tensor,
+              experts: ExpertMLP) -> torch.Tensor:
+    """Inference with every expert local: gather, compute and add back a chunk at a time.
+
+    Nothing is kept for a backward pass, so no (rows, d) buffer of every slot is
+    needed: memory stays that of one chunk, like a per-expert loop's.
+    """
+    out = torch.zeros_like(x)
+    token = routing.token_of_row
+    weight = scores.reshape(-1).index_select(0, routing.slots).to(x.dtype)
+    counts = routing.counts.tolist()
+    for e0, e1, r0, r1 in chunk_plan(counts, experts.stream_rows):
+        y = experts(x.index_select(0, token[r0:r1]), counts[e0:e1], first=e0)
+        out.index_add_(0, token[r0:r1], y.mul_(weight[r0:r1].unsqueeze(1)))
+    return out
+
+
 def moe_apply(x: torch.Tensor, indices: torch.Tensor, scores: torch.Tensor,
               experts: ExpertsFn, num_experts: int,
               group: ExpertGroup | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,13 +143,15 @@ def moe_apply(x: torch.Tensor, indices: torch.Tensor, scores: torch.Tensor,
     """
     group = group or ExpertGroup(None)
     routing = route(indices, num_experts)
+    if not group.distributed and not torch.is_grad_enabled() and isinstance(experts, ExpertMLP):
+        return _streamed(x, routing, scores, experts), routing.counts
     rows = x.index_select(0, routing.token_of_row)                          # (R, d)
     if not group.distributed:
         y = experts(rows, routing.counts.tolist())
         return combine(y, routing, scores), routing.counts
     ranks, local = group.size, num_experts // group.size
     send = routing.counts.reshape(ranks, local).sum(1).tolist()
-    incoming = exchange_counts(routing.counts, group)                        # (ranks, local)
+    incoming = exchange_counts(routing.counts, group, x.device)              # (ranks, local)
     recv = incoming.sum(1).tolist()
     received = all_to_all(rows, send, recv, group)                           # source-major
     load = incoming.sum(0)

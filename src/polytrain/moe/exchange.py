@@ -20,10 +20,13 @@ from torch.autograd.function import FunctionCtx
 from .. import runtime
 from ..comm.meter import RECV, SENT
 
-__all__ = ["ExpertGroup", "all_to_all", "exchange_counts", "all_gather_counts", "A2A_RANGE"]
+__all__ = ["ExpertGroup", "all_to_all", "exchange_counts", "all_gather_counts", "A2A_RANGE",
+           "COUNTS_RANGE"]
 
 #: Name of the profiler range around every token all-to-all (forward and backward).
 A2A_RANGE = "polytrain.moe.all_to_all"
+#: Name of the profiler range around the count exchange.
+COUNTS_RANGE = "polytrain.moe.count_exchange"
 
 
 # torch 2.13 renamed all_gather_into_tensor (older versions have only the old name).
@@ -124,21 +127,24 @@ def all_to_all(x: torch.Tensor, send: Sequence[int], recv: Sequence[int],
     return out
 
 
-def exchange_counts(counts: torch.Tensor, group: ExpertGroup) -> torch.Tensor:
+def exchange_counts(counts: torch.Tensor, group: ExpertGroup,
+                    device: torch.device | None = None) -> torch.Tensor:
     """All-to-all of per-expert counts: (ranks, local experts) -> what each rank sends me.
 
     Args:
         counts: (num_experts,) rows this rank sends to every global expert; expert
             ``e`` lives on rank ``e // local`` (local experts per rank).
+        device: where the tokens are (default: the counts'): a GPU's counts travel by NCCL.
 
     Returns:
-        (ranks, local) int64: rows rank r sends to each of my local experts.
+        (ranks, local) int64 on the CPU: rows rank r sends to each of my local experts.
     """
     local = counts.numel() // group.size
-    wire = group.wire_device(counts.device)
+    wire = group.wire_device(device or counts.device)
     src = counts.to(device=wire, dtype=torch.int64).reshape(group.size, local).contiguous()
     out = torch.empty_like(src)
-    dist.all_to_all_single(out, src, group=group.group)
+    with torch.profiler.record_function(COUNTS_RANGE):
+        dist.all_to_all_single(out, src, group=group.group)
     return out.cpu()
 
 

@@ -27,7 +27,7 @@ from torch.autograd.function import FunctionCtx
 __all__ = ["ExpertMLP", "ExpertList", "ExpertView", "grouped_mm", "chunk_plan", "CHUNK_BYTES"]
 
 #: Largest (rows x d_hidden) temporary the MLP experts hold at once, in bytes.
-CHUNK_BYTES = 16 << 20
+CHUNK_BYTES = 8 << 20
 
 
 @functools.lru_cache(maxsize=None)
@@ -146,7 +146,10 @@ class _GroupedMLP(torch.autograd.Function):
             _add_rows(h, b1[e0:e1], part)
             if h_all is not None:
                 h_all[r0:r1] = h
-            y[r0:r1] = grouped_mm(F.gelu(h), w2[e0:e1], part)  # (rows, d_model)
+                h = F.gelu(h)
+            else:
+                h = torch.ops.aten.gelu_(h)  # inference: nothing saved, no second buffer
+            y[r0:r1] = grouped_mm(h, w2[e0:e1], part)           # (rows, d_model)
             _add_rows(y[r0:r1], b2[e0:e1], part)
         if h_all is not None:
             ctx.save_for_backward(x, h_all, w1, w2)
@@ -188,7 +191,7 @@ class ExpertView(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b: ExpertMLP = self.__dict__["_bank"]
         i = self.index
-        return F.gelu(x @ b.w1[i] + b.b1[i]) @ b.w2[i] + b.b2[i]
+        return torch.addmm(b.b2[i], F.gelu(torch.addmm(b.b1[i], x, b.w1[i])), b.w2[i])
 
 
 class ExpertMLP(nn.Module):
@@ -203,7 +206,7 @@ class ExpertMLP(nn.Module):
     Args:
         num_local: experts held here.
         d_model, d_hidden: widths.
-        chunk_bytes: largest (rows x d_hidden) temporary held at once (default 16 MiB).
+        chunk_bytes: largest (rows x d_hidden) temporary held at once (default 8 MiB).
     """
 
     def __init__(self, num_local: int, d_model: int, d_hidden: int, *,
@@ -237,13 +240,29 @@ class ExpertMLP(nn.Module):
         for p in (self.w1, self.b1, self.w2, self.b2):
             p.data = p.data[first:first + count].clone()
 
-    def forward(self, x: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
-        """(rows, d_model) sorted by local expert, ``counts[i]`` rows each -> (rows, d_model)."""
-        max_rows = max(1, self.chunk_bytes // (self.d_hidden * x.element_size()))
-        params = (self.w1, self.b1, self.w2, self.b2)
+    @property
+    def chunk_rows(self) -> int:
+        """Rows per chunk: (rows x d_hidden) temporaries stay within ``chunk_bytes``."""
+        return max(1, self.chunk_bytes // (self.d_hidden * self.w1.element_size()))
+
+    @property
+    def stream_rows(self) -> int:
+        """Rows per chunk of streamed inference (:mod:`~polytrain.moe.dispatch`): a quarter of
+        :attr:`chunk_rows`, about one expert's rows in a layer of many experts, so inference
+        holds no more than a per-expert loop would."""
+        return max(1, self.chunk_rows // 4)
+
+    def forward(self, x: torch.Tensor, counts: Sequence[int], first: int = 0) -> torch.Tensor:
+        """(rows, d_model) sorted by local expert, ``counts[i]`` rows each -> (rows, d_model).
+
+        ``first``: the rows belong to local experts ``first .. first+len(counts)-1``.
+        """
+        n = len(counts)
+        params = tuple(p if first == 0 and n == len(self) else p[first:first + n]
+                       for p in (self.w1, self.b1, self.w2, self.b2))
         save = torch.is_grad_enabled() and (x.requires_grad or
                                             any(p.requires_grad for p in params))
-        y: torch.Tensor = _GroupedMLP.apply(x, [int(c) for c in counts], max_rows, save,
+        y: torch.Tensor = _GroupedMLP.apply(x, [int(c) for c in counts], self.chunk_rows, save,
                                             *params)
         return y
 
