@@ -40,7 +40,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 
 import polytrain
 from polytrain.moe import MoE
@@ -309,10 +308,11 @@ def main() -> None:
         rows.append({"experts": e, "time": t, "memory_mb": memory})
         for mode in ("fwd", "fwd_bwd"):
             tm, mm = t[mode], memory[mode]
+            overhead = tm["floor"]["tokens_per_s"] / tm["layer"]["tokens_per_s"] - 1
             print(f"E={e:3d} {mode:8s}" + "".join(
                 f" | {m} {tm[m]['tokens_per_s']:8.0f} tok/s {mm[m]:7.1f} MiB" for m in METHODS)
-                + f" | layer/floor time {tm['floor']['tokens_per_s'] / tm['layer']['tokens_per_s']:.3f}"
-                f" layer/masked mem {mm['layer'] / max(mm['masked'], 1e-9):.2f}", flush=True)
+                + f" | overhead over floor {100 * overhead:+.1f}%, memory / masked "
+                f"{mm['layer'] / max(mm['masked'], 1e-9):.2f}", flush=True)
     ep = expert_parallel(config["ep_experts"], tokens, 2 if args.quick else 5, (1, 2, 4))
     result = {"config": config, "layer": rows, "expert_parallel": ep,
               "notes": ["per_token runs on per_token_tokens tokens; tokens/s normalises it; "
