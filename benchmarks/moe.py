@@ -11,6 +11,9 @@ no drops, E in {8, 32, 64}), forward (inference, no grad) and forward+backward:
 - ``per_token``: gate, then per token and slot call the expert on that token
                  (measured on fewer tokens and normalised: it is that slow).
 
+``masked`` and ``per_token`` hold the experts as plain users do, one
+Linear-GELU-Linear module each (the same weights, copied).
+
 Throughput: medians of runs taken side by side, alternating the methods.
 Peak memory: each (method, E, mode) in a fresh process with glibc returning every
 allocation over 128 KiB to the OS (MALLOC_MMAP_THRESHOLD_), after a warm-up run
@@ -40,11 +43,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from torch import nn
 
 import polytrain
 from polytrain.moe import MoE
 from polytrain.moe.dispatch import route
 from polytrain.moe.exchange import A2A_RANGE, COUNTS_RANGE
+from polytrain.moe.experts import ExpertMLP
 
 D, H, K = 512, 2048, 2
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -65,32 +70,49 @@ class Case:
         self.sorted = self.x.index_select(0, routing.token_of_row)
         self.counts = routing.counts.tolist()
         self.gy_sorted = torch.randn(self.sorted.shape)
+        self.plain = plain_experts(self.layer)
 
     def zero_grad(self) -> None:
-        for p in self.layer.parameters():
+        for p in list(self.layer.parameters()) + list(self.plain.parameters()):
             p.grad = None
 
 
-def masked_loop(layer: MoE, x: torch.Tensor) -> torch.Tensor:
+def plain_experts(layer: MoE) -> nn.ModuleList:
+    """The layer's experts as plain-PyTorch users hold them: one Linear-GELU-Linear each."""
+    bank = layer.experts
+    assert isinstance(bank, ExpertMLP)
+    experts = nn.ModuleList()
+    with torch.no_grad():
+        for e in range(len(bank)):
+            fc, proj = nn.Linear(D, H), nn.Linear(H, D)
+            fc.weight.copy_(bank.w1[e].t())
+            fc.bias.copy_(bank.b1[e])
+            proj.weight.copy_(bank.w2[e].t())
+            proj.bias.copy_(bank.b2[e])
+            experts.append(nn.Sequential(fc, nn.GELU(), proj))
+    return experts
+
+
+def masked_loop(layer: MoE, experts: nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
     """The usual plain-PyTorch MoE: one masked selection and expert call per expert."""
     indices, scores = layer.gate(x)
     out = torch.zeros_like(x)
-    for e in range(layer.num_experts):
+    for e, expert in enumerate(experts):
         token, slot = (indices == e).nonzero(as_tuple=True)
         if token.numel():
-            y = layer.experts[e](x[token])
+            y = expert(x[token])
             out.index_add_(0, token, y * scores[token, slot].unsqueeze(1))
     return out
 
 
-def per_token_loop(layer: MoE, x: torch.Tensor) -> torch.Tensor:
+def per_token_loop(layer: MoE, experts: nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
     """The per-sample MoE FastMoE set out to beat: every token and slot on its own."""
     indices, scores = layer.gate(x)
     rows = []
     for t in range(x.shape[0]):
         acc = torch.zeros(x.shape[1])
         for s in range(indices.shape[1]):
-            acc = acc + scores[t, s] * layer.experts[int(indices[t, s])](x[t:t + 1])[0]
+            acc = acc + scores[t, s] * experts[int(indices[t, s])](x[t:t + 1])[0]
         rows.append(acc)
     return torch.stack(rows)
 
@@ -110,8 +132,8 @@ def runner(case: Case, method: str, train: bool, tokens: int) -> Callable[[], No
                     y.backward(case.gy_sorted)
                 return
             xi = x.detach().requires_grad_(train)
-            fn = {"layer": layer, "masked": lambda v: masked_loop(layer, v),
-                  "per_token": lambda v: per_token_loop(layer, v)}[method]
+            fn = {"layer": layer, "masked": lambda v: masked_loop(layer, case.plain, v),
+                  "per_token": lambda v: per_token_loop(layer, case.plain, v)}[method]
             y = fn(xi)
             if train:
                 y.backward(gy)

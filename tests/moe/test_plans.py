@@ -83,12 +83,16 @@ def test_chunk_plan_covers_every_row_once():
     assert all(r1 - r0 <= 5 or b - a == 1 for a, b, r0, r1 in plan)
 
 
+@pytest.mark.parametrize("grouped", [None, True])
 @pytest.mark.parametrize("width", [4, 3])  # 3: unaligned for _grouped_mm, the fallback runs
-def test_grouped_mm_equals_per_expert_matmuls(width):
-    x, w = torch.randn(9, width), torch.randn(3, width, 5)
+def test_grouped_mm_equals_per_expert_matmuls(width, grouped):
+    x, w, b = torch.randn(9, width), torch.randn(3, width, 8), torch.randn(3, 8)
     counts = [4, 0, 5]
-    want = torch.cat([x[:4] @ w[0], x[4:] @ w[2]])
-    assert torch.allclose(grouped_mm(x, w, counts), want, atol=1e-6)
+    want = torch.cat([x[:4] @ w[0] + b[0], x[4:] @ w[2] + b[2]])
+    assert torch.allclose(grouped_mm(x, w, counts, bias=b, grouped=grouped), want, atol=1e-6)
+    out = torch.empty(9, 8)
+    assert grouped_mm(x, w, counts, bias=b, out=out, grouped=grouped) is out
+    assert torch.allclose(out, want, atol=1e-6)
 
 
 @pytest.mark.parametrize("chunk_bytes", [1 << 20, 8 * 6 * 8])  # one chunk; many chunks
@@ -100,3 +104,24 @@ def test_grouped_experts_gradients(chunk_bytes):
     torch.autograd.gradcheck(lambda x, *p: bank(x, counts), (x, *bank.parameters()))
     ref = torch.cat([bank[0](x[:4]), bank[2](x[4:])])
     assert torch.allclose(bank(x, counts), ref)
+
+
+def test_grouped_kernel_and_per_expert_path_agree(monkeypatch):
+    from polytrain.moe import experts
+
+    torch.manual_seed(0)
+    bank = ExpertMLP(3, d_model=8, d_hidden=16, chunk_bytes=16 * 4 * 6)  # chunks of 6 rows
+    x = torch.randn(13, 8, requires_grad=True)
+    counts, gy = [5, 0, 8], torch.randn(13, 8)
+
+    def run():
+        bank.zero_grad()
+        x.grad = None
+        bank(x, counts).backward(gy)
+        return [x.grad.clone()] + [p.grad.clone() for p in bank.parameters()]
+
+    per_expert = run()
+    assert experts._grouped_mm_works("cpu", torch.float32)  # torch 2.13 has it on the CPU
+    monkeypatch.setattr(experts, "_use_grouped", lambda grouped, *t: experts._aligned(*t))
+    for a, b in zip(per_expert, run()):
+        assert torch.allclose(a, b, atol=1e-5)

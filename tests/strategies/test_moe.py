@@ -74,3 +74,28 @@ class _nothing:
 
     def __exit__(self, *exc):
         return False
+
+
+def test_model_flags_become_model_options():
+    from polytrain.cli import build_parser
+    from polytrain.cli.train import config_from_args
+
+    ns = build_parser().parse_args(
+        ["train", "--strategy", "moe", "--model", "gpt-moe", "--workers", "4", "--experts", "8",
+         "--top-k", "1", "--gate", "gshard", "--capacity-factor", "1.5", "--z-loss", "0.001",
+         "--expert-parallel", "2", "--d-model", "32"])
+    config = config_from_args(ns)
+    assert dict(config.model_options) == {"d_model": 32, "experts": 8, "top_k": 1,
+                                          "gate": "gshard", "capacity_factor": 1.5,
+                                          "z_loss": 0.001}
+    assert dict(config.strategy_options) == {"expert_parallel": 2}
+
+
+def test_the_training_loss_includes_the_gates_balance_losses():
+    config = TrainConfig(strategy="single", model="gpt-moe", steps=1, batch_size=4,
+                         model_options={**MODEL, "gate": "gshard", "balance_loss": 0.0})
+    plain, _ = run_config(config)
+    weighted, _ = run_config(config.replace(
+        model_options={**MODEL, "gate": "gshard", "balance_loss": 1.0}))
+    # E * sum_e f_e P_e is about 1 per layer when routing is near uniform: 2 layers
+    assert 1.5 < weighted["losses"][0] - plain["losses"][0] < 3.0

@@ -19,9 +19,10 @@ gradients, the exchanges' adjoints are the reverse exchanges.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
+from torch.autograd.function import FunctionCtx
 
 from .exchange import ExpertGroup, all_to_all, exchange_counts
 from .experts import ExpertMLP, chunk_plan
@@ -93,6 +94,30 @@ def _inverse(perm: torch.Tensor) -> torch.Tensor:
     return inv
 
 
+class _Combine(torch.autograd.Function):
+    """``out[token[r]] += weight[r] * y[r]`` over every row r, with its backward written out.
+
+    Cheaper than scattering rows into (tokens, top_k, d) slots and a batched
+    matmul: one pass each way, no zero-filled slot buffer.
+    """
+
+    @staticmethod
+    def forward(ctx: FunctionCtx, y: torch.Tensor, weight: torch.Tensor, token: torch.Tensor,
+                tokens: int) -> torch.Tensor:
+        out = y.new_zeros(tokens, y.shape[1])
+        out.index_add_(0, token, y * weight.unsqueeze(1))
+        ctx.save_for_backward(y, weight, token)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        y, weight, token = ctx.saved_tensors
+        rows = grad.index_select(0, token)                                   # (rows, d)
+        grad_weight = torch.linalg.vecdot(rows, y) if ctx.needs_input_grad[1] else None
+        grad_y = rows.mul_(weight.unsqueeze(1)) if ctx.needs_input_grad[0] else None
+        return grad_y, grad_weight, None, None
+
+
 def combine(y: torch.Tensor, routing: Routing, scores: torch.Tensor) -> torch.Tensor:
     """``out[t] = sum_s scores[t, s] * y[row of slot (t, s)]``; dropped slots add nothing.
 
@@ -100,10 +125,9 @@ def combine(y: torch.Tensor, routing: Routing, scores: torch.Tensor) -> torch.Te
         y: (rows, d) expert outputs in ``routing.slots`` order.
         scores: (tokens, top_k).
     """
-    tokens, top_k = routing.tokens, routing.top_k
-    per_slot = y.new_zeros(tokens * top_k, y.shape[1]).index_copy(0, routing.slots, y)
-    out = torch.bmm(scores.to(y.dtype).unsqueeze(1), per_slot.view(tokens, top_k, y.shape[1]))
-    return out.squeeze(1)                                                  # (tokens, d)
+    weight = scores.reshape(-1).index_select(0, routing.slots).to(y.dtype)  # (rows,)
+    out: torch.Tensor = _Combine.apply(y, weight, routing.token_of_row, routing.tokens)
+    return out                                                               # (tokens, d)
 
 
 def _streamed(x: torch.Tensor, routing: Routing, scores: torch.Tensor,

@@ -3,11 +3,13 @@
 Rows arrive as contiguous per-expert slices (``counts[i]`` rows for local expert
 ``i``). The default expert, a two-layer GELU MLP, keeps every expert's weights
 stacked, ``w1`` (experts, d_model, d_hidden) and ``w2`` (experts, d_hidden,
-d_model), and runs all of them in one grouped matmul (``torch._grouped_mm``
-where this torch, device and dtype have it, else one ``addmm`` per expert
-slice). Its backward is written out: it saves only the input and the
-pre-activation (GELU is recomputed), and works through the experts in chunks
-of rows, so no full-width temporary of every row is held at once.
+d_model), and runs all of them in one autograd function: a grouped matmul
+(``torch._grouped_mm``) on GPUs where it runs, else, and on the CPU, one
+``addmm`` per expert slice written in place (torch's CPU grouped matmul is
+itself one GEMM per group, with no fused bias and no output buffer). The
+backward is written out: it saves only the input and the pre-activation (GELU
+is recomputed), writes gradients in place, and works through the experts in
+chunks of rows, so no full-width temporary of every row is held at once.
 
 Any other expert is a module factory ``f(d_model) -> nn.Module``; those run one
 call per local expert on its slice.
@@ -60,35 +62,60 @@ def _offsets(counts: Sequence[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(list(counts), dtype=torch.int64).cumsum(0).to(device, torch.int32)
 
 
-def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
-    """Rows of expert i times its matrix: (rows, a) x (experts, a, b) -> (rows, b).
+def _use_grouped(grouped: bool | None, *tensors: torch.Tensor) -> bool:
+    # By default the grouped kernel runs off the CPU only: on the CPU torch runs it as one
+    # GEMM per group anyway, without a fused bias or an output buffer, so per-expert
+    # addmm into place does the same arithmetic with fewer passes over memory.
+    t = tensors[0]
+    if grouped is False or (grouped is None and t.device.type == "cpu"):
+        return False
+    return _grouped_mm_works(t.device.type, t.dtype) and _aligned(*tensors)
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: Sequence[int], *,
+               bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
+               grouped: bool | None = None) -> torch.Tensor:
+    """Rows of expert i times its matrix, plus its bias: (rows, a) x (experts, a, b) -> (rows, b).
+
+    ``torch._grouped_mm`` where it runs off the CPU (``grouped=True`` asks for it
+    anywhere it runs, False never); else one ``addmm`` per expert slice, written
+    into ``out`` in place.
 
     >>> x, w = torch.ones(3, 2), torch.stack([torch.eye(2), 2 * torch.eye(2)])
     >>> grouped_mm(x, w, [1, 2]).tolist()
     [[1.0, 1.0], [2.0, 2.0], [2.0, 2.0]]
     """
-    if _grouped_mm_works(x.device.type, x.dtype) and _aligned(x, w):
-        return torch._grouped_mm(x, w, offs=_offsets(counts, x.device))
-    out = x.new_empty(x.shape[0], w.shape[2])
-    start = 0
-    for i, n in enumerate(counts):
-        torch.mm(x[start:start + n], w[i], out=out[start:start + n])
-        start += n
-    return out
-
-
-def _grouped_mm_t(a: torch.Tensor, g: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
-    """Per-expert ``a_i^T g_i``: (rows, p) and (rows, q) -> (experts, p, q) (weight gradients)."""
-    at = a.t()
-    if _grouped_mm_works(a.device.type, a.dtype) and _aligned(at, g):
-        return torch._grouped_mm(at, g, offs=_offsets(counts, a.device))
-    out = a.new_zeros(len(counts), a.shape[1], g.shape[1])
+    if _use_grouped(grouped, x, w):
+        y = torch._grouped_mm(x, w, offs=_offsets(counts, x.device))
+        if bias is not None:
+            _add_rows(y, bias, counts)
+        return y if out is None else out.copy_(y)
+    if out is None:
+        out = x.new_empty(x.shape[0], w.shape[2])
     start = 0
     for i, n in enumerate(counts):
         if n:
-            torch.mm(at[:, start:start + n], g[start:start + n], out=out[i])
+            if bias is None:
+                torch.mm(x[start:start + n], w[i], out=out[start:start + n])
+            else:
+                torch.addmm(bias[i], x[start:start + n], w[i], out=out[start:start + n])
         start += n
     return out
+
+
+def _grouped_mm_t(a: torch.Tensor, g: torch.Tensor, counts: Sequence[int],
+                  out: torch.Tensor) -> None:
+    """Per-expert ``a_i^T g_i`` into ``out`` (experts, p, q): the weight gradients."""
+    if _use_grouped(None, a.t(), g):
+        out.copy_(torch._grouped_mm(a.t(), g, offs=_offsets(counts, a.device)))
+        return
+    start = 0
+    for i, n in enumerate(counts):
+        if n:
+            torch.mm(a[start:start + n].t(), g[start:start + n], out=out[i])
+        else:
+            out[i].zero_()
+        start += n
 
 
 def _add_rows(out: torch.Tensor, bias: torch.Tensor, counts: Sequence[int]) -> None:
@@ -99,14 +126,14 @@ def _add_rows(out: torch.Tensor, bias: torch.Tensor, counts: Sequence[int]) -> N
         start += n
 
 
-def _row_sums(g: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
-    out = g.new_zeros(len(counts), g.shape[1])
+def _row_sums(g: torch.Tensor, counts: Sequence[int], out: torch.Tensor) -> None:
     start = 0
     for i, n in enumerate(counts):
         if n:
             torch.sum(g[start:start + n], dim=0, out=out[i])
+        else:
+            out[i].zero_()
         start += n
-    return out
 
 
 def chunk_plan(counts: Sequence[int], max_rows: int) -> list[tuple[int, int, int, int]]:
@@ -142,15 +169,12 @@ class _GroupedMLP(torch.autograd.Function):
         plan = chunk_plan(counts, max_rows)
         for e0, e1, r0, r1 in plan:
             part = counts[e0:e1]
-            h = grouped_mm(x[r0:r1], w1[e0:e1], part)          # (rows, d_hidden)
-            _add_rows(h, b1[e0:e1], part)
             if h_all is not None:
-                h_all[r0:r1] = h
-                h = F.gelu(h)
-            else:
-                h = torch.ops.aten.gelu_(h)  # inference: nothing saved, no second buffer
-            y[r0:r1] = grouped_mm(h, w2[e0:e1], part)           # (rows, d_model)
-            _add_rows(y[r0:r1], b2[e0:e1], part)
+                h = grouped_mm(x[r0:r1], w1[e0:e1], part, bias=b1[e0:e1], out=h_all[r0:r1])
+                a = F.gelu(h)                                              # (rows, d_hidden)
+            else:  # inference: nothing saved, GELU in place
+                a = torch.ops.aten.gelu_(grouped_mm(x[r0:r1], w1[e0:e1], part, bias=b1[e0:e1]))
+            grouped_mm(a, w2[e0:e1], part, bias=b2[e0:e1], out=y[r0:r1])   # (rows, d_model)
         if h_all is not None:
             ctx.save_for_backward(x, h_all, w1, w2)
             ctx.counts, ctx.plan = counts, plan  # type: ignore[attr-defined]
@@ -167,12 +191,13 @@ class _GroupedMLP(torch.autograd.Function):
         for e0, e1, r0, r1 in ctx.plan:
             part = ctx.counts[e0:e1]
             h, g = h_all[r0:r1], gy[r0:r1]
-            gw2[e0:e1] = _grouped_mm_t(F.gelu(h), g, part)
-            gb2[e0:e1] = _row_sums(g, part)
-            gh = torch.ops.aten.gelu_backward(grouped_mm(g, w2[e0:e1].transpose(1, 2), part), h)
-            gw1[e0:e1] = _grouped_mm_t(x[r0:r1], gh, part)
-            gb1[e0:e1] = _row_sums(gh, part)
-            gx[r0:r1] = grouped_mm(gh, w1[e0:e1].transpose(1, 2), part)
+            _grouped_mm_t(F.gelu(h), g, part, out=gw2[e0:e1])
+            _row_sums(g, part, out=gb2[e0:e1])
+            gh = grouped_mm(g, w2[e0:e1].transpose(1, 2), part)            # grad of GELU out
+            torch.ops.aten.gelu_backward.grad_input(gh, h, grad_input=gh)   # grad of its input
+            _grouped_mm_t(x[r0:r1], gh, part, out=gw1[e0:e1])
+            _row_sums(gh, part, out=gb1[e0:e1])
+            grouped_mm(gh, w1[e0:e1].transpose(1, 2), part, out=gx[r0:r1])
         return gx, None, None, None, gw1, gb1, gw2, gb2
 
 
