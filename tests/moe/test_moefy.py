@@ -14,7 +14,7 @@ def test_gpt_blocks_get_moe_feed_forwards():
     model = moefy(GPT(seq_len=8, d_model=16, layers=4, heads=2), 4, every=2, gate="gshard")
     kinds = [type(b.mlp).__name__ for b in model.blocks]
     assert kinds == ["MoE", "FeedForward", "MoE", "FeedForward"]
-    assert model.h0.mlp.experts.d_hidden == 64  # the replaced block's width
+    assert model.h0.mlp.experts[0].fc.out_features == 64  # the replaced block's width
     logits = model(torch.randint(0, 256, (2, 8)))
     (logits.mean() + aux_loss(model)).backward()
     assert model.h0.mlp.gate.wg.weight.grad is not None
@@ -30,7 +30,7 @@ def test_torch_encoder_layers(norm_first):
                     top_k=2)
     first = encoder.layers[0]
     assert isinstance(first.moe, MoE) and not hasattr(first, "linear1")
-    assert "layers.0.moe.experts.w1" in encoder.state_dict()
+    assert "layers.0.moe.experts.0.fc.weight" in encoder.state_dict()
     x = torch.randn(2, 5, 16)
     y = encoder(x)
     # the layer by hand: attention block, then the MoE block

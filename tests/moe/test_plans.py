@@ -118,10 +118,14 @@ def test_grouped_kernel_and_per_expert_path_agree(monkeypatch):
         bank.zero_grad()
         x.grad = None
         bank(x, counts).backward(gy)
-        return [x.grad.clone()] + [p.grad.clone() for p in bank.parameters()]
+        return [x.grad.clone()] + [p.grad for p in bank.parameters()]
 
     per_expert = run()
     assert experts._grouped_mm_works("cpu", torch.float32)  # torch 2.13 has it on the CPU
     monkeypatch.setattr(experts, "_use_grouped", lambda grouped, *t: experts._aligned(*t))
     for a, b in zip(per_expert, run()):
-        assert torch.allclose(a, b, atol=1e-5)
+        if a is None:  # expert 1 had no rows: no gradient either way
+            assert b is None
+        else:
+            assert torch.allclose(a, b, atol=1e-5)
+    assert all(p.grad is None for p in bank[1].parameters())

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from ..moe import MoE, gate_names, moefy
-from .gpt import GPT
+from .gpt import GPT, _init_weights
 
 __all__ = ["GPTMoEOptions", "gpt_moe"]
 
@@ -58,10 +58,5 @@ def gpt_moe(*, vocab: int = 256, seq_len: int = 64, d_model: int = 128, layers: 
           z_loss_weight=z_loss)
     for module in model.modules():
         if isinstance(module, MoE):
-            nn.init.normal_(module.gate.wg.weight, mean=0.0, std=0.02)
-            for name, p in module.experts.named_parameters():
-                if name.rsplit(".", 1)[-1].startswith("w"):
-                    nn.init.normal_(p, mean=0.0, std=0.02)
-                else:
-                    nn.init.zeros_(p)
+            module.apply(_init_weights)  # the gate and every expert, as GPT starts a Linear
     return model
