@@ -268,13 +268,12 @@ class ExpertMLP(ExpertList):
         holds no more than a per-expert loop would."""
         return max(1, self.chunk_rows // 4)
 
-    def forward(self, x: torch.Tensor, counts: Sequence[int],  # type: ignore[override]
-                first: int = 0) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, counts: Sequence[int], first: int = 0) -> torch.Tensor:
         """(rows, d_model) sorted by local expert, ``counts[i]`` rows each -> (rows, d_model).
 
         ``first``: the rows belong to local experts ``first .. first+len(counts)-1``.
         """
-        experts = list(self)[first:first + len(counts)]
+        experts: list[FeedForwardExpert] = list(self)[first:first + len(counts)]  # type: ignore
         params = [t for e in experts for t in (e.fc.weight, e.fc.bias, e.proj.weight,
                                                 e.proj.bias)]
         save = torch.is_grad_enabled() and (x.requires_grad or
