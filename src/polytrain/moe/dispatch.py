@@ -9,11 +9,13 @@ The path of one MoE forward (FastMoE's, arXiv 2103.13262)::
       -> exchange:  all-to-all of rows, split by owner rank      source-major
       -> permute:   expert-major, each local expert's rows contiguous
       -> experts:   all local experts at once
-      -> back:      permute back, all-to-all back, scatter into slots
+      -> back:      permute back, all-to-all back                (R, d)
       -> combine:   out[t] = sum_s scores[t, s] * y[t, s]         dropped slots: 0
 
 Every step is differentiable: the gather's adjoint sums the top-k copies'
-gradients, the exchanges' adjoints are the reverse exchanges.
+gradients, the exchanges' adjoints are the reverse exchanges. Inference with
+every expert local streams instead: gather, compute and add back a chunk of
+experts at a time.
 """
 
 from __future__ import annotations
