@@ -1,5 +1,6 @@
-"""Strategies: the contract, the registry, and the reference strategies ``single`` and ``ddp``."""
+"""Strategies: the contract, the registry, the references ``single`` and ``ddp``, and ``byteps``."""
 
+from . import byteps as _byteps  # noqa: F401 - registers "byteps"
 from . import ddp as _ddp  # noqa: F401 - registers "ddp"
 from . import single as _single  # noqa: F401 - registers "single"
 from .base import (
