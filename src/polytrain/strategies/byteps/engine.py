@@ -179,7 +179,7 @@ class SumEngine:
             t = tensors[p.tensor]
             t.parts.append(_Part(p, owner, self.local[h], t))
             shape = "x".join(map(str, t.spec.shape)) or "scalar"
-            decl = Declaration(key=p.key, kind=int(Kind.SUM), name=f"{p.name} ({shape}) {p.label}",
+            decl = Declaration(key=p.key, kind=int(Kind.SUM), name=f"{p.label} of {shape}",
                                numel=p.numel, dtype=str(p.dtype), pushers=self.ctx.num_nodes,
                                pullers=self.ctx.num_nodes)
             self.ctx.ps_client.declare(decl, owner)

@@ -155,11 +155,14 @@ def _fill(parts: Sequence[Partition], targets: dict[int, float]
           ) -> list[tuple[Partition, int]]:
     """Give each partition, in order, to the server furthest below its target; cut it there.
 
-    Declaration order interleaves layers over servers; a partition larger than
-    the neediest server's deficit is cut so that server's bytes meet its target
-    exactly (to the element), so every server of a kind ends within one
-    element of its share, whatever the tensor sizes.
+    "Furthest" is relative (the largest fraction of its target still missing),
+    a weighted round robin, so consecutive layers go to different servers and
+    a burst of ready gradients spreads over every server. A partition larger
+    than that server's deficit is cut so the server meets its target to the
+    element; pieces are never cut under MIN_SPLIT_BYTES, so every server ends
+    within about that of its share, whatever the tensor sizes.
     """
+    targets = {s: t for s, t in targets.items() if t > 0}
     deficit = dict(targets)
     servers = sorted(deficit)
     out: list[tuple[Partition, int]] = []
@@ -170,7 +173,7 @@ def _fill(parts: Sequence[Partition], targets: dict[int, float]
             left = part.numel - start
             # Servers that can still take a piece worth a header; else the neediest one.
             open_ = [s for s in servers if deficit[s] >= MIN_SPLIT_BYTES] or servers
-            s = max(open_, key=lambda s: (deficit[s], -s))
+            s = max(open_, key=lambda s: (deficit[s] / targets[s], -s))
             fits = int(deficit[s] // itemsize)
             whole = (fits >= left or fits * itemsize < MIN_SPLIT_BYTES
                      or (left - fits) * itemsize < MIN_SPLIT_BYTES)
