@@ -12,7 +12,7 @@ TINY = {"seq_len": 16, "d_model": 32, "layers": 2}
 def test_staleness_zero_with_sgd_ends_where_single_ends():
     # Each worker pushes (w - lr g_i) - w scaled by 1/workers and pulls after every push of
     # the step: w - lr mean(g_i), the synchronous SGD step (up to float32 rounding).
-    c = TrainConfig(strategy="byteps", workers=4, nodes=2, servers=1, steps=5, batch_size=8,
+    c = TrainConfig(strategy="byteps", workers=2, nodes=2, servers=1, steps=5, batch_size=8,
                     optimizer="sgd", lr=0.05, model_options=TINY,
                     strategy_options={"async_": True})
     _, single = run_config(single_of(c))
@@ -26,7 +26,7 @@ def test_staleness_zero_with_sgd_ends_where_single_ends():
 def test_bounded_staleness_reaches_the_synchronous_loss():
     # The GPT task shrunk to fit the test budget (the README reports the default task).
     # Synchronous BytePS ends where single ends (test_sync), so single stands in for it.
-    c = TrainConfig(strategy="byteps", workers=2, nodes=2, servers=1, steps=60, batch_size=16,
+    c = TrainConfig(strategy="byteps", workers=2, nodes=2, servers=1, steps=40, batch_size=16,
                     optimizer="adam", lr=3e-3, model_options=TINY,
                     strategy_options={"async_": True, "staleness": 2})
     sync, _ = run_config(single_of(c))

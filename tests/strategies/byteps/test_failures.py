@@ -35,11 +35,11 @@ def train_until_a_server_is_killed(directory: str, victim: int) -> None:
 
 @pytest.mark.timeout(60)
 def test_a_colocated_server_killed_mid_run_stops_the_run_naming_it(tmp_path):
-    # Ranks: workers 0-3 on node0 and node1, colocated servers 4 (node0) and 5 (node1),
-    # then the CPU machine's server 6.
+    # Ranks: workers 0 (node0) and 1 (node1), colocated servers 2 (node0) and 3 (node1),
+    # then the CPU machine's server 4.
     start = time.monotonic()
-    with pytest.raises(LaunchError, match=r"server rank 5 \(machine node1\) failed: killed by "
+    with pytest.raises(LaunchError, match=r"server rank 3 \(machine node1\) failed: killed by "
                                           r"SIGKILL"):
-        spawn(train_until_a_server_is_killed, workers=4, nodes=2, servers=1, colocated=1,
-              args=(str(tmp_path), 5))
+        spawn(train_until_a_server_is_killed, workers=2, nodes=2, servers=1, colocated=1,
+              args=(str(tmp_path), 3))
     assert time.monotonic() - start < 30

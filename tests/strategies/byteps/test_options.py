@@ -14,9 +14,11 @@ def parse(*args):
 
 def test_flags_become_the_strategys_options():
     c = parse("--workers", "4", "--nodes", "2", "--servers", "1", "--no-colocate",
-              "--partition-bytes", "1000", "--credit-bytes", "0", "--async", "--staleness", "2")
+              "--partition-bytes", "1000", "--fuse-bytes", "0", "--credit-bytes", "0", "--async",
+              "--staleness", "2")
     assert dict(c.strategy_options) == {"colocate": False, "partition_bytes": 1000,
-                                        "credit_bytes": 0, "async_": True, "staleness": 2}
+                                        "fuse_bytes": 0, "credit_bytes": 0, "async_": True,
+                                        "staleness": 2}
     assert parse().strategy_options == {}
 
 
@@ -33,6 +35,7 @@ def test_the_layout_has_a_colocated_server_per_machine_unless_told_otherwise():
     ({"async_": True, "staleness": -1}, r"--staleness must be 0 or more"),
     ({"partition_bytes": 0}, r"--partition-bytes must be at least 8"),
     ({"credit_bytes": -5}, r"--credit-bytes must be 0 \(no bound\) or more"),
+    ({"fuse_bytes": -1}, r"--fuse-bytes must be 0 \(no fusion\) or more"),
 ])
 def test_bad_options_are_refused_with_a_hint(options, message):
     with pytest.raises(ConfigError, match=message):

@@ -48,9 +48,9 @@ def test_byteps_ends_where_single_ends(nodes, workers, servers, optimizer):
 
 @pytest.mark.timeout(120)
 def test_the_classic_parameter_server_with_tiny_partitions_ends_where_single_ends():
-    # --no-colocate sends every partition to the CPU server; 1000-byte partitions cut each
-    # weight into several keys, and a credit of two partitions holds the rest back.
-    c = config(1, 2, 1, colocate=False, partition_bytes=1000, credit_bytes=2000)
+    # --no-colocate sends every partition to the CPU server; no fusion and 1000-byte
+    # partitions cut each weight into several keys, a credit of two partitions holds the rest.
+    c = config(1, 2, 1, colocate=False, partition_bytes=1000, fuse_bytes=0, credit_bytes=2000)
     _, single = run_config(single_of(c))
     metrics, distributed = run(c)
     assert max_abs_diff(single, distributed) < TOLERANCE["sgd"]
@@ -72,8 +72,10 @@ def machines(metrics, kind):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("nodes, workers, servers", [(2, 4, 1), (2, 4, 2), (3, 3, 1), (3, 3, 2)])
+@pytest.mark.parametrize("nodes, workers, servers", [(2, 2, 1), (2, 4, 2), (3, 3, 1), (3, 3, 2)])
 def test_every_machine_moves_t_opt_bytes_per_step(nodes, workers, servers):
+    # (2, 4, 2) and (3, 3, 2) are the transparency runs above; (2, 4, 2) also reduces inside
+    # each machine first, which must add no bytes between machines.
     metrics, _ = run(config(nodes, workers, servers))
     expected = t_opt(nodes, servers) * metrics["model_bytes"]
     assert len(machines(metrics, "worker")) == nodes

@@ -167,8 +167,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 - ByteP
     ``backward_passes_per_step`` passes: gradient accumulation); ``step()``
     waits for the sums, averages them over workers and runs ``optimizer``.
     Works with CUDA parameters (the servers stay on CPU). ``options`` are the
-    strategy's (:class:`BytePSOptions`: ``partition_bytes``, ``colocate``,
-    ``credit_bytes``, ``async_``, ``staleness``). Launch with colocated servers
+    strategy's (:class:`BytePSOptions`: ``partition_bytes``, ``fuse_bytes``,
+    ``colocate``, ``credit_bytes``, ``async_``, ``staleness``). Launch with colocated servers
     (``polytrain launch --colocated 1``) and/or ``--servers K``.
 
     Example::
@@ -189,4 +189,5 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 - ByteP
         return AsyncOptimizer(optimizer, engine=engine, named_parameters=named_parameters,
                               staleness=opts.staleness)
     return _SyncOptimizer(optimizer, engine=engine, named_parameters=named_parameters,
-                          backward_passes_per_step=backward_passes_per_step)
+                          backward_passes_per_step=backward_passes_per_step,
+                          fuse_bytes=opts.fuse_bytes)

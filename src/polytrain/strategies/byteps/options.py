@@ -6,10 +6,12 @@ from dataclasses import dataclass, field
 
 from ...errors import ConfigError
 
-__all__ = ["BytePSOptions", "DEFAULT_PARTITION_BYTES", "DEFAULT_CREDIT_BYTES"]
+__all__ = ["BytePSOptions", "DEFAULT_PARTITION_BYTES", "DEFAULT_CREDIT_BYTES",
+           "DEFAULT_FUSE_BYTES"]
 
 DEFAULT_PARTITION_BYTES = 4_096_000  # BytePS's BYTEPS_PARTITION_BYTES
 DEFAULT_CREDIT_BYTES = 2 * DEFAULT_PARTITION_BYTES
+DEFAULT_FUSE_BYTES = 262_144
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -19,6 +21,9 @@ class BytePSOptions:
     Args:
         partition_bytes: tensors are cut into partitions of at most this many bytes
             (default 4,096,000, as BytePS).
+        fuse_bytes: consecutive tensors travel as one until the group holds this many
+            bytes, so small norms and biases do not each pay a request (default 262,144;
+            0: every tensor on its own, as the reference).
         colocate: run a summation server on every worker machine and give it Theorem 1's
             share (default True); False is the classic parameter server.
         credit_bytes: at most this many bytes pushed and not yet left, so that earlier
@@ -31,6 +36,9 @@ class BytePSOptions:
 
     partition_bytes: int = field(default=DEFAULT_PARTITION_BYTES, metadata={
         "help": "largest partition of a tensor in bytes (default 4096000)", "metavar": "B"})
+    fuse_bytes: int = field(default=DEFAULT_FUSE_BYTES, metadata={
+        "help": "fuse consecutive tensors until a group holds this many bytes (default "
+                "262144; 0: no fusion)", "metavar": "B"})
     colocate: bool = field(default=True, metadata={
         "help": "no summation server on the worker machines: everything on --servers (a "
                 "classic parameter server)"})
@@ -47,6 +55,9 @@ class BytePSOptions:
         if self.partition_bytes < 8:
             raise ConfigError(f"--partition-bytes must be at least 8 (got {self.partition_bytes})",
                               "pass --partition-bytes 4096000 (BytePS's default)")
+        if self.fuse_bytes < 0:
+            raise ConfigError(f"--fuse-bytes must be 0 (no fusion) or more (got "
+                              f"{self.fuse_bytes})", "pass --fuse-bytes 262144, or 0")
         if self.credit_bytes < 0:
             raise ConfigError(f"--credit-bytes must be 0 (no bound) or more (got "
                               f"{self.credit_bytes})", "pass --credit-bytes 8192000")

@@ -21,11 +21,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from ...comm.bucket import Bucket
 from ...comm.partition import Partition, TensorSpec, partition
 from ...errors import ConfigError
 from ...ps.placement import Placement
 
-__all__ = ["Shares", "optimal_shares", "Plan", "plan_placement", "MIN_SPLIT_BYTES"]
+__all__ = ["Shares", "optimal_shares", "Plan", "plan_placement", "plan_fusion", "MIN_SPLIT_BYTES"]
 
 #: A partition is cut at an owner's boundary only into pieces of at least this many bytes,
 #: so a piece is never dwarfed by its 64-byte request header.
@@ -242,3 +243,49 @@ def plan_placement(specs: Sequence[TensorSpec], *, partition_bytes: int, machine
         owners.append(owner)
     placement = Placement(tuple(final), tuple(owners))
     return Plan(shares, placement, _balance_handlers(final, local_workers), tuple(specs))
+
+
+def plan_fusion(specs: Sequence[TensorSpec], fuse_bytes: int) -> tuple[Bucket, ...]:
+    """Fuse consecutive tensors until a group holds at least ``fuse_bytes`` (then cut it).
+
+    Every partition costs a request header and a round of messages whatever
+    its size, so a layer's small tensors (norms, biases) travel with their
+    neighbours; a group is then cut into partitions of at most
+    ``partition_bytes`` like any tensor. ``fuse_bytes=0`` keeps every tensor on
+    its own (the reference's behaviour). Groups follow declaration order, so
+    earlier layers still go first; a change of dtype closes a group.
+
+    Example::
+
+        >>> import torch
+        >>> s = [TensorSpec(n, (k,), torch.float32) for n, k in [("w", 100), ("b", 4), ("v", 9)]]
+        >>> [b.members for b in plan_fusion(s, fuse_bytes=400)]
+        [(0,), (1, 2)]
+    """
+    if fuse_bytes < 0:
+        raise ConfigError(f"fuse_bytes must be 0 (no fusion) or more (got {fuse_bytes})",
+                          "pass --fuse-bytes 262144, or 0")
+    buckets: list[Bucket] = []
+    members: list[int] = []
+
+    def close() -> None:
+        if members:
+            offsets = [sum(specs[m].numel for m in members[:i]) for i in range(len(members))]
+            numel = sum(specs[m].numel for m in members)
+            nbytes = sum(specs[m].nbytes for m in members)
+            buckets.append(Bucket(len(buckets), tuple(members), tuple(offsets), numel,
+                                  specs[members[0]].dtype, nbytes))
+            members.clear()
+
+    size = 0
+    for i, spec in enumerate(specs):
+        if members and spec.dtype != specs[members[0]].dtype:
+            close()
+            size = 0
+        members.append(i)
+        size += spec.nbytes
+        if size >= fuse_bytes:
+            close()
+            size = 0
+    close()
+    return tuple(buckets)

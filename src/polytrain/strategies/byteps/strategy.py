@@ -77,7 +77,8 @@ class BytePS(Strategy):
                                             staleness=opts.staleness)
         else:
             self.optimizer = DistributedOptimizer(optimizer, engine=self.engine,
-                                                  named_parameters=named)
+                                                  named_parameters=named,
+                                                  fuse_bytes=opts.fuse_bytes)
         return model, self.optimizer
 
     def state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
