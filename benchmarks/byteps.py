@@ -111,7 +111,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax.set_xticks(list(xs), names)
     ax.set_ylabel("bytes per machine per step (units of M)")
     ax.set_title("traffic of the busiest machine of each kind")
-    ax.legend(fontsize=8)
+    ax.set_ylim(0, 1.25 * max(measured_w + measured_s + [1.0]))
+    ax.legend(fontsize=8, loc="upper right")
 
     ax = axes[2]
     table = result["cluster"]
@@ -131,7 +132,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="tiny model, 4 steps, 1 round")
-    p.add_argument("--rounds", type=int, default=3, help="alternating rounds (default 3)")
+    p.add_argument("--rounds", type=int, default=5, help="alternating rounds (default 5)")
     p.add_argument("--steps", type=int, default=30, help="steps per run (default 30)")
     p.add_argument("--batch-size", type=int, default=32, help="global batch (default 32)")
     p.add_argument("--workers", type=int, default=4)

@@ -133,7 +133,7 @@ class SumEngine:
     Args:
         ctx: the run. partition_bytes: largest partition (BytePS's default 4,096,000).
         colocate: place a share on the servers of the worker machines (False: classic PS).
-        credit_bytes: bytes pushed but not yet pulled back, at most (0: no bound).
+        credit_bytes: bytes handed to the network and not yet sent, at most (0: no bound).
     """
 
     def __init__(self, ctx: Context, *, partition_bytes: int = 4_096_000, colocate: bool = True,
@@ -222,9 +222,11 @@ class SumEngine:
                             buf, peer, tag, f"local piece of {p.part.label}")))
                 self.queue.put(p.part.key, p.part.nbytes, _Task(p, rnd, piece, contributions, out))
             else:
-                t.recvs.append(transport.irecv(out, p.handler, tag, f"local sum of {p.part.label}"))
-                t.sends.append(transport.isend(piece, p.handler, tag,
-                                               f"local piece of {p.part.label}"))
+                recv = transport.irecv(out, p.handler, tag, f"local sum of {p.part.label}")
+                send = transport.isend(piece, p.handler, tag, f"local piece of {p.part.label}")
+                with self._lock:  # the completer adds its sends to the same list
+                    t.recvs.append(recv)
+                    t.sends.append(send)
         if not mine:
             t.done.set()
 
