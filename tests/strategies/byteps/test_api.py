@@ -68,7 +68,7 @@ def use_the_api():
     starts, ends = [], []
     for step in range(5):
         if w == 1:
-            time.sleep(0.3)
+            time.sleep(0.5)
         starts.append(time.time())
         xs, ys = micro_batches(step)
         aopt.zero_grad()
