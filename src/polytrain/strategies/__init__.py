@@ -1,5 +1,6 @@
-"""Strategies: the contract, the registry, ``single`` and ``ddp`` (the references), ``moe``."""
+"""Strategies: the contract, the registry, the references ``single`` and ``ddp``, the methods."""
 
+from . import byteps as _byteps  # noqa: F401 - registers "byteps"
 from . import ddp as _ddp  # noqa: F401 - registers "ddp"
 from . import moe as _moe  # noqa: F401 - registers "moe"
 from . import single as _single  # noqa: F401 - registers "single"
