@@ -1,6 +1,7 @@
 """Strategies: the contract, the registry, and the reference strategies ``single`` and ``ddp``."""
 
 from . import ddp as _ddp  # noqa: F401 - registers "ddp"
+from . import hetpipe as _hetpipe  # noqa: F401 - registers "hetpipe"
 from . import single as _single  # noqa: F401 - registers "single"
 from .base import (
                    NoOptions,
