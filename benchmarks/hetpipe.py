@@ -6,7 +6,7 @@ HetPipe trains with each allocation policy (np, ed, hd), its partitioner's cut
 and N_m, and WSP through one parameter server. Runs alternate (ddp, np, ed, hd,
 ddp, ...) so machine noise hits them alike; ratios are medians over repeats.
 
-    ./dev bench hetpipe            # default: 2 repeats of 300 steps (~10 minutes)
+    ./dev bench hetpipe            # default: 2 repeats of 300 steps (~10-15 minutes)
     ./dev bench hetpipe --quick    # 1 repeat of 40 steps (a smoke run)
 
 Saves benchmarks/results/hetpipe.json and hetpipe.png (loss against time).
@@ -27,7 +27,7 @@ import torch
 from polytrain import TrainConfig
 from polytrain.launch import Launcher
 from polytrain.models import get_model
-from polytrain.pipeline import parse_cluster, profile_model
+from polytrain.pipeline import parse_cluster, plan_hetpipe, profile_model
 from polytrain.train import train
 
 DEVICES = "m0:fast*2,m1:slow*2"
@@ -91,7 +91,6 @@ def predicted(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"ddp_step_s": ddp_step}
     for policy in POLICIES:
         cfg = config_for(policy, args)
-        from polytrain.pipeline import plan_hetpipe
         plan = plan_hetpipe(parse_cluster(DEVICES), profile, policy=policy,
                             global_batch=args.batch_size, state_factor=2,
                             staleness=args.staleness)
@@ -106,7 +105,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--staleness", type=int, default=1, help="WSP's D for HetPipe")
     p.add_argument("--smooth", type=int, default=20, help="moving-average window of losses")
     args = p.parse_args()
@@ -127,16 +126,24 @@ def main() -> int:
             runs[name].append(m)
             print(f"repeat {r}: {name:>4}: {m['samples_per_s']:7.1f} samples/s, final loss "
                   f"{m['final_loss']:.3f}, {m['launch_wall_s']:.0f} s", file=sys.stderr)
-    # The fixed loss: the highest of the runs' best smoothed losses, so every run reaches it.
+    # The fixed loss: the highest of the runs' best smoothed losses, so every run reaches it;
+    # and a ladder of losses, to show where the asynchronous runs fall behind.
     curves = {n: [smooth(m["losses"], args.smooth) for m in ms] for n, ms in runs.items()}
     target = max(min(c[args.smooth:] or c) for cs in curves.values() for c in cs)
+    ladder = [x / 10 for x in range(36, 19, -2)]
     rows: dict[str, Any] = {}
     for name, ms in runs.items():
         tput = statistics.median(m["samples_per_s"] for m in ms)
         ttl = [time_to(target, timeline(m), c) for m, c in zip(ms, curves[name])]
         reached = [t for t in ttl if t is not None]
+        levels = {}
+        for level in ladder:
+            ts = [time_to(level, timeline(m), c) for m, c in zip(ms, curves[name])]
+            levels[f"{level:.1f}"] = statistics.median(ts) if all(t is not None for t in ts) \
+                else None  # type: ignore[type-var]
         rows[name] = {"samples_per_s": tput, "time_to_target_s": (
             statistics.median(reached) if len(reached) == len(ttl) else None),
+            "time_to_loss_s": levels,
             "final_smoothed_loss": statistics.median(c[-1] for c in curves[name]),
             "samples_per_s_runs": [m["samples_per_s"] for m in ms], "time_to_target_runs": ttl}
     base = rows["ddp"]
@@ -151,10 +158,19 @@ def main() -> int:
         x_ttl = f"{row['time_to_target_vs_ddp']:.2f}" if row["time_to_target_vs_ddp"] else "-"
         print(f"{name:<6} {row['samples_per_s']:10.1f} {row['throughput_vs_ddp']:7.2f} "
               f"{ttl_text:>16} {x_ttl:>7} {row['final_smoothed_loss']:11.3f} {pred:12.2f}")
+    print("\nseconds to reach a smoothed loss (median over repeats; - : not reached)")
+    print(f"{'run':<6} " + " ".join(f"{level:>6.1f}" for level in ladder))
+    for name, row in rows.items():
+        cells = [row["time_to_loss_s"][f"{level:.1f}"] for level in ladder]
+        print(f"{name:<6} " + " ".join(f"{c:6.1f}" if c is not None else f"{'-':>6}"
+                                        for c in cells))
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = {"devices": DEVICES, "model_options": MODEL, "batch_size": args.batch_size,
            "optimizer": "adam", "lr": args.lr, "steps": args.steps, "repeats": args.repeats,
            "staleness": args.staleness, "smooth_window": args.smooth, "target_loss": target,
+           "note": "time axis: worker 0's cumulative step times after the first step (for "
+                   "hetpipe, stage 0 of virtual worker 0, whose step t ends within a step of "
+                   "the last stage's loss of step t)",
            "predicted": model, "results": rows,
            "runs": {n: [{"losses": m["losses"], "step_times": m["step_times"],
                          "samples_per_s": m["samples_per_s"], "wall_time_s": m["wall_time_s"],

@@ -105,7 +105,7 @@ def reference(inflight: int, count: int) -> tuple[dict, list[float]]:
             out = functional_call(stages[j], weights, (x,))
             if j == 1:
                 out = loss_fn(out, batches[m][1])
-                losses[m] = float(out)
+                losses[m] = float(out.detach())
             saved[(j, m)] = (weights, x, out)
         else:
             weights, x, out = saved.pop((j, m))
