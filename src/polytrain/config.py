@@ -94,6 +94,7 @@ class TrainConfig:
         options = make_options(cls, dict(self.strategy_options))
         layout = self.layout()
         cls.check_layout(layout, options)
+        cls.check_model(model, layout, options)
         check_divisible(self.batch_size, cls.replicas(layout, options))
         self._check_devices(model)
 

@@ -134,7 +134,11 @@ class Context:
                 f.write(label)
 
     def new_group(self, ranks: Sequence[int], *, cuda: bool = False) -> Any:
-        """A process group of ``ranks`` that only its members create (others need not call)."""
+        """A process group of ``ranks`` that only its members create (others need not call).
+
+        torch names such a group by its ranks and the number of groups each member
+        holds, so its members must have created equally many groups since init().
+        """
         backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
         return dist.new_group(sorted(ranks), backend=backend,
                               timeout=datetime.timedelta(seconds=self.timeout_s),
@@ -282,7 +286,26 @@ def _make_groups(topology: Topology, rank: int, cuda: bool, timeout: float) -> G
             local = g
     leaders = group(topology.leaders)
     service = group(range(topology.world_size), "gloo")
-    return Groups(workers=workers, local=local, leaders=leaders, service=service)
+    made = Groups(workers=workers, local=local, leaders=leaders, service=service)
+    _even_group_counts(1 + sum(g is not None for g in (workers, local, leaders, service)),
+                       rank, td)
+    return made
+
+
+def _even_group_counts(held: int, rank: int, timeout: datetime.timedelta) -> None:
+    """Make every rank hold as many process groups as the rank that holds most.
+
+    torch names a members-only group (``use_local_synchronization``) by its ranks
+    and the number of groups the calling process holds; a group only its members
+    create (non-members of the groups above register none) would get different
+    names on, say, a leader and a non-leader, and their rendezvous would hang.
+    Padding with groups of one rank evens the counts, so :meth:`Context.new_group`
+    works among any ranks that have created as many groups since.
+    """
+    counts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(counts, held)
+    for _ in range(max(counts) - held):
+        dist.new_group([rank], backend="gloo", timeout=timeout, use_local_synchronization=True)
 
 
 def _mark_failed(kind: type[BaseException], value: BaseException, tb: Any) -> None:

@@ -71,10 +71,13 @@ def add_option_flags(parser: Any, owners: Iterable[tuple[str, type]]) -> dict[st
     return flags
 
 
-def given_options(ns: argparse.Namespace, owner: str, options_cls: type,
-                  flags: dict[str, OptionFlag]) -> dict[str, Any]:
-    """The flags given on the command line for ``owner``; another owner's flag is refused."""
-    mine = {f.name for f in dataclasses.fields(options_cls)}
+def given_options(ns: argparse.Namespace, owner: str, options_cls: type | None,
+                  flags: dict[str, OptionFlag], *, kind: str = "strategy") -> dict[str, Any]:
+    """The flags given on the command line for ``owner``; another owner's flag is refused.
+
+    ``kind`` names what owners are (``strategy`` or ``model``) in the error's hint.
+    """
+    mine = {f.name for f in dataclasses.fields(options_cls)} if options_cls else set()
     out: dict[str, Any] = {}
     for name, opt in flags.items():
         value = getattr(ns, name, None)
@@ -82,6 +85,7 @@ def given_options(ns: argparse.Namespace, owner: str, options_cls: type,
             continue
         if name not in mine:
             raise ConfigError(f"{opt.flag} is an option of {', '.join(opt.owners)}, not of "
-                              f"{owner!r}", f"leave it out, or pick --strategy {opt.owners[0]}")
+                              f"{kind} {owner!r}", f"leave it out, or pick --{kind} "
+                              f"{opt.owners[0]}")
         out[name] = value
     return out

@@ -8,8 +8,9 @@ from typing import Any
 
 from ..config import OPTIMIZERS, TrainConfig
 from ..data import dataset_names
+from ..errors import ConfigError
 from ..launch.launcher import Launcher
-from ..models import model_names
+from ..models import get_model, model_names
 from ..strategies.base import get_strategy, strategy_names
 from ..train import train
 from .options import OptionFlag, add_option_flags, given_options
@@ -17,6 +18,7 @@ from .options import OptionFlag, add_option_flags, given_options
 __all__: list[str] = []
 
 _flags: dict[str, OptionFlag] = {}
+_model_flags: dict[str, OptionFlag] = {}
 
 
 def add_parser(sub: Any) -> None:
@@ -62,6 +64,8 @@ def add_parser(sub: Any) -> None:
     m.add_argument("--layers", type=int, default=None,
                    help="blocks or hidden layers (default 4 for gpt, 2 for mlp)")
     m.add_argument("--heads", type=int, default=None, help="attention heads (gpt; default 4)")
+    specs = [get_model(n) for n in model_names()]
+    _model_flags.update(add_option_flags(m, [(s.name, s.options) for s in specs if s.options]))
     s = p.add_argument_group("strategy options")
     _flags.update(add_option_flags(s, [(n, get_strategy(n).Options) for n in strategy_names()]))
     p.set_defaults(run=run)
@@ -71,12 +75,21 @@ def config_from_args(ns: argparse.Namespace) -> TrainConfig:
     cls = get_strategy(ns.strategy)
     model_options = {k: getattr(ns, k) for k in ("seq_len", "d_model", "layers", "heads")
                      if getattr(ns, k) is not None}
+    model_options.update(given_options(ns, ns.model, _model_options(ns.model), _model_flags,
+                                       kind="model"))
     return TrainConfig(
         strategy=ns.strategy, model=ns.model, data=ns.data, workers=ns.workers, nodes=ns.nodes,
         servers=ns.servers, steps=ns.steps, batch_size=ns.batch_size, lr=ns.lr,
         optimizer=ns.optimizer, seed=ns.seed, out=ns.out, quiet=ns.quiet, timeout_s=ns.timeout,
         port=ns.port, device=ns.device, devices=ns.devices, model_options=model_options,
         strategy_options=given_options(ns, ns.strategy, cls.Options, _flags))
+
+
+def _model_options(name: str) -> type | None:
+    try:
+        return get_model(name).options
+    except ConfigError:
+        return None  # an unknown model: TrainConfig names the valid ones
 
 
 def run(ns: argparse.Namespace) -> int:

@@ -12,6 +12,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from .gpt import GPT
+from .gpt_moe import GPTMoEOptions, gpt_moe
 from .mlp import MLP
 
 __all__ = ["GPT", "MLP", "ModelSpec", "register_model", "get_model", "model_names"]
@@ -30,15 +31,29 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
+def _moe_aux_loss(model: nn.Module) -> torch.Tensor:
+    from ..moe import aux_loss
+
+    return aux_loss(model)
+
+
 @dataclass(frozen=True)
 class ModelSpec:
-    """A named model: how to build it, and how a window of data becomes (inputs, targets)."""
+    """A named model: how to build it, and how a window of data becomes (inputs, targets).
+
+    ``options``: a frozen dataclass whose fields are more keyword options of
+    ``build`` (the CLI makes a flag of each, as for strategy options).
+    ``aux_loss``: a term the training loss adds after each forward (e.g. MoE
+    balance losses), given the model.
+    """
 
     name: str
     build: Callable[..., nn.Module]
     split: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     description: str
+    options: type | None = None
+    aux_loss: Callable[[nn.Module], torch.Tensor] | None = None
 
     def make(self, **options: Any) -> nn.Module:
         """Build the model; options it does not take are refused by name."""
@@ -74,3 +89,6 @@ register_model(ModelSpec("gpt", GPT, _next_token, cross_entropy,
                          "GPT-style decoder predicting every next byte"))
 register_model(ModelSpec("mlp", MLP, _next_byte, cross_entropy,
                          "MLP predicting the byte after a window"))
+register_model(ModelSpec("gpt-moe", gpt_moe, _next_token, cross_entropy,
+                         "GPT whose feed-forward blocks are mixtures of experts",
+                         options=GPTMoEOptions, aux_loss=_moe_aux_loss))

@@ -1,7 +1,9 @@
-"""Strategies: the contract, the registry, and the reference strategies ``single`` and ``ddp``."""
+"""Strategies: the contract, the registry, the references ``single`` and ``ddp``, the methods."""
 
+from . import byteps as _byteps  # noqa: F401 - registers "byteps"
 from . import ddp as _ddp  # noqa: F401 - registers "ddp"
 from . import hetpipe as _hetpipe  # noqa: F401 - registers "hetpipe"
+from . import moe as _moe  # noqa: F401 - registers "moe"
 from . import single as _single  # noqa: F401 - registers "single"
 from .base import (
                    NoOptions,

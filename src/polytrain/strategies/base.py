@@ -56,6 +56,15 @@ class Strategy(ABC):
                               f"{layout.servers})", "leave out --servers")
 
     @classmethod
+    def check_model(cls, model: nn.Module, layout: Layout, options: Any) -> None:
+        """Refuse models the strategy cannot train on ``layout`` (raise ConfigError with a hint).
+
+        Called before any process starts, on the model built on the meta device.
+        Every model will do unless a strategy says otherwise.
+        """
+        return None
+
+    @classmethod
     def uses_servers(cls, options: Any) -> bool:
         return False
 

@@ -57,6 +57,12 @@ def train(config: TrainConfig) -> dict[str, Any] | None:
     model, optimizer = distribute(model, optimizer, config.strategy, ctx=ctx,
                                   **dict(config.strategy_options))
     strategy = strategy_of(model)
+    loss_fn = spec.loss
+    if spec.aux_loss is not None:
+        aux, task_loss, wrapped = spec.aux_loss, spec.loss, model
+
+        def loss_fn(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            return task_loss(outputs, targets) + aux(wrapped)
     index, count = strategy.replica
     lead = ctx is None or ctx.worker_index == 0
     batches = GlobalBatches(get_dataset(config.data), batch_size=config.batch_size,
@@ -69,7 +75,7 @@ def train(config: TrainConfig) -> dict[str, Any] | None:
         inputs = shard(inputs, index, count).to(device)
         targets = shard(targets, index, count).to(device)
         t0 = time.perf_counter()
-        loss = strategy.train_step(model, optimizer, inputs, targets, spec.loss)
+        loss = strategy.train_step(model, optimizer, inputs, targets, loss_fn)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t0)

@@ -1,0 +1,62 @@
+"""``gpt-moe``: polytrain's GPT with a mixture of experts as every block's feed-forward."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from ..moe import MoE, gate_names, moefy
+from .gpt import GPT, _init_weights
+
+__all__ = ["GPTMoEOptions", "gpt_moe"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class GPTMoEOptions:
+    """The options that make a gpt-moe model (each a ``polytrain train`` flag)."""
+
+    experts: int = field(default=8, metadata={
+        "help": "experts per MoE layer, in all (default 8)", "metavar": "E"})
+    top_k: int | None = field(default=None, metadata={
+        "help": "experts per token (default 2; switch 1)", "metavar": "K"})
+    gate: str = field(default="naive", metadata={
+        "help": "naive, noisy, gshard or switch (default naive)", "choices": gate_names(),
+        "metavar": "NAME"})
+    capacity_factor: float | None = field(default=None, metadata={
+        "help": "expert capacity factor while training (default: the gate's; gshard 1.2, "
+                "switch 1.25, naive and noisy none)", "metavar": "C"})
+    dropless: bool = field(default=False, metadata={"help": "never drop tokens for capacity"})
+    balance_loss: float | None = field(default=None, metadata={
+        "help": "weight of the gate's balance loss (default 0.01; naive has none)",
+        "metavar": "W"})
+    z_loss: float = field(default=0.0, metadata={
+        "help": "weight of the router z-loss (default 0: off)", "metavar": "W"})
+    moe_every: int = field(default=1, metadata={
+        "help": "an MoE feed-forward in every n-th block (default 1: all)", "metavar": "N"})
+
+
+def gpt_moe(*, vocab: int = 256, seq_len: int = 64, d_model: int = 128, layers: int = 4,
+            heads: int = 4, d_hidden: int | None = None, experts: int = 8,
+            top_k: int | None = None, gate: str = "naive", capacity_factor: float | None = None,
+            dropless: bool = False, balance_loss: float | None = None, z_loss: float = 0.0,
+            moe_every: int = 1) -> nn.Module:
+    """GPT (see :class:`~polytrain.models.GPT`) with :func:`~polytrain.moe.moefy` applied.
+
+    Every expert starts as GPT initialises a linear layer (normal, std 0.02; zero
+    biases), and with all experts local, so ``--strategy single`` and
+    ``--strategy moe`` build the same model from the same seed.
+
+    Example::
+
+        model = gpt_moe(seq_len=32, d_model=64, layers=2, experts=4, gate="gshard")
+    """
+    model = GPT(vocab=vocab, seq_len=seq_len, d_model=d_model, layers=layers, heads=heads,
+                d_hidden=d_hidden)
+    moefy(model, experts, every=moe_every, top_k=top_k, gate=gate,
+          capacity_factor=capacity_factor, dropless=dropless, balance_weight=balance_loss,
+          z_loss_weight=z_loss)
+    for module in model.modules():
+        if isinstance(module, MoE):
+            module.apply(_init_weights)  # the gate and every expert, as GPT starts a Linear
+    return model

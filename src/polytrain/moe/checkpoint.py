@@ -1,0 +1,200 @@
+"""Checkpoints of expert-parallel models that load on any expert-parallel size.
+
+The canonical form of a model's state is the one of the same model with every
+expert local (what ``--strategy single`` saves): each expert under its global
+index (``h0.mlp.experts.5.fc.weight``). A rank's local expert ``i`` of a layer
+is global expert ``first + i``, so:
+
+- :func:`full_state_dict` gathers a sharded model's state into the canonical form;
+- :func:`local_state_dict` cuts this rank's part out of a canonical state;
+- :func:`save_sharded` writes one file per expert-parallel rank (no gathering),
+  and :func:`load_sharded` reads them into a model split over any other number
+  of ranks, 1 included, opening only the files that hold its experts.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..errors import ConfigError
+from .layer import MoE
+
+__all__ = ["moe_layers", "full_keys", "full_state_dict", "local_state_dict", "save_sharded",
+           "load_sharded", "FORMAT"]
+
+FORMAT = "polytrain.moe.sharded/1"
+_EXPERT = re.compile(r"^(\d+)\.(.*)$")
+
+
+def moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
+    """Every MoE layer of ``model`` with its state-dict prefix (``"h0.mlp."``)."""
+    return [(f"{name}." if name else "", m) for name, m in model.named_modules()
+            if isinstance(m, MoE)]
+
+
+def _split(key: str, layers: list[tuple[str, MoE]]) -> tuple[str, MoE, int, str] | None:
+    """(layer prefix, layer, local expert, tensor name) if ``key`` is an expert's, else None."""
+    for prefix, layer in layers:
+        head = prefix + "experts."
+        if key.startswith(head):
+            m = _EXPERT.match(key[len(head):])
+            if m is None:
+                raise ConfigError(f"unexpected expert key {key!r}",
+                                  "experts must be a list of modules")
+            return prefix, layer, int(m.group(1)), m.group(2)
+    return None
+
+
+def _canonical(key: str, layers: list[tuple[str, MoE]]) -> tuple[str, int | None]:
+    """The all-local key of a local key, and the global expert it belongs to (None: dense)."""
+    found = _split(key, layers)
+    if found is None:
+        return key, None
+    prefix, layer, i, rest = found
+    e = layer.first_expert + i
+    return f"{prefix}experts.{e}.{rest}", e
+
+
+def full_keys(model: nn.Module) -> list[str]:
+    """The canonical keys of ``model``, in the all-local model's order, without gathering."""
+    layers = moe_layers(model)
+    local = list(model.state_dict())
+    keys: list[str] = []
+    done: set[str] = set()
+    for key in local:
+        found = _split(key, layers)
+        if found is None:
+            keys.append(key)
+            continue
+        prefix, layer, _, _ = found
+        if prefix in done:
+            continue
+        done.add(prefix)
+        # Local expert 0's tensor names, for every global expert in order.
+        head = f"{prefix}experts.0."
+        names = [k[len(head):] for k in local if k.startswith(head)]
+        keys += [f"{prefix}experts.{e}.{n}" for e in range(layer.num_experts) for n in names]
+    return keys
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model's state on CPU in the canonical (all experts local) form.
+
+    Every rank of every expert-parallel group calls it (it all-gathers within each
+    layer's group); every rank gets the whole state.
+    """
+    layers = moe_layers(model)
+    out: dict[str, torch.Tensor] = {}
+    for key, value in model.state_dict().items():
+        found = _split(key, layers)
+        if found is None or not found[1].group.distributed:
+            out[_canonical(key, layers)[0]] = value.detach().cpu().clone()
+            continue
+        prefix, layer, i, rest = found
+        group = layer.group
+        wire = group.wire_device(value.device)
+        parts = [torch.empty_like(value, device=wire) for _ in range(group.size)]
+        dist.all_gather(parts, value.detach().to(wire).contiguous(), group=group.group)
+        for r, part in enumerate(parts):
+            out[f"{prefix}experts.{r * layer.num_local + i}.{rest}"] = part.cpu()
+    return {k: out[k] for k in full_keys(model)}
+
+
+def local_state_dict(state: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
+    """This rank's part of a canonical state (``full_state_dict``, a single run's final.pt).
+
+    Example::
+
+        model.load_state_dict(local_state_dict(torch.load("final.pt"), model))
+    """
+    layers = moe_layers(model)
+    out = {}
+    for key in model.state_dict():
+        name, _ = _canonical(key, layers)
+        if name not in state:
+            raise ConfigError(f"the state has no {name!r}", "load a state of the same model")
+        out[key] = state[name]
+    return out
+
+
+def _one_group_size(layers: list[tuple[str, MoE]]) -> int:
+    sizes = {layer.group.size for _, layer in layers} or {1}
+    if len(sizes) > 1:
+        raise ConfigError(f"the MoE layers use expert-parallel groups of sizes {sorted(sizes)}",
+                          "use one group size for every layer")
+    return sizes.pop()
+
+
+def save_sharded(model: nn.Module, directory: str | Path, *, write: bool = True) -> None:
+    """Write this rank's experts (and, on expert-parallel rank 0, the rest) to ``directory``.
+
+    Every rank of the expert-parallel groups calls it; ranks that hold the same
+    experts as another (data-parallel replicas) pass ``write=False``. Files:
+    ``meta.json`` and ``shard-R.pt`` per rank R of the expert-parallel group,
+    each with canonical keys.
+    """
+    layers = moe_layers(model)
+    size = _one_group_size(layers)
+    rank = layers[0][1].group.rank if layers else 0
+    if not write:
+        return
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    shard: dict[str, torch.Tensor] = {}
+    for key, value in model.state_dict().items():
+        name, expert = _canonical(key, layers)
+        if expert is not None or rank == 0:
+            shard[name] = value.detach().cpu().clone()
+    torch.save({"format": FORMAT, "rank": rank, "ranks": size, "state": shard},
+               path / f"shard-{rank}.pt")
+    if rank == 0:
+        meta = {"format": FORMAT, "ranks": size,
+                "experts": {p: layer.num_experts for p, layer in layers}}
+        (path / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+
+
+def load_sharded(model: nn.Module, directory: str | Path) -> None:
+    """Load what :func:`save_sharded` wrote into ``model``, whatever its expert-parallel size.
+
+    Each rank opens only the shard files that hold its experts (and shard 0
+    for the rest).
+    """
+    path = Path(directory)
+    meta_file = path / "meta.json"
+    if not meta_file.exists():
+        raise ConfigError(f"{path} holds no sharded MoE checkpoint (no meta.json)",
+                          "pass the directory save_sharded() wrote")
+    meta = json.loads(meta_file.read_text())
+    if meta.get("format") != FORMAT:
+        raise ConfigError(f"{meta_file} is format {meta.get('format')!r}, not {FORMAT!r}",
+                          "save it again with this version of polytrain")
+    saved_ranks = int(meta["ranks"])
+    layers = moe_layers(model)
+    for prefix, layer in layers:
+        saved = meta["experts"].get(prefix)
+        if saved != layer.num_experts:
+            raise ConfigError(f"MoE layer {prefix.rstrip('.')!r} has {layer.num_experts} "
+                              f"experts but the checkpoint has {saved}",
+                              "build the model with the checkpoint's expert count")
+    cache: dict[int, dict[str, Any]] = {}
+
+    def shard(r: int) -> dict[str, torch.Tensor]:
+        if r not in cache:
+            cache[r] = torch.load(path / f"shard-{r}.pt", map_location="cpu")
+        return cache[r]["state"]
+
+    state: dict[str, torch.Tensor] = {}
+    for key in model.state_dict():
+        name, expert = _canonical(key, layers)
+        found = _split(key, layers)
+        owner = 0 if expert is None or found is None else \
+            expert // (found[1].num_experts // saved_ranks)
+        state[key] = shard(owner)[name]
+    model.load_state_dict(state)

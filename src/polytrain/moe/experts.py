@@ -1,0 +1,283 @@
+"""Local experts computed together on rows already sorted by expert.
+
+Rows arrive as contiguous per-expert slices (``counts[i]`` rows for local expert
+``i``). The default expert is GPT's feed-forward block, ``proj(gelu(fc(x)))``,
+one module per expert (``experts[i]`` is a plain module; the state dict reads
+``experts.3.fc.weight``). :class:`ExpertMLP` runs all local experts in one
+autograd function:
+
+- a grouped matmul (``torch._grouped_mm``) on GPUs where it runs; on the CPU
+  (where torch's grouped matmul is itself one GEMM per group, without a fused
+  bias or an output buffer) one ``addmm`` per expert slice, written in place;
+- the backward is written out: it keeps only the input and the pre-activation
+  (GELU is recomputed), and goes through the experts in chunks of rows, freeing
+  each chunk's pre-activation as it goes and giving each expert its own
+  gradient tensors. So the memory it holds, and how it allocates it, are those
+  of a plain per-expert loop, without one autograd graph per expert.
+
+Any other expert is a module factory ``f(d_model) -> nn.Module``; those
+(:class:`ExpertList`) run one call per local expert on its slice.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.autograd.function import FunctionCtx
+
+__all__ = ["FeedForwardExpert", "ExpertMLP", "ExpertList", "grouped_mm", "chunk_plan",
+           "CHUNK_BYTES"]
+
+#: Largest (rows x d_hidden) temporary the MLP experts hold at once, in bytes.
+CHUNK_BYTES = 8 << 20
+
+
+@functools.lru_cache(maxsize=None)
+def _grouped_mm_works(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether ``torch._grouped_mm`` runs here (CPU fp32 does in torch 2.13; CUDA fp32 may not)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    try:
+        a = torch.zeros(8, 16, device=device_type, dtype=dtype)
+        b = torch.zeros(2, 16, 16, device=device_type, dtype=dtype)
+        offs = torch.tensor([4, 8], device=device_type, dtype=torch.int32)
+        torch._grouped_mm(a, b, offs=offs)
+        return True
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+
+
+def _aligned(*tensors: torch.Tensor) -> bool:
+    # _grouped_mm wants 16-byte aligned pointers and strides (except the unit stride).
+    for t in tensors:
+        if t.data_ptr() % 16:
+            return False
+        if any(s != 1 and (s * t.element_size()) % 16 for s in t.stride()):
+            return False
+    return True
+
+
+def _use_grouped(grouped: bool | None, *tensors: torch.Tensor) -> bool:
+    # By default the grouped kernel runs off the CPU only: on the CPU torch runs it as one
+    # GEMM per group anyway, so per-expert addmm into place does the same arithmetic with
+    # fewer passes over memory.
+    t = tensors[0]
+    if grouped is False or (grouped is None and t.device.type == "cpu"):
+        return False
+    return _grouped_mm_works(t.device.type, t.dtype) and _aligned(*tensors)
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor | Sequence[torch.Tensor],
+               counts: Sequence[int], *, bias: Sequence[torch.Tensor] | None = None,
+               out: torch.Tensor | None = None, grouped: bool | None = None) -> torch.Tensor:
+    """Rows of expert i times its matrix, plus its bias: (rows, a) x (experts, a, b) -> (rows, b).
+
+    ``w`` is stacked or one (a, b) matrix per expert (views, e.g. ``weight.t()``).
+    ``torch._grouped_mm`` where it runs off the CPU (``grouped=True``: anywhere it
+    runs; False: never); else one ``addmm`` per expert slice, written into ``out``.
+
+    >>> x, w = torch.ones(3, 2), [torch.eye(2), 2 * torch.eye(2)]
+    >>> grouped_mm(x, w, [1, 2]).tolist()
+    [[1.0, 1.0], [2.0, 2.0], [2.0, 2.0]]
+    """
+    first = w[0]
+    if _use_grouped(grouped, x, first):
+        stacked = w if isinstance(w, torch.Tensor) else torch.stack(list(w))
+        offs = torch.tensor(list(counts), dtype=torch.int64).cumsum(0).to(x.device, torch.int32)
+        y = torch._grouped_mm(x, stacked, offs=offs)
+        start = 0
+        for i, n in enumerate(counts):
+            if n and bias is not None:
+                y[start:start + n] += bias[i]
+            start += n
+        return y if out is None else out.copy_(y)
+    if out is None:
+        out = x.new_empty(x.shape[0], first.shape[-1])
+    start = 0
+    for i, n in enumerate(counts):
+        if n:
+            rows, target = x[start:start + n], out[start:start + n]
+            if bias is None:
+                torch.mm(rows, w[i], out=target)
+            else:
+                torch.addmm(bias[i], rows, w[i], out=target)
+        start += n
+    return out
+
+
+def chunk_plan(counts: Sequence[int], max_rows: int) -> list[tuple[int, int, int, int]]:
+    """Runs of whole experts of at most ``max_rows`` rows (or one expert if it alone is more).
+
+    Returns ``(first expert, last expert + 1, first row, last row + 1)`` per chunk.
+
+    >>> chunk_plan([2, 2, 5, 0, 1], max_rows=4)
+    [(0, 2, 0, 4), (2, 3, 4, 9), (3, 5, 9, 10)]
+    """
+    plan: list[tuple[int, int, int, int]] = []
+    e0, r0, rows = 0, 0, 0
+    for e, n in enumerate(counts):
+        if rows and rows + n > max_rows:
+            plan.append((e0, e, r0, r0 + rows))
+            e0, r0, rows = e, r0 + rows, 0
+        rows += n
+    if e0 < len(counts):
+        plan.append((e0, len(counts), r0, r0 + rows))
+    return plan
+
+
+class _GroupedMLP(torch.autograd.Function):
+    """``proj_e(gelu(fc_e(x)))`` for every expert e's rows, in chunks of whole experts.
+
+    Inputs after the plan: the experts' tensors, four each (fc.weight (h, d),
+    fc.bias, proj.weight (d, h), proj.bias).
+    """
+
+    @staticmethod
+    def forward(ctx: FunctionCtx, x: torch.Tensor, counts: list[int], max_rows: int,
+                save: bool, *params: torch.Tensor) -> torch.Tensor:
+        w1, b1, w2, b2 = params[0::4], params[1::4], params[2::4], params[3::4]
+        y = x.new_empty(x.shape[0], w2[0].shape[0])
+        plan = chunk_plan(counts, max_rows)
+        hidden: list[torch.Tensor | None] = []   # each chunk's pre-activation, for backward
+        for e0, e1, r0, r1 in plan:
+            part = counts[e0:e1]
+            h = grouped_mm(x[r0:r1], [w.t() for w in w1[e0:e1]], part, bias=b1[e0:e1])
+            if save:
+                hidden.append(h)
+                a = F.gelu(h)                                              # (rows, d_hidden)
+            else:  # inference: nothing kept, GELU in place
+                a = torch.ops.aten.gelu_(h)
+            grouped_mm(a, [w.t() for w in w2[e0:e1]], part, bias=b2[e0:e1], out=y[r0:r1])
+        if save:
+            ctx.save_for_backward(x, *params)
+            ctx.hidden, ctx.counts, ctx.plan = hidden, counts, plan  # type: ignore[attr-defined]
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, gy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, *params = ctx.saved_tensors
+        w1, w2 = params[0::4], params[2::4]
+        gy = gy.contiguous()
+        gx = torch.empty_like(x)
+        grads: list[torch.Tensor | None] = [None] * len(params)
+        for c, (e0, e1, r0, r1) in enumerate(ctx.plan):
+            part = ctx.counts[e0:e1]
+            h, g = ctx.hidden[c], gy[r0:r1]
+            # Freed once this chunk is done, as a per-expert loop frees its activations;
+            # a second backward (retain_graph) computes it again.
+            ctx.hidden[c] = None
+            if h is None:
+                h = grouped_mm(x[r0:r1], [w.t() for w in w1[e0:e1]], part,
+                               bias=params[1::4][e0:e1])
+            a = F.gelu(h)
+            gh = grouped_mm(g, w2[e0:e1], part)                             # grad of GELU out
+            torch.ops.aten.gelu_backward.grad_input(gh, h, grad_input=gh)   # grad of its input
+            grouped_mm(gh, w1[e0:e1], part, out=gx[r0:r1])
+            start = 0
+            for i, n in enumerate(part):
+                if n:  # an expert without rows gets no gradient, as autograd would give it
+                    e = e0 + i
+                    rows = slice(start, start + n)
+                    grads[4 * e] = gh[rows].t() @ x[r0:r1][rows]            # (h, d)
+                    grads[4 * e + 1] = gh[rows].sum(0)
+                    grads[4 * e + 2] = g[rows].t() @ a[rows]                # (d, h)
+                    grads[4 * e + 3] = g[rows].sum(0)
+                start += n
+        return (gx, None, None, None, *grads)
+
+
+class FeedForwardExpert(nn.Module):
+    """One expert: ``proj(gelu(fc(x)))``, the feed-forward block of polytrain's GPT."""
+
+    def __init__(self, d_model: int, d_hidden: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d_model, d_hidden)
+        self.proj = nn.Linear(d_hidden, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x)))
+
+
+class ExpertList(nn.ModuleList):
+    """Local experts built by any factory ``f(d_model) -> nn.Module``, one call per slice.
+
+    Example::
+
+        experts = ExpertList(4, d_model=64, factory=lambda d: nn.Sequential(
+            nn.Linear(d, 128), nn.ReLU(), nn.Linear(128, d)))
+        y = experts(x_sorted, counts=[10, 0, 7, 3])
+    """
+
+    def __init__(self, num_local: int, d_model: int,
+                 factory: Callable[[int], nn.Module]) -> None:
+        super().__init__(factory(d_model) for _ in range(num_local))
+
+    def keep(self, first: int, count: int) -> None:
+        """Keep experts ``first .. first+count-1`` only (expert parallelism shards the list)."""
+        kept = list(self)[first:first + count]
+        for name in list(self._modules):
+            del self._modules[name]
+        self.extend(kept)
+
+    def forward(self, x: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+        parts, start = [], 0
+        for expert, n in zip(self, counts):
+            n = int(n)
+            # Every expert runs, on zero rows too: its parameters then join the graph on
+            # every rank alike (their gradient is zero, not missing).
+            parts.append(expert(x[start:start + n]))
+            start += n
+        if not parts:
+            return x.new_empty(0, x.shape[1])
+        return torch.cat(parts)
+
+
+class ExpertMLP(ExpertList):
+    """Every local expert a :class:`FeedForwardExpert`, all computed in one autograd function.
+
+    Example::
+
+        experts = ExpertMLP(4, d_model=64, d_hidden=256)
+        y = experts(x_sorted, counts=[10, 0, 7, 3])   # (20, 64) rows sorted by expert
+        experts[2](x_sorted[10:17])                    # expert 2 alone, a plain module
+
+    Args:
+        num_local: experts held here.
+        d_model, d_hidden: widths.
+        chunk_bytes: largest (rows x d_hidden) temporary held at once (default 8 MiB).
+    """
+
+    def __init__(self, num_local: int, d_model: int, d_hidden: int, *,
+                 chunk_bytes: int = CHUNK_BYTES) -> None:
+        super().__init__(num_local, d_model, lambda d: FeedForwardExpert(d, d_hidden))
+        self.d_model, self.d_hidden, self.chunk_bytes = d_model, d_hidden, chunk_bytes
+
+    @property
+    def chunk_rows(self) -> int:
+        """Rows per chunk: (rows x d_hidden) fp32 temporaries stay within ``chunk_bytes``."""
+        return max(1, self.chunk_bytes // (self.d_hidden * 4))
+
+    @property
+    def stream_rows(self) -> int:
+        """Rows per chunk of streamed inference (:mod:`~polytrain.moe.dispatch`): a quarter of
+        :attr:`chunk_rows`, about one expert's rows in a layer of many experts, so inference
+        holds no more than a per-expert loop would."""
+        return max(1, self.chunk_rows // 4)
+
+    def forward(self, x: torch.Tensor, counts: Sequence[int], first: int = 0) -> torch.Tensor:
+        """(rows, d_model) sorted by local expert, ``counts[i]`` rows each -> (rows, d_model).
+
+        ``first``: the rows belong to local experts ``first .. first+len(counts)-1``.
+        """
+        experts: list[FeedForwardExpert] = list(self)[first:first + len(counts)]  # type: ignore
+        params = [t for e in experts for t in (e.fc.weight, e.fc.bias, e.proj.weight,
+                                                e.proj.bias)]
+        save = torch.is_grad_enabled() and (x.requires_grad or
+                                            any(p.requires_grad for p in params))
+        y: torch.Tensor = _GroupedMLP.apply(x, [int(c) for c in counts], self.chunk_rows, save,
+                                            *params)
+        return y

@@ -1,0 +1,294 @@
+"""Gates: which experts each token goes to, with what weight, and the gate's auxiliary loss.
+
+A gate maps (tokens, d_model) to ``(indices, scores)``, both (tokens, top_k):
+the expert of every slot (-1: dropped, contributes nothing) and its weight in
+the combination. After each forward, ``gate.loss`` holds its weighted
+auxiliary loss (balance and router z-loss; None if it has none), which
+:func:`polytrain.moe.aux_loss` collects.
+
+Gates that draw random numbers (noise, random routing, jitter) draw them from
+torch's global generator, so ``torch.manual_seed`` before a forward repeats its
+decisions exactly.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import ConfigError
+from .capacity import allowance, check_factor, expert_capacity, keep_mask
+from .exchange import ExpertGroup, all_gather_counts
+
+__all__ = ["Gate", "NaiveGate", "NoisyGate", "GShardGate", "SwitchGate", "make_gate",
+           "gate_names", "balance_loss", "z_loss"]
+
+
+def balance_loss(probs: torch.Tensor, top1: torch.Tensor) -> torch.Tensor:
+    """GShard's and Switch's ``E * sum_e f_e * P_e`` (= ``mean_e(c_e m_e) * E^2``).
+
+    ``f_e``: fraction of tokens whose first choice is e; ``P_e``: mean router probability of e.
+    """
+    tokens, experts = probs.shape
+    if tokens == 0:
+        return probs.sum() * 0.0
+    fraction = torch.bincount(top1, minlength=experts).to(probs.dtype) / tokens
+    return experts * (fraction * probs.mean(0)).sum()
+
+
+def z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """ST-MoE's router z-loss: ``mean(logsumexp(logits)^2)``; keeps router logits small."""
+    if logits.shape[0] == 0:
+        return logits.sum() * 0.0
+    return torch.logsumexp(logits, dim=-1).square().mean()
+
+
+def _cv_squared(x: torch.Tensor) -> torch.Tensor:
+    # Shazeer et al.'s squared coefficient of variation; 0 for a single expert.
+    if x.numel() < 2:
+        return x.sum() * 0.0
+    x = x.float()
+    return x.var() / (x.mean().square() + 1e-10)
+
+
+class Gate(nn.Module):
+    """A linear router plus what every gate shares: capacity, drops, auxiliary losses.
+
+    Subclasses implement :meth:`route`. Capacity (when a factor applies) is
+    decided over the whole expert-parallel group from all-gathered counts
+    (:mod:`polytrain.moe.capacity`), so every rank agrees and the kept slots are
+    those a single process with every token would keep.
+
+    Args:
+        d_model: token width. num_experts: experts in all (over the whole group).
+        top_k: experts per token (default: the gate's own, 2; switch 1).
+        capacity_factor: training capacity factor (None: the gate's default; naive
+            and noisy have none); eval_capacity_factor: in eval mode (default: the
+            gate's eval default, else capacity_factor).
+        dropless: never drop a slot for capacity (no capacity factor may be given).
+        balance_weight: weight of the balance loss (default: the gate's, 0.01; naive none).
+        z_loss_weight: weight of the router z-loss (default 0: off).
+        group: the expert-parallel process group (default None: no expert parallelism).
+    """
+
+    name: ClassVar[str] = ""
+    default_top_k: ClassVar[int] = 2
+    default_capacity: ClassVar[tuple[float | None, float | None]] = (None, None)
+    default_balance_weight: ClassVar[float] = 0.0
+
+    def __init__(self, d_model: int, num_experts: int, *, top_k: int | None = None,
+                 capacity_factor: float | None = None, eval_capacity_factor: float | None = None,
+                 dropless: bool = False, balance_weight: float | None = None,
+                 z_loss_weight: float = 0.0, group: Any | None = None) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.top_k = self.default_top_k if top_k is None else top_k
+        if not 1 <= self.top_k <= num_experts:
+            raise ConfigError(f"top_k must be between 1 and the number of experts {num_experts} "
+                              f"(got {self.top_k})", f"pass top_k in 1..{num_experts}")
+        check_factor(capacity_factor)
+        check_factor(eval_capacity_factor, "eval_capacity_factor")
+        if dropless and (capacity_factor is not None or eval_capacity_factor is not None):
+            raise ConfigError(f"a dropless gate has no capacity (got capacity_factor "
+                              f"{capacity_factor}, eval_capacity_factor {eval_capacity_factor})",
+                              "leave out the capacity factor, or dropless")
+        train_cf, eval_cf = (None, None) if dropless else self.default_capacity
+        self.capacity_factor = capacity_factor if capacity_factor is not None else train_cf
+        self.eval_capacity_factor = (eval_capacity_factor if eval_capacity_factor is not None
+                                     else capacity_factor if capacity_factor is not None
+                                     else eval_cf)
+        self.dropless = dropless
+        self.balance_weight = (self.default_balance_weight if balance_weight is None
+                               else balance_weight)
+        self.z_loss_weight = z_loss_weight
+        self.wg = nn.Linear(d_model, num_experts, bias=False)
+        self.group = ExpertGroup(group)
+        self.loss: torch.Tensor | None = None
+        self.last_capacity: int | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The last loss belongs to the last forward's graph: copies and pickles start without.
+        state = self.__dict__.copy()
+        state["loss"] = None
+        return state
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                               torch.Tensor | None]:
+        """(indices, scores, logits, unweighted balance loss or None) before capacity."""
+        raise NotImplementedError
+
+    @property
+    def factor(self) -> float | None:
+        """The capacity factor in force (training or eval), None for no capacity."""
+        return self.capacity_factor if self.training else self.eval_capacity_factor
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens, d_model) -> indices (tokens, top_k) int64 and scores (tokens, top_k)."""
+        indices, scores, logits, balance = self.route(x)
+        terms = []
+        if balance is not None and self.balance_weight:
+            terms.append(self.balance_weight * balance)
+        if self.z_loss_weight:
+            terms.append(self.z_loss_weight * z_loss(logits))
+        self.loss = sum(terms[1:], terms[0]) if terms else None
+        self.last_capacity = None
+        if self.factor is not None:
+            indices = self._apply_capacity(indices, self.factor)
+        return indices, scores.masked_fill(indices < 0, 0.0)
+
+    def _apply_capacity(self, indices: torch.Tensor, factor: float) -> torch.Tensor:
+        tokens, k = indices.shape
+        valid = indices >= 0
+        onehot = F.one_hot(indices.clamp(min=0), self.num_experts) * valid.unsqueeze(-1)
+        mine = torch.cat([onehot.sum(0).flatten(), torch.tensor([tokens], device=indices.device)])
+        every = all_gather_counts(mine, self.group)                      # (ranks, k*E + 1)
+        counts = every[:, :-1].reshape(-1, k, self.num_experts)
+        capacity = expert_capacity(int(every[:, -1].sum()), self.num_experts, k, factor)
+        allowed = allowance(counts, capacity, self.group.rank).to(indices.device)
+        self.last_capacity = capacity
+        return indices.masked_fill(~keep_mask(indices, allowed), -1)
+
+    def extra_repr(self) -> str:
+        return (f"experts={self.num_experts}, top_k={self.top_k}, capacity_factor="
+                f"{self.capacity_factor}, eval_capacity_factor={self.eval_capacity_factor}, "
+                f"balance_weight={self.balance_weight}, z_loss_weight={self.z_loss_weight}")
+
+
+class NaiveGate(Gate):
+    """FastMoE's naive gate: the top-k router logits, softmax over those k."""
+
+    name = "naive"
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                               torch.Tensor | None]:
+        logits = self.wg(x)                                               # (tokens, E)
+        values, indices = logits.topk(self.top_k, dim=-1)
+        return indices, F.softmax(values, dim=-1), logits, None
+
+
+class NoisyGate(Gate):
+    """Noisy top-k gating with its importance and load losses.
+
+    Shazeer et al., "Outrageously Large Neural Networks: The Sparsely-Gated
+    Mixture-of-Experts Layer" (ICLR 2017): learned Gaussian noise on the router
+    logits while training; loss ``cv^2(importance) + cv^2(load)``, where load is
+    the smooth estimate of how many tokens each expert gets (normal CDF).
+    """
+
+    name = "noisy"
+    default_balance_weight = 0.01
+
+    def __init__(self, d_model: int, num_experts: int, **kwargs: Any) -> None:
+        super().__init__(d_model, num_experts, **kwargs)
+        self.w_noise = nn.Linear(d_model, num_experts, bias=False)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                               torch.Tensor | None]:
+        clean = self.wg(x)
+        k, experts = self.top_k, self.num_experts
+        noisy = self.training and k < experts
+        if noisy:
+            std = F.softplus(self.w_noise(x)) + 1e-2
+            logits = clean + torch.randn_like(clean) * std
+        else:
+            logits = clean
+        top_values, top_indices = logits.topk(min(k + 1, experts), dim=-1)
+        scores = F.softmax(top_values[:, :k], dim=-1)
+        indices = top_indices[:, :k]
+        importance = torch.zeros_like(clean).scatter(1, indices, scores).sum(0)
+        if noisy and x.shape[0]:
+            # P(expert e stays in the top k if only its noise were drawn again).
+            normal = torch.distributions.Normal(0.0, 1.0)
+            in_threshold = top_values[:, k:k + 1]
+            out_threshold = top_values[:, k - 1:k]
+            is_in = logits > in_threshold
+            p_in = normal.cdf((clean - in_threshold) / std)
+            p_out = normal.cdf((clean - out_threshold) / std)
+            load = torch.where(is_in, p_in, p_out).sum(0)
+        else:
+            load = (torch.zeros_like(clean).scatter(1, indices, 1.0)).sum(0)
+        return indices, scores, logits, _cv_squared(importance) + _cv_squared(load)
+
+
+class GShardGate(Gate):
+    """GShard's gate: top-2 with capacity, random routing of the second expert, balance loss.
+
+    Lepikhin et al., "GShard" (ICLR 2021). Scores are the softmax probabilities
+    of the chosen experts renormalised over them (raw for top_k 1); while
+    training, slot s >= 1 is kept with probability ``min(1, 2 * score_s)``.
+    Capacity factor 1.2 while training, 2.4 in eval, unless given. Any top_k
+    works; 2 is GShard's.
+    """
+
+    name = "gshard"
+    default_capacity = (1.2, 2.4)
+    default_balance_weight = 0.01
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                               torch.Tensor | None]:
+        logits = self.wg(x)
+        probs = F.softmax(logits, dim=-1)
+        values, indices = probs.topk(self.top_k, dim=-1)
+        scores = values / values.sum(-1, keepdim=True) if self.top_k > 1 else values
+        if self.training and self.top_k > 1:
+            draw = torch.rand(indices.shape[0], self.top_k - 1, device=x.device)
+            keep = draw < 2 * scores[:, 1:].detach()
+            indices = torch.cat([indices[:, :1], indices[:, 1:].masked_fill(~keep, -1)], dim=1)
+        return indices, scores, logits, balance_loss(probs, indices[:, 0])
+
+
+class SwitchGate(Gate):
+    """The Switch Transformer's gate: top-1, multiplicative jitter, capacity, balance loss.
+
+    Fedus et al., "Switch Transformers" (JMLR 2022). While training the router
+    input is multiplied by uniform noise in ``[1 - jitter, 1 + jitter]``; the
+    score is the router probability of the chosen expert; capacity factor 1.25
+    while training, 2.0 in eval, unless given. top_k above 1 routes to the k
+    most probable experts with their raw probabilities.
+
+    Args:
+        jitter: the jitter's half-width (default 0.01; 0 for none).
+    """
+
+    name = "switch"
+    default_top_k = 1
+    default_capacity = (1.25, 2.0)
+    default_balance_weight = 0.01
+
+    def __init__(self, d_model: int, num_experts: int, *, jitter: float = 0.01,
+                 **kwargs: Any) -> None:
+        super().__init__(d_model, num_experts, **kwargs)
+        if not 0 <= jitter < 1:
+            raise ConfigError(f"jitter must be in [0, 1) (got {jitter})", "pass jitter=0.01")
+        self.jitter = jitter
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                               torch.Tensor | None]:
+        if self.training and self.jitter:
+            x = x * torch.empty_like(x).uniform_(1 - self.jitter, 1 + self.jitter)
+        logits = self.wg(x)
+        probs = F.softmax(logits, dim=-1)
+        scores, indices = probs.topk(self.top_k, dim=-1)
+        return indices, scores, logits, balance_loss(probs, indices[:, 0])
+
+
+_GATES: dict[str, type[Gate]] = {g.name: g for g in (NaiveGate, NoisyGate, GShardGate,
+                                                     SwitchGate)}
+
+
+def gate_names() -> list[str]:
+    return sorted(_GATES)
+
+
+def make_gate(name: str, d_model: int, num_experts: int, **options: Any) -> Gate:
+    """Build the gate called ``name``; the error lists the gates there are."""
+    try:
+        cls = _GATES[name]
+    except KeyError:
+        raise ConfigError(f"unknown gate {name!r}; the gates are: {', '.join(gate_names())}",
+                          "pass one of them, e.g. gate='gshard'") from None
+    return cls(d_model, num_experts, **options)
+

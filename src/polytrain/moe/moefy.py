@@ -1,0 +1,100 @@
+"""``moefy``: turn the feed-forward block of every transformer layer into an MoE layer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import ConfigError
+from .layer import MoE
+
+__all__ = ["moefy", "MoEEncoderLayer", "MoEDecoderLayer"]
+
+
+class MoEEncoderLayer(nn.TransformerEncoderLayer):
+    """A :class:`torch.nn.TransformerEncoderLayer` whose feed-forward block is ``self.moe``.
+
+    Made by :func:`moefy` (which swaps the class of an existing layer); the
+    feed-forward block becomes ``dropout2(moe(x))``.
+    """
+
+    moe: MoE
+
+    def _ff_block(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout2(self.moe(x))
+
+
+class MoEDecoderLayer(nn.TransformerDecoderLayer):
+    """A :class:`torch.nn.TransformerDecoderLayer` whose feed-forward block is ``self.moe``."""
+
+    moe: MoE
+
+    def _ff_block(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout3(self.moe(x))
+
+
+def _like(layer: MoE, reference: torch.Tensor) -> MoE:
+    return layer.to(device=reference.device, dtype=reference.dtype)
+
+
+def _moefy_torch_layer(layer: nn.Module, num_experts: int, options: dict[str, Any]) -> None:
+    linear1 = layer.linear1
+    assert isinstance(linear1, nn.Linear)
+    opts = {"d_hidden": linear1.out_features, **options}
+    moe = _like(MoE(linear1.in_features, num_experts, **opts), linear1.weight)
+    for name in ("linear1", "dropout", "linear2"):
+        delattr(layer, name)
+    # The fused inference path reads linear1/linear2 directly; turning it off routes
+    # every call through _ff_block.
+    layer.activation_relu_or_gelu = 0  # type: ignore[assignment]
+    layer.__class__ = (MoEEncoderLayer if isinstance(layer, nn.TransformerEncoderLayer)
+                       else MoEDecoderLayer)
+    layer.moe = moe
+
+
+def moefy(model: nn.Module, num_experts: int, *, every: int = 1, **options: Any) -> nn.Module:
+    """Replace the feed-forward block of every ``every``-th transformer layer by an MoE layer.
+
+    Knows polytrain's GPT (``block.mlp``) and :class:`torch.nn.TransformerEncoderLayer` /
+    :class:`~torch.nn.TransformerDecoderLayer` (their ``linear1``/``linear2``
+    become ``moe``; the dropout inside the old block goes, the one after it
+    stays). The experts' hidden width defaults to the replaced block's. Works
+    in place and returns the model. FastMoE's ``fmoefy`` for Megatron-LM, for
+    these models.
+
+    Example::
+
+        model = moefy(GPT(d_model=128, layers=4), num_experts=8, top_k=2, gate="gshard")
+        enc = moefy(nn.TransformerEncoder(nn.TransformerEncoderLayer(64, 4), 2), 4)
+
+    Args:
+        num_experts: experts per layer (in all). every: replace layers 0, every, 2*every, ...
+        options: :class:`MoE` options (``top_k``, ``gate``, ``capacity_factor``, ``group``...).
+    """
+    from ..models.gpt import Block  # here: polytrain.models imports this package
+
+    if every < 1:
+        raise ConfigError(f"every must be at least 1 (got {every})", "pass every=1 or 2")
+    found = 0
+    for module in list(model.modules()):
+        if isinstance(module, Block):
+            if found % every == 0:
+                fc = module.mlp.fc
+                assert isinstance(fc, nn.Linear)
+                opts = {"d_hidden": fc.out_features, **options}
+                module.mlp = _like(MoE(fc.in_features, num_experts, **opts), fc.weight)
+            found += 1
+        elif isinstance(module, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)):
+            if found % every == 0:
+                _moefy_torch_layer(module, num_experts, options)
+            found += 1
+    if not found:
+        raise ConfigError(f"moefy found no transformer layer in {type(model).__name__}",
+                          "pass polytrain's GPT or a model of torch.nn.TransformerEncoderLayer/"
+                          "TransformerDecoderLayer")
+    for module in model.modules():
+        if isinstance(module, nn.TransformerEncoder):
+            module.use_nested_tensor = False  # the nested fast path reads linear1 too
+    return model

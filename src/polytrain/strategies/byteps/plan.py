@@ -1,0 +1,291 @@
+"""BytePS's optimal placement (Theorem 1) as plain data: who owns which gradient bytes.
+
+With n worker machines and k CPU machines, every machine runs a summation
+service. Worker machine traffic per step (one direction, in units of the
+model's gradient M) is ``1 - g + (n-1) g`` for a colocated share g, a CPU
+machine's is ``n c`` for a CPU share c. Equal times give
+
+    x = 2k(n-1) / (n^2 + kn - 2k)        share of M on all CPU servers together
+    t_opt = 2n(n-1) / (n^2 + kn - 2k)    bytes per machine per step, in M
+
+k = 0 is ring all-reduce's 2(n-1)/n, k = n the parameter server's 1.
+
+Example::
+
+    >>> optimal_shares(8, 4).traffic_per_machine() # doctest: +ELLIPSIS
+    1.27...
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from ...comm.bucket import Bucket
+from ...comm.partition import Partition, TensorSpec, partition
+from ...errors import ConfigError
+from ...ps.placement import Placement
+
+__all__ = ["Shares", "optimal_shares", "Plan", "plan_placement", "plan_fusion", "MIN_SPLIT_BYTES"]
+
+#: A partition is cut at an owner's boundary only into pieces of at least this many bytes,
+#: so a piece is never dwarfed by its 64-byte request header.
+MIN_SPLIT_BYTES = 1024
+
+
+@dataclass(frozen=True)
+class Shares:
+    """How much of the model each kind of summation server owns.
+
+    Attributes:
+        machines: n, worker machines. cpu_servers: k, dedicated CPU servers in use.
+        colocated: whether the worker machines' own servers hold a share.
+        cpu: x, the fraction of the model on all CPU servers together (``1 - cpu`` is
+            split equally over the n colocated servers).
+    """
+
+    machines: int
+    cpu_servers: int
+    colocated: bool
+    cpu: float
+
+    @property
+    def per_cpu_server(self) -> float:
+        return self.cpu / self.cpu_servers if self.cpu_servers else 0.0
+
+    @property
+    def per_colocated_server(self) -> float:
+        return (1.0 - self.cpu) / self.machines if self.colocated else 0.0
+
+    def worker_machine_traffic(self) -> float:
+        """Bytes a worker machine sends (and receives) per step, in units of M.
+
+        It pushes everything its own server does not own and answers the other
+        machines' pulls of what its server owns: ``1 - g + (n-1) g``.
+        """
+        g = self.per_colocated_server
+        return 1.0 - g + (self.machines - 1) * g
+
+    def cpu_machine_traffic(self) -> float:
+        """Bytes a CPU machine receives (and sends) per step, in M: n pushes of its share."""
+        return self.machines * self.per_cpu_server
+
+    def traffic_per_machine(self) -> float:
+        """The busiest machine's bytes per step in M (t_opt * B / M at the optimum)."""
+        return max(self.worker_machine_traffic(),
+                   self.cpu_machine_traffic() if self.cpu_servers else 0.0)
+
+    def describe(self) -> str:
+        kind = ("all-reduce placement" if self.cpu == 0.0 and self.colocated else
+                "parameter-server placement" if not self.colocated else "BytePS placement")
+        return (f"{kind}: n={self.machines} worker machines, k={self.cpu_servers} CPU servers; "
+                f"CPU servers hold x={self.cpu:.4f} of the model "
+                f"({self.per_cpu_server:.4f} each), colocated servers "
+                f"{self.per_colocated_server:.4f} each; traffic per worker machine "
+                f"{self.worker_machine_traffic():.4f} M, per CPU machine "
+                f"{self.cpu_machine_traffic():.4f} M per step")
+
+
+def optimal_shares(machines: int, cpu_servers: int, *, colocate: bool = True) -> Shares:
+    """Theorem 1's shares for n = ``machines`` worker machines and k = ``cpu_servers``.
+
+    ``colocate=False`` puts everything on the CPU servers (a classic PS); k = 0
+    puts everything on the colocated servers, equal shares (all-reduce's
+    traffic). With one machine, or k >= n, the formula's end points hold:
+    nothing crosses machines for n = 1, and the CPU servers hold all for k >= n.
+    """
+    n, k = machines, cpu_servers
+    if n < 1 or k < 0:
+        raise ConfigError(f"a placement needs n >= 1 worker machines and k >= 0 CPU servers "
+                          f"(got n={n}, k={k})", "pass --nodes 1 or more and --servers 0 or more")
+    if not colocate:
+        if k == 0:
+            raise ConfigError("a placement without colocated servers needs CPU servers (got "
+                              "k=0)", "pass --servers K with K >= 1, or leave out --no-colocate")
+        return Shares(n, k, False, 1.0)
+    if k == 0 or n == 1:
+        return Shares(n, 0, True, 0.0)
+    if k >= n:
+        return Shares(n, k, True, 1.0)
+    x = 2 * k * (n - 1) / (n * n + k * n - 2 * k)
+    return Shares(n, k, True, x)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Where every gradient partition goes and which local worker reduces it.
+
+    Attributes:
+        shares: the Theorem 1 split this plan realises.
+        placement: partitions (cut at owner boundaries so bytes meet the shares) and
+            their owner server ranks.
+        handlers: per partition, the index among a machine's workers of the one that
+            reduces it locally, pushes it, and shares the sum (the same on every machine).
+        specs: the tensors, in declaration order (a partition's ``tensor`` indexes them).
+    """
+
+    shares: Shares
+    placement: Placement
+    handlers: tuple[int, ...]
+    specs: tuple[TensorSpec, ...]
+
+    def bytes_by_owner(self) -> dict[int, int]:
+        return self.placement.bytes_by_owner()
+
+    def describe(self) -> str:
+        return f"{self.shares.describe()}\n{self.placement.describe()}"
+
+
+def _targets(total: int, shares: Shares, colocated: Sequence[int],
+             dedicated: Sequence[int]) -> dict[int, float]:
+    targets: dict[int, float] = {}
+    if shares.colocated:
+        targets.update({s: shares.per_colocated_server * total for s in colocated})
+    if shares.cpu_servers:
+        targets.update({s: shares.per_cpu_server * total for s in dedicated[:shares.cpu_servers]})
+    return targets
+
+
+def _cut(part: Partition, start: int, numel: int) -> Partition:
+    itemsize = part.nbytes // part.numel if part.numel else 0
+    return Partition(part.key, part.tensor, part.name, part.index, part.offset + start, numel,
+                     numel * itemsize, part.dtype)
+
+
+def _fill(parts: Sequence[Partition], targets: dict[int, float]
+          ) -> list[tuple[Partition, int]]:
+    """Give each partition, in order, to the server furthest below its target; cut it there.
+
+    "Furthest" is relative (the largest fraction of its target still missing),
+    a weighted round robin, so consecutive layers go to different servers and
+    a burst of ready gradients spreads over every server. A partition larger
+    than that server's deficit is cut so the server meets its target to the
+    element; pieces are never cut under MIN_SPLIT_BYTES, so every server ends
+    within about that of its share, whatever the tensor sizes.
+    """
+    targets = {s: t for s, t in targets.items() if t > 0}
+    deficit = dict(targets)
+    servers = sorted(deficit)
+    out: list[tuple[Partition, int]] = []
+    for part in parts:
+        itemsize = part.nbytes // part.numel
+        start = 0
+        while start < part.numel:
+            left = part.numel - start
+            # Servers that can still take a piece worth a header; else the neediest one.
+            open_ = [s for s in servers if deficit[s] >= MIN_SPLIT_BYTES] or servers
+            s = max(open_, key=lambda s: (deficit[s] / targets[s], -s))
+            fits = int(deficit[s] // itemsize)
+            whole = (fits >= left or fits * itemsize < MIN_SPLIT_BYTES
+                     or (left - fits) * itemsize < MIN_SPLIT_BYTES)
+            take = left if whole else fits
+            out.append((_cut(part, start, take), s))
+            deficit[s] -= take * itemsize
+            start += take
+    return out
+
+
+def _balance_handlers(parts: Sequence[Partition], local_workers: int) -> tuple[int, ...]:
+    load = [0] * local_workers
+    handlers = []
+    for p in parts:
+        h = min(range(local_workers), key=lambda i: (load[i], i))
+        handlers.append(h)
+        load[h] += p.nbytes
+    return tuple(handlers)
+
+
+def plan_placement(specs: Sequence[TensorSpec], *, partition_bytes: int, machines: int,
+                   colocated: Sequence[int], dedicated: Sequence[int], colocate: bool = True,
+                   local_workers: int = 1, first_key: int = 0) -> Plan:
+    """The placement of ``specs``' partitions that realises Theorem 1's shares.
+
+    Args:
+        specs: the tensors, in the order every worker declares them.
+        partition_bytes: the largest partition (tensors are cut into near-equal pieces).
+        machines: n, the worker machines.
+        colocated: one server rank per worker machine, in machine order (empty: none runs).
+        dedicated: the CPU servers' ranks.
+        colocate: False for the classic PS (everything on ``dedicated``).
+        local_workers: workers per machine (each machine reduces locally first).
+        first_key: the first service key to number the partitions from.
+
+    Example::
+
+        >>> from polytrain.comm import TensorSpec
+        >>> import torch
+        >>> p = plan_placement([TensorSpec("w", (3000,), torch.float32)], partition_bytes=4096,
+        ...                    machines=2, colocated=[2, 3], dedicated=[4])
+        >>> p.bytes_by_owner()
+        {2: 3000, 3: 3000, 4: 6000}
+    """
+    colocate = colocate and bool(colocated)
+    if colocate and len(colocated) != machines:
+        raise ConfigError(f"every worker machine needs one colocated server (got {machines} "
+                          f"machines and colocated servers {list(colocated)})",
+                          "launch with one colocated server per machine (--colocated 1)")
+    if local_workers < 1:
+        raise ConfigError(f"a machine needs at least one worker (got {local_workers})",
+                          "start workers on every machine")
+    shares = optimal_shares(machines, len(dedicated), colocate=colocate)
+    parts = [p for p in partition(specs, partition_bytes) if p.numel > 0]
+    total = sum(p.nbytes for p in parts)
+    placed = _fill(parts, _targets(total, shares, colocated, dedicated)) if parts else []
+    # Number the pieces again: keys in declaration order, indices within each tensor.
+    final: list[Partition] = []
+    owners: list[int] = []
+    per_tensor: dict[int, int] = {}
+    for i, (p, owner) in enumerate(placed):
+        index = per_tensor.get(p.tensor, 0)
+        per_tensor[p.tensor] = index + 1
+        final.append(Partition(first_key + i, p.tensor, p.name, index, p.offset, p.numel,
+                               p.nbytes, p.dtype))
+        owners.append(owner)
+    placement = Placement(tuple(final), tuple(owners))
+    return Plan(shares, placement, _balance_handlers(final, local_workers), tuple(specs))
+
+
+def plan_fusion(specs: Sequence[TensorSpec], fuse_bytes: int) -> tuple[Bucket, ...]:
+    """Fuse consecutive tensors until a group holds at least ``fuse_bytes`` (then cut it).
+
+    Every partition costs a request header and a round of messages whatever
+    its size, so a layer's small tensors (norms, biases) travel with their
+    neighbours; a group is then cut into partitions of at most
+    ``partition_bytes`` like any tensor. ``fuse_bytes=0`` keeps every tensor on
+    its own (the reference's behaviour). Groups follow declaration order, so
+    earlier layers still go first; a change of dtype closes a group.
+
+    Example::
+
+        >>> import torch
+        >>> s = [TensorSpec(n, (k,), torch.float32) for n, k in [("w", 100), ("b", 4), ("v", 9)]]
+        >>> [b.members for b in plan_fusion(s, fuse_bytes=400)]
+        [(0,), (1, 2)]
+    """
+    if fuse_bytes < 0:
+        raise ConfigError(f"fuse_bytes must be 0 (no fusion) or more (got {fuse_bytes})",
+                          "pass --fuse-bytes 262144, or 0")
+    buckets: list[Bucket] = []
+    members: list[int] = []
+
+    def close() -> None:
+        if members:
+            offsets = [sum(specs[m].numel for m in members[:i]) for i in range(len(members))]
+            numel = sum(specs[m].numel for m in members)
+            nbytes = sum(specs[m].nbytes for m in members)
+            buckets.append(Bucket(len(buckets), tuple(members), tuple(offsets), numel,
+                                  specs[members[0]].dtype, nbytes))
+            members.clear()
+
+    size = 0
+    for i, spec in enumerate(specs):
+        if members and spec.dtype != specs[members[0]].dtype:
+            close()
+            size = 0
+        members.append(i)
+        size += spec.nbytes
+        if size >= fuse_bytes:
+            close()
+            size = 0
+    close()
+    return tuple(buckets)

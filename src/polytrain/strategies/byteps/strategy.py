@@ -1,0 +1,93 @@
+"""``byteps``: the strategy that ``polytrain train --strategy byteps`` and ``distribute`` use."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...errors import ConfigError
+from ...launch.layout import Layout
+from ..base import Strategy, register
+from .async_mode import AsyncOptimizer
+from .engine import SumEngine, engine_for
+from .optimizer import DistributedOptimizer
+from .options import BytePSOptions
+
+__all__ = ["BytePS"]
+
+
+@register
+class BytePS(Strategy):
+    """BytePS: gradient summation on CPU servers, the update on the workers.
+
+    A summation server runs on every worker machine (``colocate``) and on each
+    of ``--servers K`` CPU machines; gradient partitions are placed by
+    Theorem 1 so that every machine moves the fewest bytes (k = 0 gives
+    all-reduce's traffic, ``colocate=False`` a classic parameter server).
+    Workers of a machine reduce locally first, push and pull each partition
+    once per machine from hooks during backward (earlier layers first, bounded
+    by a credit), and run their own optimizer on the average. With ``async_``
+    the servers hold the parameters instead.
+
+    Paper: Jiang et al., "A Unified Architecture for Accelerating Distributed DNN
+    Training in Heterogeneous GPU/CPU Clusters", OSDI 2020.
+
+    Example::
+
+        model, opt = polytrain.distribute(model, opt, strategy="byteps")
+        # polytrain train --strategy byteps --workers 4 --nodes 2 --servers 1
+    """
+
+    name = "byteps"
+    Options = BytePSOptions
+
+    def __init__(self, ctx: Any, options: BytePSOptions) -> None:
+        super().__init__(ctx, options)
+        self.engine: SumEngine | None = None
+        self.optimizer: DistributedOptimizer | AsyncOptimizer | None = None
+
+    @classmethod
+    def check_layout(cls, layout: Layout, options: BytePSOptions) -> None:
+        if not options.colocate and layout.servers == 0:
+            raise ConfigError("byteps --no-colocate is the classic parameter server: every "
+                              "gradient goes to dedicated servers, but --servers is 0",
+                              "pass --servers K (K >= 1), or leave out --no-colocate")
+
+    @classmethod
+    def uses_servers(cls, options: BytePSOptions) -> bool:
+        return True
+
+    @classmethod
+    def colocated_servers(cls, options: BytePSOptions) -> int:
+        return 1 if options.colocate else 0
+
+    def wrap(self, model: nn.Module,
+             optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
+        ctx = self.ctx
+        assert ctx is not None
+        opts: BytePSOptions = self.options
+        model.to(ctx.device)
+        self.engine = engine_for(ctx, partition_bytes=opts.partition_bytes,
+                                 colocate=opts.colocate, credit_bytes=opts.credit_bytes)
+        named = list(model.named_parameters())
+        if opts.async_:
+            self.optimizer = AsyncOptimizer(optimizer, engine=self.engine, named_parameters=named,
+                                            staleness=opts.staleness)
+        else:
+            self.optimizer = DistributedOptimizer(optimizer, engine=self.engine,
+                                                  named_parameters=named,
+                                                  fuse_bytes=opts.fuse_bytes)
+        return model, self.optimizer
+
+    def state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        if isinstance(self.optimizer, AsyncOptimizer):
+            self.optimizer.pull_final()  # every worker's pushes are in the servers' copy
+        return super().state_dict(model)
+
+    def close(self) -> None:
+        if self.optimizer is not None:
+            self.optimizer.close()
+        if self.engine is not None:
+            self.engine.close()

@@ -1,0 +1,212 @@
+"""``moe``: expert parallelism (FastMoE) with data parallelism for everything else."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..comm.bucket import flatten, plan_buckets, unflatten_into
+from ..comm.partition import TensorSpec
+from ..errors import ConfigError
+from ..launch.layout import Layout
+from ..moe.checkpoint import full_state_dict, moe_layers
+from .base import Strategy, register
+
+__all__ = ["ExpertParallel", "MoEOptions", "ExpertPlacement", "place_experts"]
+
+_BUCKET_BYTES = 25 << 20
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoEOptions:
+    """Options of ``--strategy moe``."""
+
+    expert_parallel: int | None = field(default=None, metadata={
+        "help": "workers each MoE layer's experts are split over (default: all workers); "
+                "workers / P such groups hold replicas of the experts", "metavar": "P"})
+
+    def __post_init__(self) -> None:
+        if self.expert_parallel is not None and self.expert_parallel < 1:
+            raise ConfigError(f"--expert-parallel must be at least 1 (got "
+                              f"{self.expert_parallel})", "pass --expert-parallel 2")
+
+
+@dataclass(frozen=True)
+class ExpertPlacement:
+    """Which workers split the experts, and which hold the same ones (plain data).
+
+    ``expert_groups[g]``: the ranks of expert-parallel group g (consecutive workers,
+    so a group stays on as few machines as it can); ``replica_groups[j]``: the
+    ranks holding the j-th slice of the experts, one from each expert group.
+
+    >>> place_experts((0, 1, 2, 3), 2)
+    ExpertPlacement(expert_groups=((0, 1), (2, 3)), replica_groups=((0, 2), (1, 3)))
+    """
+
+    expert_groups: tuple[tuple[int, ...], ...]
+    replica_groups: tuple[tuple[int, ...], ...]
+
+    def of(self, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(expert group, replica group) of ``rank``."""
+        eg = next(g for g in self.expert_groups if rank in g)
+        rg = next(g for g in self.replica_groups if rank in g)
+        return eg, rg
+
+
+def place_experts(workers: Sequence[int], expert_parallel: int) -> ExpertPlacement:
+    """Split ``workers`` into groups of ``expert_parallel`` consecutive ranks."""
+    w, p = len(workers), expert_parallel
+    if w % p:
+        fits = [d for d in range(1, w + 1) if w % d == 0]
+        raise ConfigError(f"--expert-parallel {p} does not divide --workers {w}",
+                          f"pass --expert-parallel one of {fits}")
+    groups = tuple(tuple(workers[g * p:(g + 1) * p]) for g in range(w // p))
+    replicas = tuple(tuple(workers[j::p]) for j in range(p))
+    return ExpertPlacement(groups, replicas)
+
+
+class _SyncAfterBackward(nn.Module):
+    """The model, plus one gradient synchronisation at the end of every backward pass."""
+
+    def __init__(self, module: nn.Module, strategy: ExpertParallel) -> None:
+        super().__init__()
+        self.module = module
+        object.__setattr__(self, "_strategy", strategy)
+        self._queued = False
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        out = self.module(*args, **kwargs)
+        if torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad:
+            self._queued = False
+            out.register_hook(self._queue)
+        return out
+
+    def _queue(self, grad: torch.Tensor) -> torch.Tensor:
+        # Runs when backward reaches the output; the callback runs when backward ends,
+        # when every gradient (the auxiliary losses' too) is in place.
+        if not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(
+                self.__dict__["_strategy"].sync_gradients)
+        return grad
+
+
+@register
+class ExpertParallel(Strategy):
+    """Experts split over groups of workers; every other parameter data-parallel.
+
+    FastMoE (He et al., arXiv 2103.13262). Each worker is a data-parallel
+    replica (its slice of the global batch). Each MoE layer's experts are
+    split over ``--expert-parallel`` consecutive workers; tokens reach their
+    expert through all-to-all. Gradients, synchronised when backward ends:
+
+    - non-expert parameters: averaged over all W workers;
+    - expert parameters: each already sums the gradients of every token of its
+      expert group (they came through the all-to-all); they are summed over the
+      replicas of the same experts (none when P = W) and divided by W, as the
+      mean over W replicas' losses asks.
+
+    So a run ends where ``--strategy single`` with the same model ends.
+    """
+
+    name = "moe"
+    Options = MoEOptions
+
+    @classmethod
+    def check_layout(cls, layout: Layout, options: Any) -> None:
+        super().check_layout(layout, options)
+        place_experts(range(layout.workers), options.expert_parallel or layout.workers)
+
+    @classmethod
+    def check_model(cls, model: nn.Module, layout: Layout, options: Any) -> None:
+        layers = moe_layers(model)
+        if not layers:
+            raise ConfigError(f"strategy 'moe' needs a model with MoE layers ("
+                              f"{type(model).__name__} has none)",
+                              "pass --model gpt-moe, or moefy() the model")
+        p = options.expert_parallel or layout.workers
+        for prefix, layer in layers:
+            if layer.num_experts % p:
+                fits = [d for d in range(1, layout.workers + 1)
+                        if layout.workers % d == 0 and layer.num_experts % d == 0]
+                raise ConfigError(
+                    f"MoE layer {prefix.rstrip('.')!r} has {layer.num_experts} experts, which "
+                    f"do not split evenly over an expert-parallel group of {p} workers",
+                    f"pass --experts a multiple of {p}, or --expert-parallel one of {fits}")
+
+    def wrap(self, model: nn.Module,
+             optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
+        ctx = self.ctx
+        assert ctx is not None
+        if optimizer.state:
+            raise ConfigError("the optimizer has stepped already; strategy 'moe' shards the "
+                              "experts and cannot shard optimizer state",
+                              "call distribute() before the first optimizer step")
+        model.to(ctx.device)
+        workers = ctx.topology.workers
+        p = self.options.expert_parallel or len(workers)
+        self.placement = place_experts(workers, p)
+        mine, replicas = self.placement.of(ctx.rank)
+        cuda = ctx.device.type == "cuda"
+        # Groups among some workers: created by their members only.
+        expert_group = (ctx.groups.workers if len(mine) == len(workers)
+                        else ctx.new_group(mine, cuda=cuda) if len(mine) > 1 else None)
+        self.replica_group = (ctx.groups.workers if len(replicas) == len(workers)
+                              else ctx.new_group(replicas, cuda=cuda) if len(replicas) > 1
+                              else None)
+        self.replica_ranks = replicas
+        kept: list[nn.Parameter] = []
+        for _, layer in moe_layers(model):
+            layer.shard_experts(expert_group)
+            kept += list(layer.experts.parameters())
+        alive = {id(q) for q in model.parameters()}
+        for group in optimizer.param_groups:  # listed experts of other ranks are gone
+            group["params"] = [q for q in group["params"] if id(q) in alive]
+        expert_ids = {id(q) for q in kept}
+        self.expert_params = [q for q in model.parameters() if id(q) in expert_ids]
+        self.dense_params = [q for q in model.parameters() if id(q) not in expert_ids]
+        return _SyncAfterBackward(model, self), optimizer
+
+    @torch.no_grad()
+    def sync_gradients(self) -> None:
+        """Average dense gradients over all workers, expert gradients over their replicas."""
+        ctx = self.ctx
+        assert ctx is not None
+        w = ctx.num_workers
+        self._reduce(self.dense_params, ctx.groups.workers if w > 1 else None,
+                     ctx.topology.workers, w)
+        self._reduce(self.expert_params, self.replica_group, self.replica_ranks, w)
+
+    def _reduce(self, params: list[nn.Parameter], group: Any, ranks: Sequence[int],
+                divisor: int) -> None:
+        trainable = [q for q in params if q.requires_grad]
+        if not trainable:
+            return
+        if group is None:
+            for q in trainable:
+                if q.grad is not None:
+                    q.grad.div_(divisor)
+            return
+        assert self.ctx is not None
+        # A parameter may have no gradient on some ranks (unused there): count who has one.
+        present = torch.tensor([float(q.grad is not None) for q in trainable],
+                               device=trainable[0].device)
+        dist.all_reduce(present, group=group)
+        grads = [q.grad if q.grad is not None else torch.zeros_like(q) for q in trainable]
+        specs = [TensorSpec.of(str(i), g) for i, g in enumerate(grads)]
+        for bucket in plan_buckets(specs, _BUCKET_BYTES):
+            flat = flatten(bucket, grads)
+            dist.all_reduce(flat, group=group)
+            flat.div_(divisor)
+            unflatten_into(bucket, flat, grads)
+            self.ctx.meter.record_ring_allreduce(list(ranks), bucket.nbytes)
+        for q, g, n in zip(trainable, grads, present.tolist()):
+            if n and q.grad is None:
+                q.grad = g
+
+    def state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        return full_state_dict(getattr(model, "module", model))

@@ -1,0 +1,80 @@
+"""Checkpoints saved with expert-parallel size P load with P' (1 included) on other workers."""
+
+import pytest
+import torch
+from torch import nn
+
+import polytrain
+from polytrain.models import GPT
+from polytrain.moe import (
+    MoE,
+    full_state_dict,
+    load_sharded,
+    local_state_dict,
+    moefy,
+    save_sharded,
+)
+from tests.harness import spawn
+
+
+def small_expert(d: int) -> nn.Module:
+    return nn.Sequential(nn.Linear(d, 6), nn.Tanh(), nn.Linear(6, d))
+
+
+def build(seed: int) -> nn.Module:
+    """A GPT whose block 0 has stacked MLP experts and block 1 listed custom experts."""
+    torch.manual_seed(seed)
+    model = GPT(seq_len=8, d_model=16, layers=2, heads=2)
+    moefy(model, 4, top_k=2)
+    model.h1.mlp = MoE(16, 4, top_k=2, expert=small_expert)
+    return model
+
+
+def train_and_save(directory: str, expert_parallel: int) -> dict[str, torch.Tensor]:
+    ctx = polytrain.init()
+    model = build(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    model, opt = polytrain.distribute(model, opt, "moe", expert_parallel=expert_parallel)
+    x = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(ctx.rank))
+    model(x).square().mean().backward()
+    opt.step()
+    # One expert group writes; the other groups hold replicas of the same experts.
+    save_sharded(model.module, directory, write=ctx.worker_index < expert_parallel)
+    return polytrain.full_state_dict(model)
+
+
+def load(directory: str, full: dict[str, torch.Tensor]) -> tuple[float, float]:
+    polytrain.init()
+    model = build(1)  # other weights: loading must replace all of them
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    model, _ = polytrain.distribute(model, opt, "moe")
+    load_sharded(model.module, directory)
+    after_sharded = polytrain.full_state_dict(model)
+    model.module.load_state_dict(local_state_dict(full, model.module))
+    after_full = full_state_dict(model.module)
+    return (max(float((after_sharded[k] - full[k]).abs().max()) for k in full),
+            max(float((after_full[k] - full[k]).abs().max()) for k in full))
+
+
+@pytest.mark.timeout(120)
+def test_save_on_four_load_on_two_and_on_one(tmp_path):
+    saved = spawn(train_and_save, workers=4, args=(str(tmp_path), 2))[0]
+    untrained = build(0).state_dict()
+    assert list(saved) == list(untrained)  # the all-local model's keys, in its order
+    assert max(float((saved[k] - untrained[k]).abs().max()) for k in saved) > 1e-3
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["meta.json", "shard-0.pt",
+                                                         "shard-1.pt"]
+    for diffs in spawn(load, workers=2, args=(str(tmp_path), saved)):
+        assert diffs == (0.0, 0.0)
+    one = build(1)
+    load_sharded(one, tmp_path)
+    assert all(torch.equal(v, saved[k]) for k, v in one.state_dict().items())
+
+
+def test_a_checkpoint_of_another_expert_count_is_refused(tmp_path):
+    save_sharded(build(0), tmp_path)
+    torch.manual_seed(0)
+    other = moefy(GPT(seq_len=8, d_model=16, layers=2, heads=2), 8)
+    with pytest.raises(polytrain.ConfigError, match=r"MoE layer 'h0.mlp' has 8 experts but "
+                                                    r"the checkpoint has 4"):
+        load_sharded(other, tmp_path)

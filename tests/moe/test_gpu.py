@@ -1,0 +1,60 @@
+"""The MoE layer on a GPU computes what it computes on the CPU (skipped without CUDA)."""
+
+import copy
+
+import pytest
+import torch
+
+import polytrain
+from polytrain.moe import MoE, aux_loss
+from polytrain.moe.experts import grouped_mm
+from tests.harness import spawn
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("gate, options", [("naive", {"dropless": True}),
+                                           ("gshard", {"capacity_factor": 0.75})])
+def test_layer_on_cuda_equals_layer_on_cpu(gate, options):
+    torch.manual_seed(0)
+    cpu = MoE(64, 8, gate=gate, **options).eval()
+    gpu = copy.deepcopy(cpu).cuda()
+    x = torch.randn(96, 64, requires_grad=True)
+    xg = x.detach().cuda().requires_grad_()
+    y, yg = cpu(x), gpu(xg)
+    (y.square().sum() + aux_loss(cpu)).backward()
+    (yg.square().sum() + aux_loss(gpu)).backward()
+    assert torch.allclose(y, yg.cpu(), atol=1e-4)
+    assert torch.allclose(x.grad, xg.grad.cpu(), atol=1e-4)
+    for p, q in zip(cpu.parameters(), gpu.parameters()):
+        assert (p.grad is None) == (q.grad is None)
+        if p.grad is not None:
+            assert torch.allclose(p.grad, q.grad.cpu(), atol=1e-3)
+    with torch.no_grad():
+        assert torch.allclose(gpu(xg), yg, atol=1e-5)  # streamed inference
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_mm_on_cuda(dtype):
+    x = torch.randn(40, 64, device="cuda", dtype=dtype)
+    w = torch.randn(3, 64, 32, device="cuda", dtype=dtype)
+    want = torch.cat([x[:16] @ w[0], x[16:40] @ w[2]])
+    assert torch.allclose(grouped_mm(x, w, [16, 0, 24]).float(), want.float(), atol=0.1)
+
+
+def nccl_expert_parallel() -> float:
+    ctx = polytrain.init(device="cuda")
+    torch.manual_seed(0)
+    layer = MoE(32, 4, top_k=2).cuda()
+    x_all = torch.randn(2 * 16, 32, device="cuda", requires_grad=True)
+    y_all = layer(x_all)
+    sharded = copy.deepcopy(layer)
+    sharded.shard_experts(ctx.new_group(ctx.topology.workers, cuda=True))
+    mine = x_all.detach()[16 * ctx.worker_index:16 * (ctx.worker_index + 1)]
+    return float((sharded(mine) - y_all[16 * ctx.worker_index:][:16]).abs().max())
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_expert_parallel_over_nccl():
+    assert max(spawn(nccl_expert_parallel, workers=2)) < 1e-4

@@ -1,0 +1,142 @@
+"""The MoE layer against a per-token brute-force reference, forward and backward."""
+
+import pytest
+import torch
+from torch import nn
+
+from polytrain import ConfigError
+from polytrain.moe import MoE, aux_loss
+
+D, E, T = 8, 4, 24
+
+
+def brute_force(layer: MoE, x: torch.Tensor, indices: torch.Tensor,
+                scores: torch.Tensor) -> torch.Tensor:
+    """Loop over tokens and slots, call experts[idx] on the one token, weight by score."""
+    out = []
+    for t in range(x.shape[0]):
+        acc = torch.zeros(x.shape[1], dtype=x.dtype)
+        for s in range(indices.shape[1]):
+            e = int(indices[t, s])
+            if e >= 0:
+                acc = acc + scores[t, s] * layer.experts[e](x[t:t + 1])[0]
+        out.append(acc)
+    return torch.stack(out)
+
+
+def layer_of(gate: str, top_k: int, drops: bool, **kw) -> MoE:
+    torch.manual_seed(0)
+    options = {"capacity_factor": 0.5} if drops else {"dropless": True}
+    return MoE(D, E, top_k=top_k, gate=gate, d_hidden=12, **options, **kw)
+
+
+def grads(loss: torch.Tensor, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    found = torch.autograd.grad(loss, tensors, allow_unused=True)
+    return [torch.zeros_like(t) if g is None else g for t, g in zip(tensors, found)]
+
+
+def compare_with_brute_force(layer: MoE, x: torch.Tensor, seed: int = 1) -> torch.Tensor:
+    weights = torch.randn(x.shape[0], D)
+    params = [p for p in layer.parameters()]
+    torch.manual_seed(seed)
+    y = layer(x)
+    got = grads((y * weights).sum() + aux_loss(layer), [x, *params])
+    torch.manual_seed(seed)  # the gate draws the same noise: the same decisions
+    indices, scores = layer.gate(x)
+    reference = brute_force(layer, x, indices, scores)
+    want = grads((reference * weights).sum() + aux_loss(layer), [x, *params])
+    assert torch.allclose(y, reference, atol=1e-5), (y - reference).abs().max()
+    for g, w in zip(got, want):
+        assert torch.allclose(g, w, atol=1e-5), (g - w).abs().max()
+    return indices
+
+
+@pytest.mark.parametrize("drops", [False, True])
+@pytest.mark.parametrize("top_k", [1, 2, 3])
+@pytest.mark.parametrize("gate", ["naive", "noisy", "gshard", "switch"])
+def test_layer_equals_per_token_brute_force(gate, top_k, drops):
+    layer = layer_of(gate, top_k, drops)
+    x = torch.randn(T, D, requires_grad=True)
+    indices = compare_with_brute_force(layer, x)
+    load = torch.bincount(indices[indices >= 0], minlength=E)
+    if drops:
+        # capacity 0.5 * k * T / E: some slots must have been dropped, none over capacity
+        capacity = layer.gate.last_capacity
+        assert capacity == -(-top_k * T // (2 * E))
+        assert (load <= capacity).all() and (indices < 0).any()
+    else:
+        assert layer.gate.last_capacity is None
+        if gate != "gshard":  # gshard's random routing drops second choices by design
+            assert (indices >= 0).all()
+    assert torch.equal(layer.last_load, load)
+
+
+@pytest.mark.parametrize("gate", ["naive", "gshard", "switch"])
+def test_eval_mode_is_deterministic_and_equals_brute_force(gate):
+    layer = layer_of(gate, 2, drops=False).eval()
+    x = torch.randn(T, D, requires_grad=True)
+    compare_with_brute_force(layer, x)
+    assert torch.equal(layer(x), layer(x))
+
+
+def test_any_expert_module_and_any_leading_shape():
+    torch.manual_seed(0)
+    layer = MoE(D, E, top_k=2, expert=lambda d: nn.Sequential(nn.Linear(d, 5), nn.Tanh(),
+                                                              nn.Linear(5, d)))
+    x = torch.randn(3, 8, D, requires_grad=True)
+    y = layer(x)
+    assert y.shape == x.shape
+    compare_with_brute_force(layer, x.detach().reshape(-1, D).requires_grad_())
+
+
+def test_gshard_and_switch_default_capacities_and_z_loss():
+    torch.manual_seed(0)
+    layer = MoE(D, E, gate="gshard", z_loss_weight=1e-3)
+    assert (layer.gate.capacity_factor, layer.gate.eval_capacity_factor, layer.top_k) == \
+        (1.2, 2.4, 2)
+    layer(torch.randn(T, D))
+    assert layer.gate.last_capacity == -(-12 * 2 * T // (10 * E))  # ceil(1.2 * 2 * 24 / 4)
+    switch = MoE(D, E, gate="switch")
+    assert (switch.gate.capacity_factor, switch.gate.eval_capacity_factor, switch.top_k) == \
+        (1.25, 2.0, 1)
+    switch(torch.randn(T, D))
+    # both losses present, weighted: z-loss of gshard plus both balance losses
+    assert float(aux_loss(nn.Sequential(layer, switch)).detach()) > 0
+    assert float(aux_loss(MoE(D, E))) == 0.0
+
+
+def test_balance_loss_is_one_when_perfectly_balanced():
+    from polytrain.moe.gates import balance_loss
+    probs = torch.full((8, 4), 0.25)
+    assert float(balance_loss(probs, torch.arange(8) % 4)) == pytest.approx(1.0)
+    skewed = torch.tensor([[0.97, 0.01, 0.01, 0.01]] * 8)
+    assert float(balance_loss(skewed, torch.zeros(8, dtype=torch.long))) == pytest.approx(3.88)
+
+
+def test_no_tokens_at_all():
+    layer = layer_of("gshard", 2, drops=True)
+    x = torch.zeros(0, D, requires_grad=True)
+    y = layer(x)
+    (y.sum() + aux_loss(layer)).backward()
+    assert y.shape == (0, D) and x.grad is not None
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"top_k": 5}, r"top_k must be between 1 and the number of experts 4 \(got 5\)"),
+    ({"gate": "hash"}, r"unknown gate 'hash'; the gates are: gshard, naive, noisy, switch"),
+    ({"capacity_factor": 0.0}, r"capacity_factor must be positive \(got 0.0\)"),
+    ({"capacity_factor": 1.0, "dropless": True}, r"a dropless gate has no capacity"),
+])
+def test_bad_options_are_named(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        MoE(D, E, **kwargs)
+
+
+@pytest.mark.parametrize("chunk_bytes", [1 << 20, 12 * 4 * 5])  # one chunk; a few rows each
+def test_inference_streams_chunks_and_computes_the_same(chunk_bytes):
+    layer = layer_of("gshard", 2, drops=True).eval()
+    layer.experts.chunk_bytes = chunk_bytes
+    x = torch.randn(T, D)
+    with torch.no_grad():
+        streamed = layer(x)
+    assert torch.allclose(streamed, layer(x), atol=1e-6)  # the training path: gather, combine

@@ -1,0 +1,67 @@
+"""moefy: MoE feed-forward blocks in polytrain's GPT and torch's transformer layers."""
+
+import pytest
+import torch
+from torch import nn
+
+from polytrain import ConfigError
+from polytrain.models import GPT, get_model
+from polytrain.moe import MoE, aux_loss, moefy
+
+
+def test_gpt_blocks_get_moe_feed_forwards():
+    torch.manual_seed(0)
+    model = moefy(GPT(seq_len=8, d_model=16, layers=4, heads=2), 4, every=2, gate="gshard")
+    kinds = [type(b.mlp).__name__ for b in model.blocks]
+    assert kinds == ["MoE", "FeedForward", "MoE", "FeedForward"]
+    assert model.h0.mlp.experts[0].fc.out_features == 64  # the replaced block's width
+    logits = model(torch.randint(0, 256, (2, 8)))
+    (logits.mean() + aux_loss(model)).backward()
+    assert model.h0.mlp.gate.wg.weight.grad is not None
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_torch_encoder_layers(norm_first):
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.0,
+                                       batch_first=True, norm_first=norm_first)
+    # nested tensors on: the fast path that reads linear1 is there to be turned off
+    encoder = moefy(nn.TransformerEncoder(layer, 2, enable_nested_tensor=not norm_first), 4,
+                    top_k=2)
+    first = encoder.layers[0]
+    assert isinstance(first.moe, MoE) and not hasattr(first, "linear1")
+    assert "layers.0.moe.experts.0.fc.weight" in encoder.state_dict()
+    x = torch.randn(2, 5, 16)
+    y = encoder(x)
+    # the layer by hand: attention block, then the MoE block
+    sa = first.self_attn(*(3 * [first.norm1(x) if norm_first else x]), need_weights=False)[0]
+    if norm_first:
+        h = x + sa
+        want = h + first.moe(first.norm2(h))
+    else:
+        h = first.norm1(x + sa)
+        want = first.norm2(h + first.moe(h))
+    assert torch.allclose(encoder.layers[0](x), want, atol=1e-6)
+    with torch.no_grad():  # eval without grad: torch's fused path must stay off
+        assert torch.allclose(encoder.eval()(x), y, atol=1e-6)
+
+
+def test_torch_decoder_layers():
+    torch.manual_seed(0)
+    decoder = moefy(nn.TransformerDecoder(nn.TransformerDecoderLayer(16, 2, 32, batch_first=True),
+                                          2), 4)
+    out = decoder(torch.randn(2, 5, 16), torch.randn(2, 7, 16))
+    assert out.shape == (2, 5, 16) and isinstance(decoder.layers[1].moe, MoE)
+
+
+def test_a_model_without_transformer_layers_is_refused():
+    with pytest.raises(ConfigError, match="moefy found no transformer layer in Linear"):
+        moefy(nn.Linear(4, 4), 2)
+
+
+def test_gpt_moe_model_is_moefied_gpt_with_the_given_options():
+    model = get_model("gpt-moe").make(seq_len=8, d_model=16, layers=2, heads=2, experts=4,
+                                      gate="switch", capacity_factor=2.0)
+    assert all(isinstance(b.mlp, MoE) for b in model.blocks)
+    gate = model.h1.mlp.gate
+    assert (gate.num_experts, gate.top_k, gate.capacity_factor) == (4, 1, 2.0)

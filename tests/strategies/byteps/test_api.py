@@ -1,0 +1,133 @@
+"""The calls BytePS users know: push_pull, the broadcasts, DistributedOptimizer, staleness."""
+
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import polytrain
+import polytrain.byteps as bps
+from polytrain import ConfigError
+from tests.harness import spawn
+
+STEPS = 3
+
+
+def micro_batches(step):
+    """The same global batch on every worker: 4 workers x 2 micro-batches of 3 rows."""
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(8, 3, 6, generator=g), torch.randn(8, 3, 2, generator=g)
+
+
+def make_model(seed):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 2))
+
+
+def use_the_api():
+    ctx = polytrain.init()
+    w, workers = bps.rank(), bps.size()
+    out = {"rank": w, "size": workers, "local": (bps.local_rank(), bps.local_size())}
+    x = torch.arange(10, dtype=torch.float32) + 100 * w
+    out["avg"] = bps.push_pull(x, name="x")
+    out["again"] = bps.push_pull(2 * x, name="x")
+    out["sum"] = bps.push_pull(torch.tensor([w + 1]), name="n", average=False)
+    out["unnamed"] = bps.push_pull(torch.ones(3, 3))
+    try:
+        bps.push_pull(torch.zeros(3), name="x")
+    except ConfigError as e:
+        out["reuse_error"] = str(e)
+
+    # Broadcasts: different seeds, then worker 1's weights and optimizer state everywhere.
+    model = make_model(seed=w)
+    bps.broadcast_parameters(model.state_dict(), root_rank=1)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1 * (w + 1), momentum=0.9)
+    bps.broadcast_optimizer_state(inner, root_rank=1)
+    out["initial"] = {k: v.clone() for k, v in model.state_dict().items()}
+    out["lr"] = inner.param_groups[0]["lr"]
+
+    # Two backward passes per step (gradient accumulation), an LR schedule on the wrapper.
+    opt = bps.DistributedOptimizer(inner, named_parameters=model.named_parameters(),
+                                   backward_passes_per_step=2, partition_bytes=64)
+    schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for step in range(STEPS):
+        xs, ys = micro_batches(step)
+        opt.zero_grad()
+        for j in range(2):
+            nn.functional.mse_loss(model(xs[2 * w + j]), ys[2 * w + j]).backward()
+        opt.step()
+        schedule.step()
+    out["trained"] = {k: v.clone() for k, v in model.state_dict().items()}
+
+    # Asynchronous with staleness 1: worker 1 is slow; worker 0 may run one step ahead only.
+    slow = make_model(seed=0)
+    aopt = bps.DistributedOptimizer(torch.optim.SGD(slow.parameters(), lr=0.01),
+                                    named_parameters=slow.named_parameters(), async_=True,
+                                    staleness=1)
+    starts, ends = [], []
+    for step in range(5):
+        if w == 1:
+            time.sleep(0.5)
+        starts.append(time.time())
+        xs, ys = micro_batches(step)
+        aopt.zero_grad()
+        nn.functional.mse_loss(slow(xs[w]), ys[w]).backward()
+        aopt.step()
+        ends.append(time.time())
+    out["async"] = (starts, ends)
+    ctx.shutdown()
+    return out
+
+
+def reference(initial):
+    """The same steps in one process: accumulated gradients averaged over the 4 workers."""
+    model = make_model(seed=0)
+    model.load_state_dict(initial)
+    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for step in range(STEPS):
+        xs, ys = micro_batches(step)
+        opt.zero_grad()
+        sum(nn.functional.mse_loss(model(xs[i]), ys[i]) for i in range(8)).div(4).backward()
+        opt.step()
+        schedule.step()
+    return model.state_dict()
+
+
+@pytest.mark.timeout(120)
+def test_push_pull_broadcasts_and_the_distributed_optimizer():
+    out = spawn(use_the_api, workers=4, nodes=2, servers=1, colocated=1)
+    xs = [torch.arange(10, dtype=torch.float32) + 100 * w for w in range(4)]
+    for o in out:
+        assert o["size"] == 4 and o["local"] == (o["rank"] % 2, 2)
+        assert torch.allclose(o["avg"], sum(xs) / 4)
+        assert torch.allclose(o["again"], 2 * sum(xs) / 4)
+        assert o["sum"].tolist() == [10] and o["sum"].dtype == torch.int64
+        assert torch.equal(o["unnamed"], torch.ones(3, 3))
+        assert "name 'x' was first used for [10]" in o["reuse_error"]
+        assert o["lr"] == pytest.approx(0.2)  # worker 1's
+        for k, v in o["initial"].items():
+            assert torch.equal(v, out[1]["initial"][k])
+    want = reference(out[0]["initial"])
+    for o in out:
+        for k, v in o["trained"].items():
+            assert torch.allclose(v, want[k], atol=1e-6), k
+    starts, ends = out[0]["async"]
+    slow_starts, _ = out[1]["async"]
+    for c in range(1, 5):  # step c (0-based) ends after the slow worker pushed step c - 1
+        assert ends[c] >= slow_starts[c - 1]
+    assert ends[4] < slow_starts[4]  # ... and no later: the fast worker did run ahead
+
+
+def mismatched_names():
+    polytrain.init()
+    bps.push_pull(torch.ones(10), name="grad.a" if bps.rank() == 0 else "grad.b")
+
+
+@pytest.mark.timeout(60)
+def test_workers_that_declare_different_tensors_get_an_error_naming_them():
+    with pytest.raises(polytrain.LaunchError, match=r"ConfigError: worker rank \d \(machine "
+                                                    r"node\d\) declared key 0 = 'grad\.[ab]\[0\] "
+                                                    r"of 10'.* 'grad\.[ab]\[0\] of 10'.*name"):
+        spawn(mismatched_names, workers=2, nodes=2, colocated=1)

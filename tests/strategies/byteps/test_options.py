@@ -1,0 +1,48 @@
+"""Options: the CLI flags, the layout BytePS asks for, and bad input refused before a start."""
+
+import pytest
+
+from polytrain import ConfigError, TrainConfig
+from polytrain.cli import build_parser
+from polytrain.cli.train import config_from_args
+from polytrain.strategies.byteps import BytePSOptions
+
+
+def parse(*args):
+    return config_from_args(build_parser().parse_args(["train", "--strategy", "byteps", *args]))
+
+
+def test_flags_become_the_strategys_options():
+    c = parse("--workers", "4", "--nodes", "2", "--servers", "1", "--no-colocate",
+              "--partition-bytes", "1000", "--fuse-bytes", "0", "--credit-bytes", "0", "--async",
+              "--staleness", "2")
+    assert dict(c.strategy_options) == {"colocate": False, "partition_bytes": 1000,
+                                        "fuse_bytes": 0, "credit_bytes": 0, "async_": True,
+                                        "staleness": 2}
+    assert parse().strategy_options == {}
+
+
+def test_the_layout_has_a_colocated_server_per_machine_unless_told_otherwise():
+    layout = parse("--workers", "4", "--nodes", "2", "--servers", "1").layout()
+    assert layout.describe() == ("node0: worker 0, worker 1, server 4 | node1: worker 2, "
+                                 "worker 3, server 5 | server0: server 6")
+    classic = parse("--workers", "4", "--nodes", "2", "--servers", "1", "--no-colocate")
+    assert classic.layout().world_size == 5
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"staleness": 2}, r"--staleness 2 bounds asynchronous training only. HINT: add --async"),
+    ({"async_": True, "staleness": -1}, r"--staleness must be 0 or more"),
+    ({"partition_bytes": 0}, r"--partition-bytes must be at least 8"),
+    ({"credit_bytes": -5}, r"--credit-bytes must be 0 \(no bound\) or more"),
+    ({"fuse_bytes": -1}, r"--fuse-bytes must be 0 \(no fusion\) or more"),
+])
+def test_bad_options_are_refused_with_a_hint(options, message):
+    with pytest.raises(ConfigError, match=message):
+        BytePSOptions(**options)
+
+
+def test_a_classic_parameter_server_without_servers_is_refused_before_any_process_starts():
+    with pytest.raises(ConfigError, match=r"--no-colocate is the classic parameter server.*"
+                                          r"HINT: pass --servers K"):
+        TrainConfig(strategy="byteps", strategy_options={"colocate": False})

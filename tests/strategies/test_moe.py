@@ -1,0 +1,101 @@
+"""``--strategy moe``: expert parallelism ends where ``--strategy single --model gpt-moe`` ends."""
+
+import pytest
+
+from polytrain import TrainConfig
+from polytrain.cli import main
+from polytrain.strategies.moe import place_experts
+from tests.harness import max_abs_diff, run_config, single_of
+
+STEPS = 5
+MODEL = {"seq_len": 16, "d_model": 32, "layers": 2, "experts": 4}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("workers, nodes, expert_parallel, optimizer, tol", [
+    (2, 1, None, "sgd", 1e-6),
+    (4, 2, None, "adam", 1e-5),
+    (4, 2, 2, "sgd", 1e-6),        # two expert groups holding replicas of the experts
+])
+def test_moe_ends_where_single_ends(workers, nodes, expert_parallel, optimizer, tol):
+    options = {} if expert_parallel is None else {"expert_parallel": expert_parallel}
+    config = TrainConfig(strategy="moe", model="gpt-moe", workers=workers, nodes=nodes,
+                         steps=STEPS, batch_size=8, optimizer=optimizer,
+                         lr=0.05 if optimizer == "sgd" else 3e-3, model_options=MODEL,
+                         strategy_options=options)
+    _, single = run_config(single_of(config))
+    metrics, distributed = run_config(config)
+    assert list(single) == list(distributed)  # same keys, experts gathered
+    assert max_abs_diff(single, distributed) < tol
+    _, untrained = run_config(single_of(config).replace(steps=1, lr=1e-12))
+    assert max_abs_diff(single, untrained) > 100 * tol
+    machines = metrics["traffic"]["machines"]
+    if nodes > 1:
+        # tokens cross machines through the all-to-all, gradients through the all-reduce
+        assert all(m["sent_bytes_per_step"] > 0 and m["recv_bytes_per_step"] > 0
+                   for m in machines)
+
+
+def test_placement_groups_consecutive_workers():
+    p = place_experts((0, 1, 2, 3, 4, 5), 3)
+    assert p.expert_groups == ((0, 1, 2), (3, 4, 5))
+    assert p.replica_groups == ((0, 3), (1, 4), (2, 5))
+    assert p.of(4) == ((3, 4, 5), (1, 4))
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--strategy", "moe"], r"strategy 'moe' needs a model with MoE layers \(GPT has none\).*"
+                            r"HINT: pass --model gpt-moe"),
+    (["--strategy", "moe", "--model", "gpt-moe", "--workers", "4", "--experts", "6"],
+     r"MoE layer 'h0.mlp' has 6 experts, which do not split evenly over an expert-parallel "
+     r"group of 4 workers.*HINT: pass --experts a multiple of 4, or --expert-parallel one of "
+     r"\[1, 2\]"),
+    (["--strategy", "moe", "--model", "gpt-moe", "--workers", "4", "--expert-parallel", "3"],
+     r"--expert-parallel 3 does not divide --workers 4.*HINT"),
+    (["--experts", "4"], r"--experts is an option of gpt-moe, not of model 'gpt'.*HINT: leave "
+                         r"it out, or pick --model gpt-moe"),
+    (["--model", "gpt-moe", "--top-k", "9"], r"top_k must be between 1 and the number of "
+                                             r"experts 8 \(got 9\)"),
+    (["--model", "gpt-moe", "--gate", "hash"], r"invalid choice: 'hash'"),
+])
+def test_bad_moe_input_gets_one_clear_line(args, message, capsys):
+    import re
+
+    with pytest.raises(SystemExit) if "hash" in args else _nothing():
+        code = main(["train", "--quiet", *args])
+        assert code == 2
+    err = capsys.readouterr().err
+    assert re.search(message, err), err
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_model_flags_become_model_options():
+    from polytrain.cli import build_parser
+    from polytrain.cli.train import config_from_args
+
+    ns = build_parser().parse_args(
+        ["train", "--strategy", "moe", "--model", "gpt-moe", "--workers", "4", "--experts", "8",
+         "--top-k", "1", "--gate", "gshard", "--capacity-factor", "1.5", "--z-loss", "0.001",
+         "--expert-parallel", "2", "--d-model", "32"])
+    config = config_from_args(ns)
+    assert dict(config.model_options) == {"d_model": 32, "experts": 8, "top_k": 1,
+                                          "gate": "gshard", "capacity_factor": 1.5,
+                                          "z_loss": 0.001}
+    assert dict(config.strategy_options) == {"expert_parallel": 2}
+
+
+def test_the_training_loss_includes_the_gates_balance_losses():
+    config = TrainConfig(strategy="single", model="gpt-moe", steps=1, batch_size=4,
+                         model_options={**MODEL, "gate": "gshard", "balance_loss": 0.0})
+    plain, _ = run_config(config)
+    weighted, _ = run_config(config.replace(
+        model_options={**MODEL, "gate": "gshard", "balance_loss": 1.0}))
+    # E * sum_e f_e P_e is about 1 per layer when routing is near uniform: 2 layers
+    assert 1.5 < weighted["losses"][0] - plain["losses"][0] < 3.0
