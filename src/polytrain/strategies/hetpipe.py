@@ -159,9 +159,7 @@ class HetPipe(Strategy):
         mine = self.virtual_workers[self.vw]
         self.ranks = [ctx.topology.workers[d.index] for d in mine.devices]
         # Activations and gradients share the point-to-point group with the servers' traffic
-        # (tags of their own). A group of the VW's ranks would be tidier, but torch 2.13's
-        # new_group(use_local_synchronization=True) hangs once a group exists that some of
-        # its ranks are not in (the core's leaders group).
+        # (tags of their own): point-to-point needs only pairs, which it already connects.
         self.transport = ctx.transport
         self.model = model
         self.base_optimizer = optimizer
