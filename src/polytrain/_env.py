@@ -22,6 +22,7 @@ TIMEOUT = "POLYTRAIN_TIMEOUT"
 LOG_LEVEL = "POLYTRAIN_LOG_LEVEL"
 ERROR_FILE = "POLYTRAIN_ERROR_FILE"
 PARENT_PID = "POLYTRAIN_PARENT_PID"
+LABEL_FILE = "POLYTRAIN_LABEL_FILE"
 DEFAULT_TIMEOUT_S = 120.0
 
 
@@ -74,6 +75,10 @@ def log_level() -> str:
 
 def error_file() -> str | None:
     return os.environ.get(ERROR_FILE)
+
+
+def label_file() -> str | None:
+    return os.environ.get(LABEL_FILE)
 
 
 def parent_pid() -> int | None:

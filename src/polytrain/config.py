@@ -12,6 +12,8 @@ from .data import check_divisible, dataset_names
 from .errors import ConfigError
 from .launch.layout import Layout
 from .models import get_model
+from .pipeline.devices import parse_cluster
+from .pipeline.profile import profile_model
 from .strategies.base import get_strategy, make_options
 
 __all__ = ["TrainConfig", "OPTIMIZERS"]
@@ -35,6 +37,10 @@ class TrainConfig:
         out: directory for ``metrics.json`` and ``final.pt`` (default: none written).
         quiet: no progress bar. timeout_s: longest wait on a peer. port: rendezvous port.
         device: ``cpu`` or ``cuda``. strategy_options: the strategy's own options.
+        devices: the emulated cluster (``m0:fast*2,m1:slow*2`` or a JSON file; see
+            :func:`polytrain.pipeline.parse_cluster`): it sets the workers and machines,
+            every worker runs at its device's speed (on CPU), and layouts that do not
+            fit the devices' memory are refused. Default: none (real speed).
     """
 
     strategy: str = "ddp"
@@ -53,10 +59,19 @@ class TrainConfig:
     timeout_s: float = 120.0
     port: int | None = None
     device: str = "cpu"
+    devices: str | None = None
     model_options: Mapping[str, Any] = field(default_factory=dict)
     strategy_options: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        cluster = parse_cluster(self.devices) if self.devices is not None else None
+        if cluster is not None:
+            if self.workers is None:
+                object.__setattr__(self, "workers", cluster.size)
+            if self.nodes == 1:
+                object.__setattr__(self, "nodes", len(cluster.machines))
+            cluster.check_layout(cluster.size if self.workers is None else self.workers,
+                                 self.nodes)
         if self.workers is None:
             object.__setattr__(self, "workers", 2 if get_strategy(self.strategy).distributed else 1)
         if self.optimizer not in OPTIMIZERS:
@@ -72,14 +87,32 @@ class TrainConfig:
         if self.data not in dataset_names():
             raise ConfigError(f"unknown data set {self.data!r}; the data sets are: "
                               f"{', '.join(dataset_names())}", "pass --data text")
+        spec = get_model(self.model)
         with torch.device("meta"):  # the model's own checks, without allocating it
-            model = get_model(self.model).make(**self.model_options)
+            model = spec.make(**self.model_options)
         cls = get_strategy(self.strategy)
         options = make_options(cls, dict(self.strategy_options))
         layout = self.layout()
         cls.check_layout(layout, options)
         cls.check_model(model, layout, options)
         check_divisible(self.batch_size, cls.replicas(layout, options))
+        self._check_devices(model)
+
+    def _check_devices(self, model: Any) -> str | None:
+        spec = get_model(self.model)
+        cls = get_strategy(self.strategy)
+        seq_len = int(getattr(model, "seq_len", self.model_options.get("seq_len", 64)))
+        sample = spec.split(torch.zeros((1, seq_len + 1), dtype=torch.long))[0]
+        cluster = parse_cluster(self.devices) if self.devices is not None else None
+        return cls.check_devices(cluster, lambda: profile_model(model, sample), self.layout(),
+                                 make_options(cls, dict(self.strategy_options)),
+                                 batch_size=self.batch_size, optimizer=self.optimizer)
+
+    def plan_summary(self) -> str | None:
+        """The strategy's plan on this run's devices, printable (None if it makes none)."""
+        with torch.device("meta"):
+            model = get_model(self.model).make(**self.model_options)
+        return self._check_devices(model)
 
     def layout(self) -> Layout:
         cls = get_strategy(self.strategy)

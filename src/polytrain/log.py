@@ -17,10 +17,11 @@ class _Prefix(logging.Filter):
         return True
 
 
-def set_identity(rank: int, role: str, machine: str) -> None:
-    """Put ``rank role@machine`` in front of every polytrain log line of this process."""
+def set_identity(rank: int, role: str, machine: str, label: str = "") -> None:
+    """Put ``rank role@machine`` (and the label, if any) in front of every log line."""
     global _identity
-    _identity = f"[polytrain {rank} {role}@{machine}]"
+    extra = f" {label}" if label else ""
+    _identity = f"[polytrain {rank} {role}@{machine}{extra}]"
 
 
 def _configure() -> None:

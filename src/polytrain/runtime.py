@@ -69,6 +69,9 @@ class Context:
                                    meter=self.meter, timeout_s=timeout_s)
         self.ps_client = PSClient(self.transport, topology)
         self.final_reports: list[MeterReport] = []
+        #: The emulated devices of the run (a ``pipeline.Cluster``), when it has them.
+        self.cluster: Any = None
+        self.label = ""
         self._closed = False
         self._lock = threading.Lock()
 
@@ -117,6 +120,18 @@ class Context:
     @property
     def is_leader(self) -> bool:
         return self.rank in self.topology.leaders
+
+    def set_label(self, label: str) -> None:
+        """Say what this process is (``virtual worker 1 stage 0``) in logs and failure reports.
+
+        The launcher names a failed process by rank, role, machine and this label.
+        """
+        self.label = label
+        set_identity(self.rank, self.role, self.machine, label)
+        path = _env.label_file()
+        if path:
+            with open(path, "w") as f:
+                f.write(label)
 
     def new_group(self, ranks: Sequence[int], *, cuda: bool = False) -> Any:
         """A process group of ``ranks`` that only its members create (others need not call).

@@ -53,6 +53,10 @@ def add_parser(sub: Any) -> None:
                    help="longest wait on another process before failing (default 120)")
     p.add_argument("--port", type=int, default=None, help="rendezvous port (default: a free one)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="default cpu")
+    p.add_argument("--devices", default=None, metavar="SPEC",
+                   help="emulated heterogeneous devices, e.g. 'm0:fast*2,m1:slow*2' or a JSON "
+                        "file: sets --workers and --nodes, every worker runs at its device's "
+                        "speed (built-in types fast, mid, slow; define more as NAME=GFLOPS/MIB)")
     m = p.add_argument_group("model options")
     m.add_argument("--seq-len", type=int, default=None, help="sequence length (default 64)")
     m.add_argument("--d-model", type=int, default=None,
@@ -77,7 +81,7 @@ def config_from_args(ns: argparse.Namespace) -> TrainConfig:
         strategy=ns.strategy, model=ns.model, data=ns.data, workers=ns.workers, nodes=ns.nodes,
         servers=ns.servers, steps=ns.steps, batch_size=ns.batch_size, lr=ns.lr,
         optimizer=ns.optimizer, seed=ns.seed, out=ns.out, quiet=ns.quiet, timeout_s=ns.timeout,
-        port=ns.port, device=ns.device, model_options=model_options,
+        port=ns.port, device=ns.device, devices=ns.devices, model_options=model_options,
         strategy_options=given_options(ns, ns.strategy, cls.Options, _flags))
 
 
@@ -95,6 +99,9 @@ def run(ns: argparse.Namespace) -> int:
         print(f"polytrain: {config.model} on {config.data}, strategy {config.strategy}, "
               f"{config.steps} steps of {config.batch_size} | {layout.describe()}",
               file=sys.stderr)
+        summary = config.plan_summary()
+        if summary:
+            print(summary, file=sys.stderr)
     if get_strategy(config.strategy).distributed:
         metrics = Launcher(layout, port=config.port, timeout_s=config.timeout_s
                            ).run_fn(train, (config,))[0]

@@ -51,6 +51,7 @@ class _Child:
     proc: subprocess.Popen[bytes]
     error_file: Path
     result_file: Path
+    label_file: Path
     stopped_by_us: bool = False
 
 
@@ -61,12 +62,14 @@ class _Failure:
     cause: str
     time: float
     secondary: bool  # it failed because another process had failed first
+    label: str = ""  # what the process said it is (Context.set_label), e.g. a pipeline stage
 
     def order(self) -> tuple[int, float]:
         return (1 if self.secondary else 0, self.time)
 
     def describe(self) -> str:
-        return (f"{self.spec.role} rank {self.spec.rank} (machine {self.spec.machine}) "
+        label = f", {self.label}" if self.label else ""
+        return (f"{self.spec.role} rank {self.spec.rank} (machine {self.spec.machine}{label}) "
                 f"failed: {self.cause}")
 
 
@@ -136,6 +139,7 @@ class Launcher:
             _env.ROLE: spec.role,
             _env.NODE: spec.machine,
             _env.ERROR_FILE: str(workdir / f"error-{spec.rank}.json"),
+            _env.LABEL_FILE: str(workdir / f"label-{spec.rank}.txt"),
             _env.PARENT_PID: str(os.getpid()),
         })
         if self.timeout_s is not None:
@@ -157,7 +161,8 @@ class Launcher:
                         [sys.executable, "-m", "polytrain.launch.child", str(payload_file)],
                         env=self._child_env(spec, workdir))
                     children.append(_Child(spec, proc, workdir / f"error-{spec.rank}.json",
-                                           workdir / f"result-{spec.rank}.pkl"))
+                                           workdir / f"result-{spec.rank}.pkl",
+                                           workdir / f"label-{spec.rank}.txt"))
                 log.info("started %d processes on port %d: %s", len(children), self.port,
                          self.layout.describe())
                 self._watch(children)
@@ -210,10 +215,16 @@ class Launcher:
 def _failure(child: _Child) -> _Failure:
     code = child.proc.returncode
     assert code is not None
+    label = ""
+    try:
+        label = child.label_file.read_text().strip()
+    except OSError:
+        pass
     if child.error_file.exists():
         try:
             info = json.loads(child.error_file.read_text())
-            return _Failure(child.spec, code, info["cause"], info["time"], info["secondary"])
+            return _Failure(child.spec, code, info["cause"], info["time"], info["secondary"],
+                            label)
         except (ValueError, KeyError, OSError):
             pass
     if code < 0:
@@ -222,8 +233,8 @@ def _failure(child: _Child) -> _Failure:
         except ValueError:
             name = f"signal {-code}"
         # A process killed by a signal nobody in the run sent is the likeliest root cause.
-        return _Failure(child.spec, code, f"killed by {name} ({-code})", 0.0, False)
-    return _Failure(child.spec, code, f"exited with code {code}", time.time(), False)
+        return _Failure(child.spec, code, f"killed by {name} ({-code})", 0.0, False, label)
+    return _Failure(child.spec, code, f"exited with code {code}", time.time(), False, label)
 
 
 def _read_result(path: Path) -> Any:

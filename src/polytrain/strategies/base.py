@@ -12,6 +12,7 @@ from torch import nn
 from .. import runtime
 from ..errors import ConfigError
 from ..launch.layout import Layout
+from ..pipeline.profile import ModelProfile, optimizer_state_factor, whole_model_bytes
 from ..runtime import Context
 from .checks import broadcast_module, check_same_model
 
@@ -66,6 +67,33 @@ class Strategy(ABC):
     @classmethod
     def uses_servers(cls, options: Any) -> bool:
         return False
+
+    @classmethod
+    def check_devices(cls, cluster: Any, profile: Callable[[], ModelProfile], layout: Layout,
+                      options: Any, *, batch_size: int, optimizer: str) -> str | None:
+        """Refuse a run whose devices cannot hold what each worker keeps (ConfigError).
+
+        ``cluster`` is the run's emulated ``pipeline.Cluster`` (None without
+        ``--devices``: nothing to check); ``profile()`` measures the model's
+        layers. By default every worker holds the whole model: its weights,
+        gradients, optimizer state and the activations of its replica's slice.
+        Returns a printable summary of the strategy's plan, if it makes one.
+        """
+        if cluster is None:
+            return None
+        prof = profile()
+        per = batch_size // max(1, cls.replicas(layout, options))
+        need = whole_model_bytes(prof, per, optimizer_state_factor(optimizer))
+        for d in cluster.devices:
+            if need > d.type.memory_bytes:
+                raise ConfigError(
+                    f"strategy {cls.name!r} keeps the whole model on every worker: "
+                    f"{need / 2**20:.1f} MiB (weights, gradients, {optimizer} state and the "
+                    f"activations of {per} samples), but device {d.describe()} has "
+                    f"{d.type.memory_mb:g} MiB",
+                    "use devices with more memory, a smaller --batch-size or model, or a "
+                    "strategy that splits the model (--strategy hetpipe)")
+        return None
 
     @classmethod
     def replicas(cls, layout: Layout, options: Any) -> int:

@@ -14,6 +14,9 @@ import torch.distributed as dist
 from ..config import TrainConfig
 from ..data import GlobalBatches, get_dataset, shard
 from ..models import get_model
+from ..pipeline.devices import parse_cluster
+from ..pipeline.emulation import emulate
+from ..pipeline.profile import profile_model
 from ..runtime import Context, init
 from ..strategies.base import distribute, get_strategy, strategy_of
 from .metrics import build_metrics
@@ -37,12 +40,20 @@ def train(config: TrainConfig) -> dict[str, Any] | None:
     ctx: Context | None = init(timeout_s=config.timeout_s, device=config.device) \
         if distributed else None  # a server serves inside init() and exits there
     device = ctx.device if ctx is not None else torch.device(config.device)
+    cluster = parse_cluster(config.devices) if config.devices is not None else None
+    if ctx is not None:
+        ctx.cluster = cluster
     spec = get_model(config.model)
     torch.manual_seed(config.seed)
     model = spec.make(**config.model_options).to(device)
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     seq_len = int(getattr(model, "seq_len", config.model_options.get("seq_len", 64)))
     optimizer = make_optimizer(config.optimizer, model.parameters(), config.lr)
+    if cluster is not None and device.type == "cpu":  # on real GPUs nothing is emulated
+        # Every strategy, ddp included, runs at the speed of this worker's device.
+        own = cluster.devices[ctx.worker_index if ctx is not None else 0]
+        sample = spec.split(torch.zeros((1, seq_len + 1), dtype=torch.long))[0]
+        emulate(model, own.type, profile_model(model, sample), optimizer)
     model, optimizer = distribute(model, optimizer, config.strategy, ctx=ctx,
                                   **dict(config.strategy_options))
     strategy = strategy_of(model)

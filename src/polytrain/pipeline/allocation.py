@@ -1,0 +1,184 @@
+"""Allocation policies NP, ED and HD: a cluster's devices grouped into virtual workers (plain data).
+
+HetPipe (Park et al., USENIX ATC 2020) places GPUs into virtual workers (VWs)
+three ways, for clusters whose machines each hold one device type:
+
+- ``np`` (node partition): one VW per machine; no activation crosses machines,
+  but VWs run at their machine's speed.
+- ``ed`` (equal distribution): VW ``i`` takes device ``i`` of every machine, so
+  all VWs are identical; every stage boundary crosses machines.
+- ``hd`` (hybrid distribution): machines are paired fastest with slowest and
+  each pair forms two VWs of half of each machine's devices: VWs of even
+  speed with one machine crossing per VW.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from ..errors import ConfigError
+from .devices import Cluster, Device
+from .partition import PipelinePlan, minmax_cut, plan_pipeline
+from .profile import ModelProfile
+
+__all__ = ["POLICIES", "VirtualWorker", "allocate", "count_virtual_workers", "HetPipePlan",
+           "plan_hetpipe"]
+
+POLICIES = ("np", "ed", "hd")
+
+
+@dataclass(frozen=True)
+class VirtualWorker:
+    """A virtual worker: its devices, in pipeline order (stage ``j`` runs on ``devices[j]``)."""
+
+    index: int
+    devices: tuple[Device, ...]
+
+    def describe(self) -> str:
+        return f"virtual worker {self.index}: " + " -> ".join(d.describe() for d in self.devices)
+
+
+def _check_policy(policy: str) -> None:
+    if policy not in POLICIES:
+        raise ConfigError(f"unknown allocation policy {policy!r}; the policies are: "
+                          f"{', '.join(POLICIES)}", "pass --policy np, ed or hd")
+
+
+def count_virtual_workers(workers: int, nodes: int, policy: str) -> int:
+    """How many VWs ``policy`` makes of ``workers`` devices on ``nodes`` machines."""
+    _check_policy(policy)
+    per = workers // nodes
+    if policy == "np":
+        return nodes
+    if policy == "ed":
+        return per
+    if nodes == 1:
+        return 1
+    if per % 2:
+        raise ConfigError(f"policy 'hd' splits each machine's devices in halves, but machines "
+                          f"hold {per} devices", "use --policy ed or np, or machines with an "
+                          "even number of devices")
+    return nodes  # two VWs per pair of machines; an odd one out forms one VW of its own
+
+
+def allocate(cluster: Cluster, policy: str) -> tuple[VirtualWorker, ...]:
+    """Group ``cluster``'s devices into virtual workers by ``policy``.
+
+    Example::
+
+        >>> vws = allocate(parse_cluster("m0:fast*2,m1:slow*2"), "np")
+        >>> [[d.index for d in vw.devices] for vw in vws]
+        [[0, 1], [2, 3]]
+    """
+    count_virtual_workers(cluster.size, len(cluster.machines), policy)
+    by_machine: list[list[Device]] = [[] for _ in cluster.machines]
+    for d in cluster.devices:
+        by_machine[d.machine_index].append(d)
+    groups: list[list[Device]]
+    if policy == "np":
+        groups = by_machine
+    elif policy == "ed":
+        per = len(by_machine[0])
+        groups = [[m[i] for m in by_machine] for i in range(per)]
+    else:
+        groups = _hybrid(by_machine)
+    groups.sort(key=lambda g: g[0].index)
+    return tuple(VirtualWorker(i, tuple(g)) for i, g in enumerate(groups))
+
+
+def _hybrid(by_machine: list[list[Device]]) -> list[list[Device]]:
+    if len(by_machine) == 1:
+        return [by_machine[0]]
+    # Fastest machine with slowest, second with second slowest, ... (ties by machine order).
+    order = sorted(range(len(by_machine)),
+                   key=lambda m: (-sum(d.type.gflops for d in by_machine[m]), m))
+    groups: list[list[Device]] = []
+    while len(order) >= 2:
+        a, b = sorted((order.pop(0), order.pop(-1)))
+        half = len(by_machine[a]) // 2
+        groups.append(by_machine[a][:half] + by_machine[b][:half])
+        groups.append(by_machine[a][half:] + by_machine[b][half:])
+    if order:
+        groups.append(by_machine[order[0]])
+    return groups
+
+
+@dataclass(frozen=True)
+class HetPipePlan:
+    """Virtual workers, each with its pipeline plan, a common ``N_m`` and WSP's bound ``D``."""
+
+    policy: str
+    staleness: int
+    minibatch: int
+    inflight: int
+    virtual_workers: tuple[VirtualWorker, ...]
+    pipelines: tuple[PipelinePlan, ...]
+
+    def locate(self, worker: int) -> tuple[int, int]:
+        """(virtual worker, stage) of worker index ``worker``."""
+        for vw in self.virtual_workers:
+            for j, d in enumerate(vw.devices):
+                if d.index == worker:
+                    return vw.index, j
+        raise ValueError(f"worker {worker} is in no virtual worker")
+
+    @property
+    def period(self) -> float:
+        """Seconds per wave-minibatch of the slowest VW (WSP holds the others to it)."""
+        return max(p.period for p in self.pipelines)
+
+    def describe(self) -> str:
+        lines = [f"HetPipe plan: policy {self.policy}, {len(self.virtual_workers)} virtual "
+                 f"workers, N_m = {self.inflight} (local staleness {self.inflight - 1}), "
+                 f"D = {self.staleness}, minibatch {self.minibatch}"]
+        for vw, plan in zip(self.virtual_workers, self.pipelines):
+            lines.append(vw.describe())
+            lines.append(plan.describe())
+        return "\n".join(lines)
+
+
+def plan_hetpipe(cluster: Cluster, profile: ModelProfile, *, policy: str, global_batch: int,
+                 state_factor: int, inflight: int | None = None, staleness: int = 0,
+                 search: object = minmax_cut) -> HetPipePlan:
+    """Allocate VWs by ``policy`` and partition the model over each; one N_m for all VWs.
+
+    Every VW must use the same N_m (a clock is one wave of N_m minibatches in
+    every VW), so when ``inflight`` is None the N_m chosen is the smallest that
+    minimises the slowest VW's period.
+    """
+    vws = allocate(cluster, policy)
+    if global_batch % len(vws):
+        raise ConfigError(f"global batch {global_batch} is not divisible by the {len(vws)} "
+                          f"virtual workers of policy {policy!r}",
+                          f"pass --batch-size a multiple of {len(vws)}")
+    minibatch = global_batch // len(vws)
+    stages = max(len(vw.devices) for vw in vws)
+    candidates = [inflight] if inflight is not None else list(range(1, stages + 1))
+    best: tuple[float, int, tuple[PipelinePlan, ...]] | None = None
+    error: ConfigError | None = None
+    for nm in candidates:
+        try:
+            plans = tuple(_plan_vw(cluster, vw, profile, minibatch, state_factor, nm, search)
+                          for vw in vws)
+        except ConfigError as e:
+            error = error or e
+            continue
+        period = max(p.period for p in plans)
+        if best is None or period < best[0]:
+            best = (period, nm, plans)
+    if best is None:
+        assert error is not None
+        raise error
+    return HetPipePlan(policy=policy, staleness=staleness, minibatch=minibatch,
+                       inflight=best[1], virtual_workers=vws, pipelines=best[2])
+
+
+def _plan_vw(cluster: Cluster, vw: VirtualWorker, profile: ModelProfile, minibatch: int,
+             state_factor: int, inflight: int, search: object) -> PipelinePlan:
+    devs: Sequence[Device] = vw.devices
+    links = [cluster.bandwidth(a, b) for a, b in zip(devs, devs[1:])]
+    return plan_pipeline(profile, [d.type for d in devs], links, minibatch=minibatch,
+                         state_factor=state_factor, inflight=inflight,
+                         search=search,  # type: ignore[arg-type]
+                         who=f"virtual worker {vw.index} ({', '.join(d.describe() for d in devs)})")

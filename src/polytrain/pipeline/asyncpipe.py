@@ -1,0 +1,145 @@
+"""HetPipe's pipeline in one stage: N_m in flight, an update per minibatch, stashed weights."""
+
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+import torch
+
+from .stage import Stage
+from .wsp import WaveSync
+
+__all__ = ["AsyncPipeline"]
+
+log = logging.getLogger(__name__)
+
+
+class AsyncPipeline:
+    """One stage of a virtual worker running HetPipe's asynchronous schedule.
+
+    Minibatches are fed one per :meth:`feed`; stage ``j`` keeps at most
+    ``max(1, N_m - j)`` in flight (see :func:`schedule.asynchronous`), so a feed
+    runs this minibatch's forward and then the backward that the schedule puts
+    next. Each backward's gradients are applied at once by the stage's own
+    optimizer (no flush); a forward uses the weights current when it starts,
+    and its backward the same ones (weight stashing: a copy is kept while a
+    minibatch that uses it is in flight). An update counts ``update_scale``
+    (1 / virtual workers: a minibatch is that share of the global batch).
+
+    With ``wsp``, every ``N_m`` minibatches end a wave: the stage pushes the
+    wave's summed update and pulls the global weights, then uses the pulled
+    weights plus its own updates since its last push. With D = 0 the pull of
+    clock ``c`` (everyone's wave ``c``) is installed before the next forward;
+    with D >= 1 the pull of clock ``c + 1`` (everyone's wave ``c + 1 - D``) is
+    posted at once and installed at the end of the next wave, before its push.
+    Either way a forward of wave ``c + 1`` sees every virtual worker's updates
+    through wave ``c - D``, and the fast virtual worker waits only when it runs
+    more than D waves ahead.
+
+    Args:
+        stage: this process's stage.
+        optimizer: over the stage's parameters (:attr:`Stage.params`).
+        inflight: N_m.
+        update_scale: factor of each update (default 1).
+        wsp: the parameter servers' side of WSP (None: a lone virtual worker).
+    """
+
+    def __init__(self, stage: Stage, optimizer: torch.optim.Optimizer, *, inflight: int,
+                 update_scale: float = 1.0, wsp: WaveSync | None = None) -> None:
+        self.stage = stage
+        self.optimizer = optimizer
+        self.inflight = inflight
+        self.peak = max(1, inflight - stage.spec.index)
+        self.update_scale = update_scale
+        self.wsp = wsp
+        self.params = stage.params
+        self.fed = 0      # forwards done
+        self.done = 0     # backwards done
+        self.version = 0  # bumps whenever the live weights change
+        self._snapshot: tuple[int, list[torch.Tensor]] | None = None
+        self.wave_update = [torch.zeros_like(p) for p in self.params]
+        self.since_push = [torch.zeros_like(p) for p in self.params]
+        self.drained = False
+        # With D >= 1 a wave's pull is posted one clock ahead and installed at the end of
+        # the next wave: the same bound as installing it before the next forward (see
+        # :meth:`WaveSync.pull`), without waiting for the servers every wave.
+        self.overlap = wsp is not None and wsp.staleness >= 1
+
+    def feed(self, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
+        """Minibatch ``fed``: its forward, then the backward the schedule puts after it."""
+        if self.wsp is not None and self.wsp.pending and not self.overlap:
+            self._install()
+        t = self.fed
+        loss = self.stage.forward(t, batch=inputs.shape[0], inputs=inputs, targets=targets,
+                                  weights=self._weights())
+        self.fed += 1
+        if t - self.peak + 1 >= 0:
+            self._backward(t - self.peak + 1)
+        return None if loss is None else float(loss)
+
+    def drain(self) -> None:
+        """The backwards still in flight, the last (partial) wave, and the final global weights.
+
+        Afterwards every virtual worker holds the same weights: the servers' after
+        everyone's last wave.
+        """
+        if self.drained:
+            return
+        while self.done < self.fed:
+            self._backward(self.done)
+        if self.wsp is not None:
+            if self.done % self.inflight:
+                self._end_wave()
+            elif self.wsp.pending:
+                self._install()
+            self.wsp.pull(final=True)
+            self._install()
+        self.drained = True
+
+    def _weights(self) -> list[torch.Tensor]:
+        if self._snapshot is None or self._snapshot[0] != self.version:
+            copies = [p.detach().clone().requires_grad_(p.requires_grad) for p in self.params]
+            self._snapshot = (self.version, copies)
+        return self._snapshot[1]
+
+    def _backward(self, mb: int) -> None:
+        grads = self.stage.backward(mb)
+        self._apply(grads)
+        self.done += 1
+        if self.wsp is not None and self.done % self.inflight == 0:
+            self._end_wave()
+            self.wsp.pull(ahead=1 if self.overlap else 0)
+
+    @torch.no_grad()
+    def _apply(self, grads: Sequence[torch.Tensor | None]) -> None:
+        params = [p.detach() for p in self.params]
+        before = torch._foreach_mul(params, 1.0)  # a copy of every tensor in one call
+        for p, g in zip(self.params, grads):
+            p.grad = g
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        delta = torch._foreach_sub(params, before)
+        if self.update_scale != 1.0:
+            torch._foreach_mul_(delta, self.update_scale)
+            torch._foreach_add_(before, delta)
+            torch._foreach_copy_(params, before)
+        torch._foreach_add_(self.wave_update, delta)
+        torch._foreach_add_(self.since_push, delta)
+        self.version += 1
+
+    def _install(self) -> None:
+        assert self.wsp is not None
+        self.wsp.install(self.params, self.since_push)
+        self.version += 1
+
+    def _end_wave(self) -> None:
+        assert self.wsp is not None
+        if self.wsp.pending:
+            # Installed before pushing, so the pull cannot have seen this push: the updates
+            # since the last push are exactly the ones it lacks.
+            self._install()
+        self.wsp.push(self.wave_update)
+        for w, s in zip(self.wave_update, self.since_push):
+            w.zero_()
+            s.zero_()

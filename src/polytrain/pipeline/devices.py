@@ -1,0 +1,263 @@
+"""Heterogeneous clusters as plain data: device types, machines, links; parsed from a spec."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from ..errors import ConfigError
+
+__all__ = ["DeviceType", "Device", "Machine", "Cluster", "BUILTIN_TYPES", "parse_cluster",
+           "homogeneous"]
+
+_MIB = 1 << 20
+_MB = 10 ** 6
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceType:
+    """A kind of accelerator: how fast it computes and how much memory it has.
+
+    On CPU a device of this type is *emulated*: each layer runs for real, then
+    the process waits until the time the layer would take at ``gflops``.
+
+    Args:
+        name: what specs call it (``fast``).
+        gflops: sustained compute rate in GFLOP/s (emulated on CPU).
+        memory_mb: device memory in MiB.
+    """
+
+    name: str
+    gflops: float
+    memory_mb: float
+
+    def __post_init__(self) -> None:
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_\-]*", self.name):
+            raise ConfigError(f"device type name {self.name!r} is not a plain name",
+                              "use letters, digits, '_' or '-', starting with a letter")
+        if not self.gflops > 0 or not self.memory_mb > 0:
+            raise ConfigError(f"device type {self.name!r} needs a positive rate and memory "
+                              f"(got {self.gflops} GFLOP/s, {self.memory_mb} MiB)",
+                              f"define it as {self.name}=GFLOPS/MEMORY_MIB, e.g. "
+                              f"{self.name}=3/1024")
+
+    @property
+    def flops_per_s(self) -> float:
+        return self.gflops * 1e9
+
+    @property
+    def memory_bytes(self) -> int:
+        return int(self.memory_mb * _MIB)
+
+    def describe(self) -> str:
+        return f"{self.name} ({self.gflops:g} GFLOP/s, {self.memory_mb:g} MiB)"
+
+
+# Slow enough that emulated time dominates real compute when four processes share two
+# CPU cores (a process computes the reference GPT at ~25-50 GFLOP/s there).
+BUILTIN_TYPES: dict[str, DeviceType] = {
+    t.name: t for t in (
+        DeviceType(name="fast", gflops=4.0, memory_mb=1024),
+        DeviceType(name="mid", gflops=3.0, memory_mb=1024),
+        DeviceType(name="slow", gflops=2.0, memory_mb=1024),
+    )
+}
+
+
+@dataclass(frozen=True)
+class Device:
+    """One device of a cluster: its global index (= worker index), machine, and type."""
+
+    index: int
+    machine: str
+    machine_index: int
+    local_index: int
+    type: DeviceType
+
+    def describe(self) -> str:
+        return f"{self.machine}/{self.local_index} {self.type.name}"
+
+
+@dataclass(frozen=True)
+class Machine:
+    name: str
+    types: tuple[str, ...]  # one type name per device, in local order
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cluster:
+    """Machines of devices, and the bandwidth of the links between devices.
+
+    Device ``i`` (machine-major order) is worker ``i`` of the run: machine ``m``
+    of the spec is the launcher's ``node{m}``.
+
+    Example::
+
+        >>> c = parse_cluster("m0:fast*2,m1:slow*2")
+        >>> [d.describe() for d in c.devices]
+        ['m0/0 fast', 'm0/1 fast', 'm1/0 slow', 'm1/1 slow']
+
+    Args:
+        machines: in order; every machine holds at least one device.
+        types: the device types the machines use, by name.
+        intra_mb_s, inter_mb_s: link bandwidth in MB/s inside a machine and across.
+    """
+
+    machines: tuple[Machine, ...]
+    types: Mapping[str, DeviceType] = field(default_factory=dict)
+    intra_mb_s: float = 1000.0
+    inter_mb_s: float = 100.0
+
+    def __post_init__(self) -> None:
+        if not self.machines:
+            raise ConfigError("a cluster needs at least one machine (got none)",
+                              "pass e.g. --devices 'm0:fast*2,m1:slow*2'")
+        names = [m.name for m in self.machines]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ConfigError(f"machine {dup[0]!r} appears twice in the cluster",
+                              "name each machine once and list all its devices there")
+        for m in self.machines:
+            if not m.types:
+                raise ConfigError(f"machine {m.name!r} has no devices", f"write {m.name}:fast*2")
+            for t in m.types:
+                if t not in self.types:
+                    raise ConfigError(
+                        f"machine {m.name!r} uses unknown device type {t!r}; the types are: "
+                        f"{', '.join(sorted(self.types))}",
+                        f"define it in the spec as {t}=GFLOPS/MEMORY_MIB, e.g. {t}=3/1024")
+        if not self.intra_mb_s > 0 or not self.inter_mb_s > 0:
+            raise ConfigError(f"link bandwidths must be positive (got {self.intra_mb_s:g} and "
+                              f"{self.inter_mb_s:g} MB/s)", "write link=1000/100 (MB/s)")
+
+    @property
+    def devices(self) -> tuple[Device, ...]:
+        out: list[Device] = []
+        for mi, m in enumerate(self.machines):
+            for li, t in enumerate(m.types):
+                out.append(Device(len(out), m.name, mi, li, self.types[t]))
+        return tuple(out)
+
+    @property
+    def size(self) -> int:
+        return sum(len(m.types) for m in self.machines)
+
+    def bandwidth(self, a: Device, b: Device) -> float:
+        """Bytes per second between two devices."""
+        mb_s = self.intra_mb_s if a.machine_index == b.machine_index else self.inter_mb_s
+        return mb_s * _MB
+
+    def check_layout(self, workers: int, nodes: int) -> None:
+        """Refuse a launch layout that is not this cluster's machines and devices."""
+        per = {len(m.types) for m in self.machines}
+        if len(per) > 1:
+            raise ConfigError(
+                f"the cluster's machines hold different numbers of devices "
+                f"({', '.join(f'{m.name}: {len(m.types)}' for m in self.machines)}); the local "
+                f"launcher puts the same number of workers on every machine",
+                "give every machine the same number of devices")
+        if workers != self.size or nodes != len(self.machines):
+            raise ConfigError(
+                f"--devices describes {self.size} devices on {len(self.machines)} machines but the "
+                f"run has {workers} workers on {nodes} machines",
+                "leave out --workers and --nodes (--devices sets them), or make them agree")
+
+    def describe(self) -> str:
+        """One line per machine, then the links."""
+        lines = [f"{m.name}: " + ", ".join(self.types[t].describe() for t in m.types)
+                 for m in self.machines]
+        lines.append(f"links: {self.intra_mb_s:g} MB/s inside a machine, "
+                     f"{self.inter_mb_s:g} MB/s across")
+        return "\n".join(lines)
+
+
+def homogeneous(workers: int, nodes: int) -> Cluster:
+    """The cluster of a run without ``--devices``: equal nominal devices (nothing emulated)."""
+    nominal = DeviceType(name="nominal", gflops=1000.0, memory_mb=1 << 30)
+    per = workers // nodes
+    return Cluster(machines=tuple(Machine(f"node{i}", ("nominal",) * per) for i in range(nodes)),
+                   types={"nominal": nominal}, intra_mb_s=1e6, inter_mb_s=1e6)
+
+
+_MACHINE = re.compile(r"^([A-Za-z0-9_\-.]+):(.+)$")
+_TYPE_DEF = re.compile(r"^([A-Za-z_][A-Za-z0-9_\-]*)=([0-9.eE+\-]+)/([0-9.eE+\-]+)$")
+_COUNT = re.compile(r"^([A-Za-z_][A-Za-z0-9_\-]*)(?:\*(\d+))?$")
+
+_SPEC_HINT = ("write machines as NAME:TYPE*COUNT joined by ',' (several types with '+'), "
+              "new types as NAME=GFLOPS/MEMORY_MIB and links as link=INTRA/INTER (MB/s), e.g. "
+              "'m0:fast*2,m1:slow*2' or 'big=8/4096,m0:big+fast' (built-in types: "
+              + ", ".join(t.describe() for t in BUILTIN_TYPES.values()) + ")")
+
+
+def parse_cluster(spec: str) -> Cluster:
+    """A cluster from a ``--devices`` string or a JSON file.
+
+    String: ``m0:fast*2,m1:slow*2`` (machine ``m0`` with two ``fast`` devices,
+    ...), optional type definitions ``big=8/4096`` (GFLOP/s / MiB) and link
+    bandwidths ``link=1000/100`` (MB/s inside a machine / across machines).
+    File (``.json``): ``{"types": {"big": {"gflops": 8, "memory_mb": 4096}},
+    "machines": {"m0": ["big", "fast"]}, "link_mb_s": {"intra": 1000, "inter": 100}}``.
+    """
+    text = spec.strip()
+    if text.endswith(".json") or Path(text).is_file():
+        return _from_file(Path(text))
+    types = dict(BUILTIN_TYPES)
+    machines: list[Machine] = []
+    links: dict[str, float] = {}
+    for raw in text.split(","):
+        item = raw.strip()
+        if not item:
+            continue
+        if item.startswith("link="):
+            parts = item.removeprefix("link=").split("/")
+            try:
+                links = {"intra_mb_s": float(parts[0]), "inter_mb_s": float(parts[1])}
+            except (ValueError, IndexError):
+                raise ConfigError(f"--devices: cannot read link bandwidths {item!r}",
+                                  "write link=INTRA/INTER in MB/s, e.g. link=1000/100") from None
+        elif (m := _TYPE_DEF.match(item)) is not None:
+            try:
+                gflops, memory = float(m[2]), float(m[3])
+            except ValueError:
+                raise ConfigError(f"--devices: cannot read the type definition {item!r}",
+                                  _SPEC_HINT) from None
+            types[m[1]] = DeviceType(name=m[1], gflops=gflops, memory_mb=memory)
+        elif (m := _MACHINE.match(item)) is not None:
+            names: list[str] = []
+            for part in m[2].split("+"):
+                c = _COUNT.match(part.strip())
+                if c is None:
+                    raise ConfigError(f"--devices: cannot read {part!r} in {item!r}", _SPEC_HINT)
+                names += [c[1]] * int(c[2] or 1)
+            machines.append(Machine(m[1], tuple(names)))
+        else:
+            raise ConfigError(f"--devices: cannot read {item!r}", _SPEC_HINT)
+    return Cluster(machines=tuple(machines), types=types, **links)
+
+
+def _from_file(path: Path) -> Cluster:
+    try:
+        data: Any = json.loads(path.read_text())
+    except OSError as e:
+        raise ConfigError(f"--devices: cannot read {str(path)!r} ({e.strerror})",
+                          "pass an existing JSON file or a spec like 'm0:fast*2'") from None
+    except ValueError as e:
+        raise ConfigError(f"--devices: {str(path)!r} is not valid JSON ({e})",
+                          "see polytrain.pipeline.parse_cluster for the format") from None
+    types = dict(BUILTIN_TYPES)
+    try:
+        for name, t in dict(data.get("types", {})).items():
+            types[name] = DeviceType(name=name, gflops=float(t["gflops"]),
+                                     memory_mb=float(t["memory_mb"]))
+        machines = tuple(Machine(str(n), tuple(str(t) for t in ts))
+                         for n, ts in dict(data["machines"]).items())
+        link = dict(data.get("link_mb_s", {}))
+    except (KeyError, TypeError, AttributeError) as e:
+        raise ConfigError(f"--devices: {str(path)!r} lacks or misnames a field ({e})",
+                          'write {"machines": {"m0": ["fast", "fast"]}, "types": {...}}') from None
+    return Cluster(machines=machines, types=types,
+                   intra_mb_s=float(link.get("intra", 1000.0)),
+                   inter_mb_s=float(link.get("inter", 100.0)))

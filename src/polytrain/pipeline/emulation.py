@@ -1,0 +1,117 @@
+"""Emulated devices: each layer runs for real, then waits out the time its device would take."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from .devices import DeviceType
+from .profile import ModelProfile, layers_of
+
+__all__ = ["DeviceClock", "emulate", "clock_of"]
+
+log = logging.getLogger(__name__)
+
+_ATTR = "_polytrain_clock"
+
+
+class DeviceClock:
+    """The timeline of one emulated device.
+
+    Work is issued as operations of known emulated duration; an operation
+    starts once the previous one has finished *on the emulated device*, so
+    real compute hides inside emulated time as long as the CPU is faster than
+    the device it plays. Anything that leaves the device (a send, an optimizer
+    step) first calls :meth:`wait`.
+
+    Example::
+
+        clock = emulate(model, BUILTIN_TYPES["slow"], profile)
+        loss_fn(model(x), y).backward()
+        clock.wait()          # the emulated backward has finished too
+
+    Attributes:
+        emulated_s: total emulated busy time issued so far.
+        waited_s: of that, how long the process slept (the rest was real work).
+    """
+
+    def __init__(self, device_type: DeviceType) -> None:
+        self.type = device_type
+        self.due = 0.0
+        self.emulated_s = 0.0
+        self.waited_s = 0.0
+
+    def begin(self, seconds: float) -> None:
+        """Start an operation of ``seconds`` once the device is free."""
+        self.wait()
+        self.due = time.monotonic() + seconds
+        self.emulated_s += seconds
+
+    def compute(self, flops: float) -> None:
+        self.begin(flops / self.type.flops_per_s)
+
+    def transfer(self, nbytes: float, bytes_per_s: float) -> None:
+        """The device is busy sending ``nbytes`` over a link of ``bytes_per_s``."""
+        self.begin(nbytes / bytes_per_s)
+
+    def wait(self) -> None:
+        """Block until the emulated device has finished everything issued."""
+        delay = self.due - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+            self.waited_s += delay
+
+    @property
+    def hidden_fraction(self) -> float:
+        """Share of emulated time spent sleeping: near 1 means real compute is negligible."""
+        return self.waited_s / self.emulated_s if self.emulated_s else 1.0
+
+
+def emulate(model: nn.Module, device_type: DeviceType, profile: ModelProfile,
+            optimizer: torch.optim.Optimizer | None = None) -> DeviceClock:
+    """Make ``model`` run at the speed of ``device_type``: hooks on each of its layers.
+
+    A layer's forward is an operation of ``fwd_flops * batch / rate``; its
+    backward (from when the gradient of its output is ready) one of
+    ``bwd_flops * batch / rate``. An ``optimizer`` step first waits for the
+    device. The clock is attached to ``model`` (see :func:`clock_of`).
+    """
+    clock = DeviceClock(device_type)
+    for (name, layer), prof in zip(layers_of(model), profile.layers):
+        if name != prof.name:
+            raise ValueError(f"profile layer {prof.name!r} does not match model layer {name!r}")
+
+        def pre(_m: nn.Module, args: Any, fwd: float = prof.fwd_flops) -> None:
+            clock.compute(fwd * _batch(args))
+
+        def post(_m: nn.Module, args: Any, out: Any, bwd: float = prof.bwd_flops) -> None:
+            t = out[0] if isinstance(out, (tuple, list)) else out
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                cost = bwd * _batch(args)
+                t.register_hook(lambda _g: clock.compute(cost))
+
+        layer.register_forward_pre_hook(pre)
+        layer.register_forward_hook(post)
+    if optimizer is not None:
+        optimizer.register_step_pre_hook(lambda *_: clock.wait())
+    setattr(model, _ATTR, clock)
+    log.info("emulating %s on %d layers", device_type.describe(), len(profile.layers))
+    return clock
+
+
+def clock_of(model: nn.Module) -> DeviceClock | None:
+    """The emulated device ``model`` runs on (None: real speed)."""
+    inner = getattr(model, "module", model)
+    clock = getattr(inner, _ATTR, None)
+    return clock if isinstance(clock, DeviceClock) else None
+
+
+def _batch(args: Any) -> int:
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return int(a.shape[0]) if a.dim() else 1
+    return 1

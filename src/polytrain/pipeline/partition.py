@@ -1,0 +1,245 @@
+"""The partitioner: layers cut into contiguous stages over ordered devices, exactly (DP).
+
+A stage's time is its layers' forward and backward on its device plus the
+time to send what it sends: its output activation forward and its input
+gradient backward, at the bandwidth of the link to the neighbour. A stage's
+memory at ``N_m`` minibatches in flight is its weights (the live copy plus up
+to ``N_m`` stashed versions), one gradient, the optimizer's state, and the
+activations of ``N_m`` minibatches. The plan minimises the slowest stage over
+all cuts that fit; ``N_m`` is the smallest that reaches the best period
+``max(slowest stage, round trip / N_m)``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from ..errors import ConfigError
+from .devices import DeviceType
+from .profile import ModelProfile
+
+__all__ = ["PipelinePlan", "plan_pipeline", "plan_pipeline_brute", "minmax_cut",
+           "minmax_cut_brute", "StageCosts"]
+
+_MIB = 1 << 20
+
+# stage j holds layers [a, e): cost, or None where it does not fit
+Cost = Callable[[int, int, int], "float | None"]
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """Which layers each stage holds, on which device type, and what that costs.
+
+    ``bounds[j]:bounds[j+1]`` are stage ``j``'s layers. Times are seconds per
+    minibatch (forward + backward + sends); memory is bytes at ``inflight``.
+    """
+
+    devices: tuple[str, ...]          # device type per stage
+    layers: tuple[str, ...]           # all layer names
+    bounds: tuple[int, ...]
+    minibatch: int
+    inflight: int
+    stage_times: tuple[float, ...]
+    stage_memory: tuple[float, ...]
+    memory_limits: tuple[float, ...]
+
+    @property
+    def stages(self) -> int:
+        return len(self.devices)
+
+    @property
+    def bottleneck(self) -> float:
+        return max(self.stage_times)
+
+    @property
+    def round_trip(self) -> float:
+        return sum(self.stage_times)
+
+    @property
+    def period(self) -> float:
+        """Seconds per minibatch in steady state: the slowest stage, or the round trip / N_m."""
+        return max(self.bottleneck, self.round_trip / self.inflight)
+
+    def stage_layers(self, j: int) -> tuple[str, ...]:
+        return self.layers[self.bounds[j]:self.bounds[j + 1]]
+
+    def describe(self) -> str:
+        """One line per stage: device, layers, time per minibatch, memory against its limit."""
+        lines = []
+        for j, dev in enumerate(self.devices):
+            names = self.stage_layers(j)
+            span = names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"
+            memory = f"{self.stage_memory[j] / _MIB:8.1f} / {self.memory_limits[j] / _MIB:.0f} MiB"
+            lines.append(f"  stage {j} on {dev:<8} layers {span:<12} "
+                         f"{self.stage_times[j] * 1e3:8.1f} ms  {memory}")
+        lines.append(f"  N_m = {self.inflight} in flight, minibatch {self.minibatch}: "
+                     f"{self.period * 1e3:.1f} ms per minibatch (slowest stage "
+                     f"{self.bottleneck * 1e3:.1f} ms, round trip {self.round_trip * 1e3:.1f} ms)")
+        return "\n".join(lines)
+
+
+def minmax_cut(n: int, k: int, cost: Cost) -> tuple[float, tuple[int, ...]] | None:
+    """Cut ``n`` items into ``k`` non-empty contiguous runs minimising the largest ``cost``.
+
+    Exact dynamic programming over suffixes, O(k n^2) cost calls. Among equally
+    good cuts it returns the lexicographically smallest bounds. None if no cut
+    has every run feasible.
+    """
+    if k < 1 or n < k:
+        return None
+    inf = math.inf
+    # best[j][a]: the smallest largest cost of runs j..k-1 over items [a, n)
+    best = [[inf] * (n + 1) for _ in range(k + 1)]
+    best[k][n] = -inf
+    for j in range(k - 1, -1, -1):
+        for a in range(j, n - (k - 1 - j)):
+            for e in range(a + 1, n - (k - 1 - j) + 1):
+                if best[j + 1][e] == inf:
+                    continue
+                c = cost(j, a, e)
+                if c is not None:
+                    best[j][a] = min(best[j][a], max(c, best[j + 1][e]))
+    if best[0][0] == inf:
+        return None
+    # The smallest next bound from which the rest can still stay within the optimum.
+    value = best[0][0]
+    bounds, a = [0], 0
+    for j in range(k):
+        for e in range(a + 1, n - (k - 1 - j) + 1):
+            if best[j + 1][e] > value:
+                continue
+            c = cost(j, a, e)
+            if c is not None and c <= value:
+                bounds.append(e)
+                a = e
+                break
+    return value, tuple(bounds)
+
+
+def minmax_cut_brute(n: int, k: int, cost: Cost) -> tuple[float, tuple[int, ...]] | None:
+    """:func:`minmax_cut` by trying every cut in lexicographic order (tests only)."""
+    found: tuple[float, tuple[int, ...]] | None = None
+    if k < 1 or n < k:
+        return None
+    for cuts in itertools.combinations(range(1, n), k - 1):
+        bounds = (0, *cuts, n)
+        costs = [cost(j, bounds[j], bounds[j + 1]) for j in range(k)]
+        if any(c is None for c in costs):
+            continue
+        value = max(c for c in costs if c is not None)
+        if found is None or value < found[0]:
+            found = (value, bounds)
+    return found
+
+
+class StageCosts:
+    """Time and memory of any stage [a, e) on device j of a virtual worker (the cost model)."""
+
+    def __init__(self, profile: ModelProfile, devices: Sequence[DeviceType],
+                 links: Sequence[float], *, minibatch: int, state_factor: int) -> None:
+        if len(links) != max(0, len(devices) - 1):
+            raise ValueError(f"{len(devices)} devices need {len(devices) - 1} links")
+        self.profile = profile
+        self.devices = list(devices)
+        self.links = list(links)  # bytes/s between device j and j+1
+        self.minibatch = minibatch
+        self.state_factor = state_factor
+
+    def time(self, j: int, a: int, e: int) -> float:
+        layers = self.profile.layers
+        b = self.minibatch
+        t = b * sum(x.flops for x in layers[a:e]) / self.devices[j].flops_per_s
+        if j + 1 < len(self.devices):
+            t += b * layers[e - 1].out_bytes / self.links[j]
+        if j > 0:
+            t += b * layers[a - 1].out_bytes / self.links[j - 1]
+        return t
+
+    def memory(self, j: int, a: int, e: int, inflight: int) -> float:
+        layers = self.profile.layers[a:e]
+        params = sum(x.param_bytes for x in layers)
+        acts = sum(x.act_bytes for x in layers)
+        return params * (inflight + 2 + self.state_factor) + inflight * self.minibatch * acts
+
+    def fits(self, j: int, a: int, e: int, inflight: int) -> bool:
+        return self.memory(j, a, e, inflight) <= self.devices[j].memory_bytes
+
+
+def plan_pipeline(profile: ModelProfile, devices: Sequence[DeviceType], links: Sequence[float],
+                  *, minibatch: int, state_factor: int, inflight: int | None = None,
+                  max_inflight: int | None = None,
+                  search: Callable[[int, int, Cost], tuple[float, tuple[int, ...]] | None]
+                  = minmax_cut, who: str = "the virtual worker") -> PipelinePlan:
+    """The best contiguous cut of ``profile``'s layers over ``devices``, and ``N_m``.
+
+    Args:
+        devices: the virtual worker's device types, in pipeline order.
+        links: bandwidth (bytes/s) between consecutive devices.
+        minibatch: samples per minibatch. state_factor: optimizer state per weight.
+        inflight: N_m, or None to choose it (1 .. ``max_inflight``, default the stage count).
+        search: the exact cut search (the brute-force twin in tests).
+
+    Raises:
+        ConfigError: no cut fits memory (the message names the tightest stage), or
+            there are more devices than layers.
+    """
+    n, k = len(profile.layers), len(devices)
+    if k > n:
+        raise ConfigError(f"{who} has {k} devices but the model has only {n} layers: every "
+                          f"stage needs at least one", "use fewer devices per virtual worker "
+                          "(another --policy) or a model with more layers")
+    costs = StageCosts(profile, devices, links, minibatch=minibatch, state_factor=state_factor)
+    candidates = [inflight] if inflight is not None else list(range(1, (max_inflight or k) + 1))
+    best: PipelinePlan | None = None
+    for nm in candidates:
+        def cost(j: int, a: int, e: int, nm: int = nm) -> float | None:
+            return costs.time(j, a, e) if costs.fits(j, a, e, nm) else None
+
+        found = search(n, k, cost)
+        if found is None:
+            continue
+        bounds = found[1]
+        plan = PipelinePlan(
+            devices=tuple(d.name for d in devices), layers=profile.names, bounds=bounds,
+            minibatch=minibatch, inflight=nm,
+            stage_times=tuple(costs.time(j, bounds[j], bounds[j + 1]) for j in range(k)),
+            stage_memory=tuple(costs.memory(j, bounds[j], bounds[j + 1], nm) for j in range(k)),
+            memory_limits=tuple(float(d.memory_bytes) for d in devices))
+        if best is None or plan.period < best.period:
+            best = plan
+    if best is None:
+        raise _refusal(costs, n, k, candidates[0], search, who)
+    return best
+
+
+def plan_pipeline_brute(profile: ModelProfile, devices: Sequence[DeviceType],
+                        links: Sequence[float], **kwargs: object) -> PipelinePlan:
+    """:func:`plan_pipeline` with the brute-force search (tests only)."""
+    return plan_pipeline(profile, devices, links, search=minmax_cut_brute, **kwargs)  # type: ignore[arg-type]
+
+
+def _refusal(costs: StageCosts, n: int, k: int, inflight: int,
+             search: Callable[[int, int, Cost], tuple[float, tuple[int, ...]] | None],
+             who: str) -> ConfigError:
+    """Why nothing fits: the cut that needs the least memory relative to the devices."""
+    def ratio(j: int, a: int, e: int) -> float:
+        return costs.memory(j, a, e, inflight) / costs.devices[j].memory_bytes
+
+    found = search(n, k, ratio)
+    assert found is not None
+    bounds = found[1]
+    j = max(range(k), key=lambda j: ratio(j, bounds[j], bounds[j + 1]))
+    names = costs.profile.names[bounds[j]:bounds[j + 1]]
+    dev = costs.devices[j]
+    need = costs.memory(j, bounds[j], bounds[j + 1], inflight)
+    return ConfigError(
+        f"the model does not fit {who}'s memory: with N_m = {inflight} in flight and minibatch "
+        f"{costs.minibatch}, the cut that needs the least memory still needs "
+        f"{need / _MIB:.1f} MiB on stage {j} (layers {', '.join(names)}) of device type "
+        f"{dev.name} with {dev.memory_mb:g} MiB",
+        "use devices with more memory, more devices per virtual worker, a smaller "
+        "--batch-size, or SGD instead of Adam")

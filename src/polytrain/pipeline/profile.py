@@ -1,0 +1,188 @@
+"""Per-layer profiles: FLOPs, parameter and activation memory, measured on the meta device."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from ..errors import ConfigError
+
+__all__ = ["LayerProfile", "ModelProfile", "profile_model", "layers_of",
+           "optimizer_state_factor", "whole_model_bytes"]
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    """One layer's cost for ONE sample (multiply by the batch size).
+
+    Attributes:
+        name: the child's name in the model (``h0``).
+        fwd_flops, bwd_flops: forward and backward FLOPs (backward = 2 x forward).
+        param_bytes: bytes of the layer's parameters.
+        act_bytes: bytes the forward saves for the backward (activations).
+        out_bytes: bytes of the layer's output (what crosses a stage boundary).
+        out_shape, out_dtype: the output's shape without the batch dimension, and dtype.
+    """
+
+    name: str
+    fwd_flops: float
+    bwd_flops: float
+    param_bytes: int
+    act_bytes: float
+    out_bytes: float
+    out_shape: tuple[int, ...]
+    out_dtype: torch.dtype
+
+    @property
+    def flops(self) -> float:
+        return self.fwd_flops + self.bwd_flops
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """The layers of a model, in order, with their per-sample costs.
+
+    Example::
+
+        profile = profile_model(GPT(), torch.zeros(1, 64, dtype=torch.long))
+        print(profile.describe())
+    """
+
+    layers: tuple[LayerProfile, ...]
+    input_shape: tuple[int, ...]
+    input_dtype: torch.dtype
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(x.name for x in self.layers)
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(x.param_bytes for x in self.layers)
+
+    @property
+    def flops(self) -> float:
+        return sum(x.flops for x in self.layers)
+
+    @property
+    def act_bytes(self) -> float:
+        return sum(x.act_bytes for x in self.layers)
+
+    def describe(self) -> str:
+        """A table: per layer and per sample, MFLOP forward+backward, KiB of params, acts, out."""
+        rows = [f"{'layer':<10} {'MFLOP':>9} {'params KiB':>11} {'acts KiB':>9} {'out KiB':>8}"]
+        for x in self.layers:
+            rows.append(f"{x.name:<10} {x.flops / 1e6:9.2f} {x.param_bytes / 1024:11.1f} "
+                        f"{x.act_bytes / 1024:9.1f} {x.out_bytes / 1024:8.1f}")
+        return "\n".join(rows)
+
+
+def layers_of(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The layers a pipeline cuts and emulation times: the model's children, in order."""
+    children = list(model.named_children())
+    return children if children else [("", model)]
+
+
+def profile_model(model: nn.Module, sample: torch.Tensor) -> ModelProfile:
+    """Measure every layer of ``model`` per sample, on a meta copy (nothing is allocated).
+
+    ``sample`` is one input batch (any batch size; only its shape and dtype
+    matter). FLOPs come from :class:`torch.utils.flop_counter.FlopCounterMode`
+    (a layer costs at least one FLOP per output element); activation bytes are
+    the tensors the forward saves for backward. Both are measured at batch 1
+    and 2 and differenced, which leaves out what does not grow with the batch
+    (weights saved for backward).
+    """
+    # polytrain's own attachments (the strategy, the emulated clock) stay shared, not copied.
+    memo = {id(v): v for m in model.modules() for k, v in vars(m).items()
+            if k.startswith("_polytrain")}
+    meta = copy.deepcopy(model, memo).to("meta")
+    for m in meta.modules():  # the copy must not drive the original's hooks (an emulated clock)
+        m._forward_hooks.clear()
+        m._forward_pre_hooks.clear()
+    one = _measure(meta, sample.shape[1:], sample.dtype, 1)
+    two = _measure(meta, sample.shape[1:], sample.dtype, 2)
+    layers = []
+    for name, module in layers_of(meta):
+        a, b = one.get(name), two.get(name)
+        params = sum(p.numel() * p.element_size() for p in module.parameters())
+        if a is None or b is None:
+            raise ConfigError(f"layer {name!r} of {type(model).__name__} did not run in its "
+                              f"forward", "give the pipeline a model whose children all run, "
+                              "in order (an nn.Sequential)")
+        out_numel = b["out_numel"] - a["out_numel"]
+        fwd = max(b["flops"] - a["flops"], float(out_numel))
+        layers.append(LayerProfile(
+            name=name, fwd_flops=fwd, bwd_flops=2.0 * fwd, param_bytes=params,
+            act_bytes=max(0.0, b["saved"] - a["saved"]),
+            out_bytes=float(out_numel * b["itemsize"]), out_shape=b["out_shape"],
+            out_dtype=b["out_dtype"]))
+    return ModelProfile(tuple(layers), tuple(sample.shape[1:]), sample.dtype)
+
+
+def _measure(model: nn.Module, shape: Sequence[int], dtype: torch.dtype,
+             batch: int) -> dict[str, dict[str, Any]]:
+    """Per child: FLOPs, saved bytes, output numel/shape of one forward at ``batch``."""
+    found: dict[str, dict[str, Any]] = {}
+    handles = []
+    for name, module in layers_of(model):
+        state: dict[str, Any] = {}
+
+        def pre(_m: nn.Module, _args: Any, name: str = name, state: dict[str, Any] = state
+                ) -> None:
+            state["saved"] = 0
+
+            def pack(t: torch.Tensor) -> torch.Tensor:
+                state["saved"] += t.numel() * t.element_size()
+                return t
+
+            state["hooks"] = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+            state["counter"] = FlopCounterMode(display=False)
+            state["hooks"].__enter__()
+            state["counter"].__enter__()
+
+        def post(_m: nn.Module, _args: Any, out: Any, name: str = name,
+                 state: dict[str, Any] = state) -> None:
+            state["counter"].__exit__(None, None, None)
+            state["hooks"].__exit__(None, None, None)
+            t = out[0] if isinstance(out, (tuple, list)) else out
+            if not isinstance(t, torch.Tensor):
+                raise ConfigError(f"layer {name!r} returns {type(t).__name__}, not a tensor",
+                                  "pipelines and device emulation need layers that return "
+                                  "tensors")
+            found[name] = {"flops": float(state["counter"].get_total_flops()),
+                           "saved": float(state["saved"]), "out_numel": t.numel(),
+                           "out_shape": tuple(t.shape[1:]), "out_dtype": t.dtype,
+                           "itemsize": t.element_size()}
+
+        handles.append(module.register_forward_pre_hook(pre))
+        handles.append(module.register_forward_hook(post))
+    try:
+        x = torch.zeros((batch, *shape), dtype=dtype, device="meta")
+        with torch.enable_grad():
+            model(x)
+    finally:
+        for h in handles:
+            h.remove()
+    return found
+
+
+def optimizer_state_factor(optimizer: str | torch.optim.Optimizer) -> int:
+    """Optimizer state per parameter byte: Adam keeps two moments, SGD none (one with momentum)."""
+    if isinstance(optimizer, str):
+        return 2 if optimizer.lower().startswith("adam") else 0
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        return 2
+    if isinstance(optimizer, torch.optim.SGD):
+        return 1 if optimizer.defaults.get("momentum", 0) else 0
+    return 2  # unknown optimizers: assume Adam-like state, to stay on the safe side
+
+
+def whole_model_bytes(profile: ModelProfile, batch: int, state_factor: int) -> float:
+    """Memory of one data-parallel worker: weights, gradients, optimizer state, activations."""
+    return profile.param_bytes * (2 + state_factor) + batch * profile.act_bytes

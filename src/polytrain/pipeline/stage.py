@@ -1,0 +1,258 @@
+"""One stage of a pipeline: its layers, its forwards and backwards, its point-to-point traffic."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from ..comm.p2p import Handle, Transport
+from ..errors import CommError
+from .emulation import DeviceClock
+
+__all__ = ["StageSpec", "Stage"]
+
+log = logging.getLogger(__name__)
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+# Activations and gradients use their own tags (the service's tags start at 0).
+_TAG_BASE = 1 << 28
+_TAG_SPAN = 1 << 24
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """Where a stage sits in its pipeline, as plain data.
+
+    ``label`` names the stage in errors and logs ("virtual worker 1 stage 0
+    (rank 3, machine node1)"); ``peers`` names its neighbours the same way.
+    Shapes are per sample (the batch dimension comes from the minibatch).
+    """
+
+    index: int
+    count: int
+    prev: int | None                  # rank of the previous stage
+    next: int | None                  # rank of the next stage
+    label: str
+    prev_label: str = ""
+    next_label: str = ""
+    input_shape: tuple[int, ...] = ()  # what the previous stage sends (stage > 0)
+    input_dtype: torch.dtype = torch.float32
+    link_prev: float = 0.0            # bytes/s to the previous stage (0: not emulated)
+    link_next: float = 0.0
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.count - 1
+
+
+class _Flight:
+    """What a minibatch's backward needs from its forward."""
+
+    __slots__ = ("x", "out", "weights")
+
+    def __init__(self, x: torch.Tensor, out: torch.Tensor, weights: Sequence[torch.Tensor]) -> None:
+        self.x = x
+        self.out = out
+        self.weights = weights
+
+
+class Stage:
+    """A contiguous run of a model's layers in one process, fed by point-to-point messages.
+
+    :meth:`forward` receives the previous stage's activation (or takes the
+    input on the first stage), runs the layers, and sends the output on (or
+    computes the loss on the last stage). :meth:`backward` receives the
+    output's gradient (or starts from the loss), computes the gradients of the
+    weights *used in that forward* and of the input, and sends the latter
+    back. Sends never block the schedule: a thread waits for them.
+
+    Example (one process of a two-stage pipeline)::
+
+        stage = Stage(spec, nn.Sequential(*layers[:3]), transport, loss_fn=loss)
+        for a in schedule.one_f_one_b(2, 4)[spec.index]:
+            if a.kind == "F": stage.forward(a.minibatch, batch=8, inputs=xs[a.minibatch])
+            else: grads = stage.backward(a.minibatch)
+
+    Args:
+        spec: its place in the pipeline.
+        module: its layers (an ``nn.Sequential``).
+        transport: metered point-to-point messages over a group of the pipeline's ranks.
+        loss_fn: the loss on the last stage.
+        clock: the emulated device the layers run on (None: real speed).
+    """
+
+    def __init__(self, spec: StageSpec, module: nn.Module, transport: Transport, *,
+                 loss_fn: LossFn, clock: DeviceClock | None = None) -> None:
+        self.spec = spec
+        self.module = module
+        self.transport = transport
+        self.loss_fn = loss_fn
+        self.clock = clock
+        self.names = [n for n, _ in module.named_parameters()]
+        self.params = [p for _, p in module.named_parameters()]
+        self._flights: dict[int, _Flight] = {}
+        self._sends: queue.Queue[tuple[Handle, str] | None] = queue.Queue()
+        self._send_error: BaseException | None = None
+        self._reaper = threading.Thread(target=self._reap, daemon=True,
+                                        name=f"polytrain-stage{spec.index}-sends")
+        self._reaper.start()
+
+    # -- compute ----------------------------------------------------------------------------
+
+    def forward(self, mb: int, *, batch: int, inputs: torch.Tensor | None = None,
+                targets: torch.Tensor | None = None,
+                weights: Sequence[torch.Tensor] | None = None) -> torch.Tensor | None:
+        """Run minibatch ``mb`` forward; the last stage returns its (detached) loss.
+
+        ``weights`` replace the module's parameters for this minibatch (a
+        stashed version, in the order of :attr:`names`); default: the live ones.
+        """
+        self._check_sends()
+        spec = self.spec
+        if spec.is_first:
+            if inputs is None:
+                raise ValueError(f"{spec.label}: the first stage needs the inputs")
+            x = inputs
+        else:
+            x = torch.empty((batch, *spec.input_shape), dtype=spec.input_dtype)
+            self._recv(x, spec.prev, spec.prev_label, self._tag(mb, 0),
+                       f"the activations of minibatch {mb}")
+            if x.is_floating_point():
+                x.requires_grad_(True)
+        used = list(self.params if weights is None else weights)
+        with torch.enable_grad():
+            if weights is None:
+                out = self.module(x)
+            else:
+                out = functional_call(self.module, dict(zip(self.names, used)), (x,))
+            if spec.is_last:
+                if targets is None:
+                    raise ValueError(f"{spec.label}: the last stage needs the targets")
+                out = self.loss_fn(out, targets)
+        self._flights[mb] = _Flight(x, out, used)
+        if spec.is_last:
+            self._device_done()
+            return out.detach()
+        self._send(out.detach(), spec.next, spec.next_label, self._tag(mb, 0),
+                   f"the activations of minibatch {mb}", spec.link_next)
+        return None
+
+    def backward(self, mb: int, *, scale: float = 1.0) -> list[torch.Tensor | None]:
+        """Run minibatch ``mb`` backward; returns the gradients of its weights (None: frozen).
+
+        ``scale`` multiplies the loss on the last stage (1 / micro-batches for a flush).
+        """
+        self._check_sends()
+        spec = self.spec
+        flight = self._flights.pop(mb)
+        if spec.is_last:
+            outputs, grad_outputs = [flight.out * scale], None
+        else:
+            g = torch.empty_like(flight.out)
+            self._recv(g, spec.next, spec.next_label, self._tag(mb, 1),
+                       f"the gradients of minibatch {mb}")
+            outputs, grad_outputs = [flight.out], [g]
+        wanted = [w for w in flight.weights if w.requires_grad]
+        needs_input = flight.x.requires_grad and not spec.is_first
+        inputs = wanted + ([flight.x] if needs_input else [])
+        grads = list(torch.autograd.grad(outputs, inputs, grad_outputs, allow_unused=True)) \
+            if inputs else []
+        if needs_input:
+            gx = grads.pop()
+            gx = torch.zeros_like(flight.x) if gx is None else gx
+            self._send(gx, spec.prev, spec.prev_label, self._tag(mb, 1),
+                       f"the gradients of minibatch {mb}", spec.link_prev)
+        else:
+            self._device_done()
+        it = iter(grads)
+        out: list[torch.Tensor | None] = []
+        for w in flight.weights:
+            if not w.requires_grad:
+                out.append(None)
+                continue
+            g = next(it)
+            out.append(torch.zeros_like(w) if g is None else g)
+        return out
+
+    @property
+    def inflight(self) -> int:
+        return len(self._flights)
+
+    # -- messages ---------------------------------------------------------------------------
+
+    @staticmethod
+    def _tag(mb: int, direction: int) -> int:
+        return _TAG_BASE + (mb % _TAG_SPAN) * 2 + direction
+
+    def _device_done(self) -> None:
+        if self.clock is not None:
+            self.clock.wait()
+
+    def _recv(self, buf: torch.Tensor, peer: int | None, peer_label: str, tag: int,
+              what: str) -> None:
+        assert peer is not None
+        try:
+            self.transport.irecv(buf, peer, tag, what).wait()
+        except CommError as e:
+            raise self._error(e, peer_label, f"receiving {what}") from None
+
+    def _send(self, t: torch.Tensor, peer: int | None, peer_label: str, tag: int, what: str,
+              link: float) -> None:
+        assert peer is not None
+        if self.clock is not None:
+            self.clock.wait()
+            if link > 0:
+                self.clock.transfer(t.numel() * t.element_size(), link)
+                self.clock.wait()
+        try:
+            handle = self.transport.isend(t, peer, tag, what)
+        except CommError as e:
+            raise self._error(e, peer_label, f"sending {what}") from None
+        self._sends.put((handle, f"sending {what} to {peer_label}"))
+
+    def _reap(self) -> None:
+        # gloo completes a send only once the peer receives it, so the schedule never waits
+        # on sends (two stages sending to each other would deadlock): this thread does.
+        while (item := self._sends.get()) is not None:
+            handle, what = item
+            try:
+                handle.wait()
+            except BaseException as e:  # noqa: BLE001 - raised by the main thread
+                if self._send_error is None:
+                    self._send_error = _with_context(e, f"{self.spec.label}: {what}")
+                return
+
+    def _check_sends(self) -> None:
+        if self._send_error is not None:
+            raise self._send_error
+
+    def _error(self, e: CommError, peer_label: str, doing: str) -> CommError:
+        return _with_context(e, f"{self.spec.label}: {doing} from/to {peer_label}")
+
+    def close(self, *, wait: bool = True) -> None:
+        """Finish the sends in flight (when ``wait``) and stop the send thread."""
+        self._sends.put(None)
+        if wait:
+            self._reaper.join(self.transport.timeout_s)
+            self._check_sends()
+
+
+def _with_context(e: BaseException, context: str) -> CommError:
+    """The same kind of error (a lost peer stays a lost peer), prefixed with who and what."""
+    if isinstance(e, CommError):
+        err = type(e)(f"{context}: {e.what}", e.hint)
+    else:
+        err = CommError(f"{context}: {type(e).__name__}: {e}")
+    return err

@@ -1,0 +1,65 @@
+"""Allocation policies NP, ED, HD and the whole HetPipe plan."""
+
+import pytest
+import torch
+
+from polytrain import ConfigError
+from polytrain.models import GPT
+from polytrain.pipeline.allocation import allocate, count_virtual_workers, plan_hetpipe
+from polytrain.pipeline.devices import parse_cluster
+from polytrain.pipeline.partition import minmax_cut_brute
+from polytrain.pipeline.profile import profile_model
+
+
+def indices(vws):
+    return [[d.index for d in vw.devices] for vw in vws]
+
+
+def test_policies_on_four_machines_of_four_types():
+    c = parse_cluster("a:fast*4,b:slow*4,c:mid*4,d:fast*4")
+    assert indices(allocate(c, "np")) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11],
+                                          [12, 13, 14, 15]]
+    assert indices(allocate(c, "ed")) == [[0, 4, 8, 12], [1, 5, 9, 13], [2, 6, 10, 14],
+                                          [3, 7, 11, 15]]
+    # hd: fastest machine a with slowest b, then d with c; each pair makes two VWs of halves.
+    assert indices(allocate(c, "hd")) == [[0, 1, 4, 5], [2, 3, 6, 7], [8, 9, 12, 13],
+                                          [10, 11, 14, 15]]
+    for policy in ("np", "ed", "hd"):
+        assert count_virtual_workers(16, 4, policy) == len(allocate(c, policy))
+
+
+def test_hd_needs_machines_of_even_size_and_unknown_policies_are_refused():
+    with pytest.raises(ConfigError, match="policy 'hd' splits.*hold 3 devices"):
+        allocate(parse_cluster("a:fast*3,b:slow*3"), "hd")
+    with pytest.raises(ConfigError, match="unknown allocation policy 'xy'; the policies are: "
+                                          "np, ed, hd"):
+        count_virtual_workers(4, 2, "xy")
+
+
+def test_plan_on_two_fast_and_two_slow_devices():
+    c = parse_cluster("m0:fast*2,m1:slow*2")
+    model = GPT(seq_len=16, d_model=32, layers=8, heads=2)
+    profile = profile_model(model, torch.zeros(1, 16, dtype=torch.long))
+    ed = plan_hetpipe(c, profile, policy="ed", global_batch=16, state_factor=2)
+    assert ed.minibatch == 8 and len(ed.virtual_workers) == 2
+    assert ed.locate(2) == (0, 1) and ed.locate(1) == (1, 0)
+    for plan in ed.pipelines:
+        assert plan.devices == ("fast", "slow")
+        first, second = plan.stage_layers(0), plan.stage_layers(1)
+        assert len(first) > len(second)  # the fast device takes more layers
+    np_ = plan_hetpipe(c, profile, policy="np", global_batch=16, state_factor=2)
+    assert np_.pipelines[0].devices == ("fast", "fast")
+    assert np_.period > ed.period  # the slow VW of NP holds the fast one back under WSP
+    text = ed.describe()
+    assert "policy ed, 2 virtual workers" in text and "m0/0 fast -> m1/0 slow" in text
+    brute = plan_hetpipe(c, profile, policy="ed", global_batch=16, state_factor=2,
+                         search=minmax_cut_brute)
+    assert brute == ed
+
+
+def test_a_model_too_big_for_the_devices_is_refused():
+    c = parse_cluster("tiny=4/1,m0:tiny*2,m1:tiny*2")
+    profile = profile_model(GPT(), torch.zeros(1, 64, dtype=torch.long))
+    with pytest.raises(ConfigError, match=r"does not fit virtual worker 0 .*MiB on stage .* of "
+                                          r"device type tiny with 1 MiB"):
+        plan_hetpipe(c, profile, policy="ed", global_batch=8, state_factor=2)

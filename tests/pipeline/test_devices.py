@@ -1,0 +1,90 @@
+"""Cluster specs, per-layer profiles and the emulated device clock."""
+
+import json
+import time
+
+import pytest
+import torch
+
+from polytrain import ConfigError
+from polytrain.models import GPT
+from polytrain.pipeline.devices import BUILTIN_TYPES, parse_cluster
+from polytrain.pipeline.emulation import clock_of, emulate
+from polytrain.pipeline.profile import profile_model
+
+
+def test_spec_string_with_builtin_and_user_types_and_links():
+    c = parse_cluster("big=8/4096, m0:big+fast*2, m1:slow*3, link=2000/50")
+    assert [d.describe() for d in c.devices] == [
+        "m0/0 big", "m0/1 fast", "m0/2 fast", "m1/0 slow", "m1/1 slow", "m1/2 slow"]
+    assert c.types["big"].gflops == 8 and c.types["big"].memory_mb == 4096
+    assert c.bandwidth(c.devices[0], c.devices[1]) == 2000e6
+    assert c.bandwidth(c.devices[0], c.devices[3]) == 50e6
+    assert "links: 2000 MB/s inside a machine, 50 MB/s across" in c.describe()
+
+
+def test_spec_file(tmp_path):
+    path = tmp_path / "cluster.json"
+    path.write_text(json.dumps({"types": {"tiny": {"gflops": 1, "memory_mb": 8}},
+                                "machines": {"a": ["tiny", "fast"], "b": ["slow", "slow"]},
+                                "link_mb_s": {"intra": 500, "inter": 20}}))
+    c = parse_cluster(str(path))
+    assert [d.type.name for d in c.devices] == ["tiny", "fast", "slow", "slow"]
+    assert c.inter_mb_s == 20
+    c.check_layout(4, 2)
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("m0:quick*2", r"unknown device type 'quick'; the types are: fast, mid, slow.*HINT: define"),
+    ("m0:fast*2,m0:slow", r"machine 'm0' appears twice"),
+    ("m0 fast", r"cannot read 'm0 fast'.*HINT: write machines as NAME:TYPE\*COUNT"),
+    ("x=0/10,m0:x", r"needs a positive rate"),
+    ("", r"at least one machine"),
+])
+def test_bad_specs_are_refused_with_a_hint(spec, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_cluster(spec)
+
+
+def test_layout_must_match_the_cluster():
+    c = parse_cluster("m0:fast*2,m1:slow*2")
+    c.check_layout(4, 2)
+    with pytest.raises(ConfigError, match=r"describes 4 devices on 2 machines but the run has "
+                                          r"2 workers on 1 machines"):
+        c.check_layout(2, 1)
+    with pytest.raises(ConfigError, match="different numbers of devices"):
+        parse_cluster("m0:fast*2,m1:slow").check_layout(3, 2)
+
+
+def test_profile_of_gpt_counts_blocks_head_and_memory():
+    model = GPT(seq_len=16, d_model=32, layers=2, heads=2)
+    p = profile_model(model, torch.zeros(3, 16, dtype=torch.long))
+    assert p.names == ("embed", "h0", "h1", "head")
+    d, t, v = 32, 16, 256
+    # a block: qkv, proj and the two MLP matmuls, plus attention's two (t x t) products
+    block = 2 * t * d * 3 * d + 2 * t * d * d + 2 * 2 * t * d * 4 * d + 2 * 2 * t * t * d
+    assert p.layers[1].fwd_flops == block and p.layers[1].bwd_flops == 2 * block
+    assert p.layers[3].fwd_flops == 2 * t * d * v
+    assert p.layers[0].param_bytes == (v + t) * d * 4
+    assert p.layers[1].out_bytes == t * d * 4 and p.layers[1].out_shape == (t, d)
+    assert p.layers[1].act_bytes > p.layers[1].out_bytes  # it saves more than its output
+    assert p.param_bytes == sum(x.numel() * 4 for x in model.parameters())
+    assert all(x.device.type == "cpu" for x in model.parameters())  # profiled on a copy
+
+
+def test_emulated_device_waits_out_the_layer_time():
+    model = GPT(seq_len=16, d_model=32, layers=2, heads=2)
+    x = torch.zeros(4, 16, dtype=torch.long)
+    profile = profile_model(model, x)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    slowest = BUILTIN_TYPES["slow"].__class__(name="crawl", gflops=0.2, memory_mb=64)
+    clock = emulate(model, slowest, profile, opt)
+    assert clock_of(model) is clock
+    expected = 4 * profile.flops / 0.2e9
+    start = time.monotonic()
+    model(x).sum().backward()
+    opt.step()
+    took = time.monotonic() - start
+    assert clock.emulated_s == pytest.approx(expected, rel=1e-9)
+    assert expected <= took < expected + 0.5
+    assert clock.hidden_fraction > 0.5  # the real compute hid inside the emulated time
