@@ -44,14 +44,16 @@ def add_option_flags(parser: Any, owners: Iterable[tuple[str, type]]) -> dict[st
     """
     flags: dict[str, OptionFlag] = {}
     actions: dict[str, argparse.Action] = {}
+    helps: dict[str, list[str]] = {}
     for owner, options_cls in owners:
         hints = typing.get_type_hints(options_cls)
         for f in dataclasses.fields(options_cls):
+            help_text = str(f.metadata.get("help", ""))
+            helps.setdefault(f.name, []).append(help_text)
             if f.name in flags:
                 flags[f.name].owners.append(owner)
                 continue
             kind = _base_type(hints[f.name])
-            help_text = str(f.metadata.get("help", ""))
             if kind is bool:
                 flag = flag_name(f)
                 if f.default is True:
@@ -67,7 +69,10 @@ def add_option_flags(parser: Any, owners: Iterable[tuple[str, type]]) -> dict[st
                     metavar=str(f.metadata.get("metavar", f.name.rstrip("_").upper())))
             flags[f.name] = OptionFlag(flag, [owner])
     for name, opt in flags.items():
-        actions[name].help = f"{actions[name].help} [{', '.join(opt.owners)}]".strip()
+        if len(opt.owners) == 1:
+            actions[name].help = f"{helps[name][0]} [{opt.owners[0]}]".strip()
+        else:  # one flag, several meanings: say each owner's
+            actions[name].help = "; ".join(f"[{o}] {h}" for o, h in zip(opt.owners, helps[name]))
     return flags
 
 
