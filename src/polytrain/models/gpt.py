@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ConfigError
+from ..layers import FeedForward  # the block's MLP (what moe.moefy replaces with experts)
 
 __all__ = ["GPT", "Block", "CausalSelfAttention", "FeedForward", "Embed", "Head"]
 
@@ -40,18 +41,6 @@ class CausalSelfAttention(nn.Module):
         q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.proj(y.transpose(1, 2).reshape(b, t, d))
-
-
-class FeedForward(nn.Module):
-    """The block's MLP (what ``polytrain.moe.moefy`` replaces with experts)."""
-
-    def __init__(self, d_model: int, d_hidden: int) -> None:
-        super().__init__()
-        self.fc = nn.Linear(d_model, d_hidden)
-        self.proj = nn.Linear(d_hidden, d_model)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.gelu(self.fc(x)))
 
 
 class Block(nn.Module):

@@ -29,6 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import FunctionCtx
 
+from ..layers import FeedForward
+
 __all__ = ["FeedForwardExpert", "ExpertMLP", "ExpertList", "grouped_mm", "chunk_plan",
            "CHUNK_BYTES"]
 
@@ -190,16 +192,7 @@ class _GroupedMLP(torch.autograd.Function):
         return (gx, None, None, None, *grads)
 
 
-class FeedForwardExpert(nn.Module):
-    """One expert: ``proj(gelu(fc(x)))``, the feed-forward block of polytrain's GPT."""
-
-    def __init__(self, d_model: int, d_hidden: int) -> None:
-        super().__init__()
-        self.fc = nn.Linear(d_model, d_hidden)
-        self.proj = nn.Linear(d_hidden, d_model)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.gelu(self.fc(x)))
+FeedForwardExpert = FeedForward  # one expert: the feed-forward block of polytrain's GPT
 
 
 class ExpertList(nn.ModuleList):
