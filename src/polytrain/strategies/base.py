@@ -118,6 +118,11 @@ class Strategy(ABC):
         assert self.ctx is not None
         return self.ctx.worker_index, self.ctx.num_workers
 
+    @property
+    def shows_progress(self) -> bool:
+        """Whether this worker draws the progress bar: one worker that holds a loss."""
+        return self.ctx is None or self.ctx.worker_index == 0
+
     def train_step(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                    inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn) -> float | None:
         """One step on this replica's slice; returns its mean loss (None: not held here)."""

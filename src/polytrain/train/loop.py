@@ -67,7 +67,7 @@ def train(config: TrainConfig) -> dict[str, Any] | None:
     lead = ctx is None or ctx.worker_index == 0
     batches = GlobalBatches(get_dataset(config.data), batch_size=config.batch_size,
                             window=seq_len + 1, seed=config.seed)
-    progress = Progress(config.steps, enabled=lead and not config.quiet)
+    progress = Progress(config.steps, enabled=strategy.shows_progress and not config.quiet)
     losses: list[float | None] = []
     times: list[float] = []
     for step, batch in zip(range(config.steps), batches):
