@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -42,11 +43,13 @@ def test_wsp_with_no_staleness_and_one_in_flight_is_synchronous_sgd(policy):
 @pytest.mark.timeout(120)
 def test_many_in_flight_with_no_staleness_follows_the_written_out_semantics():
     # N_m = 2, D = 0, two VWs of two stages: stashed weights, an update per minibatch,
-    # a barrier and the global weights every wave; compared with a one-process rendering.
+    # a barrier and the global weights every wave; compared with a one-process rendering
+    # of the paper's semantics (no weight prediction).
     steps, lr, batch = 12, 0.5, 8
     config = TrainConfig(strategy="hetpipe", workers=4, nodes=2, servers=1, steps=steps,
                          batch_size=batch, optimizer="sgd", lr=lr, model_options=TINY,
-                         strategy_options={"policy": "np", "inflight": 2, "staleness": 0})
+                         strategy_options={"policy": "np", "inflight": 2, "staleness": 0,
+                                           "predict": False})
     metrics, state = run_config(config)
     expected, losses = simulate(model_options=TINY, bounds=(0, 2, 4), vws=2, inflight=2,
                                 steps=steps, lr=lr, batch=batch)
@@ -56,20 +59,20 @@ def test_many_in_flight_with_no_staleness_follows_the_written_out_semantics():
     assert max_abs_diff(state, synchronous) > 1e-4  # N_m = 2 is not synchronous SGD
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(420)
 def test_many_in_flight_and_staleness_train_the_default_gpt():
-    # N_m = 2 and D = 1 on the default GPT (d_model 128, 4 blocks, seq 64), 60 steps to stay
-    # in the test budget. It learns, but stale gradients cost this model under Adam: the
-    # issue's "within 5% of single" does NOT hold (about 10% here, 28% after 500 steps; a
-    # one-process run whose gradients are one update old loses as much, see the README).
-    # So this only guards the gap from growing.
-    config = TrainConfig(strategy="hetpipe", workers=4, nodes=2, servers=1, steps=60,
+    # N_m = 2 and D = 1 on the default GPT and task (d_model 128, 4 blocks, 500 steps, Adam
+    # 2e-3), against single, mean loss of the last 20 steps. With the paper's semantics stale
+    # gradients cost this model 28%; weight prediction (the default) brings it to +5.6% on
+    # this seed and +4.3% on average over seeds 0-3 (-2% to +10%: single's own loss varies
+    # that much with the seed). The issue asks for 5%; this guards the gap at 10%.
+    config = TrainConfig(strategy="hetpipe", workers=4, nodes=2, servers=1,
                          strategy_options={"policy": "ed", "inflight": 2, "staleness": 1})
     metrics, _ = run_config(config)
     single, _ = run_config(single_of(config))
-    mean = lambda xs: sum(xs[-10:]) / 10  # noqa: E731 - the same last batches in both runs
-    assert mean(metrics["losses"]) < 0.65 * metrics["losses"][0]
-    assert mean(metrics["losses"]) <= 1.2 * mean(single["losses"])
+    mean = lambda xs: sum(xs[-20:]) / 20  # noqa: E731 - the same last batches in both runs
+    assert len(metrics["losses"]) == 500
+    assert mean(metrics["losses"]) <= 1.10 * mean(single["losses"])
 
 
 def test_refusals_before_any_process_starts():
@@ -163,9 +166,11 @@ def test_cli_trains_hetpipe_on_emulated_devices_and_writes_the_contract(tmp_path
     assert run.returncode == 0, run.stderr
     assert "HetPipe plan: policy ed, 2 virtual workers, N_m = 2" in run.stderr
     assert "m0/0 fast -> m1/0 slow" in run.stderr
+    # The progress bar is drawn where a loss is: the last stage of virtual worker 0.
+    assert re.search(r"train 6/6 loss +\d+\.\d{3} ", run.stderr), run.stderr
     m = json.loads((out / "metrics.json").read_text())
     assert (m["strategy"], m["workers"], m["nodes"], m["servers"]) == ("hetpipe", 4, 2, 1)
-    assert m["strategy_options"] == {"policy": "ed", "inflight": 2, "staleness": 1}
+    assert m["strategy_options"]["inflight"] == 2 and m["strategy_options"]["staleness"] == 1
     assert len(m["losses"]) == 6 and m["losses"][-1] < m["losses"][0]
     traffic = {x["name"]: x for x in m["traffic"]["machines"]}
     # ED: every stage boundary crosses machines, and every stage talks to the server.

@@ -45,6 +45,9 @@ class HetPipeOptions:
             partitioner's choice); local staleness is N_m - 1.
         staleness: D, the most waves a virtual worker may run ahead of the slowest
             (default 0: a barrier every wave).
+        predict: stages whose gradients arrive late (N_m > 1) run forward and backward on
+            the weights predicted after the updates in flight (default True; False is the
+            paper's semantics). See :mod:`polytrain.pipeline.predict`.
     """
 
     policy: str = field(default="hd", metadata={
@@ -57,6 +60,10 @@ class HetPipeOptions:
     staleness: int = field(default=0, metadata={
         "help": "how many clocks a worker may run ahead of the slowest (hetpipe: D, in "
                 "waves; default 0)", "metavar": "D"})
+    predict: bool = field(default=True, metadata={
+        "help": "hetpipe: run every forward on the live weights, as the paper does "
+                "(default: a stage whose gradients arrive late runs on the weights predicted "
+                "after the updates in flight)"})
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -169,6 +176,11 @@ class HetPipe(Strategy):
     def replica(self) -> tuple[int, int]:
         return self.vw, len(self.virtual_workers)
 
+    @property
+    def shows_progress(self) -> bool:
+        """The last stage of virtual worker 0: it computes the loss."""
+        return self.vw == 0 and self.stage_index == len(self.virtual_workers[0].devices) - 1
+
     def _setup(self, inputs: torch.Tensor, loss_fn: LossFn) -> AsyncPipeline:
         """Plan and build this process's stage at the first step (when the minibatch is known)."""
         ctx = self.ctx
@@ -215,7 +227,7 @@ class HetPipe(Strategy):
                        staleness=self.options.staleness)
         wsp.start(initialise=self.vw == 0)
         return AsyncPipeline(self.stage, optimizer, inflight=plan.inflight,
-                             update_scale=1.0 / count, wsp=wsp)
+                             update_scale=1.0 / count, wsp=wsp, predict=self.options.predict)
 
     # -- training ---------------------------------------------------------------------------
 
