@@ -1,5 +1,6 @@
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -91,12 +92,17 @@ def test_no_orphans_when_the_launcher_itself_is_killed(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_ctrl_c_stops_every_child(tmp_path):
+@pytest.mark.parametrize("inherited", ["default", "ignored"])
+def test_ctrl_c_stops_every_child(tmp_path, inherited):
+    # "ignored": started as a background job of a shell, SIGINT arrives ignored (and Python
+    # then installs no handler of its own); Ctrl-C must still stop the run.
     code = (f"import polytrain; from tests.launch import scripts; "
             f"polytrain.launch(scripts.write_pid_and_hang, workers=2, "
             f"args=({str(tmp_path)!r},))")
+    handler = signal.SIG_IGN if inherited == "ignored" else signal.SIG_DFL
     launcher = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT,
-                                stderr=subprocess.PIPE, text=True)
+                                stderr=subprocess.PIPE, text=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, handler))
     deadline = time.monotonic() + 60  # a loaded machine starts processes slowly
     while len(list(tmp_path.glob("pid-*"))) < 2:
         assert time.monotonic() < deadline, "children did not start"

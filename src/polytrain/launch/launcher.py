@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -155,6 +156,14 @@ class Launcher:
             payload_file = workdir / "payload.pkl"
             payload_file.write_bytes(pickle.dumps(payload))
             children: list[_Child] = []
+            interrupted = threading.Event()
+            previous = None
+            if threading.current_thread() is threading.main_thread():
+                # Our own handler, not Python's default: a shell that starts us in the
+                # background leaves SIGINT ignored, and Python then installs none (Ctrl-C
+                # would be lost). A flag, checked between polls, also keeps the interrupt
+                # out of the middle of subprocess's own bookkeeping.
+                previous = signal.signal(signal.SIGINT, lambda *_: interrupted.set())
             try:
                 for spec in self.layout.processes():
                     proc = subprocess.Popen(
@@ -165,19 +174,24 @@ class Launcher:
                                            workdir / f"label-{spec.rank}.txt"))
                 log.info("started %d processes on port %d: %s", len(children), self.port,
                          self.layout.describe())
-                self._watch(children)
+                self._watch(children, interrupted)
             except KeyboardInterrupt:
-                self._stop(children)
-                raise LaunchError(f"interrupted (Ctrl-C): stopped all {len(children)} processes",
-                                  exitcode=130) from None
+                interrupted.set()
             finally:
+                if previous is not None:
+                    signal.signal(signal.SIGINT, previous)
                 self._stop(children)
+            if interrupted.is_set():
+                raise LaunchError(f"interrupted (Ctrl-C): stopped all {len(children)} processes",
+                                  exitcode=130)
             return [_read_result(c.result_file) for c in children if c.spec.role == "worker"]
 
-    def _watch(self, children: list[_Child]) -> None:
-        while True:
+    def _watch(self, children: list[_Child], interrupted: threading.Event) -> None:
+        while not interrupted.is_set():
             codes = [c.proc.poll() for c in children]
             failed = [c for c, code in zip(children, codes) if code not in (None, 0)]
+            if failed and interrupted.is_set():
+                return  # Ctrl-C in a terminal reaches the children too: not a failure
             if failed:
                 failures = [_failure(c) for c in failed]
                 self._stop(children)
