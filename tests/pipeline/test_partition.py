@@ -29,6 +29,14 @@ def random_profile(rng: random.Random, n: int) -> ModelProfile:
     return ModelProfile(tuple(layers), (4,), torch.float32)
 
 
+def uniform_profile(n: int, param_bytes: int = 0) -> ModelProfile:
+    """``n`` layers of 1 MFLOP forward, 2 backward, ``param_bytes`` of weights each."""
+    layers = tuple(LayerProfile(name=f"l{i}", fwd_flops=1e6, bwd_flops=2e6,
+                                param_bytes=param_bytes, act_bytes=0, out_bytes=0,
+                                out_shape=(1,), out_dtype=torch.float32) for i in range(n))
+    return ModelProfile(layers, (1,), torch.float32)
+
+
 def random_devices(rng: random.Random, k: int) -> list[DeviceType]:
     return [DeviceType(name=f"d{j}", gflops=rng.choice([1.0, 2.0, 4.0]),
                        memory_mb=rng.choice([1.0, 4.0, 16.0, 64.0])) for j in range(k)]
@@ -67,10 +75,7 @@ def test_plan_equals_brute_force_on_random_instances(seed):
 
 
 def test_balances_compute_by_device_speed():
-    layers = tuple(LayerProfile(name=f"l{i}", fwd_flops=1e6, bwd_flops=2e6, param_bytes=0,
-                                act_bytes=0, out_bytes=0, out_shape=(1,), out_dtype=torch.float32)
-                   for i in range(9))
-    profile = ModelProfile(layers, (1,), torch.float32)
+    profile = uniform_profile(9)
     fast = DeviceType(name="fast", gflops=2.0, memory_mb=64)
     slow = DeviceType(name="slow", gflops=1.0, memory_mb=64)
     plan = plan_pipeline(profile, [fast, slow], [1e9], minibatch=1, state_factor=0, inflight=2)
@@ -79,10 +84,7 @@ def test_balances_compute_by_device_speed():
 
 
 def test_chooses_the_smallest_inflight_that_fills_the_pipeline():
-    layers = tuple(LayerProfile(name=f"l{i}", fwd_flops=1e6, bwd_flops=2e6, param_bytes=0,
-                                act_bytes=0, out_bytes=0, out_shape=(1,), out_dtype=torch.float32)
-                   for i in range(6))
-    profile = ModelProfile(layers, (1,), torch.float32)
+    profile = uniform_profile(6)
     dev = DeviceType(name="d", gflops=1.0, memory_mb=64)
     plan = plan_pipeline(profile, [dev] * 3, [1e9] * 2, minibatch=1, state_factor=0)
     # Three equal stages: the round trip is three stage times, so N_m = 3 keeps all busy.
@@ -92,10 +94,7 @@ def test_chooses_the_smallest_inflight_that_fills_the_pipeline():
 
 def test_memory_that_cannot_fit_is_refused_with_the_tightest_stage():
     mib = 1 << 20
-    layers = tuple(LayerProfile(name=f"l{i}", fwd_flops=1e6, bwd_flops=2e6, param_bytes=mib,
-                                act_bytes=0, out_bytes=0, out_shape=(1,), out_dtype=torch.float32)
-                   for i in range(4))
-    profile = ModelProfile(layers, (1,), torch.float32)
+    profile = uniform_profile(4, param_bytes=mib)
     small = DeviceType(name="small", gflops=1.0, memory_mb=5)
     # A stage of 2 layers: 2 MiB of weights x (live + stashed + grad + 2 Adam) = 10 MiB.
     with pytest.raises(ConfigError, match=r"does not fit .*N_m = 1 .* needs 10\.0 MiB on stage 0 "
