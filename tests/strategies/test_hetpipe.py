@@ -165,7 +165,7 @@ def test_cli_trains_hetpipe_on_emulated_devices_and_writes_the_contract(tmp_path
                          capture_output=True, text=True, timeout=140)
     assert run.returncode == 0, run.stderr
     assert "HetPipe plan: policy ed, 2 virtual workers, N_m = 2" in run.stderr
-    assert "m0/0 fast -> m1/0 slow" in run.stderr
+    assert "m1/0 slow -> m0/0 fast" in run.stderr
     # The progress bar is drawn where a loss is: the last stage of virtual worker 0.
     assert re.search(r"train 6/6 loss +\d+\.\d{3} ", run.stderr), run.stderr
     m = json.loads((out / "metrics.json").read_text())

@@ -10,6 +10,14 @@ three ways, for clusters whose machines each hold one device type:
 - ``hd`` (hybrid distribution): machines are paired fastest with slowest and
   each pair forms two VWs of half of each machine's devices: VWs of even
   speed with one machine crossing per VW.
+
+Within a virtual worker the devices run slowest first (ties in the policy's
+order). The order changes no stage's speed: the partitioner balances the
+stages whatever the order. It changes which layers learn late: stage ``j``
+applies its gradients ``N_m - 1 - j`` updates after the forward that made
+them, so the first stages are the stale ones, and a slow device there takes
+the fewest layers. On 2 fast + 2 slow devices (ED, N_m = 2, D = 1) that cut
+the loss gap to ddp after 300 steps from 9% to 1% (README, HetPipe).
 """
 
 from __future__ import annotations
@@ -30,7 +38,8 @@ POLICIES = ("np", "ed", "hd")
 
 @dataclass(frozen=True)
 class VirtualWorker:
-    """A virtual worker: its devices, in pipeline order (stage ``j`` runs on ``devices[j]``)."""
+    """A virtual worker: its devices, in pipeline order (stage ``j`` runs on ``devices[j]``),
+    slowest first."""
 
     index: int
     devices: tuple[Device, ...]
@@ -83,7 +92,8 @@ def allocate(cluster: Cluster, policy: str) -> tuple[VirtualWorker, ...]:
         groups = [[m[i] for m in by_machine] for i in range(per)]
     else:
         groups = _hybrid(by_machine)
-    groups.sort(key=lambda g: g[0].index)
+    groups = [sorted(g, key=lambda d: d.type.gflops) for g in groups]  # stable: ties keep order
+    groups.sort(key=lambda g: min(d.index for d in g))
     return tuple(VirtualWorker(i, tuple(g)) for i, g in enumerate(groups))
 
 
