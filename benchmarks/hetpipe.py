@@ -2,14 +2,17 @@
 
 Two machines, ``m0`` with two ``fast`` devices and ``m1`` with two ``slow`` ones
 (half the speed). ddp trains on all four (each step waits for the slow ones);
-HetPipe trains with each allocation policy (np, ed, hd), its partitioner's cut
-and N_m, and WSP through one parameter server; ``ed-paper`` is ED without
-weight prediction (the paper's semantics). Runs alternate (ddp, np, ed, hd,
-ed-paper, ...) so machine noise hits them alike; ratios are medians over
-repeats.
+HetPipe trains with the allocation policies (np, ed; hd makes ed's virtual
+workers on two machines), its partitioner's cut and N_m, and WSP through one
+parameter server; ``ed-paper`` is ED without weight prediction (the paper's
+semantics). Every run is tuned over the same grid of Adam learning rates
+(ddp's best is inside it): its time to a loss is at the learning rate that
+gets there first. Runs alternate (ddp, np, ed, ed-paper, then the next
+learning rate) so machine noise hits them alike; throughput is the median
+over all of a run's learning rates and repeats.
 
-    ./dev bench hetpipe            # default: 2 repeats, ddp 300 steps (~15-20 minutes)
-    ./dev bench hetpipe --quick    # 1 repeat of 40 steps (a smoke run)
+    ./dev bench hetpipe            # default: 3 learning rates, ddp 300 steps (~16 minutes)
+    ./dev bench hetpipe --quick    # 1 learning rate, 40 steps (a smoke run)
 
 Saves benchmarks/results/hetpipe.json and hetpipe.png (loss against time).
 """
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -39,10 +43,12 @@ VARIANTS = ("ed-paper",)  # without weight prediction
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def config_for(name: str, args: argparse.Namespace, steps: int | None = None) -> TrainConfig:
+def config_for(name: str, args: argparse.Namespace, steps: int | None = None,
+               lr: float | None = None) -> TrainConfig:
     common: dict[str, Any] = dict(devices=DEVICES, steps=steps or args.steps,
                                   batch_size=args.batch_size,
-                                  optimizer="adam", lr=args.lr, model_options=MODEL, quiet=True,
+                                  optimizer="adam", lr=lr or args.lrs[0],
+                                  model_options=MODEL, quiet=True,
                                   timeout_s=120.0, seed=0)
     if name == "ddp":
         return TrainConfig(strategy="ddp", **common)
@@ -107,121 +113,155 @@ def predicted(args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="1 repeat of 40 steps")
+    p.add_argument("--quick", action="store_true", help="1 learning rate, 40 steps")
     p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--lrs", type=float, nargs="+", default=[5e-4, 7e-4, 1e-3],
+                   help="Adam learning rates: every run is tuned over the same grid")
     p.add_argument("--staleness", type=int, default=1, help="WSP's D for HetPipe")
     p.add_argument("--smooth", type=int, default=20, help="moving-average window of losses")
-    p.add_argument("--runs", nargs="+", default=["ddp", *POLICIES, *VARIANTS],
-                   choices=["ddp", *POLICIES, *VARIANTS], help="which runs (default: all)")
+    p.add_argument("--runs", nargs="+", default=["ddp", "np", "ed", *VARIANTS],
+                   choices=["ddp", *POLICIES, *VARIANTS],
+                   help="which runs (default: ddp np ed ed-paper; on two machines hd makes "
+                        "ed's virtual workers)")
     p.add_argument("--name", default="hetpipe", help="results file name (default hetpipe)")
     args = p.parse_args()
     if args.quick:
-        args.steps, args.repeats = 40, 1
+        args.steps, args.repeats, args.lrs = 40, 1, args.lrs[:1]
     names = list(dict.fromkeys(["ddp", *args.runs]))  # ddp is the reference
     model = predicted(args)
-    print(f"cluster {DEVICES}; GPT {MODEL}; batch {args.batch_size}, adam lr {args.lr}, "
+    print(f"cluster {DEVICES}; GPT {MODEL}; batch {args.batch_size}, adam lr {args.lrs}, "
           f"ddp {args.steps} steps (HetPipe: as many more as its predicted speed-up) x "
           f"{args.repeats} repeats; HetPipe D = {args.staleness}",
           file=sys.stderr)
     for policy in POLICIES:
         print(model[policy]["plan"], file=sys.stderr)
-    runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+    keys = [(n, lr) for lr in args.lrs for n in names]
+    runs: dict[tuple[str, float], list[dict[str, Any]]] = {k: [] for k in keys}
     # Every run trains for about ddp's time: its steps scaled by the cost model's speed-up.
     steps = {n: args.steps if n == "ddp" else round(args.steps * min(
         1.5, max(1.0, model[n.partition("-")[0]]["speedup"]))) for n in names}
     for r in range(args.repeats):
-        order = names if r % 2 == 0 else names[::-1]
-        for name in order:
-            m = run(config_for(name, args, steps[name]))
-            runs[name].append(m)
-            print(f"repeat {r}: {name:>4}: {m['samples_per_s']:7.1f} samples/s, final loss "
-                  f"{m['final_loss']:.3f}, {m['launch_wall_s']:.0f} s", file=sys.stderr)
-    # The fixed loss: the highest of the runs' best smoothed losses, so every run reaches it
-    # (the paper's variant aside: it is there for comparison); and a ladder of losses, to
-    # show where the asynchronous runs fall behind.
-    curves = {n: [smooth(m["losses"], args.smooth) for m in ms] for n, ms in runs.items()}
-    target = max(min(c[args.smooth:] or c) for n, cs in curves.items() if n not in VARIANTS
+        order = keys if r % 2 == 0 else keys[::-1]
+        for name, lr in order:
+            m = run(config_for(name, args, steps[name], lr))
+            runs[name, lr].append(m)
+            print(f"repeat {r}: {name:>8} lr {lr:g}: {m['samples_per_s']:7.1f} samples/s, "
+                  f"final loss {m['final_loss']:.3f}, {m['launch_wall_s']:.0f} s",
+                  file=sys.stderr)
+    curves = {k: [smooth(m["losses"], args.smooth) for m in ms] for k, ms in runs.items()}
+    # The fixed loss: the best smoothed loss ddp reaches at its best learning rate (the end
+    # of its run); and a ladder of losses above it, to show where the runs part.
+    target = min(min(c[args.smooth:] or c) for (n, _), cs in curves.items() if n == "ddp"
                  for c in cs)
-    ladder = [x / 10 for x in range(36, 19, -2)]
+    target = math.ceil(target * 1000) / 1000
+    ladder = [x / 10 for x in range(36, 23, -2) if x / 10 > target] + [target]
+
+    def seconds_to(level: float, key: tuple[str, float]) -> float | None:
+        ts = [time_to(level, timeline(m), c) for m, c in zip(runs[key], curves[key])]
+        return statistics.median(ts) if all(t is not None for t in ts) else None  # type: ignore
+
     rows: dict[str, Any] = {}
-    for name, ms in runs.items():
-        tput = statistics.median(m["samples_per_s"] for m in ms)
-        ttl = [time_to(target, timeline(m), c) for m, c in zip(ms, curves[name])]
-        reached = [t for t in ttl if t is not None]
-        levels = {}
-        for level in ladder:
-            ts = [time_to(level, timeline(m), c) for m, c in zip(ms, curves[name])]
-            levels[f"{level:.1f}"] = statistics.median(ts) if all(t is not None for t in ts) \
-                else None  # type: ignore[type-var]
-        rows[name] = {"samples_per_s": tput, "time_to_target_s": (
-            statistics.median(reached) if len(reached) == len(ttl) else None),
-            "time_to_loss_s": levels,
-            "final_smoothed_loss": statistics.median(c[-1] for c in curves[name]),
-            "samples_per_s_runs": [m["samples_per_s"] for m in ms], "time_to_target_runs": ttl}
+    for name in names:
+        per_lr: dict[str, Any] = {}
+        for lr in args.lrs:
+            ms = runs[name, lr]
+            per_lr[f"{lr:g}"] = {
+                "samples_per_s": statistics.median(m["samples_per_s"] for m in ms),
+                "time_to_loss_s": {f"{x:g}": seconds_to(x, (name, lr)) for x in ladder},
+                "final_smoothed_loss": statistics.median(c[-1] for c in curves[name, lr])}
+        # Tuned: for each loss, the learning rate that reaches it first.
+        best: dict[str, Any] = {}
+        for x in ladder:
+            found = [(t, lr) for lr, row in per_lr.items()
+                     if (t := row["time_to_loss_s"][f"{x:g}"]) is not None]
+            best[f"{x:g}"] = min(found) if found else None
+        rows[name] = {"samples_per_s": statistics.median(r["samples_per_s"]
+                                                         for r in per_lr.values()),
+                      "time_to_loss_s": {x: b and b[0] for x, b in best.items()},
+                      "best_lr": {x: b and float(b[1]) for x, b in best.items()},
+                      "per_lr": per_lr}
     base = rows["ddp"]
-    print(f"\n{'run':<8} {'samples/s':>10} {'x ddp':>7} {'time to ' + format(target, '.3f'):>16} "
-          f"{'x ddp':>7} {'final loss':>11} {'model x ddp':>12}")
-    for name, row in rows.items():
+    for row in rows.values():
         row["throughput_vs_ddp"] = row["samples_per_s"] / base["samples_per_s"]
-        t, t0 = row["time_to_target_s"], base["time_to_target_s"]
-        row["time_to_target_vs_ddp"] = t0 / t if t and t0 else None
+        row["time_to_loss_vs_ddp"] = {
+            x: (base["time_to_loss_s"][x] / t if t and base["time_to_loss_s"][x] else None)
+            for x, t in row["time_to_loss_s"].items()}
+    print(f"\n{'run':<9} {'samples/s':>10} {'x ddp':>7} {'model x ddp':>12}")
+    for name, row in rows.items():
         policy = name.partition("-")[0]
         pred = model[policy]["speedup"] if policy in model else 1.0
-        ttl_text = f"{t:.1f} s" if t else "not reached"
-        x_ttl = f"{row['time_to_target_vs_ddp']:.2f}" if row["time_to_target_vs_ddp"] else "-"
-        print(f"{name:<8} {row['samples_per_s']:10.1f} {row['throughput_vs_ddp']:7.2f} "
-              f"{ttl_text:>16} {x_ttl:>7} {row['final_smoothed_loss']:11.3f} {pred:12.2f}")
-    print("\nseconds to reach a smoothed loss (median over repeats; - : not reached)")
-    print(f"{'run':<8} " + " ".join(f"{level:>6.1f}" for level in ladder))
+        print(f"{name:<9} {row['samples_per_s']:10.1f} {row['throughput_vs_ddp']:7.2f} "
+              f"{pred:12.2f}")
+    print(f"\nseconds to a smoothed loss at each run's best learning rate (x ddp; - : not "
+          f"reached); the last is ddp's best, {target:.3f}")
+    print(f"{'run':<9} " + " ".join(f"{x:>16g}" for x in ladder))
     for name, row in rows.items():
-        cells = [row["time_to_loss_s"][f"{level:.1f}"] for level in ladder]
-        print(f"{name:<8} " + " ".join(f"{c:6.1f}" if c is not None else f"{'-':>6}"
-                                        for c in cells))
+        cells = []
+        for x in ladder:
+            t, ratio, lr = (row["time_to_loss_s"][f"{x:g}"], row["time_to_loss_vs_ddp"][f"{x:g}"],
+                            row["best_lr"][f"{x:g}"])
+            cells.append(f"{t:5.1f} {ratio:4.2f}x {lr:5.0e}" if t and ratio else f"{'-':>16}")
+        print(f"{name:<9} " + " ".join(cells))
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = {"devices": DEVICES, "model_options": MODEL, "batch_size": args.batch_size,
-           "optimizer": "adam", "lr": args.lr, "steps": steps, "repeats": args.repeats,
+           "optimizer": "adam", "lrs": args.lrs, "steps": steps, "repeats": args.repeats,
            "staleness": args.staleness, "smooth_window": args.smooth, "target_loss": target,
            "note": "time axis: worker 0's cumulative step times after the first step (for "
                    "hetpipe, stage 0 of virtual worker 0, whose step t ends within a step of "
-                   "the last stage's loss of step t)",
+                   "the last stage's loss of step t); each run's time to a loss is at the "
+                   "learning rate of the grid that reaches it first",
            "predicted": model, "results": rows,
-           "runs": {n: [{"losses": m["losses"], "step_times": m["step_times"],
-                         "samples_per_s": m["samples_per_s"], "wall_time_s": m["wall_time_s"],
-                         "strategy_options": m["strategy_options"]} for m in ms]
-                    for n, ms in runs.items()},
+           "runs": {f"{n} lr {lr:g}": [{"losses": m["losses"], "step_times": m["step_times"],
+                                       "samples_per_s": m["samples_per_s"],
+                                       "wall_time_s": m["wall_time_s"],
+                                       "strategy_options": m["strategy_options"]} for m in ms]
+                    for (n, lr), ms in runs.items()},
            "versions": {"torch": torch.__version__}}
     name = f"{args.name}_quick" if args.quick else args.name
     (RESULTS / f"{name}.json").write_text(json.dumps(out, indent=1) + "\n")
-    plot(runs, curves, target, RESULTS / f"{name}.png", args)
+    plot(runs, curves, rows, target, RESULTS / f"{name}.png", args)
     print(f"wrote {RESULTS / name}.json and .png")
     return 0
 
 
-def plot(runs: dict[str, list[dict[str, Any]]], curves: dict[str, list[list[float]]],
+def plot(runs: dict[tuple[str, float], list[dict[str, Any]]],
+         curves: dict[tuple[str, float], list[list[float]]], rows: dict[str, Any],
          target: float, path: Path, args: argparse.Namespace) -> None:
+    """Loss against time: each run at the learning rate that reaches the target (else the
+    lowest loss) first, in full; the other learning rates faint."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
     colors = {"ddp": "black", "np": "tab:orange", "ed": "tab:blue", "hd": "tab:green",
               "ed-paper": "tab:purple"}
     styles = {"hd": "--", "ed-paper": ":"}
-    for name, ms in runs.items():
-        for i, (m, c) in enumerate(zip(ms, curves[name])):
+    for name, row in rows.items():
+        lr = row["best_lr"][f"{target:g}"]
+        if lr is None:
+            lr = min(args.lrs, key=lambda x: row["per_lr"][f"{x:g}"]["final_smoothed_loss"])
+        for key, ms in runs.items():
+            if key[0] != name:
+                continue
+            main = key[1] == lr
             title = name.replace("-paper", ", no prediction")
-            label = ("ddp" if name == "ddp" else f"hetpipe {title}") if i == 0 else None
-            ax.plot(timeline(m), c, color=colors[name], alpha=0.9 if i == 0 else 0.45,
-                    linestyle=styles.get(name, "-"), label=label)
+            for i, (m, c) in enumerate(zip(ms, curves[key])):
+                label = (f"{'ddp' if name == 'ddp' else 'hetpipe ' + title} (lr {lr:g})"
+                         if main and i == 0 else None)
+                ax.plot(timeline(m), c, color=colors[name], alpha=0.9 if main else 0.2,
+                        linewidth=1.4 if main else 0.8, linestyle=styles.get(name, "-"),
+                        label=label)
     ax.axhline(target, color="grey", linewidth=0.8, linestyle=":", label=f"target {target:.3f}")
+    ax.set_ylim(top=4.0)
     ax.set_xlabel("seconds (after the first step)")
     ax.set_ylabel(f"training loss (mean of {args.smooth} steps)")
-    ax.set_title(f"{DEVICES}: HetPipe (D={args.staleness}) vs ddp")
-    ax.legend()
+    ax.set_title(f"{DEVICES}: HetPipe (D={args.staleness}) vs ddp, "
+                 f"Adam lr in {', '.join(f'{x:g}' for x in args.lrs)}")
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
