@@ -59,7 +59,7 @@ def predicted(name: str, config: polytrain.TrainConfig) -> dict[str, float]:
     """Bytes per machine per step in units of the model, from the formulas."""
     n = config.nodes
     if name == "ddp":  # torch's ring over all workers: each machine's one outgoing edge
-        p = config.workers
+        p = config.layout().workers
         return {"worker": 2 * (p - 1) / p if n > 1 else 0.0, "server": 0.0}
     s = optimal_shares(n, config.servers)
     return {"worker": s.worker_machine_traffic(), "server": s.cpu_machine_traffic()}

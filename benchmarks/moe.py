@@ -125,9 +125,10 @@ def runner(case: Case, method: str, train: bool, tokens: int) -> Callable[[], No
                     y.backward(case.gy_sorted)
                 return
             xi = x.detach().requires_grad_(train)
-            fn = {"layer": layer, "masked": lambda v: masked_loop(layer, case.plain, v),
-                  "per_token": lambda v: per_token_loop(layer, case.plain, v)}[method]
-            y = fn(xi)
+            fns: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+                "layer": layer, "masked": lambda v: masked_loop(layer, case.plain, v),
+                "per_token": lambda v: per_token_loop(layer, case.plain, v)}
+            y = fns[method](xi)
             if train:
                 y.backward(gy)
     return run
@@ -314,9 +315,10 @@ def main() -> None:
     # per token and slot); its tokens/s is normalised, its memory is for that many tokens.
     few = {"fwd": 32, "fwd_bwd": 8} if args.quick else {"fwd": 128, "fwd_bwd": 32}
     reps = 2 if args.quick else 9
+    ep_experts = 8 if args.quick else 32
     config = {"d_model": D, "d_hidden": H, "top_k": K, "tokens": tokens, "gate": "naive",
               "per_token_tokens": few, "reps": reps, "threads": torch.get_num_threads(),
-              "torch": torch.__version__, "ep_experts": 8 if args.quick else 32,
+              "torch": torch.__version__, "ep_experts": ep_experts,
               "grouped_mm": hasattr(torch, "_grouped_mm")}
     print(f"MoE layer on CPU: d_model {D}, d_hidden {H}, {tokens} tokens, top-{K}, "
           f"{torch.get_num_threads()} threads", flush=True)
@@ -334,7 +336,7 @@ def main() -> None:
                 f" | {m} {tm[m]['tokens_per_s']:8.0f} tok/s {mm[m]:7.1f} MiB" for m in METHODS)
                 + f" | overhead over floor {100 * overhead:+.1f}%, memory / masked "
                 f"{mm['layer'] / max(mm['masked'], 1e-9):.2f}", flush=True)
-    ep = expert_parallel(config["ep_experts"], tokens, 2 if args.quick else 5, (1, 2, 4))
+    ep = expert_parallel(ep_experts, tokens, 2 if args.quick else 5, (1, 2, 4))
     result = {"config": config, "layer": rows, "expert_parallel": ep,
               "notes": ["per_token runs on per_token_tokens tokens; tokens/s normalises it; "
                         "its memory is for that many tokens",
