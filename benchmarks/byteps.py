@@ -21,9 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import polytrain
-from polytrain.launch import Launcher
 from polytrain.strategies.byteps import optimal_shares
-from polytrain.train import train
+from polytrain.train import run_config
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ENV = {"OMP_NUM_THREADS": "1"}
@@ -42,8 +41,7 @@ def configs(args: argparse.Namespace) -> dict[str, polytrain.TrainConfig]:
 
 def run(config: polytrain.TrainConfig) -> dict[str, Any]:
     started = time.perf_counter()
-    metrics = Launcher(config.layout(), env=ENV, timeout_s=config.timeout_s
-                       ).run_fn(train, (config,))[0]
+    metrics = run_config(config, env=ENV)
     metrics["bench_wall_s"] = time.perf_counter() - started
     return metrics
 

@@ -31,10 +31,9 @@ from typing import Any
 import torch
 
 from polytrain import TrainConfig
-from polytrain.launch import Launcher
 from polytrain.models import get_model
 from polytrain.pipeline import parse_cluster, plan_hetpipe, profile_model
-from polytrain.train import train
+from polytrain.train import run_config
 
 DEVICES = "m0:fast*2,m1:slow*2"
 MODEL = {"seq_len": 32, "d_model": 64, "layers": 12, "heads": 4}
@@ -60,7 +59,7 @@ def config_for(name: str, args: argparse.Namespace, steps: int | None = None,
 
 def run(config: TrainConfig) -> dict[str, Any]:
     started = time.perf_counter()
-    metrics = Launcher(config.layout(), env={"OMP_NUM_THREADS": "1"}).run_fn(train, (config,))[0]
+    metrics = run_config(config, env={"OMP_NUM_THREADS": "1"})
     metrics["launch_wall_s"] = time.perf_counter() - started
     return metrics
 

@@ -26,8 +26,7 @@ from typing import Any
 import torch
 
 from polytrain import TrainConfig
-from polytrain.launch import Launcher
-from polytrain.train import train
+from polytrain.train import run_config
 
 RESULTS = Path(__file__).resolve().parent / "results"
 RUNS = {
@@ -38,13 +37,7 @@ TAIL = 20
 
 
 def run(config: TrainConfig) -> dict[str, Any]:
-    if config.strategy == "single":
-        metrics = train(config)
-    else:
-        launcher = Launcher(config.layout(), env={"OMP_NUM_THREADS": "1"})
-        metrics = launcher.run_fn(train, (config,))[0]
-    assert metrics is not None
-    return metrics
+    return run_config(config, env={"OMP_NUM_THREADS": "1"})
 
 
 def tail(losses: list[float]) -> float:

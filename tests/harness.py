@@ -15,8 +15,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 import polytrain
-from polytrain.launch import Launcher
-from polytrain.train import train
+from polytrain.train import run_config as run_job
 
 __all__ = ["spawn", "run_config", "single_of", "max_abs_diff", "COMM_TIMEOUT_S"]
 
@@ -35,11 +34,7 @@ def run_config(config: polytrain.TrainConfig) -> tuple[dict[str, Any], dict[str,
     """Train ``config`` as ``polytrain train`` would; return its metrics and ``final.pt``."""
     with tempfile.TemporaryDirectory() as tmp:
         config = config.replace(out=tmp, quiet=True, timeout_s=COMM_TIMEOUT_S)
-        if polytrain.get_strategy(config.strategy).distributed:
-            metrics = Launcher(config.layout(), env=_ENV).run_fn(train, (config,))[0]
-        else:
-            metrics = train(config)
-        return metrics, torch.load(Path(tmp) / "final.pt")
+        return run_job(config, env=_ENV), torch.load(Path(tmp) / "final.pt")
 
 
 def single_of(config: polytrain.TrainConfig) -> polytrain.TrainConfig:

@@ -9,10 +9,9 @@ from typing import Any
 from ..config import OPTIMIZERS, TrainConfig
 from ..data import dataset_names
 from ..errors import ConfigError
-from ..launch.launcher import Launcher
 from ..models import get_model, model_names
 from ..strategies.base import get_strategy, strategy_names
-from ..train import train
+from ..train import run_config
 from .options import OptionFlag, add_option_flags, given_options
 
 __all__: list[str] = []
@@ -102,12 +101,7 @@ def run(ns: argparse.Namespace) -> int:
         summary = config.plan_summary()
         if summary:
             print(summary, file=sys.stderr)
-    if get_strategy(config.strategy).distributed:
-        metrics = Launcher(layout, port=config.port, timeout_s=config.timeout_s
-                           ).run_fn(train, (config,))[0]
-    else:
-        metrics = train(config)
-    assert metrics is not None
+    metrics = run_config(config)
     st = metrics["step_time_s"]
     print(f"final loss {metrics['final_loss']:.4f} | {metrics['samples_per_s']:.1f} samples/s | "
           f"step {st['median'] * 1e3:.1f} ms median, {st['p90'] * 1e3:.1f} ms p90 | "
