@@ -1,14 +1,16 @@
 """HetPipe with N_m > 1 and D > 0 against single on the default GPT task, over seeds.
 
-For each seed: ``single`` (the reference), HetPipe (ED, 2 virtual workers of 2
-stages, N_m = 2, D = 1, one server) with weight prediction (the default) and
-without it (the paper's semantics), all on the default task: GPT d_model 128,
+For each seed: ``single`` (the reference) and HetPipe (ED, 2 virtual workers
+of 2 stages, N_m = 2, D = 1, one server) three ways: polytrain's default
+(the servers run the optimizer, weight prediction), each virtual worker's
+own optimizer with prediction (``--no-server-optimizer``), and the paper's
+semantics (neither), all on the default task: GPT d_model 128,
 4 blocks, 500 steps, batch 32, Adam 2e-3. Reports each run's final loss (mean
 of the last 20 steps: the same batches in every run) and its ratio to single's
 of the same seed; single's own loss varies with the seed, so the ratios are
 paired by seed and summarised by their mean and median.
 
-    ./dev bench hetpipe_convergence              # seeds 0-3 (~10 minutes)
+    ./dev bench hetpipe_convergence              # seeds 0-3 (~18 minutes)
     ./dev bench hetpipe_convergence --seeds 0    # one seed
 
 Saves benchmarks/results/hetpipe_convergence.json and .png.
@@ -31,7 +33,10 @@ from polytrain.train import run_config
 RESULTS = Path(__file__).resolve().parent / "results"
 RUNS = {
     "hetpipe": {"policy": "ed", "inflight": 2, "staleness": 1},
-    "hetpipe-paper": {"policy": "ed", "inflight": 2, "staleness": 1, "predict": False},
+    "hetpipe-own-optimizer": {"policy": "ed", "inflight": 2, "staleness": 1,
+                              "server_optimizer": False},
+    "hetpipe-paper": {"policy": "ed", "inflight": 2, "staleness": 1, "predict": False,
+                      "server_optimizer": False},
 }
 TAIL = 20
 
@@ -92,9 +97,11 @@ def plot(curves: dict[str, dict[int, list[float]]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    colors = {"single": "black", "hetpipe": "tab:blue", "hetpipe-paper": "tab:purple"}
+    colors = {"single": "black", "hetpipe": "tab:blue", "hetpipe-own-optimizer": "tab:orange",
+              "hetpipe-paper": "tab:purple"}
     labels = {"single": "single", "hetpipe": "hetpipe N_m=2 D=1",
-              "hetpipe-paper": "hetpipe N_m=2 D=1, no prediction"}
+              "hetpipe-own-optimizer": "hetpipe N_m=2 D=1, optimizer per virtual worker",
+              "hetpipe-paper": "hetpipe N_m=2 D=1, the paper (neither)"}
     for name, by_seed in curves.items():
         for i, losses in enumerate(by_seed.values()):
             smooth = [sum(losses[max(0, j - TAIL + 1):j + 1]) / min(j + 1, TAIL)

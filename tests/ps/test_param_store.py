@@ -5,7 +5,8 @@ import torch
 import torch.distributed as dist
 
 import polytrain
-from polytrain.ps import Declaration, Kind
+from polytrain import ConfigError
+from polytrain.ps import Declaration, Kind, optimizer_spec
 from tests.harness import spawn
 
 
@@ -54,3 +55,81 @@ def test_bounded_staleness_lets_a_worker_run_at_most_s_clocks_ahead():
     for i, value in enumerate(fast["seen"], start=1):
         # at least everything of clock c-1 from both, plus its own pushes up to c
         assert value >= 1 + 3 * (i - 1) + 1
+
+
+def optimized(staleness: int) -> dict:
+    # Two workers push gradients for rounds 1..3 to an Adam on the server; worker 1 is slow.
+    ctx = polytrain.init()
+    server = ctx.topology.servers[0]
+    client = ctx.ps_client
+    adam = optimizer_spec(torch.optim.Adam([torch.zeros(1, requires_grad=True)], lr=0.1))
+    decl = Declaration(key=3, kind=int(Kind.OPTIM), name="w", numel=4, dtype="torch.float32",
+                       pushers=2, pullers=2, options={"staleness": staleness, "optimizer": adam})
+    client.declare(decl, server)
+    if ctx.worker_index == 0:
+        client.set(server, key=3, tensor=torch.arange(4.0)).wait()
+    dist.barrier(group=ctx.groups.workers)
+    out = torch.empty(5)  # the value, then the rounds applied
+    seen = []
+    me = ctx.worker_index
+    for rnd in range(1, 4):
+        if me == 1:
+            time.sleep(0.3)
+        grad = torch.tensor([1.0, -2.0, 3.0, 0.5]) * (me + 1) * rnd
+        client.push(server, key=3, round=rnd, tensor=grad).wait()
+        client.pull(server, key=3, round=rnd, out=out).wait()
+        seen.append(out.tolist())
+    dist.barrier(group=ctx.groups.workers)
+    client.get(server, key=3, out=out).wait()
+    return {"seen": seen, "final": out.tolist()}
+
+
+def adam_on_sums(rounds: int) -> list[list[float]]:
+    w = torch.arange(4.0).requires_grad_()
+    opt = torch.optim.Adam([w], lr=0.1)
+    values = []
+    for rnd in range(1, rounds + 1):
+        w.grad = torch.tensor([1.0, -2.0, 3.0, 0.5]) * 3 * rnd  # worker 0's + worker 1's
+        opt.step()
+        values.append(w.detach().tolist())
+    return values
+
+
+@pytest.mark.timeout(60)
+def test_optimizer_store_steps_once_per_round_on_the_sum_of_the_pushes():
+    fast, slow = spawn(optimized, workers=2, servers=1, args=(0,))
+    expected = adam_on_sums(3)
+    for worker in (fast, slow):
+        for rnd, (value, want) in enumerate(zip(worker["seen"], expected), start=1):
+            assert value[:4] == pytest.approx(want, abs=1e-6)
+            assert value[4] == rnd
+    assert fast["final"][:4] == pytest.approx(expected[-1], abs=1e-6) and fast["final"][4] == 3
+
+
+@pytest.mark.timeout(60)
+def test_optimizer_store_answers_how_many_rounds_a_stale_pull_holds():
+    fast, slow = spawn(optimized, workers=2, servers=1, args=(1,))
+    expected = [[0.0, 1.0, 2.0, 3.0]] + adam_on_sums(3)
+    # With staleness 1 the fast worker's pull of round r needs r - 1 rounds applied; the
+    # count it gets says which value it holds.
+    assert fast["seen"][0][4] == 0 and fast["seen"][0][:4] == expected[0]
+    for worker in (fast, slow):
+        for rnd, value in enumerate(worker["seen"], start=1):
+            applied = int(value[4])
+            assert rnd - 1 <= applied <= 3
+            assert value[:4] == pytest.approx(expected[applied], abs=1e-6)
+    assert slow["seen"][-1][4] == 3
+
+
+def test_optimizer_spec_refuses_what_a_server_cannot_build():
+    class Mine(torch.optim.SGD):
+        pass
+    w = torch.zeros(2, requires_grad=True)
+    with pytest.raises(ConfigError, match=r"only torch.optim's optimizers.*--no-server-optimizer"):
+        optimizer_spec(Mine([w], lr=0.1))
+    v = torch.zeros(2, requires_grad=True)
+    groups = [{"params": [w], "lr": 0.1}, {"params": [v], "lr": 0.2}]
+    with pytest.raises(ConfigError, match="parameter groups differ"):
+        optimizer_spec(torch.optim.Adam(groups))
+    spec = optimizer_spec(torch.optim.AdamW([w], lr=0.1, betas=(0.8, 0.9)))
+    assert spec["class"] == "AdamW" and spec["settings"]["betas"] == [0.8, 0.9]

@@ -40,6 +40,25 @@ def test_wsp_with_no_staleness_and_one_in_flight_is_synchronous_sgd(policy):
     assert metrics["losses"] == pytest.approx(single_metrics["losses"], abs=1e-5)
 
 
+@pytest.mark.timeout(180)
+def test_the_servers_optimizer_makes_adam_synchronous_too():
+    # With Adam, each virtual worker's own optimizer (the paper) is not synchronous training:
+    # Adam of a sum is not the sum of Adams. The servers' optimizer steps on the sum of the
+    # virtual workers' gradients, so D = 0 and N_m = 1 follow single's Adam.
+    config = TrainConfig(strategy="hetpipe", workers=4, nodes=2, servers=2, steps=6,
+                         batch_size=8, optimizer="adam", lr=3e-3, model_options=TINY,
+                         strategy_options={"policy": "ed", "inflight": 1, "staleness": 0})
+    _, single = run_config(single_of(config))
+    _, hetpipe = run_config(config)
+    # As ddp's test: Adam divides by the gradients' size, which turns float rounding in
+    # gradients near zero into differences of ~1e-6 (about a thousandth of own optimizers').
+    assert max_abs_diff(single, hetpipe) < 1e-5
+    paper = config.replace(strategy_options={**config.strategy_options,
+                                             "server_optimizer": False})
+    _, own = run_config(paper)
+    assert max_abs_diff(single, own) > 1e-3
+
+
 @pytest.mark.timeout(120)
 def test_many_in_flight_with_no_staleness_follows_the_written_out_semantics():
     # N_m = 2, D = 0, two VWs of two stages: stashed weights, an update per minibatch,
@@ -49,7 +68,7 @@ def test_many_in_flight_with_no_staleness_follows_the_written_out_semantics():
     config = TrainConfig(strategy="hetpipe", workers=4, nodes=2, servers=1, steps=steps,
                          batch_size=batch, optimizer="sgd", lr=lr, model_options=TINY,
                          strategy_options={"policy": "np", "inflight": 2, "staleness": 0,
-                                           "predict": False})
+                                           "predict": False, "server_optimizer": False})
     metrics, state = run_config(config)
     expected, losses = simulate(model_options=TINY, bounds=(0, 2, 4), vws=2, inflight=2,
                                 steps=steps, lr=lr, batch=batch)

@@ -29,8 +29,9 @@ class AsyncPipeline:
     (1 / virtual workers: a minibatch is that share of the global batch).
 
     With ``wsp``, every ``N_m`` minibatches end a wave: the stage pushes the
-    wave's summed update and pulls the global weights, then uses the pulled
-    weights plus its own updates since its last push. With D = 0 the pull of
+    wave's summed update (or, with the servers' optimizer, has pushed each
+    minibatch's gradient) and pulls the global weights, then uses the pulled
+    weights plus its own updates they do not hold yet. With D = 0 the pull of
     clock ``c`` (everyone's wave ``c``) is installed before the next forward;
     with D >= 1 the pull of clock ``c + 1`` (everyone's wave ``c + 1 - D``) is
     posted at once and installed at the end of the next wave, before its push.
@@ -71,8 +72,6 @@ class AsyncPipeline:
         self.done = 0     # backwards done
         self.version = 0  # bumps whenever the live weights change
         self._snapshot: tuple[tuple[int, int], list[torch.Tensor]] | None = None
-        self.wave_update = [torch.zeros_like(p) for p in self.params]
-        self.since_push = [torch.zeros_like(p) for p in self.params]
         self.drained = False
         # With D >= 1 a wave's pull is posted one clock ahead and installed at the end of
         # the next wave: the same bound as installing it before the next forward (see
@@ -160,8 +159,8 @@ class AsyncPipeline:
             torch._foreach_mul_(delta, self.update_scale)
             torch._foreach_add_(before, delta)
             torch._foreach_copy_(params, before)
-        torch._foreach_add_(self.wave_update, delta)
-        torch._foreach_add_(self.since_push, delta)
+        if self.wsp is not None:
+            self.wsp.step(delta, grads, scale=self.update_scale)
         if self.predict:
             self.last_grads = list(grads)
             self.last_deltas = list(delta)
@@ -169,16 +168,13 @@ class AsyncPipeline:
 
     def _install(self) -> None:
         assert self.wsp is not None
-        self.wsp.install(self.params, self.since_push)
+        self.wsp.install(self.params)
         self.version += 1
 
     def _end_wave(self) -> None:
         assert self.wsp is not None
         if self.wsp.pending:
-            # Installed before pushing, so the pull cannot have seen this push: the updates
-            # since the last push are exactly the ones it lacks.
+            # Installed before this wave's push (the paper's WSP), so the pull cannot have
+            # seen it: the updates since the last push are exactly the ones it lacks.
             self._install()
-        self.wsp.push(self.wave_update)
-        for w, s in zip(self.wave_update, self.since_push):
-            w.zero_()
-            s.zero_()
+        self.wsp.end_wave()

@@ -1,22 +1,29 @@
 """Wave Synchronous Parallel, a stage's side: push a wave's update, pull the global weights.
 
-The servers hold the model in parameter stores (``ps.ParamStore``): a PUSH
-adds an update and advances the pusher's clock, a PULL of round ``c`` is
-answered once every virtual worker's clock is at least ``c - D``. A clock is
-one wave. Keys are the partitions of the whole model's parameters, so virtual
-workers cut differently still agree on them; each key's pushers are the
-stages (one per virtual worker) that hold its tensor.
+The servers hold the model. By default (``optimizer`` given) they hold it in
+optimizer stores (``ps.OptimizerStore``): a stage pushes each minibatch's
+gradient as it is computed, and once every virtual worker has pushed its
+t-th the servers' optimizer takes one step with their sum, so the global
+weights follow the optimizer of synchronous training on the global batch,
+staleness aside. Otherwise (the paper) they hold it in parameter stores
+(``ps.ParamStore``): a stage pushes each wave's summed update (computed by its
+own optimizer) and the servers add it. Either way a PULL of wave ``c`` is
+answered once every virtual worker is at least at ``c - D``. Keys are the
+partitions of the whole model's parameters, so virtual workers cut
+differently still agree on them; each key's pushers are the stages (one per
+virtual worker) that hold its tensor.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
 from ..comm.partition import Partition, TensorSpec, partition
+from ..errors import ConfigError
 from ..ps.client import Pending, PSClient
 from ..ps.placement import Placement, balanced
 from ..ps.protocol import Kind
@@ -31,15 +38,17 @@ PARTITION_BYTES = 4_096_000  # BytePS's default partition size
 
 
 class WaveSync:
-    """One stage's parameters on the servers, and its clock.
+    """One stage's parameters on the servers, its own updates they lack, and its clock.
 
     Example::
 
         wsp = WaveSync(ctx, model_specs, mine={"h0.ln1.weight": 2, ...}, tensors=params,
-                       virtual_workers=2, staleness=1)
+                       virtual_workers=2, staleness=1, inflight=2,
+                       optimizer=optimizer_spec(opt))
         wsp.start(initialise=(vw == 0))
-        wsp.push(updates); wsp.pull()      # end of a wave: clock += 1, pull posted
-        wsp.install(params, since_push)    # before the next forward: global + own newer
+        wsp.step(delta, grads, scale=0.5)  # after each local update
+        wsp.end_wave(); wsp.pull()         # end of a wave: clock += 1, pull posted
+        wsp.install(params)                # before the next forward: global + own newer
 
     Args:
         ctx: the run.
@@ -48,22 +57,44 @@ class WaveSync:
         tensors: this stage's live parameters.
         virtual_workers: how many push every key (one stage per virtual worker).
         staleness: D, the most clocks a virtual worker may run ahead of the slowest.
+        inflight: N_m, minibatches per wave.
+        optimizer: the servers' optimizer (:func:`ps.store.optimizer_spec`); None: the
+            servers add the updates the stages push (the paper).
     """
 
     def __init__(self, ctx: Context, specs: Sequence[TensorSpec], mine: dict[int, int],
                  tensors: Sequence[torch.Tensor], *, virtual_workers: int,
-                 staleness: int) -> None:
+                 staleness: int, inflight: int = 1,
+                 optimizer: dict[str, Any] | None = None) -> None:
         self.ctx = ctx
         self.client: PSClient = ctx.ps_client
         self.staleness = staleness
         self.virtual_workers = virtual_workers
+        self.inflight = inflight
+        self.optimizer = optimizer
         self.tensors = list(tensors)
+        if optimizer is not None:
+            odd = sorted({str(t.dtype) for t in self.tensors
+                          if t.dtype not in (torch.float32, torch.float64)})
+            if odd:
+                raise ConfigError(f"the servers' optimizer steps float32 or float64 "
+                                  f"parameters, but this stage has {', '.join(odd)} ones",
+                                  "keep a float32 master copy of the weights, or keep the "
+                                  "optimizer on the workers (--no-server-optimizer)")
         parts = partition(list(specs), PARTITION_BYTES)
         self.placement: Placement = balanced(parts, ctx.topology.servers)
         self.mine = [(i, p) for i, p in enumerate(parts) if p.tensor in mine]
         self._local = {p.tensor: mine[p.tensor] for _, p in self.mine}
         self.pulled = [torch.empty_like(t, device="cpu") for t in self.tensors]
-        self.clock = 0
+        # An optimizer store answers its value and the rounds (minibatches) it holds.
+        self.answers = [torch.empty(p.numel + 1, dtype=p.dtype) for _, p in self.mine]
+        self.clock = 0   # waves ended
+        self.slots = 0   # minibatches pushed (optimizer stores)
+        # Own updates the servers may lack: since the last push (parameter stores), or
+        # per minibatch until the servers have applied it (optimizer stores).
+        self.wave_update = [torch.zeros_like(t) for t in self.tensors]
+        self.since_push = [torch.zeros_like(t) for t in self.tensors]
+        self.history: list[tuple[int, list[torch.Tensor]]] = []
         self._pull: Pending | None = None
         self._pushes: Pending | None = None
 
@@ -76,11 +107,16 @@ class WaveSync:
 
         Ends with a barrier of all workers, so nobody pushes before the weights are set.
         """
+        options: dict[str, Any]
+        if self.optimizer is None:
+            kind, options = Kind.PARAM, {"staleness": self.staleness}
+        else:  # rounds are minibatches
+            kind, options = Kind.OPTIM, {"staleness": self.staleness * self.inflight,
+                                         "optimizer": self.optimizer}
         for i, p in self.mine:
-            decl = Declaration(key=p.key, kind=int(Kind.PARAM), name=p.label, numel=p.numel,
+            decl = Declaration(key=p.key, kind=int(kind), name=p.label, numel=p.numel,
                                dtype=str(p.dtype), pushers=self.virtual_workers,
-                               pullers=self.virtual_workers,
-                               options={"staleness": self.staleness})
+                               pullers=self.virtual_workers, options=options)
             self.client.declare(decl, self.placement.owners[i])
         if initialise:
             cpu = [t.detach().cpu() for t in self.tensors]
@@ -88,55 +124,103 @@ class WaveSync:
                 self.client.set(self.placement.owners[i], key=p.key,
                                 tensor=self._slice(cpu, p)).wait()
             # A GET is answered after the SET before it (same key, same server thread).
-            for i, p in self.mine:
-                self.client.get(self.placement.owners[i], key=p.key,
-                                out=self._slice(self.pulled, p)).wait()
+            for (i, p), out in zip(self.mine, self._outs()):
+                self.client.get(self.placement.owners[i], key=p.key, out=out).wait()
         dist.barrier(group=self.ctx.groups.workers)
 
-    def push(self, updates: Sequence[torch.Tensor]) -> None:
-        """End a wave: push its summed update; this stage's clock advances by one."""
+    @torch.no_grad()
+    def step(self, delta: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None], *,
+             scale: float) -> None:
+        """A local update was applied: ``delta`` (scaled) from ``grads`` (not scaled).
+
+        With the servers' optimizer the gradients, times ``scale``, are pushed as this
+        stage's next minibatch.
+        """
+        if self.optimizer is None:
+            torch._foreach_add_(self.wave_update, list(delta))
+            torch._foreach_add_(self.since_push, list(delta))
+            return
+        self.slots += 1
+        self.history.append((self.slots, list(delta)))
+        cpu = [torch.zeros(t.shape, dtype=t.dtype) if g is None
+               else (g.detach() * scale).to("cpu") for t, g in zip(self.tensors, grads)]
+        self._send(self.slots, cpu)
+
+    def _send(self, rnd: int, cpu: Sequence[torch.Tensor]) -> None:
+        if self._pushes is not None:
+            self._pushes.wait()
+        self._pushes = Pending.all([
+            self.client.push(self.placement.owners[i], key=p.key, round=rnd,
+                             tensor=self._slice(cpu, p)) for i, p in self.mine])
+
+    def end_wave(self) -> None:
+        """End a wave: this stage's clock advances by one; the paper's WSP pushes its update."""
+        self.clock += 1
+        if self.optimizer is not None:
+            return
         if self._pull is not None:
             # A pull older than this push was never installed: it is superseded.
             self._pull.wait()
             self._pull = None
-        if self._pushes is not None:
-            self._pushes.wait()
-        # A copy: the caller reuses its buffers while the sends are in flight.
-        cpu = [u.detach().to("cpu", copy=True) for u in updates]
-        self.clock += 1
-        self._pushes = Pending.all([
-            self.client.push(self.placement.owners[i], key=p.key, round=self.clock,
-                             tensor=self._slice(cpu, p)) for i, p in self.mine])
+        # A copy: the buffers are reused while the sends are in flight.
+        self._send(self.clock, [u.detach().to("cpu", copy=True) for u in self.wave_update])
+        for w, s in zip(self.wave_update, self.since_push):
+            w.zero_()
+            s.zero_()
 
     def pull(self, *, ahead: int = 0, final: bool = False) -> None:
         """Post the pull of the global weights (answered later, see :meth:`install`).
 
-        The servers answer the pull of round ``clock + ahead`` once every virtual
-        worker has pushed ``clock + ahead - D`` waves; a ``final`` pull waits for
-        ``clock`` waves from everyone (their last).
+        The servers answer the pull of wave ``clock + ahead`` once every virtual
+        worker has ended ``clock + ahead - D`` waves; a ``final`` pull waits for
+        everyone's last minibatch.
         """
         if self._pull is not None:
             self._pull.wait()
         if ahead > self.staleness:
             raise ValueError(f"a pull {ahead} clocks ahead would wait for this stage's own "
                              f"future pushes (D = {self.staleness})")
-        rnd = self.clock + (self.staleness if final else ahead)
+        if self.optimizer is None:
+            rnd = self.clock + (self.staleness if final else ahead)
+        elif final:  # rounds are minibatches
+            rnd = self.slots + self.staleness * self.inflight
+        else:
+            rnd = (self.clock + ahead) * self.inflight
         self._pull = Pending.all([
-            self.client.pull(self.placement.owners[i], key=p.key, round=rnd,
-                             out=self._slice(self.pulled, p)) for i, p in self.mine])
+            self.client.pull(self.placement.owners[i], key=p.key, round=rnd, out=out)
+            for (i, p), out in zip(self.mine, self._outs())])
+
+    def _outs(self) -> list[torch.Tensor]:
+        """Where the answers for this stage's keys land."""
+        if self.optimizer is None:
+            return [self._slice(self.pulled, p) for _, p in self.mine]
+        return self.answers
 
     @property
     def pending(self) -> bool:
         return self._pull is not None
 
     @torch.no_grad()
-    def install(self, params: Sequence[torch.Tensor], since_push: Sequence[torch.Tensor]) -> None:
-        """Wait for the pull; the weights become the global ones plus this stage's newer updates."""
+    def install(self, params: Sequence[torch.Tensor]) -> None:
+        """Wait for the pull; the weights become the global ones plus this stage's own
+        updates they do not hold yet."""
         assert self._pull is not None
         if self._pushes is not None:
             self._pushes.wait()
         self._pull.wait()
         self._pull = None
-        for p, g, own in zip(params, self.pulled, since_push):
-            p.copy_(g.to(p.device))
-            p.add_(own)
+        if self.optimizer is None:
+            for p, g, own in zip(params, self.pulled, self.since_push):
+                p.copy_(g.to(p.device))
+                p.add_(own)
+            return
+        oldest = self.slots
+        for (_, part), answer in zip(self.mine, self.answers):
+            applied = int(answer[-1])
+            oldest = min(oldest, applied)
+            view = self._slice(params, part)
+            view.copy_(answer[:-1].to(view.device))
+            for slot, delta in self.history:
+                if slot > applied:
+                    view.add_(self._slice(delta, part))
+        self.history = [(slot, d) for slot, d in self.history if slot > oldest]

@@ -4,7 +4,17 @@ from .client import Pending, PSClient, SumClient
 from .placement import Placement, balanced
 from .protocol import Kind, Op
 from .server import Server
-from .store import STORES, Declaration, ParamStore, Store, SumStore, register_store
+from .store import (
+    STORES,
+    Declaration,
+    OptimizerStore,
+    ParamStore,
+    Store,
+    SumStore,
+    optimizer_spec,
+    register_store,
+)
 
 __all__ = ["Server", "PSClient", "SumClient", "Pending", "Placement", "balanced", "Declaration",
-           "Store", "SumStore", "ParamStore", "STORES", "register_store", "Kind", "Op"]
+           "Store", "SumStore", "ParamStore", "OptimizerStore", "optimizer_spec", "STORES",
+           "register_store", "Kind", "Op"]

@@ -11,7 +11,7 @@ import torch
 
 from ..comm.p2p import Handle, Transport
 from ..comm.topology import Topology
-from ..errors import CommError, CommTimeout
+from ..errors import CommError, CommTimeout, PolytrainError
 from .protocol import (
     HEADER_LEN,
     HEADER_TAG,
@@ -180,11 +180,18 @@ class Server:
             answer = {"ok": False, "error": f"server rank {self.rank} knows no store kind "
                                             f"{decl.kind} (declared for {decl.describe()})"}
         else:
+            try:
+                store = STORES[decl.kind](decl, self.respond)
+            except (PolytrainError, TypeError, ValueError, KeyError) as e:
+                # Settings the store cannot take (an optimizer's, say): the worker raises it.
+                self.respond(req, encode({"ok": False, "error": f"server rank {self.rank}: "
+                                          f"{decl.describe()}: {e}"}, STATUS_BYTES))
+                return
             self.declarations[decl.key] = (req.src, decl)
             engine = min(self.engines, key=lambda e: e.load)
             engine.load += decl.numel * decl.torch_dtype.itemsize
             self.pinned[decl.key] = engine
-            self.stores[decl.key] = STORES[decl.kind](decl, self.respond)
+            self.stores[decl.key] = store
         self.respond(req, encode(answer, STATUS_BYTES))
 
     def respond(self, req: Request, tensor: torch.Tensor) -> None:

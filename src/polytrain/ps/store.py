@@ -8,10 +8,11 @@ from typing import Any, Callable
 
 import torch
 
-from ..errors import CommError
+from ..errors import CommError, ConfigError
 from .protocol import Kind, Op, Request
 
-__all__ = ["Declaration", "Store", "SumStore", "ParamStore", "STORES", "register_store"]
+__all__ = ["Declaration", "Store", "SumStore", "ParamStore", "OptimizerStore", "STORES",
+           "optimizer_spec", "register_store"]
 
 Respond = Callable[[Request, torch.Tensor], None]
 
@@ -185,7 +186,130 @@ class ParamStore(Store):
         return self.global_clock >= req.round - self.staleness
 
 
-STORES: dict[int, type[Store]] = {Kind.SUM: SumStore, Kind.PARAM: ParamStore}
+def optimizer_spec(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """How to build ``optimizer`` again on a server: its class (from ``torch.optim``) and
+    settings, as JSON. Raises ConfigError for an optimizer of another module, or one whose
+    parameter groups differ in their settings (a server builds one group per key)."""
+    kind = type(optimizer)
+    if getattr(torch.optim, kind.__name__, None) is not kind:
+        raise ConfigError(f"the servers can run only torch.optim's optimizers, not "
+                          f"{kind.__module__}.{kind.__qualname__}",
+                          "use a torch.optim optimizer, or keep the optimizer on the workers "
+                          "(hetpipe: --no-server-optimizer)")
+    settings = []
+    for group in optimizer.param_groups:
+        settings.append({k: _plain(v) for k, v in sorted(group.items()) if k != "params"})
+    if any(s != settings[0] for s in settings[1:]):
+        raise ConfigError("the servers build one optimizer per key, with one set of settings, "
+                          "but this optimizer's parameter groups differ",
+                          "use one parameter group, or keep the optimizer on the workers "
+                          "(hetpipe: --no-server-optimizer)")
+    return {"class": kind.__name__, "settings": settings[0] if settings else {}}
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.item()
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _build_optimizer(spec: dict[str, Any], param: torch.Tensor) -> torch.optim.Optimizer:
+    settings: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v
+                                for k, v in spec["settings"].items()}
+    settings.pop("initial_lr", None)  # set by a scheduler, not an argument
+    kind: type[torch.optim.Optimizer] = getattr(torch.optim, spec["class"])
+    return kind([param], **settings)
+
+
+class OptimizerStore(Store):
+    """Parameters that an optimizer on the server updates, one step per round.
+
+    - SET replaces the value (a worker initialises it once after declaring).
+    - PUSH of round t (counted from 1) adds the payload, a gradient already
+      scaled by the pusher, to round t. Once all ``pushers`` have pushed round t
+      and rounds 1 .. t-1 are applied, the optimizer
+      (``options["optimizer"]``, see :func:`optimizer_spec`) takes one step
+      with their sum, summed in rank order.
+    - PULL of round r is answered once at least r - ``options["staleness"]``
+      rounds are applied; GET at once. An answer is the value followed by the
+      number of rounds applied (``numel + 1`` elements), so a worker knows
+      which of its own pushes the value holds.
+
+    The optimizer is elementwise (SGD, Adam, AdamW, ...), so a key that is a
+    slice of a tensor steps exactly as the whole tensor would: synchronous
+    training's optimizer on the global gradient, wherever the gradients came from.
+    """
+
+    def __init__(self, decl: Declaration, respond: Respond) -> None:
+        super().__init__(decl, respond)
+        if decl.torch_dtype not in (torch.float32, torch.float64):
+            raise CommError(f"server: {decl.describe()}: an optimizer store holds float32 or "
+                            f"float64 parameters", "keep 16-bit parameters' master copy in "
+                            "float32")
+        self.param = torch.zeros(decl.numel, dtype=decl.torch_dtype, requires_grad=True)
+        self.optimizer = _build_optimizer(decl.options["optimizer"], self.param)
+        self.staleness = int(decl.options.get("staleness", 0))
+        self.rounds: dict[int, dict[int, torch.Tensor]] = {}
+        self.applied = 0
+        self.waiting: list[Request] = []
+
+    def handle(self, req: Request) -> None:
+        if req.op == Op.SET:
+            assert req.payload is not None
+            with torch.no_grad():
+                self.param.copy_(req.payload)
+        elif req.op == Op.PUSH:
+            assert req.payload is not None
+            if req.round <= self.applied:
+                raise self.fail(req, f"round {req.round} is already applied")
+            pushes = self.rounds.setdefault(req.round, {})
+            if req.src in pushes:
+                raise self.fail(req, "this rank already pushed this round")
+            pushes[req.src] = req.payload
+            if len(pushes) > self.decl.pushers:
+                raise self.fail(req, f"more pushers than the {self.decl.pushers} declared")
+            self._apply_ready()
+        elif req.op == Op.PULL:
+            if self._ready(req):
+                self._answer(req)
+            else:
+                self.waiting.append(req)
+        elif req.op == Op.GET:
+            self._answer(req)
+        else:
+            raise self.fail(req, "an optimizer store answers SET, PUSH, PULL and GET only")
+
+    def _apply_ready(self) -> None:
+        stepped = False
+        while len(self.rounds.get(self.applied + 1, ())) == self.decl.pushers:
+            pushes = self.rounds.pop(self.applied + 1)
+            ranks = sorted(pushes)
+            grad = pushes[ranks[0]].to(self.param.dtype, copy=True)
+            for rank in ranks[1:]:
+                grad.add_(pushes[rank])
+            self.param.grad = grad
+            self.optimizer.step()
+            self.param.grad = None
+            self.applied += 1
+            stepped = True
+        if stepped:
+            ready = [r for r in self.waiting if self._ready(r)]
+            self.waiting = [r for r in self.waiting if not self._ready(r)]
+            for r in ready:
+                self._answer(r)
+
+    def _ready(self, req: Request) -> bool:
+        return self.applied >= req.round - self.staleness
+
+    def _answer(self, req: Request) -> None:
+        count = torch.tensor([float(self.applied)], dtype=self.param.dtype)
+        self.respond(req, torch.cat([self.param.detach(), count]))
+
+
+STORES: dict[int, type[Store]] = {Kind.SUM: SumStore, Kind.PARAM: ParamStore,
+                                  Kind.OPTIM: OptimizerStore}
 
 
 def register_store(kind: int, store: type[Store]) -> None:

@@ -28,6 +28,7 @@ from ..pipeline.emulation import clock_of
 from ..pipeline.profile import ModelProfile, layers_of, optimizer_state_factor, profile_model
 from ..pipeline.stage import Stage, StageSpec
 from ..pipeline.wsp import WaveSync
+from ..ps.store import optimizer_spec
 from .base import LossFn, Strategy, register
 
 __all__ = ["HetPipe", "HetPipeOptions"]
@@ -48,6 +49,10 @@ class HetPipeOptions:
         predict: stages whose gradients arrive late (N_m > 1) run forward and backward on
             the weights predicted after the updates in flight (default True; False is the
             paper's semantics). See :mod:`polytrain.pipeline.predict`.
+        server_optimizer: the parameter servers run the optimizer, one step per minibatch
+            on the sum of every virtual worker's gradients, and stages push gradients
+            (default True); False is the paper: each virtual worker's optimizer makes its
+            updates and stages push their sum every wave.
     """
 
     policy: str = field(default="hd", metadata={
@@ -64,6 +69,10 @@ class HetPipeOptions:
         "help": "hetpipe: run every forward on the live weights, as the paper does "
                 "(default: a stage whose gradients arrive late runs on the weights predicted "
                 "after the updates in flight)"})
+    server_optimizer: bool = field(default=True, metadata={
+        "help": "hetpipe: let each virtual worker's optimizer make the updates and push "
+                "their sum every wave, as the paper does (default: the servers run the "
+                "optimizer on every minibatch's gradients summed over the virtual workers)"})
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -85,10 +94,13 @@ class HetPipe(Strategy):
     allocation policy; the model's layers are cut into one stage per device
     of a VW by the exact partitioner, which also picks N_m. Each VW trains
     its slice of every global batch through HetPipe's asynchronous pipeline
-    (updates per minibatch, weight stashing, N_m in flight); every N_m
-    minibatches (a wave) each stage pushes its wave's update to the parameter
-    servers and pulls the global weights, at most D waves ahead of the
-    slowest VW. D = 0 and N_m = 1 is synchronous SGD on the global batch.
+    (updates per minibatch, weight stashing, N_m in flight). Each stage pushes
+    every minibatch's gradient to the parameter servers, whose optimizer steps
+    on their sum over the VWs (``--no-server-optimizer``: every N_m
+    minibatches, a wave, each stage pushes its wave's update, as the paper),
+    and pulls the global weights every wave, at most D waves ahead of the
+    slowest VW. D = 0 and N_m = 1 is synchronous training on the global batch
+    (with the paper's pushes: for plain SGD only).
 
     Example::
 
@@ -224,7 +236,9 @@ class HetPipe(Strategy):
         index = {n: i for i, (n, _) in enumerate(self.model.named_parameters())}
         wsp = WaveSync(ctx, specs, {index[n]: i for i, n in enumerate(self.stage.names)},
                        self.stage.params, virtual_workers=count,
-                       staleness=self.options.staleness)
+                       staleness=self.options.staleness, inflight=plan.inflight,
+                       optimizer=optimizer_spec(base) if self.options.server_optimizer
+                       else None)
         wsp.start(initialise=self.vw == 0)
         return AsyncPipeline(self.stage, optimizer, inflight=plan.inflight,
                              update_scale=1.0 / count, wsp=wsp, predict=self.options.predict)
