@@ -4,14 +4,16 @@ Two machines, ``m0`` with two ``fast`` devices and ``m1`` with two ``slow`` ones
 (half the speed). ddp trains on all four (each step waits for the slow ones);
 HetPipe trains with the allocation policies (np, ed; hd makes ed's virtual
 workers on two machines), its partitioner's cut and N_m, and WSP through one
-parameter server; ``ed-paper`` is ED without weight prediction (the paper's
-semantics). Every run is tuned over the same grid of Adam learning rates
-(ddp's best is inside it): its time to a loss is at the learning rate that
-gets there first. Runs alternate (ddp, np, ed, ed-paper, then the next
-learning rate) so machine noise hits them alike; throughput is the median
-over all of a run's learning rates and repeats.
+parameter server; ``ed-own`` is ED with each virtual worker's own optimizer
+instead of the servers' (``--no-server-optimizer``), ``ed-paper`` is ED with
+neither the servers' optimizer nor weight prediction (the paper). Every run
+is tuned over the same grid of Adam learning rates (ddp's best is inside it):
+its time to a loss is at the learning rate that gets there first. Runs
+alternate (ddp, np, ed, ed-own, ed-paper, then the next learning rate) so
+machine noise hits them alike; throughput is the median over all of a run's
+learning rates and repeats.
 
-    ./dev bench hetpipe            # default: 3 learning rates, ddp 300 steps (~16 minutes)
+    ./dev bench hetpipe            # default: 3 learning rates, ddp 300 steps (~20 minutes)
     ./dev bench hetpipe --quick    # 1 learning rate, 40 steps (a smoke run)
 
 Saves benchmarks/results/hetpipe.json and hetpipe.png (loss against time).
@@ -38,7 +40,7 @@ from polytrain.train import run_config
 DEVICES = "m0:fast*2,m1:slow*2"
 MODEL = {"seq_len": 32, "d_model": 64, "layers": 12, "heads": 4}
 POLICIES = ("np", "ed", "hd")
-VARIANTS = ("ed-paper",)  # without weight prediction
+VARIANTS = ("ed-own", "ed-paper")  # own: optimizer per VW; paper: that and no prediction
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -54,7 +56,8 @@ def config_for(name: str, args: argparse.Namespace, steps: int | None = None,
     policy, _, variant = name.partition("-")
     return TrainConfig(strategy="hetpipe", servers=1, **common,
                        strategy_options={"policy": policy, "staleness": args.staleness,
-                                         "predict": variant != "paper"})
+                                         "predict": variant != "paper",
+                                         "server_optimizer": variant == ""})
 
 
 def run(config: TrainConfig) -> dict[str, Any]:
@@ -122,8 +125,8 @@ def main() -> int:
     p.add_argument("--smooth", type=int, default=20, help="moving-average window of losses")
     p.add_argument("--runs", nargs="+", default=["ddp", "np", "ed", *VARIANTS],
                    choices=["ddp", *POLICIES, *VARIANTS],
-                   help="which runs (default: ddp np ed ed-paper; on two machines hd makes "
-                        "ed's virtual workers)")
+                   help="which runs (default: ddp np ed ed-own ed-paper; on two machines hd "
+                        "makes ed's virtual workers)")
     p.add_argument("--name", default="hetpipe", help="results file name (default hetpipe)")
     args = p.parse_args()
     if args.quick:
@@ -237,8 +240,8 @@ def plot(runs: dict[tuple[str, float], list[dict[str, Any]]],
 
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     colors = {"ddp": "black", "np": "tab:orange", "ed": "tab:blue", "hd": "tab:green",
-              "ed-paper": "tab:purple"}
-    styles = {"hd": "--", "ed-paper": ":"}
+              "ed-own": "tab:cyan", "ed-paper": "tab:purple"}
+    styles = {"hd": "--", "ed-own": "-.", "ed-paper": ":"}
     for name, row in rows.items():
         lr = row["best_lr"][f"{target:g}"]
         if lr is None:
@@ -247,7 +250,7 @@ def plot(runs: dict[tuple[str, float], list[dict[str, Any]]],
             if key[0] != name:
                 continue
             main = key[1] == lr
-            title = name.replace("-paper", ", no prediction")
+            title = name.replace("-paper", ", the paper").replace("-own", ", own optimizers")
             for i, (m, c) in enumerate(zip(ms, curves[key])):
                 label = (f"{'ddp' if name == 'ddp' else 'hetpipe ' + title} (lr {lr:g})"
                          if main and i == 0 else None)
