@@ -133,3 +133,28 @@ def test_optimizer_spec_refuses_what_a_server_cannot_build():
         optimizer_spec(torch.optim.Adam(groups))
     spec = optimizer_spec(torch.optim.AdamW([w], lr=0.1, betas=(0.8, 0.9)))
     assert spec["class"] == "AdamW" and spec["settings"]["betas"] == [0.8, 0.9]
+
+
+def batched() -> list[float]:
+    # Rounds 1..3 of gradients in one message per worker; one Adam step per round.
+    ctx = polytrain.init()
+    server = ctx.topology.servers[0]
+    adam = optimizer_spec(torch.optim.Adam([torch.zeros(1, requires_grad=True)], lr=0.1))
+    decl = Declaration(key=3, kind=int(Kind.OPTIM), name="w", numel=4, dtype="torch.float32",
+                       pushers=2, pullers=2, options={"staleness": 0, "optimizer": adam})
+    ctx.ps_client.declare(decl, server)
+    if ctx.worker_index == 0:
+        ctx.ps_client.set(server, key=3, tensor=torch.arange(4.0)).wait()
+    dist.barrier(group=ctx.groups.workers)
+    grads = torch.cat([torch.tensor([1.0, -2.0, 3.0, 0.5]) * (ctx.worker_index + 1) * rnd
+                       for rnd in range(1, 4)])
+    ctx.ps_client.push(server, key=3, round=1, tensor=grads).wait()
+    out = torch.empty(5)
+    ctx.ps_client.pull(server, key=3, round=3, out=out).wait()
+    return out.tolist()
+
+
+@pytest.mark.timeout(60)
+def test_optimizer_store_takes_several_rounds_in_one_push():
+    for value in spawn(batched, workers=2, servers=1):
+        assert value[:4] == pytest.approx(adam_on_sums(3)[-1], abs=1e-6) and value[4] == 3

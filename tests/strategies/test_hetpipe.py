@@ -82,9 +82,10 @@ def test_many_in_flight_with_no_staleness_follows_the_written_out_semantics():
 def test_many_in_flight_and_staleness_train_the_default_gpt():
     # N_m = 2 and D = 1 on the default GPT and task (d_model 128, 4 blocks, 500 steps, Adam
     # 2e-3), against single, mean loss of the last 20 steps. With the paper's semantics stale
-    # gradients cost this model 28%; weight prediction (the default) brings it to +5.6% on
-    # this seed and +4.3% on average over seeds 0-3 (-2% to +10%: single's own loss varies
-    # that much with the seed). The issue asks for 5%; this guards the gap at 10%.
+    # gradients cost this model 29%; the servers' optimizer and weight prediction (the
+    # defaults) bring it to +3.3% on this seed and +2.8% on average over seeds 0-3 (-1.8% to
+    # +7.9%; runs are not bit-reproducible: the pipelines' timing decides what a pull holds).
+    # The issue asks for 5%; this guards the gap at 10%.
     config = TrainConfig(strategy="hetpipe", workers=4, nodes=2, servers=1,
                          strategy_options={"policy": "ed", "inflight": 2, "staleness": 1})
     metrics, _ = run_config(config)

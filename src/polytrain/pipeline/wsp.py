@@ -95,6 +95,7 @@ class WaveSync:
         self.wave_update = [torch.zeros_like(t) for t in self.tensors]
         self.since_push = [torch.zeros_like(t) for t in self.tensors]
         self.history: list[tuple[int, list[torch.Tensor]]] = []
+        self.wave_grads: list[list[torch.Tensor]] = []  # this wave's, to push at its end
         self._pull: Pending | None = None
         self._pushes: Pending | None = None
 
@@ -142,9 +143,9 @@ class WaveSync:
             return
         self.slots += 1
         self.history.append((self.slots, list(delta)))
-        cpu = [torch.zeros(t.shape, dtype=t.dtype) if g is None
-               else (g.detach() * scale).to("cpu") for t, g in zip(self.tensors, grads)]
-        self._send(self.slots, cpu)
+        self.wave_grads.append([torch.zeros(t.shape, dtype=t.dtype) if g is None
+                                else (g.detach() * scale).to("cpu")
+                                for t, g in zip(self.tensors, grads)])
 
     def _send(self, rnd: int, cpu: Sequence[torch.Tensor]) -> None:
         if self._pushes is not None:
@@ -154,9 +155,20 @@ class WaveSync:
                              tensor=self._slice(cpu, p)) for i, p in self.mine])
 
     def end_wave(self) -> None:
-        """End a wave: this stage's clock advances by one; the paper's WSP pushes its update."""
+        """End a wave: this stage's clock advances by one and it pushes the wave: its summed
+        update (the paper), or each minibatch's gradient, all of a key's in one message."""
         self.clock += 1
         if self.optimizer is not None:
+            if not self.wave_grads:
+                return
+            if self._pushes is not None:
+                self._pushes.wait()
+            first = self.slots - len(self.wave_grads) + 1
+            self._pushes = Pending.all([
+                self.client.push(self.placement.owners[i], key=p.key, round=first,
+                                 tensor=torch.cat([self._slice(g, p) for g in self.wave_grads]))
+                for i, p in self.mine])
+            self.wave_grads = []
             return
         if self._pull is not None:
             # A pull older than this push was never installed: it is superseded.
