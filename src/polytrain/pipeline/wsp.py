@@ -134,8 +134,8 @@ class WaveSync:
              scale: float) -> None:
         """A local update was applied: ``delta`` (scaled) from ``grads`` (not scaled).
 
-        With the servers' optimizer the gradients, times ``scale``, are pushed as this
-        stage's next minibatch.
+        With the servers' optimizer the gradients, times ``scale``, are kept for the
+        wave's push as this stage's next minibatch.
         """
         if self.optimizer is None:
             torch._foreach_add_(self.wave_update, list(delta))
@@ -147,38 +147,33 @@ class WaveSync:
                                 else (g.detach() * scale).to("cpu")
                                 for t, g in zip(self.tensors, grads)])
 
-    def _send(self, rnd: int, cpu: Sequence[torch.Tensor]) -> None:
-        if self._pushes is not None:
-            self._pushes.wait()
-        self._pushes = Pending.all([
-            self.client.push(self.placement.owners[i], key=p.key, round=rnd,
-                             tensor=self._slice(cpu, p)) for i, p in self.mine])
-
     def end_wave(self) -> None:
         """End a wave: this stage's clock advances by one and it pushes the wave: its summed
         update (the paper), or each minibatch's gradient, all of a key's in one message."""
         self.clock += 1
-        if self.optimizer is not None:
-            if not self.wave_grads:
-                return
-            if self._pushes is not None:
-                self._pushes.wait()
-            first = self.slots - len(self.wave_grads) + 1
-            self._pushes = Pending.all([
-                self.client.push(self.placement.owners[i], key=p.key, round=first,
-                                 tensor=torch.cat([self._slice(g, p) for g in self.wave_grads]))
-                for i, p in self.mine])
+        if self.optimizer is None:
+            if self._pull is not None:
+                # A pull older than this push was never installed: it is superseded.
+                self._pull.wait()
+                self._pull = None
+            # A copy: the buffers are reused while the sends are in flight.
+            cpu = [u.detach().to("cpu", copy=True) for u in self.wave_update]
+            rnd, payloads = self.clock, [self._slice(cpu, p) for _, p in self.mine]
+            for w, s in zip(self.wave_update, self.since_push):
+                w.zero_()
+                s.zero_()
+        elif self.wave_grads:  # rounds are minibatches: this wave's first, then the others
+            rnd = self.slots - len(self.wave_grads) + 1
+            payloads = [torch.cat([self._slice(g, p) for g in self.wave_grads])
+                        for _, p in self.mine]
             self.wave_grads = []
+        else:
             return
-        if self._pull is not None:
-            # A pull older than this push was never installed: it is superseded.
-            self._pull.wait()
-            self._pull = None
-        # A copy: the buffers are reused while the sends are in flight.
-        self._send(self.clock, [u.detach().to("cpu", copy=True) for u in self.wave_update])
-        for w, s in zip(self.wave_update, self.since_push):
-            w.zero_()
-            s.zero_()
+        if self._pushes is not None:
+            self._pushes.wait()
+        self._pushes = Pending.all([
+            self.client.push(self.placement.owners[i], key=p.key, round=rnd, tensor=payload)
+            for (i, p), payload in zip(self.mine, payloads)])
 
     def pull(self, *, ahead: int = 0, final: bool = False) -> None:
         """Post the pull of the global weights (answered later, see :meth:`install`).
