@@ -85,15 +85,17 @@ class WaveSync:
         self.placement: Placement = balanced(parts, ctx.topology.servers)
         self.mine = [(i, p) for i, p in enumerate(parts) if p.tensor in mine]
         self._local = {p.tensor: mine[p.tensor] for _, p in self.mine}
-        self.pulled = [torch.empty_like(t, device="cpu") for t in self.tensors]
+        papers = optimizer is None  # the buffers of one mode only: they hold weights' sizes
+        self.pulled = [torch.empty_like(t, device="cpu") for t in self.tensors if papers]
         # An optimizer store answers its value and the rounds (minibatches) it holds.
-        self.answers = [torch.empty(p.numel + 1, dtype=p.dtype) for _, p in self.mine]
+        self.answers = [torch.empty(p.numel + 1, dtype=p.dtype) for _, p in self.mine
+                        if not papers]
         self.clock = 0   # waves ended
         self.slots = 0   # minibatches pushed (optimizer stores)
         # Own updates the servers may lack: since the last push (parameter stores), or
         # per minibatch until the servers have applied it (optimizer stores).
-        self.wave_update = [torch.zeros_like(t) for t in self.tensors]
-        self.since_push = [torch.zeros_like(t) for t in self.tensors]
+        self.wave_update = [torch.zeros_like(t) for t in self.tensors if papers]
+        self.since_push = [torch.zeros_like(t) for t in self.tensors if papers]
         self.history: list[tuple[int, list[torch.Tensor]]] = []
         self.wave_grads: list[list[torch.Tensor]] = []  # this wave's, to push at its end
         self._pull: Pending | None = None
