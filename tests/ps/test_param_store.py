@@ -158,3 +158,21 @@ def batched() -> list[float]:
 def test_optimizer_store_takes_several_rounds_in_one_push():
     for value in spawn(batched, workers=2, servers=1):
         assert value[:4] == pytest.approx(adam_on_sums(3)[-1], abs=1e-6) and value[4] == 3
+
+
+def declare_bad_optimizer() -> str:
+    ctx = polytrain.init()
+    bad = {"class": "Adam", "settings": {"lr": 0.1, "bogus": 1}}
+    decl = Declaration(key=5, kind=int(Kind.OPTIM), name="w", numel=4, dtype="torch.float32",
+                       pushers=1, pullers=1, options={"optimizer": bad})
+    try:
+        ctx.ps_client.declare(decl, ctx.topology.servers[0])
+    except ConfigError as e:
+        return str(e)
+    return "declared"
+
+
+@pytest.mark.timeout(60)
+def test_a_store_the_server_cannot_build_is_refused_with_the_reason():
+    (message,) = spawn(declare_bad_optimizer, workers=1, servers=1)
+    assert "bogus" in message and "--no-server-optimizer" in message

@@ -104,9 +104,9 @@ class PSClient:
             h.wait()
         answer = decode(status)
         if not answer["ok"]:
-            raise ConfigError(answer["error"], "build the same model with the same options "
-                                               "on every worker, and declare tensors in the same "
-                                               "order")
+            raise ConfigError(answer["error"], answer.get(
+                "hint", "build the same model with the same options on every worker, and "
+                        "declare tensors in the same order"))
         self._declared[decl.key] = server
 
     def push(self, server: int, *, key: int, round: int, tensor: torch.Tensor) -> Pending:

@@ -184,8 +184,11 @@ class Server:
                 store = STORES[decl.kind](decl, self.respond)
             except (PolytrainError, TypeError, ValueError, KeyError) as e:
                 # Settings the store cannot take (an optimizer's, say): the worker raises it.
-                self.respond(req, encode({"ok": False, "error": f"server rank {self.rank}: "
-                                          f"{decl.describe()}: {e}"}, STATUS_BYTES))
+                self.respond(req, encode({
+                    "ok": False, "error": f"server rank {self.rank}: {decl.describe()}: {e}",
+                    "hint": "the server builds this key's store from the declaration's "
+                            "options: fix them (hetpipe: or pass --no-server-optimizer)"},
+                    STATUS_BYTES))
                 return
             self.declarations[decl.key] = (req.src, decl)
             engine = min(self.engines, key=lambda e: e.load)
