@@ -68,6 +68,23 @@ class Store(ABC):
                          f"{req.round} from rank {req.src}: {what}")
 
 
+def _rank_sum(pushes: dict[int, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """The pushes summed in the pushers' rank order (results independent of arrival order)."""
+    ranks = sorted(pushes)
+    acc = pushes[ranks[0]].to(dtype, copy=True)
+    for r in ranks[1:]:
+        acc.add_(pushes[r])
+    return acc
+
+
+def _release(waiting: list[Request], ready: Callable[[Request], bool],
+             answer: Callable[[Request], None]) -> list[Request]:
+    """Answer the waiting pulls that are ready now; return the others, in order."""
+    for r in [r for r in waiting if ready(r)]:
+        answer(r)
+    return [r for r in waiting if not ready(r)]
+
+
 class _Round:
     __slots__ = ("pushes", "result", "waiting", "served")
 
@@ -114,11 +131,7 @@ class SumStore(Store):
             raise self.fail(req, "a sum store answers PUSH, PULL and PUSHPULL only")
 
     def _sum(self, pushes: dict[int, torch.Tensor]) -> torch.Tensor:
-        ranks = sorted(pushes)
-        acc = pushes[ranks[0]].to(self.acc_dtype, copy=True)
-        for r in ranks[1:]:
-            acc.add_(pushes[r])
-        return acc.to(self.decl.torch_dtype)
+        return _rank_sum(pushes, self.acc_dtype).to(self.decl.torch_dtype)
 
     def _serve(self, req: Request, rnd: _Round) -> None:
         assert rnd.result is not None
@@ -168,10 +181,8 @@ class ParamStore(Store):
                 raise self.fail(req, f"more pushers than the {self.decl.pushers} declared")
             self.value.add_(req.payload)
             self.clocks[req.src] = self.clocks.get(req.src, 0) + 1
-            ready = [r for r in self.waiting if self._ready(r)]
-            self.waiting = [r for r in self.waiting if not self._ready(r)]
-            for r in ready:
-                self.respond(r, self.value)
+            self.waiting = _release(self.waiting, self._ready,
+                                    lambda r: self.respond(r, self.value))
         elif req.op == Op.PULL:
             if self._ready(req):
                 self.respond(req, self.value)
@@ -296,21 +307,13 @@ class OptimizerStore(Store):
     def _apply_ready(self) -> None:
         stepped = False
         while len(self.rounds.get(self.applied + 1, ())) == self.decl.pushers:
-            pushes = self.rounds.pop(self.applied + 1)
-            ranks = sorted(pushes)
-            grad = pushes[ranks[0]].to(self.param.dtype, copy=True)
-            for rank in ranks[1:]:
-                grad.add_(pushes[rank])
-            self.param.grad = grad
+            self.param.grad = _rank_sum(self.rounds.pop(self.applied + 1), self.param.dtype)
             self.optimizer.step()
             self.param.grad = None
             self.applied += 1
             stepped = True
         if stepped:
-            ready = [r for r in self.waiting if self._ready(r)]
-            self.waiting = [r for r in self.waiting if not self._ready(r)]
-            for r in ready:
-                self._answer(r)
+            self.waiting = _release(self.waiting, self._ready, self._answer)
 
     def _ready(self, req: Request) -> bool:
         return self.applied >= req.round - self.staleness
