@@ -25,6 +25,7 @@ __all__ = ["launch", "launch_script", "Launcher", "free_port"]
 
 log = logging.getLogger(__name__)
 
+_CAUSE_GRACE_S = 2.0  # how long processes that lost a peer wait for the peer's own error
 _POLL_S = 0.05
 _GRACE_S = 3.0
 
@@ -194,6 +195,12 @@ class Launcher:
                 return  # Ctrl-C in a terminal reaches the children too: not a failure
             if failed:
                 failures = [_failure(c) for c in failed]
+                if all(f.secondary for f in failures):
+                    # They lost a peer: the peer, still exiting, holds the cause. Let it write it.
+                    deadline = time.monotonic() + _CAUSE_GRACE_S
+                    while time.monotonic() < deadline and all(
+                            c.proc.poll() in (None, 0) for c in children if c not in failed):
+                        time.sleep(_POLL_S)
                 self._stop(children)
                 # Whoever else died before we stopped them counts too: pick the root cause.
                 failures += [_failure(c) for c in children
