@@ -16,9 +16,10 @@ from .pipeline.devices import parse_cluster
 from .pipeline.profile import profile_model
 from .strategies.base import get_strategy, make_options
 
-__all__ = ["TrainConfig", "OPTIMIZERS"]
+__all__ = ["TrainConfig", "OPTIMIZERS", "SCHEDULES"]
 
 OPTIMIZERS = ("sgd", "adam")
+SCHEDULES = ("constant", "cosine")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,6 +34,10 @@ class TrainConfig:
             ``single`` runs 1 worker).
         steps: training steps (default 500). batch_size: GLOBAL batch (default 32).
         lr, optimizer: learning rate and ``sgd`` or ``adam`` (default 2e-3, adam).
+        lr_schedule: ``constant`` (default) or ``cosine``: from ``lr`` after the warm-up
+            down to ``lr / 10`` at the last step (a ``torch.optim.lr_scheduler`` on the
+            optimizer the strategy returns, stepped after every step).
+        warmup_steps: the first steps' learning rate rises linearly to ``lr`` (default 0).
         seed: weights and batches are a function of it (default 0).
         out: directory for ``metrics.json`` and ``final.pt`` (default: none written).
         quiet: no progress bar. timeout_s: longest wait on a peer. port: rendezvous port.
@@ -53,6 +58,8 @@ class TrainConfig:
     batch_size: int = 32
     lr: float = 2e-3
     optimizer: str = "adam"
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
     seed: int = 0
     out: str | None = None
     quiet: bool = False
@@ -81,6 +88,14 @@ class TrainConfig:
             raise ConfigError(f"--steps must be at least 1 (got {self.steps})", "pass --steps 300")
         if not self.lr > 0:
             raise ConfigError(f"--lr must be positive (got {self.lr})", "pass --lr 0.003")
+        if self.lr_schedule not in SCHEDULES:
+            raise ConfigError(f"unknown learning-rate schedule {self.lr_schedule!r}; the "
+                              f"schedules are: {', '.join(SCHEDULES)}",
+                              "pass --lr-schedule constant or cosine")
+        if not 0 <= self.warmup_steps < self.steps:
+            raise ConfigError(f"--warmup-steps must be at least 0 and less than --steps "
+                              f"{self.steps} (got {self.warmup_steps})",
+                              f"pass --warmup-steps {max(0, self.steps // 10)}")
         if self.timeout_s <= 0:
             raise ConfigError(f"--timeout must be positive (got {self.timeout_s})",
                               "pass --timeout 120")

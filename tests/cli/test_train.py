@@ -70,6 +70,8 @@ def test_train_writes_metrics_and_final_state_as_the_contract_says(tmp_path):
     (["--servers", "1"], r"strategy 'ddp' does not use servers.*HINT: leave out --servers"),
     (["--strategy", "single", "--workers", "2"], r"strategy 'single' trains in one process"),
     (["--steps", "0"], r"--steps must be at least 1"),
+    (["--steps", "10", "--warmup-steps", "10"],
+     r"--warmup-steps must be at least 0 and less than --steps 10.*HINT: pass --warmup-steps 1"),
     (["--d-model", "64", "--heads", "5"], r"d_model 64 is not divisible by heads 5"),
 ])
 def test_bad_input_gets_one_clear_line_and_no_process(args, message, capsys):

@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Any
 
-from ..config import OPTIMIZERS, TrainConfig
+from ..config import OPTIMIZERS, SCHEDULES, TrainConfig
 from ..data import dataset_names
 from ..errors import ConfigError
 from ..models import get_model, model_names
@@ -44,6 +44,11 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--lr", type=float, default=d["lr"].default, help="learning rate (default 2e-3)")
     p.add_argument("--optimizer", default=d["optimizer"].default, choices=OPTIMIZERS,
                    help="default adam")
+    p.add_argument("--lr-schedule", default=d["lr_schedule"].default, choices=SCHEDULES,
+                   help="constant (default) or cosine: down to lr/10 at the last step")
+    p.add_argument("--warmup-steps", type=int, default=d["warmup_steps"].default, metavar="N",
+                   help="the learning rate rises linearly to --lr over the first N steps "
+                        "(default 0)")
     p.add_argument("--seed", type=int, default=0, metavar="S", help="default 0")
     p.add_argument("--out", default=None, metavar="DIR",
                    help="write DIR/metrics.json and DIR/final.pt")
@@ -79,7 +84,8 @@ def config_from_args(ns: argparse.Namespace) -> TrainConfig:
     return TrainConfig(
         strategy=ns.strategy, model=ns.model, data=ns.data, workers=ns.workers, nodes=ns.nodes,
         servers=ns.servers, steps=ns.steps, batch_size=ns.batch_size, lr=ns.lr,
-        optimizer=ns.optimizer, seed=ns.seed, out=ns.out, quiet=ns.quiet, timeout_s=ns.timeout,
+        optimizer=ns.optimizer, lr_schedule=ns.lr_schedule, warmup_steps=ns.warmup_steps,
+        seed=ns.seed, out=ns.out, quiet=ns.quiet, timeout_s=ns.timeout,
         port=ns.port, device=ns.device, devices=ns.devices, model_options=model_options,
         strategy_options=given_options(ns, ns.strategy, cls.Options, _flags))
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 import logging
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +36,31 @@ def make_optimizer(name: str, params: Any, lr: float) -> torch.optim.Optimizer:
     return torch.optim.Adam(params, lr=lr)
 
 
+def lr_factor(step: int, *, steps: int, schedule: str, warmup: int) -> float:
+    """The learning rate of step ``step`` (from 0) as a fraction of ``--lr``.
+
+    A linear warm-up over the first ``warmup`` steps (step ``i`` at ``(i + 1) / warmup``),
+    then ``constant`` 1, or ``cosine`` from 1 down to 0.1 at the last step.
+    """
+    if step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    span = steps - 1 - warmup
+    done = (step - warmup) / span if span > 0 else 1.0
+    return 0.1 + 0.45 * (1.0 + math.cos(math.pi * min(1.0, done)))
+
+
+def make_scheduler(config: TrainConfig,
+                   optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR | None:
+    """The run's learning-rate schedule on ``optimizer`` (None: constant, no warm-up)."""
+    if config.lr_schedule == "constant" and config.warmup_steps == 0:
+        return None
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(
+        lr_factor, steps=config.steps, schedule=config.lr_schedule,
+        warmup=config.warmup_steps))
+
+
 def train(config: TrainConfig) -> dict[str, Any] | None:
     """Train as this process's part of the run; worker 0 returns (and writes) the metrics."""
     started = time.perf_counter()
@@ -57,6 +85,7 @@ def train(config: TrainConfig) -> dict[str, Any] | None:
     model, optimizer = distribute(model, optimizer, config.strategy, ctx=ctx,
                                   **dict(config.strategy_options))
     strategy = strategy_of(model)
+    scheduler = make_scheduler(config, optimizer)  # every strategy follows its optimizer's lr
     loss_fn = spec.loss
     if spec.aux_loss is not None:
         aux, task_loss, wrapped = spec.aux_loss, spec.loss, model
@@ -80,6 +109,12 @@ def train(config: TrainConfig) -> dict[str, Any] | None:
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t0)
         losses.append(loss)
+        if scheduler is not None:
+            with warnings.catch_warnings():
+                # A strategy may step its own optimizers (hetpipe's stages) that follow this
+                # one's settings: torch's check that this one stepped first does not apply.
+                warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler")
+                scheduler.step()
         if ctx is not None:
             ctx.meter.mark_step()
         progress.update(step, loss, config.batch_size / max(times[-1], 1e-9))

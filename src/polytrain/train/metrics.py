@@ -50,6 +50,8 @@ def build_metrics(*, config: Any, losses: Sequence[float], times: Sequence[float
         "batch_size": config.batch_size,
         "optimizer": config.optimizer,
         "lr": config.lr,
+        "lr_schedule": getattr(config, "lr_schedule", "constant"),
+        "warmup_steps": getattr(config, "warmup_steps", 0),
         "seed": config.seed,
         "device": config.device,
         "devices": getattr(config, "devices", None),
