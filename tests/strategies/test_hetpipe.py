@@ -59,6 +59,77 @@ def test_the_servers_optimizer_makes_adam_synchronous_too():
     assert max_abs_diff(single, own) > 1e-3
 
 
+@pytest.mark.timeout(240)
+def test_a_learning_rate_schedule_reaches_every_stage_and_the_servers():
+    # The schedule is a scheduler on the user's optimizer: each minibatch's update, on the
+    # stages and on the servers (whose pushes carry each round's settings), uses the
+    # learning rate of its step, so D = 0, N_m = 1 still equals single, with Adam on the
+    # servers and with SGD on each virtual worker's own optimizer.
+    for optimizer, lr, server_optimizer in (("adam", 3e-3, True), ("sgd", 0.05, False)):
+        config = TrainConfig(strategy="hetpipe", workers=4, nodes=2, servers=1, steps=6,
+                             batch_size=8, optimizer=optimizer, lr=lr, model_options=TINY,
+                             lr_schedule="cosine", warmup_steps=2,
+                             strategy_options={"policy": "ed", "inflight": 1, "staleness": 0,
+                                               "server_optimizer": server_optimizer})
+        _, single = run_config(single_of(config))
+        _, hetpipe = run_config(config)
+        assert max_abs_diff(single, hetpipe) < 1e-5, optimizer
+        _, constant = run_config(single_of(config).replace(lr_schedule="constant",
+                                                           warmup_steps=0))
+        assert max_abs_diff(single, constant) > 1e-3, optimizer
+
+
+def grouped_adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
+    # The usual GPT recipe: weight decay on matrices only, here also another lr for the rest.
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                              {"params": rest, "weight_decay": 0.0, "lr": 2e-3}], lr=3e-3)
+
+
+def train_grouped(steps: int, distributed: bool) -> dict | None:
+    if distributed:
+        polytrain.init()
+    torch.manual_seed(0)
+    model = GPT(**TINY)
+    opt = grouped_adamw(model)
+    if distributed:
+        model, opt = polytrain.distribute(model, opt, strategy="hetpipe", policy="ed",
+                                          inflight=1, staleness=0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        w = torch.randint(0, 256, (8, 17), generator=gen)
+        if distributed:
+            strategy = polytrain.strategy_of(model)
+            index, count = strategy.replica
+            x, y = polytrain.shard(w[:, :-1], index, count), polytrain.shard(w[:, 1:], index, count)
+            strategy.train_step(model, opt, x, y, loss_fn)
+        else:
+            opt.zero_grad()
+            loss_fn(model(w[:, :-1]), w[:, 1:]).backward()
+            opt.step()
+        schedule.step()
+    if not distributed:
+        return model.state_dict()
+    state = strategy.state_dict(model)
+    strategy.close()
+    return state
+
+
+@pytest.mark.timeout(120)
+def test_the_servers_optimizer_keeps_each_parameter_groups_settings_and_schedule():
+    # Each key's optimizer on the servers is built from the group that holds its tensor, and
+    # every round carries that group's settings of the round: D = 0, N_m = 1 equals one
+    # process running the same script.
+    states = spawn(train_grouped, workers=4, nodes=2, servers=1, args=(5, True))
+    single = train_grouped(5, False)
+    assert max_abs_diff(single, states[0]) < 1e-5
+    torch.manual_seed(0)
+    untrained = GPT(**TINY).state_dict()
+    assert max_abs_diff(single, untrained) > 1e-3
+
+
 @pytest.mark.timeout(120)
 def test_many_in_flight_with_no_staleness_follows_the_written_out_semantics():
     # N_m = 2, D = 0, two VWs of two stages: stashed weights, an update per minibatch,

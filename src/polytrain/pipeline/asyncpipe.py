@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -11,9 +11,23 @@ from .predict import predict_weights
 from .stage import Stage
 from .wsp import WaveSync
 
-__all__ = ["AsyncPipeline"]
+__all__ = ["AsyncPipeline", "numeric_settings"]
 
 log = logging.getLogger(__name__)
+
+
+def numeric_settings(group: dict[str, Any]) -> dict[str, Any]:
+    """A parameter group's numeric settings (``lr``, ``betas``, ...: what a schedule changes)."""
+    return {k: v.clone() if isinstance(v, torch.Tensor) else v
+            for k, v in group.items() if k != "params" and _numeric(v)}
+
+
+def _numeric(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1 and value.is_floating_point()
+    if isinstance(value, (tuple, list)):
+        return bool(value) and all(_numeric(v) for v in value)
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 class AsyncPipeline:
@@ -44,9 +58,18 @@ class AsyncPipeline:
     those updates (:func:`predict.predict_weights`) instead of the live ones:
     beyond HetPipe, which loses accuracy to that staleness under momentum.
 
+    With ``source`` (the user's optimizer, whose parameter group ``sources[i]``
+    is the stage optimizer's group ``i``), each minibatch's update uses the
+    numeric settings (``lr``, ``betas``, ...) that source had when the minibatch
+    was fed, as a step of synchronous training would: a learning-rate schedule
+    on the user's optimizer reaches every stage, and through :meth:`WaveSync.step`
+    the servers.
+
     Args:
         stage: this process's stage.
         optimizer: over the stage's parameters (:attr:`Stage.params`).
+        source, sources: the optimizer whose settings to follow, and which of its
+            groups each of ``optimizer``'s groups follows (default: none followed).
         inflight: N_m.
         update_scale: factor of each update (default 1).
         wsp: the parameter servers' side of WSP (None: a lone virtual worker).
@@ -56,9 +79,13 @@ class AsyncPipeline:
 
     def __init__(self, stage: Stage, optimizer: torch.optim.Optimizer, *, inflight: int,
                  update_scale: float = 1.0, wsp: WaveSync | None = None,
-                 predict: bool = False) -> None:
+                 predict: bool = False, source: torch.optim.Optimizer | None = None,
+                 sources: Sequence[int] = ()) -> None:
         self.stage = stage
         self.optimizer = optimizer
+        self.source = source
+        self.sources = list(sources)
+        self.settings: dict[int, list[dict[str, Any]]] = {}  # minibatch -> its groups' settings
         self.inflight = inflight
         self.peak = max(1, inflight - stage.spec.index)
         self.predict = predict
@@ -83,6 +110,9 @@ class AsyncPipeline:
         if self.wsp is not None and self.wsp.pending and not self.overlap:
             self._install()
         t = self.fed
+        if self.source is not None:
+            self.settings[t] = [numeric_settings(self.source.param_groups[i])
+                                for i in self.sources]
         loss = self.stage.forward(t, batch=inputs.shape[0], inputs=inputs, targets=targets,
                                   weights=self._weights())
         self.fed += 1
@@ -140,14 +170,18 @@ class AsyncPipeline:
 
     def _backward(self, mb: int) -> None:
         grads = self.stage.backward(mb)
-        self._apply(grads)
+        self._apply(grads, self.settings.pop(mb, None))
         self.done += 1
         if self.wsp is not None and self.done % self.inflight == 0:
             self._end_wave()
             self.wsp.pull(ahead=1 if self.overlap else 0)
 
     @torch.no_grad()
-    def _apply(self, grads: Sequence[torch.Tensor | None]) -> None:
+    def _apply(self, grads: Sequence[torch.Tensor | None],
+               settings: list[dict[str, Any]] | None) -> None:
+        if settings is not None:
+            for group, values in zip(self.optimizer.param_groups, settings):
+                group.update(values)
         params = [p.detach() for p in self.params]
         before = torch._foreach_mul(params, 1.0)  # a copy of every tensor in one call
         for p, g in zip(self.params, grads):
@@ -160,7 +194,7 @@ class AsyncPipeline:
             torch._foreach_add_(before, delta)
             torch._foreach_copy_(params, before)
         if self.wsp is not None:
-            self.wsp.step(delta, grads, scale=self.update_scale)
+            self.wsp.step(delta, grads, scale=self.update_scale, settings=settings)
         if self.predict:
             self.last_grads = list(grads)
             self.last_deltas = list(delta)

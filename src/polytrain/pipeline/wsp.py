@@ -2,8 +2,9 @@
 
 The servers hold the model. By default (``optimizer`` given) they hold it in
 optimizer stores (``ps.OptimizerStore``): a stage pushes each minibatch's
-gradient as it is computed, and once every virtual worker has pushed its
-t-th the servers' optimizer takes one step with their sum, so the global
+gradient, with the settings (``lr``, ...) its update used, a wave's in one
+message per key, and once every virtual worker has pushed its t-th the
+servers' optimizer takes one step with their sum under those settings, so the global
 weights follow the optimizer of synchronous training on the global batch,
 staleness aside. Otherwise (the paper) they hold it in parameter stores
 (``ps.ParamStore``): a stage pushes each wave's summed update (computed by its
@@ -27,7 +28,7 @@ from ..errors import ConfigError
 from ..ps.client import Pending, PSClient
 from ..ps.placement import Placement, balanced
 from ..ps.protocol import Kind
-from ..ps.store import Declaration
+from ..ps.store import Declaration, pack_round, round_settings
 from ..runtime import Context
 
 __all__ = ["WaveSync", "PARTITION_BYTES"]
@@ -44,7 +45,7 @@ class WaveSync:
 
         wsp = WaveSync(ctx, model_specs, mine={"h0.ln1.weight": 2, ...}, tensors=params,
                        virtual_workers=2, staleness=1, inflight=2,
-                       optimizer=optimizer_spec(opt))
+                       optimizer=[optimizer_spec(opt)])
         wsp.start(initialise=(vw == 0))
         wsp.step(delta, grads, scale=0.5)  # after each local update
         wsp.end_wave(); wsp.pull()         # end of a wave: clock += 1, pull posted
@@ -58,21 +59,25 @@ class WaveSync:
         virtual_workers: how many push every key (one stage per virtual worker).
         staleness: D, the most clocks a virtual worker may run ahead of the slowest.
         inflight: N_m, minibatches per wave.
-        optimizer: the servers' optimizer (:func:`ps.store.optimizer_spec`); None: the
+        optimizer: the servers' optimizer, one :func:`ps.store.optimizer_spec` per
+            parameter group of the stage's optimizer; None: the
             servers add the updates the stages push (the paper).
+        groups: the group of each of ``tensors`` (default: all in group 0).
     """
 
     def __init__(self, ctx: Context, specs: Sequence[TensorSpec], mine: dict[int, int],
                  tensors: Sequence[torch.Tensor], *, virtual_workers: int,
                  staleness: int, inflight: int = 1,
-                 optimizer: dict[str, Any] | None = None) -> None:
+                 optimizer: Sequence[dict[str, Any]] | None = None,
+                 groups: Sequence[int] | None = None) -> None:
         self.ctx = ctx
         self.client: PSClient = ctx.ps_client
         self.staleness = staleness
         self.virtual_workers = virtual_workers
         self.inflight = inflight
-        self.optimizer = optimizer
+        self.optimizer = None if optimizer is None else list(optimizer)
         self.tensors = list(tensors)
+        self.groups = list(groups) if groups is not None else [0] * len(self.tensors)
         if optimizer is not None:
             odd = sorted({str(t.dtype) for t in self.tensors
                           if t.dtype not in (torch.float32, torch.float64)})
@@ -98,6 +103,7 @@ class WaveSync:
         self.since_push = [torch.zeros_like(t) for t in self.tensors if papers]
         self.history: list[tuple[int, list[torch.Tensor]]] = []
         self.wave_grads: list[list[torch.Tensor]] = []  # this wave's, to push at its end
+        self.wave_settings: list[list[list[float]]] = []  # and per group their settings
         self._pull: Pending | None = None
         self._pushes: Pending | None = None
 
@@ -113,10 +119,11 @@ class WaveSync:
         options: dict[str, Any]
         if self.optimizer is None:
             kind, options = Kind.PARAM, {"staleness": self.staleness}
-        else:  # rounds are minibatches
-            kind, options = Kind.OPTIM, {"staleness": self.staleness * self.inflight,
-                                         "optimizer": self.optimizer}
         for i, p in self.mine:
+            if self.optimizer is not None:  # rounds are minibatches
+                spec = self.optimizer[self.groups[self._local[p.tensor]]]
+                kind, options = Kind.OPTIM, {"staleness": self.staleness * self.inflight,
+                                             "optimizer": spec}
             decl = Declaration(key=p.key, kind=int(kind), name=p.label, numel=p.numel,
                                dtype=str(p.dtype), pushers=self.virtual_workers,
                                pullers=self.virtual_workers, options=options)
@@ -133,11 +140,12 @@ class WaveSync:
 
     @torch.no_grad()
     def step(self, delta: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None], *,
-             scale: float) -> None:
+             scale: float, settings: Sequence[dict[str, Any]] | None = None) -> None:
         """A local update was applied: ``delta`` (scaled) from ``grads`` (not scaled).
 
         With the servers' optimizer the gradients, times ``scale``, are kept for the
-        wave's push as this stage's next minibatch.
+        wave's push as this stage's next minibatch, with ``settings`` (each group's
+        settings this update used; default: the ones declared) for the servers' step.
         """
         if self.optimizer is None:
             torch._foreach_add_(self.wave_update, list(delta))
@@ -145,6 +153,9 @@ class WaveSync:
             return
         self.slots += 1
         self.history.append((self.slots, list(delta)))
+        self.wave_settings.append([
+            round_settings(spec, settings[g] if settings is not None else spec["settings"])
+            for g, spec in enumerate(self.optimizer)])
         self.wave_grads.append([torch.zeros(t.shape, dtype=t.dtype) if g is None
                                 else (g.detach() * scale).to("cpu")
                                 for t, g in zip(self.tensors, grads)])
@@ -166,9 +177,11 @@ class WaveSync:
                 s.zero_()
         elif self.wave_grads:  # rounds are minibatches: this wave's first, then the others
             rnd = self.slots - len(self.wave_grads) + 1
-            payloads = [torch.cat([self._slice(g, p) for g in self.wave_grads])
-                        for _, p in self.mine]
-            self.wave_grads = []
+            payloads = [torch.cat([
+                pack_round(self._slice(g, p), values[self.groups[self._local[p.tensor]]])
+                for g, values in zip(self.wave_grads, self.wave_settings)])
+                for _, p in self.mine]
+            self.wave_grads, self.wave_settings = [], []
         else:
             return
         if self._pushes is not None:

@@ -12,9 +12,12 @@ from .store import (
     Store,
     SumStore,
     optimizer_spec,
+    pack_round,
     register_store,
+    round_settings,
 )
 
 __all__ = ["Server", "PSClient", "SumClient", "Pending", "Placement", "balanced", "Declaration",
-           "Store", "SumStore", "ParamStore", "OptimizerStore", "optimizer_spec", "STORES",
+           "Store", "SumStore", "ParamStore", "OptimizerStore", "optimizer_spec", "round_settings",
+           "pack_round", "STORES",
            "register_store", "Kind", "Op"]

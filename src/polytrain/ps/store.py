@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
@@ -12,7 +13,7 @@ from ..errors import CommError, ConfigError
 from .protocol import Kind, Op, Request
 
 __all__ = ["Declaration", "Store", "SumStore", "ParamStore", "OptimizerStore", "STORES",
-           "optimizer_spec", "register_store"]
+           "optimizer_spec", "round_settings", "pack_round", "register_store"]
 
 Respond = Callable[[Request, torch.Tensor], None]
 
@@ -197,25 +198,60 @@ class ParamStore(Store):
         return self.global_clock >= req.round - self.staleness
 
 
-def optimizer_spec(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """How to build ``optimizer`` again on a server: its class (from ``torch.optim``) and
-    settings, as JSON. Raises ConfigError for an optimizer of another module, or one whose
-    parameter groups differ in their settings (a server builds one group per key)."""
+def optimizer_spec(optimizer: torch.optim.Optimizer, group: int = 0, *,
+                   per_round: bool = True) -> dict[str, Any]:
+    """How to build ``optimizer`` again on a server for the tensors of parameter group
+    ``group``: its class (from ``torch.optim``) and the group's settings, as JSON.
+
+    With ``per_round`` every push carries, for each round, the group's numeric settings
+    as they were for that round (``lr``, ``betas``, ``weight_decay``, ...; listed under
+    ``"per_round"``, see :func:`pack_round`): the servers' optimizer follows a
+    learning-rate schedule, or any change of them, round by round.
+    Raises ConfigError for an optimizer of another module.
+    """
     kind = type(optimizer)
     if getattr(torch.optim, kind.__name__, None) is not kind:
         raise ConfigError(f"the servers can run only torch.optim's optimizers, not "
                           f"{kind.__module__}.{kind.__qualname__}",
                           "use a torch.optim optimizer, or keep the optimizer on the workers "
                           "(hetpipe: --no-server-optimizer)")
-    settings = []
-    for group in optimizer.param_groups:
-        settings.append({k: _plain(v) for k, v in sorted(group.items()) if k != "params"})
-    if any(s != settings[0] for s in settings[1:]):
-        raise ConfigError("the servers build one optimizer per key, with one set of settings, "
-                          "but this optimizer's parameter groups differ",
-                          "use one parameter group, or keep the optimizer on the workers "
-                          "(hetpipe: --no-server-optimizer)")
-    return {"class": kind.__name__, "settings": settings[0] if settings else {}}
+    settings = {k: _plain(v) for k, v in sorted(optimizer.param_groups[group].items())
+                if k in optimizer.defaults}  # not a scheduler's own keys (``initial_lr``)
+    numeric = sorted(k for k, v in settings.items() if _numbers(v) is not None) \
+        if per_round else []
+    return {"class": kind.__name__, "settings": settings, "per_round": numeric}
+
+
+def round_settings(spec: dict[str, Any], group: dict[str, Any]) -> list[float]:
+    """The values of ``spec``'s per-round settings in a parameter group, flattened."""
+    out: list[float] = []
+    for name in spec.get("per_round", ()):
+        values = _numbers(_plain(group[name]))
+        if values is None or len(values) != len(_numbers(spec["settings"][name]) or ()):
+            raise ConfigError(f"the optimizer's setting {name!r} changed its kind during "
+                              f"training ({spec['settings'][name]!r} -> {group[name]!r})",
+                              f"keep {name} a number of the same shape")
+        out.extend(values)
+    return out
+
+
+def pack_round(grad: torch.Tensor, values: list[float]) -> torch.Tensor:
+    """One round of a push to an optimizer store: the gradient, then the round's settings
+    (:func:`round_settings`) as float64 bits in ``grad``'s dtype, so they arrive exact."""
+    bits = torch.tensor(values, dtype=torch.float64).view(grad.dtype)
+    return torch.cat([grad.reshape(-1), bits])
+
+
+def _numbers(value: Any) -> list[float] | None:
+    """A setting as a list of floats, or None when it is not numeric (bools, None, text)."""
+    if isinstance(value, bool) or value is None:
+        return None
+    if isinstance(value, (int, float)):
+        return [float(value)]
+    if isinstance(value, (list, tuple)) and value and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+        return [float(v) for v in value]
+    return None
 
 
 def _plain(value: Any) -> Any:
@@ -231,6 +267,12 @@ def _build_optimizer(spec: dict[str, Any], param: torch.Tensor) -> torch.optim.O
                                 for k, v in spec["settings"].items()}
     settings.pop("initial_lr", None)  # set by a scheduler, not an argument
     kind: type[torch.optim.Optimizer] = getattr(torch.optim, spec["class"])
+    # A group holds settings its class fixes (AdamW: decoupled_weight_decay), which its
+    # constructor does not take; any other unknown setting is an error.
+    accepted = inspect.signature(kind.__init__).parameters
+    for name in list(settings):
+        if name not in accepted and name in _class_defaults(kind):
+            del settings[name]
     if settings.get("fused") is None and not settings.get("differentiable"):
         # A server steps hundreds of small keys: the fused kernel has the least overhead.
         try:
@@ -240,16 +282,25 @@ def _build_optimizer(spec: dict[str, Any], param: torch.Tensor) -> torch.optim.O
     return kind([param], **settings)
 
 
+def _class_defaults(kind: type[torch.optim.Optimizer]) -> dict[str, Any]:
+    try:
+        return dict(kind([torch.zeros(1, requires_grad=True)]).defaults)
+    except (TypeError, ValueError, RuntimeError):
+        return {}
+
+
 class OptimizerStore(Store):
     """Parameters that an optimizer on the server updates, one step per round.
 
     - SET replaces the value (a worker initialises it once after declaring).
     - PUSH of round t (counted from 1) adds the payload, a gradient already
-      scaled by the pusher, to round t; a payload of k x ``numel`` elements is
-      the gradients of rounds t .. t+k-1, in one message. Once all ``pushers``
-      have pushed round t and rounds 1 .. t-1 are applied, the optimizer
-      (``options["optimizer"]``, see :func:`optimizer_spec`) takes one step
-      with their sum, summed in rank order.
+      scaled by the pusher, to round t; a payload of k rounds is rounds
+      t .. t+k-1, in one message. A round is the gradient (``numel`` elements)
+      and, when the spec lists ``per_round`` settings, their values for that
+      round (:func:`pack_round`); pushers that disagree on them are refused.
+      Once all ``pushers`` have pushed round t and rounds 1 .. t-1 are applied,
+      the optimizer (``options["optimizer"]``, see :func:`optimizer_spec`) takes
+      one step with their sum, summed in rank order, under the round's settings.
     - PULL of round r is answered once at least r - ``options["staleness"]``
       rounds are applied; GET at once. An answer is the value followed by the
       number of rounds applied (``numel + 1`` elements), so a worker knows
@@ -267,9 +318,16 @@ class OptimizerStore(Store):
                             f"float64 parameters", "keep 16-bit parameters' master copy in "
                             "float32")
         self.param = torch.zeros(decl.numel, dtype=decl.torch_dtype, requires_grad=True)
-        self.optimizer = _build_optimizer(decl.options["optimizer"], self.param)
+        spec = decl.options["optimizer"]
+        self.optimizer = _build_optimizer(spec, self.param)
+        # The settings each round carries: (name, how many values), after the gradient.
+        self.per_round = [(n, len(_numbers(spec["settings"][n]) or ())) for n in
+                          spec.get("per_round", ())]
+        ratio = 8 // self.param.element_size()  # float64 bits in the key's dtype
+        self.width = decl.numel + ratio * sum(k for _, k in self.per_round)
         self.staleness = int(decl.options.get("staleness", 0))
         self.rounds: dict[int, dict[int, torch.Tensor]] = {}
+        self.settings: dict[int, torch.Tensor] = {}  # round -> its settings' values
         self.applied = 0
         self.waiting: list[Request] = []
 
@@ -282,15 +340,23 @@ class OptimizerStore(Store):
             assert req.payload is not None
             if req.round <= self.applied:
                 raise self.fail(req, f"round {req.round} is already applied")
-            count, rest = divmod(req.payload.numel(), self.decl.numel)
+            count, rest = divmod(req.payload.numel(), self.width)
             if rest or not count:
                 raise self.fail(req, f"a payload of {req.payload.numel()} elements is not a "
-                                     f"whole number of rounds of {self.decl.numel}")
-            for j, grad in enumerate(req.payload.view(count, self.decl.numel)):
-                pushes = self.rounds.setdefault(req.round + j, {})
+                                     f"whole number of rounds of {self.width}")
+            for j, record in enumerate(req.payload.view(count, self.width)):
+                rnd = req.round + j
+                pushes = self.rounds.setdefault(rnd, {})
                 if req.src in pushes:
-                    raise self.fail(req, f"this rank already pushed round {req.round + j}")
-                pushes[req.src] = grad
+                    raise self.fail(req, f"this rank already pushed round {rnd}")
+                values = record[self.decl.numel:].clone().view(torch.float64)
+                agreed = self.settings.setdefault(rnd, values)
+                if not torch.equal(agreed, values):
+                    raise self.fail(req, f"the pushers disagree on the optimizer's settings "
+                                         f"of round {rnd}: {self._describe(agreed)} against "
+                                         f"{self._describe(values)}; every worker must use "
+                                         f"the same settings and learning-rate schedule")
+                pushes[req.src] = record[:self.decl.numel]
                 if len(pushes) > self.decl.pushers:
                     raise self.fail(req, f"more pushers than the {self.decl.pushers} declared")
             self._apply_ready()
@@ -308,12 +374,31 @@ class OptimizerStore(Store):
         stepped = False
         while len(self.rounds.get(self.applied + 1, ())) == self.decl.pushers:
             self.param.grad = _rank_sum(self.rounds.pop(self.applied + 1), self.param.dtype)
+            self._set(self.settings.pop(self.applied + 1))
             self.optimizer.step()
             self.param.grad = None
             self.applied += 1
             stepped = True
         if stepped:
             self.waiting = _release(self.waiting, self._ready, self._answer)
+
+    def _set(self, values: torch.Tensor) -> None:
+        group, at = self.optimizer.param_groups[0], 0
+        for name, k in self.per_round:
+            chunk = values[at:at + k].tolist()
+            at += k
+            current = group[name]
+            if isinstance(current, torch.Tensor):
+                current.fill_(chunk[0])
+            else:
+                group[name] = tuple(chunk) if isinstance(current, (list, tuple)) else chunk[0]
+
+    def _describe(self, values: torch.Tensor) -> str:
+        flat, at, parts = values.tolist(), 0, []
+        for name, k in self.per_round:
+            parts.append(f"{name}={flat[at] if k == 1 else tuple(flat[at:at + k])}")
+            at += k
+        return ", ".join(parts)
 
     def _ready(self, req: Request) -> bool:
         return self.applied >= req.round - self.staleness

@@ -227,21 +227,50 @@ class HetPipe(Strategy):
             link_next=0.0 if last else cluster.bandwidth(devices[j], devices[j + 1]))
         self.stage = Stage(spec, module, self.transport, loss_fn=loss_fn,
                            clock=clock_of(self.model))
-        base = self.base_optimizer
-        defaults = dict(base.defaults)
-        if "foreach" in defaults:  # one call per step for all tensors: it runs every minibatch
-            defaults["foreach"] = True
-        optimizer = type(base)(self.stage.params, **defaults)
+        optimizer, sources, groups = self._stage_optimizer()
         specs = [TensorSpec.of(n, p) for n, p in self.model.named_parameters()]
         index = {n: i for i, (n, _) in enumerate(self.model.named_parameters())}
+        base = self.base_optimizer
         wsp = WaveSync(ctx, specs, {index[n]: i for i, n in enumerate(self.stage.names)},
                        self.stage.params, virtual_workers=count,
                        staleness=self.options.staleness, inflight=plan.inflight,
-                       optimizer=optimizer_spec(base) if self.options.server_optimizer
-                       else None)
+                       optimizer=[optimizer_spec(base, i) for i in sources]
+                       if self.options.server_optimizer else None, groups=groups)
         wsp.start(initialise=self.vw == 0)
         return AsyncPipeline(self.stage, optimizer, inflight=plan.inflight,
-                             update_scale=1.0 / count, wsp=wsp, predict=self.options.predict)
+                             update_scale=1.0 / count, wsp=wsp, predict=self.options.predict,
+                             source=base, sources=sources)
+
+    def _stage_optimizer(self) -> tuple[torch.optim.Optimizer, list[int], list[int]]:
+        """The user's optimizer over this stage's parameters: its class, and one group for
+        each of its groups that holds some (with their settings, which it follows every
+        minibatch). Returns it, the user's group each of its groups follows, and each
+        stage parameter's group."""
+        assert self.stage is not None
+        base = self.base_optimizer
+        mine = {id(p): i for i, p in enumerate(self.stage.params)}
+        groups: list[dict[str, Any]] = []
+        sources: list[int] = []
+        group_of: dict[int, int] = {}
+        for i, group in enumerate(base.param_groups):
+            params = [p for p in group["params"] if id(p) in mine]
+            if not params:
+                continue
+            for p in params:
+                group_of[mine[id(p)]] = len(groups)
+            settings = {k: v for k, v in group.items() if k != "params"}
+            if "foreach" in settings:  # one call per step for all tensors: it runs every minibatch
+                settings["foreach"] = settings["foreach"] is not False and not settings.get("fused")
+            groups.append({**settings, "params": params})
+            sources.append(i)
+        missing = [n for i, n in enumerate(self.stage.names) if i not in group_of]
+        if missing:
+            raise ConfigError(f"hetpipe: the optimizer does not hold the parameters "
+                              f"{', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''} "
+                              f"of {self.stage.spec.label}",
+                              "give the optimizer every parameter that trains (model."
+                              "parameters()), or set requires_grad=False on the others")
+        return type(base)(groups), sources, [group_of[i] for i in range(len(self.stage.params))]
 
     # -- training ---------------------------------------------------------------------------
 
