@@ -12,8 +12,10 @@ paired by seed and summarised by their mean and median.
 
     ./dev bench hetpipe_convergence              # seeds 0-3 (~18 minutes)
     ./dev bench hetpipe_convergence --seeds 0    # one seed
+    ./dev bench hetpipe_convergence --runs hetpipe --lr-schedule cosine --warmup-steps 50 \
+        --name hetpipe_convergence_cosine        # the same task with warm-up and cosine decay
 
-Saves benchmarks/results/hetpipe_convergence.json and .png.
+Saves benchmarks/results/NAME.json and .png (default NAME hetpipe_convergence).
 """
 
 from __future__ import annotations
@@ -52,16 +54,23 @@ def tail(losses: list[float]) -> float:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3])
+    p.add_argument("--runs", nargs="+", choices=list(RUNS), default=list(RUNS))
+    p.add_argument("--lr", type=float, default=TrainConfig.lr)
+    p.add_argument("--lr-schedule", default="constant", choices=("constant", "cosine"))
+    p.add_argument("--warmup-steps", type=int, default=0)
+    p.add_argument("--name", default="hetpipe_convergence")
     args = p.parse_args()
     torch.set_num_threads(1)
+    runs = {n: RUNS[n] for n in args.runs}
     rows: dict[str, Any] = {}
-    curves: dict[str, dict[int, list[float]]] = {"single": {}, **{n: {} for n in RUNS}}
+    curves: dict[str, dict[int, list[float]]] = {"single": {}, **{n: {} for n in runs}}
     for seed in args.seeds:
-        base = TrainConfig(quiet=True, seed=seed, timeout_s=120.0)
+        base = TrainConfig(quiet=True, seed=seed, timeout_s=120.0, lr=args.lr,
+                           lr_schedule=args.lr_schedule, warmup_steps=args.warmup_steps)
         single = run(base.replace(strategy="single", workers=1))
         curves["single"][seed] = single["losses"]
         row: dict[str, Any] = {"single": tail(single["losses"])}
-        for name, options in RUNS.items():
+        for name, options in runs.items():
             m = run(base.replace(strategy="hetpipe", workers=4, nodes=2, servers=1,
                                  strategy_options=options))
             curves[name][seed] = m["losses"]
@@ -69,10 +78,10 @@ def main() -> int:
             row[f"{name}_vs_single"] = row[name] / row["single"]
         rows[str(seed)] = row
         print(f"seed {seed}: single {row['single']:.3f}, " + ", ".join(
-            f"{n} {row[n]:.3f} ({row[f'{n}_vs_single'] - 1:+.1%})" for n in RUNS),
+            f"{n} {row[n]:.3f} ({row[f'{n}_vs_single'] - 1:+.1%})" for n in runs),
             file=sys.stderr)
     summary = {}
-    for name in RUNS:
+    for name in runs:
         ratios = [r[f"{name}_vs_single"] for r in rows.values()]
         summary[name] = {"mean_vs_single": statistics.mean(ratios),
                          "median_vs_single": statistics.median(ratios),
@@ -81,16 +90,19 @@ def main() -> int:
               f"{summary[name]['median_vs_single'] - 1:+.1%}, range "
               f"{min(ratios) - 1:+.1%} .. {max(ratios) - 1:+.1%}")
     RESULTS.mkdir(parents=True, exist_ok=True)
-    out = {"task": "default GPT (d_model 128, 4 blocks, seq 64), 500 steps, batch 32, adam 2e-3",
-           "runs": RUNS, "loss": f"mean of the last {TAIL} steps", "seeds": rows,
+    schedule = "constant" if args.lr_schedule == "constant" and not args.warmup_steps else \
+        f"{args.lr_schedule}, {args.warmup_steps} warm-up steps"
+    out = {"task": f"default GPT (d_model 128, 4 blocks, seq 64), 500 steps, batch 32, adam "
+                   f"{args.lr:g}, learning rate {schedule}",
+           "runs": runs, "loss": f"mean of the last {TAIL} steps", "seeds": rows,
            "summary": summary, "curves": curves, "versions": {"torch": torch.__version__}}
-    (RESULTS / "hetpipe_convergence.json").write_text(json.dumps(out, indent=1) + "\n")
-    plot(curves, RESULTS / "hetpipe_convergence.png")
-    print(f"wrote {RESULTS / 'hetpipe_convergence'}.json and .png")
+    (RESULTS / f"{args.name}.json").write_text(json.dumps(out, indent=1) + "\n")
+    plot(curves, RESULTS / f"{args.name}.png", out["task"])
+    print(f"wrote {RESULTS / args.name}.json and .png")
     return 0
 
 
-def plot(curves: dict[str, dict[int, list[float]]], path: Path) -> None:
+def plot(curves: dict[str, dict[int, list[float]]], path: Path, task: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -110,7 +122,7 @@ def plot(curves: dict[str, dict[int, list[float]]], path: Path) -> None:
                     label=labels[name] if i == 0 else None)
     ax.set_xlabel("step")
     ax.set_ylabel(f"training loss (mean of {TAIL} steps)")
-    ax.set_title("default GPT: HetPipe vs single, one line per seed")
+    ax.set_title(f"HetPipe vs single, one line per seed\n{task}", fontsize=9)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
