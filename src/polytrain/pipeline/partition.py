@@ -73,7 +73,10 @@ class PipelinePlan:
         for j, dev in enumerate(self.devices):
             names = self.stage_layers(j)
             span = names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"
-            memory = f"{self.stage_memory[j] / _MIB:8.1f} / {self.memory_limits[j] / _MIB:.0f} MiB"
+            limit = self.memory_limits[j] / _MIB
+            # Without --devices the nominal devices' memory is unlimited (2^30 MiB).
+            memory = f"{self.stage_memory[j] / _MIB:8.1f} MiB" + \
+                ("" if limit >= 1 << 30 else f" / {limit:.0f} MiB")
             lines.append(f"  stage {j} on {dev:<8} layers {span:<12} "
                          f"{self.stage_times[j] * 1e3:8.1f} ms  {memory}")
         lines.append(f"  N_m = {self.inflight} in flight, minibatch {self.minibatch}: "
