@@ -28,7 +28,7 @@ from ..errors import ConfigError
 from ..ps.client import Pending, PSClient
 from ..ps.placement import Placement, balanced
 from ..ps.protocol import Kind
-from ..ps.store import Declaration, pack_round, round_settings
+from ..ps.store import Declaration, round_pieces, round_settings
 from ..runtime import Context
 
 __all__ = ["WaveSync", "PARTITION_BYTES"]
@@ -103,7 +103,7 @@ class WaveSync:
         self.since_push = [torch.zeros_like(t) for t in self.tensors if papers]
         self.history: list[tuple[int, list[torch.Tensor]]] = []
         self.wave_grads: list[list[torch.Tensor]] = []  # this wave's, to push at its end
-        self.wave_settings: list[list[list[float]]] = []  # and per group their settings
+        self.wave_settings: list[list[torch.Tensor]] = []  # and per group their settings
         self._pull: Pending | None = None
         self._pushes: Pending | None = None
 
@@ -153,9 +153,9 @@ class WaveSync:
             return
         self.slots += 1
         self.history.append((self.slots, list(delta)))
-        self.wave_settings.append([
-            round_settings(spec, settings[g] if settings is not None else spec["settings"])
-            for g, spec in enumerate(self.optimizer)])
+        self.wave_settings.append([torch.tensor(
+            round_settings(spec, settings[g] if settings is not None else spec["settings"]),
+            dtype=torch.float64) for g, spec in enumerate(self.optimizer)])
         self.wave_grads.append([torch.zeros(t.shape, dtype=t.dtype) if g is None
                                 else (g.detach() * scale).to("cpu")
                                 for t, g in zip(self.tensors, grads)])
@@ -178,8 +178,9 @@ class WaveSync:
         elif self.wave_grads:  # rounds are minibatches: this wave's first, then the others
             rnd = self.slots - len(self.wave_grads) + 1
             payloads = [torch.cat([
-                pack_round(self._slice(g, p), values[self.groups[self._local[p.tensor]]])
-                for g, values in zip(self.wave_grads, self.wave_settings)])
+                piece for g, values in zip(self.wave_grads, self.wave_settings)
+                for piece in round_pieces(self._slice(g, p),
+                                          values[self.groups[self._local[p.tensor]]])])
                 for _, p in self.mine]
             self.wave_grads, self.wave_settings = [], []
         else:

@@ -13,7 +13,7 @@ from ..errors import CommError, ConfigError
 from .protocol import Kind, Op, Request
 
 __all__ = ["Declaration", "Store", "SumStore", "ParamStore", "OptimizerStore", "STORES",
-           "optimizer_spec", "round_settings", "pack_round", "register_store"]
+           "optimizer_spec", "round_settings", "pack_round", "round_pieces", "register_store"]
 
 Respond = Callable[[Request, torch.Tensor], None]
 
@@ -235,11 +235,18 @@ def round_settings(spec: dict[str, Any], group: dict[str, Any]) -> list[float]:
     return out
 
 
-def pack_round(grad: torch.Tensor, values: list[float]) -> torch.Tensor:
+def pack_round(grad: torch.Tensor, values: list[float] | torch.Tensor) -> torch.Tensor:
     """One round of a push to an optimizer store: the gradient, then the round's settings
-    (:func:`round_settings`) as float64 bits in ``grad``'s dtype, so they arrive exact."""
-    bits = torch.tensor(values, dtype=torch.float64).view(grad.dtype)
-    return torch.cat([grad.reshape(-1), bits])
+    (:func:`round_settings`, or them as a float64 tensor) as float64 bits in ``grad``'s
+    dtype, so they arrive exact."""
+    return torch.cat(round_pieces(grad, values))
+
+
+def round_pieces(grad: torch.Tensor, values: list[float] | torch.Tensor) -> list[torch.Tensor]:
+    """:func:`pack_round`'s parts, to concatenate several rounds at once."""
+    bits = values if isinstance(values, torch.Tensor) else torch.tensor(values,
+                                                                         dtype=torch.float64)
+    return [grad.reshape(-1), bits.view(grad.dtype)]
 
 
 def _numbers(value: Any) -> list[float] | None:
@@ -328,6 +335,7 @@ class OptimizerStore(Store):
         self.staleness = int(decl.options.get("staleness", 0))
         self.rounds: dict[int, dict[int, torch.Tensor]] = {}
         self.settings: dict[int, torch.Tensor] = {}  # round -> its settings' values
+        self.last: torch.Tensor | None = None  # the settings the optimizer holds
         self.applied = 0
         self.waiting: list[Request] = []
 
@@ -374,7 +382,10 @@ class OptimizerStore(Store):
         stepped = False
         while len(self.rounds.get(self.applied + 1, ())) == self.decl.pushers:
             self.param.grad = _rank_sum(self.rounds.pop(self.applied + 1), self.param.dtype)
-            self._set(self.settings.pop(self.applied + 1))
+            values = self.settings.pop(self.applied + 1)
+            if self.last is None or not torch.equal(values, self.last):
+                self._set(values)  # a schedule's change (most rounds change nothing)
+                self.last = values
             self.optimizer.step()
             self.param.grad = None
             self.applied += 1
