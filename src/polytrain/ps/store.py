@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
@@ -278,7 +279,7 @@ def _build_optimizer(spec: dict[str, Any], param: torch.Tensor) -> torch.optim.O
     # constructor does not take; any other unknown setting is an error.
     accepted = inspect.signature(kind.__init__).parameters
     for name in list(settings):
-        if name not in accepted and name in _class_defaults(kind):
+        if name not in accepted and name in _class_defaults(spec["class"]):
             del settings[name]
     if settings.get("fused") is None and not settings.get("differentiable"):
         # A server steps hundreds of small keys: the fused kernel has the least overhead.
@@ -289,11 +290,14 @@ def _build_optimizer(spec: dict[str, Any], param: torch.Tensor) -> torch.optim.O
     return kind([param], **settings)
 
 
-def _class_defaults(kind: type[torch.optim.Optimizer]) -> dict[str, Any]:
+@functools.lru_cache(maxsize=None)
+def _class_defaults(name: str) -> frozenset[str]:
+    """The settings ``torch.optim``'s class ``name`` puts in every group (once per class)."""
+    kind: Any = getattr(torch.optim, name)
     try:
-        return dict(kind([torch.zeros(1, requires_grad=True)]).defaults)
+        return frozenset(kind([torch.zeros(1, requires_grad=True)]).defaults)
     except (TypeError, ValueError, RuntimeError):
-        return {}
+        return frozenset()
 
 
 class OptimizerStore(Store):

@@ -270,7 +270,8 @@ class HetPipe(Strategy):
                               f"of {self.stage.spec.label}",
                               "give the optimizer every parameter that trains (model."
                               "parameters()), or set requires_grad=False on the others")
-        return type(base)(groups), sources, [group_of[i] for i in range(len(self.stage.params))]
+        kind: Any = type(base)  # the user's class, built on this stage's share of its groups
+        return kind(groups), sources, [group_of[i] for i in range(len(self.stage.params))]
 
     # -- training ---------------------------------------------------------------------------
 

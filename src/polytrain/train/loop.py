@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import logging
+import math
 import time
 import warnings
 from pathlib import Path
