@@ -74,12 +74,12 @@ def test_synchronous_pipeline_gives_the_gradients_of_the_whole_model(schedule):
         assert torch.allclose(grads[n], p.grad, atol=1e-6), n
 
 
-def async_run(inflight: int, count: int) -> dict:
+def async_run(inflight: int, count: int, lag_lr: float = 1.0) -> dict:
     ctx = polytrain.init()
     model = tiny_model()
     stage = make_stage(ctx, model)
     opt = torch.optim.SGD(stage.params, lr=LR)
-    pipe = AsyncPipeline(stage, opt, inflight=inflight)
+    pipe = AsyncPipeline(stage, opt, inflight=inflight, lag_lr=lag_lr)
     losses = [pipe.feed(x, y) for x, y in data(count, 4)]
     pipe.drain()
     stage.close()
@@ -87,8 +87,10 @@ def async_run(inflight: int, count: int) -> dict:
             "state": {n: p.detach().clone() for n, p in stage.module.named_parameters()}}
 
 
-def reference(inflight: int, count: int) -> tuple[dict, list[float]]:
-    """PipeDream semantics in one process, written out: stashed versions, SGD per minibatch."""
+def reference(inflight: int, count: int,
+              lrs: tuple[float, float] = (LR, LR)) -> tuple[dict, list[float]]:
+    """PipeDream semantics in one process, written out: stashed versions, SGD per minibatch
+    (stage ``j`` at learning rate ``lrs[j]``)."""
     model = tiny_model()
     layers = layers_of(model)
     stages = [nn.Sequential(OrderedDict(layers[a:e])) for a, e in zip(BOUNDS, BOUNDS[1:])]
@@ -115,7 +117,7 @@ def reference(inflight: int, count: int) -> tuple[dict, list[float]]:
             if j == 1:
                 grad_in[m] = grads[-1]
             for n, g in zip(names, grads):
-                live[j][n] = live[j][n] - LR * g
+                live[j][n] = live[j][n] - lrs[j] * g
     return {**live[0], **live[1]}, losses
 
 
@@ -133,3 +135,16 @@ def test_asynchronous_pipeline_stashes_weights_and_updates_per_minibatch():
     # Staleness matters: the same minibatches one at a time end elsewhere.
     sequential, _ = reference(1, count)
     assert max(float((got[n] - sequential[n]).abs().max()) for n in got) > 1e-4
+
+
+@pytest.mark.timeout(90)
+def test_a_late_stage_steps_with_the_lag_learning_rate():
+    # N_m = 2 on two stages: the first stage's gradients arrive one update late, so it steps
+    # with lag_lr x the learning rate; the last stage's arrive at once and keep it.
+    first, last = spawn(async_run, workers=2, args=(2, 6, 0.5))
+    expected, _ = reference(2, 6, lrs=(LR * 0.5, LR))
+    got = {**first["state"], **last["state"]}
+    for n in expected:
+        assert torch.allclose(got[n], expected[n], atol=1e-6), n
+    full, _ = reference(2, 6)
+    assert max(float((got[n] - full[n]).abs().max()) for n in got) > 1e-4

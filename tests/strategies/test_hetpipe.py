@@ -139,7 +139,8 @@ def test_many_in_flight_with_no_staleness_follows_the_written_out_semantics():
     config = TrainConfig(strategy="hetpipe", workers=4, nodes=2, servers=1, steps=steps,
                          batch_size=batch, optimizer="sgd", lr=lr, model_options=TINY,
                          strategy_options={"policy": "np", "inflight": 2, "staleness": 0,
-                                           "predict": False, "server_optimizer": False})
+                                           "predict": False, "server_optimizer": False,
+                                           "lag_lr": 1.0})
     metrics, state = run_config(config)
     expected, losses = simulate(model_options=TINY, bounds=(0, 2, 4), vws=2, inflight=2,
                                 steps=steps, lr=lr, batch=batch)
@@ -186,6 +187,8 @@ def test_refusals_before_any_process_starts():
                     strategy_options={"policy": "ed"})
     with pytest.raises(ConfigError, match=r"--inflight \(N_m\) must be at least 1"):
         TrainConfig(strategy="hetpipe", servers=1, strategy_options={"inflight": 0})
+    with pytest.raises(ConfigError, match=r"--lag-lr must be in \(0, 1\].*HINT: pass --lag-lr"):
+        TrainConfig(strategy="hetpipe", servers=1, strategy_options={"lag_lr": 0.0})
 
 
 def test_a_model_too_big_for_one_device_fits_split_into_stages():

@@ -49,6 +49,10 @@ class HetPipeOptions:
         predict: stages whose gradients arrive late (N_m > 1) run forward and backward on
             the weights predicted after the updates in flight (default True; False is the
             paper's semantics). See :mod:`polytrain.pipeline.predict`.
+        lag_lr: the learning-rate factor of a stage whose gradients arrive late (lag >= 1:
+            with N_m > 1 the first stages), 0 < F <= 1 (default 0.25; 1 is the paper). With
+            Adam a gradient one update late is stable only in much flatter regions; see
+            :class:`polytrain.pipeline.AsyncPipeline`.
         server_optimizer: the parameter servers run the optimizer, one step per minibatch
             on the sum of every virtual worker's gradients, and stages push gradients
             (default True); False is the paper: each virtual worker's optimizer makes its
@@ -69,6 +73,9 @@ class HetPipeOptions:
         "help": "hetpipe: run every forward on the live weights, as the paper does "
                 "(default: a stage whose gradients arrive late runs on the weights predicted "
                 "after the updates in flight)"})
+    lag_lr: float = field(default=0.25, metadata={
+        "help": "hetpipe: learning-rate factor of a stage whose gradients arrive late "
+                "(N_m > 1: the first stages; default 0.25, 1 is the paper)", "metavar": "F"})
     server_optimizer: bool = field(default=True, metadata={
         "help": "hetpipe: let each virtual worker's optimizer make the updates and push "
                 "their sum every wave, as the paper does (default: the servers run the "
@@ -81,6 +88,10 @@ class HetPipeOptions:
         if self.inflight is not None and self.inflight < 1:
             raise ConfigError(f"--inflight (N_m) must be at least 1 (got {self.inflight})",
                               "pass --inflight 2, or leave it out to let the partitioner choose")
+        if not 0 < self.lag_lr <= 1:
+            raise ConfigError(f"--lag-lr must be in (0, 1] (got {self.lag_lr})",
+                              "pass --lag-lr 0.25, or 1 for the paper's learning rate on "
+                              "every stage")
         if self.staleness < 0:
             raise ConfigError(f"--staleness (D) must be 0 or more (got {self.staleness})",
                               "pass --staleness 0 for a barrier every wave")
@@ -239,7 +250,7 @@ class HetPipe(Strategy):
         wsp.start(initialise=self.vw == 0)
         return AsyncPipeline(self.stage, optimizer, inflight=plan.inflight,
                              update_scale=1.0 / count, wsp=wsp, predict=self.options.predict,
-                             source=base, sources=sources)
+                             source=base, sources=sources, lag_lr=self.options.lag_lr)
 
     def _stage_optimizer(self) -> tuple[torch.optim.Optimizer, list[int], list[int]]:
         """The user's optimizer over this stage's parameters: its class, and one group for
