@@ -57,7 +57,8 @@ def config_for(name: str, args: argparse.Namespace, steps: int | None = None,
     return TrainConfig(strategy="hetpipe", servers=1, **common,
                        strategy_options={"policy": policy, "staleness": args.staleness,
                                          "predict": variant != "paper",
-                                         "server_optimizer": variant == ""})
+                                         "server_optimizer": variant == "",
+                                         **({"lag_lr": 1.0} if variant == "paper" else {})})
 
 
 def run(config: TrainConfig) -> dict[str, Any]:

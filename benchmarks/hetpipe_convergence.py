@@ -35,10 +35,11 @@ from polytrain.train import run_config
 RESULTS = Path(__file__).resolve().parent / "results"
 RUNS = {
     "hetpipe": {"policy": "ed", "inflight": 2, "staleness": 1},
+    "hetpipe-lag-lr-1": {"policy": "ed", "inflight": 2, "staleness": 1, "lag_lr": 1.0},
     "hetpipe-own-optimizer": {"policy": "ed", "inflight": 2, "staleness": 1,
                               "server_optimizer": False},
     "hetpipe-paper": {"policy": "ed", "inflight": 2, "staleness": 1, "predict": False,
-                      "server_optimizer": False},
+                      "server_optimizer": False, "lag_lr": 1.0},
 }
 TAIL = 20
 
@@ -109,9 +110,11 @@ def plot(curves: dict[str, dict[int, list[float]]], path: Path, task: str) -> No
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    colors = {"single": "black", "hetpipe": "tab:blue", "hetpipe-own-optimizer": "tab:orange",
+    colors = {"single": "black", "hetpipe": "tab:blue", "hetpipe-lag-lr-1": "tab:green",
+              "hetpipe-own-optimizer": "tab:orange",
               "hetpipe-paper": "tab:purple"}
     labels = {"single": "single", "hetpipe": "hetpipe N_m=2 D=1",
+              "hetpipe-lag-lr-1": "hetpipe N_m=2 D=1, full lr on the late stage",
               "hetpipe-own-optimizer": "hetpipe N_m=2 D=1, optimizer per virtual worker",
               "hetpipe-paper": "hetpipe N_m=2 D=1, the paper (neither)"}
     for name, by_seed in curves.items():
