@@ -59,19 +59,26 @@ def test_bounded_staleness_lets_a_worker_run_at_most_s_clocks_ahead():
         assert value >= 1 + 3 * (i - 1) + 1
 
 
-def optimized(staleness: int) -> dict:
-    # Two workers push gradients for rounds 1..3 to an Adam on the server; worker 1 is slow.
+def adam_key(spec: dict, staleness: int = 0) -> tuple:
+    """Join the run and declare key 3 (4 floats, 2 pushers) in an optimizer store of
+    ``spec``, set to 0 1 2 3. Returns the context and the server."""
     ctx = polytrain.init()
     server = ctx.topology.servers[0]
-    client = ctx.ps_client
+    decl = Declaration(key=3, kind=int(Kind.OPTIM), name="w", numel=4, dtype="torch.float32",
+                       pushers=2, pullers=2, options={"staleness": staleness, "optimizer": spec})
+    ctx.ps_client.declare(decl, server)
+    if ctx.worker_index == 0:
+        ctx.ps_client.set(server, key=3, tensor=torch.arange(4.0)).wait()
+    dist.barrier(group=ctx.groups.workers)
+    return ctx, server
+
+
+def optimized(staleness: int) -> dict:
+    # Two workers push gradients for rounds 1..3 to an Adam on the server; worker 1 is slow.
     adam = optimizer_spec(torch.optim.Adam([torch.zeros(1, requires_grad=True)], lr=0.1),
                           per_round=False)
-    decl = Declaration(key=3, kind=int(Kind.OPTIM), name="w", numel=4, dtype="torch.float32",
-                       pushers=2, pullers=2, options={"staleness": staleness, "optimizer": adam})
-    client.declare(decl, server)
-    if ctx.worker_index == 0:
-        client.set(server, key=3, tensor=torch.arange(4.0)).wait()
-    dist.barrier(group=ctx.groups.workers)
+    ctx, server = adam_key(adam, staleness)
+    client = ctx.ps_client
     out = torch.empty(5)  # the value, then the rounds applied
     seen = []
     me = ctx.worker_index
@@ -148,16 +155,9 @@ def test_optimizer_spec_describes_each_parameter_group():
 
 def scheduled(disagree: bool) -> list[float]:
     # Rounds 1..3 with a learning rate that changes every round, in one push per worker.
-    ctx = polytrain.init()
-    server = ctx.topology.servers[0]
     opt = torch.optim.Adam([torch.zeros(1, requires_grad=True)], lr=0.1)
     spec = optimizer_spec(opt)
-    decl = Declaration(key=3, kind=int(Kind.OPTIM), name="w", numel=4, dtype="torch.float32",
-                       pushers=2, pullers=2, options={"staleness": 0, "optimizer": spec})
-    ctx.ps_client.declare(decl, server)
-    if ctx.worker_index == 0:
-        ctx.ps_client.set(server, key=3, tensor=torch.arange(4.0)).wait()
-    dist.barrier(group=ctx.groups.workers)
+    ctx, server = adam_key(spec)
     rounds = []
     for rnd in range(1, 4):
         opt.param_groups[0]["lr"] = 0.1 / rnd + (0.01 if disagree and ctx.worker_index else 0)
@@ -193,16 +193,8 @@ def test_optimizer_store_refuses_pushers_that_disagree_on_the_settings():
 
 def batched() -> list[float]:
     # Rounds 1..3 of gradients in one message per worker; one Adam step per round.
-    ctx = polytrain.init()
-    server = ctx.topology.servers[0]
-    adam = optimizer_spec(torch.optim.Adam([torch.zeros(1, requires_grad=True)], lr=0.1),
-                          per_round=False)
-    decl = Declaration(key=3, kind=int(Kind.OPTIM), name="w", numel=4, dtype="torch.float32",
-                       pushers=2, pullers=2, options={"staleness": 0, "optimizer": adam})
-    ctx.ps_client.declare(decl, server)
-    if ctx.worker_index == 0:
-        ctx.ps_client.set(server, key=3, tensor=torch.arange(4.0)).wait()
-    dist.barrier(group=ctx.groups.workers)
+    ctx, server = adam_key(optimizer_spec(
+        torch.optim.Adam([torch.zeros(1, requires_grad=True)], lr=0.1), per_round=False))
     grads = torch.cat([torch.tensor([1.0, -2.0, 3.0, 0.5]) * (ctx.worker_index + 1) * rnd
                        for rnd in range(1, 4)])
     ctx.ps_client.push(server, key=3, round=1, tensor=grads).wait()
