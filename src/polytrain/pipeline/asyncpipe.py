@@ -7,6 +7,7 @@ from typing import Any, Sequence
 
 import torch
 
+from ..ps.store import is_numeric_setting
 from .predict import predict_weights
 from .stage import Stage
 from .wsp import WaveSync
@@ -19,15 +20,7 @@ log = logging.getLogger(__name__)
 def numeric_settings(group: dict[str, Any]) -> dict[str, Any]:
     """A parameter group's numeric settings (``lr``, ``betas``, ...: what a schedule changes)."""
     return {k: v.clone() if isinstance(v, torch.Tensor) else v
-            for k, v in group.items() if k != "params" and _numeric(v)}
-
-
-def _numeric(value: Any) -> bool:
-    if isinstance(value, torch.Tensor):
-        return value.numel() == 1 and value.is_floating_point()
-    if isinstance(value, (tuple, list)):
-        return bool(value) and all(_numeric(v) for v in value)
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+            for k, v in group.items() if k != "params" and is_numeric_setting(v)}
 
 
 class AsyncPipeline:

@@ -14,7 +14,8 @@ from ..errors import CommError, ConfigError
 from .protocol import Kind, Op, Request
 
 __all__ = ["Declaration", "Store", "SumStore", "ParamStore", "OptimizerStore", "STORES",
-           "optimizer_spec", "round_settings", "pack_round", "round_pieces", "register_store"]
+           "optimizer_spec", "is_numeric_setting", "round_settings", "pack_round",
+           "round_pieces", "register_store"]
 
 Respond = Callable[[Request, torch.Tensor], None]
 
@@ -248,6 +249,14 @@ def round_pieces(grad: torch.Tensor, values: list[float] | torch.Tensor) -> list
     bits = values if isinstance(values, torch.Tensor) else torch.tensor(values,
                                                                          dtype=torch.float64)
     return [grad.reshape(-1), bits.view(grad.dtype)]
+
+
+def is_numeric_setting(value: Any) -> bool:
+    """Whether a parameter group's setting is a number or numbers (what a schedule changes,
+    and what :func:`round_settings` carries), not a flag, None or text."""
+    if isinstance(value, torch.Tensor) and value.numel() != 1:
+        return False
+    return _numbers(_plain(value)) is not None
 
 
 def _numbers(value: Any) -> list[float] | None:
