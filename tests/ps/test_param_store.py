@@ -225,3 +225,28 @@ def declare_bad_optimizer() -> str:
 def test_a_store_the_server_cannot_build_is_refused_with_the_reason():
     (message,) = spawn(declare_bad_optimizer, workers=1, servers=1)
     assert "bogus" in message and "--no-server-optimizer" in message
+
+
+def two_lanes() -> list[float]:
+    # One process pushes for two pushers (lanes 0 and 1, as HetPipe's policy bd does for its
+    # two virtual workers): the store counts them apart and steps once on their sum.
+    ctx = polytrain.init()
+    server = ctx.topology.servers[0]
+    adam = optimizer_spec(torch.optim.Adam([torch.zeros(1, requires_grad=True)], lr=0.1),
+                          per_round=False)
+    decl = Declaration(key=3, kind=int(Kind.OPTIM), name="w", numel=4, dtype="torch.float32",
+                       pushers=2, pullers=2, options={"staleness": 0, "optimizer": adam})
+    ctx.ps_client.declare(decl, server)
+    ctx.ps_client.set(server, key=3, tensor=torch.arange(4.0)).wait()
+    grad = torch.tensor([1.0, -2.0, 3.0, 0.5])
+    ctx.ps_client.push(server, key=3, round=1, tensor=grad, lane=0).wait()
+    ctx.ps_client.push(server, key=3, round=1, tensor=2 * grad, lane=1).wait()
+    out = torch.empty(5)
+    ctx.ps_client.pull(server, key=3, round=1, out=out).wait()
+    return out.tolist()
+
+
+@pytest.mark.timeout(60)
+def test_one_process_pushes_for_two_pushers_on_two_lanes():
+    (value,) = spawn(two_lanes, workers=1, servers=1)
+    assert value[:4] == pytest.approx(adam_on_sums(1)[0], abs=1e-6) and value[4] == 1

@@ -109,8 +109,11 @@ class PSClient:
                         "declare tensors in the same order"))
         self._declared[decl.key] = server
 
-    def push(self, server: int, *, key: int, round: int, tensor: torch.Tensor) -> Pending:
-        return Pending(self.request(server, Op.PUSH, key=key, round=round, payload=tensor))
+    def push(self, server: int, *, key: int, round: int, tensor: torch.Tensor,
+             lane: int = 0) -> Pending:
+        """Push ``tensor``; ``lane`` tells apart pushers in one process (default 0)."""
+        return Pending(self.request(server, Op.PUSH, key=key, round=round, payload=tensor,
+                                    arg1=lane))
 
     def pull(self, server: int, *, key: int, round: int, out: torch.Tensor) -> Pending:
         return Pending(self.request(server, Op.PULL, key=key, round=round, answer=out))

@@ -86,6 +86,12 @@ class Request:
     arg1: int
     payload: torch.Tensor | None = None
 
+    @property
+    def pusher(self) -> tuple[int, int]:
+        """Who pushes: the rank, and its lane (``arg1`` of PUSH: one process may push for
+        several, as HetPipe's policy bd does for its two virtual workers)."""
+        return self.src, self.arg1
+
     @classmethod
     def parse(cls, src: int, header: torch.Tensor) -> Request:
         h = header.tolist()

@@ -67,12 +67,14 @@ class Store(ABC):
         """Apply a request; answer it with ``self.respond`` now or once it can be answered."""
 
     def fail(self, req: Request, what: str) -> CommError:
+        lane = f" (lane {req.arg1})" if req.arg1 else ""
         return CommError(f"server: {self.decl.describe()}: request {req.op.name} of round "
-                         f"{req.round} from rank {req.src}: {what}")
+                         f"{req.round} from rank {req.src}{lane}: {what}")
 
 
-def _rank_sum(pushes: dict[int, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    """The pushes summed in the pushers' rank order (results independent of arrival order)."""
+def _rank_sum(pushes: dict[tuple[int, int], torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """The pushes summed in the pushers' order (rank, then lane): results independent of
+    arrival order."""
     ranks = sorted(pushes)
     acc = pushes[ranks[0]].to(dtype, copy=True)
     for r in ranks[1:]:
@@ -92,7 +94,7 @@ class _Round:
     __slots__ = ("pushes", "result", "waiting", "served")
 
     def __init__(self) -> None:
-        self.pushes: dict[int, torch.Tensor] = {}
+        self.pushes: dict[tuple[int, int], torch.Tensor] = {}
         self.result: torch.Tensor | None = None
         self.waiting: list[Request] = []
         self.served = 0
@@ -115,10 +117,10 @@ class SumStore(Store):
     def handle(self, req: Request) -> None:
         rnd = self.rounds.setdefault(req.round, _Round())
         if req.op in (Op.PUSH, Op.PUSHPULL):
-            if req.src in rnd.pushes or rnd.result is not None:
+            if req.pusher in rnd.pushes or rnd.result is not None:
                 raise self.fail(req, "this rank already pushed this round")
             assert req.payload is not None
-            rnd.pushes[req.src] = req.payload
+            rnd.pushes[req.pusher] = req.payload
             if len(rnd.pushes) == self.decl.pushers:
                 rnd.result = self._sum(rnd.pushes)
                 rnd.pushes.clear()
@@ -133,7 +135,7 @@ class SumStore(Store):
         elif req.op != Op.PUSH:
             raise self.fail(req, "a sum store answers PUSH, PULL and PUSHPULL only")
 
-    def _sum(self, pushes: dict[int, torch.Tensor]) -> torch.Tensor:
+    def _sum(self, pushes: dict[tuple[int, int], torch.Tensor]) -> torch.Tensor:
         return _rank_sum(pushes, self.acc_dtype).to(self.decl.torch_dtype)
 
     def _serve(self, req: Request, rnd: _Round) -> None:
@@ -164,7 +166,7 @@ class ParamStore(Store):
         super().__init__(decl, respond)
         self.value = torch.zeros(decl.numel, dtype=decl.torch_dtype)
         self.staleness = int(decl.options.get("staleness", 0))
-        self.clocks: dict[int, int] = {}
+        self.clocks: dict[tuple[int, int], int] = {}
         self.waiting: list[Request] = []
 
     @property
@@ -180,10 +182,10 @@ class ParamStore(Store):
             self.value.copy_(req.payload)
         elif req.op == Op.PUSH:
             assert req.payload is not None
-            if req.src not in self.clocks and len(self.clocks) == self.decl.pushers:
+            if req.pusher not in self.clocks and len(self.clocks) == self.decl.pushers:
                 raise self.fail(req, f"more pushers than the {self.decl.pushers} declared")
             self.value.add_(req.payload)
-            self.clocks[req.src] = self.clocks.get(req.src, 0) + 1
+            self.clocks[req.pusher] = self.clocks.get(req.pusher, 0) + 1
             self.waiting = _release(self.waiting, self._ready,
                                     lambda r: self.respond(r, self.value))
         elif req.op == Op.PULL:
@@ -346,7 +348,7 @@ class OptimizerStore(Store):
         ratio = 8 // self.param.element_size()  # float64 bits in the key's dtype
         self.width = decl.numel + ratio * sum(k for _, k in self.per_round)
         self.staleness = int(decl.options.get("staleness", 0))
-        self.rounds: dict[int, dict[int, torch.Tensor]] = {}
+        self.rounds: dict[int, dict[tuple[int, int], torch.Tensor]] = {}
         self.settings: dict[int, torch.Tensor] = {}  # round -> its settings' values
         self.last: torch.Tensor | None = None  # the settings the optimizer holds
         self.applied = 0
@@ -368,7 +370,7 @@ class OptimizerStore(Store):
             for j, record in enumerate(req.payload.view(count, self.width)):
                 rnd = req.round + j
                 pushes = self.rounds.setdefault(rnd, {})
-                if req.src in pushes:
+                if req.pusher in pushes:
                     raise self.fail(req, f"this rank already pushed round {rnd}")
                 values = record[self.decl.numel:].clone().view(torch.float64)
                 agreed = self.settings.setdefault(rnd, values)
@@ -377,7 +379,7 @@ class OptimizerStore(Store):
                                          f"of round {rnd}: {self._describe(agreed)} against "
                                          f"{self._describe(values)}; every worker must use "
                                          f"the same settings and learning-rate schedule")
-                pushes[req.src] = record[:self.decl.numel]
+                pushes[req.pusher] = record[:self.decl.numel]
                 if len(pushes) > self.decl.pushers:
                     raise self.fail(req, f"more pushers than the {self.decl.pushers} declared")
             self._apply_ready()
