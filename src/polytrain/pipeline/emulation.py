@@ -25,8 +25,10 @@ class DeviceClock:
     Work is issued as operations of known emulated duration; an operation
     starts once the previous one has finished *on the emulated device*, so
     real compute hides inside emulated time as long as the CPU is faster than
-    the device it plays. Anything that leaves the device (a send, an optimizer
-    step) first calls :meth:`wait`.
+    the device it plays. Anything that leaves the device (a send, a push)
+    first waits for it (:meth:`wait`, or at :meth:`reserve`'s time); work a GPU
+    would queue behind the device's and finish in no time (an optimizer step)
+    does not wait, so its real time hides in the device's too.
 
     Example::
 
@@ -50,6 +52,13 @@ class DeviceClock:
         self.wait()
         self.due = time.monotonic() + seconds
         self.emulated_s += seconds
+
+    def reserve(self, seconds: float) -> float:
+        """Queue an operation of ``seconds`` after everything issued, without waiting;
+        returns the time (``time.monotonic``) it ends."""
+        self.due = max(time.monotonic(), self.due) + seconds
+        self.emulated_s += seconds
+        return self.due
 
     def compute(self, flops: float) -> None:
         self.begin(flops / self.type.flops_per_s)
@@ -77,8 +86,9 @@ def emulate(model: nn.Module, device_type: DeviceType, profile: ModelProfile,
 
     A layer's forward is an operation of ``fwd_flops * batch / rate``; its
     backward (from when the gradient of its output is ready) one of
-    ``bwd_flops * batch / rate``. An ``optimizer`` step first waits for the
-    device. The clock is attached to ``model`` (see :func:`clock_of`).
+    ``bwd_flops * batch / rate``. The clock is attached to ``model`` (see
+    :func:`clock_of`). ``optimizer`` is accepted for compatibility: its step
+    does not wait for the device (a GPU queues it behind the backward).
     """
     clock = DeviceClock(device_type)
     for (name, layer), prof in zip(layers_of(model), profile.layers):
@@ -96,8 +106,6 @@ def emulate(model: nn.Module, device_type: DeviceType, profile: ModelProfile,
 
         layer.register_forward_pre_hook(pre)
         layer.register_forward_hook(post)
-    if optimizer is not None:
-        optimizer.register_step_pre_hook(lambda *_: clock.wait())
     setattr(model, _ATTR, clock)
     log.info("emulating %s on %d layers", device_type.describe(), len(profile.layers))
     return clock

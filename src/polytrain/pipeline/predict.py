@@ -50,31 +50,40 @@ def _sgd(p: torch.Tensor, g: torch.Tensor, state: dict, group: dict, lag: int,
     return w.add_(w - before, alpha=extra) if extra else w
 
 
-def _adam(p: torch.Tensor, g: torch.Tensor, state: dict, group: dict, lag: int, scale: float,
-          extra: int, decoupled: bool) -> torch.Tensor:
-    w = p.detach().clone()
-    before = w.clone()
+def _adam(ps: list[torch.Tensor], gs: list[torch.Tensor], states: list[dict], group: dict,
+          lag: int, scale: float, extra: int, decoupled: bool) -> list[torch.Tensor]:
+    """Adam's prediction for tensors of one group at one step count, all at once (foreach)."""
+    w = list(torch._foreach_mul([p.detach() for p in ps], 1.0))  # copies
+    before: list[torch.Tensor] = []
     b1, b2 = group["betas"]
     lr, eps, wd = _value(group["lr"]), group["eps"], group.get("weight_decay", 0.0)
-    m, v = state["exp_avg"].clone(), state["exp_avg_sq"].clone()
-    vmax = state.get("max_exp_avg_sq")
-    vmax = vmax.clone() if group.get("amsgrad") and vmax is not None else None
-    step = _value(state["step"])
+    m = torch._foreach_mul([st["exp_avg"] for st in states], 1.0)
+    v = torch._foreach_mul([st["exp_avg_sq"] for st in states], 1.0)
+    vmax = None
+    if group.get("amsgrad") and all(st.get("max_exp_avg_sq") is not None for st in states):
+        vmax = torch._foreach_mul([st["max_exp_avg_sq"] for st in states], 1.0)
+    step = _value(states[0]["step"])
     for _ in range(lag):
         step += 1
-        before.copy_(w)
-        d = g
+        before = list(torch._foreach_mul(w, 1.0))
+        d = gs
         if wd and decoupled:
-            w.mul_(1 - lr * wd * scale)
+            torch._foreach_mul_(w, 1 - lr * wd * scale)
         elif wd:
-            d = g + wd * w
-        m.mul_(b1).add_(d, alpha=1 - b1)
-        v.mul_(b2).addcmul_(d, d, value=1 - b2)
+            d = list(torch._foreach_add(gs, w, alpha=wd))
+        torch._foreach_mul_(m, b1)
+        torch._foreach_add_(m, d, alpha=1 - b1)
+        torch._foreach_mul_(v, b2)
+        torch._foreach_addcmul_(v, d, d, value=1 - b2)
         if vmax is not None:
-            torch.maximum(vmax, v, out=vmax)
-        denom = ((vmax if vmax is not None else v) / (1 - b2 ** step)).sqrt_().add_(eps)
-        w.addcdiv_(m, denom, value=-lr * scale / (1 - b1 ** step))
-    return w.add_(w - before, alpha=extra) if extra else w
+            torch._foreach_maximum_(vmax, v)
+        denom = torch._foreach_div(vmax if vmax is not None else v, 1 - b2 ** step)
+        torch._foreach_sqrt_(denom)
+        torch._foreach_add_(denom, eps)
+        torch._foreach_addcdiv_(w, m, denom, value=-lr * scale / (1 - b1 ** step))
+    if extra:
+        torch._foreach_add_(w, torch._foreach_sub(w, before), alpha=extra)
+    return list(w)
 
 
 @torch.no_grad()
@@ -97,21 +106,31 @@ def predict_weights(optimizer: torch.optim.Optimizer, params: Sequence[torch.Ten
 
     Returns detached copies; with ``lag`` 0 the weights themselves.
     """
-    group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
-    out: list[torch.Tensor] = []
+    group_of = {id(p): (k, group) for k, group in enumerate(optimizer.param_groups)
+                for p in group["params"]}
+    out: list[torch.Tensor | None] = [None] * len(params)
     kind = type(optimizer)
-    for p, g, delta in zip(params, grads, deltas):
+    adam: dict[tuple[int, float], list[int]] = {}  # (group, step) -> tensors, predicted at once
+    for i, (p, g, delta) in enumerate(zip(params, grads, deltas)):
         state = optimizer.state.get(p, {})
-        group = group_of.get(id(p))
+        k, group = group_of.get(id(p), (-1, None))
         if lag == 0 or g is None or group is None or group.get("maximize"):
-            out.append(p.detach().clone())
+            out[i] = p.detach().clone()
         elif kind is torch.optim.SGD:
-            out.append(_sgd(p, g, state, group, lag, scale, extra))
+            out[i] = _sgd(p, g, state, group, lag, scale, extra)
         elif kind in (torch.optim.Adam, torch.optim.AdamW) and "exp_avg" in state:
-            decoupled = kind is torch.optim.AdamW or bool(group.get("decoupled_weight_decay"))
-            out.append(_adam(p, g, state, group, lag, scale, extra, decoupled))
+            adam.setdefault((k, _value(state["step"])), []).append(i)
         elif delta is not None:
-            out.append(p.detach() + (lag + extra) * delta)
+            out[i] = p.detach() + (lag + extra) * delta
         else:
-            out.append(p.detach().clone())
-    return out
+            out[i] = p.detach().clone()
+    for (k, _), members in adam.items():
+        group = optimizer.param_groups[k]
+        decoupled = kind is torch.optim.AdamW or bool(group.get("decoupled_weight_decay"))
+        predicted = _adam([params[i] for i in members],
+                          [grads[i] for i in members],  # type: ignore[misc]
+                          [optimizer.state[params[i]] for i in members], group, lag, scale,
+                          extra, decoupled)
+        for i, w in zip(members, predicted):
+            out[i] = w
+    return out  # type: ignore[return-value]

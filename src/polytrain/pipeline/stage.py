@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -12,7 +13,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from ..comm.p2p import Handle, Transport
+from ..comm.p2p import Transport
 from ..errors import CommError
 from .emulation import DeviceClock
 
@@ -103,7 +104,7 @@ class Stage:
         self.names = [n for n, _ in module.named_parameters()]
         self.params = [p for _, p in module.named_parameters()]
         self._flights: dict[int, _Flight] = {}
-        self._sends: queue.Queue[tuple[Handle, str] | None] = queue.Queue()
+        self._sends: queue.Queue[_Send | None] = queue.Queue()
         self._send_error: BaseException | None = None
         self._reaper = threading.Thread(target=self._reap, daemon=True,
                                         name=f"polytrain-stage{spec.index}-sends")
@@ -174,8 +175,8 @@ class Stage:
             gx = torch.zeros_like(flight.x) if gx is None else gx
             self._send(gx, spec.prev, spec.prev_label, self._tag(mb, 1),
                        f"the gradients of minibatch {mb}", spec.link_prev)
-        else:
-            self._device_done()
+        # The emulated device may still run this backward: the caller's update (queued
+        # behind it on a GPU) runs meanwhile; the next operation waits for the device.
         it = iter(grads)
         out: list[torch.Tensor | None] = []
         for w in flight.weights:
@@ -211,27 +212,27 @@ class Stage:
     def _send(self, t: torch.Tensor, peer: int | None, peer_label: str, tag: int, what: str,
               link: float) -> None:
         assert peer is not None
+        ready = 0.0  # when the tensor has left the emulated device
         if self.clock is not None:
-            self.clock.wait()
+            ready = self.clock.due
             if link > 0:
-                self.clock.transfer(t.numel() * t.element_size(), link)
-                self.clock.wait()
-        try:
-            handle = self.transport.isend(t, peer, tag, what)
-        except CommError as e:
-            raise self._error(e, peer_label, f"sending {what}") from None
-        self._sends.put((handle, f"sending {what} to {peer_label}"))
+                ready = self.clock.reserve(t.numel() * t.element_size() / link)
+        self._sends.put(_Send(t, peer, tag, what, f"sending {what} to {peer_label}", ready))
 
     def _reap(self) -> None:
         # gloo completes a send only once the peer receives it, so the schedule never waits
-        # on sends (two stages sending to each other would deadlock): this thread does.
+        # on sends (two stages sending to each other would deadlock): this thread does. It
+        # also waits for the emulated device to have produced (and sent) the tensor, while
+        # the schedule goes on.
         while (item := self._sends.get()) is not None:
-            handle, what = item
             try:
-                handle.wait()
+                delay = item.ready - time.monotonic()
+                if delay > 0:
+                    time.sleep(delay)
+                self.transport.isend(item.tensor, item.peer, item.tag, item.what).wait()
             except BaseException as e:  # noqa: BLE001 - raised by the main thread
                 if self._send_error is None:
-                    self._send_error = _with_context(e, f"{self.spec.label}: {what}")
+                    self._send_error = _with_context(e, f"{self.spec.label}: {item.context}")
                 return
 
     def _check_sends(self) -> None:
@@ -247,6 +248,16 @@ class Stage:
         if wait:
             self._reaper.join(self.transport.timeout_s)
             self._check_sends()
+
+
+@dataclass(frozen=True)
+class _Send:
+    tensor: torch.Tensor
+    peer: int
+    tag: int
+    what: str
+    context: str
+    ready: float  # time.monotonic() when the emulated device has it out (0: at once)
 
 
 def _with_context(e: BaseException, context: str) -> CommError:
