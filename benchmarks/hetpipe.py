@@ -3,17 +3,19 @@
 Two machines, ``m0`` with two ``fast`` devices and ``m1`` with two ``slow`` ones
 (half the speed). ddp trains on all four (each step waits for the slow ones);
 HetPipe trains with the allocation policies (np, ed; hd makes ed's virtual
-workers on two machines), its partitioner's cut and N_m, and WSP through one
-parameter server; ``ed-own`` is ED with each virtual worker's own optimizer
+workers on two machines; bd, beyond HetPipe, ed's virtual workers and twins
+running the other way with N_m = 1), its partitioner's cut and N_m, and WSP
+through one parameter server; ``ed-own`` is ED with each virtual worker's own optimizer
 instead of the servers' (``--no-server-optimizer``), ``ed-paper`` is ED with
 neither the servers' optimizer nor weight prediction (the paper). Every run
 is tuned over the same grid of Adam learning rates (ddp's best is inside it):
 its time to a loss is at the learning rate that gets there first. Runs
-alternate (ddp, np, ed, ed-own, ed-paper, then the next learning rate) so
+alternate (ddp, np, ed, bd, ed-own, ed-paper, then the next learning rate) so
 machine noise hits them alike; throughput is the median over all of a run's
 learning rates and repeats.
 
-    ./dev bench hetpipe            # default: 3 learning rates, ddp 300 steps (~20 minutes)
+    ./dev bench hetpipe            # default: 3 learning rates, ddp 300 steps (~25 minutes)
+    ./dev bench hetpipe --runs ddp bd --staleness 0 --name hetpipe_bd_d0   # bd, synchronous
     ./dev bench hetpipe --quick    # 1 learning rate, 40 steps (a smoke run)
 
 Saves benchmarks/results/hetpipe.json and hetpipe.png (loss against time).
@@ -39,7 +41,7 @@ from polytrain.train import run_config
 
 DEVICES = "m0:fast*2,m1:slow*2"
 MODEL = {"seq_len": 32, "d_model": 64, "layers": 12, "heads": 4}
-POLICIES = ("np", "ed", "hd")
+POLICIES = ("np", "ed", "hd", "bd")
 VARIANTS = ("ed-own", "ed-paper")  # own: optimizer per VW; paper: that and no prediction
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -124,10 +126,10 @@ def main() -> int:
                    help="Adam learning rates: every run is tuned over the same grid")
     p.add_argument("--staleness", type=int, default=1, help="WSP's D for HetPipe")
     p.add_argument("--smooth", type=int, default=20, help="moving-average window of losses")
-    p.add_argument("--runs", nargs="+", default=["ddp", "np", "ed", *VARIANTS],
+    p.add_argument("--runs", nargs="+", default=["ddp", "np", "ed", "bd", *VARIANTS],
                    choices=["ddp", *POLICIES, *VARIANTS],
-                   help="which runs (default: ddp np ed ed-own ed-paper; on two machines hd "
-                        "makes ed's virtual workers)")
+                   help="which runs (default: ddp np ed bd ed-own ed-paper; on two machines "
+                        "hd makes ed's virtual workers)")
     p.add_argument("--name", default="hetpipe", help="results file name (default hetpipe)")
     args = p.parse_args()
     if args.quick:
@@ -241,6 +243,7 @@ def plot(runs: dict[tuple[str, float], list[dict[str, Any]]],
 
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     colors = {"ddp": "black", "np": "tab:orange", "ed": "tab:blue", "hd": "tab:green",
+              "bd": "tab:red",
               "ed-own": "tab:cyan", "ed-paper": "tab:purple"}
     styles = {"hd": "--", "ed-own": "-.", "ed-paper": ":"}
     for name, row in rows.items():

@@ -43,7 +43,7 @@ def test_plan_on_two_fast_and_two_slow_devices():
     profile = profile_model(model, torch.zeros(1, 16, dtype=torch.long))
     ed = plan_hetpipe(c, profile, policy="ed", global_batch=16, state_factor=2)
     assert ed.minibatch == 8 and len(ed.virtual_workers) == 2
-    assert ed.locate(2) == (0, 0) and ed.locate(1) == (1, 1)
+    assert ed.roles(2) == [(0, 0)] and ed.roles(1) == [(1, 1)]
     for plan in ed.pipelines:
         assert plan.devices == ("slow", "fast")  # the stale first stage on the slow device
         first, second = plan.stage_layers(0), plan.stage_layers(1)
@@ -64,3 +64,38 @@ def test_a_model_too_big_for_the_devices_is_refused():
     with pytest.raises(ConfigError, match=r"does not fit virtual worker 0 .*MiB on stage .* of "
                                           r"device type tiny with 1 MiB"):
         plan_hetpipe(c, profile, policy="ed", global_batch=8, state_factor=2)
+
+
+def test_bd_pairs_each_virtual_worker_with_a_twin_running_the_other_way():
+    c = parse_cluster("m0:fast*2,m1:slow*2")
+    vws = allocate(c, "bd")
+    # ED's virtual workers (slowest first), each followed by its twin in reverse.
+    assert indices(vws) == [[2, 0], [0, 2], [3, 1], [1, 3]]
+    assert count_virtual_workers(4, 2, "bd") == 4
+    model = GPT(seq_len=16, d_model=32, layers=8, heads=2)
+    profile = profile_model(model, torch.zeros(1, 16, dtype=torch.long))
+    bd = plan_hetpipe(c, profile, policy="bd", global_batch=16, state_factor=2)
+    assert bd.inflight == 1 and bd.minibatch == 4
+    # Every device runs a stage of two virtual workers: stage 0 of one, stage 1 of its twin.
+    assert bd.roles(0) == [(0, 1), (1, 0)] and bd.roles(2) == [(0, 0), (1, 1)]
+    down, up = bd.pipelines[0], bd.pipelines[1]
+    assert down.devices == ("slow", "fast") and up.devices == ("fast", "slow")
+    # Each cut balances its own stages, so each device does the same work per round: the
+    # slow one a third of the model twice (first layers of one, last layers of the other).
+    assert len(down.stage_layers(0)) < len(down.stage_layers(1))
+    assert len(up.stage_layers(0)) > len(up.stage_layers(1))
+    slow = down.stage_times[0] + up.stage_times[1]
+    fast = down.stage_times[1] + up.stage_times[0]
+    assert abs(slow - fast) / max(slow, fast) < 0.15
+    # A device's two stages share its memory: each gets half.
+    assert all(limit == 512 * 2**20 for p in bd.pipelines for limit in p.memory_limits)
+
+
+def test_bd_is_refused_with_many_in_flight_or_not_two_machines():
+    c = parse_cluster("m0:fast*2,m1:slow*2")
+    model = GPT(seq_len=16, d_model=32, layers=4, heads=2)
+    profile = profile_model(model, torch.zeros(1, 16, dtype=torch.long))
+    with pytest.raises(ConfigError, match="policy 'bd' keeps one minibatch in flight"):
+        plan_hetpipe(c, profile, policy="bd", global_batch=16, state_factor=2, inflight=2)
+    with pytest.raises(ConfigError, match="policy 'bd' pairs the devices of two machines.*3"):
+        allocate(parse_cluster("a:fast,b:slow,c:mid"), "bd")

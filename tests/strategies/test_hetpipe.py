@@ -79,6 +79,26 @@ def test_a_learning_rate_schedule_reaches_every_stage_and_the_servers():
         assert max_abs_diff(single, constant) > 1e-3, optimizer
 
 
+@pytest.mark.timeout(180)
+def test_bd_twins_with_no_staleness_are_synchronous_adam_on_the_global_batch():
+    # Policy bd: each device runs a stage of two virtual workers going opposite ways, each
+    # on its own copy of the weights with one minibatch in flight. Here the fast device
+    # holds h1 and h2 in both of its stages, so one process pushes the same keys for two
+    # virtual workers. With D = 0 the run is still synchronous Adam on the global batch.
+    config = TrainConfig(strategy="hetpipe", devices="m0:fast,m1:slow", workers=2, nodes=2,
+                         servers=1, steps=6, batch_size=8, optimizer="adam", lr=3e-3,
+                         model_options={**TINY, "layers": 4},
+                         strategy_options={"policy": "bd", "staleness": 0})
+    plan = config.plan_summary()
+    assert "virtual worker 0: m1/0 slow -> m0/0 fast" in plan
+    assert "layers h1..head" in plan and "layers embed..h2" in plan  # both on m0/0
+    _, single = run_config(single_of(config))
+    metrics, hetpipe = run_config(config)
+    assert max_abs_diff(single, hetpipe) < 1e-5
+    single_metrics, _ = run_config(single_of(config))
+    assert metrics["losses"] == pytest.approx(single_metrics["losses"], abs=1e-5)
+
+
 def grouped_adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
     # The usual GPT recipe: weight decay on matrices only, here also another lr for the rest.
     decay = [p for p in model.parameters() if p.dim() >= 2]

@@ -10,6 +10,11 @@ three ways, for clusters whose machines each hold one device type:
 - ``hd`` (hybrid distribution): machines are paired fastest with slowest and
   each pair forms two VWs of half of each machine's devices: VWs of even
   speed with one machine crossing per VW.
+- ``bd`` (bidirectional, beyond HetPipe; two machines): ED's VWs, each with a
+  twin that runs its devices in the opposite order, so every device holds a
+  stage of two VWs (Chimera's bidirectional pipelines, Li and Hoefler, SC 2021).
+  Each VW keeps one minibatch in flight (no local staleness); its twin's work
+  fills the device while it waits.
 
 Within a virtual worker the devices run slowest first (ties in the policy's
 order). The order hardly changes the period: the partitioner balances the
@@ -24,7 +29,7 @@ the loss gap to ddp after 300 steps from 9% to 1% (README, HetPipe).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 from ..errors import ConfigError
@@ -33,9 +38,9 @@ from .partition import PipelinePlan, minmax_cut, plan_pipeline
 from .profile import ModelProfile
 
 __all__ = ["POLICIES", "VirtualWorker", "allocate", "count_virtual_workers", "HetPipePlan",
-           "plan_hetpipe"]
+           "plan_hetpipe", "roles_of"]
 
-POLICIES = ("np", "ed", "hd")
+POLICIES = ("np", "ed", "hd", "bd")
 
 
 @dataclass(frozen=True)
@@ -53,7 +58,7 @@ class VirtualWorker:
 def _check_policy(policy: str) -> None:
     if policy not in POLICIES:
         raise ConfigError(f"unknown allocation policy {policy!r}; the policies are: "
-                          f"{', '.join(POLICIES)}", "pass --policy np, ed or hd")
+                          f"{', '.join(POLICIES)}", "pass --policy np, ed, hd or bd")
 
 
 def count_virtual_workers(workers: int, nodes: int, policy: str) -> int:
@@ -64,6 +69,12 @@ def count_virtual_workers(workers: int, nodes: int, policy: str) -> int:
         return nodes
     if policy == "ed":
         return per
+    if policy == "bd":
+        if nodes != 2:
+            raise ConfigError(f"policy 'bd' pairs the devices of two machines into VWs running "
+                              f"both ways, but the run has {nodes} machine(s)",
+                              "use 2 machines (--nodes 2, or two in --devices), or --policy ed")
+        return 2 * per
     if nodes == 1:
         return 1
     if per % 2:
@@ -89,13 +100,15 @@ def allocate(cluster: Cluster, policy: str) -> tuple[VirtualWorker, ...]:
     groups: list[list[Device]]
     if policy == "np":
         groups = by_machine
-    elif policy == "ed":
+    elif policy in ("ed", "bd"):
         per = len(by_machine[0])
         groups = [[m[i] for m in by_machine] for i in range(per)]
     else:
         groups = _hybrid(by_machine)
     groups = [sorted(g, key=lambda d: d.type.gflops) for g in groups]  # stable: ties keep order
     groups.sort(key=lambda g: min(d.index for d in g))
+    if policy == "bd":  # each VW, then its twin the other way
+        groups = [h for g in groups for h in (g, g[::-1])]
     return tuple(VirtualWorker(i, tuple(g)) for i, g in enumerate(groups))
 
 
@@ -127,13 +140,9 @@ class HetPipePlan:
     virtual_workers: tuple[VirtualWorker, ...]
     pipelines: tuple[PipelinePlan, ...]
 
-    def locate(self, worker: int) -> tuple[int, int]:
-        """(virtual worker, stage) of worker index ``worker``."""
-        for vw in self.virtual_workers:
-            for j, d in enumerate(vw.devices):
-                if d.index == worker:
-                    return vw.index, j
-        raise ValueError(f"worker {worker} is in no virtual worker")
+    def roles(self, worker: int) -> list[tuple[int, int]]:
+        """(virtual worker, stage) of each stage worker index ``worker`` runs."""
+        return roles_of(self.virtual_workers, worker)
 
     @property
     def period(self) -> float:
@@ -150,6 +159,15 @@ class HetPipePlan:
         return "\n".join(lines)
 
 
+def roles_of(vws: Sequence[VirtualWorker], worker: int) -> list[tuple[int, int]]:
+    """(virtual worker, stage) of each stage the device of worker index ``worker`` runs: one,
+    or with policy ``bd`` two (stage ``j`` of a VW and ``S - 1 - j`` of its twin)."""
+    found = [(vw.index, j) for vw in vws for j, d in enumerate(vw.devices) if d.index == worker]
+    if not found:
+        raise ValueError(f"worker {worker} is in no virtual worker")
+    return found
+
+
 def plan_hetpipe(cluster: Cluster, profile: ModelProfile, *, policy: str, global_batch: int,
                  state_factor: int, inflight: int | None = None, staleness: int = 0,
                  search: object = minmax_cut) -> HetPipePlan:
@@ -157,9 +175,20 @@ def plan_hetpipe(cluster: Cluster, profile: ModelProfile, *, policy: str, global
 
     Every VW must use the same N_m (a clock is one wave of N_m minibatches in
     every VW), so when ``inflight`` is None the N_m chosen is the smallest that
-    minimises the slowest VW's period.
+    minimises the slowest VW's period. Policy ``bd`` runs N_m = 1 (a VW's twin fills
+    its bubble), and each of a device's two stages must fit half its memory.
     """
     vws = allocate(cluster, policy)
+    if policy == "bd":
+        if inflight not in (None, 1):
+            raise ConfigError(f"policy 'bd' keeps one minibatch in flight per virtual worker "
+                              f"(its twin fills the pipeline), so N_m = {inflight} does not "
+                              f"apply", "leave out --inflight (or pass --inflight 1)")
+        inflight = 1
+        halves = {d.index: replace(d, type=replace(d.type, memory_mb=d.type.memory_mb / 2))
+                  for d in cluster.devices}
+        vws = tuple(VirtualWorker(vw.index, tuple(halves[d.index] for d in vw.devices))
+                    for vw in vws)
     if global_batch % len(vws):
         raise ConfigError(f"global batch {global_batch} is not divisible by the {len(vws)} "
                           f"virtual workers of policy {policy!r}",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Sequence
 
 import torch
@@ -110,9 +111,19 @@ class AsyncPipeline:
         # the next wave: the same bound as installing it before the next forward (see
         # :meth:`WaveSync.pull`), without waiting for the servers every wave.
         self.overlap = wsp is not None and wsp.staleness >= 1
+        self._helper: ThreadPoolExecutor | None = None
+        self._update: Future[None] | None = None
 
     def feed(self, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
         """Minibatch ``fed``: its forward, then the backward the schedule puts after it."""
+        loss = self.forward(inputs, targets)
+        self.catch_up()
+        return loss
+
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
+        """Minibatch ``fed``'s forward only (:meth:`catch_up` runs the backward due after it):
+        for a process that interleaves two pipelines' stages (policy ``bd``)."""
+        self._join()
         if self.wsp is not None and self.wsp.pending and not self.overlap:
             self._install()
         t = self.fed
@@ -125,9 +136,16 @@ class AsyncPipeline:
         loss = self.stage.forward(t, batch=inputs.shape[0], inputs=inputs, targets=targets,
                                   weights=self._weights())
         self.fed += 1
-        if t - self.peak + 1 >= 0:
-            self._backward(t - self.peak + 1)
         return None if loss is None else float(loss)
+
+    def catch_up(self, *, background: bool = False) -> None:
+        """The backwards the schedule puts after the forwards fed so far; with
+        ``background`` the last one's update runs on a helper thread until this pipeline
+        is next used (for a process that runs two pipelines' stages: policy bd)."""
+        self._join()
+        while self.done <= self.fed - self.peak:
+            self._backward(self.done, background=background and
+                           self.done == self.fed - self.peak)
 
     def drain(self) -> None:
         """The backwards still in flight, the last (partial) wave, and the final global weights.
@@ -137,6 +155,7 @@ class AsyncPipeline:
         """
         if self.drained:
             return
+        self._join()
         while self.done < self.fed:
             self._backward(self.done)
         if self.wsp is not None:
@@ -146,6 +165,8 @@ class AsyncPipeline:
                 self._install()
             self.wsp.pull(final=True)
             self._install()
+        if self._helper is not None:
+            self._helper.shutdown()
         self.drained = True
 
     def _unseen(self) -> int:
@@ -158,10 +179,12 @@ class AsyncPipeline:
         unseen = self.fed % self.inflight + self.wsp.staleness * self.inflight + self.lag
         return (self.wsp.virtual_workers - 1) * unseen
 
-    def _weights(self) -> list[torch.Tensor]:
+    def _weights(self) -> list[torch.Tensor] | None:
         # Predicted: this stage's ``lag`` steps by its optimizer's rule, then the other virtual
         # workers' unseen ones, each like this stage's (no better guess at hand).
         ahead = self.lag + self._unseen() if self.predict and self.done else 0
+        if ahead == 0 and self.peak == 1:
+            return None  # the live weights: nothing changes them before this backward
         lag = min(ahead, max(self.lag, 1))  # with no lag of its own, one step stands for theirs
         extra = ahead - lag
         key = (self.version, ahead)
@@ -177,13 +200,33 @@ class AsyncPipeline:
             self._snapshot = (key, copies)
         return self._snapshot[1]
 
-    def _backward(self, mb: int) -> None:
+    def _backward(self, mb: int, *, background: bool = False) -> None:
         grads = self.stage.backward(mb)
-        self._apply(grads, self.settings.pop(mb, None))
+        settings = self.settings.pop(mb, None)
         self.done += 1
-        if self.wsp is not None and self.done % self.inflight == 0:
+        if background:  # the update runs while the device does other work (policy bd)
+            if self._helper is None:
+                self._helper = ThreadPoolExecutor(
+                    1, thread_name_prefix=f"polytrain-update-{self.stage.spec.label}")
+            self._update = self._helper.submit(self._finish, grads, settings, self.done)
+        else:
+            self._finish(grads, settings, self.done)
+
+    def _finish(self, grads: Sequence[torch.Tensor | None],
+                settings: list[dict[str, Any]] | None, done: int) -> None:
+        """The update of the ``done``-th backward, and the wave's push and pull if it ends one."""
+        self._apply(grads, settings)
+        if self.wsp is not None and done % self.inflight == 0:
+            if self.stage.clock is not None:
+                self.stage.clock.wait()  # the wave's gradients leave the device when it is done
             self._end_wave()
             self.wsp.pull(ahead=1 if self.overlap else 0)
+
+    def _join(self) -> None:
+        """Wait for an update running in the background; raise its error if it failed."""
+        if self._update is not None:
+            update, self._update = self._update, None
+            update.result()
 
     @torch.no_grad()
     def _apply(self, grads: Sequence[torch.Tensor | None],
@@ -191,6 +234,12 @@ class AsyncPipeline:
         if settings is not None:
             for group, values in zip(self.optimizer.param_groups, settings):
                 group.update(values)
+        if self.wsp is not None and self.wsp.synchronous:
+            # The servers' weights of this very minibatch replace the stage's before its next
+            # forward: an update of its own would be thrown away.
+            self.wsp.step(None, grads, scale=self.update_scale, settings=settings)
+            self.version += 1
+            return
         params = [p.detach() for p in self.params]
         before = torch._foreach_mul(params, 1.0)  # a copy of every tensor in one call
         for p, g in zip(self.params, grads):

@@ -74,9 +74,9 @@ class PipelinePlan:
             names = self.stage_layers(j)
             span = names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"
             limit = self.memory_limits[j] / _MIB
-            # Without --devices the nominal devices' memory is unlimited (2^30 MiB).
+            # Without --devices the nominal devices' memory is unlimited (2^30 MiB, halved by bd).
             memory = f"{self.stage_memory[j] / _MIB:8.1f} MiB" + \
-                ("" if limit >= 1 << 30 else f" / {limit:.0f} MiB")
+                ("" if limit >= 1 << 29 else f" / {limit:.0f} MiB")
             lines.append(f"  stage {j} on {dev:<8} layers {span:<12} "
                          f"{self.stage_times[j] * 1e3:8.1f} ms  {memory}")
         lines.append(f"  N_m = {self.inflight} in flight, minibatch {self.minibatch}: "

@@ -53,8 +53,10 @@ class WaveSync:
 
     Args:
         ctx: the run.
-        specs: every parameter tensor of the whole model, in model order.
-        mine: index in ``specs`` -> index in ``tensors`` of the tensors this stage holds.
+        specs: every parameter tensor of the whole model, in model order (with
+            ``buckets``: every bucket, each a flat tensor).
+        mine: index in ``specs`` -> index in ``tensors`` (or ``buckets``) of what this
+            stage holds.
         tensors: this stage's live parameters.
         virtual_workers: how many push every key (one stage per virtual worker).
         staleness: D, the most clocks a virtual worker may run ahead of the slowest.
@@ -63,14 +65,25 @@ class WaveSync:
             parameter group of the stage's optimizer; None: the
             servers add the updates the stages push (the paper).
         groups: the group of each of ``tensors`` (default: all in group 0).
+        lane: which of this process's stages pushes (policy bd: a process runs stages of
+            two virtual workers, which may hold the same keys; default 0).
+        buckets: ``tensors`` fused into flat buckets (lists of indices into ``tensors``),
+            each pushed and pulled as one tensor: fewer, larger requests (default: each
+            tensor alone). ``groups`` then gives each bucket's group.
     """
 
     def __init__(self, ctx: Context, specs: Sequence[TensorSpec], mine: dict[int, int],
                  tensors: Sequence[torch.Tensor], *, virtual_workers: int,
                  staleness: int, inflight: int = 1,
                  optimizer: Sequence[dict[str, Any]] | None = None,
-                 groups: Sequence[int] | None = None) -> None:
+                 groups: Sequence[int] | None = None, lane: int = 0,
+                 buckets: Sequence[Sequence[int]] | None = None) -> None:
         self.ctx = ctx
+        self.lane = lane
+        self.params = list(tensors)
+        self.buckets = [list(b) for b in buckets] if buckets is not None else \
+            [[i] for i in range(len(self.params))]
+        tensors = self._flat(self.params)
         self.client: PSClient = ctx.ps_client
         self.staleness = staleness
         self.virtual_workers = virtual_workers
@@ -107,6 +120,21 @@ class WaveSync:
         self._pull: Pending | None = None
         self._pushes: Pending | None = None
 
+    def _flat(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Per-tensor values as per-bucket flat ones (a lone tensor's is a view of it)."""
+        return [tensors[b[0]].detach().reshape(-1) if len(b) == 1 else
+                torch.cat([tensors[i].detach().reshape(-1) for i in b]) for b in self.buckets]
+
+    def _scatter(self, flat: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor]) -> None:
+        """Write per-bucket values back into the tensors (lone tensors were written in place)."""
+        for b, values in zip(self.buckets, flat):
+            if len(b) > 1:
+                offset = 0
+                for i in b:
+                    t = tensors[i].detach()
+                    t.copy_(values[offset:offset + t.numel()].view_as(t))
+                    offset += t.numel()
+
     def _slice(self, tensors: Sequence[torch.Tensor], p: Partition) -> torch.Tensor:
         flat = tensors[self._local[p.tensor]].detach().reshape(-1)
         return flat[p.offset:p.offset + p.numel]
@@ -129,7 +157,7 @@ class WaveSync:
                                pullers=self.virtual_workers, options=options)
             self.client.declare(decl, self.placement.owners[i])
         if initialise:
-            cpu = [t.detach().cpu() for t in self.tensors]
+            cpu = [t.cpu() for t in self._flat(self.params)]
             for i, p in self.mine:
                 self.client.set(self.placement.owners[i], key=p.key,
                                 tensor=self._slice(cpu, p)).wait()
@@ -138,27 +166,40 @@ class WaveSync:
                 self.client.get(self.placement.owners[i], key=p.key, out=out).wait()
         dist.barrier(group=self.ctx.groups.workers)
 
+    @property
+    def synchronous(self) -> bool:
+        """The servers run the optimizer, D = 0 and N_m = 1: every pull holds the stage's
+        last minibatch, so the stage needs no update of its own (see :meth:`step`)."""
+        return self.optimizer is not None and self.staleness == 0 and self.inflight == 1
+
     @torch.no_grad()
-    def step(self, delta: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None], *,
-             scale: float, settings: Sequence[dict[str, Any]] | None = None) -> None:
-        """A local update was applied: ``delta`` (scaled) from ``grads`` (not scaled).
+    def step(self, delta: Sequence[torch.Tensor] | None, grads: Sequence[torch.Tensor | None],
+             *, scale: float, settings: Sequence[dict[str, Any]] | None = None) -> None:
+        """A local update was applied: ``delta`` (scaled) from ``grads`` (not scaled); None:
+        none was (allowed when :attr:`synchronous`).
 
         With the servers' optimizer the gradients, times ``scale``, are kept for the
         wave's push as this stage's next minibatch, with ``settings`` (each group's
         settings this update used; default: the ones declared) for the servers' step.
         """
+        if delta is None and not self.synchronous:
+            raise ValueError("only a synchronous stage (the servers' optimizer, D = 0, "
+                             "N_m = 1) may skip its own update")
         if self.optimizer is None:
-            torch._foreach_add_(self.wave_update, list(delta))
-            torch._foreach_add_(self.since_push, list(delta))
+            assert delta is not None
+            flat = self._flat(delta)
+            torch._foreach_add_(self.wave_update, flat)
+            torch._foreach_add_(self.since_push, flat)
             return
         self.slots += 1
-        self.history.append((self.slots, list(delta)))
+        if delta is not None:
+            self.history.append((self.slots, self._flat(delta)))
         self.wave_settings.append([torch.tensor(
             round_settings(spec, settings[g] if settings is not None else spec["settings"]),
             dtype=torch.float64) for g, spec in enumerate(self.optimizer)])
-        self.wave_grads.append([torch.zeros(t.shape, dtype=t.dtype) if g is None
-                                else (g.detach() * scale).to("cpu")
-                                for t, g in zip(self.tensors, grads)])
+        self.wave_grads.append(self._flat([
+            torch.zeros(t.shape, dtype=t.dtype) if g is None else (g.detach() * scale).to("cpu")
+            for t, g in zip(self.params, grads)]))
 
     def end_wave(self) -> None:
         """End a wave: this stage's clock advances by one and it pushes the wave: its summed
@@ -188,7 +229,8 @@ class WaveSync:
         if self._pushes is not None:
             self._pushes.wait()
         self._pushes = Pending.all([
-            self.client.push(self.placement.owners[i], key=p.key, round=rnd, tensor=payload)
+            self.client.push(self.placement.owners[i], key=p.key, round=rnd, tensor=payload,
+                             lane=self.lane)
             for (i, p), payload in zip(self.mine, payloads)])
 
     def pull(self, *, ahead: int = 0, final: bool = False) -> None:
@@ -232,18 +274,21 @@ class WaveSync:
             self._pushes.wait()
         self._pull.wait()
         self._pull = None
+        flat = self._flat(params)
         if self.optimizer is None:
-            for p, g, own in zip(params, self.pulled, self.since_push):
+            for p, g, own in zip(flat, self.pulled, self.since_push):
                 p.copy_(g.to(p.device))
                 p.add_(own)
+            self._scatter(flat, params)
             return
         oldest = self.slots
         for (_, part), answer in zip(self.mine, self.answers):
             applied = int(answer[-1])
             oldest = min(oldest, applied)
-            view = self._slice(params, part)
+            view = self._slice(flat, part)
             view.copy_(answer[:-1].to(view.device))
             for slot, delta in self.history:
                 if slot > applied:
                     view.add_(self._slice(delta, part))
+        self._scatter(flat, params)
         self.history = [(slot, d) for slot, d in self.history if slot > oldest]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from ..pipeline.allocation import (
     allocate,
     count_virtual_workers,
     plan_hetpipe,
+    roles_of,
 )
 from ..pipeline.asyncpipe import AsyncPipeline
 from ..pipeline.devices import Cluster, homogeneous
@@ -41,7 +43,10 @@ class HetPipeOptions:
     """HetPipe's options (flags ``--policy``, ``--inflight``, ``--staleness``).
 
     Args:
-        policy: how devices form virtual workers: ``np``, ``ed`` or ``hd`` (default).
+        policy: how devices form virtual workers: ``np``, ``ed``, ``hd`` (default) or ``bd``
+            (beyond HetPipe: every device runs a stage of two virtual workers that go in
+            opposite directions, each with one minibatch in flight; see
+            :mod:`polytrain.pipeline.allocation`).
         inflight: N_m, minibatches in flight per virtual worker (default: the
             partitioner's choice); local staleness is N_m - 1.
         staleness: D, the most waves a virtual worker may run ahead of the slowest
@@ -61,7 +66,8 @@ class HetPipeOptions:
 
     policy: str = field(default="hd", metadata={
         "help": "how devices form virtual workers: np (one per machine), ed (one device of "
-                "every machine), hd (fast and slow machines paired; default)",
+                "every machine), hd (fast and slow machines paired; default), bd (two "
+                "machines: ed's virtual workers and twins running the other way, N_m = 1)",
         "choices": POLICIES})
     inflight: int | None = field(default=None, metadata={
         "help": "N_m, minibatches in flight per virtual worker (default: the partitioner's "
@@ -84,7 +90,7 @@ class HetPipeOptions:
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ConfigError(f"unknown allocation policy {self.policy!r}; the policies are: "
-                              f"{', '.join(POLICIES)}", "pass --policy np, ed or hd")
+                              f"{', '.join(POLICIES)}", "pass --policy np, ed, hd or bd")
         if self.inflight is not None and self.inflight < 1:
             raise ConfigError(f"--inflight (N_m) must be at least 1 (got {self.inflight})",
                               "pass --inflight 2, or leave it out to let the partitioner choose")
@@ -155,10 +161,8 @@ class HetPipe(Strategy):
     def __init__(self, ctx: Any, options: HetPipeOptions) -> None:
         super().__init__(ctx, options)
         self.plan: HetPipePlan | None = None
-        self.pipe: AsyncPipeline | None = None
-        self.stage: Stage | None = None
-        self.vw = 0
-        self.stage_index = 0
+        self.roles: list[_Role] = []
+        self.started = False
         self.virtual_workers: tuple[VirtualWorker, ...] = ()
 
     # -- set-up -----------------------------------------------------------------------------
@@ -180,14 +184,12 @@ class HetPipe(Strategy):
         ctx = self.ctx
         assert ctx is not None
         self.virtual_workers = allocate(self._cluster(), self.options.policy)
-        vw_of: dict[int, tuple[int, int]] = {}
-        for vw in self.virtual_workers:
-            for j, d in enumerate(vw.devices):
-                vw_of[d.index] = (vw.index, j)
-        self.vw, self.stage_index = vw_of[ctx.worker_index]
-        ctx.set_label(f"virtual worker {self.vw} stage {self.stage_index}")
-        mine = self.virtual_workers[self.vw]
-        self.ranks = [ctx.topology.workers[d.index] for d in mine.devices]
+        # One stage here, or with policy bd two (of twin VWs, each on its own copy of the
+        # weights: the twin's copy is made now, while both are the initial weights).
+        self.roles = [_Role(vw, j, model if k == 0 else copy.deepcopy(model))
+                      for k, (vw, j) in enumerate(roles_of(self.virtual_workers,
+                                                           ctx.worker_index))]
+        ctx.set_label(" and ".join(f"virtual worker {r.vw} stage {r.index}" for r in self.roles))
         # Activations and gradients share the point-to-point group with the servers' traffic
         # (tags of their own): point-to-point needs only pairs, which it already connects.
         self.transport = ctx.transport
@@ -197,125 +199,214 @@ class HetPipe(Strategy):
 
     @property
     def replica(self) -> tuple[int, int]:
-        return self.vw, len(self.virtual_workers)
+        # With policy bd a device's two VWs (twins, consecutive) share its slice of the batch.
+        share = len(self.roles)
+        return self.roles[0].vw // share, len(self.virtual_workers) // share
 
     @property
     def shows_progress(self) -> bool:
         """The last stage of virtual worker 0: it computes the loss."""
-        return self.vw == 0 and self.stage_index == len(self.virtual_workers[0].devices) - 1
+        last = len(self.virtual_workers[0].devices) - 1
+        return any(r.vw == 0 and r.index == last for r in self.roles)
 
-    def _setup(self, inputs: torch.Tensor, loss_fn: LossFn) -> AsyncPipeline:
-        """Plan and build this process's stage at the first step (when the minibatch is known)."""
+    def _setup(self, inputs: torch.Tensor, loss_fn: LossFn) -> None:
+        """Plan and build this process's stages at the first step (when the minibatch is known)."""
         ctx = self.ctx
         assert ctx is not None
         count = len(self.virtual_workers)
         profile = profile_model(self.model, inputs[:1])
         plan = plan_hetpipe(self._cluster(), profile, policy=self.options.policy,
-                            global_batch=inputs.shape[0] * count,
+                            global_batch=inputs.shape[0] * count // len(self.roles),
                             state_factor=optimizer_state_factor(self.base_optimizer),
                             inflight=self.options.inflight, staleness=self.options.staleness)
         self.plan = plan
         if ctx.worker_index == 0:
             log.info("%s", plan.describe())
-        pipeline = plan.pipelines[self.vw]
-        j = self.stage_index
-        layers = layers_of(self.model)
+        fused = fused_keys(self.model, self.base_optimizer)
+        specs = [spec for spec, _ in fused]
+        clock = clock_of(self.model)  # the twin's copy runs on the same device
+        for lane, role in enumerate(self.roles):
+            stage = self._stage(role, plan, profile, loss_fn, clock)
+            optimizer, sources, groups = self._stage_optimizer(stage)
+            local = {n: i for i, n in enumerate(stage.names)}
+            held = [k for k, (_, names) in enumerate(fused) if names[0] in local]
+            buckets = [[local[n] for n in fused[k][1]] for k in held]
+            base = self.base_optimizer
+            wsp = WaveSync(ctx, specs, {k: i for i, k in enumerate(held)}, stage.params,
+                           virtual_workers=count, staleness=self.options.staleness,
+                           inflight=plan.inflight,
+                           optimizer=[optimizer_spec(base, i) for i in sources]
+                           if self.options.server_optimizer else None,
+                           groups=[groups[b[0]] for b in buckets], lane=lane, buckets=buckets)
+            wsp.start(initialise=role.vw == 0)
+            role.stage = stage
+            role.pipe = AsyncPipeline(stage, optimizer, inflight=plan.inflight,
+                                      update_scale=1.0 / count, wsp=wsp,
+                                      predict=self.options.predict, source=base,
+                                      sources=sources, lag_lr=self.options.lag_lr)
+        self.started = True
+
+    def _stage(self, role: _Role, plan: HetPipePlan, profile: ModelProfile, loss_fn: LossFn,
+               clock: Any) -> Stage:
+        pipeline = plan.pipelines[role.vw]
+        devices = self.virtual_workers[role.vw].devices
+        assert self.ctx is not None
+        ranks = [self.ctx.topology.workers[d.index] for d in devices]
+        j = role.index
         a, e = pipeline.bounds[j], pipeline.bounds[j + 1]
-        module = nn.Sequential(OrderedDict(layers[a:e]))
-        devices = self.virtual_workers[self.vw].devices
+        module = nn.Sequential(OrderedDict(layers_of(role.model)[a:e]))
         cluster = self._cluster()
         first, last = j == 0, j == len(devices) - 1
         spec = StageSpec(
             index=j, count=len(devices),
-            prev=None if first else self.ranks[j - 1],
-            next=None if last else self.ranks[j + 1],
-            label=self._label(self.vw, j, self.ranks[j]),
-            prev_label="" if first else self._label(self.vw, j - 1, self.ranks[j - 1]),
-            next_label="" if last else self._label(self.vw, j + 1, self.ranks[j + 1]),
+            prev=None if first else ranks[j - 1],
+            next=None if last else ranks[j + 1],
+            label=self._label(role.vw, j, ranks[j]),
+            prev_label="" if first else self._label(role.vw, j - 1, ranks[j - 1]),
+            next_label="" if last else self._label(role.vw, j + 1, ranks[j + 1]),
             input_shape=profile.input_shape if first else profile.layers[a - 1].out_shape,
             input_dtype=profile.input_dtype if first else profile.layers[a - 1].out_dtype,
             link_prev=0.0 if first else cluster.bandwidth(devices[j - 1], devices[j]),
             link_next=0.0 if last else cluster.bandwidth(devices[j], devices[j + 1]))
-        self.stage = Stage(spec, module, self.transport, loss_fn=loss_fn,
-                           clock=clock_of(self.model))
-        optimizer, sources, groups = self._stage_optimizer()
-        specs = [TensorSpec.of(n, p) for n, p in self.model.named_parameters()]
-        index = {n: i for i, (n, _) in enumerate(self.model.named_parameters())}
-        base = self.base_optimizer
-        wsp = WaveSync(ctx, specs, {index[n]: i for i, n in enumerate(self.stage.names)},
-                       self.stage.params, virtual_workers=count,
-                       staleness=self.options.staleness, inflight=plan.inflight,
-                       optimizer=[optimizer_spec(base, i) for i in sources]
-                       if self.options.server_optimizer else None, groups=groups)
-        wsp.start(initialise=self.vw == 0)
-        return AsyncPipeline(self.stage, optimizer, inflight=plan.inflight,
-                             update_scale=1.0 / count, wsp=wsp, predict=self.options.predict,
-                             source=base, sources=sources, lag_lr=self.options.lag_lr)
+        return Stage(spec, module, self.transport, loss_fn=loss_fn, clock=clock)
 
-    def _stage_optimizer(self) -> tuple[torch.optim.Optimizer, list[int], list[int]]:
-        """The user's optimizer over this stage's parameters: its class, and one group for
+    def _stage_optimizer(self, stage: Stage) -> tuple[torch.optim.Optimizer, list[int], list[int]]:
+        """The user's optimizer over ``stage``'s parameters: its class, and one group for
         each of its groups that holds some (with their settings, which it follows every
         minibatch). Returns it, the user's group each of its groups follows, and each
         stage parameter's group."""
-        assert self.stage is not None
         base = self.base_optimizer
-        mine = {id(p): i for i, p in enumerate(self.stage.params)}
+        # By name: a twin's stage holds a copy of the model's parameters.
+        name_of = {id(p): n for n, p in self.model.named_parameters()}
+        mine = {n: i for i, n in enumerate(stage.names)}
         groups: list[dict[str, Any]] = []
         sources: list[int] = []
         group_of: dict[int, int] = {}
         for i, group in enumerate(base.param_groups):
-            params = [p for p in group["params"] if id(p) in mine]
-            if not params:
+            held = [mine[name_of[id(p)]] for p in group["params"]
+                    if name_of.get(id(p)) in mine]
+            if not held:
                 continue
-            for p in params:
-                group_of[mine[id(p)]] = len(groups)
+            params = [stage.params[k] for k in held]
+            for k in held:
+                group_of[k] = len(groups)
             settings = {k: v for k, v in group.items() if k != "params"}
             if "foreach" in settings:  # one call per step for all tensors: it runs every minibatch
                 settings["foreach"] = settings["foreach"] is not False and not settings.get("fused")
             groups.append({**settings, "params": params})
             sources.append(i)
-        missing = [n for i, n in enumerate(self.stage.names) if i not in group_of]
+        missing = [n for i, n in enumerate(stage.names) if i not in group_of]
         if missing:
             raise ConfigError(f"hetpipe: the optimizer does not hold the parameters "
                               f"{', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''} "
-                              f"of {self.stage.spec.label}",
+                              f"of {stage.spec.label}",
                               "give the optimizer every parameter that trains (model."
                               "parameters()), or set requires_grad=False on the others")
         kind: Any = type(base)  # the user's class, built on this stage's share of its groups
-        return kind(groups), sources, [group_of[i] for i in range(len(self.stage.params))]
+        return kind(groups), sources, [group_of[i] for i in range(len(stage.params))]
 
     # -- training ---------------------------------------------------------------------------
 
     def train_step(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                    inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn) -> float | None:
-        if self.pipe is None:
-            self.pipe = self._setup(inputs, loss_fn)
-        return self.pipe.feed(inputs, targets)
+        if not self.started:
+            self._setup(inputs, loss_fn)
+        if len(self.roles) == 1:
+            pipe = self.roles[0].pipe
+            assert pipe is not None
+            return pipe.feed(inputs, targets)
+        # Policy bd: twin VWs, each with half of this slice (the VW of lower index first).
+        # Forwards by stage order, then the backwards in reverse: on two devices, device A
+        # runs F(VW, stage 0), F+B(twin, stage 1), B(VW, stage 0) while device B runs
+        # F(twin, stage 0), F+B(VW, stage 1), B(twin, stage 0): never idle, never stale.
+        # The last stage's update runs on a helper thread while the device runs the other
+        # stage's backward (a GPU would queue it behind; emulated, it would wait in line).
+        half = inputs.shape[0] // len(self.roles)
+        order = sorted(self.roles, key=lambda r: r.index)
+        loss: float | None = None
+        for role in order:
+            assert role.pipe is not None
+            k = self.roles.index(role)
+            out = role.pipe.forward(inputs[k * half:(k + 1) * half],
+                                    targets[k * half:(k + 1) * half])
+            if self._is_last(role):
+                role.pipe.catch_up(background=True)
+            loss = out if out is not None else loss
+        for role in reversed(order):
+            assert role.pipe is not None
+            if not self._is_last(role):
+                role.pipe.catch_up()
+        return loss
+
+    def _is_last(self, role: _Role) -> bool:
+        return role.index == len(self.virtual_workers[role.vw].devices) - 1
+
+    def _drain(self) -> None:
+        for role in self.roles:
+            if role.pipe is not None:
+                role.pipe.drain()
 
     def state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """Drain, wait for every VW's last wave, and gather VW 0's stages on worker 0."""
+        """Drain, wait for every VW's last wave, and gather the stages of VW 0 on worker 0."""
         ctx = self.ctx
         assert ctx is not None
-        if self.pipe is not None:
-            self.pipe.drain()
-        own: dict[str, torch.Tensor] = {}
-        if self.stage is not None:
-            own = {k: v.detach().cpu().clone() for k, v in self.stage.module.state_dict().items()}
-        elif self.pipe is None:  # never stepped: the weights are the initial ones everywhere
+        self._drain()
+        own: dict[str, torch.Tensor] | None = None
+        for role in self.roles:
+            if role.vw == 0 and role.stage is not None:
+                own = {k: v.detach().cpu().clone()
+                       for k, v in role.stage.module.state_dict().items()}
+        if not self.started:  # never stepped: the weights are the initial ones everywhere
             own = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
         parts: list[Any] = [None] * ctx.num_workers if ctx.worker_index == 0 else []
-        dist.gather_object(own if self.vw == 0 else None,
-                           parts if ctx.worker_index == 0 else None,
+        dist.gather_object(own, parts if ctx.worker_index == 0 else None,
                            dst=ctx.topology.workers[0], group=ctx.groups.workers)
         if ctx.worker_index != 0:
-            return own
+            return own or {}
         merged: dict[str, torch.Tensor] = {}
         for part in parts:
             merged.update(part or {})
         return {k: merged[k] for k in model.state_dict()}
 
     def close(self) -> None:
-        if self.pipe is not None:
-            self.pipe.drain()
-        if self.stage is not None:
-            self.stage.close()
+        self._drain()
+        for role in self.roles:
+            if role.stage is not None:
+                role.stage.close()
+
+
+def fused_keys(model: nn.Module,
+               optimizer: torch.optim.Optimizer) -> list[tuple[TensorSpec, list[str]]]:
+    """The servers' keys: per layer, its parameters of one optimizer group and dtype as one
+    flat tensor (a stage holds whole layers, so every virtual worker agrees on them).
+    Returns each key's spec and the names of its parameters, in model order.
+
+    One request per layer instead of one per tensor: a GPT block has 12 tensors, and the
+    servers' per-request cost, not their bytes, bounded HetPipe's speed.
+    """
+    group_of = {id(p): g for g, group in enumerate(optimizer.param_groups)
+                for p in group["params"]}
+    children = {n for n, _ in layers_of(model)}
+    keys: dict[tuple[str, int, torch.dtype], list[tuple[str, torch.Tensor]]] = {}
+    for name, p in model.named_parameters():
+        layer = name.split(".", 1)[0] if name.split(".", 1)[0] in children else ""
+        keys.setdefault((layer, group_of.get(id(p), -1), p.dtype), []).append((name, p))
+    out = []
+    for (layer, group, dtype), members in keys.items():
+        numel = sum(p.numel() for _, p in members)
+        label = f"{layer or 'model'}[group {group}]" if len(members) > 1 else members[0][0]
+        out.append((TensorSpec(label, (numel,), dtype), [n for n, _ in members]))
+    return out
+
+
+@dataclass
+class _Role:
+    """One stage this process runs: its virtual worker, its index, the model whose layers
+    it takes (policy bd: a twin's stage takes them from a copy), and once built its stage
+    and pipeline."""
+
+    vw: int
+    index: int
+    model: nn.Module
+    stage: Stage | None = None
+    pipe: AsyncPipeline | None = None
