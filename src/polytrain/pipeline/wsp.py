@@ -10,9 +10,10 @@ staleness aside. Otherwise (the paper) they hold it in parameter stores
 (``ps.ParamStore``): a stage pushes each wave's summed update (computed by its
 own optimizer) and the servers add it. Either way a PULL of wave ``c`` is
 answered once every virtual worker is at least at ``c - D``. Keys are the
-partitions of the whole model's parameters, so virtual workers cut
-differently still agree on them; each key's pushers are the stages (one per
-virtual worker) that hold its tensor.
+partitions of the whole model's parameters (or of buckets of them: HetPipe
+fuses a layer's parameters of one group), so virtual workers cut differently
+still agree on them; each key's pushers are the stages (one per virtual
+worker) that hold its tensor.
 """
 
 from __future__ import annotations
