@@ -63,10 +63,6 @@ class DeviceClock:
     def compute(self, flops: float) -> None:
         self.begin(flops / self.type.flops_per_s)
 
-    def transfer(self, nbytes: float, bytes_per_s: float) -> None:
-        """The device is busy sending ``nbytes`` over a link of ``bytes_per_s``."""
-        self.begin(nbytes / bytes_per_s)
-
     def wait(self) -> None:
         """Block until the emulated device has finished everything issued."""
         delay = self.due - time.monotonic()
