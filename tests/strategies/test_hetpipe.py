@@ -224,12 +224,12 @@ def test_a_model_too_big_for_one_device_fits_split_into_stages():
     assert summary is not None and "stage 1 on small" in summary and "/ 7 MiB" in summary
 
 
-def kill_one_stage(victim: int) -> None:
+def kill_one_stage(victim: int, policy: str = "np", inflight: int | None = 2) -> None:
     ctx = polytrain.init()
     torch.manual_seed(0)
     model = GPT(**TINY)
     model, opt = polytrain.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                                      strategy="hetpipe", policy="np", inflight=2)
+                                      strategy="hetpipe", policy=policy, inflight=inflight)
     strategy = polytrain.strategy_of(model)
     index, count = strategy.replica
     gen = torch.Generator().manual_seed(0)
@@ -248,6 +248,15 @@ def test_a_dead_stage_stops_the_run_naming_its_virtual_worker_and_stage():
     with pytest.raises(LaunchError, match=r"worker rank 3 \(machine node1, virtual worker 1 "
                                           r"stage 1\) failed: killed by SIGKILL"):
         spawn(kill_one_stage, workers=4, nodes=2, servers=1, args=(3,))
+
+
+@pytest.mark.timeout(90)
+def test_a_dead_process_of_twin_virtual_workers_is_named_by_both_its_stages():
+    # Policy bd: worker 3 runs stage 1 of virtual worker 2 and stage 0 of its twin, 3.
+    with pytest.raises(LaunchError, match=r"worker rank 3 \(machine node1, virtual worker 2 "
+                                          r"stage 1 and virtual worker 3 stage 0\) failed: "
+                                          r"killed by SIGKILL"):
+        spawn(kill_one_stage, workers=4, nodes=2, servers=1, args=(3, "bd", None))
 
 
 def ddp_on(devices: str) -> TrainConfig:
