@@ -318,7 +318,8 @@ class HetPipe(Strategy):
         # Policy bd: twin VWs, each with half of this slice (the VW of lower index first).
         # Forwards by stage order, then the backwards in reverse: on two devices, device A
         # runs F(VW, stage 0), F+B(twin, stage 1), B(VW, stage 0) while device B runs
-        # F(twin, stage 0), F+B(VW, stage 1), B(twin, stage 0): never idle, never stale.
+        # F(twin, stage 0), F+B(VW, stage 1), B(twin, stage 0): never stale, and with balanced
+        # cuts neither device waits for the other (the period is the cost model's).
         # The last stage's update runs on a helper thread while the device runs the other
         # stage's backward (a GPU would queue it behind; emulated, it would wait in line).
         half = inputs.shape[0] // len(self.roles)
