@@ -10,7 +10,7 @@ import torch
 from ..errors import ConfigError
 from .partition import TensorSpec
 
-__all__ = ["Bucket", "plan_buckets", "flatten", "unflatten_into"]
+__all__ = ["Bucket", "plan_buckets", "buckets_of", "flatten", "unflatten_into"]
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,21 @@ def plan_buckets(specs: Sequence[TensorSpec], cap_bytes: int, *,
         size += spec.nbytes
     close()
     return tuple(buckets)
+
+
+def buckets_of(specs: Sequence[TensorSpec],
+               groups: Sequence[Sequence[int]]) -> tuple[Bucket, ...]:
+    """Buckets of the given members (indices into ``specs``, one dtype per group), in order."""
+    out = []
+    for k, members in enumerate(groups):
+        offsets = [sum(specs[m].numel for m in members[:j]) for j in range(len(members))]
+        dtypes = {specs[m].dtype for m in members}
+        if len(dtypes) != 1:
+            raise ValueError(f"bucket {k} mixes dtypes {sorted(map(str, dtypes))}")
+        out.append(Bucket(k, tuple(members), tuple(offsets),
+                          sum(specs[m].numel for m in members), specs[members[0]].dtype,
+                          sum(specs[m].nbytes for m in members)))
+    return tuple(out)
 
 
 def flatten(bucket: Bucket, tensors: Sequence[torch.Tensor],

@@ -24,6 +24,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+from ..comm.bucket import buckets_of, flatten, unflatten_into
 from ..comm.partition import Partition, TensorSpec, partition
 from ..errors import ConfigError
 from ..ps.client import Pending, PSClient
@@ -82,8 +83,9 @@ class WaveSync:
         self.ctx = ctx
         self.lane = lane
         self.params = list(tensors)
-        self.buckets = [list(b) for b in buckets] if buckets is not None else \
-            [[i] for i in range(len(self.params))]
+        self.buckets = buckets_of([TensorSpec.of(str(i), t) for i, t in enumerate(self.params)],
+                                  buckets if buckets is not None else
+                                  [[i] for i in range(len(self.params))])
         tensors = self._flat(self.params)
         self.client: PSClient = ctx.ps_client
         self.staleness = staleness
@@ -122,19 +124,15 @@ class WaveSync:
         self._pushes: Pending | None = None
 
     def _flat(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Per-tensor values as per-bucket flat ones (a lone tensor's is a view of it)."""
-        return [tensors[b[0]].detach().reshape(-1) if len(b) == 1 else
-                torch.cat([tensors[i].detach().reshape(-1) for i in b]) for b in self.buckets]
+        """Per-tensor values as per-bucket flat copies."""
+        plain = [t.detach() for t in tensors]
+        return [flatten(b, plain) for b in self.buckets]
 
     def _scatter(self, flat: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor]) -> None:
-        """Write per-bucket values back into the tensors (lone tensors were written in place)."""
+        """Write per-bucket values back into the tensors."""
+        plain = [t.detach() for t in tensors]
         for b, values in zip(self.buckets, flat):
-            if len(b) > 1:
-                offset = 0
-                for i in b:
-                    t = tensors[i].detach()
-                    t.copy_(values[offset:offset + t.numel()].view_as(t))
-                    offset += t.numel()
+            unflatten_into(b, values, plain)
 
     def _slice(self, tensors: Sequence[torch.Tensor], p: Partition) -> torch.Tensor:
         flat = tensors[self._local[p.tensor]].detach().reshape(-1)
