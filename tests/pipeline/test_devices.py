@@ -78,12 +78,13 @@ def test_emulated_device_waits_out_the_layer_time():
     profile = profile_model(model, x)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     slowest = BUILTIN_TYPES["slow"].__class__(name="crawl", gflops=0.2, memory_mb=64)
-    clock = emulate(model, slowest, profile, opt)
+    clock = emulate(model, slowest, profile)
     assert clock_of(model) is clock
     expected = 4 * profile.flops / 0.2e9
     start = time.monotonic()
     model(x).sum().backward()
-    opt.step()
+    opt.step()  # queued behind the device's work: it does not wait for it
+    clock.wait()  # the emulated backward has finished
     took = time.monotonic() - start
     assert clock.emulated_s == pytest.approx(expected, rel=1e-9)
     assert expected <= took < expected + 0.5

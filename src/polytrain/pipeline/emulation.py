@@ -76,15 +76,14 @@ class DeviceClock:
         return self.waited_s / self.emulated_s if self.emulated_s else 1.0
 
 
-def emulate(model: nn.Module, device_type: DeviceType, profile: ModelProfile,
-            optimizer: torch.optim.Optimizer | None = None) -> DeviceClock:
+def emulate(model: nn.Module, device_type: DeviceType, profile: ModelProfile) -> DeviceClock:
     """Make ``model`` run at the speed of ``device_type``: hooks on each of its layers.
 
     A layer's forward is an operation of ``fwd_flops * batch / rate``; its
     backward (from when the gradient of its output is ready) one of
     ``bwd_flops * batch / rate``. The clock is attached to ``model`` (see
-    :func:`clock_of`). ``optimizer`` is accepted for compatibility: its step
-    does not wait for the device (a GPU queues it behind the backward).
+    :func:`clock_of`). An optimizer step does not wait for the device (a GPU
+    queues it behind the backward).
     """
     clock = DeviceClock(device_type)
     for (name, layer), prof in zip(layers_of(model), profile.layers):

@@ -63,9 +63,10 @@ def _adam(ps: list[torch.Tensor], gs: list[torch.Tensor], states: list[dict], gr
     if group.get("amsgrad") and all(st.get("max_exp_avg_sq") is not None for st in states):
         vmax = torch._foreach_mul([st["max_exp_avg_sq"] for st in states], 1.0)
     step = _value(states[0]["step"])
-    for _ in range(lag):
+    for i in range(lag):
         step += 1
-        before = list(torch._foreach_mul(w, 1.0))
+        if extra and i == lag - 1:  # the last update, repeated ``extra`` times below
+            before = list(torch._foreach_mul(w, 1.0))
         d = gs
         if wd and decoupled:
             torch._foreach_mul_(w, 1 - lr * wd * scale)

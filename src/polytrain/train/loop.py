@@ -81,7 +81,7 @@ def train(config: TrainConfig) -> dict[str, Any] | None:
         # Every strategy, ddp included, runs at the speed of this worker's device.
         own = cluster.devices[ctx.worker_index if ctx is not None else 0]
         sample = spec.split(torch.zeros((1, seq_len + 1), dtype=torch.long))[0]
-        emulate(model, own.type, profile_model(model, sample), optimizer)
+        emulate(model, own.type, profile_model(model, sample))
     model, optimizer = distribute(model, optimizer, config.strategy, ctx=ctx,
                                   **dict(config.strategy_options))
     strategy = strategy_of(model)
