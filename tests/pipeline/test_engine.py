@@ -137,6 +137,32 @@ def test_asynchronous_pipeline_stashes_weights_and_updates_per_minibatch():
     assert max(float((got[n] - sequential[n]).abs().max()) for n in got) > 1e-4
 
 
+def adam_run(lag_beta2: float | None, first_beta2: float = 0.999) -> dict:
+    ctx = polytrain.init()
+    stage = make_stage(ctx, tiny_model())
+    beta2 = first_beta2 if ctx.worker_index == 0 else 0.999
+    opt = torch.optim.Adam(stage.params, lr=1e-2, betas=(0.9, beta2))
+    pipe = AsyncPipeline(stage, opt, inflight=2, lag_beta2=lag_beta2)
+    for x, y in data(6, 4):
+        pipe.feed(x, y)
+    pipe.drain()
+    stage.close()
+    return {n: p.detach().clone() for n, p in stage.module.named_parameters()}
+
+
+@pytest.mark.timeout(120)
+def test_a_late_stage_keeps_adams_second_moment_with_the_lag_beta2():
+    # N_m = 2: the first stage's gradients arrive late, so its Adam runs with beta2 =
+    # lag_beta2, as if built so; the last stage's arrive at once and keep the optimizer's.
+    lagged = spawn(adam_run, workers=2, args=(0.9,))
+    built = spawn(adam_run, workers=2, args=(None, 0.9))
+    for got, want in zip(lagged, built):
+        for n in want:
+            assert torch.allclose(got[n], want[n], atol=1e-6), n
+    plain = spawn(adam_run, workers=2, args=(None,))
+    assert max(float((lagged[0][n] - plain[0][n]).abs().max()) for n in plain[0]) > 1e-4
+
+
 @pytest.mark.timeout(90)
 def test_a_late_stage_steps_with_the_lag_learning_rate():
     # N_m = 2 on two stages: the first stage's gradients arrive one update late, so it steps

@@ -170,22 +170,65 @@ def test_many_in_flight_with_no_staleness_follows_the_written_out_semantics():
     assert max_abs_diff(state, synchronous) > 1e-4  # N_m = 2 is not synchronous SGD
 
 
+def train_lagged(steps: int, lag_beta2: float | None, grouped: bool) -> dict | None:
+    # N_m = 2, D = 0 with Adam on the servers; grouped: the user's optimizer gives the first
+    # stage (embed, h0 on both virtual workers) beta2 0.9 itself.
+    polytrain.init()
+    torch.manual_seed(0)
+    model = GPT(**TINY)
+    first = [p for n, p in model.named_parameters() if n.split(".")[0] in ("embed", "h0")]
+    rest = [p for n, p in model.named_parameters() if n.split(".")[0] not in ("embed", "h0")]
+    opt = torch.optim.Adam([{"params": first, "betas": (0.9, 0.9)}, {"params": rest}]
+                           if grouped else model.parameters(), lr=3e-3)
+    model, opt = polytrain.distribute(model, opt, strategy="hetpipe", policy="ed",
+                                      inflight=2, staleness=0, lag_lr=1.0, lag_beta2=lag_beta2)
+    strategy = polytrain.strategy_of(model)
+    index, count = strategy.replica
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        w = torch.randint(0, 256, (8, 17), generator=gen)
+        x, y = polytrain.shard(w[:, :-1], index, count), polytrain.shard(w[:, 1:], index, count)
+        strategy.train_step(model, opt, x, y, loss_fn)
+    state = strategy.state_dict(model)
+    strategy.close()
+    return state
+
+
+@pytest.mark.timeout(240)
+def test_the_lag_beta2_reaches_the_late_stages_and_the_servers():
+    # --lag-beta2 0.9 with N_m = 2 ends where a user's optimizer that gives the late stage
+    # (embed..h0 here) beta2 0.9 ends: on the stages (their predictions) and on the servers
+    # (whose Adam steps with each round's settings).
+    plan = TrainConfig(strategy="hetpipe", workers=4, nodes=2, servers=1, batch_size=8,
+                       model_options=TINY,
+                       strategy_options={"policy": "ed", "inflight": 2}).plan_summary()
+    assert plan.count("stage 0 on nominal  layers embed..h0") == 2
+    def run(lag_beta2: float | None, grouped: bool) -> dict:
+        return spawn(train_lagged, workers=4, nodes=2, servers=1,
+                     args=(6, lag_beta2, grouped))[0]
+
+    option = run(0.9, False)
+    assert max_abs_diff(option, run(None, True)) < 1e-6
+    assert max_abs_diff(option, run(None, False)) > 1e-4
+
+
 @pytest.mark.timeout(420)
 def test_many_in_flight_and_staleness_train_the_default_gpt():
     # N_m = 2 and D = 1 on the default GPT and task (d_model 128, 4 blocks, 500 steps, Adam
     # 2e-3), against single, mean loss of the last 20 steps. With the paper's semantics stale
     # gradients cost this model 29%; the servers' optimizer and weight prediction brought it
     # to +2.4% on this seed (+5.1% on average over seeds 0-3), and the late stage's lower
-    # learning rate (--lag-lr 0.25, the default) to +6.2% here, +1.6% on average (-2.0% to
-    # +6.2%; what a pull holds depends on the pipelines' timing, so the machine's load can
-    # move it). The issue asks for 5%; this guards the gap at 10%.
+    # learning rate with Adam's beta2 0.9 (--lag-lr 0.25 --lag-beta2 0.9, the defaults) to
+    # -2.8% here, -3.2% on average over seeds 0-7 (-13.1% to +5.9%; what a pull holds
+    # depends on the pipelines' timing, so the machine's load can move it). The issue
+    # asks for 5%.
     config = TrainConfig(strategy="hetpipe", workers=4, nodes=2, servers=1,
                          strategy_options={"policy": "ed", "inflight": 2, "staleness": 1})
     metrics, _ = run_config(config)
     single, _ = run_config(single_of(config))
     mean = lambda xs: sum(xs[-20:]) / 20  # noqa: E731 - the same last batches in both runs
     assert len(metrics["losses"]) == 500
-    assert mean(metrics["losses"]) <= 1.10 * mean(single["losses"])
+    assert mean(metrics["losses"]) <= 1.05 * mean(single["losses"])
 
 
 def test_refusals_before_any_process_starts():
@@ -209,6 +252,9 @@ def test_refusals_before_any_process_starts():
         TrainConfig(strategy="hetpipe", servers=1, strategy_options={"inflight": 0})
     with pytest.raises(ConfigError, match=r"--lag-lr must be in \(0, 1\].*HINT: pass --lag-lr"):
         TrainConfig(strategy="hetpipe", servers=1, strategy_options={"lag_lr": 0.0})
+    with pytest.raises(ConfigError, match=r"--lag-beta2 must be in \(0, 1\) \(got 1.0\).*"
+                                          r"HINT: pass --lag-beta2 0.9"):
+        TrainConfig(strategy="hetpipe", servers=1, strategy_options={"lag_beta2": 1.0})
 
 
 def test_a_model_too_big_for_one_device_fits_split_into_stages():

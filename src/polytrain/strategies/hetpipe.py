@@ -58,6 +58,10 @@ class HetPipeOptions:
             with N_m > 1 the first stages), 0 < F <= 1 (default 0.25; 1 is the paper). With
             Adam a gradient one update late is stable only in much flatter regions; see
             :class:`polytrain.pipeline.AsyncPipeline`.
+        lag_beta2: Adam's second-moment decay on a stage whose gradients arrive late,
+            0 < B < 1 (default 0.9; None keeps the optimizer's, as the paper does): the
+            step shrinks soon after the late gradients start to swing, in the coordinates
+            that swing. Optimizers without ``betas`` are left alone.
         server_optimizer: the parameter servers run the optimizer, one step per minibatch
             on the sum of every virtual worker's gradients, and stages push gradients
             (default True); False is the paper: each virtual worker's optimizer makes its
@@ -82,6 +86,10 @@ class HetPipeOptions:
     lag_lr: float = field(default=0.25, metadata={
         "help": "hetpipe: learning-rate factor of a stage whose gradients arrive late "
                 "(N_m > 1: the first stages; default 0.25, 1 is the paper)", "metavar": "F"})
+    lag_beta2: float | None = field(default=0.9, metadata={
+        "help": "hetpipe: Adam's second-moment decay (beta2) on a stage whose gradients "
+                "arrive late (N_m > 1: the first stages; default 0.9, 0.999 or the "
+                "optimizer's own value keeps it)", "metavar": "B"})
     server_optimizer: bool = field(default=True, metadata={
         "help": "hetpipe: let each virtual worker's optimizer make the updates and push "
                 "their sum every wave, as the paper does (default: the servers run the "
@@ -98,6 +106,10 @@ class HetPipeOptions:
             raise ConfigError(f"--lag-lr must be in (0, 1] (got {self.lag_lr})",
                               "pass --lag-lr 0.25, or 1 for the paper's learning rate on "
                               "every stage")
+        if self.lag_beta2 is not None and not 0 < self.lag_beta2 < 1:
+            raise ConfigError(f"--lag-beta2 must be in (0, 1) (got {self.lag_beta2})",
+                              "pass --lag-beta2 0.9, or the optimizer's own beta2 "
+                              "(0.999 for Adam) to leave it alone")
         if self.staleness < 0:
             raise ConfigError(f"--staleness (D) must be 0 or more (got {self.staleness})",
                               "pass --staleness 0 for a barrier every wave")
@@ -243,7 +255,8 @@ class HetPipe(Strategy):
             role.pipe = AsyncPipeline(stage, optimizer, inflight=plan.inflight,
                                       update_scale=1.0 / count, wsp=wsp,
                                       predict=self.options.predict, source=base,
-                                      sources=sources, lag_lr=self.options.lag_lr)
+                                      sources=sources, lag_lr=self.options.lag_lr,
+                                      lag_beta2=self.options.lag_beta2)
         self.started = True
 
     def _stage(self, role: _Role, plan: HetPipePlan, profile: ModelProfile, loss_fn: LossFn,
