@@ -7,7 +7,8 @@ workers on two machines; bd, beyond HetPipe, ed's virtual workers and twins
 running the other way with N_m = 1), its partitioner's cut and N_m, and WSP
 through one parameter server; ``ed-own`` is ED with each virtual worker's own optimizer
 instead of the servers' (``--no-server-optimizer``), ``ed-paper`` is ED with
-neither the servers' optimizer nor weight prediction (the paper). Every run
+neither the servers' optimizer nor weight prediction, and the late stage's Adam
+at the optimizer's beta2 (the paper). Every run
 is tuned over the same grid of Adam learning rates (ddp's best is inside it):
 its time to a loss is at the learning rate that gets there first. Runs
 alternate (ddp, np, ed, bd, ed-own, ed-paper, then the next learning rate) so
@@ -60,7 +61,8 @@ def config_for(name: str, args: argparse.Namespace, steps: int | None = None,
                        strategy_options={"policy": policy, "staleness": args.staleness,
                                          "predict": variant != "paper",
                                          "server_optimizer": variant == "",
-                                         **({"lag_lr": 1.0} if variant == "paper" else {})})
+                                         **({"lag_lr": 1.0, "lag_beta2": None}
+                                            if variant == "paper" else {})})
 
 
 def run(config: TrainConfig) -> dict[str, Any]:
