@@ -107,6 +107,23 @@ def grouped_adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
                               {"params": rest, "weight_decay": 0.0, "lr": 2e-3}], lr=3e-3)
 
 
+def script_batches(steps: int):
+    """A script's own batches (inputs, targets) of 8 random sequences."""
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        w = torch.randint(0, 256, (8, 17), generator=gen)
+        yield w[:, :-1], w[:, 1:]
+
+
+def hetpipe_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
+                 y: torch.Tensor) -> None:
+    """A script's training step on this worker's share of the batch."""
+    strategy = polytrain.strategy_of(model)
+    index, count = strategy.replica
+    strategy.train_step(model, opt, polytrain.shard(x, index, count),
+                        polytrain.shard(y, index, count), loss_fn)
+
+
 def train_grouped(steps: int, distributed: bool) -> dict | None:
     if distributed:
         polytrain.init()
@@ -117,21 +134,17 @@ def train_grouped(steps: int, distributed: bool) -> dict | None:
         model, opt = polytrain.distribute(model, opt, strategy="hetpipe", policy="ed",
                                           inflight=1, staleness=0)
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
-    gen = torch.Generator().manual_seed(0)
-    for _ in range(steps):
-        w = torch.randint(0, 256, (8, 17), generator=gen)
+    for x, y in script_batches(steps):
         if distributed:
-            strategy = polytrain.strategy_of(model)
-            index, count = strategy.replica
-            x, y = polytrain.shard(w[:, :-1], index, count), polytrain.shard(w[:, 1:], index, count)
-            strategy.train_step(model, opt, x, y, loss_fn)
+            hetpipe_step(model, opt, x, y)
         else:
             opt.zero_grad()
-            loss_fn(model(w[:, :-1]), w[:, 1:]).backward()
+            loss_fn(model(x), y).backward()
             opt.step()
         schedule.step()
     if not distributed:
         return model.state_dict()
+    strategy = polytrain.strategy_of(model)
     state = strategy.state_dict(model)
     strategy.close()
     return state
@@ -170,25 +183,22 @@ def test_many_in_flight_with_no_staleness_follows_the_written_out_semantics():
     assert max_abs_diff(state, synchronous) > 1e-4  # N_m = 2 is not synchronous SGD
 
 
-def train_lagged(steps: int, lag_beta2: float | None, grouped: bool) -> dict | None:
+def train_lagged(steps: int, lag_beta2: float | None, grouped: bool) -> dict:
     # N_m = 2, D = 0 with Adam on the servers; grouped: the user's optimizer gives the first
     # stage (embed, h0 on both virtual workers) beta2 0.9 itself.
     polytrain.init()
     torch.manual_seed(0)
     model = GPT(**TINY)
-    first = [p for n, p in model.named_parameters() if n.split(".")[0] in ("embed", "h0")]
-    rest = [p for n, p in model.named_parameters() if n.split(".")[0] not in ("embed", "h0")]
-    opt = torch.optim.Adam([{"params": first, "betas": (0.9, 0.9)}, {"params": rest}]
-                           if grouped else model.parameters(), lr=3e-3)
+    first = {n for n, _ in model.named_parameters() if n.split(".")[0] in ("embed", "h0")}
+    groups = [{"params": [p for n, p in model.named_parameters() if n in first],
+               "betas": (0.9, 0.9)},
+              {"params": [p for n, p in model.named_parameters() if n not in first]}]
+    opt = torch.optim.Adam(groups if grouped else model.parameters(), lr=3e-3)
     model, opt = polytrain.distribute(model, opt, strategy="hetpipe", policy="ed",
                                       inflight=2, staleness=0, lag_lr=1.0, lag_beta2=lag_beta2)
+    for x, y in script_batches(steps):
+        hetpipe_step(model, opt, x, y)
     strategy = polytrain.strategy_of(model)
-    index, count = strategy.replica
-    gen = torch.Generator().manual_seed(0)
-    for _ in range(steps):
-        w = torch.randint(0, 256, (8, 17), generator=gen)
-        x, y = polytrain.shard(w[:, :-1], index, count), polytrain.shard(w[:, 1:], index, count)
-        strategy.train_step(model, opt, x, y, loss_fn)
     state = strategy.state_dict(model)
     strategy.close()
     return state
@@ -203,6 +213,7 @@ def test_the_lag_beta2_reaches_the_late_stages_and_the_servers():
                        model_options=TINY,
                        strategy_options={"policy": "ed", "inflight": 2}).plan_summary()
     assert plan.count("stage 0 on nominal  layers embed..h0") == 2
+
     def run(lag_beta2: float | None, grouped: bool) -> dict:
         return spawn(train_lagged, workers=4, nodes=2, servers=1,
                      args=(6, lag_beta2, grouped))[0]
