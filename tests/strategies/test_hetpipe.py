@@ -124,6 +124,14 @@ def hetpipe_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Te
                         polytrain.shard(y, index, count), loss_fn)
 
 
+def hetpipe_final(model: torch.nn.Module) -> dict:
+    """A script's end: the gathered weights (``final.pt``'s), then the strategy closed."""
+    strategy = polytrain.strategy_of(model)
+    state = strategy.state_dict(model)
+    strategy.close()
+    return state
+
+
 def train_grouped(steps: int, distributed: bool) -> dict | None:
     if distributed:
         polytrain.init()
@@ -144,10 +152,7 @@ def train_grouped(steps: int, distributed: bool) -> dict | None:
         schedule.step()
     if not distributed:
         return model.state_dict()
-    strategy = polytrain.strategy_of(model)
-    state = strategy.state_dict(model)
-    strategy.close()
-    return state
+    return hetpipe_final(model)
 
 
 @pytest.mark.timeout(120)
@@ -198,10 +203,7 @@ def train_lagged(steps: int, lag_beta2: float | None, grouped: bool) -> dict:
                                       inflight=2, staleness=0, lag_lr=1.0, lag_beta2=lag_beta2)
     for x, y in script_batches(steps):
         hetpipe_step(model, opt, x, y)
-    strategy = polytrain.strategy_of(model)
-    state = strategy.state_dict(model)
-    strategy.close()
-    return state
+    return hetpipe_final(model)
 
 
 @pytest.mark.timeout(240)
