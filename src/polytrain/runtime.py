@@ -22,6 +22,7 @@ from .errors import CommError, CommTimeout, ConfigError
 from .launch.launcher import free_port
 from .log import set_identity
 from .ps.client import PSClient
+from .ps.keys import KeySpace
 from .ps.server import Server
 
 __all__ = ["Context", "init", "current", "is_initialized"]
@@ -52,6 +53,7 @@ class Context:
         groups: process groups among workers (all, same machine, leaders) and of all ranks.
         meter: the traffic meter; transport: metered point-to-point messages.
         ps_client: requests to the servers (workers only).
+        keys: the run's one allocator of service keys.
         device: where this worker computes (``cpu`` or ``cuda:i``).
         timeout_s: how long any wait on a peer may take.
     """
@@ -68,6 +70,8 @@ class Context:
         self.transport = Transport(rank=rank, topology=topology, group=groups.service,
                                    meter=self.meter, timeout_s=timeout_s)
         self.ps_client = PSClient(self.transport, topology)
+        #: The run's service keys: every user of the service takes fresh ones here.
+        self.keys = KeySpace()
         self.final_reports: list[MeterReport] = []
         #: The emulated devices of the run (a ``pipeline.Cluster``), when it has them.
         self.cluster: Any = None
@@ -168,7 +172,6 @@ class Context:
 
 
 _context: Context | None = None
-_failed = False
 
 
 def current() -> Context:
@@ -308,20 +311,11 @@ def _even_group_counts(held: int, rank: int, timeout: datetime.timedelta) -> Non
         dist.new_group([rank], backend="gloo", timeout=timeout, use_local_synchronization=True)
 
 
-def _mark_failed(kind: type[BaseException], value: BaseException, tb: Any) -> None:
-    global _failed
-    _failed = True
-    _previous_hook(kind, value, tb)
-
-
-_previous_hook = sys.excepthook
-sys.excepthook = _mark_failed
-
-
 def _shutdown_at_exit() -> None:
     # After an unhandled error the peers are stopped by the launcher (ours or torchrun);
-    # waiting on them here would only delay the exit.
-    if _context is None or _failed:
+    # waiting on them here would only delay the exit. Python leaves the error that ended
+    # the script in sys.last_value before it runs the exit hooks.
+    if _context is None or getattr(sys, "last_value", None) is not None:
         return
     try:
         _context.shutdown()

@@ -5,6 +5,7 @@ import torch
 
 from polytrain import ConfigError
 from polytrain.comm import TensorSpec, flatten, partition, plan_buckets, unflatten_into
+from polytrain.models import GPT
 from polytrain.ps import balanced
 
 F32 = torch.float32
@@ -52,3 +53,28 @@ def test_balanced_placement_evens_bytes_and_is_the_same_everywhere():
 def test_a_placement_needs_a_server():
     with pytest.raises(ConfigError, match="needs at least one server"):
         balanced(partition([TensorSpec("w", (4,), F32)], 64), [])
+
+
+# BytePS's fusion of small tensors (moved here with the planner from strategies/byteps).
+def gpt_specs(**options):
+    return [TensorSpec.of(n, p) for n, p in GPT(**options).named_parameters()]
+
+
+def test_fusion_groups_neighbours_until_the_threshold_and_keeps_the_order():
+    specs = gpt_specs()
+    groups = plan_buckets(specs, fill_bytes=262_144, reverse=False)
+    assert [m for g in groups for m in g.members] == list(range(len(specs)))
+    assert all(g.nbytes >= 262_144 for g in groups[:-1])
+    assert len(groups) < len(specs) / 3  # norms and biases ride with their neighbours
+    for g in groups:
+        assert g.offsets == tuple(sum(specs[m].numel for m in g.members[:i])
+                                  for i in range(len(g.members)))
+    assert [g.members for g in plan_buckets(specs, fill_bytes=0, reverse=False)] == [
+        (i,) for i in range(len(specs))]
+
+
+def test_fusion_never_mixes_dtypes():
+    specs = [TensorSpec("a", (4,), F32), TensorSpec("b", (4,), torch.float16),
+             TensorSpec("c", (4,), torch.float16)]
+    assert [g.members for g in plan_buckets(specs, fill_bytes=1 << 20,
+                                            reverse=False)] == [(0,), (1, 2)]

@@ -47,21 +47,23 @@ def write_pid_and_hang(directory: str) -> None:
 def server_dies_mid_run(directory: str) -> None:
     """Workers push to a server; after the first round worker 0 kills the server (kill -9)."""
     from polytrain.comm import TensorSpec, partition
-    from polytrain.ps import SumClient, balanced
+    from polytrain.ps import balanced, engine_for
 
     with open(os.path.join(directory, f"pid-{os.environ['RANK']}"), "w") as f:
         f.write(str(os.getpid()))
     ctx = polytrain.init()  # the server serves in here until it is killed
     parts = partition([TensorSpec("g", (256,), torch.float32)], 1 << 20)
-    sums = SumClient(ctx.ps_client, balanced(parts, ctx.topology.servers),
-                     pushers=ctx.num_workers)
-    sums.declare()
+    engine = engine_for(ctx)
+    [sums] = engine.sums([TensorSpec("g", (256,), torch.float32)],
+                         balanced(parts, ctx.topology.servers), local_reduce=False)
     g = torch.ones(256)
-    sums.push_pull(0, g).wait()
+    engine.submit(sums, g)
+    engine.wait(sums)
     if ctx.worker_index == 0:
         server = ctx.topology.servers[0]
         with open(os.path.join(directory, f"pid-{server}")) as f:
             os.kill(int(f.read()), signal.SIGKILL)
     for _ in range(200):
-        sums.push_pull(0, g).wait()
+        engine.submit(sums, g)
+        engine.wait(sums)
         time.sleep(0.05)

@@ -4,7 +4,7 @@ import torch
 import polytrain
 from polytrain import LaunchError
 from polytrain.comm import TensorSpec, partition
-from polytrain.ps import SumClient, balanced
+from polytrain.ps import Kind, balanced, engine_for
 from polytrain.ps.protocol import HEADER_LEN
 from tests.harness import spawn
 
@@ -21,20 +21,20 @@ def push_sums(partition_bytes: int, rounds: int) -> dict:
     ctx = polytrain.init()
     parts = partition(SPECS, partition_bytes)
     placement = balanced(parts, ctx.topology.servers)
-    sums = SumClient(ctx.ps_client, placement, pushers=ctx.num_workers)
-    sums.declare()
+    engine = engine_for(ctx)
+    sums = engine.sums(SPECS, placement, local_reduce=False)
     before = ctx.meter.report()
     results = []
     for r in range(rounds):
         tensors = contribution(ctx.worker_index, r)
-        outs = [torch.empty_like(t) for t in tensors]
-        pending = [sums.push_pull(i, t, out) for i, (t, out) in enumerate(zip(tensors, outs))]
-        for p in pending:
-            p.wait()
+        for t, s in zip(tensors, sums):
+            engine.submit(s, t)
+        outs = [engine.wait(s).view(t.shape).clone() for t, s in zip(tensors, sums)]
         results.append(outs)
     after = ctx.meter.report()
     sent = {s: after.bytes("sent", [s]) - before.bytes("sent", [s]) for s in ctx.topology.servers}
     recv = {s: after.bytes("recv", [s]) - before.bytes("recv", [s]) for s in ctx.topology.servers}
+    engine.close()
     reports = ctx.shutdown()
     return {"results": results, "sent": sent, "recv": recv, "owned": placement.bytes_by_owner(),
             "requests": {s: placement.owners.count(s) * rounds for s in ctx.topology.servers},
@@ -77,7 +77,8 @@ def declare_mismatch() -> None:
     ctx = polytrain.init()
     shape = (1000,) if ctx.worker_index == 0 else (999,)
     parts = partition([TensorSpec("a", shape, torch.float32)], 1 << 20)
-    SumClient(ctx.ps_client, balanced(parts, ctx.topology.servers), pushers=2).declare()
+    engine_for(ctx).declare(balanced(parts, ctx.topology.servers), kind=Kind.SUM, pushers=2,
+                            pullers=2)
     import time
     time.sleep(30)  # worker 0 would wait for sums that never come
 

@@ -25,44 +25,57 @@ class Bucket:
     nbytes: int
 
 
-def plan_buckets(specs: Sequence[TensorSpec], cap_bytes: int, *,
-                 reverse: bool = True) -> tuple[Bucket, ...]:
-    """Group tensors into buckets of at most ``cap_bytes`` (a larger tensor gets its own).
+def plan_buckets(specs: Sequence[TensorSpec], cap_bytes: int | None = None, *,
+                 fill_bytes: int | None = None, reverse: bool = True) -> tuple[Bucket, ...]:
+    """Group consecutive tensors into buckets, by one of two size rules.
+
+    - ``cap_bytes``: a bucket holds at most this many bytes (a larger tensor gets
+      its own): DDP's and Herring's buckets, and MoE's.
+    - ``fill_bytes``: a bucket closes once it holds at least this many bytes
+      (0: every tensor alone): BytePS's fusion of small tensors, which are then
+      cut into partitions like any tensor.
 
     With ``reverse`` (the default) the last tensors come first, as their
-    gradients are ready first in the backward pass (DDP's and Herring's order).
-    Tensors of different dtypes never share a bucket.
+    gradients are ready first in the backward pass. Tensors of different dtypes
+    never share a bucket.
+
+    Example::
+
+        >>> import torch
+        >>> s = [TensorSpec(n, (k,), torch.float32) for n, k in [("w", 100), ("b", 4), ("v", 9)]]
+        >>> [b.members for b in plan_buckets(s, fill_bytes=400, reverse=False)]
+        [(0,), (1, 2)]
+        >>> [b.members for b in plan_buckets(s, cap_bytes=400)]
+        [(2, 1), (0,)]
     """
-    if cap_bytes < 1:
+    if (cap_bytes is None) == (fill_bytes is None):
+        raise ValueError("plan_buckets takes one of cap_bytes and fill_bytes")
+    if cap_bytes is not None and cap_bytes < 1:
         raise ConfigError(f"bucket cap must be positive (got {cap_bytes} bytes)",
                           "pass a cap such as 25 MB (25 * 2**20 bytes)")
+    if fill_bytes is not None and fill_bytes < 0:
+        raise ConfigError(f"fusion size must be 0 (no fusion) or more (got {fill_bytes} "
+                          f"bytes)", "pass 262144, or 0")
     order = list(range(len(specs)))
     if reverse:
         order.reverse()
-    buckets: list[Bucket] = []
+    groups: list[list[int]] = []
     members: list[int] = []
     size = 0
-
-    def close() -> None:
-        nonlocal members, size
-        if not members:
-            return
-        offsets, numel = [], 0
-        for m in members:
-            offsets.append(numel)
-            numel += specs[m].numel
-        dtype = specs[members[0]].dtype
-        buckets.append(Bucket(len(buckets), tuple(members), tuple(offsets), numel, dtype, size))
-        members, size = [], 0
-
     for i in order:
         spec = specs[i]
-        if members and (size + spec.nbytes > cap_bytes or spec.dtype != specs[members[0]].dtype):
-            close()
+        if members and (spec.dtype != specs[members[0]].dtype or (
+                cap_bytes is not None and size + spec.nbytes > cap_bytes)):
+            groups.append(members)
+            members, size = [], 0
         members.append(i)
         size += spec.nbytes
-    close()
-    return tuple(buckets)
+        if fill_bytes is not None and size >= fill_bytes:
+            groups.append(members)
+            members, size = [], 0
+    if members:
+        groups.append(members)
+    return buckets_of(specs, groups)
 
 
 def buckets_of(specs: Sequence[TensorSpec],

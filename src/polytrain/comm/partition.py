@@ -10,7 +10,11 @@ import torch
 
 from ..errors import ConfigError
 
-__all__ = ["TensorSpec", "Partition", "partition"]
+__all__ = ["TensorSpec", "Partition", "partition", "DEFAULT_PARTITION_BYTES"]
+
+#: The largest partition of a tensor on the summation service, unless a strategy says
+#: otherwise (BytePS's BYTEPS_PARTITION_BYTES default).
+DEFAULT_PARTITION_BYTES = 4_096_000
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ..ps.store import is_numeric_setting
+from ..ps.settings import is_numeric_setting
 from .predict import predict_weights
 from .stage import Stage
 from .wsp import WaveSync

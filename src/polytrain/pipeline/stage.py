@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from ..comm import tags
 from ..comm.p2p import Transport
 from ..errors import CommError
 from .emulation import DeviceClock
@@ -22,10 +23,6 @@ __all__ = ["StageSpec", "Stage"]
 log = logging.getLogger(__name__)
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-# Activations and gradients use their own tags (the service's tags start at 0).
-_TAG_BASE = 1 << 28
-_TAG_SPAN = 1 << 24
 
 
 @dataclass(frozen=True)
@@ -195,7 +192,7 @@ class Stage:
 
     @staticmethod
     def _tag(mb: int, direction: int) -> int:
-        return _TAG_BASE + (mb % _TAG_SPAN) * 2 + direction
+        return tags.tag(tags.PIPELINE, mb * 2 + direction)
 
     def _device_done(self) -> None:
         if self.clock is not None:

@@ -11,9 +11,11 @@ staleness aside. Otherwise (the paper) they hold it in parameter stores
 own optimizer) and the servers add it. Either way a PULL of wave ``c`` is
 answered once every virtual worker is at least at ``c - D``. Keys are the
 partitions of the whole model's parameters (or of buckets of them: HetPipe
-fuses a layer's parameters of one group), so virtual workers cut differently
-still agree on them; each key's pushers are the stages (one per virtual
-worker) that hold its tensor.
+fuses a layer's parameters of one group), placed by the caller
+(:func:`model_placement`), so virtual workers cut differently still agree on
+them; each key's pushers are the stages (one per virtual worker) that hold
+its tensor. Declarations, pushes and pulls go through the run's engine
+(:mod:`polytrain.ps.engine`).
 """
 
 from __future__ import annotations
@@ -25,19 +27,26 @@ import torch
 import torch.distributed as dist
 
 from ..comm.bucket import buckets_of, flatten, unflatten_into
-from ..comm.partition import Partition, TensorSpec, partition
+from ..comm.partition import DEFAULT_PARTITION_BYTES, Partition, TensorSpec, partition
 from ..errors import ConfigError
-from ..ps.client import Pending, PSClient
+from ..ps.client import Pending
+from ..ps.engine import engine_for
 from ..ps.placement import Placement, balanced
 from ..ps.protocol import Kind
-from ..ps.store import Declaration, round_pieces, round_settings
+from ..ps.settings import round_pieces, round_settings
 from ..runtime import Context
 
-__all__ = ["WaveSync", "PARTITION_BYTES"]
+__all__ = ["WaveSync", "model_placement"]
 
 log = logging.getLogger(__name__)
 
-PARTITION_BYTES = 4_096_000  # BytePS's default partition size
+
+def model_placement(ctx: Context, specs: Sequence[TensorSpec]) -> Placement:
+    """The servers' keys for a whole model (``specs`` in model order): its partitions spread
+    over every server by bytes, with fresh keys of the run. Every stage of every virtual
+    worker uses the one placement its process made (all processes make it alike)."""
+    parts = partition(list(specs), DEFAULT_PARTITION_BYTES)
+    return engine_for(ctx).keyed(specs, balanced(parts, ctx.topology.servers))
 
 
 class WaveSync:
@@ -45,7 +54,7 @@ class WaveSync:
 
     Example::
 
-        wsp = WaveSync(ctx, model_specs, mine={"h0.ln1.weight": 2, ...}, tensors=params,
+        wsp = WaveSync(ctx, model_placement(ctx, specs), mine={7: 2, ...}, tensors=params,
                        virtual_workers=2, staleness=1, inflight=2,
                        optimizer=[optimizer_spec(opt)])
         wsp.start(initialise=(vw == 0))
@@ -55,15 +64,15 @@ class WaveSync:
 
     Args:
         ctx: the run.
-        specs: every parameter tensor of the whole model, in model order (with
-            ``buckets``: every bucket, each a flat tensor).
-        mine: index in ``specs`` -> index in ``tensors`` (or ``buckets``) of what this
-            stage holds.
+        placement: the keys of every parameter tensor of the whole model, in model order
+            (with ``buckets``: every bucket, each a flat tensor): :func:`model_placement`.
+        mine: tensor index in ``placement`` -> index in ``tensors`` (or ``buckets``) of
+            what this stage holds.
         tensors: this stage's live parameters.
         virtual_workers: how many push every key (one stage per virtual worker).
         staleness: D, the most clocks a virtual worker may run ahead of the slowest.
         inflight: N_m, minibatches per wave.
-        optimizer: the servers' optimizer, one :func:`ps.store.optimizer_spec` per
+        optimizer: the servers' optimizer, one :func:`ps.settings.optimizer_spec` per
             parameter group of the stage's optimizer; None: the
             servers add the updates the stages push (the paper).
         groups: the group of each of ``tensors`` (default: all in group 0).
@@ -74,7 +83,7 @@ class WaveSync:
             tensor alone). ``groups`` then gives each bucket's group.
     """
 
-    def __init__(self, ctx: Context, specs: Sequence[TensorSpec], mine: dict[int, int],
+    def __init__(self, ctx: Context, placement: Placement, mine: dict[int, int],
                  tensors: Sequence[torch.Tensor], *, virtual_workers: int,
                  staleness: int, inflight: int = 1,
                  optimizer: Sequence[dict[str, Any]] | None = None,
@@ -87,7 +96,7 @@ class WaveSync:
                                   buckets if buckets is not None else
                                   [[i] for i in range(len(self.params))])
         tensors = self._flat(self.params)
-        self.client: PSClient = ctx.ps_client
+        self.engine = engine_for(ctx)
         self.staleness = staleness
         self.virtual_workers = virtual_workers
         self.inflight = inflight
@@ -101,10 +110,9 @@ class WaveSync:
                 raise ConfigError(f"the servers' optimizer steps float32 or float64 "
                                   f"parameters, but this stage has {', '.join(odd)} ones",
                                   "keep a float32 master copy of the weights, or keep the "
-                                  "optimizer on the workers (--no-server-optimizer)")
-        parts = partition(list(specs), PARTITION_BYTES)
-        self.placement: Placement = balanced(parts, ctx.topology.servers)
-        self.mine = [(i, p) for i, p in enumerate(parts) if p.tensor in mine]
+                                  "optimizer on the workers")
+        self.placement = placement
+        self.mine = [(i, p) for i, p in enumerate(placement.partitions) if p.tensor in mine]
         self._local = {p.tensor: mine[p.tensor] for _, p in self.mine}
         papers = optimizer is None  # the buffers of one mode only: they hold weights' sizes
         self.pulled = [torch.empty_like(t, device="cpu") for t in self.tensors if papers]
@@ -143,26 +151,24 @@ class WaveSync:
 
         Ends with a barrier of all workers, so nobody pushes before the weights are set.
         """
+        engine, placement = self.engine, self.placement
         options: dict[str, Any]
-        if self.optimizer is None:
-            kind, options = Kind.PARAM, {"staleness": self.staleness}
         for i, p in self.mine:
-            if self.optimizer is not None:  # rounds are minibatches
+            if self.optimizer is None:
+                kind, options = Kind.PARAM, {"staleness": self.staleness}
+            else:  # rounds are minibatches
                 spec = self.optimizer[self.groups[self._local[p.tensor]]]
                 kind, options = Kind.OPTIM, {"staleness": self.staleness * self.inflight,
                                              "optimizer": spec}
-            decl = Declaration(key=p.key, kind=int(kind), name=p.label, numel=p.numel,
-                               dtype=str(p.dtype), pushers=self.virtual_workers,
-                               pullers=self.virtual_workers, options=options)
-            self.client.declare(decl, self.placement.owners[i])
+            engine.declare(placement, kind=kind, pushers=self.virtual_workers,
+                           pullers=self.virtual_workers, options=options, only=[i])
         if initialise:
             cpu = [t.cpu() for t in self._flat(self.params)]
             for i, p in self.mine:
-                self.client.set(self.placement.owners[i], key=p.key,
-                                tensor=self._slice(cpu, p)).wait()
+                engine.set(placement, i, self._slice(cpu, p)).wait()
             # A GET is answered after the SET before it (same key, same server thread).
-            for (i, p), out in zip(self.mine, self._outs()):
-                self.client.get(self.placement.owners[i], key=p.key, out=out).wait()
+            for (i, _), out in zip(self.mine, self._outs()):
+                engine.get(placement, i, out).wait()
         dist.barrier(group=self.ctx.groups.workers)
 
     @property
@@ -228,9 +234,8 @@ class WaveSync:
         if self._pushes is not None:
             self._pushes.wait()
         self._pushes = Pending.all([
-            self.client.push(self.placement.owners[i], key=p.key, round=rnd, tensor=payload,
-                             lane=self.lane)
-            for (i, p), payload in zip(self.mine, payloads)])
+            self.engine.push(self.placement, i, round=rnd, tensor=payload, lane=self.lane)
+            for (i, _), payload in zip(self.mine, payloads)])
 
     def pull(self, *, ahead: int = 0, final: bool = False) -> None:
         """Post the pull of the global weights (answered later, see :meth:`install`).
@@ -251,8 +256,8 @@ class WaveSync:
         else:
             rnd = (self.clock + ahead) * self.inflight
         self._pull = Pending.all([
-            self.client.pull(self.placement.owners[i], key=p.key, round=rnd, out=out)
-            for (i, p), out in zip(self.mine, self._outs())])
+            self.engine.pull(self.placement, i, round=rnd, out=out)
+            for (i, _), out in zip(self.mine, self._outs())])
 
     def _outs(self) -> list[torch.Tensor]:
         """Where the answers for this stage's keys land."""

@@ -1,23 +1,24 @@
-"""The summation / parameter service: server processes, stores and the worker-side client."""
+"""The summation / parameter service: server processes, stores, and the worker-side engine."""
 
-from .client import Pending, PSClient, SumClient
-from .placement import Placement, balanced
+from .client import Pending, PSClient
+from .engine import Engine, SumTensor, engine_for
+from .keys import KeySpace
+from .placement import Placement, balanced, server_ranks, spread_handlers
 from .protocol import Kind, Op
 from .server import Server
-from .store import (
+from .settings import optimizer_spec, pack_round, round_settings
+from .stores import (
     STORES,
     Declaration,
     OptimizerStore,
     ParamStore,
     Store,
     SumStore,
-    optimizer_spec,
-    pack_round,
     register_store,
-    round_settings,
+    store_name,
 )
 
-__all__ = ["Server", "PSClient", "SumClient", "Pending", "Placement", "balanced", "Declaration",
-           "Store", "SumStore", "ParamStore", "OptimizerStore", "optimizer_spec", "round_settings",
-           "pack_round", "STORES",
-           "register_store", "Kind", "Op"]
+__all__ = ["Server", "PSClient", "Pending", "Engine", "SumTensor", "engine_for", "KeySpace",
+           "Placement", "balanced", "server_ranks", "spread_handlers", "Declaration", "Store",
+           "SumStore", "ParamStore", "OptimizerStore", "optimizer_spec", "round_settings",
+           "pack_round", "STORES", "register_store", "store_name", "Kind", "Op"]

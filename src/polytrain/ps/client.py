@@ -1,4 +1,4 @@
-"""The worker side of the service: requests to servers, and partitioned tensor sums."""
+"""Requests to servers: one message exchange per call, and handles to wait on."""
 
 from __future__ import annotations
 
@@ -11,23 +11,20 @@ import torch
 from ..comm.p2p import Handle, Transport
 from ..comm.topology import Topology
 from ..errors import ConfigError
-from .placement import Placement
 from .protocol import (
     HEADER_TAG,
     LIVENESS_TAG,
-    PAYLOAD,
-    RESPONSE,
     STATUS_BYTES,
-    Kind,
     Op,
     decode,
     encode,
-    tag,
+    payload_tag,
+    response_tag,
 )
 from .protocol import header as make_header
-from .store import Declaration
+from .stores import Declaration
 
-__all__ = ["PSClient", "Pending", "SumClient"]
+__all__ = ["PSClient", "Pending"]
 
 
 class Pending:
@@ -62,7 +59,7 @@ class PSClient:
     Example::
 
         client = ctx.ps_client
-        client.declare(Declaration(key=0, kind=Kind.SUM, name="g", numel=4,
+        client.declare(Declaration(key=ctx.keys.take(1), kind=Kind.SUM, name="g", numel=4,
                                    dtype="float32", pushers=2, pullers=2), server=3)
         out = torch.empty(4)
         client.push_pull(3, key=0, round=0, tensor=torch.ones(4), out=out).wait()
@@ -77,23 +74,23 @@ class PSClient:
 
     def request(self, server: int, op: Op, *, key: int = 0, round: int = 0,
                 payload: torch.Tensor | None = None, answer: torch.Tensor | None = None,
-                arg0: int = 0, arg1: int = 0, what: str = "") -> list[Handle]:
+                lane: int = 0, what: str = "") -> list[Handle]:
         """Send one request; the answer (if any) lands in ``answer``. Returns its handles."""
         with self._lock:
             seq = next(self._seq)
         what = what or f"{op.name} of key {key}"
         handles = []
         if answer is not None:
-            handles.append(self.transport.irecv(answer, server, tag(seq, RESPONSE),
+            handles.append(self.transport.irecv(answer, server, response_tag(seq),
                                                 f"answer to {what}"))
         flat = None if payload is None else payload.detach().reshape(-1)
         numel = 0 if flat is None else flat.numel()
         dtype = torch.uint8 if flat is None else flat.dtype
         head = make_header(op, key=key, round=round, numel=numel, dtype=dtype, seq=seq,
-                           arg0=arg0, arg1=arg1)
+                           lane=lane)
         handles.append(self.transport.isend(head, server, HEADER_TAG, what))
         if flat is not None and numel:
-            handles.append(self.transport.isend(flat, server, tag(seq, PAYLOAD), what))
+            handles.append(self.transport.isend(flat, server, payload_tag(seq), what))
         return handles
 
     def declare(self, decl: Declaration, server: int) -> None:
@@ -113,7 +110,7 @@ class PSClient:
              lane: int = 0) -> Pending:
         """Push ``tensor``; ``lane`` tells apart pushers in one process (default 0)."""
         return Pending(self.request(server, Op.PUSH, key=key, round=round, payload=tensor,
-                                    arg1=lane))
+                                    lane=lane))
 
     def pull(self, server: int, *, key: int, round: int, out: torch.Tensor) -> Pending:
         return Pending(self.request(server, Op.PULL, key=key, round=round, answer=out))
@@ -140,60 +137,3 @@ class PSClient:
                                                 LIVENESS_TAG, "the end of training"))
         for h in handles:
             h.wait()
-
-
-class SumClient:
-    """Synchronous sums of partitioned tensors through the summation service.
-
-    Every partition of the placement is a key owned by one server; each
-    ``push_pull`` pushes this rank's partitions and pulls the sums of all
-    ``pushers`` into ``out``. Rounds are counted per key, so consecutive calls
-    on the same tensor are consecutive rounds.
-
-    Example::
-
-        parts = partition([TensorSpec.of("g", g)], partition_bytes=4096)
-        sums = SumClient(ctx.ps_client, balanced(parts, ctx.topology.servers), pushers=4)
-        sums.declare()
-        sums.push_pull(0, g, out=g).wait()   # g now holds the sum over the 4 workers
-    """
-
-    def __init__(self, client: PSClient, placement: Placement, *, pushers: int,
-                 pullers: int | None = None) -> None:
-        self.client = client
-        self.placement = placement
-        self.pushers = pushers
-        self.pullers = pushers if pullers is None else pullers
-        self.rounds = [0] * len(placement.partitions)
-
-    def declare(self) -> None:
-        for i, part in enumerate(self.placement.partitions):
-            decl = Declaration(key=part.key, kind=int(Kind.SUM), name=part.label,
-                               numel=part.numel, dtype=str(part.dtype), pushers=self.pushers,
-                               pullers=self.pullers)
-            self.client.declare(decl, self.placement.owners[i])
-
-    def push_pull_partition(self, i: int, flat: torch.Tensor, out: torch.Tensor) -> Pending:
-        """Push partition ``i`` (a slice of ``flat``) and pull its sum into the slice of ``out``.
-
-        ``flat`` and ``out`` are the flattened (contiguous) tensor the partition belongs to.
-        """
-        part = self.placement.partitions[i]
-        rnd = self.rounds[i]
-        self.rounds[i] += 1
-        src = flat[part.offset:part.offset + part.numel]
-        dst = out[part.offset:part.offset + part.numel]
-        return self.client.push_pull(self.placement.owners[i], key=part.key, round=rnd,
-                                     tensor=src, out=dst)
-
-    def push_pull(self, tensor_index: int, tensor: torch.Tensor,
-                  out: torch.Tensor | None = None) -> Pending:
-        """Sum tensor ``tensor_index`` over the pushers, into ``out`` (default: in place)."""
-        out = tensor if out is None else out
-        if not out.is_contiguous():
-            raise ConfigError("push_pull needs a contiguous output tensor",
-                              "pass out=tensor.contiguous() and copy back")
-        flat = tensor.detach().reshape(-1)
-        flat_out = out.detach().view(-1)
-        return Pending.all([self.push_pull_partition(i, flat, flat_out)
-                            for i in self.placement.by_tensor(tensor_index)])

@@ -1,29 +1,43 @@
-"""Placements: which server owns each partition, as plain data."""
+"""Placements: which server owns each byte range of each tensor, as plain data."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Sequence
 
-from ..comm.partition import Partition
+from ..comm.partition import Partition, TensorSpec
+from ..comm.topology import Topology
 from ..errors import ConfigError
 
-__all__ = ["Placement", "balanced"]
+__all__ = ["Placement", "balanced", "server_ranks", "spread_handlers"]
 
 
 @dataclass(frozen=True)
 class Placement:
-    """``owners[i]`` is the server rank that owns ``partitions[i]``."""
+    """``owners[i]`` is the server rank that owns ``partitions[i]``.
+
+    ``handlers[i]``, when given, is the index among a machine's workers of the
+    one that reduces partition ``i`` inside the machine, pushes it and shares
+    the sum (the same on every machine); None leaves that to the engine
+    (:func:`spread_handlers`). Keys are the partitions' ``key`` fields: a plan
+    may number them from 0, and the engine gives them fresh service keys
+    (:meth:`renumbered`).
+    """
 
     partitions: tuple[Partition, ...]
     owners: tuple[int, ...]
+    handlers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if len(self.partitions) != len(self.owners):
             raise ConfigError(f"placement has {len(self.partitions)} partitions but "
                               f"{len(self.owners)} owners", "give one owner per partition")
+        if self.handlers is not None and len(self.handlers) != len(self.partitions):
+            raise ConfigError(f"placement has {len(self.partitions)} partitions but "
+                              f"{len(self.handlers)} handlers", "give one handler per partition")
 
     @cached_property
     def _by_tensor(self) -> dict[int, tuple[int, ...]]:
@@ -41,6 +55,45 @@ class Placement:
         for p, o in zip(self.partitions, self.owners):
             load[o] += p.nbytes
         return dict(load)
+
+    def renumbered(self, first_key: int) -> Placement:
+        """The same placement with keys ``first_key, first_key + 1, ...`` in partition order."""
+        parts = tuple(dataclasses.replace(p, key=first_key + i)
+                      for i, p in enumerate(self.partitions))
+        return dataclasses.replace(self, partitions=parts)
+
+    def check(self, specs: Sequence[TensorSpec], servers: Sequence[int], *,
+              local_workers: int = 1) -> None:
+        """Refuse a placement that does not fit ``specs`` or the run (ConfigError, values).
+
+        Every partition must lie inside its tensor with the tensor's dtype, every
+        owner must be a server rank, every handler a worker of the machine.
+        """
+        for i, (p, owner) in enumerate(zip(self.partitions, self.owners)):
+            if not 0 <= p.tensor < len(specs):
+                raise ConfigError(f"placement: partition {i} ({p.label}) is of tensor "
+                                  f"{p.tensor}, but {len(specs)} tensors were declared",
+                                  "place only the declared tensors")
+            spec = specs[p.tensor]
+            if p.offset < 0 or p.numel < 0 or p.offset + p.numel > spec.numel:
+                raise ConfigError(
+                    f"placement: partition {i} ({p.label}) covers elements [{p.offset}, "
+                    f"{p.offset + p.numel}) of {spec.name!r}, which has {spec.numel}",
+                    "keep every byte range inside its tensor")
+            if p.dtype != spec.dtype or p.nbytes != p.numel * spec.itemsize:
+                raise ConfigError(f"placement: partition {i} ({p.label}) is {p.numel} x "
+                                  f"{p.dtype} in {p.nbytes} bytes, but {spec.name!r} is "
+                                  f"{spec.dtype}", "cut partitions from the declared specs")
+            if owner not in servers:
+                raise ConfigError(f"placement: partition {i} ({p.label}) is owned by rank "
+                                  f"{owner}, which is not a server (the servers are "
+                                  f"{list(servers)})", "give every partition a server rank")
+        if self.handlers is not None:
+            bad = [h for h in self.handlers if not 0 <= h < local_workers]
+            if bad:
+                raise ConfigError(f"placement: handlers {sorted(set(bad))} are not workers of "
+                                  f"a machine of {local_workers}",
+                                  f"use handler indices 0 .. {local_workers - 1}")
 
     def describe(self) -> str:
         """A table: each owner, its partition count and bytes."""
@@ -68,3 +121,32 @@ def balanced(partitions: Sequence[Partition], servers: Sequence[int]) -> Placeme
         owners[i] = s
         load[s] += partitions[i].nbytes
     return Placement(tuple(partitions), tuple(owners))
+
+
+def spread_handlers(parts: Sequence[Partition], local_workers: int) -> tuple[int, ...]:
+    """Each partition to the machine's worker with the fewest bytes so far (a reduce-scatter)."""
+    load = [0] * local_workers
+    handlers = []
+    for p in parts:
+        h = min(range(local_workers), key=lambda i: (load[i], i))
+        handlers.append(h)
+        load[h] += p.nbytes
+    return tuple(handlers)
+
+
+def server_ranks(topology: Topology, *, colocate: bool, strategy: str = "this strategy"
+                 ) -> tuple[list[int], list[int]]:
+    """(one colocated server per worker machine, or none; the dedicated CPU servers)."""
+    per_machine = [topology.servers_on(m) for m in topology.worker_machines]
+    colocated = [s[0] for s in per_machine if s] if colocate else []
+    if colocated and len(colocated) != len(per_machine):
+        missing = [m for m, s in zip(topology.worker_machines, per_machine) if not s]
+        raise ConfigError(f"{strategy} needs a colocated server on every worker machine or "
+                          f"on none; machines {missing} have none",
+                          "launch with --colocated 1 (polytrain train does this itself)")
+    dedicated = list(topology.dedicated_servers)
+    if not colocated and not dedicated:
+        raise ConfigError(f"{strategy} needs summation servers, but this run has none",
+                          "launch with --colocated 1 and/or --servers K (polytrain train "
+                          "starts colocated servers itself)")
+    return colocated, dedicated

@@ -1,10 +1,10 @@
 """The wire format between workers and servers: fixed headers, tags, dtype codes.
 
-A request is a header (8 int64, tag 0, so a server can receive it from any
-rank) and, when ``numel > 0``, a payload tagged ``tag(seq, PAYLOAD)``. A
-response, when the op has one, is tagged ``tag(seq, RESPONSE)`` and its size
-is known to the worker in advance, so the worker posts the receive before it
-sends the request.
+A request is a header (7 int64 on tag ``tags.HEADER``, so a server can
+receive it from any rank) and, when ``numel > 0``, a payload on
+``tags.tag(PAYLOAD, seq)``. A response, when the op has one, comes on
+``tags.tag(RESPONSE, seq)``; its size is known to the worker in advance (see
+each op), so the worker posts the receive before it sends the request.
 
     worker                         server
     ------------------------------------------------------------
@@ -13,6 +13,8 @@ sends the request.
     isend(payload) ---------> |  irecv(payload, src, seq)
                               |  store handles it (now or later)
     wait(response) <--------- |  isend(response, seq)
+
+docs/architecture.md lists what each op sends and gets for each store kind.
 """
 
 from __future__ import annotations
@@ -24,19 +26,17 @@ from typing import Any
 
 import torch
 
+from ..comm import tags
+
 __all__: list[str] = []
 
-HEADER_TAG = 0
-LIVENESS_TAG = 1  # a worker's last message; a server's receive of it fails if the worker dies
-HEADER_LEN = 8
+HEADER_TAG = tags.HEADER
+LIVENESS_TAG = tags.LIVENESS  # a worker's last message; its receive fails if the worker dies
+HEADER_LEN = 7
 STATUS_BYTES = 2048  # a declaration's answer: JSON, zero-padded
 
-# Header fields.
-OP, KEY, ROUND, NUMEL, DTYPE, SEQ, ARG0, ARG1 = range(HEADER_LEN)
-
-PAYLOAD = 1
-RESPONSE = 2
-_SEQ_SPACE = 1 << 26
+# Header fields. LANE tells apart pushers inside one process (0 for most).
+OP, KEY, ROUND, NUMEL, DTYPE, SEQ, LANE = range(HEADER_LEN)
 
 
 class Op(IntEnum):
@@ -47,7 +47,6 @@ class Op(IntEnum):
     FINISH = 5     # this worker sends nothing more
     SET = 6        # payload: new value of KEY (parameter stores)
     GET = 7        # answer: current value of KEY (parameter stores)
-    CLOCK = 8      # a worker's clock advanced to ROUND (parameter stores)
 
 
 class Kind(IntEnum):
@@ -66,9 +65,14 @@ def dtype_code(dtype: torch.dtype) -> int:
     return DTYPES.index(dtype)
 
 
-def tag(seq: int, channel: int) -> int:
-    """The tag of a request's payload or response; seq 0 is never used (header tag)."""
-    return (seq % _SEQ_SPACE + 1) * 4 + channel
+def payload_tag(seq: int) -> int:
+    """The tag of request ``seq``'s payload."""
+    return tags.tag(tags.PAYLOAD, seq)
+
+
+def response_tag(seq: int) -> int:
+    """The tag of the answer to request ``seq``."""
+    return tags.tag(tags.RESPONSE, seq)
 
 
 @dataclass
@@ -82,27 +86,25 @@ class Request:
     numel: int
     dtype: torch.dtype
     seq: int
-    arg0: int
-    arg1: int
+    lane: int
     payload: torch.Tensor | None = None
 
     @property
     def pusher(self) -> tuple[int, int]:
-        """Who pushes: the rank, and its lane (``arg1`` of PUSH: one process may push for
-        several, as HetPipe's policy bd does for its two virtual workers)."""
-        return self.src, self.arg1
+        """Who pushes: the rank, and its lane (one process may push for several, as
+        HetPipe's policy bd does for its two virtual workers)."""
+        return self.src, self.lane
 
     @classmethod
     def parse(cls, src: int, header: torch.Tensor) -> Request:
         h = header.tolist()
         return cls(src, Op(h[OP]), h[KEY], h[ROUND], h[NUMEL], DTYPES[h[DTYPE]], h[SEQ],
-                   h[ARG0], h[ARG1])
+                   h[LANE])
 
 
 def header(op: Op, *, key: int = 0, round: int = 0, numel: int = 0,
-           dtype: torch.dtype = torch.uint8, seq: int = 0, arg0: int = 0,
-           arg1: int = 0) -> torch.Tensor:
-    return torch.tensor([int(op), key, round, numel, dtype_code(dtype), seq, arg0, arg1],
+           dtype: torch.dtype = torch.uint8, seq: int = 0, lane: int = 0) -> torch.Tensor:
+    return torch.tensor([int(op), key, round, numel, dtype_code(dtype), seq, lane],
                         dtype=torch.int64)
 
 

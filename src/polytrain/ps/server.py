@@ -16,16 +16,15 @@ from .protocol import (
     HEADER_LEN,
     HEADER_TAG,
     LIVENESS_TAG,
-    PAYLOAD,
-    RESPONSE,
     STATUS_BYTES,
     Op,
     Request,
     decode,
     encode,
-    tag,
+    payload_tag,
+    response_tag,
 )
-from .store import STORES, Declaration, Store
+from .stores import STORES, Declaration, Store
 
 __all__ = ["Server"]
 
@@ -150,7 +149,7 @@ class Server:
         if req.numel == 0:
             return None
         req.payload = torch.empty(req.numel, dtype=req.dtype)
-        return self.transport.irecv(req.payload, req.src, tag(req.seq, PAYLOAD),
+        return self.transport.irecv(req.payload, req.src, payload_tag(req.seq),
                                     f"payload of {req.op.name} key {req.key}")
 
     def _dispatch(self, req: Request) -> None:
@@ -187,7 +186,7 @@ class Server:
                 self.respond(req, encode({
                     "ok": False, "error": f"server rank {self.rank}: {decl.describe()}: {e}",
                     "hint": "the server builds this key's store from the declaration's "
-                            "options: fix them (hetpipe: or pass --no-server-optimizer)"},
+                            "options: fix them"},
                     STATUS_BYTES))
                 return
             self.declarations[decl.key] = (req.src, decl)
@@ -199,5 +198,5 @@ class Server:
 
     def respond(self, req: Request, tensor: torch.Tensor) -> None:
         """Send the answer to ``req`` (called from engine threads)."""
-        self.transport.isend(tensor, req.src, tag(req.seq, RESPONSE),
+        self.transport.isend(tensor, req.src, response_tag(req.seq),
                              f"answer to {req.op.name} of key {req.key}").wait()

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -29,8 +30,8 @@ from ..pipeline.devices import Cluster, homogeneous
 from ..pipeline.emulation import clock_of
 from ..pipeline.profile import ModelProfile, layers_of, optimizer_state_factor, profile_model
 from ..pipeline.stage import Stage, StageSpec
-from ..pipeline.wsp import WaveSync
-from ..ps.store import optimizer_spec
+from ..pipeline.wsp import WaveSync, model_placement
+from ..ps.settings import optimizer_spec
 from .base import LossFn, Strategy, register
 
 __all__ = ["HetPipe", "HetPipeOptions"]
@@ -235,7 +236,7 @@ class HetPipe(Strategy):
         if ctx.worker_index == 0:
             log.info("%s", plan.describe())
         fused = fused_keys(self.model, self.base_optimizer)
-        specs = [spec for spec, _ in fused]
+        placement = model_placement(ctx, [spec for spec, _ in fused])  # one for both lanes
         clock = clock_of(self.model)  # the twin's copy runs on the same device
         for lane, role in enumerate(self.roles):
             stage = self._stage(role, plan, profile, loss_fn, clock)
@@ -244,13 +245,15 @@ class HetPipe(Strategy):
             held = [k for k, (_, names) in enumerate(fused) if names[0] in local]
             buckets = [[local[n] for n in fused[k][1]] for k in held]
             base = self.base_optimizer
-            wsp = WaveSync(ctx, specs, {k: i for i, k in enumerate(held)}, stage.params,
-                           virtual_workers=count, staleness=self.options.staleness,
-                           inflight=plan.inflight,
-                           optimizer=[optimizer_spec(base, i) for i in sources]
-                           if self.options.server_optimizer else None,
-                           groups=[groups[b[0]] for b in buckets], lane=lane, buckets=buckets)
-            wsp.start(initialise=role.vw == 0)
+            with _server_optimizer_hint(self.options.server_optimizer):
+                wsp = WaveSync(ctx, placement, {k: i for i, k in enumerate(held)},
+                               stage.params, virtual_workers=count,
+                               staleness=self.options.staleness, inflight=plan.inflight,
+                               optimizer=[optimizer_spec(base, i) for i in sources]
+                               if self.options.server_optimizer else None,
+                               groups=[groups[b[0]] for b in buckets], lane=lane,
+                               buckets=buckets)
+                wsp.start(initialise=role.vw == 0)
             role.stage = stage
             role.pipe = AsyncPipeline(stage, optimizer, inflight=plan.inflight,
                                       update_scale=1.0 / count, wsp=wsp,
@@ -387,6 +390,19 @@ class HetPipe(Strategy):
         for role in self.roles:
             if role.stage is not None:
                 role.stage.close()
+
+
+@contextlib.contextmanager
+def _server_optimizer_hint(on: bool) -> Iterator[None]:
+    """The parameter service's refusals of the servers' optimizer, with HetPipe's way out."""
+    try:
+        yield
+    except ConfigError as e:
+        if not on:
+            raise
+        raise ConfigError(e.what, f"{e.hint or 'fix the optimizer'}; or keep the optimizer on "
+                                  f"the stages: --no-server-optimizer (Python: "
+                                  f"server_optimizer=False)") from None
 
 
 def fused_keys(model: nn.Module,

@@ -9,7 +9,6 @@ from polytrain.models import GPT
 from polytrain.strategies.byteps.plan import (
     MIN_SPLIT_BYTES,
     optimal_shares,
-    plan_fusion,
     plan_placement,
 )
 
@@ -135,21 +134,3 @@ def test_colocated_servers_must_cover_every_machine():
     with pytest.raises(ConfigError, match="one colocated server.*HINT"):
         plan_placement(gpt_specs(), partition_bytes=4096, machines=3, colocated=[4, 5],
                        dedicated=[])
-
-
-def test_fusion_groups_neighbours_until_the_threshold_and_keeps_the_order():
-    specs = gpt_specs()
-    groups = plan_fusion(specs, 262_144)
-    assert [m for g in groups for m in g.members] == list(range(len(specs)))
-    assert all(g.nbytes >= 262_144 for g in groups[:-1])
-    assert len(groups) < len(specs) / 3  # norms and biases ride with their neighbours
-    for g in groups:
-        assert g.offsets == tuple(sum(specs[m].numel for m in g.members[:i])
-                                  for i in range(len(g.members)))
-    assert [g.members for g in plan_fusion(specs, 0)] == [(i,) for i in range(len(specs))]
-
-
-def test_fusion_never_mixes_dtypes():
-    specs = [TensorSpec("a", (4,), F32), TensorSpec("b", (4,), torch.float16),
-             TensorSpec("c", (4,), torch.float16)]
-    assert [g.members for g in plan_fusion(specs, 1 << 20)] == [(0,), (1, 2)]

@@ -14,10 +14,11 @@ from .api import (
     synchronize,
 )
 from .options import BytePSOptions
-from .plan import Plan, Shares, optimal_shares, plan_placement
+from .plan import Plan, Shares, optimal_shares, plan_for, plan_placement
 from .strategy import BytePS
 
 __all__ = ["BytePS", "BytePSOptions", "Shares", "Plan", "optimal_shares", "plan_placement",
+           "plan_for",
            "push_pull", "push_pull_async", "synchronize", "PushPullHandle",
            "broadcast_parameters", "broadcast_optimizer_state", "DistributedOptimizer",
            "size", "rank", "local_rank", "local_size"]

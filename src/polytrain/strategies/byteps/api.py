@@ -11,13 +11,14 @@ import torch
 import torch.distributed as dist
 
 from ... import runtime
-from ...comm.partition import TensorSpec
+from ...comm.partition import DEFAULT_PARTITION_BYTES, TensorSpec
 from ...errors import ConfigError
+from ...ps.engine import Engine, SumTensor, engine_for
 from ...runtime import Context
 from .async_mode import AsyncOptimizer
-from .engine import SumEngine, SumTensor, engine_for
 from .optimizer import DistributedOptimizer as _SyncOptimizer
 from .options import BytePSOptions
+from .plan import plan_for
 
 __all__ = ["push_pull", "push_pull_async", "synchronize", "PushPullHandle",
            "broadcast_parameters", "broadcast_optimizer_state", "DistributedOptimizer",
@@ -59,7 +60,7 @@ def local_size(ctx: Context | None = None) -> int:
 class PushPullHandle:
     """A push_pull in flight; :func:`synchronize` finishes it."""
 
-    engine: SumEngine
+    engine: Engine
     tensor: SumTensor
     like: torch.Tensor
     average: bool
@@ -79,7 +80,8 @@ def push_pull_async(tensor: torch.Tensor, name: str | None = None, average: bool
     spec = TensorSpec(name, tuple(tensor.shape), tensor.dtype)
     t = declared.get(name)
     if t is None:
-        [t] = engine.declare([spec])
+        plan = plan_for(ctx.topology, [spec], partition_bytes=DEFAULT_PARTITION_BYTES)
+        [t] = engine.sums([spec], plan.placement)
         declared[name] = t
     elif t.spec != spec:
         raise ConfigError(f"push_pull name {name!r} was first used for {list(t.spec.shape)} "
@@ -179,15 +181,16 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 - ByteP
     """
     ctx = _worker_ctx(ctx)
     opts = BytePSOptions(**options)
-    engine = engine_for(ctx, partition_bytes=opts.partition_bytes, colocate=opts.colocate,
-                        credit_bytes=opts.credit_bytes)
+    engine = engine_for(ctx, credit_bytes=opts.credit_bytes)
+    placing: dict[str, Any] = {"partition_bytes": opts.partition_bytes,
+                               "colocate": opts.colocate}
     if opts.async_:
         if backward_passes_per_step != 1:
             raise ConfigError("asynchronous BytePS pushes each step's update; "
                               "backward_passes_per_step does not apply",
                               "leave backward_passes_per_step at 1 with async_=True")
         return AsyncOptimizer(optimizer, engine=engine, named_parameters=named_parameters,
-                              staleness=opts.staleness)
+                              staleness=opts.staleness, **placing)
     return _SyncOptimizer(optimizer, engine=engine, named_parameters=named_parameters,
                           backward_passes_per_step=backward_passes_per_step,
-                          fuse_bytes=opts.fuse_bytes)
+                          fuse_bytes=opts.fuse_bytes, **placing)

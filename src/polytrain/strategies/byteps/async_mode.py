@@ -18,13 +18,13 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from ...comm.partition import TensorSpec
+from ...comm.partition import DEFAULT_PARTITION_BYTES, TensorSpec
 from ...errors import ConfigError
 from ...ps.client import Pending
+from ...ps.engine import Engine
 from ...ps.protocol import Kind
-from ...ps.store import Declaration
-from .engine import SumEngine
 from .optimizer import WrappedOptimizer, named_params_of
+from .plan import plan_for
 
 __all__ = ["AsyncOptimizer"]
 
@@ -43,47 +43,45 @@ class AsyncOptimizer(WrappedOptimizer):
 
     Args:
         optimizer: the worker's own optimizer (its update is what gets pushed).
-        engine: gives the placement of partitions on this run's servers.
+        engine: this run's engine (keys, declarations, pushes and pulls).
         named_parameters: names in model order (earlier layers are pushed first).
         staleness: steps a worker may be ahead of the slowest (0: synchronous).
+        partition_bytes, colocate: the placement's (Theorem 1, as the synchronous mode).
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, *, engine: SumEngine,
+    def __init__(self, optimizer: torch.optim.Optimizer, *, engine: Engine,
                  named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
-                 staleness: int = 0) -> None:
+                 staleness: int = 0, partition_bytes: int = DEFAULT_PARTITION_BYTES,
+                 colocate: bool = True) -> None:
         if staleness < 0:
             raise ConfigError(f"staleness must be 0 or more (got {staleness})", "pass 0 or more")
         super().__init__(optimizer)
         self.ctx = engine.ctx
+        self.engine = engine
         self.staleness = staleness
         named = named_params_of(optimizer, named_parameters)
         self._params = [p for _, p in named]
-        self.plan = engine.plan([TensorSpec.of(n, p) for n, p in named])
+        specs = [TensorSpec.of(n, p) for n, p in named]
+        self.plan = plan_for(self.ctx.topology, specs, partition_bytes=partition_bytes,
+                             colocate=colocate)
+        self.placement = engine.keyed(specs, self.plan.placement)
         self.clock = 0
         self._pulled = [torch.empty(p.numel(), dtype=p.dtype) for p in self._params]
         self._declare()
 
-    def _parts(self) -> Iterable[tuple[Any, int]]:
-        return zip(self.plan.placement.partitions, self.plan.placement.owners)
-
     def _declare(self) -> None:
-        ctx = self.ctx
-        client = ctx.ps_client
-        for part, owner in self._parts():
-            client.declare(Declaration(
-                key=part.key, kind=int(Kind.PARAM), name=part.label, numel=part.numel,
-                dtype=str(part.dtype), pushers=ctx.num_workers, pullers=ctx.num_workers,
-                options={"staleness": self.staleness}), owner)
+        ctx, engine, placement = self.ctx, self.engine, self.placement
+        engine.declare(placement, kind=Kind.PARAM, pushers=ctx.num_workers,
+                       pullers=ctx.num_workers, options={"staleness": self.staleness})
         if ctx.worker_index == 0:
             flats = [p.detach().reshape(-1).cpu() for p in self._params]
-            sets = [client.set(owner, key=part.key,
-                               tensor=flats[part.tensor][part.offset:part.offset + part.numel])
-                    for part, owner in self._parts()]
+            parts = placement.partitions
+            sets = [engine.set(placement, i, flats[p.tensor][p.offset:p.offset + p.numel])
+                    for i, p in enumerate(parts)]
             # A GET is answered after the SET before it (same key, same engine thread), so
             # once every GET is back the servers hold worker 0's parameters.
-            check = [torch.empty(part.numel, dtype=part.dtype) for part, _ in self._parts()]
-            gets = [client.get(owner, key=part.key, out=out)
-                    for (part, owner), out in zip(self._parts(), check)]
+            gets = [engine.get(placement, i, torch.empty(p.numel, dtype=p.dtype))
+                    for i, p in enumerate(parts)]
             for pending in sets + gets:
                 pending.wait()
             log.info("asynchronous byteps, staleness %d:\n%s", self.staleness,
@@ -95,21 +93,19 @@ class AsyncOptimizer(WrappedOptimizer):
         old = [p.detach().reshape(-1).to("cpu", copy=True) for p in self._params]
         loss = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
         self.clock += 1
-        client = self.ctx.ps_client
         pushes: list[Pending] = []
-        for part, owner in self._parts():  # key order: earlier layers first
+        for i, part in enumerate(self.placement.partitions):  # key order: earlier layers first
             lo, n = part.offset, part.numel
             new = self._params[part.tensor].detach().reshape(-1)[lo:lo + n].to("cpu")
             delta = (new - old[part.tensor][lo:lo + n]).div_(self.ctx.num_workers)
-            pushes.append(client.push(owner, key=part.key, round=self.clock, tensor=delta))
+            pushes.append(self.engine.push(self.placement, i, round=self.clock, tensor=delta))
         self._pull(self.clock, pushes)
         return loss
 
     def _pull(self, round_: int, before: list[Pending]) -> None:
-        client = self.ctx.ps_client
-        pulls = [client.pull(owner, key=part.key, round=round_,
-                             out=self._pulled[part.tensor][part.offset:part.offset + part.numel])
-                 for part, owner in self._parts()]
+        pulls = [self.engine.pull(self.placement, i, round=round_, out=self._pulled[
+                     part.tensor][part.offset:part.offset + part.numel])
+                 for i, part in enumerate(self.placement.partitions)]
         for pending in before + pulls:
             pending.wait()
         for p, value in zip(self._params, self._pulled):

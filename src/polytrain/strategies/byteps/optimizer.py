@@ -6,12 +6,12 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-from ...comm.bucket import Bucket
-from ...comm.partition import TensorSpec
+from ...comm.bucket import Bucket, plan_buckets
+from ...comm.partition import DEFAULT_PARTITION_BYTES, TensorSpec
 from ...errors import ConfigError
-from .engine import SumEngine, SumTensor
+from ...ps.engine import Engine, SumTensor
 from .options import DEFAULT_FUSE_BYTES
-from .plan import plan_fusion
+from .plan import plan_for
 
 __all__ = ["DistributedOptimizer", "WrappedOptimizer", "named_params_of"]
 
@@ -121,10 +121,11 @@ class DistributedOptimizer(WrappedOptimizer):
         opt.step()
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, *, engine: SumEngine,
+    def __init__(self, optimizer: torch.optim.Optimizer, *, engine: Engine,
                  named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
                  backward_passes_per_step: int = 1,
-                 fuse_bytes: int = DEFAULT_FUSE_BYTES) -> None:
+                 fuse_bytes: int = DEFAULT_FUSE_BYTES,
+                 partition_bytes: int = DEFAULT_PARTITION_BYTES, colocate: bool = True) -> None:
         if backward_passes_per_step < 1:
             raise ConfigError(f"backward_passes_per_step must be at least 1 (got "
                               f"{backward_passes_per_step})", "pass 1, or the passes per step")
@@ -134,10 +135,14 @@ class DistributedOptimizer(WrappedOptimizer):
         named = named_params_of(optimizer, named_parameters)
         self._params = [p for _, p in named]
         specs = [TensorSpec.of(n, p) for n, p in named]
-        self._groups = plan_fusion(specs, fuse_bytes)
+        self._groups = plan_buckets(specs, fill_bytes=fuse_bytes, reverse=False)
         self._group_of = {m: g.index for g in self._groups for m in g.members}
-        self._tensors: Sequence[SumTensor] = engine.declare(
-            [TensorSpec(_group_name(g, specs), (g.numel,), g.dtype) for g in self._groups])
+        fused = [TensorSpec(_group_name(g, specs), (g.numel,), g.dtype) for g in self._groups]
+        plan = plan_for(engine.ctx.topology, fused, partition_bytes=partition_bytes,
+                        colocate=colocate)
+        self.plan = plan
+        self._tensors: Sequence[SumTensor] = engine.sums(fused, plan.placement,
+                                                         describe=plan.describe())
         # A fused group gathers its members' gradients in one flat buffer as they come.
         self._buffers = [None if len(g.members) == 1 else torch.empty(
             g.numel, dtype=g.dtype, device=self._params[g.members[0]].device)

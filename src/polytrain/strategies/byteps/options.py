@@ -4,13 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ...comm.partition import DEFAULT_PARTITION_BYTES
 from ...errors import ConfigError
+from ...ps.engine import DEFAULT_CREDIT_BYTES
 
-__all__ = ["BytePSOptions", "DEFAULT_PARTITION_BYTES", "DEFAULT_CREDIT_BYTES",
-           "DEFAULT_FUSE_BYTES"]
+__all__ = ["BytePSOptions", "DEFAULT_FUSE_BYTES"]
 
-DEFAULT_PARTITION_BYTES = 4_096_000  # BytePS's BYTEPS_PARTITION_BYTES
-DEFAULT_CREDIT_BYTES = 2 * DEFAULT_PARTITION_BYTES
 DEFAULT_FUSE_BYTES = 262_144
 
 

@@ -21,12 +21,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from ...comm.bucket import Bucket
 from ...comm.partition import Partition, TensorSpec, partition
+from ...comm.topology import Topology
 from ...errors import ConfigError
-from ...ps.placement import Placement
+from ...ps.placement import Placement, server_ranks, spread_handlers
 
-__all__ = ["Shares", "optimal_shares", "Plan", "plan_placement", "plan_fusion", "MIN_SPLIT_BYTES"]
+__all__ = ["Shares", "optimal_shares", "Plan", "plan_placement", "plan_for", "MIN_SPLIT_BYTES"]
 
 #: A partition is cut at an owner's boundary only into pieces of at least this many bytes,
 #: so a piece is never dwarfed by its 64-byte request header.
@@ -117,17 +117,21 @@ class Plan:
 
     Attributes:
         shares: the Theorem 1 split this plan realises.
-        placement: partitions (cut at owner boundaries so bytes meet the shares) and
-            their owner server ranks.
-        handlers: per partition, the index among a machine's workers of the one that
-            reduces it locally, pushes it, and shares the sum (the same on every machine).
+        placement: partitions (cut at owner boundaries so bytes meet the shares), their
+            owner server ranks, and their handlers: per partition, the index among a
+            machine's workers of the one that reduces it locally, pushes it, and shares
+            the sum (the same on every machine).
         specs: the tensors, in declaration order (a partition's ``tensor`` indexes them).
     """
 
     shares: Shares
     placement: Placement
-    handlers: tuple[int, ...]
     specs: tuple[TensorSpec, ...]
+
+    @property
+    def handlers(self) -> tuple[int, ...]:
+        assert self.placement.handlers is not None
+        return self.placement.handlers
 
     def bytes_by_owner(self) -> dict[int, int]:
         return self.placement.bytes_by_owner()
@@ -185,16 +189,6 @@ def _fill(parts: Sequence[Partition], targets: dict[int, float]
     return out
 
 
-def _balance_handlers(parts: Sequence[Partition], local_workers: int) -> tuple[int, ...]:
-    load = [0] * local_workers
-    handlers = []
-    for p in parts:
-        h = min(range(local_workers), key=lambda i: (load[i], i))
-        handlers.append(h)
-        load[h] += p.nbytes
-    return tuple(handlers)
-
-
 def plan_placement(specs: Sequence[TensorSpec], *, partition_bytes: int, machines: int,
                    colocated: Sequence[int], dedicated: Sequence[int], colocate: bool = True,
                    local_workers: int = 1, first_key: int = 0) -> Plan:
@@ -241,51 +235,20 @@ def plan_placement(specs: Sequence[TensorSpec], *, partition_bytes: int, machine
         final.append(Partition(first_key + i, p.tensor, p.name, index, p.offset, p.numel,
                                p.nbytes, p.dtype))
         owners.append(owner)
-    placement = Placement(tuple(final), tuple(owners))
-    return Plan(shares, placement, _balance_handlers(final, local_workers), tuple(specs))
+    placement = Placement(tuple(final), tuple(owners), spread_handlers(final, local_workers))
+    return Plan(shares, placement, tuple(specs))
 
 
-def plan_fusion(specs: Sequence[TensorSpec], fuse_bytes: int) -> tuple[Bucket, ...]:
-    """Fuse consecutive tensors until a group holds at least ``fuse_bytes`` (then cut it).
+def plan_for(topology: Topology, specs: Sequence[TensorSpec], *, partition_bytes: int,
+             colocate: bool = True) -> Plan:
+    """Theorem 1's placement of ``specs`` on the servers of the run ``topology`` describes.
 
-    Every partition costs a request header and a round of messages whatever
-    its size, so a layer's small tensors (norms, biases) travel with their
-    neighbours; a group is then cut into partitions of at most
-    ``partition_bytes`` like any tensor. ``fuse_bytes=0`` keeps every tensor on
-    its own (the reference's behaviour). Groups follow declaration order, so
-    earlier layers still go first; a change of dtype closes a group.
-
-    Example::
-
-        >>> import torch
-        >>> s = [TensorSpec(n, (k,), torch.float32) for n, k in [("w", 100), ("b", 4), ("v", 9)]]
-        >>> [b.members for b in plan_fusion(s, fuse_bytes=400)]
-        [(0,), (1, 2)]
+    One colocated server per worker machine (if ``colocate`` and the run has them)
+    and every dedicated server take part; keys are numbered from 0 (the engine
+    gives them fresh service keys).
     """
-    if fuse_bytes < 0:
-        raise ConfigError(f"fuse_bytes must be 0 (no fusion) or more (got {fuse_bytes})",
-                          "pass --fuse-bytes 262144, or 0")
-    buckets: list[Bucket] = []
-    members: list[int] = []
-
-    def close() -> None:
-        if members:
-            offsets = [sum(specs[m].numel for m in members[:i]) for i in range(len(members))]
-            numel = sum(specs[m].numel for m in members)
-            nbytes = sum(specs[m].nbytes for m in members)
-            buckets.append(Bucket(len(buckets), tuple(members), tuple(offsets), numel,
-                                  specs[members[0]].dtype, nbytes))
-            members.clear()
-
-    size = 0
-    for i, spec in enumerate(specs):
-        if members and spec.dtype != specs[members[0]].dtype:
-            close()
-            size = 0
-        members.append(i)
-        size += spec.nbytes
-        if size >= fuse_bytes:
-            close()
-            size = 0
-    close()
-    return tuple(buckets)
+    colocated, dedicated = server_ranks(topology, colocate=colocate, strategy="byteps")
+    local = len(topology.workers_on(topology.worker_machines[0]))
+    return plan_placement(specs, partition_bytes=partition_bytes,
+                          machines=len(topology.worker_machines), colocated=colocated,
+                          dedicated=dedicated, colocate=bool(colocated), local_workers=local)

@@ -9,9 +9,9 @@ from torch import nn
 
 from ...errors import ConfigError
 from ...launch.layout import Layout
+from ...ps.engine import Engine, engine_for
 from ..base import Strategy, register
 from .async_mode import AsyncOptimizer
-from .engine import SumEngine, engine_for
 from .optimizer import DistributedOptimizer
 from .options import BytePSOptions
 
@@ -45,7 +45,7 @@ class BytePS(Strategy):
 
     def __init__(self, ctx: Any, options: BytePSOptions) -> None:
         super().__init__(ctx, options)
-        self.engine: SumEngine | None = None
+        self.engine: Engine | None = None
         self.optimizer: DistributedOptimizer | AsyncOptimizer | None = None
 
     @classmethod
@@ -69,16 +69,17 @@ class BytePS(Strategy):
         assert ctx is not None
         opts: BytePSOptions = self.options
         model.to(ctx.device)
-        self.engine = engine_for(ctx, partition_bytes=opts.partition_bytes,
-                                 colocate=opts.colocate, credit_bytes=opts.credit_bytes)
+        self.engine = engine_for(ctx, credit_bytes=opts.credit_bytes)
         named = list(model.named_parameters())
+        placing: dict[str, Any] = {"partition_bytes": opts.partition_bytes,
+                               "colocate": opts.colocate}
         if opts.async_:
             self.optimizer = AsyncOptimizer(optimizer, engine=self.engine, named_parameters=named,
-                                            staleness=opts.staleness)
+                                            staleness=opts.staleness, **placing)
         else:
             self.optimizer = DistributedOptimizer(optimizer, engine=self.engine,
                                                   named_parameters=named,
-                                                  fuse_bytes=opts.fuse_bytes)
+                                                  fuse_bytes=opts.fuse_bytes, **placing)
         return model, self.optimizer
 
     def state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:

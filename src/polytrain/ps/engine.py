@@ -1,8 +1,21 @@
-"""BytePS's worker side: reduce inside the machine, push and pull each share once, share it back.
+"""The worker side of the service: one engine for every strategy that pushes and pulls.
 
-For every partition one worker of each machine is its *handler* (the plan
-spreads partitions over a machine's workers by bytes, a reduce-scatter). A
-partition's life in one round, on a machine with workers a (handler) and b:
+A caller brings a placement plan (plain data, :class:`~polytrain.ps.placement.Placement`:
+which server owns which byte range of which tensor); the engine gives its
+partitions fresh keys from the run's :class:`~polytrain.ps.keys.KeySpace`,
+checks it against the tensors and the run, declares the keys on their owners,
+and then moves the data:
+
+- synchronous sums (``sums``, ``submit``, ``wait``): reduce inside the machine,
+  push and pull each partition once per machine, share the sum back, with
+  priorities (earlier layers first) and a credit bound. BytePS, its
+  ``push_pull`` and Herring use them.
+- plain requests on any store kind (``declare``, ``push``, ``pull``, ``set``,
+  ``get``): BytePS's asynchronous mode and HetPipe's WSP use them.
+
+For every partition one worker of each machine is its *handler* (the plan,
+or by default an even spread by bytes: a reduce-scatter). A partition's life
+in one round of a sum, on a machine with workers a (handler) and b:
 
     b: gradient ready --isend--> a          b: irecv(sum) posted at the same time
     a: gradient ready -> queue (priority = layer order, credit bounds bytes in flight)
@@ -10,9 +23,10 @@ partition's life in one round, on a machine with workers a (handler) and b:
     a: the push has left -> its credit comes back
     a: completer: sum arrives -> isend to b
 
-All local messages are tagged per (key, round), so they match whatever order
-gradients become ready in; the only blocking waits live in two threads per
-worker (scheduler, send drain, completer) and in :meth:`SumEngine.wait`.
+Local messages are tagged per (key, round) on their own channel
+(:mod:`polytrain.comm.tags`), so they match whatever order gradients become
+ready in; the only blocking waits live in three threads per worker
+(scheduler, send drain, completer) and in :meth:`Engine.wait`.
 """
 
 from __future__ import annotations
@@ -23,65 +37,38 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
-from ...comm.p2p import Handle
-from ...comm.partition import Partition, TensorSpec
-from ...errors import CommError, CommTimeout, ConfigError
-from ...ps.protocol import Kind, Op
-from ...ps.store import Declaration
-from ...runtime import Context
-from .plan import Plan, plan_placement
-from .scheduler import CreditQueue
+from ..comm import tags
+from ..comm.p2p import Handle
+from ..comm.partition import Partition, TensorSpec
+from ..errors import CommError, CommTimeout, ConfigError
+from .client import Pending
+from .credit import CreditQueue
+from .placement import Placement, spread_handlers
+from .protocol import Kind, Op
+from .stores import Declaration
 
-__all__ = ["SumEngine", "SumTensor", "engine_for", "allocate_keys", "next_key", "server_ranks"]
+if TYPE_CHECKING:
+    from ..runtime import Context
+
+__all__ = ["Engine", "SumTensor", "engine_for", "DEFAULT_CREDIT_BYTES"]
 
 log = logging.getLogger(__name__)
 
 _WAKE_S = 0.05
-# Local messages use channel 3 of the service's tag space (requests use 0-2), so they never
-# match a request or an answer. Four rounds of a key may be in flight between two workers.
-_LOCAL_CHANNEL = 3
+#: Bytes pushed and not yet sent, at most, by default (two of BytePS's partitions).
+DEFAULT_CREDIT_BYTES = 8_192_000
 
 
 def _local_tag(key: int, round_: int) -> int:
-    return (key * 4 + round_ % 4 + 1) * 4 + _LOCAL_CHANNEL
+    # Four rounds of a key may be in flight between two workers.
+    return tags.tag(tags.LOCAL_REDUCE, key * 4 + round_ % 4)
 
 
-_next_key: weakref.WeakKeyDictionary[Context, int] = weakref.WeakKeyDictionary()
-_engines: weakref.WeakKeyDictionary[Context, SumEngine] = weakref.WeakKeyDictionary()
-
-
-def next_key(ctx: Context) -> int:
-    """The first service key nobody has taken in this run."""
-    return _next_key.get(ctx, 0)
-
-
-def allocate_keys(ctx: Context, count: int) -> int:
-    """Take ``count`` fresh service keys; every worker takes them in the same order."""
-    first = next_key(ctx)
-    _next_key[ctx] = first + count
-    return first
-
-
-def server_ranks(ctx: Context, *, colocate: bool) -> tuple[list[int], list[int]]:
-    """(one colocated server per worker machine, or none; the dedicated CPU servers)."""
-    topo = ctx.topology
-    per_machine = [topo.servers_on(m) for m in topo.worker_machines]
-    colocated = [s[0] for s in per_machine if s] if colocate else []
-    if colocated and len(colocated) != len(per_machine):
-        missing = [m for m, s in zip(topo.worker_machines, per_machine) if not s]
-        raise ConfigError(f"byteps needs a colocated server on every worker machine or on "
-                          f"none; machines {missing} have none",
-                          "launch with --colocated 1 (polytrain train does this itself)")
-    dedicated = list(topo.dedicated_servers)
-    if not colocated and not dedicated:
-        raise ConfigError("byteps needs summation servers, but this run has none",
-                          "launch with --colocated 1 and/or --servers K (polytrain train "
-                          "starts colocated servers itself)")
-    return colocated, dedicated
+_engines: weakref.WeakKeyDictionary[Context, Engine] = weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -90,6 +77,7 @@ class _Part:
     owner: int
     handler: int  # the rank on this machine that reduces and pushes this partition
     tensor: SumTensor
+    peers: tuple[int, ...]  # the other ranks that hand the handler their piece
 
 
 @dataclass
@@ -120,29 +108,26 @@ class SumTensor:
     keep: list[torch.Tensor] = field(default_factory=list)  # buffers in flight
 
 
-class SumEngine:
-    """Synchronous sums of declared tensors over all workers, through the summation service.
+class Engine:
+    """The worker side of the summation / parameter service for one run.
 
     Example::
 
         engine = engine_for(ctx)
-        [t] = engine.declare([TensorSpec.of("g", g)])
+        placement = Placement(partition([spec], 4096), owners)   # the caller's plan
+        [t] = engine.sums([spec], placement)
         engine.submit(t, g)          # returns at once; the sum moves in the background
         total = engine.wait(t)       # (numel,) on CPU: the sum over every worker
 
     Args:
-        ctx: the run. partition_bytes: largest partition (BytePS's default 4,096,000).
-        colocate: place a share on the servers of the worker machines (False: classic PS).
+        ctx: the run.
         credit_bytes: bytes handed to the network and not yet sent, at most (0: no bound).
     """
 
-    def __init__(self, ctx: Context, *, partition_bytes: int = 4_096_000, colocate: bool = True,
-                 credit_bytes: int = 8_192_000) -> None:
+    def __init__(self, ctx: Context, *, credit_bytes: int = DEFAULT_CREDIT_BYTES) -> None:
         self.ctx = ctx
-        self.partition_bytes = partition_bytes
         self.credit_bytes = credit_bytes
-        self.colocated, self.dedicated = server_ranks(ctx, colocate=colocate)
-        self.colocate = colocate  # as asked; the plan colocates only if servers are there
+        self.client = ctx.ps_client
         self.local = ctx.local_workers
         self.me = ctx.rank
         self.queue: CreditQueue[_Task] = CreditQueue(credit_bytes)
@@ -152,41 +137,96 @@ class SumEngine:
         self.error: BaseException | None = None
         self.closed = False
         self._lock = threading.Lock()
-        self._threads = [threading.Thread(target=self._guard, args=(fn,), daemon=True, name=name)
-                         for fn, name in ((self._schedule, "polytrain-byteps-schedule"),
-                                          (self._drain_sends, "polytrain-byteps-sent"),
-                                          (self._complete, "polytrain-byteps-complete"))]
-        for t in self._threads:
-            t.start()
+        self._threads: list[threading.Thread] = []
 
-    # -- declaring ---------------------------------------------------------------------------
+    # -- placements and keys -------------------------------------------------------------------
 
-    def plan(self, specs: Sequence[TensorSpec]) -> Plan:
-        """Theorem 1's placement of ``specs`` on this run's servers, with fresh keys."""
-        plan = plan_placement(specs, partition_bytes=self.partition_bytes,
-                              machines=self.ctx.num_nodes, colocated=self.colocated,
-                              dedicated=self.dedicated, colocate=bool(self.colocated),
-                              local_workers=len(self.local), first_key=next_key(self.ctx))
-        allocate_keys(self.ctx, len(plan.placement.partitions))
-        return plan
+    def keyed(self, specs: Sequence[TensorSpec], placement: Placement) -> Placement:
+        """``placement`` checked against ``specs`` and the run, with fresh service keys.
 
-    def declare(self, specs: Sequence[TensorSpec]) -> list[SumTensor]:
-        """Declare tensors (in the same order on every worker); servers check they agree."""
-        plan = self.plan(specs)
+        Raises ConfigError, with the values, for a byte range past a tensor's end,
+        an owner that is not a server, a handler that is not a local worker:
+        before any key is declared, so no worker waits on a bad plan.
+        """
+        placement.check(specs, self.ctx.topology.servers, local_workers=len(self.local))
+        return placement.renumbered(self.ctx.keys.take(len(placement.partitions)))
+
+    def declare(self, placement: Placement, *, kind: int, pushers: int, pullers: int,
+                options: dict[str, Any] | None = None, only: Sequence[int] | None = None,
+                name: Callable[[Partition], str] | None = None) -> None:
+        """Declare the placement's keys (or those of indices ``only``) on their owners.
+
+        Every worker that uses a key declares it the same way; the owner refuses
+        (ConfigError) a declaration that differs from the first one.
+        """
+        for i in range(len(placement.partitions)) if only is None else only:
+            p = placement.partitions[i]
+            self.client.declare(Declaration(
+                key=p.key, kind=int(kind), name=name(p) if name else p.label, numel=p.numel,
+                dtype=str(p.dtype), pushers=pushers, pullers=pullers,
+                options=dict(options or {})), placement.owners[i])
+
+    def push(self, placement: Placement, i: int, *, round: int, tensor: torch.Tensor,
+             lane: int = 0) -> Pending:
+        """Push partition ``i``'s ``tensor`` for ``round`` (``lane``: which pusher of this
+        process, default 0)."""
+        p = placement.partitions[i]
+        return self.client.push(placement.owners[i], key=p.key, round=round, tensor=tensor,
+                                lane=lane)
+
+    def pull(self, placement: Placement, i: int, *, round: int, out: torch.Tensor) -> Pending:
+        """Pull partition ``i``'s value of ``round`` into ``out`` (its size: see the store)."""
+        p = placement.partitions[i]
+        return self.client.pull(placement.owners[i], key=p.key, round=round, out=out)
+
+    def set(self, placement: Placement, i: int, tensor: torch.Tensor) -> Pending:
+        """Replace partition ``i``'s value on a parameter or optimizer store."""
+        return self.client.set(placement.owners[i], key=placement.partitions[i].key,
+                               tensor=tensor)
+
+    def get(self, placement: Placement, i: int, out: torch.Tensor) -> Pending:
+        """Read partition ``i``'s current value, without waiting on clocks."""
+        return self.client.get(placement.owners[i], key=placement.partitions[i].key, out=out)
+
+    # -- synchronous sums ----------------------------------------------------------------------
+
+    def sums(self, specs: Sequence[TensorSpec], placement: Placement, *,
+             local_reduce: bool = True, describe: str = "") -> list[SumTensor]:
+        """Declare tensors to sum over every worker (same order on every worker).
+
+        ``placement`` partitions ``specs`` (keys are renumbered: see :meth:`keyed`).
+        With ``local_reduce`` each machine pushes each partition once, after its
+        workers' reduce inside the machine; without, every worker pushes its own.
+        """
+        placement = self.keyed(specs, placement)
+        handlers = placement.handlers or spread_handlers(placement.partitions, len(self.local))
         tensors = [SumTensor(s.name, s, result=torch.empty(s.numel, dtype=s.dtype))
                    for s in specs]
-        for p, owner, h in zip(plan.placement.partitions, plan.placement.owners, plan.handlers):
-            t = tensors[p.tensor]
-            t.parts.append(_Part(p, owner, self.local[h], t))
-            shape = "x".join(map(str, t.spec.shape)) or "scalar"
-            decl = Declaration(key=p.key, kind=int(Kind.SUM), name=f"{p.label} of {shape}",
-                               numel=p.numel, dtype=str(p.dtype), pushers=self.ctx.num_nodes,
-                               pullers=self.ctx.num_nodes)
-            self.ctx.ps_client.declare(decl, owner)
-        if self.ctx.worker_index == 0:
-            log.info("byteps placement of %d tensors:\n%s", len(specs), plan.describe())
+        for p, owner, h in zip(placement.partitions, placement.owners, handlers):
+            handler = self.local[h] if local_reduce else self.me
+            peers = tuple(r for r in self.local if r != handler) if local_reduce else ()
+            tensors[p.tensor].parts.append(_Part(p, owner, handler, tensors[p.tensor], peers))
+
+        def label(p: Partition) -> str:
+            shape = "x".join(map(str, specs[p.tensor].shape)) or "scalar"
+            return f"{p.label} of {shape}"
+        pushers = self.ctx.num_nodes if local_reduce else self.ctx.num_workers
+        self.declare(placement, kind=Kind.SUM, pushers=pushers, pullers=pushers, name=label)
+        if describe and self.ctx.worker_index == 0:
+            log.info("%s of %d tensors:\n%s", describe, len(specs), placement.describe())
+        self._start()
         self.tensors += tensors
         return tensors
+
+    def _start(self) -> None:
+        if self._threads:
+            return
+        self._threads = [threading.Thread(target=self._guard, args=(fn,), daemon=True, name=name)
+                         for fn, name in ((self._schedule, "polytrain-engine-schedule"),
+                                          (self._drain_sends, "polytrain-engine-sent"),
+                                          (self._complete, "polytrain-engine-complete"))]
+        for t in self._threads:
+            t.start()
 
     # -- one round -------------------------------------------------------------------------
 
@@ -215,11 +255,10 @@ class SumEngine:
             tag = _local_tag(p.part.key, rnd)
             if p.handler == self.me:
                 contributions = []
-                for peer in self.local:
-                    if peer != self.me:
-                        buf = torch.empty(n, dtype=piece.dtype)
-                        contributions.append((peer, buf, transport.irecv(
-                            buf, peer, tag, f"local piece of {p.part.label}")))
+                for peer in p.peers:
+                    buf = torch.empty(n, dtype=piece.dtype)
+                    contributions.append((peer, buf, transport.irecv(
+                        buf, peer, tag, f"local piece of {p.part.label}")))
                 self.queue.put(p.part.key, p.part.nbytes, _Task(p, rnd, piece, contributions, out))
             else:
                 recv = transport.irecv(out, p.handler, tag, f"local sum of {p.part.label}")
@@ -273,7 +312,7 @@ class SumEngine:
         except BaseException as e:  # noqa: BLE001 - handed to the waiting caller
             if self.error is None:
                 self.error = e if isinstance(e, CommError) else CommError(
-                    f"rank {self.me}: byteps {fn.__name__.strip('_')} thread failed: "
+                    f"rank {self.me}: engine {fn.__name__.strip('_')} thread failed: "
                     f"{type(e).__name__}: {e}")
             self.queue.close()
             for t in self.tensors:
@@ -316,7 +355,7 @@ class SumEngine:
             t = task.part.tensor
             tag = _local_tag(task.part.part.key, task.round)
             sends = [transport.isend(task.out, peer, tag, f"local sum of {task.part.part.label}")
-                     for peer in self.local if peer != self.me]
+                     for peer in task.part.peers]
             with self._lock:
                 t.sends += sends
                 t.pending -= 1
@@ -324,15 +363,15 @@ class SumEngine:
                     t.done.set()
 
 
-def engine_for(ctx: Context, **options: Any) -> SumEngine:
-    """This run's engine with ``options`` (made on first use, again if the options change).
+def engine_for(ctx: Context, *, credit_bytes: int = DEFAULT_CREDIT_BYTES) -> Engine:
+    """This run's engine (made on first use, again if the credit changes).
 
-    Keys come from one counter per run, so engines never share a service key.
+    Keys come from the run's one :class:`~polytrain.ps.keys.KeySpace`, so engines,
+    strategies and a script's own calls never share a service key.
     """
     engine = _engines.get(ctx)
-    if engine is not None and not engine.closed and all(
-            getattr(engine, k) == v for k, v in options.items()):
+    if engine is not None and not engine.closed and engine.credit_bytes == credit_bytes:
         return engine
-    engine = SumEngine(ctx, **options)
+    engine = Engine(ctx, credit_bytes=credit_bytes)
     _engines[ctx] = engine
     return engine

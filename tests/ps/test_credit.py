@@ -2,7 +2,7 @@
 
 import threading
 
-from polytrain.strategies.byteps.scheduler import CreditQueue
+from polytrain.ps.credit import CreditQueue
 
 
 def test_the_earliest_layer_goes_first():

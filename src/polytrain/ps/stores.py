@@ -1,4 +1,11 @@
-"""What a server keeps for one key: the store kinds and how they answer requests."""
+"""What a server keeps for one key: the store kinds, their state machines and their registry.
+
+A store is a state machine over requests (:class:`~polytrain.ps.protocol.Request`):
+``handle`` takes one and answers it through ``respond`` now or later. Stores
+run on a server's engine thread and never wait, so they can be driven
+directly in a unit test (a list as ``respond``). New kinds join with
+:func:`register_store`; every kind a server knows is in :data:`STORES`.
+"""
 
 from __future__ import annotations
 
@@ -12,10 +19,10 @@ import torch
 
 from ..errors import CommError, ConfigError
 from .protocol import Kind, Op, Request
+from .settings import setting_values
 
 __all__ = ["Declaration", "Store", "SumStore", "ParamStore", "OptimizerStore", "STORES",
-           "optimizer_spec", "is_numeric_setting", "round_settings", "pack_round",
-           "round_pieces", "register_store"]
+           "register_store", "store_name"]
 
 Respond = Callable[[Request, torch.Tensor], None]
 
@@ -45,7 +52,7 @@ class Declaration:
     def describe(self) -> str:
         dtype = self.dtype.removeprefix("torch.")
         return (f"key {self.key} = {self.name!r}, {self.numel} x {dtype}"
-                f", {Kind(self.kind).name.lower()} store, {self.pushers} pushers")
+                f", {store_name(self.kind)} store, {self.pushers} pushers")
 
     def mismatch(self, other: Declaration) -> str | None:
         """What differs between two declarations of the same key, or None."""
@@ -67,7 +74,7 @@ class Store(ABC):
         """Apply a request; answer it with ``self.respond`` now or once it can be answered."""
 
     def fail(self, req: Request, what: str) -> CommError:
-        lane = f" (lane {req.arg1})" if req.arg1 else ""
+        lane = f" (lane {req.lane})" if req.lane else ""
         return CommError(f"server: {self.decl.describe()}: request {req.op.name} of round "
                          f"{req.round} from rank {req.src}{lane}: {what}")
 
@@ -202,85 +209,6 @@ class ParamStore(Store):
         return self.global_clock >= req.round - self.staleness
 
 
-def optimizer_spec(optimizer: torch.optim.Optimizer, group: int = 0, *,
-                   per_round: bool = True) -> dict[str, Any]:
-    """How to build ``optimizer`` again on a server for the tensors of parameter group
-    ``group``: its class (from ``torch.optim``) and the group's settings, as JSON.
-
-    With ``per_round`` every push carries, for each round, the group's numeric settings
-    as they were for that round (``lr``, ``betas``, ``weight_decay``, ...; listed under
-    ``"per_round"``, see :func:`pack_round`): the servers' optimizer follows a
-    learning-rate schedule, or any change of them, round by round.
-    Raises ConfigError for an optimizer of another module.
-    """
-    kind = type(optimizer)
-    if getattr(torch.optim, kind.__name__, None) is not kind:
-        raise ConfigError(f"the servers can run only torch.optim's optimizers, not "
-                          f"{kind.__module__}.{kind.__qualname__}",
-                          "use a torch.optim optimizer, or keep the optimizer on the workers "
-                          "(hetpipe: --no-server-optimizer)")
-    settings = {k: _plain(v) for k, v in sorted(optimizer.param_groups[group].items())
-                if k in optimizer.defaults}  # not a scheduler's own keys (``initial_lr``)
-    numeric = sorted(k for k, v in settings.items() if _numbers(v) is not None) \
-        if per_round else []
-    return {"class": kind.__name__, "settings": settings, "per_round": numeric}
-
-
-def round_settings(spec: dict[str, Any], group: dict[str, Any]) -> list[float]:
-    """The values of ``spec``'s per-round settings in a parameter group, flattened."""
-    out: list[float] = []
-    for name in spec.get("per_round", ()):
-        values = _numbers(_plain(group[name]))
-        if values is None or len(values) != len(_numbers(spec["settings"][name]) or ()):
-            raise ConfigError(f"the optimizer's setting {name!r} changed its kind during "
-                              f"training ({spec['settings'][name]!r} -> {group[name]!r})",
-                              f"keep {name} a number of the same shape")
-        out.extend(values)
-    return out
-
-
-def pack_round(grad: torch.Tensor, values: list[float] | torch.Tensor) -> torch.Tensor:
-    """One round of a push to an optimizer store: the gradient, then the round's settings
-    (:func:`round_settings`, or them as a float64 tensor) as float64 bits in ``grad``'s
-    dtype, so they arrive exact."""
-    return torch.cat(round_pieces(grad, values))
-
-
-def round_pieces(grad: torch.Tensor, values: list[float] | torch.Tensor) -> list[torch.Tensor]:
-    """:func:`pack_round`'s parts, to concatenate several rounds at once."""
-    bits = values if isinstance(values, torch.Tensor) else torch.tensor(values,
-                                                                         dtype=torch.float64)
-    return [grad.reshape(-1), bits.view(grad.dtype)]
-
-
-def is_numeric_setting(value: Any) -> bool:
-    """Whether a parameter group's setting is a number or numbers (what a schedule changes,
-    and what :func:`round_settings` carries), not a flag, None or text."""
-    if isinstance(value, torch.Tensor) and value.numel() != 1:
-        return False
-    return _numbers(_plain(value)) is not None
-
-
-def _numbers(value: Any) -> list[float] | None:
-    """A setting as a list of floats, or None when it is not numeric (bools, None, text)."""
-    if isinstance(value, bool) or value is None:
-        return None
-    if isinstance(value, (int, float)):
-        return [float(value)]
-    if isinstance(value, (list, tuple)) and value and all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
-        return [float(v) for v in value]
-    return None
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.item()
-    if isinstance(value, tuple):
-        return [_plain(v) for v in value]
-    return value
-
-
 def _build_optimizer(spec: dict[str, Any], param: torch.Tensor) -> torch.optim.Optimizer:
     settings: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v
                                 for k, v in spec["settings"].items()}
@@ -343,7 +271,7 @@ class OptimizerStore(Store):
         spec = decl.options["optimizer"]
         self.optimizer = _build_optimizer(spec, self.param)
         # The settings each round carries: (name, how many values), after the gradient.
-        self.per_round = [(n, len(_numbers(spec["settings"][n]) or ())) for n in
+        self.per_round = [(n, len(setting_values(spec["settings"][n]) or ())) for n in
                           spec.get("per_round", ())]
         ratio = 8 // self.param.element_size()  # float64 bits in the key's dtype
         self.width = decl.numel + ratio * sum(k for _, k in self.per_round)
@@ -436,8 +364,35 @@ class OptimizerStore(Store):
 
 STORES: dict[int, type[Store]] = {Kind.SUM: SumStore, Kind.PARAM: ParamStore,
                                   Kind.OPTIM: OptimizerStore}
+_NAMES: dict[int, str] = {Kind.SUM: "sum", Kind.PARAM: "parameter", Kind.OPTIM: "optimizer"}
 
 
-def register_store(kind: int, store: type[Store]) -> None:
-    """Teach servers a new store kind (parameter stores, clocked stores, ...)."""
+def register_store(kind: int, store: type[Store], name: str | None = None) -> None:
+    """Teach servers a new store kind: declarations of ``kind`` get a ``store``.
+
+    ``name`` says what the kind is in messages (default: the class name without
+    ``Store``). A number taken by another class is refused. Servers learn kinds
+    at import, so register in a module that every process imports (the
+    strategy's own, say) before :func:`polytrain.init`.
+
+    Example::
+
+        class MaxStore(SumStore):
+            def _sum(self, pushes): ...
+        register_store(100, MaxStore, "max")
+    """
+    if not isinstance(kind, int) or kind < 1:
+        raise ConfigError(f"a store kind is a positive int (got {kind!r})",
+                          "pick a number above 16 for your own kinds")
+    known = STORES.get(kind)
+    if known is not None and known is not store:
+        raise ConfigError(f"store kind {kind} is taken by {known.__name__} "
+                          f"({store_name(kind)})", "pick another number for "
+                          f"{store.__name__}")
     STORES[kind] = store
+    _NAMES[kind] = name or store.__name__.removesuffix("Store").lower() or str(kind)
+
+
+def store_name(kind: int) -> str:
+    """What store kind ``kind`` is, in words (``sum``, ``optimizer``, ...)."""
+    return _NAMES.get(kind, f"unknown kind {kind}")
