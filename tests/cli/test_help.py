@@ -62,10 +62,13 @@ def test_train_help_has_a_group_per_strategy_with_its_description_and_options(ca
     assert "[hetpipe] how many clocks" in one_line(sections[SHARED])
 
 
-def test_every_flag_is_listed_once(capsys):
+def test_every_flag_is_listed_once_and_the_usage_names_the_groups(capsys):
     sections = help_sections("--help", capsys=capsys)
     flags = [flag for section in sections.values() for flag in listed(section)]
     assert len(flags) == len(set(flags)) and flags.count("--staleness") == 1
+    usage = sections[""].partition("\n\n")[0]
+    assert one_line(usage).endswith("[--devices SPEC] [model options] [strategy options]")
+    assert "--partition-bytes" not in usage and "--staleness" not in usage
 
 
 def test_model_options_keep_their_group_and_gpt_moe_has_its_own(capsys):

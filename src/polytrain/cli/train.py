@@ -65,6 +65,9 @@ def add_parser(sub: Any, argv: Sequence[str] = ()) -> None:
                    help="emulated heterogeneous devices, e.g. 'm0:fast*2,m1:slow*2' or a JSON "
                         "file: sets --workers and --nodes, every worker runs at its device's "
                         "speed (built-in types fast, mid, slow; define more as NAME=GFLOPS/MIB)")
+    # The usage names the option groups rather than every strategy's and model's flags.
+    p.usage = (p.format_usage().removeprefix("usage: ").replace(p.prog, "%(prog)s", 1).rstrip()
+               + "\n" + " " * len(f"usage: {p.prog} ") + "[model options] [strategy options]")
     m = p.add_argument_group("model options")
     m.add_argument("--seq-len", type=int, default=None, help="sequence length (default 64)")
     m.add_argument("--d-model", type=int, default=None,
