@@ -12,18 +12,20 @@ from . import env, launch, train
 __all__ = ["main"]
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
+    """The parser of every subcommand; ``argv`` only shapes the help (``train --strategy X -h``)."""
     parser = argparse.ArgumentParser(
         prog="polytrain", description="Hybrid distributed training on torch.distributed.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for module in (train, launch, env):
-        module.add_parser(sub)
+    train.add_parser(sub, argv)
+    launch.add_parser(sub)
+    env.add_parser(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    ns = parser.parse_args(argv)
+    args = sys.argv[1:] if argv is None else list(argv)
+    ns = build_parser(args).parse_args(args)
     try:
         return int(ns.run(ns))
     except ConfigError as e:

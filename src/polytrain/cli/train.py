@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import inspect
+import re
 import sys
-from typing import Any
+from typing import Any, Sequence
 
 from ..config import OPTIMIZERS, SCHEDULES, TrainConfig
 from ..data import dataset_names
@@ -12,7 +14,7 @@ from ..errors import ConfigError
 from ..models import get_model, model_names
 from ..strategies.base import get_strategy, strategy_names
 from ..train import run_config
-from .options import OptionFlag, add_option_flags, given_options
+from .options import OptionFlag, Owner, add_option_groups, flag_value, given_options
 
 __all__: list[str] = []
 
@@ -20,7 +22,9 @@ _flags: dict[str, OptionFlag] = {}
 _model_flags: dict[str, OptionFlag] = {}
 
 
-def add_parser(sub: Any) -> None:
+def add_parser(sub: Any, argv: Sequence[str] = ()) -> None:
+    """Add ``train``; ``argv`` is read ahead for ``--strategy NAME``, whose options ``--help``
+    shows alone (argparse prints the help before it has parsed the rest)."""
     p = sub.add_parser("train", help="train a model with a strategy (GPT on text by default)",
                        description="Train a reference model with a distributed strategy in "
                                    "local processes; writes metrics.json and final.pt to --out.")
@@ -61,6 +65,9 @@ def add_parser(sub: Any) -> None:
                    help="emulated heterogeneous devices, e.g. 'm0:fast*2,m1:slow*2' or a JSON "
                         "file: sets --workers and --nodes, every worker runs at its device's "
                         "speed (built-in types fast, mid, slow; define more as NAME=GFLOPS/MIB)")
+    # The usage names the option groups rather than every strategy's and model's flags.
+    p.usage = (p.format_usage().removeprefix("usage: ").replace(p.prog, "%(prog)s", 1).rstrip()
+               + "\n" + " " * len(f"usage: {p.prog} ") + "[model options] [strategy options]")
     m = p.add_argument_group("model options")
     m.add_argument("--seq-len", type=int, default=None, help="sequence length (default 64)")
     m.add_argument("--d-model", type=int, default=None,
@@ -69,10 +76,19 @@ def add_parser(sub: Any) -> None:
                    help="blocks or hidden layers (default 4 for gpt, 2 for mlp)")
     m.add_argument("--heads", type=int, default=None, help="attention heads (gpt; default 4)")
     specs = [get_model(n) for n in model_names()]
-    _model_flags.update(add_option_flags(m, [(s.name, s.options) for s in specs if s.options]))
-    s = p.add_argument_group("strategy options")
-    _flags.update(add_option_flags(s, [(n, get_strategy(n).Options) for n in strategy_names()]))
+    _model_flags.update(add_option_groups(
+        p, [Owner(s.name, s.description, s.options) for s in specs if s.options], kind="model"))
+    strategies = [get_strategy(n) for n in strategy_names()]
+    _flags.update(add_option_groups(
+        p, [Owner(c.name, _summary(c), c.Options) for c in strategies], kind="strategy",
+        chosen=flag_value(argv, "--strategy")))
     p.set_defaults(run=run)
+
+
+def _summary(cls: type) -> str:
+    """The first line of ``cls``'s docstring, without reST markup."""
+    line = (inspect.getdoc(cls) or "").partition("\n")[0]
+    return re.sub(r":\w+:`~?([^`]*)`", r"\1", line).replace("``", "")
 
 
 def config_from_args(ns: argparse.Namespace) -> TrainConfig:
