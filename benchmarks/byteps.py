@@ -4,9 +4,10 @@ Measures, in alternating runs on this machine: the median step time of each
 configuration relative to ddp's in the same round (median over rounds), and
 the bytes each machine sends per step (metered; ddp's are torch's ring cost).
 It also prints what Theorem 1 predicts for a cluster, where the NIC is the
-bottleneck. Saves ``benchmarks/results/byteps.json`` and ``byteps.png``.
+bottleneck. Saves ``benchmarks/results/byteps.json`` and ``byteps.png``; the
+results, with the commands that made them, are in docs/byteps.md.
 
-    ./dev bench byteps            # default: GPT (3.5 MB of gradients), 4 machines of 1 worker
+    ./dev bench byteps            # default: the default GPT, 4 machines of 1 worker
     ./dev bench byteps --quick    # a smoke run: tiny model, few steps, one round
 """
 

@@ -7,19 +7,20 @@ workers on two machines; bd, beyond HetPipe, ed's virtual workers and twins
 running the other way with N_m = 1), its partitioner's cut and N_m, and WSP
 through one parameter server; ``ed-own`` is ED with each virtual worker's own optimizer
 instead of the servers' (``--no-server-optimizer``), ``ed-paper`` is ED with
-neither the servers' optimizer nor weight prediction, and the late stage's Adam
-at the optimizer's beta2 (the paper). Every run
-is tuned over the same grid of Adam learning rates (ddp's best is inside it):
+neither the servers' optimizer nor weight prediction, and the late stage at the
+full learning rate with the optimizer's beta2 (the paper). Every run
+is tuned over the same grid of Adam learning rates:
 its time to a loss is at the learning rate that gets there first. Runs
 alternate (ddp, np, ed, bd, ed-own, ed-paper, then the next learning rate) so
 machine noise hits them alike; throughput is the median over all of a run's
 learning rates and repeats.
 
-    ./dev bench hetpipe            # default: 3 learning rates, ddp 300 steps (~25 minutes)
+    ./dev bench hetpipe            # default: 3 learning rates, ddp 300 steps
     ./dev bench hetpipe --runs ddp bd --staleness 0 --name hetpipe_bd_d0   # bd, synchronous
     ./dev bench hetpipe --quick    # 1 learning rate, 40 steps (a smoke run)
 
-Saves benchmarks/results/hetpipe.json and hetpipe.png (loss against time).
+Saves benchmarks/results/NAME.json and NAME.png (loss against time; default NAME
+hetpipe). The results, with the commands that made them, are in docs/hetpipe.md.
 """
 
 from __future__ import annotations

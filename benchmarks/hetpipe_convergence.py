@@ -13,14 +13,15 @@ of the last 20 steps: the same batches in every run) and its ratio to single's
 of the same seed; single's own loss varies with the seed, so the ratios are
 paired by seed and summarised by their mean and median.
 
-    ./dev bench hetpipe_convergence              # seeds 0-3 (~20 minutes)
+    ./dev bench hetpipe_convergence              # seeds 0-3
     ./dev bench hetpipe_convergence --runs hetpipe --seeds 0 1 2 3 4 5 6 7 \
-        --name hetpipe_convergence_beta2         # the default over eight seeds (~20 minutes)
+        --name hetpipe_convergence_beta2         # the default over eight seeds
     ./dev bench hetpipe_convergence --seeds 0    # one seed
     ./dev bench hetpipe_convergence --runs hetpipe --lr-schedule cosine --warmup-steps 50 \
         --name hetpipe_convergence_cosine        # the same task with warm-up and cosine decay
 
-Saves benchmarks/results/NAME.json and .png (default NAME hetpipe_convergence).
+Saves benchmarks/results/NAME.json and .png (default NAME hetpipe_convergence). The
+results, with the commands that made them, are in docs/hetpipe.md.
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ and 4 local processes of one thread each, forward+backward, with the share of
 time spent inside the token all-to-alls (profiler ranges, forward and backward).
 
 Usage: ./dev bench moe [--quick]   -> benchmarks/results/moe.json and moe.png
+(the results, with the commands that made them, are in docs/moe.md)
 """
 
 from __future__ import annotations
