@@ -10,6 +10,9 @@ BytePS, Herring, Parallax, FastMoE, HetPipe and PipeTransformer behind one API::
         x = polytrain.shard(x, ctx.worker_index, ctx.num_workers)
         ...                                      # the plain PyTorch loop
 
+    trainer = polytrain.distribute(model, opt, strategy="hetpipe", loss_fn=loss_fn)
+    loss = trainer.step(x, y)                    # the step API: any strategy, pipelines too
+
     polytrain.launch(main, workers=4, nodes=2)   # run main() in 4 local processes
 """
 
@@ -21,6 +24,7 @@ from .launch import Layout, launch
 from .runtime import Context, current, init, is_initialized
 from .strategies import (
                          Strategy,
+                         Trainer,
                          distribute,
                          full_state_dict,
                          get_strategy,
@@ -32,6 +36,7 @@ from .strategies import (
 __version__ = "0.1.0"
 
 __all__ = ["init", "launch", "distribute", "shard", "current", "is_initialized", "Context",
-           "Layout", "TrainConfig", "Strategy", "register", "get_strategy", "strategy_names",
+           "Layout", "TrainConfig", "Strategy", "Trainer", "register", "get_strategy",
+           "strategy_names",
            "strategy_of", "full_state_dict", "PolytrainError", "ConfigError", "LaunchError",
            "CommError", "CommTimeout", "PeerLost", "__version__"]

@@ -115,20 +115,10 @@ def script_batches(steps: int):
         yield w[:, :-1], w[:, 1:]
 
 
-def hetpipe_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
-                 y: torch.Tensor) -> None:
-    """A script's training step on this worker's share of the batch."""
-    strategy = polytrain.strategy_of(model)
-    index, count = strategy.replica
-    strategy.train_step(model, opt, polytrain.shard(x, index, count),
-                        polytrain.shard(y, index, count), loss_fn)
-
-
-def hetpipe_final(model: torch.nn.Module) -> dict:
+def hetpipe_final(trainer: polytrain.Trainer) -> dict:
     """A script's end: the gathered weights (``final.pt``'s), then the strategy closed."""
-    strategy = polytrain.strategy_of(model)
-    state = strategy.state_dict(model)
-    strategy.close()
+    state = trainer.state_dict()
+    trainer.close()
     return state
 
 
@@ -138,13 +128,14 @@ def train_grouped(steps: int, distributed: bool) -> dict | None:
     torch.manual_seed(0)
     model = GPT(**TINY)
     opt = grouped_adamw(model)
-    if distributed:
-        model, opt = polytrain.distribute(model, opt, strategy="hetpipe", policy="ed",
-                                          inflight=1, staleness=0)
+    if distributed:  # the step API, on global batches
+        trainer = polytrain.distribute(model, opt, strategy="hetpipe", loss_fn=loss_fn,
+                                       policy="ed", inflight=1, staleness=0)
+        opt = trainer.optimizer
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
     for x, y in script_batches(steps):
         if distributed:
-            hetpipe_step(model, opt, x, y)
+            trainer.step(x, y)
         else:
             opt.zero_grad()
             loss_fn(model(x), y).backward()
@@ -152,7 +143,7 @@ def train_grouped(steps: int, distributed: bool) -> dict | None:
         schedule.step()
     if not distributed:
         return model.state_dict()
-    return hetpipe_final(model)
+    return hetpipe_final(trainer)
 
 
 @pytest.mark.timeout(120)
@@ -199,11 +190,11 @@ def train_lagged(steps: int, lag_beta2: float | None, grouped: bool) -> dict:
                "betas": (0.9, 0.9)},
               {"params": [p for n, p in model.named_parameters() if n not in first]}]
     opt = torch.optim.Adam(groups if grouped else model.parameters(), lr=3e-3)
-    model, opt = polytrain.distribute(model, opt, strategy="hetpipe", policy="ed",
-                                      inflight=2, staleness=0, lag_lr=1.0, lag_beta2=lag_beta2)
+    trainer = polytrain.distribute(model, opt, strategy="hetpipe", loss_fn=loss_fn, policy="ed",
+                                   inflight=2, staleness=0, lag_lr=1.0, lag_beta2=lag_beta2)
     for x, y in script_batches(steps):
-        hetpipe_step(model, opt, x, y)
-    return hetpipe_final(model)
+        trainer.step(x, y)
+    return hetpipe_final(trainer)
 
 
 @pytest.mark.timeout(240)
@@ -287,19 +278,17 @@ def kill_one_stage(victim: int, policy: str = "np", inflight: int | None = 2) ->
     ctx = polytrain.init()
     torch.manual_seed(0)
     model = GPT(**TINY)
-    model, opt = polytrain.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                                      strategy="hetpipe", policy=policy, inflight=inflight)
-    strategy = polytrain.strategy_of(model)
-    index, count = strategy.replica
+    trainer = polytrain.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                   strategy="hetpipe", loss_fn=loss_fn, policy=policy,
+                                   inflight=inflight)
     gen = torch.Generator().manual_seed(0)
     for step in range(8):
         w = torch.randint(0, 256, (8, 17), generator=gen)
         if step == 3 and ctx.worker_index == victim:
             os.kill(os.getpid(), signal.SIGKILL)
-        x, y = polytrain.shard(w[:, :-1], index, count), polytrain.shard(w[:, 1:], index, count)
-        strategy.train_step(model, opt, x, y, loss_fn)
-    strategy.state_dict(model)
-    strategy.close()
+        trainer.step(w[:, :-1], w[:, 1:])
+    trainer.state_dict()
+    trainer.close()
 
 
 @pytest.mark.timeout(90)

@@ -15,6 +15,8 @@ from .base import (
                    strategy_names,
                    strategy_of,
 )
+from .trainer import Trainer
 
-__all__ = ["Strategy", "NoOptions", "register", "get_strategy", "strategy_names", "distribute",
+__all__ = ["Strategy", "NoOptions", "Trainer", "register", "get_strategy", "strategy_names",
+           "distribute",
            "strategy_of", "full_state_dict"]

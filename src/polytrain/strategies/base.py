@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, overload
 
 import torch
 from torch import nn
@@ -15,9 +15,10 @@ from ..launch.layout import Layout
 from ..pipeline.profile import ModelProfile, optimizer_state_factor, whole_model_bytes
 from ..runtime import Context
 from .checks import broadcast_module, check_same_model
+from .trainer import Trainer
 
 __all__ = ["Strategy", "NoOptions", "register", "get_strategy", "strategy_names", "distribute",
-           "strategy_of", "full_state_dict", "LossFn"]
+           "strategy_of", "full_state_dict", "LossFn", "Trainer"]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -34,13 +35,18 @@ class Strategy(ABC):
     dataclass (``Options``: the CLI builds flags from its fields), says which
     layouts it can run on, and wraps a model and optimizer so that the plain
     PyTorch loop (``zero_grad``, forward, ``backward``, ``step``) trains them.
-    Strategies whose step is not that loop (pipelines) override :meth:`train_step`.
+    Strategies whose step is not that loop (pipelines) set ``pipeline`` and
+    override :meth:`train_step`; they are driven through the step API
+    (:class:`~polytrain.strategies.trainer.Trainer`), which asks :meth:`replan`
+    and :attr:`replica` before every step.
     """
 
     name: ClassVar[str]
     Options: ClassVar[type] = NoOptions
     #: False only for ``single``: everything else joins a run of processes.
     distributed: ClassVar[bool] = True
+    #: True for pipelines: trained through ``trainer.step(x, y)`` only, never the plain loop.
+    pipeline: ClassVar[bool] = False
 
     def __init__(self, ctx: Context | None, options: Any) -> None:
         self.ctx = ctx
@@ -114,9 +120,16 @@ class Strategy(ABC):
 
     @property
     def replica(self) -> tuple[int, int]:
-        """(index, count) of this worker's data-parallel replica: its slice of a global batch."""
+        """(index, count) of this worker's data-parallel replica: its slice of a global batch.
+
+        Asked before every step: a strategy may change it between steps (see :meth:`replan`).
+        """
         assert self.ctx is not None
         return self.ctx.worker_index, self.ctx.num_workers
+
+    def replan(self, step: int) -> None:  # noqa: B027 - optional hook, empty by default
+        """Called before step ``step`` (from 0): the place to change the plan between steps
+        (stages, replicas, groups). Every worker calls it at the same step."""
 
     @property
     def shows_progress(self) -> bool:
@@ -180,14 +193,28 @@ def make_options(cls: type[Strategy], options: dict[str, Any]) -> Any:
     return cls.Options(**options)
 
 
+@overload
+def distribute(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str = ...,
+               *, ctx: Context | None = ..., loss_fn: None = ...,
+               **options: Any) -> tuple[nn.Module, torch.optim.Optimizer]: ...
+
+
+@overload
+def distribute(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str = ...,
+               *, ctx: Context | None = ..., loss_fn: LossFn, **options: Any) -> Trainer: ...
+
+
 def distribute(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str = "ddp", *,
-               ctx: Context | None = None,
-               **options: Any) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """Wrap ``model`` and ``optimizer`` to train with ``strategy``; use them as usual.
+               ctx: Context | None = None, loss_fn: LossFn | None = None,
+               **options: Any) -> tuple[nn.Module, torch.optim.Optimizer] | Trainer:
+    """Wrap ``model`` and ``optimizer`` to train with ``strategy``.
 
     Checks that every worker built the same model (names, shapes, dtypes), makes
     the parameters identical everywhere (broadcast from worker 0), and hands
-    the model to the strategy.
+    the model to the strategy. Without ``loss_fn`` it returns the model and
+    optimizer for the plain loop (data-parallel strategies only); with it, a
+    :class:`Trainer` whose ``step(x, y)`` trains one global batch (every
+    strategy; pipelines need it).
 
     Example::
 
@@ -197,12 +224,24 @@ def distribute(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str
         for x, y in batches:
             opt.zero_grad(); loss_fn(model(x), y).backward(); opt.step()
 
+        trainer = polytrain.distribute(model, opt, strategy="hetpipe", loss_fn=loss_fn)
+        for x, y in batches:                      # global batches: the trainer shards them
+            loss = trainer.step(x, y)
+
     Args:
         strategy: a registered name (:func:`strategy_names` lists them).
         ctx: the run (default: :func:`polytrain.init`'s).
+        loss_fn: ``loss_fn(outputs, targets)``, the mean loss over a slice of samples.
         options: the strategy's own options (its ``Options`` fields).
     """
     cls = get_strategy(strategy)
+    if cls.pipeline and loss_fn is None:
+        raise ConfigError(
+            f"strategy {strategy!r} is a pipeline: each process holds a stage, so the plain "
+            f"backward()/step() loop would train one local copy per worker",
+            f"use the step API: trainer = polytrain.distribute(model, opt, "
+            f"strategy={strategy!r}, loss_fn=loss_fn), then loss = trainer.step(x, y) on "
+            f"each global batch")
     opts = make_options(cls, options)
     if cls.distributed:
         ctx = ctx or runtime.init()
@@ -214,11 +253,17 @@ def distribute(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str
     instance = cls(ctx, opts)
     wrapped, opt = instance.wrap(model, optimizer)
     object.__setattr__(wrapped, "_polytrain_strategy", instance)
-    return wrapped, opt
+    if loss_fn is None:
+        return wrapped, opt
+    first = next(iter(wrapped.parameters()), None)
+    device = ctx.device if ctx is not None else first.device if first is not None else None
+    return Trainer(instance, wrapped, opt, loss_fn, device=device)
 
 
-def strategy_of(model: nn.Module) -> Strategy:
-    """The strategy instance that :func:`distribute` attached to ``model``."""
+def strategy_of(model: nn.Module | Trainer) -> Strategy:
+    """The strategy instance that :func:`distribute` attached to ``model`` (or a trainer's)."""
+    if isinstance(model, Trainer):
+        return model.strategy
     strategy = getattr(model, "_polytrain_strategy", None)
     if not isinstance(strategy, Strategy):
         raise ConfigError("this model did not come from polytrain.distribute()",
@@ -226,6 +271,8 @@ def strategy_of(model: nn.Module) -> Strategy:
     return strategy
 
 
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+def full_state_dict(model: nn.Module | Trainer) -> dict[str, torch.Tensor]:
     """The whole model's state on CPU with the plain model's keys (shards and stages gathered)."""
+    if isinstance(model, Trainer):
+        return model.state_dict()
     return strategy_of(model).state_dict(model)

@@ -137,13 +137,15 @@ class HetPipe(Strategy):
         polytrain train --strategy hetpipe --devices "m0:fast*2,m1:slow*2" --servers 1 \\
             --policy ed --staleness 1
 
-    ``train_step`` returns the loss on each VW's last stage and None elsewhere;
+    Driven through the step API (``polytrain.distribute(..., loss_fn=...)``, then
+    ``trainer.step(x, y)``); a step returns the loss on each VW's last stage and None elsewhere;
     ``state_dict`` drains the pipelines, waits for everyone's last wave and
     gathers the stages of VW 0 on worker 0.
     """
 
     name = "hetpipe"
     Options = HetPipeOptions
+    pipeline = True
 
     @classmethod
     def uses_servers(cls, options: Any) -> bool:

@@ -15,13 +15,13 @@ import torch
 import torch.distributed as dist
 
 from ..config import TrainConfig
-from ..data import GlobalBatches, get_dataset, shard
+from ..data import GlobalBatches, get_dataset
 from ..models import get_model
 from ..pipeline.devices import parse_cluster
 from ..pipeline.emulation import emulate
 from ..pipeline.profile import profile_model
 from ..runtime import Context, init
-from ..strategies.base import distribute, get_strategy, strategy_of
+from ..strategies.base import distribute, get_strategy
 from .metrics import build_metrics
 from .progress import Progress
 
@@ -82,17 +82,18 @@ def train(config: TrainConfig) -> dict[str, Any] | None:
         own = cluster.devices[ctx.worker_index if ctx is not None else 0]
         sample = spec.split(torch.zeros((1, seq_len + 1), dtype=torch.long))[0]
         emulate(model, own.type, profile_model(model, sample))
-    model, optimizer = distribute(model, optimizer, config.strategy, ctx=ctx,
-                                  **dict(config.strategy_options))
-    strategy = strategy_of(model)
-    scheduler = make_scheduler(config, optimizer)  # every strategy follows its optimizer's lr
     loss_fn = spec.loss
     if spec.aux_loss is not None:
-        aux, task_loss, wrapped = spec.aux_loss, spec.loss, model
+        aux, task_loss = spec.aux_loss, spec.loss
 
         def loss_fn(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-            return task_loss(outputs, targets) + aux(wrapped)
-    index, count = strategy.replica
+            return task_loss(outputs, targets) + aux(trainer.model)
+    # The step API, as a user's script would use it: the trainer shards each global batch
+    # with the replica the strategy has at that step.
+    trainer = distribute(model, optimizer, config.strategy, ctx=ctx, loss_fn=loss_fn,
+                         **dict(config.strategy_options))
+    strategy = trainer.strategy
+    scheduler = make_scheduler(config, trainer.optimizer)  # every strategy follows its lr
     lead = ctx is None or ctx.worker_index == 0
     batches = GlobalBatches(get_dataset(config.data), batch_size=config.batch_size,
                             window=seq_len + 1, seed=config.seed)
@@ -101,10 +102,8 @@ def train(config: TrainConfig) -> dict[str, Any] | None:
     times: list[float] = []
     for step, batch in zip(range(config.steps), batches):
         inputs, targets = spec.split(batch)
-        inputs = shard(inputs, index, count).to(device)
-        targets = shard(targets, index, count).to(device)
         t0 = time.perf_counter()
-        loss = strategy.train_step(model, optimizer, inputs, targets, loss_fn)
+        loss = trainer.step(inputs, targets)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t0)
@@ -119,9 +118,9 @@ def train(config: TrainConfig) -> dict[str, Any] | None:
             ctx.meter.mark_step()
         progress.update(step, loss, config.batch_size / max(times[-1], 1e-9))
     global_losses = _global_losses(ctx, losses)
-    state = strategy.state_dict(model)
+    state = trainer.state_dict()
     reports = _worker_reports(ctx)
-    strategy.close()
+    trainer.close()
     if ctx is not None:
         ctx.shutdown()
     if not lead:

@@ -1,0 +1,91 @@
+"""The step API: ``trainer.step(x, y)`` trains one global batch with any strategy.
+
+Pipeline strategies (HetPipe, PipeTransformer) cannot be driven by the plain
+``backward()``/``step()`` loop: a stage holds part of the model, and a step
+is a schedule of micro-batches across processes. They are driven as
+``torch.distributed.pipelining`` schedules are (``schedule.step(x,
+target=y)``), and every strategy can be: the CLI's loop uses this API too.
+
+Each step the trainer asks the strategy, in this order:
+
+    strategy.replan(step)      # may change the plan between steps (default: nothing)
+    strategy.replica           # (index, count) NOW: this process's slice of the batch
+    strategy.train_step(...)   # the step itself, on that slice
+
+so a strategy whose data-parallel width changes during the run (more
+pipeline replicas as layers freeze) reshards the data without the caller
+knowing.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from ..data import shard
+
+if TYPE_CHECKING:
+    from .base import LossFn, Strategy
+
+__all__ = ["Trainer"]
+
+
+class Trainer:
+    """A model, its optimizer and a loss, trained by a strategy one global batch at a time.
+
+    Made by :func:`polytrain.distribute` when it is given ``loss_fn``.
+
+    Example::
+
+        trainer = polytrain.distribute(model, opt, strategy="hetpipe", loss_fn=loss_fn)
+        for x, y in batches:              # the same GLOBAL batches on every worker
+            loss = trainer.step(x, y)     # this worker's replica's mean loss, or None
+        state = trainer.state_dict()      # the whole model, as the plain model's keys
+
+    Attributes:
+        model, optimizer: what the strategy trains (a learning-rate scheduler goes on
+            ``optimizer``); strategy: the strategy instance; steps: steps taken.
+    """
+
+    def __init__(self, strategy: Strategy, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 loss_fn: LossFn, *, device: torch.device | None = None) -> None:
+        self.strategy = strategy
+        self.model = model
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.device = device
+        self.steps = 0
+
+    @property
+    def replica(self) -> tuple[int, int]:
+        """(index, count) of this worker's data-parallel replica for the next step."""
+        return self.strategy.replica
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
+        """Train on one global batch (dim 0: samples, the same on every worker).
+
+        Returns the mean loss over this worker's replica's slice, or None where this
+        process holds no loss (a pipeline's earlier stages).
+        """
+        self.strategy.replan(self.steps)
+        index, count = self.strategy.replica
+        x, y = shard(inputs, index, count), shard(targets, index, count)
+        if self.device is not None:
+            x, y = x.to(self.device), y.to(self.device)
+        loss = self.strategy.train_step(self.model, self.optimizer, x, y, self.loss_fn)
+        self.steps += 1
+        return loss
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's state on CPU with the plain model's keys (every worker calls it;
+        worker 0's is whole)."""
+        return self.strategy.state_dict(self.model)
+
+    def close(self) -> None:
+        """Release what the strategy holds (threads, stages); the run stays open."""
+        self.strategy.close()
+
+    def __repr__(self) -> str:
+        return f"polytrain.Trainer(strategy={self.strategy.name!r}, steps={self.steps})"

@@ -1,0 +1,130 @@
+"""The servers' state machines driven directly, without processes; new store kinds; placements."""
+
+import pytest
+import torch
+
+from polytrain import CommError, ConfigError
+from polytrain.comm import TensorSpec, partition
+from polytrain.ps import (
+    STORES,
+    Declaration,
+    Kind,
+    Op,
+    Placement,
+    SumStore,
+    optimizer_spec,
+    pack_round,
+    register_store,
+    round_settings,
+    store_name,
+)
+from polytrain.ps.protocol import DTYPES, Request
+
+
+def request(op, src, round_=0, payload=None, lane=0, key=1):
+    numel = 0 if payload is None else payload.numel()
+    return Request(src, op, key, round_, numel, DTYPES[0], seq=1, lane=lane, payload=payload)
+
+
+def store(kind, respond, numel=3, pushers=2, **options):
+    decl = Declaration(key=1, kind=int(kind), name="w", numel=numel, dtype="torch.float32",
+                       pushers=pushers, pullers=pushers, options=options)
+    return STORES[kind](decl, lambda req, t: respond.append((req.src, req.round, t.clone())))
+
+
+def test_a_sum_store_answers_early_pulls_once_every_pusher_is_in_and_frees_the_round():
+    out = []
+    s = store(Kind.SUM, out)
+    s.handle(request(Op.PUSHPULL, 3, payload=torch.tensor([1.0, 2.0, 3.0])))
+    assert out == []  # the second pusher is missing: the pull waits
+    s.handle(request(Op.PUSHPULL, 2, payload=torch.tensor([10.0, 20.0, 30.0])))
+    assert [(src, r) for src, r, _ in out] == [(3, 0), (2, 0)]
+    assert all(torch.equal(t, torch.tensor([11.0, 22.0, 33.0])) for _, _, t in out)
+    assert s.rounds == {}  # both pullers served
+    with pytest.raises(CommError, match="already pushed"):
+        s.handle(request(Op.PUSH, 2, round_=1, payload=torch.ones(3)))
+        s.handle(request(Op.PUSH, 2, round_=1, payload=torch.ones(3)))
+
+
+def test_a_sum_store_adds_in_the_pushers_rank_order_whatever_the_arrival_order():
+    values = [torch.tensor([1e8]), torch.tensor([1.0]), torch.tensor([-1e8])]
+    results = []
+    for order in ([0, 1, 2], [2, 1, 0]):
+        out = []
+        s = store(Kind.SUM, out, numel=1, pushers=3)
+        for src in order:
+            s.handle(request(Op.PUSH, src, payload=values[src]))
+        s.handle(request(Op.PULL, 0))
+        results.append(out[0][2])
+    assert torch.equal(results[0], results[1])
+
+
+def test_a_parameter_store_holds_pulls_until_the_slowest_clock_allows():
+    out = []
+    s = store(Kind.PARAM, out, staleness=1)
+    s.handle(request(Op.SET, 0, payload=torch.zeros(3)))
+    s.handle(request(Op.PUSH, 0, round_=1, payload=torch.ones(3)))
+    s.handle(request(Op.PUSH, 0, round_=2, payload=torch.ones(3)))
+    s.handle(request(Op.PULL, 0, round_=2))
+    assert out == []  # pusher 1 is at clock 0 < 2 - 1
+    s.handle(request(Op.PUSH, 1, round_=1, payload=torch.ones(3)))
+    assert len(out) == 1 and torch.equal(out[0][2], torch.full((3,), 3.0))
+
+
+def test_an_optimizer_store_steps_once_per_round_on_the_sum_under_the_rounds_settings():
+    sgd = optimizer_spec(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.5))
+    out = []
+    s = store(Kind.OPTIM, out, numel=2, optimizer=sgd, staleness=0)
+    s.handle(request(Op.SET, 0, payload=torch.tensor([1.0, 1.0])))
+    group = {"lr": 0.5, "momentum": 0, "dampening": 0, "weight_decay": 0}
+    grad = pack_round(torch.tensor([1.0, 2.0]), round_settings(sgd, {**sgd["settings"],
+                                                                    **group}))
+    s.handle(request(Op.PUSH, 0, round_=1, payload=grad))
+    s.handle(request(Op.PULL, 0, round_=1))
+    assert out == [] and s.applied == 0
+    s.handle(request(Op.PUSH, 1, round_=1, payload=grad))
+    # The answer is the value, then how many rounds it holds.
+    assert torch.allclose(out[0][2], torch.tensor([0.0, -1.0, 1.0]))
+
+
+class MaxStore(SumStore):
+    """The largest push per element: a kind of our own."""
+
+    def _sum(self, pushes):
+        return torch.stack(list(pushes.values())).amax(0)
+
+
+def test_a_new_store_kind_is_registered_described_and_served():
+    register_store(100, MaxStore, "max")
+    try:
+        decl = Declaration(key=9, kind=100, name="m", numel=2, dtype="torch.float32",
+                           pushers=2, pullers=2)
+        assert "max store" in decl.describe() and store_name(100) == "max"
+        out = []
+        s = STORES[100](decl, lambda req, t: out.append(t))
+        s.handle(request(Op.PUSH, 0, payload=torch.tensor([1.0, 5.0])))
+        s.handle(request(Op.PUSHPULL, 1, payload=torch.tensor([3.0, 2.0])))
+        assert torch.equal(out[0], torch.tensor([3.0, 5.0]))
+        with pytest.raises(ConfigError, match="store kind 100 is taken by MaxStore"):
+            register_store(100, SumStore)
+        assert "unknown kind 101" in Declaration(key=1, kind=101, name="x", numel=1,
+                                                 dtype="torch.float32", pushers=1,
+                                                 pullers=1).describe()
+    finally:
+        del STORES[100]
+
+
+SPECS = [TensorSpec("a", (10,), torch.float32), TensorSpec("b", (6,), torch.float32)]
+
+
+def test_a_placement_that_does_not_fit_the_tensors_or_the_run_is_refused_with_the_values():
+    parts = partition(SPECS, 1 << 20)
+    Placement(parts, (4, 5)).check(SPECS, [4, 5])  # fits
+    with pytest.raises(ConfigError, match=r"rank 1, which is not a server \(the servers are "
+                                          r"\[4, 5\]\)"):
+        Placement(parts, (4, 1)).check(SPECS, [4, 5])
+    past = (parts[0], parts[1].__class__(1, 1, "b", 0, 4, 6, 24, torch.float32))
+    with pytest.raises(ConfigError, match=r"covers elements \[4, 10\) of 'b', which has 6"):
+        Placement(past, (4, 5)).check(SPECS, [4, 5])
+    with pytest.raises(ConfigError, match=r"handlers \[2\] are not workers of a machine of 2"):
+        Placement(parts, (4, 5), (0, 2)).check(SPECS, [4, 5], local_workers=2)

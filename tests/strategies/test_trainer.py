@@ -1,0 +1,97 @@
+"""The step API: ``distribute(..., loss_fn=...)`` and ``trainer.step(x, y)``, with a fake strategy
+whose data-parallel width changes during the run (as PipeTransformer's will)."""
+
+import dataclasses
+
+import pytest
+import torch
+
+import polytrain
+from polytrain import ConfigError
+from polytrain.strategies.base import _REGISTRY, Strategy, register
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WideningOptions:
+    widen_at: int = 2
+
+
+class Widening(Strategy):
+    """One process that acts as replica 0 of 1, then of 2 from step ``widen_at`` on."""
+
+    name = "test-widening"
+    Options = WideningOptions
+    distributed = False
+
+    def __init__(self, ctx, options):
+        super().__init__(ctx, options)
+        self.count = 1
+        self.replans: list[int] = []
+        self.seen: list[tuple[int, int]] = []  # (step, rows of the slice it trained)
+
+    def wrap(self, model, optimizer):
+        return model, optimizer
+
+    @property
+    def replica(self):
+        return 0, self.count
+
+    def replan(self, step):
+        self.replans.append(step)
+        if step == self.options.widen_at:
+            self.count = 2  # between steps: the next slice is half the batch
+
+    def train_step(self, model, optimizer, inputs, targets, loss_fn):
+        self.seen.append((len(self.replans) - 1, inputs.shape[0]))
+        return super().train_step(model, optimizer, inputs, targets, loss_fn)
+
+
+@pytest.fixture
+def widening():
+    register(Widening)
+    yield
+    del _REGISTRY[Widening.name]
+
+
+def mse(out, y):
+    return torch.nn.functional.mse_loss(out, y)
+
+
+def test_the_trainer_asks_for_the_replica_at_every_step_after_the_replan_hook(widening):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    reference = torch.nn.Linear(3, 1)
+    reference.load_state_dict(model.state_dict())
+    trainer = polytrain.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                   "test-widening", loss_fn=mse, widen_at=2)
+    assert isinstance(trainer, polytrain.Trainer)
+    x, y = torch.randn(8, 3), torch.randn(8, 1)
+    losses = [trainer.step(x, y) for _ in range(4)]
+    strategy = polytrain.strategy_of(trainer)
+    assert strategy.replans == [0, 1, 2, 3]
+    assert strategy.seen == [(0, 8), (1, 8), (2, 4), (3, 4)]  # resharded from step 2 on
+    # The same steps by hand: the whole batch twice, then its first half twice.
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for rows in (8, 8, 4, 4):
+        opt.zero_grad()
+        loss = mse(reference(x[:rows]), y[:rows])
+        loss.backward()
+        opt.step()
+    assert losses[-1] == pytest.approx(float(loss.detach()), abs=1e-7)
+    assert torch.equal(trainer.state_dict()["weight"], reference.weight.detach())
+    assert trainer.steps == 4
+
+
+def test_a_pipeline_strategy_in_the_plain_loop_is_refused_with_the_step_api():
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ConfigError) as info:
+        polytrain.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1), "hetpipe")
+    message = str(info.value)
+    assert "is a pipeline" in message and "one local copy per worker" in message
+    assert "trainer = polytrain.distribute(model, opt, strategy='hetpipe', loss_fn=loss_fn)" \
+        in message and "trainer.step(x, y)" in message
+
+
+def test_every_pipeline_strategy_says_so_and_data_parallel_ones_do_not():
+    pipelines = {n for n in polytrain.strategy_names() if polytrain.get_strategy(n).pipeline}
+    assert "hetpipe" in pipelines and not {"ddp", "byteps", "moe", "single"} & pipelines
