@@ -90,5 +90,15 @@ def user_set(name: str) -> bool:
     return name in os.environ
 
 
+def inherited() -> dict[str, str]:
+    """This process's whole environment, for the processes it starts."""
+    return dict(os.environ)
+
+
+def identity() -> tuple[str, str, str]:
+    """(rank, role, machine) as the launcher set them, without parsing ("?" where unset)."""
+    return (os.environ.get(RANK, "?"), os.environ.get(ROLE, "?"), os.environ.get(NODE, "?"))
+
+
 def cuda_visible() -> str | None:
     return os.environ.get("CUDA_VISIBLE_DEVICES")

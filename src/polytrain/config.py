@@ -9,11 +9,11 @@ from typing import Any, Mapping
 import torch
 
 from .data import check_divisible, dataset_names
+from .emulation.devices import parse_cluster
+from .emulation.profile import profile_model
 from .errors import ConfigError
 from .launch.layout import Layout
 from .models import get_model
-from .pipeline.devices import parse_cluster
-from .pipeline.profile import profile_model
 from .strategies.base import get_strategy, make_options
 
 __all__ = ["TrainConfig", "OPTIMIZERS", "SCHEDULES"]

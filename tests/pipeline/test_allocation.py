@@ -4,11 +4,11 @@ import pytest
 import torch
 
 from polytrain import ConfigError
+from polytrain.emulation.devices import parse_cluster
+from polytrain.emulation.profile import profile_model
 from polytrain.models import GPT
 from polytrain.pipeline.allocation import allocate, count_virtual_workers, plan_hetpipe
-from polytrain.pipeline.devices import parse_cluster
 from polytrain.pipeline.partition import minmax_cut_brute
-from polytrain.pipeline.profile import profile_model
 
 
 def indices(vws):

@@ -8,10 +8,10 @@ from torch import nn
 from torch.func import functional_call
 
 import polytrain
+from polytrain.emulation.profile import layers_of, profile_model
 from polytrain.models import GPT
 from polytrain.models import cross_entropy as loss_fn
 from polytrain.pipeline.asyncpipe import AsyncPipeline
-from polytrain.pipeline.profile import layers_of, profile_model
 from polytrain.pipeline.schedule import asynchronous
 from polytrain.pipeline.stage import Stage, StageSpec
 from polytrain.pipeline.sync import SyncPipeline

@@ -6,14 +6,14 @@ import pytest
 import torch
 
 from polytrain import ConfigError
-from polytrain.pipeline.devices import DeviceType
+from polytrain.emulation.devices import DeviceType
+from polytrain.emulation.profile import LayerProfile, ModelProfile
 from polytrain.pipeline.partition import (
     minmax_cut,
     minmax_cut_brute,
     plan_pipeline,
     plan_pipeline_brute,
 )
-from polytrain.pipeline.profile import LayerProfile, ModelProfile
 
 
 def random_profile(rng: random.Random, n: int) -> ModelProfile:

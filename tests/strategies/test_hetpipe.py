@@ -13,9 +13,9 @@ import torch
 
 import polytrain
 from polytrain import ConfigError, LaunchError, TrainConfig
+from polytrain.emulation.profile import profile_model
 from polytrain.models import GPT
 from polytrain.models import cross_entropy as loss_fn
-from polytrain.pipeline.profile import profile_model
 from tests.harness import max_abs_diff, run_config, single_of, spawn
 from tests.strategies.hetpipe_reference import simulate
 

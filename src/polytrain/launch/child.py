@@ -103,10 +103,9 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: os._exit(143))
     with open(sys.argv[1], "rb") as f:
         payload = pickle.load(f)
-    result_file = os.path.join(os.path.dirname(sys.argv[1]),
-                               f"result-{os.environ.get(_env.RANK, '0')}.pkl")
-    who = (f"[polytrain rank {os.environ.get(_env.RANK)} {os.environ.get(_env.ROLE)}"
-           f"@{os.environ.get(_env.NODE)}]")
+    rank, role, node = _env.identity()
+    result_file = os.path.join(os.path.dirname(sys.argv[1]), f"result-{rank}.pkl")
+    who = f"[polytrain rank {rank} {role}@{node}]"
     try:
         result = _run(payload)
     except SystemExit as e:

@@ -128,7 +128,7 @@ class Launcher:
     # -- processes --------------------------------------------------------------------------
 
     def _child_env(self, spec: ProcessSpec, workdir: Path) -> dict[str, str]:
-        env = dict(os.environ)
+        env = _env.inherited()
         env.update(self.env)
         on_machine = sum(1 for p in self.layout.processes() if p.machine == spec.machine)
         env.update({

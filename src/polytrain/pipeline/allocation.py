@@ -32,10 +32,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Sequence
 
+from ..emulation.devices import Cluster, Device
+from ..emulation.profile import ModelProfile
 from ..errors import ConfigError
-from .devices import Cluster, Device
 from .partition import PipelinePlan, minmax_cut, plan_pipeline
-from .profile import ModelProfile
 
 __all__ = ["POLICIES", "VirtualWorker", "allocate", "count_virtual_workers", "HetPipePlan",
            "plan_hetpipe", "roles_of"]

@@ -17,9 +17,9 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from ..emulation.devices import DeviceType
+from ..emulation.profile import ModelProfile
 from ..errors import ConfigError
-from .devices import DeviceType
-from .profile import ModelProfile
 
 __all__ = ["PipelinePlan", "plan_pipeline", "plan_pipeline_brute", "minmax_cut",
            "minmax_cut_brute", "StageCosts"]

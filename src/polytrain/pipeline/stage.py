@@ -15,8 +15,8 @@ from torch.func import functional_call
 
 from ..comm import tags
 from ..comm.p2p import Transport
+from ..emulation.clock import DeviceClock
 from ..errors import CommError
-from .emulation import DeviceClock
 
 __all__ = ["StageSpec", "Stage"]
 

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
-from typing import Any, Callable, ClassVar, overload
+from typing import Any, Callable, ClassVar, Generic, TypeVar, overload
 
 import torch
 from torch import nn
 
 from .. import runtime
+from ..emulation.profile import ModelProfile, optimizer_state_factor, whole_model_bytes
 from ..errors import ConfigError
 from ..launch.layout import Layout
-from ..pipeline.profile import ModelProfile, optimizer_state_factor, whole_model_bytes
 from ..runtime import Context
 from .checks import broadcast_module, check_same_model
 from .trainer import Trainer
@@ -28,7 +28,11 @@ class NoOptions:
     """A strategy without options of its own."""
 
 
-class Strategy(ABC):
+#: A strategy's options: the frozen dataclass it names as ``Options``.
+OptionsT = TypeVar("OptionsT")
+
+
+class Strategy(ABC, Generic[OptionsT]):
     """How a model and its optimizer train across processes.
 
     A strategy is named in the registry, takes its options as a frozen
@@ -48,21 +52,21 @@ class Strategy(ABC):
     #: True for pipelines: trained through ``trainer.step(x, y)`` only, never the plain loop.
     pipeline: ClassVar[bool] = False
 
-    def __init__(self, ctx: Context | None, options: Any) -> None:
+    def __init__(self, ctx: Context | None, options: OptionsT) -> None:
         self.ctx = ctx
         self.options = options
 
     # -- what the launcher and CLI ask before starting processes -------------------------------
 
     @classmethod
-    def check_layout(cls, layout: Layout, options: Any) -> None:
+    def check_layout(cls, layout: Layout, options: OptionsT) -> None:
         """Refuse layouts the strategy cannot run on (raise ConfigError with a hint)."""
         if layout.servers and not cls.uses_servers(options):
             raise ConfigError(f"strategy {cls.name!r} does not use servers (got --servers "
                               f"{layout.servers})", "leave out --servers")
 
     @classmethod
-    def check_model(cls, model: nn.Module, layout: Layout, options: Any) -> None:
+    def check_model(cls, model: nn.Module, layout: Layout, options: OptionsT) -> None:
         """Refuse models the strategy cannot train on ``layout`` (raise ConfigError with a hint).
 
         Called before any process starts, on the model built on the meta device.
@@ -71,12 +75,12 @@ class Strategy(ABC):
         return None
 
     @classmethod
-    def uses_servers(cls, options: Any) -> bool:
+    def uses_servers(cls, options: OptionsT) -> bool:
         return False
 
     @classmethod
     def check_devices(cls, cluster: Any, profile: Callable[[], ModelProfile], layout: Layout,
-                      options: Any, *, batch_size: int, optimizer: str) -> str | None:
+                      options: OptionsT, *, batch_size: int, optimizer: str) -> str | None:
         """Refuse a run whose devices cannot hold what each worker keeps (ConfigError).
 
         ``cluster`` is the run's emulated ``pipeline.Cluster`` (None without
@@ -102,12 +106,12 @@ class Strategy(ABC):
         return None
 
     @classmethod
-    def replicas(cls, layout: Layout, options: Any) -> int:
+    def replicas(cls, layout: Layout, options: OptionsT) -> int:
         """How many data-parallel replicas share each global batch on ``layout``."""
         return layout.workers
 
     @classmethod
-    def colocated_servers(cls, options: Any) -> int:
+    def colocated_servers(cls, options: OptionsT) -> int:
         """Server processes the strategy wants on every worker machine (default none)."""
         return 0
 
@@ -157,10 +161,10 @@ class Strategy(ABC):
         """Release what the strategy holds (threads, buffers); the context stays open."""
 
 
-_REGISTRY: dict[str, type[Strategy]] = {}
+_REGISTRY: dict[str, type[Strategy[Any]]] = {}
 
 
-def register(cls: type[Strategy]) -> type[Strategy]:
+def register(cls: type[Strategy[Any]]) -> type[Strategy[Any]]:
     """Class decorator: make a strategy available by its ``name``."""
     if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
         raise ConfigError(f"two strategies are named {cls.name!r}", "give each a unique name")
@@ -172,7 +176,7 @@ def strategy_names() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def get_strategy(name: str) -> type[Strategy]:
+def get_strategy(name: str) -> type[Strategy[Any]]:
     """The strategy class called ``name``; the error lists the valid names."""
     try:
         return _REGISTRY[name]
@@ -182,7 +186,7 @@ def get_strategy(name: str) -> type[Strategy]:
                           "pass one of them, e.g. --strategy ddp") from None
 
 
-def make_options(cls: type[Strategy], options: dict[str, Any]) -> Any:
+def make_options(cls: type[Strategy[Any]], options: dict[str, Any]) -> Any:
     """Build ``cls.Options`` from keyword options, naming any that it does not have."""
     fields = {f.name for f in dataclasses.fields(cls.Options)}
     unknown = sorted(set(options) - fields)
@@ -260,7 +264,7 @@ def distribute(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str
     return Trainer(instance, wrapped, opt, loss_fn, device=device)
 
 
-def strategy_of(model: nn.Module | Trainer) -> Strategy:
+def strategy_of(model: nn.Module | Trainer) -> Strategy[Any]:
     """The strategy instance that :func:`distribute` attached to ``model`` (or a trainer's)."""
     if isinstance(model, Trainer):
         return model.strategy

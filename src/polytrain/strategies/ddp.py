@@ -9,13 +9,13 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ..errors import ConfigError
-from .base import Strategy, register
+from .base import NoOptions, Strategy, register
 
 __all__ = ["DDP"]
 
 
 @register
-class DDP(Strategy):
+class DDP(Strategy[NoOptions]):
     """Data parallelism with :class:`torch.nn.parallel.DistributedDataParallel` over the workers.
 
     Its bytes move inside torch, so the traffic meter records the cost of a

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -13,7 +12,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..comm.partition import TensorSpec
+from ..emulation.clock import clock_of
+from ..emulation.devices import Cluster, homogeneous
+from ..emulation.profile import ModelProfile, optimizer_state_factor, profile_model
 from ..errors import ConfigError
 from ..launch.layout import Layout
 from ..pipeline.allocation import (
@@ -25,13 +26,12 @@ from ..pipeline.allocation import (
     plan_hetpipe,
     roles_of,
 )
+from ..pipeline.assembly import fused_keys, make_stage, stage_optimizer
 from ..pipeline.asyncpipe import AsyncPipeline
-from ..pipeline.devices import Cluster, homogeneous
-from ..pipeline.emulation import clock_of
-from ..pipeline.profile import ModelProfile, layers_of, optimizer_state_factor, profile_model
-from ..pipeline.stage import Stage, StageSpec
+from ..pipeline.stage import Stage
 from ..pipeline.wsp import WaveSync, model_placement
 from ..ps.settings import optimizer_spec
+from ..runtime import Context
 from .base import LossFn, Strategy, register
 
 __all__ = ["HetPipe", "HetPipeOptions"]
@@ -117,7 +117,7 @@ class HetPipeOptions:
 
 
 @register
-class HetPipe(Strategy):
+class HetPipe(Strategy[HetPipeOptions]):
     """HetPipe (Park et al., USENIX ATC 2020): virtual workers of pipelined stages, joined by WSP.
 
     Devices (``--devices``) are grouped into virtual workers (VWs) by an
@@ -148,11 +148,11 @@ class HetPipe(Strategy):
     pipeline = True
 
     @classmethod
-    def uses_servers(cls, options: Any) -> bool:
+    def uses_servers(cls, options: HetPipeOptions) -> bool:
         return True
 
     @classmethod
-    def check_layout(cls, layout: Layout, options: Any) -> None:
+    def check_layout(cls, layout: Layout, options: HetPipeOptions) -> None:
         if layout.servers + layout.colocated == 0:
             raise ConfigError("strategy 'hetpipe' keeps the global weights on parameter "
                               "servers (Wave Synchronous Parallel), but the run has none",
@@ -160,12 +160,13 @@ class HetPipe(Strategy):
         count_virtual_workers(layout.workers, layout.nodes, options.policy)
 
     @classmethod
-    def replicas(cls, layout: Layout, options: Any) -> int:
+    def replicas(cls, layout: Layout, options: HetPipeOptions) -> int:
         return count_virtual_workers(layout.workers, layout.nodes, options.policy)
 
     @classmethod
     def check_devices(cls, cluster: Any, profile: Callable[[], ModelProfile], layout: Layout,
-                      options: Any, *, batch_size: int, optimizer: str) -> str | None:
+                      options: HetPipeOptions, *, batch_size: int,
+                      optimizer: str) -> str | None:
         if cluster is None:
             cluster = homogeneous(layout.workers, layout.nodes)
         plan = plan_hetpipe(cluster, profile(), policy=options.policy, global_batch=batch_size,
@@ -173,7 +174,7 @@ class HetPipe(Strategy):
                             inflight=options.inflight, staleness=options.staleness)
         return plan.describe()
 
-    def __init__(self, ctx: Any, options: HetPipeOptions) -> None:
+    def __init__(self, ctx: Context | None, options: HetPipeOptions) -> None:
         super().__init__(ctx, options)
         self.plan: HetPipePlan | None = None
         self.roles: list[_Role] = []
@@ -242,7 +243,7 @@ class HetPipe(Strategy):
         clock = clock_of(self.model)  # the twin's copy runs on the same device
         for lane, role in enumerate(self.roles):
             stage = self._stage(role, plan, profile, loss_fn, clock)
-            optimizer, sources, groups = self._stage_optimizer(stage)
+            optimizer, sources, groups = stage_optimizer(self.base_optimizer, self.model, stage)
             local = {n: i for i, n in enumerate(stage.names)}
             held = [k for k, (_, names) in enumerate(fused) if names[0] in local]
             buckets = [[local[n] for n in fused[k][1]] for k in held]
@@ -266,62 +267,15 @@ class HetPipe(Strategy):
 
     def _stage(self, role: _Role, plan: HetPipePlan, profile: ModelProfile, loss_fn: LossFn,
                clock: Any) -> Stage:
-        pipeline = plan.pipelines[role.vw]
         devices = self.virtual_workers[role.vw].devices
         assert self.ctx is not None
         ranks = [self.ctx.topology.workers[d.index] for d in devices]
-        j = role.index
-        a, e = pipeline.bounds[j], pipeline.bounds[j + 1]
-        module = nn.Sequential(OrderedDict(layers_of(role.model)[a:e]))
         cluster = self._cluster()
-        first, last = j == 0, j == len(devices) - 1
-        spec = StageSpec(
-            index=j, count=len(devices),
-            prev=None if first else ranks[j - 1],
-            next=None if last else ranks[j + 1],
-            label=self._label(role.vw, j, ranks[j]),
-            prev_label="" if first else self._label(role.vw, j - 1, ranks[j - 1]),
-            next_label="" if last else self._label(role.vw, j + 1, ranks[j + 1]),
-            input_shape=profile.input_shape if first else profile.layers[a - 1].out_shape,
-            input_dtype=profile.input_dtype if first else profile.layers[a - 1].out_dtype,
-            link_prev=0.0 if first else cluster.bandwidth(devices[j - 1], devices[j]),
-            link_next=0.0 if last else cluster.bandwidth(devices[j], devices[j + 1]))
-        return Stage(spec, module, self.transport, loss_fn=loss_fn, clock=clock)
-
-    def _stage_optimizer(self, stage: Stage) -> tuple[torch.optim.Optimizer, list[int], list[int]]:
-        """The user's optimizer over ``stage``'s parameters: its class, and one group for
-        each of its groups that holds some (with their settings, which it follows every
-        minibatch). Returns it, the user's group each of its groups follows, and each
-        stage parameter's group."""
-        base = self.base_optimizer
-        # By name: a twin's stage holds a copy of the model's parameters.
-        name_of = {id(p): n for n, p in self.model.named_parameters()}
-        mine = {n: i for i, n in enumerate(stage.names)}
-        groups: list[dict[str, Any]] = []
-        sources: list[int] = []
-        group_of: dict[int, int] = {}
-        for i, group in enumerate(base.param_groups):
-            held = [mine[name_of[id(p)]] for p in group["params"]
-                    if name_of.get(id(p)) in mine]
-            if not held:
-                continue
-            params = [stage.params[k] for k in held]
-            for k in held:
-                group_of[k] = len(groups)
-            settings = {k: v for k, v in group.items() if k != "params"}
-            if "foreach" in settings:  # one call per step for all tensors: it runs every minibatch
-                settings["foreach"] = settings["foreach"] is not False and not settings.get("fused")
-            groups.append({**settings, "params": params})
-            sources.append(i)
-        missing = [n for i, n in enumerate(stage.names) if i not in group_of]
-        if missing:
-            raise ConfigError(f"hetpipe: the optimizer does not hold the parameters "
-                              f"{', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''} "
-                              f"of {stage.spec.label}",
-                              "give the optimizer every parameter that trains (model."
-                              "parameters()), or set requires_grad=False on the others")
-        kind: Any = type(base)  # the user's class, built on this stage's share of its groups
-        return kind(groups), sources, [group_of[i] for i in range(len(stage.params))]
+        links = [cluster.bandwidth(a, b) for a, b in zip(devices, devices[1:])]
+        labels = [self._label(role.vw, j, r) for j, r in enumerate(ranks)]
+        return make_stage(role.model, plan.pipelines[role.vw].bounds, role.index, ranks=ranks,
+                          labels=labels, links=links, profile=profile,
+                          transport=self.transport, loss_fn=loss_fn, clock=clock)
 
     # -- training ---------------------------------------------------------------------------
 
@@ -405,30 +359,6 @@ def _server_optimizer_hint(on: bool) -> Iterator[None]:
         raise ConfigError(e.what, f"{e.hint or 'fix the optimizer'}; or keep the optimizer on "
                                   f"the stages: --no-server-optimizer (Python: "
                                   f"server_optimizer=False)") from None
-
-
-def fused_keys(model: nn.Module,
-               optimizer: torch.optim.Optimizer) -> list[tuple[TensorSpec, list[str]]]:
-    """The servers' keys: per layer, its parameters of one optimizer group and dtype as one
-    flat tensor (a stage holds whole layers, so every virtual worker agrees on them).
-    Returns each key's spec and the names of its parameters, in model order.
-
-    One request per layer instead of one per tensor: a GPT block has 12 tensors, and the
-    servers' per-request cost, not their bytes, bounded HetPipe's speed.
-    """
-    group_of = {id(p): g for g, group in enumerate(optimizer.param_groups)
-                for p in group["params"]}
-    children = {n for n, _ in layers_of(model)}
-    keys: dict[tuple[str, int, torch.dtype], list[tuple[str, torch.Tensor]]] = {}
-    for name, p in model.named_parameters():
-        layer = name.split(".", 1)[0] if name.split(".", 1)[0] in children else ""
-        keys.setdefault((layer, group_of.get(id(p), -1), p.dtype), []).append((name, p))
-    out = []
-    for (layer, group, dtype), members in keys.items():
-        numel = sum(p.numel() for _, p in members)
-        label = f"{layer or 'model'}[group {group}]" if len(members) > 1 else members[0][0]
-        out.append((TensorSpec(label, (numel,), dtype), [n for n, _ in members]))
-    return out
 
 
 @dataclass

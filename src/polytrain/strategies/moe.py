@@ -96,7 +96,7 @@ class _SyncAfterBackward(nn.Module):
 
 
 @register
-class ExpertParallel(Strategy):
+class ExpertParallel(Strategy[MoEOptions]):
     """Experts split over groups of workers; every other parameter data-parallel.
 
     FastMoE (He et al., arXiv 2103.13262). Each worker is a data-parallel
@@ -117,12 +117,12 @@ class ExpertParallel(Strategy):
     Options = MoEOptions
 
     @classmethod
-    def check_layout(cls, layout: Layout, options: Any) -> None:
+    def check_layout(cls, layout: Layout, options: MoEOptions) -> None:
         super().check_layout(layout, options)
         place_experts(range(layout.workers), options.expert_parallel or layout.workers)
 
     @classmethod
-    def check_model(cls, model: nn.Module, layout: Layout, options: Any) -> None:
+    def check_model(cls, model: nn.Module, layout: Layout, options: MoEOptions) -> None:
         layers = moe_layers(model)
         if not layers:
             raise ConfigError(f"strategy 'moe' needs a model with MoE layers ("

@@ -2,27 +2,25 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 
 from ..errors import ConfigError
 from ..launch.layout import Layout
-from .base import Strategy, register
+from .base import NoOptions, Strategy, register
 
 __all__ = ["Single"]
 
 
 @register
-class Single(Strategy):
+class Single(Strategy[NoOptions]):
     """Train in this process alone. Its ``final.pt`` is what synchronous strategies must match."""
 
     name = "single"
     distributed = False
 
     @classmethod
-    def check_layout(cls, layout: Layout, options: Any) -> None:
+    def check_layout(cls, layout: Layout, options: NoOptions) -> None:
         if layout.world_size > 1:
             raise ConfigError(
                 f"strategy 'single' trains in one process (got {layout.describe()})",

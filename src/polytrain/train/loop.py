@@ -16,10 +16,10 @@ import torch.distributed as dist
 
 from ..config import TrainConfig
 from ..data import GlobalBatches, get_dataset
+from ..emulation.clock import emulate
+from ..emulation.devices import parse_cluster
+from ..emulation.profile import profile_model
 from ..models import get_model
-from ..pipeline.devices import parse_cluster
-from ..pipeline.emulation import emulate
-from ..pipeline.profile import profile_model
 from ..runtime import Context, init
 from ..strategies.base import distribute, get_strategy
 from .metrics import build_metrics

@@ -10,6 +10,7 @@ from torch import nn
 from ...errors import ConfigError
 from ...launch.layout import Layout
 from ...ps.engine import Engine, engine_for
+from ...runtime import Context
 from ..base import Strategy, register
 from .async_mode import AsyncOptimizer
 from .optimizer import DistributedOptimizer
@@ -19,7 +20,7 @@ __all__ = ["BytePS"]
 
 
 @register
-class BytePS(Strategy):
+class BytePS(Strategy[BytePSOptions]):
     """BytePS: gradient summation on CPU servers, the update on the workers.
 
     A summation server runs on every worker machine (``colocate``) and on each
@@ -43,7 +44,7 @@ class BytePS(Strategy):
     name = "byteps"
     Options = BytePSOptions
 
-    def __init__(self, ctx: Any, options: BytePSOptions) -> None:
+    def __init__(self, ctx: Context | None, options: BytePSOptions) -> None:
         super().__init__(ctx, options)
         self.engine: Engine | None = None
         self.optimizer: DistributedOptimizer | AsyncOptimizer | None = None

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from polytrain import ConfigError
+from polytrain.emulation.clock import clock_of, emulate
+from polytrain.emulation.devices import BUILTIN_TYPES, parse_cluster
+from polytrain.emulation.profile import profile_model
 from polytrain.models import GPT
-from polytrain.pipeline.devices import BUILTIN_TYPES, parse_cluster
-from polytrain.pipeline.emulation import clock_of, emulate
-from polytrain.pipeline.profile import profile_model
 
 
 def test_spec_string_with_builtin_and_user_types_and_links():
