@@ -1,7 +1,7 @@
 import pytest
 
 from polytrain import ConfigError
-from polytrain.comm import Topology, TrafficMeter, machine_traffic
+from polytrain.comm import Topology, TrafficMeter, machine_traffic, server_traffic
 
 TOPO = Topology.from_roles([("worker", "node0"), ("worker", "node0"), ("worker", "node1"),
                             ("worker", "node1"), ("server", "server0")])
@@ -51,3 +51,19 @@ def test_ring_allreduce_estimate_marks_estimated():
     node0 = next(t for t in traffic if t.name == "node0")
     assert node0.sent_bytes_per_step == 1500 and node0.recv_bytes_per_step == 1500
     assert node0.estimated
+
+
+def test_server_traffic_counts_every_byte_of_each_server_per_steady_step():
+    topo = Topology.from_roles([("worker", "node0"), ("worker", "node1"), ("server", "node0"),
+                                ("server", "server0")])
+    meters = [TrafficMeter(r, topo) for r in range(2)]
+    for step in range(3):
+        for m in meters:
+            m.record(2, 50 if step else 5000, "sent")  # the colocated server: local bytes count
+            m.record(2, 40, "recv")
+            m.record(3, 70, "sent")
+            m.mark_step()
+    rows = {r["rank"]: r for r in server_traffic([m.report() for m in meters], topo, warmup=1)}
+    assert rows[2] == {"rank": 2, "machine": "node0", "recv_bytes_per_step": 100.0,
+                       "sent_bytes_per_step": 80.0}
+    assert rows[3]["recv_bytes_per_step"] == 140.0 and rows[3]["sent_bytes_per_step"] == 0.0

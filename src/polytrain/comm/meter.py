@@ -9,7 +9,8 @@ from typing import Iterable, Sequence
 
 from .topology import Topology
 
-__all__ = ["TrafficMeter", "MeterReport", "MachineTraffic", "machine_traffic", "SENT", "RECV"]
+__all__ = ["TrafficMeter", "MeterReport", "MachineTraffic", "machine_traffic", "server_traffic",
+           "SENT", "RECV"]
 
 SENT = "sent"
 RECV = "recv"
@@ -113,9 +114,7 @@ def machine_traffic(reports: Sequence[MeterReport], topology: Topology, *,
     traffic with servers). Steps after the first ``warmup`` are averaged.
     """
     reporting = {r.rank for r in reports}
-    nsteps = min((len(r.steps) for r in reports), default=0)
-    first = warmup if nsteps > warmup else 0
-    counted = max(1, nsteps - first)
+    first, nsteps, counted = _window(reports, warmup)
     sent: dict[str, float] = defaultdict(float)
     recv: dict[str, float] = defaultdict(float)
     estimated: set[str] = set()
@@ -135,3 +134,32 @@ def machine_traffic(reports: Sequence[MeterReport], topology: Topology, *,
     return [MachineTraffic(m, "worker" if m in worker_machines else "server",
                            sent[m], recv[m], m in estimated)
             for m in topology.machines]
+
+
+def _window(reports: Sequence[MeterReport], warmup: int) -> tuple[int, int, int]:
+    """(first steady step, steps, steps counted) of the reports' common windows."""
+    nsteps = min((len(r.steps) for r in reports), default=0)
+    first = warmup if nsteps > warmup else 0
+    return first, nsteps, max(1, nsteps - first)
+
+
+def server_traffic(reports: Sequence[MeterReport], topology: Topology, *,
+                   warmup: int = 1) -> list[dict[str, object]]:
+    """Every server process's bytes received and sent per steady-state step (all its bytes,
+    machine-local ones too), from the workers' reports: a server talks to workers only.
+
+    Shows the balance of a placement: equal shards give equal bytes to every server.
+    """
+    workers = [r for r in reports if r.rank in set(topology.workers)]
+    first, nsteps, counted = _window(workers, warmup)
+    out = []
+    for server in topology.servers:
+        recv = sent = 0.0
+        for rep in workers:
+            for step in rep.steps[first:nsteps]:
+                recv += sum(n for (p, d, _), n in step.items() if p == server and d == SENT)
+                sent += sum(n for (p, d, _), n in step.items() if p == server and d == RECV)
+        out.append({"rank": server, "machine": topology.machine(server),
+                    "recv_bytes_per_step": recv / counted, "sent_bytes_per_step": sent / counted})
+    return out
+

@@ -24,7 +24,7 @@ the head lands on a fast device). It changes which layers learn late: stage ``j`
 applies its gradients ``N_m - 1 - j`` updates after the forward that made
 them, so the first stages are the stale ones, and a slow device there takes
 the fewest layers. On 2 fast + 2 slow devices (ED, N_m = 2, D = 1) that cut
-the loss gap to ddp after 300 steps from 9% to 1% (README, HetPipe).
+the loss gap to ddp after 300 steps from 9% to 1% (docs/hetpipe.md).
 """
 
 from __future__ import annotations

@@ -64,7 +64,7 @@ class AsyncPipeline:
     gradient one update late is stable only up to about 5 / lr of preconditioned
     curvature even with prediction (38 / lr without the lag), so the late stage
     is held to flatter regions at a full learning rate; on the default GPT,
-    0.25 halved the lag's cost with Adam's beta2 0.999 (see the README).
+    0.25 halved the lag's cost with Adam's beta2 0.999 (see docs/hetpipe.md).
 
     With ``lag_beta2`` such a stage's Adam (or AdamW) keeps its second moment
     with that decay instead of the optimizer's: beyond HetPipe. A second moment
@@ -73,7 +73,7 @@ class AsyncPipeline:
     where a lower learning rate slows every coordinate all the time. The two
     work together: on the default GPT with N_m = 2, D = 1, beta2 0.9 with
     ``lag_lr`` 0.25 ended 3% below single's loss on average over eight seeds,
-    0.999 with 0.25 5% above, 0.9 at the full rate 3% above (see the README).
+    0.999 with 0.25 5% above, 0.9 at the full rate 3% above (see docs/hetpipe.md).
 
     Args:
         stage: this process's stage.

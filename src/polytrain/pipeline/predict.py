@@ -6,8 +6,8 @@ computed it (stage ``j`` of ``N_m`` in flight: ``lag = N_m - 1 - j``). With
 momentum that delay costs far more than it seems: on a quadratic, Adam
 (beta1 = 0.9) is stable for preconditioned curvatures up to 38 / lr, but with
 a gradient one update old only up to about 1 / lr, so training is confined to
-much flatter regions and the default GPT stalls on its plateau (see the
-README). Predicting the weights helps: the forward (and, stashed, its
+much flatter regions and the default GPT stalls on its plateau (see
+docs/hetpipe.md). Predicting the weights helps: the forward (and, stashed, its
 backward) runs on the live weights advanced by ``lag`` more steps of the
 stage's own optimizer, with the latest gradient standing in for the ones
 still in flight. For Adam that widens the stable range to about 5 / lr and

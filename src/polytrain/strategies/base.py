@@ -149,6 +149,10 @@ class Strategy(ABC, Generic[OptionsT]):
         optimizer.step()
         return float(loss.detach())
 
+    def metrics(self) -> dict[str, Any]:
+        """The strategy's own records for ``metrics.json`` (worker 0's; default none)."""
+        return {}
+
     def state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The full model's state on CPU, with the keys of the unwrapped model.
 

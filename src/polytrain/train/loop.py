@@ -120,6 +120,7 @@ def train(config: TrainConfig) -> dict[str, Any] | None:
     global_losses = _global_losses(ctx, losses)
     state = trainer.state_dict()
     reports = _worker_reports(ctx)
+    records = strategy.metrics()  # the strategy's own (worker 0's go to metrics.json)
     trainer.close()
     if ctx is not None:
         ctx.shutdown()
@@ -129,6 +130,7 @@ def train(config: TrainConfig) -> dict[str, Any] | None:
                             model_bytes=model_bytes,
                             topology=ctx.topology if ctx is not None else None,
                             reports=reports, wall_s=time.perf_counter() - started)
+    metrics.update({k: v for k, v in records.items() if k not in metrics})
     if config.out is not None:
         out = Path(config.out)
         out.mkdir(parents=True, exist_ok=True)

@@ -7,7 +7,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ..comm.meter import MeterReport, machine_traffic
+from ..comm.meter import MeterReport, machine_traffic, server_traffic
 from ..comm.topology import Topology
 
 __all__ = ["steady", "step_times", "build_metrics"]
@@ -35,10 +35,12 @@ def build_metrics(*, config: Any, losses: Sequence[float], times: Sequence[float
 
     warm = steady(times)
     samples_per_s = config.batch_size * len(warm) / sum(warm) if warm and sum(warm) > 0 else 0.0
-    machines = []
+    machines: list[dict[str, Any]] = []
+    servers: list[dict[str, Any]] = []
     if topology is not None and reports:
         skip = len(times) - len(warm)
         machines = [m.as_dict() for m in machine_traffic(reports, topology, warmup=skip)]
+        servers = server_traffic(reports, topology, warmup=skip)
     return {
         "strategy": config.strategy,
         "model": config.model,
@@ -66,6 +68,7 @@ def build_metrics(*, config: Any, losses: Sequence[float], times: Sequence[float
         "model_bytes": model_bytes,
         "traffic": {
             "machines": machines,
+            "servers": servers,
             "estimated": any(m["estimated"] for m in machines),
             "note": "bytes crossing machines per steady-state step; 'estimated' marks bytes "
                     "moved inside torch collectives, counted from their algorithm's cost",

@@ -24,7 +24,7 @@ def test_staleness_zero_with_sgd_ends_where_single_ends():
 
 @pytest.mark.timeout(180)
 def test_bounded_staleness_reaches_the_synchronous_loss():
-    # The GPT task shrunk to fit the test budget (the README reports the default task).
+    # The GPT task shrunk to fit the test budget (docs/byteps.md reports the default task).
     # Synchronous BytePS ends where single ends (test_sync), so single stands in for it.
     c = TrainConfig(strategy="byteps", workers=2, nodes=2, servers=1, steps=40, batch_size=16,
                     optimizer="adam", lr=3e-3, model_options=TINY,
