@@ -17,7 +17,7 @@ import torch
 import polytrain
 from polytrain.train import run_config as run_job
 
-__all__ = ["spawn", "run_config", "single_of", "max_abs_diff", "COMM_TIMEOUT_S"]
+__all__ = ["spawn", "run_config", "run_cached", "single_of", "max_abs_diff", "COMM_TIMEOUT_S"]
 
 COMM_TIMEOUT_S = 30.0
 _ENV = {"OMP_NUM_THREADS": "1"}
@@ -35,6 +35,19 @@ def run_config(config: polytrain.TrainConfig) -> tuple[dict[str, Any], dict[str,
     with tempfile.TemporaryDirectory() as tmp:
         config = config.replace(out=tmp, quiet=True, timeout_s=COMM_TIMEOUT_S)
         return run_job(config, env=_ENV), torch.load(Path(tmp) / "final.pt")
+
+
+_cache: dict[str, tuple[dict[str, Any], dict[str, torch.Tensor]]] = {}
+
+
+def run_cached(config: polytrain.TrainConfig
+               ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """:func:`run_config`, once per configuration in a test session (tests that read the same
+    run for transparency and for traffic start it once)."""
+    key = repr(config)
+    if key not in _cache:
+        _cache[key] = run_config(config)
+    return _cache[key]
 
 
 def single_of(config: polytrain.TrainConfig) -> polytrain.TrainConfig:

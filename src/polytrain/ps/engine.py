@@ -141,15 +141,19 @@ class Engine:
 
     # -- placements and keys -------------------------------------------------------------------
 
-    def keyed(self, specs: Sequence[TensorSpec], placement: Placement) -> Placement:
-        """``placement`` checked against ``specs`` and the run, with fresh service keys.
+    def keyed(self, specs: Sequence[TensorSpec], placement: Placement, *,
+              first_key: int | None = None) -> Placement:
+        """``placement`` checked against ``specs`` and the run, with fresh service keys
+        (or keys from ``first_key`` on, in a range the caller took from ``ctx.keys``).
 
         Raises ConfigError, with the values, for a byte range past a tensor's end,
         an owner that is not a server, a handler that is not a local worker:
         before any key is declared, so no worker waits on a bad plan.
         """
         placement.check(specs, self.ctx.topology.servers, local_workers=len(self.local))
-        return placement.renumbered(self.ctx.keys.take(len(placement.partitions)))
+        if first_key is None:
+            first_key = self.ctx.keys.take(len(placement.partitions))
+        return placement.renumbered(first_key)
 
     def declare(self, placement: Placement, *, kind: int, pushers: int, pullers: int,
                 options: dict[str, Any] | None = None, only: Sequence[int] | None = None,
@@ -191,14 +195,15 @@ class Engine:
     # -- synchronous sums ----------------------------------------------------------------------
 
     def sums(self, specs: Sequence[TensorSpec], placement: Placement, *,
-             local_reduce: bool = True, describe: str = "") -> list[SumTensor]:
+             local_reduce: bool = True, describe: str = "",
+             first_key: int | None = None) -> list[SumTensor]:
         """Declare tensors to sum over every worker (same order on every worker).
 
         ``placement`` partitions ``specs`` (keys are renumbered: see :meth:`keyed`).
         With ``local_reduce`` each machine pushes each partition once, after its
         workers' reduce inside the machine; without, every worker pushes its own.
         """
-        placement = self.keyed(specs, placement)
+        placement = self.keyed(specs, placement, first_key=first_key)
         handlers = placement.handlers or spread_handlers(placement.partitions, len(self.local))
         tensors = [SumTensor(s.name, s, result=torch.empty(s.numel, dtype=s.dtype))
                    for s in specs]

@@ -2,6 +2,7 @@
 
 from . import byteps as _byteps  # noqa: F401 - registers "byteps"
 from . import ddp as _ddp  # noqa: F401 - registers "ddp"
+from . import herring as _herring  # noqa: F401 - registers "herring"
 from . import hetpipe as _hetpipe  # noqa: F401 - registers "hetpipe"
 from . import moe as _moe  # noqa: F401 - registers "moe"
 from . import single as _single  # noqa: F401 - registers "single"

@@ -7,16 +7,13 @@ layouts of the issue are each started once.
 import pytest
 
 from polytrain import TrainConfig
-from tests.harness import max_abs_diff, run_config, single_of
+from tests.harness import max_abs_diff, run_cached, run_config, single_of
 
 STEPS = 4
 MODEL = {"seq_len": 16, "d_model": 64, "layers": 2}  # ~0.5 MB: headers stay under 0.5%
 # Adam divides by the root of tiny second moments, which magnifies summation-order rounding
 # (ddp lands at ~6e-6 on such runs); SGD stays at the float32 rounding of the weights.
 TOLERANCE = {"sgd": 1e-6, "adam": 3e-5}
-
-_runs: dict[str, tuple[dict, dict]] = {}
-
 
 def config(nodes, workers, servers, optimizer="sgd", **options):
     return TrainConfig(strategy="byteps", workers=workers, nodes=nodes, servers=servers,
@@ -25,20 +22,13 @@ def config(nodes, workers, servers, optimizer="sgd", **options):
                        strategy_options=options)
 
 
-def run(c):
-    key = repr(c)
-    if key not in _runs:
-        _runs[key] = run_config(c)
-    return _runs[key]
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 @pytest.mark.parametrize("nodes, workers, servers", [(1, 2, 1), (2, 4, 0), (2, 4, 2), (3, 3, 2)])
 def test_byteps_ends_where_single_ends(nodes, workers, servers, optimizer):
     c = config(nodes, workers, servers, optimizer)
     _, single = run_config(single_of(c))
-    metrics, distributed = run(c)
+    metrics, distributed = run_cached(c)
     assert max_abs_diff(single, distributed) < TOLERANCE[optimizer]
     assert metrics["strategy"] == "byteps" and len(metrics["losses"]) == STEPS
     # The weights did move: the comparison is not between two untouched initialisations.
@@ -52,7 +42,7 @@ def test_the_classic_parameter_server_with_tiny_partitions_ends_where_single_end
     # partitions cut each weight into several keys, a credit of two partitions holds the rest.
     c = config(1, 2, 1, colocate=False, partition_bytes=4000, fuse_bytes=0, credit_bytes=8000)
     _, single = run_config(single_of(c))
-    metrics, distributed = run(c)
+    metrics, distributed = run_cached(c)
     assert max_abs_diff(single, distributed) < TOLERANCE["sgd"]
     # A parameter server's cost: each worker machine sends and receives the model, the
     # server machine n times the model over its k servers (headers: 64 bytes per 4000).
@@ -76,7 +66,7 @@ def machines(metrics, kind):
 def test_every_machine_moves_t_opt_bytes_per_step(nodes, workers, servers):
     # (2, 4, 2) and (3, 3, 2) are the transparency runs above; (2, 4, 2) also reduces inside
     # each machine first, which must add no bytes between machines.
-    metrics, _ = run(config(nodes, workers, servers))
+    metrics, _ = run_cached(config(nodes, workers, servers))
     expected = t_opt(nodes, servers) * metrics["model_bytes"]
     assert len(machines(metrics, "worker")) == nodes
     assert len(machines(metrics, "server")) == servers
@@ -89,7 +79,7 @@ def test_every_machine_moves_t_opt_bytes_per_step(nodes, workers, servers):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("nodes, workers", [(2, 4), (3, 3)])
 def test_without_cpu_servers_each_machine_moves_ring_all_reduce_bytes(nodes, workers):
-    metrics, _ = run(config(nodes, workers, 0))
+    metrics, _ = run_cached(config(nodes, workers, 0))
     expected = 2 * (nodes - 1) / nodes * metrics["model_bytes"]
     for m in machines(metrics, "worker"):
         assert m["sent_bytes_per_step"] == pytest.approx(expected, rel=0.02), m
@@ -99,7 +89,7 @@ def test_without_cpu_servers_each_machine_moves_ring_all_reduce_bytes(nodes, wor
 @pytest.mark.timeout(120)
 def test_without_colocated_servers_traffic_is_the_parameter_servers():
     nodes, servers = 3, 2
-    metrics, _ = run(config(nodes, 3, servers, colocate=False))
+    metrics, _ = run_cached(config(nodes, 3, servers, colocate=False))
     m = metrics["model_bytes"]
     for w in machines(metrics, "worker"):  # push the model, pull it back
         assert w["sent_bytes_per_step"] == pytest.approx(m, rel=0.02), w

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable
 
 import torch
 
-from ...comm.bucket import Bucket, plan_buckets
+from ...comm.bucket import plan_buckets
 from ...comm.partition import DEFAULT_PARTITION_BYTES, TensorSpec
 from ...errors import ConfigError
-from ...ps.engine import Engine, SumTensor
+from ...ps.engine import Engine
+from ...ps.grads import GradientSync, bucket_specs
 from .options import DEFAULT_FUSE_BYTES
 from .plan import plan_for
 
@@ -37,13 +38,6 @@ def named_params_of(optimizer: torch.optim.Optimizer,
                               f"named_parameters", "pass the named_parameters of the model "
                               "whose parameters the optimizer updates")
     return [(n, p) for n, p in named if p.requires_grad]
-
-
-def _group_name(group: Bucket, specs: Sequence[TensorSpec]) -> str:
-    first = specs[group.members[0]].name
-    if len(group.members) == 1:
-        return first
-    return f"{first}..{specs[group.members[-1]].name}"
 
 
 class WrappedOptimizer(torch.optim.Optimizer):
@@ -133,65 +127,18 @@ class DistributedOptimizer(WrappedOptimizer):
         self.engine = engine
         self.backward_passes_per_step = backward_passes_per_step
         named = named_params_of(optimizer, named_parameters)
-        self._params = [p for _, p in named]
         specs = [TensorSpec.of(n, p) for n, p in named]
-        self._groups = plan_buckets(specs, fill_bytes=fuse_bytes, reverse=False)
-        self._group_of = {m: g.index for g in self._groups for m in g.members}
-        fused = [TensorSpec(_group_name(g, specs), (g.numel,), g.dtype) for g in self._groups]
-        plan = plan_for(engine.ctx.topology, fused, partition_bytes=partition_bytes,
-                        colocate=colocate)
+        groups = plan_buckets(specs, fill_bytes=fuse_bytes, reverse=False)
+        plan = plan_for(engine.ctx.topology, bucket_specs(groups, specs),
+                        partition_bytes=partition_bytes, colocate=colocate)
         self.plan = plan
-        self._tensors: Sequence[SumTensor] = engine.sums(fused, plan.placement,
-                                                         describe=plan.describe())
-        # A fused group gathers its members' gradients in one flat buffer as they come.
-        self._buffers = [None if len(g.members) == 1 else torch.empty(
-            g.numel, dtype=g.dtype, device=self._params[g.members[0]].device)
-            for g in self._groups]
-        self._passes = [0] * len(self._params)
-        self._ready = [False] * len(self._params)
-        self._missing = [len(g.members) for g in self._groups]
-        self._workers = engine.ctx.num_workers
-        self._hooks = [p.register_post_accumulate_grad_hook(self._hook(i))
-                       for i, p in enumerate(self._params)]
+        self.sync = GradientSync(engine, named, groups, plan.placement,
+                                 passes_per_step=backward_passes_per_step,
+                                 describe=plan.describe())
 
-    def _hook(self, i: int) -> Callable[[torch.Tensor], None]:
-        def hook(param: torch.Tensor) -> None:
-            self._passes[i] += 1
-            if self._passes[i] == self.backward_passes_per_step and not self._ready[i]:
-                self._collect(i)
-        return hook
-
-    @torch.no_grad()
-    def _collect(self, i: int) -> None:
-        """Parameter i's gradient is final for this step: submit its group once all are."""
-        p = self._params[i]
-        grad = p.grad if p.grad is not None else torch.zeros_like(p)
-        self._ready[i] = True
-        g = self._groups[self._group_of[i]]
-        buf = self._buffers[g.index]
-        if buf is not None:
-            off = g.offsets[g.members.index(i)]
-            buf[off:off + p.numel()].copy_(grad.reshape(-1))
-        self._missing[g.index] -= 1
-        if self._missing[g.index] == 0:
-            self.engine.submit(self._tensors[g.index], grad.reshape(-1) if buf is None else buf)
-
-    @torch.no_grad()
     def synchronize(self) -> None:
         """Wait for every gradient's sum and leave the average over workers in ``.grad``."""
-        for i in range(len(self._params)):
-            if not self._ready[i]:
-                self._collect(i)
-        for g, t in zip(self._groups, self._tensors):
-            total = self.engine.wait(t)
-            for m, off in zip(g.members, g.offsets):
-                p = self._params[m]
-                if p.grad is None:
-                    p.grad = torch.empty_like(p)
-                p.grad.copy_(total[off:off + p.numel()].view(p.shape)).div_(self._workers)
-        self._passes = [0] * len(self._params)
-        self._ready = [False] * len(self._params)
-        self._missing = [len(g.members) for g in self._groups]
+        self.sync.synchronize()
 
     def step(self, closure: Callable[[], float] | None = None) -> Any:
         self.synchronize()
@@ -199,6 +146,4 @@ class DistributedOptimizer(WrappedOptimizer):
 
     def close(self) -> None:
         """Remove the gradient hooks."""
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
+        self.sync.close()

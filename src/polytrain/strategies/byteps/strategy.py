@@ -7,11 +7,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...errors import ConfigError
-from ...launch.layout import Layout
 from ...ps.engine import Engine, engine_for
 from ...runtime import Context
-from ..base import Strategy, register
+from ..base import register
+from ..served import ServedStrategy
 from .async_mode import AsyncOptimizer
 from .optimizer import DistributedOptimizer
 from .options import BytePSOptions
@@ -20,7 +19,7 @@ __all__ = ["BytePS"]
 
 
 @register
-class BytePS(Strategy[BytePSOptions]):
+class BytePS(ServedStrategy[BytePSOptions]):
     """BytePS: gradient summation on CPU servers, the update on the workers.
 
     A summation server runs on every worker machine (``colocate``) and on each
@@ -43,26 +42,13 @@ class BytePS(Strategy[BytePSOptions]):
 
     name = "byteps"
     Options = BytePSOptions
+    no_colocate_means = ("is the classic parameter server: every gradient goes to "
+                         "dedicated servers")
 
     def __init__(self, ctx: Context | None, options: BytePSOptions) -> None:
         super().__init__(ctx, options)
         self.engine: Engine | None = None
         self.optimizer: DistributedOptimizer | AsyncOptimizer | None = None
-
-    @classmethod
-    def check_layout(cls, layout: Layout, options: BytePSOptions) -> None:
-        if not options.colocate and layout.servers == 0:
-            raise ConfigError("byteps --no-colocate is the classic parameter server: every "
-                              "gradient goes to dedicated servers, but --servers is 0",
-                              "pass --servers K (K >= 1), or leave out --no-colocate")
-
-    @classmethod
-    def uses_servers(cls, options: BytePSOptions) -> bool:
-        return True
-
-    @classmethod
-    def colocated_servers(cls, options: BytePSOptions) -> int:
-        return 1 if options.colocate else 0
 
     def wrap(self, model: nn.Module,
              optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:

@@ -1,0 +1,167 @@
+"""Gradients summed as backward produces them: hooks fill buckets, the engine sums each one.
+
+The worker-side schedule BytePS and Herring share: every parameter's
+gradient joins its bucket from a post-accumulate hook (after
+``passes_per_step`` backward passes: gradient accumulation); once a bucket's
+last member is in, the bucket is handed to the engine while backward goes on
+(overlap); :meth:`GradientSync.synchronize` waits for what is still in
+flight and leaves the average over workers in every ``.grad``. Parameters
+whose gradient never came are summed as zeros, so every worker sends the same
+keys every step.
+
+    backward:  grad(p9) grad(p8) | grad(p7) ... grad(p0)   (hooks, in this order)
+    buckets:   [p9 p8] -> submit  | [p7 ..]  -> submit  ...
+    sync:                                     wait(b0), wait(b1), ... -> .grad = sum / W
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Sequence
+
+import torch
+
+from ..comm.bucket import Bucket
+from ..comm.partition import TensorSpec
+from .engine import Engine, SumTensor
+from .placement import Placement
+
+__all__ = ["GradientSync", "bucket_specs"]
+
+
+def bucket_specs(buckets: Sequence[Bucket], specs: Sequence[TensorSpec]) -> list[TensorSpec]:
+    """One flat spec per bucket, named after its members (``first..last``)."""
+    out = []
+    for b in buckets:
+        first, last = specs[b.members[0]].name, specs[b.members[-1]].name
+        out.append(TensorSpec(first if len(b.members) == 1 else f"{first}..{last}",
+                              (b.numel,), b.dtype))
+    return out
+
+
+class GradientSync:
+    """Sums the gradients of ``params`` over every worker, bucket by bucket, during backward.
+
+    Example::
+
+        buckets = plan_buckets(specs, cap_bytes=25 << 20)
+        sync = GradientSync(engine, list(model.named_parameters()), buckets, placement)
+        loss.backward()        # buckets leave as they fill
+        sync.synchronize()     # .grad of every param = the mean over workers
+
+    Args:
+        engine: the run's engine. named: the parameters with names (``buckets`` index them).
+        buckets: members and offsets of each flat bucket, in the order they are summed.
+        placement: where each bucket's partitions go (its tensors are the buckets).
+        passes_per_step: backward passes whose gradients add up before a sum.
+        local_reduce: reduce inside each machine before pushing (default True).
+        in_backward: synchronize at the end of the backward pass itself (an autograd
+            callback queued by the first hook), as torch's DDP does; default False: the
+            caller calls :meth:`synchronize` (BytePS: in ``optimizer.step()``).
+        describe: logged with the placement by worker 0.
+    """
+
+    def __init__(self, engine: Engine, named: Sequence[tuple[str, torch.nn.Parameter]],
+                 buckets: Sequence[Bucket], placement: Placement, *, passes_per_step: int = 1,
+                 local_reduce: bool = True, in_backward: bool = False,
+                 describe: str = "") -> None:
+        self.engine = engine
+        self.in_backward = in_backward
+        self._queued = False
+        self.params = [p for _, p in named]
+        self.buckets = list(buckets)
+        self.passes_per_step = passes_per_step
+        self.enabled = True  # False inside no_sync(): gradients only accumulate
+        specs = bucket_specs(self.buckets, [TensorSpec.of(n, p) for n, p in named])
+        self.tensors: Sequence[SumTensor] = engine.sums(specs, placement,
+                                                        local_reduce=local_reduce,
+                                                        describe=describe)
+        self._bucket_of = {m: b for b, bucket in enumerate(self.buckets) for m in bucket.members}
+        # A fused bucket gathers its members' gradients in one flat buffer as they come.
+        self._buffers = [None if len(b.members) == 1 else torch.empty(
+            b.numel, dtype=b.dtype, device=self.params[b.members[0]].device)
+            for b in self.buckets]
+        self._workers = engine.ctx.num_workers
+        self._reset()
+        self._hooks = [p.register_post_accumulate_grad_hook(self._hook(i))
+                       for i, p in enumerate(self.params)]
+        #: Per synchronised step: seconds from the first bucket's submit to the last sum's
+        #: arrival (comm), and of that the part spent waiting in synchronize() (exposed).
+        self.comm_s: list[float] = []
+        self.exposed_s: list[float] = []
+        self.synced = 0  # steps synchronised so far
+
+    def _reset(self) -> None:
+        self._passes = [0] * len(self.params)
+        self._ready = [False] * len(self.params)
+        self._missing = [len(b.members) for b in self.buckets]
+        self._first_submit: float | None = None
+        self._queued = False
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether some bucket of this step has been handed to the engine."""
+        return self._first_submit is not None
+
+    def _hook(self, i: int) -> Callable[[torch.Tensor], None]:
+        def hook(param: torch.Tensor) -> None:
+            if not self.enabled:
+                return
+            if self.in_backward and not self._queued:
+                self._queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self.synchronize)
+            self._passes[i] += 1
+            if self._passes[i] == self.passes_per_step and not self._ready[i]:
+                self._collect(i)
+        return hook
+
+    @torch.no_grad()
+    def _collect(self, i: int) -> None:
+        """Parameter i's gradient is final for this step: submit its bucket once all are."""
+        p = self.params[i]
+        grad = p.grad if p.grad is not None else torch.zeros_like(p)
+        self._ready[i] = True
+        b = self._bucket_of[i]
+        bucket, buf = self.buckets[b], self._buffers[b]
+        if buf is not None:
+            off = bucket.offsets[bucket.members.index(i)]
+            buf[off:off + p.numel()].copy_(grad.reshape(-1))
+        self._missing[b] -= 1
+        if self._missing[b] == 0:
+            if self._first_submit is None:
+                self._first_submit = time.perf_counter()
+            self.engine.submit(self.tensors[b], grad.reshape(-1) if buf is None else buf)
+
+    @torch.no_grad()
+    def synchronize(self) -> None:
+        """Wait for every bucket's sum and leave the average over workers in ``.grad``."""
+        waited = time.perf_counter()
+        for i in range(len(self.params)):
+            if not self._ready[i]:
+                self._collect(i)
+        assert self._first_submit is not None or not self.buckets
+        for bucket, t in zip(self.buckets, self.tensors):
+            total = self.engine.wait(t)
+            for m, off in zip(bucket.members, bucket.offsets):
+                p = self.params[m]
+                if p.grad is None:
+                    p.grad = torch.empty_like(p)
+                p.grad.copy_(total[off:off + p.numel()].view(p.shape)).div_(self._workers)
+        done = time.perf_counter()
+        if self._first_submit is not None:
+            self.comm_s.append(done - self._first_submit)
+            self.exposed_s.append(done - waited)
+        self.synced += 1
+        self._reset()
+
+    def hidden_fraction(self, skip: int = 1) -> float | None:
+        """The share of communication time that backward hid, over the steps after ``skip``:
+        1 - exposed / comm (None before any step)."""
+        comm, exposed = sum(self.comm_s[skip:]), sum(self.exposed_s[skip:])
+        return None if comm <= 0 else max(0.0, 1.0 - exposed / comm)
+
+    def close(self) -> None:
+        """Remove the gradient hooks."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []

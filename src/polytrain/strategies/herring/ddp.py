@@ -1,0 +1,133 @@
+"""Herring as a drop-in for ``torch.nn.parallel.DistributedDataParallel``.
+
+Example::
+
+    import polytrain
+    from polytrain.herring import DistributedDataParallel as DDP   # was: torch.nn.parallel
+
+    ctx = polytrain.init()                 # launch with --colocated 1 (polytrain train does)
+    model = DDP(model, bucket_cap_mb=25)
+    for x, y in batches:                   # this worker's slice, as with torch's DDP
+        opt.zero_grad(); loss_fn(model(x), y).backward(); opt.step()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ... import runtime
+from ...comm.partition import TensorSpec
+from ...errors import ConfigError
+from ...ps.engine import engine_for
+from ...ps.grads import GradientSync
+from ...ps.placement import server_ranks
+from ...runtime import Context
+from ..checks import broadcast_module, check_same_model
+from .plan import HerringPlan, plan_herring
+
+__all__ = ["DistributedDataParallel", "DEFAULT_BUCKET_CAP_MB"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BUCKET_CAP_MB = 25.0  # torch DDP's and Herring's
+
+
+def herring_servers(ctx: Context, *, colocate: bool) -> list[int]:
+    """Herring's servers: one on every worker machine (unless not ``colocate``), then the
+    dedicated CPU machines'."""
+    colocated, dedicated = server_ranks(ctx.topology, colocate=colocate, strategy="herring")
+    return colocated + dedicated
+
+
+class DistributedDataParallel(nn.Module):
+    """Herring (Thangakrishnan et al., SC 2020): gradients summed on servers everywhere.
+
+    Gradients join fusion buffers of ``bucket_cap_mb`` in the order backward
+    produces them; each buffer is cut into equal shards, one for every server
+    (one on each worker machine, plus ``--servers K`` CPU machines), and each
+    shard into one piece per local worker. A buffer leaves the moment backward
+    fills it: the machine's workers reduce-scatter it, push their pieces to the
+    servers, pull the sums and all-gather inside the machine. When
+    ``backward()`` returns, ``.grad`` holds the average over every worker, as
+    with torch's DDP.
+
+    Args:
+        module: the model (already on this worker's device).
+        device_ids, output_device, dim, process_group: accepted for torch DDP's
+            signature; one device per process, all workers.
+        broadcast_buffers: copy worker 0's buffers to every worker at each forward
+            (default True, as torch's DDP).
+        bucket_cap_mb: fusion buffer size in MiB (default 25).
+        find_unused_parameters: accepted; a parameter without a gradient in a step
+            is summed as zeros, so every worker sends the same buffers.
+        gradient_as_bucket_view: accepted; gradients are copied out of the buffers.
+        colocate: a server on every worker machine (default True).
+        ctx: the run (default: :func:`polytrain.init`'s).
+    """
+
+    def __init__(self, module: nn.Module, device_ids: Sequence[Any] | None = None,
+                 output_device: Any = None, dim: int = 0, broadcast_buffers: bool = True,
+                 process_group: Any = None, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+                 find_unused_parameters: bool = False, gradient_as_bucket_view: bool = False,
+                 *, colocate: bool = True, ctx: Context | None = None) -> None:
+        super().__init__()
+        ctx = ctx or runtime.current()
+        if not ctx.is_worker:
+            raise ConfigError(f"rank {ctx.rank} is a server; herring trains on workers",
+                              "wrap the model on workers only (servers serve inside init())")
+        if bucket_cap_mb <= 0:
+            raise ConfigError(f"bucket_cap_mb must be positive (got {bucket_cap_mb})",
+                              "pass bucket_cap_mb=25 (--bucket-cap-mb 25)")
+        check_same_model(ctx, module)
+        broadcast_module(ctx, module)
+        self.module = module
+        self.ctx = ctx
+        self.broadcast_buffers = broadcast_buffers
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self.plan: HerringPlan = plan_herring(
+            [TensorSpec.of(n, p) for n, p in named],
+            bucket_cap_bytes=int(bucket_cap_mb * 2**20),
+            servers=herring_servers(ctx, colocate=colocate),
+            local_workers=len(ctx.local_workers))
+        self.sync = GradientSync(engine_for(ctx), named, self.plan.buckets,
+                                 self.plan.placement, in_backward=True,
+                                 describe=self.plan.describe())
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.broadcast_buffers and self.ctx.num_workers > 1:
+            src = self.ctx.topology.workers[0]
+            with torch.no_grad():
+                for b in self.module.buffers():
+                    dist.broadcast(b.data, src=src, group=self.ctx.groups.workers)
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside only accumulate gradients; the first one after syncs them."""
+        before = self.sync.enabled
+        self.sync.enabled = False
+        try:
+            yield
+        finally:
+            self.sync.enabled = before
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """The bare model's (keys without ``module.``), as a checkpoint should hold."""
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def hidden_fraction(self) -> float | None:
+        """The share of communication time backward hid (steps after the first)."""
+        return self.sync.hidden_fraction()
+
+    def close(self) -> None:
+        """Remove the gradient hooks."""
+        self.sync.close()

@@ -1,0 +1,116 @@
+"""Herring as a DDP communication hook: torch's DDP and its buckets, Herring's servers.
+
+The route SageMaker's product took (a c10d backend under native DDP): keep
+``torch.nn.parallel.DistributedDataParallel`` and send each of its buckets
+through Herring's sharded servers instead of an all-reduce.
+
+Example::
+
+    from polytrain.herring import HerringHookState, herring_hook
+
+    ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=ctx.groups.workers)
+    ddp.register_comm_hook(HerringHookState(ctx), herring_hook)
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ... import runtime
+from ...comm.partition import TensorSpec
+from ...errors import ConfigError
+from ...ps.engine import SumTensor, engine_for
+from ...runtime import Context
+from .ddp import herring_servers
+from .plan import plan_herring
+
+__all__ = ["HerringHookState", "herring_hook"]
+
+# Keys reserved per bucket layout: DDP may rebuild its buckets once (after the first
+# iteration), so a bucket index can come with a second size.
+_MAX_BUCKETS = 4096
+_LAYOUTS = 2
+
+
+class HerringHookState:
+    """What :func:`herring_hook` keeps: the engine, each bucket's declared sum, a waiter.
+
+    Buckets are declared when DDP first hands them over, in whatever order
+    backward makes them ready, so their keys cannot come from the run's key
+    space in order: the state takes one block of keys when it is made (every
+    worker makes it at the same point) and gives bucket ``i`` of layout ``g``
+    the keys ``block + (g * MAX + i) * pieces``.
+
+    Args:
+        ctx: the run (default: :func:`polytrain.init`'s).
+        colocate: a server on every worker machine (default True).
+    """
+
+    def __init__(self, ctx: Context | None = None, *, colocate: bool = True) -> None:
+        self.ctx = ctx or runtime.current()
+        self.engine = engine_for(self.ctx)
+        self.servers = herring_servers(self.ctx, colocate=colocate)
+        self.local = len(self.ctx.local_workers)
+        self.pieces = len(self.servers) * self.local
+        self.first_key = self.ctx.keys.take(_MAX_BUCKETS * _LAYOUTS * self.pieces)
+        self.sums: dict[tuple[int, int], SumTensor] = {}
+        self.layout: dict[int, list[int]] = {}  # bucket index -> the numels seen, in order
+        self.waiting: queue.Queue[tuple[SumTensor, torch.Tensor, Any] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._wait, daemon=True,
+                                        name="polytrain-herring-hook")
+        self._thread.start()
+
+    def _sum_of(self, index: int, numel: int, dtype: torch.dtype) -> SumTensor:
+        seen = self.layout.setdefault(index, [])
+        if numel not in seen:
+            seen.append(numel)
+        generation = seen.index(numel)
+        if index >= _MAX_BUCKETS or generation >= _LAYOUTS:
+            raise ConfigError(f"herring_hook: bucket {index} of {numel} elements is past the "
+                              f"{_MAX_BUCKETS} buckets x {_LAYOUTS} layouts it reserved",
+                              "raise bucket_cap_mb on the DDP model (fewer buckets)")
+        key = (index, generation)
+        if key not in self.sums:
+            spec = TensorSpec(f"ddp bucket {index}", (numel,), dtype)
+            plan = plan_herring([spec], bucket_cap_bytes=max(1, spec.nbytes),
+                                servers=self.servers, local_workers=self.local)
+            first = self.first_key + (generation * _MAX_BUCKETS + index) * self.pieces
+            [self.sums[key]] = self.engine.sums(list(plan.specs), plan.placement,
+                                                first_key=first)
+        return self.sums[key]
+
+    def _wait(self) -> None:
+        while (item := self.waiting.get()) is not None:
+            t, buffer, fut = item
+            try:
+                total = self.engine.wait(t)
+                buffer.copy_(total.view_as(buffer).to(buffer.device)).div_(self.ctx.num_workers)
+                fut.set_result(buffer)
+            except BaseException as e:  # noqa: BLE001 - DDP raises it from the future
+                fut.set_exception(e)
+
+    def close(self) -> None:
+        self.waiting.put(None)
+        self._thread.join(timeout=1.0)
+
+
+def herring_hook(state: HerringHookState,
+                 bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Average one DDP bucket over every worker through Herring's servers (a comm hook)."""
+    buffer = bucket.buffer()
+    t = state._sum_of(bucket.index(), buffer.numel(), buffer.dtype)
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    state.engine.submit(t, buffer)
+    state.waiting.put((t, buffer, fut))
+    return fut
+
+
+# torch's DDP checks a hook's annotations by identity; postponed annotations are strings.
+herring_hook.__annotations__.update(bucket=dist.GradBucket,
+                                    state=HerringHookState,
+                                    **{"return": torch.futures.Future[torch.Tensor]})

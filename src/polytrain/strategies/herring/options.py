@@ -1,0 +1,33 @@
+"""Herring's options: one frozen dataclass; the CLI makes a flag of every field."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ...errors import ConfigError
+from .ddp import DEFAULT_BUCKET_CAP_MB
+
+__all__ = ["HerringOptions"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class HerringOptions:
+    """How Herring fuses and places the gradients.
+
+    Args:
+        bucket_cap_mb: fusion buffer size in MiB (default 25, as torch's DDP).
+        colocate: a summation server on every worker machine (default True); False leaves
+            only the ``--servers K`` dedicated CPU machines.
+    """
+
+    bucket_cap_mb: float = field(default=DEFAULT_BUCKET_CAP_MB, metadata={
+        "help": "fusion buffer size in MiB; each buffer is cut into one shard per server "
+                "(default 25)", "metavar": "MB"})
+    colocate: bool = field(default=True, metadata={
+        "help": "no summation server on the worker machines: only the --servers K CPU "
+                "machines"})
+
+    def __post_init__(self) -> None:
+        if self.bucket_cap_mb <= 0:
+            raise ConfigError(f"--bucket-cap-mb must be positive (got {self.bucket_cap_mb})",
+                              "pass --bucket-cap-mb 25")

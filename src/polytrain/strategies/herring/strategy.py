@@ -1,0 +1,80 @@
+"""``herring``: the strategy that ``polytrain train --strategy herring`` and ``distribute`` use."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...errors import ConfigError
+from ...runtime import Context
+from ..base import register
+from ..served import ServedStrategy
+from .ddp import DistributedDataParallel
+from .options import HerringOptions
+
+__all__ = ["Herring"]
+
+
+@register
+class Herring(ServedStrategy[HerringOptions]):
+    """Herring: balanced fusion buffers sharded over servers on every machine, hierarchical.
+
+    Paper: Thangakrishnan et al., "Herring: Rethinking the Parameter Server at Scale for
+    the Cloud", SC 2020. The model is wrapped in
+    :class:`polytrain.herring.DistributedDataParallel`; the optimizer is the user's.
+
+    Example::
+
+        model, opt = polytrain.distribute(model, opt, strategy="herring")
+        # polytrain train --strategy herring --workers 4 --nodes 2 --servers 2
+    """
+
+    name = "herring"
+    no_colocate_means = "keeps only the dedicated servers"
+    Options = HerringOptions
+
+    def __init__(self, ctx: Context | None, options: HerringOptions) -> None:
+        super().__init__(ctx, options)
+        self.ddp: DistributedDataParallel | None = None
+
+    def wrap(self, model: nn.Module,
+             optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
+        ctx = self.ctx
+        assert ctx is not None
+        model.to(ctx.device)
+        ddp = DistributedDataParallel(model, bucket_cap_mb=self.options.bucket_cap_mb,
+                                      colocate=self.options.colocate, ctx=ctx)
+        self.ddp = ddp
+        synced = [0]
+
+        def check(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            # A step inside no_sync() before any backward outside it: nothing was summed.
+            if not ddp.sync.enabled and ddp.sync.synced == synced[0]:
+                raise ConfigError("optimizer.step() inside herring's no_sync() with no "
+                                  "gradient synchronised since the last step: each worker "
+                                  "would apply only its own gradients",
+                                  "run the last backward of the step outside no_sync(), "
+                                  "then step")
+            synced[0] = ddp.sync.synced
+
+        optimizer.register_step_pre_hook(check)
+        return ddp, optimizer
+
+    def metrics(self) -> dict[str, Any]:
+        if self.ddp is None:
+            return {}
+        sync = self.ddp.sync
+        steps = sync.comm_s[1:]
+        return {"overlap": {
+            "hidden_fraction": sync.hidden_fraction(),
+            "comm_s_per_step": sum(steps) / len(steps) if steps else None,
+            "exposed_s_per_step": (sum(sync.exposed_s[1:]) / len(steps)) if steps else None,
+            "note": "communication time from a step's first buffer leaving to its last sum "
+                    "arriving; exposed: the part backward did not hide (the wait at its end)"},
+            "plan": self.ddp.plan.describe()}
+
+    def close(self) -> None:
+        if self.ddp is not None:
+            self.ddp.close()

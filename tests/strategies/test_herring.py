@@ -1,0 +1,170 @@
+"""Herring: the single run's weights, shards of M/(n+k) on every server, balance, the drop-in."""
+
+import pytest
+import torch
+from torch import nn
+
+import polytrain
+from polytrain import ConfigError, LaunchError, TrainConfig
+from polytrain.comm import TensorSpec
+from polytrain.herring import herring_traffic, plan_herring
+from polytrain.models import GPT
+from tests.harness import max_abs_diff, run_cached, run_config, single_of, spawn
+
+STEPS = 4
+MODEL = {"seq_len": 16, "d_model": 64, "layers": 2}  # ~0.5 MB: headers stay under 0.5%
+TOLERANCE = {"sgd": 1e-6, "adam": 3e-5}  # as BytePS's (tests/strategies/byteps/test_sync.py)
+CAP_MB = 0.1  # several buffers on this model, so buffers leave during backward
+
+def config(nodes, workers, servers, optimizer="sgd", strategy="herring", **options):
+    options = {"bucket_cap_mb": CAP_MB, **options} if strategy == "herring" else options
+    return TrainConfig(strategy=strategy, workers=workers, nodes=nodes, servers=servers,
+                       steps=STEPS, batch_size=12, optimizer=optimizer,
+                       lr=0.05 if optimizer == "sgd" else 3e-3, model_options=MODEL,
+                       strategy_options=options)
+
+
+# -- the plan, without processes ---------------------------------------------------------------
+
+def gpt_specs():
+    return [TensorSpec.of(n, p) for n, p in GPT(**MODEL).named_parameters()]
+
+
+def test_every_buffer_is_cut_into_equal_shards_one_per_server_and_piece_per_local_worker():
+    specs = gpt_specs()
+    plan = plan_herring(specs, bucket_cap_bytes=int(CAP_MB * 2**20), servers=[4, 5, 6],
+                        local_workers=2)
+    assert len(plan.buckets) > 2
+    # Backward order: the last parameters fill the first buffer.
+    assert plan.buckets[0].members[0] == len(specs) - 1
+    assert sorted(m for b in plan.buckets for m in b.members) == list(range(len(specs)))
+    assert all(b.nbytes <= int(CAP_MB * 2**20) or len(b.members) == 1 for b in plan.buckets)
+    for b, spec in enumerate(plan.specs):
+        parts = [(p, o, h) for p, o, h in zip(plan.placement.partitions, plan.placement.owners,
+                                             plan.placement.handlers) if p.tensor == b]
+        per_server = {s: sum(p.numel for p, o, _ in parts if o == s) for s in (4, 5, 6)}
+        assert max(per_server.values()) - min(per_server.values()) <= 1  # to the element
+        per_worker = [sum(p.numel for p, _, h in parts if h == j) for j in (0, 1)]
+        assert abs(per_worker[0] - per_worker[1]) <= 3
+        assert sum(p.numel for p, _, _ in parts) == spec.numel
+    total = sum(s.nbytes for s in specs)
+    load = plan.bytes_by_server()
+    assert sum(load.values()) == total and max(load.values()) / min(load.values()) <= 1.001
+
+
+def test_the_plans_refusals_name_the_rule_and_the_values():
+    spec = [TensorSpec("b", (5,), torch.float32)]
+    with pytest.raises(ConfigError, match=r"3 x 2 = 6 pieces\), but buffer 0 \('b'\) has 5"):
+        plan_herring(spec, bucket_cap_bytes=1 << 20, servers=[4, 5, 6], local_workers=2)
+    with pytest.raises(ConfigError, match="bucket cap must be positive"):
+        plan_herring(spec, bucket_cap_bytes=0, servers=[4])
+    with pytest.raises(ConfigError, match="--bucket-cap-mb must be positive"):
+        TrainConfig(strategy="herring", workers=2, strategy_options={"bucket_cap_mb": 0.0})
+    with pytest.raises(ConfigError, match="--no-colocate keeps only the dedicated servers"):
+        TrainConfig(strategy="herring", workers=2, strategy_options={"colocate": False})
+
+
+# -- transparency and traffic ------------------------------------------------------------------
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.parametrize("nodes, workers, servers, colocate", [
+    (1, 2, 0, True), (2, 4, 0, True), (2, 4, 2, True), (2, 4, 2, False)])
+def test_herring_ends_where_single_ends(nodes, workers, servers, colocate, optimizer):
+    c = config(nodes, workers, servers, optimizer, colocate=colocate)
+    _, single = run_config(single_of(c))
+    metrics, distributed = run_cached(c)
+    assert max_abs_diff(single, distributed) < TOLERANCE[optimizer]
+    _, untrained = run_config(single_of(c).replace(steps=1, lr=1e-12))
+    assert max_abs_diff(single, untrained) > 100 * TOLERANCE[optimizer]
+    hidden = metrics["overlap"]["hidden_fraction"]
+    assert hidden is not None and 0.0 <= hidden <= 1.0
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("nodes, workers, servers, colocate", [
+    (2, 4, 0, True), (2, 4, 2, True), (2, 4, 2, False)])
+def test_every_machine_moves_herrings_bytes_and_every_server_the_same(nodes, workers, servers,
+                                                                      colocate):
+    metrics, _ = run_cached(config(nodes, workers, servers, colocate=colocate))
+    m = metrics["model_bytes"]
+    want = herring_traffic(nodes, servers, colocated=colocate)
+    for machine in metrics["traffic"]["machines"]:
+        expected = want[machine["kind"]] * m
+        assert machine["sent_bytes_per_step"] == pytest.approx(expected, rel=0.02)
+        assert machine["recv_bytes_per_step"] == pytest.approx(expected, rel=0.02)
+    recv = [s["recv_bytes_per_step"] for s in metrics["traffic"]["servers"]]
+    assert len(recv) == servers + (nodes if colocate else 0)
+    assert max(recv) / min(recv) <= 1.01
+
+
+def test_the_formula_is_ring_all_reduce_without_cpu_servers():
+    assert herring_traffic(4, 0)["worker"] == pytest.approx(2 * 3 / 4)
+    assert herring_traffic(2, 2)["worker"] == pytest.approx((2 * 2 + 2 - 2) / 4)
+    assert herring_traffic(2, 2)["server"] == pytest.approx(2 / 4)
+
+
+# -- the drop-in and the comm hook, against torch's DDP on the same script ---------------------
+
+def script(kind: str, steps: int = 4) -> dict:
+    """A torch-DDP style script: only the wrapping line differs between ``kind``s."""
+    ctx = polytrain.init()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(12, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(),
+                          nn.Linear(64, 3))
+    if kind == "torch":
+        model = nn.parallel.DistributedDataParallel(model, process_group=ctx.groups.workers)
+    elif kind == "hook":
+        from polytrain.herring import HerringHookState, herring_hook
+        model = nn.parallel.DistributedDataParallel(model, process_group=ctx.groups.workers,
+                                                    bucket_cap_mb=0.01)
+        state = HerringHookState(ctx)
+        model.register_comm_hook(state, herring_hook)
+    else:
+        from polytrain.herring import DistributedDataParallel as DDP
+        model = DDP(model, bucket_cap_mb=0.01)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x, y = torch.randn(8, 12, generator=gen), torch.randn(8, 3, generator=gen)
+        x = polytrain.shard(x, ctx.worker_index, ctx.num_workers)
+        y = polytrain.shard(y, ctx.worker_index, ctx.num_workers)
+        opt.zero_grad()
+        # Gradient accumulation over two halves, the second one synchronising.
+        with model.no_sync():
+            nn.functional.mse_loss(model(x[:1]), y[:1]).backward()
+        nn.functional.mse_loss(model(x[1:]), y[1:]).backward()
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.timeout(180)
+def test_the_drop_in_and_the_comm_hook_equal_torch_ddp_on_the_same_script():
+    torch_ddp = spawn(script, workers=4, nodes=2, colocated=1, args=("torch",))[0]
+    drop_in = spawn(script, workers=4, nodes=2, colocated=1, args=("herring",))[0]
+    hook = spawn(script, workers=4, nodes=2, colocated=1, args=("hook",))[0]
+    bare = {k.removeprefix("module."): v for k, v in torch_ddp.items()}
+    assert list(drop_in) == list(bare)  # the bare model's keys, no "module."
+    assert max_abs_diff(bare, drop_in) < 1e-5
+    assert max_abs_diff(torch_ddp, hook) < 1e-5
+    torch.manual_seed(0)
+    start = nn.Sequential(nn.Linear(12, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(),
+                          nn.Linear(64, 3)).state_dict()
+    assert max_abs_diff(bare, start) > 1e-3
+
+
+def step_inside_no_sync() -> None:
+    polytrain.init()
+    model = nn.Linear(4, 2)
+    trainer_model, opt = polytrain.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                              strategy="herring")
+    with trainer_model.no_sync():
+        trainer_model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+
+
+@pytest.mark.timeout(60)
+def test_a_step_inside_no_sync_before_any_synchronised_gradient_is_refused():
+    with pytest.raises(LaunchError, match=r"optimizer.step\(\) inside herring's no_sync\(\) "
+                                          r"with no gradient synchronised"):
+        spawn(step_inside_no_sync, workers=2, colocated=1)
