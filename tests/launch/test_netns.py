@@ -145,6 +145,31 @@ def test_a_machines_nic_is_shaped_and_its_own_processes_talk_over_loopback(clean
 
 
 @needs_netns
+@pytest.mark.timeout(60)
+def test_polytrain_launch_runs_each_machine_in_its_namespace(tmp_path, clean_host):
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import json, os, sys, polytrain\n"
+        "names = ('POLYTRAIN_NIC', 'GLOO_SOCKET_IFNAME', 'MASTER_ADDR')\n"
+        "seen = {n: os.environ[n] for n in names}\n"
+        "seen['netns'] = os.readlink('/proc/self/ns/net')\n"
+        "path = os.path.join(sys.argv[1], os.environ['RANK'] + '.json')\n"
+        "open(path, 'w').write(json.dumps(seen))\n"
+        "polytrain.init()  # a server serves in here until the workers finish\n")
+    assert main(["launch", "--workers", "2", "--nodes", "2", "--colocated", "1", "--servers",
+                 "1", "--bandwidth", "1gbit", str(script), str(tmp_path)]) == 0
+    seen = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(5)]
+    # Ranks: workers 0, 1 (node0, node1), colocated servers 2, 3, the dedicated server 4.
+    machine = ["n0", "n1", "n0", "n1", "s0"]
+    for s, m in zip(seen, machine):
+        assert re.fullmatch(rf"pt-[0-9a-f]{{6}}-{m}", s["POLYTRAIN_NIC"]), s
+        assert s["GLOO_SOCKET_IFNAME"] == s["POLYTRAIN_NIC"] and s["MASTER_ADDR"] == "10.111.0.1"
+    assert seen[0]["netns"] == seen[2]["netns"] != seen[1]["netns"] == seen[3]["netns"]
+    assert seen[4]["netns"] not in (seen[0]["netns"], seen[1]["netns"])
+    assert os.readlink("/proc/self/ns/net") not in {s["netns"] for s in seen}
+
+
+@needs_netns
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("strategy, servers", [("ddp", 0), ("byteps", 1)])
 def test_the_meter_agrees_with_the_nics_and_the_run_stays_transparent(strategy, servers,
