@@ -65,6 +65,7 @@ def test_rates_and_times_parse_as_tc_writes_them():
     assert parse_rate("64 kbit") == 64_000 and parse_rate("100bit") == 100
     assert parse_time("0.2ms") == pytest.approx(2e-4) and parse_time("5us") == pytest.approx(5e-6)
     assert parse_time("1s") == 1.0 and parse_time("0") == 0.0 and parse_time("0ms") == 0.0
+    assert parse_time("2msec") == pytest.approx(2e-3) and parse_time("1sec") == 1.0
     assert LinkShape.parse("1gbit", "0.2ms") == LinkShape(rate_bit_s=10**9, delay_s=2e-4)
     assert link_shape(None) is None and link_shape(None, "0") is None
 
@@ -79,7 +80,7 @@ def test_rates_and_times_parse_as_tc_writes_them():
     ("-1gbit", None, r"--bandwidth must be a positive rate of at least 1bit \(got '-1gbit'\)"),
     ("1gbit", "-1ms", r"--latency must be 0 or more \(got '-1ms'\)"),
     ("1gbit", "3 parsecs", r"--latency '3 parsecs' is not a time: a number and one of the units "
-                           r"us, ms, s is"),
+                           r"us, usec, ms, msec, s, sec is"),
     ("1gbit", "5", r"--latency '5' is not a time"),
     (None, "1ms", r"--latency 1ms needs --bandwidth"),
 ])

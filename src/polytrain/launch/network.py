@@ -44,8 +44,7 @@ from .. import _env
 from ..errors import ConfigError, LaunchError
 
 __all__ = ["LinkShape", "Network", "NicSampler", "link_shape", "parse_rate", "parse_time",
-           "check_tools",
-           "nic_bytes", "sweep_stale", "STATE_DIR"]
+           "check_tools", "nic_bytes", "sweep_stale", "STATE_DIR"]
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +55,7 @@ _PREFIX = "pt-"
 _RUN_ID = re.compile(r"[0-9a-f]{6}")
 _NAMESPACE = re.compile(r"pt-([0-9a-f]{6})-(hub|[A-Za-z0-9_.]+)")
 _RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
-_TIME_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
+_TIME_UNITS = {"us": 1e-6, "usec": 1e-6, "ms": 1e-3, "msec": 1e-3, "s": 1.0, "sec": 1.0}
 _QUANTITY = re.compile(r"\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:e[-+]?\d+)?)\s*([a-z]*)\s*")
 # A veth may pass a 64 KiB segment at once (GSO): the bucket must hold one.
 _MIN_BURST_BYTES = 1 << 17
@@ -319,9 +318,13 @@ class Network:
         return self.prefix + machine
 
     def nic(self, machine: str) -> str:
-        """The machine's interface (at most 15 characters, as Linux wants): ``pt-<run>-n0``."""
+        """The machine's interface: ``pt-<run>-n0`` for node0, ``pt-<run>-s0`` for server0.
+
+        Linux allows 15 characters, and the hub's end adds an ``h``: other names, and
+        long numbers, take the machine's index (``pt-<run>-m7``).
+        """
         i = self.machines.index(machine)
-        m = re.fullmatch(r"(node|server)(\d+)", machine)
+        m = re.fullmatch(r"(node|server)(\d{1,3})", machine)
         return self.prefix + (f"{machine[0]}{m.group(2)}" if m else f"m{i}")
 
     def address(self, machine: str) -> str:
