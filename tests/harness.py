@@ -53,7 +53,7 @@ def run_cached(config: polytrain.TrainConfig
 def single_of(config: polytrain.TrainConfig) -> polytrain.TrainConfig:
     """The ``single`` run with the same model, data, seed, steps and optimizer."""
     return config.replace(strategy="single", workers=1, nodes=1, servers=0, strategy_options={},
-                          devices=None)
+                          devices=None, bandwidth=None, latency=None)
 
 
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

@@ -23,6 +23,8 @@ LOG_LEVEL = "POLYTRAIN_LOG_LEVEL"
 ERROR_FILE = "POLYTRAIN_ERROR_FILE"
 PARENT_PID = "POLYTRAIN_PARENT_PID"
 LABEL_FILE = "POLYTRAIN_LABEL_FILE"
+NIC = "POLYTRAIN_NIC"  # the emulated machine's interface, under --bandwidth
+GLOO_SOCKET_IFNAME = "GLOO_SOCKET_IFNAME"
 DEFAULT_TIMEOUT_S = 120.0
 
 
@@ -84,6 +86,11 @@ def label_file() -> str | None:
 def parent_pid() -> int | None:
     pid = os.environ.get(PARENT_PID)
     return int(pid) if pid else None
+
+
+def nic() -> str | None:
+    """The interface of this process's emulated machine (None: not on an emulated network)."""
+    return os.environ.get(NIC) or None
 
 
 def user_set(name: str) -> bool:

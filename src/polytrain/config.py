@@ -13,6 +13,7 @@ from .emulation.devices import parse_cluster
 from .emulation.profile import profile_model
 from .errors import ConfigError
 from .launch.layout import Layout
+from .launch.network import LinkShape, link_shape
 from .models import get_model
 from .strategies.base import get_strategy, make_options
 
@@ -42,6 +43,10 @@ class TrainConfig:
         out: directory for ``metrics.json`` and ``final.pt`` (default: none written).
         quiet: no progress bar. timeout_s: longest wait on a peer. port: rendezvous port.
         device: ``cpu`` or ``cuda``. strategy_options: the strategy's own options.
+        bandwidth, latency: emulate the cluster's network: every machine in a network
+            namespace of its own, its NIC shaped to ``bandwidth`` each way (``"1gbit"``,
+            tc's units) and every packet it sends delayed by ``latency`` (``"0.2ms"``);
+            needs root and iproute2. Default: none (all processes on loopback).
         devices: the emulated cluster (``m0:fast*2,m1:slow*2`` or a JSON file; see
             :func:`polytrain.pipeline.parse_cluster`): it sets the workers and machines,
             every worker runs at its device's speed (on CPU), and layouts that do not
@@ -67,6 +72,8 @@ class TrainConfig:
     port: int | None = None
     device: str = "cpu"
     devices: str | None = None
+    bandwidth: str | None = None
+    latency: str | None = None
     model_options: Mapping[str, Any] = field(default_factory=dict)
     strategy_options: Mapping[str, Any] = field(default_factory=dict)
 
@@ -99,6 +106,11 @@ class TrainConfig:
         if self.timeout_s <= 0:
             raise ConfigError(f"--timeout must be positive (got {self.timeout_s})",
                               "pass --timeout 120")
+        if self.link() is not None and not get_strategy(self.strategy).distributed:
+            raise ConfigError(f"--bandwidth shapes the links between machines, and strategy "
+                              f"{self.strategy!r} trains in one process",
+                              "leave --bandwidth and --latency out, or pick a distributed "
+                              "strategy such as ddp")
         if self.data not in dataset_names():
             raise ConfigError(f"unknown data set {self.data!r}; the data sets are: "
                               f"{', '.join(dataset_names())}", "pass --data text")
@@ -128,6 +140,10 @@ class TrainConfig:
         with torch.device("meta"):
             model = get_model(self.model).make(**self.model_options)
         return self._check_devices(model)
+
+    def link(self) -> LinkShape | None:
+        """The emulated network's links (None: no ``bandwidth``, no emulation)."""
+        return link_shape(self.bandwidth, self.latency)
 
     def layout(self) -> Layout:
         cls = get_strategy(self.strategy)

@@ -6,6 +6,7 @@ import atexit
 import datetime
 import gc
 import logging
+import os
 import sys
 import threading
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from .comm.p2p import Transport
 from .comm.topology import Topology
 from .errors import CommError, CommTimeout, ConfigError
 from .launch.launcher import free_port
+from .launch.network import NicSampler
 from .log import set_identity
 from .ps.client import PSClient
 from .ps.keys import KeySpace
@@ -215,9 +217,9 @@ def init(*, device: str | torch.device | None = None, timeout_s: float | None = 
     timeout = float(timeout_s if timeout_s is not None else env.timeout_s)
     _join(env, timeout)
     rank = dist.get_rank()
-    roles: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(roles, (env.role, env.node))
-    topology = Topology.from_roles(roles)
+    seats: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(seats, (env.role, env.node, os.getpid(), _env.nic()))
+    topology = Topology.from_roles([(role, node) for role, node, _, _ in seats])
     worker_device = _pick_device(device, env.local_rank) if env.role == "worker" else None
     cuda = worker_device is not None and worker_device.type == "cuda"
     groups = _make_groups(topology, rank, cuda, timeout)
@@ -227,6 +229,13 @@ def init(*, device: str | torch.device | None = None, timeout_s: float | None = 
                   backend="cpu:gloo,cuda:nccl" if cuda else "gloo")
     _context = ctx
     log.info("joined: %d processes\n%s", ctx.world_size, topology.describe())
+    if topology.workers and rank == topology.workers[0] and all(nic for *_, nic in seats):
+        # On an emulated network worker 0 reads every machine's NIC at its step marks,
+        # through a process of that machine (the first rank there).
+        nics: dict[str, tuple[int, str]] = {}
+        for _, node, pid, nic in seats:
+            nics.setdefault(node, (pid, nic))
+        ctx.meter.sample_nics(NicSampler(nics))
     if ctx.role == "server":
         Server(ctx.transport, topology, threads=server_threads,
                idle_timeout_s=max(timeout, _SERVER_IDLE_S)).serve()

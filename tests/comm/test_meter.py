@@ -67,3 +67,27 @@ def test_server_traffic_counts_every_byte_of_each_server_per_steady_step():
     assert rows[2] == {"rank": 2, "machine": "node0", "recv_bytes_per_step": 100.0,
                        "sent_bytes_per_step": 80.0}
     assert rows[3]["recv_bytes_per_step"] == 140.0 and rows[3]["sent_bytes_per_step"] == 0.0
+
+
+def test_nic_counters_are_averaged_over_the_meters_steady_window():
+    # Counters that grow 1000 sent / 2000 received a step, plus a warm-up burst in step 0.
+    counters = iter([0, 50_000] + [50_000 + 1000 * k for k in range(1, 4)])
+
+    def sampler():
+        n = next(counters)
+        return {"node0": (n, 2 * n), "node1": (2 * n, n), "server0": (0, 0)}
+
+    meters = [TrafficMeter(r, TOPO) for r in range(4)]
+    meters[0].sample_nics(sampler)
+    for _ in range(4):
+        for m in meters:
+            m.mark_step()
+    reports = [m.report() for m in meters]
+    assert len(reports[0].nics) == 5 and not reports[1].nics
+    traffic = {t.name: t for t in machine_traffic(reports, TOPO, warmup=1)}
+    assert (traffic["node0"].nic_sent_bytes_per_step,
+            traffic["node0"].nic_recv_bytes_per_step) == (1000, 2000)
+    assert traffic["node1"].as_dict()["nic_sent_bytes_per_step"] == 2000
+    # Without an emulated network nobody samples, and metrics.json has no nic_* keys.
+    plain = machine_traffic([TrafficMeter(r, TOPO).report() for r in range(4)], TOPO)
+    assert "nic_sent_bytes_per_step" not in plain[0].as_dict()

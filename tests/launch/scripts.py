@@ -67,3 +67,48 @@ def server_dies_mid_run(directory: str) -> None:
         engine.submit(sums, g)
         engine.wait(sums)
         time.sleep(0.05)
+
+
+def transfer_over_the_nic(nbytes: int) -> dict:
+    """Worker 0 sends ``nbytes`` to worker 1 (its own machine), then to worker 2 (another).
+
+    Returns, per transfer, this process's machine's NIC byte counters moved and
+    the receiver's time from the barrier to the whole tensor.
+    """
+    from polytrain.launch.network import nic_bytes
+
+    ctx = polytrain.init()
+    nic = os.environ["POLYTRAIN_NIC"]
+    x = torch.zeros(nbytes // 4)
+    out = {"machine": ctx.machine}
+    for name, dst in (("local", 1), ("remote", 2)):
+        dist.barrier(group=ctx.groups.workers)
+        sent0, recv0 = nic_bytes(os.getpid(), nic)
+        t0 = time.perf_counter()
+        if ctx.rank == 0:
+            dist.send(x, dst)
+        elif ctx.rank == dst:
+            dist.recv(x, 0)
+        elapsed = time.perf_counter() - t0
+        # A send returns once the kernel holds the bytes: count them when the receiver has all.
+        dist.barrier(group=ctx.groups.workers)
+        sent1, recv1 = nic_bytes(os.getpid(), nic)
+        out[name] = {"sent": sent1 - sent0, "recv": recv1 - recv0, "seconds": elapsed}
+    return out
+
+
+def round_trip_s(rounds: int) -> float:
+    """The median round trip of a small message between worker 0 (node0) and worker 1 (node1)."""
+    ctx = polytrain.init()
+    x = torch.zeros(1)
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        if ctx.rank == 0:
+            dist.send(x, 1)
+            dist.recv(x, 1)
+        else:
+            dist.recv(x, 0)
+            dist.send(x, 0)
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]

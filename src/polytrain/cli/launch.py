@@ -7,6 +7,7 @@ from typing import Any
 
 from ..launch.launcher import launch_script
 from ..launch.layout import Layout
+from .options import add_network_flags
 
 __all__: list[str] = []
 
@@ -25,6 +26,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--port", type=int, default=None, help="rendezvous port (default: a free one)")
     p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                    help="longest wait on another process (default 120)")
+    add_network_flags(p)
     p.add_argument("script", metavar="SCRIPT")
     p.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS")
     p.set_defaults(run=run)
@@ -33,5 +35,6 @@ def add_parser(sub: Any) -> None:
 def run(ns: argparse.Namespace) -> int:
     layout = Layout(workers=ns.workers, nodes=ns.nodes, servers=ns.servers,
                     colocated=ns.colocated)
-    launch_script(ns.script, ns.args, layout=layout, port=ns.port, timeout_s=ns.timeout)
+    launch_script(ns.script, ns.args, layout=layout, port=ns.port, timeout_s=ns.timeout,
+                  bandwidth=ns.bandwidth, latency=ns.latency)
     return 0

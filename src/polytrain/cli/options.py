@@ -173,3 +173,14 @@ def given_options(ns: argparse.Namespace, owner: str, options_cls: type | None,
                               f"{opt.owners[0]}")
         out[name] = value
     return out
+
+
+def add_network_flags(parser: Any) -> None:
+    """``--bandwidth`` and ``--latency``: the emulated network of ``train`` and ``launch``."""
+    parser.add_argument("--bandwidth", default=None, metavar="RATE",
+                        help="emulate the cluster's network: every machine in a network "
+                             "namespace of its own, its NIC shaped to RATE each way (tc's units: "
+                             "bit, kbit, mbit, gbit, e.g. 1gbit); needs root and iproute2")
+    parser.add_argument("--latency", default=None, metavar="TIME",
+                        help="with --bandwidth: delay every packet a machine sends by TIME "
+                             "(us, ms, s, e.g. 0.2ms; default 0)")

@@ -14,7 +14,14 @@ from ..errors import ConfigError
 from ..models import get_model, model_names
 from ..strategies.base import get_strategy, strategy_names
 from ..train import run_config
-from .options import OptionFlag, Owner, add_option_groups, flag_value, given_options
+from .options import (
+    OptionFlag,
+    Owner,
+    add_network_flags,
+    add_option_groups,
+    flag_value,
+    given_options,
+)
 
 __all__: list[str] = []
 
@@ -61,6 +68,7 @@ def add_parser(sub: Any, argv: Sequence[str] = ()) -> None:
                    help="longest wait on another process before failing (default 120)")
     p.add_argument("--port", type=int, default=None, help="rendezvous port (default: a free one)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="default cpu")
+    add_network_flags(p)
     p.add_argument("--devices", default=None, metavar="SPEC",
                    help="emulated heterogeneous devices, e.g. 'm0:fast*2,m1:slow*2' or a JSON "
                         "file: sets --workers and --nodes, every worker runs at its device's "
@@ -102,7 +110,8 @@ def config_from_args(ns: argparse.Namespace) -> TrainConfig:
         servers=ns.servers, steps=ns.steps, batch_size=ns.batch_size, lr=ns.lr,
         optimizer=ns.optimizer, lr_schedule=ns.lr_schedule, warmup_steps=ns.warmup_steps,
         seed=ns.seed, out=ns.out, quiet=ns.quiet, timeout_s=ns.timeout,
-        port=ns.port, device=ns.device, devices=ns.devices, model_options=model_options,
+        port=ns.port, device=ns.device, devices=ns.devices, bandwidth=ns.bandwidth,
+        latency=ns.latency, model_options=model_options,
         strategy_options=given_options(ns, ns.strategy, cls.Options, _flags))
 
 
@@ -120,6 +129,10 @@ def run(ns: argparse.Namespace) -> int:
         print(f"polytrain: {config.model} on {config.data}, strategy {config.strategy}, "
               f"{config.steps} steps of {config.batch_size} | {layout.describe()}",
               file=sys.stderr)
+        link = config.link()
+        if link is not None:
+            print(f"emulated network: every machine in its own namespace, {link.describe()}",
+                  file=sys.stderr)
         summary = config.plan_summary()
         if summary:
             print(summary, file=sys.stderr)

@@ -5,27 +5,34 @@ from __future__ import annotations
 import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 from .topology import Topology
 
-__all__ = ["TrafficMeter", "MeterReport", "MachineTraffic", "machine_traffic", "server_traffic",
-           "SENT", "RECV"]
+__all__ = ["TrafficMeter", "MeterReport", "MachineTraffic", "NicCounters", "machine_traffic",
+           "server_traffic", "SENT", "RECV"]
 
 SENT = "sent"
 RECV = "recv"
 
 # (peer rank, SENT or RECV, estimated) -> bytes
 _Key = tuple[int, str, bool]
+# machine -> the kernel's (sent, received) byte counters of its NIC
+NicCounters = Mapping[str, tuple[int, int]]
 
 
 @dataclass(frozen=True)
 class MeterReport:
-    """One rank's meter readings, picklable: the totals and one window per marked step."""
+    """One rank's meter readings, picklable: the totals and one window per marked step.
+
+    ``nics``, on the rank that samples the NICs of an emulated network: the
+    counters when sampling began, then after every marked step.
+    """
 
     rank: int
     totals: dict[_Key, int]
     steps: list[dict[_Key, int]] = field(default_factory=list)
+    nics: list[dict[str, tuple[int, int]]] = field(default_factory=list)
 
     def bytes(self, direction: str, peers: Iterable[int] | None = None) -> int:
         """Total bytes sent (or received) to ``peers`` (default: all), measured and estimated."""
@@ -50,6 +57,13 @@ class TrafficMeter:
         self._totals: dict[_Key, int] = defaultdict(int)
         self._window: dict[_Key, int] = defaultdict(int)
         self._steps: list[dict[_Key, int]] = []
+        self._nic_sampler: Callable[[], NicCounters] | None = None
+        self._nics: list[dict[str, tuple[int, int]]] = []
+
+    def sample_nics(self, sampler: Callable[[], NicCounters]) -> None:
+        """Read the machines' NIC counters now and at every :meth:`mark_step` from here on."""
+        self._nic_sampler = sampler
+        self._nics = [dict(sampler())]
 
     def record(self, peer: int, nbytes: int, direction: str, *, estimated: bool = False) -> None:
         key = (peer, direction, estimated)
@@ -62,10 +76,13 @@ class TrafficMeter:
         with self._lock:
             self._steps.append(dict(self._window))
             self._window.clear()
+            if self._nic_sampler is not None:
+                self._nics.append(dict(self._nic_sampler()))
 
     def report(self) -> MeterReport:
         with self._lock:
-            return MeterReport(self.rank, dict(self._totals), [dict(s) for s in self._steps])
+            return MeterReport(self.rank, dict(self._totals), [dict(s) for s in self._steps],
+                               [dict(n) for n in self._nics])
 
     def total(self, direction: str, *, inter: bool | None = None) -> int:
         """Bytes sent or received so far; ``inter`` keeps only cross-machine (or local) peers."""
@@ -91,18 +108,29 @@ class TrafficMeter:
 
 @dataclass(frozen=True)
 class MachineTraffic:
-    """Bytes one machine sends to and receives from other machines per steady-state step."""
+    """Bytes one machine sends to and receives from other machines per steady-state step.
+
+    On an emulated network, ``nic_*`` are the same figures from the kernel's
+    counters of the machine's NIC: every byte on the wire, headers included.
+    """
 
     name: str
     kind: str  # "worker" or "server"
     sent_bytes_per_step: float
     recv_bytes_per_step: float
     estimated: bool
+    nic_sent_bytes_per_step: float | None = None
+    nic_recv_bytes_per_step: float | None = None
 
     def as_dict(self) -> dict[str, object]:
-        return {"name": self.name, "kind": self.kind,
-                "sent_bytes_per_step": self.sent_bytes_per_step,
-                "recv_bytes_per_step": self.recv_bytes_per_step, "estimated": self.estimated}
+        out: dict[str, object] = {
+            "name": self.name, "kind": self.kind,
+            "sent_bytes_per_step": self.sent_bytes_per_step,
+            "recv_bytes_per_step": self.recv_bytes_per_step, "estimated": self.estimated}
+        if self.nic_sent_bytes_per_step is not None:
+            out["nic_sent_bytes_per_step"] = self.nic_sent_bytes_per_step
+            out["nic_recv_bytes_per_step"] = self.nic_recv_bytes_per_step
+        return out
 
 
 def machine_traffic(reports: Sequence[MeterReport], topology: Topology, *,
@@ -114,7 +142,8 @@ def machine_traffic(reports: Sequence[MeterReport], topology: Topology, *,
     traffic with servers). Steps after the first ``warmup`` are averaged.
     """
     reporting = {r.rank for r in reports}
-    first, nsteps, counted = _window(reports, warmup)
+    first, nsteps = _steady_window(reports, warmup)
+    counted = max(1, nsteps - first)
     sent: dict[str, float] = defaultdict(float)
     recv: dict[str, float] = defaultdict(float)
     estimated: set[str] = set()
@@ -131,16 +160,33 @@ def machine_traffic(reports: Sequence[MeterReport], topology: Topology, *,
                 if est:
                     estimated.update((src, dst))
     worker_machines = set(topology.worker_machines)
+    nics = _nic_traffic(reports, first, nsteps)
     return [MachineTraffic(m, "worker" if m in worker_machines else "server",
-                           sent[m], recv[m], m in estimated)
+                           sent[m], recv[m], m in estimated,
+                           *(nics[m] if m in nics else (None, None)))
             for m in topology.machines]
 
 
-def _window(reports: Sequence[MeterReport], warmup: int) -> tuple[int, int, int]:
-    """(first steady step, steps, steps counted) of the reports' common windows."""
+def _steady_window(reports: Sequence[MeterReport], warmup: int) -> tuple[int, int]:
+    """The steps every report has, less the first ``warmup`` ones: ``(first, end)``."""
     nsteps = min((len(r.steps) for r in reports), default=0)
-    first = warmup if nsteps > warmup else 0
-    return first, nsteps, max(1, nsteps - first)
+    return (warmup if nsteps > warmup else 0), nsteps
+
+
+def _nic_traffic(reports: Sequence[MeterReport], first: int,
+                 end: int) -> dict[str, tuple[float, float]]:
+    """Per machine, NIC bytes (sent, received) per step over steps ``first..end-1``.
+
+    The counters after step ``i`` are ``nics[i + 1]`` (``nics[0]``: before the first
+    step), so the window's bytes are ``nics[end] - nics[first]``.
+    """
+    nics = next((r.nics for r in reports if r.nics), None)
+    if nics is None or end >= len(nics):
+        return {}
+    counted = max(1, end - first)
+    start, stop = nics[first], nics[end]
+    return {m: ((stop[m][0] - start[m][0]) / counted, (stop[m][1] - start[m][1]) / counted)
+            for m in stop if m in start}
 
 
 def server_traffic(reports: Sequence[MeterReport], topology: Topology, *,
@@ -151,7 +197,8 @@ def server_traffic(reports: Sequence[MeterReport], topology: Topology, *,
     Shows the balance of a placement: equal shards give equal bytes to every server.
     """
     workers = [r for r in reports if r.rank in set(topology.workers)]
-    first, nsteps, counted = _window(workers, warmup)
+    first, nsteps = _steady_window(workers, warmup)
+    counted = max(1, nsteps - first)
     out = []
     for server in topology.servers:
         recv = sent = 0.0
@@ -162,4 +209,3 @@ def server_traffic(reports: Sequence[MeterReport], topology: Topology, *,
         out.append({"rank": server, "machine": topology.machine(server),
                     "recv_bytes_per_step": recv / counted, "sent_bytes_per_step": sent / counted})
     return out
-

@@ -20,6 +20,7 @@ from typing import Any, Callable, Mapping, Sequence
 from .. import _env
 from ..errors import ConfigError, LaunchError
 from .layout import Layout, ProcessSpec
+from .network import LinkShape, Network, check_tools, link_shape
 
 __all__ = ["launch", "launch_script", "Launcher", "free_port"]
 
@@ -28,6 +29,7 @@ log = logging.getLogger(__name__)
 _CAUSE_GRACE_S = 2.0  # how long processes that lost a peer wait for the peer's own error
 _POLL_S = 0.05
 _GRACE_S = 3.0
+_NETWORK_PORT = 29500  # in the run's own namespaces every port is free
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -83,18 +85,29 @@ class Launcher:
     one fails or dies, the others are stopped and :class:`LaunchError` names the
     first one to fail: its rank, role, machine and the cause.
 
+    With a ``shape``, every machine runs in a network namespace of its own,
+    joined to the others by links of that shape (:class:`~.network.Network`),
+    made before the first process starts and removed after the last one ends.
+
     Args:
         layout: the processes to start.
         port: rendezvous port (default: a free one); a port in use is refused.
         env: extra environment variables for every process.
         timeout_s: polytrain's communication timeout inside the processes.
+        shape: emulate the machines' network with links of this rate and delay (default:
+            none, every process on this host's loopback).
     """
 
     def __init__(self, layout: Layout, *, port: int | None = None,
-                 env: Mapping[str, str] | None = None, timeout_s: float | None = None) -> None:
+                 env: Mapping[str, str] | None = None, timeout_s: float | None = None,
+                 shape: LinkShape | None = None) -> None:
         self.layout = layout
+        self.shape = shape
         self.host = "127.0.0.1"
-        if port is None:
+        if shape is not None:
+            check_tools()  # before anything starts: one line on what is missing
+            port = _NETWORK_PORT if port is None else port
+        elif port is None:
             port = free_port(self.host)
         else:
             _check_port(self.host, port)
@@ -127,16 +140,20 @@ class Launcher:
 
     # -- processes --------------------------------------------------------------------------
 
-    def _child_env(self, spec: ProcessSpec, workdir: Path) -> dict[str, str]:
+    def _child_env(self, spec: ProcessSpec, workdir: Path,
+                   network: Network | None) -> dict[str, str]:
         env = _env.inherited()
         env.update(self.env)
+        if network is not None:
+            env.update(network.child_env(spec.machine))
         on_machine = sum(1 for p in self.layout.processes() if p.machine == spec.machine)
         env.update({
             _env.RANK: str(spec.rank),
             _env.WORLD_SIZE: str(self.layout.world_size),
             _env.LOCAL_RANK: str(spec.local_rank),
             _env.LOCAL_WORLD_SIZE: str(on_machine),
-            _env.MASTER_ADDR: self.host,
+            _env.MASTER_ADDR: (self.host if network is None
+                               else network.address(self.layout.processes()[0].machine)),
             _env.MASTER_PORT: str(self.port),
             _env.ROLE: spec.role,
             _env.NODE: spec.machine,
@@ -165,11 +182,16 @@ class Launcher:
                 # would be lost). A flag, checked between polls, also keeps the interrupt
                 # out of the middle of subprocess's own bookkeeping.
                 previous = signal.signal(signal.SIGINT, lambda *_: interrupted.set())
+            network: Network | None = None
             try:
+                if self.shape is not None:
+                    network = Network(self.layout.machines(), self.shape)
+                    network.open()
                 for spec in self.layout.processes():
+                    on = network.exec_prefix(spec.machine) if network is not None else []
                     proc = subprocess.Popen(
-                        [sys.executable, "-m", "polytrain.launch.child", str(payload_file)],
-                        env=self._child_env(spec, workdir))
+                        [*on, sys.executable, "-m", "polytrain.launch.child", str(payload_file)],
+                        env=self._child_env(spec, workdir, network))
                     children.append(_Child(spec, proc, workdir / f"error-{spec.rank}.json",
                                            workdir / f"result-{spec.rank}.pkl",
                                            workdir / f"label-{spec.rank}.txt"))
@@ -181,7 +203,11 @@ class Launcher:
             finally:
                 if previous is not None:
                     signal.signal(signal.SIGINT, previous)
-                self._stop(children)
+                try:
+                    self._stop(children)
+                finally:
+                    if network is not None:
+                        network.close()
             if interrupted.is_set():
                 raise LaunchError(f"interrupted (Ctrl-C): stopped all {len(children)} processes",
                                   exitcode=130)
@@ -268,13 +294,17 @@ def _read_result(path: Path) -> Any:
 def launch(fn: Callable[..., Any], *, workers: int = 1, nodes: int = 1, servers: int = 0,
            colocated: int = 0, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None,
            port: int | None = None, env: Mapping[str, str] | None = None,
-           timeout_s: float | None = None) -> list[Any]:
+           timeout_s: float | None = None, bandwidth: str | None = None,
+           latency: str | None = None) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` in every process of a local layout.
 
     Workers are spread evenly over ``nodes`` emulated machines; each of the
     ``servers`` runs on a CPU machine of its own, and ``colocated`` more servers
     run on every worker machine. Inside ``fn``, :func:`polytrain.init` joins the
-    run (a server serves there and exits when the workers finish).
+    run (a server serves there and exits when the workers finish). With
+    ``bandwidth`` (``"1gbit"``; and ``latency``, ``"0.2ms"``), every machine runs
+    in a network namespace of its own behind a NIC of that shape (needs root and
+    iproute2).
 
     Example::
 
@@ -293,11 +323,14 @@ def launch(fn: Callable[..., Any], *, workers: int = 1, nodes: int = 1, servers:
             message names its rank, role, machine and the cause.
     """
     layout = Layout(workers=workers, nodes=nodes, servers=servers, colocated=colocated)
-    return Launcher(layout, port=port, env=env, timeout_s=timeout_s).run_fn(fn, args, kwargs)
+    return Launcher(layout, port=port, env=env, timeout_s=timeout_s,
+                    shape=link_shape(bandwidth, latency)).run_fn(fn, args, kwargs)
 
 
 def launch_script(script: str, argv: Sequence[str] = (), *, layout: Layout,
                   port: int | None = None, env: Mapping[str, str] | None = None,
-                  timeout_s: float | None = None) -> None:
+                  timeout_s: float | None = None, bandwidth: str | None = None,
+                  latency: str | None = None) -> None:
     """Run a Python script in every process of ``layout`` (what ``polytrain launch`` does)."""
-    Launcher(layout, port=port, env=env, timeout_s=timeout_s).run_script(script, argv)
+    Launcher(layout, port=port, env=env, timeout_s=timeout_s,
+             shape=link_shape(bandwidth, latency)).run_script(script, argv)

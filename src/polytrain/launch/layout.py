@@ -85,6 +85,10 @@ class Layout:
             specs.append(ProcessSpec(len(specs), SERVER, f"server{i}", 0))
         return tuple(specs)
 
+    def machines(self) -> tuple[str, ...]:
+        """Every machine of the run, in rank order: ``node0``, ..., then ``server0``, ..."""
+        return tuple(dict.fromkeys(p.machine for p in self.processes()))
+
     def describe(self) -> str:
         """One line: each machine and its processes."""
         machines: dict[str, list[str]] = {}

@@ -57,6 +57,8 @@ def build_metrics(*, config: Any, losses: Sequence[float], times: Sequence[float
         "seed": config.seed,
         "device": config.device,
         "devices": getattr(config, "devices", None),
+        "bandwidth": getattr(config, "bandwidth", None),
+        "latency": getattr(config, "latency", None),
         "model_options": dict(config.model_options),
         "strategy_options": dict(config.strategy_options),
         "losses": list(losses),
@@ -71,7 +73,9 @@ def build_metrics(*, config: Any, losses: Sequence[float], times: Sequence[float
             "servers": servers,
             "estimated": any(m["estimated"] for m in machines),
             "note": "bytes crossing machines per steady-state step; 'estimated' marks bytes "
-                    "moved inside torch collectives, counted from their algorithm's cost",
+                    "moved inside torch collectives, counted from their algorithm's cost; "
+                    "nic_* (with --bandwidth): the kernel's counters of each machine's NIC, "
+                    "headers included",
         },
         "versions": {"polytrain": polytrain.__version__, "torch": torch.__version__},
     }

@@ -17,7 +17,8 @@ def run_config(config: TrainConfig, *, env: Mapping[str, str] | None = None) -> 
 
     A strategy that is not distributed (``single``) trains in this process; any
     other starts its layout's processes on this machine (``config.port``, or a
-    free one; ``env`` added to their environment) and waits for them.
+    free one; ``env`` added to their environment; in network namespaces with shaped
+    links when ``config.bandwidth`` is set) and waits for them.
 
     Example::
 
@@ -27,6 +28,7 @@ def run_config(config: TrainConfig, *, env: Mapping[str, str] | None = None) -> 
         metrics = train(config)
     else:
         metrics = Launcher(config.layout(), port=config.port, env=env,
-                           timeout_s=config.timeout_s).run_fn(train, (config,))[0]
+                           timeout_s=config.timeout_s,
+                           shape=config.link()).run_fn(train, (config,))[0]
     assert metrics is not None
     return metrics

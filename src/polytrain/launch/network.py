@@ -1,0 +1,449 @@
+"""The emulated cluster network: a namespace per machine, shaped links to a hub, NIC counters.
+
+With ``--bandwidth``, every emulated machine of a run runs its processes in a
+network namespace of its own, and one veth pair joins it to a bridge in the
+run's hub namespace::
+
+    pt-<run>-node0             pt-<run>-hub                    pt-<run>-server0
+    +-----------------+        +--------------------------+    +-----------------+
+    | lo (same machine)|       |        pt-<run>-br       |    | lo              |
+    | pt-<run>-n0 -----+--veth-+-- pt-<run>-n0h   ...  ---+----+ pt-<run>-s0     |
+    | 10.111.0.1/24   |        |  (htb: node0's ingress)  |    | 10.111.0.3/24   |
+    | htb (+netem)    |        +--------------------------+    | htb (+netem)    |
+    +-----------------+                                        +-----------------+
+
+A machine's upload is shaped on egress of its own veth end (htb at the rate,
+netem under it for the delay), its download on egress of the hub's end (htb at
+the rate): so each NIC carries RATE each way and every packet between two
+machines is delayed once by the latency. Processes of one machine reach each
+other over that namespace's loopback, unshaped, as inside a real machine.
+Nothing is made in the host's own namespace: deleting the run's namespaces
+removes every link and qdisc it made.
+
+Cleanup: a run claims its id in ``/run/polytrain/netns/<run>.json`` (the owning
+launcher's pid and start time) before it makes anything, and removes the
+namespaces, then the claim, on every way out. A launcher killed with SIGKILL
+leaves them behind; the next run's :meth:`Network.open` finds them by name,
+sees that their owner is gone and removes them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import secrets
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Sequence
+
+from .. import _env
+from ..errors import ConfigError, LaunchError
+
+__all__ = ["LinkShape", "Network", "NicSampler", "link_shape", "parse_rate", "parse_time",
+           "check_tools", "nic_bytes", "sweep_stale", "STATE_DIR"]
+
+log = logging.getLogger(__name__)
+
+STATE_DIR = Path("/run/polytrain/netns")
+_SUBNET = "10.111.0"  # only ever inside the run's own namespaces
+_MAX_MACHINES = 253
+_PREFIX = "pt-"
+_RUN_ID = re.compile(r"[0-9a-f]{6}")
+_NAMESPACE = re.compile(r"pt-([0-9a-f]{6})-(hub|[A-Za-z0-9_.]+)")
+_RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
+_TIME_UNITS = {"us": 1e-6, "usec": 1e-6, "ms": 1e-3, "msec": 1e-3, "s": 1.0, "sec": 1.0}
+_QUANTITY = re.compile(r"\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:e[-+]?\d+)?)\s*([a-z]*)\s*")
+# A veth may pass a 64 KiB segment at once (GSO): the bucket must hold one.
+_MIN_BURST_BYTES = 1 << 17
+
+
+def _quantity(text: str, units: Mapping[str, float], flag: str, example: str) -> float:
+    m = _QUANTITY.fullmatch(text.lower())
+    if m is not None:
+        number, unit = float(m.group(1)), m.group(2)
+        if unit in units:
+            return number * units[unit]
+        if unit == "" and number == 0:
+            return 0.0
+    kind = "rate" if "bit" in units else "time"
+    raise ConfigError(f"{flag} {text!r} is not a {kind}: a number and one of the units "
+                      f"{', '.join(units)} is", f"pass e.g. {flag} {example}")
+
+
+def parse_rate(text: str, flag: str = "--bandwidth") -> int:
+    """Bits per second from a rate as tc writes it: ``bit``, ``kbit``, ``mbit``, ``gbit``, ``tbit``.
+
+    Units are decimal and case-insensitive, as tc's are::
+
+        >>> parse_rate("200mbit"), parse_rate("1Gbit"), parse_rate("1.5kbit")
+        (200000000, 1000000000, 1500)
+    """
+    bits = _quantity(text, _RATE_UNITS, flag, "1gbit")
+    if not bits >= 1:
+        raise ConfigError(f"{flag} must be a positive rate of at least 1bit (got {text!r})",
+                          f"pass e.g. {flag} 1gbit")
+    return int(round(bits))
+
+
+def parse_time(text: str, flag: str = "--latency") -> float:
+    """Seconds from a time as tc writes it (``us``, ``ms``, ``s``; a bare ``0`` is zero).
+
+        >>> parse_time("0.2ms"), parse_time("5us"), parse_time("0")
+        (0.0002, 5e-06, 0.0)
+    """
+    seconds = _quantity(text, _TIME_UNITS, flag, "0.2ms")
+    if seconds < 0:
+        raise ConfigError(f"{flag} must be 0 or more (got {text!r})", f"pass e.g. {flag} 0.2ms")
+    return round(seconds, 9)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LinkShape:
+    """How every emulated machine's NIC is shaped: ``rate_bit_s`` each way, ``delay_s`` per packet.
+
+    Example::
+
+        shape = LinkShape.parse("200mbit", "0.2ms")   # --bandwidth 200mbit --latency 0.2ms
+
+    Args:
+        rate_bit_s: the NIC's rate in each direction, bits per second.
+        delay_s: added once to every packet a machine sends (the one-way delay between two
+            machines; a round trip takes twice it). Default 0.
+    """
+
+    rate_bit_s: int
+    delay_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.rate_bit_s < 1:
+            raise ConfigError(f"a link's rate must be at least 1 bit/s (got {self.rate_bit_s})",
+                              "pass e.g. --bandwidth 1gbit")
+        if self.delay_s < 0:
+            raise ConfigError(f"a link's delay must be 0 or more (got {self.delay_s} s)",
+                              "pass e.g. --latency 0.2ms")
+
+    @classmethod
+    def parse(cls, bandwidth: str, latency: str | None = None) -> LinkShape:
+        """The shape of ``--bandwidth RATE`` and ``--latency TIME`` (default 0)."""
+        return cls(rate_bit_s=parse_rate(bandwidth),
+                   delay_s=parse_time(latency) if latency is not None else 0.0)
+
+    def describe(self) -> str:
+        delay = f", {self.delay_s * 1e3:g} ms one-way delay" if self.delay_s else ""
+        return f"{self.rate_bit_s / 1e6:g} Mbit/s each way{delay}"
+
+    def as_dict(self) -> dict[str, float]:
+        return {"rate_bit_s": self.rate_bit_s, "delay_s": self.delay_s}
+
+
+def link_shape(bandwidth: str | None, latency: str | None = None) -> LinkShape | None:
+    """The shape of ``--bandwidth`` and ``--latency``; None without a bandwidth (no emulation)."""
+    if bandwidth is None:
+        if latency is not None and parse_time(latency) > 0:
+            raise ConfigError(f"--latency {latency} needs --bandwidth: only an emulated network "
+                              f"has links to delay", "pass --bandwidth too, e.g. 1gbit")
+        return None
+    return LinkShape.parse(bandwidth, latency)
+
+
+def check_tools() -> tuple[str, str]:
+    """The paths of ``ip`` and ``tc``; one ConfigError naming all that is missing if not root."""
+    missing = []
+    uid = os.geteuid()
+    if uid != 0:
+        missing.append(f"root (running as uid {uid})")
+    tools = {name: shutil.which(name) for name in ("ip", "tc")}
+    missing += [f"{name} (not on PATH)" for name, path in tools.items() if path is None]
+    if missing:
+        raise ConfigError(f"--bandwidth emulates machines in network namespaces, which needs "
+                          f"root and iproute2's ip and tc; missing: {', '.join(missing)}",
+                          "install iproute2 (apt-get install iproute2) and run as root, or "
+                          "leave --bandwidth out")
+    ip, tc = tools["ip"], tools["tc"]
+    assert ip is not None and tc is not None
+    return ip, tc
+
+
+def _start_time(pid: int) -> int | None:
+    """The start time of a live process (clock ticks since boot); None if gone or a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()  # the name in (...) may hold spaces
+    if fields[0] in ("Z", "X"):
+        return None
+    return int(fields[19])
+
+
+def _owner(claim: Path) -> tuple[int, bool] | None:
+    """The pid of a claim's launcher and whether it still runs; None if the claim is unreadable."""
+    try:
+        record = json.loads(claim.read_text())
+        pid, start = int(record["pid"]), int(record["start"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return pid, _start_time(pid) == start
+
+
+def _run_namespaces(ip: str) -> dict[str, list[str]]:
+    """Every namespace named like a run's, by run id."""
+    out = subprocess.run([ip, "netns", "list"], capture_output=True, text=True, check=False)
+    runs: dict[str, list[str]] = {}
+    for line in out.stdout.splitlines():
+        name = line.split(" ", 1)[0]
+        m = _NAMESPACE.fullmatch(name)
+        if m:
+            runs.setdefault(m.group(1), []).append(name)
+    return runs
+
+
+def _delete_namespaces(ip: str, names: Sequence[str]) -> None:
+    for name in names:
+        # Already gone is fine: a concurrent sweep may have removed it.
+        subprocess.run([ip, "netns", "delete", name], capture_output=True, check=False)
+
+
+def sweep_stale(state_dir: Path = STATE_DIR) -> list[str]:
+    """Remove the networks of runs whose launcher is gone; return their run ids.
+
+    A run is stale when its claim names a launcher that no longer runs, or when
+    its namespaces have no claim at all (a run writes its claim before it makes
+    any namespace, so a live run always has one).
+    """
+    ip, _ = check_tools()
+    runs = _run_namespaces(ip)
+    claims = {p.stem: p for p in state_dir.glob("*.json")} if state_dir.is_dir() else {}
+    removed = []
+    for run_id in sorted(set(runs) | set(claims)):
+        owner = _owner(claims[run_id]) if run_id in claims else None
+        if owner is not None and owner[1]:
+            continue
+        _delete_namespaces(ip, runs.get(run_id, []))
+        if run_id in claims:
+            claims[run_id].unlink(missing_ok=True)
+        if runs.get(run_id):
+            gone = f"launcher pid {owner[0]} is gone" if owner else "it has no owner"
+            log.warning("removed the stale emulated network of run %s (%s): %s", run_id, gone,
+                        ", ".join(runs[run_id]))
+        removed.append(run_id)
+    return removed
+
+
+def nic_bytes(pid: int, nic: str) -> tuple[int, int]:
+    """``(sent, received)`` bytes of interface ``nic`` as seen in process ``pid``'s namespace.
+
+    ``/proc/PID/net/dev`` shows the kernel's counters of that process's network
+    namespace, whichever namespace the reader is in.
+    """
+    with open(f"/proc/{pid}/net/dev") as f:
+        for line in f:
+            name, sep, counters = line.partition(":")
+            if sep and name.strip() == nic:
+                fields = counters.split()
+                return int(fields[8]), int(fields[0])  # tx_bytes, rx_bytes
+    raise LaunchError(f"process {pid} has no network interface {nic!r}",
+                      "sample NICs only in runs launched with --bandwidth")
+
+
+@dataclass(frozen=True)
+class NicSampler:
+    """Reads every machine's NIC counters at once: ``{machine: (sent, received)}``.
+
+    Args:
+        nics: per machine, a process running there and the machine's interface.
+    """
+
+    nics: Mapping[str, tuple[int, str]]
+
+    def __call__(self) -> dict[str, tuple[int, int]]:
+        return {machine: nic_bytes(pid, nic) for machine, (pid, nic) in self.nics.items()}
+
+
+class Network:
+    """One run's emulated cluster network (see the module's diagram).
+
+    Example::
+
+        with Network(["node0", "node1"], LinkShape.parse("200mbit")) as net:
+            subprocess.run([*net.exec_prefix("node0"), "python", "job.py"],
+                           env={**os.environ, **net.child_env("node0")})
+
+    Args:
+        machines: the emulated machines, each its own namespace (at most 253).
+        shape: each machine's NIC rate and delay.
+        run_id: six hex digits naming the run's namespaces (default: random); one a live run
+            holds is refused.
+        state_dir: where runs claim their ids (default ``/run/polytrain/netns``).
+    """
+
+    def __init__(self, machines: Sequence[str], shape: LinkShape, *, run_id: str | None = None,
+                 state_dir: Path = STATE_DIR) -> None:
+        if not 1 <= len(machines) <= _MAX_MACHINES:
+            raise ConfigError(f"an emulated network holds 1 to {_MAX_MACHINES} machines (got "
+                              f"{len(machines)})", "run fewer --nodes and --servers")
+        if len(set(machines)) != len(machines):
+            raise ConfigError(f"machine names repeat: {list(machines)}", "name each once")
+        for m in machines:
+            if _NAMESPACE.fullmatch(f"{_PREFIX}000000-{m}") is None or m == "hub":
+                raise ConfigError(f"machine name {m!r} cannot name a namespace",
+                                  "use letters, digits, '_' and '.' only")
+        self.run_id = run_id if run_id is not None else secrets.token_hex(3)
+        if _RUN_ID.fullmatch(self.run_id) is None:
+            raise ConfigError(f"run id {self.run_id!r} is not six hex digits",
+                              "pass e.g. run_id='a1b2c3', or none for a random one")
+        self.machines = tuple(machines)
+        self.shape = shape
+        self.state_dir = state_dir
+        self._ip, self._tc = check_tools()
+        self._claim = state_dir / f"{self.run_id}.json"
+        self._made: list[str] = []
+        self._open = False
+
+    # -- names -------------------------------------------------------------------------------
+
+    @property
+    def prefix(self) -> str:
+        return f"{_PREFIX}{self.run_id}-"
+
+    @property
+    def hub(self) -> str:
+        return self.prefix + "hub"
+
+    def namespace(self, machine: str) -> str:
+        return self.prefix + machine
+
+    def nic(self, machine: str) -> str:
+        """The machine's interface: ``pt-<run>-n0`` for node0, ``pt-<run>-s0`` for server0.
+
+        Linux allows 15 characters, and the hub's end adds an ``h``: other names, and
+        long numbers, take the machine's index (``pt-<run>-m7``).
+        """
+        i = self.machines.index(machine)
+        m = re.fullmatch(r"(node|server)(\d{1,3})", machine)
+        return self.prefix + (f"{machine[0]}{m.group(2)}" if m else f"m{i}")
+
+    def address(self, machine: str) -> str:
+        return f"{_SUBNET}.{self.machines.index(machine) + 1}"
+
+    def exec_prefix(self, machine: str) -> list[str]:
+        """The command line prefix that runs a program on ``machine`` (in its namespace)."""
+        return [self._ip, "netns", "exec", self.namespace(machine)]
+
+    def child_env(self, machine: str) -> dict[str, str]:
+        """What a process on ``machine`` needs: gloo binds the machine's NIC, polytrain knows it."""
+        return {_env.GLOO_SOCKET_IFNAME: self.nic(machine), _env.NIC: self.nic(machine)}
+
+    # -- life --------------------------------------------------------------------------------
+
+    def __enter__(self) -> Network:
+        self.open()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def open(self) -> None:
+        """Remove stale runs, claim this run's id, make its namespaces, links and qdiscs."""
+        sweep_stale(self.state_dir)
+        self._take_claim()
+        self._open = True
+        try:
+            for name in [self.hub, *map(self.namespace, self.machines)]:
+                self._add_namespace(name)
+            self._make_links()
+            self._shape_links()
+        except BaseException:
+            self.close()
+            raise
+        log.info("emulated network %s: %d machines, %s", self.prefix, len(self.machines),
+                 self.shape.describe())
+
+    def close(self) -> None:
+        """Remove everything :meth:`open` made (idempotent)."""
+        if not self._open:
+            return
+        # Machines first: their veth ends go with them, then the hub and its bridge.
+        _delete_namespaces(self._ip, [n for n in self._made if n != self.hub] +
+                           [n for n in self._made if n == self.hub])
+        self._made.clear()
+        self._claim.unlink(missing_ok=True)
+        self._open = False
+
+    def _take_claim(self) -> None:
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        start = _start_time(os.getpid())
+        try:
+            fd = os.open(self._claim, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            owner = _owner(self._claim)
+            pid = f"launcher pid {owner[0]}" if owner else "an unknown launcher"
+            raise ConfigError(f"network namespace {self.hub} belongs to another live run "
+                              f"({self.run_id}, {pid})",
+                              "let that run end, or start this one with another run id") from None
+        with os.fdopen(fd, "w") as f:
+            json.dump({"pid": os.getpid(), "start": start, "machines": list(self.machines)}, f)
+
+    def _add_namespace(self, name: str) -> None:
+        out = subprocess.run([self._ip, "netns", "add", name], capture_output=True, text=True,
+                             check=False)
+        if out.returncode != 0:
+            if "exists" in out.stderr:
+                raise ConfigError(f"network namespace {name} exists already, made by another "
+                                  f"run", "let that run end, or start this one with another "
+                                          "run id")
+            raise LaunchError(f"could not make network namespace {name}: "
+                              f"{out.stderr.strip()}", "check that this kernel has network "
+                                                       "namespaces (CONFIG_NET_NS)")
+        self._made.append(name)
+
+    def _batch(self, tool: str, namespace: str, commands: Sequence[str]) -> None:
+        """Run ``commands`` through ``ip -batch`` or ``tc -batch`` inside ``namespace``."""
+        out = subprocess.run([tool, "-n", namespace, "-batch", "-"], input="\n".join(commands),
+                             capture_output=True, text=True, check=False)
+        if out.returncode != 0:
+            if "netem" in "".join(commands) and "qdisc kind is unknown" in out.stderr:
+                raise ConfigError(f"--latency {self.shape.delay_s * 1e3:g}ms needs tc's netem "
+                                  f"qdisc, which this kernel lacks (CONFIG_NET_SCH_NETEM)",
+                                  "load it (modprobe sch_netem) or leave --latency out")
+            raise LaunchError(f"setting up the emulated network failed in {namespace}: "
+                              f"{' '.join(out.stderr.split())}",
+                              "check that the kernel has veth, bridge and htb")
+
+    def _make_links(self) -> None:
+        bridge = self.prefix + "br"
+        # addrgenmode none: no IPv6 link-local address, so no neighbour chatter on the counters.
+        hub = ["link set lo up", f"link add name {bridge} type bridge",
+               f"link set {bridge} addrgenmode none", f"link set {bridge} up"]
+        for m in self.machines:
+            nic = self.nic(m)
+            hub += [f"link add {nic}h type veth peer name {nic} netns {self.namespace(m)}",
+                    f"link set {nic}h master {bridge} addrgenmode none", f"link set {nic}h up"]
+        self._batch(self._ip, self.hub, hub)
+        for m in self.machines:
+            nic = self.nic(m)
+            self._batch(self._ip, self.namespace(m), [
+                "link set lo up", f"link set {nic} addrgenmode none",
+                f"addr add {self.address(m)}/24 dev {nic}", f"link set {nic} up"])
+
+    def _shape_links(self) -> None:
+        for m in self.machines:
+            nic = self.nic(m)
+            self._batch(self._tc, self.namespace(m), self._qdiscs(nic, self.shape.delay_s))
+            self._batch(self._tc, self.hub, self._qdiscs(nic + "h", 0.0))
+
+    def _qdiscs(self, nic: str, delay_s: float) -> list[str]:
+        """htb at the rate on egress of ``nic``; netem under it for a delay."""
+        rate = self.shape.rate_bit_s
+        burst = max(_MIN_BURST_BYTES, rate // 8 // 1000)  # a millisecond at the rate
+        commands = [f"qdisc add dev {nic} root handle 1: htb default 1",
+                    f"class add dev {nic} parent 1: classid 1:1 htb rate {rate}bit "
+                    f"ceil {rate}bit burst {burst}b cburst {burst}b quantum 65536"]
+        if delay_s:
+            commands.append(f"qdisc add dev {nic} parent 1:1 handle 10: netem delay "
+                            f"{round(delay_s * 1e6)}us limit 100000")
+        return commands

@@ -1,0 +1,281 @@
+"""The emulated cluster network: namespaces, shaped links, NIC counters, and their cleanup.
+
+The tests that make namespaces need root and iproute2 (``ip``, ``tc``) and skip
+without them; every one checks that no namespace, link or claim of a run is
+left behind.
+"""
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import polytrain
+from polytrain import ConfigError, LaunchError, TrainConfig
+from polytrain.cli import main
+from polytrain.launch import network
+from polytrain.launch.network import LinkShape, Network, link_shape, parse_rate, parse_time
+from tests.harness import COMM_TIMEOUT_S, max_abs_diff, run_config, single_of
+from tests.launch import scripts
+
+ROOT = Path(__file__).resolve().parents[2]
+IP = shutil.which("ip")  # resolved once: some tests take ip and tc off PATH
+_MISSING = [what for what, ok in (("root", os.geteuid() == 0), ("ip", IP),
+                                  ("tc", shutil.which("tc"))) if not ok]
+needs_netns = pytest.mark.skipif(bool(_MISSING), reason=f"needs root and iproute2; missing: "
+                                                        f"{', '.join(_MISSING)}")
+_ENV = {"OMP_NUM_THREADS": "1"}
+
+
+def _leftovers() -> set[str]:
+    """What runs leave on this host: their namespaces, claims and root-namespace links."""
+    if IP is None:
+        return set()
+    names = subprocess.run([IP, "netns", "list"], capture_output=True, text=True).stdout
+    found = {"netns " + line.split()[0] for line in names.splitlines()
+             if re.match(r"pt-[0-9a-f]{6}-", line)}
+    links = subprocess.run([IP, "-o", "link"], capture_output=True, text=True).stdout
+    found |= {"link " + m for m in re.findall(r"^\d+: (pt-[^:@]+)", links, re.M)}
+    if network.STATE_DIR.is_dir():
+        found |= {"claim " + p.name for p in network.STATE_DIR.iterdir()}
+    return found
+
+
+@pytest.fixture
+def clean_host():
+    """Fails the test if it leaves any namespace, link or claim that was not there before."""
+    before = _leftovers()
+    yield
+    assert _leftovers() - before == set()
+
+
+# -- input -------------------------------------------------------------------------------------
+
+def test_rates_and_times_parse_as_tc_writes_them():
+    assert parse_rate("200mbit") == 200_000_000
+    assert parse_rate("1Gbit") == parse_rate("1GBIT") == parse_rate("1gbit") == 10**9
+    assert parse_rate("5gbit") == 5 * 10**9 and parse_rate("1.5kbit") == 1500
+    assert parse_rate("64 kbit") == 64_000 and parse_rate("100bit") == 100
+    assert parse_time("0.2ms") == pytest.approx(2e-4) and parse_time("5us") == pytest.approx(5e-6)
+    assert parse_time("1s") == 1.0 and parse_time("0") == 0.0 and parse_time("0ms") == 0.0
+    assert parse_time("2msec") == pytest.approx(2e-3) and parse_time("1sec") == 1.0
+    assert LinkShape.parse("1gbit", "0.2ms") == LinkShape(rate_bit_s=10**9, delay_s=2e-4)
+    assert link_shape(None) is None and link_shape(None, "0") is None
+
+
+@pytest.mark.parametrize("bandwidth, latency, message", [
+    ("fast", None, r"--bandwidth 'fast' is not a rate: a number and one of the units bit, kbit, "
+                   r"mbit, gbit, tbit is\. HINT: pass e\.g\. --bandwidth 1gbit"),
+    ("5gb", None, r"--bandwidth '5gb' is not a rate"),
+    ("1000", None, r"--bandwidth '1000' is not a rate"),
+    ("0mbit", None, r"--bandwidth must be a positive rate of at least 1bit \(got '0mbit'\)"),
+    ("0", None, r"--bandwidth must be a positive rate"),
+    ("-1gbit", None, r"--bandwidth must be a positive rate of at least 1bit \(got '-1gbit'\)"),
+    ("1gbit", "-1ms", r"--latency must be 0 or more \(got '-1ms'\)"),
+    ("1gbit", "3 parsecs", r"--latency '3 parsecs' is not a time: a number and one of the units "
+                           r"us, usec, ms, msec, s, sec is"),
+    ("1gbit", "5", r"--latency '5' is not a time"),
+    (None, "1ms", r"--latency 1ms needs --bandwidth"),
+])
+def test_bad_rates_and_times_are_one_line_each(bandwidth, latency, message, capsys, clean_host):
+    argv = ["train", "--strategy", "ddp", "--model", "mlp", "--steps", "2"]
+    argv += [f"--bandwidth={bandwidth}"] if bandwidth is not None else []
+    argv += [f"--latency={latency}"] if latency is not None else []
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    assert re.search(r"^polytrain train: error: " + message, err), err
+    with pytest.raises(ConfigError, match=message):
+        polytrain.launch(scripts.identity, workers=2, bandwidth=bandwidth, latency=latency)
+
+
+def test_a_single_process_strategy_has_no_links_to_shape():
+    with pytest.raises(ConfigError, match=r"strategy 'single' trains in one process"):
+        TrainConfig(strategy="single", model="mlp", bandwidth="1gbit")
+
+
+@pytest.mark.parametrize("uid, path, missing", [
+    (1000, True, r"missing: root \(running as uid 1000\)\."),
+    (0, False, r"missing: ip \(not on PATH\), tc \(not on PATH\)\."),
+    (1000, False, r"missing: root \(running as uid 1000\), ip \(not on PATH\), tc"),
+])
+def test_without_root_or_iproute2_one_line_says_what_is_missing(monkeypatch, uid, path, missing,
+                                                                capsys, tmp_path, clean_host):
+    monkeypatch.setattr(network.os, "geteuid", lambda: uid)
+    if not path:
+        monkeypatch.setenv("PATH", str(tmp_path))  # no ip, no tc
+    hint = r"HINT: install iproute2 \(apt-get install iproute2\) and run as root"
+    with pytest.raises(ConfigError, match=r"--bandwidth emulates machines in network namespaces, "
+                                          r"which needs root and iproute2's ip and tc; " +
+                                          missing + ".*" + hint):
+        polytrain.launch(scripts.identity, workers=2, nodes=2, bandwidth="1gbit")
+    script = tmp_path / "job.py"
+    script.write_text("raise SystemExit('must not start')\n")
+    assert main(["launch", "--workers", "2", "--bandwidth", "1gbit", str(script)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and re.search(missing, err), err
+
+
+# -- links -------------------------------------------------------------------------------------
+
+@needs_netns
+@pytest.mark.timeout(60)
+def test_a_machines_nic_is_shaped_and_its_own_processes_talk_over_loopback(clean_host):
+    rate, nbytes = 100e6, 4 << 20
+    results = polytrain.launch(scripts.transfer_over_the_nic, workers=4, nodes=2,
+                               args=(nbytes,), bandwidth="100mbit", timeout_s=COMM_TIMEOUT_S,
+                               env=_ENV)
+    node0, same, other = results[0], results[1], results[2]
+    assert (node0["machine"], same["machine"], other["machine"]) == ("node0", "node0", "node1")
+    # Worker 0 to worker 1 stays inside node0: its NIC sees only the barriers' bytes.
+    assert node0["local"]["sent"] < 64 << 10
+    # Worker 0 to worker 2 crosses both NICs: every byte, a few headers more.
+    assert nbytes <= node0["remote"]["sent"] < 1.02 * nbytes
+    assert nbytes <= other["remote"]["recv"] < 1.02 * nbytes
+    mbit_s = nbytes * 8 / other["remote"]["seconds"] / 1e6
+    # htb counts each segment's headers (about 4% of a 1448-byte segment): the payload
+    # gets a little less than the rate; never more.
+    assert 0.75 * rate / 1e6 < mbit_s < 1.0 * rate / 1e6, mbit_s
+
+
+@needs_netns
+@pytest.mark.timeout(60)
+def test_polytrain_launch_runs_each_machine_in_its_namespace(tmp_path, clean_host):
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import json, os, sys, polytrain\n"
+        "names = ('POLYTRAIN_NIC', 'GLOO_SOCKET_IFNAME', 'MASTER_ADDR')\n"
+        "seen = {n: os.environ[n] for n in names}\n"
+        "seen['netns'] = os.readlink('/proc/self/ns/net')\n"
+        "path = os.path.join(sys.argv[1], os.environ['RANK'] + '.json')\n"
+        "open(path, 'w').write(json.dumps(seen))\n"
+        "polytrain.init()  # a server serves in here until the workers finish\n")
+    assert main(["launch", "--workers", "2", "--nodes", "2", "--colocated", "1", "--servers",
+                 "1", "--bandwidth", "1gbit", str(script), str(tmp_path)]) == 0
+    seen = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(5)]
+    # Ranks: workers 0, 1 (node0, node1), colocated servers 2, 3, the dedicated server 4.
+    machine = ["n0", "n1", "n0", "n1", "s0"]
+    for s, m in zip(seen, machine):
+        assert re.fullmatch(rf"pt-[0-9a-f]{{6}}-{m}", s["POLYTRAIN_NIC"]), s
+        assert s["GLOO_SOCKET_IFNAME"] == s["POLYTRAIN_NIC"] and s["MASTER_ADDR"] == "10.111.0.1"
+    assert seen[0]["netns"] == seen[2]["netns"] != seen[1]["netns"] == seen[3]["netns"]
+    assert seen[4]["netns"] not in (seen[0]["netns"], seen[1]["netns"])
+    assert os.readlink("/proc/self/ns/net") not in {s["netns"] for s in seen}
+
+
+@needs_netns
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("strategy, servers", [("ddp", 0), ("byteps", 1)])
+def test_the_meter_agrees_with_the_nics_and_the_run_stays_transparent(strategy, servers,
+                                                                       clean_host):
+    config = TrainConfig(strategy=strategy, model="mlp", workers=2, nodes=2, servers=servers,
+                         steps=8, batch_size=8, optimizer="sgd", lr=0.05, bandwidth="1gbit",
+                         model_options={"d_model": 256})
+    _, single = run_config(single_of(config))
+    metrics, distributed = run_config(config)
+    assert max_abs_diff(single, distributed) < 1e-6
+    _, untrained = run_config(single_of(config).replace(steps=1, lr=1e-12))
+    assert max_abs_diff(single, untrained) > 1e-4  # the weights did move
+    machines = metrics["traffic"]["machines"]
+    assert [m["name"] for m in machines] == ["node0", "node1"] + ["server0"] * servers
+    for m in machines:
+        # The wire carries what the library sent, plus TCP/IP headers (one per 64 KiB
+        # segment on a veth) and ACKs: 0.3-0.5% on this model; 2% leaves room for noise.
+        for way in ("sent", "recv"):
+            meter, nic = m[f"{way}_bytes_per_step"], m[f"nic_{way}_bytes_per_step"]
+            # (>= 0.99: worker 0's marks and a machine's own step ends differ a little.)
+            assert meter > 1e6 and 0.99 * meter <= nic < 1.02 * meter, (m["name"], way, meter,
+                                                                         nic)
+    assert metrics["bandwidth"] == "1gbit"
+
+
+@needs_netns
+@pytest.mark.timeout(60)
+def test_latency_delays_every_packet_or_is_refused_without_netem(clean_host):
+    try:
+        rtt = polytrain.launch(scripts.round_trip_s, workers=2, nodes=2, args=(20,),
+                               bandwidth="1gbit", latency="5ms", timeout_s=COMM_TIMEOUT_S,
+                               env=_ENV)[0]
+    except ConfigError as e:
+        assert re.fullmatch(r"--latency 5ms needs tc's netem qdisc, which this kernel lacks "
+                            r"\(CONFIG_NET_SCH_NETEM\)\. HINT: load it \(modprobe sch_netem\) "
+                            r"or leave --latency out", str(e)), e
+        return
+    assert 10e-3 <= rtt < 14e-3  # one delay each way
+
+
+# -- cleanup -----------------------------------------------------------------------------------
+
+@needs_netns
+@pytest.mark.timeout(60)
+def test_a_failing_child_leaves_no_network_behind(clean_host):
+    with pytest.raises(LaunchError, match=r"worker rank 1 \(machine node1\) failed: RuntimeError: "
+                                          r"boom on purpose from rank 1"):
+        polytrain.launch(scripts.worker_raises, workers=2, nodes=2, servers=1, args=(1,),
+                         bandwidth="1gbit", timeout_s=COMM_TIMEOUT_S, env=_ENV)
+
+
+@needs_netns
+def test_a_run_id_a_live_run_holds_is_refused(clean_host):
+    shape = LinkShape.parse("1gbit")
+    with Network(["node0", "server0"], shape, run_id="0abcde") as net:
+        names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert {"pt-0abcde-hub", "pt-0abcde-node0", "pt-0abcde-server0"} <= \
+            {line.split()[0] for line in names.splitlines()}
+        assert (net.nic("node0"), net.nic("server0"), net.address("server0")) == \
+            ("pt-0abcde-n0", "pt-0abcde-s0", "10.111.0.2")
+        with pytest.raises(ConfigError, match=rf"network namespace pt-0abcde-hub belongs to "
+                                              rf"another live run \(0abcde, launcher pid "
+                                              rf"{os.getpid()}\)\. HINT: let that run end"):
+            Network(["node0"], shape, run_id="0abcde").open()
+    assert not any("0abcde" in x for x in _leftovers())
+
+
+def _start_launcher(tmp_path: Path, workers: int) -> tuple[subprocess.Popen, list[int]]:
+    code = (f"import polytrain; from tests.launch import scripts; "
+            f"polytrain.launch(scripts.write_pid_and_hang, workers={workers}, nodes={workers}, "
+            f"bandwidth='1gbit', args=({str(tmp_path)!r},))")
+    launcher = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stderr=subprocess.PIPE,
+                                text=True, env=dict(os.environ, **_ENV,
+                                                    PYTHONPATH=os.pathsep.join(sys.path)))
+    deadline = time.monotonic() + 60  # a loaded machine starts processes slowly
+    while len(list(tmp_path.glob("pid-*"))) < workers:
+        assert launcher.poll() is None, launcher.communicate()[1]
+        assert time.monotonic() < deadline, "children did not start"
+        time.sleep(0.1)
+    return launcher, [int(p.read_text()) for p in tmp_path.glob("pid-*")]
+
+
+@needs_netns
+@pytest.mark.timeout(90)
+def test_ctrl_c_removes_the_network(tmp_path, clean_host):
+    launcher, _ = _start_launcher(tmp_path, 2)
+    launcher.send_signal(signal.SIGINT)
+    _, err = launcher.communicate(timeout=60)
+    assert "interrupted (Ctrl-C): stopped all 2 processes" in err
+
+
+@needs_netns
+@pytest.mark.timeout(120)
+def test_a_killed_launchers_network_is_removed_by_the_next_start(tmp_path, clean_host):
+    launcher, pids = _start_launcher(tmp_path, 2)
+    claims = list(network.STATE_DIR.glob("*.json"))
+    run_id = next(c.stem for c in claims if json.loads(c.read_text())["pid"] == launcher.pid)
+    launcher.kill()
+    launcher.wait()
+    stale = {x for x in _leftovers() if run_id in x}
+    assert {f"netns pt-{run_id}-hub", f"claim {run_id}.json"} <= stale  # SIGKILL: no cleanup
+    deadline = time.monotonic() + 10
+    while any(Path(f"/proc/{p}").exists() for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    results = polytrain.launch(scripts.identity, workers=2, nodes=2, bandwidth="1gbit",
+                               timeout_s=COMM_TIMEOUT_S, env=_ENV)
+    assert [r["machine"] for r in results] == ["node0", "node1"]
+    assert not any(run_id in x for x in _leftovers())
