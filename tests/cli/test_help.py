@@ -60,8 +60,8 @@ def test_train_help_has_a_group_per_strategy_with_its_description_and_options(ca
     assert "--policy" in listed(sections["hetpipe options"])
     # The shared flag is named in each owner's group, and its help gives each one's meaning.
     for name in ("byteps", "hetpipe"):
-        assert "Also --staleness, under shared strategy options" in \
-            one_line(sections[f"{name} options"])
+        assert re.search(r"Also [-\w, ]*--staleness[-\w, ]*, under shared strategy options",
+                         one_line(sections[f"{name} options"]))
     assert "[byteps] with --async" in one_line(sections[SHARED])
     assert "[hetpipe] how many clocks" in one_line(sections[SHARED])
 
@@ -97,14 +97,15 @@ def test_strategy_help_shows_that_strategys_options_alone(args, capsys):
     assert "--staleness D " in sections["hetpipe options"]
     assert "with --async" not in sections["hetpipe options"]
     assert "--partition-bytes" not in "".join(sections.values())
+    others = sorted(n for n in strategy_names() if n != "hetpipe" and own_flags(n))
     assert one_line(sections["other strategy options"]).startswith(
-        "byteps, moe have options of their own: pass --strategy NAME --help")
+        f"{', '.join(others)} have options of their own: pass --strategy NAME --help")
 
 
 def test_an_unknown_strategys_help_is_the_whole_help(capsys):
     # The help, not an error: the --strategy line lists the names, and a run names them too.
     sections = help_sections("--strategy", "nope", "--help", capsys=capsys)
-    assert "one of byteps, ddp, hetpipe, moe, single" in one_line(sections["options"])
+    assert f"one of {', '.join(strategy_names())}" in one_line(sections["options"])
     assert {f"{n} options" for n in strategy_names()} <= set(sections)
     assert SHARED in sections and "other strategy options" not in sections
 
