@@ -10,7 +10,10 @@ from ...ps.engine import DEFAULT_CREDIT_BYTES
 
 __all__ = ["BytePSOptions", "DEFAULT_FUSE_BYTES"]
 
-DEFAULT_FUSE_BYTES = 262_144
+#: Consecutive gradients travel as one group up to a partition's size: every group costs
+#: a request and a round of messages per machine, hundreds of microseconds of CPU at both
+#: ends, which at 256 KiB groups made k = 0 cost 1.3-1.6x ddp's step (docs/byteps.md).
+DEFAULT_FUSE_BYTES = DEFAULT_PARTITION_BYTES
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -21,7 +24,7 @@ class BytePSOptions:
         partition_bytes: tensors are cut into partitions of at most this many bytes
             (default 4,096,000, as BytePS).
         fuse_bytes: consecutive tensors travel as one until the group holds this many
-            bytes, so small norms and biases do not each pay a request (default 262,144;
+            bytes, so tensors do not each pay a request (default 4,096,000, one partition;
             0: every tensor on its own, as the reference).
         colocate: run a summation server on every worker machine and give it Theorem 1's
             share (default True); False is the classic parameter server.
@@ -37,7 +40,7 @@ class BytePSOptions:
         "help": "largest partition of a tensor in bytes (default 4096000)", "metavar": "B"})
     fuse_bytes: int = field(default=DEFAULT_FUSE_BYTES, metadata={
         "help": "fuse consecutive tensors until a group holds this many bytes (default "
-                "262144; 0: no fusion)", "metavar": "B"})
+                "4096000; 0: no fusion)", "metavar": "B"})
     colocate: bool = field(default=True, metadata={
         "help": "no summation server on the worker machines: everything on --servers (a "
                 "classic parameter server)"})
@@ -56,7 +59,7 @@ class BytePSOptions:
                               "pass --partition-bytes 4096000 (BytePS's default)")
         if self.fuse_bytes < 0:
             raise ConfigError(f"--fuse-bytes must be 0 (no fusion) or more (got "
-                              f"{self.fuse_bytes})", "pass --fuse-bytes 262144, or 0")
+                              f"{self.fuse_bytes})", "pass --fuse-bytes 4096000, or 0")
         if self.credit_bytes < 0:
             raise ConfigError(f"--credit-bytes must be 0 (no bound) or more (got "
                               f"{self.credit_bytes})", "pass --credit-bytes 8192000")
