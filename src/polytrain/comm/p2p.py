@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import datetime
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -27,7 +27,8 @@ class Handle:
 
     def __init__(self, transport: Transport, work: Any, peer: int | None, nbytes: int,
                  direction: str, what: str, staged: torch.Tensor | None = None,
-                 target: torch.Tensor | None = None) -> None:
+                 target: torch.Tensor | None = None,
+                 source_of: Callable[[torch.Tensor], int] | None = None) -> None:
         self._transport = transport
         self._work = work
         self._peer = peer
@@ -37,6 +38,7 @@ class Handle:
         self._staged = staged  # CPU copy of a device tensor (kept alive while in flight)
         self._target = target  # device tensor a staged receive is copied into
         self._done = False
+        self._source_of = source_of
         self.source: int | None = peer
 
     def wait(self, timeout_s: float | None = None) -> int:
@@ -51,7 +53,10 @@ class Handle:
         except RuntimeError as e:
             raise t.error(e, self._peer, self._what, timeout) from None
         if self.source is None:
-            self.source = int(self._work.source_rank())
+            # A message that names its sender (a request header) says who sent it; gloo's
+            # Work.source_rank is deprecated and warns in every process that calls it.
+            self.source = (self._source_of(self._staged) if self._source_of is not None
+                           and self._staged is not None else int(self._work.source_rank()))
         if self._direction == RECV:
             t.meter.record(self.source, self._nbytes, RECV)
             if self._target is not None and self._staged is not None:
@@ -99,7 +104,10 @@ class Transport:
         return Handle(self, work, dst, nbytes, SENT, what, staged=staged)
 
     def irecv(self, tensor: torch.Tensor, src: int | None, tag: int,
-              what: str = "a message") -> Handle:
+              what: str = "a message",
+              source_of: Callable[[torch.Tensor], int] | None = None) -> Handle:
+        """Receive into ``tensor`` from ``src`` (None: any rank). For a receive from any
+        rank, ``source_of(message)`` says who sent it (the message names its sender)."""
         if not tensor.is_contiguous():
             raise CommError(f"irecv needs a contiguous tensor ({what})",
                             "receive into a contiguous buffer and copy from it")
@@ -111,7 +119,7 @@ class Transport:
             raise self.error(e, src, what, self.timeout_s) from None
         nbytes = staged.numel() * staged.element_size()
         return Handle(self, work, src, nbytes, RECV, what, staged=staged,
-                      target=tensor if staged is not tensor else None)
+                      target=tensor if staged is not tensor else None, source_of=source_of)
 
     def error(self, exc: Exception, peer: int | None, what: str, timeout_s: float) -> CommError:
         """Turn torch's error for a message with ``peer`` into one that says who and what."""

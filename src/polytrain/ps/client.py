@@ -87,7 +87,7 @@ class PSClient:
         numel = 0 if flat is None else flat.numel()
         dtype = torch.uint8 if flat is None else flat.dtype
         head = make_header(op, key=key, round=round, numel=numel, dtype=dtype, seq=seq,
-                           lane=lane)
+                           lane=lane, src=self.transport.rank)
         handles.append(self.transport.isend(head, server, HEADER_TAG, what))
         if flat is not None and numel:
             handles.append(self.transport.isend(flat, server, payload_tag(seq), what))

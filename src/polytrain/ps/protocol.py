@@ -1,6 +1,6 @@
 """The wire format between workers and servers: fixed headers, tags, dtype codes.
 
-A request is a header (7 int64 on tag ``tags.HEADER``, so a server can
+A request is a header (8 int64 on tag ``tags.HEADER``, so a server can
 receive it from any rank) and, when ``numel > 0``, a payload on
 ``tags.tag(PAYLOAD, seq)``. A response, when the op has one, comes on
 ``tags.tag(RESPONSE, seq)``; its size is known to the worker in advance (see
@@ -30,13 +30,19 @@ from ..comm import tags
 
 __all__: list[str] = []
 
+
+def sender_of(header: torch.Tensor) -> int:
+    """The rank that sent a request header."""
+    return int(header[SRC])
+
 HEADER_TAG = tags.HEADER
 LIVENESS_TAG = tags.LIVENESS  # a worker's last message; its receive fails if the worker dies
-HEADER_LEN = 7
+HEADER_LEN = 8
 STATUS_BYTES = 2048  # a declaration's answer: JSON, zero-padded
 
-# Header fields. LANE tells apart pushers inside one process (0 for most).
-OP, KEY, ROUND, NUMEL, DTYPE, SEQ, LANE = range(HEADER_LEN)
+# Header fields. LANE tells apart pushers inside one process (0 for most); SRC is the
+# sender's rank (a receive from any source learns it from the header, not from gloo).
+OP, KEY, ROUND, NUMEL, DTYPE, SEQ, LANE, SRC = range(HEADER_LEN)
 
 
 class Op(IntEnum):
@@ -103,8 +109,9 @@ class Request:
 
 
 def header(op: Op, *, key: int = 0, round: int = 0, numel: int = 0,
-           dtype: torch.dtype = torch.uint8, seq: int = 0, lane: int = 0) -> torch.Tensor:
-    return torch.tensor([int(op), key, round, numel, dtype_code(dtype), seq, lane],
+           dtype: torch.dtype = torch.uint8, seq: int = 0, lane: int = 0,
+           src: int = 0) -> torch.Tensor:
+    return torch.tensor([int(op), key, round, numel, dtype_code(dtype), seq, lane, src],
                         dtype=torch.int64)
 
 

@@ -23,6 +23,7 @@ from .protocol import (
     encode,
     payload_tag,
     response_tag,
+    sender_of,
 )
 from .stores import STORES, Declaration, Store
 
@@ -121,8 +122,8 @@ class Server:
         while pending and self._error is None:
             header = torch.empty(HEADER_LEN, dtype=torch.int64)
             try:
-                src = self.transport.irecv(header, None, HEADER_TAG, "a request header"
-                                           ).wait(self.idle_timeout_s)
+                src = self.transport.irecv(header, None, HEADER_TAG, "a request header",
+                                           source_of=sender_of).wait(self.idle_timeout_s)
             except CommTimeout:
                 raise CommTimeout(
                     f"server rank {self.rank}: no request from the workers {sorted(pending)} "
