@@ -122,8 +122,8 @@ def test_error_feedback_carries_what_compression_dropped_to_the_next_step():
     first = codec.decode(codec.encode(torch.tensor([1.0, 0.5, 0.25, 0.0])))
     assert first.tolist() == [1.0, 0.0, 0.0, 0.0]
     assert codec.residual is not None and codec.residual.tolist() == [0.0, 0.5, 0.25, 0.0]
-    second = codec.decode(codec.encode(torch.tensor([0.0, 0.6, 0.0, 0.0])))
-    assert second.tolist() == [0.0, 1.1, 0.0, 0.0]  # 0.6 + the 0.5 kept from step one
+    second = codec.decode(codec.encode(torch.tensor([0.0, 0.625, 0.0, 0.0])))
+    assert second.tolist() == [0.0, 1.125, 0.0, 0.0]  # 0.625 + the 0.5 kept from step one
     # Over many steps, nothing is lost: the sum of what was sent trails the input's by the
     # residual only.
     codec = Codec(CompressOptions(compressor("onebit"), error_feedback=True), N)
