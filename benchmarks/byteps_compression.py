@@ -29,7 +29,7 @@ from polytrain.train import run_config
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ENV = {"OMP_NUM_THREADS": "1"}
-COMPRESSORS = ["none", "onebit", "topk:0.01", "dithering:4", "fp16"]
+COMPRESSORS = ["none", "onebit", "topk:0.01", "dithering:4"]
 
 
 def wire_bytes(metrics: dict[str, Any]) -> float:
