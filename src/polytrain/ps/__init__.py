@@ -1,5 +1,6 @@
 """The summation / parameter service: server processes, stores, and the worker-side engine."""
 
+from . import compressed as _compressed  # noqa: F401 - registers the compressed sum store
 from .client import Pending, PSClient
 from .engine import Engine, SumTensor, engine_for
 from .keys import KeySpace

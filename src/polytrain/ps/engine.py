@@ -46,6 +46,7 @@ from ..comm.p2p import Handle
 from ..comm.partition import Partition, TensorSpec
 from ..errors import CommError, CommTimeout, ConfigError
 from .client import Pending
+from .compression import Codec, CompressOptions
 from .credit import CreditQueue
 from .placement import Placement, spread_handlers
 from .protocol import Kind, Op
@@ -78,6 +79,7 @@ class _Part:
     handler: int  # the rank on this machine that reduces and pushes this partition
     tensor: SumTensor
     peers: tuple[int, ...]  # the other ranks that hand the handler their piece
+    codec: Codec | None = None  # on the handler: this partition's compression (None: plain)
 
 
 @dataclass
@@ -89,6 +91,7 @@ class _Task:
     own: torch.Tensor  # this worker's piece, (numel,) on CPU
     contributions: list[tuple[int, torch.Tensor, Handle]]  # (rank, buffer, receive)
     out: torch.Tensor  # where the sum lands: a slice of the tensor's result
+    packed: torch.Tensor | None = None  # the compressed sum's answer, decoded into ``out``
 
 
 @dataclass(eq=False)
@@ -196,12 +199,16 @@ class Engine:
 
     def sums(self, specs: Sequence[TensorSpec], placement: Placement, *,
              local_reduce: bool = True, describe: str = "",
-             first_key: int | None = None) -> list[SumTensor]:
+             first_key: int | None = None,
+             compression: Sequence[CompressOptions | None] | None = None) -> list[SumTensor]:
         """Declare tensors to sum over every worker (same order on every worker).
 
         ``placement`` partitions ``specs`` (keys are renumbered: see :meth:`keyed`).
         With ``local_reduce`` each machine pushes each partition once, after its
         workers' reduce inside the machine; without, every worker pushes its own.
+        ``compression[i]``, when given, compresses tensor i's partitions between the
+        handler and the servers (the reduce inside the machine stays exact), with the
+        handler's own error feedback; the servers' compressed sum stores answer packed sums.
         """
         placement = self.keyed(specs, placement, first_key=first_key)
         handlers = placement.handlers or spread_handlers(placement.partitions, len(self.local))
@@ -210,18 +217,41 @@ class Engine:
         for p, owner, h in zip(placement.partitions, placement.owners, handlers):
             handler = self.local[h] if local_reduce else self.me
             peers = tuple(r for r in self.local if r != handler) if local_reduce else ()
-            tensors[p.tensor].parts.append(_Part(p, owner, handler, tensors[p.tensor], peers))
+            packing = compression[p.tensor] if compression else None
+            codec = Codec(packing, p.numel, seed=p.key) if packing else None
+            tensors[p.tensor].parts.append(_Part(p, owner, handler, tensors[p.tensor], peers,
+                                                 codec))
 
         def label(p: Partition) -> str:
             shape = "x".join(map(str, specs[p.tensor].shape)) or "scalar"
             return f"{p.label} of {shape}"
         pushers = self.ctx.num_nodes if local_reduce else self.ctx.num_workers
-        self.declare(placement, kind=Kind.SUM, pushers=pushers, pullers=pushers, name=label)
+        packed = [i for i, p in enumerate(placement.partitions)
+                  if compression and compression[p.tensor]]
+        plain = sorted(set(range(len(placement.partitions))) - set(packed))
+        self.declare(placement, kind=Kind.SUM, pushers=pushers, pullers=pushers, name=label,
+                     only=plain)
+        if packed:
+            self._declare_packed(placement, packed, compression or (), pushers, label)
         if describe and self.ctx.worker_index == 0:
             log.info("%s of %d tensors:\n%s", describe, len(specs), placement.describe())
         self._start()
         self.tensors += tensors
         return tensors
+
+    def _declare_packed(self, placement: Placement, indices: Sequence[int],
+                        compression: Sequence[CompressOptions | None], pushers: int,
+                        label: Callable[[Partition], str]) -> None:
+        """Declare compressed partitions: uint8 payloads whose size the codec fixes."""
+        for i in indices:
+            p = placement.partitions[i]
+            packing = compression[p.tensor]
+            assert packing is not None
+            self.client.declare(Declaration(
+                key=p.key, kind=int(Kind.COMPRESSED), name=f"{label(p)}, {packing.compressor}",
+                numel=packing.compressor.nbytes(p.numel), dtype=str(torch.uint8),
+                pushers=pushers, pullers=pushers, options=packing.declaration(p.numel)),
+                placement.owners[i])
 
     def _start(self) -> None:
         if self._threads:
@@ -336,9 +366,14 @@ class Engine:
                 own = ordered[0].clone()
                 for x in ordered[1:]:
                     own.add_(x)
-            part = task.part.part
+            part, codec = task.part.part, task.part.codec
+            if codec is not None:  # compress the machine's sum; the answer is packed too
+                own = codec.encode(own)
+                task.packed = torch.empty(codec.nbytes, dtype=torch.uint8)
             answer, *sends = client.request(task.part.owner, Op.PUSHPULL, key=part.key,
-                                            round=task.round, payload=own, answer=task.out,
+                                            round=task.round, payload=own,
+                                            answer=task.out if task.packed is None
+                                            else task.packed,
                                             what=f"push_pull of {part.label}")
             self.sent.put((task, sends, own))
             self.answers.put((task, answer))
@@ -357,6 +392,9 @@ class Engine:
         while (item := self.answers.get()) is not None:
             task, answer = item
             answer.wait()
+            if task.packed is not None:
+                assert task.part.codec is not None
+                task.out.copy_(task.part.codec.decode(task.packed))
             t = task.part.tensor
             tag = _local_tag(task.part.part.key, task.round)
             sends = [transport.isend(task.out, peer, tag, f"local sum of {task.part.part.label}")

@@ -23,6 +23,7 @@ import torch
 
 from ..comm.bucket import Bucket
 from ..comm.partition import TensorSpec
+from .compression import CompressOptions
 from .engine import Engine, SumTensor
 from .placement import Placement
 
@@ -59,12 +60,15 @@ class GradientSync:
             callback queued by the first hook), as torch's DDP does; default False: the
             caller calls :meth:`synchronize` (BytePS: in ``optimizer.step()``).
         describe: logged with the placement by worker 0.
+        compression: per bucket, how it is compressed between machines and servers
+            (None: uncompressed; see :meth:`Engine.sums`).
     """
 
     def __init__(self, engine: Engine, named: Sequence[tuple[str, torch.nn.Parameter]],
                  buckets: Sequence[Bucket], placement: Placement, *, passes_per_step: int = 1,
                  local_reduce: bool = True, in_backward: bool = False,
-                 describe: str = "") -> None:
+                 describe: str = "",
+                 compression: Sequence[CompressOptions | None] | None = None) -> None:
         self.engine = engine
         self.in_backward = in_backward
         self._queued = False
@@ -75,7 +79,8 @@ class GradientSync:
         specs = bucket_specs(self.buckets, [TensorSpec.of(n, p) for n, p in named])
         self.tensors: Sequence[SumTensor] = engine.sums(specs, placement,
                                                         local_reduce=local_reduce,
-                                                        describe=describe)
+                                                        describe=describe,
+                                                        compression=compression)
         self._bucket_of = {m: b for b, bucket in enumerate(self.buckets) for m in bucket.members}
         # A fused bucket gathers its members' gradients in one flat buffer as they come.
         self._buffers = [None if len(b.members) == 1 else torch.empty(

@@ -61,6 +61,7 @@ class Kind(IntEnum):
     SUM = 1        # synchronous summation per round
     PARAM = 2      # parameters that pushes update (asynchronous, clocked)
     OPTIM = 3      # parameters that an optimizer on the server updates with summed gradients
+    COMPRESSED = 4  # synchronous summation of compressed payloads (ps/compressed.py)
 
 
 DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float64, torch.float16, torch.bfloat16,

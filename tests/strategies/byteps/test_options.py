@@ -46,3 +46,26 @@ def test_a_classic_parameter_server_without_servers_is_refused_before_any_proces
     with pytest.raises(ConfigError, match=r"--no-colocate is the classic parameter server.*"
                                           r"HINT: pass --servers K"):
         TrainConfig(strategy="byteps", strategy_options={"colocate": False})
+
+
+def test_compression_flags_become_the_strategys_options():
+    c = parse("--compress", "topk:0.01", "--error-feedback", "--compress-momentum", "0.9",
+              "--compress-min-bytes", "1024")
+    assert dict(c.strategy_options) == {"compress": "topk:0.01", "error_feedback": True,
+                                        "compress_momentum": 0.9, "compress_min_bytes": 1024}
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"compress": "zip"}, r"unknown compressor 'zip'; the compressors are: none, onebit"),
+    ({"compress": "topk:0"}, r"topk:0: K must be a count"),
+    ({"compress": "dithering:1"}, r"dithering:1: dithering takes S levels, 2 or more"),
+    ({"error_feedback": True}, r"apply to compressed gradients, but --compress is none"),
+    ({"compress": "onebit", "async_": True}, r"--compress onebit cannot run with --async: "
+                                             r"asynchronous BytePS .* pulls the parameters "
+                                             r"themselves, not a sum.*supports: fp16"),
+    ({"compress": "onebit", "compress_momentum": 1.0}, r"--compress-momentum must be in"),
+])
+def test_bad_compression_options_are_refused_with_the_reason(options, message):
+    with pytest.raises(ConfigError, match=message):
+        BytePSOptions(**options)
+    BytePSOptions(compress="fp16", async_=True)  # the one async supports

@@ -1,4 +1,8 @@
-"""The calls BytePS users know: push_pull, broadcasts, and the DistributedOptimizer wrapper."""
+"""The calls BytePS users know: init, push_pull, broadcasts, DistributedOptimizer, Compression.
+
+``import polytrain.byteps as bps`` stands where ``import byteps.torch as bps`` stood;
+docs/from-byteps.md maps every call and environment variable.
+"""
 
 from __future__ import annotations
 
@@ -13,23 +17,99 @@ import torch.distributed as dist
 from ... import runtime
 from ...comm.partition import DEFAULT_PARTITION_BYTES, TensorSpec
 from ...errors import ConfigError
+from ...ps.compression import (
+    FP16,
+    CompressOptions,
+    Compressor,
+    Dithering,
+    OneBit,
+    RandomK,
+    TopK,
+    compressor,
+)
 from ...ps.engine import Engine, SumTensor, engine_for
 from ...runtime import Context
 from .async_mode import AsyncOptimizer
+from .optimizer import Choice
 from .optimizer import DistributedOptimizer as _SyncOptimizer
 from .options import BytePSOptions
 from .plan import plan_for
 
-__all__ = ["push_pull", "push_pull_async", "synchronize", "PushPullHandle",
+__all__ = ["init", "shutdown", "push_pull", "push_pull_async", "push_pull_inplace",
+           "push_pull_async_inplace", "poll", "synchronize", "declare", "PushPullHandle",
            "broadcast_parameters", "broadcast_optimizer_state", "DistributedOptimizer",
-           "size", "rank", "local_rank", "local_size"]
+           "Compression", "size", "rank", "local_rank", "local_size"]
 
 _names: weakref.WeakKeyDictionary[Context, dict[str, SumTensor]] = weakref.WeakKeyDictionary()
 _unnamed: weakref.WeakKeyDictionary[Context, itertools.count[int]] = weakref.WeakKeyDictionary()
+_declared: weakref.WeakKeyDictionary[Context, list[str]] = weakref.WeakKeyDictionary()
+_joined: list[Context] = []  # the run bps.init() joined, while it lasts
 
 
-def _worker_ctx(ctx: Context | None) -> Context:
-    ctx = ctx or runtime.current()
+class Compression:
+    """BytePS's ``Compression`` namespace, with the compressors of the summation service.
+
+    ``none`` and ``fp16`` as in ``byteps.torch``; ``onebit`` (signs times mean |x|),
+    ``topk(K)``, ``randomk(K)`` (K a count or a fraction of each tensor),
+    ``dithering(S, natural=False)``, or any ``named("topk:0.01")``. Pass one as
+    ``DistributedOptimizer(..., compression=...)``, or a dict of them by parameter name.
+    """
+
+    none: Compressor | None = None
+    fp16: Compressor = FP16()
+    onebit: Compressor = OneBit()
+
+    @staticmethod
+    def topk(k: float) -> Compressor:
+        """The K largest magnitudes (K a count, or a fraction of each tensor)."""
+        return _checked(TopK(k=k))
+
+    @staticmethod
+    def randomk(k: float) -> Compressor:
+        """K elements drawn at random (seeded by the key, the same on every machine)."""
+        return _checked(RandomK(k=k))
+
+    @staticmethod
+    def dithering(levels: int, natural: bool = False) -> Compressor:
+        """Stochastic quantization to ``levels`` levels, linear or natural (powers of 2)."""
+        return _checked(Dithering(levels=levels, natural=natural))
+
+    @staticmethod
+    def named(text: str) -> Compressor | None:
+        """A compressor from its name as ``--compress`` takes it (``"none"``: None)."""
+        return compressor(text)
+
+
+def _checked(c: Compressor) -> Compressor:
+    compressor(c.spec())  # the name's rules (topk:0, dithering:1, ...) hold for objects too
+    return c
+
+
+def init(*, device: str | torch.device | None = None,
+         timeout_s: float | None = None) -> Context:
+    """Join the run (:func:`polytrain.init`): servers serve inside this call until the
+    workers finish, as BytePS scripts expect. Called once per process."""
+    if _joined and runtime.is_initialized() and runtime.current() is _joined[0]:
+        raise ConfigError("bps.init() was called twice in this process",
+                          "call bps.init() once, at the start of the script")
+    ctx = runtime.init(device=device, timeout_s=timeout_s)
+    _joined[:] = [ctx]
+    return ctx
+
+
+def shutdown() -> None:
+    """Leave the run (the context's shutdown: the servers are told, the groups closed)."""
+    if runtime.is_initialized():
+        runtime.current().shutdown()
+    _joined.clear()
+
+
+def _worker_ctx(ctx: Context | None, call: str = "this call") -> Context:
+    if ctx is None:
+        if not runtime.is_initialized():
+            raise ConfigError(f"bps.{call}() was called before bps.init()",
+                              "call bps.init() (or polytrain.init()) first")
+        ctx = runtime.current()
     if not ctx.is_worker:
         raise ConfigError(f"rank {ctx.rank} is a server; BytePS calls run on workers",
                           "call them from worker code only (servers serve inside init())")
@@ -38,22 +118,36 @@ def _worker_ctx(ctx: Context | None) -> Context:
 
 def size(ctx: Context | None = None) -> int:
     """Number of workers."""
-    return _worker_ctx(ctx).num_workers
+    return _worker_ctx(ctx, "size").num_workers
 
 
 def rank(ctx: Context | None = None) -> int:
     """This worker's index among all workers."""
-    return _worker_ctx(ctx).worker_index
+    return _worker_ctx(ctx, "rank").worker_index
 
 
 def local_rank(ctx: Context | None = None) -> int:
     """This worker's index among its machine's workers."""
-    return _worker_ctx(ctx).local_index
+    return _worker_ctx(ctx, "local_rank").local_index
 
 
 def local_size(ctx: Context | None = None) -> int:
     """Workers on this worker's machine."""
-    return len(_worker_ctx(ctx).local_workers)
+    return len(_worker_ctx(ctx, "local_size").local_workers)
+
+
+def declare(name: str, *, ctx: Context | None = None) -> None:
+    """Note a tensor name before its first push_pull (BytePS's ``declare``).
+
+    Keys are taken at a name's first :func:`push_pull`, in the order every worker
+    reaches it (the servers refuse workers whose first uses differ, naming both),
+    so a declaration only records the name; declaring it twice is an error.
+    """
+    names = _declared.setdefault(_worker_ctx(ctx, "declare"), [])
+    if name in names:
+        raise ConfigError(f"tensor name {name!r} was declared twice",
+                          "declare every name once")
+    names.append(name)
 
 
 @dataclass
@@ -64,15 +158,35 @@ class PushPullHandle:
     tensor: SumTensor
     like: torch.Tensor
     average: bool
+    inplace: bool = False
 
 
-def push_pull_async(tensor: torch.Tensor, name: str | None = None, average: bool = True, *,
+def push_pull_async(tensor: torch.Tensor, average: bool = True, name: str | None = None,
+                    version: int = 0, priority: int = 0,
+                    compression: Compressor | None = Compression.none, *,
                     ctx: Context | None = None) -> PushPullHandle:
     """Start summing (or averaging) ``tensor`` over every worker; see :func:`push_pull`."""
-    ctx = _worker_ctx(ctx)
+    return _push_pull_async(tensor, average, name, compression, False, ctx)
+
+
+def push_pull_async_inplace(tensor: torch.Tensor, average: bool = True,
+                            name: str | None = None, version: int = 0, priority: int = 0,
+                            compression: Compressor | None = Compression.none, *,
+                            ctx: Context | None = None) -> PushPullHandle:
+    """:func:`push_pull_async` whose :func:`synchronize` writes the result into ``tensor``."""
+    return _push_pull_async(tensor, average, name, compression, True, ctx)
+
+
+def _push_pull_async(tensor: torch.Tensor, average: bool, name: str | None,
+                     compression: Compressor | None, inplace: bool,
+                     ctx: Context | None) -> PushPullHandle:
+    ctx = _worker_ctx(ctx, "push_pull")
     if average and not (tensor.is_floating_point() or tensor.is_complex()):
         raise ConfigError(f"push_pull(average=True) of a {tensor.dtype} tensor would round",
                           "pass average=False for integer tensors, or a float tensor")
+    if compression is not None and tensor.dtype != torch.float32:
+        raise ConfigError(f"push_pull compresses float32 tensors only (got {tensor.dtype})",
+                          "pass compression=Compression.none for this tensor")
     if name is None:
         name = f"push_pull.{next(_unnamed.setdefault(ctx, itertools.count()))}"
     engine = engine_for(ctx)
@@ -81,38 +195,62 @@ def push_pull_async(tensor: torch.Tensor, name: str | None = None, average: bool
     t = declared.get(name)
     if t is None:
         plan = plan_for(ctx.topology, [spec], partition_bytes=DEFAULT_PARTITION_BYTES)
-        [t] = engine.sums([spec], plan.placement)
+        packing = None if compression is None else [CompressOptions(compression)]
+        [t] = engine.sums([spec], plan.placement, compression=packing)
         declared[name] = t
     elif t.spec != spec:
         raise ConfigError(f"push_pull name {name!r} was first used for {list(t.spec.shape)} "
                           f"{t.spec.dtype}, now for {list(spec.shape)} {spec.dtype}",
                           "give every distinct tensor its own name")
     engine.submit(t, tensor)
-    return PushPullHandle(engine, t, tensor, average)
+    return PushPullHandle(engine, t, tensor, average, inplace)
+
+
+def poll(handle: PushPullHandle) -> bool:
+    """Whether the servers have answered this worker's share of the push_pull (then
+    :func:`synchronize` waits at most for the sum's way back inside the machine)."""
+    return handle.tensor.done.is_set()
 
 
 def synchronize(handle: PushPullHandle) -> torch.Tensor:
-    """Wait for a :func:`push_pull_async` and return the result (shaped like its input)."""
+    """Wait for a push_pull in flight and return the result (shaped like its input; for an
+    in-place one, the input itself, now holding the result)."""
     total = handle.engine.wait(handle.tensor).view(handle.like.shape)
-    out = total.to(handle.like.device, copy=True)
-    if handle.average:
-        out.div_(handle.engine.ctx.num_workers)
+    out = handle.like if handle.inplace else torch.empty_like(handle.like)
+    with torch.no_grad():
+        out.copy_(total)
+        if handle.average:
+            out.div_(handle.engine.ctx.num_workers)
     return out
 
 
-def push_pull(tensor: torch.Tensor, name: str | None = None, average: bool = True, *,
+def push_pull(tensor: torch.Tensor, average: bool = True, name: str | None = None,
+              version: int = 0, priority: int = 0,
+              compression: Compressor | None = Compression.none, *,
               ctx: Context | None = None) -> torch.Tensor:
     """The sum (or average) of ``tensor`` over every worker, through the summation service.
 
-    Every worker calls it with the same names in the same order (the servers
-    check: a name declared with another shape is an error naming it). The
-    result is a new tensor on ``tensor``'s device; ``tensor`` is unchanged.
+    BytePS's signature (``version`` and ``priority`` are accepted; tensors go in
+    the order of their first use). Every worker calls it with the same names
+    in the same order (the servers check: a name declared with another shape is
+    an error naming it). The result is a new tensor on ``tensor``'s device;
+    ``tensor`` is unchanged. ``compression`` compresses it on the way (float32).
 
     Example::
 
         mean_loss = polytrain.byteps.push_pull(loss.detach(), name="loss")
     """
-    return synchronize(push_pull_async(tensor, name, average, ctx=ctx))
+    return synchronize(push_pull_async(tensor, average, name, version, priority, compression,
+                                       ctx=ctx))
+
+
+def push_pull_inplace(tensor: torch.Tensor, average: bool = True, name: str | None = None,
+                      version: int = 0, priority: int = 0,
+                      compression: Compressor | None = Compression.none, *,
+                      ctx: Context | None = None) -> torch.Tensor:
+    """:func:`push_pull` that writes the result into ``tensor`` and returns it."""
+    return synchronize(push_pull_async_inplace(tensor, average, name, version, priority,
+                                               compression, ctx=ctx))
 
 
 @torch.no_grad()
@@ -161,29 +299,44 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 - BytePS's name
                          named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
-                         backward_passes_per_step: int = 1, *, ctx: Context | None = None,
-                         **options: Any) -> torch.optim.Optimizer:
+                         compression: Choice | Mapping[str, Choice] = Compression.none,
+                         backward_passes_per_step: int = 1, *,
+                         ctx: Context | None = None, **options: Any) -> torch.optim.Optimizer:
     """Wrap any torch optimizer so that ``step()`` uses the gradients summed over every worker.
 
     Gradients are pushed from hooks as soon as backward produces them (after
     ``backward_passes_per_step`` passes: gradient accumulation); ``step()``
     waits for the sums, averages them over workers and runs ``optimizer``.
-    Works with CUDA parameters (the servers stay on CPU). ``options`` are the
-    strategy's (:class:`BytePSOptions`: ``partition_bytes``, ``fuse_bytes``,
-    ``colocate``, ``credit_bytes``, ``async_``, ``staleness``). Launch with colocated servers
+    ``compression``: a :class:`Compression` member, a name (``"topk:0.01"``), or a
+    dict of them by parameter name (others travel uncompressed); tensors under
+    ``compress_min_bytes`` always travel uncompressed. Works with CUDA parameters
+    (the servers stay on CPU). ``options`` are the strategy's
+    (:class:`BytePSOptions`: ``partition_bytes``, ``fuse_bytes``, ``colocate``,
+    ``credit_bytes``, ``async_``, ``staleness``, ``error_feedback``,
+    ``compress_momentum``, ``compress_min_bytes``, ``compress``: the default
+    compression when ``compression`` is none). Launch with colocated servers
     (``polytrain launch --colocated 1``) and/or ``--servers K``.
 
     Example::
 
         opt = polytrain.byteps.DistributedOptimizer(
             torch.optim.SGD(model.parameters(), lr=0.1),
-            named_parameters=model.named_parameters(), backward_passes_per_step=2)
+            named_parameters=model.named_parameters(),
+            compression=polytrain.byteps.Compression.onebit, error_feedback=True)
     """
-    ctx = _worker_ctx(ctx)
-    opts = BytePSOptions(**options)
+    ctx = _worker_ctx(ctx, "DistributedOptimizer")
+    chosen = options.pop("compress", "none") if compression is None else compression
+    # Every compressor in use is checked as --compress is (its name, async's refusal).
+    values = list(chosen.values()) if isinstance(chosen, Mapping) else [chosen]
+    specs = sorted({v if isinstance(v, str) else v.spec() for v in values if v is not None})
+    for spec in specs or ["none"]:
+        opts = BytePSOptions(**options, compress=spec)
     engine = engine_for(ctx, credit_bytes=opts.credit_bytes)
     placing: dict[str, Any] = {"partition_bytes": opts.partition_bytes,
-                               "colocate": opts.colocate}
+                               "colocate": opts.colocate, "compression": chosen,
+                               "error_feedback": opts.error_feedback,
+                               "compress_momentum": opts.compress_momentum,
+                               "compress_min_bytes": opts.compress_min_bytes}
     if opts.async_:
         if backward_passes_per_step != 1:
             raise ConfigError("asynchronous BytePS pushes each step's update; "

@@ -13,7 +13,7 @@ is exactly the synchronous step ``w - lr * mean_i g_i``.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -21,9 +21,10 @@ import torch.distributed as dist
 from ...comm.partition import DEFAULT_PARTITION_BYTES, TensorSpec
 from ...errors import ConfigError
 from ...ps.client import Pending
+from ...ps.compression import ASYNC_COMPRESSORS, DEFAULT_MIN_BYTES, Codec
 from ...ps.engine import Engine
 from ...ps.protocol import Kind
-from .optimizer import WrappedOptimizer, named_params_of
+from .optimizer import Choice, WrappedOptimizer, named_params_of, tensor_compression
 from .plan import plan_for
 
 __all__ = ["AsyncOptimizer"]
@@ -47,26 +48,41 @@ class AsyncOptimizer(WrappedOptimizer):
         named_parameters: names in model order (earlier layers are pushed first).
         staleness: steps a worker may be ahead of the slowest (0: synchronous).
         partition_bytes, colocate: the placement's (Theorem 1, as the synchronous mode).
+        compression: per tensor, how its updates are pushed (None: exact); only the
+            compressors in ``ASYNC_COMPRESSORS`` (fp16): the pulls are parameters.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, engine: Engine,
                  named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
                  staleness: int = 0, partition_bytes: int = DEFAULT_PARTITION_BYTES,
-                 colocate: bool = True) -> None:
+                 colocate: bool = True, compression: Choice | Mapping[str, Choice] = None,
+                 error_feedback: bool = False, compress_min_bytes: int = DEFAULT_MIN_BYTES,
+                 compress_momentum: float = 0.0) -> None:
+        named = named_params_of(optimizer, named_parameters)
+        specs = [TensorSpec.of(n, p) for n, p in named]
+        per_tensor = tensor_compression(specs, compression, error_feedback=error_feedback,
+                                        momentum=compress_momentum,
+                                        min_bytes=compress_min_bytes)
+        for c in per_tensor:
+            if c is not None and c.compressor.name not in ASYNC_COMPRESSORS:
+                raise ConfigError(f"asynchronous BytePS cannot push {c.compressor} updates: it "
+                                  f"pulls parameters, which only {', '.join(ASYNC_COMPRESSORS)} "
+                                  f"keeps (see --compress)", "use fp16, or synchronous BytePS")
         if staleness < 0:
             raise ConfigError(f"staleness must be 0 or more (got {staleness})", "pass 0 or more")
         super().__init__(optimizer)
         self.ctx = engine.ctx
         self.engine = engine
         self.staleness = staleness
-        named = named_params_of(optimizer, named_parameters)
         self._params = [p for _, p in named]
-        specs = [TensorSpec.of(n, p) for n, p in named]
         self.plan = plan_for(self.ctx.topology, specs, partition_bytes=partition_bytes,
                              colocate=colocate)
         self.placement = engine.keyed(specs, self.plan.placement)
         self.clock = 0
         self._pulled = [torch.empty(p.numel(), dtype=p.dtype) for p in self._params]
+        # Per partition: its codec (half-precision pushes with their own error feedback).
+        self._codecs = [Codec(c, p.numel, seed=p.key) if (c := per_tensor[p.tensor]) else None
+                        for p in self.placement.partitions]
         self._declare()
 
     def _declare(self) -> None:
@@ -98,6 +114,9 @@ class AsyncOptimizer(WrappedOptimizer):
             lo, n = part.offset, part.numel
             new = self._params[part.tensor].detach().reshape(-1)[lo:lo + n].to("cpu")
             delta = (new - old[part.tensor][lo:lo + n]).div_(self.ctx.num_workers)
+            codec = self._codecs[i]
+            if codec is not None:  # fp16 only: the payload is the update in half precision
+                delta = codec.encode(delta).view(torch.float16)
             pushes.append(self.engine.push(self.placement, i, round=self.clock, tensor=delta))
         self._pull(self.clock, pushes)
         return loss

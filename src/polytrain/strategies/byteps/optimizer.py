@@ -2,19 +2,62 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping, Sequence, Union
 
 import torch
 
-from ...comm.bucket import plan_buckets
+from ...comm.bucket import Bucket, buckets_of, plan_buckets
 from ...comm.partition import DEFAULT_PARTITION_BYTES, TensorSpec
 from ...errors import ConfigError
+from ...ps.compression import DEFAULT_MIN_BYTES, CompressOptions, Compressor, compressor
 from ...ps.engine import Engine
 from ...ps.grads import GradientSync, bucket_specs
 from .options import DEFAULT_FUSE_BYTES
-from .plan import plan_for
+from .plan import Plan, plan_for
 
-__all__ = ["DistributedOptimizer", "WrappedOptimizer", "named_params_of"]
+__all__ = ["DistributedOptimizer", "WrappedOptimizer", "named_params_of", "Choice",
+           "tensor_compression", "fused_buckets", "gradient_sync"]
+
+#: A compressor, its name (``"topk:0.01"``), or None / ``"none"``: uncompressed.
+Choice = Union[Compressor, str, None]
+
+
+def _resolve(choice: Choice) -> Compressor | None:
+    return compressor(choice) if isinstance(choice, str) else choice
+
+
+def tensor_compression(specs: Sequence[TensorSpec], choice: Choice | Mapping[str, Choice], *,
+                       error_feedback: bool = False, momentum: float = 0.0,
+                       min_bytes: int = DEFAULT_MIN_BYTES) -> list[CompressOptions | None]:
+    """Per tensor, how it is compressed: ``choice`` for all, or per name (a mapping; names
+    it lacks travel uncompressed). Tensors under ``min_bytes`` bytes, and tensors that are
+    not float32, travel uncompressed."""
+    if isinstance(choice, Mapping):
+        unknown = sorted(set(choice) - {s.name for s in specs})
+        if unknown:
+            raise ConfigError(f"compression names tensors that are not parameters: {unknown}",
+                              "key the mapping by the names of named_parameters")
+    out: list[CompressOptions | None] = []
+    for s in specs:
+        codec = _resolve(choice.get(s.name) if isinstance(choice, Mapping) else choice)
+        small = s.nbytes < min_bytes or s.dtype != torch.float32
+        out.append(None if codec is None or small else
+                   CompressOptions(codec, error_feedback=error_feedback, momentum=momentum))
+    return out
+
+
+def fused_buckets(specs: Sequence[TensorSpec], compression: Sequence[CompressOptions | None],
+                  fuse_bytes: int) -> tuple[Bucket, ...]:
+    """Consecutive tensors fused until a group holds ``fuse_bytes``, never across tensors
+    that are compressed differently (a bucket travels one way)."""
+    groups: list[list[int]] = []
+    start = 0
+    for i in range(1, len(specs) + 1):
+        if i == len(specs) or compression[i] != compression[start]:
+            run = plan_buckets(specs[start:i], fill_bytes=fuse_bytes, reverse=False)
+            groups += [[start + m for m in b.members] for b in run]
+            start = i
+    return buckets_of(specs, groups)
 
 
 def named_params_of(optimizer: torch.optim.Optimizer,
@@ -38,6 +81,28 @@ def named_params_of(optimizer: torch.optim.Optimizer,
                               f"named_parameters", "pass the named_parameters of the model "
                               "whose parameters the optimizer updates")
     return [(n, p) for n, p in named if p.requires_grad]
+
+
+def gradient_sync(engine: Engine, named: Sequence[tuple[str, torch.nn.Parameter]], *,
+                  compression: Choice | Mapping[str, Choice] = None,
+                  error_feedback: bool = False, compress_momentum: float = 0.0,
+                  compress_min_bytes: int = DEFAULT_MIN_BYTES,
+                  fuse_bytes: int = DEFAULT_FUSE_BYTES,
+                  partition_bytes: int = DEFAULT_PARTITION_BYTES, colocate: bool = True,
+                  passes_per_step: int = 1, in_backward: bool = False
+                  ) -> tuple[Plan, GradientSync]:
+    """BytePS's gradient sums for ``named``: fusion groups (never across tensors compressed
+    differently), Theorem 1's placement of their partitions, and the hooks that push them."""
+    specs = [TensorSpec.of(n, p) for n, p in named]
+    per_tensor = tensor_compression(specs, compression, error_feedback=error_feedback,
+                                    momentum=compress_momentum, min_bytes=compress_min_bytes)
+    groups = fused_buckets(specs, per_tensor, fuse_bytes)
+    plan = plan_for(engine.ctx.topology, bucket_specs(groups, specs),
+                    partition_bytes=partition_bytes, colocate=colocate)
+    compressed = [per_tensor[b.members[0]] for b in groups]
+    return plan, GradientSync(engine, named, groups, plan.placement,
+                              passes_per_step=passes_per_step, in_backward=in_backward,
+                              describe=plan.describe(), compression=compressed)
 
 
 class WrappedOptimizer(torch.optim.Optimizer):
@@ -105,7 +170,9 @@ class DistributedOptimizer(WrappedOptimizer):
     :meth:`step` waits for the sums, divides them by the number of workers
     and runs the wrapped optimizer: summation on the servers, the update on
     the workers (BytePS, OSDI 2020). Parameters whose gradient never came get a zero gradient
-    summed, so every worker sends the same keys every step.
+    summed, so every worker sends the same keys every step. ``compress`` are
+    :func:`gradient_sync`'s ``compression``, ``error_feedback``, ``compress_momentum``
+    and ``compress_min_bytes``.
 
     Example::
 
@@ -119,7 +186,8 @@ class DistributedOptimizer(WrappedOptimizer):
                  named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
                  backward_passes_per_step: int = 1,
                  fuse_bytes: int = DEFAULT_FUSE_BYTES,
-                 partition_bytes: int = DEFAULT_PARTITION_BYTES, colocate: bool = True) -> None:
+                 partition_bytes: int = DEFAULT_PARTITION_BYTES, colocate: bool = True,
+                 **compress: Any) -> None:
         if backward_passes_per_step < 1:
             raise ConfigError(f"backward_passes_per_step must be at least 1 (got "
                               f"{backward_passes_per_step})", "pass 1, or the passes per step")
@@ -127,14 +195,9 @@ class DistributedOptimizer(WrappedOptimizer):
         self.engine = engine
         self.backward_passes_per_step = backward_passes_per_step
         named = named_params_of(optimizer, named_parameters)
-        specs = [TensorSpec.of(n, p) for n, p in named]
-        groups = plan_buckets(specs, fill_bytes=fuse_bytes, reverse=False)
-        plan = plan_for(engine.ctx.topology, bucket_specs(groups, specs),
-                        partition_bytes=partition_bytes, colocate=colocate)
-        self.plan = plan
-        self.sync = GradientSync(engine, named, groups, plan.placement,
-                                 passes_per_step=backward_passes_per_step,
-                                 describe=plan.describe())
+        self.plan, self.sync = gradient_sync(
+            engine, named, fuse_bytes=fuse_bytes, partition_bytes=partition_bytes,
+            colocate=colocate, passes_per_step=backward_passes_per_step, **compress)
 
     def synchronize(self) -> None:
         """Wait for every gradient's sum and leave the average over workers in ``.grad``."""

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from ...comm.partition import DEFAULT_PARTITION_BYTES
 from ...errors import ConfigError
+from ...ps.compression import ASYNC_COMPRESSORS, DEFAULT_MIN_BYTES, compressor
 from ...ps.engine import DEFAULT_CREDIT_BYTES
 
 __all__ = ["BytePSOptions", "DEFAULT_FUSE_BYTES"]
@@ -34,6 +35,14 @@ class BytePSOptions:
             optimizer's update and pull the current parameters, with no barrier.
         staleness: with ``async_``, a worker may run at most this many steps ahead of the
             slowest (default 0: synchronous).
+        compress: the gradient compressor between machines and servers, ``NAME[:ARG]``:
+            ``onebit``, ``topk:K``, ``randomk:K`` (K a count or a fraction), ``dithering:S``
+            (``:natural`` for natural levels), ``fp16``; default ``none``.
+        error_feedback: workers and servers keep what compression dropped and add it to
+            the next step's tensor.
+        compress_momentum: Nesterov momentum on the worker before compression (BytePS's
+            ``momentum`` wrapper; default 0: none).
+        compress_min_bytes: tensors smaller than this travel uncompressed (default 65,536).
     """
 
     partition_bytes: int = field(default=DEFAULT_PARTITION_BYTES, metadata={
@@ -52,6 +61,17 @@ class BytePSOptions:
     staleness: int = field(default=0, metadata={
         "help": "with --async, how many steps a worker may run ahead of the slowest "
                 "(default 0)", "metavar": "S"})
+    compress: str = field(default="none", metadata={
+        "help": "gradient compressor: onebit, topk:K, randomk:K (K a count or a fraction), "
+                "dithering:S[:natural], fp16 (default none)", "metavar": "NAME[:ARG]"})
+    error_feedback: bool = field(default=False, metadata={
+        "help": "with --compress: keep what compression dropped and add it next step"})
+    compress_momentum: float = field(default=0.0, metadata={
+        "help": "with --compress: Nesterov momentum on the worker before compression "
+                "(default 0)", "metavar": "M"})
+    compress_min_bytes: int = field(default=DEFAULT_MIN_BYTES, metadata={
+        "help": "with --compress: smaller tensors travel uncompressed (default 65536)",
+        "metavar": "B"})
 
     def __post_init__(self) -> None:
         if self.partition_bytes < 8:
@@ -69,3 +89,23 @@ class BytePSOptions:
         if self.staleness and not self.async_:
             raise ConfigError(f"--staleness {self.staleness} bounds asynchronous training only",
                               "add --async, or leave out --staleness")
+        codec = compressor(self.compress)  # an unknown name or a bad argument: its error
+        if codec is None and (self.error_feedback or self.compress_momentum):
+            raise ConfigError("--error-feedback and --compress-momentum apply to compressed "
+                              "gradients, but --compress is none",
+                              "add --compress NAME (e.g. onebit), or leave them out")
+        if not 0.0 <= self.compress_momentum < 1.0:
+            raise ConfigError(f"--compress-momentum must be in [0, 1) (got "
+                              f"{self.compress_momentum})", "pass --compress-momentum 0.9")
+        if self.compress_min_bytes < 0:
+            raise ConfigError(f"--compress-min-bytes must be 0 or more (got "
+                              f"{self.compress_min_bytes})", "pass --compress-min-bytes 65536")
+        if self.async_ and codec is not None and codec.name not in ASYNC_COMPRESSORS:
+            raise ConfigError(
+                f"--compress {self.compress} cannot run with --async: asynchronous BytePS "
+                f"pushes updates into parameter stores and pulls the parameters themselves, "
+                f"not a sum; {codec.name} of the weights would lose them, and its packed "
+                f"pushes would need a parameter store that decodes them (there is none). "
+                f"The compressors --async supports: {', '.join(ASYNC_COMPRESSORS)} (updates "
+                f"pushed in half precision, with error feedback; parameters pulled exact)",
+                "drop --async, or use --compress fp16")

@@ -59,7 +59,10 @@ class BytePS(ServedStrategy[BytePSOptions]):
         self.engine = engine_for(ctx, credit_bytes=opts.credit_bytes)
         named = list(model.named_parameters())
         placing: dict[str, Any] = {"partition_bytes": opts.partition_bytes,
-                               "colocate": opts.colocate}
+                                   "colocate": opts.colocate, "compression": opts.compress,
+                                   "error_feedback": opts.error_feedback,
+                                   "compress_momentum": opts.compress_momentum,
+                                   "compress_min_bytes": opts.compress_min_bytes}
         if opts.async_:
             self.optimizer = AsyncOptimizer(optimizer, engine=self.engine, named_parameters=named,
                                             staleness=opts.staleness, **placing)

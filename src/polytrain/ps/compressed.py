@@ -1,0 +1,50 @@
+"""The compressed sum store: decompress every push, sum in rank order, compress the sum again.
+
+BytePS's server-side compression (Jiang et al., OSDI 2020): a key's pushes
+are packed payloads (:mod:`polytrain.ps.compression`); once a round's pushes
+are all in, the store decodes each, adds them in the pushers' order,
+compresses the sum with its own error feedback (what this compression drops
+is added to the next round's sum) and answers the packed sum. The
+declaration fixes every size: ``numel`` is the payload's bytes (uint8) and
+``options`` carry the compressor, the tensor's ``numel`` and the feedback flag,
+so a worker posts its receive before it pushes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import CommError
+from .compression import Codec, CompressOptions, compressor
+from .protocol import Kind
+from .stores import Declaration, Respond, SumStore, register_store
+
+__all__ = ["CompressedSumStore"]
+
+
+class CompressedSumStore(SumStore):
+    """A :class:`~polytrain.ps.stores.SumStore` over packed payloads (kind ``Kind.COMPRESSED``)."""
+
+    def __init__(self, decl: Declaration, respond: Respond) -> None:
+        super().__init__(decl, respond)
+        codec = compressor(str(decl.options["compressor"]))
+        if codec is None or decl.torch_dtype != torch.uint8:
+            raise CommError(f"server: {decl.describe()}: a compressed sum store holds uint8 "
+                            f"payloads of a compressor (got {decl.options['compressor']!r})")
+        numel = int(decl.options["numel"])
+        self.codec = Codec(CompressOptions(codec, bool(decl.options.get("error_feedback"))),
+                           numel, seed=decl.key)
+        if self.codec.nbytes != decl.numel:
+            raise CommError(f"server: {decl.describe()}: {codec.spec()} of {numel} elements "
+                            f"takes {self.codec.nbytes} bytes, not {decl.numel}")
+
+    def _sum(self, pushes: dict[tuple[int, int], torch.Tensor]) -> torch.Tensor:
+        total = None
+        for pusher in sorted(pushes):  # rank order: the sum does not depend on arrival order
+            x = self.codec.decode(pushes[pusher])
+            total = x if total is None else total.add_(x)
+        assert total is not None
+        return self.codec.encode(total)
+
+
+register_store(Kind.COMPRESSED, CompressedSumStore, "compressed sum")

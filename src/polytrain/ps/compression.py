@@ -1,0 +1,389 @@
+"""Gradient compressors: pure codecs (packed uint8 payloads), their registry, and error feedback.
+
+Every compressor turns a flat float32 tensor of ``numel`` elements into a
+uint8 payload whose size depends on ``numel`` only (:meth:`Compressor.nbytes`),
+so a receiver always posts its receive before the message comes:
+
+    =================  ==========================================  =====================
+    name               payload                                     bytes for n floats
+    =================  ==========================================  =====================
+    ``fp16``           the values in half precision                2n
+    ``onebit``         scale (float32), then one sign bit each     4 + ceil(n / 8)
+    ``topk:K``         K int32 indices, then K float32 values      8K
+    ``randomk:K``      K int32 indices (seeded draw), K values     8K
+    ``dithering:S``    max |x| (float32), then sign + level bits   4 + ceil(n b / 8)
+    =================  ==========================================  =====================
+
+K is a count (``topk:1000``) or a fraction of the tensor (``topk:0.01``); a
+dithering level takes ``b = 1 + ceil(log2(S + 1))`` bits. :class:`Codec`
+adds what BytePS's wrappers add on one side of the wire: Nesterov momentum
+(workers only) and error feedback (what compression dropped is added to the
+next step's tensor). Paper: Jiang et al., OSDI 2020, section on compression;
+the reference is bytedance/byteps ``byteps/common/compressor``.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from ..errors import ConfigError
+
+__all__ = ["Compressor", "FP16", "OneBit", "TopK", "RandomK", "Dithering", "CompressOptions",
+           "Codec", "compressor", "compressor_names", "pack_bits", "unpack_bits",
+           "ASYNC_COMPRESSORS", "DEFAULT_MIN_BYTES"]
+
+#: Tensors smaller than this travel uncompressed (BytePS's ``BYTEPS_MIN_COMPRESS_BYTES``).
+DEFAULT_MIN_BYTES = 65_536
+
+_F32 = torch.float32
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def pack_bits(codes: torch.Tensor, width: int) -> torch.Tensor:
+    """Unsigned ``codes`` (< 2**width), ``width`` bits each, most significant first, packed
+    into bytes (NumPy's ``packbits`` order; the last byte is zero-padded)."""
+    shifts = torch.arange(width - 1, -1, -1, dtype=torch.int64)
+    bits = ((codes.to(torch.int64).unsqueeze(1) >> shifts) & 1).reshape(-1)
+    pad = (-bits.numel()) % 8
+    if pad:
+        bits = torch.cat([bits, bits.new_zeros(pad)])
+    weights = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.int64)
+    return (bits.view(-1, 8) * weights).sum(1).to(torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor, width: int, count: int) -> torch.Tensor:
+    """The inverse of :func:`pack_bits`: ``count`` codes of ``width`` bits (int64)."""
+    shifts = torch.arange(7, -1, -1, dtype=torch.int64)
+    bits = ((packed.to(torch.int64).unsqueeze(1) >> shifts) & 1).reshape(-1)[:count * width]
+    weights = 2 ** torch.arange(width - 1, -1, -1, dtype=torch.int64)
+    return (bits.view(count, width) * weights).sum(1)
+
+
+class Compressor(ABC):
+    """A codec: ``encode`` a flat float32 tensor into a uint8 payload, ``decode`` it back.
+
+    Pure: the only state is the generator a random compressor is handed.
+    """
+
+    name: str = ""
+    #: Whether the same input always gives the same payload.
+    deterministic = True
+
+    @abstractmethod
+    def nbytes(self, numel: int) -> int:
+        """The payload's size for a tensor of ``numel`` elements."""
+
+    @abstractmethod
+    def encode(self, x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        """``x`` (numel,) float32 -> uint8 payload of :meth:`nbytes` bytes."""
+
+    @abstractmethod
+    def decode(self, payload: torch.Tensor, numel: int) -> torch.Tensor:
+        """The payload -> a (numel,) float32 tensor."""
+
+    def spec(self) -> str:
+        """The name that :func:`compressor` parses back into this compressor."""
+        return self.name
+
+    def __str__(self) -> str:
+        return self.spec()
+
+
+@dataclass(frozen=True)
+class FP16(Compressor):
+    """Half precision: 2 bytes per element (``Compression.fp16``)."""
+
+    name = "fp16"
+
+    def nbytes(self, numel: int) -> int:
+        return 2 * numel
+
+    def encode(self, x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        return _bytes_of(x.to(torch.float16))
+
+    def decode(self, payload: torch.Tensor, numel: int) -> torch.Tensor:
+        return payload.view(torch.float16).to(_F32)
+
+
+@dataclass(frozen=True)
+class OneBit(Compressor):
+    """Signs, one bit each (set for x < 0), times a scale: mean |x| (``scaled``), else 1."""
+
+    scaled: bool = True
+    name = "onebit"
+
+    def nbytes(self, numel: int) -> int:
+        return 4 + (numel + 7) // 8
+
+    def encode(self, x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        scale = (x.abs().sum() / max(1, x.numel())).to(_F32) if self.scaled \
+            else torch.ones((), dtype=_F32)
+        return torch.cat([_bytes_of(scale.reshape(1)), pack_bits(x < 0, 1)])
+
+    def decode(self, payload: torch.Tensor, numel: int) -> torch.Tensor:
+        scale = payload[:4].view(_F32)
+        negative = unpack_bits(payload[4:], 1, numel)
+        return (1 - 2 * negative).to(_F32) * scale
+
+    def spec(self) -> str:
+        return "onebit" if self.scaled else "onebit:unscaled"
+
+
+def _count(k: float, numel: int) -> int:
+    """K as a count, or a fraction of ``numel`` (at least one element, at most all)."""
+    return min(numel, max(1, round(k * numel)) if k < 1 else int(k))
+
+
+@dataclass(frozen=True)
+class _Sparse(Compressor):
+    """K indices (int32) then K values (float32); the rest of the tensor is zero."""
+
+    k: float = 0.01
+
+    def nbytes(self, numel: int) -> int:
+        return 8 * _count(self.k, numel)
+
+    @abstractmethod
+    def choose(self, x: torch.Tensor, k: int, generator: torch.Generator | None
+               ) -> torch.Tensor:
+        """The ``k`` indices to send (int64)."""
+
+    def encode(self, x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        index = self.choose(x, _count(self.k, x.numel()), generator)
+        return torch.cat([_bytes_of(index.to(torch.int32)), _bytes_of(x[index].to(_F32))])
+
+    def decode(self, payload: torch.Tensor, numel: int) -> torch.Tensor:
+        k = _count(self.k, numel)
+        index = payload[:4 * k].view(torch.int32).to(torch.int64)
+        out = torch.zeros(numel, dtype=_F32)
+        out[index] = payload[4 * k:].view(_F32)
+        return out
+
+    def spec(self) -> str:
+        return f"{self.name}:{self.k:g}"
+
+
+@dataclass(frozen=True)
+class TopK(_Sparse):
+    """The K elements of largest magnitude (ties: the lower index first)."""
+
+    name = "topk"
+
+    def choose(self, x: torch.Tensor, k: int, generator: torch.Generator | None
+               ) -> torch.Tensor:
+        return torch.sort(x.abs(), descending=True, stable=True).indices[:k]
+
+
+@dataclass(frozen=True)
+class RandomK(_Sparse):
+    """K elements drawn uniformly without replacement (``torch.randperm`` of the generator)."""
+
+    name = "randomk"
+    deterministic = False
+
+    def choose(self, x: torch.Tensor, k: int, generator: torch.Generator | None
+               ) -> torch.Tensor:
+        return torch.randperm(x.numel(), generator=generator)[:k]
+
+
+@dataclass(frozen=True)
+class Dithering(Compressor):
+    """Stochastic quantization of |x| / max|x| to S levels, unbiased (QSGD-style).
+
+    Levels are ``0, 1/S, ..., 1`` (``linear``) or ``0, 2^(1-S), ..., 1/2, 1``
+    (``natural``); a value between two levels rounds up with probability its
+    distance from the lower one over the gap, drawn with ``torch.rand`` of the
+    generator. Normalised by max |x| (the reference's ``max`` normalisation).
+    """
+
+    levels: int = 4
+    natural: bool = False
+    name = "dithering"
+    deterministic = False
+
+    @property
+    def width(self) -> int:
+        return 1 + math.ceil(math.log2(self.levels + 1))
+
+    def table(self) -> torch.Tensor:
+        s = self.levels
+        if self.natural:
+            return torch.tensor([0.0] + [2.0 ** (j - s) for j in range(1, s + 1)], dtype=_F32)
+        return torch.arange(s + 1, dtype=_F32) / s
+
+    def nbytes(self, numel: int) -> int:
+        return 4 + (numel * self.width + 7) // 8
+
+    def encode(self, x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        table = self.table()
+        norm = x.abs().max() if x.numel() else torch.zeros((), dtype=_F32)
+        r = x.abs() / norm if float(norm) > 0 else torch.zeros_like(x)
+        low = (torch.searchsorted(table, r, right=True) - 1).clamp_(0, self.levels - 1)
+        lo, hi = table[low], table[low + 1]
+        up = torch.rand(x.numel(), generator=generator, dtype=_F32) < (r - lo) / (hi - lo)
+        code = low + up.to(torch.int64)  # 0 .. S
+        sign = (x < 0).to(torch.int64)
+        return torch.cat([_bytes_of(norm.to(_F32).reshape(1)),
+                          pack_bits(sign << (self.width - 1) | code, self.width)])
+
+    def decode(self, payload: torch.Tensor, numel: int) -> torch.Tensor:
+        norm = payload[:4].view(_F32)
+        codes = unpack_bits(payload[4:], self.width, numel)
+        sign = codes >> (self.width - 1)
+        level = self.table()[codes & ((1 << (self.width - 1)) - 1)]
+        return (1 - 2 * sign).to(_F32) * (level * norm)
+
+    def spec(self) -> str:
+        return f"dithering:{self.levels}" + (":natural" if self.natural else "")
+
+
+def _fraction_or_count(name: str, arg: str) -> float:
+    try:
+        k = float(arg)
+    except ValueError:
+        k = -1.0
+    if not (0 < k < 1 or (k >= 1 and k == int(k))):
+        raise ConfigError(f"{name}:{arg}: K must be a count of elements (1 or more) or a "
+                          f"fraction between 0 and 1", f"pass {name}:0.01 or {name}:1000")
+    return k
+
+
+def _onebit(args: list[str]) -> Compressor:
+    if args not in ([], ["scaled"], ["unscaled"]):
+        raise ConfigError(f"onebit:{':'.join(args)}: onebit takes 'scaled' (the default: "
+                          f"signs times mean |x|) or 'unscaled'", "pass onebit")
+    return OneBit(scaled=args != ["unscaled"])
+
+
+def _dithering(args: list[str]) -> Compressor:
+    text = ":".join(args)
+    levels = int(args[0]) if args and args[0].isdigit() else 0
+    kind = args[1] if len(args) > 1 else "linear"
+    if levels < 2 or len(args) > 2 or kind not in ("linear", "natural"):
+        raise ConfigError(f"dithering:{text}: dithering takes S levels, 2 or more, and "
+                          f"optionally 'linear' (the default) or 'natural'",
+                          "pass dithering:4 or dithering:4:natural")
+    return Dithering(levels=levels, natural=kind == "natural")
+
+
+def _sparse(kind: type[_Sparse]) -> Callable[[list[str]], Compressor]:
+    def make(args: list[str]) -> Compressor:
+        if len(args) != 1:
+            raise ConfigError(f"{kind.name} takes K: a count or a fraction of each tensor",
+                              f"pass {kind.name}:0.01")
+        return kind(k=_fraction_or_count(kind.name, args[0]))
+    return make
+
+
+def _fp16(args: list[str]) -> Compressor:
+    if args:
+        raise ConfigError(f"fp16 takes no argument (got fp16:{':'.join(args)})", "pass fp16")
+    return FP16()
+
+
+_REGISTRY: dict[str, Callable[[list[str]], Compressor]] = {
+    "onebit": _onebit, "topk": _sparse(TopK), "randomk": _sparse(RandomK),
+    "dithering": _dithering, "fp16": _fp16}
+
+#: Compressors asynchronous BytePS can use (see :func:`check_async`).
+ASYNC_COMPRESSORS = ("fp16",)
+
+
+def compressor_names() -> list[str]:
+    """The registered compressors' names (and ``none``)."""
+    return ["none", *_REGISTRY]
+
+
+def compressor(text: str) -> Compressor | None:
+    """Parse ``NAME[:ARG...]`` (``onebit``, ``topk:0.01``, ``dithering:4:natural``, ...);
+    ``none`` is None. Raises ConfigError listing the names for an unknown one.
+
+    Example::
+
+        >>> compressor("topk:0.01").nbytes(1000)
+        80
+    """
+    name, *args = text.strip().split(":")
+    if name == "none" and not args:
+        return None
+    make = _REGISTRY.get(name)
+    if make is None:
+        raise ConfigError(f"unknown compressor {text!r}; the compressors are: "
+                          f"{', '.join(compressor_names())}", "pass one of them, e.g. "
+                          "--compress onebit or --compress topk:0.01")
+    return make(args)
+
+
+@dataclass(frozen=True)
+class CompressOptions:
+    """How one tensor is compressed: the codec, error feedback, the worker's momentum.
+
+    Plain data (a worker's engine and the server's store build a :class:`Codec`
+    from it). ``momentum`` is BytePS's Nesterov wrapper, applied on the worker
+    before compression: ``m = mu m + g; g' = g + mu m``.
+    """
+
+    compressor: Compressor
+    error_feedback: bool = False
+    momentum: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.momentum < 1.0:
+            raise ConfigError(f"compression momentum must be in [0, 1) (got {self.momentum})",
+                              "pass --compress-momentum 0.9, or leave it out")
+
+    def declaration(self, numel: int) -> dict[str, Any]:
+        """What the server's store needs, as JSON: the codec, its numel, its feedback."""
+        return {"compressor": self.compressor.spec(), "numel": numel,
+                "error_feedback": self.error_feedback}
+
+
+@dataclass
+class Codec:
+    """One tensor's compression state on one side of the wire.
+
+    ``encode`` applies momentum (if any), adds the residual (error feedback),
+    compresses and keeps the new residual; ``decode`` unpacks. ``seed`` seeds
+    the generator of random compressors (the key: the same on every machine).
+    """
+
+    options: CompressOptions
+    numel: int
+    seed: int = 0
+    residual: torch.Tensor | None = None
+    velocity: torch.Tensor | None = None
+    generator: torch.Generator = field(default_factory=torch.Generator)
+
+    def __post_init__(self) -> None:
+        self.generator.manual_seed(self.seed)
+
+    @property
+    def nbytes(self) -> int:
+        return self.options.compressor.nbytes(self.numel)
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """(numel,) float32 -> the uint8 payload (this side's momentum and feedback applied)."""
+        opts, x = self.options, x.to(_F32)
+        if opts.momentum:
+            if self.velocity is None:
+                self.velocity = torch.zeros_like(x)
+            self.velocity.mul_(opts.momentum).add_(x)
+            x = x + opts.momentum * self.velocity
+        if opts.error_feedback:
+            if self.residual is not None:
+                x = x + self.residual
+        payload = opts.compressor.encode(x, self.generator)
+        if opts.error_feedback:
+            self.residual = x - opts.compressor.decode(payload, self.numel)
+        return payload
+
+    def decode(self, payload: torch.Tensor) -> torch.Tensor:
+        return self.options.compressor.decode(payload, self.numel)

@@ -1,0 +1,179 @@
+"""Compressors against plain NumPy references, error feedback, momentum, the compressed store."""
+
+import numpy as np
+import pytest
+import torch
+
+from polytrain import ConfigError
+from polytrain.ps import STORES, Declaration, Kind, Op
+from polytrain.ps.compression import (
+    Codec,
+    CompressOptions,
+    Dithering,
+    compressor,
+    pack_bits,
+    unpack_bits,
+)
+from polytrain.ps.protocol import DTYPES, Request
+
+N = 1001  # not a multiple of 8: the last byte of packed bits is padded
+
+
+def data(seed=0, n=N):
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed))
+
+
+def test_bits_pack_as_numpy_packs_them():
+    codes = torch.randint(0, 8, (N,), generator=torch.Generator().manual_seed(1))
+    want = np.packbits(((codes.numpy()[:, None] >> np.arange(2, -1, -1)) & 1).reshape(-1))
+    assert np.array_equal(pack_bits(codes, 3).numpy(), want)
+    assert torch.equal(unpack_bits(pack_bits(codes, 3), 3, N), codes)
+
+
+def test_fp16_is_numpys_half_precision():
+    x = data()
+    payload = compressor("fp16").encode(x)
+    assert np.array_equal(payload.numpy(), x.numpy().astype(np.float16).view(np.uint8))
+    assert np.array_equal(compressor("fp16").decode(payload, N).numpy(),
+                          x.numpy().astype(np.float16).astype(np.float32))
+
+
+@pytest.mark.parametrize("name, scaled", [("onebit", True), ("onebit:unscaled", False)])
+def test_onebit_sends_one_bit_per_sign_and_a_scale(name, scaled):
+    x = data().numpy()
+    c = compressor(name)
+    payload = c.encode(torch.from_numpy(x)).numpy()
+    scale = np.float32(np.abs(x).sum(dtype=np.float32) / x.size) if scaled else np.float32(1)
+    assert payload.size == 4 + (N + 7) // 8  # 1/32 of the floats, plus the scale
+    assert np.array_equal(payload[4:], np.packbits(x < 0))
+    assert payload[:4].view(np.float32)[0] == pytest.approx(scale, rel=1e-6)
+    s = payload[:4].view(np.float32)[0]
+    want = np.where(np.unpackbits(payload[4:])[:N] == 1, -s, s).astype(np.float32)
+    assert np.array_equal(c.decode(torch.from_numpy(payload), N).numpy(), want)
+
+
+def sparse_reference(x, index):
+    payload = np.concatenate([index.astype(np.int32).view(np.uint8),
+                              x[index].astype(np.float32).view(np.uint8)])
+    dense = np.zeros_like(x)
+    dense[index] = x[index]
+    return payload, dense
+
+
+@pytest.mark.parametrize("name, k", [("topk:0.01", 10), ("topk:25", 25)])
+def test_topk_is_numpys_largest_magnitudes(name, k):
+    x = data().numpy()
+    x[:5] = 3.0  # ties: the lower index first
+    payload, dense = sparse_reference(x, np.argsort(-np.abs(x), kind="stable")[:k])
+    c = compressor(name)
+    got = c.encode(torch.from_numpy(x))
+    assert np.array_equal(got.numpy(), payload)
+    assert np.array_equal(c.decode(got, N).numpy(), dense)
+
+
+def test_randomk_with_a_seeded_generator_is_numpys_gather_of_the_same_draw():
+    x = data().numpy()
+    index = torch.randperm(N, generator=torch.Generator().manual_seed(7))[:100].numpy()
+    payload, dense = sparse_reference(x, index)
+    c = compressor("randomk:100")
+    got = c.encode(torch.from_numpy(x), torch.Generator().manual_seed(7))
+    assert np.array_equal(got.numpy(), payload)
+    assert np.array_equal(c.decode(got, N).numpy(), dense)
+
+
+def dithering_reference(x, u, levels, natural):
+    """QSGD-style stochastic rounding of |x| / max|x| between adjacent levels, in NumPy."""
+    table = (np.array([0.0] + [2.0 ** (j - levels) for j in range(1, levels + 1)], np.float32)
+             if natural else (np.arange(levels + 1, dtype=np.float32) / np.float32(levels)))
+    norm = np.abs(x).max()
+    r = np.abs(x) / norm
+    low = np.clip(np.searchsorted(table, r, side="right") - 1, 0, levels - 1)
+    code = low + (u < (r - table[low]) / (table[low + 1] - table[low]))
+    return norm, code, np.where(x < 0, -1, 1).astype(np.float32) * (table[code] * norm)
+
+
+@pytest.mark.parametrize("levels, natural", [(4, False), (2, False), (5, True)])
+def test_dithering_with_a_seeded_generator_is_numpys_stochastic_rounding(levels, natural):
+    x = data().numpy()
+    u = torch.rand(N, generator=torch.Generator().manual_seed(3)).numpy()
+    norm, code, want = dithering_reference(x, u, levels, natural)
+    c = Dithering(levels=levels, natural=natural)
+    got = c.encode(torch.from_numpy(x), torch.Generator().manual_seed(3))
+    width = c.width
+    assert got.numel() == 4 + (N * width + 7) // 8
+    assert got[:4].view(torch.float32).item() == norm
+    codes = ((x < 0).astype(np.int64) << (width - 1)) | code
+    bits = ((codes[:, None] >> np.arange(width - 1, -1, -1)) & 1).reshape(-1)
+    assert np.array_equal(got[4:].numpy(), np.packbits(bits))
+    assert np.array_equal(c.decode(got, N).numpy(), want)
+
+
+def test_dithering_is_unbiased():
+    x = data(n=64)
+    c = Dithering(levels=2)
+    g = torch.Generator().manual_seed(0)
+    mean = sum(c.decode(c.encode(x, g), 64) for _ in range(4000)) / 4000
+    assert torch.allclose(mean, x, atol=0.05 * float(x.abs().max()))
+
+
+def test_error_feedback_carries_what_compression_dropped_to_the_next_step():
+    c = compressor("topk:1")
+    codec = Codec(CompressOptions(c, error_feedback=True), 4)
+    first = codec.decode(codec.encode(torch.tensor([1.0, 0.5, 0.25, 0.0])))
+    assert first.tolist() == [1.0, 0.0, 0.0, 0.0]
+    assert codec.residual is not None and codec.residual.tolist() == [0.0, 0.5, 0.25, 0.0]
+    second = codec.decode(codec.encode(torch.tensor([0.0, 0.625, 0.0, 0.0])))
+    assert second.tolist() == [0.0, 1.125, 0.0, 0.0]  # 0.625 + the 0.5 kept from step one
+    # Over many steps, nothing is lost: the sum of what was sent trails the input's by the
+    # residual only.
+    codec = Codec(CompressOptions(compressor("onebit"), error_feedback=True), N)
+    sent, given = torch.zeros(N), torch.zeros(N)
+    for step in range(50):
+        g = data(step)
+        given += g
+        sent += codec.decode(codec.encode(g))
+    assert torch.allclose(given - sent, codec.residual, atol=1e-4)
+
+
+def test_nesterov_momentum_on_the_worker_is_the_reference_wrappers():
+    codec = Codec(CompressOptions(compressor("fp16"), momentum=0.5), 2)
+    m = torch.zeros(2)
+    for g in (torch.tensor([1.0, 2.0]), torch.tensor([0.5, -1.0])):
+        m = 0.5 * m + g
+        assert torch.equal(codec.decode(codec.encode(g)), (g + 0.5 * m).half().float())
+
+
+@pytest.mark.parametrize("text, message", [
+    ("topk:0", r"topk:0: K must be a count"), ("dithering:1", r"dithering:1: dithering takes "
+                                                              r"S levels, 2 or more"),
+    ("zip", r"unknown compressor 'zip'; the compressors are: none, onebit, topk, randomk, "
+            r"dithering, fp16. HINT"), ("randomk:-3", "randomk:-3: K must be"),
+    ("fp16:2", "fp16 takes no argument")])
+def test_bad_compressors_are_refused_with_the_rule(text, message):
+    with pytest.raises(ConfigError, match=message):
+        compressor(text)
+
+
+def push(src, payload, key=1):
+    return Request(src, Op.PUSHPULL, key, 0, payload.numel(), DTYPES[6], seq=1, lane=0,
+                   payload=payload)
+
+
+@pytest.mark.parametrize("name", ["onebit", "topk:0.05", "dithering:4", "fp16", "randomk:50"])
+def test_the_compressed_store_decodes_sums_in_rank_order_and_compresses_again(name):
+    c = compressor(name)
+    decl = Declaration(key=1, kind=int(Kind.COMPRESSED), name="w", numel=c.nbytes(N),
+                       dtype="torch.uint8", pushers=2, pullers=2,
+                       options=CompressOptions(c, error_feedback=True).declaration(N))
+    out = []
+    store = STORES[Kind.COMPRESSED](decl, lambda req, t: out.append(t.clone()))
+    g = torch.Generator().manual_seed(1)
+    pushes = [c.encode(data(s), g) for s in (0, 1)]
+    store.handle(push(3, pushes[1]))
+    store.handle(push(2, pushes[0]))
+    total = c.decode(pushes[0], N) + c.decode(pushes[1], N)
+    server = Codec(CompressOptions(c, error_feedback=True), N, seed=1)  # the store's own
+    want = server.encode(total)
+    assert len(out) == 2 and all(torch.equal(o, want) for o in out)
+    assert store.codec.residual is not None
+    assert torch.equal(store.codec.residual, server.residual)
