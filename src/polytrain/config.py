@@ -51,6 +51,9 @@ class TrainConfig:
             :func:`polytrain.pipeline.parse_cluster`): it sets the workers and machines,
             every worker runs at its device's speed (on CPU), and layouts that do not
             fit the devices' memory are refused. Default: none (real speed).
+        auto: set by ``--strategy auto`` (:func:`polytrain.plan.auto_record`): the
+            planner's choice, why, and every strategy's prediction; ``metrics.json``
+            records it as ``auto``. Default: none.
     """
 
     strategy: str = "ddp"
@@ -76,6 +79,7 @@ class TrainConfig:
     latency: str | None = None
     model_options: Mapping[str, Any] = field(default_factory=dict)
     strategy_options: Mapping[str, Any] = field(default_factory=dict)
+    auto: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         cluster = parse_cluster(self.devices) if self.devices is not None else None

@@ -7,7 +7,7 @@ import sys
 from typing import Sequence
 
 from ..errors import ConfigError, LaunchError, PolytrainError
-from . import env, launch, train
+from . import env, launch, plan, train
 
 __all__ = ["main"]
 
@@ -19,6 +19,7 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     train.add_parser(sub, argv)
     launch.add_parser(sub)
+    plan.add_parser(sub)
     env.add_parser(sub)
     return parser
 

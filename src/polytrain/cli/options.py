@@ -184,3 +184,20 @@ def add_network_flags(parser: Any) -> None:
     parser.add_argument("--latency", default=None, metavar="TIME",
                         help="with --bandwidth: delay every packet a machine sends by TIME "
                              "(us, ms, s, e.g. 0.2ms; default 0)")
+
+
+def add_hidden_flags(parser: argparse.ArgumentParser, owners: Sequence[Owner]
+                     ) -> dict[str, OptionFlag]:
+    """Every owner's flags, parsed but not shown: for a command that refuses them by name."""
+    flags: dict[str, OptionFlag] = {}
+    for owner in owners:
+        if owner.options is None:
+            continue
+        for f in dataclasses.fields(owner.options):
+            if f.name in flags:
+                flags[f.name].owners.append(owner.name)
+                continue
+            action = _add_flag(parser, owner.options, f)
+            action.help = argparse.SUPPRESS
+            flags[f.name] = OptionFlag(action.option_strings[0], [owner.name])
+    return flags

@@ -41,7 +41,9 @@ def build_metrics(*, config: Any, losses: Sequence[float], times: Sequence[float
         skip = len(times) - len(warm)
         machines = [m.as_dict() for m in machine_traffic(reports, topology, warmup=skip)]
         servers = server_traffic(reports, topology, warmup=skip)
+    auto = getattr(config, "auto", None)
     return {
+        **({"auto": dict(auto)} if auto else {}),
         "strategy": config.strategy,
         "model": config.model,
         "data": config.data,

@@ -1,0 +1,282 @@
+"""Every data-parallel strategy side by side on shaped links, and the planner's predictions.
+
+A communication-bound job (a wide MLP: large gradients, little compute per
+step) on 4 emulated machines of one worker, each in its own network
+namespace with its NIC shaped to each bandwidth; ddp, BytePS with k = 0, 1,
+2, 4 CPU servers and Herring with k = 0 and 2, in alternating rounds; plus one
+round on loopback (no shaping: what the host's CPU alone allows). For each
+configuration: the median step time (median over rounds of each run's
+median), its speed-up over ddp beside the busiest-NIC formula's, the NIC
+bytes per step, and ``polytrain plan``'s prediction. Needs root and iproute2.
+Saves ``benchmarks/results/cluster.json`` and ``cluster.png``; the figures, with
+the command that made them, are in docs/cluster.md.
+
+    sudo ./dev bench cluster                 # the default: about 25 minutes here
+    sudo ./dev bench cluster --quick         # a smoke run: a small MLP, 3 steps, one round
+    ./dev bench cluster --analyse            # predictions and table again from cluster.json
+    ./dev bench cluster --analyse --fit      # ... and the constants the data suggest
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import polytrain
+from polytrain.plan import CONSTANTS, Constants, Job, nic_traffic, plan_job
+from polytrain.plan.compute import measure_compute
+from polytrain.plan.cost import Compute, host_traffic, recommend
+from polytrain.plan.planner import host_cores
+from polytrain.train import run_config
+
+RESULTS = Path(__file__).resolve().parent / "results"
+ENV = {"OMP_NUM_THREADS": "1"}
+LOOPBACK = "off"
+
+
+def configs(args: argparse.Namespace) -> dict[str, tuple[str, int]]:
+    out = {"ddp": ("ddp", 0)}
+    out.update({f"byteps k={k}": ("byteps", k) for k in args.byteps})
+    out.update({f"herring k={k}": ("herring", k) for k in args.herring})
+    return out
+
+
+def train_config(args: argparse.Namespace, strategy: str, servers: int,
+                 bandwidth: str | None) -> polytrain.TrainConfig:
+    options = dict(args.byteps_options) if strategy == "byteps" else {}
+    return polytrain.TrainConfig(
+        strategy=strategy, model="mlp", model_options=args.model_options, workers=args.nodes,
+        nodes=args.nodes, servers=servers, steps=args.steps, batch_size=args.batch_size,
+        optimizer="sgd", lr=0.05, quiet=True, timeout_s=300, bandwidth=bandwidth,
+        strategy_options=options)
+
+
+def run(config: polytrain.TrainConfig) -> dict[str, Any]:
+    started = time.perf_counter()
+    m = run_config(config, env=ENV)
+    machines = m["traffic"]["machines"]
+    nic = [max(x.get("nic_sent_bytes_per_step", 0.0), x.get("nic_recv_bytes_per_step", 0.0))
+           for x in machines]
+    return {"step_time_s": m["step_time_s"]["median"], "step_times": m["step_times"],
+            "model_bytes": m["model_bytes"], "final_loss": m["final_loss"],
+            "busiest_nic_bytes_per_step": max(nic, default=0.0),
+            "busiest_metered_bytes_per_step": max(
+                (max(x["sent_bytes_per_step"], x["recv_bytes_per_step"]) for x in machines),
+                default=0.0),
+            "machines": machines, "servers": m["traffic"]["servers"],
+            "overlap": m.get("overlap"), "wall_s": time.perf_counter() - started}
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    cfgs = configs(args)
+    bandwidths = [*args.bandwidths]
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {b: {n: [] for n in cfgs}
+                                                       for b in [*bandwidths, LOOPBACK]}
+    plan_rounds = [(r, b) for r in range(args.rounds) for b in bandwidths]
+    plan_rounds += [(r, LOOPBACK) for r in range(args.loopback_rounds)]
+    for i, (r, bw) in enumerate(plan_rounds):
+        # Alternate, and rotate who goes first, so drift in the machine's load spreads evenly.
+        order = list(cfgs)
+        order = order[i % len(order):] + order[:i % len(order)]
+        for name in order:
+            strategy, k = cfgs[name]
+            m = run(train_config(args, strategy, k, None if bw == LOOPBACK else bw))
+            runs[bw][name].append(m)
+            print(f"round {r + 1} {bw:>8} {name:12s} step {m['step_time_s'] * 1e3:8.1f} ms "
+                  f"median, busiest NIC {m['busiest_nic_bytes_per_step'] / m['model_bytes']:.3f}"
+                  f" M  ({m['wall_s']:.0f} s)", flush=True)
+    compute = measure_compute("mlp", args.model_options, batch=args.batch_size // args.nodes,
+                              optimizer="sgd")
+    return {"setup": {"nodes": args.nodes, "workers": args.nodes, "steps": args.steps,
+                      "batch_size": args.batch_size, "rounds": args.rounds,
+                      "loopback_rounds": args.loopback_rounds, "model": "mlp",
+                      "model_options": args.model_options, "optimizer": "sgd",
+                      "byteps_options": args.byteps_options, "cores": host_cores(),
+                      "quick": args.quick, "configs": {n: list(c) for n, c in cfgs.items()}},
+            "compute": {"forward_s": compute.forward_s, "backward_s": compute.backward_s,
+                        "optimizer_s": compute.optimizer_s},
+            "runs": runs}
+
+
+def analyse(result: dict[str, Any], constants: Constants) -> dict[str, Any]:
+    """Medians, speed-ups against the formulas, and the planner's predictions, per bandwidth."""
+    setup = result["setup"]
+    compute = Compute(**result["compute"])
+    n = setup["nodes"]
+    cfgs = {name: tuple(c) for name, c in setup["configs"].items()}
+    table: dict[str, Any] = {}
+    for bw, by_name in result["runs"].items():
+        if not any(by_name.values()):
+            continue
+        job = Job(model="mlp", model_options=setup["model_options"], workers=n, nodes=n,
+                  servers=max(k for _, k in cfgs.values()), batch_size=setup["batch_size"],
+                  optimizer="sgd", bandwidth=None if bw == LOOPBACK else bw,
+                  cores=setup["cores"])
+        plan = plan_job(job, constants=constants, compute=compute)
+        measured = {name: statistics.median(r["step_time_s"] for r in rs)
+                    for name, rs in by_name.items() if rs}
+        ddp = measured["ddp"]
+        ddp_nic = nic_traffic("ddp", machines=n, local_workers=1, servers=0)
+        rows = {}
+        for name, t in measured.items():
+            strategy, k = cfgs[name]
+            nic = nic_traffic(strategy, machines=n, local_workers=1, servers=k)
+            pred = plan.get(name)
+            model_bytes = by_name[name][0]["model_bytes"]
+            rows[name] = {
+                "step_time_s": t, "step_times_by_round_s": [r["step_time_s"] for r in
+                                                            by_name[name]],
+                "speedup_vs_ddp": ddp / t, "formula_speedup": ddp_nic / nic if nic else None,
+                "formula_M": nic, "host_bytes_M": host_traffic(strategy, machines=n,
+                                                                local_workers=1, servers=k),
+                "nic_busiest_M": statistics.median(r["busiest_nic_bytes_per_step"]
+                                                   for r in by_name[name]) / model_bytes,
+                "predicted_s": pred.step_time_s, "predicted_over_measured": pred.step_time_s / t,
+                "prediction": pred.as_dict()}
+        fastest = min(measured, key=measured.__getitem__)
+        among = recommend([plan.get(name) for name in measured]).candidate.key
+        table[bw] = {"configs": rows, "measured_fastest": fastest,
+                     "recommended_among_measured": among,
+                     "recommended_within_5pct": measured[among] <= 1.05 * measured[fastest],
+                     "recommended_overall": plan.recommended.candidate.key}
+    return table
+
+
+def fit(result: dict[str, Any]) -> Constants:
+    """Per strategy, the host CPU cost per byte and the fixed overhead per step that minimise
+    the largest relative error of the predictions over every bandwidth (a grid search)."""
+    host: dict[str, float] = {}
+    overhead: dict[str, float] = {}
+    grid = [0.0] + [1e-11 * 10 ** (i / 40) for i in range(0, 161)]  # 1e-11 .. 1e-7 s/B
+    for family in ("ddp", "byteps", "herring"):
+        best: tuple[float, float, float] | None = None
+        for c in grid:
+            trial = Constants(host_s_per_byte={family: c}, overhead_s={family: 0.0},
+                              overlap=CONSTANTS.overlap)
+            pairs = [(cfg["step_time_s"], cfg["predicted_s"])
+                     for bw in analyse(result, trial).values()
+                     for name, cfg in bw["configs"].items() if name.split()[0] == family]
+            if not pairs:
+                break
+            # The overhead that balances the largest over- and under-prediction.
+            lo = min(m - p for m, p in pairs)
+            hi = max(m - p for m, p in pairs)
+            a = max(0.0, (lo + hi) / 2)
+            err = max(abs(p + a - m) / m for m, p in pairs)
+            if best is None or err < best[0]:
+                best = (err, c, a)
+        if best is not None:
+            host[family], overhead[family] = best[1], best[2]
+            print(f"fit {family}: host {best[1]:.3g} s/B, overhead {best[2] * 1e3:.1f} ms, "
+                  f"largest error {best[0]:.1%}")
+    return Constants(host_s_per_byte=host, overhead_s=overhead, overlap=CONSTANTS.overlap)
+
+
+def report(result: dict[str, Any]) -> None:
+    print(f"\n{result['setup']['nodes']} machines of one worker, MLP "
+          f"{result['setup']['model_options']}, compute per step here "
+          f"{sum(result['compute'].values()) * 1e3:.1f} ms")
+    for bw, t in result["table"].items():
+        print(f"\n{bw}: measured fastest {t['measured_fastest']}, planner recommends (among "
+              f"these) {t['recommended_among_measured']}, overall {t['recommended_overall']}")
+        print(f"{'config':12s} {'step ms':>8s} {'x ddp':>6s} {'formula':>8s} {'NIC M':>6s} "
+              f"{'(formula)':>9s} {'pred ms':>8s} {'pred/meas':>9s}")
+        for name, c in t["configs"].items():
+            formula = f"{c['formula_speedup']:.2f}" if c["formula_speedup"] else "-"
+            print(f"{name:12s} {c['step_time_s'] * 1e3:8.1f} {c['speedup_vs_ddp']:6.2f} "
+                  f"{formula:>8s} {c['nic_busiest_M']:6.3f} {c['formula_M']:9.3f} "
+                  f"{c['predicted_s'] * 1e3:8.1f} {c['predicted_over_measured']:9.2f}")
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from polytrain.launch.network import parse_rate
+
+    shaped = {bw: t for bw, t in result["table"].items() if bw != LOOPBACK}
+    names = list(result["setup"]["configs"])
+    xs = {bw: parse_rate(bw) / 1e6 for bw in shaped}
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for i, name in enumerate(names):
+        color = f"C{i}"
+        bws = sorted(shaped, key=xs.__getitem__)
+        ax.plot([xs[b] for b in bws], [shaped[b]["configs"][name]["step_time_s"] for b in bws],
+                "o-", color=color, label=name)
+        ax.plot([xs[b] for b in bws], [shaped[b]["configs"][name]["predicted_s"] for b in bws],
+                "x:", color=color, alpha=0.7)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("NIC bandwidth each way (Mbit/s)")
+    ax.set_ylabel("step time (s; median of rounds)")
+    ax.set_title(f"{result['setup']['nodes']} machines of 1 worker, MLP of "
+                 f"{result['model_bytes'] / 1e6:.1f} MB of gradients "
+                 "(o measured, x planner)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="a small MLP, 3 steps, one round at 1gbit")
+    p.add_argument("--rounds", type=int, default=2, help="alternating rounds (default 2)")
+    p.add_argument("--loopback-rounds", type=int, default=1,
+                   help="rounds without shaping (default 1)")
+    p.add_argument("--steps", type=int, default=8, help="steps per run (default 8)")
+    p.add_argument("--batch-size", type=int, default=32, help="global batch (default 32)")
+    p.add_argument("--nodes", type=int, default=4, help="machines of one worker (default 4)")
+    p.add_argument("--d-model", type=int, default=2048, help="MLP width (default 2048)")
+    p.add_argument("--bandwidths", nargs="+", default=["200mbit", "1gbit", "5gbit"])
+    p.add_argument("--byteps", type=int, nargs="+", default=[0, 1, 2, 4],
+                   help="CPU servers k of each BytePS run (default 0 1 2 4)")
+    p.add_argument("--herring", type=int, nargs="+", default=[0, 2],
+                   help="CPU servers k of each Herring run (default 0 2)")
+    p.add_argument("--credit-bytes", type=int, default=0,
+                   help="BytePS's --credit-bytes (default 0: no bound, as BytePS's own)")
+    p.add_argument("--analyse", action="store_true",
+                   help="no runs: the table and plot again from --out's measurements")
+    p.add_argument("--fit", action="store_true", help="with --analyse: fit the constants")
+    p.add_argument("--out", type=Path, default=RESULTS / "cluster.json")
+    args = p.parse_args(argv)
+    args.model_options = {"d_model": args.d_model}
+    args.byteps_options = {"credit_bytes": args.credit_bytes}
+    if args.quick:
+        args.rounds, args.loopback_rounds, args.steps, args.bandwidths = 1, 1, 3, ["1gbit"]
+        args.model_options = {"d_model": 256}
+        if args.out == RESULTS / "cluster.json":
+            args.out = RESULTS / "cluster_quick.json"
+    if args.analyse:
+        result = json.loads(args.out.read_text())
+        if args.fit:
+            fitted = fit(result)
+            print(f"fitted: {fitted.as_dict()}")
+    else:
+        result = measure(args)
+    result["constants"] = CONSTANTS.as_dict()
+    result["model_bytes"] = next(r[0]["model_bytes"] for b in result["runs"].values()
+                                 for r in b.values() if r)
+    result["table"] = analyse(result, CONSTANTS)
+    report(result)
+    save(result, args.out)
+    return 0
+
+
+def save(result: dict[str, Any], out: Path) -> None:
+    """The JSON at ``out`` and the plot beside it (same name, ``.png``)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    plot(result, out.with_suffix(".png"))
+    print(f"\nwrote {out} and {out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,69 @@
+"""The flags that describe a job and its cluster, shared by ``train`` and ``plan``."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from ..config import OPTIMIZERS, TrainConfig
+from ..data import dataset_names
+from ..errors import ConfigError
+from ..models import get_model, model_names
+from .options import OptionFlag, Owner, add_network_flags, add_option_groups, given_options
+
+__all__: list[str] = []
+
+_MODEL_FIELDS = ("seq_len", "d_model", "layers", "heads")
+
+
+def add_job_flags(p: argparse.ArgumentParser) -> None:
+    """``--model --data --workers --nodes --servers --batch-size --optimizer``, the network and
+    ``--devices``; the model options go in :func:`add_model_flags`."""
+    d = TrainConfig.__dataclass_fields__
+    p.add_argument("--model", default=d["model"].default, metavar="NAME",
+                   help=f"one of {', '.join(model_names())} (default gpt)")
+    p.add_argument("--data", default=d["data"].default, metavar="NAME",
+                   help=f"one of {', '.join(dataset_names())} (default text)")
+    p.add_argument("--workers", type=int, default=None, metavar="W",
+                   help="worker processes in all (default 2; 1 for single)")
+    p.add_argument("--nodes", type=int, default=1, metavar="N",
+                   help="emulated machines the workers are spread over (default 1)")
+    p.add_argument("--servers", type=int, default=0, metavar="K",
+                   help="dedicated server processes, each its own CPU machine (default 0)")
+    p.add_argument("--batch-size", type=int, default=d["batch_size"].default, metavar="B",
+                   help="GLOBAL batch per step (default 32)")
+    p.add_argument("--optimizer", default=d["optimizer"].default, choices=OPTIMIZERS,
+                   help="default adam")
+    add_network_flags(p)
+    p.add_argument("--devices", default=None, metavar="SPEC",
+                   help="emulated heterogeneous devices, e.g. 'm0:fast*2,m1:slow*2' or a JSON "
+                        "file: sets --workers and --nodes, every worker runs at its device's "
+                        "speed (built-in types fast, mid, slow; define more as NAME=GFLOPS/MIB)")
+
+
+def add_model_flags(p: argparse.ArgumentParser) -> dict[str, OptionFlag]:
+    """The model options group; returns the flags of the models' own Options."""
+    m = p.add_argument_group("model options")
+    m.add_argument("--seq-len", type=int, default=None, help="sequence length (default 64)")
+    m.add_argument("--d-model", type=int, default=None,
+                   help="width (default 128 for gpt, 64 for mlp)")
+    m.add_argument("--layers", type=int, default=None,
+                   help="blocks or hidden layers (default 4 for gpt, 2 for mlp)")
+    m.add_argument("--heads", type=int, default=None, help="attention heads (gpt; default 4)")
+    specs = [get_model(n) for n in model_names()]
+    return add_option_groups(
+        p, [Owner(s.name, s.description, s.options) for s in specs if s.options], kind="model")
+
+
+def model_options(ns: argparse.Namespace, flags: dict[str, OptionFlag]) -> dict[str, Any]:
+    """The model options given on the command line (another model's are refused)."""
+    out = {k: getattr(ns, k) for k in _MODEL_FIELDS if getattr(ns, k) is not None}
+    out.update(given_options(ns, ns.model, _model_options(ns.model), flags, kind="model"))
+    return out
+
+
+def _model_options(name: str) -> type | None:
+    try:
+        return get_model(name).options
+    except ConfigError:
+        return None  # an unknown model: TrainConfig names the valid ones

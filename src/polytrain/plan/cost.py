@@ -1,0 +1,242 @@
+"""The cost model: predicted step time of each data-parallel strategy, as pure functions.
+
+A step is the workers' compute, then whatever communication backward does
+not hide, plus a fixed cost per step::
+
+    step = overhead + compute + max(0, comm - overlap * backward)
+    comm = max(busiest NIC bytes / (efficiency * B), host CPU bytes * c / cores) + latency
+
+- busiest NIC bytes per step, one direction, in units of the gradient M (the
+  formulas of the papers; ``nic_traffic``): torch's ring over p workers
+  2(p-1)/p; BytePS's Theorem 1 2n(n-1)/(n^2+kn-2k); Herring M(2n+k-2)/(n+k) on a
+  worker machine and nM/(n+k) on a CPU machine.
+- ``efficiency``: payload per byte on the wire (TCP/IP headers on 1500-byte
+  frames: 1448/1514).
+- host CPU: when every emulated machine runs on this one host, all bytes that
+  cross any NIC are copied by the same ``cores``; ``c`` (seconds per byte, per
+  strategy family) and ``overhead`` are fitted on ``./dev bench cluster``.
+- latency: ring all-reduce pays it 2(p-1) times per bucket, a push-pull once
+  each way per round of partitions.
+
+Example::
+
+    >>> nic_traffic("ddp", machines=4, local_workers=1, servers=0)
+    1.5
+    >>> round(nic_traffic("byteps", machines=4, local_workers=1, servers=2), 4)
+    1.2
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+from ..errors import ConfigError
+from ..strategies.byteps.plan import optimal_shares
+from ..strategies.herring.plan import herring_traffic
+
+__all__ = ["STRATEGIES", "Constants", "Candidate", "Compute", "Network", "Prediction",
+           "nic_traffic", "host_traffic", "candidates", "predict", "recommend"]
+
+#: The strategies the cost model knows: every data-parallel one that trains any model.
+STRATEGIES = ("ddp", "byteps", "herring")
+_MB = 1 << 20
+
+
+@dataclass(frozen=True, kw_only=True)
+class Constants:
+    """The model's constants; see docs/cluster.md for how each was obtained.
+
+    Args:
+        efficiency: payload bytes per byte on the wire (1448/1514, not fitted).
+        host_s_per_byte: per strategy, CPU seconds per byte crossing a NIC when every
+            machine shares one host (fitted on ``./dev bench cluster``).
+        overhead_s: per strategy, fixed seconds per step (fitted there too).
+        overlap: the fraction of backward that communication can hide behind (assumed).
+        bucket_bytes: ddp's and Herring's fusion buffer (25 MiB), for the latency term.
+        partition_bytes: BytePS's partition (4,096,000), for the latency term.
+    """
+
+    efficiency: float = 1448 / 1514
+    host_s_per_byte: Mapping[str, float] = field(default_factory=lambda: {
+        "ddp": 0.0, "byteps": 0.0, "herring": 0.0})
+    overhead_s: Mapping[str, float] = field(default_factory=lambda: {
+        "ddp": 0.0, "byteps": 0.0, "herring": 0.0})
+    overlap: float = 0.5
+    bucket_bytes: int = 25 * _MB
+    partition_bytes: int = 4_096_000
+
+    def as_dict(self) -> dict[str, object]:
+        return {"efficiency": self.efficiency, "host_s_per_byte": dict(self.host_s_per_byte),
+                "overhead_s": dict(self.overhead_s), "overlap": self.overlap,
+                "bucket_bytes": self.bucket_bytes, "partition_bytes": self.partition_bytes}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Candidate:
+    """One way to run the job: a strategy and how many dedicated CPU servers it uses."""
+
+    strategy: str
+    servers: int = 0
+
+    @property
+    def key(self) -> str:
+        """``ddp``, ``byteps k=2``: the name predictions are listed under."""
+        return self.strategy if self.strategy == "ddp" else f"{self.strategy} k={self.servers}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Compute:
+    """One worker's compute per step at its batch: forward, backward, optimizer (seconds)."""
+
+    forward_s: float
+    backward_s: float
+    optimizer_s: float
+
+    @property
+    def step_s(self) -> float:
+        return self.forward_s + self.backward_s + self.optimizer_s
+
+
+@dataclass(frozen=True, kw_only=True)
+class Network:
+    """The cluster's machines and links.
+
+    Args:
+        machines: n, worker machines. local_workers: workers on each.
+        servers: k, dedicated CPU machines available.
+        bandwidth_bit_s: each NIC's rate, each way (None: loopback, no network bound).
+        latency_s: delay of every packet a machine sends.
+        shared_host_cores: every machine runs on one host of this many cores, as
+            ``polytrain train`` emulates them (None: each machine is its own host).
+    """
+
+    machines: int
+    local_workers: int = 1
+    servers: int = 0
+    bandwidth_bit_s: float | None = None
+    latency_s: float = 0.0
+    shared_host_cores: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.machines < 1 or self.local_workers < 1 or self.servers < 0:
+            raise ConfigError(f"a cluster needs at least one machine of at least one worker "
+                              f"and 0 or more servers (got {self.machines} machines of "
+                              f"{self.local_workers}, {self.servers} servers)",
+                              "pass --nodes 1 or more, --workers a multiple of it")
+
+    @property
+    def workers(self) -> int:
+        return self.machines * self.local_workers
+
+
+@dataclass(frozen=True, kw_only=True)
+class Prediction:
+    """The predicted step of one candidate, and its parts (seconds; bytes in units of M)."""
+
+    candidate: Candidate
+    step_time_s: float
+    comm_s: float
+    compute_s: float
+    nic_bytes_M: float
+    link_s: float
+    host_s: float
+    latency_s: float
+
+    def as_dict(self) -> dict[str, object]:
+        return {"strategy": self.candidate.strategy, "servers": self.candidate.servers,
+                "step_time_s": self.step_time_s, "comm_s": self.comm_s,
+                "compute_s": self.compute_s, "nic_bytes_per_step_M": self.nic_bytes_M,
+                "link_s": self.link_s, "host_s": self.host_s, "latency_s": self.latency_s}
+
+
+def nic_traffic(strategy: str, *, machines: int, local_workers: int, servers: int) -> float:
+    """The busiest NIC's bytes per step, one direction, in units of the gradient M."""
+    n, k = machines, servers
+    if strategy == "ddp":  # torch's ring over every worker: one cross-machine edge per machine
+        p = n * local_workers
+        return 2 * (p - 1) / p if n > 1 else 0.0
+    if strategy == "byteps":
+        return optimal_shares(n, k).traffic_per_machine() if n > 1 or k else 0.0
+    if strategy == "herring":
+        t = herring_traffic(n, k)
+        return max(t["worker"], t["server"]) if n > 1 or k else 0.0
+    raise ConfigError(f"the cost model knows no strategy {strategy!r}; it knows: "
+                      f"{', '.join(STRATEGIES)}", "pass one of them")
+
+
+def host_traffic(strategy: str, *, machines: int, local_workers: int, servers: int) -> float:
+    """Bytes sent per step over every NIC together, in units of M (what one host copies)."""
+    n, k = machines, servers
+    if strategy == "ddp":
+        return n * nic_traffic("ddp", machines=n, local_workers=local_workers, servers=0)
+    if strategy == "byteps":
+        s = optimal_shares(n, k)
+        return n * s.worker_machine_traffic() + k * s.cpu_machine_traffic() if n > 1 or k \
+            else 0.0
+    if strategy == "herring":
+        t = herring_traffic(n, k)
+        return n * t["worker"] + k * t["server"] if n > 1 or k else 0.0
+    raise ConfigError(f"the cost model knows no strategy {strategy!r}; it knows: "
+                      f"{', '.join(STRATEGIES)}", "pass one of them")
+
+
+def _messages(candidate: Candidate, network: Network, model_bytes: float,
+              constants: Constants) -> int:
+    """Packets' delays a step waits out one after another (for the latency term)."""
+    n, p = network.machines, network.workers
+    if n == 1 and candidate.servers == 0:
+        return 0
+    if candidate.strategy == "ddp":
+        return 2 * (p - 1) * max(1, math.ceil(model_bytes / constants.bucket_bytes))
+    size = constants.partition_bytes if candidate.strategy == "byteps" else constants.bucket_bytes
+    servers = (n + candidate.servers)
+    # Partitions to different servers travel together: one push and one pull per round.
+    return 2 * max(1, math.ceil(model_bytes / size / servers))
+
+
+def candidates(network: Network) -> list[Candidate]:
+    """Every strategy the job can run with: ddp, and BytePS and Herring on 0..k servers."""
+    out = [Candidate(strategy="ddp")]
+    for strategy in ("byteps", "herring"):
+        out += [Candidate(strategy=strategy, servers=k) for k in range(network.servers + 1)]
+    return out
+
+
+def predict(candidate: Candidate, *, network: Network, compute: Compute, model_bytes: float,
+            constants: Constants = Constants()) -> Prediction:
+    """The step time of ``candidate`` on ``network`` (seconds), with its parts."""
+    shape = {"machines": network.machines, "local_workers": network.local_workers,
+             "servers": candidate.servers}
+    s = candidate.strategy
+    nic = nic_traffic(s, **shape)
+    if network.bandwidth_bit_s is None:
+        link = 0.0
+    else:
+        link = nic * model_bytes / (constants.efficiency * network.bandwidth_bit_s / 8)
+    per_byte = constants.host_s_per_byte.get(s, 0.0)
+    if network.shared_host_cores is not None:
+        host = host_traffic(s, **shape) * model_bytes * per_byte / network.shared_host_cores
+        # The workers' compute shares the same cores.
+        share = max(1.0, network.workers / network.shared_host_cores)
+    else:  # real machines, each with its own CPUs: the NIC is the bound, as in the papers
+        host, share = 0.0, 1.0
+    latency = _messages(candidate, network, model_bytes, constants) * network.latency_s
+    comm = max(link, host) + latency
+    compute_s = compute.step_s * share
+    hidden = constants.overlap * compute.backward_s * share
+    step = constants.overhead_s.get(s, 0.0) + compute_s + max(0.0, comm - hidden)
+    return Prediction(candidate=candidate, step_time_s=step, comm_s=comm, compute_s=compute_s,
+                      nic_bytes_M=nic, link_s=link, host_s=host, latency_s=latency)
+
+
+def recommend(predictions: Sequence[Prediction], *, tolerance: float = 0.01) -> Prediction:
+    """The fastest prediction; within ``tolerance`` of it, the one with fewer servers, and
+    ddp (torch's own) before BytePS before Herring."""
+    if not predictions:
+        raise ConfigError("no strategy can run this job", "check --workers and --nodes")
+    best = min(p.step_time_s for p in predictions)
+    close = [p for p in predictions if p.step_time_s <= best * (1 + tolerance)]
+    return min(close, key=lambda p: (p.candidate.servers, STRATEGIES.index(p.candidate.strategy),
+                                     p.step_time_s))

@@ -1,0 +1,200 @@
+"""The planner: a job and its cluster in, every strategy's predicted step time and a choice out."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import torch
+
+from ..emulation.devices import parse_cluster
+from ..errors import ConfigError
+from ..launch.network import link_shape
+from ..models import get_model
+from .compute import device_compute, measure_compute
+from .cost import Candidate, Compute, Constants, Network, Prediction, candidates, predict, recommend
+
+__all__ = ["Job", "Plan", "CONSTANTS", "HOSTS", "AUTO", "plan_job", "chosen", "auto_record",
+           "host_cores"]
+
+#: Fitted on ``./dev bench cluster`` (benchmarks/results/cluster.json); docs/cluster.md says how.
+CONSTANTS = Constants(
+    host_s_per_byte={"ddp": 0.0, "byteps": 0.0, "herring": 0.0},
+    overhead_s={"ddp": 0.0, "byteps": 0.0, "herring": 0.0},
+)
+
+#: ``emulated``: every machine on this host, as ``polytrain train`` runs them; ``real``: each
+#: machine its own host (a cluster larger than this machine).
+HOSTS = ("emulated", "real")
+
+#: ``--strategy auto``: the strategy the planner recommends.
+AUTO = "auto"
+
+
+def host_cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class Job:
+    """What the planner needs: the model, the global batch, and the cluster it runs on.
+
+    The fields are ``polytrain train``'s (``devices`` sets ``workers`` and ``nodes``);
+    ``hosts`` says whether the machines are emulated on this host (``cores`` of it) or
+    real ones.
+    """
+
+    model: str = "gpt"
+    model_options: Mapping[str, Any] = field(default_factory=dict)
+    workers: int | None = None
+    nodes: int = 1
+    servers: int = 0
+    batch_size: int = 32
+    optimizer: str = "adam"
+    bandwidth: str | None = None
+    latency: str | None = None
+    devices: str | None = None
+    hosts: str = "emulated"
+    cores: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.devices is not None:
+            cluster = parse_cluster(self.devices)
+            if self.workers is None:
+                object.__setattr__(self, "workers", cluster.size)
+            if self.nodes == 1:
+                object.__setattr__(self, "nodes", len(cluster.machines))
+            cluster.check_layout(self.workers or cluster.size, self.nodes)
+        if self.workers is None:
+            object.__setattr__(self, "workers", 2)
+        assert self.workers is not None
+        if self.hosts not in HOSTS:
+            raise ConfigError(f"unknown --hosts {self.hosts!r}; they are: {', '.join(HOSTS)}",
+                              "pass --hosts emulated (this machine) or real")
+        if self.nodes < 1 or self.workers < self.nodes or self.workers % self.nodes:
+            raise ConfigError(f"--workers {self.workers} do not spread evenly over --nodes "
+                              f"{self.nodes}", f"pass --workers a multiple of {self.nodes}")
+        if self.servers < 0:
+            raise ConfigError(f"--servers must be 0 or more (got {self.servers})",
+                              "pass --servers 0")
+        if self.batch_size < 1 or self.batch_size % self.workers:
+            raise ConfigError(f"--batch-size {self.batch_size} (the global batch) does not "
+                              f"split evenly over {self.workers} workers",
+                              f"pass --batch-size a multiple of {self.workers}")
+        link_shape(self.bandwidth, self.latency)  # a bad rate or time: its own ConfigError
+        get_model(self.model)
+
+    def network(self) -> Network:
+        assert self.workers is not None
+        shape = link_shape(self.bandwidth, self.latency)
+        return Network(machines=self.nodes, local_workers=self.workers // self.nodes,
+                       servers=self.servers,
+                       bandwidth_bit_s=None if shape is None else float(shape.rate_bit_s),
+                       latency_s=0.0 if shape is None else shape.delay_s,
+                       shared_host_cores=(self.cores or host_cores()) if self.hosts == "emulated"
+                       else None)
+
+    def model_bytes(self) -> int:
+        with torch.device("meta"):
+            net = get_model(self.model).make(**self.model_options)
+        return sum(p.numel() * p.element_size() for p in net.parameters())
+
+    def compute(self) -> Compute:
+        """One worker's compute per step: its devices' speed, or measured here."""
+        assert self.workers is not None
+        batch = self.batch_size // self.workers
+        if self.devices is not None:
+            return device_compute(self.model, self.model_options, batch=batch,
+                                  cluster=parse_cluster(self.devices))
+        return measure_compute(self.model, self.model_options, batch=batch,
+                               optimizer=self.optimizer)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every candidate's prediction, the recommended one, and what they rest on."""
+
+    job: Job
+    network: Network
+    compute: Compute
+    model_bytes: int
+    predictions: tuple[Prediction, ...]
+    recommended: Prediction
+    constants: Constants
+
+    def why(self) -> str:
+        """One line: the choice, its predicted step, and the runner-up's."""
+        best = self.recommended
+        others = sorted((p for p in self.predictions if p is not best),
+                        key=lambda p: p.step_time_s)
+        line = (f"{best.candidate.key} is predicted fastest: {best.step_time_s * 1e3:.0f} ms "
+                f"per step (compute {best.compute_s * 1e3:.0f} ms, communication "
+                f"{best.comm_s * 1e3:.0f} ms for {best.nic_bytes_M:.3f} M on the busiest NIC)")
+        if others:
+            line += (f"; next {others[0].candidate.key} {others[0].step_time_s * 1e3:.0f} ms, "
+                     f"ddp {self.get('ddp').step_time_s * 1e3:.0f} ms")
+        return line
+
+    def get(self, key: str) -> Prediction:
+        for p in self.predictions:
+            if p.candidate.key == key:
+                return p
+        raise KeyError(key)
+
+    def as_dict(self) -> dict[str, Any]:
+        """``{"predictions": {KEY: {...}}, "recommended": KEY, ...}`` (the ``--json`` output)."""
+        return {"predictions": {p.candidate.key: p.as_dict() for p in self.predictions},
+                "recommended": self.recommended.candidate.key,
+                "why": self.why(),
+                "job": {"model": self.job.model, "model_options": dict(self.job.model_options),
+                        "model_bytes": self.model_bytes, "workers": self.job.workers,
+                        "nodes": self.job.nodes, "servers": self.job.servers,
+                        "batch_size": self.job.batch_size, "optimizer": self.job.optimizer,
+                        "bandwidth": self.job.bandwidth, "latency": self.job.latency,
+                        "devices": self.job.devices, "hosts": self.job.hosts,
+                        "shared_host_cores": self.network.shared_host_cores},
+                "compute": {"forward_s": self.compute.forward_s,
+                            "backward_s": self.compute.backward_s,
+                            "optimizer_s": self.compute.optimizer_s,
+                            "source": "devices" if self.job.devices else "measured here"},
+                "constants": self.constants.as_dict()}
+
+    def describe(self) -> str:
+        """A table, fastest first, then the recommendation."""
+        rows = [f"{'strategy':<14} {'step ms':>9} {'compute':>9} {'comm':>9} {'busiest NIC':>12}"]
+        for p in sorted(self.predictions, key=lambda p: p.step_time_s):
+            rows.append(f"{p.candidate.key:<14} {p.step_time_s * 1e3:9.1f} "
+                        f"{p.compute_s * 1e3:9.1f} {p.comm_s * 1e3:9.1f} "
+                        f"{p.nic_bytes_M:10.3f} M")
+        rows.append(f"recommended: {self.recommended.candidate.key} ({self.why()})")
+        return "\n".join(rows)
+
+
+def plan_job(job: Job, *, constants: Constants = CONSTANTS,
+             compute: Compute | Callable[[], Compute] | None = None) -> Plan:
+    """Predict every candidate strategy for ``job`` and recommend the fastest.
+
+    ``compute`` overrides the job's compute profile (a value, or a function that
+    makes one): tests and the benchmark pass theirs.
+    """
+    network = job.network()
+    profile = compute() if callable(compute) else compute if compute is not None \
+        else job.compute()
+    model_bytes = job.model_bytes()
+    predictions = tuple(predict(c, network=network, compute=profile, model_bytes=model_bytes,
+                                constants=constants) for c in candidates(network))
+    return Plan(job, network, profile, model_bytes, predictions, recommend(predictions),
+                constants)
+
+
+def chosen(plan: Plan) -> Candidate:
+    """What ``--strategy auto`` runs: the recommended strategy and its servers."""
+    return plan.recommended.candidate
+
+
+def auto_record(plan: Plan) -> dict[str, Any]:
+    """``metrics.json``'s ``auto``: ``{chosen, why, predictions}`` (step times in seconds)."""
+    return {"chosen": plan.recommended.candidate.key, "why": plan.why(),
+            "predictions": {p.candidate.key: p.as_dict() for p in plan.predictions}}

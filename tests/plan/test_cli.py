@@ -1,0 +1,79 @@
+"""``polytrain plan`` and ``train --strategy auto``: the JSON's shape, the choice, bad input."""
+
+import json
+
+import pytest
+
+from polytrain.cli import build_parser, main
+from polytrain.cli.train import config_from_args
+from polytrain.plan import Job, plan_job
+from polytrain.plan.cost import Compute
+from polytrain.plan.planner import Job as PlannerJob
+
+FIXED = Compute(forward_s=0.01, backward_s=0.02, optimizer_s=0.01)
+JOB = ["--model", "mlp", "--workers", "4", "--nodes", "4", "--batch-size", "32",
+       "--optimizer", "sgd"]
+
+
+@pytest.fixture
+def fixed_compute(monkeypatch):
+    """No timing of a model: every plan sees the same compute."""
+    monkeypatch.setattr(PlannerJob, "compute", lambda self: FIXED)
+
+
+def test_plan_json_shape(capsys, fixed_compute):
+    assert main(["plan", *JOB, "--servers", "2", "--bandwidth", "1gbit", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out) >= {"predictions", "recommended"}
+    assert out["recommended"] in out["predictions"]
+    assert set(out["predictions"]) == {"ddp", "byteps k=0", "byteps k=1", "byteps k=2",
+                                       "herring k=0", "herring k=1", "herring k=2"}
+    for p in out["predictions"].values():
+        assert {"step_time_s", "comm_s", "compute_s", "strategy", "servers"} <= set(p)
+        assert p["step_time_s"] >= p["compute_s"] > 0
+    best = min(out["predictions"].values(), key=lambda p: p["step_time_s"])
+    assert out["predictions"][out["recommended"]]["step_time_s"] == best["step_time_s"]
+
+
+def test_plan_of_a_cluster_larger_than_this_machine(capsys):
+    # Nothing is launched; devices give the compute, so this is fast.
+    spec = ",".join(f"m{i}:v100=15000/16384*8" for i in range(8))
+    spec = "v100=15000/16384," + spec.replace("=15000/16384*8", "*8")
+    assert main(["plan", "--model", "gpt", "--devices", spec, "--servers", "8",
+                 "--bandwidth", "100gbit", "--batch-size", "256", "--hosts", "real",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["job"]["workers"] == 64 and out["job"]["nodes"] == 8
+    assert out["recommended"].startswith("byteps")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["plan", "--bandwidth", "1gbyte"], "--bandwidth '1gbyte' is not a rate"),
+    (["plan", "--bandwidth", "1gbit", "--credit-bytes", "0"],
+     "--credit-bytes is an option of byteps; polytrain plan predicts every strategy"),
+    (["plan", "--latency", "1ms"], "--latency 1ms needs --bandwidth"),
+    (["train", "--strategy", "auto", "--bucket-cap-mb", "5"],
+     "--bucket-cap-mb is an option of herring, and --strategy auto chooses the strategy"),
+    (["train", "--strategy", "auto", "--no-colocate"],
+     "--no-colocate is an option of byteps, herring, and --strategy auto"),
+])
+def test_bad_input_is_one_line(args, message, capsys):
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err and "HINT:" in err
+
+
+def test_auto_runs_what_plan_recommends(fixed_compute):
+    for bandwidth, servers in (("200mbit", 4), ("1gbit", 2), (None, 2)):
+        args = ["train", "--strategy", "auto", *JOB, "--servers", str(servers)]
+        if bandwidth:
+            args += ["--bandwidth", bandwidth]
+        config = config_from_args(build_parser(args).parse_args(args))
+        plan = plan_job(Job(model="mlp", workers=4, nodes=4, servers=servers, batch_size=32,
+                            optimizer="sgd", bandwidth=bandwidth))
+        assert config.auto is not None
+        assert config.auto["chosen"] == plan.recommended.candidate.key
+        assert (config.strategy, config.servers) == (plan.recommended.candidate.strategy,
+                                                    plan.recommended.candidate.servers)
+        assert set(config.auto) == {"chosen", "why", "predictions"}
+        assert config.auto["why"].startswith(config.auto["chosen"])

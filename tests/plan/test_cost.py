@@ -1,0 +1,105 @@
+"""The cost model: the papers' traffic formulas, the step-time sum, the recommendation; pure."""
+
+import pytest
+
+from polytrain.errors import ConfigError
+from polytrain.plan.cost import (
+    Candidate,
+    Compute,
+    Constants,
+    Network,
+    candidates,
+    host_traffic,
+    nic_traffic,
+    predict,
+    recommend,
+)
+
+NO_COMPUTE = Compute(forward_s=0.0, backward_s=0.0, optimizer_s=0.0)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 8, 16])
+def test_ring_and_theorem_1_and_herring_closed_forms(n):
+    assert nic_traffic("ddp", machines=n, local_workers=1, servers=0) == pytest.approx(
+        2 * (n - 1) / n)
+    for k in range(0, n + 1):
+        t_opt = 2 * n * (n - 1) / (n * n + k * n - 2 * k)
+        assert nic_traffic("byteps", machines=n, local_workers=1, servers=k) == pytest.approx(
+            t_opt)
+        worker = (2 * n + k - 2) / (n + k)
+        assert nic_traffic("herring", machines=n, local_workers=1, servers=k) == pytest.approx(
+            max(worker, n / (n + k)))
+
+
+def test_end_points_and_papers_example():
+    # k = 0: every strategy moves all-reduce's bytes; k = n: BytePS moves M (a PS's).
+    for s in ("byteps", "herring"):
+        assert nic_traffic(s, machines=4, local_workers=1, servers=0) == pytest.approx(1.5)
+    assert nic_traffic("byteps", machines=4, local_workers=1, servers=4) == pytest.approx(1.0)
+    # Theorem 1's example: n = 8, k = 4 gives 1.27 M against all-reduce's 1.75 M.
+    assert nic_traffic("byteps", machines=8, local_workers=1, servers=4) == pytest.approx(
+        1.2727, abs=1e-4)
+    # ddp's ring runs over every worker: 8 workers on 4 machines is 2 * 7 / 8.
+    assert nic_traffic("ddp", machines=4, local_workers=2, servers=0) == pytest.approx(1.75)
+    assert nic_traffic("ddp", machines=1, local_workers=4, servers=0) == 0.0
+
+
+def test_host_traffic_sums_every_nic():
+    assert host_traffic("ddp", machines=4, local_workers=1, servers=0) == pytest.approx(6.0)
+    # n = k = 4: every worker machine sends M, every CPU machine M.
+    assert host_traffic("byteps", machines=4, local_workers=1, servers=4) == pytest.approx(8.0)
+    # herring k = 2: 4 * (8/6) + 2 * (4/6).
+    assert host_traffic("herring", machines=4, local_workers=1, servers=2) == pytest.approx(
+        4 * 8 / 6 + 2 * 4 / 6)
+
+
+def test_unknown_strategy_names_the_known_ones():
+    with pytest.raises(ConfigError, match="it knows: ddp, byteps, herring"):
+        nic_traffic("parallax", machines=2, local_workers=1, servers=0)
+
+
+def test_link_bound_step_is_bytes_over_bandwidth():
+    net = Network(machines=4, servers=4, bandwidth_bit_s=1e9)
+    c = Constants(efficiency=1.0)
+    p = predict(Candidate(strategy="byteps", servers=4), network=net, compute=NO_COMPUTE,
+                model_bytes=125e6, constants=c)
+    assert p.step_time_s == pytest.approx(1.0)  # M = 1 Gbit through a 1 Gbit/s NIC
+    d = predict(Candidate(strategy="ddp"), network=net, compute=NO_COMPUTE, model_bytes=125e6,
+                constants=c)
+    assert d.step_time_s == pytest.approx(1.5)
+
+
+def test_overlap_hides_communication_behind_backward():
+    net = Network(machines=2, bandwidth_bit_s=8e6)  # 1 MB/s
+    compute = Compute(forward_s=0.1, backward_s=0.2, optimizer_s=0.0)
+    c = Constants(efficiency=1.0, overlap=0.5)
+    p = predict(Candidate(strategy="ddp"), network=net, compute=compute, model_bytes=1e6,
+                constants=c)  # ring over 2: 1 M = 1 s; 0.1 s of it hidden
+    assert p.comm_s == pytest.approx(1.0)
+    assert p.step_time_s == pytest.approx(0.3 + 1.0 - 0.1)
+
+
+def test_host_bound_on_a_shared_host_and_latency():
+    net = Network(machines=4, servers=4, bandwidth_bit_s=1e12, shared_host_cores=2,
+                  latency_s=1e-3)
+    c = Constants(efficiency=1.0, host_s_per_byte={"byteps": 1e-9})
+    p = predict(Candidate(strategy="byteps", servers=4), network=net, compute=NO_COMPUTE,
+                model_bytes=1e8, constants=c)
+    assert p.host_s == pytest.approx(8 * 1e8 * 1e-9 / 2)
+    assert p.latency_s == pytest.approx(2 * 4 * 1e-3)  # 25 partitions over 8 servers: 4 rounds
+    assert p.step_time_s == pytest.approx(p.host_s + p.latency_s)
+
+
+def test_candidates_and_recommendation():
+    net = Network(machines=4, servers=2, bandwidth_bit_s=1e9)
+    keys = [c.key for c in candidates(net)]
+    assert keys == ["ddp", "byteps k=0", "byteps k=1", "byteps k=2", "herring k=0",
+                    "herring k=1", "herring k=2"]
+    preds = [predict(c, network=net, compute=NO_COMPUTE, model_bytes=1e7)
+             for c in candidates(net)]
+    assert recommend(preds).candidate.key == "byteps k=2"
+    # Ties (k = 0 moves ring's bytes whatever the strategy): torch's own ddp is chosen.
+    tied = [p for p in preds if p.candidate.servers == 0]
+    assert recommend(tied).candidate.key == "ddp"
+    with pytest.raises(ConfigError):
+        recommend([])
