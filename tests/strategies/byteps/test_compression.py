@@ -30,7 +30,7 @@ def test_onebit_with_error_feedback_sends_a_32nd_and_still_trains():
 
 @pytest.mark.timeout(180)
 def test_fp16_halves_the_bytes_in_async_mode_too():
-    sync, _ = run_config(config(compress="fp16"))
+    sync, _ = run_config(config(compress="fp16", compress_min_bytes=0))  # every tensor
     assert wire(sync) == pytest.approx(wire(run_cached(config())[0]) / 2, rel=0.05)
     c = config(async_=True, compress="fp16", error_feedback=True).replace(optimizer="sgd",
                                                                           lr=0.05)
