@@ -28,9 +28,10 @@ from pathlib import Path
 from typing import Any
 
 import polytrain
+from polytrain.launch.network import parse_rate
 from polytrain.plan import CONSTANTS, Constants, Job, nic_traffic, plan_job
 from polytrain.plan.compute import measure_compute
-from polytrain.plan.cost import Compute, host_traffic, recommend
+from polytrain.plan.cost import Candidate, Compute, Network, host_traffic, predict, recommend
 from polytrain.plan.planner import host_cores
 from polytrain.train import run_config
 
@@ -148,33 +149,44 @@ def analyse(result: dict[str, Any], constants: Constants) -> dict[str, Any]:
 
 
 def fit(result: dict[str, Any]) -> Constants:
-    """Per strategy, the host CPU cost per byte and the fixed overhead per step that minimise
-    the largest relative error of the predictions over every bandwidth (a grid search)."""
-    host: dict[str, float] = {}
-    overhead: dict[str, float] = {}
-    grid = [0.0] + [1e-11 * 10 ** (i / 40) for i in range(0, 161)]  # 1e-11 .. 1e-7 s/B
-    for family in ("ddp", "byteps", "herring"):
-        best: tuple[float, float, float] | None = None
-        for c in grid:
-            trial = Constants(host_s_per_byte={family: c}, overhead_s={family: 0.0},
-                              overlap=CONSTANTS.overlap)
-            pairs = [(cfg["step_time_s"], cfg["predicted_s"])
-                     for bw in analyse(result, trial).values()
-                     for name, cfg in bw["configs"].items() if name.split()[0] == family]
-            if not pairs:
-                break
-            # The overhead that balances the largest over- and under-prediction.
-            lo = min(m - p for m, p in pairs)
-            hi = max(m - p for m, p in pairs)
-            a = max(0.0, (lo + hi) / 2)
-            err = max(abs(p + a - m) / m for m, p in pairs)
-            if best is None or err < best[0]:
-                best = (err, c, a)
-        if best is not None:
-            host[family], overhead[family] = best[1], best[2]
-            print(f"fit {family}: host {best[1]:.3g} s/B, overhead {best[2] * 1e3:.1f} ms, "
-                  f"largest error {best[0]:.1%}")
-    return Constants(host_s_per_byte=host, overhead_s=overhead, overlap=CONSTANTS.overlap)
+    """Per strategy family, the link efficiency, host CPU cost per byte and fixed overhead per
+    step that minimise the largest relative error over every bandwidth (a grid search; the
+    overhead is the one that balances the largest over- and under-prediction)."""
+    setup = result["setup"]
+    compute = Compute(**result["compute"])
+    n, cores = setup["nodes"], setup["cores"]
+    points: dict[str, list[tuple[float, Candidate, Network, float]]] = {}
+    for bw, by_name in result["runs"].items():
+        for name, runs in by_name.items():
+            if not runs:
+                continue
+            strategy, k = setup["configs"][name]
+            net = Network(machines=n, servers=k, shared_host_cores=cores,
+                          bandwidth_bit_s=None if bw == LOOPBACK else float(parse_rate(bw)))
+            measured = statistics.median(r["step_time_s"] for r in runs)
+            points.setdefault(strategy, []).append(
+                (measured, Candidate(strategy=strategy, servers=k), net, runs[0]["model_bytes"]))
+    efficiency, host, overhead = {}, {}, {}
+    hosts = [0.0] + [1e-11 * 10 ** (i / 20) for i in range(0, 61)]  # up to 1e-8 s/B
+    for family, pts in points.items():
+        best: tuple[float, float, float, float] | None = None
+        for e in [0.30 + 0.01 * i for i in range(0, 67)]:  # up to the wire's 0.96
+            for c in hosts:
+                trial = Constants(efficiency={family: e}, host_s_per_byte={family: c},
+                                  overhead_s={family: 0.0}, overlap=CONSTANTS.overlap)
+                pairs = [(m, predict(cand, network=net, compute=compute, model_bytes=mb,
+                                     constants=trial).step_time_s)
+                         for m, cand, net, mb in pts]
+                a = max(0.0, (min(m - p for m, p in pairs) + max(m - p for m, p in pairs)) / 2)
+                err = max(abs(p + a - m) / m for m, p in pairs)
+                if best is None or err < best[0]:
+                    best = (err, e, c, a)
+        assert best is not None
+        err, efficiency[family], host[family], overhead[family] = best
+        print(f"fit {family}: efficiency {best[1]:.2f}, host {best[2]:.3g} s/B, overhead "
+              f"{best[3] * 1e3:.1f} ms; largest error {err:.1%} over {len(pts)} points")
+    return Constants(efficiency=efficiency, host_s_per_byte=host, overhead_s=overhead,
+                     overlap=CONSTANTS.overlap)
 
 
 def report(result: dict[str, Any]) -> None:
@@ -198,8 +210,6 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from polytrain.launch.network import parse_rate
 
     shaped = {bw: t for bw, t in result["table"].items() if bw != LOOPBACK}
     names = list(result["setup"]["configs"])

@@ -31,8 +31,9 @@ def test_plan_json_shape(capsys, fixed_compute):
     for p in out["predictions"].values():
         assert {"step_time_s", "comm_s", "compute_s", "strategy", "servers"} <= set(p)
         assert p["step_time_s"] >= p["compute_s"] > 0
-    best = min(out["predictions"].values(), key=lambda p: p["step_time_s"])
-    assert out["predictions"][out["recommended"]]["step_time_s"] == best["step_time_s"]
+    # The fastest, or within 1% of it with fewer servers.
+    best = min(p["step_time_s"] for p in out["predictions"].values())
+    assert out["predictions"][out["recommended"]]["step_time_s"] <= best * 1.01
 
 
 def test_plan_of_a_cluster_larger_than_this_machine(capsys):

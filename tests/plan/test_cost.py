@@ -4,6 +4,7 @@ import pytest
 
 from polytrain.errors import ConfigError
 from polytrain.plan.cost import (
+    WIRE_EFFICIENCY,
     Candidate,
     Compute,
     Constants,
@@ -59,8 +60,9 @@ def test_unknown_strategy_names_the_known_ones():
 
 
 def test_link_bound_step_is_bytes_over_bandwidth():
-    net = Network(machines=4, servers=4, bandwidth_bit_s=1e9)
-    c = Constants(efficiency=1.0)
+    # An emulated cluster on a host with cores to spare: the constants apply, nothing is shared.
+    net = Network(machines=4, servers=4, bandwidth_bit_s=1e9, shared_host_cores=64)
+    c = Constants(efficiency={"ddp": 1.0, "byteps": 1.0})
     p = predict(Candidate(strategy="byteps", servers=4), network=net, compute=NO_COMPUTE,
                 model_bytes=125e6, constants=c)
     assert p.step_time_s == pytest.approx(1.0)  # M = 1 Gbit through a 1 Gbit/s NIC
@@ -70,19 +72,35 @@ def test_link_bound_step_is_bytes_over_bandwidth():
 
 
 def test_overlap_hides_communication_behind_backward():
-    net = Network(machines=2, bandwidth_bit_s=8e6)  # 1 MB/s
+    net = Network(machines=2, bandwidth_bit_s=8e6, shared_host_cores=64)  # 1 MB/s
     compute = Compute(forward_s=0.1, backward_s=0.2, optimizer_s=0.0)
-    c = Constants(efficiency=1.0, overlap=0.5)
+    c = Constants(efficiency={"ddp": 1.0}, overlap=0.5)
     p = predict(Candidate(strategy="ddp"), network=net, compute=compute, model_bytes=1e6,
                 constants=c)  # ring over 2: 1 M = 1 s; 0.1 s of it hidden
     assert p.comm_s == pytest.approx(1.0)
     assert p.step_time_s == pytest.approx(0.3 + 1.0 - 0.1)
 
 
+def test_real_machines_get_the_papers_model_not_this_hosts_constants():
+    fitted = Constants(efficiency={"ddp": 0.5}, host_s_per_byte={"ddp": 1e-6},
+                       overhead_s={"ddp": 1.0})
+    real = Network(machines=2, bandwidth_bit_s=8e6)
+    p = predict(Candidate(strategy="ddp"), network=real, compute=NO_COMPUTE, model_bytes=1e6,
+                constants=fitted)
+    assert p.host_s == 0.0
+    assert p.step_time_s == pytest.approx(1.0 / WIRE_EFFICIENCY)
+    emulated = Network(machines=2, bandwidth_bit_s=8e6, shared_host_cores=2)
+    q = predict(Candidate(strategy="ddp"), network=emulated, compute=NO_COMPUTE,
+                model_bytes=1e6, constants=fitted)
+    # Link 1 M at half of 1 MB/s: 2 s; host 2 M * 1e-6 s/B over 2 cores: 1 s; overhead 1 s.
+    assert (q.link_s, q.host_s) == (pytest.approx(2.0), pytest.approx(1.0))
+    assert q.step_time_s == pytest.approx(3.0)
+
+
 def test_host_bound_on_a_shared_host_and_latency():
     net = Network(machines=4, servers=4, bandwidth_bit_s=1e12, shared_host_cores=2,
                   latency_s=1e-3)
-    c = Constants(efficiency=1.0, host_s_per_byte={"byteps": 1e-9})
+    c = Constants(efficiency={"byteps": 1.0}, host_s_per_byte={"byteps": 1e-9})
     p = predict(Candidate(strategy="byteps", servers=4), network=net, compute=NO_COMPUTE,
                 model_bytes=1e8, constants=c)
     assert p.host_s == pytest.approx(8 * 1e8 * 1e-9 / 2)

@@ -17,8 +17,8 @@ _MODEL_FIELDS = ("seq_len", "d_model", "layers", "heads")
 
 
 def add_job_flags(p: argparse.ArgumentParser) -> None:
-    """``--model --data --workers --nodes --servers --batch-size --optimizer``, the network and
-    ``--devices``; the model options go in :func:`add_model_flags`."""
+    """``--model --data --workers --nodes --servers --batch-size --optimizer`` and the network;
+    ``--devices`` is :func:`add_devices_flag`, the model options :func:`add_model_flags`."""
     d = TrainConfig.__dataclass_fields__
     p.add_argument("--model", default=d["model"].default, metavar="NAME",
                    help=f"one of {', '.join(model_names())} (default gpt)")
@@ -35,6 +35,10 @@ def add_job_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--optimizer", default=d["optimizer"].default, choices=OPTIMIZERS,
                    help="default adam")
     add_network_flags(p)
+
+
+def add_devices_flag(p: argparse.ArgumentParser) -> None:
+    """``--devices``: emulated heterogeneous devices (last, as the usage line ends with it)."""
     p.add_argument("--devices", default=None, metavar="SPEC",
                    help="emulated heterogeneous devices, e.g. 'm0:fast*2,m1:slow*2' or a JSON "
                         "file: sets --workers and --nodes, every worker runs at its device's "

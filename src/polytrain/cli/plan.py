@@ -9,7 +9,7 @@ from typing import Any
 from ..errors import ConfigError
 from ..plan import HOSTS, Job, plan_job
 from ..strategies.base import get_strategy, strategy_names
-from .job import add_job_flags, add_model_flags, model_options
+from .job import add_devices_flag, add_job_flags, add_model_flags, model_options
 from .options import OptionFlag, Owner, add_hidden_flags
 
 __all__: list[str] = []
@@ -26,6 +26,7 @@ def add_parser(sub: Any) -> None:
                                    "the busiest NIC; recommend the fastest. Nothing is "
                                    "launched, so the cluster may be larger than this machine.")
     add_job_flags(p)
+    add_devices_flag(p)
     p.add_argument("--hosts", default="emulated", choices=HOSTS,
                    help="emulated (default): every machine on this host, as `polytrain train` "
                         "runs them; real: each machine its own host")

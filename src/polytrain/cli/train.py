@@ -13,7 +13,7 @@ from ..errors import ConfigError
 from ..plan import AUTO, Job, auto_record, chosen, plan_job
 from ..strategies.base import get_strategy, strategy_names
 from ..train import run_config
-from .job import add_job_flags, add_model_flags, model_options
+from .job import add_devices_flag, add_job_flags, add_model_flags, model_options
 from .options import OptionFlag, Owner, add_option_groups, flag_value, given_options
 
 __all__: list[str] = []
@@ -49,6 +49,7 @@ def add_parser(sub: Any, argv: Sequence[str] = ()) -> None:
                    help="longest wait on another process before failing (default 120)")
     p.add_argument("--port", type=int, default=None, help="rendezvous port (default: a free one)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="default cpu")
+    add_devices_flag(p)
     # The usage names the option groups rather than every strategy's and model's flags.
     p.usage = (p.format_usage().removeprefix("usage: ").replace(p.prog, "%(prog)s", 1).rstrip()
                + "\n" + " " * len(f"usage: {p.prog} ") + "[model options] [strategy options]")

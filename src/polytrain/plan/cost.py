@@ -10,13 +10,18 @@ not hide, plus a fixed cost per step::
   formulas of the papers; ``nic_traffic``): torch's ring over p workers
   2(p-1)/p; BytePS's Theorem 1 2n(n-1)/(n^2+kn-2k); Herring M(2n+k-2)/(n+k) on a
   worker machine and nM/(n+k) on a CPU machine.
-- ``efficiency``: payload per byte on the wire (TCP/IP headers on 1500-byte
-  frames: 1448/1514).
+- ``efficiency``: per strategy family, the fraction of the link's rate its
+  transfers keep busy (at best the payload per byte on the wire, 1448/1514 for
+  TCP/IP on 1500-byte frames; less where a strategy leaves the link idle
+  between messages); fitted on ``./dev bench cluster``.
 - host CPU: when every emulated machine runs on this one host, all bytes that
   cross any NIC are copied by the same ``cores``; ``c`` (seconds per byte, per
   strategy family) and ``overhead`` are fitted on ``./dev bench cluster``.
 - latency: ring all-reduce pays it 2(p-1) times per bucket, a push-pull once
   each way per round of partitions.
+- real machines (``shared_host_cores=None``): the papers' model, with the
+  wire's efficiency, no host term and no overhead (the fitted constants
+  describe this host's emulation only).
 
 Example::
 
@@ -37,11 +42,13 @@ from ..strategies.byteps.plan import optimal_shares
 from ..strategies.herring.plan import herring_traffic
 
 __all__ = ["STRATEGIES", "Constants", "Candidate", "Compute", "Network", "Prediction",
-           "nic_traffic", "host_traffic", "candidates", "predict", "recommend"]
+           "nic_traffic", "host_traffic", "candidates", "predict", "recommend", "WIRE_EFFICIENCY"]
 
 #: The strategies the cost model knows: every data-parallel one that trains any model.
 STRATEGIES = ("ddp", "byteps", "herring")
 _MB = 1 << 20
+#: Payload bytes per byte on the wire: a 1448-byte TCP segment in a 1514-byte frame.
+WIRE_EFFICIENCY = 1448 / 1514
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,7 +56,8 @@ class Constants:
     """The model's constants; see docs/cluster.md for how each was obtained.
 
     Args:
-        efficiency: payload bytes per byte on the wire (1448/1514, not fitted).
+        efficiency: per strategy, the fraction of the link's rate its transfers use
+            (default 1448/1514, TCP/IP's payload per byte on the wire; fitted).
         host_s_per_byte: per strategy, CPU seconds per byte crossing a NIC when every
             machine shares one host (fitted on ``./dev bench cluster``).
         overhead_s: per strategy, fixed seconds per step (fitted there too).
@@ -58,7 +66,8 @@ class Constants:
         partition_bytes: BytePS's partition (4,096,000), for the latency term.
     """
 
-    efficiency: float = 1448 / 1514
+    efficiency: Mapping[str, float] = field(default_factory=lambda: {
+        s: WIRE_EFFICIENCY for s in STRATEGIES})
     host_s_per_byte: Mapping[str, float] = field(default_factory=lambda: {
         "ddp": 0.0, "byteps": 0.0, "herring": 0.0})
     overhead_s: Mapping[str, float] = field(default_factory=lambda: {
@@ -68,7 +77,7 @@ class Constants:
     partition_bytes: int = 4_096_000
 
     def as_dict(self) -> dict[str, object]:
-        return {"efficiency": self.efficiency, "host_s_per_byte": dict(self.host_s_per_byte),
+        return {"efficiency": dict(self.efficiency), "host_s_per_byte": dict(self.host_s_per_byte),
                 "overhead_s": dict(self.overhead_s), "overlap": self.overlap,
                 "bucket_bytes": self.bucket_bytes, "partition_bytes": self.partition_bytes}
 
@@ -211,10 +220,14 @@ def predict(candidate: Candidate, *, network: Network, compute: Compute, model_b
              "servers": candidate.servers}
     s = candidate.strategy
     nic = nic_traffic(s, **shape)
+    emulated = network.shared_host_cores is not None
+    # The fitted constants describe this host's emulation; real machines get the papers'
+    # model: the wire's efficiency, no host term, no overhead.
+    efficiency = constants.efficiency.get(s, WIRE_EFFICIENCY) if emulated else WIRE_EFFICIENCY
     if network.bandwidth_bit_s is None:
         link = 0.0
     else:
-        link = nic * model_bytes / (constants.efficiency * network.bandwidth_bit_s / 8)
+        link = nic * model_bytes / (efficiency * network.bandwidth_bit_s / 8)
     per_byte = constants.host_s_per_byte.get(s, 0.0)
     if network.shared_host_cores is not None:
         host = host_traffic(s, **shape) * model_bytes * per_byte / network.shared_host_cores
@@ -226,7 +239,8 @@ def predict(candidate: Candidate, *, network: Network, compute: Compute, model_b
     comm = max(link, host) + latency
     compute_s = compute.step_s * share
     hidden = constants.overlap * compute.backward_s * share
-    step = constants.overhead_s.get(s, 0.0) + compute_s + max(0.0, comm - hidden)
+    overhead = constants.overhead_s.get(s, 0.0) if emulated else 0.0
+    step = overhead + compute_s + max(0.0, comm - hidden)
     return Prediction(candidate=candidate, step_time_s=step, comm_s=comm, compute_s=compute_s,
                       nic_bytes_M=nic, link_s=link, host_s=host, latency_s=latency)
 
