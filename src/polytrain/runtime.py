@@ -42,7 +42,8 @@ class Groups:
     workers: Any
     local: Any      # the workers of this rank's machine
     leaders: Any    # the first worker of every worker machine
-    service: Any    # every rank: point-to-point traffic with servers, apart from collectives
+    service: Any    # every rank: point-to-point traffic, apart from collectives
+    answers: Any    # every rank: what servers send (one TCP stream per direction: see Transport)
 
 
 class Context:
@@ -70,6 +71,7 @@ class Context:
         self.backend = backend
         self.meter = TrafficMeter(rank, topology)
         self.transport = Transport(rank=rank, topology=topology, group=groups.service,
+                                   answers=groups.answers,
                                    meter=self.meter, timeout_s=timeout_s)
         self.ps_client = PSClient(self.transport, topology)
         #: The run's service keys: every user of the service takes fresh ones here.
@@ -298,9 +300,11 @@ def _make_groups(topology: Topology, rank: int, cuda: bool, timeout: float) -> G
             local = g
     leaders = group(topology.leaders)
     service = group(range(topology.world_size), "gloo")
-    made = Groups(workers=workers, local=local, leaders=leaders, service=service)
-    _even_group_counts(1 + sum(g is not None for g in (workers, local, leaders, service)),
-                       rank, td)
+    answers = group(range(topology.world_size), "gloo")
+    made = Groups(workers=workers, local=local, leaders=leaders, service=service,
+                  answers=answers)
+    held = (workers, local, leaders, service, answers)
+    _even_group_counts(1 + sum(g is not None for g in held), rank, td)
     return made
 
 

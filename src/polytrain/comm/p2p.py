@@ -76,19 +76,32 @@ class Transport:
     messages go straight to its ``send``/``recv``: torch's ``isend``/``irecv``
     wrappers re-check the group and translate ranks on every call, about 15 us of
     Python per message, and the summation service moves hundreds per step.
+
+    What servers send travels on ``answers`` (a second group over every rank, so
+    a second TCP connection between each pair), everything else on ``group``.
+    gloo sends a message only once the receiver has told it the receive is
+    posted; that notice travels behind whatever the receiver itself is sending
+    to the sender on the same connection. A server answering a worker while the
+    worker pushes its next partition would hold the push's notice behind
+    megabytes of answers, so each direction's bytes waited for the other's and a
+    shaped link sat idle half the step. With one connection per direction, a
+    notice only ever queues behind other notices.
     """
 
     def __init__(self, *, rank: int, topology: Topology, group: Any, meter: TrafficMeter,
-                 timeout_s: float) -> None:
+                 timeout_s: float, answers: Any = None) -> None:
         self.rank = rank
         self.topology = topology
         self.group = group
+        self.answers = group if answers is None else answers
+        self._servers = frozenset(topology.servers)
         self.meter = meter
         self.timeout_s = timeout_s
-        ranks = dist.get_process_group_ranks(group)
-        if ranks != list(range(len(ranks))):
-            raise CommError(f"the transport's group must span every rank in order (got ranks "
-                            f"{ranks})", "make it with dist.new_group(range(world_size))")
+        for g in {id(group): group, id(self.answers): self.answers}.values():
+            ranks = dist.get_process_group_ranks(g)
+            if ranks != list(range(len(ranks))):
+                raise CommError(f"the transport's groups must span every rank in order (got "
+                                f"ranks {ranks})", "make them with dist.new_group(range(world_size))")
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int, what: str = "a message") -> Handle:
         staged = tensor.detach()
@@ -97,7 +110,8 @@ class Transport:
         staged = staged.contiguous()
         nbytes = staged.numel() * staged.element_size()
         try:
-            work = self.group.send([staged], dst, tag)
+            group = self.answers if self.rank in self._servers else self.group
+            work = group.send([staged], dst, tag)
         except RuntimeError as e:
             raise self.error(e, dst, what, self.timeout_s) from None
         self.meter.record(dst, nbytes, SENT)
@@ -113,8 +127,10 @@ class Transport:
                             "receive into a contiguous buffer and copy from it")
         staged = tensor if tensor.device.type == "cpu" else torch.empty_like(tensor, device="cpu")
         try:
+            # A receive from any rank is a server's, of requests: workers send those.
             work = (self.group.recv_anysource([staged], tag) if src is None
-                    else self.group.recv([staged], src, tag))
+                    else (self.answers if src in self._servers else self.group).recv(
+                        [staged], src, tag))
         except RuntimeError as e:
             raise self.error(e, src, what, self.timeout_s) from None
         nbytes = staged.numel() * staged.element_size()
