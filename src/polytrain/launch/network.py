@@ -59,6 +59,10 @@ _TIME_UNITS = {"us": 1e-6, "usec": 1e-6, "ms": 1e-3, "msec": 1e-3, "s": 1.0, "se
 _QUANTITY = re.compile(r"\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:e[-+]?\d+)?)\s*([a-z]*)\s*")
 # A veth may pass a 64 KiB segment at once (GSO): the bucket must hold one.
 _MIN_BURST_BYTES = 1 << 17
+#: The most bytes one TCP socket may hold queued below it (the kernel's TSQ bound,
+#: ``net.ipv4.tcp_limit_output_bytes``, 4 MiB by default), per emulated machine.
+_QUEUE_S = 1e-3
+_MIN_QUEUE_BYTES = 1 << 16
 
 
 def _quantity(text: str, units: Mapping[str, float], flag: str, example: str) -> float:
@@ -429,6 +433,20 @@ class Network:
             self._batch(self._ip, self.namespace(m), [
                 "link set lo up", f"link set {nic} addrgenmode none",
                 f"addr add {self.address(m)}/24 dev {nic}", f"link set {nic} up"])
+            self._short_queues(m)
+
+    def _short_queues(self, machine: str) -> None:
+        # A real NIC holds about a millisecond of bytes (byte queue limits); the shaper's
+        # queue here would take 4 MiB from every socket, and a small message (gloo's notice
+        # that a receive is posted) would wait behind all of them: 33 ms per socket at
+        # 1 Gbit/s, tens of them per step for a server's many connections.
+        limit = max(_MIN_QUEUE_BYTES, int(self.shape.rate_bit_s / 8 * _QUEUE_S))
+        out = subprocess.run([*self.exec_prefix(machine), "sysctl", "-qw",
+                              f"net.ipv4.tcp_limit_output_bytes={limit}"],
+                             capture_output=True, text=True, check=False)
+        if out.returncode != 0:
+            log.warning("could not bound the TCP queue in %s (%s): small messages may wait "
+                        "behind bulk data", self.namespace(machine), out.stderr.strip())
 
     def _shape_links(self) -> None:
         for m in self.machines:
