@@ -101,7 +101,8 @@ class Transport:
             ranks = dist.get_process_group_ranks(g)
             if ranks != list(range(len(ranks))):
                 raise CommError(f"the transport's groups must span every rank in order (got "
-                                f"ranks {ranks})", "make them with dist.new_group(range(world_size))")
+                                f"ranks {ranks})",
+                                "make them with dist.new_group(range(world_size))")
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int, what: str = "a message") -> Handle:
         staged = tensor.detach()
