@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from ..errors import CommError, CommTimeout, PeerLost
 from .meter import RECV, SENT, TrafficMeter
+from .tags import RESPONSE, channel_of
 from .topology import Topology
 
 __all__ = ["Transport", "Handle"]
@@ -77,8 +78,9 @@ class Transport:
     wrappers re-check the group and translate ranks on every call, about 15 us of
     Python per message, and the summation service moves hundreds per step.
 
-    What servers send travels on ``answers`` (a second group over every rank, so
-    a second TCP connection between each pair), everything else on ``group``.
+    Servers' answers (the RESPONSE tag channel) travel on ``answers``, a second
+    group over every rank (so a second TCP connection between each pair), and
+    everything else on ``group``.
     gloo sends a message only once the receiver has told it the receive is
     posted; that notice travels behind whatever the receiver itself is sending
     to the sender on the same connection. A server answering a worker while the
@@ -94,7 +96,6 @@ class Transport:
         self.topology = topology
         self.group = group
         self.answers = group if answers is None else answers
-        self._servers = frozenset(topology.servers)
         self.meter = meter
         self.timeout_s = timeout_s
         for g in {id(group): group, id(self.answers): self.answers}.values():
@@ -111,8 +112,7 @@ class Transport:
         staged = staged.contiguous()
         nbytes = staged.numel() * staged.element_size()
         try:
-            group = self.answers if self.rank in self._servers else self.group
-            work = group.send([staged], dst, tag)
+            work = self._group(tag).send([staged], dst, tag)
         except RuntimeError as e:
             raise self.error(e, dst, what, self.timeout_s) from None
         self.meter.record(dst, nbytes, SENT)
@@ -128,15 +128,17 @@ class Transport:
                             "receive into a contiguous buffer and copy from it")
         staged = tensor if tensor.device.type == "cpu" else torch.empty_like(tensor, device="cpu")
         try:
-            # A receive from any rank is a server's, of requests: workers send those.
-            work = (self.group.recv_anysource([staged], tag) if src is None
-                    else (self.answers if src in self._servers else self.group).recv(
-                        [staged], src, tag))
+            group = self._group(tag)
+            work = (group.recv_anysource([staged], tag) if src is None
+                    else group.recv([staged], src, tag))
         except RuntimeError as e:
             raise self.error(e, src, what, self.timeout_s) from None
         nbytes = staged.numel() * staged.element_size()
         return Handle(self, work, src, nbytes, RECV, what, staged=staged,
                       target=tensor if staged is not tensor else None, source_of=source_of)
+
+    def _group(self, tag: int) -> Any:
+        return self.answers if channel_of(tag) == RESPONSE else self.group
 
     def error(self, exc: Exception, peer: int | None, what: str, timeout_s: float) -> CommError:
         """Turn torch's error for a message with ``peer`` into one that says who and what."""

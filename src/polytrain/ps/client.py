@@ -16,6 +16,7 @@ from .protocol import (
     LIVENESS_TAG,
     STATUS_BYTES,
     Op,
+    ack_tag,
     decode,
     encode,
     payload_tag,
@@ -75,7 +76,9 @@ class PSClient:
     def request(self, server: int, op: Op, *, key: int = 0, round: int = 0,
                 payload: torch.Tensor | None = None, answer: torch.Tensor | None = None,
                 lane: int = 0, what: str = "") -> list[Handle]:
-        """Send one request; the answer (if any) lands in ``answer``. Returns its handles."""
+        """Send one request; the answer (if any) lands in ``answer``. Returns its handles:
+        the answer's, then (a PUSHPULL with a payload) the server's receipt, then the sends.
+        """
         with self._lock:
             seq = next(self._seq)
         what = what or f"{op.name} of key {key}"
@@ -85,6 +88,9 @@ class PSClient:
                                                 f"answer to {what}"))
         flat = None if payload is None else payload.detach().reshape(-1)
         numel = 0 if flat is None else flat.numel()
+        if op == Op.PUSHPULL and numel:
+            handles.append(self.transport.irecv(torch.empty(1, dtype=torch.int64), server,
+                                                ack_tag(seq), f"receipt of {what}"))
         dtype = torch.uint8 if flat is None else flat.dtype
         head = make_header(op, key=key, round=round, numel=numel, dtype=dtype, seq=seq,
                            lane=lane, src=self.transport.rank)

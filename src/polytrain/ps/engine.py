@@ -370,17 +370,20 @@ class Engine:
             if codec is not None:  # compress the machine's sum; the answer is packed too
                 own = codec.encode(own)
                 task.packed = torch.empty(codec.nbytes, dtype=torch.uint8)
-            answer, *sends = client.request(task.part.owner, Op.PUSHPULL, key=part.key,
+            answer, receipt, *sends = client.request(task.part.owner, Op.PUSHPULL, key=part.key,
                                             round=task.round, payload=own,
                                             answer=task.out if task.packed is None
                                             else task.packed,
                                             what=f"push_pull of {part.label}")
-            self.sent.put((task, sends, own))
+            self.sent.put((task, [*sends, receipt], own))
             self.answers.put((task, answer))
 
     def _drain_sends(self) -> None:
-        # Credit comes back when a push has left, not when its sum is back: the sum waits
-        # for the other machines' pushes, which may wait for credit themselves (a deadlock).
+        # Credit comes back when the server holds a push (its receipt), not when its sum is
+        # back: the sum waits for the other machines' pushes, which may wait for credit
+        # themselves (a deadlock). Nor when the send is done: that only means the bytes
+        # left this process, and the kernel may hold megabytes of them for every server,
+        # which then share the link and all finish late, their answers with them.
         while (item := self.sent.get()) is not None:
             task, sends, _ = item
             for h in sends:

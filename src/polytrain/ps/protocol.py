@@ -14,6 +14,11 @@ each op), so the worker posts the receive before it sends the request.
                               |  store handles it (now or later)
     wait(response) <--------- |  isend(response, seq)
 
+A PUSHPULL's payload is acknowledged as soon as the server holds it (one
+int64, the sequence number, on ``tags.tag(ACK, seq)``): the worker's credit
+counts bytes not yet at the server, and a finished ``isend`` only says they
+left this process (the kernel may hold megabytes of them).
+
 docs/architecture.md lists what each op sends and gets for each store kind.
 """
 
@@ -75,6 +80,11 @@ def dtype_code(dtype: torch.dtype) -> int:
 def payload_tag(seq: int) -> int:
     """The tag of request ``seq``'s payload."""
     return tags.tag(tags.PAYLOAD, seq)
+
+
+def ack_tag(seq: int) -> int:
+    """The tag of the server's receipt for request ``seq``'s payload (PUSHPULL)."""
+    return tags.tag(tags.ACK, seq)
 
 
 def response_tag(seq: int) -> int:

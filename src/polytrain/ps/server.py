@@ -19,6 +19,7 @@ from .protocol import (
     STATUS_BYTES,
     Op,
     Request,
+    ack_tag,
     decode,
     encode,
     payload_tag,
@@ -49,6 +50,8 @@ class _Engine(threading.Thread):
                 req, payload = item
                 if payload is not None:
                     payload.wait()
+                    if req.op == Op.PUSHPULL:
+                        self.server.acknowledge(req)
                 self.server.stores[req.key].handle(req)
         except BaseException as e:  # noqa: BLE001 - handed to the main loop, which raises it
             self.server.fail(e)
@@ -196,6 +199,12 @@ class Server:
             self.pinned[decl.key] = engine
             self.stores[decl.key] = store
         self.respond(req, encode(answer, STATUS_BYTES))
+
+    def acknowledge(self, req: Request) -> None:
+        """Tell the worker that ``req``'s payload is here (its credit comes back)."""
+        self.transport.isend(torch.tensor([req.seq], dtype=torch.int64), req.src,
+                             ack_tag(req.seq), f"receipt of {req.op.name} of key {req.key}"
+                             ).wait()
 
     def respond(self, req: Request, tensor: torch.Tensor) -> None:
         """Send the answer to ``req`` (called from engine threads)."""
