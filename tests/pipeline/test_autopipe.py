@@ -42,18 +42,23 @@ def test_the_pipeline_halves_and_replicas_double_when_half_the_stages_hold_it(pr
     assert (plan.stages, plan.replicas, plan.micro_batches) == (2, 4, 4)
     # Per step the slowest stage is no slower: cost per sample x the replica's batch.
     assert plan.bottleneck * 32 / plan.replicas <= first.bottleneck * 32 / first.replicas
-    # Without AutoDP the pipeline may still halve, and the freed workers idle.
+    # Without AutoDP a replica keeps its batch, so half the stages would be slower...
     alone = plan_pipe(profile, step=10, frozen=2, stages=4, replicas=2, global_batch=32,
                       previous=first, memory=1.0 * 2**20, autodp=False)
-    assert alone.replicas == 2 and alone.pipeline_of(7) is None
+    assert (alone.stages, alone.replicas) == (4, 2)
+    # ...until fewer layers train than there are stages; then the freed workers idle.
+    short = plan_pipe(profile, step=10, frozen=5, stages=4, replicas=2, global_batch=32,
+                      previous=first, memory=1.0 * 2**20, autodp=False)
+    assert (short.stages, short.replicas) == (2, 2) and short.pipeline_of(3) == (1, 1)
+    assert short.pipeline_of(4) is None and short.pipeline_of(7) is None
     # The memory of one device decides how short the pipeline can get.
     roomy = plan_pipe(profile, step=10, frozen=2, stages=4, replicas=2, global_batch=32,
                       previous=first)
     assert (roomy.stages, roomy.replicas) == (1, 8)
     # A global batch that does not split over twice the replicas keeps the pipeline.
-    odd = plan_pipe(profile, step=10, frozen=2, stages=4, replicas=2, global_batch=36,
+    odd = plan_pipe(profile, step=10, frozen=2, stages=4, replicas=2, global_batch=34,
                     previous=plan_pipe(profile, step=0, frozen=0, stages=4, replicas=2,
-                                       global_batch=36))
+                                       global_batch=34))
     assert (odd.stages, odd.replicas) == (4, 2)
 
 

@@ -12,7 +12,8 @@ gradient norm over the interval that just ended *relative to its norm when
 it started training* (so a small layer and a large one compare), a layer's
 learning "has stopped" once that ratio is at most ``threshold``, and the
 front is frozen through the stopped layer with the smallest ratio, never
-past the cap. With no stopped layer nothing more freezes.
+past the cap (of equal ratios, the deepest). With no stopped layer nothing more
+freezes.
 
     >>> next_frozen(0, 5, [0.9, 0.3, 0.2, 0.6, 0.8], alpha=1 / 3, threshold=0.5)
     2
@@ -69,7 +70,7 @@ def next_frozen(frozen: int, freezable: int, ratios: Sequence[float], *, alpha: 
     stopped = [i for i, r in enumerate(ratios) if r <= threshold]
     if not stopped:
         return frozen
-    smallest = min(stopped, key=lambda i: (ratios[i], i))  # argmin; ties: the front one
+    smallest = min(stopped, key=lambda i: (ratios[i], -i))  # argmin; ties: the deepest
     return min(cap, frozen + smallest + 1)
 
 
