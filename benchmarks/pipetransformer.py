@@ -81,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval-every", type=int, default=10)
     p.add_argument("--gflops", type=float, default=1.0, help="each emulated device's speed")
     p.add_argument("--only", nargs="*", default=None, help="run only these variants")
+    p.add_argument("--merge", action="store_true",
+                   help="add these runs to those already in --out (split a long benchmark)")
     p.add_argument("--out", type=Path, default=RESULTS / "pipetransformer.json")
     args = p.parse_args(argv)
     model = {"seq_len": 32, "d_model": 64, "layers": 8, "heads": 4}
@@ -101,12 +103,15 @@ def main(argv: list[str] | None = None) -> int:
         init=str(pre / "final.pt"), eval_every=args.eval_every, quiet=True, timeout_s=300)
     names = [n for n in VARIANTS if args.only is None or n in args.only]
     runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+    if args.merge and args.out.exists():
+        earlier = json.loads(args.out.read_text())["runs"]
+        runs = {n: list(earlier.get(n, [])) for n in VARIANTS if n in earlier or n in names}
     for r in range(args.rounds):
         for name in names:
             options = {"freeze_every": args.freeze_every,
                        "freeze_threshold": args.freeze_threshold, **VARIANTS[name]}
             m = run_config(base.replace(strategy_options=options), env=ENV)
-            runs[name].append({"eval": m["eval"], "final_eval_loss": m["final_eval_loss"],
+            runs.setdefault(name, []).append({"eval": m["eval"], "final_eval_loss": m["final_eval_loss"],
                                "wall_time_s": m["wall_time_s"],
                                "train_time_s": m["eval"][-1]["train_time_s"],
                                "step_time_s": m["step_time_s"],
@@ -127,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             else None}
     if ref and summary["no freeze"]["time_to_target_s"]:
         base_t = summary["no freeze"]["time_to_target_s"]
-        for name, s in summary.items():
+        for s in summary.values():
             t = s["time_to_target_s"]
             s["speedup"] = base_t / t if t else None
             s["final_within_1pct"] = abs(s["final_eval_loss"] / summary["no freeze"][
@@ -140,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1) + "\n")
     for name, s in summary.items():
-        print(f"{name:12s} time to {target:.4f}: {s['time_to_target_s']} s, speed-up "
+        print(f"{name:12s} time to {target or float('nan'):.4f}: {s['time_to_target_s']} s, "
+              f"speed-up "
               f"{s.get('speedup')}, final {s['final_eval_loss']:.4f}")
     plot(out, args.out.with_suffix(".png"))
     return 0
