@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pretrain-steps", type=int, default=400)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--freeze-every", type=int, default=20)
-    p.add_argument("--freeze-threshold", type=float, default=0.5)
+    p.add_argument("--freeze-threshold", type=float, default=1.0)
     p.add_argument("--eval-every", type=int, default=10)
     p.add_argument("--gflops", type=float, default=1.0, help="each emulated device's speed")
     p.add_argument("--only", nargs="*", default=None, help="run only these variants")
@@ -111,12 +111,11 @@ def main(argv: list[str] | None = None) -> int:
             options = {"freeze_every": args.freeze_every,
                        "freeze_threshold": args.freeze_threshold, **VARIANTS[name]}
             m = run_config(base.replace(strategy_options=options), env=ENV)
-            runs.setdefault(name, []).append({"eval": m["eval"], "final_eval_loss": m["final_eval_loss"],
-                               "wall_time_s": m["wall_time_s"],
-                               "train_time_s": m["eval"][-1]["train_time_s"],
-                               "step_time_s": m["step_time_s"],
-                               "freeze_timeline": m.get("freeze_timeline"),
-                               "cache": m.get("cache")})
+            runs.setdefault(name, []).append({
+                "eval": m["eval"], "final_eval_loss": m["final_eval_loss"],
+                "wall_time_s": m["wall_time_s"], "train_time_s": m["eval"][-1]["train_time_s"],
+                "step_time_s": m["step_time_s"], "freeze_timeline": m.get("freeze_timeline"),
+                "cache": m.get("cache")})
             print(f"round {r} {name:12s} final held-out {m['final_eval_loss']:.4f} "
                   f"train time {runs[name][-1]['train_time_s']:.1f} s", flush=True)
     summary: dict[str, Any] = {}

@@ -198,6 +198,9 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
                          micro_batches=self.options.micro_batches, memory=self.memory,
                          state_factor=self.state_factor)
         self._install(plan, None)
+        if self.options.freeze and self.freeze_every is None and ctx.worker_index == 0:
+            log.warning("pipetransformer: no freeze points (the data has no epochs), so no "
+                        "layer will freeze; pass --freeze-every N or --sampling epoch")
 
     def replan(self, step: int) -> None:
         """At a freeze point: AutoFreeze decides, AutoPipe/AutoDP re-plan, state moves."""
