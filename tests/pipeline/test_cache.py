@@ -27,7 +27,8 @@ def _step(layers, h, y, frozen):
         out = layer(out)
     loss = loss_fn(out, y)
     loss.backward()
-    return float(loss.detach()), [p.grad.clone() for layer in layers[frozen:] for p in layer.parameters()]
+    grads = [p.grad.clone() for layer in layers[frozen:] for p in layer.parameters()]
+    return float(loss.detach()), grads
 
 
 @pytest.mark.parametrize("memory", [1 << 30, 0])  # the memory tier, and the disk tier alone
