@@ -17,10 +17,11 @@ from .launch.network import LinkShape, link_shape
 from .models import get_model
 from .strategies.base import get_strategy, make_options
 
-__all__ = ["TrainConfig", "OPTIMIZERS", "SCHEDULES"]
+__all__ = ["TrainConfig", "OPTIMIZERS", "SCHEDULES", "SAMPLINGS", "check_init"]
 
 OPTIMIZERS = ("sgd", "adam")
 SCHEDULES = ("constant", "cosine")
+SAMPLINGS = ("random", "epoch")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,6 +52,13 @@ class TrainConfig:
             :func:`polytrain.pipeline.parse_cluster`): it sets the workers and machines,
             every worker runs at its device's speed (on CPU), and layouts that do not
             fit the devices' memory are refused. Default: none (real speed).
+        init: start from this ``final.pt`` of the same model (any strategy); another model's
+            weights are refused naming the first key that differs. Default: none.
+        eval_every: every N steps (and after the last), the loss and next-token accuracy on
+            held-out data (the last tenth of the data set, never trained on) go to
+            ``metrics.json`` as ``eval``. Default: none.
+        sampling: ``random`` windows of the corpus (default), or ``epoch``: a fixed set of
+            non-overlapping windows, each once per epoch in a fresh order.
         auto: set by ``--strategy auto`` (:func:`polytrain.plan.auto_record`): the
             planner's choice, why, and every strategy's prediction; ``metrics.json``
             records it as ``auto``. Default: none.
@@ -79,6 +87,9 @@ class TrainConfig:
     latency: str | None = None
     model_options: Mapping[str, Any] = field(default_factory=dict)
     strategy_options: Mapping[str, Any] = field(default_factory=dict)
+    init: str | None = None
+    eval_every: int | None = None
+    sampling: str = "random"
     auto: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
@@ -118,10 +129,22 @@ class TrainConfig:
         if self.data not in dataset_names():
             raise ConfigError(f"unknown data set {self.data!r}; the data sets are: "
                               f"{', '.join(dataset_names())}", "pass --data text")
+        if self.sampling not in SAMPLINGS:
+            raise ConfigError(f"unknown sampling {self.sampling!r}; the samplings are: "
+                              f"{', '.join(SAMPLINGS)}", "pass --sampling random or epoch")
+        if self.eval_every is not None and self.eval_every < 1:
+            raise ConfigError(f"--eval-every must be at least 1 step (got {self.eval_every})",
+                              "pass --eval-every 50")
         spec = get_model(self.model)
         with torch.device("meta"):  # the model's own checks, without allocating it
             model = spec.make(**self.model_options)
         cls = get_strategy(self.strategy)
+        if self.eval_every is not None and not cls.evaluates():
+            raise ConfigError(f"strategy {self.strategy!r} holds part of the model on each "
+                              f"worker and has no held-out evaluation",
+                              "leave out --eval-every, or evaluate the run's final.pt")
+        if self.init is not None:
+            check_init(self.init, model)
         options = make_options(cls, dict(self.strategy_options))
         layout = self.layout()
         cls.check_layout(layout, options)
@@ -158,3 +181,35 @@ class TrainConfig:
 
     def replace(self, **changes: Any) -> TrainConfig:
         return dataclasses.replace(self, **changes)
+
+
+def check_init(path: str, model: Any) -> dict[str, torch.Tensor]:
+    """The state dict in ``path`` (a ``final.pt``), refused unless it has ``model``'s keys and
+    shapes; the error names the first key that differs."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except (OSError, RuntimeError) as e:
+        raise ConfigError(f"--init {path} cannot be read as a final.pt ({e})",
+                          "pass the final.pt of an earlier run of the same --model") from None
+    if not isinstance(state, dict):
+        raise ConfigError(f"--init {path} holds a {type(state).__name__}, not a state dict",
+                          "pass the final.pt of an earlier run of the same --model")
+    want = model.state_dict()
+    for (a, ta), b in zip(want.items(), list(state) + [None] * len(want)):
+        if b != a:
+            raise ConfigError(f"--init {path} holds another model's weights: the first key "
+                              f"that differs is {a!r} here but "
+                              f"{'missing' if b is None else repr(b)} there",
+                              "pass the final.pt of a run of the same --model and model "
+                              "options")
+        if tuple(state[b].shape) != tuple(ta.shape):
+            raise ConfigError(f"--init {path} holds another model's weights: {a!r} is "
+                              f"{list(ta.shape)} here but {list(state[b].shape)} there",
+                              "pass the final.pt of a run of the same --model and model "
+                              "options")
+    if len(state) > len(want):
+        extra = list(state)[len(want)]
+        raise ConfigError(f"--init {path} holds another model's weights: the first key that "
+                          f"differs is {extra!r}, which this model lacks",
+                          "pass the final.pt of a run of the same --model and model options")
+    return state

@@ -8,7 +8,7 @@ import re
 import sys
 from typing import Any, Sequence
 
-from ..config import SCHEDULES, TrainConfig
+from ..config import SAMPLINGS, SCHEDULES, TrainConfig
 from ..errors import ConfigError
 from ..plan import AUTO, Job, auto_record, chosen, plan_job
 from ..strategies.base import get_strategy, strategy_names
@@ -44,6 +44,15 @@ def add_parser(sub: Any, argv: Sequence[str] = ()) -> None:
     p.add_argument("--seed", type=int, default=0, metavar="S", help="default 0")
     p.add_argument("--out", default=None, metavar="DIR",
                    help="write DIR/metrics.json and DIR/final.pt")
+    p.add_argument("--init", default=None, metavar="PATH",
+                   help="start from PATH, the final.pt of an earlier run of the same model "
+                        "(any strategy; e.g. a pre-trained model to fine-tune)")
+    p.add_argument("--eval-every", type=int, default=None, metavar="N",
+                   help="every N steps and after the last: loss and accuracy on held-out data "
+                        "(the data set's last tenth, then never trained on) in metrics.json")
+    p.add_argument("--sampling", default=d["sampling"].default, choices=SAMPLINGS,
+                   help="random windows (default), or epoch: fixed samples, each once per "
+                        "epoch")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--timeout", type=float, default=d["timeout_s"].default, metavar="SECONDS",
                    help="longest wait on another process before failing (default 120)")
@@ -83,7 +92,8 @@ def _common(ns: argparse.Namespace) -> dict[str, Any]:
         batch_size=ns.batch_size, lr=ns.lr, optimizer=ns.optimizer, lr_schedule=ns.lr_schedule,
         warmup_steps=ns.warmup_steps, seed=ns.seed, out=ns.out, quiet=ns.quiet,
         timeout_s=ns.timeout, port=ns.port, device=ns.device, devices=ns.devices,
-        bandwidth=ns.bandwidth, latency=ns.latency, model_options=model_options(ns, _model_flags))
+        bandwidth=ns.bandwidth, latency=ns.latency, model_options=model_options(ns, _model_flags),
+        init=ns.init, eval_every=ns.eval_every, sampling=ns.sampling)
 
 
 def auto_config(ns: argparse.Namespace) -> TrainConfig:
@@ -129,6 +139,9 @@ def run(ns: argparse.Namespace) -> int:
     print(f"final loss {metrics['final_loss']:.4f} | {metrics['samples_per_s']:.1f} samples/s | "
           f"step {st['median'] * 1e3:.1f} ms median, {st['p90'] * 1e3:.1f} ms p90 | "
           f"{metrics['wall_time_s']:.1f} s")
+    if metrics.get("final_eval_loss") is not None:
+        last = metrics["eval"][-1]
+        print(f"held-out loss {last['loss']:.4f}, accuracy {last['accuracy']:.3f}")
     if config.out:
         print(f"wrote {config.out}/metrics.json and {config.out}/final.pt")
     return 0

@@ -7,13 +7,35 @@ from typing import Callable
 import torch
 
 from ..errors import ConfigError
-from .batches import GlobalBatches, check_divisible, shard
+from .batches import EpochBatches, GlobalBatches, check_divisible, shard, windows
 from .text import stdlib_corpus
 
-__all__ = ["GlobalBatches", "shard", "check_divisible", "stdlib_corpus", "get_dataset",
-           "dataset_names"]
+__all__ = ["GlobalBatches", "EpochBatches", "windows", "shard", "check_divisible",
+           "stdlib_corpus", "get_dataset", "dataset_names", "held_out_split", "HELD_OUT"]
 
-_DATASETS: dict[str, Callable[[], torch.Tensor]] = {"text": stdlib_corpus}
+#: The fraction of a data set's end that ``--eval-every`` holds out (never trained on).
+HELD_OUT = 0.1
+
+
+def _part(start: float, end: float) -> Callable[[], torch.Tensor]:
+    def part() -> torch.Tensor:
+        corpus = stdlib_corpus()
+        return corpus[int(start * corpus.numel()):int(end * corpus.numel())]
+    return part
+
+
+# A fine-tuning task: pre-train on the first three quarters of the corpus (modules whose
+# paths sort first), fine-tune on the last 64th (other modules, other code; small enough
+# that a short fine-tuning run sees it for a few epochs).
+_DATASETS: dict[str, Callable[[], torch.Tensor]] = {
+    "text": stdlib_corpus, "text-pretrain": _part(0.0, 0.75),
+    "text-finetune": _part(63 / 64, 1.0)}
+
+
+def held_out_split(corpus: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(training part, held-out part): the last :data:`HELD_OUT` of the corpus is held out."""
+    cut = int(corpus.numel() * (1 - HELD_OUT))
+    return corpus[:cut], corpus[cut:]
 
 
 def dataset_names() -> list[str]:

@@ -8,7 +8,7 @@ import torch
 
 from ..errors import ConfigError
 
-__all__ = ["GlobalBatches", "shard", "check_divisible"]
+__all__ = ["GlobalBatches", "EpochBatches", "windows", "shard", "check_divisible"]
 
 
 class GlobalBatches:
@@ -42,6 +42,59 @@ class GlobalBatches:
         while True:
             starts = torch.randint(0, high, (self.batch_size,), generator=gen)
             yield self.corpus[starts[:, None] + offsets].long()
+
+
+def windows(corpus: torch.Tensor, window: int, *, limit: int | None = None) -> torch.Tensor:
+    """The corpus cut into consecutive non-overlapping windows: (samples, window) int64."""
+    count = corpus.numel() // window
+    if limit is not None:
+        count = min(count, limit)
+    return corpus[:count * window].long().view(count, window)
+
+
+class EpochBatches:
+    """A fixed set of samples (non-overlapping windows), every one once per epoch.
+
+    Each epoch is a fresh permutation (from ``seed`` and the epoch number, the same in
+    every process), cut into global batches; a last partial batch is dropped, so an
+    epoch is ``samples // batch_size`` steps (:attr:`steps_per_epoch`). What data
+    parallelism does to a global batch (equal contiguous slices) keeps each sample seen
+    once per epoch whatever the number of replicas at each step.
+
+    Example::
+
+        batches = EpochBatches(stdlib_corpus(), batch_size=32, window=65, seed=0)
+        steps = batches.steps_per_epoch    # samples // 32
+    """
+
+    def __init__(self, corpus: torch.Tensor, *, batch_size: int, window: int, seed: int) -> None:
+        if batch_size < 1:
+            raise ConfigError(f"--batch-size must be at least 1 (got {batch_size})",
+                              "pass --batch-size 32")
+        self.samples = windows(corpus, window)
+        if self.samples.shape[0] < batch_size:
+            raise ConfigError(f"the corpus holds {self.samples.shape[0]} samples of {window} "
+                              f"tokens, fewer than one batch of {batch_size}",
+                              "pass a smaller --batch-size or --seq-len")
+        self.batch_size = batch_size
+        self.seed = seed
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.samples.shape[0] // self.batch_size
+
+    def order(self, epoch: int) -> torch.Tensor:
+        """The sample indices of ``epoch`` in the order they are trained."""
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(self.samples.shape[0], generator=gen)
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        epoch = 0
+        while True:
+            order = self.order(epoch)
+            for s in range(self.steps_per_epoch):
+                yield self.samples[order[s * self.batch_size:(s + 1) * self.batch_size]]
+            epoch += 1
 
 
 def check_divisible(batch_size: int, replicas: int) -> None:

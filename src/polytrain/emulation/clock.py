@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -46,6 +47,7 @@ class DeviceClock:
         self.due = 0.0
         self.emulated_s = 0.0
         self.waited_s = 0.0
+        self.running = True
 
     def begin(self, seconds: float) -> None:
         """Start an operation of ``seconds`` once the device is free."""
@@ -61,7 +63,17 @@ class DeviceClock:
         return self.due
 
     def compute(self, flops: float) -> None:
-        self.begin(flops / self.type.flops_per_s)
+        if self.running:
+            self.begin(flops / self.type.flops_per_s)
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Layers run at real speed meanwhile (a held-out evaluation is not training time)."""
+        self.running = False
+        try:
+            yield
+        finally:
+            self.running = True
 
     def wait(self) -> None:
         """Block until the emulated device has finished everything issued."""

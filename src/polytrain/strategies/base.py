@@ -51,6 +51,11 @@ class Strategy(ABC, Generic[OptionsT]):
     distributed: ClassVar[bool] = True
     #: True for pipelines: trained through ``trainer.step(x, y)`` only, never the plain loop.
     pipeline: ClassVar[bool] = False
+    #: True where worker 0's local model holds every current weight (data parallelism).
+    whole_model: ClassVar[bool] = True
+    #: Steps in one epoch of the training data, set by the training loop before the first
+    #: step (None: the data has no epochs).
+    epoch_steps: int | None = None
 
     def __init__(self, ctx: Context | None, options: OptionsT) -> None:
         self.ctx = ctx
@@ -148,6 +153,27 @@ class Strategy(ABC, Generic[OptionsT]):
         loss.backward()
         optimizer.step()
         return float(loss.detach())
+
+    @classmethod
+    def evaluates(cls) -> bool:
+        """Whether :meth:`evaluation_model` can give the whole model (``--eval-every``)."""
+        return (cls.evaluation_model is not Strategy.evaluation_model
+                or (not cls.pipeline and cls.whole_model))
+
+    def evaluation_model(self, model: nn.Module) -> nn.Module | None:
+        """A module with the whole model's current weights on worker 0 for a held-out
+        evaluation (None on the other workers); every worker calls it at the same step.
+
+        By default worker 0's local model (data parallelism: it holds every weight);
+        strategies that split the model override it or are refused.
+        """
+        if not type(self).evaluates():
+            raise ConfigError(f"strategy {self.name!r} holds part of the model on each worker "
+                              f"and cannot evaluate it on held-out data",
+                              "leave out --eval-every, or evaluate the run's final.pt")
+        if self.ctx is None or self.ctx.worker_index == 0:
+            return getattr(model, "module", model)
+        return None
 
     def metrics(self) -> dict[str, Any]:
         """The strategy's own records for ``metrics.json`` (worker 0's; default none)."""

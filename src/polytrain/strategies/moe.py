@@ -114,6 +114,7 @@ class ExpertParallel(Strategy[MoEOptions]):
     """
 
     name = "moe"
+    whole_model = False  # experts are sharded over the workers
     Options = MoEOptions
 
     @classmethod

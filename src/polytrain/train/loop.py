@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -14,9 +15,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..config import TrainConfig
-from ..data import GlobalBatches, get_dataset
-from ..emulation.clock import emulate
+from ..config import TrainConfig, check_init
+from ..data import EpochBatches, GlobalBatches, get_dataset, held_out_split, windows
+from ..emulation.clock import clock_of, emulate
 from ..emulation.devices import parse_cluster
 from ..emulation.profile import profile_model
 from ..models import get_model
@@ -25,9 +26,12 @@ from ..strategies.base import distribute, get_strategy
 from .metrics import build_metrics
 from .progress import Progress
 
-__all__ = ["train", "make_optimizer"]
+__all__ = ["train", "make_optimizer", "evaluate", "EVAL_SAMPLES"]
 
 log = logging.getLogger(__name__)
+
+#: Held-out samples an evaluation runs on (non-overlapping windows of the held-out part).
+EVAL_SAMPLES = 256
 
 
 def make_optimizer(name: str, params: Any, lr: float) -> torch.optim.Optimizer:
@@ -74,6 +78,8 @@ def train(config: TrainConfig) -> dict[str, Any] | None:
     spec = get_model(config.model)
     torch.manual_seed(config.seed)
     model = spec.make(**config.model_options).to(device)
+    if config.init is not None:  # every worker loads it; distribute() then agrees on worker 0's
+        model.load_state_dict(check_init(config.init, model))
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     seq_len = int(getattr(model, "seq_len", config.model_options.get("seq_len", 64)))
     optimizer = make_optimizer(config.optimizer, model.parameters(), config.lr)
@@ -95,8 +101,20 @@ def train(config: TrainConfig) -> dict[str, Any] | None:
     strategy = trainer.strategy
     scheduler = make_scheduler(config, trainer.optimizer)  # every strategy follows its lr
     lead = ctx is None or ctx.worker_index == 0
-    batches = GlobalBatches(get_dataset(config.data), batch_size=config.batch_size,
-                            window=seq_len + 1, seed=config.seed)
+    corpus = get_dataset(config.data)
+    held_out = None
+    if config.eval_every is not None:
+        corpus, rest = held_out_split(corpus)
+        held_out = spec.split(windows(rest, seq_len + 1, limit=EVAL_SAMPLES))
+    batches: Any
+    if config.sampling == "epoch":
+        batches = EpochBatches(corpus, batch_size=config.batch_size, window=seq_len + 1,
+                               seed=config.seed)
+        strategy.epoch_steps = batches.steps_per_epoch
+    else:
+        batches = GlobalBatches(corpus, batch_size=config.batch_size, window=seq_len + 1,
+                                seed=config.seed)
+    evals: list[dict[str, float]] = []
     progress = Progress(config.steps, enabled=strategy.shows_progress and not config.quiet)
     losses: list[float | None] = []
     times: list[float] = []
@@ -117,6 +135,13 @@ def train(config: TrainConfig) -> dict[str, Any] | None:
         if ctx is not None:
             ctx.meter.mark_step()
         progress.update(step, loss, config.batch_size / max(times[-1], 1e-9))
+        if held_out is not None and ((step + 1) % config.eval_every == 0  # type: ignore[operator]
+                                     or step + 1 == config.steps):
+            net = strategy.evaluation_model(trainer.model)
+            if net is not None:
+                value, accuracy = evaluate(net, *held_out, spec.loss, device=device)
+                evals.append({"step": step + 1, "train_time_s": sum(times), "loss": value,
+                              "accuracy": accuracy})
     global_losses = _global_losses(ctx, losses)
     state = trainer.state_dict()
     reports = _worker_reports(ctx)
@@ -131,12 +156,39 @@ def train(config: TrainConfig) -> dict[str, Any] | None:
                             topology=ctx.topology if ctx is not None else None,
                             reports=reports, wall_s=time.perf_counter() - started)
     metrics.update({k: v for k, v in records.items() if k not in metrics})
+    if held_out is not None:
+        metrics["eval"] = evals
+        metrics["final_eval_loss"] = evals[-1]["loss"] if evals else None
+    if config.init is not None:
+        metrics["init"] = config.init
     if config.out is not None:
         out = Path(config.out)
         out.mkdir(parents=True, exist_ok=True)
         torch.save(state, out / "final.pt")
         (out / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
     return metrics
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
+             loss_fn: Any, *, device: torch.device, chunk: int = 64) -> tuple[float, float]:
+    """Mean loss and next-token accuracy of ``model`` on held-out samples, at real speed
+    (an emulated device's clock pauses: evaluation is not training time)."""
+    clock = clock_of(model)
+    total, correct, count = 0.0, 0.0, 0
+    was_training = model.training
+    model.eval()
+    try:
+        with clock.paused() if clock is not None else contextlib.nullcontext():
+            for i in range(0, inputs.shape[0], chunk):
+                x, y = inputs[i:i + chunk].to(device), targets[i:i + chunk].to(device)
+                out = model(x)
+                total += float(loss_fn(out, y)) * x.shape[0]
+                correct += float((out.argmax(-1) == y).float().mean()) * x.shape[0]
+                count += x.shape[0]
+    finally:
+        model.train(was_training)
+    return total / count, correct / count
 
 
 def _global_losses(ctx: Context | None, losses: list[float | None]) -> list[float]:

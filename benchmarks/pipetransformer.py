@@ -1,0 +1,182 @@
+"""PipeTransformer against its own no-freeze pipeline on 8 emulated devices: time to loss.
+
+Pre-trains the GPT on the first three quarters of the corpus once (``single``, saved
+under ``benchmarks/results/pretrained-*/final.pt`` and reused), then fine-tunes it on
+the corpus's last 64th with ``--strategy pipetransformer`` on two emulated machines of
+four devices: without freezing (4 stages x 2 replicas: the pipeline + data parallel
+baseline), with freezing only, + AutoPipe, + AutoDP, + AutoCache (the paper's Figure 9
+breakdown). Every run evaluates on held-out data every few steps; the figure is the
+training time (worker 0's step times, evaluation excluded) each run takes to reach
+the no-freeze run's final held-out loss within 1%, and each run's final held-out
+loss. Rounds alternate the runs; times are medians over rounds. Saves
+``benchmarks/results/pipetransformer.json`` and ``.png`` (held-out loss against time).
+
+    ./dev bench pipetransformer             # the default: 1 round
+    ./dev bench pipetransformer --quick     # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import polytrain
+from polytrain.emulation.profile import profile_model
+from polytrain.models import get_model
+from polytrain.pipeline.autopipe import plan_pipe
+from polytrain.train import run_config
+
+RESULTS = Path(__file__).resolve().parent / "results"
+ENV = {"OMP_NUM_THREADS": "1"}
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "no freeze": {"freeze": False},
+    "freeze only": {"autopipe": False, "cache": False},
+    "+ AutoPipe": {"autodp": False, "cache": False},
+    "+ AutoDP": {"cache": False},
+    "+ AutoCache": {},
+}
+
+
+def device_memory_mb(model: dict[str, Any], batch: int, stages: int) -> float:
+    """A device memory that holds the model cut in ``stages`` but not in half as many (Adam)."""
+    spec = get_model("gpt")
+    net = spec.make(**model)
+    prof = profile_model(net, torch.zeros((1, model["seq_len"]), dtype=torch.long))
+    need = {}
+    for k in (stages, stages // 2):
+        for mb in (2.0 ** (i / 8) for i in range(-80, 160)):
+            try:
+                plan_pipe(prof, step=0, frozen=0, stages=k, replicas=8 // k,
+                          global_batch=batch, memory=mb * 2**20)
+            except polytrain.ConfigError:
+                continue
+            need[k] = mb
+            break
+    assert need[stages] < need[stages // 2], need
+    return round((need[stages] * 1.15), 3)
+
+
+def time_to(evals: list[dict[str, float]], target: float) -> float | None:
+    for e in evals:
+        if e["loss"] <= target:
+            return e["train_time_s"]
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="tiny model, few steps")
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--steps", type=int, default=120)
+    p.add_argument("--pretrain-steps", type=int, default=400)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--freeze-every", type=int, default=20)
+    p.add_argument("--freeze-threshold", type=float, default=1.0)
+    p.add_argument("--eval-every", type=int, default=10)
+    p.add_argument("--gflops", type=float, default=1.0, help="each emulated device's speed")
+    p.add_argument("--only", nargs="*", default=None, help="run only these variants")
+    p.add_argument("--merge", action="store_true",
+                   help="add these runs to those already in --out (split a long benchmark)")
+    p.add_argument("--out", type=Path, default=RESULTS / "pipetransformer.json")
+    args = p.parse_args(argv)
+    model = {"seq_len": 32, "d_model": 64, "layers": 8, "heads": 4}
+    if args.quick:
+        model = {"seq_len": 16, "d_model": 32, "layers": 4, "heads": 4}
+        args.steps, args.pretrain_steps, args.freeze_every, args.eval_every = 12, 20, 4, 4
+    tag = "-".join(f"{k}{v}" for k, v in model.items())
+    pre = RESULTS / f"pretrained-{tag}-{args.pretrain_steps}"
+    if not (pre / "final.pt").exists():
+        run_config(polytrain.TrainConfig(strategy="single", data="text-pretrain",
+                                         steps=args.pretrain_steps, batch_size=32, lr=2e-3,
+                                         model_options=model, out=str(pre), quiet=True))
+    memory = device_memory_mb(model, args.batch_size, 4)
+    devices = f"d={args.gflops}/{memory},m0:d*4,m1:d*4"
+    base = polytrain.TrainConfig(
+        strategy="pipetransformer", devices=devices, data="text-finetune", sampling="epoch",
+        steps=args.steps, batch_size=args.batch_size, lr=1e-3, model_options=model,
+        init=str(pre / "final.pt"), eval_every=args.eval_every, quiet=True, timeout_s=300)
+    names = [n for n in VARIANTS if args.only is None or n in args.only]
+    runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+    if args.merge and args.out.exists():
+        earlier = json.loads(args.out.read_text())["runs"]
+        runs = {n: list(earlier.get(n, [])) for n in VARIANTS if n in earlier or n in names}
+    for r in range(args.rounds):
+        for name in names:
+            options = {"freeze_every": args.freeze_every,
+                       "freeze_threshold": args.freeze_threshold, **VARIANTS[name]}
+            m = run_config(base.replace(strategy_options=options), env=ENV)
+            runs.setdefault(name, []).append({
+                "eval": m["eval"], "final_eval_loss": m["final_eval_loss"],
+                "wall_time_s": m["wall_time_s"], "train_time_s": m["eval"][-1]["train_time_s"],
+                "step_time_s": m["step_time_s"], "freeze_timeline": m.get("freeze_timeline"),
+                "cache": m.get("cache")})
+            print(f"round {r} {name:12s} final held-out {m['final_eval_loss']:.4f} "
+                  f"train time {runs[name][-1]['train_time_s']:.1f} s", flush=True)
+    summary: dict[str, Any] = {}
+    ref = runs.get("no freeze")
+    target = statistics.median(x["final_eval_loss"] for x in ref) * 1.01 if ref else None
+    for name, rs in runs.items():
+        reach = [time_to(x["eval"], target) for x in rs] if target else []
+        ok = [t for t in reach if t is not None]
+        summary[name] = {
+            "final_eval_loss": statistics.median(x["final_eval_loss"] for x in rs),
+            "train_time_s": statistics.median(x["train_time_s"] for x in rs),
+            "time_to_target_s": statistics.median(ok) if len(ok) == len(reach) and ok
+            else None}
+    if ref and summary["no freeze"]["time_to_target_s"]:
+        base_t = summary["no freeze"]["time_to_target_s"]
+        for s in summary.values():
+            t = s["time_to_target_s"]
+            s["speedup"] = base_t / t if t else None
+            s["final_within_1pct"] = abs(s["final_eval_loss"] / summary["no freeze"][
+                "final_eval_loss"] - 1) <= 0.01 or s["final_eval_loss"] < summary[
+                "no freeze"]["final_eval_loss"]
+    out = {"model": model, "devices": devices, "batch_size": args.batch_size,
+           "steps": args.steps, "rounds": args.rounds, "freeze_every": args.freeze_every,
+           "freeze_threshold": args.freeze_threshold, "target_loss": target,
+           "summary": summary, "runs": runs}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=1) + "\n")
+    for name, s in summary.items():
+        print(f"{name:12s} time to {target or float('nan'):.4f}: {s['time_to_target_s']} s, "
+              f"speed-up "
+              f"{s.get('speedup')}, final {s['final_eval_loss']:.4f}")
+    plot(out, args.out.with_suffix(".png"))
+    return 0
+
+
+def plot(out: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, rs in out["runs"].items():
+        e = rs[0]["eval"]
+        ax.plot([x["train_time_s"] for x in e], [x["loss"] for x in e], marker=".", label=name)
+    if out["target_loss"]:
+        ax.axhline(out["target_loss"], color="grey", ls="--", lw=0.8,
+                   label="no-freeze final + 1%")
+    ax.set_xlabel("training time (s, emulated devices)")
+    ax.set_ylabel("held-out loss")
+    ax.legend()
+    names = list(out["summary"])
+    ups = [out["summary"][n].get("speedup") or 0 for n in names]
+    bx.bar(range(len(names)), ups)
+    bx.set_xticks(range(len(names)), names, rotation=20)
+    bx.axhline(2.0, color="grey", ls="--", lw=0.8)
+    bx.set_ylabel("speed-up to the no-freeze final loss")
+    fig.suptitle(f"PipeTransformer on 8 emulated devices ({out['devices']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,177 @@
+"""AutoCache (PipeTransformer): the frozen front's output, cached per sample, advanced as it grows.
+
+Frozen layers never change, so a sample's activation at the frozen boundary
+is the same every epoch: the first stage keeps it (in memory up to a budget,
+past it in files under a directory) and later epochs skip the frozen
+forward. An entry remembers the depth it was computed at; when more layers
+freeze, a hit is *advanced* through the newly frozen layers only, instead
+of being recomputed from the input. Samples are keyed by their content (a
+hash of the input row), so any data set works and a re-sharded replica
+simply misses what another replica cached.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from ..errors import ConfigError
+
+__all__ = ["ActivationCache", "CacheStats", "frozen_forward", "check_writable"]
+
+
+@dataclass
+class CacheStats:
+    """Counts for ``metrics.json``: samples served from the cache (and of those advanced
+    through newly frozen layers), samples computed, bytes held in memory and on disk."""
+
+    hits: int = 0
+    misses: int = 0
+    advanced: int = 0
+    memory_bytes: int = 0
+    disk_bytes: int = 0
+    disk_entries: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(vars(self))
+
+
+def check_writable(directory: str) -> None:
+    """Refuse a cache directory this process cannot create files in (one clear line)."""
+    path = Path(directory)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = tempfile.NamedTemporaryFile(dir=path, prefix=".polytrain-probe-", delete=True)
+        probe.close()
+    except OSError as e:
+        raise ConfigError(f"the cache directory {directory} is not writable ({e.strerror})",
+                          "pass --cache-dir DIR with a directory you can write, or "
+                          "--no-cache") from None
+
+
+class ActivationCache:
+    """Per-sample activations at the frozen boundary: memory first, then disk.
+
+    Example::
+
+        cache = ActivationCache(memory_bytes=64 << 20)
+        h = frozen_forward(layers, x, frozen=3, cache=cache)   # misses: computes, stores
+        h = frozen_forward(layers, x, frozen=3, cache=cache)   # hits: no layer runs
+
+    Args:
+        memory_bytes: the memory tier's budget (``--cache-mb``); entries past it go to disk.
+        directory: where the disk tier's files go (default: a fresh temporary directory,
+            removed by :meth:`close`).
+    """
+
+    def __init__(self, *, memory_bytes: int, directory: str | None = None) -> None:
+        self.budget = memory_bytes
+        self._own_dir = directory is None
+        self._dir_arg = directory
+        self._dir: Path | None = None
+        self.memory: dict[bytes, tuple[int, torch.Tensor]] = {}
+        self.disk: dict[bytes, tuple[int, Path, int]] = {}
+        self.stats = CacheStats()
+
+    @staticmethod
+    def key(sample: torch.Tensor) -> bytes:
+        """A sample's identity: a hash of its input's bytes."""
+        data = sample.detach().cpu().contiguous().numpy().tobytes()
+        return hashlib.blake2b(data, digest_size=16).digest()
+
+    def get(self, key: bytes) -> tuple[int, torch.Tensor] | None:
+        """(depth, activation) of a cached sample, or None."""
+        if key in self.memory:
+            return self.memory[key]
+        if key in self.disk:
+            depth, path, _ = self.disk[key]
+            return depth, torch.load(path, weights_only=True)
+        return None
+
+    def put(self, key: bytes, depth: int, value: torch.Tensor) -> None:
+        value = value.detach().clone()
+        nbytes = value.numel() * value.element_size()
+        old = self.memory.pop(key, None)
+        if old is not None:
+            self.stats.memory_bytes -= old[1].numel() * old[1].element_size()
+        if key in self.memory or self.stats.memory_bytes + nbytes <= self.budget:
+            self.memory[key] = (depth, value)
+            self.stats.memory_bytes += nbytes
+            return
+        path = self._directory() / (key.hex() + ".pt")
+        torch.save(value, path)
+        if key in self.disk:
+            self.stats.disk_bytes -= self.disk[key][2]
+        else:
+            self.stats.disk_entries += 1
+        self.disk[key] = (depth, path, nbytes)
+        self.stats.disk_bytes += nbytes
+
+    def _directory(self) -> Path:
+        if self._dir is None:
+            if self._dir_arg is None:
+                self._dir = Path(tempfile.mkdtemp(prefix="polytrain-cache-"))
+            else:
+                check_writable(self._dir_arg)
+                self._dir = Path(tempfile.mkdtemp(prefix=f"cache-{os.getpid()}-",
+                                                  dir=self._dir_arg))
+        return self._dir
+
+    def close(self) -> None:
+        """Drop every entry and remove the disk tier's files."""
+        self.memory.clear()
+        self.disk.clear()
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+
+
+def _run(layers: Sequence[nn.Module], x: torch.Tensor) -> torch.Tensor:
+    for layer in layers:
+        x = layer(x)
+    return x
+
+
+@torch.no_grad()
+def frozen_forward(layers: Sequence[nn.Module], inputs: torch.Tensor, *, frozen: int,
+                   cache: ActivationCache | None = None) -> torch.Tensor:
+    """The output of the frozen front ``layers[:frozen]`` on ``inputs``, without autograd.
+
+    With ``cache``: a sample cached at depth ``frozen`` is taken as is, one cached at a
+    smaller depth runs only ``layers[depth:frozen]``, the rest run from the input; every
+    sample is then cached at depth ``frozen``. Samples are batched by the depth they start
+    from, so the layers run once per group.
+    """
+    if frozen == 0:
+        return inputs
+    if cache is None:
+        return _run(layers[:frozen], inputs)
+    keys = [cache.key(row) for row in inputs]
+    found = [cache.get(k) for k in keys]
+    groups: dict[int, list[int]] = {}
+    for i, hit in enumerate(found):
+        groups.setdefault(hit[0] if hit is not None else 0, []).append(i)
+    parts: dict[int, torch.Tensor] = {}
+    for depth, rows in sorted(groups.items()):
+        if depth == 0:
+            out = _run(layers[:frozen], inputs[rows])
+            cache.stats.misses += len(rows)
+        else:
+            start = torch.stack([found[i][1] for i in rows])  # type: ignore[index]
+            out = _run(layers[depth:frozen], start) if depth < frozen else start
+            cache.stats.hits += len(rows)
+            if depth < frozen:
+                cache.stats.advanced += len(rows)
+        for k, i in enumerate(rows):
+            parts[i] = out[k]
+            if depth != frozen:
+                cache.put(keys[i], frozen, out[k])
+    return torch.stack([parts[i] for i in range(len(keys))])

@@ -1,0 +1,115 @@
+"""AutoFreeze (PipeTransformer): how many front layers to freeze, from gradient norms.
+
+The paper's rule at freeze point ``T``, for a model of ``L`` freezable layers
+(every layer but the last, which always trains)::
+
+    L_frozen(T) = min(L_frozen(T-1) + alpha (L - L_frozen(T-1)),      # geometric cap
+                      argmin over l in [L_frozen(T-1), L) of ||g_l(T)||)
+
+The released code runs only the cap (its gradient-norm branch is
+unreachable). Here the signal is used: ``||g_l(T)||`` is the layer's mean
+gradient norm over the interval that just ended *relative to its norm when
+it started training* (so a small layer and a large one compare), a layer's
+learning "has stopped" once that ratio is at most ``threshold``, and the
+front is frozen through the stopped layer with the smallest ratio, never
+past the cap (of equal ratios, the deepest). With no stopped layer nothing more
+freezes.
+
+    >>> next_frozen(0, 5, [0.9, 0.3, 0.2, 0.6, 0.8], alpha=1 / 3, threshold=0.5)
+    2
+    >>> next_frozen(0, 5, [0.1, 0.1, 0.05, 0.01, 0.01], alpha=1 / 3, threshold=0.5)
+    2
+    >>> next_frozen(2, 5, [0.9, 0.8, 0.7], alpha=1 / 3, threshold=0.5)
+    2
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+from ..errors import ConfigError
+
+__all__ = ["freeze_cap", "next_frozen", "GradNormTracker", "REFERENCE_STEPS"]
+
+#: A layer's reference norm is its mean over its first steps of training.
+REFERENCE_STEPS = 5
+
+
+def freeze_cap(frozen: int, freezable: int, alpha: float) -> int:
+    """The geometric cap ``ceil(L_frozen + alpha (L - L_frozen))`` (alpha 1/3, L 12: 4, 7, 9,
+    10, 11, 12 from nothing frozen), never more than ``freezable``.
+
+    >>> [freeze_cap(f, 12, 1 / 3) for f in (0, 4, 7, 9, 10, 11)]
+    [4, 7, 9, 10, 11, 12]
+    """
+    if not 0 < alpha < 1:
+        raise ConfigError(f"--freeze-alpha must be in (0, 1) (got {alpha})",
+                          "pass --freeze-alpha 0.333 (the paper's 1/3)")
+    # the epsilon keeps 4 + 8/3 = 6.666... from rounding up past 7 through float error
+    return min(freezable, math.ceil(frozen + alpha * (freezable - frozen) - 1e-9))
+
+
+def next_frozen(frozen: int, freezable: int, ratios: Sequence[float], *, alpha: float,
+                threshold: float) -> int:
+    """How many front layers are frozen after this freeze point (never fewer than ``frozen``).
+
+    Args:
+        frozen: layers frozen now (L_frozen(T-1)).
+        freezable: L, the layers that may ever freeze (the model's layers but the last).
+        ratios: for each still trained freezable layer ``frozen .. freezable - 1``, its
+            gradient norm over the last interval divided by its reference norm.
+        alpha: the cap's fraction of the remaining layers, in (0, 1).
+        threshold: a layer whose ratio is at most this has stopped learning.
+    """
+    if len(ratios) != freezable - frozen:
+        raise ValueError(f"{freezable - frozen} layers are freezable but {len(ratios)} "
+                         f"ratios were given")
+    cap = freeze_cap(frozen, freezable, alpha)
+    stopped = [i for i, r in enumerate(ratios) if r <= threshold]
+    if not stopped:
+        return frozen
+    smallest = min(stopped, key=lambda i: (ratios[i], -i))  # argmin; ties: the deepest
+    return min(cap, frozen + smallest + 1)
+
+
+@dataclass
+class GradNormTracker:
+    """Per layer: its reference gradient norm (the mean over its first steps) and the norms of
+    the current interval. Plain data; every worker merges the others' at a freeze point."""
+
+    reference: dict[str, list[float]] = field(default_factory=dict)  # first REFERENCE_STEPS
+    interval: dict[str, list[float]] = field(default_factory=dict)
+
+    def record(self, norms: Mapping[str, float]) -> None:
+        """One step's gradient norm of each layer this worker trains."""
+        for name, value in norms.items():
+            ref = self.reference.setdefault(name, [])
+            if len(ref) < REFERENCE_STEPS:
+                ref.append(value)
+            self.interval.setdefault(name, []).append(value)
+
+    def merge(self, others: Sequence[GradNormTracker]) -> None:
+        """Take every layer's longest reference and interval from ``others`` (and self)."""
+        for other in others:
+            for name, ref in other.reference.items():
+                if len(ref) > len(self.reference.get(name, [])):
+                    self.reference[name] = list(ref)
+            for name, values in other.interval.items():
+                if len(values) > len(self.interval.get(name, [])):
+                    self.interval[name] = list(values)
+
+    def ratios(self, layers: Sequence[str]) -> list[float]:
+        """Each layer's mean norm over the interval over its reference (1.0 if unmeasured)."""
+        out = []
+        for name in layers:
+            ref, now = self.reference.get(name), self.interval.get(name)
+            if not ref or not now or sum(ref) == 0:
+                out.append(1.0)
+                continue
+            out.append((sum(now) / len(now)) / (sum(ref) / len(ref)))
+        return out
+
+    def new_interval(self) -> None:
+        self.interval = {}

@@ -1,0 +1,106 @@
+"""PipeTransformer's options: one frozen dataclass; the CLI makes a flag of every field."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ...errors import ConfigError
+from ...pipeline.cache import check_writable
+from ...pipeline.schedule import SCHEDULES
+
+__all__ = ["PipeTransformerOptions"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipeTransformerOptions:
+    """How PipeTransformer pipelines, freezes, re-plans and caches.
+
+    Args:
+        pipeline_stages: K, stages per pipeline at the start (default: the devices of one
+            machine; it must divide them). R = workers / K pipelines train in data parallel.
+        schedule: ``1f1b`` (default) or ``gpipe``.
+        micro_batches: per pipeline step (default: re-chosen at every plan, the smallest
+            divisor of the replica's batch that is at least 2 K).
+        freeze: AutoFreeze (default True; ``--no-freeze`` trains every layer throughout).
+        freeze_every: steps between freeze points (default: one epoch of the data).
+        freeze_alpha: the cap's fraction of the remaining layers, in (0, 1) (default 1/3).
+        freeze_threshold: a layer whose gradient norm is at most this fraction of its norm
+            when it started training has stopped learning (default 1.0: it no longer
+            shrinks; on the fine-tuning benchmark the norms settle at 0.7-1.2 of their
+            first steps' at the noise floor, so 0.5 never froze anything).
+        autopipe: frozen layers move to the first stage forward-only, the rest are re-cut,
+            the pipeline halves when it can (default True; False: freeze only).
+        autodp: the devices a shorter pipeline frees run new replicas (default True;
+            False: they idle).
+        cache: AutoCache (default True).
+        cache_mb: the memory tier per first stage, MiB (default 256); past it, disk.
+        cache_dir: the disk tier's directory (default: a temporary one).
+        cache_from: cache once at least this many layers are frozen (default 2).
+    """
+
+    pipeline_stages: int | None = field(default=None, metadata={
+        "help": "pipetransformer: stages per pipeline at the start, K (default: the devices "
+                "of one machine, which K must divide)", "metavar": "K"})
+    schedule: str = field(default="1f1b", metadata={
+        "help": "pipetransformer: 1f1b (default) or gpipe", "choices": tuple(SCHEDULES)})
+    micro_batches: int | None = field(default=None, metadata={
+        "help": "pipetransformer: micro-batches per pipeline step (default: re-chosen at every "
+                "plan, the smallest divisor of the replica's batch >= 2 x stages)",
+        "metavar": "M"})
+    freeze: bool = field(default=True, metadata={
+        "help": "pipetransformer: no AutoFreeze; every layer trains throughout"})
+    freeze_every: int | None = field(default=None, metadata={
+        "help": "pipetransformer: steps between freeze points (default: one epoch of the "
+                "data)", "metavar": "N"})
+    freeze_alpha: float = field(default=1 / 3, metadata={
+        "help": "pipetransformer: AutoFreeze's cap, the fraction of the remaining layers that "
+                "may freeze at a freeze point, in (0, 1) (default 1/3)", "metavar": "A"})
+    freeze_threshold: float = field(default=1.0, metadata={
+        "help": "pipetransformer: a layer has stopped learning once its gradient norm is at "
+                "most this fraction of its first steps' (default 1.0)", "metavar": "F"})
+    autopipe: bool = field(default=True, metadata={
+        "help": "pipetransformer: keep the cuts when layers freeze (freeze only: no AutoPipe, "
+                "no AutoDP)"})
+    autodp: bool = field(default=True, metadata={
+        "help": "pipetransformer: devices a shorter pipeline frees idle instead of running "
+                "new replicas"})
+    cache: bool = field(default=True, metadata={
+        "help": "pipetransformer: no AutoCache; the frozen front runs forward every step"})
+    cache_mb: float = field(default=256.0, metadata={
+        "help": "pipetransformer: AutoCache's memory per first stage in MiB, then disk "
+                "(default 256)", "metavar": "MB"})
+    cache_dir: str | None = field(default=None, metadata={
+        "help": "pipetransformer: AutoCache's disk tier (default: a temporary directory)",
+        "metavar": "DIR"})
+    cache_from: int = field(default=2, metadata={
+        "help": "pipetransformer: cache once at least this many layers are frozen (default 2)",
+        "metavar": "L"})
+
+    def __post_init__(self) -> None:
+        if self.pipeline_stages is not None and self.pipeline_stages < 1:
+            raise ConfigError(f"--pipeline-stages must be at least 1 (got "
+                              f"{self.pipeline_stages})", "pass --pipeline-stages 2")
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"unknown pipeline schedule {self.schedule!r}; the schedules "
+                              f"are: {', '.join(SCHEDULES)}", "pass --schedule 1f1b or gpipe")
+        if self.micro_batches is not None and self.micro_batches < 1:
+            raise ConfigError(f"--micro-batches must be at least 1 (got {self.micro_batches})",
+                              "pass --micro-batches 4, or leave it out")
+        if not 0 < self.freeze_alpha < 1:
+            raise ConfigError(f"--freeze-alpha must be in (0, 1) (got {self.freeze_alpha})",
+                              "pass --freeze-alpha 0.333 (the paper's 1/3)")
+        if self.freeze_every is not None and self.freeze_every < 1:
+            raise ConfigError(f"--freeze-every must be at least 1 step (got "
+                              f"{self.freeze_every})", "pass --freeze-every 100, or leave it "
+                              "out for one epoch of the data")
+        if not self.freeze_threshold > 0:
+            raise ConfigError(f"--freeze-threshold must be positive (got "
+                              f"{self.freeze_threshold})", "pass --freeze-threshold 0.5")
+        if self.cache_mb < 0:
+            raise ConfigError(f"--cache-mb must be 0 or more (got {self.cache_mb})",
+                              "pass --cache-mb 256 (0: disk only)")
+        if self.cache_from < 1:
+            raise ConfigError(f"--cache-from must be at least 1 layer (got {self.cache_from})",
+                              "pass --cache-from 2")
+        if self.cache and self.cache_dir is not None:
+            check_writable(self.cache_dir)

@@ -1,0 +1,447 @@
+"""``pipetransformer``: K-stage synchronous pipelines x R replicas that freeze, shorten, widen."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ...emulation.clock import clock_of
+from ...emulation.devices import Cluster, homogeneous
+from ...emulation.profile import (
+    ModelProfile,
+    layers_of,
+    optimizer_state_factor,
+    profile_model,
+)
+from ...errors import ConfigError
+from ...launch.layout import Layout
+from ...pipeline.assembly import make_stage, stage_optimizer
+from ...pipeline.asyncpipe import numeric_settings
+from ...pipeline.autopipe import PipePlan, plan_pipe
+from ...pipeline.cache import ActivationCache, frozen_forward
+from ...pipeline.freeze import GradNormTracker, next_frozen
+from ...pipeline.stage import Stage
+from ...pipeline.sync import SyncPipeline
+from ...runtime import Context
+from ..base import LossFn, Strategy, register
+from .options import PipeTransformerOptions
+
+__all__ = ["PipeTransformer"]
+
+log = logging.getLogger(__name__)
+
+
+def _stages(layout_workers: int, nodes: int, options: PipeTransformerOptions) -> int:
+    per = layout_workers // max(1, nodes)
+    return options.pipeline_stages or per
+
+
+@register
+class PipeTransformer(Strategy[PipeTransformerOptions]):
+    """PipeTransformer (He et al., ICML 2021): freeze converged front layers, shorten the
+    pipeline, and give the freed devices to more pipeline replicas.
+
+    R = workers / K synchronous pipelines (1F1B or GPipe micro-batches, a flush per
+    step, on polytrain's stage engine) train in data parallel: each pipeline takes an
+    equal slice of the global batch and every stage all-reduces its gradients with the
+    same stage of the other pipelines before its optimizer steps, so with
+    ``--no-freeze`` the run is synchronous training on the global batch. At each freeze
+    point (AutoFreeze, :mod:`polytrain.pipeline.freeze`) the front layers whose gradient
+    norms say they have stopped learning freeze; AutoPipe moves them to the first stage
+    forward-only and re-cuts the rest, halving the pipeline when it can; AutoDP makes the
+    freed devices new replicas, which receive the weights and optimizer state of the
+    pipeline they come from (:mod:`polytrain.pipeline.autopipe`); AutoCache keeps the
+    frozen front's output per sample (:mod:`polytrain.pipeline.cache`).
+
+    Example::
+
+        polytrain train --strategy pipetransformer --devices "m0:fast*4,m1:fast*4" \\
+            --freeze-every 50 --init pretrained/final.pt --eval-every 25
+
+    Driven through the step API; a step returns the loss on each pipeline's last stage.
+    """
+
+    name = "pipetransformer"
+    Options = PipeTransformerOptions
+    pipeline = True
+
+    # -- before any process starts ----------------------------------------------------------
+
+    @classmethod
+    def check_layout(cls, layout: Layout, options: PipeTransformerOptions) -> None:
+        super().check_layout(layout, options)
+        per = layout.workers // max(1, layout.nodes)
+        k = _stages(layout.workers, layout.nodes, options)
+        if per % k:
+            raise ConfigError(f"--pipeline-stages {k} does not divide a machine's {per} "
+                              f"devices (workers {layout.workers} over {layout.nodes} "
+                              f"machines): a pipeline never spans machines",
+                              f"pass --pipeline-stages among the divisors of {per}")
+
+    @classmethod
+    def replicas(cls, layout: Layout, options: PipeTransformerOptions) -> int:
+        return layout.workers // _stages(layout.workers, layout.nodes, options)
+
+    @classmethod
+    def check_model(cls, model: nn.Module, layout: Layout,
+                    options: PipeTransformerOptions) -> None:
+        n = len(layers_of(model))
+        k = _stages(layout.workers, layout.nodes, options)
+        if n < k:
+            raise ConfigError(f"the model has {n} layers (children) but the pipeline has {k} "
+                              f"stages: every stage needs at least one",
+                              "pass a smaller --pipeline-stages, or a model with more blocks")
+
+    @classmethod
+    def check_devices(cls, cluster: Any, profile: Callable[[], ModelProfile], layout: Layout,
+                      options: PipeTransformerOptions, *, batch_size: int,
+                      optimizer: str) -> str | None:
+        prof = profile()
+        k = _stages(layout.workers, layout.nodes, options)
+        memory = min(d.type.memory_bytes for d in cluster.devices) if cluster else math.inf
+        plan = plan_pipe(prof, step=0, frozen=0, stages=k, replicas=layout.workers // k,
+                         global_batch=batch_size, micro_batches=options.micro_batches,
+                         memory=memory, state_factor=optimizer_state_factor(optimizer))
+        per = batch_size // plan.replicas
+        if per % plan.micro_batches:
+            raise ConfigError(f"a replica's {per} samples cannot be cut into "
+                              f"{plan.micro_batches} micro-batches",
+                              f"pass a --batch-size that is a multiple of "
+                              f"{plan.replicas * plan.micro_batches}")
+        return "pipetransformer " + plan.describe(prof.names)
+
+    # -- per process ------------------------------------------------------------------------
+
+    def __init__(self, ctx: Context | None, options: PipeTransformerOptions) -> None:
+        super().__init__(ctx, options)
+        self.plan: PipePlan | None = None
+        self.timeline: list[dict[str, Any]] = []
+        self.tracker = GradNormTracker()
+        self.stage: Stage | None = None
+        self.pipe: SyncPipeline | None = None
+        self.stage_opt: torch.optim.Optimizer | None = None
+        self.sources: list[int] = []
+        self.group: Any = None
+        self.cache: ActivationCache | None = None
+        self.profile: ModelProfile | None = None
+        self.global_batch = 0
+        self._planned = -1
+        self._next_mb = 0
+        self._names: list[str] = []
+        self._layer_params: dict[str, list[str]] = {}
+        #: set by the training loop: steps in one epoch of the data (None: unknown)
+        self.epoch_steps: int | None = None
+
+    @property
+    def _k0(self) -> int:
+        assert self.ctx is not None
+        return _stages(self.ctx.num_workers, self.ctx.num_nodes, self.options)
+
+    def wrap(self, model: nn.Module,
+             optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
+        ctx = self.ctx
+        assert ctx is not None
+        self.model = model
+        self.base_optimizer = optimizer
+        self.transport = ctx.transport
+        self.layers = [m for _, m in layers_of(model)]
+        self._names = [n for n, _ in layers_of(model)]
+        for name, _ in model.named_parameters():
+            self._layer_params.setdefault(name.split(".", 1)[0], []).append(name)
+        k = self._k0
+        ctx.set_label(f"pipeline {ctx.worker_index // k} stage {ctx.worker_index % k}")
+        return model, optimizer
+
+    @property
+    def replica(self) -> tuple[int, int]:
+        assert self.ctx is not None
+        if self.plan is None:
+            k = self._k0
+            return self.ctx.worker_index // k, self.ctx.num_workers // k
+        where = self.plan.pipeline_of(self.ctx.worker_index)
+        return (where[0] if where is not None else 0), self.plan.replicas
+
+    @property
+    def shows_progress(self) -> bool:
+        assert self.ctx is not None
+        return self.ctx.worker_index == self._k0 - 1
+
+    @property
+    def freeze_every(self) -> int | None:
+        return self.options.freeze_every or self.epoch_steps
+
+    # -- planning ---------------------------------------------------------------------------
+
+    def _cluster(self) -> Cluster:
+        assert self.ctx is not None
+        if isinstance(self.ctx.cluster, Cluster):
+            return self.ctx.cluster
+        return homogeneous(self.ctx.num_workers, self.ctx.num_nodes)
+
+    def _setup(self, inputs: torch.Tensor, loss_fn: LossFn) -> None:
+        ctx = self.ctx
+        assert ctx is not None
+        self.loss_fn = loss_fn
+        self.profile = profile_model(self.model, inputs[:1])
+        k = self._k0
+        self.global_batch = inputs.shape[0] * (ctx.num_workers // k)
+        self.memory = min(d.type.memory_bytes for d in self._cluster().devices)
+        self.state_factor = optimizer_state_factor(self.base_optimizer)
+        plan = plan_pipe(self.profile, step=0, frozen=0, stages=k,
+                         replicas=ctx.num_workers // k, global_batch=self.global_batch,
+                         micro_batches=self.options.micro_batches, memory=self.memory,
+                         state_factor=self.state_factor)
+        self._install(plan, None)
+        if self.options.freeze and self.freeze_every is None and ctx.worker_index == 0:
+            log.warning("pipetransformer: no freeze points (the data has no epochs), so no "
+                        "layer will freeze; pass --freeze-every N or --sampling epoch")
+
+    def replan(self, step: int) -> None:
+        """At a freeze point: AutoFreeze decides, AutoPipe/AutoDP re-plan, state moves."""
+        every = self.freeze_every
+        if (self.plan is None or not self.options.freeze or every is None or step == 0
+                or step % every or step == self._planned):
+            return
+        self._planned = step
+        ctx = self.ctx
+        assert ctx is not None and self.profile is not None
+        plan = self.plan
+        where = plan.pipeline_of(ctx.worker_index)
+        mine = self.tracker if where is not None and where[0] == 0 else GradNormTracker()
+        everyone: list[Any] = [None] * ctx.num_workers
+        dist.all_gather_object(everyone, mine, group=ctx.groups.workers)
+        self.tracker.merge(everyone)
+        freezable = len(self._names) - 1  # the last layer always trains
+        ratios = self.tracker.ratios(self._names[plan.frozen:freezable])
+        frozen = next_frozen(plan.frozen, freezable, ratios, alpha=self.options.freeze_alpha,
+                             threshold=self.options.freeze_threshold)
+        self.tracker.new_interval()
+        new = plan_pipe(self.profile, step=step, frozen=frozen, stages=plan.stages,
+                        replicas=plan.replicas, global_batch=self.global_batch, previous=plan,
+                        autopipe=self.options.autopipe, autodp=self.options.autodp,
+                        micro_batches=self.options.micro_batches,
+                        cached=self.options.cache and frozen >= self.options.cache_from,
+                        memory=self.memory, state_factor=self.state_factor)
+        signal = {n: round(r, 4) for n, r in zip(self._names[plan.frozen:freezable], ratios)}
+        if (new.frozen, new.bounds, new.stages, new.replicas, new.micro_batches) == \
+                (plan.frozen, plan.bounds, plan.stages, plan.replicas, plan.micro_batches):
+            self.timeline.append({**plan.record(), "step": step, "grad_norm_ratio": signal,
+                                  "changed": False})
+            return
+        self._install(new, plan, signal)
+
+    def _install(self, plan: PipePlan, old: PipePlan | None,
+                 signal: dict[str, float] | None = None) -> None:
+        """Switch to ``plan``: move weights and optimizer state, rebuild the stage and groups."""
+        ctx = self.ctx
+        assert ctx is not None and self.profile is not None
+        w = ctx.worker_index
+        if old is not None:
+            self._hand_over(plan, old)
+        self.plan = plan
+        self.timeline.append({**plan.record(), "grad_norm_ratio": signal or {},
+                              "changed": True})
+        if w == 0:
+            log.info("%s", plan.describe(self.profile.names))
+        frozen_names = {n for layer in self._names[:plan.frozen]
+                        for n in self._layer_params.get(layer, [])}
+        for name, p in self.model.named_parameters():
+            if name in frozen_names:
+                p.requires_grad_(False)
+                p.grad = None
+        where = plan.pipeline_of(w)
+        # Exactly one new group per worker and plan, so every member has made as many
+        # groups when it makes the next (torch names them by that count).
+        members = plan.workers_of_stage(where[1]) if where is not None else [w]
+        self.group = ctx.new_group([ctx.topology.workers[i] for i in members])
+        self.group_size = len(members)
+        if where is None:
+            ctx.set_label(f"idle (step {plan.step})")
+            self.stage, self.pipe, self.stage_opt = None, None, None
+            return
+        r, j = where
+        ranks = [ctx.topology.workers[i] for i in range(r * plan.stages, (r + 1) * plan.stages)]
+        cluster = self._cluster()
+        devices = [cluster.devices[i] for i in range(r * plan.stages, (r + 1) * plan.stages)]
+        links = [cluster.bandwidth(a, b) for a, b in zip(devices, devices[1:])]
+        labels = [f"pipeline {r} stage {i} (rank {rank}, machine "
+                  f"{ctx.topology.machine(rank)})" for i, rank in enumerate(ranks)]
+        ctx.set_label(f"pipeline {r} stage {j}")
+        self.stage = make_stage(self.model, plan.bounds, j, ranks=ranks, labels=labels,
+                                links=links, profile=self.profile, transport=self.transport,
+                                loss_fn=self.loss_fn, clock=clock_of(self.model))
+        self.pipe = SyncPipeline(self.stage, schedule=self.options.schedule,
+                                 microbatches=plan.micro_batches)
+        self.pipe._next = self._next_mb  # minibatch numbers (tags) never repeat across plans
+        opt, self.sources, _ = stage_optimizer(self.base_optimizer, self.model, self.stage)
+        self.stage_opt = opt
+        if self._handed is not None:
+            by_name = dict(zip(self.stage.names, self.stage.params))
+            for name, state in self._handed.items():
+                if name in by_name:
+                    opt.state[by_name[name]] = {k: v.clone() if isinstance(v, torch.Tensor)
+                                                else copy.deepcopy(v) for k, v in state.items()}
+        if j != 0 or plan.bounds[0] < self.options.cache_from or not self.options.cache:
+            if self.cache is not None and j != 0:
+                self.cache.close()
+                self.cache = None
+        elif self.cache is None:
+            self.cache = ActivationCache(memory_bytes=int(self.options.cache_mb * 2**20),
+                                         directory=self.options.cache_dir)
+
+    _handed: dict[str, dict[str, Any]] | None = None
+
+    def _held(self) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
+        """The weights this worker holds current (its stage's and frozen front's) and its
+        stage optimizer's state, by parameter name."""
+        if self.stage is None or self.plan is None:
+            return {}, {}
+        held_layers = self._names[:self.plan.bounds[0]] if self.stage.spec.is_first else []
+        params = dict(self.model.named_parameters())
+        names = [n for layer in held_layers for n in self._layer_params.get(layer, [])]
+        names += list(self.stage.names)
+        weights = {n: params[n].detach().clone() for n in names}
+        state: dict[str, dict[str, Any]] = {}
+        if self.stage_opt is not None:
+            for n, p in zip(self.stage.names, self.stage.params):
+                if p in self.stage_opt.state:
+                    state[n] = {k: v.detach().clone() if isinstance(v, torch.Tensor) else v
+                                for k, v in self.stage_opt.state[p].items()}
+        return weights, state
+
+    def _hand_over(self, plan: PipePlan, old: PipePlan) -> None:
+        """Every worker takes the whole model's weights, and its new stage's optimizer state,
+        from the old pipeline whose devices its new pipeline takes (AutoDP's source)."""
+        ctx = self.ctx
+        assert ctx is not None
+        where = old.pipeline_of(ctx.worker_index)
+        weights, state = self._held()
+        everyone: list[Any] = [None] * ctx.num_workers
+        dist.all_gather_object(everyone, (where[0] if where else None, weights, state),
+                               group=ctx.groups.workers)
+        if self.stage is not None:
+            self.stage.close()
+        new_where = plan.pipeline_of(ctx.worker_index)
+        source = (new_where[0] * plan.stages) // old.stages if new_where is not None else 0
+        self.source_replica = source
+        params = dict(self.model.named_parameters())
+        handed: dict[str, dict[str, Any]] = {}
+        with torch.no_grad():
+            for replica, w, s in everyone:
+                if replica != source:
+                    continue
+                for n, t in w.items():
+                    params[n].copy_(t)
+                handed.update(s)
+        self._handed = handed
+
+    # -- training ---------------------------------------------------------------------------
+
+    def train_step(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                   inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn) -> float | None:
+        if self.plan is None:
+            self._setup(inputs, loss_fn)
+        plan = self.plan
+        assert plan is not None
+        self._next_mb += plan.micro_batches
+        if self.stage is None or self.pipe is None or self.stage_opt is None:
+            return None  # idle: a device freed without AutoDP
+        stage, opt = self.stage, self.stage_opt
+        if stage.spec.is_first and plan.bounds[0]:
+            inputs = frozen_forward(self.layers, inputs, frozen=plan.bounds[0],
+                                    cache=self.cache)
+        for group, i in zip(opt.param_groups, self.sources):  # the user's lr schedule
+            group.update(numeric_settings(self.base_optimizer.param_groups[i]))
+        opt.zero_grad(set_to_none=True)
+        loss = self.pipe.step(inputs, targets)
+        trained = [p for p in stage.params if p.grad is not None]
+        if self.group_size > 1 and trained:
+            # The data leaves the device once its backward has finished there.
+            if stage.clock is not None:
+                stage.clock.wait()
+            flat = torch.cat([p.grad.reshape(-1) for p in trained])
+            assert self.ctx is not None
+            self.ctx.meter.record_ring_allreduce(
+                [self.ctx.topology.workers[i] for i in plan.workers_of_stage(stage.spec.index)],
+                flat.numel() * flat.element_size())
+            dist.all_reduce(flat, group=self.group)
+            flat /= self.group_size
+            offset = 0
+            for p in trained:
+                n = p.grad.numel()
+                p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+                offset += n
+        if self.options.freeze:
+            norms: dict[str, float] = {}
+            for name, p in zip(stage.names, stage.params):
+                if p.grad is not None:
+                    layer = name.split(".", 1)[0]
+                    norms[layer] = norms.get(layer, 0.0) + float(p.grad.double().pow(2).sum())
+            self.tracker.record({k: v ** 0.5 for k, v in norms.items()})
+        opt.step()
+        return loss
+
+    # -- results ----------------------------------------------------------------------------
+
+    def stage_state(self) -> dict[str, Any]:
+        """This worker's place, weights and optimizer state now (tests compare replicas)."""
+        assert self.ctx is not None
+        where = self.plan.pipeline_of(self.ctx.worker_index) if self.plan else None
+        weights, state = self._held()
+        return {"where": where, "weights": weights, "state": state,
+                "source": getattr(self, "source_replica", None)}
+
+    def state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Replica 0's stages (and its frozen front) gathered on worker 0."""
+        ctx = self.ctx
+        assert ctx is not None
+        where = self.plan.pipeline_of(ctx.worker_index) if self.plan is not None else None
+        own = self._held()[0] if where is not None and where[0] == 0 else {}
+        if self.plan is None:
+            own = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+        parts: list[Any] = [None] * ctx.num_workers if ctx.worker_index == 0 else []
+        dist.gather_object(own, parts if ctx.worker_index == 0 else None,
+                           dst=ctx.topology.workers[0], group=ctx.groups.workers)
+        local = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+        if ctx.worker_index != 0:
+            return local
+        for part in parts:
+            local.update({k: v.cpu() for k, v in (part or {}).items()})
+        return local
+
+    def evaluation_model(self, model: nn.Module) -> nn.Module | None:
+        """Worker 0's model with replica 0's current weights (every worker calls it)."""
+        state = self.state_dict(model)
+        assert self.ctx is not None
+        if self.ctx.worker_index != 0:
+            return None
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(state[name])
+        return model
+
+    def metrics(self) -> dict[str, Any]:
+        ctx = self.ctx
+        assert ctx is not None
+        stats = self.cache.stats.as_dict() if self.cache is not None else {}
+        everyone: list[Any] = [None] * ctx.num_workers
+        dist.all_gather_object(everyone, stats, group=ctx.groups.workers)
+        total: dict[str, int] = {}
+        for s in everyone:
+            for k, v in s.items():
+                total[k] = total.get(k, 0) + v
+        keys = ("hits", "misses", "advanced", "memory_bytes", "disk_bytes", "disk_entries")
+        return {"freeze_timeline": self.timeline,
+                "cache": {k: total.get(k, 0) for k in keys}}
+
+    def close(self) -> None:
+        if self.stage is not None:
+            self.stage.close()
+        if self.cache is not None:
+            self.cache.close()

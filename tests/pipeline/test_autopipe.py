@@ -1,0 +1,83 @@
+"""AutoPipe and AutoDP's plans alone: cuts, halving, replicas, micro-batches (pure data)."""
+
+import pytest
+import torch
+
+from polytrain import ConfigError
+from polytrain.emulation.profile import profile_model
+from polytrain.models import GPT
+from polytrain.pipeline.autopipe import choose_microbatches, plan_pipe
+
+
+@pytest.fixture(scope="module")
+def profile():
+    return profile_model(GPT(seq_len=16, d_model=32, layers=6), torch.zeros(1, 16,
+                                                                            dtype=torch.long))
+
+
+def test_the_first_plan_cuts_every_layer_over_the_stages_asked_for(profile):
+    plan = plan_pipe(profile, step=0, frozen=0, stages=4, replicas=2, global_batch=32)
+    assert (plan.stages, plan.replicas, plan.micro_batches) == (4, 2, 8)
+    assert plan.bounds == (0, 2, 4, 6, 8)  # embed h0 | h1 h2 | h3 h4 | h5 head
+    assert [plan.pipeline_of(w) for w in (0, 3, 4, 7)] == [(0, 0), (0, 3), (1, 0), (1, 3)]
+    assert plan.workers_of_stage(1) == [1, 5]
+
+
+def test_frozen_layers_move_to_the_first_stage_at_their_forward_cost(profile):
+    first = plan_pipe(profile, step=0, frozen=0, stages=4, replicas=2, global_batch=32)
+    plan = plan_pipe(profile, step=10, frozen=2, stages=4, replicas=2, global_batch=32,
+                     previous=first, autodp=False, memory=1.0 * 2**20)
+    assert plan.bounds[0] == 2 and plan.frozen_layers == ("embed", "h0")
+    layers = profile.layers
+    front = layers[0].fwd_flops + layers[1].fwd_flops
+    assert plan.stage_cost[0] == pytest.approx(
+        front + sum(x.flops for x in layers[2:plan.bounds[1]]))
+
+
+def test_the_pipeline_halves_and_replicas_double_when_half_the_stages_hold_it(profile):
+    first = plan_pipe(profile, step=0, frozen=0, stages=4, replicas=2, global_batch=32,
+                      memory=1.0 * 2**20)
+    plan = plan_pipe(profile, step=10, frozen=2, stages=4, replicas=2, global_batch=32,
+                     previous=first, memory=1.0 * 2**20)
+    assert (plan.stages, plan.replicas, plan.micro_batches) == (2, 4, 4)
+    # Per step the slowest stage is no slower: cost per sample x the replica's batch.
+    assert plan.bottleneck * 32 / plan.replicas <= first.bottleneck * 32 / first.replicas
+    # Without AutoDP a replica keeps its batch, so half the stages would be slower...
+    alone = plan_pipe(profile, step=10, frozen=2, stages=4, replicas=2, global_batch=32,
+                      previous=first, memory=1.0 * 2**20, autodp=False)
+    assert (alone.stages, alone.replicas) == (4, 2)
+    # ...until fewer layers train than there are stages; then the freed workers idle.
+    short = plan_pipe(profile, step=10, frozen=5, stages=4, replicas=2, global_batch=32,
+                      previous=first, memory=1.0 * 2**20, autodp=False)
+    assert (short.stages, short.replicas) == (2, 2) and short.pipeline_of(3) == (1, 1)
+    assert short.pipeline_of(4) is None and short.pipeline_of(7) is None
+    # The memory of one device decides how short the pipeline can get.
+    roomy = plan_pipe(profile, step=10, frozen=2, stages=4, replicas=2, global_batch=32,
+                      previous=first)
+    assert (roomy.stages, roomy.replicas) == (1, 8)
+    # A global batch that does not split over twice the replicas keeps the pipeline.
+    odd = plan_pipe(profile, step=10, frozen=2, stages=4, replicas=2, global_batch=34,
+                    previous=plan_pipe(profile, step=0, frozen=0, stages=4, replicas=2,
+                                       global_batch=34))
+    assert (odd.stages, odd.replicas) == (4, 2)
+
+
+def test_freeze_only_keeps_the_cuts(profile):
+    first = plan_pipe(profile, step=0, frozen=0, stages=4, replicas=2, global_batch=32)
+    plan = plan_pipe(profile, step=10, frozen=3, stages=4, replicas=2, global_batch=32,
+                     previous=first, autopipe=False)
+    assert plan.bounds == first.bounds and (plan.stages, plan.replicas) == (4, 2)
+    assert plan.stage_cost[0] < first.stage_cost[0]  # embed and h0 skip their backward
+
+
+def test_a_model_that_fits_no_cut_is_refused(profile):
+    with pytest.raises(ConfigError, match="fits a device's 0.1 MiB"):
+        plan_pipe(profile, step=0, frozen=0, stages=4, replicas=2, global_batch=32,
+                  memory=0.1 * 2**20)
+
+
+def test_micro_batches_fill_the_bubble():
+    assert choose_microbatches(1, 16) == 1
+    assert choose_microbatches(2, 16) == 4
+    assert choose_microbatches(4, 12) == 12
+    assert choose_microbatches(4, 6) == 6

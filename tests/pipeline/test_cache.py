@@ -1,0 +1,90 @@
+"""AutoCache: cached activations give the same loss and gradients as recomputing them."""
+
+import os
+
+import pytest
+import torch
+
+from polytrain import ConfigError
+from polytrain.models import GPT
+from polytrain.models import cross_entropy as loss_fn
+from polytrain.pipeline.cache import ActivationCache, frozen_forward
+from polytrain.strategies.pipetransformer import PipeTransformerOptions
+
+
+def _model():
+    torch.manual_seed(0)
+    model = GPT(seq_len=16, d_model=32, layers=4)
+    return model, list(model.children())
+
+
+def _step(layers, h, y, frozen):
+    """Loss and gradients of the trained layers on frozen-boundary activations ``h``."""
+    for p in (p for layer in layers for p in layer.parameters()):
+        p.grad = None
+    out = h
+    for layer in layers[frozen:]:
+        out = layer(out)
+    loss = loss_fn(out, y)
+    loss.backward()
+    grads = [p.grad.clone() for layer in layers[frozen:] for p in layer.parameters()]
+    return float(loss.detach()), grads
+
+
+@pytest.mark.parametrize("memory", [1 << 30, 0])  # the memory tier, and the disk tier alone
+def test_a_step_on_cached_activations_equals_recomputing_them(memory, tmp_path):
+    model, layers = _model()
+    x = torch.randint(0, 256, (8, 16))
+    y = torch.randint(0, 256, (8, 16))
+    cache = ActivationCache(memory_bytes=memory, directory=str(tmp_path))
+    fresh = frozen_forward(layers, x, frozen=2)
+    first = frozen_forward(layers, x, frozen=2, cache=cache)   # misses: computed and stored
+    cached = frozen_forward(layers, x, frozen=2, cache=cache)  # hits
+    assert (cache.stats.misses, cache.stats.hits) == (8, 8)
+    assert not cached.requires_grad
+    assert torch.equal(first, fresh) and torch.equal(cached, fresh)
+    loss_a, grads_a = _step(layers, fresh, y, 2)
+    loss_b, grads_b = _step(layers, cached, y, 2)
+    assert loss_a == loss_b
+    assert all(torch.equal(a, b) for a, b in zip(grads_a, grads_b))
+    if memory == 0:
+        assert cache.stats.disk_entries == 8 and cache.stats.memory_bytes == 0
+        assert cache.stats.disk_bytes == 8 * 16 * 32 * 4
+    else:
+        assert cache.stats.memory_bytes == 8 * 16 * 32 * 4
+    cache.close()
+
+
+def test_cached_activations_advance_through_newly_frozen_layers():
+    model, layers = _model()
+    x = torch.randint(0, 256, (8, 16))
+    y = torch.randint(0, 256, (8, 16))
+    cache = ActivationCache(memory_bytes=1 << 30)
+    frozen_forward(layers, x[:4], frozen=2, cache=cache)  # half the samples cached at depth 2
+    calls = []
+    hook = layers[0].register_forward_hook(lambda m, a, o: calls.append(a[0].shape[0]))
+    advanced = frozen_forward(layers, x, frozen=3, cache=cache)
+    hook.remove()
+    assert calls == [4]  # only the 4 uncached samples ran the embedding again
+    assert cache.stats.advanced == 4
+    recomputed = frozen_forward(layers, x, frozen=3)
+    torch.testing.assert_close(advanced, recomputed, rtol=0, atol=1e-6)
+    loss_a, grads_a = _step(layers, advanced, y, 3)
+    loss_b, grads_b = _step(layers, recomputed, y, 3)
+    assert loss_a == pytest.approx(loss_b, abs=1e-6)
+    for a, b in zip(grads_a, grads_b):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere")
+def test_a_cache_directory_that_is_not_writable_is_refused_as_non_root(tmp_path):
+    tmp_path.chmod(0o500)
+    with pytest.raises(ConfigError, match="not writable"):
+        PipeTransformerOptions(cache_dir=str(tmp_path / "cache"))
+
+
+def test_a_cache_directory_that_is_not_writable_is_refused(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(ConfigError, match=r"the cache directory .*file/cache is not writable"):
+        PipeTransformerOptions(cache_dir=str(blocker / "cache"))

@@ -1,0 +1,57 @@
+"""AutoFreeze's rule alone: the paper's cap and the gradient-norm signal, as a pure function."""
+
+import doctest
+
+import pytest
+
+from polytrain import ConfigError
+from polytrain.pipeline import freeze
+from polytrain.pipeline.freeze import GradNormTracker, freeze_cap, next_frozen
+from polytrain.strategies.pipetransformer import PipeTransformerOptions
+
+
+def test_the_doctests():
+    assert doctest.testmod(freeze).failed == 0
+
+
+def test_the_cap_alone_is_the_reference_codes_schedule():
+    # The released code freezes ceil(L (1 - (1 - alpha)^e)) layers after epoch e: with
+    # alpha 1/3 and 12 layers 4, 7, 9, 10, 11, 12 (the last step within rounding).
+    frozen, seen = 0, []
+    for _ in range(6):
+        frozen = next_frozen(frozen, 12, [0.0] * (12 - frozen), alpha=1 / 3, threshold=0.5)
+        seen.append(frozen)
+    assert seen == [4, 7, 9, 10, 11, 12]
+
+
+def test_the_gradient_norm_signal_freezes_less_than_the_cap():
+    # Layer 0 has stopped (0.2 of its first norm), layer 1 still learns: the front freezes
+    # through the stopped layer with the smallest ratio, here layer 0 alone, not the cap's 4.
+    assert next_frozen(0, 12, [0.2] + [0.9] * 11, alpha=1 / 3, threshold=0.5) == 1
+    # The smallest ratio may sit deeper: freeze through it (front layers converge first).
+    assert next_frozen(0, 12, [0.4, 0.3, 0.1] + [0.9] * 9, alpha=1 / 3, threshold=0.5) == 3
+    # ...but never past the cap.
+    assert next_frozen(0, 12, [0.9] * 6 + [0.1] + [0.9] * 5, alpha=1 / 3, threshold=0.5) == 4
+    # Nothing has stopped: nothing more freezes.
+    assert next_frozen(3, 12, [0.6] * 9, alpha=1 / 3, threshold=0.5) == 3
+
+
+def test_the_tracker_compares_each_layer_with_its_first_steps():
+    t = GradNormTracker()
+    for v in (2.0, 2.0, 2.0, 2.0, 2.0):
+        t.record({"h0": v, "h1": 10 * v})
+    t.new_interval()
+    t.record({"h0": 0.5, "h1": 18.0})
+    assert t.ratios(["h0", "h1", "h2"]) == pytest.approx([0.25, 0.9, 1.0])
+    other = GradNormTracker()
+    other.record({"h2": 4.0})
+    t.merge([other])
+    assert t.reference["h2"] == [4.0] and t.interval["h2"] == [4.0]
+
+
+@pytest.mark.parametrize("alpha", [0.0, 1.0, -0.1, 1.5])
+def test_freeze_alpha_outside_zero_one_is_refused(alpha):
+    with pytest.raises(ConfigError, match=r"--freeze-alpha must be in \(0, 1\)"):
+        PipeTransformerOptions(freeze_alpha=alpha)
+    with pytest.raises(ConfigError, match="freeze-alpha"):
+        freeze_cap(0, 12, alpha)

@@ -1,0 +1,215 @@
+"""PipeTransformer end to end: transparency, AutoFreeze, AutoDP's hand-over, epochs, refusals."""
+
+import pytest
+import torch
+
+import polytrain
+from polytrain import ConfigError, TrainConfig
+from polytrain.data import EpochBatches
+from polytrain.models import GPT
+from polytrain.models import cross_entropy as loss_fn
+from tests.harness import max_abs_diff, run_config, single_of, spawn
+
+TINY = {"seq_len": 16, "d_model": 32, "layers": 4}  # embed h0 h1 h2 h3 head: 6 layers
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("optimizer,lr", [("sgd", 0.05), ("adam", 3e-3)])
+def test_without_freezing_two_stages_by_two_replicas_is_single(optimizer, lr):
+    # K = 2 stages per machine, R = 2 machines: micro-batched 1F1B pipelines whose stages
+    # all-reduce their gradients, one flush per step: synchronous training on the batch.
+    config = TrainConfig(strategy="pipetransformer", workers=4, nodes=2, steps=5, batch_size=8,
+                         optimizer=optimizer, lr=lr, model_options=TINY,
+                         strategy_options={"freeze": False})
+    metrics, pipe = run_config(config)
+    single_metrics, single = run_config(single_of(config))
+    assert list(pipe) == list(single)
+    assert max_abs_diff(single, pipe) < 1e-5
+    _, untrained = run_config(single_of(config).replace(steps=1, lr=1e-12))
+    assert max_abs_diff(single, untrained) > 1e-3  # the weights moved
+    assert metrics["losses"] == pytest.approx(single_metrics["losses"], abs=1e-5)
+    [plan] = metrics["freeze_timeline"]
+    assert (plan["stages"], plan["replicas"], plan["micro_batches"]) == (2, 2, 4)
+
+
+def _batches(steps, batch=8, seed=0, distinct=3):
+    """Batches that come back every ``distinct`` steps (epochs of a tiny data set), so the
+    cache meets samples again."""
+    gen = torch.Generator().manual_seed(seed)
+    pool = [torch.randint(0, 256, (batch, 17), generator=gen) for _ in range(distinct)]
+    for step in range(steps):
+        w = pool[step % distinct]
+        yield w[:, :-1], w[:, 1:]
+
+
+# Every layer counts as stopped; at step 2 every ratio is 1 (the interval is the reference's
+# steps), so the cap decides: ceil(5 / 2) = 3 layers. Later the smallest ratio does.
+FREEZING = dict(freeze_every=2, freeze_threshold=100.0, freeze_alpha=0.5)
+
+
+def train_freezing(steps, options):
+    polytrain.init()
+    torch.manual_seed(0)
+    model = GPT(**TINY)
+    trainer = polytrain.distribute(model, torch.optim.Adam(model.parameters(), lr=3e-3),
+                                   strategy="pipetransformer", loss_fn=loss_fn, **options)
+    states = []
+    for x, y in _batches(steps):
+        trainer.step(x, y)
+        states.append(trainer.state_dict())
+    records = trainer.strategy.metrics()
+    trainer.close()
+    return states, records["freeze_timeline"], records["cache"]
+
+
+def reference(steps, timeline):
+    """One process, freezing the timeline's layers at its steps (no gradient, no update)."""
+    torch.manual_seed(0)
+    model = GPT(**TINY)
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    at = {e["step"]: e["frozen_layers"] for e in timeline}
+    for step, (x, y) in enumerate(_batches(steps)):
+        for name in at.get(step, []):
+            for p in getattr(model, name).parameters():
+                p.requires_grad_(False)
+                p.grad = None
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+    return model.state_dict()
+
+
+@pytest.mark.timeout(300)
+def test_frozen_layers_never_change_and_the_run_equals_a_reference_freezing_the_same():
+    steps = 9
+    states, timeline, cache = spawn(train_freezing, workers=4, nodes=2,
+                                    args=(steps, FREEZING))[0]
+    frozen_at = [(e["step"], e["frozen"]) for e in timeline]
+    assert [s for s, _ in frozen_at] == [0, 2, 4, 6, 8] and frozen_at[1] == (2, 3)
+    assert all(a[1] <= b[1] for a, b in zip(frozen_at, frozen_at[1:]))
+    # The pipeline shortened and widened on the way: 2 x 2, then 1 x 4 (no memory limit).
+    assert [(e["stages"], e["replicas"]) for e in timeline][:2] == [(2, 2), (1, 4)]
+    assert cache["hits"] > 0 and cache["misses"] > 0
+    for step, frozen in frozen_at:
+        if not frozen:
+            continue
+        names = [k for k in states[0] if k.split(".")[0] in ("embed", "h0", "h1", "h2", "h3")
+                 [:frozen]]
+        at_freeze = states[step - 1]  # the weights after the last update before freezing
+        for later in states[step:]:
+            for k in names:
+                assert torch.equal(later[k], at_freeze[k]), (step, k)
+    ref = reference(steps, timeline)
+    assert max_abs_diff(ref, states[-1]) < 1e-5
+    assert max_abs_diff(ref, reference(steps, timeline[:1])) > 1e-3  # freezing mattered
+
+
+def hand_over(steps, options):
+    """Perturb every replica differently before each freeze point, then check each new
+    replica's weights and optimizer state equal those of the replica it came from."""
+    ctx = polytrain.init()
+    torch.manual_seed(0)
+    model = GPT(**TINY)
+    trainer = polytrain.distribute(model, torch.optim.Adam(model.parameters(), lr=3e-3),
+                                   strategy="pipetransformer", loss_fn=loss_fn, **options)
+    strategy = trainer.strategy
+    checks, shapes = [], []
+    for step, (x, y) in enumerate(_batches(steps)):
+        if step and step % options["freeze_every"] == 0:
+            mine = strategy.stage_state()
+            with torch.no_grad():  # replica r's copy differs from every other replica's
+                r = mine["where"][0] if mine["where"] else 0
+                for p in model.parameters():
+                    p.add_(1e-3 * (r + 1))
+                for state in strategy.stage_opt.state.values():
+                    state["exp_avg"].add_(1e-3 * (r + 1))
+            before = [None] * ctx.num_workers
+            torch.distributed.all_gather_object(before, strategy.stage_state(),
+                                                group=ctx.groups.workers)
+            strategy.replan(step)
+            after = strategy.stage_state()
+            shapes.append((strategy.plan.stages, strategy.plan.replicas))
+            if after["where"] is not None:
+                source = after["source"] if after["source"] is not None else after["where"][0]
+                old = {}
+                for b in before:
+                    if b["where"] is not None and b["where"][0] == source:
+                        old.update({"w": {**old.get("w", {}), **b["weights"]},
+                                    "s": {**old.get("s", {}), **b["state"]}})
+                same_w = all(torch.equal(t, old["w"][n]) for n, t in after["weights"].items())
+                same_s = all(torch.equal(v, old["s"][n][k]) for n, st in after["state"].items()
+                             for k, v in st.items() if isinstance(v, torch.Tensor))
+                checks.append((step, after["where"], source, same_w, same_s,
+                               len(after["state"]) == len(after["weights"]) - sum(
+                                   1 for n in after["weights"] if n not in after["state"])))
+        trainer.step(x, y)
+    trainer.close()
+    return checks, shapes
+
+
+@pytest.mark.timeout(300)
+def test_new_replicas_get_the_weights_and_optimizer_state_of_their_source():
+    options = {**FREEZING, "cache": False}
+    results = spawn(hand_over, workers=4, nodes=2, args=(5, options))
+    shapes = results[0][1]
+    assert shapes[0] == (1, 4)  # at step 2 the pipeline halved: 2 x 2 -> 1 x 4
+    sources = {}
+    for checks, _ in results:
+        for step, where, source, same_w, same_s, _ in checks:
+            assert same_w and same_s, (step, where, source)
+            sources.setdefault(step, []).append((where[0], source))
+    # Replicas 0, 1 come from pipeline 0 (its two devices), replicas 2, 3 from pipeline 1.
+    assert sorted(sources[2]) == [(0, 0), (1, 0), (2, 1), (3, 1)]
+
+
+def seen_samples(samples, batch, steps, options):
+    ctx = polytrain.init()
+    torch.manual_seed(0)
+    model = GPT(**TINY)
+    seen = []
+
+    def record(_m, args):
+        x = args[0]
+        if x.dtype == torch.long:
+            seen.extend((x[:, 0] * 256 + x[:, 1]).tolist())
+
+    model.embed.register_forward_pre_hook(record)
+    trainer = polytrain.distribute(model, torch.optim.Adam(model.parameters(), lr=3e-3),
+                                   strategy="pipetransformer", loss_fn=loss_fn, **options)
+    batches = iter(EpochBatches(samples, batch_size=batch, window=17, seed=0))
+    per_step = []
+    for _ in range(steps):
+        w = next(batches)
+        before = len(seen)
+        trainer.step(w[:, :-1], w[:, 1:])
+        per_step.append(seen[before:])
+    trainer.close()
+    return per_step, ctx.worker_index
+
+
+@pytest.mark.timeout(300)
+def test_every_sample_is_seen_once_per_epoch_while_the_replicas_change():
+    # 48 samples whose first two tokens are their number; 6 steps of 8 per epoch, and the
+    # pipeline widens from 2 x 2 to 1 x 4 at step 2, in the middle of the first epoch.
+    n, batch = 48, 8
+    rows = torch.randint(0, 256, (n, 17), generator=torch.Generator().manual_seed(1))
+    rows[:, 0], rows[:, 1] = torch.arange(n) // 256, torch.arange(n) % 256
+    corpus = rows.reshape(-1).to(torch.uint8)
+    options = {**FREEZING, "cache": False}
+    results = spawn(seen_samples, workers=4, nodes=2, args=(corpus, batch, 12, options))
+    for epoch in range(2):
+        got = sorted(i for per_step, _ in results for s in per_step[6 * epoch:6 * epoch + 6]
+                     for i in s)
+        assert got == list(range(n)), epoch
+
+
+def test_refusals():
+    with pytest.raises(ConfigError, match="--pipeline-stages 3 does not divide a machine's 4"):
+        TrainConfig(strategy="pipetransformer", workers=4, model_options=TINY,
+                    strategy_options={"pipeline_stages": 3})
+    with pytest.raises(ConfigError, match="has 3 layers .* but the pipeline has 4 stages"):
+        TrainConfig(strategy="pipetransformer", workers=4,
+                    model_options={**TINY, "layers": 1})
+    with pytest.raises(ConfigError, match=r"--freeze-alpha must be in \(0, 1\) \(got 1.0\)"):
+        TrainConfig(strategy="pipetransformer", workers=4, model_options=TINY,
+                    strategy_options={"freeze_alpha": 1.0})

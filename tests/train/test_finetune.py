@@ -1,0 +1,67 @@
+"""The fine-tuning task of the shared loop: ``--init`` (any strategy) and ``--eval-every``."""
+
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from polytrain import ConfigError, TrainConfig
+from tests.harness import max_abs_diff, run_config, single_of
+
+TINY = {"seq_len": 16, "d_model": 32, "layers": 2}
+BASE = TrainConfig(strategy="single", steps=4, batch_size=8, lr=3e-3, model_options=TINY)
+
+
+@pytest.mark.timeout(240)
+def test_held_out_loss_and_accuracy_every_n_steps_and_after_the_last():
+    metrics, _ = run_config(BASE.replace(eval_every=3))
+    assert [e["step"] for e in metrics["eval"]] == [3, 4]
+    for e in metrics["eval"]:
+        assert 0 < e["loss"] < 6 and 0 <= e["accuracy"] <= 1 and e["train_time_s"] > 0
+    assert metrics["final_eval_loss"] == metrics["eval"][-1]["loss"]
+    # A pipeline evaluates the whole model gathered from its stages: the same figures.
+    pipe = BASE.replace(strategy="pipetransformer", workers=4, nodes=2, eval_every=3,
+                        strategy_options={"freeze": False})
+    pipe_metrics, _ = run_config(pipe)
+    assert [e["loss"] for e in pipe_metrics["eval"]] == pytest.approx(
+        [e["loss"] for e in metrics["eval"]], abs=1e-5)
+    assert [e["accuracy"] for e in pipe_metrics["eval"]] == pytest.approx(
+        [e["accuracy"] for e in metrics["eval"]], abs=1e-6)
+
+
+@pytest.mark.timeout(240)
+def test_init_starts_any_strategy_from_a_final_pt():
+    with tempfile.TemporaryDirectory() as tmp:
+        _, first = run_config(BASE)
+        path = str(Path(tmp) / "final.pt")
+        torch.save(first, path)
+        # A learning rate of nothing: the run ends where --init started it.
+        _, same = run_config(BASE.replace(init=path, steps=1, lr=1e-12))
+        assert max_abs_diff(first, same) < 1e-6
+        cont = BASE.replace(strategy="ddp", workers=2, init=path)
+        _, ddp = run_config(cont)
+        _, single = run_config(single_of(cont))
+        assert max_abs_diff(ddp, single) < 1e-5
+        _, fresh = run_config(single_of(cont).replace(init=None))
+        assert max_abs_diff(single, fresh) > 1e-2  # the start mattered
+
+
+def test_init_of_another_models_weights_names_the_first_key_that_differs(tmp_path):
+    _, first = run_config(BASE.replace(steps=1))
+    path = tmp_path / "final.pt"
+    torch.save(first, path)
+    with pytest.raises(ConfigError, match=r"'embed.tok.weight' is \[256, 64\] here but "
+                                          r"\[256, 32\] there"):
+        BASE.replace(init=str(path), model_options={**TINY, "d_model": 64})
+    with pytest.raises(ConfigError, match=r"the first key that differs is '.*' here but "
+                                          r"'embed.tok.weight' there"):
+        BASE.replace(init=str(path), model="mlp", model_options={})
+    with pytest.raises(ConfigError, match="cannot be read"):
+        BASE.replace(init=str(tmp_path / "missing.pt"))
+
+
+def test_eval_every_is_refused_where_no_worker_holds_the_model():
+    with pytest.raises(ConfigError, match="holds part of the model"):
+        TrainConfig(strategy="hetpipe", workers=2, servers=1, eval_every=5,
+                    model_options=TINY)
