@@ -64,7 +64,8 @@ def summary(m: dict[str, Any], target: float) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="small model, few steps, one round")
-    p.add_argument("--parts", default="speed,partitions")
+    p.add_argument("--parts", default="curve,speed,partitions")
+    p.add_argument("--curve-steps", type=int, default=300)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--nodes", type=int, default=4)
@@ -96,6 +97,15 @@ def main(argv: list[str] | None = None) -> int:
                            "nodes": args.nodes, "bandwidth": args.bandwidth,
                            "model": model, "steps": args.steps, "batch_size": args.batch_size}
     raw: dict[str, list[dict[str, Any]]] = {}
+    if "curve" in parts:  # wordlm trains on its own: one process, the default optimizer
+        m = run_config(polytrain.TrainConfig(strategy="single", model="wordlm",
+                                             steps=args.curve_steps, quiet=True,
+                                             model_options=model), env=ENV)
+        out["curve"] = {"steps": args.curve_steps, "optimizer": "adam (lazy on the embeddings)",
+                        "lr": m.get("lr", 2e-3), "losses": m["losses"],
+                        "step_s": m["step_time_s"]["median"]}
+        print(f"single: loss {m['losses'][0]:.3f} -> {m['final_loss']:.3f} in "
+              f"{args.curve_steps} steps", flush=True)
     if "speed" in parts:
         for r in range(args.rounds):
             for name, cfg in runs.items():
@@ -146,6 +156,14 @@ def _plot(out: dict[str, Any], path: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
+    if "curve" in out:
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        ax.plot(out["curve"]["losses"])
+        ax.set_xlabel("step")
+        ax.set_ylabel("sampled-softmax loss")
+        ax.set_title("wordlm, single, vocab " + str(out["model"].get("vocab")))
+        fig.tight_layout()
+        fig.savefig(path.with_name(path.stem + "_curve.png"), dpi=100)
     if "speed" not in out:
         return
     fig, ax = plt.subplots(1, 2, figsize=(10, 4))

@@ -212,6 +212,21 @@ def test_parallax_ends_where_single_ends(nodes, workers, servers, optimizer):
 
 
 @pytest.mark.timeout(240)
+def test_ordinary_embeddings_become_sparse_rows_and_still_end_where_single_ends():
+    # gpt's embeddings are built with sparse=False: --sparse-embeddings (the default) makes
+    # their gradients sparse and puts them on the servers; SGD's update is the same.
+    c = TrainConfig(strategy="parallax", model="gpt", workers=4, nodes=2, steps=STEPS,
+                    batch_size=8, optimizer="sgd", lr=0.5,
+                    model_options={"seq_len": 8, "d_model": 16, "layers": 1, "heads": 2},
+                    strategy_options={"partitions": 2})
+    _, single = run_config(single_of(c))
+    metrics, distributed = run_config(c)
+    assert [v["name"] for v in metrics["plan"]["sparse"]] == ["embed.tok.weight",
+                                                              "embed.pos.weight"]
+    assert max_abs_diff(single, distributed) < TOLERANCE["sgd"]
+
+
+@pytest.mark.timeout(240)
 def test_the_partition_search_repartitions_live_rows_without_losing_an_update():
     c = config(2, 4, 0, "adagrad", steps=12, partitions=None, search_steps=2)
     _, single = run_config(single_of(c))
