@@ -212,6 +212,17 @@ def test_parallax_ends_where_single_ends(nodes, workers, servers, optimizer):
 
 
 @pytest.mark.timeout(240)
+def test_a_lookup_that_reads_no_row_of_a_range_pulls_nothing_from_it():
+    # Symptom: at --partitions 32 on wordlm, gloo aborted a worker ("Received data size
+    # doesn't match expected size. 800004 vs 0"). Cause: a lookup sent a PULL with no rows
+    # for a range it did not read, which the store answers with the range's whole state.
+    c = config(1, 2, 0, partitions=64)
+    _, single = run_config(single_of(c))
+    _, distributed = run_config(c)
+    assert max_abs_diff(single, distributed) < TOLERANCE["sgd"]
+
+
+@pytest.mark.timeout(240)
 def test_ordinary_embeddings_become_sparse_rows_and_still_end_where_single_ends():
     # gpt's embeddings are built with sparse=False: --sparse-embeddings (the default) makes
     # their gradients sparse and puts them on the servers; SGD's update is the same.
