@@ -114,7 +114,7 @@ def apply_rule(rule: dict[str, Any], param: torch.Tensor, state: list[torch.Tens
                     lr_decay=rule["lr_decay"], eps=rule["eps"])
     else:
         row_adam(param, state[0], state[1], rows, values, lr=lr, step=step,
-                 betas=tuple(rule["betas"]), eps=rule["eps"])  # type: ignore[arg-type]
+                 betas=(rule["betas"][0], rule["betas"][1]), eps=rule["eps"])
 
 
 class LazyAdam(torch.optim.Optimizer):
@@ -136,7 +136,8 @@ class LazyAdam(torch.optim.Optimizer):
                                   "weight_decay": weight_decay})
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+    def step(self, closure: Callable[[], float] | None = None  # type: ignore[override]
+             ) -> float | None:
         loss = closure() if closure is not None else None
         for group in self.param_groups:
             beta1, beta2 = group["betas"]

@@ -43,7 +43,9 @@ def _mean(losses: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 def _words(model: nn.Module) -> torch.Tensor:
     from ..data.words import words_corpus
 
-    return words_corpus(int(model.vocab))
+    vocab = model.vocab
+    assert isinstance(vocab, int)
+    return words_corpus(vocab)
 
 
 def _moe_aux_loss(model: nn.Module) -> torch.Tensor:

@@ -74,6 +74,7 @@ class WordLM(nn.Module):
         self.pos = nn.Parameter(torch.zeros(seq_len, d_model))
         self.blocks = nn.Sequential(*(Block(d_model, heads, 4 * d_model) for _ in range(layers)))
         for block in self.blocks:
+            assert isinstance(block, Block)
             # No attention bias: softmax ignores a key bias, so its gradient is rounding noise,
             # which optimizers that scale per element (Adagrad) would turn into whole steps.
             block.attn.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
