@@ -19,7 +19,7 @@ from .strategies.base import get_strategy, make_options
 
 __all__ = ["TrainConfig", "OPTIMIZERS", "SCHEDULES", "SAMPLINGS", "check_init"]
 
-OPTIMIZERS = ("sgd", "adam")
+OPTIMIZERS = ("sgd", "adam", "adagrad")
 SCHEDULES = ("constant", "cosine")
 SAMPLINGS = ("random", "epoch")
 
@@ -35,7 +35,8 @@ class TrainConfig:
         workers, nodes, servers: the layout (default 2 workers on 1 machine, no servers;
             ``single`` runs 1 worker).
         steps: training steps (default 500). batch_size: GLOBAL batch (default 32).
-        lr, optimizer: learning rate and ``sgd`` or ``adam`` (default 2e-3, adam).
+        lr, optimizer: learning rate and ``sgd``, ``adam`` (lazy on sparse gradients) or
+            ``adagrad`` (default 2e-3, adam).
         lr_schedule: ``constant`` (default) or ``cosine``: from ``lr`` after the warm-up
             down to ``lr / 10`` at the last step (a ``torch.optim.lr_scheduler`` on the
             optimizer the strategy returns, stepped after every step).
@@ -105,7 +106,8 @@ class TrainConfig:
             object.__setattr__(self, "workers", 2 if get_strategy(self.strategy).distributed else 1)
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"unknown optimizer {self.optimizer!r}; the optimizers are: "
-                              f"{', '.join(OPTIMIZERS)}", "pass --optimizer sgd or adam")
+                              f"{', '.join(OPTIMIZERS)}",
+                              "pass --optimizer sgd, adam or adagrad")
         if self.steps < 1:
             raise ConfigError(f"--steps must be at least 1 (got {self.steps})", "pass --steps 300")
         if not self.lr > 0:

@@ -14,8 +14,9 @@ from ..errors import ConfigError
 from .gpt import GPT
 from .gpt_moe import GPTMoEOptions, gpt_moe
 from .mlp import MLP
+from .wordlm import WordLM, WordLMOptions
 
-__all__ = ["GPT", "MLP", "ModelSpec", "register_model", "get_model", "model_names"]
+__all__ = ["GPT", "MLP", "WordLM", "ModelSpec", "register_model", "get_model", "model_names"]
 
 
 def _next_token(window: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -29,6 +30,22 @@ def _next_byte(window: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy over every position: logits (..., vocab), targets (...)."""
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def _whole_window(window: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return window, window[:, 1:]  # the model needs the targets: its softmax is sampled
+
+
+def _mean(losses: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return losses.mean()
+
+
+def _words(model: nn.Module) -> torch.Tensor:
+    from ..data.words import words_corpus
+
+    vocab = model.vocab
+    assert isinstance(vocab, int)
+    return words_corpus(vocab)
 
 
 def _moe_aux_loss(model: nn.Module) -> torch.Tensor:
@@ -45,6 +62,8 @@ class ModelSpec:
     ``build`` (the CLI makes a flag of each, as for strategy options).
     ``aux_loss``: a term the training loss adds after each forward (e.g. MoE
     balance losses), given the model.
+    ``corpus``: the token ids the model trains on, given the model (default: the
+    run's ``--data``, bytes).
     """
 
     name: str
@@ -54,6 +73,7 @@ class ModelSpec:
     description: str
     options: type | None = None
     aux_loss: Callable[[nn.Module], torch.Tensor] | None = None
+    corpus: Callable[[nn.Module], torch.Tensor] | None = None
 
     def make(self, **options: Any) -> nn.Module:
         """Build the model; options it does not take are refused by name."""
@@ -92,3 +112,6 @@ register_model(ModelSpec("mlp", MLP, _next_byte, cross_entropy,
 register_model(ModelSpec("gpt-moe", gpt_moe, _next_token, cross_entropy,
                          "GPT whose feed-forward blocks are mixtures of experts",
                          options=GPTMoEOptions, aux_loss=_moe_aux_loss))
+register_model(ModelSpec("wordlm", WordLM, _whole_window, _mean,
+                         "word-level LM over the standard library's words: sparse "
+                         "embeddings, sampled softmax", options=WordLMOptions, corpus=_words))

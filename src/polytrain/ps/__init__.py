@@ -1,6 +1,7 @@
 """The summation / parameter service: server processes, stores, and the worker-side engine."""
 
 from . import compressed as _compressed  # noqa: F401 - registers the compressed sum store
+from . import sparse as _sparse  # noqa: F401 - registers the sparse row store
 from .client import Pending, PSClient
 from .engine import Engine, SumTensor, engine_for
 from .keys import KeySpace

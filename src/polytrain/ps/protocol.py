@@ -67,6 +67,7 @@ class Kind(IntEnum):
     PARAM = 2      # parameters that pushes update (asynchronous, clocked)
     OPTIM = 3      # parameters that an optimizer on the server updates with summed gradients
     COMPRESSED = 4  # synchronous summation of compressed payloads (ps/compressed.py)
+    SPARSE = 5     # rows of a sparse parameter, updated on the server (ps/sparse.py)
 
 
 DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float64, torch.float16, torch.bfloat16,

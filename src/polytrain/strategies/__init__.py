@@ -5,6 +5,7 @@ from . import ddp as _ddp  # noqa: F401 - registers "ddp"
 from . import herring as _herring  # noqa: F401 - registers "herring"
 from . import hetpipe as _hetpipe  # noqa: F401 - registers "hetpipe"
 from . import moe as _moe  # noqa: F401 - registers "moe"
+from . import parallax as _parallax  # noqa: F401 - registers "parallax"
 from . import pipetransformer as _pipetransformer  # noqa: F401 - registers "pipetransformer"
 from . import single as _single  # noqa: F401 - registers "single"
 from .base import (

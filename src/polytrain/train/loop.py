@@ -21,6 +21,7 @@ from ..emulation.clock import clock_of, emulate
 from ..emulation.devices import parse_cluster
 from ..emulation.profile import profile_model
 from ..models import get_model
+from ..optim import LazyAdam
 from ..runtime import Context, init
 from ..strategies.base import distribute, get_strategy
 from .metrics import build_metrics
@@ -34,10 +35,15 @@ log = logging.getLogger(__name__)
 EVAL_SAMPLES = 256
 
 
-def make_optimizer(name: str, params: Any, lr: float) -> torch.optim.Optimizer:
+def make_optimizer(name: str, params: Any, lr: float, *,
+                   sparse: bool = False) -> torch.optim.Optimizer:
+    """``--optimizer``: sgd, adagrad or adam (lazy on sparse gradients when ``sparse``:
+    ``torch.optim.Adam`` refuses them)."""
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr)
-    return torch.optim.Adam(params, lr=lr)
+    if name == "adagrad":
+        return torch.optim.Adagrad(params, lr=lr)
+    return LazyAdam(params, lr=lr) if sparse else torch.optim.Adam(params, lr=lr)
 
 
 def lr_factor(step: int, *, steps: int, schedule: str, warmup: int) -> float:
@@ -82,7 +88,9 @@ def train(config: TrainConfig) -> dict[str, Any] | None:
         model.load_state_dict(check_init(config.init, model))
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     seq_len = int(getattr(model, "seq_len", config.model_options.get("seq_len", 64)))
-    optimizer = make_optimizer(config.optimizer, model.parameters(), config.lr)
+    sparse = any(getattr(m, "sparse", False) for m in model.modules()
+                 if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)))
+    optimizer = make_optimizer(config.optimizer, model.parameters(), config.lr, sparse=sparse)
     if cluster is not None and device.type == "cpu":  # on real GPUs nothing is emulated
         # Every strategy, ddp included, runs at the speed of this worker's device.
         own = cluster.devices[ctx.worker_index if ctx is not None else 0]
@@ -101,7 +109,7 @@ def train(config: TrainConfig) -> dict[str, Any] | None:
     strategy = trainer.strategy
     scheduler = make_scheduler(config, trainer.optimizer)  # every strategy follows its lr
     lead = ctx is None or ctx.worker_index == 0
-    corpus = get_dataset(config.data)
+    corpus = spec.corpus(model) if spec.corpus is not None else get_dataset(config.data)
     held_out = None
     if config.eval_every is not None:
         corpus, rest = held_out_split(corpus)

@@ -1,0 +1,164 @@
+"""The sparse row store: rows of a sparse parameter held on a server and updated there.
+
+Parallax (Kim et al., EuroSys 2019) keeps each sparse variable on parameter
+servers, cut into row ranges; workers push the rows their step touched
+(indices and values) and pull only the rows they read. A key of this kind
+(``Kind.SPARSE``) is one row range ``(rows, width)``; its declaration names
+the update rule (:func:`polytrain.optim.sparse_rule`: sgd, adagrad, adam) and
+the server applies it itself, once per round, to the rows that round touched.
+
+- PUSH of round t: :func:`pack_rows` (the round's learning rate, the unique
+  rows of this range the pusher touched, counted from the range's start, and
+  their gradient, already averaged over the workers). A pusher that touched
+  no row pushes only the learning rate. Once all ``pushers`` have pushed round
+  t and round t - 1 is applied, the pushes are concatenated in rank order,
+  summed per row and the rule steps those rows (its step count is t).
+- PULL of round r with a payload of int64 rows: their values, (rows, width),
+  once r rounds are applied. Without a payload: the whole state
+  (:func:`state_numel` elements: the values, the rule's state tensors, the
+  rounds applied), which SET takes back, so a range can move to another key
+  (re-partitioning) with its optimizer state and its round.
+- GET: the whole state at once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..errors import CommError
+from ..optim import RULE_STATES, apply_rule
+from .protocol import Kind, Op, Request
+from .stores import Declaration, Respond, Store, register_store
+
+__all__ = ["SparseRowStore", "pack_rows", "unpack_rows", "state_numel"]
+
+_LR_BYTES = 8  # a float64 ahead of the rows
+
+
+def pack_rows(lr: float, rows: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """One push's payload as uint8: lr (float64), rows (int64), values (rows, width)."""
+    parts = [torch.tensor([lr], dtype=torch.float64).view(torch.uint8),
+             rows.to(torch.int64).contiguous().view(torch.uint8),
+             values.contiguous().view(-1).view(torch.uint8)]
+    return torch.cat(parts)
+
+
+def unpack_rows(payload: torch.Tensor, width: int, dtype: torch.dtype
+                ) -> tuple[float, torch.Tensor, torch.Tensor]:
+    """The inverse of :func:`pack_rows`."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    n, rest = divmod(payload.numel() - _LR_BYTES, 8 + width * itemsize)
+    if rest or n < 0:
+        raise ValueError(f"a payload of {payload.numel()} bytes is not lr + rows of width "
+                         f"{width}")
+    lr = float(payload[:_LR_BYTES].view(torch.float64)[0])
+    rows = payload[_LR_BYTES:_LR_BYTES + 8 * n].view(torch.int64)
+    values = payload[_LR_BYTES + 8 * n:].view(dtype).view(n, width)
+    return lr, rows, values
+
+
+def state_numel(numel: int, rule: str) -> int:
+    """Elements of a range's whole state: values, the rule's state tensors, rounds applied."""
+    return (1 + RULE_STATES[rule]) * numel + 1
+
+
+class SparseRowStore(Store):
+    """Rows ``(numel / width, width)`` of a sparse parameter, updated by ``options["rule"]``."""
+
+    def __init__(self, decl: Declaration, respond: Respond) -> None:
+        super().__init__(decl, respond)
+        self.width = int(decl.options["width"])
+        self.rule: dict[str, Any] = dict(decl.options["rule"])
+        if self.rule.get("name") not in RULE_STATES:
+            raise CommError(f"server: {decl.describe()}: unknown sparse rule {self.rule!r}")
+        if decl.numel % self.width:
+            raise CommError(f"server: {decl.describe()}: {decl.numel} elements are not rows "
+                            f"of {self.width}")
+        rows = decl.numel // self.width
+        dtype = decl.torch_dtype
+        self.value = torch.zeros(rows, self.width, dtype=dtype)
+        fill = float(self.rule.get("initial_accumulator_value", 0.0))
+        self.state = [torch.full((rows, self.width), fill, dtype=dtype)
+                      for _ in range(RULE_STATES[self.rule["name"]])]
+        self.applied = 0
+        self.rounds: dict[int, dict[tuple[int, int], torch.Tensor]] = {}
+        self.waiting: list[Request] = []
+
+    def handle(self, req: Request) -> None:
+        if req.op == Op.PUSH:
+            if req.round <= self.applied:
+                raise self.fail(req, f"round {req.round} is already applied")
+            pushes = self.rounds.setdefault(req.round, {})
+            if req.pusher in pushes:
+                raise self.fail(req, "this rank already pushed this round")
+            assert req.payload is not None
+            pushes[req.pusher] = req.payload
+            if len(pushes) > self.decl.pushers:
+                raise self.fail(req, f"more pushers than the {self.decl.pushers} declared")
+            self._apply_ready()
+        elif req.op == Op.PULL:
+            if self.applied >= req.round:
+                self._answer(req)
+            else:
+                self.waiting.append(req)
+        elif req.op == Op.GET:
+            self._answer(req)
+        elif req.op == Op.SET:
+            assert req.payload is not None
+            self._load(req.payload)
+            self._apply_ready()  # pushes that came before a re-partitioned range's state
+        else:
+            raise self.fail(req, "a sparse row store answers PUSH, PULL, GET and SET only")
+
+    def _apply_ready(self) -> None:
+        stepped = False
+        while len(self.rounds.get(self.applied + 1, ())) == self.decl.pushers:
+            pushes = self.rounds.pop(self.applied + 1)
+            unpacked = [unpack_rows(pushes[p], self.width, self.value.dtype)
+                        for p in sorted(pushes)]  # rank order: independent of arrival order
+            lrs = {lr for lr, _, _ in unpacked}
+            if len(lrs) != 1:
+                raise CommError(f"server: {self.decl.describe()}: the pushers of round "
+                                f"{self.applied + 1} disagree on the learning rate ({sorted(lrs)})",
+                                "every worker must use the same learning-rate schedule")
+            rows = torch.cat([r for _, r, _ in unpacked])
+            if rows.numel():
+                values = torch.cat([v for _, _, v in unpacked])
+                unique, inverse = torch.unique(rows, return_inverse=True)
+                summed = torch.zeros(unique.numel(), self.width, dtype=values.dtype)
+                summed.index_add_(0, inverse, values)
+                apply_rule(self.rule, self.value, self.state, unique, summed,
+                           step=self.applied + 1, lr=lrs.pop())
+            self.applied += 1
+            stepped = True
+        if stepped:
+            ready = [r for r in self.waiting if self.applied >= r.round]
+            self.waiting = [r for r in self.waiting if self.applied < r.round]
+            for r in ready:
+                self._answer(r)
+
+    def _answer(self, req: Request) -> None:
+        if req.op == Op.PULL and req.payload is not None:
+            rows = req.payload
+            if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= self.value.shape[0]):
+                raise self.fail(req, f"rows outside 0 .. {self.value.shape[0] - 1}")
+            self.respond(req, self.value[rows])
+            return
+        applied = torch.tensor([float(self.applied)], dtype=self.value.dtype)
+        self.respond(req, torch.cat([t.reshape(-1) for t in (self.value, *self.state)]
+                                    + [applied]))
+
+    def _load(self, payload: torch.Tensor) -> None:
+        n = self.value.numel()
+        if payload.numel() != state_numel(n, self.rule["name"]):
+            raise CommError(f"server: {self.decl.describe()}: SET of {payload.numel()} "
+                            f"elements, not the whole state's "
+                            f"{state_numel(n, self.rule['name'])}")
+        for i, t in enumerate((self.value, *self.state)):
+            t.copy_(payload[i * n:(i + 1) * n].view_as(t))
+        self.applied = int(payload[-1])
+
+
+register_store(Kind.SPARSE, SparseRowStore, "sparse row")

@@ -1,0 +1,189 @@
+"""Parallax's plan as plain data: which parameters go to servers, their row ranges and owners.
+
+A parameter is *sparse* when a step's gradient touches only some of its rows:
+it is the weight of an ``nn.Embedding``/``nn.EmbeddingBag`` with
+``sparse=True`` or, with ``sparse_embeddings`` (the default), of any
+embedding (whose gradients then become sparse). Every other parameter is
+*dense* and is all-reduced. Each sparse parameter is cut into ``partitions``
+near-equal row ranges, and the ranges go, largest first, to the server that
+owns the fewest bytes so far (Parallax's greedy least-loaded rule).
+
+Example::
+
+    >>> import torch
+    >>> plan = plan_parallax([SparseVar("emb", 10, 4, torch.float32)], ["w"], partitions=3,
+    ...                      servers=[4, 5])
+    >>> [(r.lo, r.hi, r.owner) for r in plan.ranges], plan.bytes_by_server()
+    ([(0, 4, 4), (4, 7, 5), (7, 10, 5)], {4: 64, 5: 96})
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from ...comm.partition import Partition
+from ...errors import ConfigError
+from ...ps.placement import Placement, balanced
+
+__all__ = ["SparseVar", "RowRange", "ParallaxPlan", "plan_parallax", "classify",
+           "parallax_traffic"]
+
+
+@dataclass(frozen=True)
+class SparseVar:
+    """A sparse parameter: ``rows`` rows of ``width`` elements."""
+
+    name: str
+    rows: int
+    width: int
+    dtype: torch.dtype
+
+    @property
+    def row_bytes(self) -> int:
+        return self.width * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass(frozen=True)
+class RowRange:
+    """Rows ``[lo, hi)`` of sparse variable ``var`` (an index into the plan's ``sparse``),
+    partition ``index`` of it, owned by server rank ``owner``."""
+
+    var: int
+    index: int
+    lo: int
+    hi: int
+    owner: int
+
+
+@dataclass(frozen=True)
+class ParallaxPlan:
+    """Dense parameters (all-reduced) and sparse ones (row ranges on servers)."""
+
+    dense: tuple[str, ...]
+    sparse: tuple[SparseVar, ...]
+    partitions: int
+    servers: tuple[int, ...]
+    ranges: tuple[RowRange, ...]
+
+    def of(self, var: int) -> list[RowRange]:
+        """Variable ``var``'s ranges, in row order."""
+        return sorted((r for r in self.ranges if r.var == var), key=lambda r: r.lo)
+
+    def bytes_by_server(self) -> dict[int, int]:
+        load = {s: 0 for s in self.servers}
+        for r in self.ranges:
+            load[r.owner] += (r.hi - r.lo) * self.sparse[r.var].row_bytes
+        return load
+
+    def placement(self) -> Placement:
+        """The ranges as the engine's placement (one partition per range, in plan order)."""
+        parts = []
+        for i, r in enumerate(self.ranges):
+            v = self.sparse[r.var]
+            parts.append(Partition(i, r.var, v.name, r.index, r.lo * v.width,
+                                   (r.hi - r.lo) * v.width, (r.hi - r.lo) * v.row_bytes,
+                                   v.dtype))
+        return Placement(tuple(parts), tuple(r.owner for r in self.ranges))
+
+    def as_json(self) -> dict[str, Any]:
+        return {"dense": list(self.dense), "partitions": self.partitions,
+                "servers": list(self.servers),
+                "sparse": [{"name": v.name, "rows": v.rows, "width": v.width,
+                            "row_bytes": v.row_bytes} for v in self.sparse],
+                "ranges": [asdict(r) for r in self.ranges],
+                "bytes_by_server": {str(k): v for k, v in self.bytes_by_server().items()}}
+
+    def describe(self) -> str:
+        """Where every parameter goes, as a short table."""
+        lines = [f"all-reduce: {len(self.dense)} dense parameters"
+                 + (f" ({', '.join(self.dense[:4])}{', ...' if len(self.dense) > 4 else ''})"
+                    if self.dense else "")]
+        for i, v in enumerate(self.sparse):
+            owners = ", ".join(f"[{r.lo}, {r.hi}) -> server rank {r.owner}" for r in self.of(i))
+            lines.append(f"servers: {v.name} ({v.rows} x {v.width}), {self.partitions} "
+                         f"partitions: {owners}")
+        load = ", ".join(f"rank {s}: {b} bytes" for s, b in self.bytes_by_server().items())
+        lines.append(f"server load: {load}")
+        return "\n".join(lines)
+
+
+def classify(model: nn.Module, *, sparse_embeddings: bool = True
+             ) -> tuple[list[str], list[str]]:
+    """(dense parameter names, sparse parameter names) of ``model``, in parameter order.
+
+    Sparse: the weight of an embedding with ``sparse=True``, or of any
+    ``nn.Embedding``/``nn.EmbeddingBag`` when ``sparse_embeddings``. A sparse
+    weight shared with another module (tied weights) is refused: its gradient
+    would be partly dense.
+    """
+    sparse_ids = {id(m.weight) for m in model.modules()
+                  if isinstance(m, (nn.Embedding, nn.EmbeddingBag))
+                  and (m.sparse or sparse_embeddings)}
+    users: dict[int, int] = {}
+    for m in model.modules():
+        for p in m.parameters(recurse=False):
+            users[id(p)] = users.get(id(p), 0) + 1
+    dense, sparse = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if id(p) in sparse_ids:
+            if users.get(id(p), 0) > 1:
+                raise ConfigError(f"{name} is an embedding's weight shared with another module "
+                                  f"(tied weights): its gradient is partly dense",
+                                  "untie the weights, or pass --no-sparse-embeddings and "
+                                  "sparse=False")
+            if p.dim() != 2:
+                raise ConfigError(f"sparse parameter {name} has shape {list(p.shape)}",
+                                  "keep embeddings 2-D (rows, width)")
+            sparse.append(name)
+        else:
+            dense.append(name)
+    return dense, sparse
+
+
+def _cut(rows: int, parts: int) -> list[tuple[int, int]]:
+    """``rows`` cut into ``parts`` near-equal ranges (the first ones one longer)."""
+    parts = max(1, min(parts, rows))
+    base, extra = divmod(rows, parts)
+    out, lo = [], 0
+    for i in range(parts):
+        hi = lo + base + (1 if i < extra else 0)
+        out.append((lo, hi))
+        lo = hi
+    return out
+
+
+def plan_parallax(sparse: Sequence[SparseVar], dense: Sequence[str], *, partitions: int,
+                  servers: Sequence[int]) -> ParallaxPlan:
+    """Cut every sparse variable into ``partitions`` row ranges and spread them greedily by
+    bytes over ``servers`` (least loaded first; ties to the lower rank)."""
+    if partitions < 1:
+        raise ConfigError(f"--partitions must be at least 1 (got {partitions})",
+                          "pass --partitions 8, or leave it out to search")
+    if sparse and not servers:
+        raise ConfigError("parallax puts sparse parameters on servers, but the run has none",
+                          "launch with --colocated 1 and/or --servers K")
+    cuts = [(v, i, lo, hi) for v, var in enumerate(sparse)
+            for i, (lo, hi) in enumerate(_cut(var.rows, partitions))]
+    parts = [Partition(k, v, sparse[v].name, i, lo * sparse[v].width,
+                       (hi - lo) * sparse[v].width, (hi - lo) * sparse[v].row_bytes,
+                       sparse[v].dtype) for k, (v, i, lo, hi) in enumerate(cuts)]
+    owners = balanced(parts, list(servers)).owners if parts else ()
+    ranges = tuple(RowRange(v, i, lo, hi, o) for (v, i, lo, hi), o in zip(cuts, owners))
+    return ParallaxPlan(tuple(dense), tuple(sparse), partitions, tuple(servers), ranges)
+
+
+def parallax_traffic(*, machines: int, sparse_bytes: float, alpha: float,
+                     dense_bytes: float) -> dict[str, float]:
+    """Bytes each worker machine sends (and receives) per step, by REFERENCE.md section 3:
+    sparse rows through servers on every machine, 2 alpha W (N - 1) / N, and the dense
+    part as a ring all-reduce among the machines, 2 D (N - 1) / N (per direction)."""
+    n = machines
+    sparse = 2 * alpha * sparse_bytes * (n - 1) / n
+    dense = 2 * dense_bytes * (n - 1) / n
+    return {"sparse": sparse, "dense": dense, "total": sparse + dense}

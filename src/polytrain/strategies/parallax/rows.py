@@ -1,0 +1,329 @@
+"""The worker side of Parallax's sparse parameters: pull the rows a lookup reads, push the
+rows a step touched, once per machine.
+
+    forward, each lookup of a sparse embedding (a forward pre-hook):
+        rows it reads, less those already fresh this step
+        -> union over the machine's workers (all-gather inside the machine)
+        -> the machine's leader pulls them from their ranges' servers (round t)
+        -> broadcast inside the machine; every worker writes them into its weight
+    optimizer.step():
+        every worker's coalesced sparse gradient -> the leader (all-gather inside
+        the machine), summed per row and averaged over the workers
+        -> one push per range of the rows in it (round t + 1; none touched: only the lr)
+        -> no row is fresh any more; the servers apply the update themselves
+
+Nothing crosses machines but the leader's pushes and pulls: local aggregation,
+as Parallax's default.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ...comm.partition import TensorSpec
+from ...errors import ConfigError
+from ...optim import coalesced, sparse_rule
+from ...ps.client import Pending
+from ...ps.engine import engine_for
+from ...ps.placement import Placement
+from ...ps.protocol import Kind, Op
+from ...ps.sparse import pack_rows, state_numel
+from ...runtime import Context
+from .plan import ParallaxPlan
+
+__all__ = ["SparseRows"]
+
+log = logging.getLogger(__name__)
+
+
+class _Var:
+    """One sparse parameter on this worker."""
+
+    def __init__(self, index: int, name: str, param: nn.Parameter, rule: dict[str, Any]) -> None:
+        self.index, self.name, self.param, self.rule = index, name, param, rule
+        self.fresh = torch.ones(param.shape[0], dtype=torch.bool)  # rows current this step
+        self.touched: list[int] = []  # rows this machine pushed, per step (leaders)
+
+
+class SparseRows:
+    """Sparse parameters on row-range servers, for one worker (see the module's diagram).
+
+    Args:
+        ctx: the run. model: the wrapped model. plan: the run's plan (its ranges).
+        optimizer: the user's optimizer: its rule and learning rate for each sparse parameter.
+    """
+
+    def __init__(self, ctx: Context, model: nn.Module, plan: ParallaxPlan,
+                 optimizer: torch.optim.Optimizer) -> None:
+        self.ctx = ctx
+        self.optimizer = optimizer
+        self.client = ctx.ps_client
+        self.engine = engine_for(ctx)
+        self.local = ctx.local_workers
+        self.leader = self.local[0]
+        self.is_leader = ctx.rank == self.leader
+        params = dict(model.named_parameters())
+        self.vars = [_Var(i, v.name, params[v.name], sparse_rule(optimizer, params[v.name], v.name))
+                     for i, v in enumerate(plan.sparse)]
+        self.round = 0  # rounds pushed (and, once the servers apply them, applied)
+        self.inflight: list[tuple[Pending, torch.Tensor]] = []
+        self.hooks = []
+        by_weight = {id(v.param): v for v in self.vars}
+        for m in model.modules():
+            if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and id(m.weight) in by_weight:
+                var = by_weight[id(m.weight)]
+                self.hooks.append(m.register_forward_pre_hook(self._lookup_hook(var)))
+        self.plan = plan
+        self.placement = self._install(plan)
+
+    # -- plans and keys ------------------------------------------------------------------------
+
+    def _install(self, plan: ParallaxPlan) -> Placement:
+        """Fresh keys for ``plan``'s ranges, declared by the leaders; worker 0 sets their
+        whole state (values, the rules' state, rounds applied) from what it holds."""
+        specs = [TensorSpec(v.name, tuple(v.param.shape), v.param.dtype) for v in self.vars]
+        placement = self.engine.keyed(specs, plan.placement())
+        if self.is_leader:
+            for var in self.vars:
+                only = [i for i, r in enumerate(plan.ranges) if r.var == var.index]
+                self.engine.declare(placement, kind=Kind.SPARSE, pushers=self.ctx.num_nodes,
+                                    pullers=self.ctx.num_nodes, only=only,
+                                    options={"width": var.param.shape[1], "rule": var.rule})
+        return placement
+
+    def initial_state(self, states: list[torch.Tensor] | None = None) -> None:
+        """Worker 0 sets every range's state: ``states[i]`` (a range's whole state), or
+        the current weights with a fresh rule state."""
+        if self.ctx.worker_index != 0:
+            return
+        pending = []
+        for i, r in enumerate(self.plan.ranges):
+            var = self.vars[r.var]
+            if states is not None:
+                state = states[i]
+            else:
+                rows = var.param.detach()[r.lo:r.hi].reshape(-1).cpu()
+                fill = float(var.rule.get("initial_accumulator_value", 0.0))
+                extra = state_numel(rows.numel(), var.rule["name"]) - rows.numel() - 1
+                state = torch.cat([rows, torch.full((extra,), fill, dtype=rows.dtype),
+                                   torch.tensor([float(self.round)], dtype=rows.dtype)])
+            pending.append((self.engine.set(self.placement, i, state), state))
+        for p, _ in pending:
+            p.wait()
+
+    # -- pulls ---------------------------------------------------------------------------------
+
+    def _lookup_hook(self, var: _Var) -> Callable[[nn.Module, Any], None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            self.fetch(var, args[0])
+        return hook
+
+    def _local_union(self, rows: torch.Tensor) -> torch.Tensor:
+        """The union of ``rows`` over this machine's workers (sorted)."""
+        if len(self.local) == 1:
+            return rows
+        group = self.ctx.groups.local
+        n = torch.tensor([rows.numel()], dtype=torch.int64)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in self.local]
+        dist.all_gather(sizes, n, group=group)
+        most = max(int(s) for s in sizes)
+        if most == 0:
+            return rows
+        padded = torch.full((most,), -1, dtype=torch.int64)
+        padded[:rows.numel()] = rows
+        every = [torch.empty(most, dtype=torch.int64) for _ in self.local]
+        dist.all_gather(every, padded, group=group)
+        union = torch.unique(torch.cat(every))
+        return union[union >= 0]
+
+    def fetch(self, var: _Var, indices: torch.Tensor) -> None:
+        """Make the rows ``indices`` reads current in ``var``'s weight (this machine's union
+        of them, pulled once by the leader)."""
+        rows = torch.unique(indices.detach().reshape(-1).cpu())
+        need = self._local_union(rows[~var.fresh[rows]])
+        if need.numel() == 0:
+            return
+        values = torch.empty(need.numel(), var.param.shape[1], dtype=var.param.dtype)
+        if self.is_leader:
+            pending, at = [], 0
+            for i, r, part in self._split(var, need):
+                if part.numel() == 0:
+                    continue  # a PULL without rows would ask for the range's whole state
+                out = values[at:at + part.numel()]
+                at += part.numel()
+                pending.append(Pending(self.client.request(
+                    self.placement.owners[i], Op.PULL, key=self.placement.partitions[i].key,
+                    round=self.round, payload=part - r.lo, answer=out,
+                    what=f"pull of {part.numel()} rows of {var.name}[{r.index}]")))
+            for p in pending:
+                p.wait()
+        if len(self.local) > 1:
+            dist.broadcast(values, src=self.leader, group=self.ctx.groups.local)
+        with torch.no_grad():
+            var.param.data[need.to(var.param.device)] = values.to(var.param.device)
+        var.fresh[need] = True
+
+    def _split(self, var: _Var, rows: torch.Tensor) -> list[tuple[int, Any, torch.Tensor]]:
+        """Sorted ``rows`` cut by ``var``'s ranges: (placement index, range, its rows)."""
+        out = []
+        for i, r in enumerate(self.plan.ranges):
+            if r.var != var.index:
+                continue
+            lo, hi = torch.searchsorted(rows, torch.tensor([r.lo, r.hi])).tolist()
+            out.append((i, r, rows[lo:hi]))
+        return out
+
+    # -- pushes --------------------------------------------------------------------------------
+
+    def _gradient(self, var: _Var) -> tuple[torch.Tensor, torch.Tensor]:
+        """This worker's (unique rows, summed values) of ``var``'s gradient."""
+        g = var.param.grad
+        width = var.param.shape[1]
+        if g is None:
+            return torch.empty(0, dtype=torch.int64), torch.empty(0, width, dtype=var.param.dtype)
+        if g.is_sparse:
+            rows, values = coalesced(g.cpu())
+        else:  # a dense gradient of a sparse parameter: its nonzero rows
+            g = g.cpu()
+            rows = g.ne(0).any(1).nonzero()[:, 0]
+            values = g[rows]
+        return rows, values
+
+    def _local_sum(self, rows: torch.Tensor, values: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The machine's gradient (unique rows, values summed in local rank order) on every
+        local worker."""
+        if len(self.local) > 1:
+            group = self.ctx.groups.local
+            width = values.shape[1]
+            n = torch.tensor([rows.numel()], dtype=torch.int64)
+            sizes = [torch.zeros(1, dtype=torch.int64) for _ in self.local]
+            dist.all_gather(sizes, n, group=group)
+            most = max(int(s) for s in sizes)
+            pr = torch.zeros(most, dtype=torch.int64)
+            pv = torch.zeros(most, width, dtype=values.dtype)
+            pr[:rows.numel()], pv[:rows.numel()] = rows, values
+            every_r = [torch.empty_like(pr) for _ in self.local]
+            every_v = [torch.empty_like(pv) for _ in self.local]
+            dist.all_gather(every_r, pr, group=group)
+            dist.all_gather(every_v, pv, group=group)
+            rows = torch.cat([r[:int(s)] for r, s in zip(every_r, sizes)])
+            values = torch.cat([v[:int(s)] for v, s in zip(every_v, sizes)])
+        unique, inverse = torch.unique(rows, return_inverse=True)
+        summed = torch.zeros(unique.numel(), values.shape[1], dtype=values.dtype)
+        summed.index_add_(0, inverse, values)
+        return unique, summed
+
+    def _lr(self, var: _Var) -> float:
+        for g in self.optimizer.param_groups:
+            if any(p is var.param for p in g["params"]):
+                return float(g["lr"])
+        raise ConfigError(f"{var.name} is in no group of the optimizer",
+                          "pass every parameter of the model to the optimizer")
+
+    def push(self) -> None:
+        """Push this step's sparse gradients (once per machine) and clear them locally."""
+        self.drain()
+        self.round += 1
+        workers = self.ctx.num_workers
+        for var in self.vars:
+            rows, values = self._local_sum(*self._gradient(var))
+            var.param.grad = None  # the servers update it, not the local optimizer
+            var.fresh.zero_()
+            if not self.is_leader:
+                continue
+            values /= workers  # every replica's loss is a mean over its slice: average
+            var.touched.append(rows.numel())
+            lr = self._lr(var)
+            for i, r, part in self._split(var, rows):
+                lo, hi = torch.searchsorted(rows, torch.tensor([r.lo, r.hi])).tolist()
+                payload = pack_rows(lr, part - r.lo, values[lo:hi])
+                self.inflight.append((self.engine.push(self.placement, i, round=self.round,
+                                                       tensor=payload), payload))
+
+    def drain(self) -> None:
+        """Wait until this worker's pushes have left."""
+        for p, _ in self.inflight:
+            p.wait()
+        self.inflight = []
+
+    # -- whole state ---------------------------------------------------------------------------
+
+    def pull_states(self) -> list[torch.Tensor]:
+        """Every range's whole state after the last round (worker 0 only; others: [])."""
+        self.drain()
+        if self.ctx.worker_index != 0:
+            return []
+        outs, pending = [], []
+        for i, r in enumerate(self.plan.ranges):
+            var = self.vars[r.var]
+            out = torch.empty(state_numel((r.hi - r.lo) * var.param.shape[1], var.rule["name"]),
+                              dtype=var.param.dtype)
+            outs.append(out)
+            pending.append(Pending(self.client.request(
+                self.placement.owners[i], Op.PULL, key=self.placement.partitions[i].key,
+                round=self.round, answer=out, what=f"state of {var.name}[{r.index}]")))
+        for p in pending:
+            p.wait()
+        return outs
+
+    def gather(self) -> None:
+        """Worker 0: every sparse weight whole and current (from the servers)."""
+        states = self.pull_states()
+        with torch.no_grad():
+            for state, r in zip(states, self.plan.ranges):
+                var = self.vars[r.var]
+                n = (r.hi - r.lo) * var.param.shape[1]
+                var.param.data[r.lo:r.hi] = state[:n].view(r.hi - r.lo, -1).to(var.param.device)
+        for var in self.vars:
+            var.fresh.fill_(self.ctx.worker_index == 0)
+
+    def repartition(self, plan: ParallaxPlan) -> None:
+        """Move every range to ``plan``'s (new keys), with its optimizer state and round:
+        no update is lost. Every worker calls it between steps."""
+        states = self.pull_states()
+        if states:
+            # Whole variables from the old ranges, then cut again by the new ones.
+            merged = []
+            for var in self.vars:
+                olds = [(r, s) for r, s in zip(self.plan.ranges, states) if r.var == var.index]
+                olds.sort(key=lambda x: x[0].lo)
+                k = 1 + (state_numel(1, var.rule["name"]) - 2)  # tensors in a state
+                width = var.param.shape[1]
+                tensors = [torch.cat([s[j * (r.hi - r.lo) * width:(j + 1) * (r.hi - r.lo) * width]
+                                      .view(r.hi - r.lo, width) for r, s in olds])
+                           for j in range(k)]
+                merged.append(tensors)
+            new_states = []
+            for r in plan.ranges:
+                tensors = merged[r.var]
+                new_states.append(torch.cat([t[r.lo:r.hi].reshape(-1) for t in tensors]
+                                            + [torch.tensor([float(self.round)],
+                                                            dtype=tensors[0].dtype)]))
+        self.plan = plan
+        self.placement = self._install(plan)
+        self.initial_state(new_states if states else None)
+        dist.barrier(group=self.ctx.groups.workers)
+
+    def alpha(self, skip: int = 1) -> dict[str, dict[str, float]]:
+        """Per sparse parameter: rows, row bytes and the mean fraction of rows this machine
+        touched per step (after local aggregation; the first ``skip`` steps left out)."""
+        out = {}
+        for var in self.vars:
+            steps = var.touched[skip:] if len(var.touched) > skip else var.touched
+            mean = sum(steps) / len(steps) / var.param.shape[0] if steps else 0.0
+            out[var.name] = {"rows": int(var.param.shape[0]),
+                             "row_bytes": var.param.shape[1] * var.param.element_size(),
+                             "alpha": mean}
+        return out
+
+    def close(self) -> None:
+        self.drain()
+        for h in self.hooks:
+            h.remove()
+        self.hooks = []

@@ -1,0 +1,270 @@
+"""Parallax: the plan, the sparse row store, the row rules, the single run's weights, traffic."""
+
+import pytest
+import torch
+from torch import nn
+
+from polytrain import ConfigError, TrainConfig
+from polytrain.models import WordLM
+from polytrain.optim import LazyAdam, row_adagrad, row_adam, row_sgd, sparse_rule
+from polytrain.ps.protocol import Op, Request
+from polytrain.ps.sparse import SparseRowStore, pack_rows, state_numel
+from polytrain.ps.stores import Declaration
+from polytrain.strategies.parallax import (
+    PartitionSearch,
+    SparseVar,
+    classify,
+    fit_cost,
+    parallax_traffic,
+    plan_parallax,
+)
+from tests.harness import max_abs_diff, run_cached, run_config, single_of
+
+STEPS = 4
+MODEL = {"vocab": 2000, "seq_len": 8, "d_model": 16, "layers": 1, "heads": 2, "negatives": 32}
+TOLERANCE = {"sgd": 1e-6, "adagrad": 2e-5}
+LR = {"sgd": 0.5, "adagrad": 0.05}
+
+
+def config(nodes, workers, servers, optimizer="sgd", steps=STEPS, model=None, **options):
+    options = {"partitions": 3, **options}
+    return TrainConfig(strategy="parallax", model="wordlm", workers=workers, nodes=nodes,
+                       servers=servers, steps=steps, batch_size=8, optimizer=optimizer,
+                       lr=LR[optimizer], model_options=model or MODEL,
+                       strategy_options={k: v for k, v in options.items() if v is not None})
+
+
+# -- the plan, without processes ---------------------------------------------------------------
+
+def test_the_plan_puts_the_embeddings_on_servers_and_the_body_on_all_reduce():
+    model = WordLM(**MODEL)
+    dense, sparse = classify(model)
+    assert sparse == ["tok.weight", "out.weight"]
+    assert "pos" in dense and any(n.startswith("blocks.") for n in dense)
+    assert not set(dense) & set(sparse)
+    # An ordinary embedding is sparse by default, dense with --no-sparse-embeddings.
+    plain = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 2))
+    assert classify(plain) == (["1.weight", "1.bias"], ["0.weight"])
+    assert classify(plain, sparse_embeddings=False) == (["0.weight", "1.weight", "1.bias"], [])
+
+
+def test_row_ranges_are_spread_greedily_by_bytes_over_the_servers():
+    variables = [SparseVar("a", 1000, 8, torch.float32), SparseVar("b", 300, 8, torch.float32)]
+    plan = plan_parallax(variables, ["w"], partitions=4, servers=[6, 7, 8])
+    assert [(r.lo, r.hi) for r in plan.of(0)] == [(0, 250), (250, 500), (500, 750), (750, 1000)]
+    assert sum(r.hi - r.lo for r in plan.of(1)) == 300
+    load = plan.bytes_by_server()
+    assert sum(load.values()) == 1300 * 32
+    # Largest first to the least loaded: a's 4 ranges of 8000 B, then b's of 2400 B.
+    assert max(load.values()) - min(load.values()) <= 8000
+    assert plan.as_json()["sparse"][0] == {"name": "a", "rows": 1000, "width": 8,
+                                           "row_bytes": 32}
+    assert "servers: a (1000 x 8), 4 partitions" in plan.describe()
+    with pytest.raises(ConfigError, match="--partitions must be at least 1"):
+        plan_parallax(variables, [], partitions=0, servers=[6])
+
+
+def test_the_search_doubles_while_faster_then_looks_below_and_fits():
+    s = PartitionSearch(4, high=32)
+    for p, t in [(4, 1.0), (8, 0.7), (16, 0.6), (32, 0.8)]:
+        assert s.next_count() == p
+        s.record(p, t)
+    assert s.next_count() == 2  # then below the start
+    s.record(2, 1.6)
+    assert s.next_count() is None
+    a, b, c = fit_cost(s.samples)
+    assert a > 0 and b > 0
+    best = s.best()
+    assert 8 <= best <= 32 and s.as_json()["chosen"] == best
+    # An exact cost model is recovered.
+    exact = [(p, 8.0 / p + 0.05 * (p - 1) + 0.3) for p in (1, 2, 4, 8, 16)]
+    assert fit_cost(exact) == pytest.approx((0.05, 8.0, 0.3), rel=1e-6)
+    t = PartitionSearch(1)
+    t.samples = exact
+    assert t.best() == 13  # sqrt(8 / 0.05) = 12.6: 13 costs less than 12
+
+
+def test_adamw_with_weight_decay_on_a_sparse_parameter_is_refused_with_what_to_pass():
+    emb = nn.Embedding(10, 4, sparse=True)
+    with pytest.raises(ConfigError, match="AdamW with weight decay 0.01 has no sparse form") as e:
+        sparse_rule(torch.optim.AdamW(emb.parameters()), emb.weight, "emb.weight")
+    assert "weight_decay=0" in e.value.hint and "SparseAdam" in e.value.hint
+    with pytest.raises(ConfigError, match="SGD with momentum 0.9"):
+        sparse_rule(torch.optim.SGD(emb.parameters(), lr=1, momentum=0.9), emb.weight)
+    assert sparse_rule(torch.optim.AdamW(emb.parameters(), weight_decay=0), emb.weight)[
+        "name"] == "adam"
+
+
+# -- the row rules, against torch's sparse optimizers -----------------------------------------
+
+@pytest.mark.parametrize("kind", ["sgd", "adagrad", "adam"])
+def test_the_row_rules_are_torchs_sparse_optimizers(kind):
+    torch.manual_seed(0)
+    ref = nn.Embedding(50, 6, sparse=True)
+    mine = ref.weight.detach().clone()
+    state = [torch.zeros_like(mine) for _ in range(2)]
+    make = {"sgd": lambda p: torch.optim.SGD(p, lr=0.3),
+            "adagrad": lambda p: torch.optim.Adagrad(p, lr=0.3, lr_decay=0.01),
+            "adam": lambda p: torch.optim.SparseAdam(p, lr=0.03)}[kind]
+    opt = make(ref.parameters())
+    for step in range(1, 5):
+        idx = torch.randint(0, 50, (20,))
+        opt.zero_grad()
+        (ref(idx) ** 2).sum().backward()
+        g = ref.weight.grad.coalesce()
+        rows, values = g.indices()[0], g.values()
+        opt.step()
+        if kind == "sgd":
+            row_sgd(mine, rows, values, lr=0.3)
+        elif kind == "adagrad":
+            row_adagrad(mine, state[0], rows, values, lr=0.3, step=step, lr_decay=0.01)
+        else:
+            row_adam(mine, state[0], state[1], rows, values, lr=0.03, step=step)
+    assert torch.allclose(mine, ref.weight.detach(), atol=1e-6)
+
+
+def test_lazy_adam_trains_dense_and_sparse_parameters():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(20, 4, sparse=True), nn.Linear(4, 1))
+    opt = LazyAdam(model.parameters(), lr=0.01)
+    before = [p.detach().clone() for p in model.parameters()]
+    model(torch.tensor([1, 2])).sum().backward()
+    opt.step()
+    emb, lin = [(p.detach() - b) for p, b in zip(model.parameters(), before)][:2]
+    assert emb[[1, 2]].abs().min() > 0 and emb[0].abs().max() == 0  # lazy: rows 1, 2 only
+    assert lin.abs().min() > 0
+
+
+# -- the sparse row store, without processes ---------------------------------------------------
+
+def store(rule, rows=6, width=2, pushers=2):
+    out = []
+    decl = Declaration(key=0, kind=5, name="emb[0]", numel=rows * width, dtype="torch.float32",
+                       pushers=pushers, pullers=pushers,
+                       options={"width": width, "rule": rule})
+    return SparseRowStore(decl, lambda req, t: out.append((req.seq, t.clone()))), out
+
+
+def request(op, src, round_, payload=None, seq=0):
+    numel = 0 if payload is None else payload.numel()
+    dtype = torch.uint8 if payload is None else payload.dtype
+    return Request(src, op, 0, round_, numel, dtype, seq, 0, payload)
+
+
+def test_the_store_sums_pushes_in_rank_order_applies_the_rule_and_answers_rows():
+    s, out = store({"name": "sgd", "lr": 1.0})
+    s.handle(request(Op.SET, 0, 0, torch.cat([torch.arange(12.0), torch.tensor([0.0])])))
+    # A pull of round 1 waits for the round; an empty push (no row touched) must just work.
+    s.handle(request(Op.PULL, 1, 1, torch.tensor([4, 0]), seq=7))
+    s.handle(request(Op.PUSH, 1, 1, pack_rows(0.5, torch.empty(0, dtype=torch.int64),
+                                              torch.empty(0, 2))))
+    assert out == []
+    s.handle(request(Op.PUSH, 0, 1, pack_rows(0.5, torch.tensor([0, 4]),
+                                              torch.tensor([[2.0, 2.0], [4.0, 4.0]]))))
+    [(seq, rows)] = out
+    assert seq == 7 and torch.equal(rows, torch.tensor([[6.0, 7.0], [-1.0, 0.0]]))
+    # Round 2: two pushers touch row 1; the whole state answers values and rounds applied.
+    for src in (1, 0):
+        s.handle(request(Op.PUSH, src, 2, pack_rows(1.0, torch.tensor([1]),
+                                                    torch.tensor([[1.0, 1.0]]))))
+    s.handle(request(Op.PULL, 0, 2, seq=8))
+    state = out[-1][1]
+    assert state.numel() == state_numel(12, "sgd") and state[-1] == 2
+    assert state[2:4].tolist() == [0.0, 1.0]
+    with pytest.raises(Exception, match="round 1 is already applied"):
+        s.handle(request(Op.PUSH, 0, 1, pack_rows(1.0, torch.tensor([1]), torch.ones(1, 2))))
+
+
+def test_the_stores_whole_state_moves_to_another_store_with_the_rules_state():
+    rule = {"name": "adagrad", "lr": 0.1, "eps": 1e-10, "lr_decay": 0.0,
+            "initial_accumulator_value": 0.0}
+    a, out = store(rule, pushers=1)
+    a.handle(request(Op.SET, 0, 0, torch.cat([torch.ones(12), torch.zeros(12),
+                                              torch.tensor([0.0])])))
+    a.handle(request(Op.PUSH, 0, 1, pack_rows(0.1, torch.tensor([2]), torch.ones(1, 2))))
+    a.handle(request(Op.GET, 0, 0))
+    b, out_b = store(rule, pushers=1)
+    b.handle(request(Op.SET, 0, 0, out[-1][1]))
+    for s in (a, b):
+        s.handle(request(Op.PUSH, 0, 2, pack_rows(0.1, torch.tensor([2]), torch.ones(1, 2))))
+        s.handle(request(Op.GET, 0, 0))
+    assert torch.equal(out[-1][1], out_b[-1][1]) and out_b[-1][1][-1] == 2
+
+
+# -- transparency ------------------------------------------------------------------------------
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+@pytest.mark.parametrize("nodes, workers, servers", [(1, 2, 0), (2, 4, 0), (2, 4, 2)])
+def test_parallax_ends_where_single_ends(nodes, workers, servers, optimizer):
+    c = config(nodes, workers, servers, optimizer)
+    _, single = run_config(single_of(c))
+    metrics, distributed = run_cached(c)
+    assert max_abs_diff(single, distributed) < TOLERANCE[optimizer]
+    _, untrained = run_config(single_of(c).replace(steps=1, lr=1e-12))
+    assert max_abs_diff(single, untrained) > 100 * TOLERANCE[optimizer]
+    plan = metrics["plan"]
+    assert [v["name"] for v in plan["sparse"]] == ["tok.weight", "out.weight"]
+    assert "pos" in plan["dense"] and len(plan["servers"]) == nodes + servers
+    assert set(metrics["sparse"]) == {"tok.weight", "out.weight"}
+    for v in metrics["sparse"].values():
+        assert v["rows"] == MODEL["vocab"] and 0 < v["alpha"] < 0.5
+
+
+@pytest.mark.timeout(240)
+def test_a_lookup_that_reads_no_row_of_a_range_pulls_nothing_from_it():
+    # Symptom: at --partitions 32 on wordlm, gloo aborted a worker ("Received data size
+    # doesn't match expected size. 800004 vs 0"). Cause: a lookup sent a PULL with no rows
+    # for a range it did not read, which the store answers with the range's whole state.
+    c = config(1, 2, 0, partitions=64)
+    _, single = run_config(single_of(c))
+    _, distributed = run_config(c)
+    assert max_abs_diff(single, distributed) < TOLERANCE["sgd"]
+
+
+@pytest.mark.timeout(240)
+def test_ordinary_embeddings_become_sparse_rows_and_still_end_where_single_ends():
+    # gpt's embeddings are built with sparse=False: --sparse-embeddings (the default) makes
+    # their gradients sparse and puts them on the servers; SGD's update is the same.
+    c = TrainConfig(strategy="parallax", model="gpt", workers=4, nodes=2, steps=STEPS,
+                    batch_size=8, optimizer="sgd", lr=0.5,
+                    model_options={"seq_len": 8, "d_model": 16, "layers": 1, "heads": 2},
+                    strategy_options={"partitions": 2})
+    _, single = run_config(single_of(c))
+    metrics, distributed = run_config(c)
+    assert [v["name"] for v in metrics["plan"]["sparse"]] == ["embed.tok.weight",
+                                                              "embed.pos.weight"]
+    assert max_abs_diff(single, distributed) < TOLERANCE["sgd"]
+
+
+@pytest.mark.timeout(240)
+def test_the_partition_search_repartitions_live_rows_without_losing_an_update():
+    c = config(2, 4, 0, "adagrad", steps=12, partitions=None, search_steps=2)
+    _, single = run_config(single_of(c))
+    metrics, distributed = run_config(c)
+    search = metrics["partition_search"]
+    counts = [s["partitions"] for s in search["samples"]]
+    assert counts[:2] == [2, 4] and len(counts) >= 3  # start at the servers, double, ...
+    assert search["chosen"] == metrics["plan"]["partitions"]
+    assert max_abs_diff(single, distributed) < TOLERANCE["adagrad"]
+
+
+# -- traffic -----------------------------------------------------------------------------------
+
+TRAFFIC_MODEL = {**MODEL, "vocab": 20000, "d_model": 64, "negatives": 256}
+
+
+@pytest.mark.timeout(240)
+def test_every_machine_moves_parallaxs_bytes_with_the_measured_alpha():
+    c = config(2, 4, 0, steps=10, model=TRAFFIC_MODEL, partitions=4).replace(batch_size=32)
+    metrics, _ = run_config(c)
+    sparse = metrics["sparse"]
+    w = sum(v["rows"] * v["row_bytes"] for v in sparse.values())
+    alpha = sum(v["alpha"] * v["rows"] * v["row_bytes"] for v in sparse.values()) / w
+    dense = metrics["model_bytes"] - w
+    want = parallax_traffic(machines=2, sparse_bytes=w, alpha=alpha, dense_bytes=dense)
+    machines = [m for m in metrics["traffic"]["machines"] if m["kind"] == "worker"]
+    for direction in ("sent_bytes_per_step", "recv_bytes_per_step"):
+        total = sum(m[direction] for m in machines) / len(machines)
+        assert total - want["dense"] == pytest.approx(want["sparse"], rel=0.05)
+        assert total == pytest.approx(want["total"], rel=0.05)
