@@ -36,9 +36,16 @@ class GlobalBatches:
         self.seed = seed
 
     def __iter__(self) -> Iterator[torch.Tensor]:
+        return self.iterate()
+
+    def iterate(self, start: int = 0) -> Iterator[torch.Tensor]:
+        """The batches from batch ``start`` on (a resumed run's data position): the
+        generator draws the skipped batches' offsets without building them."""
         gen = torch.Generator().manual_seed(self.seed)
         offsets = torch.arange(self.window)
         high = self.corpus.numel() - self.window
+        for _ in range(start):
+            torch.randint(0, high, (self.batch_size,), generator=gen)
         while True:
             starts = torch.randint(0, high, (self.batch_size,), generator=gen)
             yield self.corpus[starts[:, None] + offsets].long()

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..checkpoint import CheckpointError, load, run_record, save
 from ..config import TrainConfig
 from ..data import GlobalBatches, get_dataset
 from ..emulation.clock import emulate
@@ -97,10 +98,19 @@ def train(config: TrainConfig) -> dict[str, Any] | None:
     lead = ctx is None or ctx.worker_index == 0
     batches = GlobalBatches(get_dataset(config.data), batch_size=config.batch_size,
                             window=seq_len + 1, seed=config.seed)
+    start, before_losses, before_times = 0, [], []  # the steps a resumed run did before
+    if config.resume is not None:
+        resumed = load(config.resume, trainer, scheduler=scheduler)
+        start, trainer.steps = resumed.step, resumed.step
+        before_losses = list(resumed.extra.get("losses", []))
+        before_times = list(resumed.extra.get("times", []))
+        if lead:
+            log.warning("resumed from %s at step %d", resumed.path, start)
     progress = Progress(config.steps, enabled=strategy.shows_progress and not config.quiet)
     losses: list[float | None] = []
     times: list[float] = []
-    for step, batch in zip(range(config.steps), batches):
+    save_errors: list[str] = []
+    for step, batch in zip(range(start, config.steps), batches.iterate(start)):
         inputs, targets = spec.split(batch)
         t0 = time.perf_counter()
         loss = trainer.step(inputs, targets)
@@ -117,7 +127,12 @@ def train(config: TrainConfig) -> dict[str, Any] | None:
         if ctx is not None:
             ctx.meter.mark_step()
         progress.update(step, loss, config.batch_size / max(times[-1], 1e-9))
-    global_losses = _global_losses(ctx, losses)
+        if config.checkpoint_every and (step + 1) % config.checkpoint_every == 0:
+            _checkpoint(config, trainer, scheduler, step + 1,
+                        before_losses + _global_losses(ctx, losses), before_times + times,
+                        save_errors)
+    global_losses = before_losses + _global_losses(ctx, losses)
+    times = before_times + times
     state = trainer.state_dict()
     reports = _worker_reports(ctx)
     records = strategy.metrics()  # the strategy's own (worker 0's go to metrics.json)
@@ -131,12 +146,32 @@ def train(config: TrainConfig) -> dict[str, Any] | None:
                             topology=ctx.topology if ctx is not None else None,
                             reports=reports, wall_s=time.perf_counter() - started)
     metrics.update({k: v for k, v in records.items() if k not in metrics})
+    if config.checkpoint_every or config.resume:
+        metrics["checkpoints"] = {"every": config.checkpoint_every, "keep": config.keep,
+                                  "resumed_from": config.resume, "resumed_at": start,
+                                  "save_errors": save_errors}
     if config.out is not None:
         out = Path(config.out)
         out.mkdir(parents=True, exist_ok=True)
         torch.save(state, out / "final.pt")
         (out / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
     return metrics
+
+
+def _checkpoint(config: TrainConfig, trainer: Any, scheduler: Any, step: int,
+                losses: list[float], times: list[float], errors: list[str]) -> None:
+    """Write ``out/checkpoints/step-S`` (every worker); a failure stops the run or is
+    recorded, per ``--on-save-error``."""
+    assert config.out is not None
+    try:
+        save(Path(config.out) / "checkpoints", trainer, step=step, scheduler=scheduler,
+             extra={"losses": losses, "times": times}, run=run_record(config),
+             keep=config.keep)
+    except CheckpointError as e:
+        if config.on_save_error == "stop":
+            raise
+        errors.append(e.what)
+        log.warning("%s; training on (--on-save-error continue)", e.what)
 
 
 def _global_losses(ctx: Context | None, losses: list[float | None]) -> list[float]:
