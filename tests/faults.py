@@ -52,7 +52,8 @@ def alive(pid: int) -> bool:
 @dataclass
 class Injector:
     """Send ``sig`` to the process ``(role, rank)`` of this process's run once ``trigger``
-    (a checkpoint directory, say) exists, ``delay_s`` later; or after ``after_s`` seconds."""
+    (a checkpoint directory, say) exists, ``delay_s`` later; or after ``after_s`` seconds.
+    ``rank`` -1: the role's highest rank (a dedicated server). SIGUSR1 makes a child raise."""
 
     role: str
     rank: int
@@ -64,6 +65,7 @@ class Injector:
     timeout_s: float = 120.0
     sent_at: float | None = None
     pid: int | None = None
+    machine: str = ""  # the victim's machine (POLYTRAIN_NODE), read when it fired
     pids: dict[tuple[str, int], int] = field(default_factory=dict)  # the run's, when it fired
     _thread: threading.Thread | None = None
 
@@ -79,6 +81,8 @@ class Injector:
             ready = (self.trigger is None or self.trigger.exists()) and \
                 time.monotonic() - begin >= self.after_s
             procs = children(self.parent)
+            if self.rank < 0:  # the highest rank of the role
+                self.rank = max((r for role, r in procs if role == self.role), default=-1)
             if ready and (self.role, self.rank) in procs:
                 time.sleep(self.delay_s)
                 procs = children(self.parent)
@@ -86,6 +90,7 @@ class Injector:
                     continue
                 self.pids = procs
                 self.pid = procs[(self.role, self.rank)]
+                self.machine = _environ(self.pid).get("POLYTRAIN_NODE", "?")
                 os.kill(self.pid, self.sig)
                 self.sent_at = time.monotonic()
                 return

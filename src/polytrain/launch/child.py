@@ -66,6 +66,15 @@ def _start_heartbeat() -> None:
     threading.Thread(target=beat, name="polytrain-heartbeat", daemon=True).start()
 
 
+class InjectedFault(RuntimeError):
+    """Raised in a child's main thread on SIGUSR1: how fault-injection suites make a worker
+    raise from outside (``kill -USR1 PID``), through the same path as any error."""
+
+
+def _raise_injected(signum: int, frame: Any) -> None:
+    raise InjectedFault(f"injected fault (signal {signal.Signals(signum).name})")
+
+
 def _write_error(cause: str, secondary: bool) -> None:
     path = _env.error_file()
     if not path:
@@ -123,6 +132,7 @@ def main() -> None:
     _die_with_parent()
     _start_heartbeat()
     signal.signal(signal.SIGTERM, lambda *_: os._exit(143))
+    signal.signal(signal.SIGUSR1, _raise_injected)
     with open(sys.argv[1], "rb") as f:
         payload = pickle.load(f)
     rank, role, node = _env.identity()
