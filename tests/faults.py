@@ -66,6 +66,7 @@ class Injector:
     sent_at: float | None = None
     pid: int | None = None
     machine: str = ""  # the victim's machine (POLYTRAIN_NODE), read when it fired
+    newest_step: int = 0  # the newest checkpoint beside ``trigger`` when it fired
     pids: dict[tuple[str, int], int] = field(default_factory=dict)  # the run's, when it fired
     _thread: threading.Thread | None = None
 
@@ -92,6 +93,9 @@ class Injector:
                 self.pid = procs[(self.role, self.rank)]
                 self.machine = _environ(self.pid).get("POLYTRAIN_NODE", "?")
                 os.kill(self.pid, self.sig)
+                if self.trigger is not None:
+                    steps = [int(p.name[5:]) for p in self.trigger.parent.glob("step-*")]
+                    self.newest_step = max(steps, default=0)
                 self.sent_at = time.monotonic()
                 return
             time.sleep(0.02)

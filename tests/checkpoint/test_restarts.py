@@ -66,7 +66,7 @@ def test_a_stopped_process_is_found_by_its_heartbeat_and_named():
         hang.join()
         assert hang.sent_at is not None
         found = time.monotonic() - hang.sent_at
-        assert found < 5 + 5, f"found after {found:.1f} s with --timeout 5"
+        assert found < 5, f"found after {found:.1f} s with --timeout 5"
         assert "process state T" in str(info.value) or "no heartbeat" in str(info.value)
         assert info.value.rank == 1
         assert not any(alive(p) for p in hang.pids.values())

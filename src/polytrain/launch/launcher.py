@@ -97,8 +97,8 @@ class Launcher:
         layout: the processes to start.
         port: rendezvous port (default: a free one); a port in use is refused.
         env: extra environment variables for every process.
-        timeout_s: polytrain's communication timeout inside the processes, and how long a
-            process may go without a heartbeat before it is reported as hung (default 120 s).
+        timeout_s: polytrain's communication timeout inside the processes (default 120 s);
+            a process without a heartbeat for half of it is reported as hung.
         shape: emulate the machines' network with links of this rate and delay (default:
             none, every process on this host's loopback).
     """
@@ -222,7 +222,8 @@ class Launcher:
             return [_read_result(c.result_file) for c in children if c.spec.role == "worker"]
 
     def _hang_after_s(self) -> float:
-        return self.timeout_s if self.timeout_s is not None else _env.DEFAULT_TIMEOUT_S
+        # Half the timeout: a hang is found (and named) before its peers' waits time out.
+        return 0.5 * (self.timeout_s if self.timeout_s is not None else _env.DEFAULT_TIMEOUT_S)
 
     def _check_heartbeats(self, children: list[_Child]) -> list[_Child]:
         """The running children whose heartbeat is older than the timeout (hung)."""
@@ -237,8 +238,8 @@ class Launcher:
                 age, first = now - c.started, True
             if age > (max(limit, _FIRST_BEAT_S) if first else limit):
                 state = _proc_state(c.proc.pid)
-                c.hung = (f"stopped answering: no heartbeat for {age:.1f} s (--timeout "
-                          f"{limit:g}){f'; process state {state}' if state else ''}")
+                c.hung = (f"stopped answering: no heartbeat for {age:.1f} s (half of "
+                          f"--timeout {2 * limit:g}){f'; process state {state}' if state else ''}")
                 hung.append(c)
         return hung
 
