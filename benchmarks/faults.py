@@ -197,15 +197,51 @@ def _strategy_flags(name: str) -> list[str]:
     return flags
 
 
+def table(rows: list[dict[str, Any]]) -> str:
+    """The docs' table: one line per strategy and fault, every miss shown as measured."""
+    def yes(v: Any) -> str:
+        return "n/a" if v is None else "yes" if v is True else "no" if v is False else str(v)
+
+    lines = ["| strategy | fault | stopped (s) | named | left running | came back | resumed at "
+             "| same weights | lost |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        if not r.get("applies", True):
+            lines.append(f"| {r['strategy']} | {r['fault']} | - | - | - | - | - | - | "
+                         f"n/a: {r['note']} |")
+            continue
+        if "error" in r:
+            lines.append(f"| {r['strategy']} | {r['fault']} | **failed**: {r['error'][:120]} "
+                         f"| | | | | | |")
+            continue
+        same = yes(r.get("same_weights"))
+        if r.get("same_weights") is None and "loss_fell" in r:
+            same = f"n/a (async; loss fell: {yes(r['loss_fell'])})"
+        elif r.get("same_weights") is False:
+            same = f"**no** (max diff {r['max_abs_diff']:.3g})"
+        stopped = "-" if r.get("stopped_s") is None else f"{r['stopped_s']:.2f}"
+        lines.append(f"| {r['strategy']} | {r['fault']} | {stopped} | {yes(r.get('named'))} | "
+                     f"{len(r.get('left_running', []))} | {yes(r.get('restarted'))} | "
+                     f"{r.get('resumed_at', '-')} | {same} | "
+                     f"{r.get('lost_checkpointed_steps', '-')} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--strategies", default=",".join(STRATEGIES))
     p.add_argument("--faults", default=",".join(FAULTS))
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "faults.json"))
+    p.add_argument("--table", action="store_true", help="print the saved results' table only")
     a = p.parse_args()
     torch.set_num_threads(1)
     path = Path(a.out)
     results = json.loads(path.read_text()) if path.exists() else {"rows": []}
+    if a.table:
+        order = {(s, f): i for i, (s, f) in enumerate((s, f) for s in STRATEGIES
+                                                      for f in FAULTS)}
+        print(table(sorted(results["rows"], key=lambda r: order.get((r["strategy"],
+                                                                      r["fault"]), 99))))
+        return
     rows = {(r["strategy"], r["fault"]): r for r in results["rows"]}
     with tempfile.TemporaryDirectory() as t:
         tmp = Path(t)
