@@ -15,7 +15,8 @@ ABOVE = {
     "emulation": {"ps", "pipeline", "moe", "strategies", "train", "cli"},
     "pipeline": {"strategies", "train", "cli"},
     "moe": {"strategies", "train", "cli"},
-    "strategies": {"train", "cli"},
+    "strategies": {"checkpoint", "train", "cli"},
+    "checkpoint": {"train", "cli"},
     "train": {"cli"},
 }
 

@@ -14,9 +14,12 @@ BytePS, Herring, Parallax, FastMoE, HetPipe and PipeTransformer behind one API::
     loss = trainer.step(x, y)                    # the step API: any strategy, pipelines too
 
     polytrain.launch(main, workers=4, nodes=2)   # run main() in 4 local processes
+
+    polytrain.save("out/checkpoints", trainer, step=100)   # collective; load() resumes
 """
 
 from . import log as _log  # noqa: F401 - configures the "polytrain" logger
+from .checkpoint import CheckpointError, load, save
 from .config import TrainConfig
 from .data import shard
 from .errors import CommError, CommTimeout, ConfigError, LaunchError, PeerLost, PolytrainError
@@ -38,5 +41,6 @@ __version__ = "0.1.0"
 __all__ = ["init", "launch", "distribute", "shard", "current", "is_initialized", "Context",
            "Layout", "TrainConfig", "Strategy", "Trainer", "register", "get_strategy",
            "strategy_names",
-           "strategy_of", "full_state_dict", "PolytrainError", "ConfigError", "LaunchError",
+           "strategy_of", "full_state_dict", "save", "load", "CheckpointError", "PolytrainError",
+           "ConfigError", "LaunchError",
            "CommError", "CommTimeout", "PeerLost", "__version__"]

@@ -23,6 +23,7 @@ LOG_LEVEL = "POLYTRAIN_LOG_LEVEL"
 ERROR_FILE = "POLYTRAIN_ERROR_FILE"
 PARENT_PID = "POLYTRAIN_PARENT_PID"
 LABEL_FILE = "POLYTRAIN_LABEL_FILE"
+HEARTBEAT_FILE = "POLYTRAIN_HEARTBEAT_FILE"  # the launcher watches its mtime: a hung child
 NIC = "POLYTRAIN_NIC"  # the emulated machine's interface, under --bandwidth
 GLOO_SOCKET_IFNAME = "GLOO_SOCKET_IFNAME"
 DEFAULT_TIMEOUT_S = 120.0
@@ -81,6 +82,10 @@ def error_file() -> str | None:
 
 def label_file() -> str | None:
     return os.environ.get(LABEL_FILE)
+
+
+def heartbeat_file() -> str | None:
+    return os.environ.get(HEARTBEAT_FILE)
 
 
 def parent_pid() -> int | None:

@@ -17,11 +17,13 @@ from .launch.network import LinkShape, link_shape
 from .models import get_model
 from .strategies.base import get_strategy, make_options
 
-__all__ = ["TrainConfig", "OPTIMIZERS", "SCHEDULES", "SAMPLINGS", "check_init"]
+__all__ = ["TrainConfig", "OPTIMIZERS", "SCHEDULES", "SAMPLINGS", "ON_SAVE_ERROR",
+           "check_init"]
 
 OPTIMIZERS = ("sgd", "adam", "adagrad")
 SCHEDULES = ("constant", "cosine")
 SAMPLINGS = ("random", "epoch")
+ON_SAVE_ERROR = ("continue", "stop")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,6 +62,14 @@ class TrainConfig:
             ``metrics.json`` as ``eval``. Default: none.
         sampling: ``random`` windows of the corpus (default), or ``epoch``: a fixed set of
             non-overlapping windows, each once per epoch in a fresh order.
+        checkpoint_every: write ``out/checkpoints/step-S/`` every this many steps (default:
+            none; needs ``out``). keep: how many of the newest whole checkpoints stay
+            (default: all). on_save_error: ``continue`` (default: warn, train on) or
+            ``stop`` when a checkpoint cannot be written.
+        resume: continue from a checkpoint (``.../step-S``) or the newest whole one of a
+            run's ``out`` directory (default: none, start afresh).
+        max_restarts: when a process dies, stop the run and start it again from the
+            newest checkpoint, up to this many times (default 0).
         auto: set by ``--strategy auto`` (:func:`polytrain.plan.auto_record`): the
             planner's choice, why, and every strategy's prediction; ``metrics.json``
             records it as ``auto``. Default: none.
@@ -91,9 +101,15 @@ class TrainConfig:
     init: str | None = None
     eval_every: int | None = None
     sampling: str = "random"
+    checkpoint_every: int | None = None
+    keep: int | None = None
+    on_save_error: str = "continue"
+    resume: str | None = None
+    max_restarts: int = 0
     auto: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        self._check_checkpoints()
         cluster = parse_cluster(self.devices) if self.devices is not None else None
         if cluster is not None:
             if self.workers is None:
@@ -153,6 +169,35 @@ class TrainConfig:
         cls.check_model(model, layout, options)
         check_divisible(self.batch_size, cls.replicas(layout, options))
         self._check_devices(model)
+
+    def _check_checkpoints(self) -> None:
+        if self.checkpoint_every is not None:
+            if self.checkpoint_every < 1:
+                raise ConfigError(f"--checkpoint-every must be at least 1 step (got "
+                                  f"{self.checkpoint_every})",
+                                  f"pass --checkpoint-every {max(1, self.steps // 10)}, or "
+                                  f"leave it out to write no checkpoints")
+            if self.out is None:
+                raise ConfigError("--checkpoint-every writes OUT/checkpoints/, and no --out "
+                                  "is given", "pass --out DIR")
+        if self.keep is not None:
+            if self.keep < 1:
+                raise ConfigError(f"--keep must be at least 1 (got {self.keep})",
+                                  "pass --keep 2, or leave it out to keep every checkpoint")
+            if self.checkpoint_every is None:
+                raise ConfigError("--keep K prunes checkpoints, and no --checkpoint-every "
+                                  "is given", "pass --checkpoint-every N")
+        if self.on_save_error not in ON_SAVE_ERROR:
+            raise ConfigError(f"unknown --on-save-error {self.on_save_error!r}; the choices "
+                              f"are: {', '.join(ON_SAVE_ERROR)}",
+                              "pass --on-save-error continue or stop")
+        if self.max_restarts < 0:
+            raise ConfigError(f"--max-restarts must be 0 or more (got {self.max_restarts})",
+                              "pass --max-restarts 2")
+        if self.max_restarts and self.checkpoint_every is None:
+            raise ConfigError(f"--max-restarts {self.max_restarts} restarts from the newest "
+                              f"checkpoint, and no --checkpoint-every is given",
+                              "pass --checkpoint-every N with --out DIR")
 
     def _check_devices(self, model: Any) -> str | None:
         spec = get_model(self.model)

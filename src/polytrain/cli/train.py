@@ -8,7 +8,7 @@ import re
 import sys
 from typing import Any, Sequence
 
-from ..config import SAMPLINGS, SCHEDULES, TrainConfig
+from ..config import ON_SAVE_ERROR, SAMPLINGS, SCHEDULES, TrainConfig
 from ..errors import ConfigError
 from ..plan import AUTO, Job, auto_record, chosen, plan_job
 from ..strategies.base import get_strategy, strategy_names
@@ -58,6 +58,20 @@ def add_parser(sub: Any, argv: Sequence[str] = ()) -> None:
                    help="longest wait on another process before failing (default 120)")
     p.add_argument("--port", type=int, default=None, help="rendezvous port (default: a free one)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="default cpu")
+    p.add_argument("--checkpoint-every", type=int, default=None, metavar="N",
+                   help="write OUT/checkpoints/step-S/ every N steps (model, optimizer, "
+                        "scheduler, data position, RNG, strategy state)")
+    p.add_argument("--keep", type=int, default=None, metavar="K",
+                   help="keep only the newest K whole checkpoints (default: all)")
+    p.add_argument("--on-save-error", default=d["on_save_error"].default, choices=ON_SAVE_ERROR,
+                   help="when a checkpoint cannot be written: continue (default: say so, "
+                        "train on) or stop")
+    p.add_argument("--resume", default=None, metavar="OUT|DIR",
+                   help="continue from the newest whole checkpoint of a run's --out, or from "
+                        "one checkpoint directory")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="R",
+                   help="when a process dies or hangs, restart the run from the newest "
+                        "checkpoint, up to R times (default 0)")
     add_devices_flag(p)
     # The usage names the option groups rather than every strategy's and model's flags.
     p.usage = (p.format_usage().removeprefix("usage: ").replace(p.prog, "%(prog)s", 1).rstrip()
@@ -93,7 +107,9 @@ def _common(ns: argparse.Namespace) -> dict[str, Any]:
         warmup_steps=ns.warmup_steps, seed=ns.seed, out=ns.out, quiet=ns.quiet,
         timeout_s=ns.timeout, port=ns.port, device=ns.device, devices=ns.devices,
         bandwidth=ns.bandwidth, latency=ns.latency, model_options=model_options(ns, _model_flags),
-        init=ns.init, eval_every=ns.eval_every, sampling=ns.sampling)
+        init=ns.init, eval_every=ns.eval_every, sampling=ns.sampling,
+        checkpoint_every=ns.checkpoint_every, keep=ns.keep, on_save_error=ns.on_save_error,
+        resume=ns.resume, max_restarts=ns.max_restarts)
 
 
 def auto_config(ns: argparse.Namespace) -> TrainConfig:
@@ -134,7 +150,7 @@ def run(ns: argparse.Namespace) -> int:
         summary = config.plan_summary()
         if summary:
             print(summary, file=sys.stderr)
-    metrics = run_config(config)
+    metrics = run_config(config, report=lambda line: print(line, file=sys.stderr, flush=True))
     st = metrics["step_time_s"]
     print(f"final loss {metrics['final_loss']:.4f} | {metrics['samples_per_s']:.1f} samples/s | "
           f"step {st['median'] * 1e3:.1f} ms median, {st['p90'] * 1e3:.1f} ms p90 | "

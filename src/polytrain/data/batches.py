@@ -36,9 +36,16 @@ class GlobalBatches:
         self.seed = seed
 
     def __iter__(self) -> Iterator[torch.Tensor]:
+        return self.iterate()
+
+    def iterate(self, start: int = 0) -> Iterator[torch.Tensor]:
+        """The batches from batch ``start`` on (a resumed run's data position): the
+        generator draws the skipped batches' offsets without building them."""
         gen = torch.Generator().manual_seed(self.seed)
         offsets = torch.arange(self.window)
         high = self.corpus.numel() - self.window
+        for _ in range(start):
+            torch.randint(0, high, (self.batch_size,), generator=gen)
         while True:
             starts = torch.randint(0, high, (self.batch_size,), generator=gen)
             yield self.corpus[starts[:, None] + offsets].long()
@@ -89,12 +96,16 @@ class EpochBatches:
         return torch.randperm(self.samples.shape[0], generator=gen)
 
     def __iter__(self) -> Iterator[torch.Tensor]:
-        epoch = 0
+        return self.iterate()
+
+    def iterate(self, start: int = 0) -> Iterator[torch.Tensor]:
+        """The batches from global step ``start`` on (a resumed run's data position)."""
+        epoch, first = divmod(start, self.steps_per_epoch)
         while True:
             order = self.order(epoch)
-            for s in range(self.steps_per_epoch):
+            for s in range(first, self.steps_per_epoch):
                 yield self.samples[order[s * self.batch_size:(s + 1) * self.batch_size]]
-            epoch += 1
+            epoch, first = epoch + 1, 0
 
 
 def check_divisible(batch_size: int, replicas: int) -> None:

@@ -17,6 +17,7 @@ import pickle
 import runpy
 import signal
 import sys
+import threading
 import time
 import traceback
 import types
@@ -27,6 +28,7 @@ from .. import _env
 __all__: list[str] = []
 
 # Errors that mean "a peer went away first": the launcher prefers other causes.
+_BEAT_S = 0.5  # how often a child touches its heartbeat file (the launcher watches it)
 _SECONDARY_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
                       "peer_lost")
 
@@ -43,6 +45,34 @@ def _die_with_parent() -> None:
         return
     if os.getppid() != parent:  # the launcher died before prctl took effect
         os._exit(1)
+
+
+def _start_heartbeat() -> None:
+    """Touch the heartbeat file from a thread of its own: a process that stops (SIGSTOP) or
+    is frozen stops touching it, and the launcher reports it as hung."""
+    path = _env.heartbeat_file()
+    if not path:
+        return
+
+    def beat() -> None:
+        while True:
+            try:
+                with open(path, "a"):
+                    os.utime(path)
+            except OSError:
+                return
+            time.sleep(_BEAT_S)
+
+    threading.Thread(target=beat, name="polytrain-heartbeat", daemon=True).start()
+
+
+class InjectedFault(RuntimeError):
+    """Raised in a child's main thread on SIGUSR1: how fault-injection suites make a worker
+    raise from outside (``kill -USR1 PID``), through the same path as any error."""
+
+
+def _raise_injected(signum: int, frame: Any) -> None:
+    raise InjectedFault(f"injected fault (signal {signal.Signals(signum).name})")
 
 
 def _write_error(cause: str, secondary: bool) -> None:
@@ -100,7 +130,9 @@ def _fail(cause: str, secondary: bool, code: int = 1) -> None:
 def main() -> None:
     faulthandler.enable()  # a crash inside torch still shows where Python was
     _die_with_parent()
+    _start_heartbeat()
     signal.signal(signal.SIGTERM, lambda *_: os._exit(143))
+    signal.signal(signal.SIGUSR1, _raise_injected)
     with open(sys.argv[1], "rb") as f:
         payload = pickle.load(f)
     rank, role, node = _env.identity()

@@ -30,6 +30,7 @@ _CAUSE_GRACE_S = 2.0  # how long processes that lost a peer wait for the peer's 
 _POLL_S = 0.05
 _GRACE_S = 3.0
 _NETWORK_PORT = 29500  # in the run's own namespaces every port is free
+_FIRST_BEAT_S = 60.0  # a child's first heartbeat comes after it has imported torch
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -56,7 +57,10 @@ class _Child:
     error_file: Path
     result_file: Path
     label_file: Path
+    heartbeat_file: Path
+    started: float = 0.0
     stopped_by_us: bool = False
+    hung: str = ""  # why the heartbeat says it stopped answering ("" while it answers)
 
 
 @dataclass(frozen=True)
@@ -93,7 +97,8 @@ class Launcher:
         layout: the processes to start.
         port: rendezvous port (default: a free one); a port in use is refused.
         env: extra environment variables for every process.
-        timeout_s: polytrain's communication timeout inside the processes.
+        timeout_s: polytrain's communication timeout inside the processes (default 120 s);
+            a process without a heartbeat for half of it is reported as hung.
         shape: emulate the machines' network with links of this rate and delay (default:
             none, every process on this host's loopback).
     """
@@ -159,6 +164,7 @@ class Launcher:
             _env.NODE: spec.machine,
             _env.ERROR_FILE: str(workdir / f"error-{spec.rank}.json"),
             _env.LABEL_FILE: str(workdir / f"label-{spec.rank}.txt"),
+            _env.HEARTBEAT_FILE: str(workdir / f"heartbeat-{spec.rank}"),
             _env.PARENT_PID: str(os.getpid()),
         })
         if self.timeout_s is not None:
@@ -194,7 +200,9 @@ class Launcher:
                         env=self._child_env(spec, workdir, network))
                     children.append(_Child(spec, proc, workdir / f"error-{spec.rank}.json",
                                            workdir / f"result-{spec.rank}.pkl",
-                                           workdir / f"label-{spec.rank}.txt"))
+                                           workdir / f"label-{spec.rank}.txt",
+                                           workdir / f"heartbeat-{spec.rank}",
+                                           started=time.time()))
                 log.info("started %d processes on port %d: %s", len(children), self.port,
                          self.layout.describe())
                 self._watch(children, interrupted)
@@ -213,21 +221,56 @@ class Launcher:
                                   exitcode=130)
             return [_read_result(c.result_file) for c in children if c.spec.role == "worker"]
 
+    def _hang_after_s(self) -> float:
+        # Half the timeout: a hang is found (and named) before its peers' waits time out.
+        return 0.5 * (self.timeout_s if self.timeout_s is not None else _env.DEFAULT_TIMEOUT_S)
+
+    def _check_heartbeats(self, children: list[_Child]) -> list[_Child]:
+        """The running children whose heartbeat is older than the timeout (hung)."""
+        now, limit = time.time(), self._hang_after_s()
+        hung = []
+        for c in children:
+            if c.proc.poll() is not None:
+                continue
+            try:
+                age, first = now - c.heartbeat_file.stat().st_mtime, False
+            except OSError:  # no beat yet: the child is still importing
+                age, first = now - c.started, True
+            if age > (max(limit, _FIRST_BEAT_S) if first else limit):
+                state = _proc_state(c.proc.pid)
+                c.hung = (f"stopped answering: no heartbeat for {age:.1f} s (half of "
+                          f"--timeout {2 * limit:g}){f'; process state {state}' if state else ''}")
+                hung.append(c)
+        return hung
+
     def _watch(self, children: list[_Child], interrupted: threading.Event) -> None:
+        beat_check = 0.0
         while not interrupted.is_set():
             codes = [c.proc.poll() for c in children]
             failed = [c for c, code in zip(children, codes) if code not in (None, 0)]
+            if not failed and time.monotonic() - beat_check > 0.5:
+                beat_check = time.monotonic()
+                failed = self._check_heartbeats(children)
+            if failed:
+                # A stopped process (SIGSTOP) is the root cause of its peers' timeouts.
+                for c in children:
+                    if c not in failed and c.proc.poll() is None and not c.hung:
+                        state = _proc_state(c.proc.pid)
+                        if state.startswith("T"):
+                            c.hung = f"stopped answering: process state {state}"
+                            failed.append(c)
             if failed and interrupted.is_set():
                 return  # Ctrl-C in a terminal reaches the children too: not a failure
             if failed:
                 failures = [_failure(c) for c in failed]
+                hung = [c for c in failed if c.hung]
                 if all(f.secondary for f in failures):
                     # They lost a peer: the peer, still exiting, holds the cause. Let it write it.
                     deadline = time.monotonic() + _CAUSE_GRACE_S
                     while time.monotonic() < deadline and all(
                             c.proc.poll() in (None, 0) for c in children if c not in failed):
                         time.sleep(_POLL_S)
-                self._stop(children)
+                self._stop(children, kill=hung)
                 # Whoever else died before we stopped them counts too: pick the root cause.
                 failures += [_failure(c) for c in children
                              if c not in failed and c.proc.returncode not in (None, 0)
@@ -245,11 +288,12 @@ class Launcher:
                 return
             time.sleep(_POLL_S)
 
-    def _stop(self, children: list[_Child]) -> None:
+    def _stop(self, children: list[_Child], kill: Sequence[_Child] = ()) -> None:
         running = [c for c in children if c.proc.poll() is None]
         for c in running:
             c.stopped_by_us = True
-            c.proc.send_signal(signal.SIGTERM)
+            # A hung process may be stopped (SIGSTOP): SIGTERM would wait until it resumes.
+            c.proc.send_signal(signal.SIGKILL if c in kill else signal.SIGTERM)
         deadline = time.monotonic() + _GRACE_S
         for c in running:
             try:
@@ -259,14 +303,24 @@ class Launcher:
                 c.proc.wait()
 
 
+def _proc_state(pid: int) -> str:
+    """Linux's state of ``pid`` (``T (stopped)``, ``S (sleeping)``...), or "" if unknown."""
+    try:
+        return Path(f"/proc/{pid}/status").read_text().split("State:")[1].splitlines()[0].strip()
+    except (OSError, IndexError):
+        return ""
+
+
 def _failure(child: _Child) -> _Failure:
-    code = child.proc.returncode
-    assert code is not None
     label = ""
     try:
         label = child.label_file.read_text().strip()
     except OSError:
         pass
+    if child.hung:  # found by its heartbeat: the root cause, whatever it later exited with
+        return _Failure(child.spec, child.proc.returncode or 1, child.hung, 0.0, False, label)
+    code = child.proc.returncode
+    assert code is not None
     if child.error_file.exists():
         try:
             info = json.loads(child.error_file.read_text())

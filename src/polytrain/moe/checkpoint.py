@@ -26,8 +26,8 @@ from torch import nn
 from ..errors import ConfigError
 from .layer import MoE
 
-__all__ = ["moe_layers", "full_keys", "full_state_dict", "local_state_dict", "save_sharded",
-           "load_sharded", "FORMAT"]
+__all__ = ["moe_layers", "canonical_names", "full_keys", "full_state_dict", "local_state_dict",
+           "save_sharded", "load_sharded", "FORMAT"]
 
 FORMAT = "polytrain.moe.sharded/1"
 _EXPERT = re.compile(r"^(\d+)\.(.*)$")
@@ -60,6 +60,12 @@ def _canonical(key: str, layers: list[tuple[str, MoE]]) -> tuple[str, int | None
     prefix, layer, i, rest = found
     e = layer.first_expert + i
     return f"{prefix}experts.{e}.{rest}", e
+
+
+def canonical_names(model: nn.Module) -> dict[str, str]:
+    """Every local state key of ``model`` -> its canonical (all experts local) key."""
+    layers = moe_layers(model)
+    return {key: _canonical(key, layers)[0] for key in model.state_dict(keep_vars=True)}
 
 
 def full_keys(model: nn.Module) -> list[str]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
-from typing import Any, Callable, ClassVar, Generic, TypeVar, overload
+from typing import Any, Callable, ClassVar, Generic, Mapping, TypeVar, overload
 
 import torch
 from torch import nn
@@ -189,6 +189,49 @@ class Strategy(ABC, Generic[OptionsT]):
 
     def close(self) -> None:  # noqa: B027 - optional hook, empty by default
         """Release what the strategy holds (threads, buffers); the context stays open."""
+
+    # -- checkpoints (polytrain.checkpoint calls these; every worker, at the same step) -------
+
+    #: Whether a checkpoint may resume on another number of workers: True where every
+    #: worker's state follows from the whole model and the per-name optimizer state.
+    resumes_on_other_layouts: ClassVar[bool] = False
+
+    @classmethod
+    def check_resume(cls, saved: Mapping[str, Any], layout: Layout, options: OptionsT) -> None:
+        """Refuse to resume a checkpoint whose layout this strategy cannot carry its state to.
+
+        ``saved`` is the checkpoint's manifest (``workers``, ``nodes``, ``servers``,
+        ``strategy_options``, ...). By default another worker count is refused unless
+        :attr:`resumes_on_other_layouts`; a strategy with state of its own says more.
+        """
+        if int(saved["workers"]) != layout.workers and not cls.resumes_on_other_layouts:
+            raise ConfigError(
+                f"strategy {cls.name!r} cannot resume a checkpoint of {saved['workers']} "
+                f"workers on {layout.workers}: each worker's state belongs to its place in "
+                f"the layout", f"resume with --workers {saved['workers']}")
+
+    def parameter_names(self, model: nn.Module) -> dict[str, nn.Parameter]:
+        """The parameters this worker holds, by their names in the plain model's
+        ``state_dict`` (a checkpoint keys optimizer state by them)."""
+        inner = getattr(model, "module", model)
+        return dict(inner.named_parameters())
+
+    def load_model_state(self, model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+        """Load the whole model's state (the plain model's keys, as :meth:`state_dict` gives)
+        into this worker's part of it; called after :meth:`wrap`, before the first step."""
+        inner = getattr(model, "module", model)
+        inner.load_state_dict(dict(state))
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """The strategy's own state that a checkpoint must keep (clocks, ...); default none.
+
+        Picklable; every worker saves its own, and gets it back in
+        :meth:`load_checkpoint_state` on a layout of the same size.
+        """
+        return {}
+
+    def load_checkpoint_state(self, state: Mapping[str, Any]) -> None:  # noqa: B027
+        """Restore what :meth:`checkpoint_state` saved (empty: another layout, or none saved)."""
 
 
 _REGISTRY: dict[str, type[Strategy[Any]]] = {}

@@ -24,6 +24,7 @@ class DDP(Strategy[NoOptions]):
     """
 
     name = "ddp"
+    resumes_on_other_layouts = True  # every worker holds the whole model and optimizer
 
     def wrap(self, model: nn.Module,
              optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:

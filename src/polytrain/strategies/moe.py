@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -13,7 +13,7 @@ from ..comm.bucket import flatten, plan_buckets, unflatten_into
 from ..comm.partition import TensorSpec
 from ..errors import ConfigError
 from ..launch.layout import Layout
-from ..moe.checkpoint import full_state_dict, moe_layers
+from ..moe.checkpoint import canonical_names, full_state_dict, local_state_dict, moe_layers
 from .base import Strategy, register
 
 __all__ = ["ExpertParallel", "MoEOptions", "ExpertPlacement", "place_experts"]
@@ -116,6 +116,8 @@ class ExpertParallel(Strategy[MoEOptions]):
     name = "moe"
     whole_model = False  # experts are sharded over the workers
     Options = MoEOptions
+    # Experts are named canonically in checkpoints: any expert-parallel size loads them.
+    resumes_on_other_layouts = True
 
     @classmethod
     def check_layout(cls, layout: Layout, options: MoEOptions) -> None:
@@ -211,3 +213,12 @@ class ExpertParallel(Strategy[MoEOptions]):
 
     def state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         return full_state_dict(getattr(model, "module", model))
+
+    def parameter_names(self, model: nn.Module) -> dict[str, nn.Parameter]:
+        inner = getattr(model, "module", model)
+        names = canonical_names(inner)
+        return {names[k]: p for k, p in inner.named_parameters()}
+
+    def load_model_state(self, model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+        inner = getattr(model, "module", model)
+        inner.load_state_dict(local_state_dict(dict(state), inner))

@@ -17,6 +17,7 @@ class Single(Strategy[NoOptions]):
     """Train in this process alone. Its ``final.pt`` is what synchronous strategies must match."""
 
     name = "single"
+    resumes_on_other_layouts = True  # every worker holds the whole model and optimizer
     distributed = False
 
     @classmethod

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..checkpoint import CheckpointError, load, run_record, save
 from ..config import TrainConfig, check_init
 from ..data import EpochBatches, GlobalBatches, get_dataset, held_out_split, windows
 from ..emulation.clock import clock_of, emulate
@@ -123,10 +124,19 @@ def train(config: TrainConfig) -> dict[str, Any] | None:
         batches = GlobalBatches(corpus, batch_size=config.batch_size, window=seq_len + 1,
                                 seed=config.seed)
     evals: list[dict[str, float]] = []
+    start, before_losses, before_times = 0, [], []  # the steps a resumed run did before
+    if config.resume is not None:
+        resumed = load(config.resume, trainer, scheduler=scheduler)
+        start, trainer.steps = resumed.step, resumed.step
+        before_losses = list(resumed.extra.get("losses", []))
+        before_times = list(resumed.extra.get("times", []))
+        if lead:
+            log.warning("resumed from %s at step %d", resumed.path, start)
     progress = Progress(config.steps, enabled=strategy.shows_progress and not config.quiet)
     losses: list[float | None] = []
     times: list[float] = []
-    for step, batch in zip(range(config.steps), batches):
+    save_errors: list[str] = []
+    for step, batch in zip(range(start, config.steps), batches.iterate(start)):
         inputs, targets = spec.split(batch)
         t0 = time.perf_counter()
         loss = trainer.step(inputs, targets)
@@ -150,7 +160,12 @@ def train(config: TrainConfig) -> dict[str, Any] | None:
                 value, accuracy = evaluate(net, *held_out, spec.loss, device=device)
                 evals.append({"step": step + 1, "train_time_s": sum(times), "loss": value,
                               "accuracy": accuracy})
-    global_losses = _global_losses(ctx, losses)
+        if config.checkpoint_every and (step + 1) % config.checkpoint_every == 0:
+            _checkpoint(config, trainer, scheduler, step + 1,
+                        before_losses + _global_losses(ctx, losses), before_times + times,
+                        save_errors)
+    global_losses = before_losses + _global_losses(ctx, losses)
+    times = before_times + times
     state = trainer.state_dict()
     reports = _worker_reports(ctx)
     records = strategy.metrics()  # the strategy's own (worker 0's go to metrics.json)
@@ -169,6 +184,10 @@ def train(config: TrainConfig) -> dict[str, Any] | None:
         metrics["final_eval_loss"] = evals[-1]["loss"] if evals else None
     if config.init is not None:
         metrics["init"] = config.init
+    if config.checkpoint_every or config.resume:
+        metrics["checkpoints"] = {"every": config.checkpoint_every, "keep": config.keep,
+                                  "resumed_from": config.resume, "resumed_at": start,
+                                  "save_errors": save_errors}
     if config.out is not None:
         out = Path(config.out)
         out.mkdir(parents=True, exist_ok=True)
@@ -197,6 +216,22 @@ def evaluate(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor
     finally:
         model.train(was_training)
     return total / count, correct / count
+
+
+def _checkpoint(config: TrainConfig, trainer: Any, scheduler: Any, step: int,
+                losses: list[float], times: list[float], errors: list[str]) -> None:
+    """Write ``out/checkpoints/step-S`` (every worker); a failure stops the run or is
+    recorded, per ``--on-save-error``."""
+    assert config.out is not None
+    try:
+        save(Path(config.out) / "checkpoints", trainer, step=step, scheduler=scheduler,
+             extra={"losses": losses, "times": times}, run=run_record(config),
+             keep=config.keep)
+    except CheckpointError as e:
+        if config.on_save_error == "stop":
+            raise
+        errors.append(e.what)
+        log.warning("%s; training on (--on-save-error continue)", e.what)
 
 
 def _global_losses(ctx: Context | None, losses: list[float | None]) -> list[float]:

@@ -79,6 +79,9 @@ class AsyncOptimizer(WrappedOptimizer):
                              colocate=colocate)
         self.placement = engine.keyed(specs, self.plan.placement)
         self.clock = 0
+        # The clock a resumed run started at: the servers (fresh processes) count rounds
+        # from there, so the wire carries ``clock - base``.
+        self.base = 0
         self._pulled = [torch.empty(p.numel(), dtype=p.dtype) for p in self._params]
         # Per partition: its codec (half-precision pushes with their own error feedback).
         self._codecs = [Codec(c, p.numel, seed=p.key) if (c := per_tensor[p.tensor]) else None
@@ -89,6 +92,13 @@ class AsyncOptimizer(WrappedOptimizer):
         ctx, engine, placement = self.ctx, self.engine, self.placement
         engine.declare(placement, kind=Kind.PARAM, pushers=ctx.num_workers,
                        pullers=ctx.num_workers, options={"staleness": self.staleness})
+        self.install()
+        log.info("asynchronous byteps, staleness %d:\n%s", self.staleness, self.plan.describe())
+
+    def install(self) -> None:
+        """Worker 0 sets the servers' parameters to its own (collective over the workers):
+        at the start, and when a checkpoint is loaded before the first step."""
+        ctx, engine, placement = self.ctx, self.engine, self.placement
         if ctx.worker_index == 0:
             flats = [p.detach().reshape(-1).cpu() for p in self._params]
             parts = placement.partitions
@@ -100,8 +110,6 @@ class AsyncOptimizer(WrappedOptimizer):
                     for i, p in enumerate(parts)]
             for pending in sets + gets:
                 pending.wait()
-            log.info("asynchronous byteps, staleness %d:\n%s", self.staleness,
-                     self.plan.describe())
         dist.barrier(group=ctx.groups.workers)
 
     @torch.no_grad()
@@ -117,8 +125,9 @@ class AsyncOptimizer(WrappedOptimizer):
             codec = self._codecs[i]
             if codec is not None:  # fp16 only: the payload is the update in half precision
                 delta = codec.encode(delta).view(torch.float16)
-            pushes.append(self.engine.push(self.placement, i, round=self.clock, tensor=delta))
-        self._pull(self.clock, pushes)
+            pushes.append(self.engine.push(self.placement, i, round=self.clock - self.base,
+                                           tensor=delta))
+        self._pull(self.clock - self.base, pushes)
         return loss
 
     def _pull(self, round_: int, before: list[Pending]) -> None:
@@ -132,7 +141,11 @@ class AsyncOptimizer(WrappedOptimizer):
 
     def pull_final(self) -> None:
         """Load the servers' parameters once every worker has pushed as many steps as this one."""
-        self._pull(self.clock + self.staleness, [])
+        self._pull(self.clock - self.base + self.staleness, [])
+
+    def resume_at(self, clock: int) -> None:
+        """Continue from a checkpoint's clock (before the first step; the servers are fresh)."""
+        self.clock = self.base = clock
 
     def __repr__(self) -> str:
         return f"byteps.AsyncOptimizer({self.optimizer!r}, staleness={self.staleness})"

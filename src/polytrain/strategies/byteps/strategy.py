@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 from torch import nn
 
+from ...errors import ConfigError
+from ...launch.layout import Layout
 from ...ps.engine import Engine, engine_for
 from ...runtime import Context
 from ..base import register
@@ -76,6 +78,37 @@ class BytePS(ServedStrategy[BytePSOptions]):
         if isinstance(self.optimizer, AsyncOptimizer):
             self.optimizer.pull_final()  # every worker's pushes are in the servers' copy
         return super().state_dict(model)
+
+    @classmethod
+    def check_resume(cls, saved: Mapping[str, Any], layout: Layout,
+                     options: BytePSOptions) -> None:
+        was_async = bool(dict(saved.get("strategy_options", {})).get("async_", False))
+        if was_async != options.async_:
+            mode = {True: "asynchronous (--async)", False: "synchronous"}
+            raise ConfigError(f"checkpoint of {mode[was_async]} BytePS cannot resume as "
+                              f"{mode[options.async_]} BytePS",
+                              "resume in the checkpoint's mode, or start without --resume")
+        if options.async_ and int(saved["workers"]) != layout.workers:
+            raise ConfigError(
+                f"asynchronous BytePS cannot resume a checkpoint of {saved['workers']} workers "
+                f"on {layout.workers}: each worker's optimizer state and clock are its own",
+                f"resume with --workers {saved['workers']}")
+        # Synchronous: every worker holds the whole model and optimizer state, and the
+        # servers only sum (nothing kept across steps): any layout resumes.
+
+    def load_model_state(self, model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+        super().load_model_state(model, state)
+        if isinstance(self.optimizer, AsyncOptimizer):
+            self.optimizer.install()  # the servers hold the parameters
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        if isinstance(self.optimizer, AsyncOptimizer):
+            return {"clock": self.optimizer.clock}
+        return {}
+
+    def load_checkpoint_state(self, state: Mapping[str, Any]) -> None:
+        if isinstance(self.optimizer, AsyncOptimizer) and "clock" in state:
+            self.optimizer.resume_at(int(state["clock"]))
 
     def close(self) -> None:
         if self.optimizer is not None:

@@ -1,0 +1,205 @@
+"""A checkpoint directory on disk: its manifest (sizes, checksums), atomic commit, lookup, pruning.
+
+A run's checkpoints live under ``OUT/checkpoints/``::
+
+    checkpoints/
+      step-40/            a whole checkpoint: manifest.json names every file below
+        manifest.json     format, step, run (strategy, model, layout), files: bytes + sha256
+        model.pt          the whole model, the single run's keys
+        run.pt            step, scheduler, losses and times so far (worker 0)
+        worker-0.pt ...   per worker: optimizer state by parameter name, RNG, strategy state
+      .step-60.tmp/       being written: never read; a crash leaves it, the next save sweeps it
+
+A checkpoint is written under a temporary name and renamed once every file and
+the manifest are on disk, so a directory named ``step-S`` is whole unless its
+files were damaged later, which the checksums catch on load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Iterable
+
+from ..errors import ConfigError
+
+__all__ = ["FORMAT", "MANIFEST", "checkpoint_dir", "temporary_dir", "write_manifest",
+           "verify", "read_manifest", "whole_checkpoints", "newest", "resolve", "prune",
+           "commit", "CheckpointError"]
+
+FORMAT = "polytrain.checkpoint/1"
+MANIFEST = "manifest.json"
+_STEP = re.compile(r"^step-(\d+)$")
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint that cannot be used: missing, damaged, or of another run."""
+
+
+def checkpoint_dir(root: str | Path, step: int) -> Path:
+    return Path(root) / f"step-{step}"
+
+
+def temporary_dir(root: str | Path, step: int) -> Path:
+    return Path(root) / f".step-{step}.tmp"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_manifest(directory: Path, meta: dict[str, Any]) -> dict[str, Any]:
+    """Write ``manifest.json`` listing every other file of ``directory`` with size and sha256."""
+    files = {}
+    for path in sorted(directory.iterdir()):
+        if path.name == MANIFEST or not path.is_file():
+            continue
+        _fsync(path)
+        files[path.name] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+    manifest = {"format": FORMAT, **meta, "files": files}
+    tmp = directory / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=1) + "\n")
+    _fsync(tmp)
+    os.replace(tmp, directory / MANIFEST)
+    return manifest
+
+
+def read_manifest(directory: str | Path) -> dict[str, Any]:
+    """The manifest of ``directory`` (not checked against the files: see :func:`verify`)."""
+    path = Path(directory) / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{directory} is not a whole checkpoint: it has no {MANIFEST}",
+                              "pass a checkpoint directory (OUT/checkpoints/step-S) or the "
+                              "run's --out directory") from None
+    except (ValueError, OSError) as e:
+        raise CheckpointError(f"checkpoint {directory}: {MANIFEST} cannot be read ({e})",
+                              "resume from another checkpoint (an older step-S)") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        got = manifest.get("format") if isinstance(manifest, dict) else None
+        raise CheckpointError(f"checkpoint {directory} has format {got!r}, not {FORMAT!r}",
+                              "resume from a checkpoint this version of polytrain wrote")
+    return manifest
+
+
+def verify(directory: str | Path) -> dict[str, Any]:
+    """The manifest of ``directory`` after checking every file's size and checksum."""
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    for name, want in manifest["files"].items():
+        path = directory / name
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint {directory} is damaged: {name} is missing",
+                                  "resume from another checkpoint (an older step-S)")
+        size = path.stat().st_size
+        if size != want["bytes"]:
+            raise CheckpointError(
+                f"checkpoint {directory} is damaged: {name} has {size} bytes, the manifest "
+                f"says {want['bytes']} (truncated?)",
+                "resume from another checkpoint (an older step-S)")
+        if _sha256(path) != want["sha256"]:
+            raise CheckpointError(
+                f"checkpoint {directory} is damaged: {name}'s sha256 differs from the "
+                f"manifest's (corrupted on disk?)",
+                "resume from another checkpoint (an older step-S)")
+    return manifest
+
+
+def _steps(root: Path) -> list[tuple[int, Path]]:
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir()
+             if p.is_dir() and (m := _STEP.match(p.name))]
+    return sorted(found, reverse=True)
+
+
+def whole_checkpoints(root: str | Path) -> list[tuple[int, Path, str | None]]:
+    """Every ``step-S`` under ``root``, newest first, with why it is not whole (None: whole)."""
+    out: list[tuple[int, Path, str | None]] = []
+    for step, path in _steps(Path(root)):
+        try:
+            verify(path)
+            out.append((step, path, None))
+        except CheckpointError as e:
+            out.append((step, path, e.what))
+    return out
+
+
+def newest(root: str | Path) -> Path | None:
+    """The newest whole checkpoint under ``root`` (None: there is none)."""
+    for _, path, broken in whole_checkpoints(root):
+        if broken is None:
+            return path
+    return None
+
+
+def resolve(path: str | Path) -> tuple[Path, list[str]]:
+    """The checkpoint a ``--resume PATH`` means, and the damaged ones skipped on the way.
+
+    PATH is a checkpoint (``.../step-S``: it must be whole), a checkpoints folder, or a
+    run's ``--out`` directory (its ``checkpoints/``): the newest whole one there.
+    """
+    p = Path(path)
+    if (p / MANIFEST).exists() or _STEP.match(p.name):
+        verify(p)
+        return p, []
+    root = p / "checkpoints" if (p / "checkpoints").is_dir() else p
+    if not root.is_dir():
+        raise CheckpointError(f"--resume {path}: no such directory",
+                              "pass the --out directory of an earlier run, or one of its "
+                              "checkpoints/step-S")
+    found = whole_checkpoints(root)
+    skipped = [f"{c}: {why}" for _, c, why in found if why is not None]
+    for _, c, why in found:
+        if why is None:
+            return c, skipped
+    detail = f" ({len(skipped)} damaged: {skipped[0]})" if skipped else ""
+    raise CheckpointError(f"--resume {path}: no whole checkpoint in {root}{detail}",
+                          "pass a run's --out directory that holds checkpoints/step-S (train "
+                          "with --checkpoint-every N), or start without --resume")
+
+
+def commit(tmp: Path, final: Path) -> None:
+    """Rename the finished ``tmp`` to ``final``; a whole checkpoint already there is replaced
+    only after the new one is complete (it is moved aside, then removed)."""
+    aside = final.with_name(f".{final.name}.old")
+    if aside.exists():
+        shutil.rmtree(aside)
+    if final.exists():
+        os.replace(final, aside)
+    os.replace(tmp, final)
+    _fsync(final.parent)
+    if aside.exists():
+        shutil.rmtree(aside, ignore_errors=True)
+
+
+def prune(root: str | Path, keep: int | None, *, protect: Iterable[Path] = ()) -> list[Path]:
+    """Remove all but the newest ``keep`` whole checkpoints (None: keep all); returns removed."""
+    if keep is None:
+        return []
+    kept = {Path(p).resolve() for p in protect}
+    removed = []
+    whole = [p for _, p, broken in whole_checkpoints(root) if broken is None]
+    for path in whole[keep:]:
+        if path.resolve() in kept:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed

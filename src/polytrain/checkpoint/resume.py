@@ -1,0 +1,50 @@
+"""Whether a run may resume a checkpoint: the same model, data and optimizer; a layout its
+strategy can carry its state to. Checked before any process starts."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from ..strategies.base import get_strategy, make_options
+from .manifest import CheckpointError
+
+__all__ = ["run_record", "check_compatible"]
+
+# Fields that must match: they decide the weights' shapes or the batches seen.
+_SAME = ("model", "data", "optimizer", "seed", "batch_size")
+
+
+def run_record(config: Any) -> dict[str, Any]:
+    """What a checkpoint records of the run that wrote it (a ``TrainConfig``)."""
+    return {"strategy": config.strategy, "model": config.model, "data": config.data,
+            "model_options": dict(config.model_options),
+            "strategy_options": dict(config.strategy_options),
+            "optimizer": config.optimizer, "seed": config.seed,
+            "batch_size": config.batch_size, "nodes": config.nodes, "servers": config.servers}
+
+
+def check_compatible(manifest: Mapping[str, Any], config: Any, where: Any) -> None:
+    """Refuse a checkpoint of another model, strategy or data, or a layout the strategy refuses."""
+    saved = manifest
+    if saved.get("strategy") != config.strategy:
+        raise CheckpointError(
+            f"checkpoint {where} was written by strategy {saved.get('strategy')!r}, and this "
+            f"run is {config.strategy!r}",
+            f"resume with --strategy {saved.get('strategy')}, or start without --resume")
+    for name in _SAME:
+        if name in saved and saved[name] != getattr(config, name):
+            flag = "--" + name.replace("_", "-")
+            raise CheckpointError(
+                f"checkpoint {where} was written with {flag} {saved[name]}, and this run has "
+                f"{getattr(config, name)}", f"resume with {flag} {saved[name]}")
+    if "model_options" in saved and dict(saved["model_options"]) != dict(config.model_options):
+        raise CheckpointError(
+            f"checkpoint {where} is of another model: its options are {saved['model_options']}, "
+            f"this run's {dict(config.model_options)}",
+            "resume with the checkpoint's model options, or start without --resume")
+    step = int(saved["step"])
+    if step > config.steps:
+        raise CheckpointError(f"checkpoint {where} is at step {step}, past --steps "
+                              f"{config.steps}", f"pass --steps {step} or more")
+    cls = get_strategy(config.strategy)
+    cls.check_resume(saved, config.layout(), make_options(cls, dict(config.strategy_options)))

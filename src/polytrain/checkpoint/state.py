@@ -1,0 +1,282 @@
+"""Saving and loading a run's whole state, collectively over its workers.
+
+What a checkpoint holds, and who writes it:
+
+| file | writer | contents |
+| --- | --- | --- |
+| ``model.pt`` | worker 0 | the whole model (``Strategy.state_dict``: shards, stages gathered) |
+| ``run.pt`` | worker 0 | the step, the scheduler, the caller's ``extra`` (losses, times) |
+| ``worker-I.pt`` | worker I | optimizer state by name, every RNG, the strategy's own state |
+
+Optimizer state is keyed by the plain model's parameter names
+(``Strategy.parameter_names``), not by position, so a worker of another layout
+(MoE with another expert-parallel size, ddp with more workers) finds the state
+of each parameter it holds in whichever worker's file holds it (the manifest
+indexes them). Files are written on a filesystem every worker sees (the local
+launcher's, or a cluster's shared storage).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..strategies.base import Strategy, Trainer, strategy_of
+from .manifest import (
+    CheckpointError,
+    checkpoint_dir,
+    commit,
+    prune,
+    read_manifest,
+    resolve,
+    temporary_dir,
+    write_manifest,
+)
+
+__all__ = ["save", "load", "Resumed", "rng_state", "set_rng_state"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """What :func:`load` restored: the step to continue from, the checkpoint, the caller's extra."""
+
+    step: int
+    path: Path
+    extra: dict[str, Any] = field(default_factory=dict)
+    skipped: tuple[str, ...] = ()  # damaged checkpoints passed over on the way to this one
+
+
+def rng_state() -> dict[str, Any]:
+    """Every random generator this process draws from: torch (CPU, CUDA), Python, numpy."""
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    try:
+        import numpy as np
+        state["numpy"] = np.random.get_state()
+    except ImportError:  # pragma: no cover - numpy is optional
+        pass
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "numpy" in state:
+        import numpy as np
+        np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _unpack(model: nn.Module | Trainer,
+            optimizer: torch.optim.Optimizer | None) -> tuple[nn.Module, torch.optim.Optimizer,
+                                                               Strategy[Any]]:
+    if isinstance(model, Trainer):
+        return model.model, optimizer or model.optimizer, model.strategy
+    if optimizer is None:
+        raise CheckpointError("a checkpoint of a model needs its optimizer",
+                              "pass the optimizer distribute() returned, or a Trainer")
+    return model, optimizer, strategy_of(model)
+
+
+def _workers(strategy: Strategy[Any]) -> tuple[int, int, Any]:
+    ctx = strategy.ctx
+    if ctx is None:
+        return 0, 1, None
+    return ctx.worker_index, ctx.num_workers, ctx.groups.workers if ctx.num_workers > 1 else None
+
+
+def _gather(group: Any, count: int, value: Any) -> list[Any]:
+    """Every worker's ``value`` (a collective over the workers; one process: just its own)."""
+    if group is None:
+        return [value]
+    out: list[Any] = [None] * count
+    dist.all_gather_object(out, value, group=group)
+    return out
+
+
+def _optimizer_state(optimizer: torch.optim.Optimizer,
+                     names: Mapping[str, nn.Parameter]) -> dict[str, Any]:
+    by_id = {id(p): n for n, p in names.items()}
+    groups, state = [], {}
+    for g in optimizer.param_groups:
+        held = [by_id[id(p)] for p in g["params"] if id(p) in by_id]
+        groups.append({"settings": {k: v for k, v in g.items() if k != "params"},
+                       "params": held})
+        for p in g["params"]:
+            if id(p) in by_id and p in optimizer.state:
+                state[by_id[id(p)]] = {k: v.detach().cpu().clone() if torch.is_tensor(v) else v
+                                       for k, v in optimizer.state[p].items()}
+    return {"class": type(getattr(optimizer, "optimizer", optimizer)).__name__,
+            "groups": groups, "state": state}
+
+
+def save(root: str | Path, model: nn.Module | Trainer,
+         optimizer: torch.optim.Optimizer | None = None, *, step: int,
+         scheduler: Any = None, extra: Mapping[str, Any] | None = None,
+         run: Mapping[str, Any] | None = None, keep: int | None = None) -> Path:
+    """Write ``root/step-S``: the model, optimizer, scheduler, RNG and strategy state.
+
+    Collective: every worker calls it with the same ``step``. Written under a
+    temporary name and renamed when whole; with ``keep`` only the newest
+    ``keep`` whole checkpoints stay. A failure (a full or read-only disk) on any
+    worker raises :class:`CheckpointError` on every worker, and no whole
+    checkpoint is replaced by the broken one.
+
+    Example::
+
+        trainer = polytrain.distribute(model, opt, strategy="ddp", loss_fn=loss_fn)
+        for step, (x, y) in enumerate(batches, 1):
+            trainer.step(x, y)
+            if step % 100 == 0:
+                polytrain.save("out/checkpoints", trainer, step=step)
+
+    Args:
+        run: what describes the run (strategy, model, layout) for the checks on load.
+        extra: the caller's own records (the CLI's loop: the losses so far).
+    """
+    model, optimizer, strategy = _unpack(model, optimizer)
+    index, count, group = _workers(strategy)
+    full = strategy.state_dict(model)  # collective: shards and stages gathered on worker 0
+    names = strategy.parameter_names(model)
+    mine = {"optimizer": _optimizer_state(optimizer, names), "rng": rng_state(),
+            "strategy": strategy.checkpoint_state()}
+    tmp, final = temporary_dir(root, step), checkpoint_dir(root, step)
+    error: str | None = None
+    if index == 0:
+        try:
+            if tmp.exists():
+                shutil.rmtree(tmp)  # a crash's leftover: never read
+            tmp.mkdir(parents=True)
+        except OSError as e:
+            error = f"{type(e).__name__}: {e}"
+    errors = _gather(group, count, error)
+    error = next((e for e in errors if e), None)
+    held: list[Any] = []
+    if error is None:
+        try:
+            torch.save(mine, tmp / f"worker-{index}.pt")
+            if index == 0:
+                torch.save(full, tmp / "model.pt")
+                torch.save({"step": step, "extra": dict(extra or {}),
+                            "scheduler": scheduler.state_dict() if scheduler is not None
+                            else None}, tmp / "run.pt")
+        except (OSError, RuntimeError) as e:  # torch.save reports a full disk as RuntimeError
+            error = f"{type(e).__name__}: {e}"
+        held = _gather(group, count, (error, sorted(names)))
+        error = next((e for e, _ in held if e), None)
+    if error is None and index == 0:
+        index_of: dict[str, int] = {}
+        for i, (_, ns) in enumerate(held):
+            for n in ns:
+                index_of.setdefault(n, i)
+        meta = {**dict(run or {}), "step": step, "workers": count, "time": time.time(),
+                "keys": {k: list(v.shape) for k, v in full.items()},
+                "optimizer_index": index_of}
+        try:
+            write_manifest(tmp, meta)
+            commit(tmp, final)
+            prune(root, keep, protect=[final])
+        except OSError as e:
+            error = f"{type(e).__name__}: {e}"
+    error = next((e for e in _gather(group, count, error) if e), None)
+    if error is not None:
+        if index == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"could not save checkpoint step-{step} in {root}: {error}",
+                              "free space or make the directory writable; older whole "
+                              "checkpoints are untouched (--on-save-error continue trains on)")
+    log.info("saved checkpoint %s", final)
+    return final
+
+
+def load(path: str | Path, model: nn.Module | Trainer,
+         optimizer: torch.optim.Optimizer | None = None, *, scheduler: Any = None) -> Resumed:
+    """Load the newest whole checkpoint at ``path`` into a distributed model and optimizer.
+
+    Collective: every worker calls it, after :func:`polytrain.distribute` and
+    before the first step. ``path`` is a checkpoint (``.../step-S``), a
+    checkpoints folder or a run's ``--out``. Sizes and checksums are checked
+    first; a checkpoint of another model is refused naming the first tensor
+    that differs.
+
+    Example::
+
+        trainer = polytrain.distribute(model, opt, strategy="ddp", loss_fn=loss_fn)
+        start = polytrain.load("out/checkpoints", trainer).step
+    """
+    model, optimizer, strategy = _unpack(model, optimizer)
+    where, skipped = resolve(path)
+    manifest = read_manifest(where)  # resolve() has checked its files
+    index, _, _ = _workers(strategy)
+    names = strategy.parameter_names(model)
+    keys = manifest["keys"]
+    for n, p in names.items():
+        if n not in keys:
+            raise CheckpointError(f"checkpoint {where} is of another model: it has no {n!r}",
+                                  "resume with the checkpoint's --model and model options, "
+                                  "or start without --resume")
+        if list(p.shape) != keys[n]:
+            raise CheckpointError(f"checkpoint {where} is of another model: {n!r} has shape "
+                                  f"{keys[n]} there and {list(p.shape)} here",
+                                  "resume with the checkpoint's --model and model options, "
+                                  "or start without --resume")
+    state = torch.load(where / "model.pt", map_location="cpu", weights_only=True)
+    strategy.load_model_state(model, state)
+    saved_workers = int(manifest["workers"])
+    files: dict[int, dict[str, Any]] = {}
+
+    def worker_file(i: int) -> dict[str, Any]:
+        if i not in files:
+            # Our own files (RNG states are not tensors): trusted as the run's own output.
+            files[i] = torch.load(where / f"worker-{i}.pt", map_location="cpu",
+                                  weights_only=False)
+        return files[i]
+
+    own = worker_file(index % saved_workers)
+    _load_optimizer(optimizer, names, own["optimizer"], manifest["optimizer_index"],
+                    worker_file)
+    set_rng_state(own["rng"])
+    strategy.load_checkpoint_state(own["strategy"] if saved_workers == _workers(strategy)[1]
+                                   else {})
+    run = torch.load(where / "run.pt", map_location="cpu", weights_only=False)
+    if scheduler is not None and run.get("scheduler") is not None:
+        scheduler.load_state_dict(run["scheduler"])
+    return Resumed(step=int(run["step"]), path=where, extra=dict(run.get("extra") or {}),
+                   skipped=tuple(skipped))
+
+
+def _load_optimizer(optimizer: torch.optim.Optimizer, names: Mapping[str, nn.Parameter],
+                    own: Mapping[str, Any], index_of: Mapping[str, int],
+                    worker_file: Any) -> None:
+    by_id = {id(p): n for n, p in names.items()}
+    saved_groups = own["groups"]
+    if len(saved_groups) != len(optimizer.param_groups):
+        raise CheckpointError(f"the checkpoint's optimizer has {len(saved_groups)} parameter "
+                              f"groups and this one {len(optimizer.param_groups)}",
+                              "resume with the checkpoint's --optimizer")
+    for g, saved in zip(optimizer.param_groups, saved_groups):
+        g.update({k: v for k, v in saved["settings"].items() if k in g})
+        for p in g["params"]:
+            n = by_id.get(id(p))
+            if n is None:
+                continue
+            source = own["state"]
+            if n not in source and n in index_of:
+                source = worker_file(index_of[n])["optimizer"]["state"]
+            if n in source:
+                optimizer.state[p] = {k: v.to(p.device) if torch.is_tensor(v) and v.dim() > 0
+                                      else v.clone() if torch.is_tensor(v) else v
+                                      for k, v in source[n].items()}

@@ -1,0 +1,73 @@
+"""``--max-restarts`` and the heartbeat: a dead or hung process stops the run, which comes back
+from its newest checkpoint and ends with the uninterrupted run's weights."""
+
+from __future__ import annotations
+
+import random
+import signal
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from polytrain import LaunchError, TrainConfig
+from polytrain.train import run_config as run_job
+from tests.faults import Injector, alive
+
+TINY = {"seq_len": 16, "d_model": 32, "layers": 2}
+ENV = {"OMP_NUM_THREADS": "1"}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy, servers", [("ddp", 0), ("byteps", 1)])
+def test_a_worker_killed_at_a_random_step_restarts_and_ends_with_the_uninterrupted_weights(
+        strategy, servers):
+    config = TrainConfig(strategy=strategy, workers=2, nodes=2, servers=servers, steps=8,
+                         batch_size=8, model_options=TINY, quiet=True, timeout_s=30)
+    rng = random.Random(strategy)
+    at, delay = rng.choice([2, 4]), rng.uniform(0.0, 0.3)
+    with tempfile.TemporaryDirectory() as tmp:
+        plain = run_job(config.replace(out=f"{tmp}/plain"), env=ENV)
+        out = Path(tmp) / "faulty"
+        fault = Injector("worker", 1, trigger=out / "checkpoints" / f"step-{at}",
+                         delay_s=delay).start()
+        said: list[str] = []
+        metrics = run_job(config.replace(out=str(out), checkpoint_every=2, max_restarts=2), env=ENV,
+                          report=said.append)
+        fault.join()
+        assert fault.sent_at is not None, "the fault was never injected"
+        assert metrics["restarts"] == 1
+        assert len(said) == 1 and "worker rank 1 (machine node1) failed: killed by SIGKILL" \
+            in said[0] and "restart 1 of 2 from checkpoint step-" in said[0], said
+        resumed_at = int(said[0].rsplit("step-", 1)[1])
+        assert resumed_at >= at
+        a = torch.load(Path(tmp) / "plain" / "final.pt")
+        b = torch.load(out / "final.pt")
+        assert all(torch.equal(a[k], b[k]) for k in a)
+        assert metrics["losses"] == plain["losses"]
+        assert not any(alive(p) for p in fault.pids.values())
+
+
+@pytest.mark.timeout(120)
+def test_a_stopped_process_is_found_by_its_heartbeat_and_named():
+    config = TrainConfig(strategy="ddp", workers=2, nodes=2, steps=100000, batch_size=8,
+                         model_options=TINY, quiet=True, timeout_s=5)
+    with tempfile.TemporaryDirectory() as tmp:
+        hang = Injector("worker", 1, sig=signal.SIGSTOP, after_s=0.0,
+                        trigger=None).start()
+        # Stop it once it trains: after the first steps' metrics, i.e. a few seconds in.
+        hang.after_s = 8.0
+        start = time.monotonic()
+        with pytest.raises(LaunchError, match=r"worker rank 1 \(machine node1\) failed: stopped "
+                                              r"answering") as info:
+            run_job(config.replace(out=tmp), env=ENV)
+        hang.join()
+        assert hang.sent_at is not None
+        found = time.monotonic() - hang.sent_at
+        assert found < 5, f"found after {found:.1f} s with --timeout 5"
+        assert "process state T" in str(info.value) or "no heartbeat" in str(info.value)
+        assert info.value.rank == 1
+        assert not any(alive(p) for p in hang.pids.values())
+    assert time.monotonic() - start < 60

@@ -1,0 +1,120 @@
+"""``--resume``: a run stopped at a checkpoint and resumed ends where the uninterrupted run ends."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from polytrain import TrainConfig
+from polytrain.checkpoint import verify
+from polytrain.train import run_config as run_job
+from tests.harness import COMM_TIMEOUT_S, max_abs_diff
+
+TINY = {"seq_len": 16, "d_model": 32, "layers": 2}
+MOE = {**TINY, "experts": 4}
+ENV = {"OMP_NUM_THREADS": "1"}
+
+
+def run(config: TrainConfig, out: Path, **changes: Any
+        ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    metrics = run_job(config.replace(out=str(out), quiet=True, timeout_s=COMM_TIMEOUT_S,
+                                     **changes), env=ENV)
+    return metrics, torch.load(out / "final.pt")
+
+
+def stop_and_resume(config: TrainConfig, at: int, resumed: TrainConfig | None = None
+                    ) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any],
+                               dict[str, torch.Tensor]]:
+    """The uninterrupted run (checkpoints every ``at`` steps) and a run resumed from its
+    checkpoint at step ``at`` (with ``resumed``'s layout, if given)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        a, b = Path(tmp) / "a", Path(tmp) / "b"
+        whole, final = run(config, a, checkpoint_every=at)
+        step = a / "checkpoints" / f"step-{at}"
+        assert verify(step)["step"] == at
+        again, final_again = run(resumed or config, b, resume=str(step))
+        return whole, final, again, final_again
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("strategy, workers, nodes, servers, model, options", [
+    ("single", 1, 1, 0, "gpt", TINY),
+    ("ddp", 2, 1, 0, "gpt", TINY),
+    ("byteps", 2, 2, 1, "gpt", TINY),
+    ("moe", 2, 1, 0, "gpt-moe", MOE),
+    ("moe", 4, 2, 0, "gpt-moe", MOE),
+])
+def test_resume_equals_the_uninterrupted_run_bit_for_bit(strategy, workers, nodes, servers,
+                                                         model, options):
+    config = TrainConfig(strategy=strategy, workers=workers, nodes=nodes, servers=servers,
+                         model=model, steps=6, batch_size=8, lr=3e-3, optimizer="adam",
+                         lr_schedule="cosine", warmup_steps=2, model_options=options)
+    whole, final, again, final_again = stop_and_resume(config, 3)
+    assert list(final_again) == list(final)
+    assert all(torch.equal(final[k], final_again[k]) for k in final), max_abs_diff(final,
+                                                                                  final_again)
+    assert again["losses"] == whole["losses"] and len(again["losses"]) == 6
+    assert again["checkpoints"]["resumed_at"] == 3
+    assert whole["losses"][0] > whole["losses"][-1]  # it trained
+
+
+@pytest.mark.timeout(180)
+def test_a_checkpoint_does_not_change_the_run():
+    # Saving gathers the state between steps: the run with checkpoints is the run without.
+    config = TrainConfig(strategy="ddp", workers=2, steps=4, batch_size=8, model_options=TINY)
+    with tempfile.TemporaryDirectory() as tmp:
+        plain, w0 = run(config, Path(tmp) / "plain")
+        saved, w1 = run(config, Path(tmp) / "saved", checkpoint_every=1, keep=2)
+        assert sorted(p.name for p in (Path(tmp) / "saved" / "checkpoints").iterdir()) == \
+            ["step-3", "step-4"]
+    assert all(torch.equal(w0[k], w1[k]) for k in w0)
+    assert plain["losses"] == saved["losses"]
+
+
+@pytest.mark.timeout(180)
+def test_moe_resumes_resharded_from_four_workers_on_two():
+    config = TrainConfig(strategy="moe", model="gpt-moe", workers=4, nodes=2, steps=6,
+                         batch_size=8, lr=3e-3, model_options=MOE)
+    whole, final, again, final_again = stop_and_resume(
+        config, 3, config.replace(workers=2, nodes=1))
+    # The experts and their Adam state moved to other ranks; only summation order differs.
+    assert max_abs_diff(final, final_again) < 1e-5
+    assert again["losses"][:3] == whole["losses"][:3]
+    assert again["losses"] == pytest.approx(whole["losses"], abs=1e-5)
+
+
+@pytest.mark.timeout(180)
+def test_ddp_resumes_on_another_worker_count():
+    config = TrainConfig(strategy="ddp", workers=2, steps=6, batch_size=8, model_options=TINY)
+    whole, final, again, final_again = stop_and_resume(config, 3, config.replace(workers=4))
+    assert max_abs_diff(final, final_again) < 1e-5
+    assert again["losses"] == pytest.approx(whole["losses"], abs=1e-5)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.xfail(strict=True, reason="known gap (docs/checkpoints.md): a save drains HetPipe's "
+                   "pipelines mid-run; the resumed run ends 0.027 from the uninterrupted one")
+def test_hetpipe_without_staleness_and_one_in_flight_resumes_bit_for_bit():
+    config = TrainConfig(strategy="hetpipe", workers=4, nodes=2, servers=1, steps=6,
+                         batch_size=8, optimizer="sgd", lr=0.05, model_options=TINY,
+                         strategy_options={"inflight": 1, "staleness": 0})
+    whole, final, again, final_again = stop_and_resume(config, 3)
+    assert all(torch.equal(final[k], final_again[k]) for k in final), max_abs_diff(final,
+                                                                                  final_again)
+    assert again["losses"] == whole["losses"]
+
+
+@pytest.mark.timeout(180)
+def test_asynchronous_byteps_resumes_from_its_clocks_and_trains_on():
+    config = TrainConfig(strategy="byteps", workers=2, nodes=2, servers=1, steps=16,
+                         batch_size=16, lr=3e-3, model_options=TINY,
+                         strategy_options={"async_": True, "staleness": 1})
+    whole, _, again, _ = stop_and_resume(config, 8)
+    assert again["checkpoints"]["resumed_at"] == 8
+    assert again["losses"][:8] == whole["losses"][:8]
+    assert sum(again["losses"][-4:]) < sum(again["losses"][8:12])  # it trains on after resuming
+    assert again["losses"][-1] < again["losses"][0]
