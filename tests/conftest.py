@@ -8,7 +8,18 @@ torch.set_num_threads(1)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--long", action="store_true",
+                     help="also run the long tier: convergence studies and the extra layouts "
+                          "of tests whose every path the default tier covers already")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not config.getoption("--long"):
+        long = pytest.mark.skip(reason="long tier: ./dev test --long runs it")
+        for item in items:
+            if "long" in item.keywords:
+                item.add_marker(long)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

@@ -157,6 +157,8 @@ class TrainConfig:
         with torch.device("meta"):  # the model's own checks, without allocating it
             model = spec.make(**self.model_options)
         cls = get_strategy(self.strategy)
+        if self.checkpoint_every is not None or self.resume is not None:
+            cls.check_checkpoints()
         if self.eval_every is not None and not cls.evaluates():
             raise ConfigError(f"strategy {self.strategy!r} holds part of the model on each "
                               f"worker and has no held-out evaluation",

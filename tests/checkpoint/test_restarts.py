@@ -21,7 +21,8 @@ ENV = {"OMP_NUM_THREADS": "1"}
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("strategy, servers", [("ddp", 0), ("byteps", 1)])
+@pytest.mark.parametrize("strategy, servers", [
+    ("ddp", 0), pytest.param("byteps", 1, marks=pytest.mark.long)])
 def test_a_worker_killed_at_a_random_step_restarts_and_ends_with_the_uninterrupted_weights(
         strategy, servers):
     config = TrainConfig(strategy=strategy, workers=2, nodes=2, servers=servers, steps=8,

@@ -46,7 +46,7 @@ def stop_and_resume(config: TrainConfig, at: int, resumed: TrainConfig | None = 
     ("ddp", 2, 1, 0, "gpt", TINY),
     ("byteps", 2, 2, 1, "gpt", TINY),
     ("moe", 2, 1, 0, "gpt-moe", MOE),
-    ("moe", 4, 2, 0, "gpt-moe", MOE),
+    pytest.param("moe", 4, 2, 0, "gpt-moe", MOE, marks=pytest.mark.long),
 ])
 def test_resume_equals_the_uninterrupted_run_bit_for_bit(strategy, workers, nodes, servers,
                                                          model, options):
@@ -95,6 +95,7 @@ def test_ddp_resumes_on_another_worker_count():
     assert again["losses"] == pytest.approx(whole["losses"], abs=1e-5)
 
 
+@pytest.mark.long
 @pytest.mark.timeout(180)
 @pytest.mark.xfail(strict=True, reason="known gap (docs/checkpoints.md): a save drains HetPipe's "
                    "pipelines mid-run; the resumed run ends 0.027 from the uninterrupted one")

@@ -56,7 +56,7 @@ def test_plan_of_a_cluster_larger_than_this_machine(capsys):
     (["train", "--strategy", "auto", "--bucket-cap-mb", "5"],
      "--bucket-cap-mb is an option of herring, and --strategy auto chooses the strategy"),
     (["train", "--strategy", "auto", "--no-colocate"],
-     "--no-colocate is an option of byteps, herring, and --strategy auto"),
+     "--no-colocate is an option of byteps, herring, parallax, and --strategy auto"),
 ])
 def test_bad_input_is_one_line(args, message, capsys):
     assert main(args) == 2

@@ -67,9 +67,12 @@ def test_the_plans_refusals_name_the_rule_and_the_values():
 # -- transparency and traffic ------------------------------------------------------------------
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
-@pytest.mark.parametrize("nodes, workers, servers, colocate", [
-    (1, 2, 0, True), (2, 4, 0, True), (2, 4, 2, True), (2, 4, 2, False)])
+@pytest.mark.parametrize("nodes, workers, servers, colocate, optimizer", [
+    (1, 2, 0, True, "sgd"), (2, 4, 0, True, "adam"), (2, 4, 2, True, "sgd"),
+    (2, 4, 2, False, "adam"),
+    *(pytest.param(*c, marks=pytest.mark.long) for c in [
+        (1, 2, 0, True, "adam"), (2, 4, 0, True, "sgd"), (2, 4, 2, True, "adam"),
+        (2, 4, 2, False, "sgd")])])
 def test_herring_ends_where_single_ends(nodes, workers, servers, colocate, optimizer):
     c = config(nodes, workers, servers, optimizer, colocate=colocate)
     _, single = run_config(single_of(c))

@@ -40,6 +40,7 @@ def test_wsp_with_no_staleness_and_one_in_flight_is_synchronous_sgd(policy):
     assert metrics["losses"] == pytest.approx(single_metrics["losses"], abs=1e-5)
 
 
+@pytest.mark.long
 @pytest.mark.timeout(180)
 def test_the_servers_optimizer_makes_adam_synchronous_too():
     # With Adam, each virtual worker's own optimizer (the paper) is not synchronous training:
@@ -59,6 +60,7 @@ def test_the_servers_optimizer_makes_adam_synchronous_too():
     assert max_abs_diff(single, own) > 1e-3
 
 
+@pytest.mark.long
 @pytest.mark.timeout(240)
 def test_a_learning_rate_schedule_reaches_every_stage_and_the_servers():
     # The schedule is a scheduler on the user's optimizer: each minibatch's update, on the
@@ -197,6 +199,7 @@ def train_lagged(steps: int, lag_beta2: float | None, grouped: bool) -> dict:
     return hetpipe_final(trainer)
 
 
+@pytest.mark.long
 @pytest.mark.timeout(240)
 def test_the_lag_beta2_reaches_the_late_stages_and_the_servers():
     # --lag-beta2 0.9 with N_m = 2 ends where a user's optimizer that gives the late stage
@@ -216,6 +219,7 @@ def test_the_lag_beta2_reaches_the_late_stages_and_the_servers():
     assert max_abs_diff(option, run(None, False)) > 1e-4
 
 
+@pytest.mark.long
 @pytest.mark.timeout(420)
 def test_many_in_flight_and_staleness_train_the_default_gpt():
     # N_m = 2 and D = 1 on the default GPT and task (d_model 128, 4 blocks, 500 steps, Adam

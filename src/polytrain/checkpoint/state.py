@@ -148,6 +148,7 @@ def save(root: str | Path, model: nn.Module | Trainer,
         extra: the caller's own records (the CLI's loop: the losses so far).
     """
     model, optimizer, strategy = _unpack(model, optimizer)
+    strategy.check_checkpoints()
     index, count, group = _workers(strategy)
     full = strategy.state_dict(model)  # collective: shards and stages gathered on worker 0
     names = strategy.parameter_names(model)
@@ -218,6 +219,7 @@ def load(path: str | Path, model: nn.Module | Trainer,
         start = polytrain.load("out/checkpoints", trainer).step
     """
     model, optimizer, strategy = _unpack(model, optimizer)
+    strategy.check_checkpoints()
     where, skipped = resolve(path)
     manifest = read_manifest(where)  # resolve() has checked its files
     index, _, _ = _workers(strategy)

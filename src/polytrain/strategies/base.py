@@ -195,6 +195,18 @@ class Strategy(ABC, Generic[OptionsT]):
     #: Whether a checkpoint may resume on another number of workers: True where every
     #: worker's state follows from the whole model and the per-name optimizer state.
     resumes_on_other_layouts: ClassVar[bool] = False
+    #: Why this strategy cannot save or resume checkpoints yet (None: it can). Saving its
+    #: model and optimizer alone would resume a different run without a word.
+    checkpoint_gap: ClassVar[str | None] = None
+
+    @classmethod
+    def check_checkpoints(cls) -> None:
+        """Refuse checkpoints for a strategy whose own state they do not hold yet."""
+        if cls.checkpoint_gap is not None:
+            raise ConfigError(f"strategy {cls.name!r} cannot save or resume checkpoints yet: "
+                              f"{cls.checkpoint_gap}",
+                              "leave out --checkpoint-every, --resume and --max-restarts (a "
+                              "run's final.pt can start another with --init)")
 
     @classmethod
     def check_resume(cls, saved: Mapping[str, Any], layout: Layout, options: OptionsT) -> None:

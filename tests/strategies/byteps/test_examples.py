@@ -54,6 +54,7 @@ def test_the_synthetic_benchmark_matches_all_reduce(tmp_path):
     assert got["losses"][-1] < got["losses"][0]  # it trained
 
 
+@pytest.mark.long
 @pytest.mark.timeout(240)
 def test_the_mnist_loop_matches_all_reduce_and_fp16_trains_as_well(tmp_path):
     got = run("train_mnist.py", tmp_path, layout=LAYOUT)

@@ -23,8 +23,10 @@ def config(nodes, workers, servers, optimizer="sgd", **options):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
-@pytest.mark.parametrize("nodes, workers, servers", [(1, 2, 1), (2, 4, 0), (2, 4, 2), (3, 3, 2)])
+@pytest.mark.parametrize("nodes, workers, servers, optimizer", [
+    (1, 2, 1, "sgd"), (2, 4, 0, "adam"), (2, 4, 2, "sgd"), (3, 3, 2, "adam"),
+    *(pytest.param(*c, marks=pytest.mark.long) for c in [
+        (1, 2, 1, "adam"), (2, 4, 0, "sgd"), (2, 4, 2, "adam"), (3, 3, 2, "sgd")])])
 def test_byteps_ends_where_single_ends(nodes, workers, servers, optimizer):
     c = config(nodes, workers, servers, optimizer)
     _, single = run_config(single_of(c))

@@ -45,6 +45,8 @@ class Parallax(ServedStrategy[ParallaxOptions]):
     """
 
     name = "parallax"
+    checkpoint_gap = ("the sparse rows and their optimizer state live on the servers, which "
+                      "do not save them")
     no_colocate_means = "keeps only the dedicated servers"
     Options = ParallaxOptions
 

@@ -68,6 +68,8 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
     """
 
     name = "pipetransformer"
+    checkpoint_gap = ("the freeze timeline, the re-planned pipelines and the activation cache "
+                      "are not saved")
     Options = PipeTransformerOptions
     pipeline = True
 
