@@ -176,7 +176,7 @@ def test_polytrain_launch_runs_each_machine_in_its_namespace(tmp_path, clean_hos
 def test_the_meter_agrees_with_the_nics_and_the_run_stays_transparent(strategy, servers,
                                                                        clean_host):
     config = TrainConfig(strategy=strategy, model="mlp", workers=2, nodes=2, servers=servers,
-                         steps=8, batch_size=8, optimizer="sgd", lr=0.05, bandwidth="1gbit",
+                         steps=16, batch_size=8, optimizer="sgd", lr=0.05, bandwidth="1gbit",
                          model_options={"d_model": 256})
     _, single = run_config(single_of(config))
     metrics, distributed = run_config(config)
@@ -190,8 +190,10 @@ def test_the_meter_agrees_with_the_nics_and_the_run_stays_transparent(strategy, 
         # segment on a veth) and ACKs: 0.3-0.5% on this model; 2% leaves room for noise.
         for way in ("sent", "recv"):
             meter, nic = m[f"{way}_bytes_per_step"], m[f"nic_{way}_bytes_per_step"]
-            # (>= 0.99: worker 0's marks and a machine's own step ends differ a little.)
-            assert meter > 1e6 and 0.99 * meter <= nic < 1.02 * meter, (m["name"], way, meter,
+            # (>= 0.98: worker 0's marks and a machine's own step ends differ a little; a
+            # server that answers the last sum of a step after worker 0's mark moved one
+            # step's bytes of 8 to 0.9899 of the meter once: more steps, a little more room.)
+            assert meter > 1e6 and 0.98 * meter <= nic < 1.02 * meter, (m["name"], way, meter,
                                                                          nic)
     assert metrics["bandwidth"] == "1gbit"
 
