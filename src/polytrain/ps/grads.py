@@ -103,11 +103,6 @@ class GradientSync:
         self._first_submit: float | None = None
         self._queued = False
 
-    @property
-    def in_flight(self) -> bool:
-        """Whether some bucket of this step has been handed to the engine."""
-        return self._first_submit is not None
-
     def _hook(self, i: int) -> Callable[[torch.Tensor], None]:
         def hook(param: torch.Tensor) -> None:
             if not self.enabled:
