@@ -31,10 +31,12 @@ def push_sums(partition_bytes: int, rounds: int) -> dict:
             engine.submit(s, t)
         outs = [engine.wait(s).view(t.shape).clone() for t, s in zip(tensors, sums)]
         results.append(outs)
+    # Close first: a push's receipt is counted when the engine's drain thread has waited
+    # for it, which may be just after the last sum is back.
+    engine.close()
     after = ctx.meter.report()
     sent = {s: after.bytes("sent", [s]) - before.bytes("sent", [s]) for s in ctx.topology.servers}
     recv = {s: after.bytes("recv", [s]) - before.bytes("recv", [s]) for s in ctx.topology.servers}
-    engine.close()
     reports = ctx.shutdown()
     return {"results": results, "sent": sent, "recv": recv, "owned": placement.bytes_by_owner(),
             "requests": {s: placement.owners.count(s) * rounds for s in ctx.topology.servers},
