@@ -138,7 +138,7 @@ def analyse(result: dict[str, Any], constants: Constants) -> dict[str, Any]:
                 "nic_busiest_M": statistics.median(r["busiest_nic_bytes_per_step"]
                                                    for r in by_name[name]) / model_bytes,
                 "predicted_s": pred.step_time_s, "predicted_over_measured": pred.step_time_s / t,
-                "prediction": pred.as_dict()}
+                "prediction": pred.as_dict(), "hidden_fraction": hidden_fraction(by_name[name])}
         fastest = min(measured, key=measured.__getitem__)
         among = recommend([plan.get(name) for name in measured]).candidate.key
         table[bw] = {"configs": rows, "measured_fastest": fastest,
@@ -146,6 +146,13 @@ def analyse(result: dict[str, Any], constants: Constants) -> dict[str, Any]:
                      "recommended_within_5pct": measured[among] <= 1.05 * measured[fastest],
                      "recommended_overall": plan.recommended.candidate.key}
     return table
+
+
+def hidden_fraction(runs: list[dict[str, Any]]) -> float | None:
+    """The median over runs of the fraction of communication that backward hid (Herring's
+    ``overlap`` record; None for a strategy that does not measure it)."""
+    fractions = [r["overlap"]["hidden_fraction"] for r in runs if r.get("overlap")]
+    return statistics.median(fractions) if fractions else None
 
 
 def fit(result: dict[str, Any]) -> Constants:
@@ -197,12 +204,14 @@ def report(result: dict[str, Any]) -> None:
         print(f"\n{bw}: measured fastest {t['measured_fastest']}, planner recommends (among "
               f"these) {t['recommended_among_measured']}, overall {t['recommended_overall']}")
         print(f"{'config':12s} {'step ms':>8s} {'x ddp':>6s} {'formula':>8s} {'NIC M':>6s} "
-              f"{'(formula)':>9s} {'pred ms':>8s} {'pred/meas':>9s}")
+              f"{'(formula)':>9s} {'pred ms':>8s} {'pred/meas':>9s} {'hidden':>6s}")
         for name, c in t["configs"].items():
             formula = f"{c['formula_speedup']:.2f}" if c["formula_speedup"] else "-"
+            hidden = "-" if c.get("hidden_fraction") is None else f"{c['hidden_fraction']:.1%}"
             print(f"{name:12s} {c['step_time_s'] * 1e3:8.1f} {c['speedup_vs_ddp']:6.2f} "
                   f"{formula:>8s} {c['nic_busiest_M']:6.3f} {c['formula_M']:9.3f} "
-                  f"{c['predicted_s'] * 1e3:8.1f} {c['predicted_over_measured']:9.2f}")
+                  f"{c['predicted_s'] * 1e3:8.1f} {c['predicted_over_measured']:9.2f} "
+                  f"{hidden:>6s}")
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
