@@ -41,6 +41,30 @@ __all__ = ["SparseRows"]
 log = logging.getLogger(__name__)
 
 
+def _gather_local(tensors: list[torch.Tensor], group: Any, workers: int
+                  ) -> list[list[torch.Tensor]]:
+    """Every local worker's ``tensors`` (of one length along dim 0 on a worker, of any length
+    across workers): per tensor, the workers' copies in local rank order, trimmed.
+
+    gloo's all-gather takes equal sizes, so the lengths go first and every copy is padded
+    to the longest; when every worker has none, nothing more is sent.
+    """
+    n = torch.tensor([tensors[0].shape[0]], dtype=torch.int64)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(workers)]
+    dist.all_gather(sizes, n, group=group)
+    most = max(int(s) for s in sizes)
+    if most == 0:
+        return [[t] * workers for t in tensors]
+    out = []
+    for t in tensors:
+        padded = t.new_zeros((most, *t.shape[1:]))
+        padded[:t.shape[0]] = t
+        every = [torch.empty_like(padded) for _ in range(workers)]
+        dist.all_gather(every, padded, group=group)
+        out.append([e[:int(size)] for e, size in zip(every, sizes)])
+    return out
+
+
 class _Var:
     """One sparse parameter on this worker."""
 
@@ -127,19 +151,8 @@ class SparseRows:
         """The union of ``rows`` over this machine's workers (sorted)."""
         if len(self.local) == 1:
             return rows
-        group = self.ctx.groups.local
-        n = torch.tensor([rows.numel()], dtype=torch.int64)
-        sizes = [torch.zeros(1, dtype=torch.int64) for _ in self.local]
-        dist.all_gather(sizes, n, group=group)
-        most = max(int(s) for s in sizes)
-        if most == 0:
-            return rows
-        padded = torch.full((most,), -1, dtype=torch.int64)
-        padded[:rows.numel()] = rows
-        every = [torch.empty(most, dtype=torch.int64) for _ in self.local]
-        dist.all_gather(every, padded, group=group)
-        union = torch.unique(torch.cat(every))
-        return union[union >= 0]
+        [every] = _gather_local([rows], self.ctx.groups.local, len(self.local))
+        return torch.unique(torch.cat(every))
 
     def fetch(self, var: _Var, indices: torch.Tensor) -> None:
         """Make the rows ``indices`` reads current in ``var``'s weight (this machine's union
@@ -199,21 +212,9 @@ class SparseRows:
         """The machine's gradient (unique rows, values summed in local rank order) on every
         local worker."""
         if len(self.local) > 1:
-            group = self.ctx.groups.local
-            width = values.shape[1]
-            n = torch.tensor([rows.numel()], dtype=torch.int64)
-            sizes = [torch.zeros(1, dtype=torch.int64) for _ in self.local]
-            dist.all_gather(sizes, n, group=group)
-            most = max(int(s) for s in sizes)
-            pr = torch.zeros(most, dtype=torch.int64)
-            pv = torch.zeros(most, width, dtype=values.dtype)
-            pr[:rows.numel()], pv[:rows.numel()] = rows, values
-            every_r = [torch.empty_like(pr) for _ in self.local]
-            every_v = [torch.empty_like(pv) for _ in self.local]
-            dist.all_gather(every_r, pr, group=group)
-            dist.all_gather(every_v, pv, group=group)
-            rows = torch.cat([r[:int(s)] for r, s in zip(every_r, sizes)])
-            values = torch.cat([v[:int(s)] for v, s in zip(every_v, sizes)])
+            every_r, every_v = _gather_local([rows, values], self.ctx.groups.local,
+                                             len(self.local))
+            rows, values = torch.cat(every_r), torch.cat(every_v)
         unique, inverse = torch.unique(rows, return_inverse=True)
         summed = torch.zeros(unique.numel(), values.shape[1], dtype=values.dtype)
         summed.index_add_(0, inverse, values)
