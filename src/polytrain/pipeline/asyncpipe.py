@@ -137,6 +137,7 @@ class AsyncPipeline:
         """Minibatch ``fed``'s forward only (:meth:`catch_up` runs the backward due after it):
         for a process that interleaves two pipelines' stages (policy ``bd``)."""
         self._join()
+        self.drained = False  # a drain before this (a checkpoint's) was not the last
         if self.wsp is not None and self.wsp.pending and not self.overlap:
             self._install()
         t = self.fed
@@ -171,7 +172,8 @@ class AsyncPipeline:
         """The backwards still in flight, the last (partial) wave, and the final global weights.
 
         Afterwards every virtual worker holds the same weights: the servers' after
-        everyone's last wave.
+        everyone's last wave. A flush, not an end: feeding may go on after it (a checkpoint
+        drains mid-run), and a second drain with nothing fed since does nothing.
         """
         if self.drained:
             return
@@ -185,8 +187,9 @@ class AsyncPipeline:
                 self._install()
             self.wsp.pull(final=True)
             self._install()
-        if self._helper is not None:
+        if self._helper is not None:  # made again if the run goes on (policy bd)
             self._helper.shutdown()
+            self._helper = None
         self.drained = True
 
     def _unseen(self) -> int:
