@@ -124,6 +124,24 @@ def test_a_hetpipe_checkpoint_does_not_change_the_run():
 
 
 @pytest.mark.timeout(180)
+def test_hetpipe_with_two_in_flight_resumes_from_a_short_wave_bit_for_bit():
+    # Symptom: with N_m = 2 a checkpoint at step 3 hung the run (a PULL never answered).
+    # Cause: the save's drain ends the short wave (one minibatch), and the next pull's round
+    # came from the clock (waves x N_m, past the rounds pushed). Now pulls count rounds
+    # pushed and waves count from the drain, as in the run resumed there, which continues
+    # like the run that saved (that run's save flushes its pipelines: with N_m > 1 it is
+    # not the run without checkpoints).
+    config = TrainConfig(strategy="hetpipe", workers=4, nodes=2, servers=1, steps=6,
+                         batch_size=8, optimizer="sgd", lr=0.05, model_options=TINY,
+                         strategy_options={"inflight": 2, "staleness": 0})
+    whole, final, again, final_again = stop_and_resume(config, 3)
+    assert all(torch.equal(final[k], final_again[k]) for k in final), max_abs_diff(final,
+                                                                                  final_again)
+    assert again["losses"] == whole["losses"] and again["checkpoints"]["resumed_at"] == 3
+    assert again["losses"][-1] < again["losses"][3]  # it trains on after resuming
+
+
+@pytest.mark.timeout(180)
 def test_asynchronous_byteps_resumes_from_its_clocks_and_trains_on():
     config = TrainConfig(strategy="byteps", workers=2, nodes=2, servers=1, steps=16,
                          batch_size=16, lr=3e-3, model_options=TINY,
