@@ -118,6 +118,9 @@ class AsyncPipeline:
         self.fed = 0      # forwards done
         self.done = 0     # backwards done
         self.version = 0  # bumps whenever the live weights change
+        # Backwards done at the last drain: waves count from there, as in a run resumed from
+        # a checkpoint written at that drain.
+        self.base = 0
         self._snapshot: tuple[tuple[int, int], list[torch.Tensor]] | None = None
         self.drained = False
         # With D >= 1 a wave's pull is posted one clock ahead and installed at the end of
@@ -137,6 +140,7 @@ class AsyncPipeline:
         """Minibatch ``fed``'s forward only (:meth:`catch_up` runs the backward due after it):
         for a process that interleaves two pipelines' stages (policy ``bd``)."""
         self._join()
+        self.drained = False  # a drain before this (a checkpoint's) was not the last
         if self.wsp is not None and self.wsp.pending and not self.overlap:
             self._install()
         t = self.fed
@@ -171,7 +175,8 @@ class AsyncPipeline:
         """The backwards still in flight, the last (partial) wave, and the final global weights.
 
         Afterwards every virtual worker holds the same weights: the servers' after
-        everyone's last wave.
+        everyone's last wave. A flush, not an end: feeding may go on after it (a checkpoint
+        drains mid-run), and a second drain with nothing fed since does nothing.
         """
         if self.drained:
             return
@@ -179,14 +184,20 @@ class AsyncPipeline:
         while self.done < self.fed:
             self._backward(self.done)
         if self.wsp is not None:
-            if self.done % self.inflight:
+            if (self.done - self.base) % self.inflight:
                 self._end_wave()
             elif self.wsp.pending:
                 self._install()
             self.wsp.pull(final=True)
             self._install()
-        if self._helper is not None:
+        if self._helper is not None:  # made again if the run goes on (policy bd)
             self._helper.shutdown()
+            self._helper = None
+        # The run goes on as one resumed here would: waves from here, no prediction from
+        # the gradients before.
+        self.base = self.done
+        self.last_grads = [None] * len(self.params)
+        self.last_deltas = [None] * len(self.params)
         self.drained = True
 
     def _unseen(self) -> int:
@@ -196,13 +207,14 @@ class AsyncPipeline:
         the servers, did no better in runs over four seeds.)"""
         if self.wsp is None or self.wsp.virtual_workers < 2:
             return 0
-        unseen = self.fed % self.inflight + self.wsp.staleness * self.inflight + self.lag
+        unseen = ((self.fed - self.base) % self.inflight + self.wsp.staleness * self.inflight
+                  + self.lag)
         return (self.wsp.virtual_workers - 1) * unseen
 
     def _weights(self) -> list[torch.Tensor] | None:
         # Predicted: this stage's ``lag`` steps by its optimizer's rule, then the other virtual
         # workers' unseen ones, each like this stage's (no better guess at hand).
-        ahead = self.lag + self._unseen() if self.predict and self.done else 0
+        ahead = self.lag + self._unseen() if self.predict and self.done > self.base else 0
         if ahead == 0 and self.peak == 1:
             return None  # the live weights: nothing changes them before this backward
         lag = min(ahead, max(self.lag, 1))  # with no lag of its own, one step stands for theirs
@@ -236,7 +248,7 @@ class AsyncPipeline:
                 settings: list[dict[str, Any]] | None, done: int) -> None:
         """The update of the ``done``-th backward, and the wave's push and pull if it ends one."""
         self._apply(grads, settings)
-        if self.wsp is not None and done % self.inflight == 0:
+        if self.wsp is not None and (done - self.base) % self.inflight == 0:
             if self.stage.clock is not None:
                 self.stage.clock.wait()  # the wave's gradients leave the device when it is done
             self._end_wave()

@@ -253,8 +253,8 @@ class WaveSync:
             rnd = self.clock + (self.staleness if final else ahead)
         elif final:  # rounds are minibatches
             rnd = self.slots + self.staleness * self.inflight
-        else:
-            rnd = (self.clock + ahead) * self.inflight
+        else:  # from the rounds pushed, not the clock: a drain may have ended a short wave
+            rnd = self.slots + ahead * self.inflight
         self._pull = Pending.all([
             self.engine.pull(self.placement, i, round=rnd, out=out)
             for (i, _), out in zip(self.mine, self._outs())])

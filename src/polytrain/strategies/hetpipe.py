@@ -140,7 +140,7 @@ class HetPipe(Strategy[HetPipeOptions]):
     Driven through the step API (``polytrain.distribute(..., loss_fn=...)``, then
     ``trainer.step(x, y)``); a step returns the loss on each VW's last stage and None elsewhere;
     ``state_dict`` drains the pipelines, waits for everyone's last wave and
-    gathers the stages of VW 0 on worker 0.
+    gathers the stages of VW 0 on worker 0; training may go on after it (a checkpoint).
     """
 
     name = "hetpipe"
