@@ -38,7 +38,9 @@ def test_fp16_is_numpys_half_precision():
                           x.numpy().astype(np.float16).astype(np.float32))
 
 
-@pytest.mark.parametrize("name, scaled", [("onebit", True), ("onebit:unscaled", False)])
+# The scale per tensor (one per segment, onebit:0) and unscaled keep the reference's
+# format; before the scale per block, plain "onebit" was this format too.
+@pytest.mark.parametrize("name, scaled", [("onebit:0", True), ("onebit:unscaled", False)])
 def test_onebit_sends_one_bit_per_sign_and_a_scale(name, scaled):
     x = data().numpy()
     c = compressor(name)
@@ -50,6 +52,46 @@ def test_onebit_sends_one_bit_per_sign_and_a_scale(name, scaled):
     s = payload[:4].view(np.float32)[0]
     want = np.where(np.unpackbits(payload[4:])[:N] == 1, -s, s).astype(np.float32)
     assert np.array_equal(c.decode(torch.from_numpy(payload), N).numpy(), want)
+
+
+def onebit_reference(x, segments, block):
+    """Blocks of ``block`` elements (0: whole segments) that never cross a segment; each
+    block's mean |x| (summed in float64) as float32; then the sign bits, in NumPy."""
+    lengths = []
+    for n in segments:
+        b = block or n
+        lengths += [b] * (n // b) + ([n % b] if n % b else [])
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    scales = np.array([np.abs(x[a:a + n]).astype(np.float64).sum() / n
+                       for a, n in zip(starts, lengths)]).astype(np.float32)
+    payload = np.concatenate([scales.view(np.uint8), np.packbits(x < 0)])
+    decoded = np.where(x < 0, np.float32(-1), np.float32(1)) * np.repeat(scales, lengths)
+    return payload, decoded
+
+
+@pytest.mark.parametrize("name, block, segments", [
+    ("onebit", 128, None), ("onebit", 128, (300, 1, 700)), ("onebit:64", 64, (500, 501)),
+    ("onebit:0", 0, (300, 701)), ("onebit:0", 0, None)])
+def test_onebit_keeps_a_scale_per_block_of_each_segment_as_numpy_does(name, block, segments):
+    # Symptom: onebit with error feedback ended 58% above uncompressed on the default GPT.
+    # Cause: one mean |x| for a whole partition flattens rows and tensors whose gradient
+    # scales differ by orders of magnitude (rare tokens' embedding rows, fused layers).
+    x = data().numpy()
+    x[300:301] *= 1000.0  # a one-element tensor of a far larger scale than its neighbours
+    c = compressor(name)
+    payload, decoded = onebit_reference(x, segments or (N,), block)
+    got = c.encode(torch.from_numpy(x), None, segments)
+    assert got.numel() == c.nbytes(N, segments) == payload.size
+    assert np.array_equal(got.numpy(), payload)  # bit-exact: scales, then packed signs
+    assert np.array_equal(c.decode(got, N, segments).numpy(), decoded)
+
+
+def test_onebits_default_payload_stays_under_a_25th_of_the_floats():
+    c = compressor("onebit")
+    assert c.spec() == "onebit" and c.block == 128
+    for numel in (16384, 65536, 1_024_000):
+        assert c.nbytes(numel) * 25 < 4 * numel
+    assert c.nbytes(1000, (500, 500)) == 4 * 8 + 125  # 4 blocks each side, not 8 over both
 
 
 def sparse_reference(x, index):
@@ -69,6 +111,34 @@ def test_topk_is_numpys_largest_magnitudes(name, k):
     got = c.encode(torch.from_numpy(x))
     assert np.array_equal(got.numpy(), payload)
     assert np.array_equal(c.decode(got, N).numpy(), dense)
+
+
+def test_topk_chooses_k_of_each_segment():
+    # Symptom: topk over a fused partition sends the K largest of its largest-scale tensor.
+    # Cause: one selection across tensors; now K (a fraction: of each tensor) per segment.
+    x = data().numpy()
+    x[:400] *= 100.0
+    segments = (400, 601)
+    index = np.concatenate([np.argsort(-np.abs(x[:400]), kind="stable")[:4],
+                            400 + np.argsort(-np.abs(x[400:]), kind="stable")[:6]])
+    payload, dense = sparse_reference(x, index)
+    c = compressor("topk:0.01")
+    got = c.encode(torch.from_numpy(x), None, segments)
+    assert got.numel() == c.nbytes(N, segments) == 80
+    assert np.array_equal(got.numpy(), payload)
+    assert np.array_equal(c.decode(got, N, segments).numpy(), dense)
+
+
+def test_randomk_draws_k_of_each_segment_in_turn():
+    x = data().numpy()
+    g = torch.Generator().manual_seed(7)
+    index = np.concatenate([torch.randperm(400, generator=g)[:4].numpy(),
+                            400 + torch.randperm(601, generator=g)[:6].numpy()])
+    payload, dense = sparse_reference(x, index)
+    c = compressor("randomk:0.01")
+    got = c.encode(torch.from_numpy(x), torch.Generator().manual_seed(7), (400, 601))
+    assert np.array_equal(got.numpy(), payload)
+    assert np.array_equal(c.decode(got, N, (400, 601)).numpy(), dense)
 
 
 def test_randomk_with_a_seeded_generator_is_numpys_gather_of_the_same_draw():
@@ -106,6 +176,28 @@ def test_dithering_with_a_seeded_generator_is_numpys_stochastic_rounding(levels,
     bits = ((codes[:, None] >> np.arange(width - 1, -1, -1)) & 1).reshape(-1)
     assert np.array_equal(got[4:].numpy(), np.packbits(bits))
     assert np.array_equal(c.decode(got, N).numpy(), want)
+
+
+def test_dithering_normalises_each_segment_by_its_own_max():
+    # Symptom: a small-scale tensor fused after a large one dithers to zeros nearly always.
+    # Cause: one max |x| for the partition; now one per segment (4 bytes each).
+    x = data().numpy()
+    x[:400] *= 100.0
+    u = torch.rand(N, generator=torch.Generator().manual_seed(3)).numpy()
+    parts = [dithering_reference(x[:400], u[:400], 4, False),
+             dithering_reference(x[400:], u[400:], 4, False)]
+    c = Dithering(levels=4)
+    got = c.encode(torch.from_numpy(x), torch.Generator().manual_seed(3), (400, 601))
+    width = c.width
+    assert got.numel() == c.nbytes(N, (400, 601)) == 8 + (N * width + 7) // 8
+    assert np.array_equal(got[:8].view(torch.float32).numpy(),
+                          np.array([parts[0][0], parts[1][0]], np.float32))
+    code = np.concatenate([parts[0][1], parts[1][1]])
+    codes = ((x < 0).astype(np.int64) << (width - 1)) | code
+    bits = ((codes[:, None] >> np.arange(width - 1, -1, -1)) & 1).reshape(-1)
+    assert np.array_equal(got[8:].numpy(), np.packbits(bits))
+    assert np.array_equal(c.decode(got, N, (400, 601)).numpy(),
+                          np.concatenate([parts[0][2], parts[1][2]]))
 
 
 def test_dithering_is_unbiased():
@@ -148,7 +240,9 @@ def test_nesterov_momentum_on_the_worker_is_the_reference_wrappers():
                                                               r"S levels, 2 or more"),
     ("zip", r"unknown compressor 'zip'; the compressors are: none, onebit, topk, randomk, "
             r"dithering, fp16. HINT"), ("randomk:-3", "randomk:-3: K must be"),
-    ("fp16:2", "fp16 takes no argument")])
+    ("fp16:2", "fp16 takes no argument"),
+    ("onebit:x", r"onebit:x: onebit takes B, the elements per scale \(default 128"),
+    ("onebit:scaled:2", "onebit:scaled:2: onebit takes B")])
 def test_bad_compressors_are_refused_with_the_rule(text, message):
     with pytest.raises(ConfigError, match=message):
         compressor(text)
@@ -177,3 +271,29 @@ def test_the_compressed_store_decodes_sums_in_rank_order_and_compresses_again(na
     assert len(out) == 2 and all(torch.equal(o, want) for o in out)
     assert store.codec.residual is not None
     assert torch.equal(store.codec.residual, server.residual)
+
+
+@pytest.mark.timeout(30)
+def test_the_compressed_store_keeps_the_declared_segments():
+    c = compressor("onebit")
+    segments = (300, 701)
+    decl = Declaration(key=1, kind=int(Kind.COMPRESSED), name="w..v",
+                       numel=c.nbytes(N, segments), dtype="torch.uint8", pushers=1, pullers=1,
+                       options=CompressOptions(c, error_feedback=True).declaration(N, segments))
+    assert decl.options["segments"] == [300, 701]
+    out = []
+    store = STORES[Kind.COMPRESSED](decl, lambda req, t: out.append(t.clone()))
+    push_ = c.encode(data(0), None, segments)
+    store.handle(push(2, push_))
+    want = Codec(CompressOptions(c, error_feedback=True), N, seed=1, segments=segments)
+    assert out and torch.equal(out[0], want.encode(c.decode(push_, N, segments)))
+
+
+def test_fused_tensors_bounds_cut_a_partition_into_segments():
+    opts = CompressOptions(compressor("onebit"), bounds=(0, 300, 700))
+    assert opts.segments(0, N) == (300, 400, 301)
+    assert opts.segments(100, 150) is None  # inside one tensor
+    assert opts.segments(250, 500) == (50, 400, 50)
+    with pytest.raises(ConfigError, match=r"segments \[3, 3\] must be positive lengths that "
+                                          r"add up to the payload's 7 elements"):
+        Codec(CompressOptions(compressor("onebit")), 7, segments=(3, 3))

@@ -6,7 +6,8 @@ are all in, the store decodes each, adds them in the pushers' order,
 compresses the sum with its own error feedback (what this compression drops
 is added to the next round's sum) and answers the packed sum. The
 declaration fixes every size: ``numel`` is the payload's bytes (uint8) and
-``options`` carry the compressor, the tensor's ``numel`` and the feedback flag,
+``options`` carry the compressor, the tensor's ``numel``, its ``segments``
+(the fused tensors' lengths, when it holds several) and the feedback flag,
 so a worker posts its receive before it pushes.
 """
 
@@ -32,8 +33,10 @@ class CompressedSumStore(SumStore):
             raise CommError(f"server: {decl.describe()}: a compressed sum store holds uint8 "
                             f"payloads of a compressor (got {decl.options['compressor']!r})")
         numel = int(decl.options["numel"])
+        segments = decl.options.get("segments")
         self.codec = Codec(CompressOptions(codec, bool(decl.options.get("error_feedback"))),
-                           numel, seed=decl.key)
+                           numel, seed=decl.key,
+                           segments=None if segments is None else tuple(map(int, segments)))
         if self.codec.nbytes != decl.numel:
             raise CommError(f"server: {decl.describe()}: {codec.spec()} of {numel} elements "
                             f"takes {self.codec.nbytes} bytes, not {decl.numel}")

@@ -8,14 +8,23 @@ so a receiver always posts its receive before the message comes:
     name               payload                                     bytes for n floats
     =================  ==========================================  =====================
     ``fp16``           the values in half precision                2n
-    ``onebit``         scale (float32), then one sign bit each     4 + ceil(n / 8)
+    ``onebit:B``       G scales (float32), then one sign bit each  4G + ceil(n / 8)
     ``topk:K``         K int32 indices, then K float32 values      8K
     ``randomk:K``      K int32 indices (seeded draw), K values     8K
-    ``dithering:S``    max |x| (float32), then sign + level bits   4 + ceil(n b / 8)
+    ``dithering:S``    max |x| per segment (float32), then sign    4s + ceil(n b / 8)
+                       + level bits
     =================  ==========================================  =====================
 
-K is a count (``topk:1000``) or a fraction of the tensor (``topk:0.01``); a
-dithering level takes ``b = 1 + ceil(log2(S + 1))`` bits. :class:`Codec`
+A payload may cover several *segments*: the tensors that fusion laid back to
+back in one partition (``segments``: their lengths, in order; one segment by
+default). Their gradients' scales can differ by orders of magnitude, so no
+statistic crosses a segment boundary: onebit keeps a scale per block of at
+most B elements of each segment (G blocks in all; B = 128 by default,
+``onebit:0``: one per segment, the reference's scale per tensor), dithering a
+max |x| per segment (s of them), and topk / randomk choose K from each
+segment (K a count, ``topk:1000``, or a fraction of it, ``topk:0.01``; the
+payload's K is their sum). A dithering level takes ``b = 1 + ceil(log2(S + 1))``
+bits. :class:`Codec`
 adds what BytePS's wrappers add on one side of the wire: Nesterov momentum
 (workers only) and error feedback (what compression dropped is added to the
 next step's tensor). Paper: Jiang et al., OSDI 2020, section on compression;
@@ -35,12 +44,41 @@ from ..errors import ConfigError
 
 __all__ = ["Compressor", "FP16", "OneBit", "TopK", "RandomK", "Dithering", "CompressOptions",
            "Codec", "compressor", "compressor_names", "pack_bits", "unpack_bits",
-           "ASYNC_COMPRESSORS", "DEFAULT_MIN_BYTES"]
+           "ASYNC_COMPRESSORS", "DEFAULT_MIN_BYTES", "DEFAULT_ONEBIT_BLOCK"]
 
 #: Tensors smaller than this travel uncompressed (BytePS's ``BYTEPS_MIN_COMPRESS_BYTES``).
 DEFAULT_MIN_BYTES = 65_536
 
+#: Elements per onebit scale, at most, by default (see :class:`OneBit`).
+DEFAULT_ONEBIT_BLOCK = 128
+
 _F32 = torch.float32
+
+def _segments(numel: int, segments: tuple[int, ...] | None) -> tuple[int, ...]:
+    """``segments`` checked against ``numel`` (None: the whole payload is one segment)."""
+    if segments is None:
+        return (numel,)
+    if sum(segments) != numel or any(n < 1 for n in segments):
+        raise ConfigError(f"compression segments {list(segments)} must be positive lengths "
+                          f"that add up to the payload's {numel} elements",
+                          "pass the lengths of the tensors in the partition, in order")
+    return tuple(segments)
+
+
+def _starts(lengths: tuple[int, ...]) -> list[int]:
+    out, at = [], 0
+    for n in lengths:
+        out.append(at)
+        at += n
+    return out
+
+
+def _group_mean(values: torch.Tensor, lengths: tuple[int, ...]) -> torch.Tensor:
+    """The mean of each run of ``lengths`` consecutive values, in order: summed in float64,
+    so the float32 result does not depend on the order of the additions."""
+    ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    total = torch.zeros(len(lengths), dtype=torch.float64).index_add_(0, ids, values.double())
+    return (total / torch.tensor(lengths, dtype=torch.float64)).to(_F32)
 
 
 def _bytes_of(t: torch.Tensor) -> torch.Tensor:
@@ -78,15 +116,17 @@ class Compressor(ABC):
     deterministic = True
 
     @abstractmethod
-    def nbytes(self, numel: int) -> int:
-        """The payload's size for a tensor of ``numel`` elements."""
+    def nbytes(self, numel: int, segments: tuple[int, ...] | None = None) -> int:
+        """The payload's size for ``numel`` elements (in ``segments``: see the module)."""
 
     @abstractmethod
-    def encode(self, x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    def encode(self, x: torch.Tensor, generator: torch.Generator | None = None,
+               segments: tuple[int, ...] | None = None) -> torch.Tensor:
         """``x`` (numel,) float32 -> uint8 payload of :meth:`nbytes` bytes."""
 
     @abstractmethod
-    def decode(self, payload: torch.Tensor, numel: int) -> torch.Tensor:
+    def decode(self, payload: torch.Tensor, numel: int,
+               segments: tuple[int, ...] | None = None) -> torch.Tensor:
         """The payload -> a (numel,) float32 tensor."""
 
     def spec(self) -> str:
@@ -103,38 +143,71 @@ class FP16(Compressor):
 
     name = "fp16"
 
-    def nbytes(self, numel: int) -> int:
+    def nbytes(self, numel: int, segments: tuple[int, ...] | None = None) -> int:
         return 2 * numel
 
-    def encode(self, x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    def encode(self, x: torch.Tensor, generator: torch.Generator | None = None,
+               segments: tuple[int, ...] | None = None) -> torch.Tensor:
         return _bytes_of(x.to(torch.float16))
 
-    def decode(self, payload: torch.Tensor, numel: int) -> torch.Tensor:
+    def decode(self, payload: torch.Tensor, numel: int,
+               segments: tuple[int, ...] | None = None) -> torch.Tensor:
         return payload.view(torch.float16).to(_F32)
 
 
 @dataclass(frozen=True)
 class OneBit(Compressor):
-    """Signs, one bit each (set for x < 0), times a scale: mean |x| (``scaled``), else 1."""
+    """Signs, one bit each (set for x < 0), times a scale per block: its mean |x| (``scaled``).
+
+    Each segment is cut into blocks of ``block`` elements (the last one shorter);
+    ``block`` 0: one block per segment, the reference's scale per tensor.
+    Unscaled: one scale, 1, for the whole payload. A mean over a block of
+    similar elements (a row of a weight) reconstructs far better than one over
+    a tensor whose rows' scales differ (rare tokens' embedding rows, whose
+    gradient is mostly zero, take the mean of the frequent ones): on the default
+    GPT task, onebit with error feedback ends 58% above uncompressed with a
+    scale per tensor (docs/from-byteps.md). 4 bytes per 128 elements is 1/32
+    of the floats again, so the payload stays under 1/25 of them.
+    """
 
     scaled: bool = True
+    block: int = DEFAULT_ONEBIT_BLOCK
     name = "onebit"
 
-    def nbytes(self, numel: int) -> int:
-        return 4 + (numel + 7) // 8
+    def blocks(self, numel: int, segments: tuple[int, ...] | None = None) -> tuple[int, ...]:
+        """The lengths of the runs of elements that share a scale, in order."""
+        if not self.scaled:
+            return (numel,)
+        out: list[int] = []
+        for n in _segments(numel, segments):
+            b = self.block or n
+            out += [b] * (n // b) + ([n % b] if n % b else [])
+        return tuple(out)
 
-    def encode(self, x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-        scale = (x.abs().sum() / max(1, x.numel())).to(_F32) if self.scaled \
-            else torch.ones((), dtype=_F32)
-        return torch.cat([_bytes_of(scale.reshape(1)), pack_bits(x < 0, 1)])
+    def nbytes(self, numel: int, segments: tuple[int, ...] | None = None) -> int:
+        return 4 * len(self.blocks(numel, segments)) + (numel + 7) // 8
 
-    def decode(self, payload: torch.Tensor, numel: int) -> torch.Tensor:
-        scale = payload[:4].view(_F32)
-        negative = unpack_bits(payload[4:], 1, numel)
-        return (1 - 2 * negative).to(_F32) * scale
+    def encode(self, x: torch.Tensor, generator: torch.Generator | None = None,
+               segments: tuple[int, ...] | None = None) -> torch.Tensor:
+        lengths = self.blocks(x.numel(), segments)
+        if self.scaled:
+            scale = _group_mean(x.abs(), lengths)
+        else:
+            scale = torch.ones(1, dtype=_F32)
+        return torch.cat([_bytes_of(scale), pack_bits(x < 0, 1)])
+
+    def decode(self, payload: torch.Tensor, numel: int,
+               segments: tuple[int, ...] | None = None) -> torch.Tensor:
+        lengths = self.blocks(numel, segments)
+        scale = payload[:4 * len(lengths)].view(_F32)
+        negative = unpack_bits(payload[4 * len(lengths):], 1, numel)
+        return (1 - 2 * negative).to(_F32) * torch.repeat_interleave(scale,
+                                                                     torch.tensor(lengths))
 
     def spec(self) -> str:
-        return "onebit" if self.scaled else "onebit:unscaled"
+        if not self.scaled:
+            return "onebit:unscaled"
+        return "onebit" if self.block == DEFAULT_ONEBIT_BLOCK else f"onebit:{self.block}"
 
 
 def _count(k: float, numel: int) -> int:
@@ -148,20 +221,29 @@ class _Sparse(Compressor):
 
     k: float = 0.01
 
-    def nbytes(self, numel: int) -> int:
-        return 8 * _count(self.k, numel)
+    def counts(self, numel: int, segments: tuple[int, ...] | None = None) -> list[int]:
+        """K of each segment."""
+        return [_count(self.k, n) for n in _segments(numel, segments)]
+
+    def nbytes(self, numel: int, segments: tuple[int, ...] | None = None) -> int:
+        return 8 * sum(self.counts(numel, segments))
 
     @abstractmethod
     def choose(self, x: torch.Tensor, k: int, generator: torch.Generator | None
                ) -> torch.Tensor:
         """The ``k`` indices to send (int64)."""
 
-    def encode(self, x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-        index = self.choose(x, _count(self.k, x.numel()), generator)
+    def encode(self, x: torch.Tensor, generator: torch.Generator | None = None,
+               segments: tuple[int, ...] | None = None) -> torch.Tensor:
+        lengths = _segments(x.numel(), segments)
+        index = torch.cat([start + self.choose(x[start:start + n], k, generator)
+                           for start, n, k in zip(_starts(lengths), lengths,
+                                                  self.counts(x.numel(), lengths))])
         return torch.cat([_bytes_of(index.to(torch.int32)), _bytes_of(x[index].to(_F32))])
 
-    def decode(self, payload: torch.Tensor, numel: int) -> torch.Tensor:
-        k = _count(self.k, numel)
+    def decode(self, payload: torch.Tensor, numel: int,
+               segments: tuple[int, ...] | None = None) -> torch.Tensor:
+        k = sum(self.counts(numel, segments))
         index = payload[:4 * k].view(torch.int32).to(torch.int64)
         out = torch.zeros(numel, dtype=_F32)
         out[index] = payload[4 * k:].view(_F32)
@@ -173,7 +255,7 @@ class _Sparse(Compressor):
 
 @dataclass(frozen=True)
 class TopK(_Sparse):
-    """The K elements of largest magnitude (ties: the lower index first)."""
+    """The K elements of largest magnitude of each segment (ties: the lower index first)."""
 
     name = "topk"
 
@@ -184,7 +266,8 @@ class TopK(_Sparse):
 
 @dataclass(frozen=True)
 class RandomK(_Sparse):
-    """K elements drawn uniformly without replacement (``torch.randperm`` of the generator)."""
+    """K elements of each segment drawn uniformly without replacement (``torch.randperm`` of
+    the generator, segment after segment)."""
 
     name = "randomk"
     deterministic = False
@@ -201,7 +284,8 @@ class Dithering(Compressor):
     Levels are ``0, 1/S, ..., 1`` (``linear``) or ``0, 2^(1-S), ..., 1/2, 1``
     (``natural``); a value between two levels rounds up with probability its
     distance from the lower one over the gap, drawn with ``torch.rand`` of the
-    generator. Normalised by max |x| (the reference's ``max`` normalisation).
+    generator. Normalised by max |x| of each segment (the reference's ``max``
+    normalisation, per tensor).
     """
 
     levels: int = 4
@@ -219,24 +303,31 @@ class Dithering(Compressor):
             return torch.tensor([0.0] + [2.0 ** (j - s) for j in range(1, s + 1)], dtype=_F32)
         return torch.arange(s + 1, dtype=_F32) / s
 
-    def nbytes(self, numel: int) -> int:
-        return 4 + (numel * self.width + 7) // 8
+    def nbytes(self, numel: int, segments: tuple[int, ...] | None = None) -> int:
+        return 4 * len(_segments(numel, segments)) + (numel * self.width + 7) // 8
 
-    def encode(self, x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    def encode(self, x: torch.Tensor, generator: torch.Generator | None = None,
+               segments: tuple[int, ...] | None = None) -> torch.Tensor:
         table = self.table()
-        norm = x.abs().max() if x.numel() else torch.zeros((), dtype=_F32)
-        r = x.abs() / norm if float(norm) > 0 else torch.zeros_like(x)
+        lengths = _segments(x.numel(), segments)
+        norm = torch.stack([x[a:a + n].abs().max() for a, n in zip(_starts(lengths), lengths)]
+                           ) if x.numel() else torch.zeros(1, dtype=_F32)
+        each = torch.repeat_interleave(norm, torch.tensor(lengths))
+        r = torch.where(each > 0, x.abs() / each, torch.zeros_like(x))
         low = (torch.searchsorted(table, r, right=True) - 1).clamp_(0, self.levels - 1)
         lo, hi = table[low], table[low + 1]
         up = torch.rand(x.numel(), generator=generator, dtype=_F32) < (r - lo) / (hi - lo)
         code = low + up.to(torch.int64)  # 0 .. S
         sign = (x < 0).to(torch.int64)
-        return torch.cat([_bytes_of(norm.to(_F32).reshape(1)),
+        return torch.cat([_bytes_of(norm.to(_F32)),
                           pack_bits(sign << (self.width - 1) | code, self.width)])
 
-    def decode(self, payload: torch.Tensor, numel: int) -> torch.Tensor:
-        norm = payload[:4].view(_F32)
-        codes = unpack_bits(payload[4:], self.width, numel)
+    def decode(self, payload: torch.Tensor, numel: int,
+               segments: tuple[int, ...] | None = None) -> torch.Tensor:
+        lengths = _segments(numel, segments)
+        norm = torch.repeat_interleave(payload[:4 * len(lengths)].view(_F32),
+                                       torch.tensor(lengths))
+        codes = unpack_bits(payload[4 * len(lengths):], self.width, numel)
         sign = codes >> (self.width - 1)
         level = self.table()[codes & ((1 << (self.width - 1)) - 1)]
         return (1 - 2 * sign).to(_F32) * (level * norm)
@@ -257,10 +348,14 @@ def _fraction_or_count(name: str, arg: str) -> float:
 
 
 def _onebit(args: list[str]) -> Compressor:
-    if args not in ([], ["scaled"], ["unscaled"]):
-        raise ConfigError(f"onebit:{':'.join(args)}: onebit takes 'scaled' (the default: "
-                          f"signs times mean |x|) or 'unscaled'", "pass onebit")
-    return OneBit(scaled=args != ["unscaled"])
+    if args in ([], ["scaled"], ["unscaled"]):
+        return OneBit(scaled=args != ["unscaled"])
+    if len(args) == 1 and args[0].isdigit():
+        return OneBit(block=int(args[0]))
+    raise ConfigError(f"onebit:{':'.join(args)}: onebit takes B, the elements per scale "
+                      f"(default {DEFAULT_ONEBIT_BLOCK}; 0: one scale per tensor), 'scaled' "
+                      f"(the default: signs times mean |x| of each block) or 'unscaled'",
+                      "pass onebit, onebit:0 or onebit:unscaled")
 
 
 def _dithering(args: list[str]) -> Compressor:
@@ -328,22 +423,39 @@ class CompressOptions:
 
     Plain data (a worker's engine and the server's store build a :class:`Codec`
     from it). ``momentum`` is BytePS's Nesterov wrapper, applied on the worker
-    before compression: ``m = mu m + g; g' = g + mu m``.
+    before compression: ``m = mu m + g; g' = g + mu m``. ``bounds``: where each
+    tensor starts in a fused tensor (element offsets, the first 0; empty: one
+    tensor), so a partition's codec keeps its statistics per tensor (see the module).
     """
 
     compressor: Compressor
     error_feedback: bool = False
     momentum: float = 0.0
+    bounds: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.momentum < 1.0:
             raise ConfigError(f"compression momentum must be in [0, 1) (got {self.momentum})",
                               "pass --compress-momentum 0.9, or leave it out")
 
-    def declaration(self, numel: int) -> dict[str, Any]:
-        """What the server's store needs, as JSON: the codec, its numel, its feedback."""
-        return {"compressor": self.compressor.spec(), "numel": numel,
-                "error_feedback": self.error_feedback}
+    def segments(self, offset: int, numel: int) -> tuple[int, ...] | None:
+        """The lengths of the tensors' pieces in elements ``[offset, offset + numel)`` of
+        the fused tensor (None: one tensor's)."""
+        cuts = [b for b in self.bounds if offset < b < offset + numel]
+        if not cuts:
+            return None
+        edges = [offset, *cuts, offset + numel]
+        return tuple(b - a for a, b in zip(edges, edges[1:]))
+
+    def declaration(self, numel: int, segments: tuple[int, ...] | None = None
+                    ) -> dict[str, Any]:
+        """What the server's store needs, as JSON: the codec, its numel and segments, its
+        feedback."""
+        out: dict[str, Any] = {"compressor": self.compressor.spec(), "numel": numel,
+                               "error_feedback": self.error_feedback}
+        if segments is not None:
+            out["segments"] = list(segments)
+        return out
 
 
 @dataclass
@@ -353,21 +465,25 @@ class Codec:
     ``encode`` applies momentum (if any), adds the residual (error feedback),
     compresses and keeps the new residual; ``decode`` unpacks. ``seed`` seeds
     the generator of random compressors (the key: the same on every machine).
+    ``segments``: the lengths of the tensors in the payload (None: one).
     """
 
     options: CompressOptions
     numel: int
     seed: int = 0
+    segments: tuple[int, ...] | None = None
     residual: torch.Tensor | None = None
     velocity: torch.Tensor | None = None
     generator: torch.Generator = field(default_factory=torch.Generator)
 
     def __post_init__(self) -> None:
         self.generator.manual_seed(self.seed)
+        if self.segments is not None:
+            self.segments = _segments(self.numel, tuple(self.segments))
 
     @property
     def nbytes(self) -> int:
-        return self.options.compressor.nbytes(self.numel)
+        return self.options.compressor.nbytes(self.numel, self.segments)
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         """(numel,) float32 -> the uint8 payload (this side's momentum and feedback applied)."""
@@ -380,10 +496,10 @@ class Codec:
         if opts.error_feedback:
             if self.residual is not None:
                 x = x + self.residual
-        payload = opts.compressor.encode(x, self.generator)
+        payload = opts.compressor.encode(x, self.generator, self.segments)
         if opts.error_feedback:
-            self.residual = x - opts.compressor.decode(payload, self.numel)
+            self.residual = x - opts.compressor.decode(payload, self.numel, self.segments)
         return payload
 
     def decode(self, payload: torch.Tensor) -> torch.Tensor:
-        return self.options.compressor.decode(payload, self.numel)
+        return self.options.compressor.decode(payload, self.numel, self.segments)

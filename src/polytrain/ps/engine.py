@@ -218,7 +218,8 @@ class Engine:
             handler = self.local[h] if local_reduce else self.me
             peers = tuple(r for r in self.local if r != handler) if local_reduce else ()
             packing = compression[p.tensor] if compression else None
-            codec = Codec(packing, p.numel, seed=p.key) if packing else None
+            codec = Codec(packing, p.numel, seed=p.key,
+                          segments=packing.segments(p.offset, p.numel)) if packing else None
             tensors[p.tensor].parts.append(_Part(p, owner, handler, tensors[p.tensor], peers,
                                                  codec))
 
@@ -247,10 +248,12 @@ class Engine:
             p = placement.partitions[i]
             packing = compression[p.tensor]
             assert packing is not None
+            segments = packing.segments(p.offset, p.numel)
             self.client.declare(Declaration(
                 key=p.key, kind=int(Kind.COMPRESSED), name=f"{label(p)}, {packing.compressor}",
-                numel=packing.compressor.nbytes(p.numel), dtype=str(torch.uint8),
-                pushers=pushers, pullers=pushers, options=packing.declaration(p.numel)),
+                numel=packing.compressor.nbytes(p.numel, segments), dtype=str(torch.uint8),
+                pushers=pushers, pullers=pushers,
+                options=packing.declaration(p.numel, segments)),
                 placement.owners[i])
 
     def _start(self) -> None:

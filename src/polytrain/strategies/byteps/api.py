@@ -49,8 +49,8 @@ _joined: list[Context] = []  # the run bps.init() joined, while it lasts
 class Compression:
     """BytePS's ``Compression`` namespace, with the compressors of the summation service.
 
-    ``none`` and ``fp16`` as in ``byteps.torch``; ``onebit`` (signs times mean |x|),
-    ``topk(K)``, ``randomk(K)`` (K a count or a fraction of each tensor),
+    ``none`` and ``fp16`` as in ``byteps.torch``; ``onebit`` (signs times the mean |x|
+    of each block of 128), ``topk(K)``, ``randomk(K)`` (K a count or a fraction of each tensor),
     ``dithering(S, natural=False)``, or any ``named("topk:0.01")``. Pass one as
     ``DistributedOptimizer(..., compression=...)``, or a dict of them by parameter name.
     """

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Iterable, Mapping, Sequence, Union
 
 import torch
@@ -99,7 +100,9 @@ def gradient_sync(engine: Engine, named: Sequence[tuple[str, torch.nn.Parameter]
     groups = fused_buckets(specs, per_tensor, fuse_bytes)
     plan = plan_for(engine.ctx.topology, bucket_specs(groups, specs),
                     partition_bytes=partition_bytes, colocate=colocate)
-    compressed = [per_tensor[b.members[0]] for b in groups]
+    # A fused group's codecs keep their statistics per tensor: they get its members' offsets.
+    compressed = [c if (c := per_tensor[b.members[0]]) is None or len(b.members) == 1
+                  else dataclasses.replace(c, bounds=b.offsets) for b in groups]
     return plan, GradientSync(engine, named, groups, plan.placement,
                               passes_per_step=passes_per_step, in_backward=in_backward,
                               describe=plan.describe(), compression=compressed)
