@@ -1,11 +1,12 @@
-"""Priority scheduling with a credit: earlier layers first, bounded bytes in flight."""
+"""Priority scheduling with a credit per server: earlier layers first, bounded bytes in flight."""
 
 from __future__ import annotations
 
-import heapq
+import bisect
 import itertools
 import threading
-from typing import Generic, TypeVar
+from collections import defaultdict
+from typing import Generic, Hashable, TypeVar
 
 __all__ = ["CreditQueue"]
 
@@ -13,7 +14,8 @@ T = TypeVar("T")
 
 
 class CreditQueue(Generic[T]):
-    """Items wait here until the credit allows them out; the lowest priority number goes first.
+    """Items wait here until their lane's credit allows them out; the lowest priority number
+    goes first.
 
     BytePS's scheduler: partitions of earlier layers (lower numbers) go before
     later ones, because the next forward pass needs them first, and at most
@@ -22,54 +24,82 @@ class CreditQueue(Generic[T]):
     of waiting behind everything already handed to the network. An item larger
     than the credit goes out alone. ``credit_bytes=0`` means no bound.
 
+    The credit is kept per *lane* (the engine's lane is the server a partition
+    goes to): an item waits only for its own lane's window. With one credit for
+    all servers, every worker pushes the same partitions in the same priority
+    order and a server owns a contiguous range of them, so all workers pushed to
+    the same one or two servers at a time (incast) while the others' links sat
+    idle; with no bound, every partition was in flight at once, all arrived
+    together at the end, and the answers only started then.
+
     Example::
 
         q = CreditQueue[int](credit_bytes=1000)
         q.put(priority=5, nbytes=800, item=5)
         q.put(priority=1, nbytes=800, item=1)
         q.take()   # 1 (earlier layer first); 5 waits until release(800)
+        q.put(priority=7, nbytes=800, item=7, lane="server 2")
+        q.take()   # 7: another lane has its own credit
     """
 
     def __init__(self, credit_bytes: int) -> None:
         self.credit_bytes = credit_bytes
-        self.in_flight = 0
-        self._heap: list[tuple[int, int, int, T]] = []
+        self._in_flight: defaultdict[Hashable, int] = defaultdict(int)
+        self._waiting: list[tuple[int, int, int, Hashable, T]] = []  # sorted: priority, order
         self._order = itertools.count()
         self._cond = threading.Condition()
         self._closed = False
 
-    def put(self, priority: int, nbytes: int, item: T) -> None:
+    @property
+    def in_flight(self) -> int:
+        """Bytes taken and not yet released, over every lane."""
         with self._cond:
-            heapq.heappush(self._heap, (priority, next(self._order), nbytes, item))
+            return sum(self._in_flight.values())
+
+    def put(self, priority: int, nbytes: int, item: T, *, lane: Hashable = None) -> None:
+        with self._cond:
+            entry = (priority, next(self._order), nbytes, lane, item)
+            bisect.insort(self._waiting, entry, key=lambda e: (e[0], e[1]))
             self._cond.notify_all()
 
-    def _fits(self) -> bool:
-        if not self._heap:
-            return False
-        nbytes = self._heap[0][2]
-        return (self.credit_bytes <= 0 or self.in_flight == 0
-                or self.in_flight + nbytes <= self.credit_bytes)
+    def _fits(self, nbytes: int, lane: Hashable) -> bool:
+        used = self._in_flight[lane]
+        return self.credit_bytes <= 0 or used == 0 or used + nbytes <= self.credit_bytes
+
+    def _first(self) -> int | None:
+        # The earliest waiting item whose lane has room; a lane's items leave in their order.
+        full: set[Hashable] = set()
+        for i, (_, _, nbytes, lane, _) in enumerate(self._waiting):
+            if lane in full:
+                continue
+            if self._fits(nbytes, lane):
+                return i
+            full.add(lane)
+        return None
 
     def take(self) -> T | None:
-        """The first item once the credit allows it (its bytes count as in flight).
+        """The first item whose lane's credit allows it (its bytes count as in flight).
 
         Blocks while there is no work or no credit (an idle worker between steps
         may take any time; credit comes back from waits that have timeouts of
         their own); returns None once the queue is closed.
         """
         with self._cond:
-            while not self._closed and not self._fits():
+            while True:
+                if self._closed:
+                    return None
+                i = self._first()
+                if i is not None:
+                    break
                 self._cond.wait()
-            if self._closed:
-                return None
-            _, _, nbytes, item = heapq.heappop(self._heap)
-            self.in_flight += nbytes
+            _, _, nbytes, lane, item = self._waiting.pop(i)
+            self._in_flight[lane] += nbytes
             return item
 
-    def release(self, nbytes: int) -> None:
-        """An item's bytes have landed: give back their credit."""
+    def release(self, nbytes: int, *, lane: Hashable = None) -> None:
+        """An item's bytes have landed: give back their credit on its lane."""
         with self._cond:
-            self.in_flight -= nbytes
+            self._in_flight[lane] -= nbytes
             self._cond.notify_all()
 
     def close(self) -> None:
@@ -79,4 +109,4 @@ class CreditQueue(Generic[T]):
 
     def __len__(self) -> int:
         with self._cond:
-            return len(self._heap)
+            return len(self._waiting)

@@ -18,9 +18,10 @@ or by default an even spread by bytes: a reduce-scatter). A partition's life
 in one round of a sum, on a machine with workers a (handler) and b:
 
     b: gradient ready --isend--> a          b: irecv(sum) posted at the same time
-    a: gradient ready -> queue (priority = layer order, credit bounds bytes in flight)
+    a: gradient ready -> queue (priority = layer order; a credit per server bounds bytes
+       in flight to it)
     a: scheduler: wait b's piece, add (local rank order), push_pull to the owner server
-    a: the push has left -> its credit comes back
+    a: the server holds the push (its receipt) -> its credit comes back
     a: completer: sum arrives -> isend to b
 
 Local messages are tagged per (key, round) on their own channel
@@ -60,8 +61,10 @@ __all__ = ["Engine", "SumTensor", "engine_for", "DEFAULT_CREDIT_BYTES"]
 log = logging.getLogger(__name__)
 
 _WAKE_S = 0.05
-#: Bytes pushed and not yet sent, at most, by default (two of BytePS's partitions).
-DEFAULT_CREDIT_BYTES = 8_192_000
+#: Bytes pushed to one server and not yet held by it, at most, by default: one partition
+#: at a time per server (a larger one goes alone), so a server's partitions arrive one after
+#: another and its answers start early, while every server's link stays busy.
+DEFAULT_CREDIT_BYTES = 1_024_000
 
 
 def _local_tag(key: int, round_: int) -> int:
@@ -124,7 +127,8 @@ class Engine:
 
     Args:
         ctx: the run.
-        credit_bytes: bytes handed to the network and not yet sent, at most (0: no bound).
+        credit_bytes: bytes pushed to one server and not yet held by it, at most (0: no
+            bound); every server has its own window (:class:`~polytrain.ps.credit.CreditQueue`).
     """
 
     def __init__(self, ctx: Context, *, credit_bytes: int = DEFAULT_CREDIT_BYTES) -> None:
@@ -297,7 +301,8 @@ class Engine:
                     buf = torch.empty(n, dtype=piece.dtype)
                     contributions.append((peer, buf, transport.irecv(
                         buf, peer, tag, f"local piece of {p.part.label}")))
-                self.queue.put(p.part.key, p.part.nbytes, _Task(p, rnd, piece, contributions, out))
+                self.queue.put(p.part.key, p.part.nbytes, _Task(p, rnd, piece, contributions, out),
+                               lane=p.owner)
             else:
                 recv = transport.irecv(out, p.handler, tag, f"local sum of {p.part.label}")
                 send = transport.isend(piece, p.handler, tag, f"local piece of {p.part.label}")
@@ -391,7 +396,7 @@ class Engine:
             task, sends, _ = item
             for h in sends:
                 h.wait()
-            self.queue.release(task.part.part.nbytes)
+            self.queue.release(task.part.part.nbytes, lane=task.part.owner)
 
     def _complete(self) -> None:
         transport = self.ctx.transport

@@ -57,6 +57,30 @@ class _Engine(threading.Thread):
             self.server.fail(e)
 
 
+class _Outbox(threading.Thread):
+    """Waits for the server's sends (answers, receipts) in the order they were posted.
+
+    An engine thread only posts its sends: when it waited for each answer to
+    leave, four answers of a partition to four workers went one after another,
+    and the receipts of the pushes queued behind them on the same thread waited
+    too, and with them the workers' credit (a shaped link sat idle meanwhile).
+    A sent tensor is kept here until its send is done; stores answer with
+    tensors they no longer change.
+    """
+
+    def __init__(self, server: Server) -> None:
+        super().__init__(name="polytrain-outbox", daemon=True)
+        self.server = server
+        self.queue: queue.Queue[tuple[Handle, torch.Tensor] | None] = queue.Queue()
+
+    def run(self) -> None:
+        try:
+            while (item := self.queue.get()) is not None:
+                item[0].wait()
+        except BaseException as e:  # noqa: BLE001 - handed to the main loop, which raises it
+            self.server.fail(e)
+
+
 class Server:
     """The summation / parameter service of one server process.
 
@@ -83,6 +107,7 @@ class Server:
         self.declarations: dict[int, tuple[int, Declaration]] = {}  # key -> (first rank, decl)
         self.pinned: dict[int, _Engine] = {}
         self.engines = [_Engine(self, i) for i in range(max(1, threads))]
+        self.outbox = _Outbox(self)
         self._error: BaseException | None = None
 
     def fail(self, error: BaseException) -> None:
@@ -98,7 +123,7 @@ class Server:
         threads += [threading.Thread(target=self._guard, args=(self._watch, w), daemon=True,
                                      name=f"polytrain-watch-{w}")
                     for w in self.topology.workers]
-        for t in self.engines + threads:
+        for t in [*self.engines, self.outbox, *threads]:
             t.start()
         try:
             for t in threads:
@@ -111,6 +136,8 @@ class Server:
                 e.queue.put(None)
             for e in self.engines:
                 e.join(timeout=self.transport.timeout_s)
+            self.outbox.queue.put(None)  # after the engines: every answer has been posted
+            self.outbox.join(timeout=self.transport.timeout_s)
         if self._error is not None:
             raise self._error
 
@@ -202,11 +229,14 @@ class Server:
 
     def acknowledge(self, req: Request) -> None:
         """Tell the worker that ``req``'s payload is here (its credit comes back)."""
-        self.transport.isend(torch.tensor([req.seq], dtype=torch.int64), req.src,
-                             ack_tag(req.seq), f"receipt of {req.op.name} of key {req.key}"
-                             ).wait()
+        receipt = torch.tensor([req.seq], dtype=torch.int64)
+        self.outbox.queue.put((self.transport.isend(
+            receipt, req.src, ack_tag(req.seq), f"receipt of {req.op.name} of key {req.key}"),
+            receipt))
 
     def respond(self, req: Request, tensor: torch.Tensor) -> None:
-        """Send the answer to ``req`` (called from engine threads)."""
-        self.transport.isend(tensor, req.src, response_tag(req.seq),
-                             f"answer to {req.op.name} of key {req.key}").wait()
+        """Post the answer to ``req`` (called from engine threads; ``tensor`` must not change
+        until it has left: the outbox waits for it)."""
+        self.outbox.queue.put((self.transport.isend(
+            tensor, req.src, response_tag(req.seq), f"answer to {req.op.name} of key {req.key}"),
+            tensor))

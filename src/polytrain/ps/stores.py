@@ -71,7 +71,10 @@ class Store(ABC):
 
     @abstractmethod
     def handle(self, req: Request) -> None:
-        """Apply a request; answer it with ``self.respond`` now or once it can be answered."""
+        """Apply a request; answer it with ``self.respond`` now or once it can be answered.
+
+        An answer's tensor must not change afterwards (the server sends it while the
+        store goes on): answer a copy of state that later requests update."""
 
     def fail(self, req: Request, what: str) -> CommError:
         lane = f" (lane {req.lane})" if req.lane else ""
@@ -194,14 +197,14 @@ class ParamStore(Store):
             self.value.add_(req.payload)
             self.clocks[req.pusher] = self.clocks.get(req.pusher, 0) + 1
             self.waiting = _release(self.waiting, self._ready,
-                                    lambda r: self.respond(r, self.value))
+                                    lambda r: self.respond(r, self.value.clone()))
         elif req.op == Op.PULL:
             if self._ready(req):
-                self.respond(req, self.value)
+                self.respond(req, self.value.clone())
             else:
                 self.waiting.append(req)
         elif req.op == Op.GET:
-            self.respond(req, self.value)
+            self.respond(req, self.value.clone())
         else:
             raise self.fail(req, "a parameter store answers SET, PUSH, PULL and GET only")
 

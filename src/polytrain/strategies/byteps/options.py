@@ -29,8 +29,10 @@ class BytePSOptions:
             0: every tensor on its own, as the reference).
         colocate: run a summation server on every worker machine and give it Theorem 1's
             share (default True); False is the classic parameter server.
-        credit_bytes: at most this many bytes pushed and not yet left, so that earlier
-            layers overtake later ones queued behind them (default 8,192,000; 0: no bound).
+        credit_bytes: at most this many bytes pushed to one server and not yet held by
+            it (a larger partition goes alone), so that earlier layers overtake later ones
+            queued behind them; every server has its own window (default 1,024,000; 0: no
+            bound).
         async_: asynchronous training: servers hold the parameters, workers push their
             optimizer's update and pull the current parameters, with no barrier.
         staleness: with ``async_``, a worker may run at most this many steps ahead of the
@@ -54,8 +56,8 @@ class BytePSOptions:
         "help": "no summation server on the worker machines: everything on --servers (a "
                 "classic parameter server)"})
     credit_bytes: int = field(default=DEFAULT_CREDIT_BYTES, metadata={
-        "help": "bytes pushed and not yet sent at most, so earlier layers go first "
-                "(default 8192000; 0: no bound)", "metavar": "B"})
+        "help": "bytes pushed to one server and not yet held by it, at most, so "
+                "earlier layers go first (default 1024000; 0: no bound)", "metavar": "B"})
     async_: bool = field(default=False, metadata={
         "help": "asynchronous: servers hold the parameters, workers push updates"})
     staleness: int = field(default=0, metadata={
@@ -82,7 +84,7 @@ class BytePSOptions:
                               f"{self.fuse_bytes})", "pass --fuse-bytes 4096000, or 0")
         if self.credit_bytes < 0:
             raise ConfigError(f"--credit-bytes must be 0 (no bound) or more (got "
-                              f"{self.credit_bytes})", "pass --credit-bytes 8192000")
+                              f"{self.credit_bytes})", "pass --credit-bytes 1024000")
         if self.staleness < 0:
             raise ConfigError(f"--staleness must be 0 or more (got {self.staleness})",
                               "pass --staleness 0 (synchronous) or a small bound such as 2")
