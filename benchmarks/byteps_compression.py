@@ -116,7 +116,9 @@ def main(argv: list[str]) -> int:
     result = {"command": "python benchmarks/byteps_compression.py" + (" --quick" if args.quick
                                                                        else "")
               + ("" if args.compressors == COMPRESSORS else " (a few compressors a run, "
-                 "--compressors ... --keep)"),
+                 "--compressors ... --keep)")
+              + (f" --compress-warmup {args.compress_warmup}" if args.compress_warmup else "")
+              + (" --compress-adam" if args.compress_adam else ""),
               "config": {"workers": 2, "nodes": 2, "servers": 1, "steps": steps,
                          "model": model or "default GPT", "error_feedback": True,
                          "uncompressed_share_of_bytes": share},
