@@ -14,9 +14,16 @@ table, with the command that made it, is in docs/from-byteps.md.
     python benchmarks/byteps_compression.py --compressors none onebit
     python benchmarks/byteps_compression.py --compressors topk:0.01 --keep   # add to those
 
+    python benchmarks/byteps_compression.py --compressors onebit --compress-adam \
+        --compress-warmup 100 --keep      # 1-bit Adam: 100 uncompressed steps first
+
 ``--keep`` keeps the runs already in ``--out`` that this one does not redo (so
 the four runs can be made a few at a time); ``final_loss`` is the last step's
 loss (one batch), ``last20_loss`` the mean of the last 20 steps' (less noisy).
+With ``--compress-warmup N`` the first N steps travel uncompressed: the bytes
+are given for the steps after the warm-up (``wire_bytes_per_step``, the
+format's) and for the whole run (``whole_run_wire_bytes_per_step``, the warm-up
+counted), both from every step's metered bytes.
 """
 
 from __future__ import annotations
@@ -56,6 +63,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--compressors", nargs="*", default=COMPRESSORS)
     parser.add_argument("--out", default=str(RESULTS / "byteps_compression.json"))
+    parser.add_argument("--compress-warmup", type=int, default=0, metavar="N",
+                        help="compressed runs: the first N steps uncompressed")
+    parser.add_argument("--compress-adam", action="store_true",
+                        help="compressed runs: 1-bit Adam (needs --compress-warmup)")
     parser.add_argument("--keep", action="store_true",
                         help="keep the runs in --out that this one does not redo")
     args = parser.parse_args(argv)
@@ -68,36 +79,57 @@ def main(argv: list[str]) -> int:
     if args.keep and Path(args.out).exists():
         rows = dict(json.loads(Path(args.out).read_text())["runs"])
     for name in args.compressors:
-        options = {} if name == "none" else {"compress": name, "error_feedback": True}
+        options: dict[str, Any] = {} if name == "none" else {"compress": name,
+                                                             "error_feedback": True}
+        key, warmup = name, 0
+        if name != "none" and (args.compress_warmup or args.compress_adam):
+            warmup = args.compress_warmup
+            options.update(compress_warmup=warmup, compress_adam=args.compress_adam)
+            key = f"{name} ({'1-bit Adam, ' if args.compress_adam else ''}warm-up {warmup})"
         started = time.perf_counter()
         metrics = run_config(base.replace(strategy_options=options), env=ENV)
-        rows[name] = {"final_loss": metrics["final_loss"],
-                      "last20_loss": sum(metrics["losses"][-20:]) / len(metrics["losses"][-20:]),
-                      "wire_bytes_per_step":
-                      wire_bytes(metrics), "wall_s": time.perf_counter() - started,
-                      "model_bytes": metrics["model_bytes"]}
-        print(name, rows[name], flush=True)
+        by_step = metrics["traffic"]["sent_bytes_by_step"]
+        after = by_step[max(1, warmup):]  # step 0 also carries the start-up's messages
+        rows[key] = {"final_loss": metrics["final_loss"],
+                     "last20_loss": sum(metrics["losses"][-20:]) / len(metrics["losses"][-20:]),
+                     "compress_warmup": warmup, "compress_adam": bool(options.get(
+                         "compress_adam")),
+                     "wire_bytes_per_step": sum(after) / len(after),
+                     "whole_run_wire_bytes_per_step": sum(by_step) / len(by_step),
+                     "meter_wire_bytes_per_step": wire_bytes(metrics),
+                     "wall_s": time.perf_counter() - started,
+                     "model_bytes": metrics["model_bytes"]}
+        print(key, rows[key], flush=True)
     plain = rows["none"]["wire_bytes_per_step"]
     for row in rows.values():
         compressed = row["wire_bytes_per_step"] - share * plain
         row["wire_vs_none"] = row["wire_bytes_per_step"] / plain
         row["compressed_tensors_vs_none"] = compressed / ((1 - share) * plain)
+        if "whole_run_wire_bytes_per_step" in row:
+            whole = row["whole_run_wire_bytes_per_step"]
+            row["whole_run_wire_vs_none"] = whole / plain
+            row["whole_run_compressed_tensors_vs_none"] = (whole - share * plain) / (
+                (1 - share) * plain)
         row["loss_vs_none"] = row["final_loss"] / rows["none"]["final_loss"]
         if "last20_loss" in row and "last20_loss" in rows["none"]:
             row["last20_vs_none"] = row["last20_loss"] / rows["none"]["last20_loss"]
     result = {"command": "python benchmarks/byteps_compression.py" + (" --quick" if args.quick
                                                                        else "")
               + ("" if args.compressors == COMPRESSORS else " (a few compressors a run, "
-                 "--compressors ... --keep)"),
+                 "--compressors ... --keep)")
+              + (f" --compress-warmup {args.compress_warmup}" if args.compress_warmup else "")
+              + (" --compress-adam" if args.compress_adam else ""),
               "config": {"workers": 2, "nodes": 2, "servers": 1, "steps": steps,
                          "model": model or "default GPT", "error_feedback": True,
                          "uncompressed_share_of_bytes": share},
               "runs": rows}
     Path(args.out).write_text(json.dumps(result, indent=2))
-    print(f"{'compressor':<12} {'wire/none':>10} {'compressed/none':>16} {'loss':>8} "
-          f"{'loss/none':>10} {'last20/none':>12}")
+    print(f"{'compressor':<36} {'wire/none':>10} {'compressed/none':>16} {'whole run':>10} "
+          f"{'loss':>8} {'loss/none':>10} {'last20/none':>12}")
     for name, row in rows.items():
-        print(f"{name:<12} {row['wire_vs_none']:>10.4f} {row['compressed_tensors_vs_none']:>16.4f}"
+        print(f"{name:<36} {row['wire_vs_none']:>10.4f} "
+              f"{row['compressed_tensors_vs_none']:>16.4f} "
+              f"{row.get('whole_run_compressed_tensors_vs_none', float('nan')):>10.4f}"
               f" {row['final_loss']:>8.4f} {row['loss_vs_none']:>10.4f}"
               f" {row.get('last20_vs_none', float('nan')):>12.4f}")
     return 0

@@ -10,7 +10,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 from .topology import Topology
 
 __all__ = ["TrafficMeter", "MeterReport", "MachineTraffic", "NicCounters", "machine_traffic",
-           "server_traffic", "SENT", "RECV"]
+           "server_traffic", "sent_bytes_by_step", "SENT", "RECV"]
 
 SENT = "sent"
 RECV = "recv"
@@ -165,6 +165,23 @@ def machine_traffic(reports: Sequence[MeterReport], topology: Topology, *,
                            sent[m], recv[m], m in estimated,
                            *(nics[m] if m in nics else (None, None)))
             for m in topology.machines]
+
+
+def sent_bytes_by_step(reports: Sequence[MeterReport], topology: Topology) -> list[float]:
+    """Cross-machine bytes sent in each step, all machines together (each message once, as
+    :func:`machine_traffic` counts them): for runs whose traffic changes over time (a
+    compression warm-up)."""
+    reporting = {r.rank for r in reports}
+    nsteps = min((len(r.steps) for r in reports), default=0)
+    out = [0.0] * nsteps
+    for rep in reports:
+        here = topology.machine(rep.rank)
+        for i, step in enumerate(rep.steps[:nsteps]):
+            for (peer, direction, _), n in step.items():
+                if topology.machine(peer) == here or (direction == RECV and peer in reporting):
+                    continue
+                out[i] += n
+    return out
 
 
 def _steady_window(reports: Sequence[MeterReport], warmup: int) -> tuple[int, int]:

@@ -16,6 +16,7 @@ keys every step.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Callable, Sequence
 
@@ -62,13 +63,17 @@ class GradientSync:
         describe: logged with the placement by worker 0.
         compression: per bucket, how it is compressed between machines and servers
             (None: uncompressed; see :meth:`Engine.sums`).
+        warmup: the first ``warmup`` steps of this object send the compressed buckets
+            uncompressed, through keys of their own (1-bit Adam's warm-up; default 0).
+            Counted from this object's first step: a resumed run warms up again.
     """
 
     def __init__(self, engine: Engine, named: Sequence[tuple[str, torch.nn.Parameter]],
                  buckets: Sequence[Bucket], placement: Placement, *, passes_per_step: int = 1,
                  local_reduce: bool = True, in_backward: bool = False,
                  describe: str = "",
-                 compression: Sequence[CompressOptions | None] | None = None) -> None:
+                 compression: Sequence[CompressOptions | None] | None = None,
+                 warmup: int = 0) -> None:
         self.engine = engine
         self.in_backward = in_backward
         self._queued = False
@@ -81,6 +86,19 @@ class GradientSync:
                                                         local_reduce=local_reduce,
                                                         describe=describe,
                                                         compression=compression)
+        self.compression = list(compression or [None] * len(self.buckets))
+        packed = [b for b, c in enumerate(self.compression) if c is not None]
+        self.warmup = warmup if packed else 0
+        #: During the warm-up, every bucket's sum: the compressed ones get plain keys.
+        self._plain: Sequence[SumTensor] = self.tensors
+        if self.warmup:
+            plain = engine.sums([specs[b] for b in packed], _subset(placement, packed),
+                                local_reduce=local_reduce)
+            by_bucket = dict(zip(packed, plain))
+            self._plain = [by_bucket.get(b, t) for b, t in enumerate(self.tensors)]
+        #: When set, what parameter i pushes instead of its gradient: ``transform(i, grad)``
+        #: (1-bit Adam pushes the worker's momentum once the warm-up is over).
+        self.transform: Callable[[int, torch.Tensor], torch.Tensor] | None = None
         self._bucket_of = {m: b for b, bucket in enumerate(self.buckets) for m in bucket.members}
         # A fused bucket gathers its members' gradients in one flat buffer as they come.
         self._buffers = [None if len(b.members) == 1 else torch.empty(
@@ -95,6 +113,14 @@ class GradientSync:
         self.comm_s: list[float] = []
         self.exposed_s: list[float] = []
         self.synced = 0  # steps synchronised so far
+
+    @property
+    def compressing(self) -> bool:
+        """Whether this step's compressed buckets travel compressed (the warm-up is over)."""
+        return self.synced >= self.warmup
+
+    def _sums(self) -> Sequence[SumTensor]:
+        return self.tensors if self.compressing else self._plain
 
     def _reset(self) -> None:
         self._passes = [0] * len(self.params)
@@ -120,6 +146,8 @@ class GradientSync:
         """Parameter i's gradient is final for this step: submit its bucket once all are."""
         p = self.params[i]
         grad = p.grad if p.grad is not None else torch.zeros_like(p)
+        if self.transform is not None:
+            grad = self.transform(i, grad)
         self._ready[i] = True
         b = self._bucket_of[i]
         bucket, buf = self.buckets[b], self._buffers[b]
@@ -130,7 +158,7 @@ class GradientSync:
         if self._missing[b] == 0:
             if self._first_submit is None:
                 self._first_submit = time.perf_counter()
-            self.engine.submit(self.tensors[b], grad.reshape(-1) if buf is None else buf)
+            self.engine.submit(self._sums()[b], grad.reshape(-1) if buf is None else buf)
 
     @torch.no_grad()
     def synchronize(self) -> None:
@@ -140,7 +168,7 @@ class GradientSync:
             if not self._ready[i]:
                 self._collect(i)
         assert self._first_submit is not None or not self.buckets
-        for bucket, t in zip(self.buckets, self.tensors):
+        for bucket, t in zip(self.buckets, self._sums()):
             total = self.engine.wait(t)
             for m, off in zip(bucket.members, bucket.offsets):
                 p = self.params[m]
@@ -165,3 +193,15 @@ class GradientSync:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+
+
+def _subset(placement: Placement, tensors: Sequence[int]) -> Placement:
+    """The partitions of ``tensors`` only, renumbered as tensors 0, 1, ... in that order."""
+    new = {t: i for i, t in enumerate(tensors)}
+    keep = [i for i, p in enumerate(placement.partitions) if p.tensor in new]
+    return Placement(tuple(dataclasses.replace(placement.partitions[i],
+                                               tensor=new[placement.partitions[i].tensor])
+                           for i in keep),
+                     tuple(placement.owners[i] for i in keep),
+                     None if placement.handlers is None
+                     else tuple(placement.handlers[i] for i in keep))

@@ -7,7 +7,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ..comm.meter import MeterReport, machine_traffic, server_traffic
+from ..comm.meter import MeterReport, machine_traffic, sent_bytes_by_step, server_traffic
 from ..comm.topology import Topology
 
 __all__ = ["steady", "step_times", "build_metrics"]
@@ -37,7 +37,9 @@ def build_metrics(*, config: Any, losses: Sequence[float], times: Sequence[float
     samples_per_s = config.batch_size * len(warm) / sum(warm) if warm and sum(warm) > 0 else 0.0
     machines: list[dict[str, Any]] = []
     servers: list[dict[str, Any]] = []
+    by_step: list[float] = []
     if topology is not None and reports:
+        by_step = sent_bytes_by_step(reports, topology)
         skip = len(times) - len(warm)
         machines = [m.as_dict() for m in machine_traffic(reports, topology, warmup=skip)]
         servers = server_traffic(reports, topology, warmup=skip)
@@ -73,11 +75,12 @@ def build_metrics(*, config: Any, losses: Sequence[float], times: Sequence[float
         "traffic": {
             "machines": machines,
             "servers": servers,
+            "sent_bytes_by_step": by_step,
             "estimated": any(m["estimated"] for m in machines),
             "note": "bytes crossing machines per steady-state step; 'estimated' marks bytes "
                     "moved inside torch collectives, counted from their algorithm's cost; "
                     "nic_* (with --bandwidth): the kernel's counters of each machine's NIC, "
-                    "headers included",
+                    "headers included; sent_bytes_by_step: every step's, all machines together",
         },
         "versions": {"polytrain": polytrain.__version__, "torch": torch.__version__},
     }

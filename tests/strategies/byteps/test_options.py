@@ -53,6 +53,10 @@ def test_compression_flags_become_the_strategys_options():
               "--compress-min-bytes", "1024")
     assert dict(c.strategy_options) == {"compress": "topk:0.01", "error_feedback": True,
                                         "compress_momentum": 0.9, "compress_min_bytes": 1024}
+    c = parse("--compress", "onebit", "--error-feedback", "--compress-warmup", "100",
+              "--compress-adam")
+    assert dict(c.strategy_options) == {"compress": "onebit", "error_feedback": True,
+                                        "compress_warmup": 100, "compress_adam": True}
 
 
 @pytest.mark.parametrize("options, message", [
@@ -64,6 +68,15 @@ def test_compression_flags_become_the_strategys_options():
                                              r"asynchronous BytePS .* pulls the parameters "
                                              r"themselves, not a sum.*supports: fp16"),
     ({"compress": "onebit", "compress_momentum": 1.0}, r"--compress-momentum must be in"),
+    ({"compress": "onebit", "compress_warmup": -1}, r"--compress-warmup must be 0 or more "
+                                                    r"steps \(got -1\)"),
+    ({"compress_warmup": 100}, r"apply to compressed gradients, but --compress is none"),
+    ({"compress": "onebit", "compress_adam": True}, r"--compress-adam \(1-bit Adam\) freezes"
+                                                    r".*HINT: add --compress-warmup N"),
+    ({"compress": "onebit", "compress_adam": True, "compress_warmup": 10,
+      "compress_momentum": 0.9}, r"would add a second momentum"),
+    ({"compress": "fp16", "async_": True, "compress_warmup": 10},
+     r"apply to synchronous BytePS.*HINT: drop --async"),
 ])
 def test_bad_compression_options_are_refused_with_the_reason(options, message):
     with pytest.raises(ConfigError, match=message):

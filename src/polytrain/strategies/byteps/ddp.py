@@ -65,6 +65,11 @@ class DistributedDataParallel(nn.Module):
             raise ConfigError("DistributedDataParallel sums gradients synchronously; "
                               "async_ does not apply", "use DistributedOptimizer(..., "
                               "async_=True) for asynchronous BytePS")
+        if opts.compress_adam:
+            raise ConfigError("compress_adam (1-bit Adam) replaces the optimizer's step; "
+                              "DistributedDataParallel does not see the optimizer",
+                              "use DistributedOptimizer(torch.optim.Adam(...), "
+                              "compress_adam=True, compress_warmup=N)")
         broadcast_module(ctx, module)
         self.module = module
         self.ctx = ctx
@@ -75,6 +80,7 @@ class DistributedDataParallel(nn.Module):
             compression=opts.compress if compression is None else compression,
             error_feedback=opts.error_feedback, compress_momentum=opts.compress_momentum,
             compress_min_bytes=opts.compress_min_bytes, fuse_bytes=opts.fuse_bytes,
+            compress_warmup=opts.compress_warmup,
             partition_bytes=opts.partition_bytes, colocate=opts.colocate, in_backward=True)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:

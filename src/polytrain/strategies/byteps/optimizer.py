@@ -87,13 +87,14 @@ def named_params_of(optimizer: torch.optim.Optimizer,
 def gradient_sync(engine: Engine, named: Sequence[tuple[str, torch.nn.Parameter]], *,
                   compression: Choice | Mapping[str, Choice] = None,
                   error_feedback: bool = False, compress_momentum: float = 0.0,
-                  compress_min_bytes: int = DEFAULT_MIN_BYTES,
+                  compress_min_bytes: int = DEFAULT_MIN_BYTES, compress_warmup: int = 0,
                   fuse_bytes: int = DEFAULT_FUSE_BYTES,
                   partition_bytes: int = DEFAULT_PARTITION_BYTES, colocate: bool = True,
                   passes_per_step: int = 1, in_backward: bool = False
                   ) -> tuple[Plan, GradientSync]:
     """BytePS's gradient sums for ``named``: fusion groups (never across tensors compressed
-    differently), Theorem 1's placement of their partitions, and the hooks that push them."""
+    differently), Theorem 1's placement of their partitions, and the hooks that push them
+    (the first ``compress_warmup`` steps uncompressed)."""
     specs = [TensorSpec.of(n, p) for n, p in named]
     per_tensor = tensor_compression(specs, compression, error_feedback=error_feedback,
                                     momentum=compress_momentum, min_bytes=compress_min_bytes)
@@ -105,7 +106,8 @@ def gradient_sync(engine: Engine, named: Sequence[tuple[str, torch.nn.Parameter]
                   else dataclasses.replace(c, bounds=b.offsets) for b in groups]
     return plan, GradientSync(engine, named, groups, plan.placement,
                               passes_per_step=passes_per_step, in_backward=in_backward,
-                              describe=plan.describe(), compression=compressed)
+                              describe=plan.describe(), compression=compressed,
+                              warmup=compress_warmup)
 
 
 class WrappedOptimizer(torch.optim.Optimizer):
@@ -174,8 +176,18 @@ class DistributedOptimizer(WrappedOptimizer):
     and runs the wrapped optimizer: summation on the servers, the update on
     the workers (BytePS, OSDI 2020). Parameters whose gradient never came get a zero gradient
     summed, so every worker sends the same keys every step. ``compress`` are
-    :func:`gradient_sync`'s ``compression``, ``error_feedback``, ``compress_momentum``
-    and ``compress_min_bytes``.
+    :func:`gradient_sync`'s ``compression``, ``error_feedback``, ``compress_momentum``,
+    ``compress_min_bytes`` and ``compress_warmup``.
+
+    ``compress_adam``: 1-bit Adam (Tang et al., ICML 2021) around a ``torch.optim.Adam``.
+    During the ``compress_warmup`` steps it is Adam on exact sums. Then, for every
+    compressed tensor, each worker pushes its own momentum ``b1 m + (1 - b1) g`` (``m``
+    the last step's average momentum, the same on every worker) instead of ``g``, so
+    what compression and its error feedback act on is the smooth momentum; the pulled
+    average is the new ``m``, and the update is ``lr m / (sqrt(v) + eps)`` with Adam's
+    variance ``v`` frozen at its bias-corrected value of the last warm-up step (a
+    variance of compressed values would be the block's scale, not the element's).
+    Uncompressed tensors step with Adam as before.
 
     Example::
 
@@ -190,7 +202,7 @@ class DistributedOptimizer(WrappedOptimizer):
                  backward_passes_per_step: int = 1,
                  fuse_bytes: int = DEFAULT_FUSE_BYTES,
                  partition_bytes: int = DEFAULT_PARTITION_BYTES, colocate: bool = True,
-                 **compress: Any) -> None:
+                 compress_adam: bool = False, **compress: Any) -> None:
         if backward_passes_per_step < 1:
             raise ConfigError(f"backward_passes_per_step must be at least 1 (got "
                               f"{backward_passes_per_step})", "pass 1, or the passes per step")
@@ -201,15 +213,104 @@ class DistributedOptimizer(WrappedOptimizer):
         self.plan, self.sync = gradient_sync(
             engine, named, fuse_bytes=fuse_bytes, partition_bytes=partition_bytes,
             colocate=colocate, passes_per_step=backward_passes_per_step, **compress)
+        self.compress_adam: _OneBitAdam | None = None
+        if compress_adam:
+            self.compress_adam = _OneBitAdam(optimizer, self.sync)
+            self.sync.transform = self.compress_adam.local_momentum
 
     def synchronize(self) -> None:
         """Wait for every gradient's sum and leave the average over workers in ``.grad``."""
         self.sync.synchronize()
 
     def step(self, closure: Callable[[], float] | None = None) -> Any:
+        compressing = self.compress_adam is not None and self.sync.compressing
         self.synchronize()
+        if compressing:
+            assert self.compress_adam is not None
+            return self.compress_adam.step(closure)
         return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
 
     def close(self) -> None:
         """Remove the gradient hooks."""
         self.sync.close()
+
+
+class _OneBitAdam:
+    """1-bit Adam's compression stage on a torch Adam (see :class:`DistributedOptimizer`).
+
+    Reads and keeps Adam's own state: ``exp_avg`` holds the average momentum
+    pulled each step (so checkpoints and the warm-up's momentum carry over),
+    ``exp_avg_sq`` and ``step`` go on as Adam's; the frozen variance is taken
+    from them at the first compressed step.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, sync: GradientSync) -> None:
+        if type(optimizer) is not torch.optim.Adam:
+            raise ConfigError(
+                f"compress_adam (1-bit Adam) runs on torch.optim.Adam, not "
+                f"{type(optimizer).__name__}: it freezes Adam's variance and compresses "
+                f"Adam's momentum", "use --optimizer adam (torch.optim.Adam), or leave out "
+                "--compress-adam")
+        for group in optimizer.param_groups:
+            bad = {k: group.get(k) for k in ("weight_decay", "amsgrad", "maximize")
+                   if group.get(k)}
+            if bad:
+                raise ConfigError(f"compress_adam (1-bit Adam) supports plain Adam only (got "
+                                  f"{bad})", "leave weight_decay, amsgrad and maximize at "
+                                  "their defaults, or leave out --compress-adam")
+        if sync.warmup < 1:
+            raise ConfigError("compress_adam (1-bit Adam) freezes the variance Adam learns "
+                              "during the uncompressed warm-up, but compress_warmup is 0 (or "
+                              "no tensor is compressed)", "pass --compress-warmup N (e.g. "
+                              "a fifth of the steps) and a compressor")
+        self.optimizer = optimizer
+        self.sync = sync
+        packed = {m for b, c in zip(sync.buckets, sync.compression) if c is not None
+                  for m in b.members}
+        self.packed = [p if i in packed else None for i, p in enumerate(sync.params)]
+        self.frozen: dict[int, torch.Tensor] = {}  # id(param) -> sqrt(v hat) + eps
+        self.group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+
+    @torch.no_grad()
+    def local_momentum(self, i: int, grad: torch.Tensor) -> torch.Tensor:
+        """What parameter i pushes: its gradient, or after the warm-up (compressed tensors
+        only) this worker's momentum ``b1 m + (1 - b1) g``."""
+        p = self.packed[i]
+        if p is None or not self.sync.compressing:
+            return grad
+        beta1 = self.group_of[id(p)]["betas"][0]
+        m = self.optimizer.state[p]["exp_avg"]
+        return (1 - beta1) * grad + beta1 * m
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> Any:
+        """The compressed tensors' update from the pulled momentum (in ``.grad``); Adam's for
+        the others."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        held = []
+        for p in self.packed:
+            if p is None:
+                continue
+            group, state = self.group_of[id(p)], self.optimizer.state[p]
+            if id(p) not in self.frozen:
+                _, beta2 = group["betas"]
+                steps = float(state["step"])
+                self.frozen[id(p)] = (state["exp_avg_sq"] / (1 - beta2 ** steps)).sqrt_().add_(
+                    group["eps"])
+            assert p.grad is not None
+            state["exp_avg"].copy_(p.grad)
+            state["step"] += 1
+            lr = group["lr"]
+            p.addcdiv_(p.grad, self.frozen[id(p)], value=-(lr.item() if torch.is_tensor(lr)
+                                                             else lr))
+            held.append((p, p.grad))
+            p.grad = None  # Adam skips it
+        try:
+            self.optimizer.step()
+        finally:
+            for p, g in held:
+                p.grad = g
+        return loss

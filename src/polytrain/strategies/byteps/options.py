@@ -45,6 +45,11 @@ class BytePSOptions:
         compress_momentum: Nesterov momentum on the worker before compression (BytePS's
             ``momentum`` wrapper; default 0: none).
         compress_min_bytes: tensors smaller than this travel uncompressed (default 65,536).
+        compress_warmup: the first N steps travel uncompressed (1-bit Adam's warm-up;
+            default 0). Their bytes count in the run's bytes per step.
+        compress_adam: 1-bit Adam (Tang et al., 2021) on the workers' torch Adam: after
+            the warm-up, workers push Adam's momentum, compressed, instead of the gradient,
+            and Adam's variance stays at its warm-up value (needs ``compress_warmup``).
     """
 
     partition_bytes: int = field(default=DEFAULT_PARTITION_BYTES, metadata={
@@ -74,6 +79,12 @@ class BytePSOptions:
     compress_min_bytes: int = field(default=DEFAULT_MIN_BYTES, metadata={
         "help": "with --compress: smaller tensors travel uncompressed (default 65536)",
         "metavar": "B"})
+    compress_warmup: int = field(default=0, metadata={
+        "help": "with --compress: the first N steps travel uncompressed (default 0)",
+        "metavar": "N"})
+    compress_adam: bool = field(default=False, metadata={
+        "help": "with --compress and --optimizer adam: 1-bit Adam: after --compress-warmup, "
+                "push Adam's momentum compressed and freeze Adam's variance"})
 
     def __post_init__(self) -> None:
         if self.partition_bytes < 8:
@@ -96,6 +107,25 @@ class BytePSOptions:
             raise ConfigError("--error-feedback and --compress-momentum apply to compressed "
                               "gradients, but --compress is none",
                               "add --compress NAME (e.g. onebit), or leave them out")
+        if self.compress_warmup < 0:
+            raise ConfigError(f"--compress-warmup must be 0 or more steps (got "
+                              f"{self.compress_warmup})", "pass --compress-warmup 100, or 0")
+        if codec is None and (self.compress_warmup or self.compress_adam):
+            raise ConfigError("--compress-warmup and --compress-adam apply to compressed "
+                              "gradients, but --compress is none",
+                              "add --compress NAME (e.g. onebit), or leave them out")
+        if self.compress_adam and not self.compress_warmup:
+            raise ConfigError("--compress-adam (1-bit Adam) freezes the variance Adam learns "
+                              "in the uncompressed warm-up, but --compress-warmup is 0",
+                              "add --compress-warmup N (e.g. a fifth of the steps)")
+        if self.compress_adam and self.compress_momentum:
+            raise ConfigError(f"--compress-adam compresses Adam's momentum; "
+                              f"--compress-momentum {self.compress_momentum} would add a "
+                              f"second momentum before it", "leave out --compress-momentum")
+        if self.async_ and (self.compress_warmup or self.compress_adam):
+            raise ConfigError("--compress-warmup and --compress-adam apply to synchronous "
+                              "BytePS (--async pushes updates, not sums)",
+                              "drop --async, or leave them out")
         if not 0.0 <= self.compress_momentum < 1.0:
             raise ConfigError(f"--compress-momentum must be in [0, 1) (got "
                               f"{self.compress_momentum})", "pass --compress-momentum 0.9")

@@ -65,13 +65,15 @@ class BytePS(ServedStrategy[BytePSOptions]):
                                    "error_feedback": opts.error_feedback,
                                    "compress_momentum": opts.compress_momentum,
                                    "compress_min_bytes": opts.compress_min_bytes}
-        if opts.async_:
+        if opts.async_:  # the options refuse the warm-up and 1-bit Adam with async
             self.optimizer = AsyncOptimizer(optimizer, engine=self.engine, named_parameters=named,
                                             staleness=opts.staleness, **placing)
         else:
             self.optimizer = DistributedOptimizer(optimizer, engine=self.engine,
                                                   named_parameters=named,
-                                                  fuse_bytes=opts.fuse_bytes, **placing)
+                                                  fuse_bytes=opts.fuse_bytes,
+                                                  compress_warmup=opts.compress_warmup,
+                                                  compress_adam=opts.compress_adam, **placing)
         return model, self.optimizer
 
     def state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
