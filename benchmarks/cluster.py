@@ -33,6 +33,7 @@ from polytrain.plan import CONSTANTS, Constants, Job, nic_traffic, plan_job
 from polytrain.plan.compute import measure_compute
 from polytrain.plan.cost import Candidate, Compute, Network, host_traffic, predict, recommend
 from polytrain.plan.planner import host_cores
+from polytrain.ps.engine import DEFAULT_CREDIT_BYTES
 from polytrain.train import run_config
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -40,16 +41,21 @@ ENV = {"OMP_NUM_THREADS": "1"}
 LOOPBACK = "off"
 
 
-def configs(args: argparse.Namespace) -> dict[str, tuple[str, int]]:
-    out = {"ddp": ("ddp", 0)}
-    out.update({f"byteps k={k}": ("byteps", k) for k in args.byteps})
-    out.update({f"herring k={k}": ("herring", k) for k in args.herring})
+def configs(args: argparse.Namespace) -> dict[str, tuple[str, int, str]]:
+    """name -> (strategy, CPU servers k, BytePS compressor or "none")."""
+    out = {"ddp": ("ddp", 0, "none")}
+    out.update({f"byteps k={k}": ("byteps", k, "none") for k in args.byteps})
+    k = max(args.byteps, default=0)
+    out.update({f"byteps k={k} {c}": ("byteps", k, c) for c in args.compress})
+    out.update({f"herring k={k}": ("herring", k, "none") for k in args.herring})
     return out
 
 
 def train_config(args: argparse.Namespace, strategy: str, servers: int,
-                 bandwidth: str | None) -> polytrain.TrainConfig:
+                 bandwidth: str | None, compress: str = "none") -> polytrain.TrainConfig:
     options = dict(args.byteps_options) if strategy == "byteps" else {}
+    if compress != "none":
+        options.update(compress=compress, error_feedback=True)
     return polytrain.TrainConfig(
         strategy=strategy, model="mlp", model_options=args.model_options, workers=args.nodes,
         nodes=args.nodes, servers=servers, steps=args.steps, batch_size=args.batch_size,
@@ -85,8 +91,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         order = list(cfgs)
         order = order[i % len(order):] + order[:i % len(order)]
         for name in order:
-            strategy, k = cfgs[name]
-            m = run(train_config(args, strategy, k, None if bw == LOOPBACK else bw))
+            strategy, k, compress = cfgs[name]
+            m = run(train_config(args, strategy, k, None if bw == LOOPBACK else bw, compress))
             runs[bw][name].append(m)
             print(f"round {r + 1} {bw:>8} {name:12s} step {m['step_time_s'] * 1e3:8.1f} ms "
                   f"median, busiest NIC {m['busiest_nic_bytes_per_step'] / m['model_bytes']:.3f}"
@@ -115,7 +121,7 @@ def analyse(result: dict[str, Any], constants: Constants) -> dict[str, Any]:
         if not any(by_name.values()):
             continue
         job = Job(model="mlp", model_options=setup["model_options"], workers=n, nodes=n,
-                  servers=max(k for _, k in cfgs.values()), batch_size=setup["batch_size"],
+                  servers=max(c[1] for c in cfgs.values()), batch_size=setup["batch_size"],
                   optimizer="sgd", bandwidth=None if bw == LOOPBACK else bw,
                   cores=setup["cores"])
         plan = plan_job(job, constants=constants, compute=compute)
@@ -125,7 +131,10 @@ def analyse(result: dict[str, Any], constants: Constants) -> dict[str, Any]:
         ddp_nic = nic_traffic("ddp", machines=n, local_workers=1, servers=0)
         rows = {}
         for name, t in measured.items():
-            strategy, k = cfgs[name]
+            strategy, k, *compress = cfgs[name]
+            if compress and compress[0] != "none":
+                rows[name] = compressed_row(by_name[name], t, ddp)
+                continue
             nic = nic_traffic(strategy, machines=n, local_workers=1, servers=k)
             pred = plan.get(name)
             model_bytes = by_name[name][0]["model_bytes"]
@@ -139,13 +148,25 @@ def analyse(result: dict[str, Any], constants: Constants) -> dict[str, Any]:
                                                    for r in by_name[name]) / model_bytes,
                 "predicted_s": pred.step_time_s, "predicted_over_measured": pred.step_time_s / t,
                 "prediction": pred.as_dict(), "hidden_fraction": hidden_fraction(by_name[name])}
-        fastest = min(measured, key=measured.__getitem__)
-        among = recommend([plan.get(name) for name in measured]).candidate.key
+        # The planner's candidates are the uncompressed configurations.
+        plain = {name: t for name, t in measured.items() if rows[name]["predicted_s"]}
+        fastest = min(plain, key=plain.__getitem__)
+        among = recommend([plan.get(name) for name in plain]).candidate.key
         table[bw] = {"configs": rows, "measured_fastest": fastest,
                      "recommended_among_measured": among,
                      "recommended_within_5pct": measured[among] <= 1.05 * measured[fastest],
                      "recommended_overall": plan.recommended.candidate.key}
     return table
+
+
+def compressed_row(runs: list[dict[str, Any]], t: float, ddp: float) -> dict[str, Any]:
+    """A compressed BytePS configuration's row: measured only (no formula, no prediction)."""
+    model_bytes = runs[0]["model_bytes"]
+    return {"step_time_s": t, "step_times_by_round_s": [r["step_time_s"] for r in runs],
+            "speedup_vs_ddp": ddp / t, "formula_speedup": None, "formula_M": None,
+            "nic_busiest_M": statistics.median(r["busiest_nic_bytes_per_step"]
+                                               for r in runs) / model_bytes,
+            "predicted_s": None, "predicted_over_measured": None, "hidden_fraction": None}
 
 
 def hidden_fraction(runs: list[dict[str, Any]]) -> float | None:
@@ -167,7 +188,9 @@ def fit(result: dict[str, Any]) -> Constants:
         for name, runs in by_name.items():
             if not runs:
                 continue
-            strategy, k = setup["configs"][name]
+            strategy, k, *compress = setup["configs"][name]
+            if compress and compress[0] != "none":
+                continue  # the planner models uncompressed bytes only
             net = Network(machines=n, servers=k, shared_host_cores=cores,
                           bandwidth_bit_s=None if bw == LOOPBACK else float(parse_rate(bw)))
             measured = statistics.median(r["step_time_s"] for r in runs)
@@ -203,15 +226,16 @@ def report(result: dict[str, Any]) -> None:
     for bw, t in result["table"].items():
         print(f"\n{bw}: measured fastest {t['measured_fastest']}, planner recommends (among "
               f"these) {t['recommended_among_measured']}, overall {t['recommended_overall']}")
-        print(f"{'config':12s} {'step ms':>8s} {'x ddp':>6s} {'formula':>8s} {'NIC M':>6s} "
+        print(f"{'config':18s} {'step ms':>8s} {'x ddp':>6s} {'formula':>8s} {'NIC M':>6s} "
               f"{'(formula)':>9s} {'pred ms':>8s} {'pred/meas':>9s} {'hidden':>6s}")
         for name, c in t["configs"].items():
-            formula = f"{c['formula_speedup']:.2f}" if c["formula_speedup"] else "-"
-            hidden = "-" if c.get("hidden_fraction") is None else f"{c['hidden_fraction']:.1%}"
-            print(f"{name:12s} {c['step_time_s'] * 1e3:8.1f} {c['speedup_vs_ddp']:6.2f} "
-                  f"{formula:>8s} {c['nic_busiest_M']:6.3f} {c['formula_M']:9.3f} "
-                  f"{c['predicted_s'] * 1e3:8.1f} {c['predicted_over_measured']:9.2f} "
-                  f"{hidden:>6s}")
+            def num(key: str, fmt: str, scale: float = 1.0, c: dict[str, Any] = c) -> str:
+                return "-" if c.get(key) is None else format(c[key] * scale, fmt)
+            print(f"{name:18s} {c['step_time_s'] * 1e3:8.1f} {c['speedup_vs_ddp']:6.2f} "
+                  f"{num('formula_speedup', '.2f'):>8s} {c['nic_busiest_M']:6.3f} "
+                  f"{num('formula_M', '.3f'):>9s} {num('predicted_s', '.1f', 1e3):>8s} "
+                  f"{num('predicted_over_measured', '.2f'):>9s} "
+                  f"{num('hidden_fraction', '.1%'):>6s}")
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
@@ -229,8 +253,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
         bws = sorted(shaped, key=xs.__getitem__)
         ax.plot([xs[b] for b in bws], [shaped[b]["configs"][name]["step_time_s"] for b in bws],
                 "o-", color=color, label=name)
-        ax.plot([xs[b] for b in bws], [shaped[b]["configs"][name]["predicted_s"] for b in bws],
-                "x:", color=color, alpha=0.7)
+        predicted = [(xs[b], shaped[b]["configs"][name]["predicted_s"]) for b in bws]
+        if all(p is not None for _, p in predicted):
+            ax.plot(*zip(*predicted), "x:", color=color, alpha=0.7)
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("NIC bandwidth each way (Mbit/s)")
@@ -259,8 +284,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="CPU servers k of each BytePS run (default 0 1 2 4)")
     p.add_argument("--herring", type=int, nargs="+", default=[0, 2],
                    help="CPU servers k of each Herring run (default 0 2)")
-    p.add_argument("--credit-bytes", type=int, default=0,
-                   help="BytePS's --credit-bytes (default 0: no bound, as BytePS's own)")
+    p.add_argument("--credit-bytes", type=int, default=DEFAULT_CREDIT_BYTES,
+                   help=f"BytePS's --credit-bytes (default {DEFAULT_CREDIT_BYTES}, the library's)")
+    p.add_argument("--partition-bytes", type=int, default=None,
+                   help="BytePS's --partition-bytes (default: the library's)")
+    p.add_argument("--fuse-bytes", type=int, default=None,
+                   help="BytePS's --fuse-bytes (default: the library's)")
+    p.add_argument("--compress", nargs="*", default=[],
+                   help="also BytePS with the most CPU servers and each of these compressors "
+                        "(with --error-feedback), e.g. onebit fp16")
     p.add_argument("--analyse", action="store_true",
                    help="no runs: the table and plot again from --out's measurements")
     p.add_argument("--fit", action="store_true", help="with --analyse: fit the constants")
@@ -268,6 +300,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     args.model_options = {"d_model": args.d_model}
     args.byteps_options = {"credit_bytes": args.credit_bytes}
+    for flag in ("partition_bytes", "fuse_bytes"):
+        if getattr(args, flag) is not None:
+            args.byteps_options[flag] = getattr(args, flag)
     if args.quick:
         args.rounds, args.loopback_rounds, args.steps, args.bandwidths = 1, 1, 3, ["1gbit"]
         args.model_options = {"d_model": 256}
