@@ -92,9 +92,9 @@ def test_an_unwritable_checkpoint_directory_stops_or_trains_on(capsys, caplog, t
     assert (out / "checkpoints").read_text() == "not a directory"
 
 
-@pytest.mark.parametrize("strategy", ["parallax", "pipetransformer"])
+@pytest.mark.parametrize("strategy", ["pipetransformer"])
 def test_strategies_whose_state_a_checkpoint_lacks_refuse_it(capsys, tmp_path, strategy):
-    # Their own state (servers' rows, freeze plans) is not saved yet: a resume would be
+    # Its own state (freeze timeline and plans) is not saved yet: a resume would be
     # another run, so they say so instead of saving half of it.
     line = error_of(capsys, "--strategy", strategy, "--workers", "4", "--nodes", "2",
                     "--checkpoint-every", "2", "--out", str(tmp_path), *TINY)
