@@ -45,6 +45,7 @@ def stop_and_resume(config: TrainConfig, at: int, resumed: TrainConfig | None = 
     ("single", 1, 1, 0, "gpt", TINY),
     ("ddp", 2, 1, 0, "gpt", TINY),
     ("byteps", 2, 2, 1, "gpt", TINY),
+    ("herring", 2, 2, 1, "gpt", TINY),
     ("moe", 2, 1, 0, "gpt-moe", MOE),
     pytest.param("moe", 4, 2, 0, "gpt-moe", MOE, marks=pytest.mark.long),
 ])
