@@ -109,6 +109,34 @@ def test_a_parallax_checkpoint_resumed_with_another_partition_count_is_the_same_
                                                                                   final_again)
 
 
+PIPE = {"seq_len": 16, "d_model": 32, "layers": 4}  # embed h0 h1 h2 h3 head: 6 layers
+# Every layer counts as stopped: the freeze points (every 2 steps) freeze 3 layers at step 2,
+# AutoPipe halves the pipelines, AutoDP doubles the replicas, then more may freeze.
+FREEZING = {"freeze_every": 2, "freeze_threshold": 100.0, "freeze_alpha": 0.5}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("at, options", [
+    (3, {"freeze": False}),
+    (3, {**FREEZING, "cache": False}),  # after the first re-plan, before the next
+    pytest.param(4, {**FREEZING, "cache": False},  # a freeze point comes first after resuming
+                 marks=pytest.mark.long),
+])
+def test_pipetransformer_resumes_its_plan_and_freeze_timeline_bit_for_bit(at, options):
+    # The plan (frozen layers, K, R, cuts, micro-batches), the timeline, the gradient-norm
+    # tracker and each stage optimizer's Adam moments come back; the weights are replica 0's.
+    config = TrainConfig(strategy="pipetransformer", workers=4, nodes=2, steps=6, batch_size=8,
+                         optimizer="adam", lr=3e-3, model_options=PIPE,
+                         strategy_options=options)
+    whole, final, again, final_again = stop_and_resume(config, at)
+    assert all(torch.equal(final[k], final_again[k]) for k in final), max_abs_diff(final,
+                                                                                  final_again)
+    assert again["losses"] == whole["losses"] and again["checkpoints"]["resumed_at"] == at
+    assert again["freeze_timeline"] == whole["freeze_timeline"]
+    if options.get("freeze", True):
+        assert whole["freeze_timeline"][-1]["frozen"] > 0  # something froze
+
+
 @pytest.mark.timeout(180)
 def test_a_checkpoint_does_not_change_the_run():
     # Saving gathers the state between steps: the run with checkpoints is the run without.
