@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ...data import shard
 from ...emulation.clock import clock_of
 from ...emulation.devices import Cluster, homogeneous
 from ...emulation.profile import (
@@ -388,10 +389,13 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
     def train_step(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                    inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn) -> float | None:
         if self.plan is None:
+            before = self.replica  # the slice the trainer gave: by the saved plan
             self._setup(inputs, loss_fn)
             if self._resume_replan is not None:
                 step, self._resume_replan = self._resume_replan, None
                 self.replan(step)
+                if self.replica != before:  # the freeze point changed the replicas
+                    inputs, targets = self._reshard(inputs, targets, before[0])
         plan = self.plan
         assert plan is not None
         self._next_mb += plan.micro_batches
@@ -431,6 +435,25 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
             self.tracker.record({k: v ** 0.5 for k, v in norms.items()})
         opt.step()
         return loss
+
+    def _reshard(self, inputs: torch.Tensor, targets: torch.Tensor, index: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This worker's slice under the current plan, from every worker's slice under the
+        plan before (``index``: this worker's replica then). Only a resumed run's first
+        step needs it: the trainer sliced the batch before the freeze point's re-plan,
+        which the uninterrupted run made before slicing."""
+        ctx = self.ctx
+        assert ctx is not None
+        indices: list[Any] = [None] * ctx.num_workers
+        dist.all_gather_object(indices, index, group=ctx.groups.workers)
+        out = []
+        for t in (inputs, targets):
+            every = [torch.empty_like(t) for _ in range(ctx.num_workers)]
+            dist.all_gather(every, t.contiguous(), group=ctx.groups.workers)
+            first = {i: every[w] for w, i in reversed(list(enumerate(indices)))}
+            whole = torch.cat([first[i] for i in sorted(first)])
+            out.append(shard(whole, *self.replica))
+        return out[0], out[1]
 
     # -- results ----------------------------------------------------------------------------
 
