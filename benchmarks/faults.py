@@ -10,6 +10,7 @@ the last checkpoint (must be none: a restart redoes only steps after it).
 
     ./dev bench faults                                # everything (about 15 minutes here)
     ./dev bench faults --strategies ddp,moe --faults kill-worker,sigstop
+    ./dev bench faults --strategies herring,parallax --faults kill-worker,kill-server
 
 Results merge into benchmarks/results/faults.json (one entry per strategy and fault).
 """
@@ -50,9 +51,19 @@ STRATEGIES: dict[str, dict[str, Any]] = {
                 model_options={**TINY, "experts": 4}),
     "hetpipe": dict(strategy="hetpipe", workers=4, nodes=2, servers=1, optimizer="sgd",
                     lr=0.05, strategy_options={"inflight": 1, "staleness": 0}),
+    "herring": dict(strategy="herring", workers=2, nodes=2, servers=1),
+    # The partition count fixed: the search times steps (the weights do not depend on it).
+    "parallax": dict(strategy="parallax", model="wordlm", workers=2, nodes=2, servers=1,
+                     model_options={"vocab": 2000, "seq_len": 8, "d_model": 16, "layers": 1,
+                                    "heads": 2, "negatives": 32},
+                     strategy_options={"partitions": 3}),
+    # A freeze point at step 20, where the fault comes: the restart re-plans there.
+    "pipetransformer": dict(strategy="pipetransformer", workers=4, nodes=2,
+                            strategy_options={"freeze_every": 20, "freeze_threshold": 100.0,
+                                              "freeze_alpha": 0.5}),
 }
 FAULTS = ["kill-worker", "kill-server", "sigstop", "raise", "kill-launcher", "truncated"]
-SYNC = {"ddp", "byteps", "moe", "hetpipe"}
+SYNC = {"ddp", "byteps", "moe", "hetpipe", "herring", "parallax", "pipetransformer"}
 
 
 def config_of(name: str, out: Path, **changes: Any) -> TrainConfig:

@@ -6,7 +6,10 @@ import json
 
 import pytest
 
+from polytrain import ConfigError
 from polytrain.cli import main
+from polytrain.launch.layout import Layout
+from polytrain.strategies.base import Strategy, get_strategy, make_options
 
 TINY = ["--steps", "4", "--batch-size", "8", "--seq-len", "16", "--d-model", "32", "--quiet",
         "--timeout", "30"]
@@ -92,10 +95,29 @@ def test_an_unwritable_checkpoint_directory_stops_or_trains_on(capsys, caplog, t
     assert (out / "checkpoints").read_text() == "not a directory"
 
 
-@pytest.mark.parametrize("strategy", ["parallax", "pipetransformer"])
-def test_strategies_whose_state_a_checkpoint_lacks_refuse_it(capsys, tmp_path, strategy):
-    # Their own state (servers' rows, freeze plans) is not saved yet: a resume would be
-    # another run, so they say so instead of saving half of it.
-    line = error_of(capsys, "--strategy", strategy, "--workers", "4", "--nodes", "2",
-                    "--checkpoint-every", "2", "--out", str(tmp_path), *TINY)
-    assert f"strategy {strategy!r} cannot save or resume checkpoints yet" in line
+@pytest.mark.timeout(30)
+def test_a_strategy_whose_state_a_checkpoint_lacks_refuses_it():
+    # No strategy has such a gap today; one that declares it is refused in one line.
+    class Gappy(Strategy):
+        name = "gappy"
+        checkpoint_gap = "its clocks are not saved"
+    with pytest.raises(ConfigError, match=r"strategy 'gappy' cannot save or resume "
+                                          r"checkpoints yet: its clocks are not saved"):
+        Gappy.check_checkpoints()
+
+
+@pytest.mark.timeout(30)
+def test_pipetransformer_refuses_a_checkpoint_of_other_machines_or_planning_options():
+    cls = get_strategy("pipetransformer")
+    saved = {"workers": 4, "nodes": 2, "strategy_options": {"freeze_every": 2}}
+    same = make_options(cls, {"freeze_every": 2, "cache_mb": 64.0})  # the cache may move
+    cls.check_resume(saved, Layout(workers=4, nodes=2), same)
+    with pytest.raises(ConfigError, match=r"cannot resume a checkpoint of 2 machines on 1.*"
+                                          r"HINT: resume with --nodes 2"):
+        cls.check_resume(saved, Layout(workers=4, nodes=1), same)
+    with pytest.raises(ConfigError, match=r"only with the options that made them "
+                                          r"\(--freeze-every 2 there, 4 here\)"):
+        cls.check_resume(saved, Layout(workers=4, nodes=2),
+                         make_options(cls, {"freeze_every": 4}))
+    with pytest.raises(ConfigError, match=r"cannot resume a checkpoint of 4 workers on 8"):
+        cls.check_resume(saved, Layout(workers=8, nodes=2), same)

@@ -59,6 +59,8 @@ class WordLM(nn.Module):
         dense_grads: ``sparse=False`` embeddings (default False): a baseline.
     """
 
+    draws: torch.Tensor
+
     def __init__(self, *, vocab: int = 100_000, seq_len: int = 32, d_model: int = 64,
                  layers: int = 2, heads: int = 4, negatives: int = 512,
                  dense_grads: bool = False) -> None:
@@ -88,11 +90,13 @@ class WordLM(nn.Module):
             self.out.weight[:, -1] = 0.0
         # From the global generator, on CPU even under a meta-device context: the run's seed.
         self.sample_seed = int(torch.randint(0, 2**62, (), device="cpu"))
-        self.draws = 0
+        # The forwards so far: a buffer, so a checkpoint's model carries it and a resumed
+        # run draws the uninterrupted run's negatives.
+        self.register_buffer("draws", torch.zeros((), dtype=torch.int64, device="cpu"))
 
     def sample(self) -> torch.Tensor:
         """The next forward's negatives: (negatives,) word ids, log-uniform over ranks."""
-        gen = torch.Generator().manual_seed(self.sample_seed + self.draws)
+        gen = torch.Generator().manual_seed(self.sample_seed + int(self.draws))
         span = self.vocab - 1
         u = torch.rand(self.negatives, generator=gen, dtype=torch.float64)
         ranks = (torch.exp(u * math.log(span + 1)).floor().long() - 1).clamp(0, span - 1)
@@ -109,7 +113,7 @@ class WordLM(nn.Module):
         """(batch, seq_len + 1) ids -> (batch, seq_len) losses of predicting each next word."""
         x, y = window[:, :-1], window[:, 1:]
         neg = self.sample().to(window.device)
-        self.draws += 1
+        self.draws.add_(1)
         h = self.tok(x) + self.pos[:x.shape[1]]
         h = self.ln(self.blocks(h))
         h = torch.cat([h, torch.ones_like(h[..., :1])], -1)               # (b, t, d + 1)

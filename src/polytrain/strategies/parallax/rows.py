@@ -284,31 +284,58 @@ class SparseRows:
         for var in self.vars:
             var.fresh.fill_(self.ctx.worker_index == 0)
 
+    def whole_variables(self, states: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+        """Per sparse parameter, its whole tensors (values, then the rule's state tensors,
+        each ``(rows, width)``) put together from ``states``, one per range of the plan."""
+        merged = []
+        for var in self.vars:
+            olds = [(r, s) for r, s in zip(self.plan.ranges, states) if r.var == var.index]
+            olds.sort(key=lambda x: x[0].lo)
+            k = 1 + (state_numel(1, var.rule["name"]) - 2)  # tensors in a state
+            width = var.param.shape[1]
+            merged.append([torch.cat([s[j * (r.hi - r.lo) * width:(j + 1) * (r.hi - r.lo) * width]
+                                      .view(r.hi - r.lo, width) for r, s in olds])
+                           for j in range(k)])
+        return merged
+
+    def _cut(self, merged: list[list[torch.Tensor]], plan: ParallaxPlan
+             ) -> list[torch.Tensor]:
+        """``merged`` (as :meth:`whole_variables` gives) cut by ``plan``'s ranges: each
+        range's whole state, with the rounds pushed as its rounds applied."""
+        return [torch.cat([t[r.lo:r.hi].reshape(-1) for t in merged[r.var]]
+                          + [torch.tensor([float(self.round)], dtype=merged[r.var][0].dtype)])
+                for r in plan.ranges]
+
     def repartition(self, plan: ParallaxPlan) -> None:
         """Move every range to ``plan``'s (new keys), with its optimizer state and round:
         no update is lost. Every worker calls it between steps."""
         states = self.pull_states()
-        if states:
-            # Whole variables from the old ranges, then cut again by the new ones.
-            merged = []
-            for var in self.vars:
-                olds = [(r, s) for r, s in zip(self.plan.ranges, states) if r.var == var.index]
-                olds.sort(key=lambda x: x[0].lo)
-                k = 1 + (state_numel(1, var.rule["name"]) - 2)  # tensors in a state
-                width = var.param.shape[1]
-                tensors = [torch.cat([s[j * (r.hi - r.lo) * width:(j + 1) * (r.hi - r.lo) * width]
-                                      .view(r.hi - r.lo, width) for r, s in olds])
-                           for j in range(k)]
-                merged.append(tensors)
-            new_states = []
-            for r in plan.ranges:
-                tensors = merged[r.var]
-                new_states.append(torch.cat([t[r.lo:r.hi].reshape(-1) for t in tensors]
-                                            + [torch.tensor([float(self.round)],
-                                                            dtype=tensors[0].dtype)]))
+        new_states = self._cut(self.whole_variables(states), plan) if states else None
         self.plan = plan
         self.placement = self._install(plan)
-        self.initial_state(new_states if states else None)
+        self.initial_state(new_states)
+        dist.barrier(group=self.ctx.groups.workers)
+
+    def restore(self, merged: list[list[torch.Tensor]] | None, rounds: int) -> None:
+        """Continue from a checkpoint: ``rounds`` pushed and applied, and (worker 0, which
+        alone passes ``merged``) every sparse parameter's whole state, cut by this plan's
+        ranges and set on the servers. Every worker calls it between steps, after the
+        checkpoint's weights are loaded (every row is then current on every worker)."""
+        self.drain()
+        self.round = rounds
+        if self.ctx.worker_index == 0:
+            if merged is None or len(merged) != len(self.vars) or any(
+                    [tuple(t.shape) for t in m] != [tuple(v.param.shape)] * len(m)
+                    or len(m) != 1 + (state_numel(1, v.rule["name"]) - 2)
+                    for m, v in zip(merged, self.vars)):
+                here = [(v.name, tuple(v.param.shape), v.rule["name"]) for v in self.vars]
+                raise ConfigError(
+                    "the checkpoint's sparse rows do not fit this run's sparse parameters "
+                    f"and rules ({here})",
+                    "resume with the checkpoint's model, optimizer and --sparse-embeddings")
+            self.initial_state(self._cut(merged, self.plan))
+        for var in self.vars:
+            var.fresh.fill_(True)
         dist.barrier(group=self.ctx.groups.workers)
 
     def alpha(self, skip: int = 1) -> dict[str, dict[str, float]]:

@@ -5,12 +5,13 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from ...errors import ConfigError
 from ...ps.placement import server_ranks
 from ...runtime import Context
 from ..base import register
@@ -45,8 +46,6 @@ class Parallax(ServedStrategy[ParallaxOptions]):
     """
 
     name = "parallax"
-    checkpoint_gap = ("the sparse rows and their optimizer state live on the servers, which "
-                      "do not save them")
     no_colocate_means = "keeps only the dedicated servers"
     Options = ParallaxOptions
 
@@ -163,6 +162,70 @@ class Parallax(ServedStrategy[ParallaxOptions]):
         if self.rows is not None:
             self.rows.gather()
         return super().state_dict(model)
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """The servers' sparse rows with their rule's state (worker 0's file: whole
+        variables, so a resumed run may cut them into another partition count), the
+        rounds pushed, the partition count and the search so far."""
+        state: dict[str, Any] = {"partitions": self._count, "since": self._since,
+                                 "times": list(self._times)}
+        search = self.search or getattr(self, "final_search", None)
+        if search is not None:
+            state["search"] = {"start": search.start, "low": search.low, "high": search.high,
+                               "samples": list(search.samples), "going_up": search.going_up,
+                               "done": self.search is None}
+        if self.rows is not None:
+            states = self.rows.pull_states()  # collective; worker 0's are the servers' states
+            state["rounds"] = self.rows.round
+            state["touched"] = {v.name: list(v.touched) for v in self.rows.vars}
+            if states:
+                state["rows"] = {v.name: m for v, m in
+                                 zip(self.rows.vars, self.rows.whole_variables(states))}
+        return state
+
+    def load_checkpoint_state(self, state: Mapping[str, Any]) -> None:
+        """Put the servers' rows back, at the saved partition count, and the search where it
+        was. Every worker calls it after the checkpoint's weights are loaded."""
+        ctx = self.ctx
+        if not state:
+            if self.rows is None:
+                return
+            raise ConfigError(f"strategy 'parallax' resumes only a checkpoint of its own worker "
+                              f"count ({ctx.num_workers if ctx else 1} here): each worker's "
+                              f"state of the servers' rows belongs to its place in the layout",
+                              "resume with the checkpoint's --workers")
+        assert ctx is not None and self.plan is not None
+        saved = state.get("search")
+        if saved is not None:
+            search = PartitionSearch(saved["start"], low=saved["low"], high=saved["high"])
+            search.samples, search.going_up = [tuple(s) for s in saved["samples"]], \
+                saved["going_up"]
+            if saved["done"]:
+                self.final_search, self.search = search, None
+            elif self.options.partitions is None:
+                self.search = search
+        count = int(state["partitions"]) if self.options.partitions is None \
+            else self.options.partitions
+        self._since, self._times, self._last = int(state["since"]), list(state["times"]), None
+        if self.rows is None:
+            return
+        if count != self._count:
+            self.plan = plan_parallax(self.plan.sparse, self.plan.dense, partitions=count,
+                                      servers=self.plan.servers)
+            self.rows.repartition(self.plan)
+            self._count = count
+        rows = state.get("rows")
+        merged = [rows[v.name] for v in self.rows.vars] if rows is not None and all(
+            v.name in rows for v in self.rows.vars) else None
+        if ctx.worker_index == 0 and merged is None:
+            raise ConfigError("the checkpoint has no sparse rows for "
+                              f"{[v.name for v in self.rows.vars]}",
+                              "resume from a checkpoint this model's parallax run wrote")
+        self.rows.restore(merged, int(state["rounds"]))
+        for v in self.rows.vars:
+            v.touched = list(state.get("touched", {}).get(v.name, []))
 
     def close(self) -> None:
         if self.rows is not None:

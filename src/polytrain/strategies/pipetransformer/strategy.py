@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from ...data import shard
 from ...emulation.clock import clock_of
 from ...emulation.devices import Cluster, homogeneous
 from ...emulation.profile import (
@@ -29,7 +31,7 @@ from ...pipeline.freeze import GradNormTracker, next_frozen
 from ...pipeline.stage import Stage
 from ...pipeline.sync import SyncPipeline
 from ...runtime import Context
-from ..base import LossFn, Strategy, register
+from ..base import LossFn, Strategy, make_options, register
 from .options import PipeTransformerOptions
 
 __all__ = ["PipeTransformer"]
@@ -68,8 +70,6 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
     """
 
     name = "pipetransformer"
-    checkpoint_gap = ("the freeze timeline, the re-planned pipelines and the activation cache "
-                      "are not saved")
     Options = PipeTransformerOptions
     pipeline = True
 
@@ -85,6 +85,31 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
                               f"devices (workers {layout.workers} over {layout.nodes} "
                               f"machines): a pipeline never spans machines",
                               f"pass --pipeline-stages among the divisors of {per}")
+
+    #: Options that only say where the activation cache lives: a resume may change them.
+    _FREE_ON_RESUME = ("cache_mb", "cache_dir")
+
+    @classmethod
+    def check_resume(cls, saved: Mapping[str, Any], layout: Layout,
+                     options: PipeTransformerOptions) -> None:
+        """The saved plan (stages, replicas, cuts) is of its layout and options: the same
+        workers, machines and planning options, or the run would be another one."""
+        super().check_resume(saved, layout, options)
+        if int(saved.get("nodes", layout.nodes)) != layout.nodes:
+            raise ConfigError(f"strategy 'pipetransformer' cannot resume a checkpoint of "
+                              f"{saved['nodes']} machines on {layout.nodes}: its pipelines' "
+                              f"stages belong to their machines",
+                              f"resume with --nodes {saved['nodes']}")
+        theirs = make_options(cls, dict(saved.get("strategy_options") or {}))
+        differ = [f.name for f in dataclasses.fields(options)
+                  if f.name not in cls._FREE_ON_RESUME
+                  and getattr(theirs, f.name) != getattr(options, f.name)]
+        if differ:
+            said = ", ".join(f"--{n.replace('_', '-')} {getattr(theirs, n)} there, "
+                             f"{getattr(options, n)} here" for n in differ)
+            raise ConfigError(f"strategy 'pipetransformer' resumes a checkpoint's plan and "
+                              f"freeze timeline only with the options that made them ({said})",
+                              "resume with the checkpoint's pipetransformer options")
 
     @classmethod
     def replicas(cls, layout: Layout, options: PipeTransformerOptions) -> int:
@@ -137,6 +162,8 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
         self._next_mb = 0
         self._names: list[str] = []
         self._layer_params: dict[str, list[str]] = {}
+        self._resume: dict[str, Any] | None = None  # a checkpoint's state, until the 1st step
+        self._resume_replan: int | None = None  # a freeze point asked for before it
         #: set by the training loop: steps in one epoch of the data (None: unknown)
         self.epoch_steps: int | None = None
 
@@ -163,6 +190,9 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
     @property
     def replica(self) -> tuple[int, int]:
         assert self.ctx is not None
+        if self.plan is None and self._resume is not None:
+            where = self._resume["plan"].pipeline_of(self.ctx.worker_index)
+            return (where[0] if where is not None else 0), self._resume["plan"].replicas
         if self.plan is None:
             k = self._k0
             return self.ctx.worker_index // k, self.ctx.num_workers // k
@@ -192,14 +222,18 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
         self.loss_fn = loss_fn
         self.profile = profile_model(self.model, inputs[:1])
         k = self._k0
-        self.global_batch = inputs.shape[0] * (ctx.num_workers // k)
+        self.global_batch = inputs.shape[0] * self.replica[1]  # the plan's, or a resumed one's
         self.memory = min(d.type.memory_bytes for d in self._cluster().devices)
         self.state_factor = optimizer_state_factor(self.base_optimizer)
-        plan = plan_pipe(self.profile, step=0, frozen=0, stages=k,
-                         replicas=ctx.num_workers // k, global_batch=self.global_batch,
-                         micro_batches=self.options.micro_batches, memory=self.memory,
-                         state_factor=self.state_factor)
-        self._install(plan, None)
+        if self._resume is not None:
+            self._restore(self._resume)
+            self._resume = None
+        else:
+            plan = plan_pipe(self.profile, step=0, frozen=0, stages=k,
+                             replicas=ctx.num_workers // k, global_batch=self.global_batch,
+                             micro_batches=self.options.micro_batches, memory=self.memory,
+                             state_factor=self.state_factor)
+            self._install(plan, None)
         if self.options.freeze and self.freeze_every is None and ctx.worker_index == 0:
             log.warning("pipetransformer: no freeze points (the data has no epochs), so no "
                         "layer will freeze; pass --freeze-every N or --sampling epoch")
@@ -207,6 +241,9 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
     def replan(self, step: int) -> None:
         """At a freeze point: AutoFreeze decides, AutoPipe/AutoDP re-plan, state moves."""
         every = self.freeze_every
+        if self.plan is None and self._resume is not None:
+            self._resume_replan = step  # the plan comes back with the first step's inputs
+            return
         if (self.plan is None or not self.options.freeze or every is None or step == 0
                 or step % every or step == self._planned):
             return
@@ -309,13 +346,17 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
         names = [n for layer in held_layers for n in self._layer_params.get(layer, [])]
         names += list(self.stage.names)
         weights = {n: params[n].detach().clone() for n in names}
+        return weights, self._stage_optimizer_state()
+
+    def _stage_optimizer_state(self) -> dict[str, dict[str, Any]]:
+        """This worker's stage optimizer's state, by parameter name."""
         state: dict[str, dict[str, Any]] = {}
-        if self.stage_opt is not None:
+        if self.stage is not None and self.stage_opt is not None:
             for n, p in zip(self.stage.names, self.stage.params):
                 if p in self.stage_opt.state:
                     state[n] = {k: v.detach().clone() if isinstance(v, torch.Tensor) else v
                                 for k, v in self.stage_opt.state[p].items()}
-        return weights, state
+        return state
 
     def _hand_over(self, plan: PipePlan, old: PipePlan) -> None:
         """Every worker takes the whole model's weights, and its new stage's optimizer state,
@@ -348,7 +389,13 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
     def train_step(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                    inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn) -> float | None:
         if self.plan is None:
+            before = self.replica  # the slice the trainer gave: by the saved plan
             self._setup(inputs, loss_fn)
+            if self._resume_replan is not None:
+                step, self._resume_replan = self._resume_replan, None
+                self.replan(step)
+                if self.replica != before:  # the freeze point changed the replicas
+                    inputs, targets = self._reshard(inputs, targets, before[0])
         plan = self.plan
         assert plan is not None
         self._next_mb += plan.micro_batches
@@ -389,6 +436,25 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
         opt.step()
         return loss
 
+    def _reshard(self, inputs: torch.Tensor, targets: torch.Tensor, index: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This worker's slice under the current plan, from every worker's slice under the
+        plan before (``index``: this worker's replica then). Only a resumed run's first
+        step needs it: the trainer sliced the batch before the freeze point's re-plan,
+        which the uninterrupted run made before slicing."""
+        ctx = self.ctx
+        assert ctx is not None
+        indices: list[Any] = [None] * ctx.num_workers
+        dist.all_gather_object(indices, index, group=ctx.groups.workers)
+        out = []
+        for t in (inputs, targets):
+            every = [torch.empty_like(t) for _ in range(ctx.num_workers)]
+            dist.all_gather(every, t.contiguous(), group=ctx.groups.workers)
+            first = {i: every[w] for w, i in reversed(list(enumerate(indices)))}
+            whole = torch.cat([first[i] for i in sorted(first)])
+            out.append(shard(whole, *self.replica))
+        return out[0], out[1]
+
     # -- results ----------------------------------------------------------------------------
 
     def stage_state(self) -> dict[str, Any]:
@@ -416,6 +482,38 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
         for part in parts:
             local.update({k: v.cpu() for k, v in (part or {}).items()})
         return local
+
+    # -- checkpoints ------------------------------------------------------------------------
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """This worker's plan (frozen layers, K, R, cuts, micro-batches), the freeze
+        timeline and gradient-norm tracker, the minibatch count, and its stage optimizer's
+        state by name; the weights are the checkpoint's model (replica 0's, which every
+        replica equals). The activation cache is not kept: a resumed run refills it."""
+        if self.plan is None:
+            return {}
+        return {"plan": self.plan, "timeline": copy.deepcopy(self.timeline),
+                "tracker": copy.deepcopy(self.tracker), "planned": self._planned,
+                "next_mb": self._next_mb, "stage_optimizer": self._stage_optimizer_state(),
+                "source": getattr(self, "source_replica", None)}
+
+    def load_checkpoint_state(self, state: Mapping[str, Any]) -> None:
+        """Keep the saved state until the first step, which installs its plan (planning
+        needs that step's inputs)."""
+        self._resume = dict(state) if state else None
+
+    def _restore(self, saved: Mapping[str, Any]) -> None:
+        """Install the saved plan: its frozen layers, stage and groups, with the stage
+        optimizer's state; the timeline and tracker as they were."""
+        self._next_mb = int(saved["next_mb"])
+        self._handed = dict(saved["stage_optimizer"])
+        self._install(saved["plan"], None)
+        self._handed = None
+        self.timeline = list(saved["timeline"])
+        self.tracker = saved["tracker"]
+        self._planned = int(saved["planned"])
+        if saved.get("source") is not None:
+            self.source_replica = saved["source"]
 
     def evaluation_model(self, model: nn.Module) -> nn.Module | None:
         """Worker 0's model with replica 0's current weights (every worker calls it)."""
