@@ -409,12 +409,12 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
             group.update(numeric_settings(self.base_optimizer.param_groups[i]))
         opt.zero_grad(set_to_none=True)
         loss = self.pipe.step(inputs, targets)
-        trained = [p for p in stage.params if p.grad is not None]
-        if self.group_size > 1 and trained:
+        grads = [g for p in stage.params if (g := p.grad) is not None]  # the trained ones
+        if self.group_size > 1 and grads:
             # The data leaves the device once its backward has finished there.
             if stage.clock is not None:
                 stage.clock.wait()
-            flat = torch.cat([p.grad.reshape(-1) for p in trained])
+            flat = torch.cat([g.reshape(-1) for g in grads])
             assert self.ctx is not None
             self.ctx.meter.record_ring_allreduce(
                 [self.ctx.topology.workers[i] for i in plan.workers_of_stage(stage.spec.index)],
@@ -422,9 +422,9 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
             dist.all_reduce(flat, group=self.group)
             flat /= self.group_size
             offset = 0
-            for p in trained:
-                n = p.grad.numel()
-                p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+            for g in grads:
+                n = g.numel()
+                g.copy_(flat[offset:offset + n].view_as(g))
                 offset += n
         if self.options.freeze:
             norms: dict[str, float] = {}
