@@ -26,6 +26,18 @@ def run(config: TrainConfig, out: Path, **changes: Any
     return metrics, torch.load(out / "final.pt")
 
 
+def assert_equal_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    """Bit for bit, every tensor (the message: the largest difference)."""
+    assert all(torch.equal(a[k], b[k]) for k in a), max_abs_diff(a, b)
+
+
+def hetpipe(steps: int, inflight: int) -> TrainConfig:
+    """HetPipe without staleness on 2 machines of 2 workers and one server, SGD."""
+    return TrainConfig(strategy="hetpipe", workers=4, nodes=2, servers=1, steps=steps,
+                       batch_size=8, optimizer="sgd", lr=0.05, model_options=TINY,
+                       strategy_options={"inflight": inflight, "staleness": 0})
+
+
 def stop_and_resume(config: TrainConfig, at: int, resumed: TrainConfig | None = None
                     ) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any],
                                dict[str, torch.Tensor]]:
@@ -56,8 +68,7 @@ def test_resume_equals_the_uninterrupted_run_bit_for_bit(strategy, workers, node
                          lr_schedule="cosine", warmup_steps=2, model_options=options)
     whole, final, again, final_again = stop_and_resume(config, 3)
     assert list(final_again) == list(final)
-    assert all(torch.equal(final[k], final_again[k]) for k in final), max_abs_diff(final,
-                                                                                  final_again)
+    assert_equal_weights(final, final_again)
     assert again["losses"] == whole["losses"] and len(again["losses"]) == 6
     assert again["checkpoints"]["resumed_at"] == 3
     assert whole["losses"][0] > whole["losses"][-1]  # it trained
@@ -88,8 +99,7 @@ def test_parallax_resumes_its_servers_rows_bit_for_bit(optimizer, nodes, workers
                          strategy_options=options)
     whole, final, again, final_again = stop_and_resume(config, 3)
     assert list(final_again) == list(final)
-    assert all(torch.equal(final[k], final_again[k]) for k in final), max_abs_diff(final,
-                                                                                  final_again)
+    assert_equal_weights(final, final_again)
     assert again["losses"] == whole["losses"] and len(again["losses"]) == 6
     assert again["checkpoints"]["resumed_at"] == 3
     assert whole["losses"][0] > whole["losses"][-1]  # it trained
@@ -105,8 +115,7 @@ def test_a_parallax_checkpoint_resumed_with_another_partition_count_is_the_same_
                          strategy_options={"partitions": 3})
     _, final, _, final_again = stop_and_resume(
         config, 3, config.replace(strategy_options={"partitions": 5}))
-    assert all(torch.equal(final[k], final_again[k]) for k in final), max_abs_diff(final,
-                                                                                  final_again)
+    assert_equal_weights(final, final_again)
 
 
 PIPE = {"seq_len": 16, "d_model": 32, "layers": 4}  # embed h0 h1 h2 h3 head: 6 layers
@@ -134,8 +143,7 @@ def test_pipetransformer_resumes_its_plan_and_freeze_timeline_bit_for_bit(at, op
                          optimizer="adam", lr=3e-3, model_options=PIPE,
                          strategy_options=options)
     whole, final, again, final_again = stop_and_resume(config, at)
-    assert all(torch.equal(final[k], final_again[k]) for k in final), max_abs_diff(final,
-                                                                                  final_again)
+    assert_equal_weights(final, final_again)
     assert again["losses"] == whole["losses"] and again["checkpoints"]["resumed_at"] == at
     assert again["freeze_timeline"] == whole["freeze_timeline"]
     if options.get("freeze", True):
@@ -151,7 +159,7 @@ def test_a_checkpoint_does_not_change_the_run():
         saved, w1 = run(config, Path(tmp) / "saved", checkpoint_every=1, keep=2)
         assert sorted(p.name for p in (Path(tmp) / "saved" / "checkpoints").iterdir()) == \
             ["step-3", "step-4"]
-    assert all(torch.equal(w0[k], w1[k]) for k in w0)
+    assert_equal_weights(w0, w1)
     assert plain["losses"] == saved["losses"]
 
 
@@ -178,12 +186,9 @@ def test_ddp_resumes_on_another_worker_count():
 @pytest.mark.long
 @pytest.mark.timeout(180)
 def test_hetpipe_without_staleness_and_one_in_flight_resumes_bit_for_bit():
-    config = TrainConfig(strategy="hetpipe", workers=4, nodes=2, servers=1, steps=6,
-                         batch_size=8, optimizer="sgd", lr=0.05, model_options=TINY,
-                         strategy_options={"inflight": 1, "staleness": 0})
+    config = hetpipe(steps=6, inflight=1)
     whole, final, again, final_again = stop_and_resume(config, 3)
-    assert all(torch.equal(final[k], final_again[k]) for k in final), max_abs_diff(final,
-                                                                                  final_again)
+    assert_equal_weights(final, final_again)
     assert again["losses"] == whole["losses"]
 
 
@@ -193,13 +198,11 @@ def test_a_hetpipe_checkpoint_does_not_change_the_run():
     # that did not (and from its resumed run), with the same losses. Cause: a save drains the
     # pipelines, and the drain marked them drained for good, so the final state_dict skipped
     # its drain and final.pt lacked the last minibatch's update (the pull not installed).
-    config = TrainConfig(strategy="hetpipe", workers=4, nodes=2, servers=1, steps=4,
-                         batch_size=8, optimizer="sgd", lr=0.05, model_options=TINY,
-                         strategy_options={"inflight": 1, "staleness": 0})
+    config = hetpipe(steps=4, inflight=1)
     with tempfile.TemporaryDirectory() as tmp:
         plain, w0 = run(config, Path(tmp) / "plain")
         saved, w1 = run(config, Path(tmp) / "saved", checkpoint_every=2)
-    assert all(torch.equal(w0[k], w1[k]) for k in w0), max_abs_diff(w0, w1)
+    assert_equal_weights(w0, w1)
     assert plain["losses"] == saved["losses"]
 
 
@@ -211,12 +214,9 @@ def test_hetpipe_with_two_in_flight_resumes_from_a_short_wave_bit_for_bit():
     # pushed and waves count from the drain, as in the run resumed there, which continues
     # like the run that saved (that run's save flushes its pipelines: with N_m > 1 it is
     # not the run without checkpoints).
-    config = TrainConfig(strategy="hetpipe", workers=4, nodes=2, servers=1, steps=6,
-                         batch_size=8, optimizer="sgd", lr=0.05, model_options=TINY,
-                         strategy_options={"inflight": 2, "staleness": 0})
+    config = hetpipe(steps=6, inflight=2)
     whole, final, again, final_again = stop_and_resume(config, 3)
-    assert all(torch.equal(final[k], final_again[k]) for k in final), max_abs_diff(final,
-                                                                                  final_again)
+    assert_equal_weights(final, final_again)
     assert again["losses"] == whole["losses"] and again["checkpoints"]["resumed_at"] == 3
     assert again["losses"][-1] < again["losses"][3]  # it trains on after resuming
 
