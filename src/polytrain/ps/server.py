@@ -64,19 +64,19 @@ class _Outbox(threading.Thread):
     leave, four answers of a partition to four workers went one after another,
     and the receipts of the pushes queued behind them on the same thread waited
     too, and with them the workers' credit (a shaped link sat idle meanwhile).
-    A sent tensor is kept here until its send is done; stores answer with
+    A handle keeps its tensor alive until the send is done; stores answer with
     tensors they no longer change.
     """
 
     def __init__(self, server: Server) -> None:
         super().__init__(name="polytrain-outbox", daemon=True)
         self.server = server
-        self.queue: queue.Queue[tuple[Handle, torch.Tensor] | None] = queue.Queue()
+        self.queue: queue.Queue[Handle | None] = queue.Queue()
 
     def run(self) -> None:
         try:
-            while (item := self.queue.get()) is not None:
-                item[0].wait()
+            while (handle := self.queue.get()) is not None:
+                handle.wait()
         except BaseException as e:  # noqa: BLE001 - handed to the main loop, which raises it
             self.server.fail(e)
 
@@ -229,14 +229,12 @@ class Server:
 
     def acknowledge(self, req: Request) -> None:
         """Tell the worker that ``req``'s payload is here (its credit comes back)."""
-        receipt = torch.tensor([req.seq], dtype=torch.int64)
-        self.outbox.queue.put((self.transport.isend(
-            receipt, req.src, ack_tag(req.seq), f"receipt of {req.op.name} of key {req.key}"),
-            receipt))
+        self.outbox.queue.put(self.transport.isend(
+            torch.tensor([req.seq], dtype=torch.int64), req.src, ack_tag(req.seq),
+            f"receipt of {req.op.name} of key {req.key}"))
 
     def respond(self, req: Request, tensor: torch.Tensor) -> None:
         """Post the answer to ``req`` (called from engine threads; ``tensor`` must not change
         until it has left: the outbox waits for it)."""
-        self.outbox.queue.put((self.transport.isend(
-            tensor, req.src, response_tag(req.seq), f"answer to {req.op.name} of key {req.key}"),
-            tensor))
+        self.outbox.queue.put(self.transport.isend(
+            tensor, req.src, response_tag(req.seq), f"answer to {req.op.name} of key {req.key}"))
