@@ -207,6 +207,19 @@ def test_a_hetpipe_checkpoint_does_not_change_the_run():
 
 
 @pytest.mark.timeout(180)
+def test_hetpipe_with_adam_on_the_servers_resumes_bit_for_bit():
+    # Symptom: a HetPipe run with Adam resumed from a checkpoint drifted from the run without
+    # one (D = 0, N_m = 1). Cause: the checkpoint held the weights only; the servers'
+    # optimizer stores restarted Adam's moments and step. Now VW 0's stages read each key's
+    # whole state (GET of round WHOLE_STATE) into the checkpoint and SET it back on resume.
+    config = hetpipe(steps=6, inflight=1).replace(optimizer="adam", lr=3e-3)
+    whole, final, again, final_again = stop_and_resume(config, 3)
+    assert again["checkpoints"]["resumed_at"] == 3
+    assert_equal_weights(final, final_again)
+    assert again["losses"] == whole["losses"]
+
+
+@pytest.mark.timeout(180)
 def test_hetpipe_with_two_in_flight_resumes_from_a_short_wave_bit_for_bit():
     # Symptom: with N_m = 2 a checkpoint at step 3 hung the run (a PULL never answered).
     # Cause: the save's drain ends the short wave (one minibatch), and the next pull's round

@@ -19,6 +19,7 @@ from polytrain.ps import (
     store_name,
 )
 from polytrain.ps.protocol import DTYPES, Request
+from polytrain.ps.stores import WHOLE_STATE, optimizer_state_numel
 
 
 def request(op, src, round_=0, payload=None, lane=0, key=1):
@@ -85,6 +86,29 @@ def test_an_optimizer_store_steps_once_per_round_on_the_sum_under_the_rounds_set
     s.handle(request(Op.PUSH, 1, round_=1, payload=grad))
     # The answer is the value, then how many rounds it holds.
     assert torch.allclose(out[0][2], torch.tensor([0.0, -1.0, 1.0]))
+
+
+def test_an_optimizer_stores_whole_state_comes_back_with_a_set_of_its_size():
+    adam = optimizer_spec(torch.optim.Adam([torch.zeros(1, requires_grad=True)], lr=0.1),
+                          per_round=False)
+    out, again = [], []
+    a = store(Kind.OPTIM, out, numel=2, optimizer=adam, staleness=0)
+    b = store(Kind.OPTIM, again, numel=2, optimizer=adam, staleness=0)
+    a.handle(request(Op.SET, 0, payload=torch.tensor([1.0, 1.0])))
+    for rnd in (1, 2):
+        for src in (0, 1):
+            a.handle(request(Op.PUSH, src, round_=rnd, payload=torch.tensor([1.0, -2.0])))
+    a.handle(request(Op.GET, 0, round_=WHOLE_STATE))
+    whole = out[-1][2]
+    # value, exp_avg, exp_avg_sq (2 each), step, rounds applied
+    assert whole.numel() == optimizer_state_numel(adam, 2) == 8 and whole[-2:].tolist() == [2, 2]
+    b.handle(request(Op.SET, 0, payload=whole))
+    assert b.applied == 2
+    for s in (a, b):
+        for src in (0, 1):
+            s.handle(request(Op.PUSH, src, round_=3, payload=torch.tensor([0.5, 3.0])))
+        s.handle(request(Op.GET, 0, round_=WHOLE_STATE))
+    assert torch.equal(out[-1][2], again[-1][2])
 
 
 class MaxStore(SumStore):

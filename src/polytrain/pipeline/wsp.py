@@ -34,6 +34,7 @@ from ..ps.engine import engine_for
 from ..ps.placement import Placement, balanced
 from ..ps.protocol import Kind
 from ..ps.settings import round_pieces, round_settings
+from ..ps.stores import WHOLE_STATE, optimizer_state_numel
 from ..runtime import Context
 
 __all__ = ["WaveSync", "model_placement"]
@@ -146,8 +147,9 @@ class WaveSync:
         flat = tensors[self._local[p.tensor]].detach().reshape(-1)
         return flat[p.offset:p.offset + p.numel]
 
-    def start(self, *, initialise: bool) -> None:
-        """Declare this stage's keys; the first virtual worker writes the initial weights.
+    def start(self, *, initialise: bool, states: Sequence[torch.Tensor] | None = None) -> None:
+        """Declare this stage's keys; the first virtual worker writes the initial weights,
+        or with ``states`` (:meth:`server_states` of a checkpoint) the servers' whole state.
 
         Ends with a barrier of all workers, so nobody pushes before the weights are set.
         """
@@ -162,7 +164,18 @@ class WaveSync:
                                              "optimizer": spec}
             engine.declare(placement, kind=kind, pushers=self.virtual_workers,
                            pullers=self.virtual_workers, options=options, only=[i])
-        if initialise:
+        if initialise and states is not None:
+            if self.optimizer is None or len(states) != len(self.mine):
+                raise ConfigError(f"the checkpoint holds the servers' state of "
+                                  f"{len(states)} keys for this stage, which has "
+                                  f"{len(self.mine)} optimizer keys",
+                                  "resume with the checkpoint's layout and options")
+            for (i, _), state in zip(self.mine, states):
+                # The stages count minibatches afresh: the rounds applied restart at 0.
+                state = state.clone()
+                state[-1] = 0
+                engine.set(placement, i, state).wait()
+        elif initialise:
             cpu = [t.cpu() for t in self._flat(self.params)]
             for i, p in self.mine:
                 engine.set(placement, i, self._slice(cpu, p)).wait()
@@ -170,6 +183,17 @@ class WaveSync:
             for (i, _), out in zip(self.mine, self._outs()):
                 engine.get(placement, i, out).wait()
         dist.barrier(group=self.ctx.groups.workers)
+
+    def server_states(self) -> list[torch.Tensor]:
+        """The whole state of this stage's optimizer stores (value, the optimizer's state,
+        rounds applied), read at once: call it when every push is applied (after a drain)."""
+        assert self.optimizer is not None
+        outs = [torch.empty(optimizer_state_numel(
+            self.optimizer[self.groups[self._local[p.tensor]]], p.numel), dtype=p.dtype)
+            for _, p in self.mine]
+        Pending.all([self.engine.get(self.placement, i, out, round=WHOLE_STATE)
+                     for (i, _), out in zip(self.mine, outs)]).wait()
+        return outs
 
     @property
     def synchronous(self) -> bool:

@@ -130,9 +130,10 @@ class PSClient:
         """Replace a parameter store's value."""
         return Pending(self.request(server, Op.SET, key=key, payload=tensor))
 
-    def get(self, server: int, *, key: int, out: torch.Tensor) -> Pending:
-        """Read a parameter store's current value, without waiting on clocks."""
-        return Pending(self.request(server, Op.GET, key=key, answer=out))
+    def get(self, server: int, *, key: int, out: torch.Tensor, round: int = 0) -> Pending:
+        """Read a parameter store's current value, without waiting on clocks (``round``
+        ``stores.WHOLE_STATE``: an optimizer store's whole state)."""
+        return Pending(self.request(server, Op.GET, key=key, round=round, answer=out))
 
     def finish(self) -> None:
         """Tell every server this worker is done (servers exit once all workers are)."""

@@ -195,9 +195,11 @@ class Engine:
         return self.client.set(placement.owners[i], key=placement.partitions[i].key,
                                tensor=tensor)
 
-    def get(self, placement: Placement, i: int, out: torch.Tensor) -> Pending:
-        """Read partition ``i``'s current value, without waiting on clocks."""
-        return self.client.get(placement.owners[i], key=placement.partitions[i].key, out=out)
+    def get(self, placement: Placement, i: int, out: torch.Tensor, *, round: int = 0) -> Pending:
+        """Read partition ``i``'s current value, without waiting on clocks (``round``: see
+        :meth:`PSClient.get`)."""
+        return self.client.get(placement.owners[i], key=placement.partitions[i].key, out=out,
+                               round=round)
 
     # -- synchronous sums ----------------------------------------------------------------------
 

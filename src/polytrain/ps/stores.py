@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import json
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
@@ -22,7 +23,10 @@ from .protocol import Kind, Op, Request
 from .settings import setting_values
 
 __all__ = ["Declaration", "Store", "SumStore", "ParamStore", "OptimizerStore", "STORES",
-           "register_store", "store_name"]
+           "WHOLE_STATE", "optimizer_state_numel", "register_store", "store_name"]
+
+#: The round of a GET that asks an optimizer store for its whole state (see OptimizerStore).
+WHOLE_STATE = -1
 
 Respond = Callable[[Request, torch.Tensor], None]
 
@@ -242,6 +246,30 @@ def _class_defaults(name: str) -> frozenset[str]:
         return frozenset()
 
 
+@functools.lru_cache(maxsize=None)
+def _state_layout(spec_json: str) -> tuple[tuple[str, bool, torch.dtype], ...]:
+    """The tensor entries of a parameter's state under the optimizer of ``spec_json``, by
+    name: (name, one value per element or a scalar, the scalar's dtype). Found by one step
+    of the optimizer on a probe (state is made at the first step)."""
+    probe = torch.zeros(2, requires_grad=True)
+    optimizer = _build_optimizer(json.loads(spec_json), probe)
+    probe.grad = torch.zeros(2)
+    optimizer.step()
+    state = optimizer.state.get(probe, {})
+    return tuple((name, value.shape == probe.shape, value.dtype)
+                 for name, value in sorted(state.items()) if isinstance(value, torch.Tensor))
+
+
+def state_layout(spec: dict[str, Any]) -> tuple[tuple[str, bool, torch.dtype], ...]:
+    return _state_layout(json.dumps(spec, sort_keys=True))
+
+
+def optimizer_state_numel(spec: dict[str, Any], numel: int) -> int:
+    """How many elements an optimizer store of ``numel`` parameters under ``spec`` answers to a
+    whole-state GET: the value, each state tensor (``numel`` or 1 element), the rounds applied."""
+    return numel + sum(numel if per else 1 for _, per, _ in state_layout(spec)) + 1
+
+
 class OptimizerStore(Store):
     """Parameters that an optimizer on the server updates, one step per round.
 
@@ -258,6 +286,11 @@ class OptimizerStore(Store):
       rounds are applied; GET at once. An answer is the value followed by the
       number of rounds applied (``numel + 1`` elements), so a worker knows
       which of its own pushes the value holds.
+    - GET of round :data:`WHOLE_STATE` answers the whole state: the value, the
+      optimizer's state tensors in name order (Adam: ``exp_avg``, ``exp_avg_sq``,
+      ``step``; zeros before the first step) and the rounds applied
+      (:func:`optimizer_state_numel` elements). A SET of that size restores it all
+      (a checkpoint's resume); a SET of ``numel`` elements replaces the value only.
 
     The optimizer is elementwise (SGD, Adam, AdamW, ...), so a key that is a
     slice of a tensor steps exactly as the whole tensor would: synchronous
@@ -279,6 +312,8 @@ class OptimizerStore(Store):
         ratio = 8 // self.param.element_size()  # float64 bits in the key's dtype
         self.width = decl.numel + ratio * sum(k for _, k in self.per_round)
         self.staleness = int(decl.options.get("staleness", 0))
+        self.layout = state_layout(spec)
+        self.whole = optimizer_state_numel(spec, decl.numel)
         self.rounds: dict[int, dict[tuple[int, int], torch.Tensor]] = {}
         self.settings: dict[int, torch.Tensor] = {}  # round -> its settings' values
         self.last: torch.Tensor | None = None  # the settings the optimizer holds
@@ -288,8 +323,15 @@ class OptimizerStore(Store):
     def handle(self, req: Request) -> None:
         if req.op == Op.SET:
             assert req.payload is not None
-            with torch.no_grad():
-                self.param.copy_(req.payload)
+            if req.payload.numel() == self.whole:
+                self._load(req.payload)
+            elif req.payload.numel() == self.decl.numel:
+                with torch.no_grad():
+                    self.param.copy_(req.payload)
+            else:
+                raise self.fail(req, f"a SET takes the value ({self.decl.numel} elements) "
+                                     f"or the whole state ({self.whole}), not "
+                                     f"{req.payload.numel()}")
         elif req.op == Op.PUSH:
             assert req.payload is not None
             if req.round <= self.applied:
@@ -319,10 +361,40 @@ class OptimizerStore(Store):
                 self._answer(req)
             else:
                 self.waiting.append(req)
+        elif req.op == Op.GET and req.round == WHOLE_STATE:
+            self._answer_whole(req)
         elif req.op == Op.GET:
             self._answer(req)
         else:
             raise self.fail(req, "an optimizer store answers SET, PUSH, PULL and GET only")
+
+    def _answer_whole(self, req: Request) -> None:
+        n, dtype = self.decl.numel, self.param.dtype
+        state = self.optimizer.state.get(self.param, {})
+        parts = [self.param.detach()]
+        for name, per, _ in self.layout:
+            value = state.get(name)
+            parts.append(torch.zeros(n if per else 1, dtype=dtype) if value is None
+                         else value.detach().reshape(-1).to(dtype))
+        parts.append(torch.tensor([float(self.applied)], dtype=dtype))
+        self.respond(req, torch.cat(parts))
+
+    def _load(self, whole: torch.Tensor) -> None:
+        """Restore what a whole-state GET answered: value, optimizer state, rounds applied."""
+        n = self.decl.numel
+        with torch.no_grad():
+            self.param.copy_(whole[:n])
+        at, state = n, {}
+        for name, per, dtype in self.layout:
+            k = n if per else 1
+            chunk = whole[at:at + k]
+            state[name] = chunk.clone() if per else chunk.reshape(()).to(dtype)
+            at += k
+        self.optimizer.state.pop(self.param, None)
+        if any(bool(v.any()) for v in state.values()):  # all zero: never stepped, none
+            self.optimizer.state[self.param] = state
+        self.applied = int(whole[-1])
+        self.last = None  # the next round sets its settings
 
     def _apply_ready(self) -> None:
         stepped = False

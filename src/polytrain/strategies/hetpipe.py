@@ -6,7 +6,7 @@ import contextlib
 import copy
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -180,6 +180,7 @@ class HetPipe(Strategy[HetPipeOptions]):
         self.roles: list[_Role] = []
         self.started = False
         self.virtual_workers: tuple[VirtualWorker, ...] = ()
+        self.resume_states: list[list[torch.Tensor] | None] | None = None  # per lane
 
     # -- set-up -----------------------------------------------------------------------------
 
@@ -256,7 +257,9 @@ class HetPipe(Strategy[HetPipeOptions]):
                                if self.options.server_optimizer else None,
                                groups=[groups[b[0]] for b in buckets], lane=lane,
                                buckets=buckets)
-                wsp.start(initialise=role.vw == 0)
+                states = self.resume_states[lane] if self.resume_states else None
+                wsp.start(initialise=role.vw == 0, states=states if role.vw == 0 else None)
+            role.wsp = wsp
             role.stage = stage
             role.pipe = AsyncPipeline(stage, optimizer, inflight=plan.inflight,
                                       update_scale=1.0 / count, wsp=wsp,
@@ -341,6 +344,21 @@ class HetPipe(Strategy[HetPipeOptions]):
             merged.update(part or {})
         return {k: merged[k] for k in model.state_dict()}
 
+    def checkpoint_state(self) -> dict[str, Any]:
+        """With the servers' optimizer, the whole state of the keys VW 0's stages hold (values,
+        optimizer state such as Adam's moments and step): called after :meth:`state_dict`
+        drained, so every push is applied. Per lane of this process (None: not VW 0)."""
+        if not self.started or not self.options.server_optimizer:
+            return {}
+        return {"servers": [role.wsp.server_states() if role.vw == 0 and role.wsp else None
+                            for role in self.roles]}
+
+    def load_checkpoint_state(self, state: Mapping[str, Any]) -> None:
+        """Keep the servers' saved state for the first step, which declares the keys."""
+        servers = state.get("servers")
+        if servers is not None and self.options.server_optimizer:
+            self.resume_states = list(servers)
+
     def close(self) -> None:
         self._drain()
         for role in self.roles:
@@ -372,3 +390,4 @@ class _Role:
     model: nn.Module
     stage: Stage | None = None
     pipe: AsyncPipeline | None = None
+    wsp: WaveSync | None = None
