@@ -164,10 +164,9 @@ def kill_launcher(name: str, reference: Path, out: Path) -> dict[str, Any]:
             "train", "--strategy", cfg.strategy,
             "--model", cfg.model, "--workers", str(cfg.workers), "--nodes", str(cfg.nodes),
             "--servers", str(cfg.servers), "--steps", str(STEPS), "--batch-size", "8",
-            "--seq-len", "16", "--d-model", "32", "--layers", "2", "--optimizer",
-            cfg.optimizer, "--lr", str(cfg.lr), "--quiet", "--timeout", "30", "--out", str(out),
-            "--checkpoint-every", str(EVERY)]
-    args += _strategy_flags(name)
+            "--optimizer", cfg.optimizer, "--lr", str(cfg.lr), "--quiet", "--timeout", "30",
+            "--out", str(out), "--checkpoint-every", str(EVERY)]
+    args += _flags(cfg.model_options) + _flags(cfg.strategy_options)
     launcher = subprocess.Popen(args, env=dict(os.environ, **ENV, PYTHONPATH=str(ROOT / "src")),
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     trigger = out / "checkpoints" / f"step-{2 * EVERY}"
@@ -196,15 +195,15 @@ def kill_launcher(name: str, reference: Path, out: Path) -> dict[str, Any]:
             **outcome(name, reference, out, ref, metrics)}
 
 
-def _strategy_flags(name: str) -> list[str]:
-    opts = STRATEGIES[name].get("strategy_options", {})
+def _flags(options: dict[str, Any]) -> list[str]:
+    """The CLI flags of a config's model or strategy options (``async_`` is ``--async``)."""
     flags: list[str] = []
-    if opts.get("async_"):
-        flags += ["--async", "--staleness", str(opts["staleness"])]
-    if "inflight" in opts:
-        flags += ["--inflight", str(opts["inflight"]), "--staleness", str(opts["staleness"])]
-    if STRATEGIES[name].get("model") == "gpt-moe":
-        flags += ["--experts", "4"]
+    for key, value in options.items():
+        flag = "--" + key.rstrip("_").replace("_", "-")
+        if value is True:
+            flags.append(flag)
+        elif value is not False:
+            flags += [flag, str(value)]
     return flags
 
 
