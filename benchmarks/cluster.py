@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import sys
 import time
@@ -176,10 +177,15 @@ def hidden_fraction(runs: list[dict[str, Any]]) -> float | None:
     return statistics.median(fractions) if fractions else None
 
 
-def fit(result: dict[str, Any]) -> Constants:
-    """Per strategy family, the link efficiency, host CPU cost per byte and fixed overhead per
-    step that minimise the largest relative error over every bandwidth (a grid search; the
-    overhead is the one that balances the largest over- and under-prediction)."""
+#: The constants ``fit`` searches, per strategy family, with their ranges.
+FITTED = {"efficiency": (0.5, 1.0), "tail": (0.0, 2.0), "combine": (0.0, 1.5),
+          "host_s_per_byte": (0.0, 2e-9), "server_s": (0.0, 0.04), "overhead_s": (0.0, 0.1)}
+
+
+def fit(result: dict[str, Any], *, seed: int = 0) -> Constants:
+    """Per strategy family, the constants (``FITTED``) that minimise the largest relative
+    error of the predictions over every bandwidth and k: a seeded random search, then
+    coordinate steps that halve as they go (deterministic for a given ``result``)."""
     setup = result["setup"]
     compute = Compute(**result["compute"])
     n, cores = setup["nodes"], setup["cores"]
@@ -196,27 +202,33 @@ def fit(result: dict[str, Any]) -> Constants:
             measured = statistics.median(r["step_time_s"] for r in runs)
             points.setdefault(strategy, []).append(
                 (measured, Candidate(strategy=strategy, servers=k), net, runs[0]["model_bytes"]))
-    efficiency, host, overhead = {}, {}, {}
-    hosts = [0.0] + [1e-11 * 10 ** (i / 20) for i in range(0, 61)]  # up to 1e-8 s/B
+    names, ranges = list(FITTED), list(FITTED.values())
+    fitted: dict[str, dict[str, float]] = {name: {} for name in names}
+    rng = random.Random(seed)
     for family, pts in points.items():
-        best: tuple[float, float, float, float] | None = None
-        for e in [0.30 + 0.01 * i for i in range(0, 67)]:  # up to the wire's 0.96
-            for c in hosts:
-                trial = Constants(efficiency={family: e}, host_s_per_byte={family: c},
-                                  overhead_s={family: 0.0}, overlap=CONSTANTS.overlap)
-                pairs = [(m, predict(cand, network=net, compute=compute, model_bytes=mb,
-                                     constants=trial).step_time_s)
-                         for m, cand, net, mb in pts]
-                a = max(0.0, (min(m - p for m, p in pairs) + max(m - p for m, p in pairs)) / 2)
-                err = max(abs(p + a - m) / m for m, p in pairs)
-                if best is None or err < best[0]:
-                    best = (err, e, c, a)
-        assert best is not None
-        err, efficiency[family], host[family], overhead[family] = best
-        print(f"fit {family}: efficiency {best[1]:.2f}, host {best[2]:.3g} s/B, overhead "
-              f"{best[3] * 1e3:.1f} ms; largest error {err:.1%} over {len(pts)} points")
-    return Constants(efficiency=efficiency, host_s_per_byte=host, overhead_s=overhead,
-                     overlap=CONSTANTS.overlap)
+        def error(values: list[float], family: str = family,
+                  pts: list[tuple[float, Candidate, Network, float]] = pts) -> float:
+            trial = Constants(**{name: {family: v} for name, v in zip(names, values)},
+                              overlap=CONSTANTS.overlap)
+            return max(abs(predict(cand, network=net, compute=compute, model_bytes=mb,
+                                   constants=trial).step_time_s - m) / m
+                       for m, cand, net, mb in pts)
+        best = min(([rng.uniform(lo, hi) for lo, hi in ranges] for _ in range(5000)), key=error)
+        err, steps = error(best), [(hi - lo) / 10 for lo, hi in ranges]
+        for i in range(3000):
+            j = rng.randrange(len(names))
+            trial = list(best)
+            lo, hi = ranges[j]
+            trial[j] = min(hi, max(lo, trial[j] + rng.gauss(0.0, steps[j])))
+            if (e := error(trial)) < err:
+                best, err = trial, e
+            if i % 500 == 499:
+                steps = [x / 2 for x in steps]
+        for name, v in zip(names, best):
+            fitted[name][family] = v
+        print(f"fit {family}: " + ", ".join(f"{name} {v:.3g}" for name, v in zip(names, best))
+              + f"; largest error {err:.1%} over {len(pts)} points")
+    return Constants(**fitted, overlap=CONSTANTS.overlap)
 
 
 def report(result: dict[str, Any]) -> None:

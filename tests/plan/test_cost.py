@@ -10,10 +10,12 @@ from polytrain.plan.cost import (
     Constants,
     Network,
     candidates,
+    fanout_traffic,
     host_traffic,
     nic_traffic,
     predict,
     recommend,
+    summation_servers,
 )
 
 NO_COMPUTE = Compute(forward_s=0.0, backward_s=0.0, optimizer_s=0.0)
@@ -121,3 +123,34 @@ def test_candidates_and_recommendation():
     assert recommend(tied).candidate.key == "ddp"
     with pytest.raises(ConfigError):
         recommend([])
+
+
+def test_fanout_and_summation_servers():
+    # BytePS n = 4, k = 0: each colocated server holds 25 MB, cut into 4,096,000-byte partitions.
+    c = Constants()
+    assert fanout_traffic("byteps", machines=4, servers=0, model_bytes=1e8, constants=c) == \
+        4 * 4_096_000
+    # k >= n: the CPU servers hold everything; a small model is one partition per server.
+    assert fanout_traffic("byteps", machines=4, servers=4, model_bytes=4e6, constants=c) == \
+        pytest.approx(4 * 1e6)
+    assert fanout_traffic("herring", machines=4, servers=2, model_bytes=6e6, constants=c) == \
+        pytest.approx(4 * 1e6)  # a shard of the one bucket per server, from 4 machines
+    assert fanout_traffic("ddp", machines=4, servers=0, model_bytes=1e8, constants=c) == 0.0
+    assert [summation_servers("byteps", machines=4, servers=k) for k in (0, 2, 4)] == [4, 6, 4]
+    assert summation_servers("herring", machines=4, servers=2) == 6
+    assert summation_servers("ddp", machines=4, servers=0) == 0
+
+
+def test_tail_servers_and_combine_on_an_emulated_host_only():
+    c = Constants(efficiency={"herring": 1.0}, tail={"herring": 0.5},
+                  server_s={"herring": 0.1}, combine={"herring": 0.5})
+    emulated = Network(machines=4, bandwidth_bit_s=8e6, shared_host_cores=64)  # 1 MB/s
+    p = predict(Candidate(strategy="herring"), network=emulated, compute=NO_COMPUTE,
+                model_bytes=4e6, constants=c)
+    # Link: 1.5 M + 0.5 * (4 machines x a 1 MB shard) = 8 MB at 1 MB/s; host: 4 servers x 0.1 s.
+    assert (p.link_s, p.host_s) == (pytest.approx(8.0), pytest.approx(0.4))
+    assert p.step_time_s == pytest.approx(8.0 + 0.5 * 0.4)
+    real = Network(machines=4, bandwidth_bit_s=8e6)
+    q = predict(Candidate(strategy="herring"), network=real, compute=NO_COMPUTE,
+                model_bytes=4e6, constants=c)
+    assert q.step_time_s == pytest.approx(6.0 / WIRE_EFFICIENCY)

@@ -4,7 +4,9 @@ A step is the workers' compute, then whatever communication backward does
 not hide, plus a fixed cost per step::
 
     step = overhead + compute + max(0, comm - overlap * backward)
-    comm = max(busiest NIC bytes / (efficiency * B), host CPU bytes * c / cores) + latency
+    comm = max(link, host) + combine * min(link, host) + latency
+    link = (busiest NIC bytes + tail * fan-out bytes) / (efficiency * B)
+    host = host CPU bytes * c / cores + server * summation servers
 
 - busiest NIC bytes per step, one direction, in units of the gradient M (the
   formulas of the papers; ``nic_traffic``): torch's ring over p workers
@@ -14,14 +16,22 @@ not hide, plus a fixed cost per step::
   transfers keep busy (at best the payload per byte on the wire, 1448/1514 for
   TCP/IP on 1500-byte frames; less where a strategy leaves the link idle
   between messages); fitted on ``./dev bench cluster``.
+- fan-out bytes (``fanout_traffic``): a server can answer a partition only when
+  every machine's push of it is in, so a step's first partition arrives and its
+  last one leaves with the links otherwise idle: n machines times the largest
+  partition a server holds (BytePS's partition, a Herring shard; none for a
+  ring); ``tail`` weighs it (fitted).
 - host CPU: when every emulated machine runs on this one host, all bytes that
   cross any NIC are copied by the same ``cores``; ``c`` (seconds per byte, per
-  strategy family) and ``overhead`` are fitted on ``./dev bench cluster``.
+  strategy family), ``server`` (seconds per step per summation server holding a
+  share: its threads and messages), ``overhead`` and ``combine`` (how much of
+  the smaller of link and host adds to the larger: 0 when they overlap
+  entirely, 1 when not at all) are fitted on ``./dev bench cluster``.
 - latency: ring all-reduce pays it 2(p-1) times per bucket, a push-pull once
   each way per round of partitions.
 - real machines (``shared_host_cores=None``): the papers' model, with the
-  wire's efficiency, no host term and no overhead (the fitted constants
-  describe this host's emulation only).
+  wire's efficiency, no host term, no fan-out term and no overhead (the fitted
+  constants describe this host's emulation only).
 
 Example::
 
@@ -37,12 +47,14 @@ import math
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
+from ..comm.partition import DEFAULT_PARTITION_BYTES
 from ..errors import ConfigError
 from ..strategies.byteps.plan import optimal_shares
 from ..strategies.herring.plan import herring_traffic
 
 __all__ = ["STRATEGIES", "Constants", "Candidate", "Compute", "Network", "Prediction",
-           "nic_traffic", "host_traffic", "candidates", "predict", "recommend", "WIRE_EFFICIENCY"]
+           "nic_traffic", "host_traffic", "fanout_traffic", "summation_servers", "candidates",
+           "predict", "recommend", "WIRE_EFFICIENCY"]
 
 #: The strategies the cost model knows: every data-parallel one that trains any model.
 STRATEGIES = ("ddp", "byteps", "herring")
@@ -61,6 +73,11 @@ class Constants:
         host_s_per_byte: per strategy, CPU seconds per byte crossing a NIC when every
             machine shares one host (fitted on ``./dev bench cluster``).
         overhead_s: per strategy, fixed seconds per step (fitted there too).
+        tail: per strategy, the weight of the fan-out bytes on the link (fitted; default 0).
+        server_s: per strategy, host seconds per step per summation server that holds a
+            share (fitted; default 0).
+        combine: per strategy, the share of the smaller of link and host time that adds to
+            the larger (0: they overlap entirely, the default; 1: not at all; fitted).
         overlap: the fraction of backward that communication can hide behind (assumed).
         bucket_bytes: ddp's and Herring's fusion buffer (25 MiB), for the latency term.
         partition_bytes: BytePS's partition (4,096,000), for the latency term.
@@ -72,14 +89,19 @@ class Constants:
         "ddp": 0.0, "byteps": 0.0, "herring": 0.0})
     overhead_s: Mapping[str, float] = field(default_factory=lambda: {
         "ddp": 0.0, "byteps": 0.0, "herring": 0.0})
+    tail: Mapping[str, float] = field(default_factory=dict)
+    server_s: Mapping[str, float] = field(default_factory=dict)
+    combine: Mapping[str, float] = field(default_factory=dict)
     overlap: float = 0.5
     bucket_bytes: int = 25 * _MB
-    partition_bytes: int = 4_096_000
+    partition_bytes: int = DEFAULT_PARTITION_BYTES
 
     def as_dict(self) -> dict[str, object]:
         return {"efficiency": dict(self.efficiency), "host_s_per_byte": dict(self.host_s_per_byte),
-                "overhead_s": dict(self.overhead_s), "overlap": self.overlap,
-                "bucket_bytes": self.bucket_bytes, "partition_bytes": self.partition_bytes}
+                "overhead_s": dict(self.overhead_s), "tail": dict(self.tail),
+                "server_s": dict(self.server_s), "combine": dict(self.combine),
+                "overlap": self.overlap, "bucket_bytes": self.bucket_bytes,
+                "partition_bytes": self.partition_bytes}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -191,6 +213,41 @@ def host_traffic(strategy: str, *, machines: int, local_workers: int, servers: i
                       f"{', '.join(STRATEGIES)}", "pass one of them")
 
 
+def summation_servers(strategy: str, *, machines: int, servers: int) -> int:
+    """Processes that hold a share of the sums (each costs the host its threads and messages):
+    BytePS's colocated servers only while they own bytes (not with k >= n), Herring's always."""
+    if strategy == "ddp":
+        return 0
+    if strategy == "byteps":
+        shares = optimal_shares(machines, servers)
+        return (machines if shares.per_colocated_server > 0 else 0) + servers
+    if strategy == "herring":
+        return machines + servers
+    raise ConfigError(f"the cost model knows no strategy {strategy!r}; it knows: "
+                      f"{', '.join(STRATEGIES)}", "pass one of them")
+
+
+def fanout_traffic(strategy: str, *, machines: int, servers: int, model_bytes: float,
+                   constants: Constants) -> float:
+    """Bytes of one partition from (or to) every machine: the largest a server holds, n times.
+
+    A server answers a partition once every machine's push of it is in, so the
+    step's first partition comes in, and its last goes out, while the links are
+    otherwise idle.
+    """
+    n = machines
+    if strategy == "ddp" or (n == 1 and servers == 0):
+        return 0.0
+    if strategy == "byteps":
+        shares = optimal_shares(n, servers)
+        largest = max(shares.per_colocated_server, shares.per_cpu_server) * model_bytes
+        return n * min(constants.partition_bytes, largest)
+    if strategy == "herring":
+        return n * min(constants.bucket_bytes, model_bytes) / (n + servers)
+    raise ConfigError(f"the cost model knows no strategy {strategy!r}; it knows: "
+                      f"{', '.join(STRATEGIES)}", "pass one of them")
+
+
 def _messages(candidate: Candidate, network: Network, model_bytes: float,
               constants: Constants) -> int:
     """Packets' delays a step waits out one after another (for the latency term)."""
@@ -224,19 +281,26 @@ def predict(candidate: Candidate, *, network: Network, compute: Compute, model_b
     # The fitted constants describe this host's emulation; real machines get the papers'
     # model: the wire's efficiency, no host term, no overhead.
     efficiency = constants.efficiency.get(s, WIRE_EFFICIENCY) if emulated else WIRE_EFFICIENCY
+    fanout = 0.0
+    if emulated:
+        fanout = constants.tail.get(s, 0.0) * fanout_traffic(
+            s, machines=network.machines, servers=candidate.servers, model_bytes=model_bytes,
+            constants=constants)
     if network.bandwidth_bit_s is None:
         link = 0.0
     else:
-        link = nic * model_bytes / (efficiency * network.bandwidth_bit_s / 8)
+        link = (nic * model_bytes + fanout) / (efficiency * network.bandwidth_bit_s / 8)
     per_byte = constants.host_s_per_byte.get(s, 0.0)
     if network.shared_host_cores is not None:
-        host = host_traffic(s, **shape) * model_bytes * per_byte / network.shared_host_cores
+        host = (host_traffic(s, **shape) * model_bytes * per_byte / network.shared_host_cores
+                + constants.server_s.get(s, 0.0) * summation_servers(
+                    s, machines=network.machines, servers=candidate.servers))
         # The workers' compute shares the same cores.
         share = max(1.0, network.workers / network.shared_host_cores)
     else:  # real machines, each with its own CPUs: the NIC is the bound, as in the papers
         host, share = 0.0, 1.0
     latency = _messages(candidate, network, model_bytes, constants) * network.latency_s
-    comm = max(link, host) + latency
+    comm = max(link, host) + constants.combine.get(s, 0.0) * min(link, host) + latency
     compute_s = compute.step_s * share
     hidden = constants.overlap * compute.backward_s * share
     overhead = constants.overhead_s.get(s, 0.0) if emulated else 0.0

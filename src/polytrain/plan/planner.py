@@ -20,9 +20,12 @@ __all__ = ["Job", "Plan", "CONSTANTS", "HOSTS", "AUTO", "plan_job", "chosen", "a
 
 #: Fitted on ``./dev bench cluster`` (benchmarks/results/cluster.json); docs/cluster.md says how.
 CONSTANTS = Constants(
-    efficiency={"ddp": 0.96, "byteps": 0.51, "herring": 0.59},
-    host_s_per_byte={"ddp": 0.0, "byteps": 1.58e-9, "herring": 1.58e-9},
-    overhead_s={"ddp": 0.0815, "byteps": 0.0805, "herring": 0.0936},
+    efficiency={"ddp": 1.0, "byteps": 0.835, "herring": 0.849},
+    host_s_per_byte={"ddp": 0.0, "byteps": 3.34e-10, "herring": 6.48e-10},
+    overhead_s={"ddp": 0.0432, "byteps": 0.0114, "herring": 0.0036},
+    tail={"byteps": 0.523, "herring": 0.135},
+    server_s={"byteps": 0.0255, "herring": 0.0147},
+    combine={"ddp": 0.916, "byteps": 0.401, "herring": 0.499},
 )
 
 #: ``emulated``: every machine on this host, as ``polytrain train`` runs them; ``real``: each
