@@ -18,7 +18,8 @@ from .cost import Candidate, Compute, Constants, Network, Prediction, candidates
 __all__ = ["Job", "Plan", "CONSTANTS", "HOSTS", "AUTO", "plan_job", "chosen", "auto_record",
            "host_cores"]
 
-#: Fitted on ``./dev bench cluster`` (benchmarks/results/cluster.json); docs/cluster.md says how.
+#: Fitted on ``./dev bench cluster`` (benchmarks/results/cluster_stop24.json); docs/cluster.md says
+#: how.
 CONSTANTS = Constants(
     efficiency={"ddp": 1.0, "byteps": 0.835, "herring": 0.849},
     host_s_per_byte={"ddp": 0.0, "byteps": 3.34e-10, "herring": 6.48e-10},
