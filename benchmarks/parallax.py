@@ -71,15 +71,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nodes", type=int, default=4)
     p.add_argument("--bandwidth", default="1gbit")
     p.add_argument("--vocab", type=int, default=100_000)
+    p.add_argument("--negatives", type=int, default=None,
+                   help="sampled negatives per step (default: the model's, 512)")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=0.5)
     p.add_argument("--target", type=float, default=None,
                    help="the fixed loss (default: parallax's first-round loss at 80%% of "
                         "the steps)")
+    p.add_argument("--partitions", type=int, default=None,
+                   help="parallax's row ranges per table in the speed part (default: one per "
+                        "machine)")
     p.add_argument("--counts", default="1,2,4,8,16,32")
     p.add_argument("--out", type=Path, default=RESULTS / "parallax.json")
     args = p.parse_args(argv)
     model: dict[str, Any] = {"vocab": args.vocab}
+    if args.negatives is not None:
+        model["negatives"] = args.negatives
     if args.quick:
         model = {"vocab": 5000, "seq_len": 8, "d_model": 32, "layers": 1}
         args.rounds, args.steps, args.counts = 1, 8, "1,4"
@@ -88,14 +95,16 @@ def main(argv: list[str] | None = None) -> int:
                                  batch_size=args.batch_size, optimizer="sgd", lr=args.lr,
                                  quiet=True, model_options=model, timeout_s=600,
                                  bandwidth=args.bandwidth)
-    runs = {"parallax": base.replace(strategy_options={"partitions": args.nodes}),
+    runs = {"parallax": base.replace(strategy_options={"partitions": args.partitions
+                                                       or args.nodes}),
             "ddp sparse": base.replace(strategy="ddp"),
             "ddp dense": base.replace(strategy="ddp",
                                       model_options={**model, "dense_grads": True})}
     parts = set(args.parts.split(","))
     out: dict[str, Any] = {"command": "./dev bench parallax " + " ".join(argv or []),
                            "nodes": args.nodes, "bandwidth": args.bandwidth,
-                           "model": model, "steps": args.steps, "batch_size": args.batch_size}
+                           "model": model, "steps": args.steps, "batch_size": args.batch_size,
+                           "partitions": args.partitions or args.nodes}
     raw: dict[str, list[dict[str, Any]]] = {}
     if "curve" in parts:  # wordlm trains on its own: one process, the default optimizer
         m = run_config(polytrain.TrainConfig(strategy="single", model="wordlm",

@@ -94,9 +94,10 @@ class Parallax(ServedStrategy[ParallaxOptions]):
 
     def _before_step(self) -> None:
         assert self.dense is not None
-        self.dense()
+        # The pushes first: they move (and the servers apply them) while the all-reduce runs.
         if self.rows is not None:
             self.rows.push()
+        self.dense()
 
     # -- the partition search ------------------------------------------------------------------
 
