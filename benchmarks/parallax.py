@@ -3,7 +3,8 @@
 Part 1 (``speed``): on shaped links (``--bandwidth``, default 1gbit), N machines
 of one worker each (default 4), the same wordlm job under
 
-- ``parallax``: sparse rows through servers on every machine, the body all-reduced;
+- ``parallax``: sparse rows through servers on every machine, the body all-reduced
+  (``--partitions 1,4``: a run per row-range count, named ``parallax P=1``, ...);
 - ``ddp sparse``: torch's DDP on the sparse gradients (gloo's sparse all-reduce:
   an all-gather of indices and values);
 - ``ddp dense``: torch's DDP on the same model with dense embedding gradients
@@ -19,6 +20,7 @@ that made them, are in docs/parallax.md. Needs root (network namespaces).
 
     ./dev bench parallax                       # both parts
     ./dev bench parallax --parts speed --steps 30
+    ./dev bench parallax --parts speed --partitions 1,4 --negatives 4096   # a larger job
     ./dev bench parallax --quick               # a smoke run, small model
 """
 
@@ -78,9 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target", type=float, default=None,
                    help="the fixed loss (default: parallax's first-round loss at 80%% of "
                         "the steps)")
-    p.add_argument("--partitions", type=int, default=None,
-                   help="parallax's row ranges per table in the speed part (default: one per "
-                        "machine)")
+    p.add_argument("--partitions", default=None,
+                   help="parallax's row ranges per table in the speed part, a run per count "
+                        "(e.g. 1,4; default: one per machine)")
     p.add_argument("--counts", default="1,2,4,8,16,32")
     p.add_argument("--out", type=Path, default=RESULTS / "parallax.json")
     args = p.parse_args(argv)
@@ -95,8 +97,10 @@ def main(argv: list[str] | None = None) -> int:
                                  batch_size=args.batch_size, optimizer="sgd", lr=args.lr,
                                  quiet=True, model_options=model, timeout_s=600,
                                  bandwidth=args.bandwidth)
-    runs = {"parallax": base.replace(strategy_options={"partitions": args.partitions
-                                                       or args.nodes}),
+    counts = [int(c) for c in (args.partitions or str(args.nodes)).split(",")]
+    ours = {f"parallax P={c}" if len(counts) > 1 else "parallax": c for c in counts}
+    runs = {**{name: base.replace(strategy_options={"partitions": c})
+               for name, c in ours.items()},
             "ddp sparse": base.replace(strategy="ddp"),
             "ddp dense": base.replace(strategy="ddp",
                                       model_options={**model, "dense_grads": True})}
@@ -104,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     out: dict[str, Any] = {"command": "./dev bench parallax " + " ".join(argv or []),
                            "nodes": args.nodes, "bandwidth": args.bandwidth,
                            "model": model, "steps": args.steps, "batch_size": args.batch_size,
-                           "partitions": args.partitions or args.nodes}
+                           "partitions": counts}
     raw: dict[str, list[dict[str, Any]]] = {}
     if "curve" in parts:  # wordlm trains on its own: one process, the default optimizer
         m = run_config(polytrain.TrainConfig(strategy="single", model="wordlm",
@@ -124,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"final loss {m['final_loss']:.3f}", flush=True)
         target = args.target
         if target is None:
-            first = raw["parallax"][0]["losses"]
+            first = raw[next(iter(ours))][0]["losses"]
             cut = first[int(0.8 * len(first)) - 5:int(0.8 * len(first))]
             target = sum(cut) / len(cut)
         out["target_loss"] = target
@@ -132,8 +136,9 @@ def main(argv: list[str] | None = None) -> int:
         med = {name: statistics.median(s["step_s"] for s in v)
                for name, v in out["speed"].items()}
         out["median_step_s"] = med
-        out["speedup"] = {"vs ddp dense": med["ddp dense"] / med["parallax"],
-                          "vs ddp sparse": med["ddp sparse"] / med["parallax"]}
+        out["speedup"] = {name: {"vs ddp dense": med["ddp dense"] / med[name],
+                                 "vs ddp sparse": med["ddp sparse"] / med[name]}
+                          for name in ours}
         print(json.dumps(out["speedup"]))
     if "partitions" in parts:
         fixed = {}

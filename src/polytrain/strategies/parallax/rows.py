@@ -271,10 +271,10 @@ class SparseRows:
                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The machine's gradient (unique rows, values summed in local rank order) on every
         local worker."""
-        if len(self.local) > 1:
-            every_r, every_v = _gather_local([rows, values], self.ctx.groups.local,
-                                             len(self.local))
-            rows, values = torch.cat(every_r), torch.cat(every_v)
+        if len(self.local) == 1:
+            return rows, values  # already unique and sorted
+        every_r, every_v = _gather_local([rows, values], self.ctx.groups.local, len(self.local))
+        rows, values = torch.cat(every_r), torch.cat(every_v)
         unique, inverse = torch.unique(rows, return_inverse=True)
         summed = torch.zeros(unique.numel(), values.shape[1], dtype=values.dtype)
         summed.index_add_(0, inverse, values)
@@ -299,7 +299,7 @@ class SparseRows:
             var.declared = False
             if not self.is_leader:
                 continue
-            values /= workers  # every replica's loss is a mean over its slice: average
+            values = values / workers  # every replica's loss is a mean over its slice: average
             var.touched.append(rows.numel())
             lr = self._lr(var)
             for i, r, part in self._split(var, rows):

@@ -94,10 +94,12 @@ class Parallax(ServedStrategy[ParallaxOptions]):
 
     def _before_step(self) -> None:
         assert self.dense is not None
-        # The pushes first: they move (and the servers apply them) while the all-reduce runs.
+        # The pushes are packed and sent (and the servers apply them) while the dense
+        # all-reduce runs in gloo's thread.
+        finish = self.dense.start()
         if self.rows is not None:
             self.rows.push()
-        self.dense()
+        finish()
 
     # -- the partition search ------------------------------------------------------------------
 
