@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -55,8 +56,11 @@ def summary(m: dict[str, Any], target: float) -> dict[str, Any]:
     workers = [x for x in m["traffic"]["machines"] if x["kind"] == "worker"]
     nic = [x.get("nic_sent_bytes_per_step") for x in workers]
     return {"step_s": m["step_time_s"]["median"], "final_loss": m["final_loss"],
-            "losses": m["losses"],
+            "losses": m["losses"], "step_times_s": times,
             "time_to_loss_s": time_to_loss(m["losses"], times, target) if times else None,
+            # ddp's first step carries its set-up (~0.5 s): the same clock without it
+            "time_to_loss_after_first_s": time_to_loss(m["losses"], [0.0, *times[1:]],
+                                                       target) if times else None,
             "nic_sent_bytes_per_step": nic,
             "meter_sent_bytes_per_step": [x["sent_bytes_per_step"] for x in workers],
             "partitions": m.get("plan", {}).get("partitions"),
@@ -105,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
             "ddp dense": base.replace(strategy="ddp",
                                       model_options={**model, "dense_grads": True})}
     parts = set(args.parts.split(","))
-    out: dict[str, Any] = {"command": "./dev bench parallax " + " ".join(argv or []),
+    given = sys.argv[1:] if argv is None else argv
+    out: dict[str, Any] = {"command": " ".join(["./dev bench parallax", *given]),
                            "nodes": args.nodes, "bandwidth": args.bandwidth,
                            "model": model, "steps": args.steps, "batch_size": args.batch_size,
                            "partitions": counts}
