@@ -9,7 +9,7 @@ rows a step touched, once per machine.
         -> the machine's leader pulls them from their ranges' servers (round t): every
            range's pull in flight at once, so one round trip for all the tables
         -> broadcast inside the machine; every worker writes them into its weight
-    optimizer.step() (the pushes go before the dense all-reduce, which they overlap):
+    optimizer.step() (the pushes are packed and sent while the dense all-reduce runs):
         every worker's coalesced sparse gradient -> the leader (all-gather inside
         the machine), summed per row and averaged over the workers
         -> one push per range of the rows in it (round t + 1; none touched: only the lr)
