@@ -89,7 +89,12 @@ def main(argv: list[str] | None = None) -> int:
                         "(e.g. 1,4; default: one per machine)")
     p.add_argument("--counts", default="1,2,4,8,16,32")
     p.add_argument("--out", type=Path, default=RESULTS / "parallax.json")
+    p.add_argument("--plot-only", type=Path, default=None, metavar="JSON",
+                   help="only redraw the plot of a saved result")
     args = p.parse_args(argv)
+    if args.plot_only is not None:
+        _plot(json.loads(args.plot_only.read_text()), args.plot_only.with_suffix(".png"))
+        return 0
     model: dict[str, Any] = {"vocab": args.vocab}
     if args.negatives is not None:
         model["negatives"] = args.negatives
@@ -188,12 +193,21 @@ def _plot(out: dict[str, Any], path: Path) -> None:
     fig, ax = plt.subplots(1, 2, figsize=(10, 4))
     for name, runs in out["speed"].items():
         s = runs[0]
-        ax[1].plot(s["losses"], label=name)
+        if "step_times_s" in s:  # loss against the clock: time to the target loss
+            clock = [sum(s["step_times_s"][:i + 1]) for i in range(len(s["step_times_s"]))]
+            ax[1].plot(clock, s["losses"], label=name)
+        else:
+            ax[1].plot(s["losses"], label=name)
     names = list(out["median_step_s"])
     ax[0].bar(names, [out["median_step_s"][n] * 1e3 for n in names])
     ax[0].set_ylabel("median step (ms)")
     ax[0].set_title(f"wordlm, {out['nodes']} machines at {out['bandwidth']}")
-    ax[1].set_xlabel("step")
+    if "step_times_s" in next(iter(out["speed"].values()))[0]:
+        ax[1].set_xscale("log")
+        ax[1].set_xlabel("seconds of steps")
+        ax[1].axhline(out["target_loss"], color="gray", linestyle=":", label="target loss")
+    else:
+        ax[1].set_xlabel("step")
     ax[1].set_ylabel("loss")
     ax[1].legend()
     fig.tight_layout()
