@@ -3,7 +3,8 @@
 Part 1 (``speed``): on shaped links (``--bandwidth``, default 1gbit), N machines
 of one worker each (default 4), the same wordlm job under
 
-- ``parallax``: sparse rows through servers on every machine, the body all-reduced;
+- ``parallax``: sparse rows through servers on every machine, the body all-reduced
+  (``--partitions 1,4``: a run per row-range count, named ``parallax P=1``, ...);
 - ``ddp sparse``: torch's DDP on the sparse gradients (gloo's sparse all-reduce:
   an all-gather of indices and values);
 - ``ddp dense``: torch's DDP on the same model with dense embedding gradients
@@ -19,6 +20,7 @@ that made them, are in docs/parallax.md. Needs root (network namespaces).
 
     ./dev bench parallax                       # both parts
     ./dev bench parallax --parts speed --steps 30
+    ./dev bench parallax --parts speed --partitions 1,4 --negatives 4096   # a larger job
     ./dev bench parallax --quick               # a smoke run, small model
 """
 
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -53,8 +56,11 @@ def summary(m: dict[str, Any], target: float) -> dict[str, Any]:
     workers = [x for x in m["traffic"]["machines"] if x["kind"] == "worker"]
     nic = [x.get("nic_sent_bytes_per_step") for x in workers]
     return {"step_s": m["step_time_s"]["median"], "final_loss": m["final_loss"],
-            "losses": m["losses"],
+            "losses": m["losses"], "step_times_s": times,
             "time_to_loss_s": time_to_loss(m["losses"], times, target) if times else None,
+            # ddp's first step carries its set-up (~0.5 s): the same clock without it
+            "time_to_loss_after_first_s": time_to_loss(m["losses"], [0.0, *times[1:]],
+                                                       target) if times else None,
             "nic_sent_bytes_per_step": nic,
             "meter_sent_bytes_per_step": [x["sent_bytes_per_step"] for x in workers],
             "partitions": m.get("plan", {}).get("partitions"),
@@ -71,15 +77,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nodes", type=int, default=4)
     p.add_argument("--bandwidth", default="1gbit")
     p.add_argument("--vocab", type=int, default=100_000)
+    p.add_argument("--negatives", type=int, default=None,
+                   help="sampled negatives per step (default: the model's, 512)")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=0.5)
     p.add_argument("--target", type=float, default=None,
                    help="the fixed loss (default: parallax's first-round loss at 80%% of "
                         "the steps)")
+    p.add_argument("--partitions", default=None,
+                   help="parallax's row ranges per table in the speed part, a run per count "
+                        "(e.g. 1,4; default: one per machine)")
     p.add_argument("--counts", default="1,2,4,8,16,32")
     p.add_argument("--out", type=Path, default=RESULTS / "parallax.json")
+    p.add_argument("--plot-only", type=Path, default=None, metavar="JSON",
+                   help="only redraw the plot of a saved result")
     args = p.parse_args(argv)
+    if args.plot_only is not None:
+        _plot(json.loads(args.plot_only.read_text()), args.plot_only.with_suffix(".png"))
+        return 0
     model: dict[str, Any] = {"vocab": args.vocab}
+    if args.negatives is not None:
+        model["negatives"] = args.negatives
     if args.quick:
         model = {"vocab": 5000, "seq_len": 8, "d_model": 32, "layers": 1}
         args.rounds, args.steps, args.counts = 1, 8, "1,4"
@@ -88,14 +106,19 @@ def main(argv: list[str] | None = None) -> int:
                                  batch_size=args.batch_size, optimizer="sgd", lr=args.lr,
                                  quiet=True, model_options=model, timeout_s=600,
                                  bandwidth=args.bandwidth)
-    runs = {"parallax": base.replace(strategy_options={"partitions": args.nodes}),
+    counts = [int(c) for c in (args.partitions or str(args.nodes)).split(",")]
+    ours = {f"parallax P={c}" if len(counts) > 1 else "parallax": c for c in counts}
+    runs = {**{name: base.replace(strategy_options={"partitions": c})
+               for name, c in ours.items()},
             "ddp sparse": base.replace(strategy="ddp"),
             "ddp dense": base.replace(strategy="ddp",
                                       model_options={**model, "dense_grads": True})}
     parts = set(args.parts.split(","))
-    out: dict[str, Any] = {"command": "./dev bench parallax " + " ".join(argv or []),
+    given = sys.argv[1:] if argv is None else argv
+    out: dict[str, Any] = {"command": " ".join(["./dev bench parallax", *given]),
                            "nodes": args.nodes, "bandwidth": args.bandwidth,
-                           "model": model, "steps": args.steps, "batch_size": args.batch_size}
+                           "model": model, "steps": args.steps, "batch_size": args.batch_size,
+                           "partitions": counts}
     raw: dict[str, list[dict[str, Any]]] = {}
     if "curve" in parts:  # wordlm trains on its own: one process, the default optimizer
         m = run_config(polytrain.TrainConfig(strategy="single", model="wordlm",
@@ -115,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"final loss {m['final_loss']:.3f}", flush=True)
         target = args.target
         if target is None:
-            first = raw["parallax"][0]["losses"]
+            first = raw[next(iter(ours))][0]["losses"]
             cut = first[int(0.8 * len(first)) - 5:int(0.8 * len(first))]
             target = sum(cut) / len(cut)
         out["target_loss"] = target
@@ -123,8 +146,9 @@ def main(argv: list[str] | None = None) -> int:
         med = {name: statistics.median(s["step_s"] for s in v)
                for name, v in out["speed"].items()}
         out["median_step_s"] = med
-        out["speedup"] = {"vs ddp dense": med["ddp dense"] / med["parallax"],
-                          "vs ddp sparse": med["ddp sparse"] / med["parallax"]}
+        out["speedup"] = {name: {"vs ddp dense": med["ddp dense"] / med[name],
+                                 "vs ddp sparse": med["ddp sparse"] / med[name]}
+                          for name in ours}
         print(json.dumps(out["speedup"]))
     if "partitions" in parts:
         fixed = {}
@@ -169,12 +193,21 @@ def _plot(out: dict[str, Any], path: Path) -> None:
     fig, ax = plt.subplots(1, 2, figsize=(10, 4))
     for name, runs in out["speed"].items():
         s = runs[0]
-        ax[1].plot(s["losses"], label=name)
+        if "step_times_s" in s:  # loss against the clock: time to the target loss
+            clock = [sum(s["step_times_s"][:i + 1]) for i in range(len(s["step_times_s"]))]
+            ax[1].plot(clock, s["losses"], label=name)
+        else:
+            ax[1].plot(s["losses"], label=name)
     names = list(out["median_step_s"])
     ax[0].bar(names, [out["median_step_s"][n] * 1e3 for n in names])
     ax[0].set_ylabel("median step (ms)")
     ax[0].set_title(f"wordlm, {out['nodes']} machines at {out['bandwidth']}")
-    ax[1].set_xlabel("step")
+    if "step_times_s" in next(iter(out["speed"].values()))[0]:
+        ax[1].set_xscale("log")
+        ax[1].set_xlabel("seconds of steps")
+        ax[1].axhline(out["target_loss"], color="gray", linestyle=":", label="target loss")
+    else:
+        ax[1].set_xlabel("step")
     ax[1].set_ylabel("loss")
     ax[1].legend()
     fig.tight_layout()

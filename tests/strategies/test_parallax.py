@@ -18,6 +18,7 @@ from polytrain.strategies.parallax import (
     parallax_traffic,
     plan_parallax,
 )
+from polytrain.strategies.parallax.rows import _Var, check_declared
 from tests.harness import max_abs_diff, run_cached, run_config, single_of
 
 STEPS = 4
@@ -93,6 +94,31 @@ def test_adamw_with_weight_decay_on_a_sparse_parameter_is_refused_with_what_to_p
         sparse_rule(torch.optim.SGD(emb.parameters(), lr=1, momentum=0.9), emb.weight)
     assert sparse_rule(torch.optim.AdamW(emb.parameters(), weight_decay=0), emb.weight)[
         "name"] == "adam"
+
+
+def test_wordlms_declared_reads_are_the_rows_its_lookups_read():
+    model = WordLM(**MODEL)
+    window = torch.randint(0, MODEL["vocab"], (3, MODEL["seq_len"] + 1))
+    read = {"tok": [], "out": []}
+    for name in read:
+        getattr(model, name).register_forward_pre_hook(
+            lambda m, args, name=name: read[name].append(args[0].reshape(-1)))
+    declared = model.sparse_reads(window)
+    model(window)
+    assert set(declared) == {"tok.weight", "out.weight"}
+    for name, rows in read.items():
+        assert torch.equal(torch.unique(declared[f"{name}.weight"]),
+                           torch.unique(torch.cat(rows)))
+
+
+def test_a_lookup_of_a_row_sparse_reads_did_not_name_is_refused():
+    var = _Var(0, "tok.weight", nn.Parameter(torch.zeros(10, 2)), {"name": "sgd"})
+    var.fresh[:] = False
+    var.fresh[[1, 2]] = True
+    check_declared(var, torch.tensor([[1, 2], [2, 1]]))
+    with pytest.raises(ConfigError, match=r"reads 2 rows the model's sparse_reads did not "
+                                          r"name \(e.g. \[3, 7\]\)"):
+        check_declared(var, torch.tensor([1, 7, 3, 7]))
 
 
 # -- the row rules, against torch's sparse optimizers -----------------------------------------

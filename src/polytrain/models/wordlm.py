@@ -109,6 +109,14 @@ class WordLM(nn.Module):
         q = torch.log((ranks + 2) / (ranks + 1)) / math.log(span + 1)
         return torch.log(self.negatives * q).float()
 
+    def sparse_reads(self, window: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The rows of each embedding the next forward on ``window`` reads: its words, its
+        targets and the negatives it will draw (a strategy that keeps the tables on
+        servers, parallax, fetches them all in one round trip before the forward)."""
+        targets = window[:, 1:].reshape(-1)
+        return {"tok.weight": window[:, :-1],
+                "out.weight": torch.cat([targets, self.sample().to(window.device)])}
+
     def forward(self, window: torch.Tensor) -> torch.Tensor:
         """(batch, seq_len + 1) ids -> (batch, seq_len) losses of predicting each next word."""
         x, y = window[:, :-1], window[:, 1:]

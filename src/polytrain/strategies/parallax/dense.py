@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from ...errors import CommError
 from ...runtime import Context
 
 __all__ = ["DenseSync"]
@@ -26,9 +30,11 @@ class DenseSync:
         self.nbytes = sum(p.numel() * p.element_size() for p in params)
         self.leaders = list(ctx.topology.leaders)
 
-    def __call__(self) -> None:
+    def start(self) -> Callable[[], None]:
+        """Start averaging; returns the call that finishes it (the leaders' all-reduce runs
+        in the background in between, so the caller's own work overlaps it)."""
         if not self.params:
-            return
+            return lambda: None
         ctx = self.ctx
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
                           for p in self.params]).cpu()
@@ -36,18 +42,29 @@ class DenseSync:
         leader = ctx.local_workers[0]
         if local:
             dist.reduce(flat, dst=leader, group=ctx.groups.local)
+        work = None
         if ctx.rank == leader and len(self.leaders) > 1:
-            dist.all_reduce(flat, group=ctx.groups.leaders)
+            work = dist.all_reduce(flat, group=ctx.groups.leaders, async_op=True)
             ctx.meter.record_ring_allreduce(self.leaders, self.nbytes)
-        if local:
-            dist.broadcast(flat, src=leader, group=ctx.groups.local)
-        flat /= ctx.num_workers
-        at = 0
-        for p in self.params:
-            n = p.numel()
-            g = flat[at:at + n].view_as(p).to(p.device)
-            at += n
-            if p.grad is None:
-                p.grad = g.clone()
-            else:
-                p.grad.copy_(g)
+
+        def finish() -> None:
+            if work is not None:
+                try:
+                    work.wait(timeout=timedelta(seconds=ctx.timeout_s))
+                except RuntimeError as e:
+                    raise CommError(f"rank {ctx.rank}: the dense gradients' all-reduce among "
+                                    f"the machines' leaders {self.leaders} failed: {e}",
+                                    "look at the other leaders' logs") from None
+            if local:
+                dist.broadcast(flat, src=leader, group=ctx.groups.local)
+            flat.div_(ctx.num_workers)
+            at = 0
+            for p in self.params:
+                n = p.numel()
+                g = flat[at:at + n].view_as(p).to(p.device)
+                at += n
+                if p.grad is None:
+                    p.grad = g.clone()
+                else:
+                    p.grad.copy_(g)
+        return finish

@@ -1,12 +1,15 @@
-"""The worker side of Parallax's sparse parameters: pull the rows a lookup reads, push the
+"""The worker side of Parallax's sparse parameters: pull the rows a forward reads, push the
 rows a step touched, once per machine.
 
-    forward, each lookup of a sparse embedding (a forward pre-hook):
-        rows it reads, less those already fresh this step
+    forward: a model with ``sparse_reads(*inputs)`` (the rows of each sparse parameter the
+    forward will read) has them all fetched before it (a forward pre-hook on the model), so
+    its lookups only check; otherwise each lookup of a sparse embedding fetches its own:
+        rows read, less those already fresh this step
         -> union over the machine's workers (all-gather inside the machine)
-        -> the machine's leader pulls them from their ranges' servers (round t)
+        -> the machine's leader pulls them from their ranges' servers (round t): every
+           range's pull in flight at once, so one round trip for all the tables
         -> broadcast inside the machine; every worker writes them into its weight
-    optimizer.step():
+    optimizer.step() (the pushes are packed and sent while the dense all-reduce runs):
         every worker's coalesced sparse gradient -> the leader (all-gather inside
         the machine), summed per row and averaged over the workers
         -> one push per range of the rows in it (round t + 1; none touched: only the lr)
@@ -19,7 +22,7 @@ as Parallax's default.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -72,6 +75,19 @@ class _Var:
         self.index, self.name, self.param, self.rule = index, name, param, rule
         self.fresh = torch.ones(param.shape[0], dtype=torch.bool)  # rows current this step
         self.touched: list[int] = []  # rows this machine pushed, per step (leaders)
+        self.declared = False  # this step's rows came from the model's sparse_reads
+
+
+def check_declared(var: _Var, indices: torch.Tensor) -> None:
+    """A lookup of rows the model's ``sparse_reads`` named (and the step fetched): all
+    current, or ConfigError (the declaration missed some, which would be read stale)."""
+    rows = indices.detach().reshape(-1).cpu()
+    stale = ~var.fresh[rows]
+    if bool(stale.any()):
+        missing = torch.unique(rows[stale])
+        raise ConfigError(f"a lookup of {var.name} reads {missing.numel()} rows the model's "
+                          f"sparse_reads did not name (e.g. {missing[:5].tolist()})",
+                          "return from sparse_reads every row the forward looks up")
 
 
 class SparseRows:
@@ -102,6 +118,9 @@ class SparseRows:
             if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and id(m.weight) in by_weight:
                 var = by_weight[id(m.weight)]
                 self.hooks.append(m.register_forward_pre_hook(self._lookup_hook(var)))
+        reads = getattr(model, "sparse_reads", None)
+        if callable(reads):
+            self.hooks.append(model.register_forward_pre_hook(self._reads_hook(reads)))
         self.plan = plan
         self.placement = self._install(plan)
 
@@ -144,7 +163,27 @@ class SparseRows:
 
     def _lookup_hook(self, var: _Var) -> Callable[[nn.Module, Any], None]:
         def hook(module: nn.Module, args: Any) -> None:
-            self.fetch(var, args[0])
+            if var.declared:
+                check_declared(var, args[0])
+            else:
+                self.fetch({var: args[0]})
+        return hook
+
+    def _reads_hook(self, reads: Callable[..., Mapping[str, torch.Tensor]]
+                    ) -> Callable[[nn.Module, Any], None]:
+        by_name = {v.name: v for v in self.vars}
+
+        def hook(module: nn.Module, args: Any) -> None:
+            declared = reads(*args)
+            unknown = sorted(set(declared) - set(by_name))
+            if unknown:
+                raise ConfigError(f"the model's sparse_reads names {unknown}, which are not "
+                                  f"sparse parameters (those are {sorted(by_name)})",
+                                  "return the rows of the sparse parameters only, by their "
+                                  "names in model.named_parameters()")
+            self.fetch({by_name[n]: rows for n, rows in declared.items()})
+            for n in declared:
+                by_name[n].declared = True
         return hook
 
     def _local_union(self, rows: torch.Tensor) -> torch.Tensor:
@@ -154,32 +193,53 @@ class SparseRows:
         [every] = _gather_local([rows], self.ctx.groups.local, len(self.local))
         return torch.unique(torch.cat(every))
 
-    def fetch(self, var: _Var, indices: torch.Tensor) -> None:
-        """Make the rows ``indices`` reads current in ``var``'s weight (this machine's union
-        of them, pulled once by the leader)."""
-        rows = torch.unique(indices.detach().reshape(-1).cpu())
-        need = self._local_union(rows[~var.fresh[rows]])
-        if need.numel() == 0:
+    def fetch(self, reads: Mapping[_Var, torch.Tensor]) -> None:
+        """Make the rows each ``reads[var]`` names current in ``var``'s weight: this
+        machine's union of them, pulled once by the leader, every range's pull in flight
+        at once (one round trip for all the variables)."""
+        if not reads:
             return
-        values = torch.empty(need.numel(), var.param.shape[1], dtype=var.param.dtype)
+        # One union inside the machine for every variable: rows offset by variable.
+        offsets, at = {}, 0
+        for var in self.vars:
+            offsets[var.index], at = at, at + var.param.shape[0]
+        order = sorted(reads, key=lambda v: v.index)  # so the offset rows come sorted
+        wanted = []
+        for var in order:
+            rows = torch.unique(reads[var].detach().reshape(-1).cpu())
+            wanted.append(rows[~var.fresh[rows]] + offsets[var.index])
+        union = self._local_union(torch.cat(wanted) if len(wanted) > 1 else wanted[0])
+        if union.numel() == 0:
+            return
+        needs = []
+        for var in order:
+            lo, hi = torch.searchsorted(union, torch.tensor(
+                [offsets[var.index], offsets[var.index] + var.param.shape[0]])).tolist()
+            if hi > lo:
+                need = union[lo:hi] - offsets[var.index]
+                needs.append((var, need, torch.empty(need.numel(), var.param.shape[1],
+                                                     dtype=var.param.dtype)))
         if self.is_leader:
-            pending, at = [], 0
-            for i, r, part in self._split(var, need):
-                if part.numel() == 0:
-                    continue  # a PULL without rows would ask for the range's whole state
-                out = values[at:at + part.numel()]
-                at += part.numel()
-                pending.append(Pending(self.client.request(
-                    self.placement.owners[i], Op.PULL, key=self.placement.partitions[i].key,
-                    round=self.round, payload=part - r.lo, answer=out,
-                    what=f"pull of {part.numel()} rows of {var.name}[{r.index}]")))
+            pending = []
+            for var, need, values in needs:
+                at = 0
+                for i, r, part in self._split(var, need):
+                    if part.numel() == 0:
+                        continue  # a PULL without rows would ask for the range's whole state
+                    pending.append(Pending(self.client.request(
+                        self.placement.owners[i], Op.PULL, key=self.placement.partitions[i].key,
+                        round=self.round, payload=part - r.lo,
+                        answer=values[at:at + part.numel()],
+                        what=f"pull of {part.numel()} rows of {var.name}[{r.index}]")))
+                    at += part.numel()
             for p in pending:
                 p.wait()
-        if len(self.local) > 1:
-            dist.broadcast(values, src=self.leader, group=self.ctx.groups.local)
         with torch.no_grad():
-            var.param.data[need.to(var.param.device)] = values.to(var.param.device)
-        var.fresh[need] = True
+            for var, need, values in needs:
+                if len(self.local) > 1:
+                    dist.broadcast(values, src=self.leader, group=self.ctx.groups.local)
+                var.param.data[need.to(var.param.device)] = values.to(var.param.device)
+                var.fresh[need] = True
 
     def _split(self, var: _Var, rows: torch.Tensor) -> list[tuple[int, Any, torch.Tensor]]:
         """Sorted ``rows`` cut by ``var``'s ranges: (placement index, range, its rows)."""
@@ -211,10 +271,10 @@ class SparseRows:
                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The machine's gradient (unique rows, values summed in local rank order) on every
         local worker."""
-        if len(self.local) > 1:
-            every_r, every_v = _gather_local([rows, values], self.ctx.groups.local,
-                                             len(self.local))
-            rows, values = torch.cat(every_r), torch.cat(every_v)
+        if len(self.local) == 1:
+            return rows, values  # already unique and sorted
+        every_r, every_v = _gather_local([rows, values], self.ctx.groups.local, len(self.local))
+        rows, values = torch.cat(every_r), torch.cat(every_v)
         unique, inverse = torch.unique(rows, return_inverse=True)
         summed = torch.zeros(unique.numel(), values.shape[1], dtype=values.dtype)
         summed.index_add_(0, inverse, values)
@@ -236,9 +296,10 @@ class SparseRows:
             rows, values = self._local_sum(*self._gradient(var))
             var.param.grad = None  # the servers update it, not the local optimizer
             var.fresh.zero_()
+            var.declared = False
             if not self.is_leader:
                 continue
-            values /= workers  # every replica's loss is a mean over its slice: average
+            values = values / workers  # every replica's loss is a mean over its slice: average
             var.touched.append(rows.numel())
             lr = self._lr(var)
             for i, r, part in self._split(var, rows):

@@ -94,9 +94,12 @@ class Parallax(ServedStrategy[ParallaxOptions]):
 
     def _before_step(self) -> None:
         assert self.dense is not None
-        self.dense()
+        # The pushes are packed and sent (and the servers apply them) while the dense
+        # all-reduce runs in gloo's thread.
+        finish = self.dense.start()
         if self.rows is not None:
             self.rows.push()
+        finish()
 
     # -- the partition search ------------------------------------------------------------------
 
