@@ -76,17 +76,3 @@ def test_a_lane_keeps_its_priority_order_when_a_smaller_item_would_fit():
     assert q.take() == "other"
     q.release(60, lane="s")
     assert [q.take(), q.take()] == ["second", "third"]
-
-
-def test_take_now_only_when_nothing_waits_and_the_lane_has_room():
-    q = CreditQueue[str](credit_bytes=100)
-    assert q.take_now(80, lane="a")          # the caller sends it itself
-    assert q.in_flight == 80
-    assert not q.take_now(80, lane="a")      # no room on a: the caller queues it
-    q.put(0, 80, "a1", lane="a")
-    assert not q.take_now(10, lane="b")      # b has room, but an item waits: queue behind it
-    q.release(80, lane="a")
-    assert q.take() == "a1"
-    assert q.take_now(10, lane="b") and q.in_flight == 90
-    q.close()
-    assert not q.take_now(10, lane="c")

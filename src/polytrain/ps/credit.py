@@ -40,7 +40,6 @@ class CreditQueue(Generic[T]):
         q.take()   # 1 (earlier layer first); 5 waits until release(800)
         q.put(priority=7, nbytes=800, item=7, lane="server 2")
         q.take()   # 7: another lane has its own credit
-        q.take_now(800, lane="server 3")   # True: nothing waits; the caller sends it
     """
 
     def __init__(self, credit_bytes: int) -> None:
@@ -78,16 +77,6 @@ class CreditQueue(Generic[T]):
             full.add(lane)
         return None
 
-    def take_now(self, nbytes: int, *, lane: Hashable = None) -> bool:
-        """Count ``nbytes`` as in flight on ``lane`` if nothing waits and the lane has room,
-        so the caller sends its item itself (what :meth:`take` would hand out at once,
-        without waking the thread that takes); False: :meth:`put` it instead."""
-        with self._cond:
-            if self._closed or self._waiting or not self._fits(nbytes, lane):
-                return False
-            self._in_flight[lane] += nbytes
-            return True
-
     def take(self) -> T | None:
         """The first item whose lane's credit allows it (its bytes count as in flight).
 
@@ -111,8 +100,7 @@ class CreditQueue(Generic[T]):
         """An item's bytes have landed: give back their credit on its lane."""
         with self._cond:
             self._in_flight[lane] -= nbytes
-            if self._waiting:  # a taker with nothing to take sleeps on: no wake-up for it
-                self._cond.notify_all()
+            self._cond.notify_all()
 
     def close(self) -> None:
         with self._cond:

@@ -24,13 +24,6 @@ in one round of a sum, on a machine with workers a (handler) and b:
     a: the server holds the push (its receipt) -> its credit comes back
     a: completer: sum arrives -> isend to b
 
-A partition with nothing to wait for or to do on its way (no local peers, no
-compression: one worker per machine) takes two shortcuts: ``submit`` pushes
-it from the caller's thread when nothing waits in the queue and its server's
-credit has room, and ``wait`` waits for its sum itself. On a few cores shared
-by many processes every hand-off between threads may cost a scheduler
-timeslice (docs/byteps.md, "Engine cost").
-
 Local messages are tagged per (key, round) on their own channel
 (:mod:`polytrain.comm.tags`), so they match whatever order gradients become
 ready in; the only blocking waits live in three threads per worker
@@ -90,12 +83,6 @@ class _Part:
     tensor: SumTensor
     peers: tuple[int, ...]  # the other ranks that hand the handler their piece
     codec: Codec | None = None  # on the handler: this partition's compression (None: plain)
-
-    @property
-    def direct(self) -> bool:
-        """Nothing to wait for or to do between the caller and the server: no local peers,
-        no compression (the caller pushes it and waits for its sum itself)."""
-        return not self.peers and self.codec is None
 
 
 @dataclass
@@ -316,11 +303,8 @@ class Engine:
                     buf = torch.empty(n, dtype=piece.dtype)
                     contributions.append((peer, buf, transport.irecv(
                         buf, peer, tag, f"local piece of {p.part.label}")))
-                task = _Task(p, rnd, piece, contributions, out)
-                if p.direct and self.queue.take_now(p.part.nbytes, lane=p.owner):
-                    self._request(task)
-                else:
-                    self.queue.put(p.part.key, p.part.nbytes, task, lane=p.owner)
+                self.queue.put(p.part.key, p.part.nbytes, _Task(p, rnd, piece, contributions, out),
+                               lane=p.owner)
             else:
                 recv = transport.irecv(out, p.handler, tag, f"local sum of {p.part.label}")
                 send = transport.isend(piece, p.handler, tag, f"local piece of {p.part.label}")
@@ -380,46 +364,29 @@ class Engine:
                 t.done.set()
 
     def _schedule(self) -> None:
+        client = self.ctx.ps_client
         while (task := self.queue.take()) is not None:
-            self._request(task)
-
-    def _request(self, task: _Task) -> None:
-        """Push_pull ``task`` (its credit taken): reduce the machine's pieces, compress,
-        send; the drain thread gets the sends, the completer (or wait()) the answer."""
-        own = task.own
-        if task.contributions:
-            pieces = {self.me: own}
-            for peer, buf, handle in task.contributions:
-                handle.wait()
-                pieces[peer] = buf
-            ordered = [pieces[r] for r in sorted(pieces)]  # local rank order: deterministic
-            own = ordered[0].clone()
-            for x in ordered[1:]:
-                own.add_(x)
-        part, codec = task.part.part, task.part.codec
-        if codec is not None:  # compress the machine's sum; the answer is packed too
-            own = codec.encode(own)
-            task.packed = torch.empty(codec.nbytes, dtype=torch.uint8)
-        answer, receipt, *sends = self.client.request(
-            task.part.owner, Op.PUSHPULL, key=part.key, round=task.round, payload=own,
-            answer=task.out if task.packed is None else task.packed,
-            what=f"push_pull of {part.label}")
-        self.sent.put((task, [*sends, receipt], own))
-        if task.part.direct:  # wait() waits for the sum itself
-            self._summed(task.part.tensor, recvs=[answer])
-        else:
+            own = task.own
+            if task.contributions:
+                pieces = {self.me: own}
+                for peer, buf, handle in task.contributions:
+                    handle.wait()
+                    pieces[peer] = buf
+                ordered = [pieces[r] for r in sorted(pieces)]  # local rank order: deterministic
+                own = ordered[0].clone()
+                for x in ordered[1:]:
+                    own.add_(x)
+            part, codec = task.part.part, task.part.codec
+            if codec is not None:  # compress the machine's sum; the answer is packed too
+                own = codec.encode(own)
+                task.packed = torch.empty(codec.nbytes, dtype=torch.uint8)
+            answer, receipt, *sends = client.request(task.part.owner, Op.PUSHPULL, key=part.key,
+                                            round=task.round, payload=own,
+                                            answer=task.out if task.packed is None
+                                            else task.packed,
+                                            what=f"push_pull of {part.label}")
+            self.sent.put((task, [*sends, receipt], own))
             self.answers.put((task, answer))
-
-    def _summed(self, t: SumTensor, *, recvs: Sequence[Handle] = (),
-                sends: Sequence[Handle] = ()) -> None:
-        """One of ``t``'s handler partitions is done here (its last messages: handles that
-        wait() finishes)."""
-        with self._lock:
-            t.recvs += recvs
-            t.sends += sends
-            t.pending -= 1
-            if t.pending == 0:
-                t.done.set()
 
     def _drain_sends(self) -> None:
         # Credit comes back when the server holds a push (its receipt), not when its sum is
@@ -441,10 +408,15 @@ class Engine:
             if task.packed is not None:
                 assert task.part.codec is not None
                 task.out.copy_(task.part.codec.decode(task.packed))
+            t = task.part.tensor
             tag = _local_tag(task.part.part.key, task.round)
-            self._summed(task.part.tensor, sends=[
-                transport.isend(task.out, peer, tag, f"local sum of {task.part.part.label}")
-                for peer in task.part.peers])
+            sends = [transport.isend(task.out, peer, tag, f"local sum of {task.part.part.label}")
+                     for peer in task.part.peers]
+            with self._lock:
+                t.sends += sends
+                t.pending -= 1
+                if t.pending == 0:
+                    t.done.set()
 
 
 def engine_for(ctx: Context, *, credit_bytes: int = DEFAULT_CREDIT_BYTES) -> Engine:

@@ -174,11 +174,7 @@ class GradientSync:
                 p = self.params[m]
                 if p.grad is None:
                     p.grad = torch.empty_like(p)
-                summed = total[off:off + p.numel()].view(p.shape)
-                if p.grad.device == summed.device:  # one pass over the bytes, not a copy and a div
-                    torch.div(summed, self._workers, out=p.grad)
-                else:
-                    p.grad.copy_(summed).div_(self._workers)
+                p.grad.copy_(total[off:off + p.numel()].view(p.shape)).div_(self._workers)
         done = time.perf_counter()
         if self._first_submit is not None:
             self.comm_s.append(done - self._first_submit)
