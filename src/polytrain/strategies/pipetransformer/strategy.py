@@ -257,9 +257,10 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
         dist.all_gather_object(everyone, mine, group=ctx.groups.workers)
         self.tracker.merge(everyone)
         freezable = len(self._names) - 1  # the last layer always trains
-        ratios = self.tracker.ratios(self._names[plan.frozen:freezable])
+        ratios = self.tracker.signal(self.options.freeze_signal,
+                                     self._names[plan.frozen:freezable])
         frozen = next_frozen(plan.frozen, freezable, ratios, alpha=self.options.freeze_alpha,
-                             threshold=self.options.freeze_threshold)
+                             threshold=self.options.threshold)
         self.tracker.new_interval()
         new = plan_pipe(self.profile, step=step, frozen=frozen, stages=plan.stages,
                         replicas=plan.replicas, global_batch=self.global_batch, previous=plan,
@@ -270,7 +271,7 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
         signal = {n: round(r, 4) for n, r in zip(self._names[plan.frozen:freezable], ratios)}
         if (new.frozen, new.bounds, new.stages, new.replicas, new.micro_batches) == \
                 (plan.frozen, plan.bounds, plan.stages, plan.replicas, plan.micro_batches):
-            self.timeline.append({**plan.record(), "step": step, "grad_norm_ratio": signal,
+            self.timeline.append({**plan.record(), "step": step, "grad_norm_signal": signal,
                                   "changed": False})
             return
         self._install(new, plan, signal)
@@ -284,7 +285,7 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
         if old is not None:
             self._hand_over(plan, old)
         self.plan = plan
-        self.timeline.append({**plan.record(), "grad_norm_ratio": signal or {},
+        self.timeline.append({**plan.record(), "grad_norm_signal": signal or {},
                               "changed": True})
         if w == 0:
             log.info("%s", plan.describe(self.profile.names))
