@@ -40,6 +40,9 @@ class PipeTransformerOptions:
         cache_mb: the memory tier per first stage, MiB (default 256); past it, disk.
         cache_dir: the disk tier's directory (default: a temporary one).
         cache_from: cache once at least this many layers are frozen (default 2).
+        cache_shared: the first stages of one machine share their entries through the
+            host's shared memory (``/dev/shm``), as the paper's AutoCache (default True;
+            False: each process its own).
     """
 
     pipeline_stages: int | None = field(default=None, metadata={
@@ -83,6 +86,9 @@ class PipeTransformerOptions:
     cache_from: int = field(default=2, metadata={
         "help": "pipetransformer: cache once at least this many layers are frozen (default 2)",
         "metavar": "L"})
+    cache_shared: bool = field(default=True, metadata={
+        "help": "pipetransformer: AutoCache's entries stay in each first stage's process "
+                "instead of the machine's shared memory"})
 
     def __post_init__(self) -> None:
         if self.pipeline_stages is not None and self.pipeline_stages < 1:
