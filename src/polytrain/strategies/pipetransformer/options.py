@@ -113,13 +113,6 @@ class PipeTransformerOptions:
         if self.freeze_threshold is not None and not self.freeze_threshold > 0:
             raise ConfigError(f"--freeze-threshold must be positive (got "
                               f"{self.freeze_threshold})", "pass --freeze-threshold 0.5")
-
-    @property
-    def threshold(self) -> float:
-        """``freeze_threshold``, or the signal's default."""
-        if self.freeze_threshold is not None:
-            return self.freeze_threshold
-        return 0.1 if self.freeze_signal == "change" else 1.0
         if self.cache_mb < 0:
             raise ConfigError(f"--cache-mb must be 0 or more (got {self.cache_mb})",
                               "pass --cache-mb 256 (0: disk only)")
@@ -128,3 +121,10 @@ class PipeTransformerOptions:
                               "pass --cache-from 2")
         if self.cache and self.cache_dir is not None:
             check_writable(self.cache_dir)
+
+    @property
+    def threshold(self) -> float:
+        """``freeze_threshold``, or the signal's default."""
+        if self.freeze_threshold is not None:
+            return self.freeze_threshold
+        return 0.1 if self.freeze_signal == "change" else 1.0
