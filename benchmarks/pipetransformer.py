@@ -73,10 +73,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="tiny model, few steps")
     p.add_argument("--rounds", type=int, default=1)
-    p.add_argument("--steps", type=int, default=120)
-    p.add_argument("--pretrain-steps", type=int, default=400)
+    p.add_argument("--steps", type=int, default=200)
+    # Long enough that the front layers have converged before fine-tuning (shorter, they
+    # still learn in it and any freezing costs loss: docs/pipetransformer.md, Benchmark).
+    p.add_argument("--pretrain-steps", type=int, default=2400)
     p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--freeze-every", type=int, default=20)
+    p.add_argument("--freeze-every", type=int, default=40)
     p.add_argument("--freeze-signal", default="change", choices=("change", "level"))
     p.add_argument("--freeze-threshold", type=float, default=None,
                    help="default: the signal's (0.1 for change, 1.0 for level)")
