@@ -73,11 +73,16 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="tiny model, few steps")
     p.add_argument("--rounds", type=int, default=1)
-    p.add_argument("--steps", type=int, default=120)
-    p.add_argument("--pretrain-steps", type=int, default=400)
+    p.add_argument("--steps", type=int, default=200)
+    # Long enough that the front layers have converged before fine-tuning (shorter, they
+    # still learn in it and any freezing costs loss: docs/pipetransformer.md, Benchmark).
+    p.add_argument("--pretrain-steps", type=int, default=2400)
     p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--freeze-every", type=int, default=20)
-    p.add_argument("--freeze-threshold", type=float, default=1.0)
+    p.add_argument("--freeze-every", type=int, default=40)
+    p.add_argument("--freeze-signal", default="change", choices=("change", "level"))
+    p.add_argument("--freeze-threshold", type=float, default=None,
+                   help="default: the signal's (0.1 for change, 1.0 for level)")
+    p.add_argument("--freeze-alpha", type=float, default=1 / 3)
     p.add_argument("--eval-every", type=int, default=10)
     p.add_argument("--gflops", type=float, default=1.0, help="each emulated device's speed")
     p.add_argument("--only", nargs="*", default=None, help="run only these variants")
@@ -108,8 +113,9 @@ def main(argv: list[str] | None = None) -> int:
         runs = {n: list(earlier.get(n, [])) for n in VARIANTS if n in earlier or n in names}
     for r in range(args.rounds):
         for name in names:
-            options = {"freeze_every": args.freeze_every,
-                       "freeze_threshold": args.freeze_threshold, **VARIANTS[name]}
+            options = {"freeze_every": args.freeze_every, "freeze_signal": args.freeze_signal,
+                       "freeze_threshold": args.freeze_threshold,
+                       "freeze_alpha": args.freeze_alpha, **VARIANTS[name]}
             m = run_config(base.replace(strategy_options=options), env=ENV)
             runs.setdefault(name, []).append({
                 "eval": m["eval"], "final_eval_loss": m["final_eval_loss"],
@@ -138,8 +144,10 @@ def main(argv: list[str] | None = None) -> int:
                 "final_eval_loss"] - 1) <= 0.01 or s["final_eval_loss"] < summary[
                 "no freeze"]["final_eval_loss"]
     out = {"model": model, "devices": devices, "batch_size": args.batch_size,
-           "steps": args.steps, "rounds": args.rounds, "freeze_every": args.freeze_every,
-           "freeze_threshold": args.freeze_threshold, "target_loss": target,
+           "steps": args.steps, "rounds": args.rounds, "pretrain_steps": args.pretrain_steps,
+           "freeze_every": args.freeze_every, "freeze_signal": args.freeze_signal,
+           "freeze_threshold": args.freeze_threshold, "freeze_alpha": args.freeze_alpha,
+           "target_loss": target,
            "summary": summary, "runs": runs}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1) + "\n")

@@ -55,3 +55,44 @@ def test_freeze_alpha_outside_zero_one_is_refused(alpha):
         PipeTransformerOptions(freeze_alpha=alpha)
     with pytest.raises(ConfigError, match="freeze-alpha"):
         freeze_cap(0, 12, alpha)
+
+
+def test_the_change_signal_reads_each_layers_trend_between_intervals():
+    # h0's norm has settled (2.0, then 2.0 again); h1's still falls (10, then 8): only h0
+    # changed by at most 10%, so only h0 counts as stopped.
+    t = GradNormTracker()
+    for _ in range(5):
+        t.record({"h0": 2.0, "h1": 10.0})
+    t.new_interval()
+    assert t.previous == {"h0": 2.0, "h1": 10.0}
+    for v in (1.9, 2.1):
+        t.record({"h0": v, "h1": 8.0})
+    assert t.changes(["h0", "h1", "h2"]) == pytest.approx([0.0, 0.2, 1.0])
+    assert t.signal("change", ["h0", "h1"]) == t.changes(["h0", "h1"])
+    assert t.signal("level", ["h0", "h1"]) == t.ratios(["h0", "h1"])
+    assert next_frozen(0, 2, t.changes(["h0", "h1"]), alpha=0.5, threshold=0.1) == 1
+    # A norm that rises counts as a change too (the layer still moves).
+    t.new_interval()
+    t.record({"h0": 3.0})
+    assert t.changes(["h0"]) == pytest.approx([0.5])
+
+
+def test_the_first_change_is_against_the_first_steps():
+    # Before any interval closed, a layer's change is from its reference (first steps).
+    t = GradNormTracker()
+    for v in (4.0, 4.0, 4.0, 4.0, 4.0, 3.0, 3.0, 3.0, 3.0, 3.0):
+        t.record({"h0": v})
+    assert t.changes(["h0"]) == pytest.approx([(4.0 - 3.5) / 4.0])
+    other = GradNormTracker(previous={"h1": 1.5})
+    t.merge([other])
+    assert t.previous["h1"] == 1.5
+
+
+def test_an_unknown_signal_is_refused_with_the_names():
+    with pytest.raises(ValueError, match="the signals are: change, level"):
+        GradNormTracker().signal("trend", ["h0"])
+    with pytest.raises(ConfigError, match="the signals are: change, level"):
+        PipeTransformerOptions(freeze_signal="trend")
+    assert PipeTransformerOptions().threshold == 0.1
+    assert PipeTransformerOptions(freeze_signal="level").threshold == 1.0
+    assert PipeTransformerOptions(freeze_threshold=0.3).threshold == 0.3

@@ -6,8 +6,11 @@ past it in files under a directory) and later epochs skip the frozen
 forward. An entry remembers the depth it was computed at; when more layers
 freeze, a hit is *advanced* through the newly frozen layers only, instead
 of being recomputed from the input. Samples are keyed by their content (a
-hash of the input row), so any data set works and a re-sharded replica
-simply misses what another replica cached.
+hash of the input row), so any data set works. With ``shared`` (a directory
+in host shared memory, one per machine), every entry is also published there
+for the other first stages of the same machine, as the paper's cache lives in
+the host's shared memory: a sample re-sharded to another replica of the
+machine still hits (frozen layers are the same in every replica).
 """
 
 from __future__ import annotations
@@ -30,10 +33,12 @@ __all__ = ["ActivationCache", "CacheStats", "frozen_forward", "check_writable"]
 
 @dataclass
 class CacheStats:
-    """Counts for ``metrics.json``: samples served from the cache (and of those advanced
-    through newly frozen layers), samples computed, bytes held in memory and on disk."""
+    """Counts for ``metrics.json``: samples served from the cache (of those, found in the
+    machine's shared directory, and advanced through newly frozen layers), samples
+    computed, bytes held in memory and on disk (this process's tiers)."""
 
     hits: int = 0
+    shared_hits: int = 0
     misses: int = 0
     advanced: int = 0
     memory_bytes: int = 0
@@ -70,10 +75,15 @@ class ActivationCache:
         memory_bytes: the memory tier's budget (``--cache-mb``); entries past it go to disk.
         directory: where the disk tier's files go (default: a fresh temporary directory,
             removed by :meth:`close`).
+        shared: a directory the first stages of one machine share (``/dev/shm/...``):
+            every entry is published there as a file and looked up there on a miss
+            (default: none, this process's entries only). Its owner removes it.
     """
 
-    def __init__(self, *, memory_bytes: int, directory: str | None = None) -> None:
+    def __init__(self, *, memory_bytes: int, directory: str | None = None,
+                 shared: str | None = None) -> None:
         self.budget = memory_bytes
+        self.shared = Path(shared) if shared is not None else None
         self._own_dir = directory is None
         self._dir_arg = directory
         self._dir: Path | None = None
@@ -94,10 +104,28 @@ class ActivationCache:
         if key in self.disk:
             depth, path, _ = self.disk[key]
             return depth, torch.load(path, weights_only=True)
+        if self.shared is not None:
+            try:
+                depth, value = torch.load(self.shared / (key.hex() + ".pt"), weights_only=True)
+            except FileNotFoundError:  # no first stage of this machine has seen the sample
+                return None
+            self.stats.shared_hits += 1
+            self._keep(key, int(depth), value)
+            return int(depth), value
         return None
 
     def put(self, key: bytes, depth: int, value: torch.Tensor) -> None:
         value = value.detach().clone()
+        if self.shared is not None:
+            # Written aside and renamed: a reader sees the whole entry or none.
+            path = self.shared / (key.hex() + ".pt")
+            part = self.shared / f".{key.hex()}-{os.getpid()}.part"
+            torch.save((depth, value), part)
+            os.replace(part, path)
+        self._keep(key, depth, value)
+
+    def _keep(self, key: bytes, depth: int, value: torch.Tensor) -> None:
+        """Hold an entry in this process's tiers: memory within the budget, then disk."""
         nbytes = value.numel() * value.element_size()
         old = self.memory.pop(key, None)
         if old is not None:

@@ -7,13 +7,19 @@ The paper's rule at freeze point ``T``, for a model of ``L`` freezable layers
                       argmin over l in [L_frozen(T-1), L) of ||g_l(T)||)
 
 The released code runs only the cap (its gradient-norm branch is
-unreachable). Here the signal is used: ``||g_l(T)||`` is the layer's mean
-gradient norm over the interval that just ended *relative to its norm when
-it started training* (so a small layer and a large one compare), a layer's
-learning "has stopped" once that ratio is at most ``threshold``, and the
-front is frozen through the stopped layer with the smallest ratio, never
-past the cap (of equal ratios, the deepest). With no stopped layer nothing more
-freezes.
+unreachable). Here the signal is used, as one number per layer that is
+scale-free (so a small layer and a large one compare); a layer's learning
+"has stopped" once its number is at most ``threshold``, and the front is
+frozen through the stopped layer with the smallest number, never past the
+cap (of equal numbers, the deepest). With no stopped layer nothing more
+freezes. Two signals (:data:`SIGNALS`), both from the layer's mean gradient
+norm over the interval that just ended:
+
+- ``change``: its relative change from the interval before (the paper's
+  gradient-norm change; before the first interval, the layer's first steps):
+  the norm has settled, whatever its level. In fine-tuning the norms sit at
+  their noise floor from the first steps, so a level says little.
+- ``level``: its ratio to the layer's first steps: the norm has shrunk.
 
     >>> next_frozen(0, 5, [0.9, 0.3, 0.2, 0.6, 0.8], alpha=1 / 3, threshold=0.5)
     2
@@ -31,10 +37,13 @@ from typing import Mapping, Sequence
 
 from ..errors import ConfigError
 
-__all__ = ["freeze_cap", "next_frozen", "GradNormTracker", "REFERENCE_STEPS"]
+__all__ = ["freeze_cap", "next_frozen", "GradNormTracker", "REFERENCE_STEPS", "SIGNALS"]
 
 #: A layer's reference norm is its mean over its first steps of training.
 REFERENCE_STEPS = 5
+
+#: The gradient-norm signals a freeze point can read (``--freeze-signal``).
+SIGNALS = ("change", "level")
 
 
 def freeze_cap(frozen: int, freezable: int, alpha: float) -> int:
@@ -81,6 +90,7 @@ class GradNormTracker:
 
     reference: dict[str, list[float]] = field(default_factory=dict)  # first REFERENCE_STEPS
     interval: dict[str, list[float]] = field(default_factory=dict)
+    previous: dict[str, float] = field(default_factory=dict)  # the last interval's mean
 
     def record(self, norms: Mapping[str, float]) -> None:
         """One step's gradient norm of each layer this worker trains."""
@@ -99,6 +109,8 @@ class GradNormTracker:
             for name, values in other.interval.items():
                 if len(values) > len(self.interval.get(name, [])):
                     self.interval[name] = list(values)
+            for name, mean in other.previous.items():
+                self.previous.setdefault(name, mean)
 
     def ratios(self, layers: Sequence[str]) -> list[float]:
         """Each layer's mean norm over the interval over its reference (1.0 if unmeasured)."""
@@ -111,5 +123,31 @@ class GradNormTracker:
             out.append((sum(now) / len(now)) / (sum(ref) / len(ref)))
         return out
 
+    def changes(self, layers: Sequence[str]) -> list[float]:
+        """Each layer's relative change of its mean norm, from the interval before this one
+        (before the first: its reference) to this one (1.0 if unmeasured)."""
+        out = []
+        for name in layers:
+            ref, now = self.reference.get(name), self.interval.get(name)
+            before = self.previous.get(name, sum(ref) / len(ref) if ref else 0.0)
+            if not now or before == 0:
+                out.append(1.0)
+                continue
+            out.append(abs(sum(now) / len(now) - before) / before)
+        return out
+
+    def signal(self, kind: str, layers: Sequence[str]) -> list[float]:
+        """The ``kind`` signal (one of :data:`SIGNALS`) of each of ``layers``."""
+        if kind == "change":
+            return self.changes(layers)
+        if kind == "level":
+            return self.ratios(layers)
+        raise ValueError(f"unknown freeze signal {kind!r}; the signals are: "
+                         f"{', '.join(SIGNALS)}")
+
     def new_interval(self) -> None:
+        """Close the interval: its means become the next one's ``previous``."""
+        for name, values in self.interval.items():
+            if values:
+                self.previous[name] = sum(values) / len(values)
         self.interval = {}

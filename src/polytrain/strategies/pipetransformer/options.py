@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from ...errors import ConfigError
 from ...pipeline.cache import check_writable
+from ...pipeline.freeze import SIGNALS
 from ...pipeline.schedule import SCHEDULES
 
 __all__ = ["PipeTransformerOptions"]
@@ -24,10 +25,13 @@ class PipeTransformerOptions:
         freeze: AutoFreeze (default True; ``--no-freeze`` trains every layer throughout).
         freeze_every: steps between freeze points (default: one epoch of the data).
         freeze_alpha: the cap's fraction of the remaining layers, in (0, 1) (default 1/3).
-        freeze_threshold: a layer whose gradient norm is at most this fraction of its norm
-            when it started training has stopped learning (default 1.0: it no longer
-            shrinks; on the fine-tuning benchmark the norms settle at 0.7-1.2 of their
-            first steps' at the noise floor, so 0.5 never froze anything).
+        freeze_signal: what says a layer has stopped learning, from its mean gradient norm
+            over the last interval (:mod:`polytrain.pipeline.freeze`): ``change`` (default),
+            its relative change from the interval before; ``level``, its ratio to its
+            first steps'.
+        freeze_threshold: a layer whose signal is at most this has stopped learning
+            (default: 0.1 for ``change``, its norm moved by at most 10%; 1.0 for
+            ``level``, its norm no longer shrinks).
         autopipe: frozen layers move to the first stage forward-only, the rest are re-cut,
             the pipeline halves when it can (default True; False: freeze only).
         autodp: the devices a shorter pipeline frees run new replicas (default True;
@@ -36,6 +40,9 @@ class PipeTransformerOptions:
         cache_mb: the memory tier per first stage, MiB (default 256); past it, disk.
         cache_dir: the disk tier's directory (default: a temporary one).
         cache_from: cache once at least this many layers are frozen (default 2).
+        cache_shared: the first stages of one machine share their entries through the
+            host's shared memory (``/dev/shm``), as the paper's AutoCache (default True;
+            False: each process its own).
     """
 
     pipeline_stages: int | None = field(default=None, metadata={
@@ -55,9 +62,13 @@ class PipeTransformerOptions:
     freeze_alpha: float = field(default=1 / 3, metadata={
         "help": "pipetransformer: AutoFreeze's cap, the fraction of the remaining layers that "
                 "may freeze at a freeze point, in (0, 1) (default 1/3)", "metavar": "A"})
-    freeze_threshold: float = field(default=1.0, metadata={
-        "help": "pipetransformer: a layer has stopped learning once its gradient norm is at "
-                "most this fraction of its first steps' (default 1.0)", "metavar": "F"})
+    freeze_signal: str = field(default="change", metadata={
+        "help": "pipetransformer: what says a layer has stopped learning: change (default; "
+                "its gradient norm's relative change over the last interval) or level (its "
+                "norm over its first steps')", "choices": SIGNALS})
+    freeze_threshold: float | None = field(default=None, metadata={
+        "help": "pipetransformer: a layer has stopped learning once its signal is at most "
+                "this (default: 0.1 for change, 1.0 for level)", "metavar": "F"})
     autopipe: bool = field(default=True, metadata={
         "help": "pipetransformer: keep the cuts when layers freeze (freeze only: no AutoPipe, "
                 "no AutoDP)"})
@@ -75,6 +86,9 @@ class PipeTransformerOptions:
     cache_from: int = field(default=2, metadata={
         "help": "pipetransformer: cache once at least this many layers are frozen (default 2)",
         "metavar": "L"})
+    cache_shared: bool = field(default=True, metadata={
+        "help": "pipetransformer: AutoCache's entries stay in each first stage's process "
+                "instead of the machine's shared memory"})
 
     def __post_init__(self) -> None:
         if self.pipeline_stages is not None and self.pipeline_stages < 1:
@@ -93,7 +107,10 @@ class PipeTransformerOptions:
             raise ConfigError(f"--freeze-every must be at least 1 step (got "
                               f"{self.freeze_every})", "pass --freeze-every 100, or leave it "
                               "out for one epoch of the data")
-        if not self.freeze_threshold > 0:
+        if self.freeze_signal not in SIGNALS:
+            raise ConfigError(f"unknown freeze signal {self.freeze_signal!r}; the signals "
+                              f"are: {', '.join(SIGNALS)}", "pass --freeze-signal change")
+        if self.freeze_threshold is not None and not self.freeze_threshold > 0:
             raise ConfigError(f"--freeze-threshold must be positive (got "
                               f"{self.freeze_threshold})", "pass --freeze-threshold 0.5")
         if self.cache_mb < 0:
@@ -104,3 +121,10 @@ class PipeTransformerOptions:
                               "pass --cache-from 2")
         if self.cache and self.cache_dir is not None:
             check_writable(self.cache_dir)
+
+    @property
+    def threshold(self) -> float:
+        """``freeze_threshold``, or the signal's default."""
+        if self.freeze_threshold is not None:
+            return self.freeze_threshold
+        return 0.1 if self.freeze_signal == "change" else 1.0

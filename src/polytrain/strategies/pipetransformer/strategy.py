@@ -6,6 +6,10 @@ import copy
 import dataclasses
 import logging
 import math
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import torch
@@ -87,7 +91,7 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
                               f"pass --pipeline-stages among the divisors of {per}")
 
     #: Options that only say where the activation cache lives: a resume may change them.
-    _FREE_ON_RESUME = ("cache_mb", "cache_dir")
+    _FREE_ON_RESUME = ("cache_mb", "cache_dir", "cache_shared")
 
     @classmethod
     def check_resume(cls, saved: Mapping[str, Any], layout: Layout,
@@ -156,6 +160,7 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
         self.sources: list[int] = []
         self.group: Any = None
         self.cache: ActivationCache | None = None
+        self.shared_cache: str | None = None  # this machine's shared AutoCache directory
         self.profile: ModelProfile | None = None
         self.global_batch = 0
         self._planned = -1
@@ -225,6 +230,8 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
         self.global_batch = inputs.shape[0] * self.replica[1]  # the plan's, or a resumed one's
         self.memory = min(d.type.memory_bytes for d in self._cluster().devices)
         self.state_factor = optimizer_state_factor(self.base_optimizer)
+        if self.options.cache and self.options.cache_shared:
+            self.shared_cache = _shared_directory(ctx)
         if self._resume is not None:
             self._restore(self._resume)
             self._resume = None
@@ -257,9 +264,10 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
         dist.all_gather_object(everyone, mine, group=ctx.groups.workers)
         self.tracker.merge(everyone)
         freezable = len(self._names) - 1  # the last layer always trains
-        ratios = self.tracker.ratios(self._names[plan.frozen:freezable])
+        ratios = self.tracker.signal(self.options.freeze_signal,
+                                     self._names[plan.frozen:freezable])
         frozen = next_frozen(plan.frozen, freezable, ratios, alpha=self.options.freeze_alpha,
-                             threshold=self.options.freeze_threshold)
+                             threshold=self.options.threshold)
         self.tracker.new_interval()
         new = plan_pipe(self.profile, step=step, frozen=frozen, stages=plan.stages,
                         replicas=plan.replicas, global_batch=self.global_batch, previous=plan,
@@ -270,7 +278,7 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
         signal = {n: round(r, 4) for n, r in zip(self._names[plan.frozen:freezable], ratios)}
         if (new.frozen, new.bounds, new.stages, new.replicas, new.micro_batches) == \
                 (plan.frozen, plan.bounds, plan.stages, plan.replicas, plan.micro_batches):
-            self.timeline.append({**plan.record(), "step": step, "grad_norm_ratio": signal,
+            self.timeline.append({**plan.record(), "step": step, "grad_norm_signal": signal,
                                   "changed": False})
             return
         self._install(new, plan, signal)
@@ -284,7 +292,7 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
         if old is not None:
             self._hand_over(plan, old)
         self.plan = plan
-        self.timeline.append({**plan.record(), "grad_norm_ratio": signal or {},
+        self.timeline.append({**plan.record(), "grad_norm_signal": signal or {},
                               "changed": True})
         if w == 0:
             log.info("%s", plan.describe(self.profile.names))
@@ -332,7 +340,8 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
                 self.cache = None
         elif self.cache is None:
             self.cache = ActivationCache(memory_bytes=int(self.options.cache_mb * 2**20),
-                                         directory=self.options.cache_dir)
+                                         directory=self.options.cache_dir,
+                                         shared=self.shared_cache)
 
     _handed: dict[str, dict[str, Any]] | None = None
 
@@ -536,7 +545,8 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
         for s in everyone:
             for k, v in s.items():
                 total[k] = total.get(k, 0) + v
-        keys = ("hits", "misses", "advanced", "memory_bytes", "disk_bytes", "disk_entries")
+        keys = ("hits", "shared_hits", "misses", "advanced", "memory_bytes", "disk_bytes",
+                "disk_entries")
         return {"freeze_timeline": self.timeline,
                 "cache": {k: total.get(k, 0) for k in keys}}
 
@@ -545,3 +555,16 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
             self.stage.close()
         if self.cache is not None:
             self.cache.close()
+        if self.shared_cache is not None:  # every worker has finished its last step
+            shutil.rmtree(self.shared_cache, ignore_errors=True)
+
+
+def _shared_directory(ctx: Context) -> str:
+    """A directory in host shared memory that the workers of this machine share for
+    AutoCache, fresh for the run (worker 0 names it; every worker makes its machine's)."""
+    name = [uuid.uuid4().hex if ctx.worker_index == 0 else None]
+    dist.broadcast_object_list(name, src=ctx.topology.workers[0], group=ctx.groups.workers)
+    root = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    path = root / f"polytrain-autocache-{name[0]}-{ctx.machine}"
+    path.mkdir(parents=True, exist_ok=True)
+    return str(path)
