@@ -182,6 +182,11 @@ class Prediction:
                 "link_s": self.link_s, "host_s": self.host_s, "latency_s": self.latency_s}
 
 
+def _unknown(strategy: str) -> ConfigError:
+    return ConfigError(f"the cost model knows no strategy {strategy!r}; it knows: "
+                       f"{', '.join(STRATEGIES)}", "pass one of them")
+
+
 def nic_traffic(strategy: str, *, machines: int, local_workers: int, servers: int) -> float:
     """The busiest NIC's bytes per step, one direction, in units of the gradient M."""
     n, k = machines, servers
@@ -193,8 +198,7 @@ def nic_traffic(strategy: str, *, machines: int, local_workers: int, servers: in
     if strategy == "herring":
         t = herring_traffic(n, k)
         return max(t["worker"], t["server"]) if n > 1 or k else 0.0
-    raise ConfigError(f"the cost model knows no strategy {strategy!r}; it knows: "
-                      f"{', '.join(STRATEGIES)}", "pass one of them")
+    raise _unknown(strategy)
 
 
 def host_traffic(strategy: str, *, machines: int, local_workers: int, servers: int) -> float:
@@ -209,8 +213,7 @@ def host_traffic(strategy: str, *, machines: int, local_workers: int, servers: i
     if strategy == "herring":
         t = herring_traffic(n, k)
         return n * t["worker"] + k * t["server"] if n > 1 or k else 0.0
-    raise ConfigError(f"the cost model knows no strategy {strategy!r}; it knows: "
-                      f"{', '.join(STRATEGIES)}", "pass one of them")
+    raise _unknown(strategy)
 
 
 def summation_servers(strategy: str, *, machines: int, servers: int) -> int:
@@ -223,8 +226,7 @@ def summation_servers(strategy: str, *, machines: int, servers: int) -> int:
         return (machines if shares.per_colocated_server > 0 else 0) + servers
     if strategy == "herring":
         return machines + servers
-    raise ConfigError(f"the cost model knows no strategy {strategy!r}; it knows: "
-                      f"{', '.join(STRATEGIES)}", "pass one of them")
+    raise _unknown(strategy)
 
 
 def fanout_traffic(strategy: str, *, machines: int, servers: int, model_bytes: float,
@@ -244,8 +246,7 @@ def fanout_traffic(strategy: str, *, machines: int, servers: int, model_bytes: f
         return n * min(constants.partition_bytes, largest)
     if strategy == "herring":
         return n * min(constants.bucket_bytes, model_bytes) / (n + servers)
-    raise ConfigError(f"the cost model knows no strategy {strategy!r}; it knows: "
-                      f"{', '.join(STRATEGIES)}", "pass one of them")
+    raise _unknown(strategy)
 
 
 def _messages(candidate: Candidate, network: Network, model_bytes: float,

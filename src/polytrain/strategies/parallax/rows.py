@@ -208,7 +208,7 @@ class SparseRows:
         for var in order:
             rows = torch.unique(reads[var].detach().reshape(-1).cpu())
             wanted.append(rows[~var.fresh[rows]] + offsets[var.index])
-        union = self._local_union(torch.cat(wanted) if len(wanted) > 1 else wanted[0])
+        union = self._local_union(torch.cat(wanted))
         if union.numel() == 0:
             return
         needs = []
