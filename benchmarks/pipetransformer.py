@@ -29,6 +29,7 @@ import polytrain
 from polytrain.emulation.profile import profile_model
 from polytrain.models import get_model
 from polytrain.pipeline.autopipe import plan_pipe
+from polytrain.pipeline.freeze import SIGNALS
 from polytrain.train import run_config
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -79,9 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pretrain-steps", type=int, default=2400)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--freeze-every", type=int, default=40)
-    p.add_argument("--freeze-signal", default="change", choices=("change", "level"))
+    p.add_argument("--freeze-signal", default="change", choices=SIGNALS)
     p.add_argument("--freeze-threshold", type=float, default=None,
-                   help="default: the signal's (0.1 for change, 1.0 for level)")
+                   help="default: the signal's (0.1 for change, 1.0 for level, 0.5 for "
+                        "relative)")
     p.add_argument("--freeze-alpha", type=float, default=1 / 3)
     p.add_argument("--eval-every", type=int, default=10)
     p.add_argument("--gflops", type=float, default=1.0, help="each emulated device's speed")

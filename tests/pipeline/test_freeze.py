@@ -88,11 +88,48 @@ def test_the_first_change_is_against_the_first_steps():
     assert t.previous["h1"] == 1.5
 
 
+def test_the_relative_signal_divides_out_the_freeze_points_common_level():
+    # Symptom (benchmark, a freeze point every 20 steps): every layer's change sat below the
+    # change signal's 0.1 at every freeze point, so the cap alone paced the freezing and the
+    # loss was lost. Cause: the changes of all layers rise and fall together between freeze
+    # points; the relative signal divides each by their median.
+    def tracker(changes):
+        t = GradNormTracker()
+        for name in changes:
+            t.record({name: 1.0})
+        t.new_interval()
+        t.record({name: 1.0 + c for name, c in changes.items()})
+        return t
+
+    # The every-20 run's step-20 changes: the embedding stands out (0.16 of the median,
+    # 0.0546), so it is the only stopped layer under 0.5, and it alone freezes.
+    step20 = dict(zip(["embed", "h0", "h1", "h2", "h3", "h4", "h5", "h6", "h7"],
+                      [0.0087, 0.0496, 0.0445, 0.0546, 0.0359, 0.0716, 0.076, 0.0692, 0.0679]))
+    t = tracker(step20)
+    layers = list(step20)
+    ratios = t.signal("relative", layers)
+    assert ratios == pytest.approx([c / 0.0546 for c in step20.values()])
+    assert next_frozen(0, 9, ratios, alpha=1 / 3, threshold=0.5) == 1
+    # The step-60 changes (4 frozen): all small (0.002-0.012, under 0.1, so `change` froze
+    # up to the cap), none under half their median (0.0034): nothing freezes.
+    step60 = dict(zip(["h3", "h4", "h5", "h6", "h7"], [0.0119, 0.003, 0.0022, 0.0103, 0.0034]))
+    ratios = tracker(step60).signal("relative", list(step60))
+    assert min(ratios) == pytest.approx(0.0022 / 0.0034)
+    assert next_frozen(4, 9, ratios, alpha=1 / 3, threshold=0.5) == 4
+    assert next_frozen(4, 9, tracker(step60).signal("change", list(step60)), alpha=1 / 3,
+                       threshold=0.1) == 6
+    # One layer left: it is its own median, 1.0; no change at all: nothing stands out.
+    assert tracker({"h7": 0.0045}).signal("relative", ["h7"]) == [1.0]
+    assert tracker({"h6": 0.0, "h7": 0.0}).signal("relative", ["h6", "h7"]) == [1.0, 1.0]
+    assert GradNormTracker().relative_changes([]) == []
+
+
 def test_an_unknown_signal_is_refused_with_the_names():
-    with pytest.raises(ValueError, match="the signals are: change, level"):
+    with pytest.raises(ValueError, match="the signals are: change, level, relative"):
         GradNormTracker().signal("trend", ["h0"])
-    with pytest.raises(ConfigError, match="the signals are: change, level"):
+    with pytest.raises(ConfigError, match="the signals are: change, level, relative"):
         PipeTransformerOptions(freeze_signal="trend")
     assert PipeTransformerOptions().threshold == 0.1
     assert PipeTransformerOptions(freeze_signal="level").threshold == 1.0
+    assert PipeTransformerOptions(freeze_signal="relative").threshold == 0.5
     assert PipeTransformerOptions(freeze_threshold=0.3).threshold == 0.3

@@ -12,7 +12,7 @@ scale-free (so a small layer and a large one compare); a layer's learning
 "has stopped" once its number is at most ``threshold``, and the front is
 frozen through the stopped layer with the smallest number, never past the
 cap (of equal numbers, the deepest). With no stopped layer nothing more
-freezes. Two signals (:data:`SIGNALS`), both from the layer's mean gradient
+freezes. Three signals (:data:`SIGNALS`), all from the layer's mean gradient
 norm over the interval that just ended:
 
 - ``change``: its relative change from the interval before (the paper's
@@ -20,6 +20,14 @@ norm over the interval that just ended:
   the norm has settled, whatever its level. In fine-tuning the norms sit at
   their noise floor from the first steps, so a level says little.
 - ``level``: its ratio to the layer's first steps: the norm has shrunk.
+- ``relative``: its change over the median change of the still trained
+  freezable layers: the norm has settled while the others' still move. The
+  changes of all layers rise and fall together from one interval to the next
+  (the same batches drive them), so a fixed threshold on ``change`` lets most
+  layers through at some freeze points and none at others; the ratio cancels that
+  common level and leaves what sets one layer apart. With one layer left its
+  ratio is 1.0, so under a threshold below 1 the last freezable layer never
+  freezes by this signal.
 
     >>> next_frozen(0, 5, [0.9, 0.3, 0.2, 0.6, 0.8], alpha=1 / 3, threshold=0.5)
     2
@@ -32,18 +40,25 @@ norm over the interval that just ended:
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 from ..errors import ConfigError
 
-__all__ = ["freeze_cap", "next_frozen", "GradNormTracker", "REFERENCE_STEPS", "SIGNALS"]
+__all__ = ["freeze_cap", "next_frozen", "GradNormTracker", "REFERENCE_STEPS", "SIGNALS",
+           "DEFAULT_THRESHOLDS"]
 
 #: A layer's reference norm is its mean over its first steps of training.
 REFERENCE_STEPS = 5
 
 #: The gradient-norm signals a freeze point can read (``--freeze-signal``).
-SIGNALS = ("change", "level")
+SIGNALS = ("change", "level", "relative")
+
+#: Each signal's default ``--freeze-threshold``: ``change`` moved by at most 10%; ``level``
+#: no longer shrinks; ``relative`` at most half the median change (docs/pipetransformer.md,
+#: "Stop 25", reads the choice off the benchmark's recorded signals).
+DEFAULT_THRESHOLDS = {"change": 0.1, "level": 1.0, "relative": 0.5}
 
 
 def freeze_cap(frozen: int, freezable: int, alpha: float) -> int:
@@ -136,12 +151,23 @@ class GradNormTracker:
             out.append(abs(sum(now) / len(now) - before) / before)
         return out
 
+    def relative_changes(self, layers: Sequence[str]) -> list[float]:
+        """Each layer's :meth:`changes` over the median of them all (all 1.0 if the median
+        is 0: nothing stands out)."""
+        changes = self.changes(layers)
+        middle = statistics.median(changes) if changes else 0.0
+        if middle == 0:
+            return [1.0] * len(changes)
+        return [c / middle for c in changes]
+
     def signal(self, kind: str, layers: Sequence[str]) -> list[float]:
         """The ``kind`` signal (one of :data:`SIGNALS`) of each of ``layers``."""
         if kind == "change":
             return self.changes(layers)
         if kind == "level":
             return self.ratios(layers)
+        if kind == "relative":
+            return self.relative_changes(layers)
         raise ValueError(f"unknown freeze signal {kind!r}; the signals are: "
                          f"{', '.join(SIGNALS)}")
 

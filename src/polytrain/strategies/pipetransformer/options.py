@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from ...errors import ConfigError
 from ...pipeline.cache import check_writable
-from ...pipeline.freeze import SIGNALS
+from ...pipeline.freeze import DEFAULT_THRESHOLDS, SIGNALS
 from ...pipeline.schedule import SCHEDULES
 
 __all__ = ["PipeTransformerOptions"]
@@ -28,10 +28,12 @@ class PipeTransformerOptions:
         freeze_signal: what says a layer has stopped learning, from its mean gradient norm
             over the last interval (:mod:`polytrain.pipeline.freeze`): ``change`` (default),
             its relative change from the interval before; ``level``, its ratio to its
-            first steps'.
+            first steps'; ``relative``, its change over the median change of the
+            freezable layers still trained.
         freeze_threshold: a layer whose signal is at most this has stopped learning
             (default: 0.1 for ``change``, its norm moved by at most 10%; 1.0 for
-            ``level``, its norm no longer shrinks).
+            ``level``, its norm no longer shrinks; 0.5 for ``relative``, it moved by at
+            most half as much as the median layer).
         autopipe: frozen layers move to the first stage forward-only, the rest are re-cut,
             the pipeline halves when it can (default True; False: freeze only).
         autodp: the devices a shorter pipeline frees run new replicas (default True;
@@ -64,11 +66,13 @@ class PipeTransformerOptions:
                 "may freeze at a freeze point, in (0, 1) (default 1/3)", "metavar": "A"})
     freeze_signal: str = field(default="change", metadata={
         "help": "pipetransformer: what says a layer has stopped learning: change (default; "
-                "its gradient norm's relative change over the last interval) or level (its "
-                "norm over its first steps')", "choices": SIGNALS})
+                "its gradient norm's relative change over the last interval), level (its "
+                "norm over its first steps') or relative (its change over the median change "
+                "of the freezable layers still trained)", "choices": SIGNALS})
     freeze_threshold: float | None = field(default=None, metadata={
         "help": "pipetransformer: a layer has stopped learning once its signal is at most "
-                "this (default: 0.1 for change, 1.0 for level)", "metavar": "F"})
+                "this (default: 0.1 for change, 1.0 for level, 0.5 for relative)",
+        "metavar": "F"})
     autopipe: bool = field(default=True, metadata={
         "help": "pipetransformer: keep the cuts when layers freeze (freeze only: no AutoPipe, "
                 "no AutoDP)"})
@@ -127,4 +131,4 @@ class PipeTransformerOptions:
         """``freeze_threshold``, or the signal's default."""
         if self.freeze_threshold is not None:
             return self.freeze_threshold
-        return 0.1 if self.freeze_signal == "change" else 1.0
+        return DEFAULT_THRESHOLDS[self.freeze_signal]
