@@ -91,6 +91,14 @@ def test_compression_flags_become_the_strategys_options():
      r"HINT: pass a compressor as --compress takes it"),
     ({"compress": "onebit", "compress_warmup": 10, "compress_warmup_with": "dithering:1"},
      r"--compress-warmup-with: dithering:1: dithering takes S levels, 2 or more"),
+    # Symptom: 1-bit Adam after a dithering:4 warm-up ended in NaN (the replay) or a loss of
+    # 31715 (a tiny run). Cause: dithering sends small elements as 0, Adam's variance stays
+    # 0 there and the frozen variance divides the compressed momentum by eps.
+    ({"compress": "onebit", "compress_warmup": 10, "compress_warmup_with": "dithering:4",
+      "compress_adam": True}, r"--compress-warmup-with dithering:4 sends elements as exactly "
+                              r"0.*HINT: leave out --compress-warmup-with"),
+    ({"compress": "onebit", "compress_warmup": 10, "compress_warmup_with": "topk:0.1",
+      "compress_adam": True}, r"the run diverges"),
 ])
 def test_bad_compression_options_are_refused_with_the_reason(options, message):
     with pytest.raises(ConfigError, match=message):

@@ -50,7 +50,8 @@ class BytePSOptions:
             bytes per step.
         compress_warmup_with: what the warm-up's compressed tensors travel as: a
             compressor, as ``compress`` (e.g. ``dithering:4``), with the same error feedback;
-            default ``none``: uncompressed (needs ``compress_warmup``).
+            default ``none``: uncompressed (needs ``compress_warmup``; with ``compress_adam``
+            not one that sends elements as 0: dithering, topk, randomk).
         compress_adam: 1-bit Adam (Tang et al., 2021) on the workers' torch Adam: after
             the warm-up, workers push Adam's momentum, compressed, instead of the gradient,
             and Adam's variance stays at its warm-up value (needs ``compress_warmup``).
@@ -132,6 +133,14 @@ class BytePSOptions:
             raise ConfigError(f"--compress-warmup-with {self.compress_warmup_with} says what "
                               f"the warm-up travels as, but --compress-warmup is 0",
                               "add --compress-warmup N, or leave out --compress-warmup-with")
+        if self.compress_adam and warming is not None and warming.zeroes:
+            raise ConfigError(f"--compress-adam (1-bit Adam) freezes the variance Adam learns "
+                              f"in the warm-up, but --compress-warmup-with "
+                              f"{self.compress_warmup_with} sends elements as exactly 0, so "
+                              f"their variance can stay 0 and 1-bit Adam then divides their "
+                              f"momentum by eps (the run diverges)", "leave out "
+                              "--compress-warmup-with (an uncompressed warm-up), or use fp16 "
+                              "or onebit")
         if self.compress_adam and not self.compress_warmup:
             raise ConfigError("--compress-adam (1-bit Adam) freezes the variance Adam learns "
                               "in the warm-up, but --compress-warmup is 0",
