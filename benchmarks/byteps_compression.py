@@ -16,11 +16,14 @@ table, with the command that made it, is in docs/from-byteps.md.
 
     python benchmarks/byteps_compression.py --compressors onebit --compress-adam \
         --compress-warmup 100 --keep      # 1-bit Adam: 100 uncompressed steps first
+    python benchmarks/byteps_compression.py --compressors onebit --compress-adam \
+        --compress-warmup 30 --compress-warmup-with dithering:4 --keep   # a packed warm-up
 
 ``--keep`` keeps the runs already in ``--out`` that this one does not redo (so
 the four runs can be made a few at a time); ``final_loss`` is the last step's
 loss (one batch), ``last20_loss`` the mean of the last 20 steps' (less noisy).
-With ``--compress-warmup N`` the first N steps travel uncompressed: the bytes
+With ``--compress-warmup N`` the first N steps travel uncompressed (or as
+``--compress-warmup-with`` says): the bytes
 are given for the steps after the warm-up (``wire_bytes_per_step``, the
 format's) and for the whole run (``whole_run_wire_bytes_per_step``, the warm-up
 counted), both from every step's metered bytes.
@@ -65,6 +68,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--out", default=str(RESULTS / "byteps_compression.json"))
     parser.add_argument("--compress-warmup", type=int, default=0, metavar="N",
                         help="compressed runs: the first N steps uncompressed")
+    parser.add_argument("--compress-warmup-with", default="none", metavar="NAME[:ARG]",
+                        help="compressed runs: what the warm-up travels as (default none)")
     parser.add_argument("--compress-adam", action="store_true",
                         help="compressed runs: 1-bit Adam (needs --compress-warmup)")
     parser.add_argument("--keep", action="store_true",
@@ -84,18 +89,26 @@ def main(argv: list[str]) -> int:
         key, warmup = name, 0
         if name != "none" and (args.compress_warmup or args.compress_adam):
             warmup = args.compress_warmup
-            options.update(compress_warmup=warmup, compress_adam=args.compress_adam)
-            key = f"{name} ({'1-bit Adam, ' if args.compress_adam else ''}warm-up {warmup})"
+            options.update(compress_warmup=warmup, compress_adam=args.compress_adam,
+                           compress_warmup_with=args.compress_warmup_with)
+            key = f"{name} ({'1-bit Adam, ' if args.compress_adam else ''}warm-up {warmup}" + (
+                "" if args.compress_warmup_with == "none" else
+                f" as {args.compress_warmup_with}") + ")"
         started = time.perf_counter()
         metrics = run_config(base.replace(strategy_options=options), env=ENV)
         by_step = metrics["traffic"]["sent_bytes_by_step"]
         after = by_step[max(1, warmup):]  # step 0 also carries the start-up's messages
         rows[key] = {"final_loss": metrics["final_loss"],
                      "last20_loss": sum(metrics["losses"][-20:]) / len(metrics["losses"][-20:]),
-                     "compress_warmup": warmup, "compress_adam": bool(options.get(
+                     "compress_warmup": warmup,
+                     "compress_warmup_with": options.get("compress_warmup_with", "none"),
+                     "compress_adam": bool(options.get(
                          "compress_adam")),
                      "wire_bytes_per_step": sum(after) / len(after),
                      "whole_run_wire_bytes_per_step": sum(by_step) / len(by_step),
+                     # The warm-up's steps after the first, alone (None: fewer than 2).
+                     "warmup_wire_bytes_per_step": sum(by_step[1:warmup]) / (warmup - 1)
+                     if warmup > 1 else None,
                      "meter_wire_bytes_per_step": wire_bytes(metrics),
                      "wall_s": time.perf_counter() - started,
                      "model_bytes": metrics["model_bytes"]}
@@ -110,6 +123,9 @@ def main(argv: list[str]) -> int:
             row["whole_run_wire_vs_none"] = whole / plain
             row["whole_run_compressed_tensors_vs_none"] = (whole - share * plain) / (
                 (1 - share) * plain)
+        if row.get("warmup_wire_bytes_per_step") is not None:
+            row["warmup_compressed_tensors_vs_none"] = (
+                row["warmup_wire_bytes_per_step"] - share * plain) / ((1 - share) * plain)
         row["loss_vs_none"] = row["final_loss"] / rows["none"]["final_loss"]
         if "last20_loss" in row and "last20_loss" in rows["none"]:
             row["last20_vs_none"] = row["last20_loss"] / rows["none"]["last20_loss"]
@@ -118,6 +134,8 @@ def main(argv: list[str]) -> int:
               + ("" if args.compressors == COMPRESSORS else " (a few compressors a run, "
                  "--compressors ... --keep)")
               + (f" --compress-warmup {args.compress_warmup}" if args.compress_warmup else "")
+              + (f" --compress-warmup-with {args.compress_warmup_with}"
+                 if args.compress_warmup_with != "none" else "")
               + (" --compress-adam" if args.compress_adam else ""),
               "config": {"workers": 2, "nodes": 2, "servers": 1, "steps": steps,
                          "model": model or "default GPT", "error_feedback": True,

@@ -114,6 +114,10 @@ class Compressor(ABC):
     name: str = ""
     #: Whether the same input always gives the same payload.
     deterministic = True
+    #: Whether it can send an element as exactly 0 while others of its block are not
+    #: (a sparsifier's unchosen elements, dithering's lowest level): Adam's variance of such
+    #: sums stays 0 there, which 1-bit Adam cannot freeze (docs/from-byteps.md).
+    zeroes = False
 
     @abstractmethod
     def nbytes(self, numel: int, segments: tuple[int, ...] | None = None) -> int:
@@ -220,6 +224,7 @@ class _Sparse(Compressor):
     """K indices (int32) then K values (float32); the rest of the tensor is zero."""
 
     k: float = 0.01
+    zeroes = True
 
     def counts(self, numel: int, segments: tuple[int, ...] | None = None) -> list[int]:
         """K of each segment."""
@@ -292,6 +297,7 @@ class Dithering(Compressor):
     natural: bool = False
     name = "dithering"
     deterministic = False
+    zeroes = True
 
     @property
     def width(self) -> int:

@@ -64,8 +64,11 @@ class GradientSync:
         compression: per bucket, how it is compressed between machines and servers
             (None: uncompressed; see :meth:`Engine.sums`).
         warmup: the first ``warmup`` steps of this object send the compressed buckets
-            uncompressed, through keys of their own (1-bit Adam's warm-up; default 0).
-            Counted from this object's first step: a resumed run warms up again.
+            through keys of their own (1-bit Adam's warm-up; default 0), uncompressed or
+            as ``warmup_compression`` says. Counted from this object's first step: a
+            resumed run warms up again.
+        warmup_compression: per bucket, how the compressed buckets travel during the
+            warm-up (as ``compression``; None: uncompressed, the default).
     """
 
     def __init__(self, engine: Engine, named: Sequence[tuple[str, torch.nn.Parameter]],
@@ -73,7 +76,8 @@ class GradientSync:
                  local_reduce: bool = True, in_backward: bool = False,
                  describe: str = "",
                  compression: Sequence[CompressOptions | None] | None = None,
-                 warmup: int = 0) -> None:
+                 warmup: int = 0,
+                 warmup_compression: Sequence[CompressOptions | None] | None = None) -> None:
         self.engine = engine
         self.in_backward = in_backward
         self._queued = False
@@ -89,13 +93,16 @@ class GradientSync:
         self.compression = list(compression or [None] * len(self.buckets))
         packed = [b for b, c in enumerate(self.compression) if c is not None]
         self.warmup = warmup if packed else 0
-        #: During the warm-up, every bucket's sum: the compressed ones get plain keys.
-        self._plain: Sequence[SumTensor] = self.tensors
+        #: During the warm-up, every bucket's sum: the compressed ones get keys of their own
+        #: (plain, or packed by the warm-up's compressor, with its own error feedback).
+        self._warming: Sequence[SumTensor] = self.tensors
         if self.warmup:
-            plain = engine.sums([specs[b] for b in packed], _subset(placement, packed),
-                                local_reduce=local_reduce)
-            by_bucket = dict(zip(packed, plain))
-            self._plain = [by_bucket.get(b, t) for b, t in enumerate(self.tensors)]
+            warm = engine.sums([specs[b] for b in packed], _subset(placement, packed),
+                               local_reduce=local_reduce,
+                               compression=None if warmup_compression is None
+                               else [warmup_compression[b] for b in packed])
+            by_bucket = dict(zip(packed, warm))
+            self._warming = [by_bucket.get(b, t) for b, t in enumerate(self.tensors)]
         #: When set, what parameter i pushes instead of its gradient: ``transform(i, grad)``
         #: (1-bit Adam pushes the worker's momentum once the warm-up is over).
         self.transform: Callable[[int, torch.Tensor], torch.Tensor] | None = None
@@ -116,11 +123,12 @@ class GradientSync:
 
     @property
     def compressing(self) -> bool:
-        """Whether this step's compressed buckets travel compressed (the warm-up is over)."""
+        """Whether this step's compressed buckets travel as ``compression`` says (the warm-up
+        is over)."""
         return self.synced >= self.warmup
 
     def _sums(self) -> Sequence[SumTensor]:
-        return self.tensors if self.compressing else self._plain
+        return self.tensors if self.compressing else self._warming
 
     def _reset(self) -> None:
         self._passes = [0] * len(self.params)

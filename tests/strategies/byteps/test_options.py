@@ -1,9 +1,11 @@
 """Options: the CLI flags, the layout BytePS asks for, and bad input refused before a start."""
 
+import re
+
 import pytest
 
 from polytrain import ConfigError, TrainConfig
-from polytrain.cli import build_parser
+from polytrain.cli import build_parser, main
 from polytrain.cli.train import config_from_args
 from polytrain.strategies.byteps import BytePSOptions
 
@@ -57,6 +59,10 @@ def test_compression_flags_become_the_strategys_options():
               "--compress-adam")
     assert dict(c.strategy_options) == {"compress": "onebit", "error_feedback": True,
                                         "compress_warmup": 100, "compress_adam": True}
+    c = parse("--compress", "onebit", "--compress-warmup", "30", "--compress-warmup-with",
+              "dithering:4")
+    assert dict(c.strategy_options) == {"compress": "onebit", "compress_warmup": 30,
+                                        "compress_warmup_with": "dithering:4"}
 
 
 @pytest.mark.parametrize("options, message", [
@@ -77,8 +83,38 @@ def test_compression_flags_become_the_strategys_options():
       "compress_momentum": 0.9}, r"would add a second momentum"),
     ({"compress": "fp16", "async_": True, "compress_warmup": 10},
      r"apply to synchronous BytePS.*HINT: drop --async"),
+    ({"compress": "onebit", "compress_warmup_with": "dithering:4"},
+     r"--compress-warmup-with dithering:4 says what the warm-up travels as, but "
+     r"--compress-warmup is 0.*HINT: add --compress-warmup N"),
+    ({"compress": "onebit", "compress_warmup": 10, "compress_warmup_with": "zip"},
+     r"--compress-warmup-with: unknown compressor 'zip'; the compressors are: none, onebit.*"
+     r"HINT: pass a compressor as --compress takes it"),
+    ({"compress": "onebit", "compress_warmup": 10, "compress_warmup_with": "dithering:1"},
+     r"--compress-warmup-with: dithering:1: dithering takes S levels, 2 or more"),
+    # Symptom: 1-bit Adam after a dithering:4 warm-up ended in NaN (the replay) or a loss of
+    # 31715 (a tiny run). Cause: dithering sends small elements as 0, Adam's variance stays
+    # 0 there and the frozen variance divides the compressed momentum by eps.
+    ({"compress": "onebit", "compress_warmup": 10, "compress_warmup_with": "dithering:4",
+      "compress_adam": True}, r"--compress-warmup-with dithering:4 sends elements as exactly "
+                              r"0.*HINT: leave out --compress-warmup-with"),
+    ({"compress": "onebit", "compress_warmup": 10, "compress_warmup_with": "topk:0.1",
+      "compress_adam": True}, r"the run diverges"),
 ])
 def test_bad_compression_options_are_refused_with_the_reason(options, message):
     with pytest.raises(ConfigError, match=message):
         BytePSOptions(**options)
     BytePSOptions(compress="fp16", async_=True)  # the one async supports
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--compress-warmup", "10", "--compress-warmup-with", "zip"],
+     r"--compress-warmup-with: unknown compressor 'zip'; the compressors are: .*dithering"),
+    (["--compress-warmup-with", "dithering:4"],
+     r"--compress-warmup-with dithering:4 .* but --compress-warmup is 0"),
+])
+def test_a_bad_warmup_compressor_gets_one_clear_line(args, message, capsys):
+    code = main(["train", "--quiet", "--strategy", "byteps", "--compress", "onebit", *args])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.count("\n") == 1 and err.startswith("polytrain train: error: "), err
+    assert re.search(message, err), err

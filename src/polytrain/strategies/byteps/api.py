@@ -313,7 +313,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 - ByteP
     (the servers stay on CPU). ``options`` are the strategy's
     (:class:`BytePSOptions`: ``partition_bytes``, ``fuse_bytes``, ``colocate``,
     ``credit_bytes``, ``async_``, ``staleness``, ``error_feedback``,
-    ``compress_momentum``, ``compress_min_bytes``, ``compress_warmup``, ``compress_adam``
+    ``compress_momentum``, ``compress_min_bytes``, ``compress_warmup``,
+    ``compress_warmup_with``, ``compress_adam``
     (1-bit Adam: see :class:`polytrain.strategies.byteps.optimizer.DistributedOptimizer`),
     ``compress``: the default
     compression when ``compression`` is none). Launch with colocated servers
@@ -349,4 +350,5 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 - ByteP
     return _SyncOptimizer(optimizer, engine=engine, named_parameters=named_parameters,
                           backward_passes_per_step=backward_passes_per_step,
                           fuse_bytes=opts.fuse_bytes, compress_warmup=opts.compress_warmup,
+                          compress_warmup_with=opts.compress_warmup_with,
                           compress_adam=opts.compress_adam, **placing)

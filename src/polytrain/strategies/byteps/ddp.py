@@ -81,6 +81,7 @@ class DistributedDataParallel(nn.Module):
             error_feedback=opts.error_feedback, compress_momentum=opts.compress_momentum,
             compress_min_bytes=opts.compress_min_bytes, fuse_bytes=opts.fuse_bytes,
             compress_warmup=opts.compress_warmup,
+            compress_warmup_with=opts.compress_warmup_with,
             partition_bytes=opts.partition_bytes, colocate=opts.colocate, in_backward=True)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:

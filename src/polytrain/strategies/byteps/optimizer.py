@@ -17,7 +17,7 @@ from .options import DEFAULT_FUSE_BYTES
 from .plan import Plan, plan_for
 
 __all__ = ["DistributedOptimizer", "WrappedOptimizer", "named_params_of", "Choice",
-           "tensor_compression", "fused_buckets", "gradient_sync"]
+           "tensor_compression", "warmup_compression", "fused_buckets", "gradient_sync"]
 
 #: A compressor, its name (``"topk:0.01"``), or None / ``"none"``: uncompressed.
 Choice = Union[Compressor, str, None]
@@ -45,6 +45,16 @@ def tensor_compression(specs: Sequence[TensorSpec], choice: Choice | Mapping[str
         out.append(None if codec is None or small else
                    CompressOptions(codec, error_feedback=error_feedback, momentum=momentum))
     return out
+
+
+def warmup_compression(compression: Sequence[CompressOptions | None], choice: Choice
+                       ) -> list[CompressOptions | None] | None:
+    """How each compressed tensor (or bucket) travels during the warm-up: ``choice``'s
+    compressor with the same error feedback, momentum and bounds (None: uncompressed)."""
+    codec = _resolve(choice)
+    if codec is None:
+        return None
+    return [None if c is None else dataclasses.replace(c, compressor=codec) for c in compression]
 
 
 def fused_buckets(specs: Sequence[TensorSpec], compression: Sequence[CompressOptions | None],
@@ -88,13 +98,14 @@ def gradient_sync(engine: Engine, named: Sequence[tuple[str, torch.nn.Parameter]
                   compression: Choice | Mapping[str, Choice] = None,
                   error_feedback: bool = False, compress_momentum: float = 0.0,
                   compress_min_bytes: int = DEFAULT_MIN_BYTES, compress_warmup: int = 0,
-                  fuse_bytes: int = DEFAULT_FUSE_BYTES,
+                  compress_warmup_with: Choice = None, fuse_bytes: int = DEFAULT_FUSE_BYTES,
                   partition_bytes: int = DEFAULT_PARTITION_BYTES, colocate: bool = True,
                   passes_per_step: int = 1, in_backward: bool = False
                   ) -> tuple[Plan, GradientSync]:
     """BytePS's gradient sums for ``named``: fusion groups (never across tensors compressed
     differently), Theorem 1's placement of their partitions, and the hooks that push them
-    (the first ``compress_warmup`` steps uncompressed)."""
+    (the first ``compress_warmup`` steps uncompressed, or compressed by
+    ``compress_warmup_with``)."""
     specs = [TensorSpec.of(n, p) for n, p in named]
     per_tensor = tensor_compression(specs, compression, error_feedback=error_feedback,
                                     momentum=compress_momentum, min_bytes=compress_min_bytes)
@@ -107,7 +118,9 @@ def gradient_sync(engine: Engine, named: Sequence[tuple[str, torch.nn.Parameter]
     return plan, GradientSync(engine, named, groups, plan.placement,
                               passes_per_step=passes_per_step, in_backward=in_backward,
                               describe=plan.describe(), compression=compressed,
-                              warmup=compress_warmup)
+                              warmup=compress_warmup,
+                              warmup_compression=warmup_compression(compressed,
+                                                                    compress_warmup_with))
 
 
 class WrappedOptimizer(torch.optim.Optimizer):
@@ -177,10 +190,11 @@ class DistributedOptimizer(WrappedOptimizer):
     the workers (BytePS, OSDI 2020). Parameters whose gradient never came get a zero gradient
     summed, so every worker sends the same keys every step. ``compress`` are
     :func:`gradient_sync`'s ``compression``, ``error_feedback``, ``compress_momentum``,
-    ``compress_min_bytes`` and ``compress_warmup``.
+    ``compress_min_bytes``, ``compress_warmup`` and ``compress_warmup_with``.
 
     ``compress_adam``: 1-bit Adam (Tang et al., ICML 2021) around a ``torch.optim.Adam``.
-    During the ``compress_warmup`` steps it is Adam on exact sums. Then, for every
+    During the ``compress_warmup`` steps it is Adam on the sums (exact, or compressed by
+    ``compress_warmup_with``). Then, for every
     compressed tensor, each worker pushes its own momentum ``b1 m + (1 - b1) g`` (``m``
     the last step's average momentum, the same on every worker) instead of ``g``, so
     what compression and its error feedback act on is the smooth momentum; the pulled
@@ -260,7 +274,7 @@ class _OneBitAdam:
                                   "their defaults, or leave out --compress-adam")
         if sync.warmup < 1:
             raise ConfigError("compress_adam (1-bit Adam) freezes the variance Adam learns "
-                              "during the uncompressed warm-up, but compress_warmup is 0 (or "
+                              "during the warm-up, but compress_warmup is 0 (or "
                               "no tensor is compressed)", "pass --compress-warmup N (e.g. "
                               "a fifth of the steps) and a compressor")
         self.optimizer = optimizer

@@ -46,7 +46,12 @@ class BytePSOptions:
             ``momentum`` wrapper; default 0: none).
         compress_min_bytes: tensors smaller than this travel uncompressed (default 65,536).
         compress_warmup: the first N steps travel uncompressed (1-bit Adam's warm-up;
-            default 0). Their bytes count in the run's bytes per step.
+            default 0), or as ``compress_warmup_with`` says. Their bytes count in the run's
+            bytes per step.
+        compress_warmup_with: what the warm-up's compressed tensors travel as: a
+            compressor, as ``compress`` (e.g. ``dithering:4``), with the same error feedback;
+            default ``none``: uncompressed (needs ``compress_warmup``; with ``compress_adam``
+            not one that sends elements as 0: dithering, topk, randomk).
         compress_adam: 1-bit Adam (Tang et al., 2021) on the workers' torch Adam: after
             the warm-up, workers push Adam's momentum, compressed, instead of the gradient,
             and Adam's variance stays at its warm-up value (needs ``compress_warmup``).
@@ -82,6 +87,10 @@ class BytePSOptions:
     compress_warmup: int = field(default=0, metadata={
         "help": "with --compress: the first N steps travel uncompressed (default 0)",
         "metavar": "N"})
+    compress_warmup_with: str = field(default="none", metadata={
+        "help": "with --compress-warmup: what the warm-up steps travel as, a compressor as "
+                "--compress (e.g. dithering:4; default none: uncompressed)",
+        "metavar": "NAME[:ARG]"})
     compress_adam: bool = field(default=False, metadata={
         "help": "with --compress and --optimizer adam: 1-bit Adam: after --compress-warmup, "
                 "push Adam's momentum compressed and freeze Adam's variance"})
@@ -114,9 +123,27 @@ class BytePSOptions:
             raise ConfigError("--compress-warmup and --compress-adam apply to compressed "
                               "gradients, but --compress is none",
                               "add --compress NAME (e.g. onebit), or leave them out")
+        try:
+            warming = compressor(self.compress_warmup_with)
+        except ConfigError as e:
+            raise ConfigError(f"--compress-warmup-with: {e.what}", "pass a compressor as "
+                              "--compress takes it, e.g. --compress-warmup-with dithering:4"
+                              ) from None
+        if warming is not None and not self.compress_warmup:
+            raise ConfigError(f"--compress-warmup-with {self.compress_warmup_with} says what "
+                              f"the warm-up travels as, but --compress-warmup is 0",
+                              "add --compress-warmup N, or leave out --compress-warmup-with")
+        if self.compress_adam and warming is not None and warming.zeroes:
+            raise ConfigError(f"--compress-adam (1-bit Adam) freezes the variance Adam learns "
+                              f"in the warm-up, but --compress-warmup-with "
+                              f"{self.compress_warmup_with} sends elements as exactly 0, so "
+                              f"their variance can stay 0 and 1-bit Adam then divides their "
+                              f"momentum by eps (the run diverges)", "leave out "
+                              "--compress-warmup-with (an uncompressed warm-up), or use fp16 "
+                              "or onebit")
         if self.compress_adam and not self.compress_warmup:
             raise ConfigError("--compress-adam (1-bit Adam) freezes the variance Adam learns "
-                              "in the uncompressed warm-up, but --compress-warmup is 0",
+                              "in the warm-up, but --compress-warmup is 0",
                               "add --compress-warmup N (e.g. a fifth of the steps)")
         if self.compress_adam and self.compress_momentum:
             raise ConfigError(f"--compress-adam compresses Adam's momentum; "

@@ -73,6 +73,7 @@ class BytePS(ServedStrategy[BytePSOptions]):
                                                   named_parameters=named,
                                                   fuse_bytes=opts.fuse_bytes,
                                                   compress_warmup=opts.compress_warmup,
+                                                  compress_warmup_with=opts.compress_warmup_with,
                                                   compress_adam=opts.compress_adam, **placing)
         return model, self.optimizer
 
