@@ -5,11 +5,10 @@ import polytrain
 from polytrain import LaunchError
 from polytrain.comm import TensorSpec, partition
 from polytrain.ps import Kind, balanced, engine_for
-from polytrain.ps.protocol import HEADER_LEN
+from polytrain.ps.protocol import HEADER_BYTES
 from tests.harness import spawn
 
 SPECS = [TensorSpec("a", (1000,), torch.float32), TensorSpec("b", (37, 11), torch.float32)]
-HEADER_BYTES = HEADER_LEN * 8
 
 
 def contribution(worker: int, round_: int) -> list[torch.Tensor]:
