@@ -34,6 +34,14 @@ def test_a_request_and_its_payload_are_one_message() -> None:
         assert torch.equal(req.payload, payload)
 
 
+def test_a_pushpull_may_ask_for_no_receipt() -> None:
+    payload = torch.ones(3)
+    assert Request.parse(0, received(request(Op.PUSHPULL, payload=payload))).receipt
+    req = Request.parse(0, received(request(Op.PUSHPULL, payload=payload, receipt=False)))
+    assert req.op == Op.PUSHPULL and not req.receipt
+    assert torch.equal(req.payload, payload)
+
+
 def test_a_request_without_payload_is_its_header() -> None:
     msg = request(Op.PULL, key=2, round=1, seq=7, src=3)
     assert msg.numel() * msg.element_size() == HEADER_BYTES
@@ -52,7 +60,7 @@ def test_a_payload_over_the_inline_limit_follows_its_header() -> None:
 
 
 def test_a_request_buffer_is_reused_only_once_no_view_of_it_is_left() -> None:
-    buffers = _RequestBuffers()
+    buffers = _RequestBuffers(keep=2)
     first = buffers.take()
     ptr = first.data_ptr()
     kept = first[HEADER_BYTES:HEADER_BYTES + 16].view(torch.float32)  # a store keeps a payload
@@ -61,3 +69,14 @@ def test_a_request_buffer_is_reused_only_once_no_view_of_it_is_left() -> None:
     assert second.data_ptr() != ptr
     del kept
     assert buffers.take().data_ptr() == ptr
+    assert len(buffers) == 2
+
+
+def test_request_buffers_keep_few_free_ones() -> None:
+    # A burst of held payloads makes many buffers; once free, only `keep` of them stay.
+    buffers = _RequestBuffers(keep=2)
+    held = [buffers.take() for _ in range(5)]
+    assert len(buffers) == 5
+    del held
+    buffers.take()
+    assert len(buffers) == 2

@@ -36,6 +36,7 @@ __all__ = ["Server"]
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.5
+_COPIED_BYTES = 64 << 10  # inline payloads up to this size are copied out of their buffer
 
 
 class _Engine(threading.Thread):
@@ -53,7 +54,7 @@ class _Engine(threading.Thread):
                 req, payload = item
                 if payload is not None:
                     payload.wait()
-                if req.op == Op.PUSHPULL and req.numel:
+                if req.op == Op.PUSHPULL and req.numel and req.receipt:
                     self.server.acknowledge(req)
                 self.server.stores[req.key].handle(req)
         except BaseException as e:  # noqa: BLE001 - handed to the main loop, which raises it
@@ -98,17 +99,25 @@ class _RequestBuffers:
     received (about 50 us a request more for a 867 KB payload, measured).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, keep: int = 4) -> None:
         self._arrays: list[np.ndarray] = []
+        self._keep = keep  # free buffers kept at most (each may hold 4 MiB of memory)
 
     def take(self) -> torch.Tensor:
-        # References to a free array: the list's and getrefcount's own argument.
-        for a in self._arrays:
-            if sys.getrefcount(a) <= 2:
-                return torch.from_numpy(a)
-        a = np.empty(REQUEST_BYTES, dtype=np.uint8)
-        self._arrays.append(a)
-        return torch.from_numpy(a)
+        free = [i for i in range(len(self._arrays)) if self._free(i)]
+        for i in reversed(free[self._keep:]):  # let go of what a burst of held payloads took
+            del self._arrays[i]
+        if free:
+            return torch.from_numpy(self._arrays[free[0]])
+        self._arrays.append(np.empty(REQUEST_BYTES, dtype=np.uint8))
+        return torch.from_numpy(self._arrays[-1])
+
+    def _free(self, i: int) -> bool:
+        # The references to a free array: the list's and getrefcount's own argument.
+        return sys.getrefcount(self._arrays[i]) <= 2
+
+    def __len__(self) -> int:
+        return len(self._arrays)
 
 
 class Server:
@@ -119,8 +128,8 @@ class Server:
     arrive from any worker on a receive thread; each key is pinned to the
     least-loaded of ``threads`` engine threads (by declared bytes), which
     receives its larger payloads, applies requests to the key's store and
-    answers. The
-    server returns from :meth:`serve` once every worker has sent FINISH.
+    answers. The server returns from :meth:`serve` once every worker has sent
+    FINISH.
 
     Args:
         transport: metered point-to-point messages over a group of all ranks.
@@ -195,7 +204,9 @@ class Server:
                     "if the workers are alive but slow between steps, raise the timeout "
                     "(--timeout or POLYTRAIN_TIMEOUT)") from None
             req = Request.parse(src, message)
-            del message  # an inline payload keeps the buffer; otherwise it is free again
+            if req.payload is not None and req.nbytes <= _COPIED_BYTES:
+                req.payload = req.payload.clone()  # a small payload need not hold 4 MiB
+            del message  # a payload left inline keeps the buffer; otherwise it is free again
             if req.op == Op.FINISH:
                 pending.discard(req.src)
                 log.debug("rank %d finished; waiting for %s", req.src, sorted(pending))
