@@ -34,14 +34,6 @@ def test_a_request_and_its_payload_are_one_message() -> None:
         assert torch.equal(req.payload, payload)
 
 
-def test_a_pushpull_may_ask_for_no_receipt() -> None:
-    payload = torch.ones(3)
-    assert Request.parse(0, received(request(Op.PUSHPULL, payload=payload))).receipt
-    req = Request.parse(0, received(request(Op.PUSHPULL, payload=payload, receipt=False)))
-    assert req.op == Op.PUSHPULL and not req.receipt
-    assert torch.equal(req.payload, payload)
-
-
 def test_a_request_without_payload_is_its_header() -> None:
     msg = request(Op.PULL, key=2, round=1, seq=7, src=3)
     assert msg.numel() * msg.element_size() == HEADER_BYTES

@@ -63,11 +63,11 @@ def test_four_workers_push_to_two_servers_and_pull_exact_sums():
     for worker in out:
         for server, owned in worker["owned"].items():
             n = worker["requests"][server]
-            # Every round pushes the owned bytes with one header per partition, and pulls them
-            # back. No receipts (one int64 each until stop 25): a worker's pushes to a server
-            # in a round fit in its credit, so the engine asks for none (protocol.NO_RECEIPT).
+            # Every round pushes the owned bytes with one header per partition (in one message
+            # since stop 25: the bytes are the same), and pulls them back with the server's
+            # receipt for each push (one int64).
             assert worker["sent"][server] == rounds * owned + n * HEADER_BYTES
-            assert worker["recv"][server] == rounds * owned
+            assert worker["recv"][server] == rounds * owned + n * 8
     # The servers' own meters saw what the workers say they sent and received, byte for byte.
     for server, report in w0["server_reports"].items():
         workers_sent = sum(r.bytes("sent", [server]) for r in w0["worker_reports"])

@@ -76,11 +76,10 @@ class PSClient:
 
     def request(self, server: int, op: Op, *, key: int = 0, round: int = 0,
                 payload: torch.Tensor | None = None, answer: torch.Tensor | None = None,
-                lane: int = 0, what: str = "", receipt: bool = True) -> list[Handle]:
+                lane: int = 0, what: str = "") -> list[Handle]:
         """Send one request; the answer (if any) lands in ``answer``. Returns its handles:
         the answer's, then (a PUSHPULL with a payload) the server's receipt, then the sends
-        (one, or two for a payload over ``protocol.INLINE_BYTES``). ``receipt=False``:
-        the server does not acknowledge a PUSHPULL's payload (no receipt handle).
+        (one, or two for a payload over ``protocol.INLINE_BYTES``).
         """
         with self._lock:
             seq = next(self._seq)
@@ -91,12 +90,12 @@ class PSClient:
                                                 f"answer to {what}"))
         flat = None if payload is None else payload.detach().reshape(-1)
         numel = 0 if flat is None else flat.numel()
-        if op == Op.PUSHPULL and numel and receipt:
+        if op == Op.PUSHPULL and numel:
             handles.append(self.transport.irecv(torch.empty(1, dtype=torch.int64), server,
                                                 ack_tag(seq), f"receipt of {what}"))
         # One message, header then payload, unless the payload is too large to go inline.
         message = make_request(op, key=key, round=round, seq=seq, lane=lane,
-                               src=self.transport.rank, payload=flat, receipt=receipt)
+                               src=self.transport.rank, payload=flat)
         handles.append(self.transport.isend(message, server, HEADER_TAG, what))
         if flat is not None and numel and not inline(numel * flat.element_size()):
             handles.append(self.transport.isend(flat, server, payload_tag(seq), what))

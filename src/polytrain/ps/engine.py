@@ -21,8 +21,7 @@ in one round of a sum, on a machine with workers a (handler) and b:
     a: gradient ready -> queue (priority = layer order; a credit per server bounds bytes
        in flight to it)
     a: scheduler: wait b's piece, add (local rank order), push_pull to the owner server
-    a: the server holds the push (its receipt) -> its credit comes back (with no
-       receipt, where a round's pushes to that server fit in the credit: once sent)
+    a: the server holds the push (its receipt) -> its credit comes back
     a: completer: sum arrives -> isend to b
 
 Local messages are tagged per (key, round) on their own channel
@@ -142,9 +141,6 @@ class Engine:
         self.sent: queue.Queue[tuple[_Task, list[Handle], torch.Tensor] | None] = queue.Queue()
         self.answers: queue.Queue[tuple[_Task, Handle] | None] = queue.Queue()
         self.tensors: list[SumTensor] = []
-        # Bytes this worker pushes to each server in a round, all its sums together: where
-        # they fit in the credit, the credit never runs out and no push needs a receipt.
-        self.round_bytes: dict[int, int] = {}
         self.error: BaseException | None = None
         self.closed = False
         self._lock = threading.Lock()
@@ -247,11 +243,6 @@ class Engine:
         if describe and self.ctx.worker_index == 0:
             log.info("%s of %d tensors:\n%s", describe, len(specs), placement.describe())
         self._start()
-        for t in tensors:
-            for mine in t.parts:
-                if mine.handler == self.me:
-                    self.round_bytes[mine.owner] = (self.round_bytes.get(mine.owner, 0)
-                                                    + mine.part.nbytes)
         self.tensors += tensors
         return tensors
 
@@ -389,16 +380,12 @@ class Engine:
             if codec is not None:  # compress the machine's sum; the answer is packed too
                 own = codec.encode(own)
                 task.packed = torch.empty(codec.nbytes, dtype=torch.uint8)
-            # A tensor is pushed again only after its sums are back, so a worker never has
-            # more than a round's bytes in flight to a server: under the credit, the credit
-            # comes back when the sends are done, and the server sends no receipt.
-            owner = task.part.owner
-            receipt = 0 < self.credit_bytes < self.round_bytes[owner]
-            answer, *sends = client.request(owner, Op.PUSHPULL, key=part.key, round=task.round,
-                                            payload=own, answer=task.out if task.packed is None
-                                            else task.packed, receipt=receipt,
+            answer, receipt, *sends = client.request(task.part.owner, Op.PUSHPULL, key=part.key,
+                                            round=task.round, payload=own,
+                                            answer=task.out if task.packed is None
+                                            else task.packed,
                                             what=f"push_pull of {part.label}")
-            self.sent.put((task, sends, own))
+            self.sent.put((task, [*sends, receipt], own))
             self.answers.put((task, answer))
 
     def _drain_sends(self) -> None:

@@ -30,10 +30,7 @@ and each message costs both ends about 100-150 us of CPU (docs/byteps.md,
 A PUSHPULL's payload is acknowledged as soon as the server holds it (one
 int64, the sequence number, on ``tags.tag(ACK, seq)``): the worker's credit
 counts bytes not yet at the server, and a finished ``isend`` only says they
-left this process (the kernel may hold megabytes of them). A PUSHPULL with
-``NO_RECEIPT`` set in its OP field gets no receipt: the worker's engine sets
-it when everything it pushes to that server in a round fits in its credit,
-so the credit can never run out and nothing would wait for the receipt.
+left this process (the kernel may hold megabytes of them).
 
 docs/architecture.md lists what each op sends and gets for each store kind.
 """
@@ -62,10 +59,6 @@ INLINE_BYTES = 4 << 20
 #: The buffer a server receives every request into.
 REQUEST_BYTES = HEADER_BYTES + INLINE_BYTES
 STATUS_BYTES = 2048  # a declaration's answer: JSON, zero-padded
-
-#: A bit of the OP field: a PUSHPULL whose payload the server does not acknowledge (the
-#: worker's credit for that server can never run out, so nothing waits for the receipt).
-NO_RECEIPT = 1 << 8
 
 # Header fields. LANE tells apart pushers inside one process (0 for most); SRC is the
 # sender's rank (a receive from any source learns it from the header, not from gloo).
@@ -150,7 +143,6 @@ class Request:
     seq: int
     lane: int
     payload: torch.Tensor | None = None
-    receipt: bool = True  # a PUSHPULL's payload is acknowledged (see NO_RECEIPT)
 
     @property
     def pusher(self) -> tuple[int, int]:
@@ -173,8 +165,7 @@ class Request:
         """The request in ``message`` (see :func:`request`), with its payload when inline: a
         view of ``message``, which the caller must not reuse while the request lives."""
         h = _fields(message).tolist()
-        req = cls(src, Op(h[OP] & ~NO_RECEIPT), h[KEY], h[ROUND], h[NUMEL], DTYPES[h[DTYPE]],
-                  h[SEQ], h[LANE], receipt=not h[OP] & NO_RECEIPT)
+        req = cls(src, Op(h[OP]), h[KEY], h[ROUND], h[NUMEL], DTYPES[h[DTYPE]], h[SEQ], h[LANE])
         if req.numel and req.inline and message.dtype == torch.uint8:
             # The header is 64 bytes, so the payload is aligned for every dtype.
             req.payload = message[HEADER_BYTES:HEADER_BYTES + req.nbytes].view(req.dtype)
@@ -182,14 +173,11 @@ class Request:
 
 
 def request(op: Op, *, key: int = 0, round: int = 0, seq: int = 0, lane: int = 0,
-            src: int = 0, payload: torch.Tensor | None = None,
-            receipt: bool = True) -> torch.Tensor:
-    """A request's first message: its header, then ``payload`` (flat) if it fits inline.
-    ``receipt=False``: a PUSHPULL's payload is not to be acknowledged."""
+            src: int = 0, payload: torch.Tensor | None = None) -> torch.Tensor:
+    """A request's first message: its header, then ``payload`` (flat) if it fits inline."""
     numel = 0 if payload is None else payload.numel()
     dtype = torch.uint8 if payload is None else payload.dtype
-    head = [int(op) | (0 if receipt else NO_RECEIPT), key, round, numel, dtype_code(dtype),
-            seq, lane, src]
+    head = [int(op), key, round, numel, dtype_code(dtype), seq, lane, src]
     nbytes = numel * dtype.itemsize
     if not numel or not inline(nbytes):
         return torch.tensor(head, dtype=torch.int64)

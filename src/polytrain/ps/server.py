@@ -54,7 +54,7 @@ class _Engine(threading.Thread):
                 req, payload = item
                 if payload is not None:
                     payload.wait()
-                if req.op == Op.PUSHPULL and req.numel and req.receipt:
+                if req.op == Op.PUSHPULL and req.numel:
                     self.server.acknowledge(req)
                 self.server.stores[req.key].handle(req)
         except BaseException as e:  # noqa: BLE001 - handed to the main loop, which raises it
