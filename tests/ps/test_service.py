@@ -5,11 +5,10 @@ import polytrain
 from polytrain import LaunchError
 from polytrain.comm import TensorSpec, partition
 from polytrain.ps import Kind, balanced, engine_for
-from polytrain.ps.protocol import HEADER_LEN
+from polytrain.ps.protocol import HEADER_BYTES
 from tests.harness import spawn
 
 SPECS = [TensorSpec("a", (1000,), torch.float32), TensorSpec("b", (37, 11), torch.float32)]
-HEADER_BYTES = HEADER_LEN * 8
 
 
 def contribution(worker: int, round_: int) -> list[torch.Tensor]:
@@ -64,8 +63,9 @@ def test_four_workers_push_to_two_servers_and_pull_exact_sums():
     for worker in out:
         for server, owned in worker["owned"].items():
             n = worker["requests"][server]
-            # Every round pushes the owned bytes with one header per partition, and pulls them
-            # back with the server's receipt for each push (one int64).
+            # Every round pushes the owned bytes with one header per partition (in one message
+            # since stop 25: the bytes are the same), and pulls them back with the server's
+            # receipt for each push (one int64).
             assert worker["sent"][server] == rounds * owned + n * HEADER_BYTES
             assert worker["recv"][server] == rounds * owned + n * 8
     # The servers' own meters saw what the workers say they sent and received, byte for byte.

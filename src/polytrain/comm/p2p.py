@@ -29,7 +29,8 @@ class Handle:
     def __init__(self, transport: Transport, work: Any, peer: int | None, nbytes: int,
                  direction: str, what: str, staged: torch.Tensor | None = None,
                  target: torch.Tensor | None = None,
-                 source_of: Callable[[torch.Tensor], int] | None = None) -> None:
+                 source_of: Callable[[torch.Tensor], int] | None = None,
+                 length_of: Callable[[torch.Tensor], int] | None = None) -> None:
         self._transport = transport
         self._work = work
         self._peer = peer
@@ -40,6 +41,7 @@ class Handle:
         self._target = target  # device tensor a staged receive is copied into
         self._done = False
         self._source_of = source_of
+        self._length_of = length_of
         self.source: int | None = peer
 
     def wait(self, timeout_s: float | None = None) -> int:
@@ -59,6 +61,8 @@ class Handle:
             self.source = (self._source_of(self._staged) if self._source_of is not None
                            and self._staged is not None else int(self._work.source_rank()))
         if self._direction == RECV:
+            if self._length_of is not None and self._staged is not None:
+                self._nbytes = self._length_of(self._staged)  # a shorter message than the buffer
             t.meter.record(self.source, self._nbytes, RECV)
             if self._target is not None and self._staged is not None:
                 self._target.copy_(self._staged)
@@ -120,9 +124,12 @@ class Transport:
 
     def irecv(self, tensor: torch.Tensor, src: int | None, tag: int,
               what: str = "a message",
-              source_of: Callable[[torch.Tensor], int] | None = None) -> Handle:
+              source_of: Callable[[torch.Tensor], int] | None = None,
+              length_of: Callable[[torch.Tensor], int] | None = None) -> Handle:
         """Receive into ``tensor`` from ``src`` (None: any rank). For a receive from any
-        rank, ``source_of(message)`` says who sent it (the message names its sender)."""
+        rank, ``source_of(message)`` says who sent it (the message names its sender).
+        gloo takes a message shorter than ``tensor`` (a longer one aborts this process):
+        ``length_of(message)`` says how many bytes came, for the meter."""
         if not tensor.is_contiguous():
             raise CommError(f"irecv needs a contiguous tensor ({what})",
                             "receive into a contiguous buffer and copy from it")
@@ -135,7 +142,8 @@ class Transport:
             raise self.error(e, src, what, self.timeout_s) from None
         nbytes = staged.numel() * staged.element_size()
         return Handle(self, work, src, nbytes, RECV, what, staged=staged,
-                      target=tensor if staged is not tensor else None, source_of=source_of)
+                      target=tensor if staged is not tensor else None, source_of=source_of,
+                      length_of=length_of)
 
     def _group(self, tag: int) -> Any:
         return self.answers if channel_of(tag) == RESPONSE else self.group

@@ -8,7 +8,7 @@ range of ``SPAN`` tags and numbers its messages inside it modulo ``SPAN``:
 
     tag            channel    what
     -------------------------------------------------------------------------
-    0              HEADER     a request header (a server receives from anyone)
+    0              HEADER     a request: header, payload up to 4 MiB (from anyone)
     1              LIVENESS   a worker's last message to each server
     CH(k) + n      k          message n (mod SPAN) of channel k, k in CHANNELS
 

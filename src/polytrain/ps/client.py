@@ -19,10 +19,11 @@ from .protocol import (
     ack_tag,
     decode,
     encode,
+    inline,
     payload_tag,
     response_tag,
 )
-from .protocol import header as make_header
+from .protocol import request as make_request
 from .stores import Declaration
 
 __all__ = ["PSClient", "Pending"]
@@ -77,7 +78,8 @@ class PSClient:
                 payload: torch.Tensor | None = None, answer: torch.Tensor | None = None,
                 lane: int = 0, what: str = "") -> list[Handle]:
         """Send one request; the answer (if any) lands in ``answer``. Returns its handles:
-        the answer's, then (a PUSHPULL with a payload) the server's receipt, then the sends.
+        the answer's, then (a PUSHPULL with a payload) the server's receipt, then the sends
+        (one, or two for a payload over ``protocol.INLINE_BYTES``).
         """
         with self._lock:
             seq = next(self._seq)
@@ -91,11 +93,11 @@ class PSClient:
         if op == Op.PUSHPULL and numel:
             handles.append(self.transport.irecv(torch.empty(1, dtype=torch.int64), server,
                                                 ack_tag(seq), f"receipt of {what}"))
-        dtype = torch.uint8 if flat is None else flat.dtype
-        head = make_header(op, key=key, round=round, numel=numel, dtype=dtype, seq=seq,
-                           lane=lane, src=self.transport.rank)
-        handles.append(self.transport.isend(head, server, HEADER_TAG, what))
-        if flat is not None and numel:
+        # One message, header then payload, unless the payload is too large to go inline.
+        message = make_request(op, key=key, round=round, seq=seq, lane=lane,
+                               src=self.transport.rank, payload=flat)
+        handles.append(self.transport.isend(message, server, HEADER_TAG, what))
+        if flat is not None and numel and not inline(numel * flat.element_size()):
             handles.append(self.transport.isend(flat, server, payload_tag(seq), what))
         return handles
 

@@ -1,18 +1,31 @@
 """The wire format between workers and servers: fixed headers, tags, dtype codes.
 
-A request is a header (8 int64 on tag ``tags.HEADER``, so a server can
-receive it from any rank) and, when ``numel > 0``, a payload on
-``tags.tag(PAYLOAD, seq)``. A response, when the op has one, comes on
-``tags.tag(RESPONSE, seq)``; its size is known to the worker in advance (see
-each op), so the worker posts the receive before it sends the request.
+A request is one message on tag ``tags.HEADER``, which a server receives
+from any rank: a header of 8 int64 (64 bytes) followed, when ``numel > 0``
+and the payload is at most ``INLINE_BYTES``, by the payload's bytes. The
+server receives every request into a buffer of ``HEADER_BYTES +
+INLINE_BYTES`` (gloo takes a shorter message into a larger buffer, and
+aborts the receiving process on a longer one, so the limit is part of the
+protocol), and the header says how long the message is. A larger payload
+follows its header as a message of its own on ``tags.tag(PAYLOAD, seq)``.
+A response, when the op has one, comes on ``tags.tag(RESPONSE, seq)``; its
+size is known to the worker in advance (see each op), so the worker posts
+the receive before it sends the request.
 
-    worker                         server
-    ------------------------------------------------------------
-    irecv(response, seq)      |
-    isend(header)  ---------> |  irecv(header, any source)
-    isend(payload) ---------> |  irecv(payload, src, seq)
-                              |  store handles it (now or later)
-    wait(response) <--------- |  isend(response, seq)
+    worker                           server
+    ------------------------------------------------------------------
+    irecv(response, seq)        |
+    isend(header | payload) --> |  irecv(request buffer, any source)
+                                |  store handles it (now or later)
+    wait(response) <----------- |  isend(response, seq)
+
+    a payload over INLINE_BYTES: isend(header), then isend(payload) on
+    tag(PAYLOAD, seq), which the server receives from that rank
+
+Why one message: gloo moves a message only once the receiver has posted its
+receive, so a payload of its own waited for a round trip after its header,
+and each message costs both ends about 100-150 us of CPU (docs/byteps.md,
+"Engine cost").
 
 A PUSHPULL's payload is acknowledged as soon as the server holds it (one
 int64, the sequence number, on ``tags.tag(ACK, seq)``): the worker's credit
@@ -36,13 +49,15 @@ from ..comm import tags
 __all__: list[str] = []
 
 
-def sender_of(header: torch.Tensor) -> int:
-    """The rank that sent a request header."""
-    return int(header[SRC])
-
 HEADER_TAG = tags.HEADER
 LIVENESS_TAG = tags.LIVENESS  # a worker's last message; its receive fails if the worker dies
 HEADER_LEN = 8
+HEADER_BYTES = HEADER_LEN * 8
+#: Payloads up to this many bytes travel in their header's message. Above BytePS's
+#: 4,096,000-byte partitions, so a synchronous sum's request is always one message.
+INLINE_BYTES = 4 << 20
+#: The buffer a server receives every request into.
+REQUEST_BYTES = HEADER_BYTES + INLINE_BYTES
 STATUS_BYTES = 2048  # a declaration's answer: JSON, zero-padded
 
 # Header fields. LANE tells apart pushers inside one process (0 for most); SRC is the
@@ -76,6 +91,28 @@ DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float64, torch.float16, 
 
 def dtype_code(dtype: torch.dtype) -> int:
     return DTYPES.index(dtype)
+
+
+def inline(nbytes: int) -> bool:
+    """Whether a payload of ``nbytes`` travels in its header's message."""
+    return nbytes <= INLINE_BYTES
+
+
+def _fields(message: torch.Tensor) -> torch.Tensor:
+    """The header of a request message (a uint8 buffer, or the 8 int64 themselves)."""
+    return message[:HEADER_BYTES].view(torch.int64) if message.dtype == torch.uint8 else message
+
+
+def sender_of(message: torch.Tensor) -> int:
+    """The rank that sent a request message (its header names it)."""
+    return int(_fields(message)[SRC])
+
+
+def message_length(message: torch.Tensor) -> int:
+    """The bytes a request message took: its header, and its payload if inline."""
+    h = _fields(message)
+    nbytes = int(h[NUMEL]) * DTYPES[int(h[DTYPE])].itemsize
+    return HEADER_BYTES + (nbytes if nbytes and inline(nbytes) else 0)
 
 
 def payload_tag(seq: int) -> int:
@@ -113,18 +150,42 @@ class Request:
         HetPipe's policy bd does for its two virtual workers)."""
         return self.src, self.lane
 
+    @property
+    def nbytes(self) -> int:
+        """The payload's size in bytes."""
+        return self.numel * self.dtype.itemsize
+
+    @property
+    def inline(self) -> bool:
+        """Whether the payload came in the header's message (or there is none)."""
+        return inline(self.nbytes)
+
     @classmethod
-    def parse(cls, src: int, header: torch.Tensor) -> Request:
-        h = header.tolist()
-        return cls(src, Op(h[OP]), h[KEY], h[ROUND], h[NUMEL], DTYPES[h[DTYPE]], h[SEQ],
-                   h[LANE])
+    def parse(cls, src: int, message: torch.Tensor) -> Request:
+        """The request in ``message`` (see :func:`request`), with its payload when inline: a
+        view of ``message``, which the caller must not reuse while the request lives."""
+        h = _fields(message).tolist()
+        req = cls(src, Op(h[OP]), h[KEY], h[ROUND], h[NUMEL], DTYPES[h[DTYPE]], h[SEQ], h[LANE])
+        if req.numel and req.inline and message.dtype == torch.uint8:
+            # The header is 64 bytes, so the payload is aligned for every dtype.
+            req.payload = message[HEADER_BYTES:HEADER_BYTES + req.nbytes].view(req.dtype)
+        return req
 
 
-def header(op: Op, *, key: int = 0, round: int = 0, numel: int = 0,
-           dtype: torch.dtype = torch.uint8, seq: int = 0, lane: int = 0,
-           src: int = 0) -> torch.Tensor:
-    return torch.tensor([int(op), key, round, numel, dtype_code(dtype), seq, lane, src],
-                        dtype=torch.int64)
+def request(op: Op, *, key: int = 0, round: int = 0, seq: int = 0, lane: int = 0,
+            src: int = 0, payload: torch.Tensor | None = None) -> torch.Tensor:
+    """A request's first message: its header, then ``payload`` (flat) if it fits inline."""
+    numel = 0 if payload is None else payload.numel()
+    dtype = torch.uint8 if payload is None else payload.dtype
+    head = [int(op), key, round, numel, dtype_code(dtype), seq, lane, src]
+    nbytes = numel * dtype.itemsize
+    if not numel or not inline(nbytes):
+        return torch.tensor(head, dtype=torch.int64)
+    assert payload is not None
+    message = torch.empty(HEADER_BYTES + nbytes, dtype=torch.uint8)
+    message[:HEADER_BYTES].view(torch.int64).copy_(torch.tensor(head, dtype=torch.int64))
+    message[HEADER_BYTES:].view(dtype).copy_(payload)
+    return message
 
 
 def encode(obj: Any, size: int | None = None) -> torch.Tensor:
