@@ -71,7 +71,8 @@ class PipeTransformerOptions:
                 "of the freezable layers still trained)", "choices": SIGNALS})
     freeze_threshold: float | None = field(default=None, metadata={
         "help": "pipetransformer: a layer has stopped learning once its signal is at most "
-                "this (default: 0.1 for change, 1.0 for level, 0.5 for relative)",
+                "this (default: " + ", ".join(f"{t:g} for {signal}" for signal, t
+                                              in DEFAULT_THRESHOLDS.items()) + ")",
         "metavar": "F"})
     autopipe: bool = field(default=True, metadata={
         "help": "pipetransformer: keep the cuts when layers freeze (freeze only: no AutoPipe, "
