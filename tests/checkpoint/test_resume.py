@@ -126,7 +126,7 @@ FREEZING = {"freeze_every": 2, "freeze_threshold": 100.0, "freeze_alpha": 0.5}
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("at, options", [
-    (3, {"freeze": False}),
+    pytest.param(3, {"freeze": False}, marks=pytest.mark.long),  # no freezing: the plain pipeline
     (3, {**FREEZING, "cache": False}),  # after the first re-plan, before the next
     pytest.param(4, {**FREEZING, "cache": False},  # a freeze point comes first after resuming
                  marks=pytest.mark.long),

@@ -64,7 +64,8 @@ def machines(metrics, kind):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("nodes, workers, servers", [(2, 2, 1), (2, 4, 2), (3, 3, 1), (3, 3, 2)])
+@pytest.mark.parametrize("nodes, workers, servers", [
+    (2, 2, 1), (2, 4, 2), (3, 3, 2), pytest.param(3, 3, 1, marks=pytest.mark.long)])
 def test_every_machine_moves_t_opt_bytes_per_step(nodes, workers, servers):
     # (2, 4, 2) and (3, 3, 2) are the transparency runs above; (2, 4, 2) also reduces inside
     # each machine first, which must add no bytes between machines.
