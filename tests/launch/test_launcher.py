@@ -42,6 +42,17 @@ def test_roles_machines_and_groups_reach_every_process():
 
 
 @pytest.mark.timeout(60)
+def test_threads_the_caller_passes_are_kept(monkeypatch):
+    # Symptom: launch(..., env={"OMP_NUM_THREADS": "1"}) without the variable in the caller's
+    # own environment ran the children with cpu_count // world_size threads. Cause: only
+    # os.environ counted as the user's choice; what the caller passes counts too.
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    results = polytrain.launch(scripts.identity, workers=2, timeout_s=60,
+                               env={"OMP_NUM_THREADS": "3"})
+    assert [r["threads"] for r in results] == ["3", "3"]
+
+
+@pytest.mark.timeout(60)
 def test_a_worker_that_raises_stops_the_run_and_is_named():
     start = time.monotonic()
     with pytest.raises(LaunchError) as info:

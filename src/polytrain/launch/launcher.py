@@ -169,7 +169,7 @@ class Launcher:
         })
         if self.timeout_s is not None:
             env[_env.TIMEOUT] = str(self.timeout_s)
-        if not _env.user_set(_env.OMP_NUM_THREADS):
+        if not _env.user_set(_env.OMP_NUM_THREADS) and _env.OMP_NUM_THREADS not in self.env:
             # torchrun's rule: processes that share the CPUs do not each take all of them.
             env[_env.OMP_NUM_THREADS] = str(max(1, (os.cpu_count() or 1) // self.layout.world_size))
         return env
