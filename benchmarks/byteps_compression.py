@@ -18,6 +18,8 @@ table, with the command that made it, is in docs/from-byteps.md.
         --compress-warmup 100 --keep      # 1-bit Adam: 100 uncompressed steps first
     python benchmarks/byteps_compression.py --compressors onebit --compress-adam \
         --compress-warmup 30 --compress-warmup-with dithering:4 --keep   # a packed warm-up
+    python benchmarks/byteps_compression.py --compressors none onebit:1024 --compress-adam \
+        --compress-adam-refresh 8   # no warm-up: the variance frozen at 0, 8, 64
 
 ``--keep`` keeps the runs already in ``--out`` that this one does not redo (so
 the four runs can be made a few at a time); ``final_loss`` is the last step's
@@ -72,6 +74,8 @@ def main(argv: list[str]) -> int:
                         help="compressed runs: what the warm-up travels as (default none)")
     parser.add_argument("--compress-adam", action="store_true",
                         help="compressed runs: 1-bit Adam (needs --compress-warmup)")
+    parser.add_argument("--compress-adam-refresh", type=int, default=0, metavar="F",
+                        help="with --compress-adam: freeze the variance anew at steps W, W + F^k")
     parser.add_argument("--keep", action="store_true",
                         help="keep the runs in --out that this one does not redo")
     args = parser.parse_args(argv)
@@ -91,9 +95,13 @@ def main(argv: list[str]) -> int:
             warmup = args.compress_warmup
             options.update(compress_warmup=warmup, compress_adam=args.compress_adam,
                            compress_warmup_with=args.compress_warmup_with)
+            if args.compress_adam_refresh:
+                options.update(compress_adam_refresh=args.compress_adam_refresh)
             key = f"{name} ({'1-bit Adam, ' if args.compress_adam else ''}warm-up {warmup}" + (
                 "" if args.compress_warmup_with == "none" else
-                f" as {args.compress_warmup_with}") + ")"
+                f" as {args.compress_warmup_with}") + (
+                f", variance frozen at W + {args.compress_adam_refresh}^k"
+                if args.compress_adam_refresh else "") + ")"
         started = time.perf_counter()
         metrics = run_config(base.replace(strategy_options=options), env=ENV)
         by_step = metrics["traffic"]["sent_bytes_by_step"]
@@ -102,8 +110,8 @@ def main(argv: list[str]) -> int:
                      "last20_loss": sum(metrics["losses"][-20:]) / len(metrics["losses"][-20:]),
                      "compress_warmup": warmup,
                      "compress_warmup_with": options.get("compress_warmup_with", "none"),
-                     "compress_adam": bool(options.get(
-                         "compress_adam")),
+                     "compress_adam": bool(options.get("compress_adam")),
+                     "compress_adam_refresh": options.get("compress_adam_refresh", 0),
                      "wire_bytes_per_step": sum(after) / len(after),
                      "whole_run_wire_bytes_per_step": sum(by_step) / len(by_step),
                      # The warm-up's steps after the first, alone (None: fewer than 2).
@@ -136,7 +144,9 @@ def main(argv: list[str]) -> int:
               + (f" --compress-warmup {args.compress_warmup}" if args.compress_warmup else "")
               + (f" --compress-warmup-with {args.compress_warmup_with}"
                  if args.compress_warmup_with != "none" else "")
-              + (" --compress-adam" if args.compress_adam else ""),
+              + (" --compress-adam" if args.compress_adam else "")
+              + (f" --compress-adam-refresh {args.compress_adam_refresh}"
+                 if args.compress_adam_refresh else ""),
               "config": {"workers": 2, "nodes": 2, "servers": 1, "steps": steps,
                          "model": model or "default GPT", "error_feedback": True,
                          "uncompressed_share_of_bytes": share},

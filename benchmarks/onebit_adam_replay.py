@@ -20,8 +20,11 @@ command that made them, are in docs/from-byteps.md.
     python benchmarks/onebit_adam_replay.py --runs onebit/dithering:4/30 onebit/none/100
     python benchmarks/onebit_adam_replay.py --runs onebit:1024/dithering:4/40 --steps 300
 
-A run is ``COMPRESS/WARMUP_WITH/W`` (1-bit Adam after a warm-up of W steps
-travelled as WARMUP_WITH; ``none``: uncompressed) or ``none``.
+A run is ``COMPRESS/WARMUP_WITH/W[/VARIANCE]`` (1-bit Adam after a warm-up of W
+steps travelled as WARMUP_WITH; ``none``: uncompressed; VARIANCE what 1-bit Adam
+freezes: ``sums``, the default, ``local``, ``local-bf16`` or ``refreshF``, see
+:func:`replay`) or
+``none``.
 """
 
 from __future__ import annotations
@@ -70,8 +73,17 @@ class _Wire:
         return self.server.decode(self.server.encode(total))
 
 
-def replay(compress: str, warmup_with: str, warmup: int, steps: int) -> dict[str, Any]:
-    """One run; ``compress`` 'none': uncompressed BytePS (Adam on exact sums)."""
+def replay(compress: str, warmup_with: str, warmup: int, steps: int,
+           variance: str = "sums") -> dict[str, Any]:
+    """One run; ``compress`` 'none': uncompressed BytePS (Adam on exact sums).
+
+    ``variance``: what 1-bit Adam freezes. 'sums': Adam's variance of the pulled sums
+    (the warm-up's). 'local' or 'local-bf16': each worker's variance of its own
+    gradients during the warm-up (no messages), averaged over the workers once at the
+    end of the warm-up (one push and pull of float32 or bfloat16 values, counted).
+    'refreshF': 1-bit Adam's ``refresh`` (``--compress-adam-refresh F``): each worker's
+    variance of its own gradients, averaged (float32, counted) and frozen at steps
+    W, W + F, W + F^2, ... (W may be 0)."""
     config = DEFAULTS.replace(steps=steps)
     spec = get_model(config.model)
     torch.manual_seed(config.seed)
@@ -88,12 +100,23 @@ def replay(compress: str, warmup_with: str, warmup: int, steps: int) -> dict[str
              enumerate(zip(main, params))]
     warm_wires = [None if c is None else _Wire(c, p.numel(), len(params) + i) for i, (c, p)
                   in enumerate(zip(warming, params))]
+    local_v = [[torch.zeros_like(p) for p in params] for _ in range(WORKERS)]
+    beta2 = adam.param_groups[0]["betas"][1]
+    refresh = int(variance[len("refresh"):]) if variance.startswith("refresh") else 0
     onebit = None
     if compress != "none":
-        sync = SimpleNamespace(warmup=warmup, params=params, compressing=False,
-                               buckets=[SimpleNamespace(members=[i]) for i in range(len(params))],
-                               compression=main)
-        onebit = _OneBitAdam(adam, sync)  # type: ignore[arg-type]
+        packed = [i for i, c in enumerate(main) if c is not None]
+        sync = SimpleNamespace(warmup=warmup, params=params, compressing=False, synced=0,
+                               buckets=[SimpleNamespace(members=[i], offsets=[0],
+                                                        numel=p.numel())
+                                        for i, p in enumerate(params)],
+                               compression=main, packed=packed,
+                               # The servers' exact sum of both machines' own variances.
+                               average=lambda _: [(sum(v[i] for v in local_v) / WORKERS)
+                                                  .reshape(-1) for i in packed])
+        # With refresh, 1-bit Adam's own buffer of local variances sees both machines'
+        # gradients (one object here); average() above reads each machine's instead.
+        onebit = _OneBitAdam(adam, sync, refresh)  # type: ignore[arg-type]
     seq_len = int(model.seq_len)
     batches = GlobalBatches(get_dataset(config.data), batch_size=config.batch_size,
                             window=seq_len + 1, seed=config.seed)
@@ -111,6 +134,23 @@ def replay(compress: str, warmup_with: str, warmup: int, steps: int) -> dict[str
                           for p in params])
         losses.append(sum(step_losses) / WORKERS)
         compressing = step >= warmup
+        if onebit is not None and variance != "sums" and (refresh or not compressing):
+            for w in range(WORKERS):
+                for v, g in zip(local_v[w], grads[w]):
+                    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        if onebit is not None:
+            onebit.sync.synced = step + 1  # as after synchronize()
+            if onebit.refreshing():  # one exact push and pull of the compressed tensors
+                sent += sum(2 * 4 * params[i].numel() for i in onebit.sync.packed)
+        if onebit is not None and variance.startswith("local") and step == warmup:
+            for i, p in enumerate(params):
+                if wires[i] is None:
+                    continue
+                mean = sum(v[i] for v in local_v) / WORKERS
+                if variance == "local-bf16":
+                    mean = mean.bfloat16().float()
+                adam.state[p]["exp_avg_sq"].copy_(mean)
+                sent += 2 * (2 if variance == "local-bf16" else 4) * p.numel()
         if onebit is not None:
             onebit.sync.compressing = compressing
         for i, p in enumerate(params):
@@ -134,6 +174,7 @@ def replay(compress: str, warmup_with: str, warmup: int, steps: int) -> dict[str
             adam.step()
     after = losses[-20:]
     return {"compress": compress, "warmup_with": warmup_with, "warmup": warmup,
+            "variance": variance,
             "steps": steps, "final_loss": losses[-1], "last20_loss": sum(after) / len(after),
             "whole_run_compressed_bytes_vs_none": sent / plain if plain else 1.0}
 
@@ -148,10 +189,10 @@ def main(argv: list[str]) -> int:
     out = Path(args.out)
     rows: dict[str, Any] = json.loads(out.read_text())["runs"] if out.exists() else {}
     for run in args.runs:
-        compress, warmup_with, warmup = (run.split("/") + ["none", "0"])[:3] \
-            if run != "none" else ("none", "none", "0")
+        compress, warmup_with, warmup, variance = (run.split("/") + ["none", "0", "sums"])[:4] \
+            if run != "none" else ("none", "none", "0", "sums")
         started = time.perf_counter()
-        row = replay(compress, warmup_with, int(warmup), args.steps)
+        row = replay(compress, warmup_with, int(warmup), args.steps, variance)
         row["wall_s"] = time.perf_counter() - started
         key = f"{run} ({args.steps} steps)"
         rows[key] = row

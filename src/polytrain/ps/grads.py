@@ -69,6 +69,8 @@ class GradientSync:
             resumed run warms up again.
         warmup_compression: per bucket, how the compressed buckets travel during the
             warm-up (as ``compression``; None: uncompressed, the default).
+        averaging: declare uncompressed keys of their own for the compressed buckets, for
+            :meth:`average` (1-bit Adam's variance refresh; default False).
     """
 
     def __init__(self, engine: Engine, named: Sequence[tuple[str, torch.nn.Parameter]],
@@ -77,7 +79,8 @@ class GradientSync:
                  describe: str = "",
                  compression: Sequence[CompressOptions | None] | None = None,
                  warmup: int = 0,
-                 warmup_compression: Sequence[CompressOptions | None] | None = None) -> None:
+                 warmup_compression: Sequence[CompressOptions | None] | None = None,
+                 averaging: bool = False) -> None:
         self.engine = engine
         self.in_backward = in_backward
         self._queued = False
@@ -103,6 +106,12 @@ class GradientSync:
                                else [warmup_compression[b] for b in packed])
             by_bucket = dict(zip(packed, warm))
             self._warming = [by_bucket.get(b, t) for b, t in enumerate(self.tensors)]
+        #: The compressed buckets' indices and, with ``averaging``, their keys for average().
+        self.packed = packed
+        self._averaged: Sequence[SumTensor] = ()
+        if averaging and packed:
+            self._averaged = engine.sums([specs[b] for b in packed], _subset(placement, packed),
+                                         local_reduce=local_reduce)
         #: When set, what parameter i pushes instead of its gradient: ``transform(i, grad)``
         #: (1-bit Adam pushes the worker's momentum once the warm-up is over).
         self.transform: Callable[[int, torch.Tensor], torch.Tensor] | None = None
@@ -189,6 +198,19 @@ class GradientSync:
             self.exposed_s.append(done - waited)
         self.synced += 1
         self._reset()
+
+    @torch.no_grad()
+    def average(self, values: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The mean over every worker of one flat tensor per compressed bucket (in the order
+        of :attr:`packed`), summed exactly on the keys ``averaging`` declared. Every worker
+        calls it at the same step, between steps."""
+        if len(values) != len(self._averaged):
+            raise ValueError(f"average() takes one tensor per compressed bucket "
+                             f"({len(self._averaged)}; made with averaging=True), got "
+                             f"{len(values)}")
+        for t, v in zip(self._averaged, values):
+            self.engine.submit(t, v)
+        return [self.engine.wait(t).div(self._workers) for t in self._averaged]
 
     def hidden_fraction(self, skip: int = 1) -> float | None:
         """The share of communication time that backward hid, over the steps after ``skip``:

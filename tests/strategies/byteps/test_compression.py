@@ -134,6 +134,74 @@ def test_one_bit_adam_pushes_the_momentum_and_steps_with_the_frozen_variance():
     assert p.grad is not None
 
 
+class _Averaging(_Sync):
+    """A compressed bucket of two parameters whose average() is the mean of this worker's
+    values and another worker's (``other``), as the servers' exact sum would give."""
+
+    def __init__(self, params, warmup, other):
+        super().__init__(params[0], warmup)
+        self.params, self.packed, self.synced, self.other = params, [0], 0, other
+        self.buckets = [SimpleNamespace(members=[0, 1], offsets=[0, params[0].numel()],
+                                        numel=sum(p.numel() for p in params))]
+
+    def average(self, values):
+        return [(v + o) / 2 for v, o in zip(values, self.other)]
+
+
+@pytest.mark.timeout(30)
+def test_one_bit_adam_renews_the_frozen_variance_from_the_workers_own_variances():
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(5))]
+    adam = torch.optim.Adam(params, lr=0.01, betas=(0.9, 0.99))
+    other = [torch.rand(8)]                      # the other worker's variance buffer
+    sync = _Averaging(params, warmup=2, other=other)
+    onebit = _OneBitAdam(adam, sync, refresh=4)
+    refreshed = []
+    for step in range(80):                       # W = 2, F = 4: frozen at 2, 6, 18, 66
+        sync.synced = step + 1                    # as after synchronize()
+        refreshed.append(onebit.refreshing())
+    assert [s for s, r in enumerate(refreshed) if r] == [2, 6, 18, 66]
+    mine = torch.zeros(8)
+    for step in range(7):                        # steps 0, 1: the warm-up; 6: frozen again
+        g0, g1 = torch.randn(3), torch.randn(5)
+        sync.compressing, sync.synced = step >= 2, step
+        flat = torch.cat([g0, g1])
+        mine.mul_(0.99).addcmul_(flat, flat, value=0.01)
+        pushed = [onebit.local_momentum(i, g) for i, g in enumerate((g0, g1))]
+        for p, x in zip(params, pushed):
+            p.grad = x.clone()
+        sync.synced = step + 1
+        before = [p.detach().clone() for p in params]
+        if sync.compressing:
+            onebit.step()
+        else:
+            adam.step()
+    assert torch.allclose(onebit.local_v[0], mine)   # the EMA of this worker's g^2
+    want = ((mine + other[0]) / 2 / (1 - 0.99 ** 7)).sqrt() + 1e-8
+    assert torch.allclose(onebit.frozen[id(params[0])], want[:3])
+    assert torch.allclose(onebit.frozen[id(params[1])], want[3:])
+    # Step 6's update already divides by the renewed variance.
+    assert torch.allclose(params[1].detach(), before[1] - 0.01 * pushed[1] / want[3:])
+
+
+@pytest.mark.timeout(180)
+def test_a_renewed_variance_costs_one_exact_sum_at_its_steps_and_trains():
+    # 1-bit Adam froze the variance of the warm-up's exact sums, which took 75-100
+    # uncompressed steps on the default GPT; --compress-adam-refresh F freezes it at steps
+    # W, W + F^k from the workers' own variances, each time one exact sum of the
+    # compressed tensors, and needs no warm-up (W = 0: Adam's state starts at the first).
+    plain = wire(run_cached(config())[0])
+    metrics, _ = run_config(config(compress="onebit", error_feedback=True,
+                                   compress_min_bytes=4096, compress_adam=True,
+                                   compress_adam_refresh=2).replace(steps=7))
+    by_step = metrics["traffic"]["sent_bytes_by_step"]
+    assert max(by_step[s] for s in (1, 3, 5, 6)) < plain / 16   # onebit's bytes only
+    for s in (2, 4):                           # W + F and W + F^2: onebit's + an exact sum
+        assert 0.85 * plain < by_step[s] < 1.1 * plain, (s, by_step[s], plain)
+    assert by_step[0] > 0.85 * plain           # W = 0 (with the start-up's messages)
+    assert metrics["final_loss"] < metrics["losses"][0]
+
+
 @pytest.mark.timeout(30)
 def test_one_bit_adam_refuses_other_optimizers_and_no_warmup():
     p = torch.nn.Parameter(torch.zeros(4))

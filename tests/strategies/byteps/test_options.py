@@ -59,6 +59,10 @@ def test_compression_flags_become_the_strategys_options():
               "--compress-adam")
     assert dict(c.strategy_options) == {"compress": "onebit", "error_feedback": True,
                                         "compress_warmup": 100, "compress_adam": True}
+    c = parse("--compress", "onebit", "--compress-warmup", "2", "--compress-adam",
+              "--compress-adam-refresh", "4")
+    assert dict(c.strategy_options) == {"compress": "onebit", "compress_warmup": 2,
+                                        "compress_adam": True, "compress_adam_refresh": 4}
     c = parse("--compress", "onebit", "--compress-warmup", "30", "--compress-warmup-with",
               "dithering:4")
     assert dict(c.strategy_options) == {"compress": "onebit", "compress_warmup": 30,
@@ -99,6 +103,11 @@ def test_compression_flags_become_the_strategys_options():
                               r"0.*HINT: leave out --compress-warmup-with"),
     ({"compress": "onebit", "compress_warmup": 10, "compress_warmup_with": "topk:0.1",
       "compress_adam": True}, r"the run diverges"),
+    ({"compress": "onebit", "compress_warmup": 2, "compress_adam_refresh": 4},
+     r"--compress-adam-refresh 4 freezes 1-bit Adam's variance anew .* needs --compress-adam"
+     r".*HINT: pass e.g. --compress-adam --compress-adam-refresh 8"),
+    ({"compress": "onebit", "compress_warmup": 2, "compress_adam": True,
+      "compress_adam_refresh": 1}, r"F of at least 2"),
 ])
 def test_bad_compression_options_are_refused_with_the_reason(options, message):
     with pytest.raises(ConfigError, match=message):

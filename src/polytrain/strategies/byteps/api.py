@@ -314,7 +314,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 - ByteP
     (:class:`BytePSOptions`: ``partition_bytes``, ``fuse_bytes``, ``colocate``,
     ``credit_bytes``, ``async_``, ``staleness``, ``error_feedback``,
     ``compress_momentum``, ``compress_min_bytes``, ``compress_warmup``,
-    ``compress_warmup_with``, ``compress_adam``
+    ``compress_warmup_with``, ``compress_adam``, ``compress_adam_refresh``
     (1-bit Adam: see :class:`polytrain.strategies.byteps.optimizer.DistributedOptimizer`),
     ``compress``: the default
     compression when ``compression`` is none). Launch with colocated servers
@@ -351,4 +351,5 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 - ByteP
                           backward_passes_per_step=backward_passes_per_step,
                           fuse_bytes=opts.fuse_bytes, compress_warmup=opts.compress_warmup,
                           compress_warmup_with=opts.compress_warmup_with,
-                          compress_adam=opts.compress_adam, **placing)
+                          compress_adam=opts.compress_adam,
+                          compress_adam_refresh=opts.compress_adam_refresh, **placing)

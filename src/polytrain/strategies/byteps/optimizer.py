@@ -100,12 +100,12 @@ def gradient_sync(engine: Engine, named: Sequence[tuple[str, torch.nn.Parameter]
                   compress_min_bytes: int = DEFAULT_MIN_BYTES, compress_warmup: int = 0,
                   compress_warmup_with: Choice = None, fuse_bytes: int = DEFAULT_FUSE_BYTES,
                   partition_bytes: int = DEFAULT_PARTITION_BYTES, colocate: bool = True,
-                  passes_per_step: int = 1, in_backward: bool = False
-                  ) -> tuple[Plan, GradientSync]:
+                  passes_per_step: int = 1, in_backward: bool = False,
+                  averaging: bool = False) -> tuple[Plan, GradientSync]:
     """BytePS's gradient sums for ``named``: fusion groups (never across tensors compressed
     differently), Theorem 1's placement of their partitions, and the hooks that push them
     (the first ``compress_warmup`` steps uncompressed, or compressed by
-    ``compress_warmup_with``)."""
+    ``compress_warmup_with``); ``averaging``: see :class:`GradientSync`."""
     specs = [TensorSpec.of(n, p) for n, p in named]
     per_tensor = tensor_compression(specs, compression, error_feedback=error_feedback,
                                     momentum=compress_momentum, min_bytes=compress_min_bytes)
@@ -120,7 +120,8 @@ def gradient_sync(engine: Engine, named: Sequence[tuple[str, torch.nn.Parameter]
                               describe=plan.describe(), compression=compressed,
                               warmup=compress_warmup,
                               warmup_compression=warmup_compression(compressed,
-                                                                    compress_warmup_with))
+                                                                    compress_warmup_with),
+                              averaging=averaging)
 
 
 class WrappedOptimizer(torch.optim.Optimizer):
@@ -203,6 +204,13 @@ class DistributedOptimizer(WrappedOptimizer):
     variance of compressed values would be the block's scale, not the element's).
     Uncompressed tensors step with Adam as before.
 
+    ``compress_adam_refresh`` F (default 0: off): every worker also keeps the variance
+    of its own gradients (Adam's ``b2``, no messages), and at steps W, W + F, W + F^2,
+    ... (W the warm-up, which may then be 0) the workers' mean of it, summed exactly
+    (one uncompressed push and pull of the compressed tensors), becomes the frozen
+    variance (0/1 Adam's renewed variance, Lu et al. 2022, from the workers' own
+    variances instead of an exact step's).
+
     Example::
 
         opt = polytrain.byteps.DistributedOptimizer(torch.optim.Adam(model.parameters()),
@@ -216,7 +224,8 @@ class DistributedOptimizer(WrappedOptimizer):
                  backward_passes_per_step: int = 1,
                  fuse_bytes: int = DEFAULT_FUSE_BYTES,
                  partition_bytes: int = DEFAULT_PARTITION_BYTES, colocate: bool = True,
-                 compress_adam: bool = False, **compress: Any) -> None:
+                 compress_adam: bool = False, compress_adam_refresh: int = 0,
+                 **compress: Any) -> None:
         if backward_passes_per_step < 1:
             raise ConfigError(f"backward_passes_per_step must be at least 1 (got "
                               f"{backward_passes_per_step})", "pass 1, or the passes per step")
@@ -226,10 +235,11 @@ class DistributedOptimizer(WrappedOptimizer):
         named = named_params_of(optimizer, named_parameters)
         self.plan, self.sync = gradient_sync(
             engine, named, fuse_bytes=fuse_bytes, partition_bytes=partition_bytes,
-            colocate=colocate, passes_per_step=backward_passes_per_step, **compress)
+            colocate=colocate, passes_per_step=backward_passes_per_step,
+            averaging=compress_adam and compress_adam_refresh > 0, **compress)
         self.compress_adam: _OneBitAdam | None = None
         if compress_adam:
-            self.compress_adam = _OneBitAdam(optimizer, self.sync)
+            self.compress_adam = _OneBitAdam(optimizer, self.sync, compress_adam_refresh)
             self.sync.transform = self.compress_adam.local_momentum
 
     def synchronize(self) -> None:
@@ -258,7 +268,8 @@ class _OneBitAdam:
     from them at the first compressed step.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, sync: GradientSync) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, sync: GradientSync,
+                 refresh: int = 0) -> None:
         if type(optimizer) is not torch.optim.Adam:
             raise ConfigError(
                 f"compress_adam (1-bit Adam) runs on torch.optim.Adam, not "
@@ -272,7 +283,7 @@ class _OneBitAdam:
                 raise ConfigError(f"compress_adam (1-bit Adam) supports plain Adam only (got "
                                   f"{bad})", "leave weight_decay, amsgrad and maximize at "
                                   "their defaults, or leave out --compress-adam")
-        if sync.warmup < 1:
+        if sync.warmup < 1 and not refresh:
             raise ConfigError("compress_adam (1-bit Adam) freezes the variance Adam learns "
                               "during the warm-up, but compress_warmup is 0 (or "
                               "no tensor is compressed)", "pass --compress-warmup N (e.g. "
@@ -284,15 +295,34 @@ class _OneBitAdam:
         self.packed = [p if i in packed else None for i, p in enumerate(sync.params)]
         self.frozen: dict[int, torch.Tensor] = {}  # id(param) -> sqrt(v hat) + eps
         self.group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+        #: With ``refresh`` F: every step, each worker's own variance of its gradients, one
+        #: flat buffer per compressed bucket; averaged over the workers at steps W, W + F^k.
+        self.refresh = refresh
+        packed_buckets = sync.packed if refresh else []
+        self.local_v = [torch.zeros(sync.buckets[b].numel, dtype=torch.float32)
+                        for b in packed_buckets]
+        self.slot = {m: (j, off) for j, b in enumerate(packed_buckets)
+                     for m, off in zip(sync.buckets[b].members, sync.buckets[b].offsets)}
+        for p in self.packed if refresh else []:  # no warm-up: Adam's state starts here
+            if p is not None and not optimizer.state[p]:
+                optimizer.state[p].update(step=torch.zeros(()), exp_avg=torch.zeros_like(p),
+                                          exp_avg_sq=torch.zeros_like(p))
 
     @torch.no_grad()
     def local_momentum(self, i: int, grad: torch.Tensor) -> torch.Tensor:
         """What parameter i pushes: its gradient, or after the warm-up (compressed tensors
         only) this worker's momentum ``b1 m + (1 - b1) g``."""
         p = self.packed[i]
-        if p is None or not self.sync.compressing:
+        if p is None:
             return grad
-        beta1 = self.group_of[id(p)]["betas"][0]
+        beta1, beta2 = self.group_of[id(p)]["betas"]
+        if self.refresh:
+            j, off = self.slot[i]
+            flat = grad.detach().reshape(-1).float().cpu()
+            self.local_v[j][off:off + flat.numel()].mul_(beta2).addcmul_(flat, flat,
+                                                                         value=1 - beta2)
+        if not self.sync.compressing:
+            return grad
         m = self.optimizer.state[p]["exp_avg"]
         return (1 - beta1) * grad + beta1 * m
 
@@ -304,6 +334,8 @@ class _OneBitAdam:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.refreshing():
+            self._refresh()
         held = []
         for p in self.packed:
             if p is None:
@@ -328,3 +360,29 @@ class _OneBitAdam:
             for p, g in held:
                 p.grad = g
         return loss
+
+    def refreshing(self) -> bool:
+        """Whether the step just synchronised is one at which the variance is frozen anew:
+        steps W and W + F^k (k >= 1), W the warm-up, counted from 0 as this object's."""
+        if not self.refresh:
+            return False
+        since = self.sync.synced - 1 - self.sync.warmup
+        point = 1
+        while point < since:
+            point *= self.refresh
+        return since == 0 or (since > 1 and point == since)
+
+    @torch.no_grad()
+    def _refresh(self) -> None:
+        """Freeze again, at the workers' mean of their own gradients' variance (one exact sum
+        of the compressed tensors' size), bias-corrected for the steps it has seen."""
+        means = self.sync.average(self.local_v)
+        seen = float(self.sync.synced)
+        for i, p in enumerate(self.packed):
+            if p is None:
+                continue
+            j, off = self.slot[i]
+            group = self.group_of[id(p)]
+            v = means[j][off:off + p.numel()].view(p.shape).to(p.device, p.dtype)
+            self.frozen[id(p)] = (v / (1 - group["betas"][1] ** seen)).sqrt_().add_(
+                group["eps"])

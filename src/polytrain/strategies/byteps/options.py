@@ -55,6 +55,10 @@ class BytePSOptions:
         compress_adam: 1-bit Adam (Tang et al., 2021) on the workers' torch Adam: after
             the warm-up, workers push Adam's momentum, compressed, instead of the gradient,
             and Adam's variance stays at its warm-up value (needs ``compress_warmup``).
+        compress_adam_refresh: with ``compress_adam``, F >= 2: the variance is frozen at
+            steps W, W + F, W + F^2, ... (W = ``compress_warmup``, then 0 allowed) from
+            every worker's own gradient variance, averaged in one uncompressed sum each
+            time (default 0: frozen once, from the warm-up's Adam).
     """
 
     partition_bytes: int = field(default=DEFAULT_PARTITION_BYTES, metadata={
@@ -94,6 +98,11 @@ class BytePSOptions:
     compress_adam: bool = field(default=False, metadata={
         "help": "with --compress and --optimizer adam: 1-bit Adam: after --compress-warmup, "
                 "push Adam's momentum compressed and freeze Adam's variance"})
+    compress_adam_refresh: int = field(default=0, metadata={
+        "help": "with --compress-adam: freeze the variance at steps W, W+F, W+F^2, ... "
+                "(W = --compress-warmup, may be 0) from the workers' own gradient "
+                "variances, one uncompressed sum each (default 0: frozen once)",
+        "metavar": "F"})
 
     def __post_init__(self) -> None:
         if self.partition_bytes < 8:
@@ -141,10 +150,17 @@ class BytePSOptions:
                               f"momentum by eps (the run diverges)", "leave out "
                               "--compress-warmup-with (an uncompressed warm-up), or use fp16 "
                               "or onebit")
-        if self.compress_adam and not self.compress_warmup:
+        if self.compress_adam and not self.compress_warmup and not self.compress_adam_refresh:
             raise ConfigError("--compress-adam (1-bit Adam) freezes the variance Adam learns "
                               "in the warm-up, but --compress-warmup is 0",
                               "add --compress-warmup N (e.g. a fifth of the steps)")
+        if self.compress_adam_refresh and (self.compress_adam_refresh < 2
+                                           or not self.compress_adam):
+            raise ConfigError(f"--compress-adam-refresh {self.compress_adam_refresh} freezes "
+                              f"1-bit Adam's variance anew at steps W, W+F, W+F^2, ..., so "
+                              f"it needs --compress-adam and F of at least 2",
+                              "pass e.g. --compress-adam --compress-adam-refresh 8, or leave "
+                              "it out")
         if self.compress_adam and self.compress_momentum:
             raise ConfigError(f"--compress-adam compresses Adam's momentum; "
                               f"--compress-momentum {self.compress_momentum} would add a "

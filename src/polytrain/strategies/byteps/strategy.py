@@ -74,7 +74,10 @@ class BytePS(ServedStrategy[BytePSOptions]):
                                                   fuse_bytes=opts.fuse_bytes,
                                                   compress_warmup=opts.compress_warmup,
                                                   compress_warmup_with=opts.compress_warmup_with,
-                                                  compress_adam=opts.compress_adam, **placing)
+                                                  compress_adam=opts.compress_adam,
+                                                  compress_adam_refresh=(
+                                                      opts.compress_adam_refresh),
+                                                  **placing)
         return model, self.optimizer
 
     def state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
