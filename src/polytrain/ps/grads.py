@@ -110,7 +110,8 @@ class GradientSync:
         self.packed = packed
         self._averaged: Sequence[SumTensor] = ()
         if averaging and packed:
-            self._averaged = engine.sums([specs[b] for b in packed], _subset(placement, packed),
+            self._averaged = engine.sums([dataclasses.replace(specs[b], dtype=torch.float32)
+                                          for b in packed], _subset(placement, packed),
                                          local_reduce=local_reduce)
         #: When set, what parameter i pushes instead of its gradient: ``transform(i, grad)``
         #: (1-bit Adam pushes the worker's momentum once the warm-up is over).
@@ -201,9 +202,9 @@ class GradientSync:
 
     @torch.no_grad()
     def average(self, values: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """The mean over every worker of one flat tensor per compressed bucket (in the order
-        of :attr:`packed`), summed exactly on the keys ``averaging`` declared. Every worker
-        calls it at the same step, between steps."""
+        """The mean over every worker of one flat float32 tensor per compressed bucket (in the
+        order of :attr:`packed`), summed exactly on the keys ``averaging`` declared. Every
+        worker calls it at the same step, between steps."""
         if len(values) != len(self._averaged):
             raise ValueError(f"average() takes one tensor per compressed bucket "
                              f"({len(self._averaged)}; made with averaging=True), got "

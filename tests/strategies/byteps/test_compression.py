@@ -162,8 +162,11 @@ def test_one_bit_adam_renews_the_frozen_variance_from_the_workers_own_variances(
         refreshed.append(onebit.refreshing())
     assert [s for s, r in enumerate(refreshed) if r] == [2, 6, 18, 66]
     mine = torch.zeros(8)
-    for step in range(7):                        # steps 0, 1: the warm-up; 6: frozen again
+    other[0][7] = 0.0                            # (params[1][4] on the other worker too)
+    for step in range(7):                        # steps 0, 1: the warm-up; 2, 6: frozen
         g0, g1 = torch.randn(3), torch.randn(5)
+        if step < 6:                              # an element no gradient reaches before 6
+            g1[4] = 0.0
         sync.compressing, sync.synced = step >= 2, step
         flat = torch.cat([g0, g1])
         mine.mul_(0.99).addcmul_(flat, flat, value=0.01)
@@ -176,6 +179,14 @@ def test_one_bit_adam_renews_the_frozen_variance_from_the_workers_own_variances(
             onebit.step()
         else:
             adam.step()
+        if step == 2:                             # the first freeze: both workers' mean
+            at_2 = ((mine + other[0]) / 2 / (1 - 0.99 ** 3)).sqrt() + 1e-8
+            assert torch.allclose(onebit.frozen[id(params[0])], at_2[:3])
+            assert onebit.frozen[id(params[1])][4] == float("inf")  # variance 0: no step
+            assert params[1][4] == before[1][4]
+            # Adam's state carries it, as of its step count (3 after this step).
+            assert torch.allclose(adam.state[params[0]]["exp_avg_sq"],
+                                  (at_2[:3] - 1e-8) ** 2 * (1 - 0.99 ** 3))
     assert torch.allclose(onebit.local_v[0], mine)   # the EMA of this worker's g^2
     want = ((mine + other[0]) / 2 / (1 - 0.99 ** 7)).sqrt() + 1e-8
     assert torch.allclose(onebit.frozen[id(params[0])], want[:3])

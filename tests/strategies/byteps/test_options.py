@@ -63,6 +63,9 @@ def test_compression_flags_become_the_strategys_options():
               "--compress-adam-refresh", "4")
     assert dict(c.strategy_options) == {"compress": "onebit", "compress_warmup": 2,
                                         "compress_adam": True, "compress_adam_refresh": 4}
+    c = parse("--compress", "onebit", "--compress-adam", "--compress-adam-refresh", "4")
+    assert dict(c.strategy_options) == {"compress": "onebit", "compress_adam": True,
+                                        "compress_adam_refresh": 4}  # no warm-up needed
     c = parse("--compress", "onebit", "--compress-warmup", "30", "--compress-warmup-with",
               "dithering:4")
     assert dict(c.strategy_options) == {"compress": "onebit", "compress_warmup": 30,
@@ -105,9 +108,11 @@ def test_compression_flags_become_the_strategys_options():
       "compress_adam": True}, r"the run diverges"),
     ({"compress": "onebit", "compress_warmup": 2, "compress_adam_refresh": 4},
      r"--compress-adam-refresh 4 freezes 1-bit Adam's variance anew .* needs --compress-adam"
-     r".*HINT: pass e.g. --compress-adam --compress-adam-refresh 8"),
+     r".*HINT: pass e.g. --compress-adam --compress-adam-refresh 4"),
     ({"compress": "onebit", "compress_warmup": 2, "compress_adam": True,
       "compress_adam_refresh": 1}, r"F of at least 2"),
+    ({"compress": "onebit", "compress_adam": True, "compress_adam_refresh": -4},
+     r"F of at least 2"),
 ])
 def test_bad_compression_options_are_refused_with_the_reason(options, message):
     with pytest.raises(ConfigError, match=message):

@@ -13,7 +13,7 @@ from ...errors import ConfigError
 from ...ps.compression import DEFAULT_MIN_BYTES, CompressOptions, Compressor, compressor
 from ...ps.engine import Engine
 from ...ps.grads import GradientSync, bucket_specs
-from .options import DEFAULT_FUSE_BYTES
+from .options import DEFAULT_FUSE_BYTES, check_refresh
 from .plan import Plan, plan_for
 
 __all__ = ["DistributedOptimizer", "WrappedOptimizer", "named_params_of", "Choice",
@@ -283,6 +283,7 @@ class _OneBitAdam:
                 raise ConfigError(f"compress_adam (1-bit Adam) supports plain Adam only (got "
                                   f"{bad})", "leave weight_decay, amsgrad and maximize at "
                                   "their defaults, or leave out --compress-adam")
+        check_refresh(refresh)
         if sync.warmup < 1 and not refresh:
             raise ConfigError("compress_adam (1-bit Adam) freezes the variance Adam learns "
                               "during the warm-up, but compress_warmup is 0 (or "
@@ -299,14 +300,17 @@ class _OneBitAdam:
         #: flat buffer per compressed bucket; averaged over the workers at steps W, W + F^k.
         self.refresh = refresh
         packed_buckets = sync.packed if refresh else []
-        self.local_v = [torch.zeros(sync.buckets[b].numel, dtype=torch.float32)
+        self.local_v = [torch.zeros(sync.buckets[b].numel, dtype=torch.float32,
+                                    device=sync.params[sync.buckets[b].members[0]].device)
                         for b in packed_buckets]
         self.slot = {m: (j, off) for j, b in enumerate(packed_buckets)
                      for m, off in zip(sync.buckets[b].members, sync.buckets[b].offsets)}
-        for p in self.packed if refresh else []:  # no warm-up: Adam's state starts here
-            if p is not None and not optimizer.state[p]:
-                optimizer.state[p].update(step=torch.zeros(()), exp_avg=torch.zeros_like(p),
-                                          exp_avg_sq=torch.zeros_like(p))
+        if refresh and sync.warmup == 0:  # no warm-up: Adam's state starts here (as Adam's)
+            for p in self.packed:
+                if p is not None and not optimizer.state[p]:
+                    optimizer.state[p].update(step=torch.zeros(()),
+                                              exp_avg=torch.zeros_like(p),
+                                              exp_avg_sq=torch.zeros_like(p))
 
     @torch.no_grad()
     def local_momentum(self, i: int, grad: torch.Tensor) -> torch.Tensor:
@@ -318,7 +322,7 @@ class _OneBitAdam:
         beta1, beta2 = self.group_of[id(p)]["betas"]
         if self.refresh:
             j, off = self.slot[i]
-            flat = grad.detach().reshape(-1).float().cpu()
+            flat = grad.detach().reshape(-1).float()
             self.local_v[j][off:off + flat.numel()].mul_(beta2).addcmul_(flat, flat,
                                                                          value=1 - beta2)
         if not self.sync.compressing:
@@ -343,9 +347,8 @@ class _OneBitAdam:
             group, state = self.group_of[id(p)], self.optimizer.state[p]
             if id(p) not in self.frozen:
                 _, beta2 = group["betas"]
-                steps = float(state["step"])
-                self.frozen[id(p)] = (state["exp_avg_sq"] / (1 - beta2 ** steps)).sqrt_().add_(
-                    group["eps"])
+                self.frozen[id(p)] = _frozen(state["exp_avg_sq"] / (1 - beta2 ** float(
+                    state["step"])), group["eps"])
             assert p.grad is not None
             state["exp_avg"].copy_(p.grad)
             state["step"] += 1
@@ -382,7 +385,19 @@ class _OneBitAdam:
             if p is None:
                 continue
             j, off = self.slot[i]
-            group = self.group_of[id(p)]
-            v = means[j][off:off + p.numel()].view(p.shape).to(p.device, p.dtype)
-            self.frozen[id(p)] = (v / (1 - group["betas"][1] ** seen)).sqrt_().add_(
-                group["eps"])
+            group, state = self.group_of[id(p)], self.optimizer.state[p]
+            beta2 = group["betas"][1]
+            v_hat = means[j][off:off + p.numel()].view(p.shape).to(p.device, p.dtype) / (
+                1 - beta2 ** seen)
+            self.frozen[id(p)] = _frozen(v_hat, group["eps"])
+            # Adam's own state holds it too (as of this step's count), so that a checkpoint
+            # carries a variance, for plain Adam or a warm-up after resuming.
+            state["exp_avg_sq"].copy_(v_hat * (1 - beta2 ** (float(state["step"]) + 1)))
+
+
+def _frozen(v_hat: torch.Tensor, eps: float) -> torch.Tensor:
+    """What 1-bit Adam divides the momentum by: ``sqrt(v_hat) + eps``, and infinity where the
+    variance is exactly 0 (an element no gradient has reached yet does not step: its packed
+    momentum is its block's sign and scale, which eps would magnify without bound)."""
+    out = v_hat.sqrt().add_(eps)
+    return out.masked_fill_(v_hat == 0, float("inf"))

@@ -17,6 +17,16 @@ __all__ = ["BytePSOptions", "DEFAULT_FUSE_BYTES"]
 DEFAULT_FUSE_BYTES = DEFAULT_PARTITION_BYTES
 
 
+def check_refresh(refresh: int, compress_adam: bool = True) -> None:
+    """Refuse a ``compress_adam_refresh`` that is not 0 (off) or at least 2, or one without
+    1-bit Adam."""
+    if refresh and (refresh < 2 or not compress_adam):
+        raise ConfigError(f"--compress-adam-refresh {refresh} freezes 1-bit Adam's variance "
+                          f"anew at steps W, W+F, W+F^2, ..., so it needs --compress-adam and "
+                          f"F of at least 2", "pass e.g. --compress-adam "
+                          "--compress-adam-refresh 4, or leave it out")
+
+
 @dataclass(frozen=True, kw_only=True)
 class BytePSOptions:
     """How BytePS places, schedules and applies the summed gradients.
@@ -154,13 +164,7 @@ class BytePSOptions:
             raise ConfigError("--compress-adam (1-bit Adam) freezes the variance Adam learns "
                               "in the warm-up, but --compress-warmup is 0",
                               "add --compress-warmup N (e.g. a fifth of the steps)")
-        if self.compress_adam_refresh and (self.compress_adam_refresh < 2
-                                           or not self.compress_adam):
-            raise ConfigError(f"--compress-adam-refresh {self.compress_adam_refresh} freezes "
-                              f"1-bit Adam's variance anew at steps W, W+F, W+F^2, ..., so "
-                              f"it needs --compress-adam and F of at least 2",
-                              "pass e.g. --compress-adam --compress-adam-refresh 8, or leave "
-                              "it out")
+        check_refresh(self.compress_adam_refresh, self.compress_adam)
         if self.compress_adam and self.compress_momentum:
             raise ConfigError(f"--compress-adam compresses Adam's momentum; "
                               f"--compress-momentum {self.compress_momentum} would add a "
