@@ -25,6 +25,7 @@ PARENT_PID = "POLYTRAIN_PARENT_PID"
 LABEL_FILE = "POLYTRAIN_LABEL_FILE"
 HEARTBEAT_FILE = "POLYTRAIN_HEARTBEAT_FILE"  # the launcher watches its mtime: a hung child
 NIC = "POLYTRAIN_NIC"  # the emulated machine's interface, under --bandwidth
+SHM_DIR = "POLYTRAIN_SHM_DIR"  # the run's directory in host shared memory (the launcher's)
 GLOO_SOCKET_IFNAME = "GLOO_SOCKET_IFNAME"
 DEFAULT_TIMEOUT_S = 120.0
 
@@ -96,6 +97,11 @@ def parent_pid() -> int | None:
 def nic() -> str | None:
     """The interface of this process's emulated machine (None: not on an emulated network)."""
     return os.environ.get(NIC) or None
+
+
+def shm_dir() -> str | None:
+    """The run's directory in host shared memory, which the launcher removes at the end."""
+    return os.environ.get(SHM_DIR) or None
 
 
 def user_set(name: str) -> bool:

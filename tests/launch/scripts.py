@@ -30,6 +30,21 @@ def worker_raises(bad_rank: int) -> None:
     dist.all_reduce(x, group=ctx.groups.workers)  # blocks: the bad rank never joins
 
 
+def fill_shared_memory(victim: int) -> str:
+    """Write a file into the run's shared-memory directory; rank ``victim`` then dies."""
+    ctx = polytrain.init()
+    shm = os.environ["POLYTRAIN_SHM_DIR"]
+    with open(os.path.join(shm, f"rank-{ctx.rank}"), "wb") as f:
+        f.write(b"x" * 4096)
+    x = torch.zeros(1)
+    dist.all_reduce(x, group=ctx.groups.workers)  # every file is written
+    if ctx.rank == victim:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if victim >= 0:
+        time.sleep(60)
+    return shm
+
+
 def killed_by_signal(victim: int) -> None:
     ctx = polytrain.init()
     if ctx.rank == victim:

@@ -1,5 +1,6 @@
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import pytest
 import polytrain
 from polytrain import ConfigError, LaunchError
 from polytrain.launch import free_port
+from polytrain.launch.launcher import SHM_ROOT, run_shm
 from tests.harness import spawn
 from tests.launch import scripts
 
@@ -62,6 +64,31 @@ def test_a_worker_that_raises_stops_the_run_and_is_named():
     assert "worker rank 1 (machine node0) failed: RuntimeError: boom on purpose from rank 1" \
         in message
     assert info.value.rank == 1 and info.value.role == "worker"
+
+
+@pytest.mark.skipif(not SHM_ROOT.is_dir(), reason="no /dev/shm on this host")
+@pytest.mark.timeout(90)
+def test_the_runs_shared_memory_is_removed_however_the_run_ends():
+    # Symptom: a killed PipeTransformer run left its AutoCache in /dev/shm. Now a run's
+    # processes share a directory the launcher makes and removes, and a launcher that was
+    # itself killed has its directory removed by the next one's start.
+    mine = f"polytrain-run-{os.getpid()}-*"
+    stale = SHM_ROOT / "polytrain-run-4194999-12345-deadbeef"  # no such pid
+    stale.mkdir(exist_ok=True)
+    (stale / "left").write_bytes(b"x")
+    live = run_shm()                              # this process's, still running
+    assert live is not None and live.is_dir()
+    try:
+        shms = spawn(scripts.fill_shared_memory, workers=2, args=(-1,))
+        assert shms[0] == shms[1] and shms[0].startswith(str(SHM_ROOT / "polytrain-run-"))
+        assert not Path(shms[0]).exists()         # a clean end
+        assert not stale.exists() and live.is_dir()
+        with pytest.raises(LaunchError, match=r"worker rank 1 .* killed by SIGKILL"):
+            spawn(scripts.fill_shared_memory, workers=2, args=(1,))
+        assert sorted(SHM_ROOT.glob(mine)) == [live]  # a failed run's is gone too
+    finally:
+        shutil.rmtree(live, ignore_errors=True)
+        shutil.rmtree(stale, ignore_errors=True)
 
 
 @pytest.mark.timeout(60)

@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import pickle
+import shutil
 import signal
 import socket
 import subprocess
@@ -13,6 +14,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -20,7 +22,7 @@ from typing import Any, Callable, Mapping, Sequence
 from .. import _env
 from ..errors import ConfigError, LaunchError
 from .layout import Layout, ProcessSpec
-from .network import LinkShape, Network, check_tools, link_shape
+from .network import LinkShape, Network, check_tools, link_shape, start_time
 
 __all__ = ["launch", "launch_script", "Launcher", "free_port"]
 
@@ -145,7 +147,7 @@ class Launcher:
 
     # -- processes --------------------------------------------------------------------------
 
-    def _child_env(self, spec: ProcessSpec, workdir: Path,
+    def _child_env(self, spec: ProcessSpec, workdir: Path, shm: Path | None,
                    network: Network | None) -> dict[str, str]:
         env = _env.inherited()
         env.update(self.env)
@@ -169,6 +171,8 @@ class Launcher:
         })
         if self.timeout_s is not None:
             env[_env.TIMEOUT] = str(self.timeout_s)
+        if shm is not None:
+            env[_env.SHM_DIR] = str(shm)
         if not _env.user_set(_env.OMP_NUM_THREADS) and _env.OMP_NUM_THREADS not in self.env:
             # torchrun's rule: processes that share the CPUs do not each take all of them.
             env[_env.OMP_NUM_THREADS] = str(max(1, (os.cpu_count() or 1) // self.layout.world_size))
@@ -189,7 +193,9 @@ class Launcher:
                 # out of the middle of subprocess's own bookkeeping.
                 previous = signal.signal(signal.SIGINT, lambda *_: interrupted.set())
             network: Network | None = None
+            shm: Path | None = None
             try:
+                shm = run_shm()
                 if self.shape is not None:
                     network = Network(self.layout.machines(), self.shape)
                     network.open()
@@ -197,7 +203,7 @@ class Launcher:
                     on = network.exec_prefix(spec.machine) if network is not None else []
                     proc = subprocess.Popen(
                         [*on, sys.executable, "-m", "polytrain.launch.child", str(payload_file)],
-                        env=self._child_env(spec, workdir, network))
+                        env=self._child_env(spec, workdir, shm, network))
                     children.append(_Child(spec, proc, workdir / f"error-{spec.rank}.json",
                                            workdir / f"result-{spec.rank}.pkl",
                                            workdir / f"label-{spec.rank}.txt",
@@ -214,6 +220,8 @@ class Launcher:
                 try:
                     self._stop(children)
                 finally:
+                    if shm is not None:
+                        shutil.rmtree(shm, ignore_errors=True)
                     if network is not None:
                         network.close()
             if interrupted.is_set():
@@ -301,6 +309,31 @@ class Launcher:
             except subprocess.TimeoutExpired:
                 c.proc.kill()
                 c.proc.wait()
+
+
+SHM_ROOT = Path("/dev/shm")
+
+
+def run_shm(root: Path = SHM_ROOT) -> Path | None:
+    """A fresh directory in host shared memory for one run's processes (their
+    ``POLYTRAIN_SHM_DIR``; the launcher removes it when the run ends, however it ends), after
+    removing those of launchers that no longer run (killed before they could). None where
+    there is no ``root``."""
+    if not root.is_dir():
+        return None
+    for stale in root.glob("polytrain-run-*"):
+        try:
+            pid, start = (int(x) for x in stale.name.split("-")[2:4])
+        except ValueError:
+            continue
+        if start_time(pid) != start:
+            shutil.rmtree(stale, ignore_errors=True)
+            log.warning("removed the shared memory of a run whose launcher (pid %d) is gone: %s",
+                        pid, stale)
+    me = os.getpid()
+    path = root / f"polytrain-run-{me}-{start_time(me)}-{uuid.uuid4().hex[:8]}"
+    path.mkdir(mode=0o700)
+    return path
 
 
 def _proc_state(pid: int) -> str:

@@ -44,7 +44,7 @@ from .. import _env
 from ..errors import ConfigError, LaunchError
 
 __all__ = ["LinkShape", "Network", "NicSampler", "link_shape", "parse_rate", "parse_time",
-           "check_tools", "nic_bytes", "sweep_stale", "STATE_DIR"]
+           "check_tools", "nic_bytes", "start_time", "sweep_stale", "STATE_DIR"]
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +172,7 @@ def check_tools() -> tuple[str, str]:
     return ip, tc
 
 
-def _start_time(pid: int) -> int | None:
+def start_time(pid: int) -> int | None:
     """The start time of a live process (clock ticks since boot); None if gone or a zombie."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
@@ -191,7 +191,7 @@ def _owner(claim: Path) -> tuple[int, bool] | None:
         pid, start = int(record["pid"]), int(record["start"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return pid, _start_time(pid) == start
+    return pid, start_time(pid) == start
 
 
 def _run_namespaces(ip: str) -> dict[str, list[str]]:
@@ -380,7 +380,7 @@ class Network:
 
     def _take_claim(self) -> None:
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        start = _start_time(os.getpid())
+        start = start_time(os.getpid())
         try:
             fd = os.open(self._claim, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         except FileExistsError:

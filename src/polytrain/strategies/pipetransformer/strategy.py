@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ... import _env
 from ...data import shard
 from ...emulation.clock import clock_of
 from ...emulation.devices import Cluster, homogeneous
@@ -561,10 +562,14 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
 
 def _shared_directory(ctx: Context) -> str:
     """A directory in host shared memory that the workers of this machine share for
-    AutoCache, fresh for the run (worker 0 names it; every worker makes its machine's)."""
+    AutoCache, fresh for the run (worker 0 names it; every worker makes its machine's);
+    under ``polytrain launch`` inside the run's own, which the launcher removes even when
+    the workers are killed."""
     name = [uuid.uuid4().hex if ctx.worker_index == 0 else None]
     dist.broadcast_object_list(name, src=ctx.topology.workers[0], group=ctx.groups.workers)
-    root = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    run = _env.shm_dir()
+    root = Path(run) if run is not None else (
+        Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir()))
     path = root / f"polytrain-autocache-{name[0]}-{ctx.machine}"
     path.mkdir(parents=True, exist_ok=True)
     return str(path)
