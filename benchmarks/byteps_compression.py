@@ -73,7 +73,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--compress-warmup-with", default="none", metavar="NAME[:ARG]",
                         help="compressed runs: what the warm-up travels as (default none)")
     parser.add_argument("--compress-adam", action="store_true",
-                        help="compressed runs: 1-bit Adam (needs --compress-warmup)")
+                        help="compressed runs: 1-bit Adam (needs --compress-warmup or "
+                             "--compress-adam-refresh)")
     parser.add_argument("--compress-adam-refresh", type=int, default=0, metavar="F",
                         help="with --compress-adam: freeze the variance anew at steps W, W + F^k")
     parser.add_argument("--keep", action="store_true",
