@@ -5,10 +5,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import polytrain
+import polytrain.byteps as bps
 from polytrain import ConfigError, TrainConfig
 from polytrain.ps.compression import CompressOptions, compressor
 from polytrain.strategies.byteps.optimizer import _OneBitAdam
-from tests.harness import max_abs_diff, run_cached, run_config, single_of
+from tests.harness import max_abs_diff, run_cached, run_config, single_of, spawn
 
 TINY = {"seq_len": 16, "d_model": 64, "layers": 2}
 
@@ -211,6 +213,38 @@ def test_a_renewed_variance_costs_one_exact_sum_at_its_steps_and_trains():
         assert 0.85 * plain < by_step[s] < 1.1 * plain, (s, by_step[s], plain)
     assert by_step[0] > 0.85 * plain           # W = 0 (with the start-up's messages)
     assert metrics["final_loss"] < metrics["losses"][0]
+
+
+def train_with_a_renewed_variance():
+    ctx = polytrain.init()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(),
+                                torch.nn.Linear(64, 32))
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    opt = bps.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
+                                   named_parameters=model.named_parameters(),
+                                   compression="onebit", error_feedback=True,
+                                   compress_min_bytes=4096, compress_adam=True,
+                                   compress_adam_refresh=2)
+    g = torch.Generator().manual_seed(100 + ctx.rank)  # each worker its own data
+    for _ in range(6):                                # frozen at steps 0, 2 and 4
+        opt.zero_grad()
+        x = torch.randn(8, 32, generator=g)
+        torch.nn.functional.mse_loss(model(x), x.flip(1)).backward()
+        opt.step()
+    return initial, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.timeout(120)
+def test_every_worker_freezes_the_same_variance_and_ends_with_the_same_weights():
+    # Each worker's own variance differs (its own data); what it freezes is the workers'
+    # mean, so the replicas stay equal to the last bit.
+    out = spawn(train_with_a_renewed_variance, workers=3, nodes=3, colocated=1)
+    (initial, first), *others = out
+    for _, final in others:
+        for k, v in final.items():
+            assert torch.equal(v, first[k]), k
+    assert max_abs_diff(initial, first) > 1e-3       # and they did train
 
 
 @pytest.mark.timeout(30)
