@@ -106,7 +106,7 @@ class _Sync:
 
     def __init__(self, p, warmup=1):
         self.warmup, self.params, self.compressing = warmup, [p], False
-        self.buckets = [SimpleNamespace(members=[0])]
+        self.buckets, self.packed = [SimpleNamespace(members=[0])], [0]  # bucket 0 packed
         self.compression = [CompressOptions(compressor("onebit"), error_feedback=True)]
 
 

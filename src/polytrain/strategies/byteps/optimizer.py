@@ -291,8 +291,7 @@ class _OneBitAdam:
                               "a fifth of the steps) and a compressor")
         self.optimizer = optimizer
         self.sync = sync
-        packed = {m for b, c in zip(sync.buckets, sync.compression) if c is not None
-                  for m in b.members}
+        packed = {m for b in sync.packed for m in sync.buckets[b].members}
         self.packed = [p if i in packed else None for i, p in enumerate(sync.params)]
         self.frozen: dict[int, torch.Tensor] = {}  # id(param) -> sqrt(v hat) + eps
         self.group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}

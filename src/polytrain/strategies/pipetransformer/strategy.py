@@ -27,6 +27,7 @@ from ...emulation.profile import (
     profile_model,
 )
 from ...errors import ConfigError
+from ...launch.launcher import SHM_ROOT
 from ...launch.layout import Layout
 from ...pipeline.assembly import make_stage, stage_optimizer
 from ...pipeline.asyncpipe import numeric_settings
@@ -569,7 +570,7 @@ def _shared_directory(ctx: Context) -> str:
     dist.broadcast_object_list(name, src=ctx.topology.workers[0], group=ctx.groups.workers)
     run = _env.shm_dir()
     root = Path(run) if run is not None else (
-        Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir()))
+        SHM_ROOT if SHM_ROOT.is_dir() else Path(tempfile.gettempdir()))
     path = root / f"polytrain-autocache-{name[0]}-{ctx.machine}"
     path.mkdir(parents=True, exist_ok=True)
     return str(path)
