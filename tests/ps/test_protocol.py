@@ -72,3 +72,22 @@ def test_request_buffers_keep_few_free_ones() -> None:
     del held
     buffers.take()
     assert len(buffers) == 2
+
+
+def test_held_payloads_pin_a_bounded_number_of_buffers() -> None:
+    # Each held payload of over 64 KiB keeps its 4 MiB buffer, up to `pinned` buffers in
+    # use; past that the server copies payloads out, and small ones always.
+    buffers = _RequestBuffers(keep=2, pinned=3)
+    payload = 256 << 10
+    held = []
+    for _ in range(3):
+        held.append(buffers.take())
+        assert buffers.hold(payload)
+    assert not buffers.hold(1 << 10)  # small: copied whatever the count
+    held.append(buffers.take())  # a fourth in use: copy it out
+    assert not buffers.hold(payload)
+    held.pop()  # its copy kept, the buffer freed
+    assert buffers.hold(payload)
+    del held[:2]
+    assert buffers.hold(payload)
+    assert len(buffers) == 4
