@@ -122,8 +122,9 @@ class _RequestBuffers:
     def hold(self, nbytes: int) -> bool:
         """Whether a store may keep a payload of ``nbytes`` as a view of the buffer it came
         in (the latest taken, still in use); if not, the caller copies it out."""
-        in_use = sum(not self._free(i) for i in range(len(self._arrays)))
-        return nbytes > _COPIED_BYTES and in_use <= self._pinned
+        if nbytes <= _COPIED_BYTES:
+            return False  # small: copied, without counting the buffers in use
+        return sum(not self._free(i) for i in range(len(self._arrays))) <= self._pinned
 
     def _free(self, i: int) -> bool:
         # The references to a free array: the list's and getrefcount's own argument.
@@ -218,7 +219,7 @@ class Server:
                     "(--timeout or POLYTRAIN_TIMEOUT)") from None
             req = Request.parse(src, message)
             if req.payload is not None and not buffers.hold(req.nbytes):
-                req.payload = req.payload.clone()  # a small payload need not hold 4 MiB
+                req.payload = req.payload.clone()  # small, or too many buffers held already
             del message  # a payload left inline keeps the buffer; otherwise it is free again
             if req.op == Op.FINISH:
                 pending.discard(req.src)
