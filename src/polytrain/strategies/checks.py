@@ -11,7 +11,7 @@ from torch import nn
 from ..errors import ConfigError
 from ..runtime import Context
 
-__all__ = ["check_same_model", "broadcast_module", "model_signature"]
+__all__ = ["check_same_model", "check_same_tensors", "broadcast_module", "model_signature"]
 
 
 def model_signature(model: nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
@@ -38,18 +38,26 @@ def _first_difference(a: list[Any], b: list[Any]) -> str:
 
 def check_same_model(ctx: Context, model: nn.Module) -> None:
     """Raise ConfigError on every worker if any worker built a different model."""
-    sig = model_signature(model)
+    check_same_tensors(ctx, model_signature(model), "model",
+                       "build the same model with the same options on every worker")
+
+
+def check_same_tensors(ctx: Context, signature: list[tuple[str, tuple[int, ...], str]],
+                       what: str, fix: str, root: int = 0) -> None:
+    """Raise ConfigError on every worker if any worker's ``signature`` ((name, shape, dtype)
+    of each tensor, in order) differs from worker index ``root``'s; ``what`` names the
+    tensors in the message ("model"), ``fix`` is the hint."""
     everyone: list[Any] = [None] * ctx.num_workers
-    dist.all_gather_object(everyone, sig, group=ctx.groups.workers)
-    reference = everyone[0]
+    dist.all_gather_object(everyone, signature, group=ctx.groups.workers)
+    reference = everyone[root]
+    ref_rank = ctx.topology.workers[root]
     for i, other in enumerate(everyone):
         if other != reference:
             rank = ctx.topology.workers[i]
             raise ConfigError(
-                f"worker rank {rank}'s model differs from worker rank {ctx.topology.workers[0]}'s:"
-                f" compared with worker {ctx.topology.workers[0]}, worker {rank} "
-                f"{_first_difference(reference, other)}",
-                "build the same model with the same options on every worker")
+                f"worker rank {rank}'s {what} differs from worker rank {ref_rank}'s:"
+                f" compared with worker {ref_rank}, worker {rank} "
+                f"{_first_difference(reference, other)}", fix)
 
 
 @torch.no_grad()

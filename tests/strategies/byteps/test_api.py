@@ -1,5 +1,6 @@
 """The calls BytePS users know: push_pull, the broadcasts, DistributedOptimizer, staleness."""
 
+import re
 import time
 
 import pytest
@@ -9,6 +10,7 @@ from torch import nn
 import polytrain
 import polytrain.byteps as bps
 from polytrain import ConfigError
+from polytrain.byteps.parallel import DistributedDataParallel as DDP
 from tests.harness import spawn
 
 STEPS = 3
@@ -131,3 +133,38 @@ def test_workers_that_declare_different_tensors_get_an_error_naming_them():
                                                     r"node\d\) declared key 0 = 'grad\.[ab]\[0\] "
                                                     r"of 10'.* 'grad\.[ab]\[0\] of 10'.*name"):
         spawn(mismatched_names, workers=2, nodes=2, colocated=1)
+
+
+def mismatched_models():
+    polytrain.init()
+    model = nn.Linear(4, 2 if bps.rank() == 0 else 3)
+    errors = {}
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.ones(1, 4)).sum().backward()
+    opt.step()
+    before = model.weight.detach().clone()
+    calls = {"parameters": lambda: bps.broadcast_parameters(model.state_dict(), root_rank=0),
+             "optimizer": lambda: bps.broadcast_optimizer_state(opt, root_rank=0),
+             "ddp": lambda: DDP(model)}
+    for what, call in calls.items():
+        try:
+            call()
+        except ConfigError as e:  # raised on every worker, so the run goes on
+            errors[what] = str(e)
+    return errors, torch.equal(model.weight, before), opt.state_dict()["state"][0]["exp_avg"].shape
+
+
+@pytest.mark.timeout(60)
+def test_workers_with_different_models_are_refused_before_any_tensor_is_overwritten():
+    # gloo broadcasts a [2, 4] tensor into a [3, 4] one without a word, so each call checks
+    # every worker's shapes first.
+    for errors, unchanged, exp_avg in spawn(mismatched_models, workers=2, nodes=2, colocated=1):
+        differ = r"'weight' is \[2, 4\] torch.float32 there but \[3, 4\] torch.float32 here"
+        assert re.search(r"worker rank 1's broadcast_parameters\(\) argument differs from "
+                         r"worker rank 0's: .*" + differ, errors["parameters"])
+        assert re.search(r"worker rank 1's list of optimizer parameters differs .*"
+                         r"\"param_groups\[0\]\['params'\]\[0\]\" is \[2, 4\]",
+                         errors["optimizer"])
+        assert re.search(r"worker rank 1's model differs .*" + differ, errors["ddp"])
+        assert "HINT: build the same model" in errors["ddp"]
+        assert unchanged and len(exp_avg) == 2

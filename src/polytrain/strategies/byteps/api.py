@@ -29,6 +29,7 @@ from ...ps.compression import (
 )
 from ...ps.engine import Engine, SumTensor, engine_for
 from ...runtime import Context
+from ..checks import check_same_tensors
 from .async_mode import AsyncOptimizer
 from .optimizer import Choice
 from .optimizer import DistributedOptimizer as _SyncOptimizer
@@ -262,6 +263,10 @@ def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[tuple[str
         raise ConfigError(f"root_rank {root_rank} is not a worker (there are "
                           f"{ctx.num_workers})", f"pass 0 .. {ctx.num_workers - 1}")
     items = list(params.items()) if isinstance(params, Mapping) else list(params)
+    # gloo broadcasts into a buffer of another size without a word: check first.
+    check_same_tensors(ctx, [(n, tuple(t.shape), str(t.dtype)) for n, t in items],
+                       "broadcast_parameters() argument", "pass the same model's state_dict() "
+                       "(or named_parameters()) on every worker", root=root_rank)
     src = ctx.topology.workers[root_rank]
     for _, t in items:
         buf = t.detach()
@@ -290,6 +295,12 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     if not 0 <= root_rank < ctx.num_workers:
         raise ConfigError(f"root_rank {root_rank} is not a worker (there are "
                           f"{ctx.num_workers})", f"pass 0 .. {ctx.num_workers - 1}")
+    check_same_tensors(ctx, [(f"param_groups[{g}]['params'][{i}]", tuple(p.shape), str(p.dtype))
+                             for g, group in enumerate(optimizer.param_groups)
+                             for i, p in enumerate(group["params"])],
+                       "list of optimizer parameters", "build the same model and optimizer (the "
+                       "same parameter groups, in the same order) on every worker",
+                       root=root_rank)
     box = [_to_cpu(optimizer.state_dict()) if ctx.worker_index == root_rank else None]
     dist.broadcast_object_list(box, src=ctx.topology.workers[root_rank],
                                group=ctx.groups.workers)

@@ -13,12 +13,9 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
-import torch
-import torch.distributed as dist
 from torch import nn
 
 from ... import runtime
@@ -28,7 +25,7 @@ from ...ps.engine import engine_for
 from ...ps.grads import GradientSync
 from ...ps.placement import server_ranks
 from ...runtime import Context
-from ..checks import broadcast_module, check_same_model
+from ..synced import SyncedModule
 from .plan import HerringPlan, plan_herring
 
 __all__ = ["DistributedDataParallel", "DEFAULT_BUCKET_CAP_MB"]
@@ -45,7 +42,7 @@ def herring_servers(ctx: Context, *, colocate: bool) -> list[int]:
     return colocated + dedicated
 
 
-class DistributedDataParallel(nn.Module):
+class DistributedDataParallel(SyncedModule):
     """Herring (Thangakrishnan et al., SC 2020): gradients summed on servers everywhere.
 
     Gradients join fusion buffers of ``bucket_cap_mb`` in the order backward
@@ -76,20 +73,12 @@ class DistributedDataParallel(nn.Module):
                  process_group: Any = None, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
                  find_unused_parameters: bool = False, gradient_as_bucket_view: bool = False,
                  *, colocate: bool = True, ctx: Context | None = None) -> None:
-        super().__init__()
         ctx = ctx or runtime.current()
-        if not ctx.is_worker:
-            raise ConfigError(f"rank {ctx.rank} is a server; herring trains on workers",
-                              "wrap the model on workers only (servers serve inside init())")
         if bucket_cap_mb <= 0:
             raise ConfigError(f"bucket_cap_mb must be positive (got {bucket_cap_mb})",
                               "pass bucket_cap_mb=25 (--bucket-cap-mb 25)")
-        check_same_model(ctx, module)
-        broadcast_module(ctx, module)
-        self.module = module
-        self.ctx = ctx
-        self.broadcast_buffers = broadcast_buffers
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        super().__init__(module, ctx, broadcast_buffers=broadcast_buffers, method="herring")
+        named = self.trained()
         self.plan: HerringPlan = plan_herring(
             [TensorSpec.of(n, p) for n, p in named],
             bucket_cap_bytes=int(bucket_cap_mb * 2**20),
@@ -98,36 +87,3 @@ class DistributedDataParallel(nn.Module):
         self.sync = GradientSync(engine_for(ctx), named, self.plan.buckets,
                                  self.plan.placement, in_backward=True,
                                  describe=self.plan.describe())
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.broadcast_buffers and self.ctx.num_workers > 1:
-            src = self.ctx.topology.workers[0]
-            with torch.no_grad():
-                for b in self.module.buffers():
-                    dist.broadcast(b.data, src=src, group=self.ctx.groups.workers)
-        return self.module(*args, **kwargs)
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Backward passes inside only accumulate gradients; the first one after syncs them."""
-        before = self.sync.enabled
-        self.sync.enabled = False
-        try:
-            yield
-        finally:
-            self.sync.enabled = before
-
-    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        """The bare model's (keys without ``module.``), as a checkpoint should hold."""
-        return self.module.state_dict(*args, **kwargs)
-
-    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
-        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
-
-    def hidden_fraction(self) -> float | None:
-        """The share of communication time backward hid (steps after the first)."""
-        return self.sync.hidden_fraction()
-
-    def close(self) -> None:
-        """Remove the gradient hooks."""
-        self.sync.close()

@@ -1,0 +1,84 @@
+"""What the drop-ins for ``torch.nn.parallel.DistributedDataParallel`` share.
+
+BytePS's and Herring's ``DistributedDataParallel`` differ only in how they
+plan their gradient sums (fusion, placement, compression); both then hold a
+:class:`~polytrain.ps.grads.GradientSync` and show torch DDP's surface:
+``forward`` (worker 0's buffers first), ``no_sync()``, a bare ``state_dict``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..errors import ConfigError
+from ..ps.grads import GradientSync
+from ..runtime import Context
+from .checks import broadcast_module, check_same_model
+
+__all__ = ["SyncedModule"]
+
+
+class SyncedModule(nn.Module):
+    """A model whose gradients :attr:`sync` sums over the workers during backward.
+
+    The constructor checks that every worker built the same model (a clear
+    error naming the first tensor that differs) and copies worker 0's
+    parameters and buffers to every worker; the subclass then sets
+    :attr:`sync` from :meth:`trained`'s parameters.
+    """
+
+    sync: GradientSync
+
+    def __init__(self, module: nn.Module, ctx: Context, *, broadcast_buffers: bool,
+                 method: str) -> None:
+        super().__init__()
+        if not ctx.is_worker:
+            raise ConfigError(f"rank {ctx.rank} is a server; {method} trains on workers",
+                              "wrap the model on workers only (servers serve inside init())")
+        check_same_model(ctx, module)
+        broadcast_module(ctx, module)
+        self.module = module
+        self.ctx = ctx
+        self.broadcast_buffers = broadcast_buffers
+
+    def trained(self) -> list[tuple[str, nn.Parameter]]:
+        """The parameters whose gradients are summed: those that require one."""
+        return [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.broadcast_buffers and self.ctx.num_workers > 1:
+            src = self.ctx.topology.workers[0]
+            with torch.no_grad():
+                for b in self.module.buffers():
+                    dist.broadcast(b.data, src=src, group=self.ctx.groups.workers)
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside only accumulate gradients; the first one after syncs them."""
+        before = self.sync.enabled
+        self.sync.enabled = False
+        try:
+            yield
+        finally:
+            self.sync.enabled = before
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """The bare model's (keys without ``module.``), as a checkpoint should hold."""
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def hidden_fraction(self) -> float | None:
+        """The share of communication time backward hid (steps after the first)."""
+        return self.sync.hidden_fraction()
+
+    def close(self) -> None:
+        """Remove the gradient hooks."""
+        self.sync.close()
