@@ -72,16 +72,18 @@ class BytePSOptions:
     """
 
     partition_bytes: int = field(default=DEFAULT_PARTITION_BYTES, metadata={
-        "help": "largest partition of a tensor in bytes (default 4096000)", "metavar": "B"})
+        "help": f"largest partition of a tensor in bytes (default {DEFAULT_PARTITION_BYTES})",
+        "metavar": "B"})
     fuse_bytes: int = field(default=DEFAULT_FUSE_BYTES, metadata={
-        "help": "fuse consecutive tensors until a group holds this many bytes (default "
-                "4096000; 0: no fusion)", "metavar": "B"})
+        "help": f"fuse consecutive tensors until a group holds this many bytes (default "
+                f"{DEFAULT_FUSE_BYTES}; 0: no fusion)", "metavar": "B"})
     colocate: bool = field(default=True, metadata={
         "help": "no summation server on the worker machines: everything on --servers (a "
                 "classic parameter server)"})
     credit_bytes: int = field(default=DEFAULT_CREDIT_BYTES, metadata={
         "help": "bytes pushed to one server and not yet held by it, at most, so "
-                "earlier layers go first (default 1024000; 0: no bound)", "metavar": "B"})
+                f"earlier layers go first (default {DEFAULT_CREDIT_BYTES}; 0: no bound)",
+        "metavar": "B"})
     async_: bool = field(default=False, metadata={
         "help": "asynchronous: servers hold the parameters, workers push updates"})
     staleness: int = field(default=0, metadata={
@@ -96,7 +98,8 @@ class BytePSOptions:
         "help": "with --compress: Nesterov momentum on the worker before compression "
                 "(default 0)", "metavar": "M"})
     compress_min_bytes: int = field(default=DEFAULT_MIN_BYTES, metadata={
-        "help": "with --compress: smaller tensors travel uncompressed (default 65536)",
+        "help": f"with --compress: smaller tensors travel uncompressed (default "
+                f"{DEFAULT_MIN_BYTES})",
         "metavar": "B"})
     compress_warmup: int = field(default=0, metadata={
         "help": "with --compress: the first N steps travel uncompressed (default 0)",

@@ -22,7 +22,7 @@ class HerringOptions:
 
     bucket_cap_mb: float = field(default=DEFAULT_BUCKET_CAP_MB, metadata={
         "help": "fusion buffer size in MiB; each buffer is cut into one shard per server "
-                "(default 25)", "metavar": "MB"})
+                f"(default {DEFAULT_BUCKET_CAP_MB:g})", "metavar": "MB"})
     colocate: bool = field(default=True, metadata={
         "help": "no summation server on the worker machines: only the --servers K CPU "
                 "machines"})
