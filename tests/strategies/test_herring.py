@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import polytrain
@@ -164,6 +165,25 @@ def step_inside_no_sync() -> None:
     with trainer_model.no_sync():
         trainer_model(torch.randn(2, 4)).sum().backward()
         opt.step()
+
+
+def group_with_a_server() -> str:
+    ctx = polytrain.init()
+    from polytrain.herring import DistributedDataParallel as DDP
+    DDP(nn.Linear(4, 2), process_group=ctx.groups.workers)  # every worker: accepted
+    try:
+        DDP(nn.Linear(4, 2), process_group=dist.group.WORLD)  # the servers too
+    except ConfigError as e:
+        return str(e)
+    return "accepted"
+
+
+@pytest.mark.timeout(60)
+def test_a_process_group_other_than_the_workers_is_refused():
+    for error in spawn(group_with_a_server, workers=2, colocated=1):
+        assert error == ("herring sums gradients over every worker (ranks [0, 1]), but "
+                         "process_group has ranks [0, 1, 2]. HINT: leave process_group out, "
+                         "or pass ctx.groups.workers")
 
 
 @pytest.mark.timeout(60)

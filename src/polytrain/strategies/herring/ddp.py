@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Sequence
 
+import torch.distributed as dist
 from torch import nn
 
 from ... import runtime
@@ -56,8 +57,10 @@ class DistributedDataParallel(SyncedModule):
 
     Args:
         module: the model (already on this worker's device).
-        device_ids, output_device, dim, process_group: accepted for torch DDP's
-            signature; one device per process, all workers.
+        device_ids, output_device, dim: accepted for torch DDP's signature; one device
+            per process.
+        process_group: accepted if it holds every worker and nothing else (as
+            ``ctx.groups.workers``); gradients are summed over all workers.
         broadcast_buffers: copy worker 0's buffers to every worker at each forward
             (default True, as torch's DDP).
         bucket_cap_mb: fusion buffer size in MiB (default 25).
@@ -77,6 +80,13 @@ class DistributedDataParallel(SyncedModule):
         if bucket_cap_mb <= 0:
             raise ConfigError(f"bucket_cap_mb must be positive (got {bucket_cap_mb})",
                               "pass bucket_cap_mb=25 (--bucket-cap-mb 25)")
+        if process_group is not None:
+            members = sorted(dist.get_process_group_ranks(process_group))
+            if members != sorted(ctx.topology.workers):
+                raise ConfigError(
+                    f"herring sums gradients over every worker (ranks "
+                    f"{sorted(ctx.topology.workers)}), but process_group has ranks {members}",
+                    "leave process_group out, or pass ctx.groups.workers")
         super().__init__(module, ctx, broadcast_buffers=broadcast_buffers, method="herring")
         named = self.trained()
         self.plan: HerringPlan = plan_herring(
