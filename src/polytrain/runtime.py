@@ -27,7 +27,7 @@ from .ps.client import PSClient
 from .ps.keys import KeySpace
 from .ps.server import Server
 
-__all__ = ["Context", "init", "current", "is_initialized"]
+__all__ = ["Context", "init", "current", "is_initialized", "hint_for"]
 
 log = logging.getLogger(__name__)
 
@@ -245,6 +245,26 @@ def init(*, device: str | torch.device | None = None, timeout_s: float | None = 
         sys.exit(0)
     atexit.register(_shutdown_at_exit)
     return ctx
+
+
+def hint_for(exc: BaseException) -> str | None:
+    """What to do about an error torch raised in a worker's own torch.distributed call, where
+    polytrain can tell more than torch's text; None where it cannot.
+
+    A collective on the default group (``dist.all_reduce(t)``, torch's DDP without
+    ``process_group``) waits for every process of the run, servers included, and the
+    servers never join it: gloo times out after ``--timeout``, saying only where in gloo.
+    """
+    ctx = _context
+    text = str(exc)
+    if (ctx is None or not ctx.is_worker or not ctx.topology.servers
+            or not isinstance(exc, RuntimeError) or "gloo" not in text
+            or "Timed out" not in text):
+        return None
+    return ("if that call was a collective on the default group: this run has server "
+            "processes, which never join it; pass group=ctx.groups.workers to "
+            "torch.distributed calls (process_group=ctx.groups.workers to torch's DDP), or "
+            "use polytrain.distribute(...)")
 
 
 def _join(env: _env.ProcessEnv, timeout: float) -> None:

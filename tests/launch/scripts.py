@@ -30,6 +30,11 @@ def worker_raises(bad_rank: int) -> None:
     dist.all_reduce(x, group=ctx.groups.workers)  # blocks: the bad rank never joins
 
 
+def all_reduce_on_the_default_group() -> None:
+    polytrain.init()
+    dist.all_reduce(torch.ones(1))  # the world: the server never joins
+
+
 def fill_shared_memory(victim: int) -> str:
     """Write a file into the run's shared-memory directory; rank ``victim`` then dies."""
     ctx = polytrain.init()

@@ -66,6 +66,17 @@ def test_a_worker_that_raises_stops_the_run_and_is_named():
     assert info.value.rank == 1 and info.value.role == "worker"
 
 
+@pytest.mark.timeout(60)
+def test_a_collective_on_the_default_group_with_servers_says_which_group_to_pass():
+    # The servers never join the world group, so gloo times out naming only its own source.
+    with pytest.raises(LaunchError, match=r"worker rank \d \(machine node0\) failed: "
+                                          r"RuntimeError: .*Timed out.* HINT: if that call was "
+                                          r"a collective on the default group: this run has "
+                                          r"server processes, .*group=ctx\.groups\.workers"):
+        polytrain.launch(scripts.all_reduce_on_the_default_group, workers=2, colocated=1,
+                         timeout_s=5, env={"OMP_NUM_THREADS": "1"})
+
+
 @pytest.mark.skipif(not SHM_ROOT.is_dir(), reason="no /dev/shm on this host")
 @pytest.mark.timeout(90)
 def test_the_runs_shared_memory_is_removed_however_the_run_ends():

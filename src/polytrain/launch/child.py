@@ -120,6 +120,12 @@ def _run(payload: dict[str, Any]) -> Any:
     return fn(*args, **kwargs)
 
 
+def _hint_for(exc: BaseException) -> str | None:
+    # polytrain.runtime only if the script imported it: the child itself stays light.
+    runtime = sys.modules.get("polytrain.runtime")
+    return None if runtime is None else runtime.hint_for(exc)
+
+
 def _fail(cause: str, secondary: bool, code: int = 1) -> None:
     _write_error(cause, secondary)
     sys.stdout.flush()
@@ -150,7 +156,8 @@ def main() -> None:
         os._exit(130)
     except BaseException as e:  # noqa: BLE001 - every failure must reach the launcher
         print(f"{who} failed:\n{traceback.format_exc()}", file=sys.stderr, end="", flush=True)
-        _fail(f"{type(e).__name__}: {e}", _is_secondary(e))
+        hint = _hint_for(e)
+        _fail(f"{type(e).__name__}: {e}" + (f". HINT: {hint}" if hint else ""), _is_secondary(e))
     # Free cycles that hold process groups now: torch aborts if it frees them during exit.
     gc.collect()
     if payload["kind"] == "fn":
