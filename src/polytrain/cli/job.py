@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import inspect
 from typing import Any
 
 from ..config import OPTIMIZERS, TrainConfig
@@ -48,15 +49,24 @@ def add_devices_flag(p: argparse.ArgumentParser) -> None:
 def add_model_flags(p: argparse.ArgumentParser) -> dict[str, OptionFlag]:
     """The model options group; returns the flags of the models' own Options."""
     m = p.add_argument_group("model options")
-    m.add_argument("--seq-len", type=int, default=None, help="sequence length (default 64)")
-    m.add_argument("--d-model", type=int, default=None,
-                   help="width (default 128 for gpt, 64 for mlp)")
-    m.add_argument("--layers", type=int, default=None,
-                   help="blocks or hidden layers (default 4 for gpt, 2 for mlp)")
-    m.add_argument("--heads", type=int, default=None, help="attention heads (gpt; default 4)")
+    for name, what in zip(_MODEL_FIELDS, ("sequence length", "width",
+                                          "blocks or hidden layers", "attention heads")):
+        m.add_argument(f"--{name.replace('_', '-')}", type=int, default=None,
+                       help=f"{what} (default {_defaults(name)})")
     specs = [get_model(n) for n in model_names()]
     return add_option_groups(
         p, [Owner(s.name, s.description, s.options) for s in specs if s.options], kind="model")
+
+
+def _defaults(field: str) -> str:
+    """Each model's default for ``field``, read off its constructor: '64 for gpt, mlp; 32
+    for wordlm' (models without the field left out)."""
+    by_value: dict[Any, list[str]] = {}
+    for name in model_names():
+        param = inspect.signature(get_model(name).build).parameters.get(field)
+        if param is not None and param.default is not inspect.Parameter.empty:
+            by_value.setdefault(param.default, []).append(name)
+    return "; ".join(f"{v} for {', '.join(names)}" for v, names in by_value.items())
 
 
 def model_options(ns: argparse.Namespace, flags: dict[str, OptionFlag]) -> dict[str, Any]:

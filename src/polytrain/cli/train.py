@@ -85,8 +85,8 @@ def add_parser(sub: Any, argv: Sequence[str] = ()) -> None:
 
 
 def _summary(cls: type) -> str:
-    """The first line of ``cls``'s docstring, without reST markup."""
-    line = (inspect.getdoc(cls) or "").partition("\n")[0]
+    """The first paragraph of ``cls``'s docstring on one line, without reST markup."""
+    line = " ".join((inspect.getdoc(cls) or "").partition("\n\n")[0].split())
     return re.sub(r":\w+:`~?([^`]*)`", r"\1", line).replace("``", "")
 
 
