@@ -29,32 +29,38 @@ def test_single_returns_the_model_and_its_full_state():
     assert set(state) == {"weight", "bias"} and torch.equal(state["weight"], model.weight)
 
 
-def build_and_distribute() -> None:
+def build_and_distribute(strategy: str) -> None:
     ctx = polytrain.init()
     torch.manual_seed(ctx.rank)  # different seeds: distribute must still agree the weights
     d_model = 32 if ctx.worker_index != 1 else 48
     model = GPT(seq_len=8, d_model=d_model, layers=1, heads=4)
-    polytrain.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1), "ddp")
+    polytrain.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1), strategy)
 
 
-def agree_on_weights() -> list[torch.Tensor]:
+def agree_on_weights(strategy: str) -> list[torch.Tensor]:
     ctx = polytrain.init()
     torch.manual_seed(ctx.rank)
     model = GPT(seq_len=8, d_model=16, layers=1, heads=2)
-    wrapped, _ = polytrain.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1), "ddp")
+    wrapped, _ = polytrain.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                      strategy)
     return [p.detach().clone() for p in wrapped.parameters()]
 
 
+# herring's drop-in DDP does the check and the copy itself (distribute leaves them to it).
+@pytest.mark.parametrize("strategy", ["ddp", "herring"])
 @pytest.mark.timeout(60)
-def test_workers_whose_models_differ_get_one_clear_error():
+def test_workers_whose_models_differ_get_one_clear_error(strategy):
     with pytest.raises(LaunchError, match=r"ConfigError: worker rank 1's model differs from "
                                           r"worker rank 0's: .*'embed.tok.weight' is \[256, 32\] "
                                           r"torch.float32 there but \[256, 48\].*HINT: build the "
                                           r"same model"):
-        spawn(build_and_distribute, workers=3)
+        spawn(build_and_distribute, workers=3, colocated=int(strategy == "herring"),
+              args=(strategy,))
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "herring"])
 @pytest.mark.timeout(60)
-def test_parameters_start_identical_on_every_worker():
-    a, b = spawn(agree_on_weights, workers=2)
+def test_parameters_start_identical_on_every_worker(strategy):
+    a, b = spawn(agree_on_weights, workers=2, colocated=int(strategy == "herring"),
+                 args=(strategy,))
     assert all(torch.equal(x, y) for x, y in zip(a, b))

@@ -53,6 +53,9 @@ class Strategy(ABC, Generic[OptionsT]):
     pipeline: ClassVar[bool] = False
     #: True where worker 0's local model holds every current weight (data parallelism).
     whole_model: ClassVar[bool] = True
+    #: True where :meth:`wrap` itself checks that every worker built the same model and
+    #: copies worker 0's weights (a drop-in DDP does): :func:`distribute` then does not.
+    agrees_model: ClassVar[bool] = False
     #: Steps in one epoch of the training data, set by the training loop before the first
     #: step (None: the data has no epochs).
     epoch_steps: int | None = None
@@ -337,8 +340,9 @@ def distribute(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str
         if not ctx.is_worker:
             raise ConfigError(f"rank {ctx.rank} is a server and cannot train a model",
                               "call distribute() on workers only")
-        check_same_model(ctx, model)
-        broadcast_module(ctx, model)
+        if not cls.agrees_model:
+            check_same_model(ctx, model)
+            broadcast_module(ctx, model)
     instance = cls(ctx, opts)
     wrapped, opt = instance.wrap(model, optimizer)
     object.__setattr__(wrapped, "_polytrain_strategy", instance)

@@ -33,6 +33,7 @@ class Herring(ServedStrategy[HerringOptions]):
 
     name = "herring"
     no_colocate_means = "keeps only the dedicated servers"
+    agrees_model = True  # its DistributedDataParallel checks and copies the model
     Options = HerringOptions
 
     def __init__(self, ctx: Context | None, options: HerringOptions) -> None:
