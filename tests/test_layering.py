@@ -7,7 +7,7 @@ import polytrain
 
 ROOT = Path(polytrain.__file__).parent
 # Modules under strategies/ that are shared machinery, not a strategy.
-SHARED = {"base", "checks", "served", "trainer", "__init__"}
+SHARED = {"base", "checks", "served", "synced", "trainer", "__init__"}
 # Folder -> the folders above it, which it must never import.
 ABOVE = {
     "comm": {"ps", "emulation", "pipeline", "moe", "strategies", "train", "cli"},

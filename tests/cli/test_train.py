@@ -73,6 +73,11 @@ def test_train_writes_metrics_and_final_state_as_the_contract_says(tmp_path):
     (["--steps", "10", "--warmup-steps", "10"],
      r"--warmup-steps must be at least 0 and less than --steps 10.*HINT: pass --warmup-steps 1"),
     (["--d-model", "64", "--heads", "5"], r"d_model 64 is not divisible by heads 5"),
+    # 48 blocks of width 16384: 155 billion weights, 576 GiB, checked on the meta device.
+    (["--d-model", "16384", "--layers", "48", "--heads", "16", "--workers", "2"],
+     r"gpt with these options has 154,639 M weights \(576.1 GiB\); 2 copies of them and "
+     r"adam's state need at least 2,304.3 GiB, and this machine has [\d,.]+ GiB available. "
+     r"HINT: pass a smaller model \(--d-model, --layers\), fewer --workers"),
 ])
 def test_bad_input_gets_one_clear_line_and_no_process(args, message, capsys):
     import re

@@ -11,8 +11,9 @@ import pytest
 
 import polytrain
 from polytrain import ConfigError, LaunchError
-from polytrain.launch import free_port
+from polytrain.launch import free_port, launcher
 from polytrain.launch.launcher import SHM_ROOT, run_shm
+from polytrain.launch.layout import Layout
 from tests.harness import spawn
 from tests.launch import scripts
 
@@ -107,6 +108,25 @@ def test_a_process_killed_by_a_signal_is_named():
     with pytest.raises(LaunchError, match=r"worker rank 2 \(machine node1\) failed: killed by "
                                           r"SIGKILL \(9\)"):
         spawn(scripts.killed_by_signal, workers=4, nodes=2, args=(2,))
+
+
+def test_a_sigkill_while_the_kernels_oom_kills_rose_is_named_as_out_of_memory(monkeypatch):
+    # A real out-of-memory kill would take this shared machine's memory: the kernel's counter
+    # (/proc/vmstat oom_kill) is faked, the process killed by SIGKILL is real.
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    proc.kill()
+    proc.wait()
+    spec = Layout(workers=2).processes()[1]
+    child = launcher._Child(spec, proc, *(Path("/nonexistent") / n for n in "erlh"))
+    monkeypatch.setattr(launcher, "oom_kills", lambda: 8)
+    oom = launcher._failure(child, oom_kills_before=7)
+    assert oom.describe() == ("worker rank 1 (machine node0) failed: killed by SIGKILL (9) "
+                              "from the kernel's out-of-memory killer: the run needed more "
+                              "memory than this machine has")
+    assert oom.hint.startswith("run fewer processes on this machine, or a smaller model")
+    for before in (8, None):  # no kill during the run, or no counter on this host
+        plain = launcher._failure(child, oom_kills_before=before)
+        assert plain.cause == "killed by SIGKILL (9)" and "traceback" in plain.hint
 
 
 @pytest.mark.timeout(60)

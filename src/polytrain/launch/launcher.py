@@ -21,6 +21,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from .. import _env
 from ..errors import ConfigError, LaunchError
+from .host import oom_kills
 from .layout import Layout, ProcessSpec
 from .network import LinkShape, Network, check_tools, link_shape, start_time
 
@@ -65,6 +66,9 @@ class _Child:
     hung: str = ""  # why the heartbeat says it stopped answering ("" while it answers)
 
 
+_SEE_TRACEBACK = "the traceback of that process is printed above; fix its cause and rerun"
+
+
 @dataclass(frozen=True)
 class _Failure:
     spec: ProcessSpec
@@ -73,6 +77,7 @@ class _Failure:
     time: float
     secondary: bool  # it failed because another process had failed first
     label: str = ""  # what the process said it is (Context.set_label), e.g. a pipeline stage
+    hint: str = _SEE_TRACEBACK
 
     def order(self) -> tuple[int, float]:
         return (1 if self.secondary else 0, self.time)
@@ -111,6 +116,7 @@ class Launcher:
         self.layout = layout
         self.shape = shape
         self.host = "127.0.0.1"
+        self._oom_kills: int | None = None  # the kernel's count when the run started
         if shape is not None:
             check_tools()  # before anything starts: one line on what is missing
             port = _NETWORK_PORT if port is None else port
@@ -194,6 +200,7 @@ class Launcher:
                 previous = signal.signal(signal.SIGINT, lambda *_: interrupted.set())
             network: Network | None = None
             shm: Path | None = None
+            self._oom_kills = oom_kills()
             try:
                 shm = run_shm()
                 if self.shape is not None:
@@ -270,7 +277,7 @@ class Launcher:
             if failed and interrupted.is_set():
                 return  # Ctrl-C in a terminal reaches the children too: not a failure
             if failed:
-                failures = [_failure(c) for c in failed]
+                failures = [_failure(c, self._oom_kills) for c in failed]
                 hung = [c for c in failed if c.hung]
                 if all(f.secondary for f in failures):
                     # They lost a peer: the peer, still exiting, holds the cause. Let it write it.
@@ -280,7 +287,7 @@ class Launcher:
                         time.sleep(_POLL_S)
                 self._stop(children, kill=hung)
                 # Whoever else died before we stopped them counts too: pick the root cause.
-                failures += [_failure(c) for c in children
+                failures += [_failure(c, self._oom_kills) for c in children
                              if c not in failed and c.proc.returncode not in (None, 0)
                              and not c.stopped_by_us]
                 first = min(failures, key=_Failure.order)
@@ -288,8 +295,7 @@ class Launcher:
                 tail = f" ({others} other process{'es' if others > 1 else ''} failed after it)" \
                     if others else ""
                 raise LaunchError(
-                    first.describe() + tail,
-                    "the traceback of that process is printed above; fix its cause and rerun",
+                    first.describe() + tail, first.hint,
                     rank=first.spec.rank, role=first.spec.role, machine=first.spec.machine,
                     exitcode=first.exitcode)
             if all(code == 0 for code in codes):
@@ -344,7 +350,7 @@ def _proc_state(pid: int) -> str:
         return ""
 
 
-def _failure(child: _Child) -> _Failure:
+def _failure(child: _Child, oom_kills_before: int | None) -> _Failure:
     label = ""
     try:
         label = child.label_file.read_text().strip()
@@ -367,6 +373,13 @@ def _failure(child: _Child) -> _Failure:
         except ValueError:
             name = f"signal {-code}"
         # A process killed by a signal nobody in the run sent is the likeliest root cause.
+        if code == -signal.SIGKILL and oom_kills_before is not None and \
+                (oom_kills() or 0) > oom_kills_before:
+            return _Failure(child.spec, code, f"killed by {name} ({-code}) from the kernel's "
+                            f"out-of-memory killer: the run needed more memory than this "
+                            f"machine has", 0.0, False, label,
+                            "run fewer processes on this machine, or a smaller model or "
+                            "batch (every emulated machine shares this one's memory)")
         return _Failure(child.spec, code, f"killed by {name} ({-code})", 0.0, False, label)
     return _Failure(child.spec, code, f"exited with code {code}", time.time(), False, label)
 
