@@ -46,7 +46,7 @@ def test_a_worker_killed_at_a_random_step_restarts_and_ends_with_the_uninterrupt
         assert resumed_at >= at
         a = torch.load(Path(tmp) / "plain" / "final.pt")
         b = torch.load(out / "final.pt")
-        assert all(torch.equal(a[k], b[k]) for k in a)
+        assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
         assert metrics["losses"] == plain["losses"]
         assert not any(alive(p) for p in fault.pids.values())
 

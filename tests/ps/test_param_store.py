@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 import polytrain
-from polytrain import ConfigError
+from polytrain import ConfigError, LaunchError
 from polytrain.ps import Declaration, Kind, optimizer_spec, pack_round, round_settings
 from tests.harness import spawn
 
@@ -188,7 +188,7 @@ def test_optimizer_store_steps_each_round_with_the_settings_it_carries():
 
 @pytest.mark.timeout(60)
 def test_optimizer_store_refuses_pushers_that_disagree_on_the_settings():
-    with pytest.raises(Exception, match=r"server rank 2 .*disagree on the optimizer's "
+    with pytest.raises(LaunchError, match=r"server rank 2 .*disagree on the optimizer's "
                                         r"settings of round 1") as e:
         spawn(scheduled, workers=2, servers=1, args=(True,))
     assert "lr=0.11," in str(e.value) and "lr=0.1," in str(e.value)

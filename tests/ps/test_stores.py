@@ -1,5 +1,7 @@
 """The servers' state machines driven directly, without processes; new store kinds; placements."""
 
+import itertools
+
 import pytest
 import torch
 
@@ -42,22 +44,24 @@ def test_a_sum_store_answers_early_pulls_once_every_pusher_is_in_and_frees_the_r
     assert [(src, r) for src, r, _ in out] == [(3, 0), (2, 0)]
     assert all(torch.equal(t, torch.tensor([11.0, 22.0, 33.0])) for _, _, t in out)
     assert s.rounds == {}  # both pullers served
+    s.handle(request(Op.PUSH, 2, round_=1, payload=torch.ones(3)))
     with pytest.raises(CommError, match="already pushed"):
-        s.handle(request(Op.PUSH, 2, round_=1, payload=torch.ones(3)))
         s.handle(request(Op.PUSH, 2, round_=1, payload=torch.ones(3)))
 
 
 def test_a_sum_store_adds_in_the_pushers_rank_order_whatever_the_arrival_order():
+    # float32: (1e8 + 1) - 1e8 = 0 in rank order, but (1e8 - 1e8) + 1 = 1 in arrival order
+    # 0, 2, 1: only a sum in rank order gives 0 for every order.
     values = [torch.tensor([1e8]), torch.tensor([1.0]), torch.tensor([-1e8])]
-    results = []
-    for order in ([0, 1, 2], [2, 1, 0]):
+    in_rank_order = (values[0] + values[1]) + values[2]
+    assert torch.equal(in_rank_order, torch.tensor([0.0]))
+    for order in itertools.permutations(range(3)):
         out = []
         s = store(Kind.SUM, out, numel=1, pushers=3)
         for src in order:
             s.handle(request(Op.PUSH, src, payload=values[src]))
         s.handle(request(Op.PULL, 0))
-        results.append(out[0][2])
-    assert torch.equal(results[0], results[1])
+        assert torch.equal(out[0][2], in_rank_order), order
 
 
 def test_a_parameter_store_holds_pulls_until_the_slowest_clock_allows():

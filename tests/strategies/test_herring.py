@@ -93,6 +93,8 @@ def test_every_machine_moves_herrings_bytes_and_every_server_the_same(nodes, wor
     metrics, _ = run_cached(config(nodes, workers, servers, colocate=colocate))
     m = metrics["model_bytes"]
     want = herring_traffic(nodes, servers, colocated=colocate)
+    kinds = [x["kind"] for x in metrics["traffic"]["machines"]]
+    assert kinds == ["worker"] * nodes + ["server"] * servers
     for machine in metrics["traffic"]["machines"]:
         expected = want[machine["kind"]] * m
         assert machine["sent_bytes_per_step"] == pytest.approx(expected, rel=0.02)

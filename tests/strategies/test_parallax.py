@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from polytrain import ConfigError, TrainConfig
+from polytrain import CommError, ConfigError, TrainConfig
 from polytrain.models import WordLM
 from polytrain.optim import LazyAdam, row_adagrad, row_adam, row_sgd, sparse_rule
 from polytrain.ps.protocol import Op, Request
@@ -197,7 +197,7 @@ def test_the_store_sums_pushes_in_rank_order_applies_the_rule_and_answers_rows()
     state = out[-1][1]
     assert state.numel() == state_numel(12, "sgd") and state[-1] == 2
     assert state[2:4].tolist() == [0.0, 1.0]
-    with pytest.raises(Exception, match="round 1 is already applied"):
+    with pytest.raises(CommError, match="round 1 is already applied"):
         s.handle(request(Op.PUSH, 0, 1, pack_rows(1.0, torch.tensor([1]), torch.ones(1, 2))))
 
 

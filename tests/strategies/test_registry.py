@@ -63,4 +63,4 @@ def test_workers_whose_models_differ_get_one_clear_error(strategy):
 def test_parameters_start_identical_on_every_worker(strategy):
     a, b = spawn(agree_on_weights, workers=2, colocated=int(strategy == "herring"),
                  args=(strategy,))
-    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert len(a) == len(b) > 0 and all(torch.equal(x, y) for x, y in zip(a, b))

@@ -151,14 +151,17 @@ def mismatched_models():
             call()
         except ConfigError as e:  # raised on every worker, so the run goes on
             errors[what] = str(e)
-    return errors, torch.equal(model.weight, before), opt.state_dict()["state"][0]["exp_avg"].shape
+    return (bps.rank(), errors, torch.equal(model.weight, before),
+            opt.state_dict()["state"][0]["exp_avg"].shape)
 
 
 @pytest.mark.timeout(60)
 def test_workers_with_different_models_are_refused_before_any_tensor_is_overwritten():
     # gloo broadcasts a [2, 4] tensor into a [3, 4] one without a word, so each call checks
     # every worker's shapes first.
-    for errors, unchanged, exp_avg in spawn(mismatched_models, workers=2, nodes=2, colocated=1):
+    out = spawn(mismatched_models, workers=2, nodes=2, colocated=1)
+    assert [rank for rank, *_ in out] == [0, 1]
+    for rank, errors, unchanged, exp_avg in out:
         differ = r"'weight' is \[2, 4\] torch.float32 there but \[3, 4\] torch.float32 here"
         assert re.search(r"worker rank 1's broadcast_parameters\(\) argument differs from "
                          r"worker rank 0's: .*" + differ, errors["parameters"])
@@ -167,4 +170,4 @@ def test_workers_with_different_models_are_refused_before_any_tensor_is_overwrit
                          errors["optimizer"])
         assert re.search(r"worker rank 1's model differs .*" + differ, errors["ddp"])
         assert "HINT: build the same model" in errors["ddp"]
-        assert unchanged and len(exp_avg) == 2
+        assert unchanged and exp_avg == torch.Size([2 + rank, 4])  # each its own, untouched

@@ -51,6 +51,8 @@ def test_fp16_halves_the_bytes_in_async_mode_too():
     metrics, final = run_config(c)
     _, single = run_config(single_of(c))
     assert max_abs_diff(single, final) < 1e-3  # half-precision updates, errors fed back
+    _, untrained = run_config(single_of(c).replace(steps=1, lr=1e-12))
+    assert max_abs_diff(single, untrained) > 1e-2  # ... of updates that moved the weights
 
 
 @pytest.mark.timeout(180)

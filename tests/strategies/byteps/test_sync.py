@@ -49,6 +49,7 @@ def test_the_classic_parameter_server_with_tiny_partitions_ends_where_single_end
     # A parameter server's cost: each worker machine sends and receives the model, the
     # server machine n times the model over its k servers (headers: 64 bytes per 4000).
     m = metrics["model_bytes"]
+    assert [x["kind"] for x in metrics["traffic"]["machines"]] == ["worker", "server"]
     for machine in metrics["traffic"]["machines"]:
         assert machine["sent_bytes_per_step"] == pytest.approx(m, rel=0.03)
         assert machine["recv_bytes_per_step"] == pytest.approx(m, rel=0.03)
@@ -84,6 +85,7 @@ def test_every_machine_moves_t_opt_bytes_per_step(nodes, workers, servers):
 def test_without_cpu_servers_each_machine_moves_ring_all_reduce_bytes(nodes, workers):
     metrics, _ = run_cached(config(nodes, workers, 0))
     expected = 2 * (nodes - 1) / nodes * metrics["model_bytes"]
+    assert len(machines(metrics, "worker")) == nodes and not machines(metrics, "server")
     for m in machines(metrics, "worker"):
         assert m["sent_bytes_per_step"] == pytest.approx(expected, rel=0.02), m
         assert m["recv_bytes_per_step"] == pytest.approx(expected, rel=0.02), m
@@ -94,6 +96,8 @@ def test_without_colocated_servers_traffic_is_the_parameter_servers():
     nodes, servers = 3, 2
     metrics, _ = run_cached(config(nodes, 3, servers, colocate=False))
     m = metrics["model_bytes"]
+    assert len(machines(metrics, "worker")) == nodes
+    assert len(machines(metrics, "server")) == servers
     for w in machines(metrics, "worker"):  # push the model, pull it back
         assert w["sent_bytes_per_step"] == pytest.approx(m, rel=0.02), w
         assert w["recv_bytes_per_step"] == pytest.approx(m, rel=0.02), w
