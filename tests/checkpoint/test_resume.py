@@ -85,6 +85,7 @@ WORDLM = {"vocab": 2000, "seq_len": 8, "d_model": 16, "layers": 1, "heads": 2, "
     pytest.param("adagrad", 2, 4, {"partitions": 2}, marks=pytest.mark.long),
     # The partition search (2 steps a sample): the resumed run cuts the saved rows
     # into the count the search had reached, and continues its samples.
+    ("adagrad", 1, 2, {"search_steps": 2}),
     pytest.param("adagrad", 2, 4, {"search_steps": 2}, marks=pytest.mark.long),
 ])
 def test_parallax_resumes_its_servers_rows_bit_for_bit(optimizer, nodes, workers, options):
