@@ -291,7 +291,12 @@ def test_every_machine_moves_parallaxs_bytes_with_the_measured_alpha():
     alpha = sum(v["alpha"] * v["rows"] * v["row_bytes"] for v in sparse.values()) / w
     dense = metrics["model_bytes"] - w
     want = parallax_traffic(machines=2, sparse_bytes=w, alpha=alpha, dense_bytes=dense)
+    # REFERENCE.md, per direction with N = 2: rows 2 alpha W (N-1)/N, ring 2 D (N-1)/N.
+    assert want["sparse"] == pytest.approx(2 * alpha * w * 1 / 2)
+    assert want["dense"] == pytest.approx(2 * dense * 1 / 2)
+    assert 0 < alpha < 0.5  # a step touches a small part of the tables
     machines = [m for m in metrics["traffic"]["machines"] if m["kind"] == "worker"]
+    assert len(machines) == 2
     for direction in ("sent_bytes_per_step", "recv_bytes_per_step"):
         total = sum(m[direction] for m in machines) / len(machines)
         assert total - want["dense"] == pytest.approx(want["sparse"], rel=0.05)
