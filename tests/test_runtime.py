@@ -1,4 +1,6 @@
-"""Context.new_group: members-only groups among any workers."""
+"""Context.new_group: members-only groups among any workers; hints for raw torch errors."""
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,3 +27,28 @@ def test_members_only_groups_between_leaders_and_others():
     # names a members-only group by its ranks and the count of groups the process
     # holds; rank 0 held one more (the leaders' group) than rank 1.
     assert spawn(pairs_then_cross_pairs, workers=4, nodes=2) == [6.0] * 4
+
+
+def test_a_gloo_timeout_gets_the_default_group_hint_only_from_the_users_own_call(monkeypatch):
+    from types import SimpleNamespace
+
+    from polytrain import runtime
+
+    monkeypatch.setattr(runtime, "_context", SimpleNamespace(
+        is_worker=True, topology=SimpleNamespace(servers=(2,))))
+    text = "[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 30000ms for recv"
+
+    def raised_in(filename: str) -> BaseException:
+        try:
+            exec(compile(f"raise RuntimeError({text!r})", filename, "exec"))
+        except RuntimeError as e:
+            return e
+        raise AssertionError("nothing raised")
+
+    assert "group=ctx.groups.workers" in runtime.hint_for(raised_in(__file__))
+    inside = str(Path(runtime.__file__).parent / "strategies" / "checks.py")
+    assert runtime.hint_for(raised_in(inside)) is None  # polytrain's own collective
+    assert runtime.hint_for(RuntimeError("boom")) is None
+    monkeypatch.setattr(runtime, "_context", SimpleNamespace(
+        is_worker=True, topology=SimpleNamespace(servers=())))
+    assert runtime.hint_for(raised_in(__file__)) is None  # no servers: the world is the workers

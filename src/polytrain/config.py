@@ -10,7 +10,7 @@ import torch
 
 from .data import check_divisible, dataset_names
 from .emulation.devices import parse_cluster
-from .emulation.profile import profile_model
+from .emulation.profile import optimizer_state_factor, profile_model
 from .errors import ConfigError
 from .launch.host import available_memory_bytes
 from .launch.layout import Layout
@@ -22,7 +22,6 @@ __all__ = ["TrainConfig", "OPTIMIZERS", "SCHEDULES", "SAMPLINGS", "ON_SAVE_ERROR
            "check_init"]
 
 OPTIMIZERS = ("sgd", "adam", "adagrad")
-_OPTIMIZER_STATES = {"sgd": 0, "adam": 2, "adagrad": 1}  # copies of the weights each keeps
 SCHEDULES = ("constant", "cosine")
 SAMPLINGS = ("random", "epoch")
 ON_SAVE_ERROR = ("continue", "stop")
@@ -173,7 +172,7 @@ class TrainConfig:
         cls.check_model(model, layout, options)
         check_divisible(self.batch_size, cls.replicas(layout, options))
         self._check_devices(model)
-        self._check_memory(model, cls.replicas(layout, options) if cls.whole_model else 1)
+        self._check_memory(model, layout.workers)
 
     def _check_checkpoints(self) -> None:
         if self.checkpoint_every is not None:
@@ -204,26 +203,28 @@ class TrainConfig:
                               f"checkpoint, and no --checkpoint-every is given",
                               "pass --checkpoint-every N with --out DIR")
 
-    def _check_memory(self, model: Any, copies: int) -> None:
-        """Refuse a job whose weights alone cannot fit in this host's free memory: ``copies``
-        of them (one per data-parallel replica) and the optimizer's state once. Gradients,
-        activations and per-replica optimizer state come on top, so a job that passes may
-        still not fit: the launcher then names the kernel's out-of-memory kill."""
+    def _check_memory(self, model: Any, processes: int) -> None:
+        """Refuse a job whose weights alone cannot fit in this host's free memory. Every
+        worker process builds the whole model on the CPU before its strategy keeps its part
+        (``processes`` copies); on the CPU the optimizer's state comes on top, once at least.
+        Gradients and activations come on top of that, so a job that passes may still not
+        fit: the launcher then names the kernel's out-of-memory kill."""
         available = available_memory_bytes()
         if available is None:
             return
         count = sum(p.numel() for p in model.parameters())
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
-        need = weights * (copies + _OPTIMIZER_STATES[self.optimizer])
+        states = optimizer_state_factor(self.optimizer) if self.device == "cpu" else 0
+        need = weights * (processes + states)
         if need > available:
+            what = f"{processes} cop{'y' if processes == 1 else 'ies'} of them (one per worker)"
             raise ConfigError(
                 f"{self.model} with these options has {count / 1e6:,.0f} M weights "
-                f"({weights / 2**30:,.1f} GiB); {copies} cop{'y' if copies == 1 else 'ies'} "
-                f"of them and {self.optimizer}'s state need at least {need / 2**30:,.1f} GiB, "
-                f"and this machine has {available / 2**30:,.1f} GiB available",
-                "pass a smaller model (--d-model, --layers)" + (
-                    ", fewer --workers, or a strategy that splits the model over the workers "
-                    "(hetpipe, pipetransformer, moe)" if copies > 1 else ""))
+                f"({weights / 2**30:,.1f} GiB); {what}"
+                f"{f' and {self.optimizer} state' if states else ''} need at least "
+                f"{need / 2**30:,.1f} GiB, and this machine has {available / 2**30:,.1f} GiB "
+                f"available", "pass a smaller model (--d-model, --layers)"
+                + (" or fewer --workers" if processes > 1 else ""))
 
     def _check_devices(self, model: Any) -> str | None:
         spec = get_model(self.model)

@@ -9,6 +9,7 @@ import logging
 import os
 import sys
 import threading
+import traceback
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -260,6 +261,13 @@ def hint_for(exc: BaseException) -> str | None:
     if (ctx is None or not ctx.is_worker or not ctx.topology.servers
             or not isinstance(exc, RuntimeError) or "gloo" not in text
             or "Timed out" not in text):
+        return None
+    # Whose call was it: the innermost frame outside torch. polytrain's own collectives pass
+    # their group; their timeouts mean a slow or lost peer, not this mistake.
+    torch_dir = os.path.dirname(torch.__file__)
+    callers = [f.filename for f in traceback.extract_tb(exc.__traceback__)
+               if not f.filename.startswith(torch_dir)]
+    if not callers or callers[-1].startswith(os.path.dirname(__file__)):
         return None
     return ("if that call was a collective on the default group: this run has server "
             "processes, which never join it; pass group=ctx.groups.workers to "

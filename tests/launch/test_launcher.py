@@ -120,9 +120,10 @@ def test_a_sigkill_while_the_kernels_oom_kills_rose_is_named_as_out_of_memory(mo
     child = launcher._Child(spec, proc, *(Path("/nonexistent") / n for n in "erlh"))
     monkeypatch.setattr(launcher, "oom_kills", lambda: 8)
     oom = launcher._failure(child, oom_kills_before=7)
-    assert oom.describe() == ("worker rank 1 (machine node0) failed: killed by SIGKILL (9) "
-                              "from the kernel's out-of-memory killer: the run needed more "
-                              "memory than this machine has")
+    assert oom.describe() == ("worker rank 1 (machine node0) failed: killed by SIGKILL (9), "
+                              "likely by the kernel's out-of-memory killer (its kill count "
+                              "rose during the run): the run needed more memory than this "
+                              "machine has")
     assert oom.hint.startswith("run fewer processes on this machine, or a smaller model")
     for before in (8, None):  # no kill during the run, or no counter on this host
         plain = launcher._failure(child, oom_kills_before=before)

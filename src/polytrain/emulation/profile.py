@@ -173,11 +173,15 @@ def _measure(model: nn.Module, shape: Sequence[int], dtype: torch.dtype,
 
 
 def optimizer_state_factor(optimizer: str | torch.optim.Optimizer) -> int:
-    """Optimizer state per parameter byte: Adam keeps two moments, SGD none (one with momentum)."""
+    """Optimizer state per parameter byte: Adam keeps two moments, Adagrad a sum of squares,
+    SGD none (one with momentum)."""
     if isinstance(optimizer, str):
-        return 2 if optimizer.lower().startswith("adam") else 0
+        name = optimizer.lower()
+        return 2 if name.startswith("adam") else 1 if name == "adagrad" else 0
     if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
         return 2
+    if isinstance(optimizer, torch.optim.Adagrad):
+        return 1
     if isinstance(optimizer, torch.optim.SGD):
         return 1 if optimizer.defaults.get("momentum", 0) else 0
     return 2  # unknown optimizers: assume Adam-like state, to stay on the safe side

@@ -76,13 +76,13 @@ def _raise_injected(signum: int, frame: Any) -> None:
     raise InjectedFault(f"injected fault (signal {signal.Signals(signum).name})")
 
 
-def _write_error(cause: str, secondary: bool) -> None:
+def _write_error(cause: str, secondary: bool, hint: str | None = None) -> None:
     path = _env.error_file()
     if not path:
         return
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
-        json.dump({"cause": cause, "time": time.time(), "secondary": secondary}, f)
+        json.dump({"cause": cause, "time": time.time(), "secondary": secondary, "hint": hint}, f)
     os.replace(tmp, path)
 
 
@@ -126,8 +126,8 @@ def _hint_for(exc: BaseException) -> str | None:
     return None if runtime is None else runtime.hint_for(exc)
 
 
-def _fail(cause: str, secondary: bool, code: int = 1) -> None:
-    _write_error(cause, secondary)
+def _fail(cause: str, secondary: bool, code: int = 1, hint: str | None = None) -> None:
+    _write_error(cause, secondary, hint)
     sys.stdout.flush()
     sys.stderr.flush()
     # Skip atexit hooks: a graceful shutdown would wait on peers that may be gone.
@@ -156,8 +156,7 @@ def main() -> None:
         os._exit(130)
     except BaseException as e:  # noqa: BLE001 - every failure must reach the launcher
         print(f"{who} failed:\n{traceback.format_exc()}", file=sys.stderr, end="", flush=True)
-        hint = _hint_for(e)
-        _fail(f"{type(e).__name__}: {e}" + (f". HINT: {hint}" if hint else ""), _is_secondary(e))
+        _fail(f"{type(e).__name__}: {e}", _is_secondary(e), hint=_hint_for(e))
     # Free cycles that hold process groups now: torch aborts if it frees them during exit.
     gc.collect()
     if payload["kind"] == "fn":

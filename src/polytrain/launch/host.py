@@ -4,7 +4,8 @@ Every process of a local run (every emulated machine) shares this host's
 memory, so a job too large for it ends with the kernel's out-of-memory
 killer sending SIGKILL: no traceback, no error file. The launcher reads the
 kill counter around a run to name that cause; ``TrainConfig`` refuses a job
-whose weights alone cannot fit.
+whose weights alone cannot fit. Both read this process's memory cgroup
+first (a container's limit and its own kills), then the whole host's.
 """
 
 from __future__ import annotations
@@ -13,24 +14,62 @@ from pathlib import Path
 
 __all__ = ["available_memory_bytes", "oom_kills"]
 
+_UNLIMITED = 1 << 60  # cgroup v1 writes "no limit" as a number near 2**63
 
-def _field(path: str, name: str) -> int | None:
+
+def _read(path: Path) -> str | None:
     try:
-        for line in Path(path).read_text().splitlines():
-            key, _, value = line.partition(" ") if ":" not in line else line.partition(":")
-            if key.strip() == name:
+        return path.read_text()
+    except OSError:
+        return None
+
+
+def _field(text: str | None, name: str) -> int | None:
+    """The number after ``name`` in ``key value`` or ``key: value kB`` lines."""
+    for line in (text or "").splitlines():
+        key, _, value = line.partition(":") if ":" in line else line.partition(" ")
+        if key.strip() == name:
+            try:
                 return int(value.split()[0])
-    except (OSError, ValueError, IndexError):
-        pass
+            except (ValueError, IndexError):
+                return None
     return None
 
 
+def _cgroups() -> list[tuple[int, Path]]:
+    """This process's memory cgroup folders with their version: v2 first, then v1."""
+    out = []
+    for line in (_read(Path("/proc/self/cgroup")) or "").splitlines():
+        number, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if number == "0" and not controllers:
+            out.append((2, Path("/sys/fs/cgroup") / path.lstrip("/")))
+        elif "memory" in controllers.split(","):
+            out.append((1, Path("/sys/fs/cgroup/memory") / path.lstrip("/")))
+    return sorted(out, key=lambda c: -c[0])
+
+
 def available_memory_bytes() -> int | None:
-    """Linux's estimate of the memory new work can use (``MemAvailable``), or None if unknown."""
-    kib = _field("/proc/meminfo", "MemAvailable")
-    return None if kib is None else kib * 1024
+    """The memory new work can use: Linux's ``MemAvailable``, or less where this process's
+    cgroup has a limit closer to its use; None if neither is known."""
+    kib = _field(_read(Path("/proc/meminfo")), "MemAvailable")
+    room = [kib * 1024] if kib is not None else []
+    for version, folder in _cgroups():
+        limit_file, used_file = (("memory.max", "memory.current") if version == 2
+                                 else ("memory.limit_in_bytes", "memory.usage_in_bytes"))
+        limit, used = _read(folder / limit_file), _read(folder / used_file)
+        if limit is None or used is None or not limit.strip().isdigit():
+            continue  # no such file, or v2's "max": no limit
+        if int(limit) < _UNLIMITED:
+            room.append(max(0, int(limit) - int(used)))
+    return min(room) if room else None
 
 
 def oom_kills() -> int | None:
-    """How many processes the out-of-memory killer has killed since boot, or None if unknown."""
-    return _field("/proc/vmstat", "oom_kill")
+    """How many processes the out-of-memory killer has killed: in this process's memory
+    cgroup where the kernel counts them there, else on the whole host; None if unknown."""
+    for version, folder in _cgroups():
+        count = _field(_read(folder / ("memory.events" if version == 2
+                                       else "memory.oom_control")), "oom_kill")
+        if count is not None:
+            return count
+    return _field(_read(Path("/proc/vmstat")), "oom_kill")

@@ -363,8 +363,10 @@ def _failure(child: _Child, oom_kills_before: int | None) -> _Failure:
     if child.error_file.exists():
         try:
             info = json.loads(child.error_file.read_text())
+            hint = info.get("hint")
             return _Failure(child.spec, code, info["cause"], info["time"], info["secondary"],
-                            label)
+                            label, f"{hint} (its traceback is printed above)" if hint
+                            else _SEE_TRACEBACK)
         except (ValueError, KeyError, OSError):
             pass
     if code < 0:
@@ -375,9 +377,10 @@ def _failure(child: _Child, oom_kills_before: int | None) -> _Failure:
         # A process killed by a signal nobody in the run sent is the likeliest root cause.
         if code == -signal.SIGKILL and oom_kills_before is not None and \
                 (oom_kills() or 0) > oom_kills_before:
-            return _Failure(child.spec, code, f"killed by {name} ({-code}) from the kernel's "
-                            f"out-of-memory killer: the run needed more memory than this "
-                            f"machine has", 0.0, False, label,
+            return _Failure(child.spec, code, f"killed by {name} ({-code}), likely by the "
+                            f"kernel's out-of-memory killer (its kill count rose during the "
+                            f"run): the run needed more memory than this machine has",
+                            0.0, False, label,
                             "run fewer processes on this machine, or a smaller model or "
                             "batch (every emulated machine shares this one's memory)")
         return _Failure(child.spec, code, f"killed by {name} ({-code})", 0.0, False, label)

@@ -54,7 +54,8 @@ class Strategy(ABC, Generic[OptionsT]):
     #: True where worker 0's local model holds every current weight (data parallelism).
     whole_model: ClassVar[bool] = True
     #: True where :meth:`wrap` itself checks that every worker built the same model and
-    #: copies worker 0's weights (a drop-in DDP does): :func:`distribute` then does not.
+    #: copies worker 0's weights (herring's DDP does): :func:`distribute` then does not.
+    #: (torch's DDP copies them too, but its check of the shapes is torch's own error.)
     agrees_model: ClassVar[bool] = False
     #: Steps in one epoch of the training data, set by the training loop before the first
     #: step (None: the data has no epochs).

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
@@ -11,14 +11,21 @@ from torch import nn
 from ..errors import ConfigError
 from ..runtime import Context
 
-__all__ = ["check_same_model", "check_same_tensors", "broadcast_module", "model_signature"]
+__all__ = ["check_same_model", "check_same_tensors", "broadcast_module", "model_signature",
+           "tensor_signature"]
 
 
-def model_signature(model: nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
+Signature = list[tuple[str, tuple[int, ...], str]]
+
+
+def tensor_signature(named: Iterable[tuple[str, torch.Tensor]]) -> Signature:
+    """(name, shape, dtype) of every tensor, in order."""
+    return [(n, tuple(t.shape), str(t.dtype)) for n, t in named]
+
+
+def model_signature(model: nn.Module) -> Signature:
     """(name, shape, dtype) of every parameter and buffer, in registration order."""
-    sig = [(n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()]
-    sig += [(n, tuple(b.shape), str(b.dtype)) for n, b in model.named_buffers()]
-    return sig
+    return tensor_signature([*model.named_parameters(), *model.named_buffers()])
 
 
 def _first_difference(a: list[Any], b: list[Any]) -> str:
@@ -42,7 +49,7 @@ def check_same_model(ctx: Context, model: nn.Module) -> None:
                        "build the same model with the same options on every worker")
 
 
-def check_same_tensors(ctx: Context, signature: list[tuple[str, tuple[int, ...], str]],
+def check_same_tensors(ctx: Context, signature: Signature,
                        what: str, fix: str, root: int = 0) -> None:
     """Raise ConfigError on every worker if any worker's ``signature`` ((name, shape, dtype)
     of each tensor, in order) differs from worker index ``root``'s; ``what`` names the

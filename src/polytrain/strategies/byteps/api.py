@@ -29,7 +29,7 @@ from ...ps.compression import (
 )
 from ...ps.engine import Engine, SumTensor, engine_for
 from ...runtime import Context
-from ..checks import check_same_tensors
+from ..checks import check_same_tensors, tensor_signature
 from .async_mode import AsyncOptimizer
 from .optimizer import Choice
 from .optimizer import DistributedOptimizer as _SyncOptimizer
@@ -264,7 +264,7 @@ def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[tuple[str
                           f"{ctx.num_workers})", f"pass 0 .. {ctx.num_workers - 1}")
     items = list(params.items()) if isinstance(params, Mapping) else list(params)
     # gloo broadcasts into a buffer of another size without a word: check first.
-    check_same_tensors(ctx, [(n, tuple(t.shape), str(t.dtype)) for n, t in items],
+    check_same_tensors(ctx, tensor_signature(items),
                        "broadcast_parameters() argument", "pass the same model's state_dict() "
                        "(or named_parameters()) on every worker", root=root_rank)
     src = ctx.topology.workers[root_rank]
@@ -295,9 +295,9 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     if not 0 <= root_rank < ctx.num_workers:
         raise ConfigError(f"root_rank {root_rank} is not a worker (there are "
                           f"{ctx.num_workers})", f"pass 0 .. {ctx.num_workers - 1}")
-    check_same_tensors(ctx, [(f"param_groups[{g}]['params'][{i}]", tuple(p.shape), str(p.dtype))
-                             for g, group in enumerate(optimizer.param_groups)
-                             for i, p in enumerate(group["params"])],
+    check_same_tensors(ctx, tensor_signature((f"param_groups[{g}]['params'][{i}]", p)
+                                             for g, group in enumerate(optimizer.param_groups)
+                                             for i, p in enumerate(group["params"])),
                        "list of optimizer parameters", "build the same model and optimizer (the "
                        "same parameter groups, in the same order) on every worker",
                        root=root_rank)
