@@ -111,8 +111,8 @@ def test_a_process_killed_by_a_signal_is_named():
 
 
 def test_a_sigkill_while_the_kernels_oom_kills_rose_is_named_as_out_of_memory(monkeypatch):
-    # A real out-of-memory kill would take this shared machine's memory: the kernel's counter
-    # (/proc/vmstat oom_kill) is faked, the process killed by SIGKILL is real.
+    # A real out-of-memory kill would take this shared machine's memory: the kernel's OOM
+    # kill count (launch/host.py's oom_kills) is faked, the process killed by SIGKILL is real.
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     proc.kill()
     proc.wait()

@@ -116,7 +116,6 @@ class Launcher:
         self.layout = layout
         self.shape = shape
         self.host = "127.0.0.1"
-        self._oom_kills: int | None = None  # the kernel's count when the run started
         if shape is not None:
             check_tools()  # before anything starts: one line on what is missing
             port = _NETWORK_PORT if port is None else port
@@ -200,7 +199,7 @@ class Launcher:
                 previous = signal.signal(signal.SIGINT, lambda *_: interrupted.set())
             network: Network | None = None
             shm: Path | None = None
-            self._oom_kills = oom_kills()
+            oom_kills_before = oom_kills()
             try:
                 shm = run_shm()
                 if self.shape is not None:
@@ -218,7 +217,7 @@ class Launcher:
                                            started=time.time()))
                 log.info("started %d processes on port %d: %s", len(children), self.port,
                          self.layout.describe())
-                self._watch(children, interrupted)
+                self._watch(children, interrupted, oom_kills_before)
             except KeyboardInterrupt:
                 interrupted.set()
             finally:
@@ -258,7 +257,10 @@ class Launcher:
                 hung.append(c)
         return hung
 
-    def _watch(self, children: list[_Child], interrupted: threading.Event) -> None:
+    def _watch(self, children: list[_Child], interrupted: threading.Event,
+               oom_kills_before: int | None) -> None:
+        """Poll the children until all end well, or name the first failure's root cause
+        (``oom_kills_before``: the kernel's OOM kill count when the run started)."""
         beat_check = 0.0
         while not interrupted.is_set():
             codes = [c.proc.poll() for c in children]
@@ -277,7 +279,7 @@ class Launcher:
             if failed and interrupted.is_set():
                 return  # Ctrl-C in a terminal reaches the children too: not a failure
             if failed:
-                failures = [_failure(c, self._oom_kills) for c in failed]
+                failures = [_failure(c, oom_kills_before) for c in failed]
                 hung = [c for c in failed if c.hung]
                 if all(f.secondary for f in failures):
                     # They lost a peer: the peer, still exiting, holds the cause. Let it write it.
@@ -287,7 +289,7 @@ class Launcher:
                         time.sleep(_POLL_S)
                 self._stop(children, kill=hung)
                 # Whoever else died before we stopped them counts too: pick the root cause.
-                failures += [_failure(c, self._oom_kills) for c in children
+                failures += [_failure(c, oom_kills_before) for c in children
                              if c not in failed and c.proc.returncode not in (None, 0)
                              and not c.stopped_by_us]
                 first = min(failures, key=_Failure.order)
