@@ -22,7 +22,15 @@ from . import log as _log  # noqa: F401 - configures the "polytrain" logger
 from .checkpoint import CheckpointError, load, save
 from .config import TrainConfig
 from .data import shard
-from .errors import CommError, CommTimeout, ConfigError, LaunchError, PeerLost, PolytrainError
+from .errors import (
+    ClosedByTimeout,
+    CommError,
+    CommTimeout,
+    ConfigError,
+    LaunchError,
+    PeerLost,
+    PolytrainError,
+)
 from .launch import Layout, launch
 from .runtime import Context, current, init, is_initialized
 from .strategies import (
@@ -43,4 +51,4 @@ __all__ = ["init", "launch", "distribute", "shard", "current", "is_initialized",
            "strategy_names",
            "strategy_of", "full_state_dict", "save", "load", "CheckpointError", "PolytrainError",
            "ConfigError", "LaunchError",
-           "CommError", "CommTimeout", "PeerLost", "__version__"]
+           "CommError", "CommTimeout", "PeerLost", "ClosedByTimeout", "__version__"]

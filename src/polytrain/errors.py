@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-__all__ = ["PolytrainError", "ConfigError", "LaunchError", "CommError", "CommTimeout", "PeerLost"]
+__all__ = ["PolytrainError", "ConfigError", "LaunchError", "CommError", "CommTimeout", "PeerLost",
+           "ClosedByTimeout"]
 
 
 class PolytrainError(Exception):
@@ -43,3 +44,8 @@ class PeerLost(CommError):
     """A peer process stopped (crashed, was killed, or closed its connections)."""
 
     peer_lost = True
+
+
+class ClosedByTimeout(CommError):
+    """Another wait of this process on the same group timed out, and gloo closed every
+    connection of the group: that wait's own error is the cause."""

@@ -32,7 +32,8 @@ __all__ = ["Context", "init", "current", "is_initialized", "hint_for"]
 
 log = logging.getLogger(__name__)
 
-# A server notices dead workers at once; this bounds how long live but stuck ones may idle.
+# A server notices dead workers at once; this bounds how long live but stuck ones may idle
+# (the default of init's server_idle_s, when the timeout is shorter).
 _SERVER_IDLE_S = 3600.0
 
 
@@ -167,7 +168,11 @@ class Context:
             if self.is_worker:
                 self.ps_client.finish()
             reports: list[Any] = [None] * self.world_size
-            dist.all_gather_object(reports, self.meter.report())
+            try:
+                dist.all_gather_object(reports, self.meter.report())
+            except RuntimeError as e:  # gloo's text names no one: say what and with whom
+                raise self.transport.error(e, None, "leaving the run (gathering every "
+                                           "process's meter report)", self.timeout_s) from None
             self.final_reports = reports
         finally:
             gc.collect()  # a cycle that holds a process group must not be freed during exit
@@ -192,7 +197,7 @@ def is_initialized() -> bool:
 
 
 def init(*, device: str | torch.device | None = None, timeout_s: float | None = None,
-         server_threads: int = 4) -> Context:
+         server_threads: int = 4, server_idle_s: float | None = None) -> Context:
     """Join the run this process was launched into, and learn everyone's role and machine.
 
     Works under ``polytrain launch``/:func:`polytrain.launch`, under ``torchrun``
@@ -212,6 +217,9 @@ def init(*, device: str | torch.device | None = None, timeout_s: float | None = 
             tensors), or an explicit device.
         timeout_s: the longest wait on any peer (default POLYTRAIN_TIMEOUT, else 120 s).
         server_threads: engine threads of each server process (default 4).
+        server_idle_s: how long a server waits with no request from any worker before it
+            fails (default: the timeout, and at least an hour: workers may evaluate or save
+            between steps). A run may last longer: only the gaps between requests count.
     """
     global _context
     if _context is not None:
@@ -241,7 +249,8 @@ def init(*, device: str | torch.device | None = None, timeout_s: float | None = 
         ctx.meter.sample_nics(NicSampler(nics))
     if ctx.role == "server":
         Server(ctx.transport, topology, threads=server_threads,
-               idle_timeout_s=max(timeout, _SERVER_IDLE_S)).serve()
+               idle_timeout_s=max(timeout, _SERVER_IDLE_S) if server_idle_s is None
+               else server_idle_s).serve()
         ctx.shutdown()
         sys.exit(0)
     atexit.register(_shutdown_at_exit)

@@ -100,3 +100,40 @@ def test_workers_that_declare_different_tensors_get_a_clear_error():
     assert f"but worker rank {early} (machine node0) declared key 0 = 'a[0]', " \
            f"{numel[early]} x float32" in msg
     assert "differ in numel" in msg and "HINT: build the same model" in msg
+
+
+def sums_with_gaps(idle_s: float, gap_s: float, rounds: int) -> list[float]:
+    ctx = polytrain.init(server_idle_s=idle_s)
+    parts = partition(SPECS, 1 << 20)
+    engine = engine_for(ctx)
+    sums = engine.sums(SPECS, balanced(parts, ctx.topology.servers), local_reduce=False)
+    out = []
+    for r in range(rounds):
+        import time
+        time.sleep(gap_s)
+        for t, s in zip(contribution(ctx.worker_index, r), sums):
+            engine.submit(s, t)
+        out.append(float(sum(engine.wait(s).sum() for s in sums)))
+    engine.close()
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_a_run_longer_than_the_servers_idle_timeout_ends_well():
+    # The servers' watch of each worker waited at most the idle timeout (an hour by default)
+    # for the worker's end, so every run with servers that trained longer than that failed.
+    idle, gap, rounds = 2.0, 1.0, 5
+    out = spawn(sums_with_gaps, workers=2, servers=1, args=(idle, gap, rounds))
+    want = [float(sum((contribution(0, r)[i] + contribution(1, r)[i]).sum()
+                      for i in range(len(SPECS)))) for r in range(rounds)]
+    assert out[0] == pytest.approx(want, rel=1e-5) and out[1] == out[0]
+
+
+@pytest.mark.timeout(60)
+def test_a_gap_between_requests_longer_than_the_servers_idle_timeout_is_named():
+    with pytest.raises(LaunchError) as info:
+        spawn(sums_with_gaps, workers=2, servers=1, args=(2.0, 4.0, 1))
+    msg = str(info.value)
+    assert "server rank 2 (machine" in msg and \
+        "no request from the workers [0, 1] for 2 s" in msg, msg
+    assert "server_idle_s" in msg

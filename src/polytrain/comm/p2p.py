@@ -8,7 +8,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from ..errors import CommError, CommTimeout, PeerLost
+from ..errors import ClosedByTimeout, CommError, CommTimeout, PeerLost
 from .meter import RECV, SENT, TrafficMeter
 from .tags import RESPONSE, channel_of
 from .topology import Topology
@@ -17,6 +17,7 @@ __all__ = ["Transport", "Handle"]
 
 _LOST_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
                  "Socket closed", "connection closed")
+_CLOSED_BY_TIMEOUT = "Application timeout caused pair closure"  # gloo's text
 
 
 class Handle:
@@ -152,6 +153,9 @@ class Transport:
         """Turn torch's error for a message with ``peer`` into one that says who and what."""
         who = "any peer" if peer is None else self.topology.name(peer)
         text = str(exc)
+        if _CLOSED_BY_TIMEOUT in text:
+            return ClosedByTimeout(f"rank {self.rank}: {what} with {who} was cut off: another "
+                                   f"wait of this process timed out, and gloo closed the group")
         if "Timed out" in text or "timed out" in text or "Timeout" in text:
             return CommTimeout(
                 f"rank {self.rank}: {who} did not complete {what} within {timeout_s:g} s",

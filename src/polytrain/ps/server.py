@@ -13,7 +13,7 @@ import torch
 
 from ..comm.p2p import Handle, Transport
 from ..comm.topology import Topology
-from ..errors import CommError, CommTimeout, PolytrainError
+from ..errors import ClosedByTimeout, CommError, CommTimeout, PolytrainError
 from .protocol import (
     HEADER_TAG,
     LIVENESS_TAG,
@@ -36,6 +36,7 @@ __all__ = ["Server"]
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.5
+_TRAINING_S = 365 * 24 * 3600.0  # a watch waits for its worker's end: no bound on a run's length
 _COPIED_BYTES = 64 << 10  # inline payloads up to this size are copied out of their buffer
 
 
@@ -216,7 +217,8 @@ class Server:
                     f"server rank {self.rank}: no request from the workers {sorted(pending)} "
                     f"for {self.idle_timeout_s:g} s",
                     "if the workers are alive but slow between steps, raise the timeout "
-                    "(--timeout or POLYTRAIN_TIMEOUT)") from None
+                    "(--timeout or POLYTRAIN_TIMEOUT) or polytrain.init(server_idle_s=...)"
+                    ) from None
             req = Request.parse(src, message)
             if req.payload is not None and not buffers.hold(req.nbytes):
                 req.payload = req.payload.clone()  # small, or too many buffers held already
@@ -231,10 +233,16 @@ class Server:
 
     def _watch(self, worker: int) -> None:
         # A receive from one worker fails at once if that worker dies (a receive from any
-        # source does not): the worker's last message completes this one.
+        # source does not): the worker's last message completes this one. It lasts the
+        # worker's whole training, however long (bounding it by the idle timeout failed every
+        # run longer than that); a worker alive but stuck is found by the request receive's
+        # idle timeout and by its peers' own waits.
         signal = torch.empty(1, dtype=torch.int64)
-        self.transport.irecv(signal, worker, LIVENESS_TAG, "the end of training"
-                             ).wait(self.idle_timeout_s)
+        try:
+            self.transport.irecv(signal, worker, LIVENESS_TAG, "the end of training"
+                                 ).wait(_TRAINING_S)
+        except ClosedByTimeout:
+            return  # the wait that timed out reports it, from its own thread
 
     def _receive_payload(self, req: Request) -> Handle | None:
         """Post the receive of a payload too large to come inline (None: no such payload)."""
