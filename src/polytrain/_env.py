@@ -24,6 +24,7 @@ ERROR_FILE = "POLYTRAIN_ERROR_FILE"
 PARENT_PID = "POLYTRAIN_PARENT_PID"
 LABEL_FILE = "POLYTRAIN_LABEL_FILE"
 HEARTBEAT_FILE = "POLYTRAIN_HEARTBEAT_FILE"  # the launcher watches its mtime: a hung child
+STACKS_FILE = "POLYTRAIN_STACKS_FILE"  # where a child writes its threads' stacks on SIGUSR2
 NIC = "POLYTRAIN_NIC"  # the emulated machine's interface, under --bandwidth
 SHM_DIR = "POLYTRAIN_SHM_DIR"  # the run's directory in host shared memory (the launcher's)
 GLOO_SOCKET_IFNAME = "GLOO_SOCKET_IFNAME"
@@ -87,6 +88,10 @@ def label_file() -> str | None:
 
 def heartbeat_file() -> str | None:
     return os.environ.get(HEARTBEAT_FILE)
+
+
+def stacks_file() -> str | None:
+    return os.environ.get(STACKS_FILE)
 
 
 def parent_pid() -> int | None:

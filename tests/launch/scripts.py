@@ -30,6 +30,26 @@ def worker_raises(bad_rank: int) -> None:
     dist.all_reduce(x, group=ctx.groups.workers)  # blocks: the bad rank never joins
 
 
+def worker_stalls(stuck_rank: int, busy: bool) -> None:
+    """Rank ``stuck_rank`` never reaches the all-reduce: it sleeps, or spins in Python."""
+    ctx = polytrain.init()
+    while ctx.rank == stuck_rank:
+        if busy:
+            sum(range(10_000))  # the GIL taken and given back, as Python code does
+        else:
+            time.sleep(0.1)
+    x = torch.zeros(1)
+    dist.all_reduce(x, group=ctx.groups.workers)  # times out: the stuck rank never joins
+
+
+def late_to_leave(late_rank: int, delay_s: float) -> int:
+    """Rank ``late_rank`` ends its script ``delay_s`` after the others: their leaving times out."""
+    ctx = polytrain.init()
+    if ctx.rank == late_rank:
+        time.sleep(delay_s)
+    return ctx.rank
+
+
 def all_reduce_on_the_default_group() -> None:
     polytrain.init()
     dist.all_reduce(torch.ones(1))  # the world: the server never joins

@@ -68,6 +68,42 @@ def test_a_worker_that_raises_stops_the_run_and_is_named():
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("busy", [False, True], ids=["sleeps", "spins"])
+def test_a_worker_that_never_reaches_the_collective_is_named_not_its_waiting_peers(
+        busy, capfd):
+    # Its heartbeat thread beats on, so only the peers' timeouts told of it, and the run was
+    # reported as "worker rank 0 failed: ... Timed out": the waiting peer, not the stuck one.
+    timeout = 6
+    with pytest.raises(LaunchError) as info:
+        polytrain.launch(scripts.worker_stalls, workers=3, args=(2, busy), timeout_s=timeout,
+                         env={"OMP_NUM_THREADS": "1"})
+    message = str(info.value)
+    assert info.value.rank == 2, message
+    assert re.search(r"worker rank 2 \(machine node0\) failed: stopped making progress: its "
+                     r"main thread has worked for \d+\.\d s without waiting for any peer, now "
+                     r"at scripts\.py:\d+ in worker_stalls, while a peer timed out", message)
+    assert "its threads' stacks are printed above" in message
+    worked = float(re.search(r"worked for (\d+\.\d) s", message).group(1))
+    assert timeout / 2 <= worked < 4 * timeout
+    # faulthandler's dump of the stuck process, under its name, shows the line it was stuck on.
+    assert re.search(r'\[polytrain rank 2 worker@node0\] its threads when named as stalled '
+                     r'\(most recent call first\):\n(.*\n)*?(Current thread|Thread) 0x[0-9a-f]+ .*\n'
+                     r'  File ".*scripts\.py", line \d+ in worker_stalls\n',
+                     capfd.readouterr().err)
+
+
+@pytest.mark.timeout(60)
+def test_leaving_the_run_at_exit_that_times_out_says_so_in_one_line(capfd):
+    # It printed gloo's traceback ("Exception ignored in atexit callback"), naming no one.
+    assert polytrain.launch(scripts.late_to_leave, workers=2, args=(1, 8.0), timeout_s=3,
+                            env={"OMP_NUM_THREADS": "1"}) == [0, 1]
+    err = capfd.readouterr().err
+    assert re.search(r"shutdown at exit failed: rank 0: any peer did not complete leaving the "
+                     r"run \(gathering every process's meter report\) within 3 s", err), err
+    assert "Traceback" not in err and "atexit" not in err, err
+
+
+@pytest.mark.timeout(60)
 def test_a_collective_on_the_default_group_with_servers_says_which_group_to_pass():
     # The servers never join the world group, so gloo times out naming only its own source.
     with pytest.raises(LaunchError, match=r"worker rank \d \(machine node0\) failed: "
@@ -117,7 +153,7 @@ def test_a_sigkill_while_the_kernels_oom_kills_rose_is_named_as_out_of_memory(mo
     proc.kill()
     proc.wait()
     spec = Layout(workers=2).processes()[1]
-    child = launcher._Child(spec, proc, *(Path("/nonexistent") / n for n in "erlh"))
+    child = launcher._Child(spec, proc, *(Path("/nonexistent") / n for n in "erlhs"))
     monkeypatch.setattr(launcher, "oom_kills", lambda: 8)
     oom = launcher._failure(child, oom_kills_before=7)
     assert oom.describe() == ("worker rank 1 (machine node0) failed: killed by SIGKILL (9), "

@@ -18,6 +18,7 @@ import pickle
 import runpy
 import signal
 import sys
+import sysconfig
 import threading
 import time
 import traceback
@@ -28,8 +29,8 @@ from .. import _env
 
 __all__: list[str] = []
 
+_BEAT_S = 0.5  # how often a child rewrites its heartbeat file (the launcher watches it)
 # Errors that mean "a peer went away first": the launcher prefers other causes.
-_BEAT_S = 0.5  # how often a child touches its heartbeat file (the launcher watches it)
 _SECONDARY_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
                       "peer_lost")
 
@@ -48,18 +49,56 @@ def _die_with_parent() -> None:
         os._exit(1)
 
 
+# Where a main thread waits for its peers: torch.distributed, autograd (backward hooks wait
+# for collectives) and polytrain's communication machinery. Anywhere else it is working.
+_WAITING_IN = tuple(f"{os.sep}{p}" for p in (
+    os.path.join("torch", "distributed", ""), os.path.join("torch", "autograd", ""),
+    os.path.join("torch", "nn", "parallel", ""), os.path.join("polytrain", "comm", ""),
+    os.path.join("polytrain", "ps", ""), os.path.join("polytrain", "pipeline", ""),
+    os.path.join("polytrain", "strategies", ""), os.path.join("polytrain", "runtime.py")))
+_STDLIB = sysconfig.get_paths()["stdlib"]
+
+
+def _main_thread_place() -> tuple[str, bool]:
+    """Where the main thread is, as ``file:line in function`` of its innermost frame outside
+    the standard library, and whether that frame waits for the peers (see ``_WAITING_IN``)."""
+    frame = sys._current_frames().get(threading.main_thread().ident or -1)
+    innermost = frame
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not name.startswith(_STDLIB) or "-packages" in name:
+            break
+        frame = frame.f_back
+    frame = frame or innermost
+    if frame is None:
+        return "", False
+    name = frame.f_code.co_filename
+    return (f"{os.path.basename(name)}:{frame.f_lineno} in {frame.f_code.co_name}",
+            any(m in name for m in _WAITING_IN))
+
+
 def _start_heartbeat() -> None:
-    """Touch the heartbeat file from a thread of its own: a process that stops (SIGSTOP) or
-    is frozen stops touching it, and the launcher reports it as hung."""
+    """Rewrite the heartbeat file from a thread of its own, saying where the main thread is
+    and since when it has worked without waiting for its peers. A process that stops
+    (SIGSTOP) or is frozen stops rewriting it, and the launcher reports it as hung; one that
+    has worked since before a peer began the wait that timed out is what the peer waited
+    for, and the launcher names it."""
     path = _env.heartbeat_file()
     if not path:
         return
 
     def beat() -> None:
+        working_since: float | None = None
         while True:
+            where, waiting = _main_thread_place()
+            if waiting:
+                working_since = None
+            elif working_since is None:
+                working_since = time.time()
             try:
-                with open(path, "a"):
-                    os.utime(path)
+                with open(path + ".tmp", "w") as f:
+                    json.dump({"where": where, "working_since": working_since}, f)
+                os.replace(path + ".tmp", path)
             except OSError:
                 return
             time.sleep(_BEAT_S)
@@ -76,13 +115,15 @@ def _raise_injected(signum: int, frame: Any) -> None:
     raise InjectedFault(f"injected fault (signal {signal.Signals(signum).name})")
 
 
-def _write_error(cause: str, secondary: bool, hint: str | None = None) -> None:
+def _write_error(cause: str, secondary: bool, hint: str | None = None,
+                 timed_out: bool = False) -> None:
     path = _env.error_file()
     if not path:
         return
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
-        json.dump({"cause": cause, "time": time.time(), "secondary": secondary, "hint": hint}, f)
+        json.dump({"cause": cause, "time": time.time(), "secondary": secondary, "hint": hint,
+                   "timed_out": timed_out}, f)
     os.replace(tmp, path)
 
 
@@ -90,6 +131,11 @@ def _is_secondary(exc: BaseException) -> bool:
     if getattr(exc, "peer_lost", False):
         return True
     return any(m in str(exc) for m in _SECONDARY_MARKERS)
+
+
+def _timed_out(exc: BaseException) -> bool:
+    """Whether it waited for a peer until the timeout (polytrain's errors or gloo's)."""
+    return isinstance(exc, TimeoutError) or "timed out" in str(exc).lower()
 
 
 def _load_main(path: str | None) -> None:
@@ -126,8 +172,9 @@ def _hint_for(exc: BaseException) -> str | None:
     return None if runtime is None else runtime.hint_for(exc)
 
 
-def _fail(cause: str, secondary: bool, code: int = 1, hint: str | None = None) -> None:
-    _write_error(cause, secondary, hint)
+def _fail(cause: str, secondary: bool, code: int = 1, hint: str | None = None,
+          timed_out: bool = False) -> None:
+    _write_error(cause, secondary, hint, timed_out)
     sys.stdout.flush()
     sys.stderr.flush()
     # Skip atexit hooks: a graceful shutdown would wait on peers that may be gone.
@@ -136,6 +183,10 @@ def _fail(cause: str, secondary: bool, code: int = 1, hint: str | None = None) -
 
 def main() -> None:
     faulthandler.enable()  # a crash inside torch still shows where Python was
+    # The launcher asks a process it names as stalled for its threads' stacks.
+    stacks = _env.stacks_file()
+    faulthandler.register(signal.SIGUSR2, all_threads=True,
+                          file=open(stacks, "w") if stacks else sys.stderr)
     _die_with_parent()
     _start_heartbeat()
     signal.signal(signal.SIGTERM, lambda *_: os._exit(143))
@@ -156,7 +207,8 @@ def main() -> None:
         os._exit(130)
     except BaseException as e:  # noqa: BLE001 - every failure must reach the launcher
         print(f"{who} failed:\n{traceback.format_exc()}", file=sys.stderr, end="", flush=True)
-        _fail(f"{type(e).__name__}: {e}", _is_secondary(e), hint=_hint_for(e))
+        _fail(f"{type(e).__name__}: {e}", _is_secondary(e), hint=_hint_for(e),
+              timed_out=_timed_out(e))
     # Free cycles that hold process groups now: torch aborts if it frees them during exit.
     gc.collect()
     if payload["kind"] == "fn":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -34,6 +35,7 @@ _POLL_S = 0.05
 _GRACE_S = 3.0
 _NETWORK_PORT = 29500  # in the run's own namespaces every port is free
 _FIRST_BEAT_S = 60.0  # a child's first heartbeat comes after it has imported torch
+_STACKS_S = 0.3  # how long a stalled child is given to print its stacks before it is stopped
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -61,12 +63,17 @@ class _Child:
     result_file: Path
     label_file: Path
     heartbeat_file: Path
+    stacks_file: Path
     started: float = 0.0
     stopped_by_us: bool = False
     hung: str = ""  # why the heartbeat says it stopped answering ("" while it answers)
+    stalled: bool = False  # it answers, but worked on while a peer timed out waiting for it
 
 
 _SEE_TRACEBACK = "the traceback of that process is printed above; fix its cause and rerun"
+_STALLED_HINT = ("its threads' stacks are printed above: find why it did not reach the "
+                 "communication its peers waited in (a loop or a wait that does not end, a "
+                 "slow read); if it is only slow, raise --timeout")
 
 
 @dataclass(frozen=True)
@@ -78,6 +85,7 @@ class _Failure:
     secondary: bool  # it failed because another process had failed first
     label: str = ""  # what the process said it is (Context.set_label), e.g. a pipeline stage
     hint: str = _SEE_TRACEBACK
+    timed_out: bool = False  # it waited for a peer until the timeout
 
     def order(self) -> tuple[int, float]:
         return (1 if self.secondary else 0, self.time)
@@ -172,6 +180,7 @@ class Launcher:
             _env.ERROR_FILE: str(workdir / f"error-{spec.rank}.json"),
             _env.LABEL_FILE: str(workdir / f"label-{spec.rank}.txt"),
             _env.HEARTBEAT_FILE: str(workdir / f"heartbeat-{spec.rank}"),
+            _env.STACKS_FILE: str(workdir / f"stacks-{spec.rank}.txt"),
             _env.PARENT_PID: str(os.getpid()),
         })
         if self.timeout_s is not None:
@@ -214,6 +223,7 @@ class Launcher:
                                            workdir / f"result-{spec.rank}.pkl",
                                            workdir / f"label-{spec.rank}.txt",
                                            workdir / f"heartbeat-{spec.rank}",
+                                           workdir / f"stacks-{spec.rank}.txt",
                                            started=time.time()))
                 log.info("started %d processes on port %d: %s", len(children), self.port,
                          self.layout.describe())
@@ -257,6 +267,38 @@ class Launcher:
                 hung.append(c)
         return hung
 
+    def _stalled(self, children: list[_Child], failed: list[_Child]) -> list[_Child]:
+        """The running children whose main thread has worked, without waiting for any peer,
+        for half the timeout or more (oldest first): when a peer times out waiting, they are
+        what it waited for. Each prints its threads' stacks (SIGUSR2, faulthandler)."""
+        now, limit = time.time(), self._hang_after_s()
+        found = []
+        for c in children:
+            if c in failed or c.proc.poll() is not None:
+                continue
+            try:
+                beat = json.loads(c.heartbeat_file.read_text())
+                since, where = beat["working_since"], beat["where"]
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+            if since is not None and now - since >= limit:
+                c.hung = (f"stopped making progress: its main thread has worked for "
+                          f"{now - since:.1f} s without waiting for any peer, now at {where}, "
+                          f"while a peer timed out waiting for it")
+                c.stalled = True
+                found.append((since, c))
+        for _, c in found:
+            with contextlib.suppress(OSError):
+                c.proc.send_signal(signal.SIGUSR2)
+        if found:
+            time.sleep(_STACKS_S)
+        for _, c in found:
+            with contextlib.suppress(OSError):
+                print(f"[polytrain rank {c.spec.rank} {c.spec.role}@{c.spec.machine}] its "
+                      f"threads when named as stalled (most recent call first):\n"
+                      f"{c.stacks_file.read_text()}", file=sys.stderr, end="", flush=True)
+        return [c for _, c in sorted(found, key=lambda sc: sc[0])]
+
     def _watch(self, children: list[_Child], interrupted: threading.Event,
                oom_kills_before: int | None) -> None:
         """Poll the children until all end well, or name the first failure's root cause
@@ -287,6 +329,11 @@ class Launcher:
                     while time.monotonic() < deadline and all(
                             c.proc.poll() in (None, 0) for c in children if c not in failed):
                         time.sleep(_POLL_S)
+                if any(f.timed_out for f in failures):
+                    stalled = self._stalled(children, failed)
+                    failed += stalled
+                    failures += [_failure(c, oom_kills_before) for c in stalled]
+                    hung += stalled
                 self._stop(children, kill=hung)
                 # Whoever else died before we stopped them counts too: pick the root cause.
                 failures += [_failure(c, oom_kills_before) for c in children
@@ -359,7 +406,8 @@ def _failure(child: _Child, oom_kills_before: int | None) -> _Failure:
     except OSError:
         pass
     if child.hung:  # found by its heartbeat: the root cause, whatever it later exited with
-        return _Failure(child.spec, child.proc.returncode or 1, child.hung, 0.0, False, label)
+        return _Failure(child.spec, child.proc.returncode or 1, child.hung, 0.0, False, label,
+                        _STALLED_HINT if child.stalled else _SEE_TRACEBACK)
     code = child.proc.returncode
     assert code is not None
     if child.error_file.exists():
@@ -368,7 +416,7 @@ def _failure(child: _Child, oom_kills_before: int | None) -> _Failure:
             hint = info.get("hint")
             return _Failure(child.spec, code, info["cause"], info["time"], info["secondary"],
                             label, f"{hint} (its traceback is printed above)" if hint
-                            else _SEE_TRACEBACK)
+                            else _SEE_TRACEBACK, bool(info.get("timed_out")))
         except (ValueError, KeyError, OSError):
             pass
     if code < 0:
