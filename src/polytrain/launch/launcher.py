@@ -363,7 +363,12 @@ class Launcher:
                 c.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 c.proc.kill()
-                c.proc.wait()
+                try:
+                    c.proc.wait(timeout=_GRACE_S)
+                except subprocess.TimeoutExpired:  # stuck in the kernel (state D): leave it
+                    log.warning("%s rank %d (pid %d) did not end %g s after SIGKILL (%s)",
+                                c.spec.role, c.spec.rank, c.proc.pid, _GRACE_S,
+                                _proc_state(c.proc.pid) or "state unknown")
 
 
 SHM_ROOT = Path("/dev/shm")

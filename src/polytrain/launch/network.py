@@ -65,6 +65,20 @@ _QUEUE_S = 1e-3
 _MIN_QUEUE_BYTES = 1 << 16
 
 
+
+_TOOL_TIMEOUT_S = 30.0  # ip, tc and sysctl answer in milliseconds; a hung one must not hang us
+
+
+def _tool(cmd: Sequence[str], input: str | None = None) -> subprocess.CompletedProcess[str]:
+    """Run one of iproute2's tools (or sysctl); its output as text, bounded in time."""
+    try:
+        return subprocess.run(list(cmd), input=input, capture_output=True, text=True,
+                              check=False, timeout=_TOOL_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise LaunchError(f"`{' '.join(cmd)}` did not end within {_TOOL_TIMEOUT_S:g} s",
+                          "look for a hung ip or tc process on this host (ps -C ip,tc) and "
+                          "stop it, then rerun") from None
+
 def _quantity(text: str, units: Mapping[str, float], flag: str, example: str) -> float:
     m = _QUANTITY.fullmatch(text.lower())
     if m is not None:
@@ -196,7 +210,7 @@ def _owner(claim: Path) -> tuple[int, bool] | None:
 
 def _run_namespaces(ip: str) -> dict[str, list[str]]:
     """Every namespace named like a run's, by run id."""
-    out = subprocess.run([ip, "netns", "list"], capture_output=True, text=True, check=False)
+    out = _tool([ip, "netns", "list"])
     runs: dict[str, list[str]] = {}
     for line in out.stdout.splitlines():
         name = line.split(" ", 1)[0]
@@ -209,7 +223,7 @@ def _run_namespaces(ip: str) -> dict[str, list[str]]:
 def _delete_namespaces(ip: str, names: Sequence[str]) -> None:
     for name in names:
         # Already gone is fine: a concurrent sweep may have removed it.
-        subprocess.run([ip, "netns", "delete", name], capture_output=True, check=False)
+        _tool([ip, "netns", "delete", name])
 
 
 def sweep_stale(state_dir: Path = STATE_DIR) -> list[str]:
@@ -393,8 +407,7 @@ class Network:
             json.dump({"pid": os.getpid(), "start": start, "machines": list(self.machines)}, f)
 
     def _add_namespace(self, name: str) -> None:
-        out = subprocess.run([self._ip, "netns", "add", name], capture_output=True, text=True,
-                             check=False)
+        out = _tool([self._ip, "netns", "add", name])
         if out.returncode != 0:
             if "exists" in out.stderr:
                 raise ConfigError(f"network namespace {name} exists already, made by another "
@@ -407,8 +420,7 @@ class Network:
 
     def _batch(self, tool: str, namespace: str, commands: Sequence[str]) -> None:
         """Run ``commands`` through ``ip -batch`` or ``tc -batch`` inside ``namespace``."""
-        out = subprocess.run([tool, "-n", namespace, "-batch", "-"], input="\n".join(commands),
-                             capture_output=True, text=True, check=False)
+        out = _tool([tool, "-n", namespace, "-batch", "-"], input="\n".join(commands))
         if out.returncode != 0:
             if "netem" in "".join(commands) and "qdisc kind is unknown" in out.stderr:
                 raise ConfigError(f"--latency {self.shape.delay_s * 1e3:g}ms needs tc's netem "
@@ -441,9 +453,8 @@ class Network:
         # that a receive is posted) would wait behind all of them: 33 ms per socket at
         # 1 Gbit/s, tens of them per step for a server's many connections.
         limit = max(_MIN_QUEUE_BYTES, int(self.shape.rate_bit_s / 8 * _QUEUE_S))
-        out = subprocess.run([*self.exec_prefix(machine), "sysctl", "-qw",
-                              f"net.ipv4.tcp_limit_output_bytes={limit}"],
-                             capture_output=True, text=True, check=False)
+        out = _tool([*self.exec_prefix(machine), "sysctl", "-qw",
+                     f"net.ipv4.tcp_limit_output_bytes={limit}"])
         if out.returncode != 0:
             log.warning("could not bound the TCP queue in %s (%s): small messages may wait "
                         "behind bulk data", self.namespace(machine), out.stderr.strip())
