@@ -1,4 +1,5 @@
-"""Context.new_group: members-only groups among any workers; hints for raw torch errors."""
+"""Context.new_group: members-only groups among any workers; hints for raw torch errors; the
+timeouts init takes."""
 
 from pathlib import Path
 
@@ -7,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 import polytrain
+from polytrain import ConfigError, _env
 from tests.harness import spawn
 
 
@@ -52,3 +54,18 @@ def test_a_gloo_timeout_gets_the_default_group_hint_only_from_the_users_own_call
     monkeypatch.setattr(runtime, "_context", SimpleNamespace(
         is_worker=True, topology=SimpleNamespace(servers=())))
     assert runtime.hint_for(raised_in(__file__)) is None  # no servers: the world is the workers
+
+
+def test_a_timeout_that_is_not_a_positive_number_of_seconds_is_refused_in_one_line():
+    # POLYTRAIN_TIMEOUT=abc was float()'s ValueError; init(timeout_s=-1) reached gloo's
+    # "The client socket has timed out after -1000ms".
+    for text in ("abc", "0", "-5"):
+        with pytest.raises(ConfigError, match=rf"POLYTRAIN_TIMEOUT='{text}' is not a positive "
+                                              rf"number of seconds\. HINT: set it to, say, 120"):
+            _env.read({"POLYTRAIN_TIMEOUT": text})
+    assert _env.read({"POLYTRAIN_TIMEOUT": "2.5"}).timeout_s == 2.5
+    for kwargs in ({"timeout_s": -1}, {"server_idle_s": 0}):
+        with pytest.raises(ConfigError, match=r"polytrain\.init\(\w+=-?\d+\): must be a "
+                                              r"positive number of seconds"):
+            polytrain.init(**kwargs)
+    assert not polytrain.is_initialized()

@@ -7,6 +7,8 @@ import socket
 from dataclasses import dataclass
 from typing import Mapping
 
+from .errors import ConfigError
+
 __all__: list[str] = []
 
 RANK = "RANK"
@@ -59,9 +61,21 @@ def read(environ: Mapping[str, str] | None = None) -> ProcessEnv:
         master_port=int(port) if port else None,
         role=_role(env.get(ROLE, "worker"), local_rank),
         node=env.get(NODE) or socket.gethostname(),
-        timeout_s=float(env.get(TIMEOUT, DEFAULT_TIMEOUT_S)),
+        timeout_s=_seconds(env, TIMEOUT, DEFAULT_TIMEOUT_S),
         launched=launched,
     )
+
+
+def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
+    text = env.get(name)
+    try:
+        value = default if text is None else float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ConfigError(f"{name}={text!r} is not a positive number of seconds",
+                          f"set it to, say, {default:g}, or unset it")
+    return value
 
 
 def _role(spec: str, local_rank: int) -> str:

@@ -226,6 +226,10 @@ def init(*, device: str | torch.device | None = None, timeout_s: float | None = 
         return _context
     env = _env.read()
     timeout = float(timeout_s if timeout_s is not None else env.timeout_s)
+    for name, value in (("timeout_s", timeout), ("server_idle_s", server_idle_s)):
+        if value is not None and not value > 0:
+            raise ConfigError(f"polytrain.init({name}={value:g}): must be a positive number of "
+                              f"seconds", f"pass, say, {name}={_env.DEFAULT_TIMEOUT_S:g}")
     _join(env, timeout)
     rank = dist.get_rank()
     seats: list[Any] = [None] * dist.get_world_size()

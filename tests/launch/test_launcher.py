@@ -87,7 +87,8 @@ def test_a_worker_that_never_reaches_the_collective_is_named_not_its_waiting_pee
     assert timeout / 2 <= worked < 4 * timeout
     # faulthandler's dump of the stuck process, under its name, shows the line it was stuck on.
     assert re.search(r'\[polytrain rank 2 worker@node0\] its threads when named as stalled '
-                     r'\(most recent call first\):\n(.*\n)*?(Current thread|Thread) 0x[0-9a-f]+ .*\n'
+                     r'\(most recent call first\):\n(.*\n)*?'
+                     r'(Current thread|Thread) 0x[0-9a-f]+ .*\n'
                      r'  File ".*scripts\.py", line \d+ in worker_stalls\n',
                      capfd.readouterr().err)
 
