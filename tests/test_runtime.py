@@ -59,13 +59,14 @@ def test_a_gloo_timeout_gets_the_default_group_hint_only_from_the_users_own_call
 def test_a_timeout_that_is_not_a_positive_number_of_seconds_is_refused_in_one_line():
     # POLYTRAIN_TIMEOUT=abc was float()'s ValueError; init(timeout_s=-1) reached gloo's
     # "The client socket has timed out after -1000ms".
-    for text in ("abc", "0", "-5"):
+    for text in ("abc", "0", "-5", "inf"):
         with pytest.raises(ConfigError, match=rf"POLYTRAIN_TIMEOUT='{text}' is not a positive "
                                               rf"number of seconds\. HINT: set it to, say, 120"):
             _env.read({"POLYTRAIN_TIMEOUT": text})
     assert _env.read({"POLYTRAIN_TIMEOUT": "2.5"}).timeout_s == 2.5
-    for kwargs in ({"timeout_s": -1}, {"server_idle_s": 0}):
-        with pytest.raises(ConfigError, match=r"polytrain\.init\(\w+=-?\d+\): must be a "
-                                              r"positive number of seconds"):
+    for kwargs in ({"timeout_s": -1}, {"server_idle_s": 0}, {"timeout_s": float("inf")}):
+        with pytest.raises(ConfigError, match=r"polytrain\.init\(\w+=(-?\d+|inf)\): must be a "
+                                              r"positive number of seconds\. HINT: pass, say, "
+                                              r"\w+=(120|3600)$"):
             polytrain.init(**kwargs)
     assert not polytrain.is_initialized()

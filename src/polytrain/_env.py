@@ -72,7 +72,7 @@ def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
         value = default if text is None else float(text)
     except ValueError:
         value = -1.0
-    if not value > 0:
+    if not 0 < value < float("inf"):
         raise ConfigError(f"{name}={text!r} is not a positive number of seconds",
                           f"set it to, say, {default:g}, or unset it")
     return value

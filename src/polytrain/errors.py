@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 __all__ = ["PolytrainError", "ConfigError", "LaunchError", "CommError", "CommTimeout", "PeerLost",
-           "ClosedByTimeout"]
+           "ClosedByTimeout", "is_timeout", "kept_error", "CLOSED_BY_TIMEOUT"]
+
+# gloo's text for a receive cut off because another wait on the same group timed out.
+CLOSED_BY_TIMEOUT = "Application timeout caused pair closure"
+# torch's texts for a wait that ran out of time: gloo's, the store's, NCCL's watchdog.
+_TIMEOUT_MARKERS = ("Timed out", "timed out", "Timeout", "operation timeout")
 
 
 class PolytrainError(Exception):
@@ -37,7 +42,12 @@ class CommError(PolytrainError, RuntimeError):
 
 
 class CommTimeout(CommError, TimeoutError):
-    """A peer did not answer within the timeout."""
+    """A peer did not answer within the timeout (``waited_s``, where known)."""
+
+    def __init__(self, what: str, hint: str | None = None, *,
+                 waited_s: float | None = None) -> None:
+        super().__init__(what, hint)
+        self.waited_s = waited_s
 
 
 class PeerLost(CommError):
@@ -49,3 +59,24 @@ class PeerLost(CommError):
 class ClosedByTimeout(CommError):
     """Another wait of this process on the same group timed out, and gloo closed every
     connection of the group: that wait's own error is the cause."""
+
+    peer_lost = True  # secondary: the launcher prefers any other cause
+
+
+def is_timeout(exc: BaseException) -> bool:
+    """Whether ``exc`` is a wait for peers that ran out of time: polytrain's
+    :class:`CommTimeout`, or torch's own error (a ``RuntimeError``) for one."""
+    if isinstance(exc, CommTimeout):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and not isinstance(exc, PolytrainError) and \
+        CLOSED_BY_TIMEOUT not in text and any(m in text for m in _TIMEOUT_MARKERS)
+
+
+def kept_error(kept: BaseException | None, new: BaseException) -> BaseException:
+    """Of two errors a process's threads raised, the one to report: the first, unless it was
+    only cut off by the other's timeout (:class:`ClosedByTimeout`)."""
+    if kept is None or (isinstance(kept, ClosedByTimeout) and
+                        not isinstance(new, ClosedByTimeout)):
+        return new
+    return kept

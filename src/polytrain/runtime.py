@@ -6,6 +6,7 @@ import atexit
 import datetime
 import gc
 import logging
+import math
 import os
 import sys
 import threading
@@ -226,10 +227,11 @@ def init(*, device: str | torch.device | None = None, timeout_s: float | None = 
         return _context
     env = _env.read()
     timeout = float(timeout_s if timeout_s is not None else env.timeout_s)
-    for name, value in (("timeout_s", timeout), ("server_idle_s", server_idle_s)):
-        if value is not None and not value > 0:
+    for name, value, usual in (("timeout_s", timeout, _env.DEFAULT_TIMEOUT_S),
+                               ("server_idle_s", server_idle_s, _SERVER_IDLE_S)):
+        if value is not None and not 0 < value < math.inf:
             raise ConfigError(f"polytrain.init({name}={value:g}): must be a positive number of "
-                              f"seconds", f"pass, say, {name}={_env.DEFAULT_TIMEOUT_S:g}")
+                              f"seconds", f"pass, say, {name}={usual:g}")
     _join(env, timeout)
     rank = dist.get_rank()
     seats: list[Any] = [None] * dist.get_world_size()
@@ -307,7 +309,8 @@ def _join(env: _env.ProcessEnv, timeout: float) -> None:
         raise CommTimeout(
             f"rank {rank} ({env.role}, machine {env.node}) could not join the run of {world} "
             f"processes at {init_method} within {timeout:g} s: {first}",
-            "check that all WORLD_SIZE processes were started and can reach MASTER_ADDR") from None
+            "check that all WORLD_SIZE processes were started and can reach MASTER_ADDR",
+            waited_s=timeout) from None
 
 
 def _pick_device(device: str | torch.device | None, local_rank: int) -> torch.device:

@@ -81,13 +81,13 @@ def test_a_worker_that_never_reaches_the_collective_is_named_not_its_waiting_pee
     assert info.value.rank == 2, message
     assert re.search(r"worker rank 2 \(machine node0\) failed: stopped making progress: its "
                      r"main thread has worked for \d+\.\d s without waiting for any peer, now "
-                     r"at scripts\.py:\d+ in worker_stalls, while a peer timed out", message)
+                     r"at scripts\.py:\d+ in worker_stalls, while worker rank [01] timed out "
+                     r"waiting 6 s", message)
     assert "its threads' stacks are printed above" in message
-    worked = float(re.search(r"worked for (\d+\.\d) s", message).group(1))
-    assert timeout / 2 <= worked < 4 * timeout
+    assert float(re.search(r"worked for (\d+\.\d) s", message).group(1)) < 4 * timeout
     # faulthandler's dump of the stuck process, under its name, shows the line it was stuck on.
-    assert re.search(r'\[polytrain rank 2 worker@node0\] its threads when named as stalled '
-                     r'\(most recent call first\):\n(.*\n)*?'
+    assert re.search(r'\[polytrain rank 2 worker@node0\] its threads when named as stalled:\n'
+                     r'(.*\n)*?'
                      r'(Current thread|Thread) 0x[0-9a-f]+ .*\n'
                      r'  File ".*scripts\.py", line \d+ in worker_stalls\n',
                      capfd.readouterr().err)
@@ -96,11 +96,12 @@ def test_a_worker_that_never_reaches_the_collective_is_named_not_its_waiting_pee
 @pytest.mark.timeout(60)
 def test_leaving_the_run_at_exit_that_times_out_says_so_in_one_line(capfd):
     # It printed gloo's traceback ("Exception ignored in atexit callback"), naming no one.
-    assert polytrain.launch(scripts.late_to_leave, workers=2, args=(1, 8.0), timeout_s=3,
+    assert polytrain.launch(scripts.late_to_leave, workers=2, args=(1, 11.0), timeout_s=5,
                             env={"OMP_NUM_THREADS": "1"}) == [0, 1]
     err = capfd.readouterr().err
-    assert re.search(r"shutdown at exit failed: rank 0: any peer did not complete leaving the "
-                     r"run \(gathering every process's meter report\) within 3 s", err), err
+    assert re.search(r"shutdown at exit failed: rank 0: leaving the run \(gathering every "
+                     r"process's meter report\) did not complete within 5 s, waiting for any "
+                     r"peer", err), err
     assert "Traceback" not in err and "atexit" not in err, err
 
 

@@ -8,7 +8,14 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from ..errors import ClosedByTimeout, CommError, CommTimeout, PeerLost
+from ..errors import (
+    CLOSED_BY_TIMEOUT,
+    ClosedByTimeout,
+    CommError,
+    CommTimeout,
+    PeerLost,
+    is_timeout,
+)
 from .meter import RECV, SENT, TrafficMeter
 from .tags import RESPONSE, channel_of
 from .topology import Topology
@@ -17,7 +24,6 @@ __all__ = ["Transport", "Handle"]
 
 _LOST_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
                  "Socket closed", "connection closed")
-_CLOSED_BY_TIMEOUT = "Application timeout caused pair closure"  # gloo's text
 
 
 class Handle:
@@ -153,14 +159,15 @@ class Transport:
         """Turn torch's error for a message with ``peer`` into one that says who and what."""
         who = "any peer" if peer is None else self.topology.name(peer)
         text = str(exc)
-        if _CLOSED_BY_TIMEOUT in text:
+        if CLOSED_BY_TIMEOUT in text:
             return ClosedByTimeout(f"rank {self.rank}: {what} with {who} was cut off: another "
                                    f"wait of this process timed out, and gloo closed the group")
-        if "Timed out" in text or "timed out" in text or "Timeout" in text:
+        if is_timeout(exc):
             return CommTimeout(
-                f"rank {self.rank}: {who} did not complete {what} within {timeout_s:g} s",
+                f"rank {self.rank}: {what} did not complete within {timeout_s:g} s, waiting "
+                f"for {who}",
                 "if that process is alive but slow, raise the timeout (--timeout or "
-                "POLYTRAIN_TIMEOUT); otherwise look at its log")
+                "POLYTRAIN_TIMEOUT); otherwise look at its log", waited_s=timeout_s)
         if any(m in text for m in _LOST_MARKERS):
             return PeerLost(f"rank {self.rank}: lost {who} during {what}: the process stopped",
                             "look at that process's log for its error")

@@ -15,6 +15,7 @@ import gc
 import json
 import os
 import pickle
+import re
 import runpy
 import signal
 import sys
@@ -26,6 +27,7 @@ import types
 from typing import Any
 
 from .. import _env
+from ..errors import is_timeout
 
 __all__: list[str] = []
 
@@ -50,23 +52,27 @@ def _die_with_parent() -> None:
 
 
 # Where a main thread waits for its peers: torch.distributed, autograd (backward hooks wait
-# for collectives) and polytrain's communication machinery. Anywhere else it is working.
-_WAITING_IN = tuple(f"{os.sep}{p}" for p in (
-    os.path.join("torch", "distributed", ""), os.path.join("torch", "autograd", ""),
-    os.path.join("torch", "nn", "parallel", ""), os.path.join("polytrain", "comm", ""),
-    os.path.join("polytrain", "ps", ""), os.path.join("polytrain", "pipeline", ""),
-    os.path.join("polytrain", "strategies", ""), os.path.join("polytrain", "runtime.py")))
+# for collectives), torch's futures and CUDA synchronisation, polytrain's communication
+# machinery, and this module (a script that has ended, joining its threads). Anywhere else
+# it is working.
+_WAITING_IN = tuple(os.sep + os.path.join(*p) for p in (
+    ("torch", "distributed", ""), ("torch", "autograd", ""), ("torch", "nn", "parallel", ""),
+    ("torch", "futures", ""), ("torch", "cuda", ""), ("polytrain", "comm", ""),
+    ("polytrain", "ps", ""), ("polytrain", "pipeline", ""), ("polytrain", "strategies", ""),
+    ("polytrain", "runtime.py"), ("polytrain", "launch", "child.py")))
 _STDLIB = sysconfig.get_paths()["stdlib"]
+_SAMPLE_S = 0.05  # how often the heartbeat thread looks at the main thread
 
 
 def _main_thread_place() -> tuple[str, bool]:
     """Where the main thread is, as ``file:line in function`` of its innermost frame outside
-    the standard library, and whether that frame waits for the peers (see ``_WAITING_IN``)."""
+    the standard library (and not ``<frozen ...>`` or ``<string>``), and whether that frame
+    waits for the peers (see ``_WAITING_IN``)."""
     frame = sys._current_frames().get(threading.main_thread().ident or -1)
     innermost = frame
     while frame is not None:
         name = frame.f_code.co_filename
-        if not name.startswith(_STDLIB) or "-packages" in name:
+        if not name.startswith("<") and (not name.startswith(_STDLIB) or "-packages" in name):
             break
         frame = frame.f_back
     frame = frame or innermost
@@ -79,29 +85,34 @@ def _main_thread_place() -> tuple[str, bool]:
 
 def _start_heartbeat() -> None:
     """Rewrite the heartbeat file from a thread of its own, saying where the main thread is
-    and since when it has worked without waiting for its peers. A process that stops
-    (SIGSTOP) or is frozen stops rewriting it, and the launcher reports it as hung; one that
-    has worked since before a peer began the wait that timed out is what the peer waited
-    for, and the launcher names it."""
+    and since when it has worked without being seen waiting for its peers (it looks every
+    50 ms; a training loop waits for its peers every step). A process that stops (SIGSTOP)
+    or is frozen
+    stops rewriting it, and the launcher reports it as hung; one that has worked since
+    before a peer began the wait that timed out is what the peer waited for, and the
+    launcher names it."""
     path = _env.heartbeat_file()
     if not path:
         return
 
     def beat() -> None:
         working_since: float | None = None
+        written = 0.0
         while True:
             where, waiting = _main_thread_place()
             if waiting:
                 working_since = None
             elif working_since is None:
                 working_since = time.time()
-            try:
-                with open(path + ".tmp", "w") as f:
-                    json.dump({"where": where, "working_since": working_since}, f)
-                os.replace(path + ".tmp", path)
-            except OSError:
-                return
-            time.sleep(_BEAT_S)
+            if time.monotonic() - written >= _BEAT_S:
+                written = time.monotonic()
+                try:
+                    with open(path + ".tmp", "w") as f:
+                        json.dump({"where": where, "working_since": working_since}, f)
+                    os.replace(path + ".tmp", path)
+                except OSError:
+                    return
+            time.sleep(_SAMPLE_S)
 
     threading.Thread(target=beat, name="polytrain-heartbeat", daemon=True).start()
 
@@ -116,14 +127,14 @@ def _raise_injected(signum: int, frame: Any) -> None:
 
 
 def _write_error(cause: str, secondary: bool, hint: str | None = None,
-                 timed_out: bool = False) -> None:
+                 waited_s: float | None = None) -> None:
     path = _env.error_file()
     if not path:
         return
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         json.dump({"cause": cause, "time": time.time(), "secondary": secondary, "hint": hint,
-                   "timed_out": timed_out}, f)
+                   "waited_s": waited_s}, f)
     os.replace(tmp, path)
 
 
@@ -133,9 +144,15 @@ def _is_secondary(exc: BaseException) -> bool:
     return any(m in str(exc) for m in _SECONDARY_MARKERS)
 
 
-def _timed_out(exc: BaseException) -> bool:
-    """Whether it waited for a peer until the timeout (polytrain's errors or gloo's)."""
-    return isinstance(exc, TimeoutError) or "timed out" in str(exc).lower()
+def _waited_s(exc: BaseException) -> float | None:
+    """How long it waited for its peers before it timed out (None: it did not time out; 0:
+    it did, for a time not known)."""
+    if not is_timeout(exc):
+        return None
+    waited = getattr(exc, "waited_s", None)
+    if waited is None and (m := re.search(r"Timed out waiting (\d+)ms", str(exc))):
+        waited = int(m.group(1)) / 1e3  # gloo's text
+    return float(waited or 0.0)
 
 
 def _load_main(path: str | None) -> None:
@@ -173,8 +190,8 @@ def _hint_for(exc: BaseException) -> str | None:
 
 
 def _fail(cause: str, secondary: bool, code: int = 1, hint: str | None = None,
-          timed_out: bool = False) -> None:
-    _write_error(cause, secondary, hint, timed_out)
+          waited_s: float | None = None) -> None:
+    _write_error(cause, secondary, hint, waited_s)
     sys.stdout.flush()
     sys.stderr.flush()
     # Skip atexit hooks: a graceful shutdown would wait on peers that may be gone.
@@ -208,7 +225,7 @@ def main() -> None:
     except BaseException as e:  # noqa: BLE001 - every failure must reach the launcher
         print(f"{who} failed:\n{traceback.format_exc()}", file=sys.stderr, end="", flush=True)
         _fail(f"{type(e).__name__}: {e}", _is_secondary(e), hint=_hint_for(e),
-              timed_out=_timed_out(e))
+              waited_s=_waited_s(e))
     # Free cycles that hold process groups now: torch aborts if it frees them during exit.
     gc.collect()
     if payload["kind"] == "fn":

@@ -35,7 +35,8 @@ _POLL_S = 0.05
 _GRACE_S = 3.0
 _NETWORK_PORT = 29500  # in the run's own namespaces every port is free
 _FIRST_BEAT_S = 60.0  # a child's first heartbeat comes after it has imported torch
-_STACKS_S = 0.3  # how long a stalled child is given to print its stacks before it is stopped
+_STACKS_S = 2.0  # how long a stalled child is given to write its stacks before it is stopped
+_STALL_SLACK_S = 1.0  # "working since before the peer's wait began", give or take a beat
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -85,7 +86,7 @@ class _Failure:
     secondary: bool  # it failed because another process had failed first
     label: str = ""  # what the process said it is (Context.set_label), e.g. a pipeline stage
     hint: str = _SEE_TRACEBACK
-    timed_out: bool = False  # it waited for a peer until the timeout
+    waited_s: float | None = None  # it timed out waiting for peers, after so long (0: unknown)
 
     def order(self) -> tuple[int, float]:
         return (1 if self.secondary else 0, self.time)
@@ -267,11 +268,15 @@ class Launcher:
                 hung.append(c)
         return hung
 
-    def _stalled(self, children: list[_Child], failed: list[_Child]) -> list[_Child]:
-        """The running children whose main thread has worked, without waiting for any peer,
-        for half the timeout or more (oldest first): when a peer times out waiting, they are
-        what it waited for. Each prints its threads' stacks (SIGUSR2, faulthandler)."""
-        now, limit = time.time(), self._hang_after_s()
+    def _stalled(self, children: list[_Child], failed: list[_Child],
+                 waiter: _Failure) -> list[_Child]:
+        """The running children whose main thread has worked, without being seen waiting for
+        any peer, since before ``waiter`` began the wait that timed out (oldest first): what
+        it waited for. Each writes its threads' stacks (SIGUSR2: faulthandler), printed here
+        under its name."""
+        assert waiter.waited_s is not None
+        began = (waiter.time - waiter.waited_s if waiter.waited_s > 0
+                 else time.time() - self._hang_after_s())
         found = []
         for c in children:
             if c in failed or c.proc.poll() is not None:
@@ -281,22 +286,21 @@ class Launcher:
                 since, where = beat["working_since"], beat["where"]
             except (OSError, ValueError, KeyError, TypeError):
                 continue
-            if since is not None and now - since >= limit:
+            if since is not None and since <= began + _STALL_SLACK_S:
                 c.hung = (f"stopped making progress: its main thread has worked for "
-                          f"{now - since:.1f} s without waiting for any peer, now at {where}, "
-                          f"while a peer timed out waiting for it")
+                          f"{time.time() - since:.1f} s without waiting for any peer, now at "
+                          f"{where}, while {waiter.spec.role} rank {waiter.spec.rank} timed out "
+                          f"waiting{f' {waiter.waited_s:g} s' if waiter.waited_s else ''}")
                 c.stalled = True
                 found.append((since, c))
         for _, c in found:
             with contextlib.suppress(OSError):
                 c.proc.send_signal(signal.SIGUSR2)
-        if found:
-            time.sleep(_STACKS_S)
         for _, c in found:
-            with contextlib.suppress(OSError):
-                print(f"[polytrain rank {c.spec.rank} {c.spec.role}@{c.spec.machine}] its "
-                      f"threads when named as stalled (most recent call first):\n"
-                      f"{c.stacks_file.read_text()}", file=sys.stderr, end="", flush=True)
+            stacks = _written(c.stacks_file, _STACKS_S)
+            print(f"[polytrain rank {c.spec.rank} {c.spec.role}@{c.spec.machine}] its "
+                  f"threads when named as stalled:\n{stacks or '(not written in time)'}",
+                  file=sys.stderr, end="" if stacks.endswith("\n") else "\n", flush=True)
         return [c for _, c in sorted(found, key=lambda sc: sc[0])]
 
     def _watch(self, children: list[_Child], interrupted: threading.Event,
@@ -329,8 +333,9 @@ class Launcher:
                     while time.monotonic() < deadline and all(
                             c.proc.poll() in (None, 0) for c in children if c not in failed):
                         time.sleep(_POLL_S)
-                if any(f.timed_out for f in failures):
-                    stalled = self._stalled(children, failed)
+                waiter = min(failures, key=_Failure.order)
+                if waiter.waited_s is not None:
+                    stalled = self._stalled(children, failed, waiter)
                     failed += stalled
                     failures += [_failure(c, oom_kills_before) for c in stalled]
                     hung += stalled
@@ -421,7 +426,7 @@ def _failure(child: _Child, oom_kills_before: int | None) -> _Failure:
             hint = info.get("hint")
             return _Failure(child.spec, code, info["cause"], info["time"], info["secondary"],
                             label, f"{hint} (its traceback is printed above)" if hint
-                            else _SEE_TRACEBACK, bool(info.get("timed_out")))
+                            else _SEE_TRACEBACK, info.get("waited_s"))
         except (ValueError, KeyError, OSError):
             pass
     if code < 0:
@@ -440,6 +445,24 @@ def _failure(child: _Child, oom_kills_before: int | None) -> _Failure:
                             "batch (every emulated machine shares this one's memory)")
         return _Failure(child.spec, code, f"killed by {name} ({-code})", 0.0, False, label)
     return _Failure(child.spec, code, f"exited with code {code}", time.time(), False, label)
+
+
+def _written(path: Path, within_s: float) -> str:
+    """The text another process is writing to ``path``, once its size has held for a poll
+    (at most ``within_s``; "" if nothing came)."""
+    deadline, size = time.monotonic() + within_s, -1
+    while time.monotonic() < deadline:
+        try:
+            now = path.stat().st_size
+        except OSError:
+            now = 0
+        if now and now == size:
+            break
+        size = now
+        time.sleep(0.1)
+    with contextlib.suppress(OSError):
+        return path.read_text(errors="replace")
+    return ""
 
 
 def _read_result(path: Path) -> Any:

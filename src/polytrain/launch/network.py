@@ -63,9 +63,6 @@ _MIN_BURST_BYTES = 1 << 17
 #: ``net.ipv4.tcp_limit_output_bytes``, 4 MiB by default), per emulated machine.
 _QUEUE_S = 1e-3
 _MIN_QUEUE_BYTES = 1 << 16
-
-
-
 _TOOL_TIMEOUT_S = 30.0  # ip, tc and sysctl answer in milliseconds; a hung one must not hang us
 
 
@@ -222,8 +219,12 @@ def _run_namespaces(ip: str) -> dict[str, list[str]]:
 
 def _delete_namespaces(ip: str, names: Sequence[str]) -> None:
     for name in names:
-        # Already gone is fine: a concurrent sweep may have removed it.
-        _tool([ip, "netns", "delete", name])
+        # Already gone is fine: a concurrent sweep may have removed it. One that cannot be
+        # removed must not keep the others (or the run's own error) from their clean-up.
+        try:
+            _tool([ip, "netns", "delete", name])
+        except LaunchError as e:
+            log.warning("could not remove network namespace %s: %s", name, e)
 
 
 def sweep_stale(state_dir: Path = STATE_DIR) -> list[str]:

@@ -45,7 +45,7 @@ import torch
 from ..comm import tags
 from ..comm.p2p import Handle
 from ..comm.partition import Partition, TensorSpec
-from ..errors import CommError, CommTimeout, ConfigError
+from ..errors import CommError, CommTimeout, ConfigError, kept_error
 from .client import Pending
 from .compression import Codec, CompressOptions
 from .credit import CreditQueue
@@ -324,7 +324,8 @@ class Engine:
             if time.monotonic() > deadline:
                 raise CommTimeout(f"rank {self.me}: the sum of {t.name!r} did not arrive within "
                                   f"{self.ctx.timeout_s:g} s", "if the servers and workers are "
-                                  "alive but slow, raise the timeout (--timeout)")
+                                  "alive but slow, raise the timeout (--timeout)",
+                                  waited_s=self.ctx.timeout_s)
         self._raise()
         for h in t.recvs + t.sends:
             h.wait()
@@ -355,10 +356,9 @@ class Engine:
         try:
             fn()
         except BaseException as e:  # noqa: BLE001 - handed to the waiting caller
-            if self.error is None:
-                self.error = e if isinstance(e, CommError) else CommError(
-                    f"rank {self.me}: engine {fn.__name__.strip('_')} thread failed: "
-                    f"{type(e).__name__}: {e}")
+            self.error = kept_error(self.error, e if isinstance(e, CommError) else CommError(
+                f"rank {self.me}: engine {fn.__name__.strip('_')} thread failed: "
+                f"{type(e).__name__}: {e}"))
             self.queue.close()
             for t in self.tensors:
                 t.done.set()

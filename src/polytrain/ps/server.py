@@ -13,7 +13,7 @@ import torch
 
 from ..comm.p2p import Handle, Transport
 from ..comm.topology import Topology
-from ..errors import ClosedByTimeout, CommError, CommTimeout, PolytrainError
+from ..errors import ClosedByTimeout, CommError, CommTimeout, PolytrainError, kept_error
 from .protocol import (
     HEADER_TAG,
     LIVENESS_TAG,
@@ -167,8 +167,7 @@ class Server:
         self._error: BaseException | None = None
 
     def fail(self, error: BaseException) -> None:
-        if self._error is None:
-            self._error = error
+        self._error = kept_error(self._error, error)
 
     def serve(self) -> None:
         """Answer requests until every worker has finished; raise the first failure."""
@@ -213,7 +212,10 @@ class Server:
                                            source_of=sender_of, length_of=message_length
                                            ).wait(self.idle_timeout_s)
             except CommTimeout:
-                raise CommTimeout(
+                # Not a wait for a peer gone quiet (that is a CommTimeout, whose waiting the
+                # launcher blames on whoever works on instead) but the bound on the workers'
+                # idle time between requests, which is reached working.
+                raise CommError(
                     f"server rank {self.rank}: no request from the workers {sorted(pending)} "
                     f"for {self.idle_timeout_s:g} s",
                     "if the workers are alive but slow between steps, raise the timeout "
