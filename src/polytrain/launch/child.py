@@ -87,10 +87,9 @@ def _start_heartbeat() -> None:
     """Rewrite the heartbeat file from a thread of its own, saying where the main thread is
     and since when it has worked without being seen waiting for its peers (it looks every
     50 ms; a training loop waits for its peers every step). A process that stops (SIGSTOP)
-    or is frozen
-    stops rewriting it, and the launcher reports it as hung; one that has worked since
-    before a peer began the wait that timed out is what the peer waited for, and the
-    launcher names it."""
+    or is frozen stops rewriting it, and the launcher reports it as hung; one that has
+    worked since before a peer began the wait that timed out is what the peer waited for,
+    and the launcher names it."""
     path = _env.heartbeat_file()
     if not path:
         return

@@ -71,6 +71,14 @@ class _Child:
     stalled: bool = False  # it answers, but worked on while a peer timed out waiting for it
 
 
+def _files(workdir: Path, rank: int) -> tuple[Path, Path, Path, Path, Path]:
+    """A child's files in the run's directory, in :class:`_Child`'s order: error, result (the
+    child names it alike, beside the payload), label, heartbeat, stacks."""
+    return (workdir / f"error-{rank}.json", workdir / f"result-{rank}.pkl",
+            workdir / f"label-{rank}.txt", workdir / f"heartbeat-{rank}",
+            workdir / f"stacks-{rank}.txt")
+
+
 _SEE_TRACEBACK = "the traceback of that process is printed above; fix its cause and rerun"
 _STALLED_HINT = ("its threads' stacks are printed above: find why it did not reach the "
                  "communication its peers waited in (a loop or a wait that does not end, a "
@@ -161,8 +169,9 @@ class Launcher:
 
     # -- processes --------------------------------------------------------------------------
 
-    def _child_env(self, spec: ProcessSpec, workdir: Path, shm: Path | None,
+    def _child_env(self, spec: ProcessSpec, files: tuple[Path, ...], shm: Path | None,
                    network: Network | None) -> dict[str, str]:
+        error, _, label, heartbeat, stacks = files
         env = _env.inherited()
         env.update(self.env)
         if network is not None:
@@ -178,10 +187,10 @@ class Launcher:
             _env.MASTER_PORT: str(self.port),
             _env.ROLE: spec.role,
             _env.NODE: spec.machine,
-            _env.ERROR_FILE: str(workdir / f"error-{spec.rank}.json"),
-            _env.LABEL_FILE: str(workdir / f"label-{spec.rank}.txt"),
-            _env.HEARTBEAT_FILE: str(workdir / f"heartbeat-{spec.rank}"),
-            _env.STACKS_FILE: str(workdir / f"stacks-{spec.rank}.txt"),
+            _env.ERROR_FILE: str(error),
+            _env.LABEL_FILE: str(label),
+            _env.HEARTBEAT_FILE: str(heartbeat),
+            _env.STACKS_FILE: str(stacks),
             _env.PARENT_PID: str(os.getpid()),
         })
         if self.timeout_s is not None:
@@ -217,15 +226,11 @@ class Launcher:
                     network.open()
                 for spec in self.layout.processes():
                     on = network.exec_prefix(spec.machine) if network is not None else []
+                    files = _files(workdir, spec.rank)
                     proc = subprocess.Popen(
                         [*on, sys.executable, "-m", "polytrain.launch.child", str(payload_file)],
-                        env=self._child_env(spec, workdir, shm, network))
-                    children.append(_Child(spec, proc, workdir / f"error-{spec.rank}.json",
-                                           workdir / f"result-{spec.rank}.pkl",
-                                           workdir / f"label-{spec.rank}.txt",
-                                           workdir / f"heartbeat-{spec.rank}",
-                                           workdir / f"stacks-{spec.rank}.txt",
-                                           started=time.time()))
+                        env=self._child_env(spec, files, shm, network))
+                    children.append(_Child(spec, proc, *files, started=time.time()))
                 log.info("started %d processes on port %d: %s", len(children), self.port,
                          self.layout.describe())
                 self._watch(children, interrupted, oom_kills_before)

@@ -76,6 +76,7 @@ def _tool(cmd: Sequence[str], input: str | None = None) -> subprocess.CompletedP
                           "look for a hung ip or tc process on this host (ps -C ip,tc) and "
                           "stop it, then rerun") from None
 
+
 def _quantity(text: str, units: Mapping[str, float], flag: str, example: str) -> float:
     m = _QUANTITY.fullmatch(text.lower())
     if m is not None:
