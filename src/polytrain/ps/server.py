@@ -6,6 +6,7 @@ import logging
 import queue
 import sys
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -185,7 +186,7 @@ class Server:
                 while t.is_alive():
                     t.join(_POLL_S)
                     if self._error is not None:
-                        raise self._error
+                        raise self._cause()
         finally:
             for e in self.engines:
                 e.queue.put(None)
@@ -194,7 +195,17 @@ class Server:
             self.outbox.queue.put(None)  # after the engines: every answer has been posted
             self.outbox.join(timeout=self.transport.timeout_s)
         if self._error is not None:
-            raise self._error
+            raise self._cause()
+
+    def _cause(self) -> BaseException:
+        """The failure to raise. A receive cut off because another wait timed out (gloo then
+        closes the whole group) wakes before that wait's thread reports its own error: that
+        error replaces it (``fail``) within a poll."""
+        deadline = time.monotonic() + _POLL_S
+        while isinstance(self._error, ClosedByTimeout) and time.monotonic() < deadline:
+            time.sleep(_POLL_S / 50)
+        assert self._error is not None
+        return self._error
 
     def _guard(self, fn: Any, *args: Any) -> None:
         try:
@@ -240,11 +251,8 @@ class Server:
         # run longer than that); a worker alive but stuck is found by the request receive's
         # idle timeout and by its peers' own waits.
         signal = torch.empty(1, dtype=torch.int64)
-        try:
-            self.transport.irecv(signal, worker, LIVENESS_TAG, "the end of training"
-                                 ).wait(_TRAINING_S)
-        except ClosedByTimeout:
-            return  # the wait that timed out reports it, from its own thread
+        self.transport.irecv(signal, worker, LIVENESS_TAG, "the end of training"
+                             ).wait(_TRAINING_S)
 
     def _receive_payload(self, req: Request) -> Handle | None:
         """Post the receive of a payload too large to come inline (None: no such payload)."""
