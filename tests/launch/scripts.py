@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import torch
@@ -47,6 +48,17 @@ def late_to_leave(late_rank: int, delay_s: float) -> int:
     ctx = polytrain.init()
     if ctx.rank == late_rank:
         time.sleep(delay_s)
+    return ctx.rank
+
+
+def _upload(delay_s: float) -> None:
+    time.sleep(delay_s)
+
+
+def thread_outlives_script(delay_s: float) -> int:
+    """Leave a thread of the script's (not a daemon) running ``delay_s`` past the end."""
+    ctx = polytrain.init()
+    threading.Thread(target=_upload, args=(delay_s,), name="uploader").start()
     return ctx.rank
 
 

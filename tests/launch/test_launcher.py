@@ -106,6 +106,18 @@ def test_leaving_the_run_at_exit_that_times_out_says_so_in_one_line(capfd):
 
 
 @pytest.mark.timeout(60)
+def test_a_thread_the_script_leaves_running_is_waited_for_and_named(capfd):
+    # It was joined without a word: a process that never ended said nothing of why.
+    assert polytrain.launch(scripts.thread_outlives_script, workers=2, args=(5.0,),
+                            timeout_s=2, env={"OMP_NUM_THREADS": "1"}) == [0, 1]
+    err = capfd.readouterr().err
+    for rank in (0, 1):
+        assert re.search(rf"\[polytrain rank {rank} worker@\S+\] its script has ended, but its "
+                         r"thread 'uploader' \(not a daemon\) still runs, now at "
+                         r"scripts\.py:\d+ in _upload", err), err
+
+
+@pytest.mark.timeout(60)
 def test_a_collective_on_the_default_group_with_servers_says_which_group_to_pass():
     # The servers never join the world group, so gloo times out naming only its own source.
     with pytest.raises(LaunchError, match=r"worker rank \d \(machine node0\) failed: "

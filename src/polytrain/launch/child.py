@@ -64,11 +64,11 @@ _STDLIB = sysconfig.get_paths()["stdlib"]
 _SAMPLE_S = 0.05  # how often the heartbeat thread looks at the main thread
 
 
-def _main_thread_place() -> tuple[str, bool]:
-    """Where the main thread is, as ``file:line in function`` of its innermost frame outside
+def _thread_place(thread: threading.Thread) -> tuple[str, bool]:
+    """Where ``thread`` is, as ``file:line in function`` of its innermost frame outside
     the standard library (and not ``<frozen ...>`` or ``<string>``), and whether that frame
     waits for the peers (see ``_WAITING_IN``)."""
-    frame = sys._current_frames().get(threading.main_thread().ident or -1)
+    frame = sys._current_frames().get(thread.ident or -1)
     innermost = frame
     while frame is not None:
         name = frame.f_code.co_filename
@@ -98,7 +98,7 @@ def _start_heartbeat() -> None:
         working_since: float | None = None
         written = 0.0
         while True:
-            where, waiting = _main_thread_place()
+            where, waiting = _thread_place(threading.main_thread())
             if waiting:
                 working_since = None
             elif working_since is None:
@@ -231,10 +231,10 @@ def main() -> None:
         with open(result_file + ".tmp", "wb") as f:
             pickle.dump(result, f)
         os.replace(result_file + ".tmp", result_file)
-    _exit_cleanly()
+    _exit_cleanly(who)
 
 
-def _exit_cleanly() -> None:
+def _exit_cleanly(who: str) -> None:
     """End as Python would, then leave without finalising the interpreter.
 
     The script's threads are joined and every exit hook runs (polytrain's own
@@ -243,10 +243,21 @@ def _exit_cleanly() -> None:
     freeing one takes the GIL of an interpreter that is going away, which
     aborts the process ("terminate called without an active exception", seen
     once in a few hundred runs of a script that leaves the run at exit).
+
+    A thread of the script's that is still running is waited for, as Python would, not
+    cut off (it may be saving something); every timeout it is named, so that a process
+    that does not end says why.
     """
+    patience = _env.read().timeout_s
     for t in threading.enumerate():
         if t is not threading.main_thread() and not t.daemon:
-            t.join()
+            t.join(patience)
+            while t.is_alive():
+                print(f"{who} its script has ended, but its thread {t.name!r} (not a daemon) "
+                      f"still runs, now at {_thread_place(t)[0]}: the process waits for it "
+                      f"to end, as Python does (make it a daemon thread if it should not be "
+                      f"waited for)", file=sys.stderr, flush=True)
+                t.join(patience)
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
