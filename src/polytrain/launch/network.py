@@ -29,6 +29,7 @@ sees that their owner is gone and removes them.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -64,17 +65,29 @@ _MIN_BURST_BYTES = 1 << 17
 _QUEUE_S = 1e-3
 _MIN_QUEUE_BYTES = 1 << 16
 _TOOL_TIMEOUT_S = 30.0  # ip, tc and sysctl answer in milliseconds; a hung one must not hang us
+_KILLED_TOOL_S = 5.0  # how long a killed tool may take to end before we go on without it
 
 
 def _tool(cmd: Sequence[str], input: str | None = None) -> subprocess.CompletedProcess[str]:
-    """Run one of iproute2's tools (or sysctl); its output as text, bounded in time."""
+    """Run one of iproute2's tools (or sysctl); its output as text, bounded in time (also
+    after a kill: not subprocess.run's unbounded wait, for a tool stuck in the kernel)."""
+    proc = subprocess.Popen(list(cmd), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     try:
-        return subprocess.run(list(cmd), input=input, capture_output=True, text=True,
-                              check=False, timeout=_TOOL_TIMEOUT_S)
+        out, err = proc.communicate(input, timeout=_TOOL_TIMEOUT_S)
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
     except subprocess.TimeoutExpired:
+        proc.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=_KILLED_TOOL_S)
         raise LaunchError(f"`{' '.join(cmd)}` did not end within {_TOOL_TIMEOUT_S:g} s",
                           "look for a hung ip or tc process on this host (ps -C ip,tc) and "
                           "stop it, then rerun") from None
+    finally:
+        for pipe in (proc.stdin, proc.stdout, proc.stderr):
+            if pipe is not None:
+                with contextlib.suppress(OSError):
+                    pipe.close()
 
 
 def _quantity(text: str, units: Mapping[str, float], flag: str, example: str) -> float:
