@@ -260,7 +260,23 @@ def init(*, device: str | torch.device | None = None, timeout_s: float | None = 
         ctx.shutdown()
         sys.exit(0)
     atexit.register(_shutdown_at_exit)
+    if _env.error_file() is None:  # not polytrain's launcher, which reports hints itself
+        _hint_uncaught()
     return ctx
+
+
+def _hint_uncaught() -> None:
+    """After an uncaught error's traceback (under torchrun, or a plain run), say what
+    :func:`hint_for` can tell of it."""
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], exc: BaseException, tb: Any) -> None:
+        previous(kind, exc, tb)
+        hint = hint_for(exc)
+        if hint:
+            log.error("HINT: %s", hint)
+
+    sys.excepthook = hook
 
 
 def hint_for(exc: BaseException) -> str | None:

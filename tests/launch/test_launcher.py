@@ -276,6 +276,25 @@ def test_the_same_script_runs_under_torchrun_standalone(tmp_path):
 
 
 @pytest.mark.timeout(90)
+def test_a_collective_on_the_default_group_says_which_group_to_pass_under_torchrun(tmp_path):
+    # Under torchrun only gloo's timeout was printed: polytrain's hint was the launcher's.
+    script = tmp_path / "job.py"
+    script.write_text("import torch, torch.distributed as dist, polytrain\n"
+                      "polytrain.init(timeout_s=3)\n"
+                      "dist.all_reduce(torch.ones(1))\n")
+    torchrun = Path(sys.executable).with_name("torchrun")
+    env = dict(os.environ, POLYTRAIN_ROLE="worker,server", POLYTRAIN_NODE="box",
+               PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
+    run = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2",
+                          "--master-port", str(free_port()), str(script)],
+                         env=env, capture_output=True, text=True, timeout=80)
+    assert run.returncode != 0
+    assert re.search(r"\[polytrain 0 worker@box\].*HINT: if that call was a collective on the "
+                     r"default group: .*pass group=ctx\.groups\.workers", run.stderr), \
+        run.stderr[-3000:]
+
+
+@pytest.mark.timeout(90)
 def test_polytrain_launch_runs_a_script_and_reports_its_failure(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(
