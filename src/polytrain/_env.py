@@ -25,6 +25,7 @@ LOG_LEVEL = "POLYTRAIN_LOG_LEVEL"
 ERROR_FILE = "POLYTRAIN_ERROR_FILE"
 PARENT_PID = "POLYTRAIN_PARENT_PID"
 LABEL_FILE = "POLYTRAIN_LABEL_FILE"
+RESULT_FILE = "POLYTRAIN_RESULT_FILE"  # where a launched function's return value goes
 HEARTBEAT_FILE = "POLYTRAIN_HEARTBEAT_FILE"  # the launcher watches its mtime: a hung child
 STACKS_FILE = "POLYTRAIN_STACKS_FILE"  # where a child writes its threads' stacks on SIGUSR2
 NIC = "POLYTRAIN_NIC"  # the emulated machine's interface, under --bandwidth
@@ -98,6 +99,10 @@ def error_file() -> str | None:
 
 def label_file() -> str | None:
     return os.environ.get(LABEL_FILE)
+
+
+def result_file() -> str | None:
+    return os.environ.get(RESULT_FILE)
 
 
 def heartbeat_file() -> str | None:

@@ -210,7 +210,6 @@ def main() -> None:
     with open(sys.argv[1], "rb") as f:
         payload = pickle.load(f)
     rank, role, node = _env.identity()
-    result_file = os.path.join(os.path.dirname(sys.argv[1]), f"result-{rank}.pkl")
     who = f"[polytrain rank {rank} {role}@{node}]"
     try:
         result = _run(payload)
@@ -227,7 +226,7 @@ def main() -> None:
               waited_s=_waited_s(e))
     # Free cycles that hold process groups now: torch aborts if it frees them during exit.
     gc.collect()
-    if payload["kind"] == "fn":
+    if payload["kind"] == "fn" and (result_file := _env.result_file()):
         with open(result_file + ".tmp", "wb") as f:
             pickle.dump(result, f)
         os.replace(result_file + ".tmp", result_file)

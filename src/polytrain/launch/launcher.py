@@ -72,8 +72,8 @@ class _Child:
 
 
 def _files(workdir: Path, rank: int) -> tuple[Path, Path, Path, Path, Path]:
-    """A child's files in the run's directory, in :class:`_Child`'s order: error, result (the
-    child names it alike, beside the payload), label, heartbeat, stacks."""
+    """A child's files in the run's directory, in :class:`_Child`'s order: error, result,
+    label, heartbeat, stacks."""
     return (workdir / f"error-{rank}.json", workdir / f"result-{rank}.pkl",
             workdir / f"label-{rank}.txt", workdir / f"heartbeat-{rank}",
             workdir / f"stacks-{rank}.txt")
@@ -171,7 +171,7 @@ class Launcher:
 
     def _child_env(self, spec: ProcessSpec, files: tuple[Path, ...], shm: Path | None,
                    network: Network | None) -> dict[str, str]:
-        error, _, label, heartbeat, stacks = files
+        error, result, label, heartbeat, stacks = files
         env = _env.inherited()
         env.update(self.env)
         if network is not None:
@@ -188,6 +188,7 @@ class Launcher:
             _env.ROLE: spec.role,
             _env.NODE: spec.machine,
             _env.ERROR_FILE: str(error),
+            _env.RESULT_FILE: str(result),
             _env.LABEL_FILE: str(label),
             _env.HEARTBEAT_FILE: str(heartbeat),
             _env.STACKS_FILE: str(stacks),
