@@ -14,8 +14,8 @@ T = TypeVar("T")
 
 
 class CreditQueue(Generic[T]):
-    """Items wait here until their lane's credit allows them out; the lowest priority number
-    goes first.
+    """Items wait here until their lane's credit allows them out; the lowest priority goes
+    first (a number, or a tuple of numbers compared in turn).
 
     BytePS's scheduler: partitions of earlier layers (lower numbers) go before
     later ones, because the next forward pass needs them first, and at most
@@ -45,7 +45,8 @@ class CreditQueue(Generic[T]):
     def __init__(self, credit_bytes: int) -> None:
         self.credit_bytes = credit_bytes
         self._in_flight: defaultdict[Hashable, int] = defaultdict(int)
-        self._waiting: list[tuple[int, int, int, Hashable, T]] = []  # sorted: priority, order
+        # Sorted by priority, then order of arrival.
+        self._waiting: list[tuple[tuple[int, ...], int, int, Hashable, T]] = []
         self._order = itertools.count()
         self._cond = threading.Condition()
         self._closed = False
@@ -56,9 +57,11 @@ class CreditQueue(Generic[T]):
         with self._cond:
             return sum(self._in_flight.values())
 
-    def put(self, priority: int, nbytes: int, item: T, *, lane: Hashable = None) -> None:
+    def put(self, priority: int | tuple[int, ...], nbytes: int, item: T, *,
+            lane: Hashable = None) -> None:
+        order = priority if isinstance(priority, tuple) else (priority,)
         with self._cond:
-            entry = (priority, next(self._order), nbytes, lane, item)
+            entry = (order, next(self._order), nbytes, lane, item)
             bisect.insort(self._waiting, entry, key=lambda e: (e[0], e[1]))
             self._cond.notify_all()
 

@@ -274,8 +274,11 @@ class Engine:
 
     # -- one round -------------------------------------------------------------------------
 
-    def submit(self, t: SumTensor, tensor: torch.Tensor) -> None:
-        """Start summing ``tensor`` (shaped as declared) over the workers; returns at once."""
+    def submit(self, t: SumTensor, tensor: torch.Tensor, priority: int = 0) -> None:
+        """Start summing ``tensor`` (shaped as declared) over the workers; returns at once.
+
+        Its partitions queue by ``priority`` (BytePS's: a larger one goes first; it must be
+        the same on every worker), then by key (earlier layers first)."""
         self._raise()
         if t.busy:
             raise ConfigError(f"{t.name!r} was submitted again before its last sum was waited "
@@ -303,8 +306,8 @@ class Engine:
                     buf = torch.empty(n, dtype=piece.dtype)
                     contributions.append((peer, buf, transport.irecv(
                         buf, peer, tag, f"local piece of {p.part.label}")))
-                self.queue.put(p.part.key, p.part.nbytes, _Task(p, rnd, piece, contributions, out),
-                               lane=p.owner)
+                self.queue.put((-priority, p.part.key), p.part.nbytes,
+                               _Task(p, rnd, piece, contributions, out), lane=p.owner)
             else:
                 recv = transport.irecv(out, p.handler, tag, f"local sum of {p.part.label}")
                 send = transport.isend(piece, p.handler, tag, f"local piece of {p.part.label}")

@@ -11,6 +11,7 @@ import polytrain
 import polytrain.byteps as bps
 from polytrain import ConfigError
 from polytrain.byteps.parallel import DistributedDataParallel as DDP
+from polytrain.ps.engine import engine_for
 from tests.harness import spawn
 
 STEPS = 3
@@ -36,6 +37,15 @@ def use_the_api():
     out["again"] = bps.push_pull(2 * x, name="x")
     out["sum"] = bps.push_pull(torch.tensor([w + 1]), name="n", average=False)
     out["unnamed"] = bps.push_pull(torch.ones(3, 3))
+    # BytePS's priority (#241: always 0 there): a larger one is queued first, then by key.
+    queue = engine_for(ctx).queue
+    queued, put = [], queue.put
+    queue.put = lambda order, nbytes, task, **kw: (queued.append((order, task.part.part.label)),
+                                                   put(order, nbytes, task, **kw))
+    handles = [bps.push_pull_async(torch.ones(2), name=n, priority=p)
+               for n, p in (("late", 0), ("early", 5))]
+    del queue.put  # the class's own again
+    out["priorities"] = (queued, [bps.synchronize(h) for h in handles])
     try:
         bps.push_pull(torch.zeros(3), name="x")
     except ConfigError as e:
@@ -108,9 +118,17 @@ def test_push_pull_broadcasts_and_the_distributed_optimizer():
         assert o["sum"].tolist() == [10] and o["sum"].dtype == torch.int64
         assert torch.equal(o["unnamed"], torch.ones(3, 3))
         assert "name 'x' was first used for [10]" in o["reuse_error"]
+        queued, sums = o["priorities"]
+        assert all(torch.equal(t, torch.ones(2)) for t in sums)
+        assert [label for _, label in sorted(queued)] == (
+            [label for _, label in queued if "early" in label]
+            + [label for _, label in queued if "late" in label])
         assert o["lr"] == pytest.approx(0.2)  # worker 1's
         for k, v in o["initial"].items():
             assert torch.equal(v, out[1]["initial"][k])
+    # Some worker queued both (it handles both partitions for its machine).
+    assert any({"early", "late"} <= {label.split("[")[0] for _, label in o["priorities"][0]}
+               for o in out)
     want = reference(out[0]["initial"])
     for o in out:
         for k, v in o["trained"].items():

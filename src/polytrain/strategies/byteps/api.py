@@ -167,7 +167,7 @@ def push_pull_async(tensor: torch.Tensor, average: bool = True, name: str | None
                     compression: Compressor | None = Compression.none, *,
                     ctx: Context | None = None) -> PushPullHandle:
     """Start summing (or averaging) ``tensor`` over every worker; see :func:`push_pull`."""
-    return _push_pull_async(tensor, average, name, compression, False, ctx)
+    return _push_pull_async(tensor, average, name, priority, compression, False, ctx)
 
 
 def push_pull_async_inplace(tensor: torch.Tensor, average: bool = True,
@@ -175,10 +175,10 @@ def push_pull_async_inplace(tensor: torch.Tensor, average: bool = True,
                             compression: Compressor | None = Compression.none, *,
                             ctx: Context | None = None) -> PushPullHandle:
     """:func:`push_pull_async` whose :func:`synchronize` writes the result into ``tensor``."""
-    return _push_pull_async(tensor, average, name, compression, True, ctx)
+    return _push_pull_async(tensor, average, name, priority, compression, True, ctx)
 
 
-def _push_pull_async(tensor: torch.Tensor, average: bool, name: str | None,
+def _push_pull_async(tensor: torch.Tensor, average: bool, name: str | None, priority: int,
                      compression: Compressor | None, inplace: bool,
                      ctx: Context | None) -> PushPullHandle:
     ctx = _worker_ctx(ctx, "push_pull")
@@ -203,7 +203,7 @@ def _push_pull_async(tensor: torch.Tensor, average: bool, name: str | None,
         raise ConfigError(f"push_pull name {name!r} was first used for {list(t.spec.shape)} "
                           f"{t.spec.dtype}, now for {list(spec.shape)} {spec.dtype}",
                           "give every distinct tensor its own name")
-    engine.submit(t, tensor)
+    engine.submit(t, tensor, priority)
     return PushPullHandle(engine, t, tensor, average, inplace)
 
 
@@ -231,8 +231,9 @@ def push_pull(tensor: torch.Tensor, average: bool = True, name: str | None = Non
               ctx: Context | None = None) -> torch.Tensor:
     """The sum (or average) of ``tensor`` over every worker, through the summation service.
 
-    BytePS's signature (``version`` and ``priority`` are accepted; tensors go in
-    the order of their first use). Every worker calls it with the same names
+    BytePS's signature (``version`` is accepted and unused). Partitions of a larger
+    ``priority`` are sent first (BytePS's rule; the same on every worker), then in the
+    order of first use. Every worker calls it with the same names
     in the same order (the servers check: a name declared with another shape is
     an error naming it). The result is a new tensor on ``tensor``'s device;
     ``tensor`` is unchanged. ``compression`` compresses it on the way (float32).
