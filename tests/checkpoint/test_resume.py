@@ -221,6 +221,24 @@ def test_hetpipe_with_adam_on_the_servers_resumes_bit_for_bit():
 
 
 @pytest.mark.timeout(180)
+def test_hetpipe_with_the_stages_own_adam_resumes_within_rounding():
+    # Symptom: with --no-server-optimizer (the paper's updates: each virtual worker's own
+    # optimizer) a resumed Adam run ended 0.014 from the run without a stop. Cause: the
+    # checkpoint held no optimizer state of the stages; their Adam moments restarted.
+    # What is left is rounding: the resumed servers start from virtual worker 0's weights,
+    # not from the sums they held (1e-8 to 7e-7 here; not bit for bit).
+    config = hetpipe(steps=6, inflight=1).replace(
+        optimizer="adam", lr=3e-3,
+        strategy_options={"inflight": 1, "staleness": 0, "server_optimizer": False})
+    whole, final, again, final_again = stop_and_resume(config, 3)
+    assert again["checkpoints"]["resumed_at"] == 3
+    assert list(final_again) == list(final)
+    assert max_abs_diff(final, final_again) < 2e-6
+    assert again["losses"][:5] == whole["losses"][:5]
+    assert again["losses"][5] == pytest.approx(whole["losses"][5], rel=1e-6)
+
+
+@pytest.mark.timeout(180)
 def test_hetpipe_with_two_in_flight_resumes_from_a_short_wave_bit_for_bit():
     # Symptom: with N_m = 2 a checkpoint at step 3 hung the run (a PULL never answered).
     # Cause: the save's drain ends the short wave (one minibatch), and the next pull's round

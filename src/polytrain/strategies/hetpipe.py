@@ -181,6 +181,7 @@ class HetPipe(Strategy[HetPipeOptions]):
         self.started = False
         self.virtual_workers: tuple[VirtualWorker, ...] = ()
         self.resume_states: list[list[torch.Tensor] | None] | None = None  # per lane
+        self.resume_optimizers: list[dict[str, Any] | None] | None = None  # per lane
 
     # -- set-up -----------------------------------------------------------------------------
 
@@ -266,6 +267,9 @@ class HetPipe(Strategy[HetPipeOptions]):
                                       predict=self.options.predict, source=base,
                                       sources=sources, lag_lr=self.options.lag_lr,
                                       lag_beta2=self.options.lag_beta2)
+            saved = self.resume_optimizers[lane] if self.resume_optimizers else None
+            if saved is not None:
+                optimizer.load_state_dict(saved)
         self.started = True
 
     def _stage(self, role: _Role, plan: HetPipePlan, profile: ModelProfile, loss_fn: LossFn,
@@ -345,16 +349,24 @@ class HetPipe(Strategy[HetPipeOptions]):
         return {k: merged[k] for k in model.state_dict()}
 
     def checkpoint_state(self) -> dict[str, Any]:
-        """With the servers' optimizer, the whole state of the keys VW 0's stages hold (values,
-        optimizer state such as Adam's moments and step): called after :meth:`state_dict`
-        drained, so every push is applied. Per lane of this process (None: not VW 0)."""
-        if not self.started or not self.options.server_optimizer:
+        """Per lane of this process: its stage's own optimizer state (which makes the updates
+        with ``--no-server-optimizer``, the paper's), and, with
+        the servers' optimizer, the whole state of the keys VW 0's stages hold (values,
+        optimizer state such as Adam's moments and step; None: not VW 0). Called after
+        :meth:`state_dict` drained, so every push is applied."""
+        if not self.started:
             return {}
-        return {"servers": [role.wsp.server_states() if role.vw == 0 and role.wsp else None
-                            for role in self.roles]}
+        state: dict[str, Any] = {"stages": [role.pipe.optimizer.state_dict() if role.pipe
+                                            else None for role in self.roles]}
+        if self.options.server_optimizer:
+            state["servers"] = [role.wsp.server_states() if role.vw == 0 and role.wsp else None
+                                for role in self.roles]
+        return state
 
     def load_checkpoint_state(self, state: Mapping[str, Any]) -> None:
-        """Keep the servers' saved state for the first step, which declares the keys."""
+        """Keep the servers' and the stages' saved state for the first step, which declares
+        the keys and builds the stages."""
+        self.resume_optimizers = state.get("stages")
         servers = state.get("servers")
         if servers is not None and self.options.server_optimizer:
             self.resume_states = list(servers)
