@@ -30,6 +30,7 @@ HEARTBEAT_FILE = "POLYTRAIN_HEARTBEAT_FILE"  # the launcher watches its mtime: a
 STACKS_FILE = "POLYTRAIN_STACKS_FILE"  # where a child writes its threads' stacks on SIGUSR2
 NIC = "POLYTRAIN_NIC"  # the emulated machine's interface, under --bandwidth
 SHM_DIR = "POLYTRAIN_SHM_DIR"  # the run's directory in host shared memory (the launcher's)
+LOADING_MAIN = "POLYTRAIN_LOADING_MAIN"  # set while a child imports the launching script
 GLOO_SOCKET_IFNAME = "GLOO_SOCKET_IFNAME"
 DEFAULT_TIMEOUT_S = 120.0
 

@@ -294,6 +294,25 @@ def test_a_collective_on_the_default_group_says_which_group_to_pass_under_torchr
         run.stderr[-3000:]
 
 
+@pytest.mark.timeout(60)
+def test_a_script_that_launches_when_imported_is_told_to_guard_the_call(tmp_path):
+    # Each child imports the launching script: an unguarded launch() started a run in every
+    # child, and the run failed after a minute naming a heartbeat, runs deep.
+    script = tmp_path / "job.py"
+    script.write_text("import polytrain\n"
+                      "def main():\n"
+                      "    return polytrain.init().rank\n"
+                      "print(polytrain.launch(main, workers=2, timeout_s=20))\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
+    run = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
+                         text=True, timeout=50)
+    assert run.returncode == 1
+    assert re.search(r"LaunchError: worker rank \d \(machine node0\) failed: ConfigError: "
+                     r"polytrain\.launch\(\) ran in a launched process, as it imported the "
+                     r"launching script.*HINT: put the call under "
+                     r"`if __name__ == \"__main__\":`", run.stderr), run.stderr[-2000:]
+
+
 @pytest.mark.timeout(90)
 def test_polytrain_launch_runs_a_script_and_reports_its_failure(tmp_path):
     script = tmp_path / "job.py"

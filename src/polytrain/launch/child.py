@@ -164,7 +164,11 @@ def _load_main(path: str | None) -> None:
     sys.modules["__main__"] = module
     with open(path, "rb") as f:
         code = compile(f.read(), path, "exec")
-    exec(code, module.__dict__)
+    os.environ[_env.LOADING_MAIN] = "1"  # a launch() at import would start a run in each child
+    try:
+        exec(code, module.__dict__)
+    finally:
+        del os.environ[_env.LOADING_MAIN]
 
 
 def _run(payload: dict[str, Any]) -> Any:

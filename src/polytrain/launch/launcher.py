@@ -147,6 +147,12 @@ class Launcher:
     def run_fn(self, fn: Callable[..., Any], args: Sequence[Any] = (),
                kwargs: Mapping[str, Any] | None = None) -> list[Any]:
         """Run ``fn(*args, **kwargs)`` in every process; return the workers' results by rank."""
+        if os.environ.get(_env.LOADING_MAIN):
+            raise ConfigError("polytrain.launch() ran in a launched process, as it imported the "
+                              "launching script: the script calls launch() when imported, so "
+                              "every process would start a run of its own",
+                              "put the call under `if __name__ == \"__main__\":`, as in the "
+                              "README's example (as multiprocessing requires)")
         try:
             target = pickle.dumps((fn, tuple(args), dict(kwargs or {})))
         except (pickle.PicklingError, AttributeError, TypeError) as e:
