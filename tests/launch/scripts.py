@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -27,6 +28,14 @@ def worker_raises(bad_rank: int) -> None:
     ctx = polytrain.init()
     if ctx.rank == bad_rank:
         raise RuntimeError(f"boom on purpose from rank {ctx.rank}")
+    x = torch.zeros(1)
+    dist.all_reduce(x, group=ctx.groups.workers)  # blocks: the bad rank never joins
+
+
+def worker_exits(bad_rank: int, code: object) -> None:
+    ctx = polytrain.init()
+    if ctx.rank == bad_rank:
+        sys.exit(code)
     x = torch.zeros(1)
     dist.all_reduce(x, group=ctx.groups.workers)  # blocks: the bad rank never joins
 

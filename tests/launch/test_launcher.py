@@ -68,6 +68,24 @@ def test_a_worker_that_raises_stops_the_run_and_is_named():
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("code, cause, hint", [
+    (3, r"exited with code 3", r"it called sys\.exit: its output above may say why$"),
+    # It was "exited with code bad config...", pointing at a traceback there was none of.
+    ("bad config: no data file", r"exited: bad config: no data file",
+     r"fix what it says, and rerun$"),
+    # It was named as rank 0's gloo timeout: the rank that waited, not the one that left.
+    (0, r"ended its script \d+\.\d s before worker rank 0 began the wait that timed out after "
+        r"4 s: its peers still waited for it", r"every worker must make the same collective "
+                                               r"calls"),
+])
+def test_a_worker_that_exits_is_named_with_what_it_said(code, cause, hint):
+    with pytest.raises(LaunchError, match=r"worker rank 1 \(machine node0\) failed: " + cause
+                       + r"( \(1 other process failed after it\))?\. HINT: " + hint):
+        polytrain.launch(scripts.worker_exits, workers=2, args=(1, code), timeout_s=4,
+                         env={"OMP_NUM_THREADS": "1"})
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("busy", [False, True], ids=["sleeps", "spins"])
 def test_a_worker_that_never_reaches_the_collective_is_named_not_its_waiting_peers(
         busy, capfd):

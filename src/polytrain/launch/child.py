@@ -83,6 +83,24 @@ def _thread_place(thread: threading.Thread) -> tuple[str, bool]:
             any(m in name for m in _WAITING_IN))
 
 
+_script_ended: float | None = None  # when the script (or function) returned: the heartbeat says
+
+
+def _end_script() -> None:
+    """Note when the script returned, in the heartbeat at once: a process that leaves while
+    its peers still wait for it in a collective is what they waited for."""
+    global _script_ended
+    _script_ended = time.time()
+    path = _env.heartbeat_file()
+    if path:
+        try:  # a tmp file of its own: the heartbeat thread writes beside it
+            with open(path + ".end", "w") as f:
+                json.dump({"where": "", "working_since": None, "script_ended": _script_ended}, f)
+            os.replace(path + ".end", path)
+        except OSError:
+            pass
+
+
 def _start_heartbeat() -> None:
     """Rewrite the heartbeat file from a thread of its own, saying where the main thread is
     and since when it has worked without being seen waiting for its peers (it looks every
@@ -107,7 +125,8 @@ def _start_heartbeat() -> None:
                 written = time.monotonic()
                 try:
                     with open(path + ".tmp", "w") as f:
-                        json.dump({"where": where, "working_since": working_since}, f)
+                        json.dump({"where": where, "working_since": working_since,
+                                   "script_ended": _script_ended}, f)
                     os.replace(path + ".tmp", path)
                 except OSError:
                     return
@@ -218,16 +237,21 @@ def main() -> None:
     try:
         result = _run(payload)
     except SystemExit as e:
-        if e.code not in (0, None):
-            _fail(f"exited with code {e.code}", False,
-                  e.code if isinstance(e.code, int) else 1)
+        if isinstance(e.code, int) and e.code != 0:
+            _fail(f"exited with code {e.code}", False, e.code,
+                  hint="it called sys.exit: its output above may say why")
+        elif e.code not in (0, None):  # sys.exit("message"): Python would print it, exit 1
+            _fail(f"exited: {e.code}", False, 1, hint="fix what it says, and rerun")
         result = None
     except KeyboardInterrupt:
         os._exit(130)
     except BaseException as e:  # noqa: BLE001 - every failure must reach the launcher
         print(f"{who} failed:\n{traceback.format_exc()}", file=sys.stderr, end="", flush=True)
-        _fail(f"{type(e).__name__}: {e}", _is_secondary(e), hint=_hint_for(e),
+        hint = _hint_for(e)
+        _fail(f"{type(e).__name__}: {e}", _is_secondary(e),
+              hint=f"{hint} (its traceback is printed above)" if hint else None,
               waited_s=_waited_s(e))
+    _end_script()
     # Free cycles that hold process groups now: torch aborts if it frees them during exit.
     gc.collect()
     if payload["kind"] == "fn" and (result_file := _env.result_file()):

@@ -46,6 +46,13 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def check_port(port: int | None) -> None:
+    """Refuse a rendezvous port that is not a TCP port (None: a free one is taken)."""
+    if port is not None and not 0 < port < 65536:
+        raise ConfigError(f"--port must be a TCP port, 1..65535 (got {port})",
+                          "pass --port 29500, or leave it out to take a free one")
+
+
 def _check_port(host: str, port: int) -> None:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         try:
@@ -69,6 +76,7 @@ class _Child:
     stopped_by_us: bool = False
     hung: str = ""  # why the heartbeat says it stopped answering ("" while it answers)
     stalled: bool = False  # it answers, but worked on while a peer timed out waiting for it
+    left_early: bool = False  # it ended well while its peers still waited for it
 
 
 def _files(workdir: Path, rank: int) -> tuple[Path, Path, Path, Path, Path]:
@@ -80,6 +88,8 @@ def _files(workdir: Path, rank: int) -> tuple[Path, Path, Path, Path, Path]:
 
 
 _SEE_TRACEBACK = "the traceback of that process is printed above; fix its cause and rerun"
+_LEFT_HINT = ("every worker must make the same collective calls: find why it returned (or "
+              "called sys.exit(0)) before the others, e.g. fewer steps or batches on it")
 _STALLED_HINT = ("its threads' stacks are printed above: find why it did not reach the "
                  "communication its peers waited in (a loop or a wait that does not end, a "
                  "slow read); if it is only slow, raise --timeout")
@@ -130,6 +140,9 @@ class Launcher:
     def __init__(self, layout: Layout, *, port: int | None = None,
                  env: Mapping[str, str] | None = None, timeout_s: float | None = None,
                  shape: LinkShape | None = None) -> None:
+        check_port(port)
+        if timeout_s is not None:
+            _env.check_seconds(timeout_s, "--timeout", "pass --timeout 120")
         self.layout = layout
         self.shape = shape
         self.host = "127.0.0.1"
@@ -280,15 +293,39 @@ class Launcher:
                 hung.append(c)
         return hung
 
+    def _wait_began(self, waiter: _Failure) -> float:
+        """When ``waiter`` began the wait that timed out."""
+        assert waiter.waited_s is not None
+        return (waiter.time - waiter.waited_s if waiter.waited_s > 0
+                else time.time() - self._hang_after_s())
+
+    def _left_early(self, children: list[_Child], waiter: _Failure) -> list[_Child]:
+        """The workers whose script had ended (well) before ``waiter`` began the wait that
+        timed out: what it waited for, when nobody stalled."""
+        began = self._wait_began(waiter)
+        found = []
+        for c in children:
+            if (c.spec.role != "worker" or c.spec == waiter.spec
+                    or c.proc.returncode not in (None, 0)):
+                continue
+            ended = _script_ended(c)
+            if ended is not None and ended <= began + _STALL_SLACK_S:
+                found.append((ended, c))
+        for ended, c in found:
+            c.hung = (f"ended its script {max(0.0, began - ended):.1f} s before "
+                      f"{waiter.spec.role} rank {waiter.spec.rank} began the wait that timed "
+                      f"out{f' after {waiter.waited_s:g} s' if waiter.waited_s else ''}: its "
+                      f"peers still waited for it")
+            c.left_early = True
+        return [c for _, c in sorted(found, key=lambda ec: ec[0])]
+
     def _stalled(self, children: list[_Child], failed: list[_Child],
                  waiter: _Failure) -> list[_Child]:
         """The running children whose main thread has worked, without being seen waiting for
         any peer, since before ``waiter`` began the wait that timed out (oldest first): what
         it waited for. Each writes its threads' stacks (SIGUSR2: faulthandler), printed here
         under its name."""
-        assert waiter.waited_s is not None
-        began = (waiter.time - waiter.waited_s if waiter.waited_s > 0
-                 else time.time() - self._hang_after_s())
+        began = self._wait_began(waiter)
         found = []
         for c in children:
             if c in failed or c.proc.poll() is not None:
@@ -347,7 +384,8 @@ class Launcher:
                         time.sleep(_POLL_S)
                 waiter = min(failures, key=_Failure.order)
                 if waiter.waited_s is not None:
-                    stalled = self._stalled(children, failed, waiter)
+                    stalled = (self._stalled(children, failed, waiter)
+                               or self._left_early(children, waiter))
                     failed += stalled
                     failures += [_failure(c, oom_kills_before) for c in stalled]
                     hung += stalled
@@ -413,6 +451,16 @@ def run_shm(root: Path = SHM_ROOT) -> Path | None:
     return path
 
 
+def _script_ended(child: _Child) -> float | None:
+    """When the child's script (or function) returned, from its last heartbeat (None: not
+    yet, or unknown)."""
+    try:
+        ended = json.loads(child.heartbeat_file.read_text()).get("script_ended")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return float(ended) if isinstance(ended, (int, float)) else None
+
+
 def _proc_state(pid: int) -> str:
     """Linux's state of ``pid`` (``T (stopped)``, ``S (sleeping)``...), or "" if unknown."""
     try:
@@ -429,7 +477,8 @@ def _failure(child: _Child, oom_kills_before: int | None) -> _Failure:
         pass
     if child.hung:  # found by its heartbeat: the root cause, whatever it later exited with
         return _Failure(child.spec, child.proc.returncode or 1, child.hung, 0.0, False, label,
-                        _STALLED_HINT if child.stalled else _SEE_TRACEBACK)
+                        _STALLED_HINT if child.stalled else _LEFT_HINT if child.left_early
+                        else _SEE_TRACEBACK)
     code = child.proc.returncode
     assert code is not None
     if child.error_file.exists():
@@ -437,8 +486,7 @@ def _failure(child: _Child, oom_kills_before: int | None) -> _Failure:
             info = json.loads(child.error_file.read_text())
             hint = info.get("hint")
             return _Failure(child.spec, code, info["cause"], info["time"], info["secondary"],
-                            label, f"{hint} (its traceback is printed above)" if hint
-                            else _SEE_TRACEBACK, info.get("waited_s"))
+                            label, hint or _SEE_TRACEBACK, info.get("waited_s"))
         except (ValueError, KeyError, OSError):
             pass
     if code < 0:
