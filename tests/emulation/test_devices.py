@@ -11,6 +11,7 @@ from polytrain.emulation.clock import clock_of, emulate
 from polytrain.emulation.devices import BUILTIN_TYPES, parse_cluster
 from polytrain.emulation.profile import profile_model
 from polytrain.models import GPT
+from polytrain.pipeline import make_stage
 
 
 def test_spec_string_with_builtin_and_user_types_and_links():
@@ -70,6 +71,49 @@ def test_profile_of_gpt_counts_blocks_head_and_memory():
     assert p.layers[1].act_bytes > p.layers[1].out_bytes  # it saves more than its output
     assert p.param_bytes == sum(x.numel() * 4 for x in model.parameters())
     assert all(x.device.type == "cpu" for x in model.parameters())  # profiled on a copy
+
+
+class _Skip(torch.nn.Module):
+    """Its forward adds the input back after the second child: not a chain of children."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = (torch.nn.Linear(4, 4) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(self.b(self.a(x)) + x)
+
+
+class _Reordered(torch.nn.Module):
+    """Its children are called in another order than they were registered in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head, self.body = torch.nn.Linear(4, 2), torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+class _Scaled(torch.nn.Sequential):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 2 * super().forward(x)
+
+
+def test_the_profile_says_where_a_forward_is_not_a_chain_of_its_children():
+    x = torch.zeros(2, 4)
+    chain = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    assert profile_model(chain, x).chain_break is None
+    assert profile_model(GPT(seq_len=8, d_model=16, layers=2, heads=2),
+                         torch.zeros(1, 8, dtype=torch.long)).chain_break is None
+    assert profile_model(_Skip(), x).chain_break == "c"
+    assert profile_model(_Reordered(), x).chain_break == "body"
+    assert profile_model(_Scaled(torch.nn.Linear(4, 4)), x).chain_break == "the model's output"
+    with pytest.raises(ConfigError, match=r"_Skip's forward is not its top-level children run "
+                                          r"one after another \(c does not get the previous "
+                                          r"child's output\).*HINT: .*nn\.Sequential"):
+        make_stage(_Skip(), [0, 2, 3], 0, ranks=[0, 1], labels=["s0", "s1"], links=[0.0],
+                   profile=profile_model(_Skip(), x), transport=None, loss_fn=None)
 
 
 def test_emulated_device_waits_out_the_layer_time():

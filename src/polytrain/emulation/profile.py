@@ -56,6 +56,10 @@ class ModelProfile:
     layers: tuple[LayerProfile, ...]
     input_shape: tuple[int, ...]
     input_dtype: torch.dtype
+    #: Where the model's forward is not its layers run one after another (None: it is):
+    #: the first layer that got something other than the previous layer's output, or
+    #: "the model's output". A pipeline cut between layers would compute another function.
+    chain_break: str | None = None
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -105,8 +109,8 @@ def profile_model(model: nn.Module, sample: torch.Tensor) -> ModelProfile:
     for m in meta.modules():  # the copy must not drive the original's hooks (an emulated clock)
         m._forward_hooks.clear()
         m._forward_pre_hooks.clear()
-    one = _measure(meta, sample.shape[1:], sample.dtype, 1)
-    two = _measure(meta, sample.shape[1:], sample.dtype, 2)
+    one, chain_break = _measure(meta, sample.shape[1:], sample.dtype, 1)
+    two, _ = _measure(meta, sample.shape[1:], sample.dtype, 2)
     layers = []
     for name, module in layers_of(meta):
         a, b = one.get(name), two.get(name)
@@ -122,19 +126,30 @@ def profile_model(model: nn.Module, sample: torch.Tensor) -> ModelProfile:
             act_bytes=max(0.0, b["saved"] - a["saved"]),
             out_bytes=float(out_numel * b["itemsize"]), out_shape=b["out_shape"],
             out_dtype=b["out_dtype"]))
-    return ModelProfile(tuple(layers), tuple(sample.shape[1:]), sample.dtype)
+    return ModelProfile(tuple(layers), tuple(sample.shape[1:]), sample.dtype,
+                        chain_break=chain_break)
 
 
 def _measure(model: nn.Module, shape: Sequence[int], dtype: torch.dtype,
-             batch: int) -> dict[str, dict[str, Any]]:
-    """Per child: FLOPs, saved bytes, output numel/shape of one forward at ``batch``."""
+             batch: int) -> tuple[dict[str, dict[str, Any]], str | None]:
+    """Per child: FLOPs, saved bytes, output numel/shape of one forward at ``batch``; and
+    :attr:`ModelProfile.chain_break`."""
     found: dict[str, dict[str, Any]] = {}
     handles = []
+    x = torch.zeros((batch, *shape), dtype=dtype, device="meta")
+    names = [name for name, _ in layers_of(model)]
+    # The chain so far: calls seen, what the next layer should get, the first break.
+    chain: dict[str, Any] = {"calls": 0, "last": x, "break": None}
     for name, module in layers_of(model):
         state: dict[str, Any] = {}
 
-        def pre(_m: nn.Module, _args: Any, name: str = name, state: dict[str, Any] = state
+        def pre(_m: nn.Module, args: Any, name: str = name, state: dict[str, Any] = state
                 ) -> None:
+            expected = names[chain["calls"]] if chain["calls"] < len(names) else None
+            if chain["break"] is None and (name != expected or not args
+                                           or args[0] is not chain["last"]):
+                chain["break"] = name
+            chain["calls"] += 1
             state["saved"] = 0
 
             def pack(t: torch.Tensor) -> torch.Tensor:
@@ -150,6 +165,7 @@ def _measure(model: nn.Module, shape: Sequence[int], dtype: torch.dtype,
                  state: dict[str, Any] = state) -> None:
             state["counter"].__exit__(None, None, None)
             state["hooks"].__exit__(None, None, None)
+            chain["last"] = out
             t = out[0] if isinstance(out, (tuple, list)) else out
             if not isinstance(t, torch.Tensor):
                 raise ConfigError(f"layer {name!r} returns {type(t).__name__}, not a tensor",
@@ -163,13 +179,22 @@ def _measure(model: nn.Module, shape: Sequence[int], dtype: torch.dtype,
         handles.append(module.register_forward_pre_hook(pre))
         handles.append(module.register_forward_hook(post))
     try:
-        x = torch.zeros((batch, *shape), dtype=dtype, device="meta")
         with torch.enable_grad():
-            model(x)
+            out = model(x)
+    except (RuntimeError, NotImplementedError, TypeError, ValueError) as e:
+        text = str(e).strip()
+        first = text.splitlines()[0].split(". ")[0] if text else type(e).__name__
+        raise ConfigError(f"{type(model).__name__} cannot be timed layer by layer: its forward "
+                          f"does not run on shapes alone (the meta device): {first}",
+                          "pipelines and emulated devices need a forward without .item() or "
+                          "data-dependent shapes: pick another --model, or another "
+                          "strategy") from None
     finally:
         for h in handles:
             h.remove()
-    return found
+    if chain["break"] is None and out is not chain["last"]:
+        chain["break"] = "the model's output"
+    return found, chain["break"]
 
 
 def optimizer_state_factor(optimizer: str | torch.optim.Optimizer) -> int:
