@@ -48,6 +48,15 @@ def test_plan_of_a_cluster_larger_than_this_machine(capsys):
     assert out["recommended"].startswith("byteps")
 
 
+def test_plan_of_a_model_with_sparse_embeddings_times_it_with_lazy_adam(capsys):
+    # It timed torch's Adam, which refuses sparse gradients: a traceback from inside torch.
+    assert main(["plan", "--model", "wordlm", "--vocab", "2000", "--d-model", "16",
+                 "--layers", "1", "--heads", "2", "--seq-len", "8", "--negatives", "16",
+                 "--batch-size", "8", "--optimizer", "adam", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert all(p["compute_s"] > 0 for p in out["predictions"].values())
+
+
 @pytest.mark.parametrize("args, message", [
     (["plan", "--bandwidth", "1gbyte"], "--bandwidth '1gbyte' is not a rate"),
     (["plan", "--bandwidth", "1gbit", "--credit-bytes", "0"],

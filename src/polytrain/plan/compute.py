@@ -40,7 +40,7 @@ def measure_compute(model: str, model_options: Mapping[str, Any], *, batch: int,
     try:
         torch.manual_seed(0)
         net = spec.make(**model_options)
-        opt = make_optimizer(optimizer, net.parameters(), 1e-3)
+        opt = make_optimizer(optimizer, net, 1e-3)
         inputs, targets = _sample(spec, net, model_options, batch)
         parts: dict[str, list[float]] = {"forward": [], "backward": [], "optimizer": []}
         for i in range(repeats + 1):

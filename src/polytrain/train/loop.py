@@ -36,14 +36,16 @@ log = logging.getLogger(__name__)
 EVAL_SAMPLES = 256
 
 
-def make_optimizer(name: str, params: Any, lr: float, *,
-                   sparse: bool = False) -> torch.optim.Optimizer:
-    """``--optimizer``: sgd, adagrad or adam (lazy on sparse gradients when ``sparse``:
-    ``torch.optim.Adam`` refuses them)."""
+def make_optimizer(name: str, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+    """``--optimizer`` over ``model``'s parameters: sgd, adagrad or adam (lazy where the model
+    has sparse embeddings: ``torch.optim.Adam`` refuses their gradients)."""
+    params = model.parameters()
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr)
     if name == "adagrad":
         return torch.optim.Adagrad(params, lr=lr)
+    sparse = any(getattr(m, "sparse", False) for m in model.modules()
+                 if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)))
     return LazyAdam(params, lr=lr) if sparse else torch.optim.Adam(params, lr=lr)
 
 
@@ -89,9 +91,7 @@ def train(config: TrainConfig) -> dict[str, Any] | None:
         model.load_state_dict(check_init(config.init, model))
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     seq_len = int(getattr(model, "seq_len", config.model_options.get("seq_len", 64)))
-    sparse = any(getattr(m, "sparse", False) for m in model.modules()
-                 if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)))
-    optimizer = make_optimizer(config.optimizer, model.parameters(), config.lr, sparse=sparse)
+    optimizer = make_optimizer(config.optimizer, model, config.lr)
     if cluster is not None and device.type == "cpu":  # on real GPUs nothing is emulated
         # Every strategy, ddp included, runs at the speed of this worker's device.
         own = cluster.devices[ctx.worker_index if ctx is not None else 0]
