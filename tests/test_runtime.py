@@ -1,6 +1,7 @@
 """Context.new_group: members-only groups among any workers; hints for raw torch errors; the
 timeouts init takes."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -59,14 +60,37 @@ def test_a_gloo_timeout_gets_the_default_group_hint_only_from_the_users_own_call
 def test_a_timeout_that_is_not_a_positive_number_of_seconds_is_refused_in_one_line():
     # POLYTRAIN_TIMEOUT=abc was float()'s ValueError; init(timeout_s=-1) reached gloo's
     # "The client socket has timed out after -1000ms".
-    for text in ("abc", "0", "-5", "inf"):
-        with pytest.raises(ConfigError, match=rf"POLYTRAIN_TIMEOUT='{text}' is not a positive "
-                                              rf"number of seconds\. HINT: set it to, say, 120"):
+    # A timeout past 2**31 ms (1e300) was an OverflowError in every process.
+    with pytest.raises(ConfigError, match=r"POLYTRAIN_TIMEOUT='abc' is not a number of "
+                                          r"seconds\. HINT: set it to, say, 120"):
+        _env.read({"POLYTRAIN_TIMEOUT": "abc"})
+    for text in ("0", "-5", "inf", "nan", "1e300"):
+        got = re.escape(format(float(text), "g"))
+        with pytest.raises(ConfigError, match=r"POLYTRAIN_TIMEOUT must be a positive number of "
+                                              rf"seconds, at most 2147483 \(got {got}\)\. "
+                                              r"HINT: set it to, say, 120"):
             _env.read({"POLYTRAIN_TIMEOUT": text})
     assert _env.read({"POLYTRAIN_TIMEOUT": "2.5"}).timeout_s == 2.5
-    for kwargs in ({"timeout_s": -1}, {"server_idle_s": 0}, {"timeout_s": float("inf")}):
-        with pytest.raises(ConfigError, match=r"polytrain\.init\(\w+=(-?\d+|inf)\): must be a "
-                                              r"positive number of seconds\. HINT: pass, say, "
-                                              r"\w+=(120|3600)$"):
+    for kwargs in ({"timeout_s": -1}, {"server_idle_s": 0}, {"timeout_s": float("inf")},
+                   {"timeout_s": 1e300}):
+        with pytest.raises(ConfigError, match=r"polytrain\.init\(\w+=\.\.\.\) must be a "
+                                              r"positive number of seconds, at most 2147483 "
+                                              r"\(got \S+\)\. HINT: pass, say, \w+=(120|3600)$"):
             polytrain.init(**kwargs)
     assert not polytrain.is_initialized()
+
+
+def test_a_join_that_fails_on_several_hosts_names_gloos_interface_where_it_is_loopback(
+        monkeypatch):
+    from polytrain import runtime
+
+    env = _env.read({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.5",
+                     "MASTER_PORT": "29500"})
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    monkeypatch.setattr(runtime.socket, "gethostbyname", lambda name: "127.0.1.1")
+    assert "set GLOO_SOCKET_IFNAME to the interface" in runtime._interface_hint(env)
+    monkeypatch.setattr(runtime.socket, "gethostbyname", lambda name: "10.0.0.7")
+    assert runtime._interface_hint(env) == ""
+    monkeypatch.setattr(runtime.socket, "gethostbyname", lambda name: "127.0.1.1")
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth0")
+    assert runtime._interface_hint(env) == ""

@@ -33,6 +33,8 @@ SHM_DIR = "POLYTRAIN_SHM_DIR"  # the run's directory in host shared memory (the 
 LOADING_MAIN = "POLYTRAIN_LOADING_MAIN"  # set while a child imports the launching script
 GLOO_SOCKET_IFNAME = "GLOO_SOCKET_IFNAME"
 DEFAULT_TIMEOUT_S = 120.0
+#: The longest timeout gloo can take: its milliseconds must fit a 32-bit int (24 days).
+MAX_TIMEOUT_S = float((2**31 - 1) // 1000)
 
 
 @dataclass(frozen=True)
@@ -70,14 +72,20 @@ def read(environ: Mapping[str, str] | None = None) -> ProcessEnv:
 
 def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
     text = env.get(name)
+    hint = f"set it to, say, {default:g}, or unset it"
     try:
         value = default if text is None else float(text)
     except ValueError:
-        value = -1.0
-    if not 0 < value < float("inf"):
-        raise ConfigError(f"{name}={text!r} is not a positive number of seconds",
-                          f"set it to, say, {default:g}, or unset it")
+        raise ConfigError(f"{name}={text!r} is not a number of seconds", hint) from None
+    check_seconds(value, name, hint)
     return value
+
+
+def check_seconds(value: float, what: str, hint: str) -> None:
+    """Refuse a timeout that is not a positive number of seconds gloo can take."""
+    if not 0 < value <= MAX_TIMEOUT_S:
+        raise ConfigError(f"{what} must be a positive number of seconds, at most "
+                          f"{MAX_TIMEOUT_S:.0f} (got {value:g})", hint)
 
 
 def _role(spec: str, local_rank: int) -> str:

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Mapping
 
 import torch
 
+from ._env import check_seconds
 from .data import check_divisible, dataset_names
 from .emulation.devices import parse_cluster
 from .emulation.profile import optimizer_state_factor, profile_model
 from .errors import ConfigError
 from .launch.host import available_memory_bytes
+from .launch.launcher import check_port
 from .launch.layout import Layout
 from .launch.network import LinkShape, link_shape
 from .models import get_model
@@ -127,8 +131,20 @@ class TrainConfig:
                               "pass --optimizer sgd, adam or adagrad")
         if self.steps < 1:
             raise ConfigError(f"--steps must be at least 1 (got {self.steps})", "pass --steps 300")
-        if not self.lr > 0:
-            raise ConfigError(f"--lr must be positive (got {self.lr})", "pass --lr 0.003")
+        if not 0 < self.lr < math.inf:
+            raise ConfigError(f"--lr must be a positive number (got {self.lr})",
+                              "pass --lr 0.003")
+        if self.batch_size < 1:
+            raise ConfigError(f"--batch-size must be at least 1 (got {self.batch_size})",
+                              "pass --batch-size 32")
+        if not 0 <= self.seed < 2**63:
+            raise ConfigError(f"--seed must be in 0..2**63-1 (torch's generator takes a 64-bit "
+                              f"seed; got {self.seed})", "pass --seed 0")
+        check_port(self.port)
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("--device cuda: torch sees no CUDA device on this machine",
+                              "leave --device out to train on the CPU, or install a CUDA "
+                              "build of torch where there is a GPU")
         if self.lr_schedule not in SCHEDULES:
             raise ConfigError(f"unknown learning-rate schedule {self.lr_schedule!r}; the "
                               f"schedules are: {', '.join(SCHEDULES)}",
@@ -137,9 +153,8 @@ class TrainConfig:
             raise ConfigError(f"--warmup-steps must be at least 0 and less than --steps "
                               f"{self.steps} (got {self.warmup_steps})",
                               f"pass --warmup-steps {max(0, self.steps // 10)}")
-        if self.timeout_s <= 0:
-            raise ConfigError(f"--timeout must be positive (got {self.timeout_s})",
-                              "pass --timeout 120")
+        check_seconds(self.timeout_s, "--timeout", "pass --timeout 120")
+        self._check_out()
         if self.link() is not None and not get_strategy(self.strategy).distributed:
             raise ConfigError(f"--bandwidth shapes the links between machines, and strategy "
                               f"{self.strategy!r} trains in one process",
@@ -173,6 +188,20 @@ class TrainConfig:
         check_divisible(self.batch_size, cls.replicas(layout, options))
         self._check_devices(model)
         self._check_memory(model, layout.workers)
+
+    def _check_out(self) -> None:
+        """Make ``--out`` now, so that a directory that cannot be made fails before training
+        (not after it, losing the run)."""
+        if self.out is None:
+            return
+        if not str(self.out).strip():
+            raise ConfigError("--out is empty", "pass --out DIR, or leave it out")
+        try:
+            Path(self.out).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"--out {self.out} cannot be made a directory: "
+                              f"{e.strerror or e}", "pass --out a directory you can write "
+                              "to (it is made if missing)") from None
 
     def _check_checkpoints(self) -> None:
         if self.checkpoint_every is not None:
@@ -262,8 +291,9 @@ def check_init(path: str, model: Any) -> dict[str, torch.Tensor]:
     shapes; the error names the first key that differs."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
-    except (OSError, RuntimeError) as e:
-        raise ConfigError(f"--init {path} cannot be read as a final.pt ({e})",
+    except Exception as e:  # noqa: BLE001 - torch.load raises what the bytes make it raise
+        raise ConfigError(f"--init {path} cannot be read as a final.pt "
+                          f"({type(e).__name__}: {e})",
                           "pass the final.pt of an earlier run of the same --model") from None
     if not isinstance(state, dict):
         raise ConfigError(f"--init {path} holds a {type(state).__name__}, not a state dict",

@@ -6,8 +6,8 @@ import atexit
 import datetime
 import gc
 import logging
-import math
 import os
+import socket
 import sys
 import threading
 import traceback
@@ -229,9 +229,9 @@ def init(*, device: str | torch.device | None = None, timeout_s: float | None = 
     timeout = float(timeout_s if timeout_s is not None else env.timeout_s)
     for name, value, usual in (("timeout_s", timeout, _env.DEFAULT_TIMEOUT_S),
                                ("server_idle_s", server_idle_s, _SERVER_IDLE_S)):
-        if value is not None and not 0 < value < math.inf:
-            raise ConfigError(f"polytrain.init({name}={value:g}): must be a positive number of "
-                              f"seconds", f"pass, say, {name}={usual:g}")
+        if value is not None:
+            _env.check_seconds(value, f"polytrain.init({name}=...)",
+                               f"pass, say, {name}={usual:g}")
     _join(env, timeout)
     rank = dist.get_rank()
     seats: list[Any] = [None] * dist.get_world_size()
@@ -306,6 +306,22 @@ def hint_for(exc: BaseException) -> str | None:
             "use polytrain.distribute(...)")
 
 
+def _interface_hint(env: _env.ProcessEnv) -> str:
+    """On several hosts gloo advertises the address of this host's name; where that name
+    resolves to loopback (a common /etc/hosts), peers on other hosts cannot reach it."""
+    if (os.environ.get(_env.GLOO_SOCKET_IFNAME)
+            or env.master_addr in ("127.0.0.1", "localhost", "::1")):
+        return ""
+    try:
+        here = socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return ""
+    if not here.startswith("127."):
+        return ""
+    return (f"; this host's name resolves to {here}, so gloo offers peers on other hosts a "
+            f"loopback address: set GLOO_SOCKET_IFNAME to the interface they reach (e.g. eth0)")
+
+
 def _join(env: _env.ProcessEnv, timeout: float) -> None:
     if dist.is_initialized():
         return
@@ -325,8 +341,8 @@ def _join(env: _env.ProcessEnv, timeout: float) -> None:
         raise CommTimeout(
             f"rank {rank} ({env.role}, machine {env.node}) could not join the run of {world} "
             f"processes at {init_method} within {timeout:g} s: {first}",
-            "check that all WORLD_SIZE processes were started and can reach MASTER_ADDR",
-            waited_s=timeout) from None
+            "check that all WORLD_SIZE processes were started and can reach MASTER_ADDR"
+            + _interface_hint(env), waited_s=timeout) from None
 
 
 def _pick_device(device: str | torch.device | None, local_rank: int) -> torch.device:

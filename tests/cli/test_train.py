@@ -74,6 +74,18 @@ def test_train_writes_metrics_and_final_state_as_the_contract_says(tmp_path):
     (["--steps", "10", "--warmup-steps", "10"],
      r"--warmup-steps must be at least 0 and less than --steps 10.*HINT: pass --warmup-steps 1"),
     (["--d-model", "64", "--heads", "5"], r"d_model 64 is not divisible by heads 5"),
+    # Each of these was a traceback, a run that failed only after training, or nonsense run.
+    (["--heads", "0"], r"--heads must be at least 1 \(got 0\)"),
+    (["--layers", "-1"], r"--layers must be at least 1 \(got -1\)"),
+    (["--timeout", "1e300"], r"--timeout must be a positive number of seconds, at most 2147483"),
+    (["--timeout", "nan"], r"--timeout must be a positive number of seconds"),
+    (["--port", "70000"], r"--port must be a TCP port, 1\.\.65535 \(got 70000\)"),
+    (["--seed", str(2**64)], r"--seed must be in 0\.\.2\*\*63-1"),
+    (["--batch-size", "0"], r"--batch-size must be at least 1 \(got 0\)"),
+    (["--lr", "inf"], r"--lr must be a positive number \(got inf\)"),
+    (["--out", __file__], r"--out .*test_train\.py cannot be made a directory: File exists"),
+    (["--strategy", "pipetransformer", "--model", "wordlm", "--workers", "4", "--nodes", "2"],
+     r"WordLM cannot be timed layer by layer: its forward does not run on shapes alone"),
 ])
 def test_bad_input_gets_one_clear_line_and_no_process(args, message, capsys):
     import re

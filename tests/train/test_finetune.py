@@ -59,6 +59,10 @@ def test_init_of_another_models_weights_names_the_first_key_that_differs(tmp_pat
         BASE.replace(init=str(path), model="mlp", model_options={})
     with pytest.raises(ConfigError, match="cannot be read"):
         BASE.replace(init=str(tmp_path / "missing.pt"))
+    for junk in (b"", b"not a checkpoint"):  # were EOFError and UnpicklingError tracebacks
+        (tmp_path / "junk.pt").write_bytes(junk)
+        with pytest.raises(ConfigError, match=r"cannot be read as a final\.pt \(\w+Error"):
+            BASE.replace(init=str(tmp_path / "junk.pt"))
 
 
 def test_eval_every_is_refused_where_no_worker_holds_the_model():

@@ -14,6 +14,19 @@ from ..layers import FeedForward  # the block's MLP (what moe.moefy replaces wit
 __all__ = ["GPT", "Block", "CausalSelfAttention", "FeedForward", "Embed", "Head"]
 
 
+def check_sizes(*, heads: int | None = None, **sizes: int) -> None:
+    """Refuse a model size below 1 (named with its flag) and heads that do not divide
+    d_model: one line, before any layer is built."""
+    for name, value in {**sizes, **({} if heads is None else {"heads": heads})}.items():
+        if value < 1:
+            flag = "--" + name.replace("_", "-")
+            raise ConfigError(f"{flag} must be at least 1 (got {value})",
+                              f"pass a positive {flag}, or leave it out for the default")
+    if heads is not None and sizes["d_model"] % heads:
+        raise ConfigError(f"d_model {sizes['d_model']} is not divisible by heads {heads}",
+                          f"pick heads among the divisors of {sizes['d_model']}")
+
+
 class Embed(nn.Module):
     """Token plus learnt position embeddings: (batch, seq) ints -> (batch, seq, d_model)."""
 
@@ -95,9 +108,7 @@ class GPT(nn.Sequential):
     def __init__(self, *, vocab: int = 256, seq_len: int = 64, d_model: int = 128,
                  layers: int = 4, heads: int = 4, d_hidden: int | None = None,
                  sparse_embedding: bool = False) -> None:
-        if d_model % heads:
-            raise ConfigError(f"d_model {d_model} is not divisible by heads {heads}",
-                              f"pick heads among the divisors of {d_model}")
+        check_sizes(vocab=vocab, seq_len=seq_len, d_model=d_model, layers=layers, heads=heads)
         hidden = d_hidden or 4 * d_model
         parts: OrderedDict[str, nn.Module] = OrderedDict()
         parts["embed"] = Embed(vocab, seq_len, d_model, sparse=sparse_embedding)

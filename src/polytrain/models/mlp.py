@@ -6,6 +6,8 @@ from collections import OrderedDict
 
 from torch import nn
 
+from .gpt import check_sizes
+
 __all__ = ["MLP"]
 
 
@@ -23,6 +25,7 @@ class MLP(nn.Sequential):
 
     def __init__(self, *, vocab: int = 256, seq_len: int = 64, d_model: int = 64,
                  layers: int = 2, **_: object) -> None:
+        check_sizes(vocab=vocab, seq_len=seq_len, d_model=d_model, layers=layers)
         parts: OrderedDict[str, nn.Module] = OrderedDict()
         parts["embed"] = nn.Embedding(vocab, 16)
         parts["flatten"] = nn.Flatten()

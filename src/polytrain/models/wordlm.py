@@ -10,7 +10,7 @@ from torch import nn
 
 from ..data.words import id_to_rank, rank_to_id
 from ..errors import ConfigError
-from .gpt import Block, _init_weights
+from .gpt import Block, _init_weights, check_sizes
 
 __all__ = ["WordLM", "WordLMOptions"]
 
@@ -65,9 +65,7 @@ class WordLM(nn.Module):
                  layers: int = 2, heads: int = 4, negatives: int = 512,
                  dense_grads: bool = False) -> None:
         super().__init__()
-        if d_model % heads:
-            raise ConfigError(f"d_model {d_model} is not divisible by heads {heads}",
-                              f"pick heads among the divisors of {d_model}")
+        check_sizes(seq_len=seq_len, d_model=d_model, layers=layers, heads=heads)
         if vocab < 2 or negatives < 1:
             raise ConfigError(f"wordlm needs --vocab >= 2 and --negatives >= 1 (got {vocab} "
                               f"and {negatives})", "pass --vocab 100000 --negatives 512")
