@@ -33,6 +33,16 @@ def test_spec_file(tmp_path):
     assert [d.type.name for d in c.devices] == ["tiny", "fast", "slow", "slow"]
     assert c.inter_mb_s == 20
     c.check_layout(4, 2)
+    # Each was a raw ValueError, or read "m0" as machine "m" of a type called "0".
+    for bad, said in (({"machines": ["m0"]}, r'"machines" must map each machine'),
+                      ({"machines": {"m0": "fast"}}, r"must be a list of type names"),
+                      ({"machines": {"m0": ["x"]}, "types": {"x": {"gflops": "many",
+                                                                  "memory_mb": 8}}},
+                       r"ValueError: could not convert string to float: 'many'")):
+        path.write_text(json.dumps(bad))
+        with pytest.raises(ConfigError, match=r"--devices: .* lacks, misnames or mistypes a "
+                                              r"field \(.*" + said):
+            parse_cluster(str(path))
 
 
 @pytest.mark.parametrize("spec, message", [

@@ -75,10 +75,15 @@ def test_rates_and_times_parse_as_tc_writes_them():
                    r"mbit, gbit, tbit is\. HINT: pass e\.g\. --bandwidth 1gbit"),
     ("5gb", None, r"--bandwidth '5gb' is not a rate"),
     ("1000", None, r"--bandwidth '1000' is not a rate"),
-    ("0mbit", None, r"--bandwidth must be a positive rate of at least 1bit \(got '0mbit'\)"),
-    ("0", None, r"--bandwidth must be a positive rate"),
-    ("-1gbit", None, r"--bandwidth must be a positive rate of at least 1bit \(got '-1gbit'\)"),
-    ("1gbit", "-1ms", r"--latency must be 0 or more \(got '-1ms'\)"),
+    ("0mbit", None, r"--bandwidth must be a rate of at least 1bit and at most 1000tbit \(got "
+                    r"'0mbit'\)"),
+    ("0", None, r"--bandwidth must be a rate of at least 1bit"),
+    ("-1gbit", None, r"--bandwidth must be a rate of at least 1bit and at most 1000tbit \(got "
+                     r"'-1gbit'\)"),
+    # Each was an OverflowError, or a plan of nan seconds.
+    ("1e400gbit", None, r"--bandwidth must be a rate of at least 1bit and at most 1000tbit"),
+    ("1gbit", "1e400s", r"--latency must be 0 or more, and at most 60s \(got '1e400s'\)"),
+    ("1gbit", "-1ms", r"--latency must be 0 or more, and at most 60s \(got '-1ms'\)"),
     ("1gbit", "3 parsecs", r"--latency '3 parsecs' is not a time: a number and one of the units "
                            r"us, usec, ms, msec, s, sec is"),
     ("1gbit", "5", r"--latency '5' is not a time"),

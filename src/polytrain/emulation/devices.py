@@ -252,12 +252,23 @@ def _from_file(path: Path) -> Cluster:
         for name, t in dict(data.get("types", {})).items():
             types[name] = DeviceType(name=name, gflops=float(t["gflops"]),
                                      memory_mb=float(t["memory_mb"]))
-        machines = tuple(Machine(str(n), tuple(str(t) for t in ts))
-                         for n, ts in dict(data["machines"]).items())
+        if not isinstance(data["machines"], dict):
+            raise TypeError(f'"machines" must map each machine to its device types, not '
+                            f'{data["machines"]!r}')
+        machines = tuple(Machine(str(n), _type_names(ts)) for n, ts in data["machines"].items())
         link = dict(data.get("link_mb_s", {}))
-    except (KeyError, TypeError, AttributeError) as e:
-        raise ConfigError(f"--devices: {str(path)!r} lacks or misnames a field ({e})",
-                          'write {"machines": {"m0": ["fast", "fast"]}, "types": {...}}') from None
-    return Cluster(machines=machines, types=types,
-                   intra_mb_s=float(link.get("intra", 1000.0)),
-                   inter_mb_s=float(link.get("inter", 100.0)))
+        intra, inter = float(link.get("intra", 1000.0)), float(link.get("inter", 100.0))
+    except (KeyError, TypeError, AttributeError, ValueError) as e:
+        raise ConfigError(f"--devices: {str(path)!r} lacks, misnames or mistypes a field "
+                          f"({type(e).__name__}: {e})",
+                          'write {"machines": {"m0": ["fast", "fast"]}, "types": {"fast": '
+                          '{"gflops": 2.0, "memory_mb": 4096}}, "link_mb_s": {"intra": 1000, '
+                          '"inter": 100}}') from None
+    return Cluster(machines=machines, types=types, intra_mb_s=intra, inter_mb_s=inter)
+
+
+def _type_names(types: Any) -> tuple[str, ...]:
+    """A machine's device types in a JSON spec: a list of names, not one string."""
+    if not isinstance(types, list):
+        raise TypeError(f"a machine's devices must be a list of type names, not {types!r}")
+    return tuple(str(t) for t in types)

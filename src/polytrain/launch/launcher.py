@@ -181,7 +181,8 @@ class Launcher:
     def run_script(self, script: str, argv: Sequence[str] = ()) -> None:
         """Run ``python SCRIPT ARGV...`` in every process."""
         if not Path(script).is_file():
-            raise ConfigError(f"script {script!r} does not exist", "pass the path of a Python file")
+            what = "is a directory" if Path(script).is_dir() else "does not exist"
+            raise ConfigError(f"script {script!r} {what}", "pass the path of a Python file")
         payload = {"kind": "script", "script": str(Path(script).resolve()), "argv": list(argv),
                    "sys_path": [], "main_file": None}
         self._run(payload)

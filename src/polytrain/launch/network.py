@@ -64,6 +64,8 @@ _MIN_BURST_BYTES = 1 << 17
 #: ``net.ipv4.tcp_limit_output_bytes``, 4 MiB by default), per emulated machine.
 _QUEUE_S = 1e-3
 _MIN_QUEUE_BYTES = 1 << 16
+_MAX_RATE_BIT_S = 10**15  # beyond any NIC; also keeps nan and inf out
+_MAX_DELAY_S = 60.0  # a delay per packet; beyond it a link is a different problem
 _TOOL_TIMEOUT_S = 30.0  # ip, tc and sysctl answer in milliseconds; a hung one must not hang us
 _KILLED_TOOL_S = 5.0  # how long a killed tool may take to end before we go on without it
 
@@ -112,9 +114,9 @@ def parse_rate(text: str, flag: str = "--bandwidth") -> int:
         (200000000, 1000000000, 1500)
     """
     bits = _quantity(text, _RATE_UNITS, flag, "1gbit")
-    if not bits >= 1:
-        raise ConfigError(f"{flag} must be a positive rate of at least 1bit (got {text!r})",
-                          f"pass e.g. {flag} 1gbit")
+    if not 1 <= bits <= _MAX_RATE_BIT_S:
+        raise ConfigError(f"{flag} must be a rate of at least 1bit and at most 1000tbit (got "
+                          f"{text!r})", f"pass e.g. {flag} 1gbit")
     return int(round(bits))
 
 
@@ -125,8 +127,9 @@ def parse_time(text: str, flag: str = "--latency") -> float:
         (0.0002, 5e-06, 0.0)
     """
     seconds = _quantity(text, _TIME_UNITS, flag, "0.2ms")
-    if seconds < 0:
-        raise ConfigError(f"{flag} must be 0 or more (got {text!r})", f"pass e.g. {flag} 0.2ms")
+    if not 0 <= seconds <= _MAX_DELAY_S:
+        raise ConfigError(f"{flag} must be 0 or more, and at most {_MAX_DELAY_S:g}s (got "
+                          f"{text!r})", f"pass e.g. {flag} 0.2ms")
     return round(seconds, 9)
 
 
