@@ -62,6 +62,9 @@ def test_plan_of_a_model_with_sparse_embeddings_times_it_with_lazy_adam(capsys):
     (["plan", "--bandwidth", "1gbit", "--credit-bytes", "0"],
      "--credit-bytes is an option of byteps; polytrain plan predicts every strategy"),
     (["plan", "--latency", "1ms"], "--latency 1ms needs --bandwidth"),
+    # torch's "can't allocate memory" traceback.
+    (["plan", "--batch-size", str(10**12)], "at one worker's batch of 500000000000 needs more "
+                                            "memory than this machine has"),
     (["train", "--strategy", "auto", "--bucket-cap-mb", "5"],
      "--bucket-cap-mb is an option of herring, and --strategy auto chooses the strategy"),
     (["train", "--strategy", "auto", "--no-colocate"],

@@ -10,6 +10,7 @@ import torch
 
 from ..emulation.devices import Cluster
 from ..emulation.profile import profile_model
+from ..errors import ConfigError
 from ..models import get_model
 from .cost import Compute
 
@@ -56,6 +57,12 @@ def measure_compute(model: str, model_options: Mapping[str, Any], *, batch: int,
                 parts["forward"].append(t1 - t0)
                 parts["backward"].append(t2 - t1)
                 parts["optimizer"].append(t3 - t2)
+    except (MemoryError, RuntimeError) as e:
+        if not isinstance(e, MemoryError) and "can't allocate memory" not in str(e):
+            raise
+        raise ConfigError(f"timing {model} at one worker's batch of {batch} needs more memory than "
+                          f"this machine has", "pass a smaller --batch-size, or --devices to "
+                          "predict from the model's FLOPs") from None
     finally:
         torch.set_num_threads(before)
     return Compute(forward_s=statistics.median(parts["forward"]),
