@@ -213,6 +213,10 @@ class TrainConfig:
             if self.out is None:
                 raise ConfigError("--checkpoint-every writes OUT/checkpoints/, and no --out "
                                   "is given", "pass --out DIR")
+            if self.checkpoint_every > self.steps:
+                raise ConfigError(f"--checkpoint-every {self.checkpoint_every} is past --steps "
+                                  f"{self.steps}: no checkpoint would be written",
+                                  f"pass --checkpoint-every {max(1, self.steps // 10)}")
         if self.keep is not None:
             if self.keep < 1:
                 raise ConfigError(f"--keep must be at least 1 (got {self.keep})",

@@ -29,6 +29,12 @@ def test_checkpoint_every_zero(capsys, tmp_path):
         in line
 
 
+def test_checkpoint_every_past_the_last_step(capsys, tmp_path):
+    # It ran and wrote no checkpoint, saying nothing.
+    line = error_of(capsys, "--checkpoint-every", "100", "--out", str(tmp_path), *TINY)
+    assert "--checkpoint-every 100 is past --steps 4: no checkpoint would be written" in line
+
+
 def test_checkpoint_every_needs_out(capsys):
     assert "no --out is given" in error_of(capsys, "--checkpoint-every", "2", *TINY)
 

@@ -84,6 +84,10 @@ def test_train_writes_metrics_and_final_state_as_the_contract_says(tmp_path):
     (["--batch-size", "0"], r"--batch-size must be at least 1 \(got 0\)"),
     (["--lr", "inf"], r"--lr must be a positive number \(got inf\)"),
     (["--out", __file__], r"--out .*test_train\.py cannot be made a directory: File exists"),
+    (["--strategy", "herring", "--bucket-cap-mb", "nan"], r"--bucket-cap-mb must be positive"),
+    (["--strategy", "moe", "--model", "gpt-moe", "--balance-loss", "nan"],
+     r"balance_weight \(--balance-loss\) must be 0 or more \(got nan\)"),
+    (["--model", "mlp", "--heads", "4"], r"model 'mlp' takes no option heads"),
     (["--strategy", "pipetransformer", "--model", "wordlm", "--workers", "4", "--nodes", "2"],
      r"WordLM cannot be timed layer by layer: its forward does not run on shapes alone"),
 ])

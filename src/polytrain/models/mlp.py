@@ -24,7 +24,7 @@ class MLP(nn.Sequential):
     """
 
     def __init__(self, *, vocab: int = 256, seq_len: int = 64, d_model: int = 64,
-                 layers: int = 2, **_: object) -> None:
+                 layers: int = 2) -> None:
         check_sizes(vocab=vocab, seq_len=seq_len, d_model=d_model, layers=layers)
         parts: OrderedDict[str, nn.Module] = OrderedDict()
         parts["embed"] = nn.Embedding(vocab, 16)

@@ -13,6 +13,7 @@ decisions exactly.
 
 from __future__ import annotations
 
+import math
 from typing import Any, ClassVar
 
 import torch
@@ -104,6 +105,12 @@ class Gate(nn.Module):
         self.balance_weight = (self.default_balance_weight if balance_weight is None
                                else balance_weight)
         self.z_loss_weight = z_loss_weight
+        for name, weight in (("balance_weight", self.balance_weight),
+                             ("z_loss_weight", z_loss_weight)):
+            if not 0 <= weight < math.inf:
+                raise ConfigError(f"{name} (--{'balance-loss' if name[0] == 'b' else 'z-loss'}) "
+                                  f"must be 0 or more (got {weight})",
+                                  f"pass a small weight, e.g. {name}=0.01, or 0 for none")
         self.wg = nn.Linear(d_model, num_experts, bias=False)
         self.group = ExpertGroup(group)
         self.loss: torch.Tensor | None = None

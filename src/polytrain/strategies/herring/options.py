@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from ...errors import ConfigError
@@ -28,6 +29,6 @@ class HerringOptions:
                 "machines"})
 
     def __post_init__(self) -> None:
-        if self.bucket_cap_mb <= 0:
+        if not 0 < self.bucket_cap_mb < math.inf:
             raise ConfigError(f"--bucket-cap-mb must be positive (got {self.bucket_cap_mb})",
                               "pass --bucket-cap-mb 25")

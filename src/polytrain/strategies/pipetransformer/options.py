@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from ...errors import ConfigError
@@ -118,7 +119,7 @@ class PipeTransformerOptions:
         if self.freeze_threshold is not None and not self.freeze_threshold > 0:
             raise ConfigError(f"--freeze-threshold must be positive (got "
                               f"{self.freeze_threshold})", "pass --freeze-threshold 0.5")
-        if self.cache_mb < 0:
+        if not 0 <= self.cache_mb < math.inf:
             raise ConfigError(f"--cache-mb must be 0 or more (got {self.cache_mb})",
                               "pass --cache-mb 256 (0: disk only)")
         if self.cache_from < 1:
