@@ -105,6 +105,19 @@ class _Reordered(torch.nn.Module):
         return self.head(self.body(x))
 
 
+class _InPlace(torch.nn.Module):
+    """A ReLU in place between its children: the same tensor, changed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        h.relu_()
+        return self.b(h)
+
+
 class _Scaled(torch.nn.Sequential):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return 2 * super().forward(x)
@@ -118,6 +131,7 @@ def test_the_profile_says_where_a_forward_is_not_a_chain_of_its_children():
                          torch.zeros(1, 8, dtype=torch.long)).chain_break is None
     assert profile_model(_Skip(), x).chain_break == "c"
     assert profile_model(_Reordered(), x).chain_break == "body"
+    assert profile_model(_InPlace(), x).chain_break == "b"  # a cut would drop the ReLU
     assert profile_model(_Scaled(torch.nn.Linear(4, 4)), x).chain_break == "the model's output"
     with pytest.raises(ConfigError, match=r"_Skip's forward is not its top-level children run "
                                           r"one after another \(c does not get the previous "

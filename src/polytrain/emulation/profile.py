@@ -139,15 +139,14 @@ def _measure(model: nn.Module, shape: Sequence[int], dtype: torch.dtype,
     x = torch.zeros((batch, *shape), dtype=dtype, device="meta")
     names = [name for name, _ in layers_of(model)]
     # The chain so far: calls seen, what the next layer should get, the first break.
-    chain: dict[str, Any] = {"calls": 0, "last": x, "break": None}
+    chain: dict[str, Any] = {"calls": 0, "last": x, "version": x._version, "break": None}
     for name, module in layers_of(model):
         state: dict[str, Any] = {}
 
         def pre(_m: nn.Module, args: Any, name: str = name, state: dict[str, Any] = state
                 ) -> None:
             expected = names[chain["calls"]] if chain["calls"] < len(names) else None
-            if chain["break"] is None and (name != expected or not args
-                                           or args[0] is not chain["last"]):
+            if chain["break"] is None and (name != expected or not _unchanged(args, chain)):
                 chain["break"] = name
             chain["calls"] += 1
             state["saved"] = 0
@@ -165,7 +164,7 @@ def _measure(model: nn.Module, shape: Sequence[int], dtype: torch.dtype,
                  state: dict[str, Any] = state) -> None:
             state["counter"].__exit__(None, None, None)
             state["hooks"].__exit__(None, None, None)
-            chain["last"] = out
+            chain["last"], chain["version"] = out, getattr(out, "_version", None)
             t = out[0] if isinstance(out, (tuple, list)) else out
             if not isinstance(t, torch.Tensor):
                 raise ConfigError(f"layer {name!r} returns {type(t).__name__}, not a tensor",
@@ -192,9 +191,16 @@ def _measure(model: nn.Module, shape: Sequence[int], dtype: torch.dtype,
     finally:
         for h in handles:
             h.remove()
-    if chain["break"] is None and out is not chain["last"]:
+    if chain["break"] is None and not _unchanged((out,), chain):
         chain["break"] = "the model's output"
     return found, chain["break"]
+
+
+def _unchanged(args: Any, chain: dict[str, Any]) -> bool:
+    """Whether ``args[0]`` is the last layer's output, not changed since (an in-place op
+    between layers bumps its version)."""
+    return (bool(args) and args[0] is chain["last"]
+            and getattr(args[0], "_version", None) == chain["version"])
 
 
 def optimizer_state_factor(optimizer: str | torch.optim.Optimizer) -> int:
