@@ -95,3 +95,29 @@ def test_a_pipeline_strategy_in_the_plain_loop_is_refused_with_the_step_api():
 def test_every_pipeline_strategy_says_so_and_data_parallel_ones_do_not():
     pipelines = {n for n in polytrain.strategy_names() if polytrain.get_strategy(n).pipeline}
     assert "hetpipe" in pipelines and not {"ddp", "byteps", "moe", "single"} & pipelines
+
+
+def refusals(strategy: str) -> str:
+    """What distribute() says, in a run of 2 workers, of ``strategy`` on a one-layer model."""
+    polytrain.init()
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    try:
+        polytrain.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                             strategy=strategy, loss_fn=mse)
+    except ConfigError as e:
+        return str(e)
+    return "accepted"
+
+
+@pytest.mark.timeout(60)
+def test_distribute_refuses_what_the_cli_refuses_before_any_process_starts():
+    # 'single' trained one copy per worker; a pipeline of more stages than layers got a hint
+    # that pointed the wrong way (more --pipeline-stages): the strategy's check_model never ran.
+    from tests.harness import spawn
+
+    single, pipeline = (spawn(refusals, workers=2, args=(s,))[0]
+                        for s in ("single", "pipetransformer"))
+    assert single.startswith("strategy 'single' trains in one process, and this run has 2 "
+                             "workers"), single
+    assert pipeline.startswith("the model has 1 layers (children) but the pipeline has 2 "
+                               "stages"), pipeline

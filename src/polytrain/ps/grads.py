@@ -24,6 +24,7 @@ import torch
 
 from ..comm.bucket import Bucket
 from ..comm.partition import TensorSpec
+from ..errors import ConfigError
 from .compression import CompressOptions
 from .engine import Engine, SumTensor
 from .placement import Placement
@@ -85,6 +86,7 @@ class GradientSync:
         self.in_backward = in_backward
         self._queued = False
         self.params = [p for _, p in named]
+        self.names = [n for n, _ in named]
         self.buckets = list(buckets)
         self.passes_per_step = passes_per_step
         self.enabled = True  # False inside no_sync(): gradients only accumulate
@@ -164,6 +166,11 @@ class GradientSync:
         """Parameter i's gradient is final for this step: submit its bucket once all are."""
         p = self.params[i]
         grad = p.grad if p.grad is not None else torch.zeros_like(p)
+        if grad.is_sparse:
+            raise ConfigError(f"parameter {self.names[i]!r} has a sparse gradient (an "
+                              f"nn.Embedding(sparse=True)), and the push/pull engine (byteps, "
+                              f"herring) sums dense ones", "build it with sparse=False, or "
+                              "train with strategy 'parallax' (its rows on servers) or 'ddp'")
         if self.transform is not None:
             grad = self.transform(i, grad)
         self._ready[i] = True

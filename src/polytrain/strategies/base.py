@@ -336,11 +336,18 @@ def distribute(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str
             f"strategy={strategy!r}, loss_fn=loss_fn), then loss = trainer.step(x, y) on "
             f"each global batch")
     opts = make_options(cls, options)
+    if not cls.distributed and runtime.is_initialized() and runtime.current().num_workers > 1:
+        raise ConfigError(f"strategy {strategy!r} trains in one process, and this run has "
+                          f"{runtime.current().num_workers} workers: each would train its own "
+                          f"copy", "pick a distributed strategy, e.g. strategy='ddp'")
     if cls.distributed:
         ctx = ctx or runtime.init()
         if not ctx.is_worker:
             raise ConfigError(f"rank {ctx.rank} is a server and cannot train a model",
                               "call distribute() on workers only")
+        layout = _layout_of(ctx)
+        if layout is not None:  # what the CLI checks of the model before any process starts
+            cls.check_model(model, layout, opts)
         if not cls.agrees_model:
             check_same_model(ctx, model)
             broadcast_module(ctx, model)
@@ -352,6 +359,21 @@ def distribute(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str
     first = next(iter(wrapped.parameters()), None)
     device = ctx.device if ctx is not None else first.device if first is not None else None
     return Trainer(instance, wrapped, opt, loss_fn, device=device)
+
+
+def _layout_of(ctx: Context) -> Layout | None:
+    """The run's layout as the CLI describes one (None where the machines are uneven, as
+    torchrun may start them: the CLI's checks then do not apply as they are)."""
+    top = ctx.topology
+    machines = top.worker_machines
+    colocated = {len(top.servers_on(m)) for m in machines}
+    if len(colocated) != 1:
+        return None
+    try:
+        return Layout(workers=len(top.workers), nodes=len(machines),
+                      servers=len(top.dedicated_servers), colocated=colocated.pop())
+    except ConfigError:
+        return None
 
 
 def strategy_of(model: nn.Module | Trainer) -> Strategy[Any]:

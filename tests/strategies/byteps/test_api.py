@@ -189,3 +189,26 @@ def test_workers_with_different_models_are_refused_before_any_tensor_is_overwrit
         assert re.search(r"worker rank 1's model differs .*" + differ, errors["ddp"])
         assert "HINT: build the same model" in errors["ddp"]
         assert unchanged and exp_avg == torch.Size([2 + rank, 4])  # each its own, untouched
+
+
+def sparse_embedding(strategy):
+    polytrain.init()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Flatten(), nn.Linear(8, 2))
+    model, opt = polytrain.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                      strategy=strategy)
+    try:
+        model(torch.tensor([[1, 2]])).sum().backward()
+    except ConfigError as e:  # raised on every worker, so the run goes on
+        return str(e)
+    return "trained"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("strategy", ["byteps", "herring"])
+def test_a_sparse_gradient_is_refused_naming_the_parameter_and_what_takes_it(strategy):
+    # It was "reshape is not implemented for sparse tensors", from inside a backward hook.
+    for said in spawn(sparse_embedding, workers=2, nodes=2, colocated=1, args=(strategy,)):
+        assert re.search(r"parameter '0\.weight' has a sparse gradient \(an nn\.Embedding\("
+                         r"sparse=True\)\), and the push/pull engine \(byteps, herring\) sums "
+                         r"dense ones\. HINT: .*strategy 'parallax'", said), said
