@@ -86,9 +86,14 @@ def test_a_join_that_fails_on_several_hosts_names_gloos_interface_where_it_is_lo
 
     env = _env.read({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.5",
                      "MASTER_PORT": "29500"})
-    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    for name in ("GLOO_SOCKET_IFNAME", "LOCAL_WORLD_SIZE", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(runtime.socket, "gethostbyname", lambda name: "127.0.1.1")
     assert "set GLOO_SOCKET_IFNAME to the interface" in runtime._interface_hint(env)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # one host: loopback is right there
+    assert runtime._interface_hint(env) == ""
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
     monkeypatch.setattr(runtime.socket, "gethostbyname", lambda name: "10.0.0.7")
     assert runtime._interface_hint(env) == ""
     monkeypatch.setattr(runtime.socket, "gethostbyname", lambda name: "127.0.1.1")

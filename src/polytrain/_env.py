@@ -132,6 +132,23 @@ def nic() -> str | None:
     return os.environ.get(NIC) or None
 
 
+def gloo_interface() -> str | None:
+    """The interface gloo was told to use (``GLOO_SOCKET_IFNAME``), if any."""
+    return os.environ.get(GLOO_SOCKET_IFNAME) or None
+
+
+def single_host() -> bool:
+    """Whether every process of the run is on this host (torchrun's LOCAL_WORLD_SIZE is the
+    WORLD_SIZE); False where unknown."""
+    local, world = os.environ.get(LOCAL_WORLD_SIZE), os.environ.get(WORLD_SIZE)
+    return local is not None and local == world
+
+
+def loading_main() -> bool:
+    """Whether this launched process is importing the launching script (see child.py)."""
+    return bool(os.environ.get(LOADING_MAIN))
+
+
 def shm_dir() -> str | None:
     """The run's directory in host shared memory, which the launcher removes at the end."""
     return os.environ.get(SHM_DIR) or None

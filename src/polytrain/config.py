@@ -154,7 +154,6 @@ class TrainConfig:
                               f"{self.steps} (got {self.warmup_steps})",
                               f"pass --warmup-steps {max(0, self.steps // 10)}")
         check_seconds(self.timeout_s, "--timeout", "pass --timeout 120")
-        self._check_out()
         if self.link() is not None and not get_strategy(self.strategy).distributed:
             raise ConfigError(f"--bandwidth shapes the links between machines, and strategy "
                               f"{self.strategy!r} trains in one process",
@@ -188,6 +187,7 @@ class TrainConfig:
         check_divisible(self.batch_size, cls.replicas(layout, options))
         self._check_devices(model)
         self._check_memory(model, layout.workers)
+        self._check_out()  # last: a refused command leaves no directory behind
 
     def _check_out(self) -> None:
         """Make ``--out`` now, so that a directory that cannot be made fails before training

@@ -309,7 +309,7 @@ def hint_for(exc: BaseException) -> str | None:
 def _interface_hint(env: _env.ProcessEnv) -> str:
     """On several hosts gloo advertises the address of this host's name; where that name
     resolves to loopback (a common /etc/hosts), peers on other hosts cannot reach it."""
-    if (os.environ.get(_env.GLOO_SOCKET_IFNAME)
+    if (_env.gloo_interface() or _env.single_host()
             or env.master_addr in ("127.0.0.1", "localhost", "::1")):
         return ""
     try:

@@ -129,13 +129,19 @@ def test_the_profile_says_where_a_forward_is_not_a_chain_of_its_children():
     assert profile_model(chain, x).chain_break is None
     assert profile_model(GPT(seq_len=8, d_model=16, layers=2, heads=2),
                          torch.zeros(1, 8, dtype=torch.long)).chain_break is None
-    assert profile_model(_Skip(), x).chain_break == "c"
-    assert profile_model(_Reordered(), x).chain_break == "body"
-    assert profile_model(_InPlace(), x).chain_break == "b"  # a cut would drop the ReLU
-    assert profile_model(_Scaled(torch.nn.Linear(4, 4)), x).chain_break == "the model's output"
+    assert profile_model(_Skip(), x).chain_break == \
+        "child 'c' does not get the previous child's output"
+    assert profile_model(_Reordered(), x).chain_break == "child 'body' runs where 'head' should"
+    assert profile_model(_InPlace(), x).chain_break == \
+        "the previous child's output is changed in place before child 'b'"  # the ReLU
+    assert profile_model(_Scaled(torch.nn.Linear(4, 4)), x).chain_break == \
+        "the model does not return its last child's output as it was"
+    relu = torch.nn.ReLU()  # one module twice: a cut has no place for its second call
+    assert profile_model(torch.nn.Sequential(torch.nn.Linear(4, 4), relu, torch.nn.Linear(4, 4),
+                                             relu), x).chain_break == "child '1' runs a second time"
     with pytest.raises(ConfigError, match=r"_Skip's forward is not its top-level children run "
-                                          r"one after another \(c does not get the previous "
-                                          r"child's output\).*HINT: .*nn\.Sequential"):
+                                          r"one after another \(child 'c' does not get the "
+                                          r"previous child's output\).*HINT: .*nn\.Sequential"):
         make_stage(_Skip(), [0, 2, 3], 0, ranks=[0, 1], labels=["s0", "s1"], links=[0.0],
                    profile=profile_model(_Skip(), x), transport=None, loss_fn=None)
 

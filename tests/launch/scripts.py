@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import signal
 import sys
@@ -68,6 +69,14 @@ def thread_outlives_script(delay_s: float) -> int:
     """Leave a thread of the script's (not a daemon) running ``delay_s`` past the end."""
     ctx = polytrain.init()
     threading.Thread(target=_upload, args=(delay_s,), name="uploader").start()
+    return ctx.rank
+
+
+def executor_left_idle() -> int:
+    """Leave a thread pool with an idle worker thread (not shut down), as scripts do."""
+    ctx = polytrain.init()
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    pool.submit(time.sleep, 0.01).result()
     return ctx.rank
 
 

@@ -76,3 +76,16 @@ def test_a_lane_keeps_its_priority_order_when_a_smaller_item_would_fit():
     assert q.take() == "other"
     q.release(60, lane="s")
     assert [q.take(), q.take()] == ["second", "third"]
+
+
+def test_a_tuple_priority_orders_by_its_first_number_then_the_next():
+    # The engine queues (-BytePS priority, key): a larger priority goes first, then the key.
+    q = CreditQueue[str](credit_bytes=100)
+    q.put((0, 0), 80, "first key")        # taken at once: the credit is free
+    assert q.take() == "first key"
+    q.put((0, 1), 80, "late layer")       # both wait for the credit
+    q.put((-5, 2), 80, "priority 5")
+    q.release(80)
+    assert q.take() == "priority 5"
+    q.release(80)
+    assert q.take() == "late layer"

@@ -92,7 +92,7 @@ class EpochBatches:
 
     def order(self, epoch: int) -> torch.Tensor:
         """The sample indices of ``epoch`` in the order they are trained."""
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        gen = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) % 2**63)
         return torch.randperm(self.samples.shape[0], generator=gen)
 
     def __iter__(self) -> Iterator[torch.Tensor]:

@@ -258,6 +258,8 @@ def _from_file(path: Path) -> Cluster:
         machines = tuple(Machine(str(n), _type_names(ts)) for n, ts in data["machines"].items())
         link = dict(data.get("link_mb_s", {}))
         intra, inter = float(link.get("intra", 1000.0)), float(link.get("inter", 100.0))
+    except ConfigError:
+        raise
     except (KeyError, TypeError, AttributeError, ValueError) as e:
         raise ConfigError(f"--devices: {str(path)!r} lacks, misnames or mistypes a field "
                           f"({type(e).__name__}: {e})",

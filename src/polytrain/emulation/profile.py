@@ -56,9 +56,8 @@ class ModelProfile:
     layers: tuple[LayerProfile, ...]
     input_shape: tuple[int, ...]
     input_dtype: torch.dtype
-    #: Where the model's forward is not its layers run one after another (None: it is):
-    #: the first layer that got something other than the previous layer's output, or
-    #: "the model's output". A pipeline cut between layers would compute another function.
+    #: Why the model's forward is not its layers run one after another (None: it is), at the
+    #: first place it is not. A pipeline cut between layers would compute another function.
     chain_break: str | None = None
 
     @property
@@ -146,8 +145,8 @@ def _measure(model: nn.Module, shape: Sequence[int], dtype: torch.dtype,
         def pre(_m: nn.Module, args: Any, name: str = name, state: dict[str, Any] = state
                 ) -> None:
             expected = names[chain["calls"]] if chain["calls"] < len(names) else None
-            if chain["break"] is None and (name != expected or not _unchanged(args, chain)):
-                chain["break"] = name
+            if chain["break"] is None:
+                chain["break"] = _chain_break(name, expected, args, chain)
             chain["calls"] += 1
             state["saved"] = 0
 
@@ -180,20 +179,36 @@ def _measure(model: nn.Module, shape: Sequence[int], dtype: torch.dtype,
     try:
         with torch.enable_grad():
             out = model(x)
+    except ConfigError:
+        raise
     except (RuntimeError, NotImplementedError, TypeError, ValueError) as e:
         text = str(e).strip()
         first = text.splitlines()[0].split(". ")[0] if text else type(e).__name__
         raise ConfigError(f"{type(model).__name__} cannot be timed layer by layer: its forward "
                           f"does not run on shapes alone (the meta device): {first}",
-                          "pipelines and emulated devices need a forward without .item() or "
-                          "data-dependent shapes: pick another --model, or another "
-                          "strategy") from None
+                          "pipelines and emulated devices (--devices) need a forward without "
+                          ".item() or data-dependent shapes: pick another --model, or a "
+                          "strategy that is not a pipeline, without --devices") from None
     finally:
         for h in handles:
             h.remove()
     if chain["break"] is None and not _unchanged((out,), chain):
-        chain["break"] = "the model's output"
+        chain["break"] = "the model does not return its last child's output as it was"
     return found, chain["break"]
+
+
+def _chain_break(name: str, expected: str | None, args: Any,
+                 chain: dict[str, Any]) -> str | None:
+    """Why child ``name``'s call breaks the chain of children (None: it does not)."""
+    if expected is None:
+        return f"child {name!r} runs a second time"
+    if name != expected:
+        return f"child {name!r} runs where {expected!r} should"
+    if not args or args[0] is not chain["last"]:
+        return f"child {name!r} does not get the previous child's output"
+    if not _unchanged(args, chain):
+        return f"the previous child's output is changed in place before child {name!r}"
+    return None
 
 
 def _unchanged(args: Any, chain: dict[str, Any]) -> bool:

@@ -276,6 +276,9 @@ def _exit_cleanly(who: str) -> None:
     that does not end says why.
     """
     patience = _env.read().timeout_s
+    # What Python's own shutdown runs first: executors tell their idle threads to stop.
+    for stop in reversed(getattr(threading, "_threading_atexits", [])):
+        stop()
     for t in threading.enumerate():
         if t is not threading.main_thread() and not t.daemon:
             t.join(patience)

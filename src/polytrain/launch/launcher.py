@@ -88,8 +88,8 @@ def _files(workdir: Path, rank: int) -> tuple[Path, Path, Path, Path, Path]:
 
 
 _SEE_TRACEBACK = "the traceback of that process is printed above; fix its cause and rerun"
-_LEFT_HINT = ("every worker must make the same collective calls: find why it returned (or "
-              "called sys.exit(0)) before the others, e.g. fewer steps or batches on it")
+_LEFT_HINT = ("if they waited in a collective every worker makes, find why it returned (or "
+              "called sys.exit(0)) before them, e.g. fewer steps or batches on it")
 _STALLED_HINT = ("its threads' stacks are printed above: find why it did not reach the "
                  "communication its peers waited in (a loop or a wait that does not end, a "
                  "slow read); if it is only slow, raise --timeout")
@@ -160,7 +160,7 @@ class Launcher:
     def run_fn(self, fn: Callable[..., Any], args: Sequence[Any] = (),
                kwargs: Mapping[str, Any] | None = None) -> list[Any]:
         """Run ``fn(*args, **kwargs)`` in every process; return the workers' results by rank."""
-        if os.environ.get(_env.LOADING_MAIN):
+        if _env.loading_main():
             raise ConfigError("polytrain.launch() ran in a launched process, as it imported the "
                               "launching script: the script calls launch() when imported, so "
                               "every process would start a run of its own",
@@ -301,22 +301,21 @@ class Launcher:
                 else time.time() - self._hang_after_s())
 
     def _left_early(self, children: list[_Child], waiter: _Failure) -> list[_Child]:
-        """The workers whose script had ended (well) before ``waiter`` began the wait that
-        timed out: what it waited for, when nobody stalled."""
-        began = self._wait_began(waiter)
+        """The workers whose script had ended (well) before ``waiter`` failed waiting for its
+        peers (a timeout, or a peer gone): what it may have waited for, when nobody stalled."""
         found = []
         for c in children:
             if (c.spec.role != "worker" or c.spec == waiter.spec
                     or c.proc.returncode not in (None, 0)):
                 continue
             ended = _script_ended(c)
-            if ended is not None and ended <= began + _STALL_SLACK_S:
+            if ended is not None and ended <= waiter.time:
                 found.append((ended, c))
+        how = (f"'s wait timed out (after {waiter.waited_s:g} s)" if waiter.waited_s
+               else " lost a peer")
         for ended, c in found:
-            c.hung = (f"ended its script {max(0.0, began - ended):.1f} s before "
-                      f"{waiter.spec.role} rank {waiter.spec.rank} began the wait that timed "
-                      f"out{f' after {waiter.waited_s:g} s' if waiter.waited_s else ''}: its "
-                      f"peers still waited for it")
+            c.hung = (f"ended its script {waiter.time - ended:.1f} s before {waiter.spec.role} "
+                      f"rank {waiter.spec.rank}{how}: its peers may have waited for it")
             c.left_early = True
         return [c for _, c in sorted(found, key=lambda ec: ec[0])]
 
@@ -384,8 +383,9 @@ class Launcher:
                             c.proc.poll() in (None, 0) for c in children if c not in failed):
                         time.sleep(_POLL_S)
                 waiter = min(failures, key=_Failure.order)
-                if waiter.waited_s is not None:
-                    stalled = (self._stalled(children, failed, waiter)
+                if waiter.waited_s is not None or waiter.secondary:
+                    stalled = ((self._stalled(children, failed, waiter)
+                                if waiter.waited_s is not None else [])
                                or self._left_early(children, waiter))
                     failed += stalled
                     failures += [_failure(c, oom_kills_before) for c in stalled]

@@ -42,8 +42,8 @@ def make_stage(model: nn.Module, bounds: Sequence[int], index: int, *, ranks: Se
     if profile.chain_break is not None:
         raise ConfigError(
             f"{type(model).__name__}'s forward is not its top-level children run one after "
-            f"another ({profile.chain_break} does not get the previous child's output): a "
-            f"pipeline cut between them would compute another function",
+            f"another ({profile.chain_break}): a pipeline cut between them would compute "
+            f"another function",
             "give pipeline strategies a model whose forward only chains its children (an "
             "nn.Sequential); wrap a skip connection or other glue in one child module")
     j, count = index, len(ranks)

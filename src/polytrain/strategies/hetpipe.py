@@ -269,7 +269,13 @@ class HetPipe(Strategy[HetPipeOptions]):
                                       lag_beta2=self.options.lag_beta2)
             saved = self.resume_optimizers[lane] if self.resume_optimizers else None
             if saved is not None:
-                optimizer.load_state_dict(saved)
+                if saved["names"] != list(stage.names):
+                    raise ConfigError(f"the checkpoint's stage {role.index} of virtual worker "
+                                      f"{role.vw} held {_span(saved['names'])}, this run's "
+                                      f"holds {_span(stage.names)}: the stages differ",
+                                      "resume with the checkpoint's --policy, --nodes and "
+                                      "--devices")
+                optimizer.load_state_dict(saved["optimizer"])
         self.started = True
 
     def _stage(self, role: _Role, plan: HetPipePlan, profile: ModelProfile, loss_fn: LossFn,
@@ -356,8 +362,9 @@ class HetPipe(Strategy[HetPipeOptions]):
         :meth:`state_dict` drained, so every push is applied."""
         if not self.started:
             return {}
-        state: dict[str, Any] = {"stages": [role.pipe.optimizer.state_dict() if role.pipe
-                                            else None for role in self.roles]}
+        state: dict[str, Any] = {"stages": [
+            {"names": list(role.stage.names), "optimizer": role.pipe.optimizer.state_dict()}
+            if role.pipe and role.stage else None for role in self.roles]}
         if self.options.server_optimizer:
             state["servers"] = [role.wsp.server_states() if role.vw == 0 and role.wsp else None
                                 for role in self.roles]
@@ -376,6 +383,11 @@ class HetPipe(Strategy[HetPipeOptions]):
         for role in self.roles:
             if role.stage is not None:
                 role.stage.close()
+
+
+def _span(names: list[str]) -> str:
+    """A stage's parameters in a few words: the first and last, and how many."""
+    return f"{names[0]} .. {names[-1]} ({len(names)} tensors)" if names else "no parameters"
 
 
 @contextlib.contextmanager
