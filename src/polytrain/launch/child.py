@@ -9,6 +9,7 @@ followed another process's failure) for the launcher to report.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import faulthandler
 import gc
@@ -93,12 +94,9 @@ def _end_script() -> None:
     _script_ended = time.time()
     path = _env.heartbeat_file()
     if path:
-        try:  # a tmp file of its own: the heartbeat thread writes beside it
-            with open(path + ".end", "w") as f:
-                json.dump({"where": "", "working_since": None, "script_ended": _script_ended}, f)
-            os.replace(path + ".end", path)
-        except OSError:
-            pass
+        with contextlib.suppress(OSError):  # a tmp file of its own: the heartbeat thread's beside
+            _write_json(path, {"where": "", "working_since": None,
+                               "script_ended": _script_ended}, tmp=".end")
 
 
 def _start_heartbeat() -> None:
@@ -124,10 +122,8 @@ def _start_heartbeat() -> None:
             if time.monotonic() - written >= _BEAT_S:
                 written = time.monotonic()
                 try:
-                    with open(path + ".tmp", "w") as f:
-                        json.dump({"where": where, "working_since": working_since,
-                                   "script_ended": _script_ended}, f)
-                    os.replace(path + ".tmp", path)
+                    _write_json(path, {"where": where, "working_since": working_since,
+                                       "script_ended": _script_ended})
                 except OSError:
                     return
             time.sleep(_SAMPLE_S)
@@ -147,13 +143,17 @@ def _raise_injected(signum: int, frame: Any) -> None:
 def _write_error(cause: str, secondary: bool, hint: str | None = None,
                  waited_s: float | None = None) -> None:
     path = _env.error_file()
-    if not path:
-        return
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump({"cause": cause, "time": time.time(), "secondary": secondary, "hint": hint,
-                   "waited_s": waited_s}, f)
-    os.replace(tmp, path)
+    if path:
+        _write_json(path, {"cause": cause, "time": time.time(), "secondary": secondary,
+                           "hint": hint, "waited_s": waited_s})
+
+
+def _write_json(path: str, record: dict[str, Any], tmp: str = ".tmp") -> None:
+    """Write ``record`` to ``path`` whole, through ``path + tmp``: the launcher, reading at
+    any time, sees the old record or the new one, never half of one."""
+    with open(path + tmp, "w") as f:
+        json.dump(record, f)
+    os.replace(path + tmp, path)
 
 
 def _is_secondary(exc: BaseException) -> bool:

@@ -294,12 +294,6 @@ class Launcher:
                 hung.append(c)
         return hung
 
-    def _wait_began(self, waiter: _Failure) -> float:
-        """When ``waiter`` began the wait that timed out."""
-        assert waiter.waited_s is not None
-        return (waiter.time - waiter.waited_s if waiter.waited_s > 0
-                else time.time() - self._hang_after_s())
-
     def _left_early(self, children: list[_Child], waiter: _Failure) -> list[_Child]:
         """The workers whose script had ended (well) before ``waiter`` failed waiting for its
         peers (a timeout, or a peer gone): what it may have waited for, when nobody stalled."""
@@ -308,8 +302,8 @@ class Launcher:
             if (c.spec.role != "worker" or c.spec == waiter.spec
                     or c.proc.returncode not in (None, 0)):
                 continue
-            ended = _script_ended(c)
-            if ended is not None and ended <= waiter.time:
+            ended = _last_beat(c).get("script_ended")
+            if isinstance(ended, (int, float)) and ended <= waiter.time:
                 found.append((ended, c))
         how = (f"'s wait timed out (after {waiter.waited_s:g} s)" if waiter.waited_s
                else " lost a peer")
@@ -325,17 +319,16 @@ class Launcher:
         any peer, since before ``waiter`` began the wait that timed out (oldest first): what
         it waited for. Each writes its threads' stacks (SIGUSR2: faulthandler), printed here
         under its name."""
-        began = self._wait_began(waiter)
+        assert waiter.waited_s is not None
+        began = (waiter.time - waiter.waited_s if waiter.waited_s > 0
+                 else time.time() - self._hang_after_s())
         found = []
         for c in children:
             if c in failed or c.proc.poll() is not None:
                 continue
-            try:
-                beat = json.loads(c.heartbeat_file.read_text())
-                since, where = beat["working_since"], beat["where"]
-            except (OSError, ValueError, KeyError, TypeError):
-                continue
-            if since is not None and since <= began + _STALL_SLACK_S:
+            beat = _last_beat(c)
+            since, where = beat.get("working_since"), beat.get("where")
+            if isinstance(since, (int, float)) and since <= began + _STALL_SLACK_S:
                 c.hung = (f"stopped making progress: its main thread has worked for "
                           f"{time.time() - since:.1f} s without waiting for any peer, now at "
                           f"{where}, while {waiter.spec.role} rank {waiter.spec.rank} timed out "
@@ -452,14 +445,14 @@ def run_shm(root: Path = SHM_ROOT) -> Path | None:
     return path
 
 
-def _script_ended(child: _Child) -> float | None:
-    """When the child's script (or function) returned, from its last heartbeat (None: not
-    yet, or unknown)."""
+def _last_beat(child: _Child) -> dict[str, Any]:
+    """The child's last heartbeat record (where its main thread is, since when it has worked
+    without waiting for a peer, when its script ended); {} if none was written yet."""
     try:
-        ended = json.loads(child.heartbeat_file.read_text()).get("script_ended")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return float(ended) if isinstance(ended, (int, float)) else None
+        beat = json.loads(child.heartbeat_file.read_text())
+    except (OSError, ValueError):
+        return {}
+    return beat if isinstance(beat, dict) else {}
 
 
 def _proc_state(pid: int) -> str:
