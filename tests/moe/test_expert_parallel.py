@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch import nn
 
 import polytrain
-from polytrain.moe import MoE, moe_apply
+from polytrain.moe import MoE, aux_loss, moe_apply
 from tests.harness import spawn
 
 D, E = 8, 8
@@ -32,22 +32,32 @@ def expert_grad_diffs(sharded: MoE, layer: MoE) -> dict[str, float]:
     return out
 
 
-def check_layer(layer: MoE, group, seed: int) -> dict[str, float]:
-    """Run the all-local layer on every rank's tokens and the sharded one on this rank's."""
+def every_ranks_tokens(group, seed: int):
+    """(rank, ranks, every rank's tokens, every rank's output weights, this rank's slice)."""
     rank, ranks = dist.get_rank(group), dist.get_world_size(group)
     g = torch.Generator().manual_seed(seed)
     xs = [torch.randn(tokens_of(r), D, generator=g) for r in range(ranks)]
     ws = [torch.randn(tokens_of(r), D, generator=g) for r in range(ranks)]
-    x_all = torch.cat(xs).requires_grad_()
-    y_all = layer(x_all)
-    (y_all * torch.cat(ws)).sum().backward()  # balance losses are per rank by design: left out
-    capacity = layer.gate.last_capacity
     start = sum(tokens_of(r) for r in range(rank))
-    sl = slice(start, start + tokens_of(rank))
+    return rank, ranks, xs, ws, slice(start, start + tokens_of(rank))
 
+
+def sharded_copy(layer: MoE, group) -> MoE:
     sharded = copy.deepcopy(layer)
     sharded.zero_grad()
     sharded.shard_experts(group)
+    return sharded
+
+
+def check_layer(layer: MoE, group, seed: int) -> dict[str, float]:
+    """Run the all-local layer on every rank's tokens and the sharded one on this rank's."""
+    rank, ranks, xs, ws, sl = every_ranks_tokens(group, seed)
+    x_all = torch.cat(xs).requires_grad_()
+    y_all = layer(x_all)
+    (y_all * torch.cat(ws)).sum().backward()  # the losses: gate_over_global_batch
+    capacity = layer.gate.last_capacity
+
+    sharded = sharded_copy(layer, group)
     x = xs[rank].clone().requires_grad_()
     y = sharded(x)
     (y * ws[rank]).sum().backward()
@@ -83,9 +93,7 @@ def skewed_routing(group) -> dict[str, float]:
     s_all = torch.cat(sc).requires_grad_()
     y_all, _ = moe_apply(x_all, torch.cat(idx), s_all, layer.experts, E)
     y_all.sum().backward()
-    sharded = copy.deepcopy(layer)
-    sharded.zero_grad()
-    sharded.shard_experts(group)
+    sharded = sharded_copy(layer, group)
     x, s = xs[rank].clone().requires_grad_(), sc[rank].clone().requires_grad_()
     y, load = moe_apply(x, idx[rank], s, sharded.experts, E, sharded.group)
     y.sum().backward()
@@ -118,6 +126,78 @@ def all_cases() -> dict[str, dict[str, float]]:
         MoE(D, E, gate="switch", capacity_factor=0.6, gate_options={"jitter": 0.0}), group, 4)
     out["skewed"] = skewed_routing(group)
     return out
+
+
+def routed(layer: MoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's output and its gate's chosen experts (after capacity)."""
+    seen = []
+    hook = layer.gate.register_forward_hook(lambda _m, _i, out: seen.append(out[0]))
+    try:
+        return layer(x), seen[0]
+    finally:
+        hook.remove()
+
+
+def gate_over_global_batch(gate: str, options: dict, group) -> dict[str, float]:
+    """A gate that draws and balances, training: each rank's part against the global batch.
+
+    The ranks average their gradients (as DDP and --strategy moe do), so the
+    task loss of one process is the mean of the ranks' summed outputs.
+    """
+    torch.manual_seed(0)
+    layer = MoE(D, E, gate=gate, d_hidden=12, balance_weight=0.5, z_loss_weight=0.1, **options)
+    rank, ranks, xs, ws, sl = every_ranks_tokens(group, 5)
+    x_all = torch.cat(xs).requires_grad_()
+    torch.manual_seed(6)
+    y_all, indices_all = routed(layer, x_all)
+    next_all = torch.rand(4)  # the generator after the forward
+    aux_all = layer.gate.loss.detach().clone()
+    ((y_all * torch.cat(ws)).sum() / ranks + aux_loss(layer)).backward()
+
+    sharded = sharded_copy(layer, group)
+    x = xs[rank].clone().requires_grad_()
+    torch.manual_seed(6)  # every rank's generator where the one process's was
+    y, indices = routed(sharded, x)
+    next_mine = torch.rand(4)
+    aux = sharded.gate.loss.detach().clone()
+    ((y * ws[rank]).sum() + aux_loss(sharded)).backward()
+    dense = {n: p.grad.clone() for n, p in sharded.gate.named_parameters()}
+    for grad in dense.values():
+        dist.all_reduce(grad, group=group)
+        grad.div_(ranks)
+    full = dict(layer.gate.named_parameters())
+    diffs = {"indices": float((indices != indices_all[sl]).sum()),
+             "out": (y - y_all[sl]).detach().abs().max(),
+             "aux": (aux - aux_all).abs(),
+             "x.grad": (x.grad / ranks - x_all.grad[sl]).abs().max(),
+             "generator after": (next_mine - next_all).abs().max(),
+             "dropped": -float((indices_all < 0).any())}  # capacity dropped some
+    diffs.update({f"gate.{n}.grad": (g - full[n].grad).abs().max() for n, g in dense.items()})
+    for p in sharded.experts.parameters():
+        if p.grad is not None:
+            p.grad.div_(ranks)
+    diffs.update(expert_grad_diffs(sharded, layer))
+    return {k: float(v) for k, v in diffs.items()}
+
+
+def gate_cases() -> dict[str, dict[str, float]]:
+    group = polytrain.init().groups.workers
+    return {
+        "noisy": gate_over_global_batch("noisy", {"top_k": 2}, group),
+        "gshard": gate_over_global_batch("gshard", {"capacity_factor": 0.8}, group),
+        "switch": gate_over_global_batch("switch", {"capacity_factor": 0.7,
+                                                    "gate_options": {"jitter": 0.3}}, group),
+    }
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("workers", [2, 4])
+def test_gates_that_draw_and_balance_route_as_one_process_with_the_global_batch(workers):
+    for rank, cases in enumerate(spawn(gate_cases, workers=workers)):
+        for case, diffs in cases.items():
+            assert diffs.pop("dropped") == (0.0 if case == "noisy" else -1.0), (rank, case)
+            for name, diff in diffs.items():
+                assert diff < 1e-5, (rank, case, name, diff)
 
 
 @pytest.mark.timeout(120)

@@ -12,17 +12,21 @@ MODEL = {"seq_len": 16, "d_model": 32, "layers": 2, "experts": 4}
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("workers, nodes, expert_parallel, optimizer, tol", [
-    (2, 1, None, "sgd", 1e-6),
-    (4, 2, None, "adam", 1e-5),
-    (4, 2, 2, "sgd", 1e-6),        # two expert groups holding replicas of the experts
+@pytest.mark.parametrize("workers, nodes, expert_parallel, optimizer, gate, tol", [
+    (2, 1, None, "sgd", {}, 1e-6),
+    (4, 2, None, "adam", {}, 1e-5),
+    (4, 2, 2, "sgd", {}, 1e-6),        # two expert groups holding replicas of the experts
+    # gates that draw random numbers, drop for capacity and add balance and z-losses
+    (2, 1, None, "sgd", {"gate": "gshard", "capacity_factor": 0.9, "z_loss": 0.01}, 1e-5),
+    (4, 2, 2, "sgd", {"gate": "switch", "capacity_factor": 0.8, "balance_loss": 0.1}, 1e-5),
+    (4, 1, None, "sgd", {"gate": "noisy", "top_k": 1, "balance_loss": 0.1}, 1e-5),
 ])
-def test_moe_ends_where_single_ends(workers, nodes, expert_parallel, optimizer, tol):
+def test_moe_ends_where_single_ends(workers, nodes, expert_parallel, optimizer, gate, tol):
     options = {} if expert_parallel is None else {"expert_parallel": expert_parallel}
     config = TrainConfig(strategy="moe", model="gpt-moe", workers=workers, nodes=nodes,
                          steps=STEPS, batch_size=8, optimizer=optimizer,
-                         lr=0.05 if optimizer == "sgd" else 3e-3, model_options=MODEL,
-                         strategy_options=options)
+                         lr=0.05 if optimizer == "sgd" else 3e-3,
+                         model_options={**MODEL, **gate}, strategy_options=options)
     _, single = run_config(single_of(config))
     metrics, distributed = run_config(config)
     assert list(single) == list(distributed)  # same keys, experts gathered

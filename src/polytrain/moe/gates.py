@@ -6,9 +6,24 @@ the combination. After each forward, ``gate.loss`` holds its weighted
 auxiliary loss (balance and router z-loss; None if it has none), which
 :func:`polytrain.moe.aux_loss` collects.
 
-Gates that draw random numbers (noise, random routing, jitter) draw them from
-torch's global generator, so ``torch.manual_seed`` before a forward repeats its
-decisions exactly.
+Gates that draw random numbers (noise, random routing, jitter) take one seed
+per forward from torch's global generator, so ``torch.manual_seed`` before a
+forward repeats their decisions exactly.
+
+Data parallelism does not change what a gate decides or the loss it adds.
+The *batch group* is the set of ranks whose tokens, concatenated in rank
+order, make the global batch (default: the expert-parallel group). Over it:
+
+- random numbers are a function of rank 0's seed and the token's place in
+  the global batch (:mod:`polytrain.moe.draws`), so one process holding the
+  whole batch draws the same numbers for the same tokens, and each rank
+  computes only its own;
+- capacity is decided from every rank's counts;
+- the auxiliary losses are computed from statistics summed over the group
+  (one all-reduce), so every rank holds the global batch's loss. Its
+  gradient is scaled by the group's size, as gradients are then averaged
+  over the group (DDP's convention, and ``--strategy moe``'s): the mean of
+  the ranks' gradients is the global loss's gradient.
 """
 
 from __future__ import annotations
@@ -17,15 +32,31 @@ import math
 from typing import Any, ClassVar
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ConfigError
 from .capacity import allowance, check_factor, expert_capacity, keep_mask
+from .draws import new_seed, normal, uniform
 from .exchange import ExpertGroup, all_gather_counts
 
 __all__ = ["Gate", "NaiveGate", "NoisyGate", "GShardGate", "SwitchGate", "make_gate",
            "gate_names", "balance_loss", "z_loss"]
+
+
+def _balance_sums(probs: torch.Tensor, top1: torch.Tensor) -> dict[str, torch.Tensor]:
+    # Per-expert sums over tokens: router probabilities (with grad) and first choices.
+    experts = probs.shape[1]
+    first = torch.bincount(top1.clamp(min=0), minlength=experts).to(probs.dtype)
+    return {"probs": probs.sum(0), "first": first}
+
+
+def _balance_of(sums: dict[str, torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
+    if not tokens:
+        return sums["probs"].sum() * 0.0
+    experts = sums["probs"].numel()
+    return experts * ((sums["first"] / tokens) * (sums["probs"] / tokens)).sum()
 
 
 def balance_loss(probs: torch.Tensor, top1: torch.Tensor) -> torch.Tensor:
@@ -33,11 +64,7 @@ def balance_loss(probs: torch.Tensor, top1: torch.Tensor) -> torch.Tensor:
 
     ``f_e``: fraction of tokens whose first choice is e; ``P_e``: mean router probability of e.
     """
-    tokens, experts = probs.shape
-    if tokens == 0:
-        return probs.sum() * 0.0
-    fraction = torch.bincount(top1, minlength=experts).to(probs.dtype) / tokens
-    return experts * (fraction * probs.mean(0)).sum()
+    return _balance_of(_balance_sums(probs, top1), probs.new_tensor(float(probs.shape[0])))
 
 
 def z_loss(logits: torch.Tensor) -> torch.Tensor:
@@ -45,6 +72,22 @@ def z_loss(logits: torch.Tensor) -> torch.Tensor:
     if logits.shape[0] == 0:
         return logits.sum() * 0.0
     return torch.logsumexp(logits, dim=-1).square().mean()
+
+
+def _global_sums(local: dict[str, torch.Tensor], group: ExpertGroup) -> dict[str, torch.Tensor]:
+    """Each sum over the whole batch group, its gradient flowing to this rank's part only."""
+    if not group.distributed:
+        return local
+    parts = [t.detach().reshape(-1).float() for t in local.values()]
+    wire = group.wire_device(parts[0].device)
+    flat = torch.cat(parts).to(wire)
+    dist.all_reduce(flat, group=group.group)
+    out, start = {}, 0
+    for name, t in local.items():
+        total = flat[start:start + t.numel()].reshape(t.shape).to(t.device, t.dtype)
+        start += t.numel()
+        out[name] = total - t.detach() + t
+    return out
 
 
 def _cv_squared(x: torch.Tensor) -> torch.Tensor:
@@ -73,6 +116,8 @@ class Gate(nn.Module):
         balance_weight: weight of the balance loss (default: the gate's, 0.01; naive none).
         z_loss_weight: weight of the router z-loss (default 0: off).
         group: the expert-parallel process group (default None: no expert parallelism).
+        batch_group: the ranks whose tokens make the global batch, over which
+            gradients are averaged (default: ``group``); see the module's text.
     """
 
     name: ClassVar[str] = ""
@@ -83,7 +128,8 @@ class Gate(nn.Module):
     def __init__(self, d_model: int, num_experts: int, *, top_k: int | None = None,
                  capacity_factor: float | None = None, eval_capacity_factor: float | None = None,
                  dropless: bool = False, balance_weight: float | None = None,
-                 z_loss_weight: float = 0.0, group: Any | None = None) -> None:
+                 z_loss_weight: float = 0.0, group: Any | None = None,
+                 batch_group: Any | None = None) -> None:
         super().__init__()
         self.num_experts = num_experts
         self.top_k = self.default_top_k if top_k is None else top_k
@@ -113,8 +159,15 @@ class Gate(nn.Module):
                                   f"pass a small weight, e.g. {name}=0.01, or 0 for none")
         self.wg = nn.Linear(d_model, num_experts, bias=False)
         self.group = ExpertGroup(group)
+        self.batch_group: ExpertGroup | None = (None if batch_group is None
+                                                else ExpertGroup(batch_group))
         self.loss: torch.Tensor | None = None
         self.last_capacity: int | None = None
+
+    @property
+    def batch(self) -> ExpertGroup:
+        """The batch group in force (the expert-parallel group unless one was given)."""
+        return self.batch_group if self.batch_group is not None else self.group
 
     def __getstate__(self) -> dict[str, Any]:
         # The last loss belongs to the last forward's graph: copies and pickles start without.
@@ -123,9 +176,33 @@ class Gate(nn.Module):
         return state
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                               torch.Tensor | None]:
-        """(indices, scores, logits, unweighted balance loss or None) before capacity."""
+                                               dict[str, torch.Tensor] | None]:
+        """(indices, scores, logits, balance statistics or None) before capacity.
+
+        The statistics are sums over this rank's tokens (tensors by name) from
+        which :meth:`balance` computes the balance loss once they are summed
+        over the batch group.
+        """
         raise NotImplementedError
+
+    def balance(self, sums: dict[str, torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
+        """The unweighted balance loss of the global batch from its statistics' sums."""
+        raise NotImplementedError
+
+    def draw(self, x: torch.Tensor, cols: int, kind: str = "uniform") -> torch.Tensor:
+        """(tokens of x, cols) random numbers, those one process with the global batch draws.
+
+        ``kind``: ``uniform`` in [0, 1) or ``normal``; in x's dtype, on its
+        device (:mod:`polytrain.moe.draws`). Every rank of the batch group calls
+        it (one small all-gather: the ranks' token counts and rank 0's seed).
+        """
+        rows, seed, first = x.shape[0], new_seed(), 0
+        if self.batch.distributed:
+            mine = torch.tensor([rows, seed], device=x.device)
+            every = all_gather_counts(mine, self.batch)                  # (ranks, 2)
+            seed, first = int(every[0, 1]), int(every[:self.batch.rank, 0].sum())
+        make = normal if kind == "normal" else uniform
+        return make(seed, first, rows, cols, x.device).to(x.dtype)
 
     @property
     def factor(self) -> float | None:
@@ -134,27 +211,42 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens, d_model) -> indices (tokens, top_k) int64 and scores (tokens, top_k)."""
-        indices, scores, logits, balance = self.route(x)
-        terms = []
-        if balance is not None and self.balance_weight:
-            terms.append(self.balance_weight * balance)
-        if self.z_loss_weight:
-            terms.append(self.z_loss_weight * z_loss(logits))
-        self.loss = sum(terms[1:], terms[0]) if terms else None
+        indices, scores, logits, stats = self.route(x)
+        self.loss = self._aux_loss(x, logits, stats)
         self.last_capacity = None
         if self.factor is not None:
             indices = self._apply_capacity(indices, self.factor)
         return indices, scores.masked_fill(indices < 0, 0.0)
+
+    def _aux_loss(self, x: torch.Tensor, logits: torch.Tensor,
+                  stats: dict[str, torch.Tensor] | None) -> torch.Tensor | None:
+        balanced = stats is not None and bool(self.balance_weight)
+        if not balanced and not self.z_loss_weight:
+            return None
+        local = dict(stats) if balanced and stats is not None else {}
+        if self.z_loss_weight:
+            local["z"] = torch.logsumexp(logits, dim=-1).square().sum()
+        local["tokens"] = logits.new_tensor(float(x.shape[0]))
+        sums = _global_sums(local, self.batch)
+        tokens = sums["tokens"].detach()
+        loss = logits.new_zeros(())
+        if balanced:
+            loss = loss + self.balance_weight * self.balance(sums, tokens)
+        if self.z_loss_weight and tokens:
+            loss = loss + self.z_loss_weight * sums["z"] / tokens
+        ranks = self.batch.size
+        # The ranks' gradients are averaged: each carries the whole loss's gradient for its part.
+        return loss + (ranks - 1) * (loss - loss.detach()) if ranks > 1 else loss
 
     def _apply_capacity(self, indices: torch.Tensor, factor: float) -> torch.Tensor:
         tokens, k = indices.shape
         valid = indices >= 0
         onehot = F.one_hot(indices.clamp(min=0), self.num_experts) * valid.unsqueeze(-1)
         mine = torch.cat([onehot.sum(0).flatten(), torch.tensor([tokens], device=indices.device)])
-        every = all_gather_counts(mine, self.group)                      # (ranks, k*E + 1)
+        every = all_gather_counts(mine, self.batch)                      # (ranks, k*E + 1)
         counts = every[:, :-1].reshape(-1, k, self.num_experts)
         capacity = expert_capacity(int(every[:, -1].sum()), self.num_experts, k, factor)
-        allowed = allowance(counts, capacity, self.group.rank).to(indices.device)
+        allowed = allowance(counts, capacity, self.batch.rank).to(indices.device)
         self.last_capacity = capacity
         return indices.masked_fill(~keep_mask(indices, allowed), -1)
 
@@ -170,7 +262,7 @@ class NaiveGate(Gate):
     name = "naive"
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                               torch.Tensor | None]:
+                                               dict[str, torch.Tensor] | None]:
         logits = self.wg(x)                                               # (tokens, E)
         values, indices = logits.topk(self.top_k, dim=-1)
         return indices, F.softmax(values, dim=-1), logits, None
@@ -193,13 +285,13 @@ class NoisyGate(Gate):
         self.w_noise = nn.Linear(d_model, num_experts, bias=False)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                               torch.Tensor | None]:
+                                               dict[str, torch.Tensor] | None]:
         clean = self.wg(x)
         k, experts = self.top_k, self.num_experts
         noisy = self.training and k < experts
         if noisy:
             std = F.softplus(self.w_noise(x)) + 1e-2
-            logits = clean + torch.randn_like(clean) * std
+            logits = clean + self.draw(x, experts, "normal").to(clean.dtype) * std
         else:
             logits = clean
         top_values, top_indices = logits.topk(min(k + 1, experts), dim=-1)
@@ -217,7 +309,10 @@ class NoisyGate(Gate):
             load = torch.where(is_in, p_in, p_out).sum(0)
         else:
             load = (torch.zeros_like(clean).scatter(1, indices, 1.0)).sum(0)
-        return indices, scores, logits, _cv_squared(importance) + _cv_squared(load)
+        return indices, scores, logits, {"importance": importance, "load": load}
+
+    def balance(self, sums: dict[str, torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
+        return _cv_squared(sums["importance"]) + _cv_squared(sums["load"])
 
 
 class GShardGate(Gate):
@@ -235,16 +330,19 @@ class GShardGate(Gate):
     default_balance_weight = 0.01
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                               torch.Tensor | None]:
+                                               dict[str, torch.Tensor] | None]:
         logits = self.wg(x)
         probs = F.softmax(logits, dim=-1)
         values, indices = probs.topk(self.top_k, dim=-1)
         scores = values / values.sum(-1, keepdim=True) if self.top_k > 1 else values
         if self.training and self.top_k > 1:
-            draw = torch.rand(indices.shape[0], self.top_k - 1, device=x.device)
+            draw = self.draw(x, self.top_k - 1)
             keep = draw < 2 * scores[:, 1:].detach()
             indices = torch.cat([indices[:, :1], indices[:, 1:].masked_fill(~keep, -1)], dim=1)
-        return indices, scores, logits, balance_loss(probs, indices[:, 0])
+        return indices, scores, logits, _balance_sums(probs, indices[:, 0])
+
+    def balance(self, sums: dict[str, torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
+        return _balance_of(sums, tokens)
 
 
 class SwitchGate(Gate):
@@ -273,13 +371,16 @@ class SwitchGate(Gate):
         self.jitter = jitter
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                               torch.Tensor | None]:
+                                               dict[str, torch.Tensor] | None]:
         if self.training and self.jitter:
-            x = x * torch.empty_like(x).uniform_(1 - self.jitter, 1 + self.jitter)
+            x = x * (1 - self.jitter + 2 * self.jitter * self.draw(x, x.shape[1]))
         logits = self.wg(x)
         probs = F.softmax(logits, dim=-1)
         scores, indices = probs.topk(self.top_k, dim=-1)
-        return indices, scores, logits, balance_loss(probs, indices[:, 0])
+        return indices, scores, logits, _balance_sums(probs, indices[:, 0])
+
+    def balance(self, sums: dict[str, torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
+        return _balance_of(sums, tokens)
 
 
 _GATES: dict[str, type[Gate]] = {g.name: g for g in (NaiveGate, NoisyGate, GShardGate,

@@ -43,6 +43,9 @@ class MoE(nn.Module):
         d_hidden: the default expert's hidden width (default 4 * d_model).
         capacity_factor: capacity factor while training (default: the gate's; None: none).
         group: the expert-parallel process group (default None).
+        batch_group: the data-parallel group whose ranks' tokens make the global batch
+            (default: ``group``): the gate draws, counts capacity and computes its
+            losses over it, so the layer routes as one process with the global batch would.
         eval_capacity_factor, dropless, balance_weight, z_loss_weight: see
             :class:`~polytrain.moe.gates.Gate`; gate_options: more options of the gate
             (``jitter`` for switch).
@@ -51,7 +54,8 @@ class MoE(nn.Module):
     def __init__(self, d_model: int, num_experts: int, *, top_k: int | None = None,
                  gate: str = "naive", expert: Callable[[int], nn.Module] | None = None,
                  d_hidden: int | None = None, capacity_factor: float | None = None,
-                 group: Any | None = None, eval_capacity_factor: float | None = None,
+                 group: Any | None = None, batch_group: Any | None = None,
+                 eval_capacity_factor: float | None = None,
                  dropless: bool = False, balance_weight: float | None = None,
                  z_loss_weight: float = 0.0, gate_options: dict[str, Any] | None = None) -> None:
         super().__init__()
@@ -66,7 +70,7 @@ class MoE(nn.Module):
             gate, d_model, num_experts, top_k=top_k, capacity_factor=capacity_factor,
             eval_capacity_factor=eval_capacity_factor, dropless=dropless,
             balance_weight=balance_weight, z_loss_weight=z_loss_weight, group=group,
-            **(gate_options or {}))
+            batch_group=batch_group, **(gate_options or {}))
         local = num_experts // self._group.size
         self.experts: ExpertMLP | ExpertList
         if expert is None:
@@ -116,6 +120,10 @@ class MoE(nn.Module):
         self.experts.keep(new.rank * local, local)
         self._group = new
         self.gate.group = new
+
+    def set_batch_group(self, group: Any | None) -> None:
+        """Route over the global batch of ``group``'s ranks (see ``batch_group``)."""
+        self.gate.batch_group = None if group is None else ExpertGroup(group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(..., d_model) -> (..., d_model)."""

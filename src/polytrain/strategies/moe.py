@@ -110,7 +110,10 @@ class ExpertParallel(Strategy[MoEOptions]):
       replicas of the same experts (none when P = W) and divided by W, as the
       mean over W replicas' losses asks.
 
-    So a run ends where ``--strategy single`` with the same model ends.
+    The gates route over the global batch of all W workers (random draws per
+    global token, capacity and balance statistics over every worker's tokens),
+    so a run ends where ``--strategy single`` with the same model ends, with
+    every gate.
     """
 
     name = "moe"
@@ -163,8 +166,10 @@ class ExpertParallel(Strategy[MoEOptions]):
                               else None)
         self.replica_ranks = replicas
         kept: list[nn.Parameter] = []
+        batch_group = ctx.groups.workers if len(workers) > 1 else None
         for _, layer in moe_layers(model):
             layer.shard_experts(expert_group)
+            layer.set_batch_group(batch_group)  # the gates route over the global batch
             kept += list(layer.experts.parameters())
         alive = {id(q) for q in model.parameters()}
         for group in optimizer.param_groups:  # listed experts of other ranks are gone
