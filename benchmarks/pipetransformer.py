@@ -115,9 +115,11 @@ def main(argv: list[str] | None = None) -> int:
         runs = {n: list(earlier.get(n, [])) for n in VARIANTS if n in earlier or n in names}
     for r in range(args.rounds):
         for name in names:
-            options = {"freeze_every": args.freeze_every, "freeze_signal": args.freeze_signal,
-                       "freeze_threshold": args.freeze_threshold,
-                       "freeze_alpha": args.freeze_alpha, **VARIANTS[name]}
+            freezing = {"freeze_every": args.freeze_every, "freeze_signal": args.freeze_signal,
+                        "freeze_threshold": args.freeze_threshold,
+                        "freeze_alpha": args.freeze_alpha}
+            options = {**(freezing if VARIANTS[name].get("freeze", True) else {}),
+                       **VARIANTS[name]}
             m = run_config(base.replace(strategy_options=options), env=ENV)
             runs.setdefault(name, []).append({
                 "eval": m["eval"], "final_eval_loss": m["final_eval_loss"],

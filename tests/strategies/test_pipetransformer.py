@@ -1,5 +1,7 @@
 """PipeTransformer end to end: transparency, AutoFreeze, AutoDP's hand-over, epochs, refusals."""
 
+import re
+
 import pytest
 import torch
 
@@ -8,6 +10,7 @@ from polytrain import ConfigError, TrainConfig
 from polytrain.data import EpochBatches
 from polytrain.models import GPT
 from polytrain.models import cross_entropy as loss_fn
+from polytrain.strategies.pipetransformer.options import PipeTransformerOptions
 from tests.harness import max_abs_diff, run_config, single_of, spawn
 
 TINY = {"seq_len": 16, "d_model": 32, "layers": 4}  # embed h0 h1 h2 h3 head: 6 layers
@@ -213,3 +216,24 @@ def test_refusals():
     with pytest.raises(ConfigError, match=r"--freeze-alpha must be in \(0, 1\) \(got 1.0\)"):
         TrainConfig(strategy="pipetransformer", workers=4, model_options=TINY,
                     strategy_options={"freeze_alpha": 1.0})
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--no-freeze", "--freeze-every", "5"],
+     r"--no-freeze turns AutoFreeze off, so --freeze-every would do nothing\. HINT: leave out "
+     r"--no-freeze, or --freeze-every"),
+    (["--no-freeze", "--no-autodp", "--freeze-alpha", "0.5"],
+     r"so --freeze-alpha, --no-autodp would do nothing"),
+    (["--no-cache", "--cache-mb", "64"],
+     r"--no-cache turns AutoCache off, so --cache-mb would do nothing\. HINT: leave out "
+     r"--no-cache, or --cache-mb"),
+])
+def test_options_that_a_switched_off_part_would_ignore_are_refused(args, message, capsys):
+    from polytrain.cli import main
+
+    assert main(["train", "--quiet", "--strategy", "pipetransformer", "--workers", "2",
+                 *args]) == 2
+    assert re.search(message, capsys.readouterr().err)
+    # each switch alone, and the options alone, are fine
+    PipeTransformerOptions(freeze=False)
+    PipeTransformerOptions(cache=False, freeze_every=3)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from ...errors import ConfigError
 from ...pipeline.cache import check_writable
@@ -11,6 +11,13 @@ from ...pipeline.freeze import DEFAULT_THRESHOLDS, SIGNALS
 from ...pipeline.schedule import SCHEDULES
 
 __all__ = ["PipeTransformerOptions"]
+
+# The options that only AutoFreeze (with AutoPipe and AutoDP) and only AutoCache read.
+_FREEZE_FLAGS = {"freeze_every": "--freeze-every", "freeze_alpha": "--freeze-alpha",
+                 "freeze_signal": "--freeze-signal", "freeze_threshold": "--freeze-threshold",
+                 "autopipe": "--no-autopipe", "autodp": "--no-autodp"}
+_CACHE_FLAGS = {"cache_mb": "--cache-mb", "cache_dir": "--cache-dir",
+                "cache_from": "--cache-from", "cache_shared": "--no-cache-shared"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -127,6 +134,15 @@ class PipeTransformerOptions:
                               "pass --cache-from 2")
         if self.cache and self.cache_dir is not None:
             check_writable(self.cache_dir)
+        defaults = {f.name: f.default for f in fields(self)}
+        for off, what, needs in (
+                (not self.freeze, "--no-freeze turns AutoFreeze off", _FREEZE_FLAGS),
+                (not self.cache, "--no-cache turns AutoCache off", _CACHE_FLAGS)):
+            given = [flag for name, flag in needs.items()
+                     if getattr(self, name) != defaults[name]]
+            if off and given:
+                raise ConfigError(f"{what}, so {', '.join(given)} would do nothing",
+                                  f"leave out {what.split()[0]}, or {', '.join(given)}")
 
     @property
     def threshold(self) -> float:
