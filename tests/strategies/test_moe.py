@@ -59,8 +59,8 @@ def test_placement_groups_consecutive_workers():
      r"--expert-parallel 3 does not divide --workers 4.*HINT"),
     (["--experts", "4"], r"--experts is an option of gpt-moe, not of model 'gpt'.*HINT: leave "
                          r"it out, or pick --model gpt-moe"),
-    (["--model", "gpt-moe", "--top-k", "9"], r"top_k must be between 1 and the number of "
-                                             r"experts 8 \(got 9\)"),
+    (["--model", "gpt-moe", "--top-k", "9"],
+     r"top_k \(--top-k\) must be between 1 and the number of experts 8 \(got 9\)"),
     (["--model", "gpt-moe", "--gate", "hash"], r"invalid choice: 'hash'"),
 ])
 def test_bad_moe_input_gets_one_clear_line(args, message, capsys):

@@ -28,7 +28,8 @@ __all__ = ["expert_capacity", "allowance", "keep_mask", "check_factor"]
 
 def check_factor(factor: float | None, name: str = "capacity_factor") -> None:
     if factor is not None and not factor > 0:
-        raise ConfigError(f"{name} must be positive (got {factor})",
+        flag = f" (--{name.replace('_', '-')})" if name == "capacity_factor" else ""
+        raise ConfigError(f"{name}{flag} must be positive (got {factor})",
                           f"pass {name}=1.25, or None for no capacity limit")
 
 

@@ -134,14 +134,16 @@ class Gate(nn.Module):
         self.num_experts = num_experts
         self.top_k = self.default_top_k if top_k is None else top_k
         if not 1 <= self.top_k <= num_experts:
-            raise ConfigError(f"top_k must be between 1 and the number of experts {num_experts} "
-                              f"(got {self.top_k})", f"pass top_k in 1..{num_experts}")
+            raise ConfigError(f"top_k (--top-k) must be between 1 and the number of experts "
+                              f"{num_experts} (got {self.top_k})",
+                              f"pass top_k (--top-k) in 1..{num_experts}")
         check_factor(capacity_factor)
         check_factor(eval_capacity_factor, "eval_capacity_factor")
         if dropless and (capacity_factor is not None or eval_capacity_factor is not None):
-            raise ConfigError(f"a dropless gate has no capacity (got capacity_factor "
-                              f"{capacity_factor}, eval_capacity_factor {eval_capacity_factor})",
-                              "leave out the capacity factor, or dropless")
+            raise ConfigError(f"a dropless gate (--dropless) has no capacity (got "
+                              f"capacity_factor {capacity_factor}, eval_capacity_factor "
+                              f"{eval_capacity_factor})",
+                              "leave out the capacity factor (--capacity-factor), or dropless")
         train_cf, eval_cf = (None, None) if dropless else self.default_capacity
         self.capacity_factor = capacity_factor if capacity_factor is not None else train_cf
         self.eval_capacity_factor = (eval_capacity_factor if eval_capacity_factor is not None

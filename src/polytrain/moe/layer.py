@@ -60,8 +60,8 @@ class MoE(nn.Module):
                  z_loss_weight: float = 0.0, gate_options: dict[str, Any] | None = None) -> None:
         super().__init__()
         if num_experts < 1:
-            raise ConfigError(f"num_experts must be at least 1 (got {num_experts})",
-                              "pass num_experts=8")
+            raise ConfigError(f"num_experts (--experts) must be at least 1 (got {num_experts})",
+                              "pass num_experts=8 (--experts 8)")
         self.d_model = d_model
         self.num_experts = num_experts
         self._group = ExpertGroup(group)
