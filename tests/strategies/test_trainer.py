@@ -121,3 +121,34 @@ def test_distribute_refuses_what_the_cli_refuses_before_any_process_starts():
                              "workers"), single
     assert pipeline.startswith("the model has 1 layers (children) but the pipeline has 2 "
                                "stages"), pipeline
+
+
+def test_the_step_api_adds_the_gates_losses_unless_told_not_to():
+    from polytrain.models import GPT, cross_entropy
+    from polytrain.moe import moefy
+
+    def trained(gate_losses: bool) -> tuple[float, float]:
+        torch.manual_seed(0)
+        model = moefy(GPT(vocab=16, seq_len=8, d_model=16, layers=1, heads=2),
+                      num_experts=4, gate="gshard", balance_weight=1.0)
+        trainer = polytrain.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                       strategy="single", loss_fn=cross_entropy,
+                                       gate_losses=gate_losses)
+        x = torch.randint(0, 16, (4, 8))
+        torch.manual_seed(1)
+        loss = trainer.step(x, x)
+        return loss, float(polytrain.moe.aux_loss(model).detach())
+
+    with_aux, aux = trained(True)
+    without, aux_again = trained(False)
+    assert aux == aux_again and 0.5 < aux  # E * sum f P is about 1 with near-uniform routing
+    assert abs(with_aux - (without + aux)) < 1e-5
+
+
+def test_a_step_of_inputs_and_targets_of_different_batches_is_refused():
+    model = torch.nn.Linear(2, 2)
+    trainer = polytrain.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                   strategy="single", loss_fn=mse)
+    with pytest.raises(ConfigError, match=r"trainer.step got 4 inputs but 3 targets"):
+        trainer.step(torch.zeros(4, 2), torch.zeros(3, 2))
+    assert trainer.steps == 0

@@ -48,20 +48,12 @@ def _words(model: nn.Module) -> torch.Tensor:
     return words_corpus(vocab)
 
 
-def _moe_aux_loss(model: nn.Module) -> torch.Tensor:
-    from ..moe import aux_loss
-
-    return aux_loss(model)
-
-
 @dataclass(frozen=True)
 class ModelSpec:
     """A named model: how to build it, and how a window of data becomes (inputs, targets).
 
     ``options``: a frozen dataclass whose fields are more keyword options of
     ``build`` (the CLI makes a flag of each, as for strategy options).
-    ``aux_loss``: a term the training loss adds after each forward (e.g. MoE
-    balance losses), given the model.
     ``corpus``: the token ids the model trains on, given the model (default: the
     run's ``--data``, bytes).
     """
@@ -72,7 +64,6 @@ class ModelSpec:
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     description: str
     options: type | None = None
-    aux_loss: Callable[[nn.Module], torch.Tensor] | None = None
     corpus: Callable[[nn.Module], torch.Tensor] | None = None
 
     def make(self, **options: Any) -> nn.Module:
@@ -111,7 +102,7 @@ register_model(ModelSpec("mlp", MLP, _next_byte, cross_entropy,
                          "MLP predicting the byte after a window"))
 register_model(ModelSpec("gpt-moe", gpt_moe, _next_token, cross_entropy,
                          "GPT whose feed-forward blocks are mixtures of experts",
-                         options=GPTMoEOptions, aux_loss=_moe_aux_loss))
+                         options=GPTMoEOptions))
 register_model(ModelSpec("wordlm", WordLM, _whole_window, _mean,
                          "word-level LM over the standard library's words: sparse "
                          "embeddings, sampled softmax", options=WordLMOptions, corpus=_words))

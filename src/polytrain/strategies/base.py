@@ -15,7 +15,7 @@ from ..errors import ConfigError
 from ..launch.layout import Layout
 from ..runtime import Context
 from .checks import broadcast_module, check_same_model
-from .trainer import Trainer
+from .trainer import Trainer, with_gate_losses
 
 __all__ = ["Strategy", "NoOptions", "register", "get_strategy", "strategy_names", "distribute",
            "strategy_of", "full_state_dict", "LossFn", "Trainer"]
@@ -294,11 +294,13 @@ def distribute(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str
 
 @overload
 def distribute(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str = ...,
-               *, ctx: Context | None = ..., loss_fn: LossFn, **options: Any) -> Trainer: ...
+               *, ctx: Context | None = ..., loss_fn: LossFn, gate_losses: bool = ...,
+               **options: Any) -> Trainer: ...
 
 
 def distribute(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str = "ddp", *,
                ctx: Context | None = None, loss_fn: LossFn | None = None,
+               gate_losses: bool = True,
                **options: Any) -> tuple[nn.Module, torch.optim.Optimizer] | Trainer:
     """Wrap ``model`` and ``optimizer`` to train with ``strategy``.
 
@@ -325,6 +327,9 @@ def distribute(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str
         strategy: a registered name (:func:`strategy_names` lists them).
         ctx: the run (default: :func:`polytrain.init`'s).
         loss_fn: ``loss_fn(outputs, targets)``, the mean loss over a slice of samples.
+        gate_losses: with ``loss_fn``, add the model's MoE gates' balance and z-losses
+            (:func:`polytrain.moe.aux_loss`) to it at every step (default True; False
+            when ``loss_fn`` adds them itself). The plain loop adds them by hand.
         options: the strategy's own options (its ``Options`` fields).
     """
     cls = get_strategy(strategy)
@@ -358,6 +363,8 @@ def distribute(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str
         return wrapped, opt
     first = next(iter(wrapped.parameters()), None)
     device = ctx.device if ctx is not None else first.device if first is not None else None
+    if gate_losses:
+        loss_fn = with_gate_losses(loss_fn, wrapped)
     return Trainer(instance, wrapped, opt, loss_fn, device=device)
 
 

@@ -25,11 +25,27 @@ import torch
 from torch import nn
 
 from ..data import shard
+from ..errors import ConfigError
+from ..moe import aux_loss
+from ..moe.gates import Gate
 
 if TYPE_CHECKING:
     from .base import LossFn, Strategy
 
-__all__ = ["Trainer"]
+__all__ = ["Trainer", "with_gate_losses"]
+
+
+def with_gate_losses(loss_fn: LossFn, model: nn.Module) -> LossFn:
+    """``loss_fn`` plus the MoE gates' balance and z-losses of the model's last forward.
+
+    A model without MoE gates gets ``loss_fn`` itself.
+    """
+    if not any(isinstance(m, Gate) for m in model.modules()):
+        return loss_fn
+
+    def loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return loss_fn(outputs, targets) + aux_loss(model)
+    return loss
 
 
 class Trainer:
@@ -69,6 +85,11 @@ class Trainer:
         Returns the mean loss over this worker's replica's slice, or None where this
         process holds no loss (a pipeline's earlier stages).
         """
+        if inputs.shape[:1] != targets.shape[:1]:
+            raise ConfigError(f"trainer.step got {inputs.shape[0] if inputs.dim() else 0} "
+                              f"inputs but {targets.shape[0] if targets.dim() else 0} targets "
+                              f"(dim 0 is the samples of the global batch)",
+                              "pass inputs and targets of the same global batch")
         self.strategy.replan(self.steps)
         index, count = self.strategy.replica
         x, y = shard(inputs, index, count), shard(targets, index, count)

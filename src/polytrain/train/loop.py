@@ -97,15 +97,9 @@ def train(config: TrainConfig) -> dict[str, Any] | None:
         own = cluster.devices[ctx.worker_index if ctx is not None else 0]
         sample = spec.split(torch.zeros((1, seq_len + 1), dtype=torch.long))[0]
         emulate(model, own.type, profile_model(model, sample))
-    loss_fn = spec.loss
-    if spec.aux_loss is not None:
-        aux, task_loss = spec.aux_loss, spec.loss
-
-        def loss_fn(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-            return task_loss(outputs, targets) + aux(trainer.model)
     # The step API, as a user's script would use it: the trainer shards each global batch
-    # with the replica the strategy has at that step.
-    trainer = distribute(model, optimizer, config.strategy, ctx=ctx, loss_fn=loss_fn,
+    # with the replica the strategy has at that step, and adds MoE gates' losses.
+    trainer = distribute(model, optimizer, config.strategy, ctx=ctx, loss_fn=spec.loss,
                          **dict(config.strategy_options))
     strategy = trainer.strategy
     scheduler = make_scheduler(config, trainer.optimizer)  # every strategy follows its lr
