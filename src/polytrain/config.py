@@ -11,7 +11,7 @@ from typing import Any, Mapping
 import torch
 
 from ._env import check_seconds
-from .data import check_divisible, dataset_names
+from .data import check_dataset, check_divisible
 from .emulation.devices import parse_cluster
 from .emulation.profile import optimizer_state_factor, profile_model
 from .errors import ConfigError
@@ -159,9 +159,7 @@ class TrainConfig:
                               f"{self.strategy!r} trains in one process",
                               "leave --bandwidth and --latency out, or pick a distributed "
                               "strategy such as ddp")
-        if self.data not in dataset_names():
-            raise ConfigError(f"unknown data set {self.data!r}; the data sets are: "
-                              f"{', '.join(dataset_names())}", "pass --data text")
+        check_dataset(self.data)
         if self.sampling not in SAMPLINGS:
             raise ConfigError(f"unknown sampling {self.sampling!r}; the samplings are: "
                               f"{', '.join(SAMPLINGS)}", "pass --sampling random or epoch")

@@ -69,6 +69,10 @@ def test_plan_of_a_model_with_sparse_embeddings_times_it_with_lazy_adam(capsys):
      "--bucket-cap-mb is an option of herring, and --strategy auto chooses the strategy"),
     (["train", "--strategy", "auto", "--no-colocate"],
      "--no-colocate is an option of byteps, herring, parallax, and --strategy auto"),
+    (["plan", "--data", "nosuch"], "unknown data set 'nosuch'; the data sets are: "),
+    (["plan", "--hosts", "real", "--cores", "4"],
+     "--cores 4 is the one host's cores that emulated machines share; with --hosts real"),
+    (["plan", "--cores", "0"], "--cores must be at least 1 (got 0)"),
 ])
 def test_bad_input_is_one_line(args, message, capsys):
     assert main(args) == 2
@@ -90,3 +94,15 @@ def test_auto_runs_what_plan_recommends(fixed_compute):
                                                     plan.recommended.candidate.servers)
         assert set(config.auto) == {"chosen", "why", "predictions"}
         assert config.auto["why"].startswith(config.auto["chosen"])
+
+
+def test_the_reason_names_ddp_once_when_it_is_the_choice_or_the_runner_up(fixed_compute):
+    # One machine of real hosts: no NIC, so every strategy costs its compute; ddp wins ties.
+    plan = plan_job(Job(model="mlp", workers=2, nodes=1, hosts="real"))
+    assert plan.recommended.candidate.key == "ddp"
+    assert plan.why().count("ddp") == 1, plan.why()
+    # ddp is named once, as the choice, the runner-up or the reference, whatever wins
+    for bandwidth in ("200mbit", "1gbit", "5gbit"):
+        why = plan_job(Job(model="mlp", workers=4, nodes=4, servers=2,
+                           bandwidth=bandwidth)).why()
+        assert why.count("ddp") == 1, why

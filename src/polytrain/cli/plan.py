@@ -49,7 +49,8 @@ def job_from_args(ns: argparse.Namespace) -> Job:
     return Job(model=ns.model, model_options=model_options(ns, _model_flags),
                workers=ns.workers, nodes=ns.nodes, servers=ns.servers,
                batch_size=ns.batch_size, optimizer=ns.optimizer, bandwidth=ns.bandwidth,
-               latency=ns.latency, devices=ns.devices, hosts=ns.hosts, cores=ns.cores)
+               latency=ns.latency, devices=ns.devices, hosts=ns.hosts, cores=ns.cores,
+               data=ns.data)
 
 
 def run(ns: argparse.Namespace) -> int:

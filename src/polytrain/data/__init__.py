@@ -11,6 +11,7 @@ from .batches import EpochBatches, GlobalBatches, check_divisible, shard, window
 from .text import stdlib_corpus
 
 __all__ = ["GlobalBatches", "EpochBatches", "windows", "shard", "check_divisible",
+           "check_dataset",
            "stdlib_corpus", "get_dataset", "dataset_names", "held_out_split", "HELD_OUT"]
 
 #: The fraction of a data set's end that ``--eval-every`` holds out (never trained on).
@@ -42,10 +43,14 @@ def dataset_names() -> list[str]:
     return sorted(_DATASETS)
 
 
+def check_dataset(name: str) -> None:
+    """Refuse a data set name that is not registered, listing those that are."""
+    if name not in _DATASETS:
+        raise ConfigError(f"unknown data set {name!r}; the data sets are: "
+                          f"{', '.join(dataset_names())}", "pass --data text")
+
+
 def get_dataset(name: str) -> torch.Tensor:
     """The corpus called ``name`` as a 1-D tensor of token ids."""
-    try:
-        return _DATASETS[name]()
-    except KeyError:
-        raise ConfigError(f"unknown data set {name!r}; the data sets are: "
-                          f"{', '.join(dataset_names())}", "pass --data text") from None
+    check_dataset(name)
+    return _DATASETS[name]()

@@ -8,6 +8,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from ..data import check_dataset
 from ..emulation.devices import parse_cluster
 from ..errors import ConfigError
 from ..launch.network import link_shape
@@ -63,8 +64,10 @@ class Job:
     devices: str | None = None
     hosts: str = "emulated"
     cores: int | None = None
+    data: str = "text"
 
     def __post_init__(self) -> None:
+        check_dataset(self.data)  # the prediction does not depend on it, but it must exist
         if self.devices is not None:
             cluster = parse_cluster(self.devices)
             if self.workers is None:
@@ -78,6 +81,13 @@ class Job:
         if self.hosts not in HOSTS:
             raise ConfigError(f"unknown --hosts {self.hosts!r}; they are: {', '.join(HOSTS)}",
                               "pass --hosts emulated (this machine) or real")
+        if self.cores is not None and self.hosts == "real":
+            raise ConfigError(f"--cores {self.cores} is the one host's cores that emulated "
+                              f"machines share; with --hosts real each machine is a host",
+                              "leave out --cores, or pass --hosts emulated")
+        if self.cores is not None and self.cores < 1:
+            raise ConfigError(f"--cores must be at least 1 (got {self.cores})",
+                              "pass --cores 2, or leave it out for this machine's")
         if self.nodes < 1 or self.workers < self.nodes or self.workers % self.nodes:
             raise ConfigError(f"--workers {self.workers} do not spread evenly over --nodes "
                               f"{self.nodes}", f"pass --workers a multiple of {self.nodes}")
@@ -138,8 +148,9 @@ class Plan:
                 f"per step (compute {best.compute_s * 1e3:.0f} ms, communication "
                 f"{best.comm_s * 1e3:.0f} ms for {best.nic_bytes_M:.3f} M on the busiest NIC)")
         if others:
-            line += (f"; next {others[0].candidate.key} {others[0].step_time_s * 1e3:.0f} ms, "
-                     f"ddp {self.get('ddp').step_time_s * 1e3:.0f} ms")
+            line += f"; next {others[0].candidate.key} {others[0].step_time_s * 1e3:.0f} ms"
+            if "ddp" not in (best.candidate.key, others[0].candidate.key):
+                line += f", ddp {self.get('ddp').step_time_s * 1e3:.0f} ms"
         return line
 
     def get(self, key: str) -> Prediction:
