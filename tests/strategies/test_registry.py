@@ -46,7 +46,7 @@ def agree_on_weights(strategy: str) -> list[torch.Tensor]:
     return [p.detach().clone() for p in wrapped.parameters()]
 
 
-# herring's drop-in DDP does the check and the copy itself (distribute leaves them to it).
+# herring's drop-in DDP copies the weights itself; distribute checks the model for both.
 @pytest.mark.parametrize("strategy", ["ddp", "herring"])
 @pytest.mark.timeout(60)
 def test_workers_whose_models_differ_get_one_clear_error(strategy):
@@ -56,6 +56,36 @@ def test_workers_whose_models_differ_get_one_clear_error(strategy):
                                           r"same model"):
         spawn(build_and_distribute, workers=3, colocated=int(strategy == "herring"),
               args=(strategy,))
+
+
+def distribute_other_optimizers(strategy: str, case: str) -> None:
+    ctx = polytrain.init()
+    model = GPT(seq_len=8, d_model=16, layers=1, heads=2)
+    other = ctx.worker_index == 1
+    if case == "class":
+        opt = (torch.optim.Adam if other else torch.optim.SGD)(model.parameters(), lr=0.1)
+    elif case == "lr":
+        opt = torch.optim.SGD(model.parameters(), lr=0.2 if other else 0.1)
+    else:  # the same settings, other parameter groups
+        params = list(model.parameters())
+        groups = ([{"params": params[:2], "weight_decay": 0.0}, {"params": params[2:]}]
+                  if other else [{"params": params[:3], "weight_decay": 0.0},
+                                 {"params": params[3:]}])
+        opt = torch.optim.SGD(groups, lr=0.1, weight_decay=0.01)
+    polytrain.distribute(model, opt, strategy)
+
+
+@pytest.mark.parametrize("strategy, case, message", [
+    ("ddp", "class", r"it is Adam, not SGD"),
+    ("byteps", "lr", r"it sets lr 0.2 in parameter group 0, not 0.1"),
+    ("ddp", "groups", r"it holds other parameters in parameter group 0"),
+])
+@pytest.mark.timeout(60)
+def test_workers_whose_optimizers_differ_get_one_clear_error(strategy, case, message):
+    with pytest.raises(LaunchError, match=r"ConfigError: worker rank 1's optimizer differs from "
+                                          r"worker rank 0's: " + message + r".*HINT: build the "
+                                          r"same optimizer"):
+        spawn(distribute_other_optimizers, workers=2, args=(strategy, case))
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "herring"])

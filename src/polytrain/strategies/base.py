@@ -14,7 +14,7 @@ from ..emulation.profile import ModelProfile, optimizer_state_factor, whole_mode
 from ..errors import ConfigError
 from ..launch.layout import Layout
 from ..runtime import Context
-from .checks import broadcast_module, check_same_model
+from .checks import broadcast_module, check_same_model, check_same_optimizer
 from .trainer import Trainer, with_gate_losses
 
 __all__ = ["Strategy", "NoOptions", "register", "get_strategy", "strategy_names", "distribute",
@@ -53,9 +53,9 @@ class Strategy(ABC, Generic[OptionsT]):
     pipeline: ClassVar[bool] = False
     #: True where worker 0's local model holds every current weight (data parallelism).
     whole_model: ClassVar[bool] = True
-    #: True where :meth:`wrap` itself checks that every worker built the same model and
-    #: copies worker 0's weights (herring's DDP does): :func:`distribute` then does not.
-    #: (torch's DDP copies them too, but its check of the shapes is torch's own error.)
+    #: True where :meth:`wrap` itself copies worker 0's weights (herring's DDP does):
+    #: :func:`distribute` then does not. It checks that every worker built the same model
+    #: (and optimizer) for every strategy, before torch's own check can fail less clearly.
     agrees_model: ClassVar[bool] = False
     #: Steps in one epoch of the training data, set by the training loop before the first
     #: step (None: the data has no epochs).
@@ -353,8 +353,9 @@ def distribute(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str
         layout = _layout_of(ctx)
         if layout is not None:  # what the CLI checks of the model before any process starts
             cls.check_model(model, layout, opts)
+        check_same_model(ctx, model)
+        check_same_optimizer(ctx, model, optimizer)
         if not cls.agrees_model:
-            check_same_model(ctx, model)
             broadcast_module(ctx, model)
     instance = cls(ctx, opts)
     wrapped, opt = instance.wrap(model, optimizer)

@@ -11,8 +11,8 @@ from torch import nn
 from ..errors import ConfigError
 from ..runtime import Context
 
-__all__ = ["check_same_model", "check_same_tensors", "broadcast_module", "model_signature",
-           "tensor_signature"]
+__all__ = ["check_same_model", "check_same_optimizer", "check_same_tensors", "broadcast_module",
+           "model_signature", "optimizer_signature", "tensor_signature"]
 
 
 Signature = list[tuple[str, tuple[int, ...], str]]
@@ -47,6 +47,57 @@ def check_same_model(ctx: Context, model: nn.Module) -> None:
     """Raise ConfigError on every worker if any worker built a different model."""
     check_same_tensors(ctx, model_signature(model), "model",
                        "build the same model with the same options on every worker")
+
+
+def _plain(value: Any) -> Any:
+    # A setting as a plain, comparable value (a one-element tensor lr is its number).
+    if isinstance(value, torch.Tensor):
+        return value.item() if value.numel() == 1 else tuple(value.flatten().tolist())
+    if isinstance(value, (list, tuple)):
+        return tuple(_plain(v) for v in value)
+    return value if isinstance(value, (int, float, str, bool, type(None))) else repr(value)
+
+
+def optimizer_signature(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[Any]:
+    """The optimizer's class, then each parameter group's settings and parameter names."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    groups = []
+    for group in optimizer.param_groups:
+        settings = {k: _plain(v) for k, v in sorted(group.items()) if k != "params"}
+        groups.append((settings, [names.get(id(p), "(not in the model)")
+                                  for p in group["params"]]))
+    return [type(optimizer).__qualname__, groups]
+
+
+def _optimizer_difference(a: list[Any], b: list[Any]) -> str:
+    if a[0] != b[0]:
+        return f"is {b[0]}, not {a[0]}"
+    if len(a[1]) != len(b[1]):
+        return f"has {len(b[1])} parameter groups, not {len(a[1])}"
+    for i, ((sa, pa), (sb, pb)) in enumerate(zip(a[1], b[1])):
+        for key in sorted(set(sa) | set(sb)):
+            if sa.get(key) != sb.get(key):
+                return f"sets {key} {sb.get(key)!r} in parameter group {i}, not {sa.get(key)!r}"
+        if pa != pb:
+            return f"holds other parameters in parameter group {i}"
+    return "differs"
+
+
+def check_same_optimizer(ctx: Context, model: nn.Module,
+                         optimizer: torch.optim.Optimizer) -> None:
+    """Raise ConfigError on every worker if any worker's optimizer differs from worker 0's
+    (class, parameter groups, their settings): each would update its copy another way."""
+    everyone: list[Any] = [None] * ctx.num_workers
+    dist.all_gather_object(everyone, optimizer_signature(model, optimizer),
+                           group=ctx.groups.workers)
+    ref_rank = ctx.topology.workers[0]
+    for i, other in enumerate(everyone):
+        if other != everyone[0]:
+            rank = ctx.topology.workers[i]
+            raise ConfigError(
+                f"worker rank {rank}'s optimizer differs from worker rank {ref_rank}'s: it "
+                f"{_optimizer_difference(everyone[0], other)}",
+                "build the same optimizer with the same settings on every worker")
 
 
 def check_same_tensors(ctx: Context, signature: Signature,

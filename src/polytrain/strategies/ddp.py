@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -9,13 +11,48 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ..errors import ConfigError
-from .base import NoOptions, Strategy, register
+from .base import Strategy, register
 
-__all__ = ["DDP"]
+__all__ = ["DDP", "DDPOptions"]
+
+# torch's DDP error at the forward after a backward that left parameters without gradients.
+_UNFINISHED = "Expected to have finished reduction in the prior iteration"
+_INDICES = re.compile(r"Parameter indices which did not receive grad for rank \d+: ([\d ]+)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DDPOptions:
+    """Options of ``--strategy ddp``."""
+
+    find_unused_parameters: bool = field(default=False, metadata={
+        "help": "ddp: allow parameters that get no gradient in a step (torch's option of "
+                "the same name; it costs a walk of the graph every step)"})
+
+
+class _DDP(DistributedDataParallel):
+    """torch's DDP whose error for parameters left without gradients names them."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().forward(*args, **kwargs)
+        except RuntimeError as e:
+            if _UNFINISHED not in str(e):
+                raise
+            names = [n for n, p in self.module.named_parameters() if p.requires_grad]
+            found = _INDICES.search(str(e))
+            unused = ([names[int(i)] for i in found.group(1).split() if int(i) < len(names)]
+                      if found else [])
+            which = (f"parameters {', '.join(repr(n) for n in unused[:5])}"
+                     f"{' and more' if len(unused) > 5 else ''}" if unused else "some parameters")
+            raise ConfigError(
+                f"{which} got no gradient in the last backward, and ddp waits for every "
+                f"parameter's gradient", "pass --find-unused-parameters (find_unused_parameters"
+                "=True to distribute()), or set requires_grad=False on what you do not train, "
+                "or make every parameter take part in the loss") from None
 
 
 @register
-class DDP(Strategy[NoOptions]):
+class DDP(Strategy[DDPOptions]):
     """Data parallelism with :class:`torch.nn.parallel.DistributedDataParallel` over the workers.
 
     Its bytes move inside torch, so the traffic meter records the cost of a
@@ -24,6 +61,7 @@ class DDP(Strategy[NoOptions]):
     """
 
     name = "ddp"
+    Options = DDPOptions
     resumes_on_other_layouts = True  # every worker holds the whole model and optimizer
 
     def wrap(self, model: nn.Module,
@@ -35,8 +73,8 @@ class DDP(Strategy[NoOptions]):
             raise ConfigError("ddp on CUDA needs every parameter on the GPU",
                               "move the model with model.to('cuda') before distribute()")
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-        wrapped = DistributedDataParallel(model, device_ids=device_ids,
-                                          process_group=ctx.groups.workers)
+        wrapped = _DDP(model, device_ids=device_ids, process_group=ctx.groups.workers,
+                       find_unused_parameters=self.options.find_unused_parameters)
         grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters()
                          if p.requires_grad)
         workers = list(ctx.topology.workers)
