@@ -104,3 +104,17 @@ def test_the_training_loss_includes_the_gates_balance_losses():
         model_options={**MODEL, "gate": "gshard", "balance_loss": 1.0}))
     # E * sum_e f_e P_e is about 1 per layer when routing is near uniform: 2 layers
     assert 1.5 < weighted["losses"][0] - plain["losses"][0] < 3.0
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("strategy", ["ddp", "herring"])
+def test_data_parallel_strategies_route_moe_gates_over_the_global_batch(strategy):
+    # Every expert on every worker; the gates draw, drop for capacity and balance over the
+    # global batch, so the run ends where single's does.
+    config = TrainConfig(strategy=strategy, model="gpt-moe", workers=2, steps=STEPS,
+                         batch_size=8, optimizer="sgd", lr=0.05,
+                         model_options={**MODEL, "gate": "gshard", "capacity_factor": 0.9,
+                                        "balance_loss": 0.1})
+    _, single = run_config(single_of(config))
+    _, distributed = run_config(config)
+    assert max_abs_diff(single, distributed) < 1e-5

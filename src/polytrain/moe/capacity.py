@@ -1,8 +1,9 @@
 """Expert capacity: how many slots each expert takes, decided the same way on every rank.
 
-A capacity is per expert and per *expert-parallel group*: expert ``e`` processes
-at most ``C = ceil(factor * top_k * tokens / E)`` rows, where ``tokens`` counts
-the tokens of every rank in the group. Every rank all-gathers the group's slot
+A capacity is per expert and per *group* (the gate's batch group while
+training, else its expert-parallel group: :mod:`polytrain.moe.gates`): expert
+``e`` processes at most ``C = ceil(factor * top_k * tokens / E)`` rows, where
+``tokens`` counts the tokens of every rank in the group. Every rank all-gathers the group's slot
 counts and applies one rule, so all ranks agree on which slots are kept without
 another exchange:
 

@@ -10,9 +10,12 @@ Gates that draw random numbers (noise, random routing, jitter) take one seed
 per forward from torch's global generator, so ``torch.manual_seed`` before a
 forward repeats their decisions exactly.
 
-Data parallelism does not change what a gate decides or the loss it adds.
-The *batch group* is the set of ranks whose tokens, concatenated in rank
-order, make the global batch (default: the expert-parallel group). Over it:
+With a *batch group*, data parallelism does not change what a gate decides
+while training, or the loss it adds. The batch group is the set of ranks
+whose tokens, concatenated in rank order, make the global batch (default:
+the expert-parallel group; :func:`polytrain.distribute` sets it to all
+workers for every data-parallel strategy). While training with autograd on,
+over it:
 
 - random numbers are a function of rank 0's seed and the token's place in
   the global batch (:mod:`polytrain.moe.draws`), so one process holding the
@@ -24,6 +27,13 @@ order, make the global batch (default: the expert-parallel group). Over it:
   gradient is scaled by the group's size, as gradients are then averaged
   over the group (DDP's convention, and ``--strategy moe``'s): the mean of
   the ranks' gradients is the global loss's gradient.
+
+In evaluation and under ``torch.no_grad()`` a gate routes as before a batch
+group was given (capacity over the expert-parallel group, losses of its own
+tokens), so a forward on one rank alone needs no other rank. The tokens'
+order is their order in ``x``: a layer fed (sequence, batch, d) tokens, as
+``nn.TransformerEncoderLayer`` with ``batch_first=False`` is, has the
+sequence major and is not split by samples the same way.
 """
 
 from __future__ import annotations
@@ -78,7 +88,7 @@ def _global_sums(local: dict[str, torch.Tensor], group: ExpertGroup) -> dict[str
     """Each sum over the whole batch group, its gradient flowing to this rank's part only."""
     if not group.distributed:
         return local
-    parts = [t.detach().reshape(-1).float() for t in local.values()]
+    parts = [t.detach().reshape(-1).double() for t in local.values()]  # counts stay exact
     wire = group.wire_device(parts[0].device)
     flat = torch.cat(parts).to(wire)
     dist.all_reduce(flat, group=group.group)
@@ -101,8 +111,8 @@ def _cv_squared(x: torch.Tensor) -> torch.Tensor:
 class Gate(nn.Module):
     """A linear router plus what every gate shares: capacity, drops, auxiliary losses.
 
-    Subclasses implement :meth:`route`. Capacity (when a factor applies) is
-    decided over the whole expert-parallel group from all-gathered counts
+    Subclasses implement :meth:`route` and :meth:`balance`. Capacity (when a factor
+    applies) is decided over the whole group in force (:attr:`batch`) from all-gathered counts
     (:mod:`polytrain.moe.capacity`), so every rank agrees and the kept slots are
     those a single process with every token would keep.
 
@@ -168,13 +178,19 @@ class Gate(nn.Module):
 
     @property
     def batch(self) -> ExpertGroup:
-        """The batch group in force (the expert-parallel group unless one was given)."""
-        return self.batch_group if self.batch_group is not None else self.group
+        """The group the gate routes over now: the batch group while training with
+        autograd on, else (evaluation, inference) the expert-parallel group, as before
+        a batch group is given; a forward on one rank alone then needs no other."""
+        if self.batch_group is not None and self.training and torch.is_grad_enabled():
+            return self.batch_group
+        return self.group
 
     def __getstate__(self) -> dict[str, Any]:
-        # The last loss belongs to the last forward's graph: copies and pickles start without.
+        # The last loss belongs to the last forward's graph: copies and pickles start without;
+        # a process group cannot be pickled: the batch group is the run's, not the model's.
         state = self.__dict__.copy()
         state["loss"] = None
+        state["batch_group"] = None
         return state
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
@@ -194,17 +210,19 @@ class Gate(nn.Module):
     def draw(self, x: torch.Tensor, cols: int, kind: str = "uniform") -> torch.Tensor:
         """(tokens of x, cols) random numbers, those one process with the global batch draws.
 
-        ``kind``: ``uniform`` in [0, 1) or ``normal``; in x's dtype, on its
-        device (:mod:`polytrain.moe.draws`). Every rank of the batch group calls
-        it (one small all-gather: the ranks' token counts and rank 0's seed).
+        ``kind``: ``uniform`` in [0, 1) or ``normal``; float32, on x's device
+        (:mod:`polytrain.moe.draws`). Every rank of the batch group calls it (one
+        small all-gather: the ranks' token counts and rank 0's seed).
         """
-        rows, seed, first = x.shape[0], new_seed(), 0
-        if self.batch.distributed:
+        rows, seed, first, total = x.shape[0], new_seed(), 0, x.shape[0]
+        group = self.batch
+        if group.distributed:
             mine = torch.tensor([rows, seed], device=x.device)
-            every = all_gather_counts(mine, self.batch)                  # (ranks, 2)
-            seed, first = int(every[0, 1]), int(every[:self.batch.rank, 0].sum())
+            every = all_gather_counts(mine, group)                       # (ranks, 2)
+            seed, first = int(every[0, 1]), int(every[:group.rank, 0].sum())
+            total = int(every[:, 0].sum())
         make = normal if kind == "normal" else uniform
-        return make(seed, first, rows, cols, x.device).to(x.dtype)
+        return make(seed, first, rows, cols, total, x.device)
 
     @property
     def factor(self) -> float | None:
@@ -225,18 +243,22 @@ class Gate(nn.Module):
         balanced = stats is not None and bool(self.balance_weight)
         if not balanced and not self.z_loss_weight:
             return None
-        local = dict(stats) if balanced and stats is not None else {}
+        # Sums in float32 at least: a half-precision count overflows past 65504 tokens.
+        acc = torch.promote_types(logits.dtype, torch.float32)
+        local = {k: v.to(acc) for k, v in stats.items()} if balanced and stats else {}
         if self.z_loss_weight:
-            local["z"] = torch.logsumexp(logits, dim=-1).square().sum()
-        local["tokens"] = logits.new_tensor(float(x.shape[0]))
-        sums = _global_sums(local, self.batch)
+            local["z"] = torch.logsumexp(logits.to(acc), dim=-1).square().sum()
+        local["tokens"] = torch.tensor(float(x.shape[0]), dtype=acc, device=logits.device)
+        # Summed over the batch group while training (evaluation and inference: this rank's).
+        group = self.batch if self.training and torch.is_grad_enabled() else ExpertGroup(None)
+        sums = _global_sums(local, group)
+        ranks = group.size
         tokens = sums["tokens"].detach()
-        loss = logits.new_zeros(())
+        loss = torch.zeros((), dtype=acc, device=logits.device)
         if balanced:
             loss = loss + self.balance_weight * self.balance(sums, tokens)
         if self.z_loss_weight and tokens:
             loss = loss + self.z_loss_weight * sums["z"] / tokens
-        ranks = self.batch.size
         # The ranks' gradients are averaged: each carries the whole loss's gradient for its part.
         return loss + (ranks - 1) * (loss - loss.detach()) if ranks > 1 else loss
 
@@ -375,7 +397,7 @@ class SwitchGate(Gate):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                dict[str, torch.Tensor] | None]:
         if self.training and self.jitter:
-            x = x * (1 - self.jitter + 2 * self.jitter * self.draw(x, x.shape[1]))
+            x = x * (1 - self.jitter + 2 * self.jitter * self.draw(x, x.shape[1])).to(x.dtype)
         logits = self.wg(x)
         probs = F.softmax(logits, dim=-1)
         scores, indices = probs.topk(self.top_k, dim=-1)

@@ -13,6 +13,7 @@ from .. import runtime
 from ..emulation.profile import ModelProfile, optimizer_state_factor, whole_model_bytes
 from ..errors import ConfigError
 from ..launch.layout import Layout
+from ..moe.checkpoint import moe_layers
 from ..runtime import Context
 from .checks import broadcast_module, check_same_model, check_same_optimizer
 from .trainer import Trainer, with_gate_losses
@@ -360,6 +361,11 @@ def distribute(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str
     instance = cls(ctx, opts)
     wrapped, opt = instance.wrap(model, optimizer)
     object.__setattr__(wrapped, "_polytrain_strategy", instance)
+    if ctx is not None and not cls.pipeline and instance.replica[1] == ctx.num_workers > 1:
+        # Data parallelism over every worker, gradients averaged: MoE gates route over the
+        # global batch, so that they decide and balance as one process would.
+        for _, layer in moe_layers(wrapped):
+            layer.set_batch_group(ctx.groups.workers)
     if loss_fn is None:
         return wrapped, opt
     first = next(iter(wrapped.parameters()), None)

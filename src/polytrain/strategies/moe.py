@@ -110,8 +110,9 @@ class ExpertParallel(Strategy[MoEOptions]):
       replicas of the same experts (none when P = W) and divided by W, as the
       mean over W replicas' losses asks.
 
-    The gates route over the global batch of all W workers (random draws per
-    global token, capacity and balance statistics over every worker's tokens),
+    The gates route over the global batch of all W workers, as under every
+    data-parallel strategy (random numbers by global token, capacity and
+    balance statistics over every worker's tokens; see ``moe/gates.py``),
     so a run ends where ``--strategy single`` with the same model ends, with
     every gate.
     """
@@ -166,10 +167,8 @@ class ExpertParallel(Strategy[MoEOptions]):
                               else None)
         self.replica_ranks = replicas
         kept: list[nn.Parameter] = []
-        batch_group = ctx.groups.workers if len(workers) > 1 else None
         for _, layer in moe_layers(model):
-            layer.shard_experts(expert_group)
-            layer.set_batch_group(batch_group)  # the gates route over the global batch
+            layer.shard_experts(expert_group)  # distribute() gives the gates the batch group
             kept += list(layer.experts.parameters())
         alive = {id(q) for q in model.parameters()}
         for group in optimizer.param_groups:  # listed experts of other ranks are gone
