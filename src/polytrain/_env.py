@@ -144,6 +144,12 @@ def single_host() -> bool:
     return local is not None and local == world
 
 
+def in_run() -> bool:
+    """Whether this process is already one of a run's (launched by ``polytrain launch`` or
+    torchrun: its rank and world size are set)."""
+    return RANK in os.environ and WORLD_SIZE in os.environ
+
+
 def loading_main() -> bool:
     """Whether this launched process is importing the launching script (see child.py)."""
     return bool(os.environ.get(LOADING_MAIN))

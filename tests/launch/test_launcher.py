@@ -340,6 +340,26 @@ def test_a_script_that_launches_when_imported_is_told_to_guard_the_call(tmp_path
                      r"`if __name__ == \"__main__\":`", run.stderr), run.stderr[-2000:]
 
 
+@pytest.mark.timeout(60)
+def test_a_script_that_calls_launch_runs_under_polytrain_launch_as_it_is(tmp_path):
+    # The README's script: launch(main, workers=4, nodes=2) under `polytrain launch
+    # --workers 2` started a nested run of 4 in each of the 2 processes.
+    script = tmp_path / "job.py"
+    script.write_text("import polytrain, torch\n"
+                      "def main():\n"
+                      "    ctx = polytrain.init()\n"
+                      "    return ctx.rank, ctx.num_workers\n"
+                      "if __name__ == '__main__':\n"
+                      "    print('result', polytrain.launch(main, workers=4, nodes=2))\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
+    cli = Path(sys.executable).with_name("polytrain")
+    run = subprocess.run([str(cli), "launch", "--workers", "2", "--timeout", "20", str(script)],
+                         env=env, capture_output=True, text=True, timeout=50)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert sorted(re.findall(r"result \[\((\d), (\d)\)\]", run.stdout)) == [
+        ("0", "2"), ("1", "2")], run.stdout
+
+
 @pytest.mark.timeout(90)
 def test_polytrain_launch_runs_a_script_and_reports_its_failure(tmp_path):
     script = tmp_path / "job.py"

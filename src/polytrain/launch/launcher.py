@@ -550,6 +550,11 @@ def launch(fn: Callable[..., Any], *, workers: int = 1, nodes: int = 1, servers:
 
         ranks = polytrain.launch(main, workers=4, nodes=2, args=(100,))
 
+    In a process that is already one of a run's (the script was started by
+    ``polytrain launch SCRIPT`` or torchrun), it calls ``fn`` in this process
+    and returns ``[its return value]``: the run's layout is the launcher's, and
+    the same script runs either way.
+
     Returns:
         the workers' return values, by rank.
 
@@ -557,6 +562,8 @@ def launch(fn: Callable[..., Any], *, workers: int = 1, nodes: int = 1, servers:
         LaunchError: a process failed or died (the others are stopped); the
             message names its rank, role, machine and the cause.
     """
+    if _env.in_run() and not _env.loading_main():
+        return [fn(*args, **dict(kwargs or {}))]
     layout = Layout(workers=workers, nodes=nodes, servers=servers, colocated=colocated)
     return Launcher(layout, port=port, env=env, timeout_s=timeout_s,
                     shape=link_shape(bandwidth, latency)).run_fn(fn, args, kwargs)
