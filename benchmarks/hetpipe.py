@@ -38,7 +38,8 @@ import torch
 
 from polytrain import TrainConfig
 from polytrain.models import get_model
-from polytrain.pipeline import parse_cluster, plan_hetpipe, profile_model
+from polytrain.emulation import parse_cluster, profile_model
+from polytrain.pipeline import plan_hetpipe
 from polytrain.train import run_config
 
 DEVICES = "m0:fast*2,m1:slow*2"
