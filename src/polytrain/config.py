@@ -20,6 +20,7 @@ from .launch.launcher import check_port
 from .launch.layout import Layout
 from .launch.network import LinkShape, link_shape
 from .models import get_model
+from .optim import make_optimizer
 from .strategies.base import get_strategy, make_options
 
 __all__ = ["TrainConfig", "OPTIMIZERS", "SCHEDULES", "SAMPLINGS", "ON_SAVE_ERROR",
@@ -57,7 +58,7 @@ class TrainConfig:
             tc's units) and every packet it sends delayed by ``latency`` (``"0.2ms"``);
             needs root and iproute2. Default: none (all processes on loopback).
         devices: the emulated cluster (``m0:fast*2,m1:slow*2`` or a JSON file; see
-            :func:`polytrain.pipeline.parse_cluster`): it sets the workers and machines,
+            :func:`polytrain.emulation.parse_cluster`): it sets the workers and machines,
             every worker runs at its device's speed (on CPU), and layouts that do not
             fit the devices' memory are refused. Default: none (real speed).
         init: start from this ``final.pt`` of the same model (any strategy); another model's
@@ -182,6 +183,7 @@ class TrainConfig:
         layout = self.layout()
         cls.check_layout(layout, options)
         cls.check_model(model, layout, options)
+        cls.check_optimizer(make_optimizer(self.optimizer, model, self.lr), options)
         check_divisible(self.batch_size, cls.replicas(layout, options))
         self._check_devices(model)
         self._check_memory(model, layout.workers)

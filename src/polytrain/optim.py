@@ -16,7 +16,8 @@ import torch
 
 from .errors import ConfigError
 
-__all__ = ["LazyAdam", "sparse_rule", "row_sgd", "row_adagrad", "row_adam", "RULE_STATES"]
+__all__ = ["make_optimizer", "LazyAdam", "sparse_rule", "row_sgd", "row_adagrad", "row_adam",
+           "RULE_STATES"]
 
 #: State tensors (each the parameter's shape) that each rule keeps per row.
 RULE_STATES = {"sgd": 0, "adagrad": 1, "adam": 2}
@@ -168,3 +169,16 @@ class LazyAdam(torch.optim.Optimizer):
                 step_size = group["lr"] * math.sqrt(1 - beta2 ** step) / (1 - beta1 ** step)
                 p.addcdiv_(m, v.sqrt().add_(group["eps"]), value=-step_size)
         return loss
+
+
+def make_optimizer(name: str, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+    """``--optimizer`` over ``model``'s parameters: sgd, adagrad or adam (lazy where the model
+    has sparse embeddings: ``torch.optim.Adam`` refuses their gradients)."""
+    params = model.parameters()
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr)
+    if name == "adagrad":
+        return torch.optim.Adagrad(params, lr=lr)
+    sparse = any(getattr(m, "sparse", False) for m in model.modules()
+                 if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)))
+    return LazyAdam(params, lr=lr) if sparse else torch.optim.Adam(params, lr=lr)

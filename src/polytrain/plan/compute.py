@@ -12,6 +12,7 @@ from ..emulation.devices import Cluster
 from ..emulation.profile import profile_model
 from ..errors import ConfigError
 from ..models import get_model
+from ..optim import make_optimizer
 from .cost import Compute
 
 __all__ = ["measure_compute", "device_compute"]
@@ -33,8 +34,6 @@ def measure_compute(model: str, model_options: Mapping[str, Any], *, batch: int,
     In this process, on ``threads`` threads (a launched worker gets one per core it
     shares), after one warm-up step; each part is the median of ``repeats``.
     """
-    from ..train.loop import make_optimizer
-
     spec = get_model(model)
     before = torch.get_num_threads()
     torch.set_num_threads(max(1, threads))

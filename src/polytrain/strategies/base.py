@@ -85,6 +85,15 @@ class Strategy(ABC, Generic[OptionsT]):
         return None
 
     @classmethod
+    def check_optimizer(cls, optimizer: torch.optim.Optimizer, options: OptionsT) -> None:
+        """Refuse an optimizer the strategy cannot run with ``options`` (raise ConfigError).
+
+        Called before any process starts, on the optimizer of the meta-device model,
+        and by :func:`distribute`. Every optimizer will do unless a strategy says otherwise.
+        """
+        return None
+
+    @classmethod
     def uses_servers(cls, options: OptionsT) -> bool:
         return False
 
@@ -354,6 +363,7 @@ def distribute(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str
         layout = _layout_of(ctx)
         if layout is not None:  # what the CLI checks of the model before any process starts
             cls.check_model(model, layout, opts)
+        cls.check_optimizer(optimizer, opts)
         check_same_model(ctx, model)
         check_same_optimizer(ctx, model, optimizer)
         if not cls.agrees_model:

@@ -22,7 +22,7 @@ from ..emulation.clock import clock_of, emulate
 from ..emulation.devices import parse_cluster
 from ..emulation.profile import profile_model
 from ..models import get_model
-from ..optim import LazyAdam
+from ..optim import make_optimizer
 from ..runtime import Context, init
 from ..strategies.base import distribute, get_strategy
 from .metrics import build_metrics
@@ -34,19 +34,6 @@ log = logging.getLogger(__name__)
 
 #: Held-out samples an evaluation runs on (non-overlapping windows of the held-out part).
 EVAL_SAMPLES = 256
-
-
-def make_optimizer(name: str, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
-    """``--optimizer`` over ``model``'s parameters: sgd, adagrad or adam (lazy where the model
-    has sparse embeddings: ``torch.optim.Adam`` refuses their gradients)."""
-    params = model.parameters()
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=lr)
-    if name == "adagrad":
-        return torch.optim.Adagrad(params, lr=lr)
-    sparse = any(getattr(m, "sparse", False) for m in model.modules()
-                 if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)))
-    return LazyAdam(params, lr=lr) if sparse else torch.optim.Adam(params, lr=lr)
 
 
 def lr_factor(step: int, *, steps: int, schedule: str, warmup: int) -> float:

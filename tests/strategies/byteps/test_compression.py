@@ -259,3 +259,15 @@ def test_one_bit_adam_refuses_other_optimizers_and_no_warmup():
         _OneBitAdam(torch.optim.Adam([p], weight_decay=0.1), _Sync(p))
     with pytest.raises(ConfigError, match=r"compress_warmup is 0.*HINT: pass --compress-warmup"):
         _OneBitAdam(torch.optim.Adam([p]), _Sync(p, warmup=0))
+
+
+def test_one_bit_adam_on_another_optimizer_is_refused_before_any_process_starts():
+    from polytrain import TrainConfig
+
+    with pytest.raises(ConfigError, match=r"runs on torch.optim.Adam, not SGD"):
+        TrainConfig(strategy="byteps", optimizer="sgd", workers=2,
+                    strategy_options={"compress": "onebit", "compress_adam": True,
+                                      "compress_warmup": 2})
+    TrainConfig(strategy="byteps", optimizer="adam", workers=2,
+                strategy_options={"compress": "onebit", "compress_adam": True,
+                                  "compress_warmup": 2})

@@ -259,6 +259,23 @@ class DistributedOptimizer(WrappedOptimizer):
         self.sync.close()
 
 
+def check_one_bit_adam(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse what 1-bit Adam cannot run on: anything but a plain ``torch.optim.Adam``."""
+    if type(optimizer) is not torch.optim.Adam:
+        raise ConfigError(
+            f"compress_adam (1-bit Adam) runs on torch.optim.Adam, not "
+            f"{type(optimizer).__name__}: it freezes Adam's variance and compresses "
+            f"Adam's momentum", "use --optimizer adam (torch.optim.Adam), or leave out "
+            "--compress-adam")
+    for group in optimizer.param_groups:
+        bad = {k: group.get(k) for k in ("weight_decay", "amsgrad", "maximize")
+               if group.get(k)}
+        if bad:
+            raise ConfigError(f"compress_adam (1-bit Adam) supports plain Adam only (got "
+                              f"{bad})", "leave weight_decay, amsgrad and maximize at "
+                              "their defaults, or leave out --compress-adam")
+
+
 class _OneBitAdam:
     """1-bit Adam's compression stage on a torch Adam (see :class:`DistributedOptimizer`).
 
@@ -270,19 +287,7 @@ class _OneBitAdam:
 
     def __init__(self, optimizer: torch.optim.Optimizer, sync: GradientSync,
                  refresh: int = 0) -> None:
-        if type(optimizer) is not torch.optim.Adam:
-            raise ConfigError(
-                f"compress_adam (1-bit Adam) runs on torch.optim.Adam, not "
-                f"{type(optimizer).__name__}: it freezes Adam's variance and compresses "
-                f"Adam's momentum", "use --optimizer adam (torch.optim.Adam), or leave out "
-                "--compress-adam")
-        for group in optimizer.param_groups:
-            bad = {k: group.get(k) for k in ("weight_decay", "amsgrad", "maximize")
-                   if group.get(k)}
-            if bad:
-                raise ConfigError(f"compress_adam (1-bit Adam) supports plain Adam only (got "
-                                  f"{bad})", "leave weight_decay, amsgrad and maximize at "
-                                  "their defaults, or leave out --compress-adam")
+        check_one_bit_adam(optimizer)
         check_refresh(refresh)
         if sync.warmup < 1 and not refresh:
             raise ConfigError("compress_adam (1-bit Adam) freezes the variance Adam learns "

@@ -14,7 +14,7 @@ from ...runtime import Context
 from ..base import register
 from ..served import ServedStrategy
 from .async_mode import AsyncOptimizer
-from .optimizer import DistributedOptimizer
+from .optimizer import DistributedOptimizer, check_one_bit_adam
 from .options import BytePSOptions
 
 __all__ = ["BytePS"]
@@ -46,6 +46,11 @@ class BytePS(ServedStrategy[BytePSOptions]):
     Options = BytePSOptions
     no_colocate_means = ("is the classic parameter server: every gradient goes to "
                          "dedicated servers")
+
+    @classmethod
+    def check_optimizer(cls, optimizer: torch.optim.Optimizer, options: BytePSOptions) -> None:
+        if options.compress_adam:
+            check_one_bit_adam(optimizer)
 
     def __init__(self, ctx: Context | None, options: BytePSOptions) -> None:
         super().__init__(ctx, options)
