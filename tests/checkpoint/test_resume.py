@@ -220,6 +220,7 @@ def test_hetpipe_with_adam_on_the_servers_resumes_bit_for_bit():
     assert again["losses"] == whole["losses"]
 
 
+@pytest.mark.long  # (moved to the long tier to keep CI short)
 @pytest.mark.timeout(180)
 def test_hetpipe_with_the_stages_own_adam_resumes_within_rounding():
     # Symptom: with --no-server-optimizer (the paper's updates: each virtual worker's own
@@ -238,6 +239,7 @@ def test_hetpipe_with_the_stages_own_adam_resumes_within_rounding():
     assert again["losses"][5] == pytest.approx(whole["losses"][5], rel=1e-6)
 
 
+@pytest.mark.long  # (moved to the long tier to keep CI short)
 @pytest.mark.timeout(180)
 def test_hetpipe_with_two_in_flight_resumes_from_a_short_wave_bit_for_bit():
     # Symptom: with N_m = 2 a checkpoint at step 3 hung the run (a PULL never answered).

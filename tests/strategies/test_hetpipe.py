@@ -60,6 +60,7 @@ def test_the_servers_optimizer_makes_adam_synchronous_too():
     assert max_abs_diff(single, own) > 1e-3
 
 
+@pytest.mark.long  # (moved to the long tier to keep CI short)
 @pytest.mark.timeout(240)
 def test_a_learning_rate_schedule_reaches_every_stage_and_the_servers():
     # The schedule is a scheduler on the user's optimizer: each minibatch's update, on the
@@ -199,6 +200,7 @@ def train_lagged(steps: int, lag_beta2: float | None, grouped: bool) -> dict:
     return hetpipe_final(trainer)
 
 
+@pytest.mark.long  # (moved to the long tier to keep CI short)
 @pytest.mark.timeout(240)
 def test_the_lag_beta2_reaches_the_late_stages_and_the_servers():
     # --lag-beta2 0.9 with N_m = 2 ends where a user's optimizer that gives the late stage

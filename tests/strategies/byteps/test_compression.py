@@ -25,6 +25,7 @@ def wire(metrics):
     return sum(m["sent_bytes_per_step"] for m in metrics["traffic"]["machines"])
 
 
+@pytest.mark.long  # (moved to the long tier to keep CI short)
 @pytest.mark.timeout(180)
 def test_onebit_with_error_feedback_sends_a_32nd_and_still_trains():
     plain, _ = run_cached(config())
@@ -42,6 +43,7 @@ def test_onebit_with_error_feedback_sends_a_32nd_and_still_trains():
     assert metrics["final_loss"] < metrics["losses"][0]
 
 
+@pytest.mark.long  # (moved to the long tier to keep CI short)
 @pytest.mark.timeout(180)
 def test_fp16_halves_the_bytes_in_async_mode_too():
     sync, _ = run_config(config(compress="fp16", compress_min_bytes=0))  # every tensor
@@ -83,6 +85,7 @@ def test_a_compression_warmup_sends_plain_sums_first_and_one_bit_adam_then_train
     assert metrics["final_loss"] < metrics["losses"][0]
 
 
+@pytest.mark.long  # (moved to the long tier to keep CI short)
 @pytest.mark.timeout(240)
 def test_a_warmup_compressed_by_another_compressor_moves_that_compressors_bytes():
     # 1-bit Adam's uncompressed warm-up cost a fifth of the run's bytes on the default GPT;
