@@ -32,6 +32,7 @@ NIC = "POLYTRAIN_NIC"  # the emulated machine's interface, under --bandwidth
 SHM_DIR = "POLYTRAIN_SHM_DIR"  # the run's directory in host shared memory (the launcher's)
 LOADING_MAIN = "POLYTRAIN_LOADING_MAIN"  # set while a child imports the launching script
 GLOO_SOCKET_IFNAME = "GLOO_SOCKET_IFNAME"
+TORCHELASTIC_RUN_ID = "TORCHELASTIC_RUN_ID"  # set by torchrun in the processes it starts
 DEFAULT_TIMEOUT_S = 120.0
 #: The longest timeout gloo can take: its milliseconds must fit a 32-bit int (24 days).
 MAX_TIMEOUT_S = float((2**31 - 1) // 1000)
@@ -144,10 +145,20 @@ def single_host() -> bool:
     return local is not None and local == world
 
 
-def in_run() -> bool:
-    """Whether this process is already one of a run's (launched by ``polytrain launch`` or
-    torchrun: its rank and world size are set)."""
-    return RANK in os.environ and WORLD_SIZE in os.environ
+def started_by() -> str | None:
+    """``polytrain launch`` or ``torchrun`` where one of them started this very process
+    (not a process this one started, nor a shell that merely has RANK set); else None."""
+    if RANK not in os.environ or WORLD_SIZE not in os.environ:
+        return None
+    if parent_pid() == os.getppid():
+        return "polytrain launch"
+    if TORCHELASTIC_RUN_ID in os.environ:
+        return "torchrun"
+    return None
+
+
+def world_size() -> int:
+    return int(os.environ.get(WORLD_SIZE, "1"))
 
 
 def loading_main() -> bool:

@@ -340,24 +340,39 @@ def test_a_script_that_launches_when_imported_is_told_to_guard_the_call(tmp_path
                      r"`if __name__ == \"__main__\":`", run.stderr), run.stderr[-2000:]
 
 
-@pytest.mark.timeout(60)
-def test_a_script_that_calls_launch_runs_under_polytrain_launch_as_it_is(tmp_path):
-    # The README's script: launch(main, workers=4, nodes=2) under `polytrain launch
-    # --workers 2` started a nested run of 4 in each of the 2 processes.
+def _run_calling_launch(tmp_path, launch_args: str, cli_args: list[str] | None,
+                        extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     script = tmp_path / "job.py"
     script.write_text("import polytrain, torch\n"
                       "def main():\n"
                       "    ctx = polytrain.init()\n"
                       "    return ctx.rank, ctx.num_workers\n"
                       "if __name__ == '__main__':\n"
-                      "    print('result', polytrain.launch(main, workers=4, nodes=2))\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
+                      f"    print('result', polytrain.launch(main, {launch_args}))\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1",
+               **(extra_env or {}))
     cli = Path(sys.executable).with_name("polytrain")
-    run = subprocess.run([str(cli), "launch", "--workers", "2", "--timeout", "20", str(script)],
-                         env=env, capture_output=True, text=True, timeout=50)
+    command = ([str(cli), "launch", *cli_args, "--timeout", "20", str(script)]
+               if cli_args is not None else [sys.executable, str(script)])
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=50)
+
+
+@pytest.mark.timeout(120)
+def test_a_script_that_calls_launch_runs_under_polytrain_launch_as_it_is(tmp_path):
+    # The README's script under `polytrain launch` started a nested run in every process.
+    run = _run_calling_launch(tmp_path, "workers=4, nodes=2", ["--workers", "4", "--nodes", "2"])
     assert run.returncode == 0, run.stderr[-2000:]
     assert sorted(re.findall(r"result \[\((\d), (\d)\)\]", run.stdout)) == [
-        ("0", "2"), ("1", "2")], run.stdout
+        (str(r), "4") for r in range(4)], run.stdout
+    # Another layout than the launcher's is refused, not run silently.
+    run = _run_calling_launch(tmp_path, "workers=4, nodes=2", ["--workers", "2"])
+    assert run.returncode == 1
+    assert "launch() asks for a run of 4 processes, but polytrain launch started this " \
+           "process as one of 2" in run.stderr, run.stderr[-2000:]
+    # A shell that merely has RANK and WORLD_SIZE set (a cluster's pod, say) still launches.
+    run = _run_calling_launch(tmp_path, "workers=2", None, {"RANK": "0", "WORLD_SIZE": "1"})
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "result [(0, 2), (1, 2)]" in run.stdout, run.stdout
 
 
 @pytest.mark.timeout(90)

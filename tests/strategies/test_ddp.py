@@ -41,6 +41,33 @@ def test_unused_parameters_are_named_with_the_option_that_allows_them():
         spawn(train, workers=2, args=({},))
 
 
+class Chain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c, self.d = (nn.Linear(4, 4) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(self.b(self.a(x)))
+
+
+def freeze_after_wrapping() -> None:
+    polytrain.init()
+    torch.manual_seed(0)
+    model = Chain()
+    wrapped, opt = polytrain.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                        "ddp")
+    model.a.requires_grad_(False)  # after wrapping: ddp still waits for a's gradients
+    for _ in range(2):
+        wrapped(torch.randn(2, 4)).sum().backward()
+
+
+@pytest.mark.timeout(60)
+def test_the_names_are_ddps_parameters_even_when_requires_grad_changed_after_wrapping():
+    with pytest.raises(LaunchError, match=r"parameters 'a.weight', 'a.bias', 'd.weight', "
+                                          r"'d.bias' got no gradient"):
+        spawn(freeze_after_wrapping, workers=2)
+
+
 @pytest.mark.timeout(60)
 def test_with_find_unused_parameters_ddp_trains_and_leaves_them_alone():
     first, second = spawn(train, workers=2, args=({"find_unused_parameters": True},))

@@ -224,6 +224,7 @@ def test_refusals():
      r"--no-freeze, or --freeze-every"),
     (["--no-freeze", "--no-autodp", "--freeze-alpha", "0.5"],
      r"so --freeze-alpha, --no-autodp would do nothing"),
+    (["--no-freeze", "--cache-mb", "64"], r"so --cache-mb would do nothing"),
     (["--no-cache", "--cache-mb", "64"],
      r"--no-cache turns AutoCache off, so --cache-mb would do nothing\. HINT: leave out "
      r"--no-cache, or --cache-mb"),

@@ -126,6 +126,7 @@ def test_distribute_refuses_what_the_cli_refuses_before_any_process_starts():
 def test_the_step_api_adds_the_gates_losses_unless_told_not_to():
     from polytrain.models import GPT, cross_entropy
     from polytrain.moe import moefy
+    from polytrain.moe.gates import Gate
 
     def trained(gate_losses: bool) -> tuple[float, float]:
         torch.manual_seed(0)
@@ -137,12 +138,14 @@ def test_the_step_api_adds_the_gates_losses_unless_told_not_to():
         x = torch.randint(0, 16, (4, 8))
         torch.manual_seed(1)
         loss = trainer.step(x, x)
-        return loss, float(polytrain.moe.aux_loss(model).detach())
+        router = next(m for m in model.modules() if isinstance(m, Gate)).wg.weight
+        return loss, float(polytrain.moe.aux_loss(model).detach()), router.detach().clone()
 
-    with_aux, aux = trained(True)
-    without, aux_again = trained(False)
+    with_aux, aux, router = trained(True)
+    without, aux_again, router_without = trained(False)
     assert aux == aux_again and 0.5 < aux  # E * sum f P is about 1 with near-uniform routing
     assert abs(with_aux - (without + aux)) < 1e-5
+    assert not torch.equal(router, router_without)  # the balance loss's gradient reached it
 
 
 def test_a_step_of_inputs_and_targets_of_different_batches_is_refused():

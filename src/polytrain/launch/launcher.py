@@ -550,10 +550,10 @@ def launch(fn: Callable[..., Any], *, workers: int = 1, nodes: int = 1, servers:
 
         ranks = polytrain.launch(main, workers=4, nodes=2, args=(100,))
 
-    In a process that is already one of a run's (the script was started by
-    ``polytrain launch SCRIPT`` or torchrun), it calls ``fn`` in this process
-    and returns ``[its return value]``: the run's layout is the launcher's, and
-    the same script runs either way.
+    In a process that ``polytrain launch SCRIPT`` or torchrun started, it calls
+    ``fn`` in this process and returns ``[its return value]``: the same script
+    runs either way. That launcher's options then apply; its run must have as
+    many processes as the layout asked for here.
 
     Returns:
         the workers' return values, by rank.
@@ -562,9 +562,16 @@ def launch(fn: Callable[..., Any], *, workers: int = 1, nodes: int = 1, servers:
         LaunchError: a process failed or died (the others are stopped); the
             message names its rank, role, machine and the cause.
     """
-    if _env.in_run() and not _env.loading_main():
-        return [fn(*args, **dict(kwargs or {}))]
     layout = Layout(workers=workers, nodes=nodes, servers=servers, colocated=colocated)
+    by = None if _env.loading_main() else _env.started_by()
+    if by is not None:
+        if layout.world_size != _env.world_size():
+            raise ConfigError(
+                f"launch() asks for a run of {layout.world_size} processes, but {by} started "
+                f"this process as one of {_env.world_size()}",
+                f"give {by} the layout launch() asks for (workers={workers}, nodes={nodes}, "
+                f"servers={servers}, colocated={colocated}), or the same to launch()")
+        return [fn(*args, **dict(kwargs or {}))]
     return Launcher(layout, port=port, env=env, timeout_s=timeout_s,
                     shape=link_shape(bandwidth, latency)).run_fn(fn, args, kwargs)
 

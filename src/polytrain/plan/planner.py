@@ -144,7 +144,10 @@ class Plan:
         best = self.recommended
         others = sorted((p for p in self.predictions if p is not best),
                         key=lambda p: p.step_time_s)
-        line = (f"{best.candidate.key} is predicted fastest: {best.step_time_s * 1e3:.0f} ms "
+        fastest = all(best.step_time_s <= p.step_time_s for p in others)
+        verdict = ("is predicted fastest" if fastest else
+                   "is recommended (within 1% of the fastest, with fewer servers or simpler)")
+        line = (f"{best.candidate.key} {verdict}: {best.step_time_s * 1e3:.0f} ms "
                 f"per step (compute {best.compute_s * 1e3:.0f} ms, communication "
                 f"{best.comm_s * 1e3:.0f} ms for {best.nic_bytes_M:.3f} M on the busiest NIC)")
         if others:

@@ -55,7 +55,10 @@ def _plain(value: Any) -> Any:
         return value.item() if value.numel() == 1 else tuple(value.flatten().tolist())
     if isinstance(value, (list, tuple)):
         return tuple(_plain(v) for v in value)
-    return value if isinstance(value, (int, float, str, bool, type(None))) else repr(value)
+    if isinstance(value, (int, float, str, bool, type(None))):
+        return value
+    text = repr(value)  # an object's default repr holds its address, other in every process
+    return type(value).__qualname__ if " at 0x" in text else text
 
 
 def optimizer_signature(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[Any]:

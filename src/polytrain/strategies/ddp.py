@@ -32,23 +32,43 @@ class DDPOptions:
 class _DDP(DistributedDataParallel):
     """torch's DDP whose error for parameters left without gradients names them."""
 
+    def __init__(self, module: nn.Module, **kwargs: Any) -> None:
+        super().__init__(module, **kwargs)
+        # The parameters DDP reduces, in its order (its error gives indices into this list,
+        # fixed now: requires_grad changed later does not change it).
+        ignored = set(getattr(self, "parameters_to_ignore", ()))
+        seen: set[int] = set()
+        self._reduced_names: list[str] = []
+        for prefix, sub in module.named_modules():
+            for name, p in sub.named_parameters(recurse=False):
+                full = f"{prefix}.{name}" if prefix else name
+                if p.requires_grad and full not in ignored and id(p) not in seen:
+                    seen.add(id(p))
+                    self._reduced_names.append(full)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         try:
             return super().forward(*args, **kwargs)
         except RuntimeError as e:
             if _UNFINISHED not in str(e):
                 raise
-            names = [n for n, p in self.module.named_parameters() if p.requires_grad]
+            names = self._reduced_names
             found = _INDICES.search(str(e))
             unused = ([names[int(i)] for i in found.group(1).split() if int(i) < len(names)]
                       if found else [])
             which = (f"parameters {', '.join(repr(n) for n in unused[:5])}"
                      f"{' and more' if len(unused) > 5 else ''}" if unused else "some parameters")
+            if self.find_unused_parameters:
+                raise ConfigError(
+                    f"{which} got no gradient in the last backward, although "
+                    f"--find-unused-parameters is on: ddp could not trace them from the "
+                    f"model's outputs", "make the loss depend on the model's outputs (not "
+                    "detached copies), and return tensors from forward") from None
             raise ConfigError(
                 f"{which} got no gradient in the last backward, and ddp waits for every "
                 f"parameter's gradient", "pass --find-unused-parameters (find_unused_parameters"
-                "=True to distribute()), or set requires_grad=False on what you do not train, "
-                "or make every parameter take part in the loss") from None
+                "=True to distribute()), or make every parameter take part in the loss, or "
+                "set requires_grad=False before distribute() on what you do not train") from None
 
 
 @register

@@ -262,11 +262,14 @@ class DistributedOptimizer(WrappedOptimizer):
 def check_one_bit_adam(optimizer: torch.optim.Optimizer) -> None:
     """Refuse what 1-bit Adam cannot run on: anything but a plain ``torch.optim.Adam``."""
     if type(optimizer) is not torch.optim.Adam:
+        lazy = type(optimizer).__name__ == "LazyAdam"
         raise ConfigError(
             f"compress_adam (1-bit Adam) runs on torch.optim.Adam, not "
             f"{type(optimizer).__name__}: it freezes Adam's variance and compresses "
-            f"Adam's momentum", "use --optimizer adam (torch.optim.Adam), or leave out "
-            "--compress-adam")
+            f"Adam's momentum" + (" (--optimizer adam is LazyAdam on a model with sparse "
+                                  "embeddings)" if lazy else ""),
+            "leave out --compress-adam" if lazy else
+            "use --optimizer adam (torch.optim.Adam), or leave out --compress-adam")
     for group in optimizer.param_groups:
         bad = {k: group.get(k) for k in ("weight_decay", "amsgrad", "maximize")
                if group.get(k)}

@@ -136,7 +136,8 @@ class PipeTransformerOptions:
             check_writable(self.cache_dir)
         defaults = {f.name: f.default for f in fields(self)}
         for off, what, needs in (
-                (not self.freeze, "--no-freeze turns AutoFreeze off", _FREEZE_FLAGS),
+                (not self.freeze, "--no-freeze turns AutoFreeze off",  # AutoCache caches
+                 {**_FREEZE_FLAGS, **_CACHE_FLAGS}),                 # frozen layers only
                 (not self.cache, "--no-cache turns AutoCache off", _CACHE_FLAGS)):
             given = [flag for name, flag in needs.items()
                      if getattr(self, name) != defaults[name]]
