@@ -27,6 +27,8 @@ __all__ = ["CHUNK", "chunk_rows", "new_seed", "uniform", "normal"]
 #: The most tokens in one chunk of the global batch (a chunk has a generator of its own).
 CHUNK = 256
 
+_MASK64 = (1 << 64) - 1
+
 
 def chunk_rows(total: int) -> int:
     """Tokens per chunk for a global batch of ``total`` tokens.
@@ -35,8 +37,6 @@ def chunk_rows(total: int) -> int:
     (2, 256, 256)
     """
     return max(1, min(CHUNK, total // 16))
-
-_MASK64 = (1 << 64) - 1
 
 
 def new_seed() -> int:

@@ -77,11 +77,16 @@ def balance_loss(probs: torch.Tensor, top1: torch.Tensor) -> torch.Tensor:
     return _balance_of(_balance_sums(probs, top1), probs.new_tensor(float(probs.shape[0])))
 
 
+def _z_sum(logits: torch.Tensor) -> torch.Tensor:
+    # The router z-loss's sum over tokens: sum(logsumexp(logits)^2).
+    return torch.logsumexp(logits, dim=-1).square().sum()
+
+
 def z_loss(logits: torch.Tensor) -> torch.Tensor:
     """ST-MoE's router z-loss: ``mean(logsumexp(logits)^2)``; keeps router logits small."""
     if logits.shape[0] == 0:
         return logits.sum() * 0.0
-    return torch.logsumexp(logits, dim=-1).square().mean()
+    return _z_sum(logits) / logits.shape[0]
 
 
 def _global_sums(local: dict[str, torch.Tensor], group: ExpertGroup) -> dict[str, torch.Tensor]:
@@ -171,17 +176,27 @@ class Gate(nn.Module):
                                   f"pass a small weight, e.g. {name}=0.01, or 0 for none")
         self.wg = nn.Linear(d_model, num_experts, bias=False)
         self.group = ExpertGroup(group)
-        self.batch_group: ExpertGroup | None = (None if batch_group is None
-                                                else ExpertGroup(batch_group))
+        self.batch_group: ExpertGroup | None = None
+        self.set_batch_group(batch_group)
         self.loss: torch.Tensor | None = None
         self.last_capacity: int | None = None
+
+    def set_batch_group(self, group: Any | None) -> None:
+        """Route over the global batch of ``group``'s ranks while training (None: the
+        expert-parallel group's)."""
+        self.batch_group = None if group is None else ExpertGroup(group)
+
+    @property
+    def _over_batch(self) -> bool:
+        # Training with autograd on: the decisions and losses are the global batch's.
+        return self.training and torch.is_grad_enabled()
 
     @property
     def batch(self) -> ExpertGroup:
         """The group the gate routes over now: the batch group while training with
         autograd on, else (evaluation, inference) the expert-parallel group, as before
         a batch group is given; a forward on one rank alone then needs no other."""
-        if self.batch_group is not None and self.training and torch.is_grad_enabled():
+        if self.batch_group is not None and self._over_batch:
             return self.batch_group
         return self.group
 
@@ -247,10 +262,10 @@ class Gate(nn.Module):
         acc = torch.promote_types(logits.dtype, torch.float32)
         local = {k: v.to(acc) for k, v in stats.items()} if balanced and stats else {}
         if self.z_loss_weight:
-            local["z"] = torch.logsumexp(logits.to(acc), dim=-1).square().sum()
+            local["z"] = _z_sum(logits.to(acc))
         local["tokens"] = torch.tensor(float(x.shape[0]), dtype=acc, device=logits.device)
         # Summed over the batch group while training (evaluation and inference: this rank's).
-        group = self.batch if self.training and torch.is_grad_enabled() else ExpertGroup(None)
+        group = self.batch if self._over_batch else ExpertGroup(None)
         sums = _global_sums(local, group)
         ranks = group.size
         tokens = sums["tokens"].detach()
@@ -267,10 +282,11 @@ class Gate(nn.Module):
         valid = indices >= 0
         onehot = F.one_hot(indices.clamp(min=0), self.num_experts) * valid.unsqueeze(-1)
         mine = torch.cat([onehot.sum(0).flatten(), torch.tensor([tokens], device=indices.device)])
-        every = all_gather_counts(mine, self.batch)                      # (ranks, k*E + 1)
+        group = self.batch
+        every = all_gather_counts(mine, group)                           # (ranks, k*E + 1)
         counts = every[:, :-1].reshape(-1, k, self.num_experts)
         capacity = expert_capacity(int(every[:, -1].sum()), self.num_experts, k, factor)
-        allowed = allowance(counts, capacity, self.batch.rank).to(indices.device)
+        allowed = allowance(counts, capacity, group.rank).to(indices.device)
         self.last_capacity = capacity
         return indices.masked_fill(~keep_mask(indices, allowed), -1)
 

@@ -123,7 +123,7 @@ class MoE(nn.Module):
 
     def set_batch_group(self, group: Any | None) -> None:
         """Route over the global batch of ``group``'s ranks (see ``batch_group``)."""
-        self.gate.batch_group = None if group is None else ExpertGroup(group)
+        self.gate.set_batch_group(group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(..., d_model) -> (..., d_model)."""

@@ -135,15 +135,15 @@ class PipeTransformerOptions:
         if self.cache and self.cache_dir is not None:
             check_writable(self.cache_dir)
         defaults = {f.name: f.default for f in fields(self)}
-        for off, what, needs in (
-                (not self.freeze, "--no-freeze turns AutoFreeze off",  # AutoCache caches
-                 {**_FREEZE_FLAGS, **_CACHE_FLAGS}),                 # frozen layers only
-                (not self.cache, "--no-cache turns AutoCache off", _CACHE_FLAGS)):
+        for off, switch, part, needs in (
+                (not self.freeze, "--no-freeze", "AutoFreeze",  # AutoCache caches frozen
+                 {**_FREEZE_FLAGS, **_CACHE_FLAGS}),            # layers only
+                (not self.cache, "--no-cache", "AutoCache", _CACHE_FLAGS)):
             given = [flag for name, flag in needs.items()
                      if getattr(self, name) != defaults[name]]
             if off and given:
-                raise ConfigError(f"{what}, so {', '.join(given)} would do nothing",
-                                  f"leave out {what.split()[0]}, or {', '.join(given)}")
+                raise ConfigError(f"{switch} turns {part} off, so {', '.join(given)} would do "
+                                  f"nothing", f"leave out {switch}, or {', '.join(given)}")
 
     @property
     def threshold(self) -> float:
