@@ -343,12 +343,15 @@ def test_a_script_that_launches_when_imported_is_told_to_guard_the_call(tmp_path
 def _run_calling_launch(tmp_path, launch_args: str, cli_args: list[str] | None,
                         extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     script = tmp_path / "job.py"
-    script.write_text("import polytrain, torch\n"
+    # One os.write per line: the processes share the pipe, and print's separate writes of
+    # 'result', ' ' and the value interleaved across processes.
+    script.write_text("import os, polytrain, torch\n"
                       "def main():\n"
                       "    ctx = polytrain.init()\n"
                       "    return ctx.rank, ctx.num_workers\n"
                       "if __name__ == '__main__':\n"
-                      f"    print('result', polytrain.launch(main, {launch_args}))\n")
+                      f"    result = polytrain.launch(main, {launch_args})\n"
+                      "    os.write(1, f'result {result}\\n'.encode())\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1",
                **(extra_env or {}))
     cli = Path(sys.executable).with_name("polytrain")
