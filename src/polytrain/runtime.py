@@ -82,6 +82,9 @@ class Context:
         self.final_reports: list[MeterReport] = []
         #: The emulated devices of the run (a ``pipeline.Cluster``), when it has them.
         self.cluster: Any = None
+        #: Whether every machine is an emulated one with a NIC (``--bandwidth``): worker 0
+        #: then reads the NICs' counters at its step marks.
+        self.emulated_network = False
         self.label = ""
         self._closed = False
         self._lock = threading.Lock()
@@ -246,7 +249,8 @@ def init(*, device: str | torch.device | None = None, timeout_s: float | None = 
                   backend="cpu:gloo,cuda:nccl" if cuda else "gloo")
     _context = ctx
     log.info("joined: %d processes\n%s", ctx.world_size, topology.describe())
-    if topology.workers and rank == topology.workers[0] and all(nic for *_, nic in seats):
+    ctx.emulated_network = all(nic for *_, nic in seats)
+    if topology.workers and rank == topology.workers[0] and ctx.emulated_network:
         # On an emulated network worker 0 reads every machine's NIC at its step marks,
         # through a process of that machine (the first rank there).
         nics: dict[str, tuple[int, str]] = {}

@@ -10,13 +10,17 @@ import torch
 from ..comm.meter import MeterReport, machine_traffic, sent_bytes_by_step, server_traffic
 from ..comm.topology import Topology
 
-__all__ = ["steady", "step_times", "build_metrics"]
+__all__ = ["warmup_steps", "steady", "step_times", "build_metrics"]
+
+
+def warmup_steps(count: int) -> int:
+    """How many of ``count`` steps are warm-up: the first, or the first 10% if that is more."""
+    return max(1, count // 10) if count > 1 else 0
 
 
 def steady(values: Sequence[float]) -> list[float]:
-    """Drop the warm-up: the first step, or the first 10% of steps if that is more."""
-    skip = max(1, len(values) // 10) if len(values) > 1 else 0
-    return list(values[skip:])
+    """Drop the warm-up (:func:`warmup_steps`)."""
+    return list(values[warmup_steps(len(values)):])
 
 
 def step_times(times: Sequence[float]) -> dict[str, float]:
