@@ -17,7 +17,8 @@ import torch
 import polytrain
 from polytrain.train import run_config as run_job
 
-__all__ = ["spawn", "run_config", "run_cached", "single_of", "max_abs_diff", "COMM_TIMEOUT_S"]
+__all__ = ["spawn", "run_config", "run_cached", "single_of", "max_abs_diff", "adam_tolerance",
+           "COMM_TIMEOUT_S"]
 
 COMM_TIMEOUT_S = 30.0
 _ENV = {"OMP_NUM_THREADS": "1"}
@@ -54,6 +55,18 @@ def single_of(config: polytrain.TrainConfig) -> polytrain.TrainConfig:
     """The ``single`` run with the same model, data, seed, steps and optimizer."""
     return config.replace(strategy="single", workers=1, nodes=1, servers=0, strategy_options={},
                           devices=None, bandwidth=None, latency=None)
+
+
+def adam_tolerance(lr: float, steps: int) -> float:
+    """How far an Adam run may end from ``single``'s: 1% of the farthest Adam's updates can
+    take a weight (about ``lr`` a step).
+
+    Adam divides by the root of tiny second moments, which magnifies summation-order
+    rounding in gradients near zero. The gap depends on the CPU's kernels: with lr 3e-3 and
+    4 to 6 steps, 5e-6 to 1.6e-5 on one machine, up to 3.6e-5 (3 machines, BytePS) on
+    another, where a 1e-5 bound failed. A wrong gradient moves weights by a good part of lr.
+    """
+    return 0.01 * lr * steps
 
 
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

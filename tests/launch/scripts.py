@@ -143,13 +143,14 @@ def transfer_over_the_nic(nbytes: int) -> dict:
     """Worker 0 sends ``nbytes`` to worker 1 (its own machine), then to worker 2 (another).
 
     Returns, per transfer, this process's machine's NIC byte counters moved and
-    the receiver's time from the barrier to the whole tensor.
+    the sender's time from the send to the receiver's acknowledgement of the whole tensor
+    (never shorter than the transfer: a receiver's clock started late made it look faster).
     """
     from polytrain.launch.network import nic_bytes
 
     ctx = polytrain.init()
     nic = os.environ["POLYTRAIN_NIC"]
-    x = torch.zeros(nbytes // 4)
+    x, ack = torch.zeros(nbytes // 4), torch.zeros(1)
     out = {"machine": ctx.machine}
     for name, dst in (("local", 1), ("remote", 2)):
         dist.barrier(group=ctx.groups.workers)
@@ -157,8 +158,10 @@ def transfer_over_the_nic(nbytes: int) -> dict:
         t0 = time.perf_counter()
         if ctx.rank == 0:
             dist.send(x, dst)
+            dist.recv(ack, dst)
         elif ctx.rank == dst:
             dist.recv(x, 0)
+            dist.send(ack, 0)
         elapsed = time.perf_counter() - t0
         # A send returns once the kernel holds the bytes: count them when the receiver has all.
         dist.barrier(group=ctx.groups.workers)

@@ -16,7 +16,7 @@ from polytrain import ConfigError, LaunchError, TrainConfig
 from polytrain.emulation.profile import profile_model
 from polytrain.models import GPT
 from polytrain.models import cross_entropy as loss_fn
-from tests.harness import max_abs_diff, run_config, single_of, spawn
+from tests.harness import adam_tolerance, max_abs_diff, run_config, single_of, spawn
 from tests.strategies.hetpipe_reference import simulate
 
 TINY = {"seq_len": 16, "d_model": 32, "layers": 2}
@@ -53,7 +53,7 @@ def test_the_servers_optimizer_makes_adam_synchronous_too():
     _, hetpipe = run_config(config)
     # As ddp's test: Adam divides by the gradients' size, which turns float rounding in
     # gradients near zero into differences of ~1e-6 (about a thousandth of own optimizers').
-    assert max_abs_diff(single, hetpipe) < 1e-5
+    assert max_abs_diff(single, hetpipe) < adam_tolerance(3e-3, 6)
     paper = config.replace(strategy_options={**config.strategy_options,
                                              "server_optimizer": False})
     _, own = run_config(paper)
@@ -96,7 +96,7 @@ def test_bd_twins_with_no_staleness_are_synchronous_adam_on_the_global_batch():
     assert "layers h1..head" in plan and "layers embed..h2" in plan  # both on m0/0
     _, single = run_config(single_of(config))
     metrics, hetpipe = run_config(config)
-    assert max_abs_diff(single, hetpipe) < 1e-5
+    assert max_abs_diff(single, hetpipe) < adam_tolerance(3e-3, 6)
     single_metrics, _ = run_config(single_of(config))
     assert metrics["losses"] == pytest.approx(single_metrics["losses"], abs=1e-5)
 

