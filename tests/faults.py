@@ -3,8 +3,10 @@ one when the run reaches a checkpoint (shared by the tests and benchmarks/faults
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -13,30 +15,21 @@ from pathlib import Path
 __all__ = ["children", "alive", "Injector"]
 
 
-def _environ(pid: int) -> dict[str, str]:
-    try:
-        raw = Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:
-        return {}
-    return dict(kv.split("=", 1) for kv in raw.decode(errors="replace").split("\0") if "=" in kv)
-
-
 def children(parent: int | None = None) -> dict[tuple[str, int], int]:
-    """The launched processes of launcher ``parent``: (role, rank) -> pid."""
+    """The running processes of launcher ``parent``'s run (default: this process's):
+    (role, rank) -> pid, from the ``processes.json`` the launcher writes in its run's
+    directory (``polytrain-PID-*`` in the temporary folder)."""
+    return {(p["role"], p["rank"]): p["pid"] for p in _processes(parent) if alive(p["pid"])}
+
+
+def _processes(parent: int | None) -> list[dict]:
     parent = os.getpid() if parent is None else parent
-    out = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    out = []
+    for path in Path(tempfile.gettempdir()).glob(f"polytrain-{parent}-*/processes.json"):
         try:
-            cmd = (entry / "cmdline").read_bytes()
-        except OSError:
+            out += json.loads(path.read_text())
+        except (OSError, ValueError):
             continue
-        if b"polytrain.launch.child" not in cmd:
-            continue
-        env = _environ(int(entry.name))
-        if env.get("POLYTRAIN_PARENT_PID") == str(parent) and "RANK" in env:
-            out[(env.get("POLYTRAIN_ROLE", "?"), int(env["RANK"]))] = int(entry.name)
     return out
 
 
@@ -91,7 +84,8 @@ class Injector:
                     continue
                 self.pids = procs
                 self.pid = procs[(self.role, self.rank)]
-                self.machine = _environ(self.pid).get("POLYTRAIN_NODE", "?")
+                self.machine = next((p["machine"] for p in _processes(self.parent)
+                                     if p["pid"] == self.pid), "?")
                 os.kill(self.pid, self.sig)
                 if self.trigger is not None:
                     steps = [int(p.name[5:]) for p in self.trigger.parent.glob("step-*")]

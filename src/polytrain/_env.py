@@ -30,6 +30,7 @@ HEARTBEAT_FILE = "POLYTRAIN_HEARTBEAT_FILE"  # the launcher watches its mtime: a
 STACKS_FILE = "POLYTRAIN_STACKS_FILE"  # where a child writes its threads' stacks on SIGUSR2
 NIC = "POLYTRAIN_NIC"  # the emulated machine's interface, under --bandwidth
 SHM_DIR = "POLYTRAIN_SHM_DIR"  # the run's directory in host shared memory (the launcher's)
+FORKSERVER = "POLYTRAIN_FORKSERVER"  # 0: every launched process is a fresh interpreter
 LOADING_MAIN = "POLYTRAIN_LOADING_MAIN"  # set while a child imports the launching script
 GLOO_SOCKET_IFNAME = "GLOO_SOCKET_IFNAME"
 TORCHELASTIC_RUN_ID = "TORCHELASTIC_RUN_ID"  # set by torchrun in the processes it starts
@@ -126,6 +127,11 @@ def stacks_file() -> str | None:
 def parent_pid() -> int | None:
     pid = os.environ.get(PARENT_PID)
     return int(pid) if pid else None
+
+
+def forkserver_on() -> bool:
+    """Whether local launches fork their processes from a fork server (launch/forkserver.py)."""
+    return os.environ.get(FORKSERVER, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def nic() -> str | None:

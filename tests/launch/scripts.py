@@ -185,3 +185,11 @@ def round_trip_s(rounds: int) -> float:
             dist.send(x, 0)
         times.append(time.perf_counter() - t0)
     return sorted(times)[len(times) // 2]
+
+
+def what_a_process_starts_with() -> dict:
+    # No init: what the process is before the run begins.
+    return {"pid": os.getpid(), "parent": os.getppid(), "cwd": os.getcwd(),
+            "rank": os.environ["RANK"], "var": os.environ.get("POLYTRAIN_TEST_VAR"),
+            "threads": torch.get_num_threads(), "seed": torch.initial_seed(),
+            "draw": torch.rand(1).item(), "said": print(f"said by {os.environ['RANK']}")}

@@ -30,7 +30,7 @@ from typing import Any
 from .. import _env
 from ..errors import is_timeout
 
-__all__: list[str] = []
+__all__ = ["main", "die_with"]
 
 _BEAT_S = 0.5  # how often a child rewrites its heartbeat file (the launcher watches it)
 # Errors that mean "a peer went away first": the launcher prefers other causes.
@@ -38,9 +38,9 @@ _SECONDARY_MARKERS = ("Connection closed by peer", "Connection reset by peer", "
                       "peer_lost")
 
 
-def _die_with_parent() -> None:
-    """Ask Linux to kill this process when the launcher dies, so no orphan survives it."""
-    parent = _env.parent_pid()
+def die_with(parent: int | None) -> None:
+    """Ask Linux to kill this process when its parent ``parent`` (the launcher, or its fork
+    server) dies, so no orphan survives it."""
     if parent is None or not sys.platform.startswith("linux"):
         return
     try:
@@ -226,7 +226,7 @@ def main() -> None:
     stacks = _env.stacks_file()
     faulthandler.register(signal.SIGUSR2, all_threads=True,
                           file=open(stacks, "w") if stacks else sys.stderr)
-    _die_with_parent()
+    die_with(_env.parent_pid())
     _start_heartbeat()
     signal.signal(signal.SIGTERM, lambda *_: os._exit(143))
     signal.signal(signal.SIGUSR1, _raise_injected)

@@ -22,6 +22,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from .. import _env
 from ..errors import ConfigError, LaunchError
+from .forkserver import Process, server_for
 from .host import oom_kills
 from .layout import Layout, ProcessSpec
 from .network import LinkShape, Network, check_tools, link_shape, start_time
@@ -66,7 +67,7 @@ def _check_port(host: str, port: int) -> None:
 @dataclass
 class _Child:
     spec: ProcessSpec
-    proc: subprocess.Popen[bytes]
+    proc: Process
     error_file: Path
     result_file: Path
     label_file: Path
@@ -224,7 +225,8 @@ class Launcher:
         return env
 
     def _run(self, payload: dict[str, Any]) -> list[Any]:
-        with tempfile.TemporaryDirectory(prefix="polytrain-") as tmp:
+        # The launcher's pid in the name: tools find a run's processes.json by it.
+        with tempfile.TemporaryDirectory(prefix=f"polytrain-{os.getpid()}-") as tmp:
             workdir = Path(tmp)
             payload_file = workdir / "payload.pkl"
             payload_file.write_bytes(pickle.dumps(payload))
@@ -246,12 +248,11 @@ class Launcher:
                     network = Network(self.layout.machines(), self.shape)
                     network.open()
                 for spec in self.layout.processes():
-                    on = network.exec_prefix(spec.machine) if network is not None else []
                     files = _files(workdir, spec.rank)
-                    proc = subprocess.Popen(
-                        [*on, sys.executable, "-m", "polytrain.launch.child", str(payload_file)],
-                        env=self._child_env(spec, files, shm, network))
+                    proc = _start(payload_file, self._child_env(spec, files, shm, network),
+                                  network.exec_prefix(spec.machine) if network else None)
                     children.append(_Child(spec, proc, *files, started=time.time()))
+                _write_processes(workdir, children)
                 log.info("started %d processes on port %d: %s", len(children), self.port,
                          self.layout.describe())
                 self._watch(children, interrupted, oom_kills_before)
@@ -418,6 +419,33 @@ class Launcher:
                     log.warning("%s rank %d (pid %d) did not end %g s after SIGKILL (%s)",
                                 c.spec.role, c.spec.rank, c.proc.pid, _GRACE_S,
                                 _proc_state(c.proc.pid) or "state unknown")
+
+
+def _write_processes(workdir: Path, children: list[_Child]) -> None:
+    """``processes.json`` in the run's directory: every process's rank, role, machine and
+    pid (a forked child's command line and /proc environ are its fork server's, so tools
+    that look for a rank's process, fault injectors or a profiler, read it here)."""
+    record = [{"rank": c.spec.rank, "role": c.spec.role, "machine": c.spec.machine,
+               "pid": c.proc.pid} for c in children]
+    (workdir / "processes.json.tmp").write_text(json.dumps(record))
+    os.replace(workdir / "processes.json.tmp", workdir / "processes.json")
+
+
+def _start(payload_file: Path, env: dict[str, str], on: list[str] | None) -> Process:
+    """Start ``python -m polytrain.launch.child PAYLOAD`` with ``env``: forked from the fork
+    server (no import of torch of its own), or as a fresh interpreter where the server is
+    off, failed, or the process must enter an emulated machine (``on``: the command that
+    does)."""
+    server = server_for(env) if on is None else None
+    if server is not None:
+        try:
+            return server.start(str(payload_file), env)
+        except OSError as e:
+            log.warning("the fork server could not start a process (%s): it starts as a fresh "
+                        "interpreter", e)
+    return subprocess.Popen(
+        [*(on or []), sys.executable, "-m", "polytrain.launch.child", str(payload_file)],
+        env=env)
 
 
 SHM_ROOT = Path("/dev/shm")

@@ -1,0 +1,379 @@
+"""One process that has imported torch and polytrain, and forks a run's processes from it.
+
+A launched process that started as a fresh interpreter would import torch and
+polytrain itself: about 3 s of CPU each, so a run of 6 processes on 2 cores
+spent some 9 s starting, and a test suite of a few hundred runs most of its
+time. The fork server imports them once per launching process and forks each
+child from there (as multiprocessing's forkserver does), handing it the
+launcher's environment, working directory and standard streams of that moment.
+
+What it keeps of a fresh process's contract:
+
+- the child is the launcher's child in all that the launcher watches: it is in
+  the launcher's process group (Ctrl-C reaches it), its exit code comes back as
+  ``Popen.returncode`` does (negative: the signal), and it dies with the
+  launcher (``PR_SET_PDEATHSIG`` on the server, and on the child with the
+  server as its parent);
+- its environment is the launcher's, whole: a server is started per base
+  environment (the launcher's own variables, per process, aside), so a
+  variable read at import (``OMP_NUM_THREADS``, ``PYTHONPATH``, torch's) is the
+  one the child would have read; ``OMP_NUM_THREADS`` itself reaches torch's
+  thread pools through ``torch.set_num_threads``;
+- its random generators are seeded afresh, as a new interpreter's are.
+
+The server never runs a tensor operation, starts no thread of its own and
+touches no GPU, so forking it is safe. A run on an emulated network keeps a
+fresh interpreter per process (each enters its machine's namespace through
+``ip netns exec``), and ``POLYTRAIN_FORKSERVER=0`` turns the server off.
+Should the server fail, the launcher falls back to fresh interpreters.
+
+Protocol (one ``SOCK_SEQPACKET`` socket pair, a pickled message per packet):
+the launcher sends ``{"payload", "env", "cwd", "stdio"}`` with its standard
+streams' descriptors attached (``SCM_RIGHTS``); the server answers
+``("started", pid)`` or ``("failed", reason)``, and later ``("exited", pid,
+returncode)`` for every child it reaped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import pickle
+import queue
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import traceback
+from typing import Any, Mapping, Protocol
+
+from .. import _env
+
+__all__ = ["Process", "ForkedProcess", "ForkServer", "server_for"]
+
+log = logging.getLogger(__name__)
+
+_PRELOAD = ("polytrain", "polytrain.train", "polytrain.launch.child")
+_MAX_MESSAGE = 1 << 20
+_START_S = 120.0  # the server imports torch before its first answer; a loaded machine is slow
+
+
+class Process(Protocol):
+    """What the launcher uses of a child process (``subprocess.Popen``'s names)."""
+
+    pid: int
+    returncode: int | None
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def send_signal(self, sig: int) -> None: ...
+
+    def kill(self) -> None: ...
+
+
+class ForkedProcess:
+    """A child of the fork server, seen from the launcher as a ``Popen``."""
+
+    def __init__(self, server: ForkServer, pid: int) -> None:
+        self.server = server
+        self.pid = pid
+        self.returncode: int | None = None
+        self.args = ["polytrain fork server child", str(pid)]
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self.server.returncode(self.pid)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        code = self.server.wait(self.pid, timeout)
+        if code is None:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+        self.returncode = code
+        return code
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:  # not reaped yet: the pid is still this child's
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+# The variables the launcher sets per process: they do not choose a server.
+_PER_PROCESS = frozenset({
+    _env.RANK, _env.WORLD_SIZE, _env.LOCAL_RANK, _env.LOCAL_WORLD_SIZE, _env.MASTER_ADDR,
+    _env.MASTER_PORT, _env.ROLE, _env.NODE, _env.TIMEOUT, _env.ERROR_FILE, _env.PARENT_PID,
+    _env.LABEL_FILE, _env.RESULT_FILE, _env.HEARTBEAT_FILE, _env.STACKS_FILE, _env.SHM_DIR,
+    _env.OMP_NUM_THREADS})
+
+
+def _base(env: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+    return tuple(sorted((k, v) for k, v in env.items() if k not in _PER_PROCESS))
+
+
+class ForkServer:
+    """The launcher's side of one fork server (see the module's text)."""
+
+    def __init__(self, base_env: Mapping[str, str]) -> None:
+        self.base = _base(base_env)
+        self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._lock = threading.Lock()  # one request at a time
+        self._answers: queue.Queue[tuple[Any, ...]] = queue.Queue()
+        self._ended = threading.Condition()
+        self._codes: dict[int, int] = {}
+        self._children: set[int] = set()
+        self._gone = False
+        started = threading.Event()
+        failed: list[BaseException] = []
+
+        def keep() -> None:
+            # The server dies with the thread that started it (PR_SET_PDEATHSIG): this one
+            # lives as long as the server does, whatever thread launches.
+            try:
+                self._proc = subprocess.Popen(
+                    [sys.executable, "-c", "from polytrain.launch.forkserver import main; main()",
+                     str(theirs.fileno()), str(os.getpid())],
+                    pass_fds=(theirs.fileno(),), env=dict(base_env), stdin=subprocess.DEVNULL)
+            except OSError as e:
+                failed.append(e)
+                return
+            finally:
+                theirs.close()
+                started.set()
+            self._proc.wait()
+
+        threading.Thread(target=keep, name="polytrain-forkserver", daemon=True).start()
+        started.wait()
+        if failed:
+            raise failed[0]
+        self.pid = self._proc.pid
+        threading.Thread(target=self._read, name="polytrain-forkserver-reader",
+                         daemon=True).start()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                message = self._sock.recv(_MAX_MESSAGE)
+            except OSError:
+                message = b""
+            if not message:
+                break
+            answer = pickle.loads(message)
+            if answer[0] == "exited":
+                with self._ended:
+                    self._codes[answer[1]] = answer[2]
+                    self._children.discard(answer[1])
+                    self._ended.notify_all()
+            else:
+                self._answers.put(answer)
+        # The server is gone; its children die with it (PR_SET_PDEATHSIG).
+        with self._ended:
+            self._gone = True
+            for pid in self._children:
+                self._codes.setdefault(pid, -signal.SIGKILL)
+            self._children.clear()
+            self._ended.notify_all()
+        self._answers.put(("failed", "the fork server ended"))
+
+    @property
+    def alive(self) -> bool:
+        return not self._gone and self._proc.poll() is None
+
+    def start(self, payload: str, env: Mapping[str, str]) -> ForkedProcess:
+        """Fork a child that runs ``python -m polytrain.launch.child PAYLOAD`` with ``env``;
+        raises OSError where the server cannot."""
+        env = {**env, _env.PARENT_PID: str(self.pid)}
+        stdio = [fd for fd in (0, 1, 2) if _open(fd)]
+        request = pickle.dumps({"payload": payload, "env": env, "cwd": os.getcwd(),
+                                "stdio": stdio})
+        with self._lock:
+            if not self.alive:
+                raise OSError("the fork server ended")
+            socket.send_fds(self._sock, [request], stdio)
+            try:
+                answer = self._answers.get(timeout=_START_S)
+            except queue.Empty:
+                raise OSError(f"the fork server did not answer within {_START_S:g} s") from None
+            if answer[0] != "started":
+                raise OSError(answer[1])
+            with self._ended:
+                self._children.add(answer[1])
+            return ForkedProcess(self, answer[1])
+
+    def returncode(self, pid: int) -> int | None:
+        with self._ended:
+            return self._codes.get(pid)
+
+    def wait(self, pid: int, timeout: float | None) -> int | None:
+        with self._ended:
+            self._ended.wait_for(lambda: pid in self._codes, timeout)
+            return self._codes.get(pid)
+
+    def close(self) -> None:
+        """No more children; the server ends when the last one has (it keeps them alive)."""
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_WR)
+
+
+def _open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+        return True
+    except OSError:
+        return False
+
+
+_servers: dict[tuple[tuple[str, str], ...], ForkServer] = {}
+_servers_lock = threading.Lock()
+
+
+def server_for(env: Mapping[str, str]) -> ForkServer | None:
+    """The fork server for children with environment ``env`` (started on first use), or
+    None where it is off (``POLYTRAIN_FORKSERVER=0``) or cannot start."""
+    if not _env.forkserver_on():
+        return None
+    key = _base(env)
+    with _servers_lock:
+        server = _servers.get(key)
+        if server is not None and server.alive:
+            return server
+        for old in _servers.values():  # another environment now: its server ends
+            old.close()
+        _servers.clear()
+        try:
+            server = ForkServer(env)
+        except OSError as e:
+            log.warning("no fork server (%s): every process imports torch itself", e)
+            return None
+        _servers[key] = server
+        return server
+
+
+# -- the server ----------------------------------------------------------------------------
+
+
+def _serve(sock: socket.socket) -> None:
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    children: set[int] = set()
+    accepting = True
+
+    def answer(*message: Any) -> None:
+        with contextlib.suppress(OSError):
+            sock.send(pickle.dumps(message))
+
+    while accepting or children:
+        watched = [sock.fileno(), wake_r] if accepting else [wake_r]
+        ready, _, _ = select.select(watched, [], [], 1.0)
+        if wake_r in ready:
+            os.read(wake_r, 4096)
+        while children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                children.clear()
+                break
+            if pid == 0:
+                break
+            children.discard(pid)
+            answer("exited", pid, os.waitstatus_to_exitcode(status))
+        if sock.fileno() in ready:
+            try:
+                message, fds, _, _ = socket.recv_fds(sock, _MAX_MESSAGE, 3)
+            except OSError:
+                message, fds = b"", []
+            if not message:
+                accepting = False
+                continue
+            request = pickle.loads(message)
+            try:
+                pid = os.fork()
+            except OSError as e:
+                for fd in fds:
+                    os.close(fd)
+                answer("failed", f"fork: {e}")
+                continue
+            if pid == 0:
+                _become_child(request, fds, sock, (wake_r, wake_w))
+            for fd in fds:
+                os.close(fd)
+            children.add(pid)
+            answer("started", pid)
+
+
+def _become_child(request: dict[str, Any], fds: list[int], sock: socket.socket,
+                  wake: tuple[int, int]) -> None:
+    """In the forked child: become what ``python -m polytrain.launch.child`` would be."""
+    code = 1
+    try:
+        signal.set_wakeup_fd(-1)
+        for fd in wake:
+            os.close(fd)
+        sock.close()
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for target, fd in zip(request["stdio"], fds):
+            if fd != target:
+                os.dup2(fd, target)
+                os.close(fd)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        for stream in (sys.stdout, sys.stderr):  # a fresh interpreter decides per stream
+            with contextlib.suppress(AttributeError, OSError, ValueError):
+                stream.reconfigure(line_buffering=stream.isatty())  # type: ignore[union-attr]
+        _fresh_state()
+        from . import child
+
+        sys.argv = [child.__file__ or "polytrain.launch.child", request["payload"]]
+        child.main()  # ends with os._exit on every path
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException:  # noqa: BLE001 - reported, then the process ends
+        traceback.print_exc()
+    finally:
+        os._exit(code)
+
+
+def _fresh_state() -> None:
+    """What a new interpreter would differ in: its thread count and its random seeds."""
+    import random
+
+    import torch
+
+    random.seed()
+    torch.seed()
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()
+    threads = os.environ.get(_env.OMP_NUM_THREADS, "")
+    if threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))
+
+
+def main() -> None:
+    fd, parent = int(sys.argv[1]), int(sys.argv[2])
+    from .child import die_with
+
+    die_with(parent)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to handle
+    sock = socket.socket(fileno=fd)
+    for name in _PRELOAD:
+        __import__(name)
+    import torch
+
+    if torch.cuda.is_initialized():  # a fork would inherit a CUDA context it cannot use
+        sys.exit("polytrain fork server: CUDA was initialised while importing; not forking")
+    _serve(sock)
+    os._exit(0)
+

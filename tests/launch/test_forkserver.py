@@ -1,0 +1,47 @@
+"""The fork server: a launched process is what a fresh interpreter would be, without importing
+torch itself."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import polytrain
+from polytrain.launch import forkserver
+from tests.launch import scripts
+
+
+def _start(tmp_path, monkeypatch, value: str) -> list[dict]:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("POLYTRAIN_TEST_VAR", value)
+    return polytrain.launch(scripts.what_a_process_starts_with, workers=3,
+                            env={"OMP_NUM_THREADS": "1"}, timeout_s=30)
+
+
+@pytest.mark.timeout(120)
+def test_forked_processes_get_the_launchers_environment_streams_and_fresh_seeds(
+        tmp_path, monkeypatch, capfd):
+    got = _start(tmp_path, monkeypatch, "a")
+    server = forkserver.server_for(dict(os.environ))
+    assert server is not None
+    assert {g["parent"] for g in got} == {server.pid}  # forked by the server, not the launcher
+    assert [g["rank"] for g in got] == ["0", "1", "2"]
+    assert {g["cwd"] for g in got} == {str(tmp_path)}
+    assert {g["var"] for g in got} == {"a"}
+    assert {g["threads"] for g in got} == {1}
+    assert len({g["seed"] for g in got}) == 3 and len({g["draw"] for g in got}) == 3
+    out = capfd.readouterr().out  # the launcher's standard output of this moment
+    assert all(f"said by {r}" in out for r in "012"), out
+    # A variable changed since: a server started with it (read at import, it must be there).
+    again = _start(tmp_path, monkeypatch, "b")
+    assert {g["var"] for g in again} == {"b"}
+    assert {g["parent"] for g in again} != {server.pid} and not server.alive
+
+
+@pytest.mark.timeout(120)
+def test_without_the_fork_server_every_process_is_a_fresh_interpreter(tmp_path, monkeypatch):
+    monkeypatch.setenv("POLYTRAIN_FORKSERVER", "0")
+    got = _start(tmp_path, monkeypatch, "c")
+    assert {g["parent"] for g in got} == {os.getpid()}
+    assert {g["var"] for g in got} == {"c"} and {g["threads"] for g in got} == {1}
