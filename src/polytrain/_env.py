@@ -129,9 +129,11 @@ def parent_pid() -> int | None:
     return int(pid) if pid else None
 
 
-def forkserver_on() -> bool:
-    """Whether local launches fork their processes from a fork server (launch/forkserver.py)."""
-    return os.environ.get(FORKSERVER, "1").strip().lower() not in ("0", "false", "no", "off")
+def forkserver_on(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether local launches fork their processes from a fork server (launch/forkserver.py),
+    by the environment the processes get (default: this process's)."""
+    env = os.environ if environ is None else environ
+    return env.get(FORKSERVER, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def nic() -> str | None:

@@ -12,11 +12,11 @@ from polytrain.launch import forkserver
 from tests.launch import scripts
 
 
-def _start(tmp_path, monkeypatch, value: str) -> list[dict]:
+def _start(tmp_path, monkeypatch, value: str, **env: str) -> list[dict]:
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("POLYTRAIN_TEST_VAR", value)
     return polytrain.launch(scripts.what_a_process_starts_with, workers=3,
-                            env={"OMP_NUM_THREADS": "1"}, timeout_s=30)
+                            env={"OMP_NUM_THREADS": "1", **env}, timeout_s=30)
 
 
 @pytest.mark.timeout(120)
@@ -40,8 +40,12 @@ def test_forked_processes_get_the_launchers_environment_streams_and_fresh_seeds(
 
 
 @pytest.mark.timeout(120)
-def test_without_the_fork_server_every_process_is_a_fresh_interpreter(tmp_path, monkeypatch):
-    monkeypatch.setenv("POLYTRAIN_FORKSERVER", "0")
-    got = _start(tmp_path, monkeypatch, "c")
+@pytest.mark.parametrize("where", ["environment", "launch"])
+def test_without_the_fork_server_every_process_is_a_fresh_interpreter(tmp_path, monkeypatch,
+                                                                       where):
+    if where == "environment":
+        monkeypatch.setenv("POLYTRAIN_FORKSERVER", "0")
+    got = _start(tmp_path, monkeypatch, "c",
+                 **({"POLYTRAIN_FORKSERVER": "0"} if where == "launch" else {}))
     assert {g["parent"] for g in got} == {os.getpid()}
     assert {g["var"] for g in got} == {"c"} and {g["threads"] for g in got} == {1}

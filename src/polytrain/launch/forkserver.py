@@ -19,7 +19,11 @@ What it keeps of a fresh process's contract:
   variable read at import (``OMP_NUM_THREADS``, ``PYTHONPATH``, torch's) is the
   one the child would have read; ``OMP_NUM_THREADS`` itself reaches torch's
   thread pools through ``torch.set_num_threads``;
-- its random generators are seeded afresh, as a new interpreter's are.
+- its random generators are seeded afresh, as a new interpreter's are (Python's
+  string hashes are not: every forked child has the server's hash seed, so the
+  order of a set of strings is the same on every rank; a bug that orders
+  collectives by it shows only with ``POLYTRAIN_FORKSERVER=0`` or torchrun);
+- its CPU affinity and open-file limit are the launcher's of that moment.
 
 The server never runs a tensor operation, starts no thread of its own and
 touches no GPU, so forking it is safe. A run on an emulated network keeps a
@@ -41,6 +45,7 @@ import logging
 import os
 import pickle
 import queue
+import resource
 import select
 import signal
 import socket
@@ -175,6 +180,9 @@ class ForkServer:
                 self._answers.put(answer)
         # The server is gone; its children die with it (PR_SET_PDEATHSIG).
         with self._ended:
+            if self._children:
+                log.warning("the fork server (pid %d) ended with %d of its processes running: "
+                            "they end with it", self.pid, len(self._children))
             self._gone = True
             for pid in self._children:
                 self._codes.setdefault(pid, -signal.SIGKILL)
@@ -192,7 +200,8 @@ class ForkServer:
         env = {**env, _env.PARENT_PID: str(self.pid)}
         stdio = [fd for fd in (0, 1, 2) if _open(fd)]
         request = pickle.dumps({"payload": payload, "env": env, "cwd": os.getcwd(),
-                                "stdio": stdio})
+                                "stdio": stdio, "affinity": sorted(os.sched_getaffinity(0)),
+                                "files": resource.getrlimit(resource.RLIMIT_NOFILE)})
         with self._lock:
             if not self.alive:
                 raise OSError("the fork server ended")
@@ -200,12 +209,21 @@ class ForkServer:
             try:
                 answer = self._answers.get(timeout=_START_S)
             except queue.Empty:
+                # Never used again: a late answer would be taken for the next request's.
+                with self._ended:
+                    self._gone = True
+                with contextlib.suppress(OSError):
+                    self._proc.kill()  # its children die with it
                 raise OSError(f"the fork server did not answer within {_START_S:g} s") from None
             if answer[0] != "started":
                 raise OSError(answer[1])
+            pid = answer[1]
             with self._ended:
-                self._children.add(answer[1])
-            return ForkedProcess(self, answer[1])
+                if self._gone:  # it died right after forking: so did the child
+                    self._codes.setdefault(pid, -signal.SIGKILL)
+                elif pid not in self._codes:
+                    self._children.add(pid)
+            return ForkedProcess(self, pid)
 
     def returncode(self, pid: int) -> int | None:
         with self._ended:
@@ -232,12 +250,14 @@ def _open(fd: int) -> bool:
 
 _servers: dict[tuple[tuple[str, str], ...], ForkServer] = {}
 _servers_lock = threading.Lock()
+# A process forked from the launcher (not by the server) does not share its servers.
+os.register_at_fork(after_in_child=_servers.clear)
 
 
 def server_for(env: Mapping[str, str]) -> ForkServer | None:
     """The fork server for children with environment ``env`` (started on first use), or
     None where it is off (``POLYTRAIN_FORKSERVER=0``) or cannot start."""
-    if not _env.forkserver_on():
+    if not _env.forkserver_on(env):
         return None
     key = _base(env)
     with _servers_lock:
@@ -295,6 +315,8 @@ def _serve(sock: socket.socket) -> None:
                 accepting = False
                 continue
             request = pickle.loads(message)
+            sys.stdout.flush()
+            sys.stderr.flush()
             try:
                 pid = os.fork()
             except OSError as e:
@@ -326,6 +348,9 @@ def _become_child(request: dict[str, Any], fds: list[int], sock: socket.socket,
                 os.dup2(fd, target)
                 os.close(fd)
         os.chdir(request["cwd"])
+        with contextlib.suppress(OSError, ValueError):  # the launcher's, not the server's
+            os.sched_setaffinity(0, request["affinity"])
+            resource.setrlimit(resource.RLIMIT_NOFILE, request["files"])
         os.environ.clear()
         os.environ.update(request["env"])
         for stream in (sys.stdout, sys.stderr):  # a fresh interpreter decides per stream
@@ -338,7 +363,7 @@ def _become_child(request: dict[str, Any], fds: list[int], sock: socket.socket,
         child.main()  # ends with os._exit on every path
         code = 0
     except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
+        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
     except BaseException:  # noqa: BLE001 - reported, then the process ends
         traceback.print_exc()
     finally:
