@@ -23,7 +23,7 @@ def _start(tmp_path, monkeypatch, value: str, **env: str) -> list[dict]:
 def test_forked_processes_get_the_launchers_environment_streams_and_fresh_seeds(
         tmp_path, monkeypatch, capfd):
     got = _start(tmp_path, monkeypatch, "a")
-    server = forkserver.server_for(dict(os.environ))
+    server = forkserver.server_for({**os.environ, "OMP_NUM_THREADS": "1"})  # the launch's
     assert server is not None
     assert {g["parent"] for g in got} == {server.pid}  # forked by the server, not the launcher
     assert [g["rank"] for g in got] == ["0", "1", "2"]

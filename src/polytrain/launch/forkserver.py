@@ -15,10 +15,11 @@ What it keeps of a fresh process's contract:
   launcher (``PR_SET_PDEATHSIG`` on the server, and on the child with the
   server as its parent);
 - its environment is the launcher's, whole: a server is started per base
-  environment (the launcher's own variables, per process, aside), so a
-  variable read at import (``OMP_NUM_THREADS``, ``PYTHONPATH``, torch's) is the
-  one the child would have read; ``OMP_NUM_THREADS`` itself reaches torch's
-  thread pools through ``torch.set_num_threads``;
+  environment (what the launcher inherited and was given, before it adds each
+  process's own variables), so a variable read at import (``OMP_NUM_THREADS``,
+  ``PYTHONPATH``, torch's) is the one the child would have read; the
+  ``OMP_NUM_THREADS`` the launcher sets per run reaches torch's thread pools
+  through ``torch.set_num_threads``;
 - its random generators are seeded afresh, as a new interpreter's are (Python's
   string hashes are not: every forked child has the server's hash seed, so the
   order of a set of strings is the same on every rank; a bug that orders
@@ -111,23 +112,10 @@ class ForkedProcess:
         self.send_signal(signal.SIGKILL)
 
 
-# The variables the launcher sets per process: they do not choose a server.
-_PER_PROCESS = frozenset({
-    _env.RANK, _env.WORLD_SIZE, _env.LOCAL_RANK, _env.LOCAL_WORLD_SIZE, _env.MASTER_ADDR,
-    _env.MASTER_PORT, _env.ROLE, _env.NODE, _env.TIMEOUT, _env.ERROR_FILE, _env.PARENT_PID,
-    _env.LABEL_FILE, _env.RESULT_FILE, _env.HEARTBEAT_FILE, _env.STACKS_FILE, _env.SHM_DIR,
-    _env.OMP_NUM_THREADS})
-
-
-def _base(env: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
-    return tuple(sorted((k, v) for k, v in env.items() if k not in _PER_PROCESS))
-
-
 class ForkServer:
     """The launcher's side of one fork server (see the module's text)."""
 
     def __init__(self, base_env: Mapping[str, str]) -> None:
-        self.base = _base(base_env)
         self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._lock = threading.Lock()  # one request at a time
         self._answers: queue.Queue[tuple[Any, ...]] = queue.Queue()
@@ -254,12 +242,13 @@ _servers_lock = threading.Lock()
 os.register_at_fork(after_in_child=_servers.clear)
 
 
-def server_for(env: Mapping[str, str]) -> ForkServer | None:
-    """The fork server for children with environment ``env`` (started on first use), or
-    None where it is off (``POLYTRAIN_FORKSERVER=0``) or cannot start."""
-    if not _env.forkserver_on(env):
+def server_for(base_env: Mapping[str, str]) -> ForkServer | None:
+    """The fork server for children of base environment ``base_env`` (the launcher's, before
+    each process's own variables; started on first use), or None where it is off
+    (``POLYTRAIN_FORKSERVER=0``) or cannot start."""
+    if not _env.forkserver_on(base_env):
         return None
-    key = _base(env)
+    key = tuple(sorted(base_env.items()))
     with _servers_lock:
         server = _servers.get(key)
         if server is not None and server.alive:
@@ -268,7 +257,7 @@ def server_for(env: Mapping[str, str]) -> ForkServer | None:
             old.close()
         _servers.clear()
         try:
-            server = ForkServer(env)
+            server = ForkServer(base_env)
         except OSError as e:
             log.warning("no fork server (%s): every process imports torch itself", e)
             return None

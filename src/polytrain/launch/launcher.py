@@ -22,7 +22,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from .. import _env
 from ..errors import ConfigError, LaunchError
-from .forkserver import Process, server_for
+from .forkserver import ForkServer, Process, server_for
 from .host import oom_kills
 from .layout import Layout, ProcessSpec
 from .network import LinkShape, Network, check_tools, link_shape, start_time
@@ -190,11 +190,15 @@ class Launcher:
 
     # -- processes --------------------------------------------------------------------------
 
+    def _base_env(self) -> dict[str, str]:
+        """Every process's environment before its own variables: what this process has, and
+        what the launcher was given."""
+        return {**_env.inherited(), **self.env}
+
     def _child_env(self, spec: ProcessSpec, files: tuple[Path, ...], shm: Path | None,
                    network: Network | None) -> dict[str, str]:
         error, result, label, heartbeat, stacks = files
-        env = _env.inherited()
-        env.update(self.env)
+        env = self._base_env()
         if network is not None:
             env.update(network.child_env(spec.machine))
         on_machine = sum(1 for p in self.layout.processes() if p.machine == spec.machine)
@@ -247,10 +251,12 @@ class Launcher:
                 if self.shape is not None:
                     network = Network(self.layout.machines(), self.shape)
                     network.open()
+                # Forked from a fork server, but not into an emulated machine's namespace.
+                server = server_for(self._base_env()) if network is None else None
                 for spec in self.layout.processes():
                     files = _files(workdir, spec.rank)
                     proc = _start(payload_file, self._child_env(spec, files, shm, network),
-                                  network.exec_prefix(spec.machine) if network else None)
+                                  server, network.exec_prefix(spec.machine) if network else [])
                     children.append(_Child(spec, proc, *files, started=time.time()))
                 _write_processes(workdir, children)
                 log.info("started %d processes on port %d: %s", len(children), self.port,
@@ -431,12 +437,11 @@ def _write_processes(workdir: Path, children: list[_Child]) -> None:
     os.replace(workdir / "processes.json.tmp", workdir / "processes.json")
 
 
-def _start(payload_file: Path, env: dict[str, str], on: list[str] | None) -> Process:
+def _start(payload_file: Path, env: dict[str, str], server: ForkServer | None,
+           on: list[str]) -> Process:
     """Start ``python -m polytrain.launch.child PAYLOAD`` with ``env``: forked from the fork
-    server (no import of torch of its own), or as a fresh interpreter where the server is
-    off, failed, or the process must enter an emulated machine (``on``: the command that
-    does)."""
-    server = server_for(env) if on is None else None
+    ``server`` (no import of torch of its own), or as a fresh interpreter where there is none
+    or it failed (``on``: the command that enters the process's emulated machine)."""
     if server is not None:
         try:
             return server.start(str(payload_file), env)
@@ -444,7 +449,7 @@ def _start(payload_file: Path, env: dict[str, str], on: list[str] | None) -> Pro
             log.warning("the fork server could not start a process (%s): it starts as a fresh "
                         "interpreter", e)
     return subprocess.Popen(
-        [*(on or []), sys.executable, "-m", "polytrain.launch.child", str(payload_file)],
+        [*on, sys.executable, "-m", "polytrain.launch.child", str(payload_file)],
         env=env)
 
 
