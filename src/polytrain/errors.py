@@ -51,9 +51,14 @@ class CommTimeout(CommError, TimeoutError):
 
 
 class PeerLost(CommError):
-    """A peer process stopped (crashed, was killed, or closed its connections)."""
+    """A peer process stopped (crashed, was killed, or closed its connections); ``peer``: its
+    rank, where known."""
 
     peer_lost = True
+
+    def __init__(self, what: str, hint: str | None = None, *, peer: int | None = None) -> None:
+        super().__init__(what, hint)
+        self.peer = peer
 
 
 class ClosedByTimeout(CommError):

@@ -114,13 +114,21 @@ def write_pid_and_hang(directory: str) -> None:
     time.sleep(60)
 
 
-def server_dies_mid_run(directory: str) -> None:
-    """Workers push to a server; after the first round worker 0 kills the server (kill -9)."""
+def server_dies_mid_run(directory: str, how: str = "kill") -> None:
+    """Workers push to a server; after the first round worker 0 kills the server (kill -9),
+    or (``how="exit0"``) has it exit with code 0 (``os._exit(0)`` in a thread of its own)."""
     from polytrain.comm import TensorSpec, partition
     from polytrain.ps import balanced, engine_for
 
     with open(os.path.join(directory, f"pid-{os.environ['RANK']}"), "w") as f:
         f.write(str(os.getpid()))
+    exit_file = os.path.join(directory, "exit0")
+    if os.environ["POLYTRAIN_ROLE"] == "server":
+        def exit_when_told() -> None:
+            while not os.path.exists(exit_file):
+                time.sleep(0.02)
+            os._exit(0)
+        threading.Thread(target=exit_when_told, daemon=True).start()
     ctx = polytrain.init()  # the server serves in here until it is killed
     parts = partition([TensorSpec("g", (256,), torch.float32)], 1 << 20)
     engine = engine_for(ctx)
@@ -129,7 +137,9 @@ def server_dies_mid_run(directory: str) -> None:
     g = torch.ones(256)
     engine.submit(sums, g)
     engine.wait(sums)
-    if ctx.worker_index == 0:
+    if ctx.worker_index == 0 and how == "exit0":
+        open(exit_file, "w").close()
+    elif ctx.worker_index == 0:
         server = ctx.topology.servers[0]
         with open(os.path.join(directory, f"pid-{server}")) as f:
             os.kill(int(f.read()), signal.SIGKILL)
@@ -137,6 +147,14 @@ def server_dies_mid_run(directory: str) -> None:
         engine.submit(sums, g)
         engine.wait(sums)
         time.sleep(0.05)
+
+
+def server_never_joins() -> None:
+    """The servers return before polytrain.init(), as a script that calls it only in a
+    worker's branch: the workers wait for them to join."""
+    if os.environ["POLYTRAIN_ROLE"] == "server":
+        return
+    polytrain.init()
 
 
 def transfer_over_the_nic(nbytes: int) -> dict:

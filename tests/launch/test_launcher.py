@@ -208,14 +208,35 @@ def test_a_sigkill_while_the_kernels_oom_kills_rose_is_named_as_out_of_memory(mo
 
 
 @pytest.mark.timeout(60)
-def test_a_server_killed_mid_run_stops_the_run_within_30_s(tmp_path):
+@pytest.mark.parametrize("how, cause", [
+    ("kill", r"killed by SIGKILL"),
+    # It was named as the worker that lost it: "worker rank 0 (machine node0) failed:
+    # PeerLost: ... lost server rank 2", the server itself only inside that message.
+    ("exit0", r"exited with code 0 while worker rank [01] still needed it: worker rank [01] "
+              r"lost it mid-run( \(\d other process(es)? failed after it\))?\. HINT: a server "
+              r"ends only once every worker has finished"),
+])
+def test_a_server_gone_mid_run_stops_the_run_within_30_s_and_is_named(tmp_path, how, cause):
     start = time.monotonic()
-    with pytest.raises(LaunchError, match=r"server rank 2 \(machine server0\) failed: killed by "
-                                          r"SIGKILL"):
-        spawn(scripts.server_dies_mid_run, workers=2, servers=1, args=(str(tmp_path),))
+    with pytest.raises(LaunchError, match=r"^server rank 2 \(machine server0\) failed: "
+                                          + cause):
+        spawn(scripts.server_dies_mid_run, workers=2, servers=1, args=(str(tmp_path), how))
     assert time.monotonic() - start < 30
     pids = [int(p.read_text()) for p in tmp_path.glob("pid-*")]
     assert len(pids) == 3 and not any(_alive(p) for p in pids)
+
+
+@pytest.mark.timeout(60)
+def test_a_server_that_never_joins_is_named_not_the_workers_that_waited():
+    # It was "worker rank 1 failed: CommTimeout: ... could not join the run of 3 processes".
+    with pytest.raises(LaunchError, match=r"^server rank 2 \(machine server0\) failed: ended "
+                                          r"its script without joining the run \(polytrain\."
+                                          r"init\(\) was never called there\), \d+\.\d s before "
+                                          r"worker rank [01] failed waiting for it.*HINT: every "
+                                          r"process of a run, servers too, must call "
+                                          r"polytrain\.init\(\)"):
+        polytrain.launch(scripts.server_never_joins, workers=2, servers=1, timeout_s=4,
+                         env={"OMP_NUM_THREADS": "1"})
 
 
 @pytest.mark.timeout(120)

@@ -170,6 +170,6 @@ class Transport:
                 "POLYTRAIN_TIMEOUT); otherwise look at its log", waited_s=timeout_s)
         if any(m in text for m in _LOST_MARKERS):
             return PeerLost(f"rank {self.rank}: lost {who} during {what}: the process stopped",
-                            "look at that process's log for its error")
+                            "look at that process's log for its error", peer=peer)
         first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
         return CommError(f"rank {self.rank}: {what} with {who} failed: {first}")

@@ -85,18 +85,22 @@ def _thread_place(thread: threading.Thread) -> tuple[str, bool]:
 
 
 _script_ended: float | None = None  # when the script (or function) returned: the heartbeat says
+_joined: bool | None = None  # whether it had joined the run (polytrain.init) when it returned
 
 
 def _end_script() -> None:
-    """Note when the script returned, in the heartbeat at once: a process that leaves while
-    its peers still wait for it in a collective is what they waited for."""
-    global _script_ended
+    """Note when the script returned, and whether it had joined the run, in the heartbeat at
+    once: a process that leaves while its peers still wait for it in a collective, or in the
+    join it never made, is what they waited for."""
+    global _script_ended, _joined
+    runtime = sys.modules.get("polytrain.runtime")  # only if the script imported it
+    _joined = runtime is not None and runtime.is_initialized()
     _script_ended = time.time()
     path = _env.heartbeat_file()
     if path:
         with contextlib.suppress(OSError):  # a tmp file of its own: the heartbeat thread's beside
             _write_json(path, {"where": "", "working_since": None,
-                               "script_ended": _script_ended}, tmp=".end")
+                               "script_ended": _script_ended, "joined": _joined}, tmp=".end")
 
 
 def _start_heartbeat() -> None:
@@ -123,7 +127,7 @@ def _start_heartbeat() -> None:
                 written = time.monotonic()
                 try:
                     _write_json(path, {"where": where, "working_since": working_since,
-                                       "script_ended": _script_ended})
+                                       "script_ended": _script_ended, "joined": _joined})
                 except OSError:
                     return
             time.sleep(_SAMPLE_S)
@@ -141,11 +145,11 @@ def _raise_injected(signum: int, frame: Any) -> None:
 
 
 def _write_error(cause: str, secondary: bool, hint: str | None = None,
-                 waited_s: float | None = None) -> None:
+                 waited_s: float | None = None, lost: int | None = None) -> None:
     path = _env.error_file()
     if path:
         _write_json(path, {"cause": cause, "time": time.time(), "secondary": secondary,
-                           "hint": hint, "waited_s": waited_s})
+                           "hint": hint, "waited_s": waited_s, "lost": lost})
 
 
 def _write_json(path: str, record: dict[str, Any], tmp: str = ".tmp") -> None:
@@ -212,8 +216,8 @@ def _hint_for(exc: BaseException) -> str | None:
 
 
 def _fail(cause: str, secondary: bool, code: int = 1, hint: str | None = None,
-          waited_s: float | None = None) -> None:
-    _write_error(cause, secondary, hint, waited_s)
+          waited_s: float | None = None, lost: int | None = None) -> None:
+    _write_error(cause, secondary, hint, waited_s, lost)
     sys.stdout.flush()
     sys.stderr.flush()
     # Skip atexit hooks: a graceful shutdown would wait on peers that may be gone.
@@ -250,7 +254,7 @@ def main() -> None:
         hint = _hint_for(e)
         _fail(f"{type(e).__name__}: {e}", _is_secondary(e),
               hint=f"{hint} (its traceback is printed above)" if hint else None,
-              waited_s=_waited_s(e))
+              waited_s=_waited_s(e), lost=getattr(e, "peer", None))
     _end_script()
     # Free cycles that hold process groups now: torch aborts if it frees them during exit.
     gc.collect()

@@ -76,8 +76,7 @@ class _Child:
     started: float = 0.0
     stopped_by_us: bool = False
     hung: str = ""  # why the heartbeat says it stopped answering ("" while it answers)
-    stalled: bool = False  # it answers, but worked on while a peer timed out waiting for it
-    left_early: bool = False  # it ended well while its peers still waited for it
+    hint: str = ""  # what to do about ``hung``, if not the traceback's fix
 
 
 def _files(workdir: Path, rank: int) -> tuple[Path, Path, Path, Path, Path]:
@@ -91,6 +90,12 @@ def _files(workdir: Path, rank: int) -> tuple[Path, Path, Path, Path, Path]:
 _SEE_TRACEBACK = "the traceback of that process is printed above; fix its cause and rerun"
 _LEFT_HINT = ("if they waited in a collective every worker makes, find why it returned (or "
               "called sys.exit(0)) before them, e.g. fewer steps or batches on it")
+_UNJOINED_HINT = ("every process of a run, servers too, must call polytrain.init(): a server "
+                  "serves the workers inside that call (the script is written from a "
+                  "worker's point of view), so call it before any branch on the role")
+_SERVER_LEFT_HINT = ("a server ends only once every worker has finished: find what ended it "
+                     "early (os._exit or sys.exit in one of its threads or signal handlers, a "
+                     "library that exits); its output above may say")
 _STALLED_HINT = ("its threads' stacks are printed above: find why it did not reach the "
                  "communication its peers waited in (a loop or a wait that does not end, a "
                  "slow read); if it is only slow, raise --timeout")
@@ -106,6 +111,7 @@ class _Failure:
     label: str = ""  # what the process said it is (Context.set_label), e.g. a pipeline stage
     hint: str = _SEE_TRACEBACK
     waited_s: float | None = None  # it timed out waiting for peers, after so long (0: unknown)
+    lost: int | None = None  # the rank of the peer it lost, where it knows
 
     def order(self) -> tuple[int, float]:
         return (1 if self.secondary else 0, self.time)
@@ -302,22 +308,39 @@ class Launcher:
         return hung
 
     def _left_early(self, children: list[_Child], waiter: _Failure) -> list[_Child]:
-        """The workers whose script had ended (well) before ``waiter`` failed waiting for its
-        peers (a timeout, or a peer gone): what it may have waited for, when nobody stalled."""
+        """What ``waiter``, which failed waiting for its peers (a timeout, or a peer gone), may
+        have waited for, when nobody stalled: the workers whose script had ended (well) before
+        it failed; the servers that ended without joining the run; the peer it lost, if that
+        one exited with code 0 (a server ends only after every worker has finished)."""
         found = []
         for c in children:
-            if (c.spec.role != "worker" or c.spec == waiter.spec
-                    or c.proc.returncode not in (None, 0)):
+            if c.spec == waiter.spec or c.proc.returncode not in (None, 0):
                 continue
-            ended = _last_beat(c).get("script_ended")
-            if isinstance(ended, (int, float)) and ended <= waiter.time:
-                found.append((ended, c))
-        how = (f"'s wait timed out (after {waiter.waited_s:g} s)" if waiter.waited_s
-               else " lost a peer")
-        for ended, c in found:
-            c.hung = (f"ended its script {waiter.time - ended:.1f} s before {waiter.spec.role} "
-                      f"rank {waiter.spec.rank}{how}: its peers may have waited for it")
-            c.left_early = True
+            beat = _last_beat(c)
+            ended = beat.get("script_ended")
+            if not isinstance(ended, (int, float)) or ended > waiter.time:
+                ended = None
+            if c.spec.role == "worker" and ended is not None:
+                how = (f"'s wait timed out (after {waiter.waited_s:g} s)" if waiter.waited_s
+                       else " lost a peer")
+                c.hung = (f"ended its script {waiter.time - ended:.1f} s before "
+                          f"{waiter.spec.role} rank {waiter.spec.rank}{how}: its peers may "
+                          f"have waited for it")
+                c.hint = _LEFT_HINT
+            elif c.spec.role != "worker" and ended is not None and beat.get("joined") is False:
+                c.hung = (f"ended its script without joining the run (polytrain.init() was "
+                          f"never called there), {waiter.time - ended:.1f} s before "
+                          f"{waiter.spec.role} rank {waiter.spec.rank} failed waiting for it")
+                c.hint = _UNJOINED_HINT
+            elif c.spec.rank == waiter.lost and c.proc.returncode == 0:
+                ended = waiter.time  # when, the launcher cannot tell: before the waiter failed
+                c.hung = (f"exited with code 0 while {waiter.spec.role} rank "
+                          f"{waiter.spec.rank} still needed it: {waiter.spec.role} rank "
+                          f"{waiter.spec.rank} lost it mid-run")
+                c.hint = _LEFT_HINT if c.spec.role == "worker" else _SERVER_LEFT_HINT
+            else:
+                continue
+            found.append((ended, c))
         return [c for _, c in sorted(found, key=lambda ec: ec[0])]
 
     def _stalled(self, children: list[_Child], failed: list[_Child],
@@ -340,7 +363,7 @@ class Launcher:
                           f"{time.time() - since:.1f} s without waiting for any peer, now at "
                           f"{where}, while {waiter.spec.role} rank {waiter.spec.rank} timed out "
                           f"waiting{f' {waiter.waited_s:g} s' if waiter.waited_s else ''}")
-                c.stalled = True
+                c.hint = _STALLED_HINT
                 found.append((since, c))
         for _, c in found:
             with contextlib.suppress(OSError):
@@ -504,8 +527,7 @@ def _failure(child: _Child, oom_kills_before: int | None) -> _Failure:
         pass
     if child.hung:  # found by its heartbeat: the root cause, whatever it later exited with
         return _Failure(child.spec, child.proc.returncode or 1, child.hung, 0.0, False, label,
-                        _STALLED_HINT if child.stalled else _LEFT_HINT if child.left_early
-                        else _SEE_TRACEBACK)
+                        child.hint or _SEE_TRACEBACK)
     code = child.proc.returncode
     assert code is not None
     if child.error_file.exists():
@@ -513,7 +535,7 @@ def _failure(child: _Child, oom_kills_before: int | None) -> _Failure:
             info = json.loads(child.error_file.read_text())
             hint = info.get("hint")
             return _Failure(child.spec, code, info["cause"], info["time"], info["secondary"],
-                            label, hint or _SEE_TRACEBACK, info.get("waited_s"))
+                            label, hint or _SEE_TRACEBACK, info.get("waited_s"), info.get("lost"))
         except (ValueError, KeyError, OSError):
             pass
     if code < 0:
