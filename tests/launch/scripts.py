@@ -149,6 +149,15 @@ def server_dies_mid_run(directory: str, how: str = "kill") -> None:
         time.sleep(0.05)
 
 
+def fork_server_killed() -> None:
+    """Worker 1 kills the fork server that started it (its parent) once every process has
+    joined; the run's processes die with it."""
+    ctx = polytrain.init()
+    if ctx.rank == 1:
+        os.kill(os.getppid(), signal.SIGKILL)
+    time.sleep(60)
+
+
 def server_never_joins() -> None:
     """The servers return before polytrain.init(), as a script that calls it only in a
     worker's branch: the workers wait for them to join."""

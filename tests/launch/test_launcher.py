@@ -208,6 +208,24 @@ def test_a_sigkill_while_the_kernels_oom_kills_rose_is_named_as_out_of_memory(mo
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.skipif(os.environ.get("POLYTRAIN_FORKSERVER") == "0",
+                    reason="the processes are not forked (POLYTRAIN_FORKSERVER=0)")
+@pytest.mark.parametrize("oom", [False, True], ids=["killed", "oom"])
+def test_processes_that_died_with_their_fork_server_name_it(monkeypatch, oom):
+    # They were "worker rank 0 failed: killed by SIGKILL (9)", as if killed themselves.
+    counts = iter(range(1_000_000))
+    monkeypatch.setattr(launcher, "oom_kills", lambda: next(counts) if oom else 0)
+    with pytest.raises(LaunchError) as info:
+        spawn(scripts.fork_server_killed, workers=2)
+    assert re.match(r"worker rank [01] \(machine node0\) failed: ended with the fork server "
+                    r"that started it \(pid \d+\), which was killed by SIGKILL \(9\)"
+                    + (r", likely by the kernel's out-of-memory killer" if oom else r" \(")
+                    , str(info.value)), str(info.value)
+    assert info.value.hint.startswith("run fewer processes" if oom
+                                      else "find what ended the fork server")
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("how, cause", [
     ("kill", r"killed by SIGKILL"),
     # It was named as the worker that lost it: "worker rank 0 (machine node0) failed:

@@ -111,6 +111,13 @@ class ForkedProcess:
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
 
+    @property
+    def server_end(self) -> tuple[int, int] | None:
+        """The fork server's pid and exit code if this child ended with it (killed when the
+        server died, its own exit status then unknown); None otherwise."""
+        code = self.server.orphaned.get(self.pid)
+        return None if code is None else (self.server.pid, code)
+
 
 class ForkServer:
     """The launcher's side of one fork server (see the module's text)."""
@@ -123,6 +130,7 @@ class ForkServer:
         self._codes: dict[int, int] = {}
         self._children: set[int] = set()
         self._gone = False
+        self.orphaned: dict[int, int] = {}  # children that died with the server: its exit code
         started = threading.Event()
         failed: list[BaseException] = []
 
@@ -167,13 +175,19 @@ class ForkServer:
             else:
                 self._answers.put(answer)
         # The server is gone; its children die with it (PR_SET_PDEATHSIG).
+        try:
+            code = self._proc.wait(timeout=_START_S)
+        except subprocess.TimeoutExpired:  # its socket closed, but it lives on: kill it
+            self._proc.kill()
+            code = self._proc.wait()
         with self._ended:
             if self._children:
-                log.warning("the fork server (pid %d) ended with %d of its processes running: "
-                            "they end with it", self.pid, len(self._children))
+                log.warning("the fork server (pid %d) ended (code %d) with %d of its processes "
+                            "running: they end with it", self.pid, code, len(self._children))
             self._gone = True
             for pid in self._children:
                 self._codes.setdefault(pid, -signal.SIGKILL)
+                self.orphaned[pid] = code
             self._children.clear()
             self._ended.notify_all()
         self._answers.put(("failed", "the fork server ended"))
@@ -209,6 +223,7 @@ class ForkServer:
             with self._ended:
                 if self._gone:  # it died right after forking: so did the child
                     self._codes.setdefault(pid, -signal.SIGKILL)
+                    self.orphaned[pid] = self._proc.poll() or -signal.SIGKILL
                 elif pid not in self._codes:
                     self._children.add(pid)
             return ForkedProcess(self, pid)

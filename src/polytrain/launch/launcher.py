@@ -538,22 +538,43 @@ def _failure(child: _Child, oom_kills_before: int | None) -> _Failure:
                             label, hint or _SEE_TRACEBACK, info.get("waited_s"), info.get("lost"))
         except (ValueError, KeyError, OSError):
             pass
+    def oom(code: int) -> bool:
+        return (code == -signal.SIGKILL and oom_kills_before is not None
+                and (oom_kills() or 0) > oom_kills_before)
+
+    server = getattr(child.proc, "server_end", None)
+    if server is not None:  # it was forked, and its fork server died: it died with it
+        pid, how = server
+        return _Failure(child.spec, code, f"ended with the fork server that started it (pid "
+                        f"{pid}), which was {_ended_how(how)}{_OOM_CAUSE if oom(how) else ''}",
+                        0.0, False, label, _OOM_HINT if oom(how) else _SERVER_DIED_HINT)
     if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
         # A process killed by a signal nobody in the run sent is the likeliest root cause.
-        if code == -signal.SIGKILL and oom_kills_before is not None and \
-                (oom_kills() or 0) > oom_kills_before:
-            return _Failure(child.spec, code, f"killed by {name} ({-code}), likely by the "
-                            f"kernel's out-of-memory killer (its kill count rose during the "
-                            f"run): the run needed more memory than this machine has",
-                            0.0, False, label,
-                            "run fewer processes on this machine, or a smaller model or "
-                            "batch (every emulated machine shares this one's memory)")
-        return _Failure(child.spec, code, f"killed by {name} ({-code})", 0.0, False, label)
-    return _Failure(child.spec, code, f"exited with code {code}", time.time(), False, label)
+        if oom(code):
+            return _Failure(child.spec, code, f"{_ended_how(code)}{_OOM_CAUSE}", 0.0, False,
+                            label, _OOM_HINT)
+        return _Failure(child.spec, code, _ended_how(code), 0.0, False, label)
+    return _Failure(child.spec, code, _ended_how(code), time.time(), False, label)
+
+
+_OOM_CAUSE = (", likely by the kernel's out-of-memory killer (its kill count rose during the "
+              "run): the run needed more memory than this machine has")
+_OOM_HINT = ("run fewer processes on this machine, or a smaller model or batch (every emulated "
+             "machine shares this one's memory)")
+_SERVER_DIED_HINT = ("find what ended the fork server (one per launching process: "
+                     "polytrain.launch.forkserver); POLYTRAIN_FORKSERVER=0 starts every process "
+                     "as a fresh interpreter instead")
+
+
+def _ended_how(code: int) -> str:
+    """How a process with exit status ``code`` (``Popen.returncode``'s) ended."""
+    if code >= 0:
+        return f"exited with code {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    return f"killed by {name} ({-code})"
 
 
 def _written(path: Path, within_s: float) -> str:
