@@ -158,6 +158,19 @@ def fork_server_killed() -> None:
     time.sleep(60)
 
 
+def pushes_that_differ() -> None:
+    """Worker 0 push_pulls a tensor that worker 1 never does: each then waits in a round the
+    other never pushes."""
+    from polytrain import byteps as bps
+
+    ctx = polytrain.init()
+    t = torch.ones(8)
+    bps.push_pull(t, name="both")
+    if ctx.rank == 0:
+        bps.push_pull(t, name="only_rank0")
+    bps.push_pull(t, name="both")
+
+
 def server_never_joins() -> None:
     """The servers return before polytrain.init(), as a script that calls it only in a
     worker's branch: the workers wait for them to join."""

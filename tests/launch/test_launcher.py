@@ -194,7 +194,7 @@ def test_a_sigkill_while_the_kernels_oom_kills_rose_is_named_as_out_of_memory(mo
     proc.kill()
     proc.wait()
     spec = Layout(workers=2).processes()[1]
-    child = launcher._Child(spec, proc, *(Path("/nonexistent") / n for n in "erlhs"))
+    child = launcher._Child(spec, proc, *(Path("/nonexistent") / n for n in "erlhsw"))
     monkeypatch.setattr(launcher, "oom_kills", lambda: 8)
     oom = launcher._failure(child, oom_kills_before=7)
     assert oom.describe() == ("worker rank 1 (machine node0) failed: killed by SIGKILL (9), "
@@ -242,6 +242,25 @@ def test_a_server_gone_mid_run_stops_the_run_within_30_s_and_is_named(tmp_path, 
     assert time.monotonic() - start < 30
     pids = [int(p.read_text()) for p in tmp_path.glob("pid-*")]
     assert len(pids) == 3 and not any(_alive(p) for p in pids)
+
+
+@pytest.mark.timeout(60)
+def test_pushes_that_differ_across_workers_are_named_by_the_server_that_held_them():
+    # It was "worker rank 1 failed: CommTimeout: rank 1: answer to push_pull of both[0] did
+    # not complete within 6 s, waiting for server rank 2": a slow server, to all appearances.
+    with pytest.raises(LaunchError) as info:
+        polytrain.launch(scripts.pushes_that_differ, workers=2, nodes=2, servers=1,
+                         timeout_s=6, env={"OMP_NUM_THREADS": "1"})
+    message = str(info.value)
+    assert message.startswith("server rank 2 (machine server0) failed: held answers the "
+                              "workers waited for, and could not give them: "), message
+    assert re.search(r"PUSHPULL of 'both\[0\] of 8' \(key \d+\) round 1 for worker rank 1 "
+                     r"\(machine node1\), held \d+ s: round 1 has 1 of its 2 pushes \(from rank "
+                     r"1\)", message), message
+    assert re.search(r"PUSHPULL of 'only_rank0\[0\] of 8' \(key \d+\) round 0 for worker "
+                     r"rank 0 \(machine node0\), held \d+ s: round 0 has 1 of its 2 pushes "
+                     r"\(from rank 0\)", message), message
+    assert info.value.hint.startswith("every worker must push and pull the same tensors")
 
 
 @pytest.mark.timeout(60)

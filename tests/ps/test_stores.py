@@ -92,6 +92,28 @@ def test_an_optimizer_store_steps_once_per_round_on_the_sum_under_the_rounds_set
     assert torch.allclose(out[0][2], torch.tensor([0.0, -1.0, 1.0]))
 
 
+def test_a_store_says_why_a_held_answer_waits():
+    # A server's report of answers held long (the launcher names it when a worker times out).
+    out = []
+    sums = store(Kind.SUM, out)
+    assert sums.waiting_for(0) == "round 0 has 0 of its 2 pushes"
+    sums.handle(request(Op.PUSHPULL, 3, payload=torch.ones(3), lane=1))
+    assert sums.waiting_for(0) == "round 0 has 1 of its 2 pushes (from rank 3 lane 1)"
+    params = store(Kind.PARAM, out, staleness=1)
+    params.handle(request(Op.PUSH, 0, round_=1, payload=torch.ones(3)))
+    params.handle(request(Op.PUSH, 0, round_=2, payload=torch.ones(3)))
+    assert params.waiting_for(3) == ("it needs every one of its 2 pushers at clock 2 or more; "
+                                     "pushers' clocks: rank 0 at 2")
+    sgd = optimizer_spec(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.5))
+    optim = store(Kind.OPTIM, out, numel=2, optimizer=sgd, staleness=0)
+    group = {"lr": 0.5, "momentum": 0, "dampening": 0, "weight_decay": 0}
+    grad = pack_round(torch.tensor([1.0, 2.0]), round_settings(sgd, {**sgd["settings"],
+                                                                    **group}))
+    optim.handle(request(Op.PUSH, 1, round_=1, payload=grad))
+    assert optim.waiting_for(1) == "0 rounds applied; round 1 has 1 of its 2 pushes (from rank 1)"
+    assert out == []
+
+
 def test_an_optimizer_stores_whole_state_comes_back_with_a_set_of_its_size():
     adam = optimizer_spec(torch.optim.Adam([torch.zeros(1, requires_grad=True)], lr=0.1),
                           per_round=False)

@@ -73,18 +73,19 @@ class _Child:
     label_file: Path
     heartbeat_file: Path
     stacks_file: Path
+    held_file: Path
     started: float = 0.0
     stopped_by_us: bool = False
     hung: str = ""  # why the heartbeat says it stopped answering ("" while it answers)
     hint: str = ""  # what to do about ``hung``, if not the traceback's fix
 
 
-def _files(workdir: Path, rank: int) -> tuple[Path, Path, Path, Path, Path]:
+def _files(workdir: Path, rank: int) -> tuple[Path, Path, Path, Path, Path, Path]:
     """A child's files in the run's directory, in :class:`_Child`'s order: error, result,
-    label, heartbeat, stacks."""
+    label, heartbeat, stacks, held answers (a server's)."""
     return (workdir / f"error-{rank}.json", workdir / f"result-{rank}.pkl",
             workdir / f"label-{rank}.txt", workdir / f"heartbeat-{rank}",
-            workdir / f"stacks-{rank}.txt")
+            workdir / f"stacks-{rank}.txt", workdir / f"held-{rank}.txt")
 
 
 _SEE_TRACEBACK = "the traceback of that process is printed above; fix its cause and rerun"
@@ -96,6 +97,9 @@ _UNJOINED_HINT = ("every process of a run, servers too, must call polytrain.init
 _SERVER_LEFT_HINT = ("a server ends only once every worker has finished: find what ended it "
                      "early (os._exit or sys.exit in one of its threads or signal handlers, a "
                      "library that exits); its output above may say")
+_HELD_HINT = ("every worker must push and pull the same tensors in the same rounds: look for "
+              "a push_pull, a layer or a step that only some workers run (a branch on the "
+              "rank, fewer batches on one worker, a parameter unused on some)")
 _STALLED_HINT = ("its threads' stacks are printed above: find why it did not reach the "
                  "communication its peers waited in (a loop or a wait that does not end, a "
                  "slow read); if it is only slow, raise --timeout")
@@ -203,7 +207,7 @@ class Launcher:
 
     def _child_env(self, spec: ProcessSpec, files: tuple[Path, ...], shm: Path | None,
                    network: Network | None) -> dict[str, str]:
-        error, result, label, heartbeat, stacks = files
+        error, result, label, heartbeat, stacks, held = files
         env = self._base_env()
         if network is not None:
             env.update(network.child_env(spec.machine))
@@ -223,6 +227,7 @@ class Launcher:
             _env.LABEL_FILE: str(label),
             _env.HEARTBEAT_FILE: str(heartbeat),
             _env.STACKS_FILE: str(stacks),
+            _env.HELD_FILE: str(held),
             _env.PARENT_PID: str(os.getpid()),
         })
         if self.timeout_s is not None:
@@ -343,6 +348,25 @@ class Launcher:
             found.append((ended, c))
         return [c for _, c in sorted(found, key=lambda ec: ec[0])]
 
+    def _holding(self, children: list[_Child], waiter: _Failure) -> list[_Child]:
+        """The running servers that report answers held past half the timeout, and why each
+        waits (``ps/server.py`` writes them): what ``waiter`` may have timed out on, when no
+        process stalled or left early (pushes that never came: a push_pull only some
+        workers make)."""
+        found = []
+        for c in children:
+            if c.spec == waiter.spec or c.proc.poll() is not None:
+                continue
+            try:
+                held = c.held_file.read_text().strip()
+            except OSError:
+                continue
+            if held:
+                c.hung = f"held answers the workers waited for, and could not give them: {held}"
+                c.hint = _HELD_HINT
+                found.append(c)
+        return found
+
     def _stalled(self, children: list[_Child], failed: list[_Child],
                  waiter: _Failure) -> list[_Child]:
         """The running children whose main thread has worked, without being seen waiting for
@@ -407,9 +431,10 @@ class Launcher:
                         time.sleep(_POLL_S)
                 waiter = min(failures, key=_Failure.order)
                 if waiter.waited_s is not None or waiter.secondary:
-                    stalled = ((self._stalled(children, failed, waiter)
-                                if waiter.waited_s is not None else [])
-                               or self._left_early(children, waiter))
+                    timed_out = waiter.waited_s is not None
+                    stalled = ((self._stalled(children, failed, waiter) if timed_out else [])
+                               or self._left_early(children, waiter)
+                               or (self._holding(children, waiter) if timed_out else []))
                     failed += stalled
                     failures += [_failure(c, oom_kills_before) for c in stalled]
                     hung += stalled

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import queue
 import sys
 import threading
@@ -12,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .. import _env
 from ..comm.p2p import Handle, Transport
 from ..comm.topology import Topology
 from ..errors import ClosedByTimeout, CommError, CommTimeout, PolytrainError, kept_error
@@ -39,6 +42,8 @@ log = logging.getLogger(__name__)
 _POLL_S = 0.5
 _TRAINING_S = 365 * 24 * 3600.0  # a watch waits for its worker's end: no bound on a run's length
 _COPIED_BYTES = 64 << 10  # inline payloads up to this size are copied out of their buffer
+_ANSWERED = (Op.PULL, Op.PUSHPULL, Op.GET)  # the ops a store answers (now or once it can)
+_HELD_SHOWN = 6  # answers named in the report of those held long
 
 
 class _Engine(threading.Thread):
@@ -166,6 +171,10 @@ class Server:
         self.engines = [_Engine(self, i) for i in range(max(1, threads))]
         self.outbox = _Outbox(self)
         self._error: BaseException | None = None
+        # The answers not given yet: (src, seq) -> (op, key, round, since when).
+        self._held: dict[tuple[int, int], tuple[Op, int, int, float]] = {}
+        self._held_lock = threading.Lock()
+        self._reported = ""
 
     def fail(self, error: BaseException) -> None:
         self._error = kept_error(self._error, error)
@@ -187,6 +196,7 @@ class Server:
                     t.join(_POLL_S)
                     if self._error is not None:
                         raise self._cause()
+                    self._report_held()
         finally:
             for e in self.engines:
                 e.queue.put(None)
@@ -269,7 +279,47 @@ class Server:
                 f"server rank {self.rank}: rank {req.src} sent {req.op.name} for key {req.key}, "
                 f"which nobody declared here",
                 "declare every key (with its owner server) before pushing or pulling it")
+        if req.op in _ANSWERED:
+            with self._held_lock:
+                self._held[(req.src, req.seq)] = (req.op, req.key, req.round, time.monotonic())
         engine.queue.put((req, self._receive_payload(req)))
+
+    def _report_held(self) -> None:
+        """Keep the held file (``POLYTRAIN_HELD_FILE``, from the launcher) saying which
+        answers the server has held past half the timeout, and why each waits: a worker that
+        times out waiting for one is then told what it waited for (pushes that never came, a
+        push_pull only some workers make), not only that the server was slow."""
+        path = _env.held_file()
+        if not path:
+            return
+        now, limit = time.monotonic(), 0.5 * self.transport.timeout_s
+        with self._held_lock:
+            old = sorted((since, src, op, key, rnd)
+                         for (src, _), (op, key, rnd, since) in self._held.items()
+                         if now - since > limit)
+        lines = []
+        for since, src, op, key, rnd in old[:_HELD_SHOWN]:
+            store, decl = self.stores.get(key), self.declarations.get(key)
+            try:  # the store's engine thread may change it meanwhile: a glimpse will do
+                why = store.waiting_for(rnd) if store is not None else ""
+            except (RuntimeError, KeyError, ValueError):
+                why = ""
+            name = f"{decl[1].name!r} (key {key})" if decl else f"key {key}"
+            lines.append(f"{op.name} of {name} round {rnd} for {self.topology.name(src)}, "
+                         f"held {now - since:.0f} s{f': {why}' if why else ''}")
+        if len(old) > _HELD_SHOWN:
+            lines.append(f"and {len(old) - _HELD_SHOWN} more")
+        text = "; ".join(lines)
+        if text == self._reported:
+            return
+        self._reported = text
+        with contextlib.suppress(OSError):
+            if text:
+                with open(path + ".tmp", "w") as f:
+                    f.write(text)
+                os.replace(path + ".tmp", path)
+            else:
+                os.remove(path)
 
     def _declare(self, req: Request) -> None:
         handle = self._receive_payload(req)
@@ -316,5 +366,7 @@ class Server:
     def respond(self, req: Request, tensor: torch.Tensor) -> None:
         """Post the answer to ``req`` (called from engine threads; ``tensor`` must not change
         until it has left: the outbox waits for it)."""
+        with self._held_lock:
+            self._held.pop((req.src, req.seq), None)
         self.outbox.queue.put(self.transport.isend(
             tensor, req.src, response_tag(req.seq), f"answer to {req.op.name} of key {req.key}"))

@@ -30,7 +30,7 @@ import torch
 from ..errors import CommError
 from ..optim import RULE_STATES, apply_rule
 from .protocol import Kind, Op, Request
-from .stores import Declaration, Respond, Store, register_store
+from .stores import Declaration, Respond, Store, applied_waiting, register_store
 
 __all__ = ["SparseRowStore", "pack_rows", "unpack_rows", "state_numel"]
 
@@ -111,6 +111,9 @@ class SparseRowStore(Store):
             self._apply_ready()  # pushes that came before a re-partitioned range's state
         else:
             raise self.fail(req, "a sparse row store answers PUSH, PULL, GET and SET only")
+
+    def waiting_for(self, round: int) -> str:
+        return applied_waiting(self.applied, dict(self.rounds), self.decl.pushers)
 
     def _apply_ready(self) -> None:
         stepped = False

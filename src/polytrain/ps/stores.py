@@ -23,7 +23,8 @@ from .protocol import Kind, Op, Request
 from .settings import setting_values
 
 __all__ = ["Declaration", "Store", "SumStore", "ParamStore", "OptimizerStore", "STORES",
-           "WHOLE_STATE", "optimizer_state_numel", "register_store", "store_name"]
+           "WHOLE_STATE", "optimizer_state_numel", "register_store", "store_name",
+           "applied_waiting", "pushes_of"]
 
 #: The round of a GET that asks an optimizer store for its whole state (see OptimizerStore).
 WHOLE_STATE = -1
@@ -80,6 +81,11 @@ class Store(ABC):
         An answer's tensor must not change afterwards (the server sends it while the
         store goes on): answer a copy of state that later requests update."""
 
+    def waiting_for(self, round: int) -> str:
+        """Why an answer of ``round`` waits, for a server's report of answers held long
+        (read from another thread than the store's: a glimpse, not a consistent state)."""
+        return ""
+
     def fail(self, req: Request, what: str) -> CommError:
         lane = f" (lane {req.lane})" if req.lane else ""
         return CommError(f"server: {self.decl.describe()}: request {req.op.name} of round "
@@ -94,6 +100,20 @@ def _rank_sum(pushes: dict[tuple[int, int], torch.Tensor], dtype: torch.dtype) -
     for r in ranks[1:]:
         acc.add_(pushes[r])
     return acc
+
+
+def pushes_of(pushes: dict[tuple[int, int], Any] | None, pushers: int) -> str:
+    """``n of its N pushes (from rank 0, rank 3 lane 1)``: a round's pushes so far."""
+    who = sorted(pushes or ())
+    names = ", ".join(f"rank {r}" + (f" lane {lane}" if lane else "") for r, lane in who)
+    return f"{len(who)} of its {pushers} pushes" + (f" (from {names})" if who else "")
+
+
+def applied_waiting(applied: int, rounds: dict[int, dict[tuple[int, int], Any]],
+                    pushers: int) -> str:
+    """Why a store that applies its rounds in order has not reached a round yet."""
+    return (f"{applied} rounds applied; round {applied + 1} has "
+            f"{pushes_of(rounds.get(applied + 1), pushers)}")
 
 
 def _release(waiting: list[Request], ready: Callable[[Request], bool],
@@ -148,6 +168,11 @@ class SumStore(Store):
                 self._serve(req, rnd)
         elif req.op != Op.PUSH:
             raise self.fail(req, "a sum store answers PUSH, PULL and PUSHPULL only")
+
+    def waiting_for(self, round: int) -> str:
+        rnd = self.rounds.get(round)
+        pushes = None if rnd is None else dict(rnd.pushes)
+        return f"round {round} has {pushes_of(pushes, self.decl.pushers)}"
 
     def _sum(self, pushes: dict[tuple[int, int], torch.Tensor]) -> torch.Tensor:
         return _rank_sum(pushes, self.acc_dtype).to(self.decl.torch_dtype)
@@ -214,6 +239,12 @@ class ParamStore(Store):
 
     def _ready(self, req: Request) -> bool:
         return self.global_clock >= req.round - self.staleness
+
+    def waiting_for(self, round: int) -> str:
+        clocks = ", ".join(f"rank {r}" + (f" lane {lane}" if lane else "") + f" at {c}"
+                           for (r, lane), c in sorted(dict(self.clocks).items()))
+        return (f"it needs every one of its {self.decl.pushers} pushers at clock "
+                f"{round - self.staleness} or more; pushers' clocks: {clocks or 'none yet'}")
 
 
 def _build_optimizer(spec: dict[str, Any], param: torch.Tensor) -> torch.optim.Optimizer:
@@ -428,6 +459,9 @@ class OptimizerStore(Store):
             parts.append(f"{name}={flat[at] if k == 1 else tuple(flat[at:at + k])}")
             at += k
         return ", ".join(parts)
+
+    def waiting_for(self, round: int) -> str:
+        return applied_waiting(self.applied, dict(self.rounds), self.decl.pushers)
 
     def _ready(self, req: Request) -> bool:
         return self.applied >= req.round - self.staleness
