@@ -166,13 +166,18 @@ def test_a_machines_nic_is_shaped_and_its_own_processes_talk_over_loopback(clean
 
 @needs_netns
 @pytest.mark.timeout(60)
-def test_polytrain_launch_runs_each_machine_in_its_namespace(tmp_path, clean_host):
+@pytest.mark.parametrize("forked", [True, False], ids=["forked", "fresh"])
+def test_polytrain_launch_runs_each_machine_in_its_namespace(tmp_path, clean_host, forked,
+                                                            monkeypatch):
+    # Forked processes enter their namespace with setns; fresh ones through `ip netns exec`.
+    monkeypatch.setenv("POLYTRAIN_FORKSERVER", "1" if forked else "0")
     script = tmp_path / "job.py"
     script.write_text(
         "import json, os, sys, polytrain\n"
         "names = ('POLYTRAIN_NIC', 'GLOO_SOCKET_IFNAME', 'MASTER_ADDR')\n"
         "seen = {n: os.environ[n] for n in names}\n"
         "seen['netns'] = os.readlink('/proc/self/ns/net')\n"
+        "seen['parent'] = os.getppid()\n"
         "path = os.path.join(sys.argv[1], os.environ['RANK'] + '.json')\n"
         "open(path, 'w').write(json.dumps(seen))\n"
         "polytrain.init()  # a server serves in here until the workers finish\n")
@@ -187,6 +192,8 @@ def test_polytrain_launch_runs_each_machine_in_its_namespace(tmp_path, clean_hos
     assert seen[0]["netns"] == seen[2]["netns"] != seen[1]["netns"] == seen[3]["netns"]
     assert seen[4]["netns"] not in (seen[0]["netns"], seen[1]["netns"])
     assert os.readlink("/proc/self/ns/net") not in {s["netns"] for s in seen}
+    # Forked: by the fork server, not this (the launching) process.
+    assert all((s["parent"] != os.getpid()) == forked for s in seen), seen
 
 
 @needs_netns

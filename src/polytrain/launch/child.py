@@ -215,6 +215,12 @@ def _hint_for(exc: BaseException) -> str | None:
     return None if runtime is None else runtime.hint_for(exc)
 
 
+def fail_to_start(cause: str, hint: str) -> None:
+    """End a process that could not become the run's (its launcher names it with ``cause``)."""
+    print(f"polytrain: {cause}. HINT: {hint}", file=sys.stderr, flush=True)
+    _fail(cause, False, hint=hint)
+
+
 def _fail(cause: str, secondary: bool, code: int = 1, hint: str | None = None,
           waited_s: float | None = None, lost: int | None = None) -> None:
     _write_error(cause, secondary, hint, waited_s, lost)

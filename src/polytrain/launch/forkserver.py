@@ -27,9 +27,10 @@ What it keeps of a fresh process's contract:
 - its CPU affinity and open-file limit are the launcher's of that moment.
 
 The server never runs a tensor operation, starts no thread of its own and
-touches no GPU, so forking it is safe. A run on an emulated network keeps a
-fresh interpreter per process (each enters its machine's namespace through
-``ip netns exec``), and ``POLYTRAIN_FORKSERVER=0`` turns the server off.
+touches no GPU, so forking it is safe. On an emulated network a child enters
+its machine's network namespace (``setns``, before its script starts), as
+``ip netns exec`` would have put a fresh interpreter there.
+``POLYTRAIN_FORKSERVER=0`` turns the server off.
 Should the server fail, the launcher falls back to fresh interpreters.
 
 Protocol (one ``SOCK_SEQPACKET`` socket pair, a pickled message per packet):
@@ -196,12 +197,15 @@ class ForkServer:
     def alive(self) -> bool:
         return not self._gone and self._proc.poll() is None
 
-    def start(self, payload: str, env: Mapping[str, str]) -> ForkedProcess:
-        """Fork a child that runs ``python -m polytrain.launch.child PAYLOAD`` with ``env``;
-        raises OSError where the server cannot."""
+    def start(self, payload: str, env: Mapping[str, str],
+              netns: str | None = None) -> ForkedProcess:
+        """Fork a child that runs ``python -m polytrain.launch.child PAYLOAD`` with ``env``
+        (in the network namespace of file ``netns``, if given); raises OSError where the
+        server cannot."""
         env = {**env, _env.PARENT_PID: str(self.pid)}
         stdio = [fd for fd in (0, 1, 2) if _open(fd)]
         request = pickle.dumps({"payload": payload, "env": env, "cwd": os.getcwd(),
+                                "netns": netns,
                                 "stdio": stdio, "affinity": sorted(os.sched_getaffinity(0)),
                                 "files": resource.getrlimit(resource.RLIMIT_NOFILE)})
         with self._lock:
@@ -363,6 +367,15 @@ def _become_child(request: dict[str, Any], fds: list[int], sock: socket.socket,
         _fresh_state()
         from . import child
 
+        if request.get("netns"):  # its emulated machine's network, as `ip netns exec` gives
+            from .network import enter_namespace
+
+            try:
+                enter_namespace(request["netns"])
+            except OSError as e:
+                child.fail_to_start(f"could not enter its machine's network namespace ({e})",
+                                    "run as root, or set POLYTRAIN_FORKSERVER=0 to start each "
+                                    "process through `ip netns exec`")
         sys.argv = [child.__file__ or "polytrain.launch.child", request["payload"]]
         child.main()  # ends with os._exit on every path
         code = 0

@@ -262,12 +262,11 @@ class Launcher:
                 if self.shape is not None:
                     network = Network(self.layout.machines(), self.shape)
                     network.open()
-                # Forked from a fork server, but not into an emulated machine's namespace.
-                server = server_for(self._base_env()) if network is None else None
+                server = server_for(self._base_env())
                 for spec in self.layout.processes():
                     files = _files(workdir, spec.rank)
                     proc = _start(payload_file, self._child_env(spec, files, shm, network),
-                                  server, network.exec_prefix(spec.machine) if network else [])
+                                  server, network, spec.machine)
                     children.append(_Child(spec, proc, *files, started=time.time()))
                 _write_processes(workdir, children)
                 log.info("started %d processes on port %d: %s", len(children), self.port,
@@ -486,18 +485,20 @@ def _write_processes(workdir: Path, children: list[_Child]) -> None:
 
 
 def _start(payload_file: Path, env: dict[str, str], server: ForkServer | None,
-           on: list[str]) -> Process:
-    """Start ``python -m polytrain.launch.child PAYLOAD`` with ``env``: forked from the fork
-    ``server`` (no import of torch of its own), or as a fresh interpreter where there is none
-    or it failed (``on``: the command that enters the process's emulated machine)."""
+           network: Network | None, machine: str) -> Process:
+    """Start ``python -m polytrain.launch.child PAYLOAD`` with ``env`` on ``machine`` (in its
+    namespace of ``network``, if any): forked from the fork ``server`` (no import of torch of
+    its own), or as a fresh interpreter where there is none or it failed."""
     if server is not None:
         try:
-            return server.start(str(payload_file), env)
+            return server.start(str(payload_file), env,
+                                network.namespace_file(machine) if network else None)
         except OSError as e:
             log.warning("the fork server could not start a process (%s): it starts as a fresh "
                         "interpreter", e)
     return subprocess.Popen(
-        [*on, sys.executable, "-m", "polytrain.launch.child", str(payload_file)],
+        [*(network.exec_prefix(machine) if network else []), sys.executable, "-m",
+         "polytrain.launch.child", str(payload_file)],
         env=env)
 
 

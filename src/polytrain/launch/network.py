@@ -30,6 +30,7 @@ sees that their owner is gone and removes them.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import logging
 import os
@@ -270,6 +271,24 @@ def sweep_stale(state_dir: Path = STATE_DIR) -> list[str]:
     return removed
 
 
+NETNS_DIR = Path("/run/netns")  # where iproute2 keeps named namespaces
+_CLONE_NEWNET = 0x40000000
+
+
+def enter_namespace(path: str) -> None:
+    """Move this process (its calling thread: call it before starting any) into the network
+    namespace held by ``path``, as ``ip netns exec`` would for a new program; OSError if the
+    kernel refuses."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if libc.setns(fd, _CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns into {path}: {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
 def nic_bytes(pid: int, nic: str) -> tuple[int, int]:
     """``(sent, received)`` bytes of interface ``nic`` as seen in process ``pid``'s namespace.
 
@@ -369,6 +388,11 @@ class Network:
     def exec_prefix(self, machine: str) -> list[str]:
         """The command line prefix that runs a program on ``machine`` (in its namespace)."""
         return [self._ip, "netns", "exec", self.namespace(machine)]
+
+    def namespace_file(self, machine: str) -> str:
+        """The file that holds ``machine``'s namespace (``ip netns add`` mounts it there),
+        which a forked process enters with ``setns``."""
+        return str(NETNS_DIR / self.namespace(machine))
 
     def child_env(self, machine: str) -> dict[str, str]:
         """What a process on ``machine`` needs: gloo binds the machine's NIC, polytrain knows it."""
