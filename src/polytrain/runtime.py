@@ -186,6 +186,7 @@ class Context:
 
 
 _context: Context | None = None
+_joined = False  # whether init() ever joined a run in this process (shutdown leaves it set)
 
 
 def current() -> Context:
@@ -198,6 +199,11 @@ def current() -> Context:
 
 def is_initialized() -> bool:
     return _context is not None
+
+
+def has_joined() -> bool:
+    """Whether this process joined a run (:func:`init`), even one it has left since."""
+    return _joined
 
 
 def init(*, device: str | torch.device | None = None, timeout_s: float | None = None,
@@ -225,7 +231,7 @@ def init(*, device: str | torch.device | None = None, timeout_s: float | None = 
             fails (default: the timeout, and at least an hour: workers may evaluate or save
             between steps). A run may last longer: only the gaps between requests count.
     """
-    global _context
+    global _context, _joined
     if _context is not None:
         return _context
     env = _env.read()
@@ -236,6 +242,7 @@ def init(*, device: str | torch.device | None = None, timeout_s: float | None = 
             _env.check_seconds(value, f"polytrain.init({name}=...)",
                                f"pass, say, {name}={usual:g}")
     _join(env, timeout)
+    _joined = True
     rank = dist.get_rank()
     seats: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(seats, (env.role, env.node, os.getpid(), _env.nic()))

@@ -149,11 +149,14 @@ def server_dies_mid_run(directory: str, how: str = "kill") -> None:
         time.sleep(0.05)
 
 
-def fork_server_killed() -> None:
+def fork_server_killed(launcher: int) -> None:
     """Worker 1 kills the fork server that started it (its parent) once every process has
-    joined; the run's processes die with it."""
+    joined; the run's processes die with it. Where the parent is the ``launcher`` (the
+    processes were not forked), it refuses instead."""
     ctx = polytrain.init()
     if ctx.rank == 1:
+        if os.getppid() == launcher:
+            raise RuntimeError("not forked from a fork server: the parent is the launcher")
         os.kill(os.getppid(), signal.SIGKILL)
     time.sleep(60)
 

@@ -216,7 +216,7 @@ def test_processes_that_died_with_their_fork_server_name_it(monkeypatch, oom):
     counts = iter(range(1_000_000))
     monkeypatch.setattr(launcher, "oom_kills", lambda: next(counts) if oom else 0)
     with pytest.raises(LaunchError) as info:
-        spawn(scripts.fork_server_killed, workers=2)
+        spawn(scripts.fork_server_killed, workers=2, args=(os.getpid(),))
     assert re.match(r"worker rank [01] \(machine node0\) failed: ended with the fork server "
                     r"that started it \(pid \d+\), which was killed by SIGKILL \(9\)"
                     + (r", likely by the kernel's out-of-memory killer" if oom else r" \(")

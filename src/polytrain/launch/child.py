@@ -94,7 +94,7 @@ def _end_script() -> None:
     join it never made, is what they waited for."""
     global _script_ended, _joined
     runtime = sys.modules.get("polytrain.runtime")  # only if the script imported it
-    _joined = runtime is not None and runtime.is_initialized()
+    _joined = runtime is not None and runtime.has_joined()
     _script_ended = time.time()
     path = _env.heartbeat_file()
     if path:

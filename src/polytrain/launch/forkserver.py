@@ -91,33 +91,49 @@ class ForkedProcess:
         self.pid = pid
         self.returncode: int | None = None
         self.args = ["polytrain fork server child", str(pid)]
+        # Signals go through a pidfd: the server may reap the child before the launcher
+        # hears of it, and a signal by pid could then reach a process that took the pid.
+        self._pidfd: int | None = None
+        with contextlib.suppress(OSError, AttributeError):
+            self._pidfd = os.pidfd_open(pid)
 
     def poll(self) -> int | None:
         if self.returncode is None:
-            self.returncode = self.server.returncode(self.pid)
+            self._ended(self.server.returncode(self.pid))
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
         code = self.server.wait(self.pid, timeout)
         if code is None:
             raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
-        self.returncode = code
+        self._ended(code)
         return code
 
+    def _ended(self, code: int | None) -> None:
+        self.returncode = code
+        if code is not None and self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
+
     def send_signal(self, sig: int) -> None:
-        if self.poll() is None:  # not reaped yet: the pid is still this child's
-            with contextlib.suppress(ProcessLookupError):
+        if self.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            if self._pidfd is not None:
+                signal.pidfd_send_signal(self._pidfd, sig)
+            else:  # no pidfd (an old kernel): not reaped yet, so the pid is still this child's
                 os.kill(self.pid, sig)
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
 
     @property
-    def server_end(self) -> tuple[int, int] | None:
-        """The fork server's pid and exit code if this child ended with it (killed when the
-        server died, its own exit status then unknown); None otherwise."""
+    def server_end(self) -> tuple[int, int, str] | None:
+        """The fork server's pid, exit code and, if the launcher killed it, why, if this child
+        ended with it (killed when the server died, its own exit status then unknown); None
+        otherwise."""
         code = self.server.orphaned.get(self.pid)
-        return None if code is None else (self.server.pid, code)
+        return None if code is None else (self.server.pid, code, self.server.killed_because)
 
 
 class ForkServer:
@@ -132,6 +148,7 @@ class ForkServer:
         self._children: set[int] = set()
         self._gone = False
         self.orphaned: dict[int, int] = {}  # children that died with the server: its exit code
+        self.killed_because = ""  # why the launcher killed the server, if it did
         started = threading.Event()
         failed: list[BaseException] = []
 
@@ -218,6 +235,8 @@ class ForkServer:
                 # Never used again: a late answer would be taken for the next request's.
                 with self._ended:
                     self._gone = True
+                    self.killed_because = (f"the launcher killed it: it did not answer a "
+                                           f"request within {_START_S:g} s")
                 with contextlib.suppress(OSError):
                     self._proc.kill()  # its children die with it
                 raise OSError(f"the fork server did not answer within {_START_S:g} s") from None
@@ -227,7 +246,8 @@ class ForkServer:
             with self._ended:
                 if self._gone:  # it died right after forking: so did the child
                     self._codes.setdefault(pid, -signal.SIGKILL)
-                    self.orphaned[pid] = self._proc.poll() or -signal.SIGKILL
+                    code = self._proc.poll()
+                    self.orphaned[pid] = -signal.SIGKILL if code is None else code
                 elif pid not in self._codes:
                     self._children.add(pid)
             return ForkedProcess(self, pid)

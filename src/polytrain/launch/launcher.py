@@ -354,7 +354,9 @@ class Launcher:
         workers make)."""
         found = []
         for c in children:
-            if c.spec == waiter.spec or c.proc.poll() is not None:
+            # A server that ended well has removed its file; one that failed since (it lost
+            # the worker that timed out, say) still says what it held.
+            if c.spec == waiter.spec or c.proc.poll() == 0:
                 continue
             try:
                 held = c.held_file.read_text().strip()
@@ -570,10 +572,12 @@ def _failure(child: _Child, oom_kills_before: int | None) -> _Failure:
 
     server = getattr(child.proc, "server_end", None)
     if server is not None:  # it was forked, and its fork server died: it died with it
-        pid, how = server
+        pid, how, why = server
         return _Failure(child.spec, code, f"ended with the fork server that started it (pid "
-                        f"{pid}), which was {_ended_how(how)}{_OOM_CAUSE if oom(how) else ''}",
-                        0.0, False, label, _OOM_HINT if oom(how) else _SERVER_DIED_HINT)
+                        f"{pid}), which {'was ' if how < 0 else ''}{_ended_how(how)}"
+                        f"{f' ({why})' if why else _OOM_CAUSE if oom(how) else ''}",
+                        0.0, False, label,
+                        _OOM_HINT if oom(how) and not why else _SERVER_DIED_HINT)
     if code < 0:
         # A process killed by a signal nobody in the run sent is the likeliest root cause.
         if oom(code):

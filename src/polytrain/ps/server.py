@@ -63,6 +63,7 @@ class _Engine(threading.Thread):
                     payload.wait()
                 if req.op == Op.PUSHPULL and req.numel:
                     self.server.acknowledge(req)
+                self.server.handling(req)
                 self.server.stores[req.key].handle(req)
         except BaseException as e:  # noqa: BLE001 - handed to the main loop, which raises it
             self.server.fail(e)
@@ -171,8 +172,10 @@ class Server:
         self.engines = [_Engine(self, i) for i in range(max(1, threads))]
         self.outbox = _Outbox(self)
         self._error: BaseException | None = None
-        # The answers not given yet: (src, seq) -> (op, key, round, since when).
-        self._held: dict[tuple[int, int], tuple[Op, int, int, float]] = {}
+        # The answers not given yet: (src, seq) -> [op, key, round, since when, whether its
+        # store has it yet]; kept only where a launcher reads the report (_report_held).
+        self._held_path = _env.held_file()
+        self._held: dict[tuple[int, int], list[Any]] = {}
         self._held_lock = threading.Lock()
         self._reported = ""
 
@@ -206,6 +209,9 @@ class Server:
             self.outbox.join(timeout=self.transport.timeout_s)
         if self._error is not None:
             raise self._cause()
+        if self._held_path:  # every worker finished: nothing is held any more
+            with contextlib.suppress(OSError):
+                os.remove(self._held_path)
 
     def _cause(self) -> BaseException:
         """The failure to raise. A receive cut off because another wait timed out (gloo then
@@ -279,31 +285,44 @@ class Server:
                 f"server rank {self.rank}: rank {req.src} sent {req.op.name} for key {req.key}, "
                 f"which nobody declared here",
                 "declare every key (with its owner server) before pushing or pulling it")
-        if req.op in _ANSWERED:
+        if req.op in _ANSWERED and self._held_path:
             with self._held_lock:
-                self._held[(req.src, req.seq)] = (req.op, req.key, req.round, time.monotonic())
+                self._held[(req.src, req.seq)] = [req.op, req.key, req.round, time.monotonic(),
+                                                  False]
         engine.queue.put((req, self._receive_payload(req)))
+
+    def handling(self, req: Request) -> None:
+        """Note that ``req``'s store has it now (before, it waits in its engine's queue)."""
+        if self._held_path:
+            with self._held_lock:
+                entry = self._held.get((req.src, req.seq))
+                if entry is not None:
+                    entry[4] = True
 
     def _report_held(self) -> None:
         """Keep the held file (``POLYTRAIN_HELD_FILE``, from the launcher) saying which
         answers the server has held past half the timeout, and why each waits: a worker that
         times out waiting for one is then told what it waited for (pushes that never came, a
         push_pull only some workers make), not only that the server was slow."""
-        path = _env.held_file()
+        path = self._held_path
         if not path:
             return
         now, limit = time.monotonic(), 0.5 * self.transport.timeout_s
         with self._held_lock:
-            old = sorted((since, src, op, key, rnd)
-                         for (src, _), (op, key, rnd, since) in self._held.items()
+            old = sorted((since, src, op, key, rnd, handled)
+                         for (src, _), (op, key, rnd, since, handled) in self._held.items()
                          if now - since > limit)
         lines = []
-        for since, src, op, key, rnd in old[:_HELD_SHOWN]:
+        for since, src, op, key, rnd, handled in old[:_HELD_SHOWN]:
             store, decl = self.stores.get(key), self.declarations.get(key)
-            try:  # the store's engine thread may change it meanwhile: a glimpse will do
-                why = store.waiting_for(rnd) if store is not None else ""
-            except (RuntimeError, KeyError, ValueError):
-                why = ""
+            if not handled:
+                why = "still queued for its engine thread, behind other requests"
+            else:
+                try:  # the store's engine thread may change it meanwhile: a glimpse will do
+                    why = store.waiting_for(rnd) if store is not None else ""
+                except Exception as e:  # noqa: BLE001 - a report must not fail the server
+                    log.debug("waiting_for of key %d failed: %r", key, e)
+                    why = ""
             name = f"{decl[1].name!r} (key {key})" if decl else f"key {key}"
             lines.append(f"{op.name} of {name} round {rnd} for {self.topology.name(src)}, "
                          f"held {now - since:.0f} s{f': {why}' if why else ''}")
@@ -366,7 +385,8 @@ class Server:
     def respond(self, req: Request, tensor: torch.Tensor) -> None:
         """Post the answer to ``req`` (called from engine threads; ``tensor`` must not change
         until it has left: the outbox waits for it)."""
-        with self._held_lock:
-            self._held.pop((req.src, req.seq), None)
+        if self._held_path:
+            with self._held_lock:
+                self._held.pop((req.src, req.seq), None)
         self.outbox.queue.put(self.transport.isend(
             tensor, req.src, response_tag(req.seq), f"answer to {req.op.name} of key {req.key}"))

@@ -24,7 +24,7 @@ from .settings import setting_values
 
 __all__ = ["Declaration", "Store", "SumStore", "ParamStore", "OptimizerStore", "STORES",
            "WHOLE_STATE", "optimizer_state_numel", "register_store", "store_name",
-           "applied_waiting", "pushes_of"]
+           "applied_waiting", "pushes_of", "pusher_name"]
 
 #: The round of a GET that asks an optimizer store for its whole state (see OptimizerStore).
 WHOLE_STATE = -1
@@ -87,9 +87,8 @@ class Store(ABC):
         return ""
 
     def fail(self, req: Request, what: str) -> CommError:
-        lane = f" (lane {req.lane})" if req.lane else ""
         return CommError(f"server: {self.decl.describe()}: request {req.op.name} of round "
-                         f"{req.round} from rank {req.src}{lane}: {what}")
+                         f"{req.round} from {pusher_name(req.pusher)}: {what}")
 
 
 def _rank_sum(pushes: dict[tuple[int, int], torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
@@ -102,10 +101,16 @@ def _rank_sum(pushes: dict[tuple[int, int], torch.Tensor], dtype: torch.dtype) -
     return acc
 
 
+def pusher_name(pusher: tuple[int, int]) -> str:
+    """``rank 3``, or ``rank 3 lane 1`` for a process that pushes in more than one lane."""
+    rank, lane = pusher
+    return f"rank {rank}" + (f" lane {lane}" if lane else "")
+
+
 def pushes_of(pushes: dict[tuple[int, int], Any] | None, pushers: int) -> str:
     """``n of its N pushes (from rank 0, rank 3 lane 1)``: a round's pushes so far."""
     who = sorted(pushes or ())
-    names = ", ".join(f"rank {r}" + (f" lane {lane}" if lane else "") for r, lane in who)
+    names = ", ".join(pusher_name(p) for p in who)
     return f"{len(who)} of its {pushers} pushes" + (f" (from {names})" if who else "")
 
 
@@ -241,8 +246,8 @@ class ParamStore(Store):
         return self.global_clock >= req.round - self.staleness
 
     def waiting_for(self, round: int) -> str:
-        clocks = ", ".join(f"rank {r}" + (f" lane {lane}" if lane else "") + f" at {c}"
-                           for (r, lane), c in sorted(dict(self.clocks).items()))
+        clocks = ", ".join(f"{pusher_name(p)} at {c}"
+                           for p, c in sorted(dict(self.clocks).items()))
         return (f"it needs every one of its {self.decl.pushers} pushers at clock "
                 f"{round - self.staleness} or more; pushers' clocks: {clocks or 'none yet'}")
 
