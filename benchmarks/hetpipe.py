@@ -37,8 +37,8 @@ from typing import Any
 import torch
 
 from polytrain import TrainConfig
-from polytrain.models import get_model
 from polytrain.emulation import parse_cluster, profile_model
+from polytrain.models import get_model
 from polytrain.pipeline import plan_hetpipe
 from polytrain.train import run_config
 

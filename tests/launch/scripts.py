@@ -174,6 +174,19 @@ def pushes_that_differ() -> None:
     bps.push_pull(t, name="both")
 
 
+def worker_exits_0_from_a_thread(victim: int) -> None:
+    """Workers all-reduce in a loop (torch's collectives: a lost peer is not named there);
+    a thread of worker ``victim`` ends its process with os._exit(0) after the first round."""
+    ctx = polytrain.init()
+    x = torch.ones(4)
+    dist.all_reduce(x, group=ctx.groups.workers)
+    if ctx.rank == victim:
+        threading.Thread(target=os._exit, args=(0,)).start()
+    for _ in range(6000):
+        dist.all_reduce(x, group=ctx.groups.workers)
+        time.sleep(0.01)
+
+
 def server_never_joins() -> None:
     """The servers return before polytrain.init(), as a script that calls it only in a
     worker's branch: the workers wait for them to join."""

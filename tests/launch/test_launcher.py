@@ -264,6 +264,18 @@ def test_pushes_that_differ_across_workers_are_named_by_the_server_that_held_the
 
 
 @pytest.mark.timeout(60)
+def test_a_worker_that_exits_0_from_a_thread_is_named_not_the_peers_that_lost_it():
+    # It was "worker rank 0 failed: RuntimeError: [...] Connection closed by peer": the
+    # peer that lost it, as torch names no rank.
+    with pytest.raises(LaunchError, match=r"^worker rank 2 \(machine node0\) failed: exited "
+                                          r"with code 0 before its script ended \(its heartbeat "
+                                          r"never said it ended\), while worker rank [013] still "
+                                          r"needed it.*HINT: find what ended it early"):
+        polytrain.launch(scripts.worker_exits_0_from_a_thread, workers=4, args=(2,),
+                         timeout_s=6, env={"OMP_NUM_THREADS": "1"})
+
+
+@pytest.mark.timeout(60)
 def test_a_server_that_never_joins_is_named_not_the_workers_that_waited():
     # It was "worker rank 1 failed: CommTimeout: ... could not join the run of 3 processes".
     with pytest.raises(LaunchError, match=r"^server rank 2 \(machine server0\) failed: ended "
@@ -377,6 +389,34 @@ def test_a_collective_on_the_default_group_says_which_group_to_pass_under_torchr
     assert re.search(r"\[polytrain 0 worker@box\].*HINT: if that call was a collective on the "
                      r"default group: .*pass group=ctx\.groups\.workers", run.stderr), \
         run.stderr[-3000:]
+
+
+@pytest.mark.timeout(90)
+def test_a_server_under_torchrun_logs_the_answers_it_holds(tmp_path):
+    # No launcher reads its report there: the server says it in its own log.
+    script = tmp_path / "job.py"
+    # Each process a machine of its own: a worker's pushes go to the server, not a local peer.
+    script.write_text("import os, torch, polytrain\n"
+                      "from polytrain import byteps as bps\n"
+                      "os.environ['POLYTRAIN_NODE'] = 'm' + os.environ['LOCAL_RANK']\n"
+                      "ctx = polytrain.init(timeout_s=4)\n"
+                      "bps.push_pull(torch.ones(8), name='both')\n"
+                      "if ctx.rank == 0:\n"
+                      "    bps.push_pull(torch.ones(8), name='only_rank0')\n"
+                      "bps.push_pull(torch.ones(8), name='both')\n")
+    run = torchrun(script, "worker,worker,server")
+    assert run.returncode != 0
+    warnings = re.findall(r"server rank 2 holds answers the workers wait for, and cannot give "
+                          r"them yet: (.*)\. HINT: every worker must push and pull the same "
+                          r"tensors", run.stderr)
+    held = [h for w in warnings for h in w.split("; ")]
+    assert len(held) == 2, run.stderr[-3000:]  # each held answer said once
+    assert any(re.fullmatch(r"PUSHPULL of 'both\[0\] of 8' \(key \d+\) round 1 for worker "
+                            r"rank 1 \(machine m1\), held \d+ s: round 1 has 1 of its 2 "
+                            r"pushes \(from rank 1\)", h) for h in held), held
+    assert any(re.fullmatch(r"PUSHPULL of 'only_rank0\[0\] of 8' \(key \d+\) round 0 for "
+                            r"worker rank 0 \(machine m0\), held \d+ s: round 0 has 1 of its "
+                            r"2 pushes \(from rank 0\)", h) for h in held), held
 
 
 @pytest.mark.timeout(60)

@@ -22,6 +22,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from .. import _env
 from ..errors import ConfigError, LaunchError
+from ..ps.server import HELD_HINT
 from .forkserver import ForkServer, Process, server_for
 from .host import oom_kills
 from .layout import Layout, ProcessSpec
@@ -94,12 +95,11 @@ _LEFT_HINT = ("if they waited in a collective every worker makes, find why it re
 _UNJOINED_HINT = ("every process of a run, servers too, must call polytrain.init(): a server "
                   "serves the workers inside that call (the script is written from a "
                   "worker's point of view), so call it before any branch on the role")
+_EXITED_HINT = ("find what ended it early (os._exit or sys.exit in one of its threads or signal "
+                "handlers, a library that exits); its output above may say")
 _SERVER_LEFT_HINT = ("a server ends only once every worker has finished: find what ended it "
                      "early (os._exit or sys.exit in one of its threads or signal handlers, a "
                      "library that exits); its output above may say")
-_HELD_HINT = ("every worker must push and pull the same tensors in the same rounds: look for "
-              "a push_pull, a layer or a step that only some workers run (a branch on the "
-              "rank, fewer batches on one worker, a parameter unused on some)")
 _STALLED_HINT = ("its threads' stacks are printed above: find why it did not reach the "
                  "communication its peers waited in (a loop or a wait that does not end, a "
                  "slow read); if it is only slow, raise --timeout")
@@ -315,7 +315,8 @@ class Launcher:
         """What ``waiter``, which failed waiting for its peers (a timeout, or a peer gone), may
         have waited for, when nobody stalled: the workers whose script had ended (well) before
         it failed; the servers that ended without joining the run; the peer it lost, if that
-        one exited with code 0 (a server ends only after every worker has finished)."""
+        one exited with code 0 (a server ends only after every worker has finished); any
+        process that exited with code 0 before its script ended (``os._exit(0)``)."""
         found = []
         for c in children:
             if c.spec == waiter.spec or c.proc.returncode not in (None, 0):
@@ -342,6 +343,12 @@ class Launcher:
                           f"{waiter.spec.rank} still needed it: {waiter.spec.role} rank "
                           f"{waiter.spec.rank} lost it mid-run")
                 c.hint = _LEFT_HINT if c.spec.role == "worker" else _SERVER_LEFT_HINT
+            elif c.proc.returncode == 0 and beat and beat.get("script_ended") is None:
+                ended = waiter.time  # as above
+                c.hung = (f"exited with code 0 before its script ended (its heartbeat never "
+                          f"said it ended), while {waiter.spec.role} rank {waiter.spec.rank} "
+                          f"still needed it")
+                c.hint = _EXITED_HINT if c.spec.role == "worker" else _SERVER_LEFT_HINT
             else:
                 continue
             found.append((ended, c))
@@ -364,7 +371,7 @@ class Launcher:
                 continue
             if held:
                 c.hung = f"held answers the workers waited for, and could not give them: {held}"
-                c.hint = _HELD_HINT
+                c.hint = HELD_HINT
                 found.append(c)
         return found
 

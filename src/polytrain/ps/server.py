@@ -35,7 +35,7 @@ from .protocol import (
 )
 from .stores import STORES, Declaration, Store
 
-__all__ = ["Server"]
+__all__ = ["Server", "HELD_HINT"]
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +44,10 @@ _TRAINING_S = 365 * 24 * 3600.0  # a watch waits for its worker's end: no bound 
 _COPIED_BYTES = 64 << 10  # inline payloads up to this size are copied out of their buffer
 _ANSWERED = (Op.PULL, Op.PUSHPULL, Op.GET)  # the ops a store answers (now or once it can)
 _HELD_SHOWN = 6  # answers named in the report of those held long
+#: What to do about answers a server holds long (the launcher's hint when it names them).
+HELD_HINT = ("every worker must push and pull the same tensors in the same rounds: look for a "
+             "push_pull, a layer or a step that only some workers run (a branch on the rank, "
+             "fewer batches on one worker, a parameter unused on some)")
 
 
 class _Engine(threading.Thread):
@@ -173,8 +177,9 @@ class Server:
         self.outbox = _Outbox(self)
         self._error: BaseException | None = None
         # The answers not given yet: (src, seq) -> [op, key, round, since when, whether its
-        # store has it yet]; kept only where a launcher reads the report (_report_held).
-        self._held_path = _env.held_file()
+        # store has it yet] (_report_held).
+        self._held_path = _env.held_file()  # None: no launcher reads it (torchrun): logged
+        self._logged: set[tuple[int, int]] = set()
         self._held: dict[tuple[int, int], list[Any]] = {}
         self._held_lock = threading.Lock()
         self._reported = ""
@@ -285,7 +290,7 @@ class Server:
                 f"server rank {self.rank}: rank {req.src} sent {req.op.name} for key {req.key}, "
                 f"which nobody declared here",
                 "declare every key (with its owner server) before pushing or pulling it")
-        if req.op in _ANSWERED and self._held_path:
+        if req.op in _ANSWERED:
             with self._held_lock:
                 self._held[(req.src, req.seq)] = [req.op, req.key, req.round, time.monotonic(),
                                                   False]
@@ -293,25 +298,26 @@ class Server:
 
     def handling(self, req: Request) -> None:
         """Note that ``req``'s store has it now (before, it waits in its engine's queue)."""
-        if self._held_path:
-            with self._held_lock:
-                entry = self._held.get((req.src, req.seq))
-                if entry is not None:
-                    entry[4] = True
+        with self._held_lock:
+            entry = self._held.get((req.src, req.seq))
+            if entry is not None:
+                entry[4] = True
 
     def _report_held(self) -> None:
         """Keep the held file (``POLYTRAIN_HELD_FILE``, from the launcher) saying which
         answers the server has held past half the timeout, and why each waits: a worker that
         times out waiting for one is then told what it waited for (pushes that never came, a
-        push_pull only some workers make), not only that the server was slow."""
-        path = self._held_path
-        if not path:
-            return
+        push_pull only some workers make), not only that the server was slow. Without a
+        launcher (torchrun), the server logs it, once for each request."""
         now, limit = time.monotonic(), 0.5 * self.transport.timeout_s
         with self._held_lock:
             old = sorted((since, src, op, key, rnd, handled)
-                         for (src, _), (op, key, rnd, since, handled) in self._held.items()
-                         if now - since > limit)
+                         for (src, seq), (op, key, rnd, since, handled) in self._held.items()
+                         if now - since > limit and (self._held_path or (src, seq)
+                                                     not in self._logged))
+            if not self._held_path:
+                self._logged = {k for k in self._logged if k in self._held}
+                self._logged |= {k for k, entry in self._held.items() if now - entry[3] > limit}
         lines = []
         for since, src, op, key, rnd, handled in old[:_HELD_SHOWN]:
             store, decl = self.stores.get(key), self.declarations.get(key)
@@ -329,6 +335,12 @@ class Server:
         if len(old) > _HELD_SHOWN:
             lines.append(f"and {len(old) - _HELD_SHOWN} more")
         text = "; ".join(lines)
+        path = self._held_path
+        if not path:
+            if text:
+                log.warning("server rank %d holds answers the workers wait for, and cannot "
+                            "give them yet: %s. HINT: %s", self.rank, text, HELD_HINT)
+            return
         if text == self._reported:
             return
         self._reported = text
@@ -385,8 +397,7 @@ class Server:
     def respond(self, req: Request, tensor: torch.Tensor) -> None:
         """Post the answer to ``req`` (called from engine threads; ``tensor`` must not change
         until it has left: the outbox waits for it)."""
-        if self._held_path:
-            with self._held_lock:
-                self._held.pop((req.src, req.seq), None)
+        with self._held_lock:
+            self._held.pop((req.src, req.seq), None)
         self.outbox.queue.put(self.transport.isend(
             tensor, req.src, response_tag(req.seq), f"answer to {req.op.name} of key {req.key}"))
