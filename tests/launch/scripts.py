@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import resource
 import signal
 import sys
 import threading
@@ -248,4 +249,11 @@ def what_a_process_starts_with() -> dict:
     return {"pid": os.getpid(), "parent": os.getppid(), "cwd": os.getcwd(),
             "rank": os.environ["RANK"], "var": os.environ.get("POLYTRAIN_TEST_VAR"),
             "threads": torch.get_num_threads(), "seed": torch.initial_seed(),
-            "draw": torch.rand(1).item(), "said": print(f"said by {os.environ['RANK']}")}
+            "draw": torch.rand(1).item(), "said": print(f"said by {os.environ['RANK']}"),
+            "umask": _umask(), "core": resource.getrlimit(resource.RLIMIT_CORE)[0]}
+
+
+def _umask() -> int:
+    mask = os.umask(0)  # this process has no other thread yet
+    os.umask(mask)
+    return mask

@@ -4,6 +4,7 @@ torch itself."""
 from __future__ import annotations
 
 import os
+import resource
 
 import pytest
 
@@ -37,6 +38,23 @@ def test_forked_processes_get_the_launchers_environment_streams_and_fresh_seeds(
     again = _start(tmp_path, monkeypatch, "b")
     assert {g["var"] for g in again} == {"b"}
     assert {g["parent"] for g in again} != {server.pid} and not server.alive
+
+
+@pytest.mark.timeout(120)
+def test_forked_processes_get_the_launchers_umask_and_limits_of_the_moment(tmp_path,
+                                                                           monkeypatch):
+    first = _start(tmp_path, monkeypatch, "d")  # the fork server starts with these
+    mask = os.umask(0o027)
+    core = resource.getrlimit(resource.RLIMIT_CORE)
+    resource.setrlimit(resource.RLIMIT_CORE, (4096, core[1]))
+    try:
+        got = _start(tmp_path, monkeypatch, "d")
+    finally:
+        os.umask(mask)
+        resource.setrlimit(resource.RLIMIT_CORE, core)
+    assert {g["parent"] for g in got} == {g["parent"] for g in first}  # the same server
+    assert {g["umask"] for g in first} == {mask} and {g["umask"] for g in got} == {0o027}
+    assert {g["core"] for g in got} == {4096}
 
 
 @pytest.mark.timeout(120)

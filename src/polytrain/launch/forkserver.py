@@ -24,7 +24,8 @@ What it keeps of a fresh process's contract:
   string hashes are not: every forked child has the server's hash seed, so the
   order of a set of strings is the same on every rank; a bug that orders
   collectives by it shows only with ``POLYTRAIN_FORKSERVER=0`` or torchrun);
-- its CPU affinity and open-file limit are the launcher's of that moment.
+- its CPU affinity, resource limits (open files, core size, stack, memory...)
+  and umask are the launcher's of that moment.
 
 The server never runs a tensor operation, starts no thread of its own and
 touches no GPU, so forking it is safe. On an emulated network a child enters
@@ -224,7 +225,8 @@ class ForkServer:
         request = pickle.dumps({"payload": payload, "env": env, "cwd": os.getcwd(),
                                 "netns": netns,
                                 "stdio": stdio, "affinity": sorted(os.sched_getaffinity(0)),
-                                "files": resource.getrlimit(resource.RLIMIT_NOFILE)})
+                                "limits": {n: resource.getrlimit(n) for n in _LIMITS},
+                                "umask": _umask()})
         with self._lock:
             if not self.alive:
                 raise OSError("the fork server ended")
@@ -265,6 +267,24 @@ class ForkServer:
         """No more children; the server ends when the last one has (it keeps them alive)."""
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_WR)
+
+
+# The resource limits a forked child takes from its launcher (those this platform has).
+_LIMITS = [getattr(resource, n) for n in (
+    "RLIMIT_NOFILE", "RLIMIT_CORE", "RLIMIT_STACK", "RLIMIT_AS", "RLIMIT_DATA", "RLIMIT_RSS",
+    "RLIMIT_NPROC", "RLIMIT_MEMLOCK", "RLIMIT_FSIZE", "RLIMIT_CPU") if hasattr(resource, n)]
+
+
+def _umask() -> int | None:
+    """This process's umask, read without setting it (``os.umask`` would change it for a
+    moment, for every thread); None where Linux does not say (before 4.7)."""
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def _open(fd: int) -> bool:
@@ -378,7 +398,11 @@ def _become_child(request: dict[str, Any], fds: list[int], sock: socket.socket,
         os.chdir(request["cwd"])
         with contextlib.suppress(OSError, ValueError):  # the launcher's, not the server's
             os.sched_setaffinity(0, request["affinity"])
-            resource.setrlimit(resource.RLIMIT_NOFILE, request["files"])
+        for name, limit in request["limits"].items():
+            with contextlib.suppress(OSError, ValueError):  # raising a hard limit needs root
+                resource.setrlimit(name, limit)
+        if request["umask"] is not None:
+            os.umask(request["umask"])
         os.environ.clear()
         os.environ.update(request["env"])
         for stream in (sys.stdout, sys.stderr):  # a fresh interpreter decides per stream
