@@ -1,6 +1,7 @@
 import json
 import math
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -131,9 +132,21 @@ def test_a_port_in_use_is_refused(capsys):
     assert f"port {port} on 127.0.0.1 is in use" in err and "HINT: pass another --port" in err
 
 
-def test_env_prints_versions_and_devices(capsys):
+def test_env_prints_versions_and_devices(capsys, monkeypatch):
+    monkeypatch.delenv("POLYTRAIN_FORKSERVER", raising=False)
     assert main(["env"]) == 0
     out = capsys.readouterr().out
     for key in ("polytrain", "torch", "numpy", "cpus", "gpus", "backend gloo", "strategies"):
         assert key in out
     assert torch.__version__ in out
+    assert re.search(r"^fork server +on$", out, re.M), out
+    assert re.search(r"^--bandwidth \(emulated network\) +(yes \(root, ip and tc\)|no: "
+                     r"missing .*)$", out, re.M), out
+    # What --bandwidth would say is missing, in one line.
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    monkeypatch.setenv("POLYTRAIN_FORKSERVER", "0")
+    assert main(["env"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^fork server +off \(POLYTRAIN_FORKSERVER\)$", out, re.M), out
+    assert re.search(r"^--bandwidth \(emulated network\) +no: missing root \(running as uid "
+                     r"1000\)", out, re.M), out

@@ -39,6 +39,15 @@ def report() -> list[tuple[str, str]]:
         pipelining = "yes"
     except ImportError as e:
         pipelining = f"no ({e})"
+    from polytrain import _env
+    from polytrain.errors import ConfigError
+    from polytrain.launch.network import check_tools
+
+    try:
+        check_tools()
+        network = "yes (root, ip and tc)"
+    except ConfigError as e:
+        network = "no: missing " + e.what.split("missing: ", 1)[-1]
     return [
         ("polytrain", polytrain.__version__),
         ("python", platform.python_version()),
@@ -53,6 +62,8 @@ def report() -> list[tuple[str, str]]:
         ("backend mpi", str(dist.is_mpi_available())),
         ("torch.distributed.pipelining", pipelining),
         ("strategies", ", ".join(polytrain.strategy_names())),
+        ("fork server", "on" if _env.forkserver_on() else "off (POLYTRAIN_FORKSERVER)"),
+        ("--bandwidth (emulated network)", network),
     ]
 
 
