@@ -24,19 +24,20 @@ def pairs_then_cross_pairs() -> float:
     return float(t)
 
 
-@pytest.mark.timeout(60)
 def joined_then_left() -> tuple[bool, bool, bool]:
     before = polytrain.runtime.has_joined()
     polytrain.init().shutdown()
     return before, polytrain.runtime.has_joined(), polytrain.is_initialized()
 
 
+@pytest.mark.timeout(60)
 def test_a_process_that_left_the_run_still_counts_as_having_joined_it():
     # The launcher asks, of a process whose script ended, whether it ever joined: a server
     # leaves (shutdown) before its script ends, and was reported as never having joined.
     assert spawn(joined_then_left, workers=2) == [(False, True, False)] * 2
 
 
+@pytest.mark.timeout(60)
 def test_members_only_groups_between_leaders_and_others():
     # Regression: rank 0 (a leader) and rank 1 hung creating a group of [0, 1]. torch
     # names a members-only group by its ranks and the count of groups the process

@@ -254,6 +254,5 @@ def what_a_process_starts_with() -> dict:
 
 
 def _umask() -> int:
-    mask = os.umask(0)  # this process has no other thread yet
-    os.umask(mask)
-    return mask
+    with open("/proc/self/status") as f:  # read, not set: the heartbeat thread writes files
+        return next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))

@@ -268,9 +268,9 @@ def test_a_worker_that_exits_0_from_a_thread_is_named_not_the_peers_that_lost_it
     # It was "worker rank 0 failed: RuntimeError: [...] Connection closed by peer": the
     # peer that lost it, as torch names no rank.
     with pytest.raises(LaunchError, match=r"^worker rank 2 \(machine node0\) failed: exited "
-                                          r"with code 0 before its script ended \(its heartbeat "
-                                          r"never said it ended\), while worker rank [013] still "
-                                          r"needed it.*HINT: find what ended it early"):
+                                          r"with code 0 without returning from its script \(its "
+                                          r"heartbeat never said it returned\), while worker rank "
+                                          r"[013] still needed it.*HINT: find what ended it"):
         polytrain.launch(scripts.worker_exits_0_from_a_thread, workers=4, args=(2,),
                          timeout_s=6, env={"OMP_NUM_THREADS": "1"})
 

@@ -45,7 +45,7 @@ def report() -> list[tuple[str, str]]:
 
     try:
         check_tools()
-        network = "yes (root, ip and tc)"
+        network = "root, ip and tc present (the kernel must allow namespaces too)"
     except ConfigError as e:
         network = "no: missing " + e.what.split("missing: ", 1)[-1]
     return [

@@ -86,6 +86,9 @@ def _thread_place(thread: threading.Thread) -> tuple[str, bool]:
 
 _script_ended: float | None = None  # when the script (or function) returned: the heartbeat says
 _joined: bool | None = None  # whether it had joined the run (polytrain.init) when it returned
+# The end record and the heartbeat thread's records are written under one lock: a beat built
+# before the script ended must not replace the end record written after it.
+_beat_lock = threading.Lock()
 
 
 def _end_script() -> None:
@@ -94,13 +97,15 @@ def _end_script() -> None:
     join it never made, is what they waited for."""
     global _script_ended, _joined
     runtime = sys.modules.get("polytrain.runtime")  # only if the script imported it
-    _joined = runtime is not None and runtime.has_joined()
-    _script_ended = time.time()
     path = _env.heartbeat_file()
-    if path:
-        with contextlib.suppress(OSError):  # a tmp file of its own: the heartbeat thread's beside
-            _write_json(path, {"where": "", "working_since": None,
-                               "script_ended": _script_ended, "joined": _joined}, tmp=".end")
+    with _beat_lock:
+        _joined = runtime is not None and runtime.has_joined()
+        _script_ended = time.time()
+        if path:
+            with contextlib.suppress(OSError):  # a tmp file of its own: the thread's beside
+                _write_json(path, {"where": "", "working_since": None,
+                                   "script_ended": _script_ended, "joined": _joined},
+                            tmp=".end")
 
 
 def _start_heartbeat() -> None:
@@ -126,8 +131,11 @@ def _start_heartbeat() -> None:
             if time.monotonic() - written >= _BEAT_S:
                 written = time.monotonic()
                 try:
-                    _write_json(path, {"where": where, "working_since": working_since,
-                                       "script_ended": _script_ended, "joined": _joined})
+                    with _beat_lock:
+                        if _script_ended is not None:
+                            where, working_since = "", None  # as the end record says
+                        _write_json(path, {"where": where, "working_since": working_since,
+                                           "script_ended": _script_ended, "joined": _joined})
                 except OSError:
                     return
             time.sleep(_SAMPLE_S)

@@ -24,18 +24,21 @@ What it keeps of a fresh process's contract:
   string hashes are not: every forked child has the server's hash seed, so the
   order of a set of strings is the same on every rank; a bug that orders
   collectives by it shows only with ``POLYTRAIN_FORKSERVER=0`` or torchrun);
-- its CPU affinity, resource limits (open files, core size, stack, memory...)
-  and umask are the launcher's of that moment.
+- its CPU affinity, resource limits (open files, core size, memory...; as
+  ``setrlimit`` sets them: the main thread's stack size was fixed at the
+  server's start) and umask are the launcher's of that moment.
 
 The server never runs a tensor operation, starts no thread of its own and
 touches no GPU, so forking it is safe. On an emulated network a child enters
-its machine's network namespace (``setns``, before its script starts), as
-``ip netns exec`` would have put a fresh interpreter there.
+its machine's network namespace (``setns``, before its script starts), where
+``ip netns exec`` would have put a fresh interpreter (which would also see the
+namespace's ``/sys``).
 ``POLYTRAIN_FORKSERVER=0`` turns the server off.
 Should the server fail, the launcher falls back to fresh interpreters.
 
 Protocol (one ``SOCK_SEQPACKET`` socket pair, a pickled message per packet):
-the launcher sends ``{"payload", "env", "cwd", "stdio"}`` with its standard
+the launcher sends ``{"payload", "env", "cwd", "stdio", "netns", "affinity",
+"limits", "umask"}`` with its standard
 streams' descriptors attached (``SCM_RIGHTS``); the server answers
 ``("started", pid)`` or ``("failed", reason)``, and later ``("exited", pid,
 returncode)`` for every child it reaped.
@@ -279,9 +282,10 @@ def _umask() -> int | None:
     """This process's umask, read without setting it (``os.umask`` would change it for a
     moment, for every thread); None where Linux does not say (before 4.7)."""
     try:
-        for line in open("/proc/self/status"):
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
     except (OSError, ValueError, IndexError):
         pass
     return None
@@ -408,18 +412,19 @@ def _become_child(request: dict[str, Any], fds: list[int], sock: socket.socket,
         for stream in (sys.stdout, sys.stderr):  # a fresh interpreter decides per stream
             with contextlib.suppress(AttributeError, OSError, ValueError):
                 stream.reconfigure(line_buffering=stream.isatty())  # type: ignore[union-attr]
-        _fresh_state()
         from . import child
 
-        if request.get("netns"):  # its emulated machine's network, as `ip netns exec` gives
+        if request.get("netns"):  # its emulated machine's network, before any thread starts
             from .network import enter_namespace
 
             try:
                 enter_namespace(request["netns"])
             except OSError as e:
                 child.fail_to_start(f"could not enter its machine's network namespace ({e})",
-                                    "run as root, or set POLYTRAIN_FORKSERVER=0 to start each "
-                                    "process through `ip netns exec`")
+                                    "set POLYTRAIN_FORKSERVER=0 to start each process through "
+                                    "`ip netns exec` instead, and report this")
+        _fresh_state()
+
         sys.argv = [child.__file__ or "polytrain.launch.child", request["payload"]]
         child.main()  # ends with os._exit on every path
         code = 0

@@ -95,8 +95,9 @@ _LEFT_HINT = ("if they waited in a collective every worker makes, find why it re
 _UNJOINED_HINT = ("every process of a run, servers too, must call polytrain.init(): a server "
                   "serves the workers inside that call (the script is written from a "
                   "worker's point of view), so call it before any branch on the role")
-_EXITED_HINT = ("find what ended it early (os._exit or sys.exit in one of its threads or signal "
-                "handlers, a library that exits); its output above may say")
+_EXITED_HINT = ("find what ended it (os._exit or sys.exit in one of its threads or signal "
+                "handlers, a library that exits; its output above may say); a script that "
+                "ends with os._exit(0) on purpose must first wait for its peers (a barrier)")
 _SERVER_LEFT_HINT = ("a server ends only once every worker has finished: find what ended it "
                      "early (os._exit or sys.exit in one of its threads or signal handlers, a "
                      "library that exits); its output above may say")
@@ -345,9 +346,9 @@ class Launcher:
                 c.hint = _LEFT_HINT if c.spec.role == "worker" else _SERVER_LEFT_HINT
             elif c.proc.returncode == 0 and beat and beat.get("script_ended") is None:
                 ended = waiter.time  # as above
-                c.hung = (f"exited with code 0 before its script ended (its heartbeat never "
-                          f"said it ended), while {waiter.spec.role} rank {waiter.spec.rank} "
-                          f"still needed it")
+                c.hung = (f"exited with code 0 without returning from its script (its "
+                          f"heartbeat never said it returned), while {waiter.spec.role} rank "
+                          f"{waiter.spec.rank} still needed it")
                 c.hint = _EXITED_HINT if c.spec.role == "worker" else _SERVER_LEFT_HINT
             else:
                 continue
@@ -443,8 +444,12 @@ class Launcher:
                     stalled = ((self._stalled(children, failed, waiter) if timed_out else [])
                                or self._left_early(children, waiter)
                                or (self._holding(children, waiter) if timed_out else []))
-                    failed += stalled
+                    # A failed server the held answers name (_holding) is failed already:
+                    # its report replaces its own failure.
+                    named = {c.spec for c in stalled}
+                    failures = [f for f in failures if f.spec not in named]
                     failures += [_failure(c, oom_kills_before) for c in stalled]
+                    failed += [c for c in stalled if c not in failed]
                     hung += stalled
                 self._stop(children, kill=hung)
                 # Whoever else died before we stopped them counts too: pick the root cause.
@@ -498,10 +503,10 @@ def _start(payload_file: Path, env: dict[str, str], server: ForkServer | None,
     """Start ``python -m polytrain.launch.child PAYLOAD`` with ``env`` on ``machine`` (in its
     namespace of ``network``, if any): forked from the fork ``server`` (no import of torch of
     its own), or as a fresh interpreter where there is none or it failed."""
-    if server is not None:
+    netns = network.namespace_file(machine) if network else None
+    if server is not None and (network is None or netns is not None):
         try:
-            return server.start(str(payload_file), env,
-                                network.namespace_file(machine) if network else None)
+            return server.start(str(payload_file), env, netns)
         except OSError as e:
             log.warning("the fork server could not start a process (%s): it starts as a fresh "
                         "interpreter", e)

@@ -271,14 +271,14 @@ def sweep_stale(state_dir: Path = STATE_DIR) -> list[str]:
     return removed
 
 
-NETNS_DIR = Path("/run/netns")  # where iproute2 keeps named namespaces
+NETNS_DIRS = (Path("/run/netns"), Path("/var/run/netns"))  # where iproute2 keeps them
 _CLONE_NEWNET = 0x40000000
 
 
 def enter_namespace(path: str) -> None:
     """Move this process (its calling thread: call it before starting any) into the network
-    namespace held by ``path``, as ``ip netns exec`` would for a new program; OSError if the
-    kernel refuses."""
+    namespace held by ``path`` (its network only: ``ip netns exec`` also remounts ``/sys``
+    and applies ``/etc/netns``); OSError if the kernel refuses."""
     libc = ctypes.CDLL(None, use_errno=True)
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
@@ -389,10 +389,15 @@ class Network:
         """The command line prefix that runs a program on ``machine`` (in its namespace)."""
         return [self._ip, "netns", "exec", self.namespace(machine)]
 
-    def namespace_file(self, machine: str) -> str:
+    def namespace_file(self, machine: str) -> str | None:
         """The file that holds ``machine``'s namespace (``ip netns add`` mounts it there),
-        which a forked process enters with ``setns``."""
-        return str(NETNS_DIR / self.namespace(machine))
+        which a forked process enters with ``setns``; None if it is in neither of iproute2's
+        places (the process then starts through ``ip netns exec``)."""
+        for root in NETNS_DIRS:
+            path = root / self.namespace(machine)
+            if path.exists():
+                return str(path)
+        return None
 
     def child_env(self, machine: str) -> dict[str, str]:
         """What a process on ``machine`` needs: gloo binds the machine's NIC, polytrain knows it."""

@@ -179,7 +179,7 @@ class Server:
         # The answers not given yet: (src, seq) -> [op, key, round, since when, whether its
         # store has it yet] (_report_held).
         self._held_path = _env.held_file()  # None: no launcher reads it (torchrun): logged
-        self._logged: set[tuple[int, int]] = set()
+        self._logged: set[tuple[int, int, bool]] = set()  # (src, seq, handled) logged
         self._held: dict[tuple[int, int], list[Any]] = {}
         self._held_lock = threading.Lock()
         self._reported = ""
@@ -311,18 +311,20 @@ class Server:
         launcher (torchrun), the server logs it, once for each request."""
         now, limit = time.monotonic(), 0.5 * self.transport.timeout_s
         with self._held_lock:
-            old = sorted((since, src, op, key, rnd, handled)
+            old = sorted((since, src, op, key, rnd, handled, seq)
                          for (src, seq), (op, key, rnd, since, handled) in self._held.items()
-                         if now - since > limit and (self._held_path or (src, seq)
+                         if now - since > limit and (self._held_path or (src, seq, handled)
                                                      not in self._logged))
-            if not self._held_path:
-                self._logged = {k for k in self._logged if k in self._held}
-                self._logged |= {k for k, entry in self._held.items() if now - entry[3] > limit}
+            if not self._held_path:  # logged once each (and once more when its store has it)
+                named = {(src, seq, handled)
+                         for _, src, _, _, _, handled, seq in old[:_HELD_SHOWN]}
+                self._logged = {k for k in self._logged if k[:2] in self._held} | named
         lines = []
-        for since, src, op, key, rnd, handled in old[:_HELD_SHOWN]:
+        for since, src, op, key, rnd, handled, _ in old[:_HELD_SHOWN]:
             store, decl = self.stores.get(key), self.declarations.get(key)
             if not handled:
-                why = "still queued for its engine thread, behind other requests"
+                why = ("still queued for its engine thread (behind other requests, or its "
+                       "payload still arriving)")
             else:
                 try:  # the store's engine thread may change it meanwhile: a glimpse will do
                     why = store.waiting_for(rnd) if store is not None else ""
