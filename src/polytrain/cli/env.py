@@ -40,14 +40,11 @@ def report() -> list[tuple[str, str]]:
     except ImportError as e:
         pipelining = f"no ({e})"
     from polytrain import _env
-    from polytrain.errors import ConfigError
-    from polytrain.launch.network import check_tools
+    from polytrain.launch.network import missing_tools
 
-    try:
-        check_tools()
-        network = "root, ip and tc present (the kernel must allow namespaces too)"
-    except ConfigError as e:
-        network = "no: missing " + e.what.split("missing: ", 1)[-1]
+    missing = missing_tools()
+    network = ("no: missing " + ", ".join(missing) if missing
+               else "root, ip and tc present (the kernel must allow namespaces too)")
     return [
         ("polytrain", polytrain.__version__),
         ("python", platform.python_version()),

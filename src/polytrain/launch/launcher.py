@@ -22,7 +22,6 @@ from typing import Any, Callable, Mapping, Sequence
 
 from .. import _env
 from ..errors import ConfigError, LaunchError
-from ..ps.server import HELD_HINT
 from .forkserver import ForkServer, Process, server_for
 from .host import oom_kills
 from .layout import Layout, ProcessSpec
@@ -338,17 +337,14 @@ class Launcher:
                           f"never called there), {waiter.time - ended:.1f} s before "
                           f"{waiter.spec.role} rank {waiter.spec.rank} failed waiting for it")
                 c.hint = _UNJOINED_HINT
-            elif c.spec.rank == waiter.lost and c.proc.returncode == 0:
+            elif c.proc.returncode == 0 and (
+                    c.spec.rank == waiter.lost or (beat and beat.get("script_ended") is None)):
                 ended = waiter.time  # when, the launcher cannot tell: before the waiter failed
-                c.hung = (f"exited with code 0 while {waiter.spec.role} rank "
-                          f"{waiter.spec.rank} still needed it: {waiter.spec.role} rank "
-                          f"{waiter.spec.rank} lost it mid-run")
-                c.hint = _LEFT_HINT if c.spec.role == "worker" else _SERVER_LEFT_HINT
-            elif c.proc.returncode == 0 and beat and beat.get("script_ended") is None:
-                ended = waiter.time  # as above
-                c.hung = (f"exited with code 0 without returning from its script (its "
-                          f"heartbeat never said it returned), while {waiter.spec.role} rank "
-                          f"{waiter.spec.rank} still needed it")
+                who = f"{waiter.spec.role} rank {waiter.spec.rank}"
+                c.hung = (f"exited with code 0 while {who} still needed it: {who} lost it "
+                          f"mid-run" if c.spec.rank == waiter.lost else
+                          f"exited with code 0 without returning from its script (its "
+                          f"heartbeat never said it returned), while {who} still needed it")
                 c.hint = _EXITED_HINT if c.spec.role == "worker" else _SERVER_LEFT_HINT
             else:
                 continue
@@ -356,10 +352,10 @@ class Launcher:
         return [c for _, c in sorted(found, key=lambda ec: ec[0])]
 
     def _holding(self, children: list[_Child], waiter: _Failure) -> list[_Child]:
-        """The running servers that report answers held past half the timeout, and why each
-        waits (``ps/server.py`` writes them): what ``waiter`` may have timed out on, when no
-        process stalled or left early (pushes that never came: a push_pull only some
-        workers make)."""
+        """The servers that report answers held past half the timeout, why each waits and
+        what to do (``ps/server.py`` writes them, as JSON): what ``waiter`` may have timed
+        out on, when no process stalled or left early (pushes that never came: a push_pull
+        only some workers make)."""
         found = []
         for c in children:
             # A server that ended well has removed its file; one that failed since (it lost
@@ -367,13 +363,13 @@ class Launcher:
             if c.spec == waiter.spec or c.proc.poll() == 0:
                 continue
             try:
-                held = c.held_file.read_text().strip()
-            except OSError:
+                held = json.loads(c.held_file.read_text())
+            except (OSError, ValueError):
                 continue
-            if held:
-                c.hung = f"held answers the workers waited for, and could not give them: {held}"
-                c.hint = HELD_HINT
-                found.append(c)
+            c.hung = ("held answers the workers waited for, and could not give them: "
+                      f"{held['held']}")
+            c.hint = held["hint"]
+            found.append(c)
         return found
 
     def _stalled(self, children: list[_Child], failed: list[_Child],

@@ -183,20 +183,24 @@ def link_shape(bandwidth: str | None, latency: str | None = None) -> LinkShape |
     return LinkShape.parse(bandwidth, latency)
 
 
-def check_tools() -> tuple[str, str]:
-    """The paths of ``ip`` and ``tc``; one ConfigError naming all that is missing if not root."""
+def missing_tools() -> list[str]:
+    """What ``--bandwidth`` needs and this host lacks: root, ``ip``, ``tc`` (empty: none)."""
     missing = []
     uid = os.geteuid()
     if uid != 0:
         missing.append(f"root (running as uid {uid})")
-    tools = {name: shutil.which(name) for name in ("ip", "tc")}
-    missing += [f"{name} (not on PATH)" for name, path in tools.items() if path is None]
+    return missing + [f"{name} (not on PATH)" for name in ("ip", "tc") if not shutil.which(name)]
+
+
+def check_tools() -> tuple[str, str]:
+    """The paths of ``ip`` and ``tc``; one ConfigError naming all that is missing if not root."""
+    missing = missing_tools()
     if missing:
         raise ConfigError(f"--bandwidth emulates machines in network namespaces, which needs "
                           f"root and iproute2's ip and tc; missing: {', '.join(missing)}",
                           "install iproute2 (apt-get install iproute2) and run as root, or "
                           "leave --bandwidth out")
-    ip, tc = tools["ip"], tools["tc"]
+    ip, tc = shutil.which("ip"), shutil.which("tc")
     assert ip is not None and tc is not None
     return ip, tc
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import queue
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -35,7 +37,7 @@ from .protocol import (
 )
 from .stores import STORES, Declaration, Store
 
-__all__ = ["Server", "HELD_HINT"]
+__all__ = ["Server"]
 
 log = logging.getLogger(__name__)
 
@@ -44,10 +46,21 @@ _TRAINING_S = 365 * 24 * 3600.0  # a watch waits for its worker's end: no bound 
 _COPIED_BYTES = 64 << 10  # inline payloads up to this size are copied out of their buffer
 _ANSWERED = (Op.PULL, Op.PUSHPULL, Op.GET)  # the ops a store answers (now or once it can)
 _HELD_SHOWN = 6  # answers named in the report of those held long
-#: What to do about answers a server holds long (the launcher's hint when it names them).
-HELD_HINT = ("every worker must push and pull the same tensors in the same rounds: look for a "
+#: What to do about answers a server holds long (its log's hint, and the launcher's).
+_HELD_HINT = ("every worker must push and pull the same tensors in the same rounds: look for a "
              "push_pull, a layer or a step that only some workers run (a branch on the rank, "
              "fewer batches on one worker, a parameter unused on some)")
+
+
+@dataclass
+class _Held:
+    """An answer not given yet (``Server._report_held``)."""
+
+    op: Op
+    key: int
+    round: int
+    since: float  # time.monotonic() of its request's arrival
+    handled: bool = False  # whether its store has the request (before: its engine's queue)
 
 
 class _Engine(threading.Thread):
@@ -176,11 +189,10 @@ class Server:
         self.engines = [_Engine(self, i) for i in range(max(1, threads))]
         self.outbox = _Outbox(self)
         self._error: BaseException | None = None
-        # The answers not given yet: (src, seq) -> [op, key, round, since when, whether its
-        # store has it yet] (_report_held).
+        # The answers not given yet, by (src, seq) (_report_held).
         self._held_path = _env.held_file()  # None: no launcher reads it (torchrun): logged
         self._logged: set[tuple[int, int, bool]] = set()  # (src, seq, handled) logged
-        self._held: dict[tuple[int, int], list[Any]] = {}
+        self._held: dict[tuple[int, int], _Held] = {}
         self._held_lock = threading.Lock()
         self._reported = ""
 
@@ -292,16 +304,16 @@ class Server:
                 "declare every key (with its owner server) before pushing or pulling it")
         if req.op in _ANSWERED:
             with self._held_lock:
-                self._held[(req.src, req.seq)] = [req.op, req.key, req.round, time.monotonic(),
-                                                  False]
+                self._held[(req.src, req.seq)] = _Held(req.op, req.key, req.round,
+                                                       time.monotonic())
         engine.queue.put((req, self._receive_payload(req)))
 
     def handling(self, req: Request) -> None:
         """Note that ``req``'s store has it now (before, it waits in its engine's queue)."""
         with self._held_lock:
-            entry = self._held.get((req.src, req.seq))
-            if entry is not None:
-                entry[4] = True
+            held = self._held.get((req.src, req.seq))
+            if held is not None:
+                held.handled = True
 
     def _report_held(self) -> None:
         """Keep the held file (``POLYTRAIN_HELD_FILE``, from the launcher) saying which
@@ -311,29 +323,28 @@ class Server:
         launcher (torchrun), the server logs it, once for each request."""
         now, limit = time.monotonic(), 0.5 * self.transport.timeout_s
         with self._held_lock:
-            old = sorted((since, src, op, key, rnd, handled, seq)
-                         for (src, seq), (op, key, rnd, since, handled) in self._held.items()
-                         if now - since > limit and (self._held_path or (src, seq, handled)
-                                                     not in self._logged))
+            old = sorted(((k, h) for k, h in self._held.items()
+                          if now - h.since > limit
+                          and (self._held_path or (*k, h.handled) not in self._logged)),
+                         key=lambda item: item[1].since)
             if not self._held_path:  # logged once each (and once more when its store has it)
-                named = {(src, seq, handled)
-                         for _, src, _, _, _, handled, seq in old[:_HELD_SHOWN]}
-                self._logged = {k for k in self._logged if k[:2] in self._held} | named
+                self._logged = ({k for k in self._logged if k[:2] in self._held}
+                                | {(*k, h.handled) for k, h in old[:_HELD_SHOWN]})
         lines = []
-        for since, src, op, key, rnd, handled, _ in old[:_HELD_SHOWN]:
-            store, decl = self.stores.get(key), self.declarations.get(key)
-            if not handled:
+        for (src, _), h in old[:_HELD_SHOWN]:
+            store, decl = self.stores.get(h.key), self.declarations.get(h.key)
+            if not h.handled:
                 why = ("still queued for its engine thread (behind other requests, or its "
                        "payload still arriving)")
             else:
                 try:  # the store's engine thread may change it meanwhile: a glimpse will do
-                    why = store.waiting_for(rnd) if store is not None else ""
+                    why = store.waiting_for(h.round) if store is not None else ""
                 except Exception as e:  # noqa: BLE001 - a report must not fail the server
-                    log.debug("waiting_for of key %d failed: %r", key, e)
+                    log.debug("waiting_for of key %d failed: %r", h.key, e)
                     why = ""
-            name = f"{decl[1].name!r} (key {key})" if decl else f"key {key}"
-            lines.append(f"{op.name} of {name} round {rnd} for {self.topology.name(src)}, "
-                         f"held {now - since:.0f} s{f': {why}' if why else ''}")
+            name = f"{decl[1].name!r} (key {h.key})" if decl else f"key {h.key}"
+            lines.append(f"{h.op.name} of {name} round {h.round} for {self.topology.name(src)}, "
+                         f"held {now - h.since:.0f} s{f': {why}' if why else ''}")
         if len(old) > _HELD_SHOWN:
             lines.append(f"and {len(old) - _HELD_SHOWN} more")
         text = "; ".join(lines)
@@ -341,7 +352,7 @@ class Server:
         if not path:
             if text:
                 log.warning("server rank %d holds answers the workers wait for, and cannot "
-                            "give them yet: %s. HINT: %s", self.rank, text, HELD_HINT)
+                            "give them yet: %s. HINT: %s", self.rank, text, _HELD_HINT)
             return
         if text == self._reported:
             return
@@ -349,7 +360,7 @@ class Server:
         with contextlib.suppress(OSError):
             if text:
                 with open(path + ".tmp", "w") as f:
-                    f.write(text)
+                    json.dump({"held": text, "hint": _HELD_HINT}, f)
                 os.replace(path + ".tmp", path)
             else:
                 os.remove(path)
