@@ -25,7 +25,11 @@ Part 2, expert parallelism: the layer (E 32, 4096 tokens in all) split over 1, 2
 and 4 local processes of one thread each, forward+backward, with the share of
 time spent inside the token all-to-alls (profiler ranges, forward and backward).
 
+Part 3 (``--device cuda``, on a GPU): part 1's floor, layer and masked loop in fp32 and
+bf16 on 16,384 tokens, timed to ``torch.cuda.synchronize``; peak GPU memory per run.
+
 Usage: ./dev bench moe [--quick]   -> benchmarks/results/moe.json and moe.png
+       ./dev bench moe --device cuda -> benchmarks/results/moe_cuda.json
 (the results, with the commands that made them, are in docs/moe.md)
 """
 
@@ -60,17 +64,18 @@ METHODS = ("floor", "layer", "masked", "per_token")
 class Case:
     """One layer and its inputs, the same for every method."""
 
-    def __init__(self, experts: int, tokens: int, seed: int = 0) -> None:
+    def __init__(self, experts: int, tokens: int, seed: int = 0, device: str = "cpu",
+                 dtype: torch.dtype = torch.float32) -> None:
         torch.manual_seed(seed)
-        self.layer = MoE(D, experts, top_k=K, d_hidden=H)
-        self.x = torch.randn(tokens, D)
-        self.gy = torch.randn(tokens, D)
+        self.layer = MoE(D, experts, top_k=K, d_hidden=H).to(device, dtype)
+        self.x = torch.randn(tokens, D).to(device, dtype)
+        self.gy = torch.randn(tokens, D).to(device, dtype)
         with torch.no_grad():
             indices, _ = self.layer.gate(self.x)
         routing = route(indices, experts)
         self.sorted = self.x.index_select(0, routing.token_of_row)
         self.counts = routing.counts.tolist()
-        self.gy_sorted = torch.randn(self.sorted.shape)
+        self.gy_sorted = torch.randn(self.sorted.shape).to(device, dtype)
         self.plain = plain_experts(self.layer)
 
     def zero_grad(self) -> None:
@@ -135,30 +140,91 @@ def runner(case: Case, method: str, train: bool, tokens: int) -> Callable[[], No
     return run
 
 
-def time_methods(experts: int, tokens: int, few: dict[str, int],
-                 reps: int) -> dict[str, Any]:
+def time_methods(experts: int, tokens: int, few: dict[str, int], reps: int,
+                 case: Case | None = None,
+                 methods: tuple[str, ...] = METHODS) -> dict[str, Any]:
     """Median seconds per run of every method, forward and forward+backward, alternating."""
-    case = Case(experts, tokens)
+    case = case or Case(experts, tokens)
+    sync = _synchronizer(case.x.device)
     out: dict[str, Any] = {}
     for train in (False, True):
         mode = "fwd_bwd" if train else "fwd"
         n = few[mode]
-        runs = {m: runner(case, m, train, n if m == "per_token" else tokens) for m in METHODS}
+        runs = {m: runner(case, m, train, n if m == "per_token" else tokens) for m in methods}
         for run in runs.values():
             run()  # warm-up
-        times: dict[str, list[float]] = {m: [] for m in METHODS}
+        sync()
+        times: dict[str, list[float]] = {m: [] for m in methods}
         for rep in range(reps):
-            for m in METHODS if rep % 2 == 0 else reversed(METHODS):
+            for m in methods if rep % 2 == 0 else reversed(methods):
                 if m == "per_token" and rep >= 2:
                     continue  # the slow one: two timed runs
                 t0 = time.perf_counter()
                 runs[m]()
+                sync()
                 times[m].append(time.perf_counter() - t0)
         out[mode] = {m: {"median_s": statistics.median(v),
                          "tokens": n if m == "per_token" else tokens,
                          "tokens_per_s": (n if m == "per_token" else tokens)
                          / statistics.median(v), "runs": len(v)} for m, v in times.items()}
     return out
+
+
+def _synchronizer(device: torch.device) -> Callable[[], None]:
+    """What makes a timer's stop wait for the device's work (nothing on the CPU)."""
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
+# -- on a GPU ----------------------------------------------------------------------------------
+
+GPU_METHODS = ("floor", "layer", "masked")  # the per-token loop launches kernels per token
+
+
+def on_gpu(experts: tuple[int, ...], tokens: int, reps: int) -> dict[str, Any]:
+    """Part 1 on the GPU, in fp32 and bf16: tokens/s and the peak memory one run adds
+    (``torch.cuda.max_memory_allocated`` over what was allocated before it)."""
+    from polytrain.moe.experts import _grouped_mm_works
+    device = torch.device("cuda")
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16):
+        name = str(dtype).removeprefix("torch.")
+        for e in experts:
+            case = Case(e, tokens, device="cuda", dtype=dtype)
+            t = time_methods(e, tokens, {"fwd": tokens, "fwd_bwd": tokens}, reps, case,
+                             GPU_METHODS)
+            memory: dict[str, dict[str, float]] = {}
+            for mode in ("fwd", "fwd_bwd"):
+                memory[mode] = {}
+                for m in GPU_METHODS:
+                    run = runner(case, m, mode == "fwd_bwd", tokens)
+                    run()
+                    case.zero_grad()
+                    torch.cuda.synchronize(device)
+                    before = torch.cuda.memory_allocated(device)
+                    torch.cuda.reset_peak_memory_stats(device)
+                    run()
+                    torch.cuda.synchronize(device)
+                    memory[mode][m] = (torch.cuda.max_memory_allocated(device) - before) / 2**20
+            rows.append({"dtype": name, "experts": e, "time": t, "memory_mb": memory,
+                         "grouped_mm": _grouped_mm_works("cuda", dtype)})
+            for mode in ("fwd", "fwd_bwd"):
+                tm, mm = t[mode], memory[mode]
+                rate = {m: tm[m]["tokens_per_s"] for m in GPU_METHODS}
+                print(f"{name:8s} E={e:3d} {mode:8s}" + "".join(
+                    f" | {m} {rate[m]:10.0f} tok/s {mm[m]:8.1f} MiB" for m in GPU_METHODS)
+                    + f" | layer / masked {rate['layer'] / rate['masked']:.2f}x"
+                    f", floor / layer {rate['floor'] / rate['layer']:.2f}x", flush=True)
+            del case
+            torch.cuda.empty_cache()
+    return {"config": {"d_model": D, "d_hidden": H, "top_k": K, "tokens": tokens,
+                       "gate": "naive", "reps": reps, "torch": torch.__version__,
+                       "gpu": torch.cuda.get_device_name(device)},
+            "layer": rows,
+            "notes": ["medians of runs alternating the methods, each timed to "
+                      "torch.cuda.synchronize", "memory: peak allocated by one run over "
+                      "what was allocated before it (weights, inputs), after a warm-up"]}
 
 
 # -- peak memory, one fresh process per measurement ------------------------------------------------
@@ -302,7 +368,20 @@ def main() -> None:
                              "machine one thread is the least disturbed)")
     parser.add_argument("--memory-of", nargs=4, metavar=("METHOD", "E", "TOKENS", "TRAIN"),
                         help=argparse.SUPPRESS)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: part 1 on the GPU in fp32 and bf16 (results moe_cuda.json)")
+    parser.add_argument("--out", type=Path, help="where the JSON goes (default in results/)")
     args = parser.parse_args()
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            parser.error("--device cuda: torch sees no CUDA device here")
+        result = on_gpu((8,) if args.quick else (8, 32, 64), 2048 if args.quick else 16384,
+                        3 if args.quick else 9)
+        out = args.out or RESULTS / ("moe_cuda-quick.json" if args.quick else "moe_cuda.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1) + "\n")
+        print(f"wrote {out}")
+        return
     if args.memory_of:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         method, e, tokens, train = args.memory_of

@@ -112,3 +112,12 @@ def test_a_join_that_fails_on_several_hosts_names_gloos_interface_where_it_is_lo
     monkeypatch.setattr(runtime.socket, "gethostbyname", lambda name: "127.0.1.1")
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth0")
     assert runtime._interface_hint(env) == ""
+
+
+def test_workers_that_share_a_gpu_take_gloo_for_cuda_tensors():
+    from polytrain.runtime import cuda_backend
+    assert cuda_backend([None, None]) == "gloo"  # CPU workers
+    assert cuda_backend(["GPU-a", "GPU-b", None]) == "cpu:gloo,cuda:nccl"  # a server: None
+    # NCCL refuses two ranks on one GPU ("Duplicate GPU detected"), so one shared GPU
+    # anywhere puts every group on gloo: all ranks must choose alike.
+    assert cuda_backend(["GPU-a", "GPU-b", "GPU-a"]) == "gloo"

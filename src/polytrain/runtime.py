@@ -153,7 +153,7 @@ class Context:
         torch names such a group by its ranks and the number of groups each member
         holds, so its members must have created equally many groups since init().
         """
-        backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
+        backend = self.backend if cuda else "gloo"
         return dist.new_group(sorted(ranks), backend=backend,
                               timeout=datetime.timedelta(seconds=self.timeout_s),
                               use_local_synchronization=True)
@@ -224,7 +224,8 @@ def init(*, device: str | torch.device | None = None, timeout_s: float | None = 
     Args:
         device: where workers compute: ``"cpu"`` (default), ``"cuda"`` (the GPU of
             the worker's local rank; groups among workers then use NCCL for CUDA
-            tensors), or an explicit device.
+            tensors, or gloo where workers share a GPU: see :func:`cuda_backend`), or
+            an explicit device.
         timeout_s: the longest wait on any peer (default POLYTRAIN_TIMEOUT, else 120 s).
         server_threads: engine threads of each server process (default 4).
         server_idle_s: how long a server waits with no request from any worker before it
@@ -244,24 +245,26 @@ def init(*, device: str | torch.device | None = None, timeout_s: float | None = 
     _join(env, timeout)
     _joined = True
     rank = dist.get_rank()
-    seats: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(seats, (env.role, env.node, os.getpid(), _env.nic()))
-    topology = Topology.from_roles([(role, node) for role, node, _, _ in seats])
     worker_device = _pick_device(device, env.local_rank) if env.role == "worker" else None
-    cuda = worker_device is not None and worker_device.type == "cuda"
-    groups = _make_groups(topology, rank, cuda, timeout)
+    seats: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(seats, (env.role, env.node, os.getpid(), _env.nic(),
+                                   _gpu_of(worker_device)))
+    topology = Topology.from_roles([(role, node) for role, node, *_ in seats])
+    backend = cuda_backend([gpu for *_, gpu in seats])
+    if backend == "gloo" and worker_device is not None and worker_device.type == "cuda":
+        _warn_shared_gpus([gpu for *_, gpu in seats])
+    groups = _make_groups(topology, rank, backend, timeout)
     set_identity(rank, env.role, env.node)
     ctx = Context(rank=rank, topology=topology, groups=groups, timeout_s=timeout,
-                  device=worker_device or torch.device("cpu"),
-                  backend="cpu:gloo,cuda:nccl" if cuda else "gloo")
+                  device=worker_device or torch.device("cpu"), backend=backend)
     _context = ctx
     log.info("joined: %d processes\n%s", ctx.world_size, topology.describe())
-    ctx.emulated_network = all(nic for *_, nic in seats)
+    ctx.emulated_network = all(nic for _, _, _, nic, _ in seats)
     if topology.workers and rank == topology.workers[0] and ctx.emulated_network:
         # On an emulated network worker 0 reads every machine's NIC at its step marks,
         # through a process of that machine (the first rank there).
         nics: dict[str, tuple[int, str]] = {}
-        for _, node, pid, nic in seats:
+        for _, node, pid, nic, _ in seats:
             nics.setdefault(node, (pid, nic))
         ctx.meter.sample_nics(NicSampler(nics))
     if ctx.role == "server":
@@ -370,9 +373,43 @@ def _pick_device(device: str | torch.device | None, local_rank: int) -> torch.de
     return dev
 
 
-def _make_groups(topology: Topology, rank: int, cuda: bool, timeout: float) -> Groups:
+def _gpu_of(device: torch.device | None) -> str | None:
+    """The identity of the GPU a worker computes on (its UUID), None off CUDA."""
+    if device is None or device.type != "cuda":
+        return None
+    props = torch.cuda.get_device_properties(device)
+    return str(getattr(props, "uuid", "")) or f"{props.name} #{device.index}"
+
+
+def cuda_backend(gpus: Sequence[str | None]) -> str:
+    """The backend of the workers' groups, from every rank's GPU (None: no GPU).
+
+    NCCL needs one GPU per process: it refuses two ranks on one GPU ("Duplicate GPU
+    detected"). Where workers share a GPU (more workers than GPUs on a machine, as when
+    trying a layout on one GPU), CUDA tensors go over gloo, which stages them through
+    host memory. All ranks decide alike: every rank sees every rank's GPU.
+    """
+    used = [g for g in gpus if g is not None]
+    if not used:
+        return "gloo"
+    return "cpu:gloo,cuda:nccl" if len(set(used)) == len(used) else "gloo"
+
+
+def _warn_shared_gpus(gpus: Sequence[str | None]) -> None:
+    ranks: dict[str, list[int]] = {}
+    for r, g in enumerate(gpus):
+        if g is not None:
+            ranks.setdefault(g, []).append(r)
+    shared = [rs for rs in ranks.values() if len(rs) > 1]
+    if shared and dist.get_rank() == min(min(rs) for rs in shared):
+        log.warning("ranks %s share a GPU: NCCL takes one GPU per process, so CUDA tensors "
+                    "go over gloo through host memory (slower); give each worker its own GPU "
+                    "(no more workers on a machine than it has GPUs) for NCCL",
+                    " and ".join(",".join(map(str, rs)) for rs in shared))
+
+
+def _make_groups(topology: Topology, rank: int, backend: str, timeout: float) -> Groups:
     # Every rank creates every group, in the same order (torch's rule for new_group).
-    backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
     td = datetime.timedelta(seconds=timeout)
 
     def group(ranks: Sequence[int], backend: str = backend) -> Any:

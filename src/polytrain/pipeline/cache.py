@@ -115,7 +115,7 @@ class ActivationCache:
         return None
 
     def put(self, key: bytes, depth: int, value: torch.Tensor) -> None:
-        value = value.detach().clone()
+        value = value.detach().to("cpu", copy=True)  # host memory, off a GPU too
         if self.shared is not None:
             # Written aside and renamed: a reader sees the whole entry or none.
             path = self.shared / (key.hex() + ".pt")
@@ -182,7 +182,7 @@ def frozen_forward(layers: Sequence[nn.Module], inputs: torch.Tensor, *, frozen:
         return inputs
     if cache is None:
         return _run(layers[:frozen], inputs)
-    keys = [cache.key(row) for row in inputs]
+    keys = [cache.key(row) for row in inputs.cpu()]  # one copy off a GPU, not one a row
     found = [cache.get(k) for k in keys]
     groups: dict[int, list[int]] = {}
     for i, hit in enumerate(found):
@@ -193,7 +193,8 @@ def frozen_forward(layers: Sequence[nn.Module], inputs: torch.Tensor, *, frozen:
             out = _run(layers[:frozen], inputs[rows])
             cache.stats.misses += len(rows)
         else:
-            start = torch.stack([found[i][1] for i in rows])  # type: ignore[index]
+            start = torch.stack([found[i][1] for i in rows]  # type: ignore[index]
+                                ).to(inputs.device)
             out = _run(layers[depth:frozen], start) if depth < frozen else start
             cache.stats.hits += len(rows)
             if depth < frozen:

@@ -100,6 +100,9 @@ class Stage:
         self.clock = clock
         self.names = [n for n, _ in module.named_parameters()]
         self.params = [p for _, p in module.named_parameters()]
+        #: Where the layers compute: received activations and gradients land there.
+        self.device = next((t.device for t in (*self.params, *module.buffers())),
+                           torch.device("cpu"))
         self._flights: dict[int, _Flight] = {}
         self._sends: queue.Queue[_Send | None] = queue.Queue()
         self._send_error: BaseException | None = None
@@ -124,7 +127,8 @@ class Stage:
                 raise ValueError(f"{spec.label}: the first stage needs the inputs")
             x = inputs
         else:
-            x = torch.empty((batch, *spec.input_shape), dtype=spec.input_dtype)
+            x = torch.empty((batch, *spec.input_shape), dtype=spec.input_dtype,
+                            device=self.device)
             self._recv(x, spec.prev, spec.prev_label, self._tag(mb, 0),
                        f"the activations of minibatch {mb}")
             if x.is_floating_point():

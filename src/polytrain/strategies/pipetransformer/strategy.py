@@ -334,8 +334,8 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
             by_name = dict(zip(self.stage.names, self.stage.params))
             for name, state in self._handed.items():
                 if name in by_name:
-                    opt.state[by_name[name]] = {k: v.clone() if isinstance(v, torch.Tensor)
-                                                else copy.deepcopy(v) for k, v in state.items()}
+                    opt.state[by_name[name]] = {k: _on(v, by_name[name].device)
+                                                for k, v in state.items()}
         if j != 0 or plan.bounds[0] < self.options.cache_from or not self.options.cache:
             if self.cache is not None and j != 0:
                 self.cache.close()
@@ -356,7 +356,7 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
         params = dict(self.model.named_parameters())
         names = [n for layer in held_layers for n in self._layer_params.get(layer, [])]
         names += list(self.stage.names)
-        weights = {n: params[n].detach().clone() for n in names}
+        weights = {n: params[n].detach().to("cpu", copy=True) for n in names}
         return weights, self._stage_optimizer_state()
 
     def _stage_optimizer_state(self) -> dict[str, dict[str, Any]]:
@@ -365,7 +365,8 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
         if self.stage is not None and self.stage_opt is not None:
             for n, p in zip(self.stage.names, self.stage.params):
                 if p in self.stage_opt.state:
-                    state[n] = {k: v.detach().clone() if isinstance(v, torch.Tensor) else v
+                    state[n] = {k: v.detach().to("cpu", copy=True)
+                                if isinstance(v, torch.Tensor) else v
                                 for k, v in self.stage_opt.state[p].items()}
         return state
 
@@ -559,6 +560,14 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
             self.cache.close()
         if self.shared_cache is not None:  # every worker has finished its last step
             shutil.rmtree(self.shared_cache, ignore_errors=True)
+
+
+def _on(value: Any, device: torch.device) -> Any:
+    """A copy of one optimizer-state entry for a parameter on ``device``: tensors go there,
+    but for scalars (Adam's ``step``, which torch keeps on the CPU); the rest deep-copied."""
+    if not isinstance(value, torch.Tensor):
+        return copy.deepcopy(value)
+    return value.clone() if value.dim() == 0 else value.to(device, copy=True)
 
 
 def _shared_directory(ctx: Context) -> str:
