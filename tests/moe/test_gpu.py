@@ -38,8 +38,13 @@ def test_layer_on_cuda_equals_layer_on_cpu(gate, options):
 def test_grouped_mm_on_cuda(dtype):
     x = torch.randn(40, 64, device="cuda", dtype=dtype)
     w = torch.randn(3, 64, 32, device="cuda", dtype=dtype)
+    b = torch.randn(3, 32, device="cuda", dtype=dtype)
     want = torch.cat([x[:16] @ w[0], x[16:40] @ w[2]])
     assert torch.allclose(grouped_mm(x, w, [16, 0, 24]).float(), want.float(), atol=0.1)
+    with_bias = torch.cat([x[:16] @ w[0] + b[0], x[16:40] @ w[2] + b[2]])
+    assert torch.allclose(grouped_mm(x, w, [16, 0, 24], bias=list(b)).float(),
+                          with_bias.float(), atol=0.1)
+
 
 
 def nccl_expert_parallel() -> float:

@@ -106,6 +106,16 @@ def test_grouped_experts_gradients(chunk_bytes):
     assert torch.allclose(bank(x, counts), ref)
 
 
+def test_chunks_are_sized_by_the_device_unless_given():
+    from polytrain.moe.experts import CHUNK_BYTES, GPU_CHUNK_BYTES
+    bank = ExpertMLP(3, d_model=8, d_hidden=16)
+    assert bank.chunk_rows(torch.device("cpu")) == CHUNK_BYTES // (16 * 4)
+    assert bank.chunk_rows(torch.device("cuda")) == GPU_CHUNK_BYTES // (16 * 4)
+    assert bank.stream_rows(torch.device("cpu")) == CHUNK_BYTES // (16 * 4) // 4
+    bank.chunk_bytes = 16 * 4 * 6
+    assert bank.chunk_rows(torch.device("cuda")) == bank.chunk_rows(torch.device("cpu")) == 6
+
+
 def test_grouped_kernel_and_per_expert_path_agree(monkeypatch):
     from polytrain.moe import experts
 

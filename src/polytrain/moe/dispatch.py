@@ -143,7 +143,7 @@ def _streamed(x: torch.Tensor, routing: Routing, scores: torch.Tensor,
     token = routing.token_of_row
     weight = scores.reshape(-1).index_select(0, routing.slots).to(x.dtype)
     counts = routing.counts.tolist()
-    for e0, e1, r0, r1 in chunk_plan(counts, experts.stream_rows):
+    for e0, e1, r0, r1 in chunk_plan(counts, experts.stream_rows(x.device)):
         y = experts(x.index_select(0, token[r0:r1]), counts[e0:e1], first=e0)
         out.index_add_(0, token[r0:r1], y.mul_(weight[r0:r1].unsqueeze(1)))
     return out

@@ -32,10 +32,15 @@ from torch.autograd.function import FunctionCtx
 from ..layers import FeedForward
 
 __all__ = ["FeedForwardExpert", "ExpertMLP", "ExpertList", "grouped_mm", "chunk_plan",
-           "CHUNK_BYTES"]
+           "CHUNK_BYTES", "GPU_CHUNK_BYTES"]
 
-#: Largest (rows x d_hidden) temporary the MLP experts hold at once, in bytes.
+#: Largest (rows x d_hidden) temporary the MLP experts hold at once, in bytes, on the CPU
+#: (where a chunk that stays in cache is faster) ...
 CHUNK_BYTES = 8 << 20
+#: ... and on a GPU, where each chunk costs kernel launches (a dozen, and one bias add per
+#: grouped call) whatever its size: 8 MiB chunks left the layer launch-bound on an H200
+#: (0.45-0.55x a per-expert loop's forward at 64 experts; docs/moe.md, "On a GPU").
+GPU_CHUNK_BYTES = 256 << 20
 
 
 @functools.lru_cache(maxsize=None)
@@ -89,13 +94,12 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor | Sequence[torch.Tensor],
     first = w[0]
     if _use_grouped(grouped, x, first):
         stacked = w if isinstance(w, torch.Tensor) else torch.stack(list(w))
-        offs = torch.tensor(list(counts), dtype=torch.int64).cumsum(0).to(x.device, torch.int32)
+        sizes = torch.tensor(list(counts), dtype=torch.int64)
+        offs = sizes.cumsum(0).to(x.device, torch.int32)
         y = torch._grouped_mm(x, stacked, offs=offs)
-        start = 0
-        for i, n in enumerate(counts):
-            if n and bias is not None:
-                y[start:start + n] += bias[i]
-            start += n
+        if bias is not None:  # one add for every expert's rows (not one kernel per expert)
+            y += torch.stack(list(bias)).repeat_interleave(
+                sizes.to(x.device), dim=0, output_size=x.shape[0])
         return y if out is None else out.copy_(y)
     if out is None:
         out = x.new_empty(x.shape[0], first.shape[-1])
@@ -241,25 +245,27 @@ class ExpertMLP(ExpertList):
     Args:
         num_local: experts held here.
         d_model, d_hidden: widths.
-        chunk_bytes: largest (rows x d_hidden) temporary held at once (default 8 MiB).
+        chunk_bytes: largest (rows x d_hidden) temporary held at once (default 8 MiB on the
+            CPU, 256 MiB on a GPU: :data:`CHUNK_BYTES`, :data:`GPU_CHUNK_BYTES`).
     """
 
     def __init__(self, num_local: int, d_model: int, d_hidden: int, *,
-                 chunk_bytes: int = CHUNK_BYTES) -> None:
+                 chunk_bytes: int | None = None) -> None:
         super().__init__(num_local, d_model, lambda d: FeedForwardExpert(d, d_hidden))
         self.d_model, self.d_hidden, self.chunk_bytes = d_model, d_hidden, chunk_bytes
 
-    @property
-    def chunk_rows(self) -> int:
-        """Rows per chunk: (rows x d_hidden) fp32 temporaries stay within ``chunk_bytes``."""
-        return max(1, self.chunk_bytes // (self.d_hidden * 4))
+    def chunk_rows(self, device: torch.device) -> int:
+        """Rows per chunk on ``device``: (rows x d_hidden) fp32 temporaries stay within
+        ``chunk_bytes``."""
+        budget = self.chunk_bytes if self.chunk_bytes is not None else \
+            CHUNK_BYTES if device.type == "cpu" else GPU_CHUNK_BYTES
+        return max(1, budget // (self.d_hidden * 4))
 
-    @property
-    def stream_rows(self) -> int:
+    def stream_rows(self, device: torch.device) -> int:
         """Rows per chunk of streamed inference (:mod:`~polytrain.moe.dispatch`): a quarter of
-        :attr:`chunk_rows`, about one expert's rows in a layer of many experts, so inference
-        holds no more than a per-expert loop would."""
-        return max(1, self.chunk_rows // 4)
+        :meth:`chunk_rows`, about one expert's rows in a layer of many experts on the CPU,
+        so inference holds no more than a per-expert loop would."""
+        return max(1, self.chunk_rows(device) // 4)
 
     def forward(self, x: torch.Tensor, counts: Sequence[int], first: int = 0) -> torch.Tensor:
         """(rows, d_model) sorted by local expert, ``counts[i]`` rows each -> (rows, d_model).
@@ -271,6 +277,6 @@ class ExpertMLP(ExpertList):
                                                 e.proj.bias)]
         save = torch.is_grad_enabled() and (x.requires_grad or
                                             any(p.requires_grad for p in params))
-        y: torch.Tensor = _GroupedMLP.apply(x, [int(c) for c in counts], self.chunk_rows, save,
-                                            *params)
+        y: torch.Tensor = _GroupedMLP.apply(x, [int(c) for c in counts],
+                                            self.chunk_rows(x.device), save, *params)
         return y
