@@ -182,9 +182,11 @@ def _synchronizer(device: torch.device) -> Callable[[], None]:
 GPU_METHODS = ("floor", "layer", "masked")  # the per-token loop launches kernels per token
 
 
-def on_gpu(experts: tuple[int, ...], tokens: int, reps: int) -> dict[str, Any]:
+def on_gpu(experts: tuple[int, ...], tokens: int, reps: int,
+           chunk_mib: int | None = None) -> dict[str, Any]:
     """Part 1 on the GPU, in fp32 and bf16: tokens/s and the peak memory one run adds
-    (``torch.cuda.max_memory_allocated`` over what was allocated before it)."""
+    (``torch.cuda.max_memory_allocated`` over what was allocated before it).
+    ``chunk_mib``: the experts' chunk budget (default: the layer's own for a GPU)."""
     from polytrain.moe.experts import _grouped_mm_works
     device = torch.device("cuda")
     rows = []
@@ -192,6 +194,8 @@ def on_gpu(experts: tuple[int, ...], tokens: int, reps: int) -> dict[str, Any]:
         name = str(dtype).removeprefix("torch.")
         for e in experts:
             case = Case(e, tokens, device="cuda", dtype=dtype)
+            if chunk_mib is not None:
+                case.layer.experts.chunk_bytes = chunk_mib << 20
             t = time_methods(e, tokens, {"fwd": tokens, "fwd_bwd": tokens}, reps, case,
                              GPU_METHODS)
             memory: dict[str, dict[str, float]] = {}
@@ -220,6 +224,7 @@ def on_gpu(experts: tuple[int, ...], tokens: int, reps: int) -> dict[str, Any]:
             torch.cuda.empty_cache()
     return {"config": {"d_model": D, "d_hidden": H, "top_k": K, "tokens": tokens,
                        "gate": "naive", "reps": reps, "torch": torch.__version__,
+                       "chunk_mib": chunk_mib,
                        "gpu": torch.cuda.get_device_name(device)},
             "layer": rows,
             "notes": ["medians of runs alternating the methods, each timed to "
@@ -371,12 +376,22 @@ def main() -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cuda: part 1 on the GPU in fp32 and bf16 (results moe_cuda.json)")
     parser.add_argument("--out", type=Path, help="where the JSON goes (default in results/)")
+    parser.add_argument("--chunk-mib", type=int, nargs="+",
+                        help="with --device cuda: the experts' chunk budgets to compare "
+                             "(default: the layer's own)")
     args = parser.parse_args()
     if args.device == "cuda":
         if not torch.cuda.is_available():
             parser.error("--device cuda: torch sees no CUDA device here")
-        result = on_gpu((8,) if args.quick else (8, 32, 64), 2048 if args.quick else 16384,
-                        3 if args.quick else 9)
+        shape = ((8,) if args.quick else (8, 32, 64), 2048 if args.quick else 16384,
+                 3 if args.quick else 9)
+        if args.chunk_mib:
+            result = {"by_chunk_mib": {}}
+            for mib in args.chunk_mib:
+                print(f"-- chunks of {mib} MiB", flush=True)
+                result["by_chunk_mib"][str(mib)] = on_gpu(*shape, chunk_mib=mib)
+        else:
+            result = on_gpu(*shape)
         out = args.out or RESULTS / ("moe_cuda-quick.json" if args.quick else "moe_cuda.json")
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=1) + "\n")

@@ -37,10 +37,11 @@ __all__ = ["FeedForwardExpert", "ExpertMLP", "ExpertList", "grouped_mm", "chunk_
 #: Largest (rows x d_hidden) temporary the MLP experts hold at once, in bytes, on the CPU
 #: (where a chunk that stays in cache is faster) ...
 CHUNK_BYTES = 8 << 20
-#: ... and on a GPU, where each chunk costs kernel launches (a dozen, and one bias add per
-#: grouped call) whatever its size: 8 MiB chunks left the layer launch-bound on an H200
-#: (0.45-0.55x a per-expert loop's forward at 64 experts; docs/moe.md, "On a GPU").
-GPU_CHUNK_BYTES = 256 << 20
+#: ... and on a GPU, where each chunk costs a dozen kernel launches whatever its size: 8 MiB
+#: chunks left the layer launch-bound on an H200 (training 0.83-1.31x a per-expert loop's
+#: speed); 128 MiB gave 0.91-3.30x with at most 1.39x its memory, 256 MiB 1.01-3.88x with
+#: 1.87x (docs/moe.md, "On a GPU").
+GPU_CHUNK_BYTES = 128 << 20
 
 
 @functools.lru_cache(maxsize=None)
@@ -246,7 +247,7 @@ class ExpertMLP(ExpertList):
         num_local: experts held here.
         d_model, d_hidden: widths.
         chunk_bytes: largest (rows x d_hidden) temporary held at once (default 8 MiB on the
-            CPU, 256 MiB on a GPU: :data:`CHUNK_BYTES`, :data:`GPU_CHUNK_BYTES`).
+            CPU, 128 MiB on a GPU: :data:`CHUNK_BYTES`, :data:`GPU_CHUNK_BYTES`).
     """
 
     def __init__(self, num_local: int, d_model: int, d_hidden: int, *,
