@@ -95,12 +95,14 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor | Sequence[torch.Tensor],
     first = w[0]
     if _use_grouped(grouped, x, first):
         stacked = w if isinstance(w, torch.Tensor) else torch.stack(list(w))
-        sizes = torch.tensor(list(counts), dtype=torch.int64)
-        offs = sizes.cumsum(0).to(x.device, torch.int32)
+        # Host-to-device copies without a device-wide wait (a plain .to() waits for every
+        # kernel queued before it; this one stages the few bytes and returns).
+        sizes = torch.tensor(list(counts), dtype=torch.int64).to(x.device, non_blocking=True)
+        offs = sizes.cumsum(0).to(torch.int32)
         y = torch._grouped_mm(x, stacked, offs=offs)
         if bias is not None:  # one add for every expert's rows (not one kernel per expert)
-            y += torch.stack(list(bias)).repeat_interleave(
-                sizes.to(x.device), dim=0, output_size=x.shape[0])
+            y += torch.stack(list(bias)).repeat_interleave(sizes, dim=0,
+                                                           output_size=x.shape[0])
         return y if out is None else out.copy_(y)
     if out is None:
         out = x.new_empty(x.shape[0], first.shape[-1])
