@@ -1,6 +1,7 @@
 """Context.new_group: members-only groups among any workers; hints for raw torch errors; the
 timeouts init takes."""
 
+import os
 import re
 from pathlib import Path
 
@@ -121,3 +122,22 @@ def test_workers_that_share_a_gpu_take_gloo_for_cuda_tensors():
     # NCCL refuses two ranks on one GPU ("Duplicate GPU detected"), so one shared GPU
     # anywhere puts every group on gloo: all ranks must choose alike.
     assert cuda_backend(["GPU-a", "GPU-b", "GPU-a"]) == "gloo"
+
+
+def test_a_worker_takes_the_gpu_of_its_index_among_the_hosts_workers(monkeypatch):
+    monkeypatch.delenv(_env.HOST_WORKER, raising=False)
+    assert _env.gpu_index(local_rank=1, gpus=4) == 1  # torchrun: LOCAL_RANK
+    # polytrain launch: node1's first worker is the host's third, not a second GPU 0.
+    monkeypatch.setenv(_env.HOST_WORKER, "2")
+    assert _env.gpu_index(local_rank=0, gpus=4) == 2
+    assert _env.gpu_index(local_rank=0, gpus=2) == 0  # more workers than GPUs: round-robin
+
+
+def host_worker():
+    polytrain.init()
+    return os.environ.get(_env.HOST_WORKER)
+
+
+@pytest.mark.timeout(120)
+def test_the_launcher_numbers_workers_across_the_hosts_machines():
+    assert spawn(host_worker, workers=4, nodes=2, servers=1) == ["0", "1", "2", "3"]

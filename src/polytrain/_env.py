@@ -32,6 +32,10 @@ HELD_FILE = "POLYTRAIN_HELD_FILE"  # where a server says which answers it has he
 NIC = "POLYTRAIN_NIC"  # the emulated machine's interface, under --bandwidth
 SHM_DIR = "POLYTRAIN_SHM_DIR"  # the run's directory in host shared memory (the launcher's)
 FORKSERVER = "POLYTRAIN_FORKSERVER"  # 0: every launched process is a fresh interpreter
+# A worker's index among all workers on this host: polytrain launch runs every emulated
+# machine on one host, where LOCAL_RANK (per emulated machine) would give two machines'
+# workers the same GPU.
+HOST_WORKER = "POLYTRAIN_HOST_WORKER"
 LOADING_MAIN = "POLYTRAIN_LOADING_MAIN"  # set while a child imports the launching script
 GLOO_SOCKET_IFNAME = "GLOO_SOCKET_IFNAME"
 TORCHELASTIC_RUN_ID = "TORCHELASTIC_RUN_ID"  # set by torchrun in the processes it starts
@@ -196,6 +200,14 @@ def inherited() -> dict[str, str]:
 def identity() -> tuple[str, str, str]:
     """(rank, role, machine) as the launcher set them, without parsing ("?" where unset)."""
     return (os.environ.get(RANK, "?"), os.environ.get(ROLE, "?"), os.environ.get(NODE, "?"))
+
+
+def gpu_index(local_rank: int, gpus: int) -> int:
+    """Which of this host's ``gpus`` a worker computes on: its index among the host's
+    workers (:data:`HOST_WORKER`, set by polytrain launch), else its LOCAL_RANK (torchrun),
+    round-robin where there are more workers than GPUs."""
+    host = os.environ.get(HOST_WORKER)
+    return (int(host) if host is not None else local_rank) % gpus
 
 
 def cuda_visible() -> str | None:

@@ -222,8 +222,9 @@ def init(*, device: str | torch.device | None = None, timeout_s: float | None = 
         model, opt = polytrain.distribute(model, opt, strategy="ddp")
 
     Args:
-        device: where workers compute: ``"cpu"`` (default), ``"cuda"`` (the GPU of
-            the worker's local rank; groups among workers then use NCCL for CUDA
+        device: where workers compute: ``"cpu"`` (default), ``"cuda"`` (a GPU of this
+            host by the worker's index among its workers under polytrain launch, by
+            LOCAL_RANK under torchrun; groups among workers then use NCCL for CUDA
             tensors, or gloo where workers share a GPU: see :func:`cuda_backend`), or
             an explicit device.
         timeout_s: the longest wait on any peer (default POLYTRAIN_TIMEOUT, else 120 s).
@@ -368,7 +369,7 @@ def _pick_device(device: str | torch.device | None, local_rank: int) -> torch.de
             raise ConfigError("device 'cuda' was asked for but torch sees no CUDA device",
                               "pass --device cpu, or install a CUDA build of torch")
         if dev.index is None:
-            dev = torch.device("cuda", local_rank % torch.cuda.device_count())
+            dev = torch.device("cuda", _env.gpu_index(local_rank, torch.cuda.device_count()))
         torch.cuda.set_device(dev)
     return dev
 

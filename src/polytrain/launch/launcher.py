@@ -24,7 +24,7 @@ from .. import _env
 from ..errors import ConfigError, LaunchError
 from .forkserver import ForkServer, Process, server_for
 from .host import oom_kills
-from .layout import Layout, ProcessSpec
+from .layout import WORKER, Layout, ProcessSpec
 from .network import LinkShape, Network, check_tools, link_shape, start_time
 
 __all__ = ["launch", "launch_script", "Launcher", "free_port"]
@@ -230,6 +230,8 @@ class Launcher:
             _env.HELD_FILE: str(held),
             _env.PARENT_PID: str(os.getpid()),
         })
+        if spec.role == WORKER:  # every machine here is on this host: workers are ranks 0..W-1
+            env[_env.HOST_WORKER] = str(spec.rank)
         if self.timeout_s is not None:
             env[_env.TIMEOUT] = str(self.timeout_s)
         if shm is not None:
