@@ -69,3 +69,26 @@ def test_without_the_fork_server_every_process_is_a_fresh_interpreter(tmp_path, 
                  **({"POLYTRAIN_FORKSERVER": "0"} if where == "launch" else {}))
     assert {g["parent"] for g in got} == {os.getpid()}
     assert {g["var"] for g in got} == {"c"} and {g["threads"] for g in got} == {1}
+
+
+@pytest.mark.timeout(120)
+def test_a_fork_server_that_never_served_is_not_started_again(tmp_path, monkeypatch, caplog):
+    # It was started (and failed: a torch import of seconds) at every launch, and warned for
+    # every process of each.
+    monkeypatch.setattr(forkserver, "_SERVER_CODE", "import sys; sys.exit(3)")
+    monkeypatch.setattr(forkserver, "_unusable", {})
+    started = []
+
+    class Counted(forkserver.ForkServer):
+        def __init__(self, base_env):
+            started.append(1)
+            super().__init__(base_env)
+
+    monkeypatch.setattr(forkserver, "ForkServer", Counted)
+    for _ in range(2):
+        got = _start(tmp_path, monkeypatch, "a server that fails")
+        assert {g["parent"] for g in got} == {os.getpid()}  # fresh interpreters
+    assert len(started) == 1
+    warnings = [r.getMessage() for r in caplog.records if "fork server" in r.getMessage()]
+    assert len(warnings) == 2, warnings  # the run's first process; the server's failure
+    assert "ended (code 3) before it started any process" in warnings[1]

@@ -34,7 +34,11 @@ its machine's network namespace (``setns``, before its script starts), where
 ``ip netns exec`` would have put a fresh interpreter (which would also see the
 namespace's ``/sys``).
 ``POLYTRAIN_FORKSERVER=0`` turns the server off.
-Should the server fail, the launcher falls back to fresh interpreters.
+Should the server fail, the launcher falls back to fresh interpreters. A server that
+ends before it started any process (an import failed, CUDA was initialised) or that
+the launcher killed for not answering is not started again for that environment in
+this launching process: the next runs start fresh interpreters at once, without a
+server's start and failure each time.
 
 Protocol (one ``SOCK_SEQPACKET`` socket pair, a pickled message per packet):
 the launcher sends ``{"payload", "env", "cwd", "stdio", "netns", "affinity",
@@ -153,6 +157,7 @@ class ForkServer:
         self._gone = False
         self.orphaned: dict[int, int] = {}  # children that died with the server: its exit code
         self.killed_because = ""  # why the launcher killed the server, if it did
+        self.served = False  # whether it ever started a process
         started = threading.Event()
         failed: list[BaseException] = []
 
@@ -161,8 +166,7 @@ class ForkServer:
             # lives as long as the server does, whatever thread launches.
             try:
                 self._proc = subprocess.Popen(
-                    [sys.executable, "-c", "from polytrain.launch.forkserver import main; main()",
-                     str(theirs.fileno()), str(os.getpid())],
+                    [sys.executable, "-c", _SERVER_CODE, str(theirs.fileno()), str(os.getpid())],
                     pass_fds=(theirs.fileno(),), env=dict(base_env), stdin=subprocess.DEVNULL)
             except OSError as e:
                 failed.append(e)
@@ -218,6 +222,19 @@ class ForkServer:
     def alive(self) -> bool:
         return not self._gone and self._proc.poll() is None
 
+    @property
+    def unusable(self) -> str | None:
+        """Why a server that ended cannot serve this environment (it never started a process,
+        or the launcher killed it); None while it lives, or where it served and then ended
+        (killed from outside, say: a new one may serve)."""
+        if self.alive:
+            return None
+        if self.killed_because:
+            return self.killed_because
+        if not self.served:
+            return f"it ended (code {self._proc.poll()}) before it started any process"
+        return None
+
     def start(self, payload: str, env: Mapping[str, str],
               netns: str | None = None) -> ForkedProcess:
         """Fork a child that runs ``python -m polytrain.launch.child PAYLOAD`` with ``env``
@@ -248,6 +265,7 @@ class ForkServer:
             if answer[0] != "started":
                 raise OSError(answer[1])
             pid = answer[1]
+            self.served = True
             with self._ended:
                 if self._gone:  # it died right after forking: so did the child
                     self._codes.setdefault(pid, -signal.SIGKILL)
@@ -299,10 +317,14 @@ def _open(fd: int) -> bool:
         return False
 
 
-_servers: dict[tuple[tuple[str, str], ...], ForkServer] = {}
+_SERVER_CODE = "from polytrain.launch.forkserver import main; main()"
+_Key = tuple[tuple[str, str], ...]
+_servers: dict[_Key, ForkServer] = {}
+_unusable: dict[_Key, str] = {}  # environments whose server failed: why
 _servers_lock = threading.Lock()
 # A process forked from the launcher (not by the server) does not share its servers.
 os.register_at_fork(after_in_child=_servers.clear)
+os.register_at_fork(after_in_child=_unusable.clear)
 
 
 def server_for(base_env: Mapping[str, str]) -> ForkServer | None:
@@ -313,9 +335,17 @@ def server_for(base_env: Mapping[str, str]) -> ForkServer | None:
         return None
     key = tuple(sorted(base_env.items()))
     with _servers_lock:
+        if key in _unusable:
+            return None
         server = _servers.get(key)
         if server is not None and server.alive:
             return server
+        if server is not None and (why := server.unusable) is not None:
+            _unusable[key] = why
+            log.warning("the fork server (pid %d) failed: %s; this process's launches start "
+                        "fresh interpreters from now on (each imports torch itself)",
+                        server.pid, why)
+            return None
         for old in _servers.values():  # another environment now: its server ends
             old.close()
         _servers.clear()

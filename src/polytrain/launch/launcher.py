@@ -270,6 +270,8 @@ class Launcher:
                     proc = _start(payload_file, self._child_env(spec, files, shm, network),
                                   server, network, spec.machine)
                     children.append(_Child(spec, proc, *files, started=time.time()))
+                    if server is not None and not server.alive:  # one warning, not one each
+                        server = None
                 _write_processes(workdir, children)
                 log.info("started %d processes on port %d: %s", len(children), self.port,
                          self.layout.describe())
