@@ -29,7 +29,8 @@ Part 3 (``--device cuda``, on a GPU): part 1's floor, layer and masked loop in f
 bf16 on 16,384 tokens, timed to ``torch.cuda.synchronize``; peak GPU memory per run.
 
 Usage: ./dev bench moe [--quick]   -> benchmarks/results/moe.json and moe.png
-       ./dev bench moe --device cuda -> benchmarks/results/moe_cuda.json
+       ./dev bench moe --device cuda [--chunk-mib N ...] -> benchmarks/results/moe_cuda.json
+       (moe_cuda_chunks.json with --chunk-mib)
 (the results, with the commands that made them, are in docs/moe.md)
 """
 
@@ -392,7 +393,8 @@ def main() -> None:
                 result["by_chunk_mib"][str(mib)] = on_gpu(*shape, chunk_mib=mib)
         else:
             result = on_gpu(*shape)
-        out = args.out or RESULTS / ("moe_cuda-quick.json" if args.quick else "moe_cuda.json")
+        name = "moe_cuda_chunks" if args.chunk_mib else "moe_cuda"
+        out = args.out or RESULTS / (f"{name}-quick.json" if args.quick else f"{name}.json")
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=1) + "\n")
         print(f"wrote {out}")

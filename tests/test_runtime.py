@@ -116,19 +116,26 @@ def test_a_join_that_fails_on_several_hosts_names_gloos_interface_where_it_is_lo
 
 
 def test_workers_that_share_a_gpu_take_gloo_for_cuda_tensors():
-    from polytrain.runtime import cuda_backend
+    from polytrain.runtime import cuda_backend, shared_gpus
     assert cuda_backend([None, None]) == "gloo"  # CPU workers
     assert cuda_backend(["GPU-a", "GPU-b", None]) == "cpu:gloo,cuda:nccl"  # a server: None
     # NCCL refuses two ranks on one GPU ("Duplicate GPU detected"), so one shared GPU
     # anywhere puts every group on gloo: all ranks must choose alike.
     assert cuda_backend(["GPU-a", "GPU-b", "GPU-a"]) == "gloo"
+    assert shared_gpus(["GPU-a", "GPU-b", "GPU-a", None]) == [[0, 2]]  # the warning's ranks
 
 
 def test_a_worker_takes_the_gpu_of_its_index_among_the_hosts_workers(monkeypatch):
     monkeypatch.delenv(_env.HOST_WORKER, raising=False)
+    monkeypatch.setenv(_env.RANK, "2")
+    monkeypatch.setenv(_env.WORLD_SIZE, "4")
+    monkeypatch.setenv(_env.TORCHELASTIC_RUN_ID, "x")
+    monkeypatch.setenv(_env.PARENT_PID, "1")
     assert _env.gpu_index(local_rank=1, gpus=4) == 1  # torchrun: LOCAL_RANK
+    monkeypatch.setenv(_env.HOST_WORKER, "2")  # inherited from a launched process: ignored
+    assert _env.gpu_index(local_rank=1, gpus=4) == 1
     # polytrain launch: node1's first worker is the host's third, not a second GPU 0.
-    monkeypatch.setenv(_env.HOST_WORKER, "2")
+    monkeypatch.setenv(_env.PARENT_PID, str(os.getppid()))
     assert _env.gpu_index(local_rank=0, gpus=4) == 2
     assert _env.gpu_index(local_rank=0, gpus=2) == 0  # more workers than GPUs: round-robin
 

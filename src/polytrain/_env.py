@@ -206,8 +206,8 @@ def gpu_index(local_rank: int, gpus: int) -> int:
     """Which of this host's ``gpus`` a worker computes on: its index among the host's
     workers (:data:`HOST_WORKER`, set by polytrain launch), else its LOCAL_RANK (torchrun),
     round-robin where there are more workers than GPUs."""
-    host = os.environ.get(HOST_WORKER)
-    return (int(host) if host is not None else local_rank) % gpus
+    host = os.environ.get(HOST_WORKER) if started_by() == "polytrain launch" else None
+    return (int(host) if host is not None else local_rank) % gpus  # not one inherited
 
 
 def cuda_visible() -> str | None:

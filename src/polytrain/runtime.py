@@ -379,7 +379,17 @@ def _gpu_of(device: torch.device | None) -> str | None:
     if device is None or device.type != "cuda":
         return None
     props = torch.cuda.get_device_properties(device)
-    return str(getattr(props, "uuid", "")) or f"{props.name} #{device.index}"
+    return str(getattr(props, "uuid", "")) or f"{socket.gethostname()}: {props.name} " \
+        f"#{device.index}"
+
+
+def shared_gpus(gpus: Sequence[str | None]) -> list[list[int]]:
+    """The ranks of each GPU that more than one rank computes on (``gpus``: every rank's)."""
+    ranks: dict[str, list[int]] = {}
+    for r, g in enumerate(gpus):
+        if g is not None:
+            ranks.setdefault(g, []).append(r)
+    return [rs for rs in ranks.values() if len(rs) > 1]
 
 
 def cuda_backend(gpus: Sequence[str | None]) -> str:
@@ -390,18 +400,13 @@ def cuda_backend(gpus: Sequence[str | None]) -> str:
     trying a layout on one GPU), CUDA tensors go over gloo, which stages them through
     host memory. All ranks decide alike: every rank sees every rank's GPU.
     """
-    used = [g for g in gpus if g is not None]
-    if not used:
+    if all(g is None for g in gpus) or shared_gpus(gpus):
         return "gloo"
-    return "cpu:gloo,cuda:nccl" if len(set(used)) == len(used) else "gloo"
+    return "cpu:gloo,cuda:nccl"
 
 
 def _warn_shared_gpus(gpus: Sequence[str | None]) -> None:
-    ranks: dict[str, list[int]] = {}
-    for r, g in enumerate(gpus):
-        if g is not None:
-            ranks.setdefault(g, []).append(r)
-    shared = [rs for rs in ranks.values() if len(rs) > 1]
+    shared = shared_gpus(gpus)
     if shared and dist.get_rank() == min(min(rs) for rs in shared):
         log.warning("ranks %s share a GPU: NCCL takes one GPU per process, so CUDA tensors "
                     "go over gloo through host memory (slower); give each worker its own GPU "

@@ -199,8 +199,9 @@ def frozen_forward(layers: Sequence[nn.Module], inputs: torch.Tensor, *, frozen:
             cache.stats.hits += len(rows)
             if depth < frozen:
                 cache.stats.advanced += len(rows)
+        host = out.cpu() if depth != frozen else out  # one copy off a GPU, not one a row
         for k, i in enumerate(rows):
             parts[i] = out[k]
             if depth != frozen:
-                cache.put(keys[i], frozen, out[k])
+                cache.put(keys[i], frozen, host[k])
     return torch.stack([parts[i] for i in range(len(keys))])

@@ -89,10 +89,13 @@ class Stage:
         transport: metered point-to-point messages over a group of the pipeline's ranks.
         loss_fn: the loss on the last stage.
         clock: the emulated device the layers run on (None: real speed).
+        device: where the layers compute (default: where their parameters are; the CPU
+            for a stage of none, such as a lone activation).
     """
 
     def __init__(self, spec: StageSpec, module: nn.Module, transport: Transport, *,
-                 loss_fn: LossFn, clock: DeviceClock | None = None) -> None:
+                 loss_fn: LossFn, clock: DeviceClock | None = None,
+                 device: torch.device | None = None) -> None:
         self.spec = spec
         self.module = module
         self.transport = transport
@@ -101,8 +104,8 @@ class Stage:
         self.names = [n for n, _ in module.named_parameters()]
         self.params = [p for _, p in module.named_parameters()]
         #: Where the layers compute: received activations and gradients land there.
-        self.device = next((t.device for t in (*self.params, *module.buffers())),
-                           torch.device("cpu"))
+        self.device = device if device is not None else next(
+            (t.device for t in (*self.params, *module.buffers())), torch.device("cpu"))
         self._flights: dict[int, _Flight] = {}
         self._sends: queue.Queue[_Send | None] = queue.Queue()
         self._send_error: BaseException | None = None

@@ -334,8 +334,8 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
             by_name = dict(zip(self.stage.names, self.stage.params))
             for name, state in self._handed.items():
                 if name in by_name:
-                    opt.state[by_name[name]] = {k: _on(v, by_name[name].device)
-                                                for k, v in state.items()}
+                    param = by_name[name]
+                    opt.state[param] = {k: _on(v, param, k, opt) for k, v in state.items()}
         if j != 0 or plan.bounds[0] < self.options.cache_from or not self.options.cache:
             if self.cache is not None and j != 0:
                 self.cache.close()
@@ -562,12 +562,16 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
             shutil.rmtree(self.shared_cache, ignore_errors=True)
 
 
-def _on(value: Any, device: torch.device) -> Any:
-    """A copy of one optimizer-state entry for a parameter on ``device``: tensors go there,
-    but for scalars (Adam's ``step``, which torch keeps on the CPU); the rest deep-copied."""
+def _on(value: Any, param: torch.Tensor, key: str, opt: torch.optim.Optimizer) -> Any:
+    """A copy of optimizer-state entry ``key`` for ``param``, placed as torch's own
+    ``load_state_dict`` places it (``step`` stays on the CPU unless the optimizer is fused or
+    capturable; the rest goes to the parameter's device and dtype)."""
     if not isinstance(value, torch.Tensor):
         return copy.deepcopy(value)
-    return value.clone() if value.dim() == 0 else value.to(device, copy=True)
+    groups = [{**g, "params": [id(p) for p in g["params"]]} for g in opt.param_groups]
+    placed = torch.optim.Optimizer._process_value_according_to_param_policy(
+        param, value, id(param), groups, key)
+    return placed.clone() if placed is value else placed
 
 
 def _shared_directory(ctx: Context) -> str:
