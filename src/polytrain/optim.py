@@ -9,6 +9,7 @@ exactly the rule the ``single`` run applies. ``rows`` are unique row indices,
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any, Callable, Iterable
 
@@ -17,7 +18,7 @@ import torch
 from .errors import ConfigError
 
 __all__ = ["make_optimizer", "LazyAdam", "sparse_rule", "row_sgd", "row_adagrad", "row_adam",
-           "RULE_STATES"]
+           "RULE_STATES", "placed_state"]
 
 #: State tensors (each the parameter's shape) that each rule keeps per row.
 RULE_STATES = {"sgd": 0, "adagrad": 1, "adam": 2}
@@ -169,6 +170,27 @@ class LazyAdam(torch.optim.Optimizer):
                 step_size = group["lr"] * math.sqrt(1 - beta2 ** step) / (1 - beta1 ** step)
                 p.addcdiv_(m, v.sqrt().add_(group["eps"]), value=-step_size)
         return loss
+
+
+def placed_state(optimizer: torch.optim.Optimizer, param: torch.Tensor,
+                 state: dict[str, Any]) -> dict[str, Any]:
+    """A copy of ``param``'s optimizer state (saved or handed over on the CPU), placed as
+    torch's own ``load_state_dict`` places it: ``step`` stays where it is unless the
+    optimizer is fused or capturable (then on the parameter's device), every other tensor
+    goes to the parameter's device and, if floating, dtype."""
+    group = next(g for g in optimizer.param_groups if any(p is param for p in g["params"]))
+    # torch's rule reads only the group's flags, finding the group by the parameter's id.
+    flags = [{"params": [id(param)], "fused": group.get("fused") or False,
+              "capturable": group.get("capturable") or False}]
+    out: dict[str, Any] = {}
+    for key, value in state.items():
+        if not isinstance(value, torch.Tensor):
+            out[key] = copy.deepcopy(value)
+            continue
+        placed = torch.optim.Optimizer._process_value_according_to_param_policy(
+            param, value, id(param), flags, key)
+        out[key] = placed.clone() if placed is value else placed
+    return out
 
 
 def make_optimizer(name: str, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:

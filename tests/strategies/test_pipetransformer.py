@@ -241,13 +241,15 @@ def test_options_that_a_switched_off_part_would_ignore_are_refused(args, message
 
 
 def test_handed_optimizer_state_is_placed_as_torchs_load_state_dict_places_it():
-    from polytrain.strategies.pipetransformer.strategy import _on
+    from polytrain.optim import placed_state
     p = torch.nn.Parameter(torch.zeros(3))
     step, moment = torch.tensor(4.0, dtype=torch.float64), torch.ones(3, dtype=torch.float64)
-    plain = torch.optim.Adam([p])
-    assert _on(step, p, "step", plain).dtype == torch.float64  # as saved: torch keeps it
-    assert _on(step, p, "step", plain) is not step  # a copy, never shared
-    assert _on(moment, p, "exp_avg", plain).dtype == torch.float32  # the parameter's
-    capturable = torch.optim.Adam([p], capturable=True)  # step on the parameter's device
-    assert _on(step, p, "step", capturable).dtype == torch.float32
-    assert _on({"a": 1}, p, "other", plain) == {"a": 1}
+    saved = {"step": step, "exp_avg": moment, "other": {"a": 1}}
+    plain = placed_state(torch.optim.Adam([p]), p, saved)
+    assert plain["step"].dtype == torch.float64  # as saved: torch keeps it
+    assert plain["step"] is not step  # a copy, never shared
+    assert plain["exp_avg"].dtype == torch.float32  # the parameter's
+    assert plain["other"] == {"a": 1}
+    # Fused or capturable: step on the parameter's device, in float32.
+    capturable = placed_state(torch.optim.Adam([p], capturable=True), p, saved)
+    assert capturable["step"].dtype == torch.float32

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..optim import placed_state
 from ..strategies.base import Strategy, Trainer, strategy_of
 from .manifest import (
     CheckpointError,
@@ -279,6 +280,4 @@ def _load_optimizer(optimizer: torch.optim.Optimizer, names: Mapping[str, nn.Par
             if n not in source and n in index_of:
                 source = worker_file(index_of[n])["optimizer"]["state"]
             if n in source:
-                optimizer.state[p] = {k: v.to(p.device) if torch.is_tensor(v) and v.dim() > 0
-                                      else v.clone() if torch.is_tensor(v) else v
-                                      for k, v in source[n].items()}
+                optimizer.state[p] = placed_state(optimizer, p, source[n])

@@ -29,6 +29,7 @@ from ...emulation.profile import (
 from ...errors import ConfigError
 from ...launch.launcher import SHM_ROOT
 from ...launch.layout import Layout
+from ...optim import placed_state
 from ...pipeline.assembly import make_stage, stage_optimizer
 from ...pipeline.asyncpipe import numeric_settings
 from ...pipeline.autopipe import PipePlan, plan_pipe
@@ -334,8 +335,7 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
             by_name = dict(zip(self.stage.names, self.stage.params))
             for name, state in self._handed.items():
                 if name in by_name:
-                    param = by_name[name]
-                    opt.state[param] = {k: _on(v, param, k, opt) for k, v in state.items()}
+                    opt.state[by_name[name]] = placed_state(opt, by_name[name], state)
         if j != 0 or plan.bounds[0] < self.options.cache_from or not self.options.cache:
             if self.cache is not None and j != 0:
                 self.cache.close()
@@ -560,18 +560,6 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
             self.cache.close()
         if self.shared_cache is not None:  # every worker has finished its last step
             shutil.rmtree(self.shared_cache, ignore_errors=True)
-
-
-def _on(value: Any, param: torch.Tensor, key: str, opt: torch.optim.Optimizer) -> Any:
-    """A copy of optimizer-state entry ``key`` for ``param``, placed as torch's own
-    ``load_state_dict`` places it (``step`` stays on the CPU unless the optimizer is fused or
-    capturable; the rest goes to the parameter's device and dtype)."""
-    if not isinstance(value, torch.Tensor):
-        return copy.deepcopy(value)
-    groups = [{**g, "params": [id(p) for p in g["params"]]} for g in opt.param_groups]
-    placed = torch.optim.Optimizer._process_value_according_to_param_policy(
-        param, value, id(param), groups, key)
-    return placed.clone() if placed is value else placed
 
 
 def _shared_directory(ctx: Context) -> str:
