@@ -32,6 +32,7 @@ from torch import nn
 
 from ..optim import placed_state
 from ..strategies.base import Strategy, Trainer, strategy_of
+from ..tensors import host_state
 from .manifest import (
     CheckpointError,
     checkpoint_dir,
@@ -118,8 +119,7 @@ def _optimizer_state(optimizer: torch.optim.Optimizer,
                        "params": held})
         for p in g["params"]:
             if id(p) in by_id and p in optimizer.state:
-                state[by_id[id(p)]] = {k: v.detach().cpu().clone() if torch.is_tensor(v) else v
-                                       for k, v in optimizer.state[p].items()}
+                state[by_id[id(p)]] = host_state(optimizer.state[p])
     return {"class": type(getattr(optimizer, "optimizer", optimizer)).__name__,
             "groups": groups, "state": state}
 

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import ConfigError
+from ..tensors import host_copy
 from .layer import MoE
 
 __all__ = ["moe_layers", "canonical_names", "full_keys", "full_state_dict", "local_state_dict",
@@ -101,7 +102,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     for key, value in model.state_dict().items():
         found = _split(key, layers)
         if found is None or not found[1].group.distributed:
-            out[_canonical(key, layers)[0]] = value.detach().cpu().clone()
+            out[_canonical(key, layers)[0]] = host_copy(value)
             continue
         prefix, layer, i, rest = found
         group = layer.group
@@ -157,7 +158,7 @@ def save_sharded(model: nn.Module, directory: str | Path, *, write: bool = True)
     for key, value in model.state_dict().items():
         name, expert = _canonical(key, layers)
         if expert is not None or rank == 0:
-            shard[name] = value.detach().cpu().clone()
+            shard[name] = host_copy(value)
     torch.save({"format": FORMAT, "rank": rank, "ranks": size, "state": shard},
                path / f"shard-{rank}.pt")
     if rank == 0:

@@ -7,6 +7,7 @@ from abc import ABC, abstractmethod
 from typing import Any, Callable, ClassVar, Generic, Mapping, TypeVar, overload
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .. import runtime
@@ -15,6 +16,7 @@ from ..errors import ConfigError
 from ..launch.layout import Layout
 from ..moe.checkpoint import moe_layers
 from ..runtime import Context
+from ..tensors import host_state
 from .checks import broadcast_module, check_same_model, check_same_optimizer
 from .trainer import Trainer, with_gate_losses
 
@@ -199,7 +201,21 @@ class Strategy(ABC, Generic[OptionsT]):
         Every worker calls it (it may gather shards or stages); worker 0's result is whole.
         """
         inner = getattr(model, "module", model)
-        return {k: v.detach().cpu().clone() for k, v in inner.state_dict().items()}
+        return host_state(inner.state_dict())
+
+    def gather_parts(self, own: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+        """Every worker's ``own`` part of the state (host copies; ``None`` for none) merged
+        on worker 0, for strategies whose workers hold stages; other workers get ``{}``."""
+        ctx = self.ctx
+        assert ctx is not None
+        first = ctx.worker_index == 0
+        parts: list[Any] = [None] * ctx.num_workers if first else []
+        dist.gather_object(own, parts if first else None, dst=ctx.topology.workers[0],
+                           group=ctx.groups.workers)
+        merged: dict[str, torch.Tensor] = {}
+        for part in parts:
+            merged.update(part or {})
+        return merged
 
     def close(self) -> None:  # noqa: B027 - optional hook, empty by default
         """Release what the strategy holds (threads, buffers); the context stays open."""

@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..emulation.clock import clock_of
@@ -32,6 +31,7 @@ from ..pipeline.stage import Stage
 from ..pipeline.wsp import WaveSync, model_placement
 from ..ps.settings import optimizer_spec
 from ..runtime import Context
+from ..tensors import host_state
 from .base import LossFn, Strategy, register
 
 __all__ = ["HetPipe", "HetPipeOptions"]
@@ -340,18 +340,12 @@ class HetPipe(Strategy[HetPipeOptions]):
         own: dict[str, torch.Tensor] | None = None
         for role in self.roles:
             if role.vw == 0 and role.stage is not None:
-                own = {k: v.detach().cpu().clone()
-                       for k, v in role.stage.module.state_dict().items()}
+                own = host_state(role.stage.module.state_dict())
         if not self.started:  # never stepped: the weights are the initial ones everywhere
-            own = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-        parts: list[Any] = [None] * ctx.num_workers if ctx.worker_index == 0 else []
-        dist.gather_object(own, parts if ctx.worker_index == 0 else None,
-                           dst=ctx.topology.workers[0], group=ctx.groups.workers)
+            own = host_state(model.state_dict())
+        merged = self.gather_parts(own)
         if ctx.worker_index != 0:
             return own or {}
-        merged: dict[str, torch.Tensor] = {}
-        for part in parts:
-            merged.update(part or {})
         return {k: merged[k] for k in model.state_dict()}
 
     def checkpoint_state(self) -> dict[str, Any]:

@@ -38,6 +38,7 @@ from ...pipeline.freeze import GradNormTracker, next_frozen
 from ...pipeline.stage import Stage
 from ...pipeline.sync import SyncPipeline
 from ...runtime import Context
+from ...tensors import host_state
 from ..base import LossFn, Strategy, make_options, register
 from .options import PipeTransformerOptions
 
@@ -484,15 +485,10 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
         where = self.plan.pipeline_of(ctx.worker_index) if self.plan is not None else None
         own = self._held()[0] if where is not None and where[0] == 0 else {}
         if self.plan is None:
-            own = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-        parts: list[Any] = [None] * ctx.num_workers if ctx.worker_index == 0 else []
-        dist.gather_object(own, parts if ctx.worker_index == 0 else None,
-                           dst=ctx.topology.workers[0], group=ctx.groups.workers)
-        local = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-        if ctx.worker_index != 0:
-            return local
-        for part in parts:
-            local.update({k: v.cpu() for k, v in (part or {}).items()})
+            own = host_state(model.state_dict())
+        merged = self.gather_parts(own)
+        local = host_state(model.state_dict())
+        local.update(merged)
         return local
 
     # -- checkpoints ------------------------------------------------------------------------

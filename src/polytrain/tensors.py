@@ -1,0 +1,20 @@
+"""Host copies of tensors and state dicts, shared by every layer (imports torch only)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+__all__ = ["host_copy", "host_state"]
+
+
+def host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A detached copy of ``tensor`` in host memory: one copy, from any device."""
+    return tensor.detach().to("cpu", copy=True)
+
+
+def host_state(state: Mapping[str, Any]) -> dict[str, Any]:
+    """``state`` with every tensor replaced by its host copy (other values as they are)."""
+    return {k: host_copy(v) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
