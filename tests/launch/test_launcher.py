@@ -438,6 +438,24 @@ def test_a_script_that_launches_when_imported_is_told_to_guard_the_call(tmp_path
                      r"`if __name__ == \"__main__\":`", run.stderr), run.stderr[-2000:]
 
 
+@pytest.mark.timeout(60)
+def test_launched_functions_see_the_launching_scripts_argv(tmp_path):
+    # A main() that parsed its script's arguments (argparse, sys.argv[1]) got the child's own
+    # argv, [child.py, payload.pkl], and failed on the payload file's path.
+    script = tmp_path / "job.py"
+    script.write_text("import sys, polytrain\n"
+                      "def main():\n"
+                      "    polytrain.init()\n"
+                      "    return sys.argv[1:]\n"
+                      "if __name__ == '__main__':\n"
+                      "    print('result', polytrain.launch(main, workers=2, timeout_s=20))\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
+    run = subprocess.run([sys.executable, str(script), "--lr", "0.1"], env=env,
+                         capture_output=True, text=True, timeout=50)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "result [['--lr', '0.1'], ['--lr', '0.1']]" in run.stdout, run.stdout
+
+
 def _run_calling_launch(tmp_path, launch_args: str, cli_args: list[str] | None,
                         extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     script = tmp_path / "job.py"

@@ -212,6 +212,7 @@ def _run(payload: dict[str, Any]) -> Any:
         sys.path.insert(0, os.path.dirname(script))
         runpy.run_path(script, run_name="__main__")
         return None
+    sys.argv = list(payload["argv"])  # the launching script's, as multiprocessing's spawn keeps
     _load_main(payload["main_file"])
     fn, args, kwargs = pickle.loads(payload["target"])
     return fn(*args, **kwargs)

@@ -186,7 +186,7 @@ class Launcher:
                 "pass a function defined at module level, with picklable arguments") from None
         main = sys.modules.get("__main__")
         payload = {"kind": "fn", "target": target, "sys_path": list(sys.path),
-                   "main_file": getattr(main, "__file__", None)}
+                   "main_file": getattr(main, "__file__", None), "argv": list(sys.argv)}
         return self._run(payload)
 
     def run_script(self, script: str, argv: Sequence[str] = ()) -> None:
