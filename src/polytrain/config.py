@@ -228,6 +228,10 @@ class TrainConfig:
             raise ConfigError(f"unknown --on-save-error {self.on_save_error!r}; the choices "
                               f"are: {', '.join(ON_SAVE_ERROR)}",
                               "pass --on-save-error continue or stop")
+        if self.init is not None and self.resume is not None:
+            raise ConfigError(f"--init {self.init} starts a run from a final.pt, and --resume "
+                              f"{self.resume} continues a checkpoint, whose weights would "
+                              f"replace it", "pass one of them")
         if self.max_restarts < 0:
             raise ConfigError(f"--max-restarts must be 0 or more (got {self.max_restarts})",
                               "pass --max-restarts 2")

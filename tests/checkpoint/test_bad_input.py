@@ -127,3 +127,57 @@ def test_pipetransformer_refuses_a_checkpoint_of_other_machines_or_planning_opti
                          make_options(cls, {"freeze_every": 4}))
     with pytest.raises(ConfigError, match=r"cannot resume a checkpoint of 4 workers on 8"):
         cls.check_resume(saved, Layout(workers=8, nodes=2), same)
+
+
+@pytest.mark.timeout(120)
+def test_checkpoints_of_another_run_in_out_are_not_mixed_with_this_runs(capsys, saved, tmp_path):
+    # A fresh run into an --out that held another run's step-2 and step-4 wrote its own beside
+    # them, and a --max-restarts restart (or a later --resume OUT) took the other run's newest.
+    line = error_of(capsys, "--strategy", "single", "--out", str(saved), "--checkpoint-every",
+                    "2", *TINY)
+    assert f"--out {saved} already holds an earlier run's checkpoints (2 checkpoints up to " \
+           f"step-4)" in line and f"HINT: continue that run with --resume {saved}" in line
+    # Going back to step-2 in the same --out: step-4 is past it, and not this run's.
+    line = error_of(capsys, "--strategy", "single", "--resume",
+                    str(saved / "checkpoints" / "step-2"), "--out", str(saved),
+                    "--checkpoint-every", "2", *TINY)
+    assert "holds checkpoints past step 2, the one this run resumes (1 checkpoint up to " \
+           "step-4)" in line
+    # Without checkpoints of its own, a fresh run may still write into that --out.
+    assert main(["train", "--strategy", "single", "--out", str(tmp_path), "--checkpoint-every",
+                 "2", *TINY]) == 0
+
+
+@pytest.mark.timeout(120)
+def test_resume_with_another_lr_or_schedule_or_with_init_is_refused(capsys, saved):
+    # The checkpoint's optimizer settings replaced --lr silently, while metrics.json said it.
+    line = error_of(capsys, "--strategy", "single", "--resume", str(saved), "--lr", "0.5", *TINY)
+    assert "was written with --lr 0.002, and this run has 0.5. HINT: resume with --lr 0.002" \
+        in line
+    line = error_of(capsys, "--strategy", "single", "--resume", str(saved), "--lr-schedule",
+                    "cosine", *TINY)
+    assert "was written with --lr-schedule constant, and this run has cosine" in line
+    # --init was ignored: the checkpoint's weights replaced it.
+    line = error_of(capsys, "--strategy", "single", "--resume", str(saved), "--init",
+                    str(saved / "final.pt"), *TINY)
+    assert "continues a checkpoint, whose weights would replace it. HINT: pass one of them" \
+        in line
+
+
+@pytest.mark.timeout(120)
+def test_resume_without_out_goes_on_in_the_resumed_runs_out(capsys, saved, tmp_path):
+    # It trained and wrote nothing, saying nothing.
+    import shutil
+    run = tmp_path / "run"
+    shutil.copytree(saved, run)
+    longer = [("6" if a == "4" and i and TINY[i - 1] == "--steps" else a)
+              for i, a in enumerate(TINY)]
+    for resume in (run, run / "checkpoints" / "step-4"):
+        assert main(["train", "--strategy", "single", "--resume", str(resume), *longer]) == 0
+        assert f"wrote {run}/metrics.json and {run}/final.pt" in capsys.readouterr().out
+        assert json.loads((run / "metrics.json").read_text())["steps"] == 6
+    outside = tmp_path / "step-4"
+    shutil.copytree(saved / "checkpoints" / "step-4", outside)
+    line = error_of(capsys, "--strategy", "single", "--resume", str(outside), *longer)
+    assert f"--resume {outside} is a checkpoint outside a run's --out, and no --out is given: " \
+           f"the run would write nothing. HINT: pass --out DIR" in line

@@ -4,6 +4,7 @@ from its newest checkpoint and ends with the uninterrupted run's weights."""
 from __future__ import annotations
 
 import random
+import shutil
 import signal
 import tempfile
 import time
@@ -72,3 +73,38 @@ def test_a_stopped_process_is_found_by_its_heartbeat_and_named():
         assert info.value.rank == 1
         assert not any(alive(p) for p in hang.pids.values())
     assert time.monotonic() - start < 60
+
+
+@pytest.mark.timeout(120)
+def test_a_resumed_run_that_dies_before_its_first_checkpoint_restarts_from_its_resume_point(
+        tmp_path, monkeypatch):
+    # The restart took the newest checkpoint in --out, else step 0: a run resumed from
+    # another directory went back to step 0 (or to an older run's checkpoint in its --out).
+    from polytrain.train import run as run_module
+    config = TrainConfig(strategy="ddp", workers=2, nodes=2, steps=4, batch_size=8,
+                         model_options=TINY, quiet=True, timeout_s=30)
+    first = tmp_path / "first"
+    run_job(config.replace(out=str(first), checkpoint_every=2), env=ENV)
+    out = tmp_path / "second"  # holds an older checkpoint: at step 2, before the resume point
+    shutil.copytree(first / "checkpoints" / "step-2", out / "checkpoints" / "step-2")
+    started: list[str | None] = []
+
+    class DiesOnce:  # the launcher, whose first run loses a worker
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            pass
+
+        def run_fn(self, fn: object, args: tuple) -> list[dict]:
+            started.append(args[0].resume)
+            if len(started) == 1:
+                raise LaunchError("worker rank 1 (machine node1) failed: killed by SIGKILL (9)",
+                                  rank=1, exitcode=-9)
+            return [{"losses": []}]
+
+    monkeypatch.setattr(run_module, "Launcher", DiesOnce)
+    said: list[str] = []
+    metrics = run_job(config.replace(steps=8, out=str(out), resume=str(first),
+                                     checkpoint_every=2, max_restarts=1), report=said.append)
+    resumed = str(first / "checkpoints" / "step-4")
+    assert started == [resumed, resumed] and metrics["restarts"] == 1
+    assert said == [f"polytrain: worker rank 1 (machine node1) failed: killed by SIGKILL (9); "
+                    f"restart 1 of 1 from {resumed} (no checkpoint of its own yet)"]

@@ -64,6 +64,7 @@ def test_train_writes_metrics_and_final_state_as_the_contract_says(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--strategy", "bytepz"], r"unknown strategy 'bytepz'; the strategies are: .*ddp"),
+    (["--strategy", "bytepz"], r"the strategies are: .*ddp.*, or auto \(the one `polytrain plan`"),
     (["--model", "resnet"], r"unknown model 'resnet'; the models are: .*gpt.*mlp"),
     (["--data", "imagenet"], r"unknown data set 'imagenet'; the data sets are: text"),
     (["--workers", "3", "--nodes", "2"], r"--workers 3 is not divisible by --nodes 2.*HINT"),

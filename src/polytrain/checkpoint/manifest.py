@@ -28,8 +28,8 @@ from typing import Any, Iterable
 from ..errors import ConfigError
 
 __all__ = ["FORMAT", "MANIFEST", "checkpoint_dir", "temporary_dir", "write_manifest",
-           "verify", "read_manifest", "whole_checkpoints", "newest", "resolve", "prune",
-           "commit", "CheckpointError"]
+           "verify", "read_manifest", "step_dirs", "whole_checkpoints", "newest", "resolve",
+           "run_out", "prune", "commit", "CheckpointError"]
 
 FORMAT = "polytrain.checkpoint/1"
 MANIFEST = "manifest.json"
@@ -122,7 +122,9 @@ def verify(directory: str | Path) -> dict[str, Any]:
     return manifest
 
 
-def _steps(root: Path) -> list[tuple[int, Path]]:
+def step_dirs(root: str | Path) -> list[tuple[int, Path]]:
+    """Every ``step-S`` directory under ``root`` (whole or not), newest first."""
+    root = Path(root)
     if not root.is_dir():
         return []
     found = [(int(m.group(1)), p) for p in root.iterdir()
@@ -133,7 +135,7 @@ def _steps(root: Path) -> list[tuple[int, Path]]:
 def whole_checkpoints(root: str | Path) -> list[tuple[int, Path, str | None]]:
     """Every ``step-S`` under ``root``, newest first, with why it is not whole (None: whole)."""
     out: list[tuple[int, Path, str | None]] = []
-    for step, path in _steps(Path(root)):
+    for step, path in step_dirs(root):
         try:
             verify(path)
             out.append((step, path, None))
@@ -142,12 +144,23 @@ def whole_checkpoints(root: str | Path) -> list[tuple[int, Path, str | None]]:
     return out
 
 
-def newest(root: str | Path) -> Path | None:
-    """The newest whole checkpoint under ``root`` (None: there is none)."""
-    for _, path, broken in whole_checkpoints(root):
-        if broken is None:
+def newest(root: str | Path, *, after: int = -1) -> Path | None:
+    """The newest whole checkpoint under ``root`` past step ``after`` (None: there is none)."""
+    for step, path, broken in whole_checkpoints(root):
+        if broken is None and step > after:
             return path
     return None
+
+
+def run_out(path: str | Path) -> Path | None:
+    """The ``--out`` directory of the run a ``--resume PATH`` continues (``OUT``,
+    ``OUT/checkpoints`` or ``OUT/checkpoints/step-S``); None for a checkpoint elsewhere."""
+    p = Path(path)
+    if (p / "checkpoints").is_dir():
+        return p
+    if _STEP.match(p.name):
+        p = p.parent
+    return p.parent if p.name == "checkpoints" else None
 
 
 def resolve(path: str | Path) -> tuple[Path, list[str]]:

@@ -10,8 +10,11 @@ from .manifest import CheckpointError
 
 __all__ = ["run_record", "check_compatible"]
 
-# Fields that must match: they decide the weights' shapes or the batches seen.
-_SAME = ("model", "data", "optimizer", "seed", "batch_size")
+# Fields that must match: they decide the weights' shapes, the batches seen, or the steps
+# taken (a checkpoint restores its optimizer's settings and schedule, so another --lr would
+# be recorded and not used).
+_SAME = ("model", "data", "optimizer", "seed", "batch_size", "lr", "lr_schedule",
+         "warmup_steps")
 
 
 def run_record(config: Any) -> dict[str, Any]:
@@ -19,7 +22,8 @@ def run_record(config: Any) -> dict[str, Any]:
     return {"strategy": config.strategy, "model": config.model, "data": config.data,
             "model_options": dict(config.model_options),
             "strategy_options": dict(config.strategy_options),
-            "optimizer": config.optimizer, "seed": config.seed,
+            "optimizer": config.optimizer, "seed": config.seed, "lr": config.lr,
+            "lr_schedule": config.lr_schedule, "warmup_steps": config.warmup_steps,
             "batch_size": config.batch_size, "nodes": config.nodes, "servers": config.servers}
 
 

@@ -6,8 +6,10 @@ import argparse
 import inspect
 import re
 import sys
+from pathlib import Path
 from typing import Any, Sequence
 
+from ..checkpoint.manifest import MANIFEST, resolve, run_out
 from ..config import ON_SAVE_ERROR, SAMPLINGS, SCHEDULES, TrainConfig
 from ..errors import ConfigError
 from ..plan import AUTO, Job, auto_record, chosen, plan_job
@@ -68,7 +70,7 @@ def add_parser(sub: Any, argv: Sequence[str] = ()) -> None:
                         "train on) or stop")
     p.add_argument("--resume", default=None, metavar="OUT|DIR",
                    help="continue from the newest whole checkpoint of a run's --out, or from "
-                        "one checkpoint directory")
+                        "one checkpoint directory (--out defaults to that run's)")
     p.add_argument("--max-restarts", type=int, default=0, metavar="R",
                    help="when a process dies or hangs, restart the run from the newest "
                         "checkpoint, up to R times (default 0)")
@@ -90,7 +92,16 @@ def _summary(cls: type) -> str:
     return re.sub(r":\w+:`~?([^`]*)`", r"\1", line).replace("``", "")
 
 
+def _check_name(name: str) -> None:
+    """Refuse a ``--strategy`` that is neither a strategy nor ``auto``, naming both."""
+    if name != AUTO and name not in strategy_names():
+        raise ConfigError(f"unknown strategy {name!r}; the strategies are: "
+                          f"{', '.join(strategy_names())}, or {AUTO} (the one `polytrain "
+                          f"plan` predicts fastest)", "pass one of them, e.g. --strategy ddp")
+
+
 def config_from_args(ns: argparse.Namespace) -> TrainConfig:
+    _check_name(ns.strategy)
     if ns.strategy == AUTO:
         return auto_config(ns)
     cls = get_strategy(ns.strategy)
@@ -104,12 +115,25 @@ def _common(ns: argparse.Namespace) -> dict[str, Any]:
     return dict(
         model=ns.model, data=ns.data, workers=ns.workers, nodes=ns.nodes, steps=ns.steps,
         batch_size=ns.batch_size, lr=ns.lr, optimizer=ns.optimizer, lr_schedule=ns.lr_schedule,
-        warmup_steps=ns.warmup_steps, seed=ns.seed, out=ns.out, quiet=ns.quiet,
+        warmup_steps=ns.warmup_steps, seed=ns.seed, out=_out(ns), quiet=ns.quiet,
         timeout_s=ns.timeout, port=ns.port, device=ns.device, devices=ns.devices,
         bandwidth=ns.bandwidth, latency=ns.latency, model_options=model_options(ns, _model_flags),
         init=ns.init, eval_every=ns.eval_every, sampling=ns.sampling,
         checkpoint_every=ns.checkpoint_every, keep=ns.keep, on_save_error=ns.on_save_error,
         resume=ns.resume, max_restarts=ns.max_restarts)
+
+
+def _out(ns: argparse.Namespace) -> str | None:
+    """``--out``; with ``--resume`` and no ``--out``, the resumed run's (where it goes on)."""
+    if ns.out is not None or ns.resume is None:
+        return ns.out
+    found = run_out(ns.resume)
+    if found is None and (Path(ns.resume) / MANIFEST).is_file():
+        resolve(ns.resume)  # a damaged checkpoint says so first
+        raise ConfigError(f"--resume {ns.resume} is a checkpoint outside a run's --out, and no "
+                          f"--out is given: the run would write nothing",
+                          "pass --out DIR for its metrics.json, final.pt and checkpoints")
+    return None if found is None else str(found)  # None: --resume's own check says why
 
 
 def auto_config(ns: argparse.Namespace) -> TrainConfig:

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from ..checkpoint import check_compatible, newest, resolve
-from ..checkpoint.manifest import read_manifest
+from ..checkpoint.manifest import CheckpointError, read_manifest, step_dirs, verify
 from ..config import TrainConfig
 from ..errors import LaunchError
 from ..launch.launcher import Launcher
@@ -33,6 +33,42 @@ def resume_point(config: TrainConfig) -> TrainConfig:
     return config.replace(resume=str(where))
 
 
+def start_step(config: TrainConfig) -> int:
+    """The step a run whose ``resume`` is one checkpoint (or None) starts from."""
+    return int(read_manifest(config.resume)["step"]) if config.resume is not None else 0
+
+
+def check_checkpoint_folder(config: TrainConfig) -> None:
+    """Refuse to write checkpoints beside another run's newer ones in ``OUT/checkpoints/``:
+    a restart, and a later ``--resume OUT``, take the newest there, which would be theirs."""
+    if config.checkpoint_every is None or config.out is None:
+        return
+    root = Path(config.out) / "checkpoints"
+    start = start_step(config)
+    past = []
+    for step, path in step_dirs(root):  # newest first
+        if step <= start:
+            break
+        try:
+            verify(path)
+        except CheckpointError:
+            continue  # damaged: nothing resumes it, and this run replaces it at that step
+        past.append(path.name)
+    if not past:
+        return
+    what = f"{len(past)} checkpoint{'s' * (len(past) > 1)} up to {past[0]}"
+    if config.resume is None:
+        raise CheckpointError(
+            f"--out {config.out} already holds an earlier run's checkpoints ({what}), and "
+            f"this run would write its own beside them",
+            f"continue that run with --resume {config.out}, or pass another --out (or "
+            f"remove {root})")
+    raise CheckpointError(
+        f"--out {config.out} holds checkpoints past step {start}, the one this run resumes "
+        f"({what}): they are not this run's, and a restart or a later --resume would take "
+        f"them", f"remove them to go on from step {start}, or pass another --out")
+
+
 def run_config(config: TrainConfig, *, env: Mapping[str, str] | None = None,
                report: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Train ``config``; return worker 0's metrics.
@@ -51,6 +87,8 @@ def run_config(config: TrainConfig, *, env: Mapping[str, str] | None = None,
     """
     say = report or log.warning
     config = resume_point(config)
+    check_checkpoint_folder(config)
+    origin, start = config.resume, start_step(config)
     if not get_strategy(config.strategy).distributed:
         metrics = train(config)
         assert metrics is not None
@@ -67,12 +105,15 @@ def run_config(config: TrainConfig, *, env: Mapping[str, str] | None = None,
                 raise
             restarts += 1
             assert config.out is not None  # checked with --max-restarts
-            found = newest(Path(config.out) / "checkpoints")
-            where = f"checkpoint {found.name}" if found is not None else "step 0 (no " \
-                "checkpoint yet)"
+            # This run's newest checkpoint, else where it started (its --resume, or step 0).
+            found = newest(Path(config.out) / "checkpoints", after=start)
+            back = str(found) if found is not None else origin
+            where = (f"checkpoint {found.name}" if found is not None else
+                     f"{origin} (no checkpoint of its own yet)" if origin is not None else
+                     "step 0 (no checkpoint yet)")
             say(f"polytrain: {e.what}; restart {restarts} of {config.max_restarts} from "
                 f"{where}")
-            config = resume_point(config.replace(resume=str(found) if found else None))
+            config = resume_point(config.replace(resume=back))
     assert metrics is not None
     if restarts:
         metrics["restarts"] = restarts
