@@ -29,6 +29,18 @@ def test_single_returns_the_model_and_its_full_state():
     assert set(state) == {"weight", "bias"} and torch.equal(state["weight"], model.weight)
 
 
+def test_a_model_distributed_twice_is_refused():
+    # Accepted silently: ddp wrapped its DDP in another DDP, and hooks ran twice.
+    model = torch.nn.Linear(2, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    wrapped, _ = polytrain.distribute(model, opt, "single")
+    for again in (model, wrapped):
+        with pytest.raises(ConfigError, match=r"this model was already given to "
+                                              r"polytrain.distribute\(\) \(strategy 'single'\)"
+                                              r".*HINT: call distribute\(\) once per model"):
+            polytrain.distribute(again, opt, "single")
+
+
 def build_and_distribute(strategy: str) -> None:
     ctx = polytrain.init()
     torch.manual_seed(ctx.rank)  # different seeds: distribute must still agree the weights

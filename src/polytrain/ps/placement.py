@@ -143,10 +143,12 @@ def server_ranks(topology: Topology, *, colocate: bool, strategy: str = "this st
         missing = [m for m, s in zip(topology.worker_machines, per_machine) if not s]
         raise ConfigError(f"{strategy} needs a colocated server on every worker machine or "
                           f"on none; machines {missing} have none",
-                          "launch with --colocated 1 (polytrain train does this itself)")
+                          "launch with --colocated 1 (polytrain.launch(..., colocated=1); "
+                          "polytrain train does this itself)")
     dedicated = list(topology.dedicated_servers)
     if not colocated and not dedicated:
         raise ConfigError(f"{strategy} needs summation servers, but this run has none",
-                          "launch with --colocated 1 and/or --servers K (polytrain train "
-                          "starts colocated servers itself)")
+                          "launch with --colocated 1 and/or --servers K (polytrain.launch"
+                          "(..., colocated=1, servers=K); polytrain train starts colocated "
+                          "servers itself)")
     return colocated, dedicated

@@ -359,6 +359,12 @@ def distribute(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str
         options: the strategy's own options (its ``Options`` fields).
     """
     cls = get_strategy(strategy)
+    given = getattr(getattr(model, "module", model), "_polytrain_distributed", None)
+    if given is not None:
+        raise ConfigError(f"this model was already given to polytrain.distribute() (strategy "
+                          f"{given!r}): a second call would wrap it, and hook its gradients, "
+                          f"twice", "call distribute() once per model, and train what it "
+                          "returned")
     if cls.pipeline and loss_fn is None:
         raise ConfigError(
             f"strategy {strategy!r} is a pipeline: each process holds a stage, so the plain "
@@ -387,6 +393,8 @@ def distribute(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str
     instance = cls(ctx, opts)
     wrapped, opt = instance.wrap(model, optimizer)
     object.__setattr__(wrapped, "_polytrain_strategy", instance)
+    for given_model in (model, wrapped):
+        object.__setattr__(given_model, "_polytrain_distributed", strategy)
     if ctx is not None and not cls.pipeline and instance.replica[1] == ctx.num_workers > 1:
         # Data parallelism over every worker, gradients averaged: MoE gates route over the
         # global batch, so that they decide and balance as one process would.

@@ -167,7 +167,8 @@ def plan_parallax(sparse: Sequence[SparseVar], dense: Sequence[str], *, partitio
                           "pass --partitions 8, or leave it out to search")
     if sparse and not servers:
         raise ConfigError("parallax puts sparse parameters on servers, but the run has none",
-                          "launch with --colocated 1 and/or --servers K")
+                          "launch with --colocated 1 and/or --servers K (polytrain.launch"
+                          "(..., colocated=1, servers=K))")
     cuts = [(v, i, lo, hi) for v, var in enumerate(sparse)
             for i, (lo, hi) in enumerate(_cut(var.rows, partitions))]
     parts = [Partition(k, v, sparse[v].name, i, lo * sparse[v].width,
