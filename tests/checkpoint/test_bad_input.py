@@ -176,8 +176,16 @@ def test_resume_without_out_goes_on_in_the_resumed_runs_out(capsys, saved, tmp_p
         assert main(["train", "--strategy", "single", "--resume", str(resume), *longer]) == 0
         assert f"wrote {run}/metrics.json and {run}/final.pt" in capsys.readouterr().out
         assert json.loads((run / "metrics.json").read_text())["steps"] == 6
+    # An older checkpoint of the run: going on in its --out would write over its results.
+    line = error_of(capsys, "--strategy", "single", "--resume",
+                    str(run / "checkpoints" / "step-2"), *longer)
+    assert f"is not the newest checkpoint of {run} (step-4 is), and no --out is given: going " \
+           f"on there would write over that run's final.pt and metrics.json" in line
     outside = tmp_path / "step-4"
     shutil.copytree(saved / "checkpoints" / "step-4", outside)
-    line = error_of(capsys, "--strategy", "single", "--resume", str(outside), *longer)
-    assert f"--resume {outside} is a checkpoint outside a run's --out, and no --out is given: " \
-           f"the run would write nothing. HINT: pass --out DIR" in line
+    backup = tmp_path / "backup"  # a folder of step-S, not a run's checkpoints/
+    shutil.copytree(saved / "checkpoints", backup)
+    for where in (outside, backup):
+        line = error_of(capsys, "--strategy", "single", "--resume", str(where), *longer)
+        assert f"--resume {where} is not inside a run's --out, and no --out is given: the run " \
+               f"would write nothing. HINT: pass --out DIR" in line

@@ -108,3 +108,23 @@ def test_a_resumed_run_that_dies_before_its_first_checkpoint_restarts_from_its_r
     assert started == [resumed, resumed] and metrics["restarts"] == 1
     assert said == [f"polytrain: worker rank 1 (machine node1) failed: killed by SIGKILL (9); "
                     f"restart 1 of 1 from {resumed} (no checkpoint of its own yet)"]
+
+    # A fine-tuning run (--init) that dies after its first checkpoint goes on from that
+    # checkpoint, without --init (refused beside --resume, the restart raised instead).
+    inits: list[str | None] = []
+
+    class WritesThenDies(DiesOnce):
+        def run_fn(self, fn: object, args: tuple) -> list[dict]:
+            inits.append(args[0].init)
+            if len(inits) == 1:  # this run's own checkpoint, then the death
+                shutil.copytree(first / "checkpoints" / "step-2",
+                                tmp_path / "tuned" / "checkpoints" / "step-2")
+            return super().run_fn(fn, args)
+
+    started.clear()
+    monkeypatch.setattr(run_module, "Launcher", WritesThenDies)
+    metrics = run_job(config.replace(steps=8, out=str(tmp_path / "tuned"), checkpoint_every=2,
+                                     max_restarts=1, init=str(first / "final.pt")),
+                      report=said.append)
+    assert started == [None, str(tmp_path / "tuned" / "checkpoints" / "step-2")]
+    assert inits == [str(first / "final.pt"), None] and metrics["restarts"] == 1

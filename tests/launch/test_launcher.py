@@ -509,3 +509,19 @@ def test_polytrain_launch_runs_a_script_and_reports_its_failure(tmp_path):
     assert run.returncode == 1
     assert re.search(r"polytrain launch: error: worker rank 1 \(machine node0\) failed: "
                      r"ValueError: bad shard on rank 1", run.stderr), run.stderr[-2000:]
+
+
+@pytest.mark.timeout(90)
+def test_polytrain_launch_exits_with_the_code_a_failed_worker_exited_with(tmp_path):
+    # It exited 1 whatever the worker's code, so a CI job could not tell sys.exit(3) apart.
+    script = tmp_path / "job.py"
+    script.write_text("import sys, polytrain\n"
+                      "ctx = polytrain.init()\n"
+                      "if ctx.rank == 1:\n"
+                      "    sys.exit(3)\n")
+    cli = Path(sys.executable).with_name("polytrain")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
+    run = subprocess.run([str(cli), "launch", "--workers", "2", "--timeout", "20", str(script)],
+                         env=env, capture_output=True, text=True, timeout=80)
+    assert run.returncode == 3, run.stderr[-2000:]
+    assert "worker rank 1 (machine node0) failed: exited with code 3" in run.stderr

@@ -39,6 +39,10 @@ def test_a_model_distributed_twice_is_refused():
                                               r"polytrain.distribute\(\) \(strategy 'single'\)"
                                               r".*HINT: call distribute\(\) once per model"):
             polytrain.distribute(again, opt, "single")
+    # A copy is another model (the mark is not an attribute that copies carry).
+    import copy
+    twin = copy.deepcopy(model)
+    polytrain.distribute(twin, torch.optim.SGD(twin.parameters(), lr=0.1), "single")
 
 
 def build_and_distribute(strategy: str) -> None:

@@ -155,7 +155,7 @@ def newest(root: str | Path, *, after: int = -1) -> Path | None:
 def run_out(path: str | Path) -> Path | None:
     """The ``--out`` directory of the run a ``--resume PATH`` continues (``OUT``,
     ``OUT/checkpoints`` or ``OUT/checkpoints/step-S``); None for a checkpoint elsewhere."""
-    p = Path(path)
+    p = Path(path).resolve()
     if (p / "checkpoints").is_dir():
         return p
     if _STEP.match(p.name):

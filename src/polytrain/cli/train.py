@@ -6,10 +6,9 @@ import argparse
 import inspect
 import re
 import sys
-from pathlib import Path
 from typing import Any, Sequence
 
-from ..checkpoint.manifest import MANIFEST, resolve, run_out
+from ..checkpoint.manifest import newest, resolve, run_out
 from ..config import ON_SAVE_ERROR, SAMPLINGS, SCHEDULES, TrainConfig
 from ..errors import ConfigError
 from ..plan import AUTO, Job, auto_record, chosen, plan_job
@@ -70,10 +69,12 @@ def add_parser(sub: Any, argv: Sequence[str] = ()) -> None:
                         "train on) or stop")
     p.add_argument("--resume", default=None, metavar="OUT|DIR",
                    help="continue from the newest whole checkpoint of a run's --out, or from "
-                        "one checkpoint directory (--out defaults to that run's)")
+                        "one checkpoint directory (without --out: the run's --out, when "
+                        "this is its newest)")
     p.add_argument("--max-restarts", type=int, default=0, metavar="R",
                    help="when a process dies or hangs, restart the run from the newest "
-                        "checkpoint, up to R times (default 0)")
+                        "checkpoint it wrote (none yet: where it started), up to R times "
+                        "(default 0)")
     add_devices_flag(p)
     # The usage names the option groups rather than every strategy's and model's flags.
     p.usage = (p.format_usage().removeprefix("usage: ").replace(p.prog, "%(prog)s", 1).rstrip()
@@ -124,16 +125,24 @@ def _common(ns: argparse.Namespace) -> dict[str, Any]:
 
 
 def _out(ns: argparse.Namespace) -> str | None:
-    """``--out``; with ``--resume`` and no ``--out``, the resumed run's (where it goes on)."""
+    """``--out``; with ``--resume`` of a run's newest checkpoint and no ``--out``, that run's
+    (where it goes on). Anything else needs ``--out``: the run would write nothing, or write
+    over a longer run's results."""
     if ns.out is not None or ns.resume is None:
         return ns.out
+    where, _ = resolve(ns.resume)  # a missing or damaged checkpoint says so first
     found = run_out(ns.resume)
-    if found is None and (Path(ns.resume) / MANIFEST).is_file():
-        resolve(ns.resume)  # a damaged checkpoint says so first
-        raise ConfigError(f"--resume {ns.resume} is a checkpoint outside a run's --out, and no "
-                          f"--out is given: the run would write nothing",
+    if found is None:
+        raise ConfigError(f"--resume {ns.resume} is not inside a run's --out, and no --out is "
+                          f"given: the run would write nothing",
                           "pass --out DIR for its metrics.json, final.pt and checkpoints")
-    return None if found is None else str(found)  # None: --resume's own check says why
+    last = newest(found / "checkpoints")
+    if last is not None and last.resolve() != where.resolve():
+        raise ConfigError(f"--resume {ns.resume} is not the newest checkpoint of {found} "
+                          f"({last.name} is), and no --out is given: going on there would "
+                          f"write over that run's final.pt and metrics.json",
+                          f"pass --out DIR, or --resume {found} for its newest")
+    return str(found)
 
 
 def auto_config(ns: argparse.Namespace) -> TrainConfig:

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
+from ..tensors import host_copy
 
 __all__ = ["ActivationCache", "CacheStats", "frozen_forward", "check_writable"]
 
@@ -115,7 +116,7 @@ class ActivationCache:
         return None
 
     def put(self, key: bytes, depth: int, value: torch.Tensor) -> None:
-        value = value.detach().to("cpu", copy=True)  # host memory, off a GPU too
+        value = host_copy(value)  # host memory, off a GPU too
         if self.shared is not None:
             # Written aside and renamed: a reader sees the whole entry or none.
             path = self.shared / (key.hex() + ".pt")

@@ -36,6 +36,7 @@ from ..ps.protocol import Kind
 from ..ps.settings import round_pieces, round_settings
 from ..ps.stores import WHOLE_STATE, optimizer_state_numel
 from ..runtime import Context
+from ..tensors import host_copy
 
 __all__ = ["WaveSync", "model_placement"]
 
@@ -240,7 +241,7 @@ class WaveSync:
                 self._pull.wait()
                 self._pull = None
             # A copy: the buffers are reused while the sends are in flight.
-            cpu = [u.detach().to("cpu", copy=True) for u in self.wave_update]
+            cpu = [host_copy(u) for u in self.wave_update]
             rnd, payloads = self.clock, [self._slice(cpu, p) for _, p in self.mine]
             for w, s in zip(self.wave_update, self.since_push):
                 w.zero_()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from abc import ABC, abstractmethod
 from typing import Any, Callable, ClassVar, Generic, Mapping, TypeVar, overload
 
@@ -359,7 +360,7 @@ def distribute(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str
         options: the strategy's own options (its ``Options`` fields).
     """
     cls = get_strategy(strategy)
-    given = getattr(getattr(model, "module", model), "_polytrain_distributed", None)
+    given = model.strategy.name if isinstance(model, Trainer) else _DISTRIBUTED.get(model)
     if given is not None:
         raise ConfigError(f"this model was already given to polytrain.distribute() (strategy "
                           f"{given!r}): a second call would wrap it, and hook its gradients, "
@@ -394,7 +395,7 @@ def distribute(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str
     wrapped, opt = instance.wrap(model, optimizer)
     object.__setattr__(wrapped, "_polytrain_strategy", instance)
     for given_model in (model, wrapped):
-        object.__setattr__(given_model, "_polytrain_distributed", strategy)
+        _DISTRIBUTED[given_model] = strategy
     if ctx is not None and not cls.pipeline and instance.replica[1] == ctx.num_workers > 1:
         # Data parallelism over every worker, gradients averaged: MoE gates route over the
         # global batch, so that they decide and balance as one process would.
@@ -407,6 +408,11 @@ def distribute(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str
     if gate_losses:
         loss_fn = with_gate_losses(loss_fn, wrapped)
     return Trainer(instance, wrapped, opt, loss_fn, device=device)
+
+
+# The models distribute() was given and returned, by strategy (weakly: a copy, or a model
+# saved whole and loaded again, is another model).
+_DISTRIBUTED: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
 
 
 def _layout_of(ctx: Context) -> Layout | None:

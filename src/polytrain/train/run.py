@@ -66,7 +66,8 @@ def check_checkpoint_folder(config: TrainConfig) -> None:
     raise CheckpointError(
         f"--out {config.out} holds checkpoints past step {start}, the one this run resumes "
         f"({what}): they are not this run's, and a restart or a later --resume would take "
-        f"them", f"remove them to go on from step {start}, or pass another --out")
+        f"them", f"remove them from {root} to go on from step {start}, or pass another "
+        f"--out")
 
 
 def run_config(config: TrainConfig, *, env: Mapping[str, str] | None = None,
@@ -113,7 +114,9 @@ def run_config(config: TrainConfig, *, env: Mapping[str, str] | None = None,
                      "step 0 (no checkpoint yet)")
             say(f"polytrain: {e.what}; restart {restarts} of {config.max_restarts} from "
                 f"{where}")
-            config = resume_point(config.replace(resume=back))
+            # From a checkpoint, its weights replace --init's (kept only for step 0).
+            config = resume_point(config.replace(resume=back,
+                                                 init=config.init if back is None else None))
     assert metrics is not None
     if restarts:
         metrics["restarts"] = restarts

@@ -24,6 +24,7 @@ from ...ps.client import Pending
 from ...ps.compression import ASYNC_COMPRESSORS, DEFAULT_MIN_BYTES, Codec
 from ...ps.engine import Engine
 from ...ps.protocol import Kind
+from ...tensors import host_copy
 from .optimizer import Choice, WrappedOptimizer, named_params_of, tensor_compression
 from .plan import plan_for
 
@@ -114,7 +115,7 @@ class AsyncOptimizer(WrappedOptimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> Any:
-        old = [p.detach().reshape(-1).to("cpu", copy=True) for p in self._params]
+        old = [host_copy(p.reshape(-1)) for p in self._params]
         loss = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
         self.clock += 1
         pushes: list[Pending] = []

@@ -38,7 +38,7 @@ from ...pipeline.freeze import GradNormTracker, next_frozen
 from ...pipeline.stage import Stage
 from ...pipeline.sync import SyncPipeline
 from ...runtime import Context
-from ...tensors import host_state
+from ...tensors import host_copy, host_state
 from ..base import LossFn, Strategy, make_options, register
 from .options import PipeTransformerOptions
 
@@ -357,7 +357,7 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
         params = dict(self.model.named_parameters())
         names = [n for layer in held_layers for n in self._layer_params.get(layer, [])]
         names += list(self.stage.names)
-        weights = {n: params[n].detach().to("cpu", copy=True) for n in names}
+        weights = {n: host_copy(params[n]) for n in names}
         return weights, self._stage_optimizer_state()
 
     def _stage_optimizer_state(self) -> dict[str, dict[str, Any]]:
@@ -366,9 +366,7 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
         if self.stage is not None and self.stage_opt is not None:
             for n, p in zip(self.stage.names, self.stage.params):
                 if p in self.stage_opt.state:
-                    state[n] = {k: v.detach().to("cpu", copy=True)
-                                if isinstance(v, torch.Tensor) else v
-                                for k, v in self.stage_opt.state[p].items()}
+                    state[n] = host_state(self.stage_opt.state[p])
         return state
 
     def _hand_over(self, plan: PipePlan, old: PipePlan) -> None:
