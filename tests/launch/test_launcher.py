@@ -494,6 +494,14 @@ def test_a_script_that_calls_launch_runs_under_polytrain_launch_as_it_is(tmp_pat
     assert "result [(0, 2), (1, 2)]" in run.stdout, run.stdout
 
 
+def polytrain_launch(*args: str) -> subprocess.CompletedProcess[str]:
+    """``polytrain launch ARGS`` in a new process, its output captured."""
+    cli = Path(sys.executable).with_name("polytrain")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
+    return subprocess.run([str(cli), "launch", *args], env=env, capture_output=True, text=True,
+                          timeout=80)
+
+
 @pytest.mark.timeout(90)
 def test_polytrain_launch_runs_a_script_and_reports_its_failure(tmp_path):
     script = tmp_path / "job.py"
@@ -502,10 +510,7 @@ def test_polytrain_launch_runs_a_script_and_reports_its_failure(tmp_path):
         "ctx = polytrain.init()\n"
         "if ctx.rank == 1:\n"
         "    raise ValueError('bad shard on rank 1')\n")
-    cli = Path(sys.executable).with_name("polytrain")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
-    run = subprocess.run([str(cli), "launch", "--workers", "2", "--servers", "1", str(script)],
-                         env=env, capture_output=True, text=True, timeout=80)
+    run = polytrain_launch("--workers", "2", "--servers", "1", str(script))
     assert run.returncode == 1
     assert re.search(r"polytrain launch: error: worker rank 1 \(machine node0\) failed: "
                      r"ValueError: bad shard on rank 1", run.stderr), run.stderr[-2000:]
@@ -519,9 +524,6 @@ def test_polytrain_launch_exits_with_the_code_a_failed_worker_exited_with(tmp_pa
                       "ctx = polytrain.init()\n"
                       "if ctx.rank == 1:\n"
                       "    sys.exit(3)\n")
-    cli = Path(sys.executable).with_name("polytrain")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
-    run = subprocess.run([str(cli), "launch", "--workers", "2", "--timeout", "20", str(script)],
-                         env=env, capture_output=True, text=True, timeout=80)
+    run = polytrain_launch("--workers", "2", "--timeout", "20", str(script))
     assert run.returncode == 3, run.stderr[-2000:]
     assert "worker rank 1 (machine node0) failed: exited with code 3" in run.stderr
