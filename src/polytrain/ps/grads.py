@@ -7,7 +7,8 @@ last member is in, the bucket is handed to the engine while backward goes on
 (overlap); :meth:`GradientSync.synchronize` waits for what is still in
 flight and leaves the average over workers in every ``.grad``. Parameters
 whose gradient never came are summed as zeros, so every worker sends the same
-keys every step.
+keys every step; with :attr:`GradientSync.keep_missing`, one that no worker's
+gradient came for is left without one (``None``), as in one process.
 
     backward:  grad(p9) grad(p8) | grad(p7) ... grad(p0)   (hooks, in this order)
     buckets:   [p9 p8] -> submit  | [p7 ..]  -> submit  ...
@@ -21,6 +22,7 @@ import time
 from typing import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 
 from ..comm.bucket import Bucket
 from ..comm.partition import TensorSpec
@@ -29,7 +31,24 @@ from .compression import CompressOptions
 from .engine import Engine, SumTensor
 from .placement import Placement
 
-__all__ = ["GradientSync", "bucket_specs"]
+__all__ = ["GradientSync", "bucket_specs", "sparse_parameter", "refuse_sparse"]
+
+
+def sparse_parameter(model: torch.nn.Module) -> str | None:
+    """The name of ``model``'s first parameter with sparse gradients (an
+    ``nn.Embedding(sparse=True)`` or ``EmbeddingBag``), or None: the engine sums dense ones."""
+    for prefix, module in model.named_modules():
+        if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and module.sparse:
+            return f"{prefix}.weight" if prefix else "weight"
+    return None
+
+
+def refuse_sparse(name: str) -> ConfigError:
+    """The refusal of parameter ``name``'s sparse gradients by the push/pull engine."""
+    return ConfigError(f"parameter {name!r} has a sparse gradient (an nn.Embedding(sparse="
+                       f"True)), and the push/pull engine (byteps, herring) sums dense ones",
+                       "build it with sparse=False, or train with strategy 'parallax' (its "
+                       "rows on servers) or 'ddp'")
 
 
 def bucket_specs(buckets: Sequence[Bucket], specs: Sequence[TensorSpec]) -> list[TensorSpec]:
@@ -124,6 +143,10 @@ class GradientSync:
             b.numel, dtype=b.dtype, device=self.params[b.members[0]].device)
             for b in self.buckets]
         self._workers = engine.ctx.num_workers
+        #: Leave ``.grad`` None where no worker had a gradient (an MoE expert no token chose:
+        #: one process gives it none, and Adam would step on zeros); one small all-reduce of
+        #: a flag per parameter a step. Off by default.
+        self.keep_missing = False
         self._reset()
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook(i))
                        for i, p in enumerate(self.params)]
@@ -148,6 +171,7 @@ class GradientSync:
         self._missing = [len(b.members) for b in self.buckets]
         self._first_submit: float | None = None
         self._queued = False
+        self._came = [False] * len(self.params)
 
     def _hook(self, i: int) -> Callable[[torch.Tensor], None]:
         def hook(param: torch.Tensor) -> None:
@@ -165,12 +189,10 @@ class GradientSync:
     def _collect(self, i: int) -> None:
         """Parameter i's gradient is final for this step: submit its bucket once all are."""
         p = self.params[i]
+        self._came[i] = p.grad is not None
         grad = p.grad if p.grad is not None else torch.zeros_like(p)
         if grad.is_sparse:
-            raise ConfigError(f"parameter {self.names[i]!r} has a sparse gradient (an "
-                              f"nn.Embedding(sparse=True)), and the push/pull engine (byteps, "
-                              f"herring) sums dense ones", "build it with sparse=False, or "
-                              "train with strategy 'parallax' (its rows on servers) or 'ddp'")
+            raise refuse_sparse(self.names[i])
         if self.transform is not None:
             grad = self.transform(i, grad)
         self._ready[i] = True
@@ -204,6 +226,12 @@ class GradientSync:
         if self._first_submit is not None:
             self.comm_s.append(done - self._first_submit)
             self.exposed_s.append(done - waited)
+        if self.keep_missing:
+            came = torch.tensor(self._came, dtype=torch.float32, device=self.params[0].device)
+            dist.all_reduce(came, group=self.engine.ctx.groups.workers)
+            for p, n in zip(self.params, came.tolist()):
+                if n == 0:
+                    p.grad = None
         self.synced += 1
         self._reset()
 

@@ -11,6 +11,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ..errors import ConfigError
+from ..moe.checkpoint import moe_layers
 from .base import Strategy, register
 
 __all__ = ["DDP", "DDPOptions"]
@@ -26,7 +27,8 @@ class DDPOptions:
 
     find_unused_parameters: bool = field(default=False, metadata={
         "help": "ddp: allow parameters that get no gradient in a step (torch's option of "
-                "the same name; it costs a walk of the graph every step)"})
+                "the same name; it costs a walk of the graph every step; on by itself for a "
+                "model with MoE layers)"})
 
 
 class _DDP(DistributedDataParallel):
@@ -93,8 +95,12 @@ class DDP(Strategy[DDPOptions]):
             raise ConfigError("ddp on CUDA needs every parameter on the GPU",
                               "move the model with model.to('cuda') before distribute()")
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+        # An MoE expert that no token chose has no gradient (None) in one process; DDP without
+        # find_unused_parameters writes zeros there, which Adam then steps on. With it, a
+        # parameter no worker used keeps None, as in one process (torch's reducer).
+        find_unused = self.options.find_unused_parameters or bool(moe_layers(model))
         wrapped = _DDP(model, device_ids=device_ids, process_group=ctx.groups.workers,
-                       find_unused_parameters=self.options.find_unused_parameters)
+                       find_unused_parameters=find_unused)
         grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters()
                          if p.requires_grad)
         workers = list(ctx.topology.workers)

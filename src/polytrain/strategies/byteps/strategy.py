@@ -9,6 +9,7 @@ from torch import nn
 
 from ...errors import ConfigError
 from ...launch.layout import Layout
+from ...moe.checkpoint import moe_layers
 from ...ps.engine import Engine, engine_for
 from ...runtime import Context
 from ..base import register
@@ -83,6 +84,8 @@ class BytePS(ServedStrategy[BytePSOptions]):
                                                   compress_adam_refresh=(
                                                       opts.compress_adam_refresh),
                                                   **placing)
+            sync = self.optimizer.sync
+            sync.keep_missing = bool(moe_layers(model)) and not sync.packed
         return model, self.optimizer
 
     def state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:

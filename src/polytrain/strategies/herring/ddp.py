@@ -22,6 +22,7 @@ from torch import nn
 from ... import runtime
 from ...comm.partition import TensorSpec
 from ...errors import ConfigError
+from ...moe.checkpoint import moe_layers
 from ...ps.engine import engine_for
 from ...ps.grads import GradientSync
 from ...ps.placement import server_ranks
@@ -97,3 +98,4 @@ class DistributedDataParallel(SyncedModule):
         self.sync = GradientSync(engine_for(ctx), named, self.plan.buckets,
                                  self.plan.placement, in_backward=True,
                                  describe=self.plan.describe())
+        self.sync.keep_missing = bool(moe_layers(module))
