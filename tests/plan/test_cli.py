@@ -57,6 +57,18 @@ def test_plan_of_a_model_with_sparse_embeddings_times_it_with_lazy_adam(capsys):
     assert all(p["compute_s"] > 0 for p in out["predictions"].values())
 
 
+def test_plan_of_a_model_with_sparse_gradients_offers_only_what_can_sum_them(capsys):
+    # --strategy auto chose herring for wordlm, whose workers then failed on its sparse
+    # embedding gradients after the run had started.
+    assert main(["plan", "--model", "wordlm", "--vocab", "2000", "--d-model", "16",
+                 "--layers", "1", "--heads", "2", "--seq-len", "8", "--negatives", "16",
+                 "--batch-size", "8", "--workers", "4", "--nodes", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert list(out["predictions"]) == ["ddp"] and out["recommended"] == "ddp"
+    assert "byteps and herring left out: parameter 'tok.weight' has sparse gradients" \
+        in out["why"], out["why"]
+
+
 @pytest.mark.parametrize("args, message", [
     (["plan", "--bandwidth", "1gbyte"], "--bandwidth '1gbyte' is not a rate"),
     (["plan", "--bandwidth", "1gbit", "--credit-bytes", "0"],

@@ -13,6 +13,7 @@ from ..emulation.devices import parse_cluster
 from ..errors import ConfigError
 from ..launch.network import link_shape
 from ..models import get_model
+from ..ps.grads import sparse_parameter
 from .compute import device_compute, measure_compute
 from .cost import Candidate, Compute, Constants, Network, Prediction, candidates, predict, recommend
 
@@ -112,9 +113,15 @@ class Job:
                        else None)
 
     def model_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self._meta_model().parameters())
+
+    def sparse_parameter(self) -> str | None:
+        """The model's first parameter with sparse gradients (None: all dense)."""
+        return sparse_parameter(self._meta_model())
+
+    def _meta_model(self) -> torch.nn.Module:
         with torch.device("meta"):
-            net = get_model(self.model).make(**self.model_options)
-        return sum(p.numel() * p.element_size() for p in net.parameters())
+            return get_model(self.model).make(**self.model_options)
 
     def compute(self) -> Compute:
         """One worker's compute per step: its devices' speed, or measured here."""
@@ -138,6 +145,8 @@ class Plan:
     predictions: tuple[Prediction, ...]
     recommended: Prediction
     constants: Constants
+    #: A parameter with sparse gradients, which only ddp of the candidates can sum (None: none).
+    sparse: str | None = None
 
     def why(self) -> str:
         """One line: the choice, its predicted step, and the runner-up's."""
@@ -154,6 +163,10 @@ class Plan:
             line += f"; next {others[0].candidate.key} {others[0].step_time_s * 1e3:.0f} ms"
             if "ddp" not in (best.candidate.key, others[0].candidate.key):
                 line += f", ddp {self.get('ddp').step_time_s * 1e3:.0f} ms"
+        if self.sparse is not None:
+            line += (f"; byteps and herring left out: parameter {self.sparse!r} has sparse "
+                     f"gradients, which their push/pull engine cannot sum (parallax is built "
+                     f"for them)")
         return line
 
     def get(self, key: str) -> Prediction:
@@ -202,10 +215,12 @@ def plan_job(job: Job, *, constants: Constants = CONSTANTS,
     profile = compute() if callable(compute) else compute if compute is not None \
         else job.compute()
     model_bytes = job.model_bytes()
+    sparse = job.sparse_parameter()
     predictions = tuple(predict(c, network=network, compute=profile, model_bytes=model_bytes,
-                                constants=constants) for c in candidates(network))
+                                constants=constants) for c in candidates(network)
+                        if sparse is None or c.strategy == "ddp")
     return Plan(job, network, profile, model_bytes, predictions, recommend(predictions),
-                constants)
+                constants, sparse)
 
 
 def chosen(plan: Plan) -> Candidate:
