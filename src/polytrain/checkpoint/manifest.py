@@ -23,12 +23,13 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 from ..errors import ConfigError
 
 __all__ = ["FORMAT", "MANIFEST", "checkpoint_dir", "temporary_dir", "write_manifest",
-           "verify", "read_manifest", "step_dirs", "whole_checkpoints", "newest", "resolve",
+           "verify", "read_manifest", "step_dirs", "whole_checkpoints", "whole_past", "newest",
+           "resolve",
            "run_out", "prune", "commit", "CheckpointError"]
 
 FORMAT = "polytrain.checkpoint/1"
@@ -144,12 +145,22 @@ def whole_checkpoints(root: str | Path) -> list[tuple[int, Path, str | None]]:
     return out
 
 
+def whole_past(root: str | Path, step: int = -1) -> Iterator[Path]:
+    """The whole checkpoints under ``root`` past ``step``, newest first, each verified only
+    when reached (damaged ones passed over)."""
+    for s, path in step_dirs(root):
+        if s <= step:
+            return
+        try:
+            verify(path)
+        except CheckpointError:
+            continue
+        yield path
+
+
 def newest(root: str | Path, *, after: int = -1) -> Path | None:
     """The newest whole checkpoint under ``root`` past step ``after`` (None: there is none)."""
-    for step, path, broken in whole_checkpoints(root):
-        if broken is None and step > after:
-            return path
-    return None
+    return next(whole_past(root, after), None)
 
 
 def run_out(path: str | Path) -> Path | None:

@@ -8,7 +8,7 @@ import re
 import sys
 from typing import Any, Sequence
 
-from ..checkpoint.manifest import newest, resolve, run_out
+from ..checkpoint.manifest import newest, read_manifest, resolve, run_out
 from ..config import ON_SAVE_ERROR, SAMPLINGS, SCHEDULES, TrainConfig
 from ..errors import ConfigError
 from ..plan import AUTO, Job, auto_record, chosen, plan_job
@@ -136,8 +136,9 @@ def _out(ns: argparse.Namespace) -> str | None:
         raise ConfigError(f"--resume {ns.resume} is not inside a run's --out, and no --out is "
                           f"given: the run would write nothing",
                           "pass --out DIR for its metrics.json, final.pt and checkpoints")
-    last = newest(found / "checkpoints")
-    if last is not None and last.resolve() != where.resolve():
+    # Only checkpoints past the resumed one are verified (usually none).
+    last = newest(found / "checkpoints", after=int(read_manifest(where)["step"]))
+    if last is not None:
         raise ConfigError(f"--resume {ns.resume} is not the newest checkpoint of {found} "
                           f"({last.name} is), and no --out is given: going on there would "
                           f"write over that run's final.pt and metrics.json",

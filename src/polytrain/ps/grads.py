@@ -31,7 +31,7 @@ from .compression import CompressOptions
 from .engine import Engine, SumTensor
 from .placement import Placement
 
-__all__ = ["GradientSync", "bucket_specs", "sparse_parameter", "refuse_sparse"]
+__all__ = ["GradientSync", "bucket_specs", "sparse_parameter"]
 
 
 def sparse_parameter(model: torch.nn.Module) -> str | None:
@@ -41,14 +41,6 @@ def sparse_parameter(model: torch.nn.Module) -> str | None:
         if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and module.sparse:
             return f"{prefix}.weight" if prefix else "weight"
     return None
-
-
-def refuse_sparse(name: str) -> ConfigError:
-    """The refusal of parameter ``name``'s sparse gradients by the push/pull engine."""
-    return ConfigError(f"parameter {name!r} has a sparse gradient (an nn.Embedding(sparse="
-                       f"True)), and the push/pull engine (byteps, herring) sums dense ones",
-                       "build it with sparse=False, or train with strategy 'parallax' (its "
-                       "rows on servers) or 'ddp'")
 
 
 def bucket_specs(buckets: Sequence[Bucket], specs: Sequence[TensorSpec]) -> list[TensorSpec]:
@@ -192,7 +184,10 @@ class GradientSync:
         self._came[i] = p.grad is not None
         grad = p.grad if p.grad is not None else torch.zeros_like(p)
         if grad.is_sparse:
-            raise refuse_sparse(self.names[i])
+            raise ConfigError(f"parameter {self.names[i]!r} has a sparse gradient (an "
+                              f"nn.Embedding(sparse=True)), and the push/pull engine (byteps, "
+                              f"herring) sums dense ones", "build it with sparse=False, or "
+                              "train with strategy 'parallax' (its rows on servers) or 'ddp'")
         if self.transform is not None:
             grad = self.transform(i, grad)
         self._ready[i] = True

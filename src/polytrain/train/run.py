@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from ..checkpoint import check_compatible, newest, resolve
-from ..checkpoint.manifest import CheckpointError, read_manifest, step_dirs, verify
+from ..checkpoint.manifest import CheckpointError, read_manifest, whole_past
 from ..config import TrainConfig
 from ..errors import LaunchError
 from ..launch.launcher import Launcher
@@ -45,15 +45,8 @@ def check_checkpoint_folder(config: TrainConfig) -> None:
         return
     root = Path(config.out) / "checkpoints"
     start = start_step(config)
-    past = []
-    for step, path in step_dirs(root):  # newest first
-        if step <= start:
-            break
-        try:
-            verify(path)
-        except CheckpointError:
-            continue  # damaged: nothing resumes it, and this run replaces it at that step
-        past.append(path.name)
+    # Damaged ones are passed over: nothing resumes them, and this run replaces them.
+    past = [path.name for path in whole_past(root, start)]
     if not past:
         return
     what = f"{len(past)} checkpoint{'s' * (len(past) > 1)} up to {past[0]}"

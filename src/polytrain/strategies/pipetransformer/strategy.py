@@ -481,13 +481,13 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
         ctx = self.ctx
         assert ctx is not None
         where = self.plan.pipeline_of(ctx.worker_index) if self.plan is not None else None
-        own = self._held()[0] if where is not None and where[0] == 0 else {}
-        if self.plan is None:
-            own = host_state(model.state_dict())
-        merged = self.gather_parts(own)
         local = host_state(model.state_dict())
-        local.update(merged)
-        return local
+        if self.plan is None:  # never planned: every worker's model is the whole one
+            own = local
+        else:
+            own = self._held()[0] if where is not None and where[0] == 0 else {}
+        merged = self.gather_parts(own)
+        return {**local, **merged}
 
     # -- checkpoints ------------------------------------------------------------------------
 
