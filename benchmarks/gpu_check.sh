@@ -29,7 +29,7 @@ echo "pytest rc=$?" >>"$out/gpu_tests.log"
 tail -25 "$out/gpu_tests.log"
 
 echo "== MoE throughput on the GPU ($((SECONDS - start)) s)"
-timeout 90 "$py" benchmarks/moe.py --device cuda --out "$out/moe_cuda.json" \
+timeout 150 "$py" benchmarks/moe.py --device cuda --out "$out/moe_cuda.json" \
     >"$out/moe_cuda.log" 2>&1
 echo "moe rc=$?" >>"$out/moe_cuda.log"
 cat "$out/moe_cuda.log"

@@ -55,7 +55,7 @@ import polytrain
 from polytrain.moe import MoE
 from polytrain.moe.dispatch import route
 from polytrain.moe.exchange import A2A_RANGE, COUNTS_RANGE
-from polytrain.moe.experts import ExpertMLP
+from polytrain.moe.experts import GPU_CHUNK_BYTES, ExpertMLP
 
 D, H, K = 512, 2048, 2
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -212,8 +212,10 @@ def on_gpu(experts: tuple[int, ...], tokens: int, reps: int,
                     run()
                     torch.cuda.synchronize(device)
                     memory[mode][m] = (torch.cuda.max_memory_allocated(device) - before) / 2**20
+            paths = inference_paths(case, tokens, reps, profile=(dtype, e) == (torch.bfloat16, 8))
             rows.append({"dtype": name, "experts": e, "time": t, "memory_mb": memory,
-                         "grouped_mm": _grouped_mm_works("cuda", dtype)})
+                         "grouped_mm": _grouped_mm_works("cuda", dtype),
+                         "inference_paths": paths})
             for mode in ("fwd", "fwd_bwd"):
                 tm, mm = t[mode], memory[mode]
                 rate = {m: tm[m]["tokens_per_s"] for m in GPU_METHODS}
@@ -221,6 +223,12 @@ def on_gpu(experts: tuple[int, ...], tokens: int, reps: int,
                     f" | {m} {rate[m]:10.0f} tok/s {mm[m]:8.1f} MiB" for m in GPU_METHODS)
                     + f" | layer / masked {rate['layer'] / rate['masked']:.2f}x"
                     f", floor / layer {rate['floor'] / rate['layer']:.2f}x", flush=True)
+            med = {m: v["median_s"] * 1e3 for m, v in paths["time"].items()}
+            print(f"{name:8s} E={e:3d} inference | " + " | ".join(
+                f"{m} {med[m]:.2f} ms (host {paths['host_ms'][m]:.2f} ms, "
+                f"{paths['memory_mb'][m]:.0f} MiB)" for m in med)
+                + f" | device path / host-routed {med['host_routed'] / med['layer']:.2f}x"
+                f", layer / masked {med['masked'] / med['layer']:.2f}x", flush=True)
             del case
             torch.cuda.empty_cache()
     return {"config": {"d_model": D, "d_hidden": H, "top_k": K, "tokens": tokens,
@@ -231,6 +239,78 @@ def on_gpu(experts: tuple[int, ...], tokens: int, reps: int,
             "notes": ["medians of runs alternating the methods, each timed to "
                       "torch.cuda.synchronize", "memory: peak allocated by one run over "
                       "what was allocated before it (weights, inputs), after a warm-up"]}
+
+
+def inference_paths(case: Case, tokens: int, reps: int, profile: bool) -> dict[str, Any]:
+    """Inference on the GPU four ways, alternating: the layer (its routing stays on the
+    device: ``dispatch._streamed_on_device``), the same on a quarter of the chunk budget
+    (a quarter of the rows at once, and experts whose stacked weights pass 32 MiB in
+    groups, their rows found by one host read), the host-routed streaming of the CPU
+    (``dispatch._streamed``: counts read on the host first), the masked loop. Medians of
+    the time to ``torch.cuda.synchronize`` and of the time until the call returns to the
+    host (launch-bound when the two are close); with ``profile``, the profiler's top CUDA
+    kernels and CPU ops of one run of each."""
+    from polytrain.moe.dispatch import _streamed
+    layer, x = case.layer, case.x[:tokens]
+
+    def host_routed(v: torch.Tensor) -> torch.Tensor:
+        indices, scores = layer.gate(v)
+        routing = route(indices, layer.num_experts)
+        assert isinstance(layer.experts, ExpertMLP)
+        return _streamed(v, routing, scores, layer.experts)
+
+    def quarter(v: torch.Tensor) -> torch.Tensor:  # the layer on a quarter of its chunk budget
+        assert isinstance(layer.experts, ExpertMLP)
+        own = layer.experts.chunk_bytes
+        layer.experts.chunk_bytes = (own or GPU_CHUNK_BYTES) // 4
+        try:
+            return layer(v)
+        finally:
+            layer.experts.chunk_bytes = own
+
+    fns: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+        "layer": layer, "layer_quarter_budget": quarter, "host_routed": host_routed,
+        "masked": lambda v: masked_loop(layer, case.plain, v)}
+    with torch.no_grad():
+        want = fns["masked"](x)
+        for m, f in fns.items():  # warm-up, and the three agree
+            got = f(x)
+            scale = float(want.abs().max())
+            assert float((got - want).abs().max()) <= 2e-2 * scale, (m, got, want)
+        torch.cuda.synchronize()
+        total: dict[str, list[float]] = {m: [] for m in fns}
+        host: dict[str, list[float]] = {m: [] for m in fns}
+        for rep in range(reps):
+            for m in fns if rep % 2 == 0 else reversed(list(fns)):
+                t0 = time.perf_counter()
+                fns[m](x)
+                host[m].append(time.perf_counter() - t0)
+                torch.cuda.synchronize()
+                total[m].append(time.perf_counter() - t0)
+        result: dict[str, Any] = {
+            "time": {m: {"median_s": statistics.median(v), "tokens_per_s":
+                         tokens / statistics.median(v)} for m, v in total.items()},
+            "host_ms": {m: 1e3 * statistics.median(v) for m, v in host.items()},
+            "memory_mb": {}}
+        for m, f in fns.items():
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            f(x)
+            torch.cuda.synchronize()
+            result["memory_mb"][m] = (torch.cuda.max_memory_allocated() - before) / 2**20
+        if profile:
+            from torch.profiler import ProfilerActivity
+            from torch.profiler import profile as profiler
+            result["profile"] = {}
+            for m, f in fns.items():
+                with profiler(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    f(x)
+                    torch.cuda.synchronize()
+                table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=15)
+                result["profile"][m] = table
+                print(f"-- profile of {m}\n{table}", flush=True)
+    return result
 
 
 # -- peak memory, one fresh process per measurement ------------------------------------------------

@@ -142,3 +142,29 @@ def test_inference_streams_chunks_and_computes_the_same(chunk_bytes):
     with torch.no_grad():
         streamed = layer(x)
     assert torch.allclose(streamed, layer(x), atol=1e-6)  # the training path: gather, combine
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 3])
+# chunks of 21845 rows with every expert's weights stacked; of 20 rows and of 1 row, with
+# one expert's weights stacked at a time
+@pytest.mark.parametrize("chunk_bytes", [1 << 20, 12 * 4 * 20, 12 * 4])
+def test_inference_on_device_offsets_computes_what_the_training_path_does(top_k, chunk_bytes):
+    # The GPU inference path (no host wait), run on the CPU's grouped matmul: chunks of a
+    # fixed number of rows cut through experts' groups; dropped slots add nothing.
+    from polytrain.moe.dispatch import _streamed_on_device, moe_apply
+    layer = layer_of("naive", top_k, drops=False)
+    layer.experts.chunk_bytes = chunk_bytes
+    size = layer.experts.group_size(torch.empty(0, D))
+    assert size >= E if chunk_bytes > 1000 else size == 1
+    x = torch.randn(T, D)
+    indices = torch.randint(0, E, (T, top_k))
+    indices[torch.rand(T, top_k) < 0.3] = -1                 # dropped slots
+    indices[0] = -1                                          # a token with none kept
+    indices[1:4] = E - 1                                     # the last expert, with drops after it
+    scores = torch.rand(T, top_k)
+    with torch.no_grad():
+        got, load = _streamed_on_device(x, indices, scores, layer.experts)
+    want, want_load = moe_apply(x, indices, scores, layer.experts, E)
+    assert torch.allclose(got, want, atol=1e-6), (got - want).abs().max()
+    assert torch.equal(got[0], torch.zeros(D))
+    assert torch.equal(load, want_load) and int(load.sum()) == int((indices >= 0).sum())

@@ -14,8 +14,8 @@ The path of one MoE forward (FastMoE's, arXiv 2103.13262)::
 
 Every step is differentiable: the gather's adjoint sums the top-k copies'
 gradients, the exchanges' adjoints are the reverse exchanges. Inference with
-every expert local streams instead: gather, compute and add back a chunk of
-experts at a time.
+every expert local streams instead: gather, compute and add back a chunk at a
+time, planned on the host on the CPU, on the device on a GPU.
 """
 
 from __future__ import annotations
@@ -149,6 +149,58 @@ def _streamed(x: torch.Tensor, routing: Routing, scores: torch.Tensor,
     return out
 
 
+def _streamed_on_device(x: torch.Tensor, indices: torch.Tensor, scores: torch.Tensor,
+                        experts: ExpertMLP) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inference with every expert local where the grouped matmul runs (GPUs): no host wait.
+
+    :func:`_streamed` reads the routing on the host to plan its chunks, and spends
+    host time per expert; the GPU idles meanwhile. Here the slots are sorted by expert
+    on the device and go through the experts a fixed number of rows at a time, each
+    chunk's group ends computed on the device. A dropped slot joins the last expert's
+    group (every group must end inside the chunk) and adds into a spare row.
+
+    The experts' weights are stacked (copied) for the grouped matmul, at most the
+    chunk budget's worth at once: past it, experts go in groups, and the host reads
+    the counts once to find each group's rows.
+
+    Returns (tokens, d) and the (experts,) rows per expert, on x's device.
+    """
+    tokens, top_k = indices.shape
+    num, slots = len(experts), indices.numel()
+    flat = indices.reshape(-1)
+    kept = flat >= 0
+    # Rows per expert, dropped slots counted in a last bin (torch.bincount reads its max).
+    bins = torch.zeros(num + 1, dtype=flat.dtype, device=flat.device).scatter_add_(
+        0, torch.where(kept, flat, num), torch.ones_like(flat))
+    key = torch.where(kept, flat, num - 1)
+    order = torch.sort(key, stable=True).indices
+    expert = key.index_select(0, order)
+    ends = bins[:num].cumsum(0)
+    ends[-1] += bins[num]
+    token = torch.where(kept, torch.div(torch.arange(slots, device=flat.device), top_k,
+                                        rounding_mode="floor"), tokens).index_select(0, order)
+    source = token.clamp(max=max(tokens - 1, 0))            # a dropped slot computes a row too
+    weight = scores.reshape(-1).index_select(0, order).to(x.dtype)
+    biases = experts.proj_biases()
+    xs = experts.with_ones(x)
+    out = x.new_zeros(tokens + 1, x.shape[1])               # row ``tokens``: dropped slots
+    step, size = experts.chunk_rows(x.device), experts.group_size(x)
+    host_ends = None if size >= num else [0, *ends.tolist()]    # the one host read
+    for e0 in range(0, num, size):
+        e1 = min(num, e0 + size)
+        first, end = (0, slots) if host_ends is None else (host_ends[e0], host_ends[e1])
+        if first == end:
+            continue
+        stacked = experts.stacked(e0, e1, x)
+        for r0 in range(first, end, step):
+            r1 = min(end, r0 + step)
+            offs = (ends[e0:e1] - r0).clamp_(0, r1 - r0).to(torch.int32)
+            y = experts.on_offsets(xs.index_select(0, source[r0:r1]), stacked, offs,
+                                   biases.index_select(0, expert[r0:r1]))
+            out.index_add_(0, token[r0:r1], y.mul_(weight[r0:r1].unsqueeze(1)))
+    return out[:tokens], bins[:num]
+
+
 def moe_apply(x: torch.Tensor, indices: torch.Tensor, scores: torch.Tensor,
               experts: ExpertsFn, num_experts: int,
               group: ExpertGroup | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,8 +220,11 @@ def moe_apply(x: torch.Tensor, indices: torch.Tensor, scores: torch.Tensor,
         (tokens, d) output, and (local experts,) rows each local expert processed.
     """
     group = group or ExpertGroup(None)
+    streams = not group.distributed and not torch.is_grad_enabled()
+    if streams and isinstance(experts, ExpertMLP) and experts.grouped_here(x):
+        return _streamed_on_device(x, indices, scores, experts)
     routing = route(indices, num_experts)
-    if not group.distributed and not torch.is_grad_enabled() and isinstance(experts, ExpertMLP):
+    if streams and isinstance(experts, ExpertMLP):
         return _streamed(x, routing, scores, experts), routing.counts
     rows = x.index_select(0, routing.token_of_row)                          # (R, d)
     if not group.distributed:

@@ -265,17 +265,77 @@ class ExpertMLP(ExpertList):
         return max(1, budget // (self.d_hidden * 4))
 
     def stream_rows(self, device: torch.device) -> int:
-        """Rows per chunk of streamed inference (:mod:`~polytrain.moe.dispatch`): a quarter of
-        :meth:`chunk_rows`, about one expert's rows in a layer of many experts on the CPU,
-        so inference holds no more than a per-expert loop would."""
+        """Rows per chunk of streamed inference planned on the host (the CPU's:
+        :mod:`~polytrain.moe.dispatch`): a quarter of :meth:`chunk_rows`, about one expert's
+        rows in a layer of many experts, so inference holds no more than a per-expert loop
+        would. (On a GPU inference takes :meth:`chunk_rows` at a time: ``docs/moe.md``.)"""
         return max(1, self.chunk_rows(device) // 4)
+
+    def _mlps(self, first: int, end: int) -> list[FeedForwardExpert]:
+        return list(self)[first:end]  # type: ignore[return-value]
+
+    def grouped_here(self, x: torch.Tensor) -> bool:
+        """Whether :meth:`on_offsets` runs for tokens like ``x``: the grouped matmul runs on
+        their device and dtype, off the CPU, on aligned widths."""
+        fc = self._mlps(0, 1)[0].fc.weight
+        size = x.element_size()
+        return (x.device.type != "cpu" and (fc.device, fc.dtype) == (x.device, x.dtype)
+                and self.d_model * size % 16 == 0 and self.d_hidden * size % 16 == 0
+                and _grouped_mm_works(x.device.type, x.dtype))
+
+    def _pad(self, x: torch.Tensor) -> int:
+        return 16 // x.element_size()  # columns after x's: a column of ones, zeros to align
+
+    def with_ones(self, x: torch.Tensor) -> torch.Tensor:
+        """(tokens, d_model) -> (tokens, d_model + pad): x, a column of ones, zeros; times
+        :meth:`stacked`'s first matrix it adds fc's bias without a (rows, d_hidden) bias."""
+        ones = x.new_zeros(x.shape[0], self._pad(x))
+        ones[:, 0] = 1
+        return torch.cat([x, ones], dim=1)
+
+    def group_size(self, x: torch.Tensor) -> int:
+        """Experts whose stacked weights (:meth:`stacked`) fit in the chunk budget at once."""
+        pad, size = self._pad(x), x.element_size()
+        each = (2 * self.d_model + pad) * self.d_hidden * size
+        return max(1, self.chunk_rows(x.device) * self.d_hidden * 4 // each)
+
+    def stacked(self, first: int, end: int,
+                like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Experts ``first .. end-1``'s matrices, stacked (copies): (E, d + pad, h), fc's
+        weight^T with its bias as the row the ones of :meth:`with_ones` meet, and
+        (E, h, d), proj's weight^T."""
+        experts = self._mlps(first, end)
+        d, pad = self.d_model, self._pad(like)
+        w1 = like.new_zeros(len(experts), d + pad, self.d_hidden)
+        torch.stack([e.fc.weight.t() for e in experts], out=w1[:, :d])
+        torch.stack([e.fc.bias for e in experts], out=w1[:, d])
+        return w1, torch.stack([e.proj.weight.t() for e in experts])
+
+    def proj_biases(self) -> torch.Tensor:
+        """(E, d_model): every expert's proj.bias."""
+        return torch.stack([e.proj.bias for e in self._mlps(0, len(self))])
+
+    @staticmethod
+    def on_offsets(x: torch.Tensor, stacked: tuple[torch.Tensor, torch.Tensor],
+                   offs: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """Inference on rows sorted by expert (:meth:`with_ones`'s) whose group ends ``offs``
+        (int32) live on the device, so the host never reads them: two grouped matmuls,
+        ``bias`` (rows, d_model: each row's proj.bias) added. The last group must end at
+        the last row (the grouped matmul leaves rows past it unwritten). Run where
+        :meth:`grouped_here` says.
+        """
+        w1, w2 = stacked
+        h = torch._grouped_mm(x, w1, offs=offs)
+        torch.ops.aten.gelu_(h)
+        y = torch._grouped_mm(h, w2, offs=offs)
+        return y.add_(bias)
 
     def forward(self, x: torch.Tensor, counts: Sequence[int], first: int = 0) -> torch.Tensor:
         """(rows, d_model) sorted by local expert, ``counts[i]`` rows each -> (rows, d_model).
 
         ``first``: the rows belong to local experts ``first .. first+len(counts)-1``.
         """
-        experts: list[FeedForwardExpert] = list(self)[first:first + len(counts)]  # type: ignore
+        experts = self._mlps(first, first + len(counts))
         params = [t for e in experts for t in (e.fc.weight, e.fc.bias, e.proj.weight,
                                                 e.proj.bias)]
         save = torch.is_grad_enabled() and (x.requires_grad or
