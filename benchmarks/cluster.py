@@ -15,6 +15,7 @@ the command that made them, are in docs/cluster.md.
     sudo ./dev bench cluster --quick         # a smoke run: a small MLP, 3 steps, one round
     ./dev bench cluster --analyse            # predictions and table again from cluster.json
     ./dev bench cluster --analyse --fit      # ... and the constants the data suggest
+    ./dev bench cluster --analyse --fit --fit-with small.json   # ... from two model sizes
 """
 
 from __future__ import annotations
@@ -182,37 +183,43 @@ FITTED = {"efficiency": (0.5, 1.0), "tail": (0.0, 2.0), "combine": (0.0, 1.5),
           "host_s_per_byte": (0.0, 2e-9), "server_s": (0.0, 0.04), "overhead_s": (0.0, 0.1)}
 
 
-def fit(result: dict[str, Any], *, seed: int = 0) -> Constants:
+Point = tuple[float, Candidate, Network, float, Compute]  # measured, candidate, network, M, compute
+
+
+def fit(results: list[dict[str, Any]], *, seed: int = 0) -> Constants:
     """Per strategy family, the constants (``FITTED``) that minimise the largest relative
-    error of the predictions over every bandwidth and k: a seeded random search, then
-    coordinate steps that halve as they go (deterministic for a given ``result``)."""
-    setup = result["setup"]
-    compute = Compute(**result["compute"])
-    n, cores = setup["nodes"], setup["cores"]
-    points: dict[str, list[tuple[float, Candidate, Network, float]]] = {}
-    for bw, by_name in result["runs"].items():
-        for name, runs in by_name.items():
-            if not runs:
-                continue
-            strategy, k, *compress = setup["configs"][name]
-            if compress and compress[0] != "none":
-                continue  # the planner models uncompressed bytes only
-            net = Network(machines=n, servers=k, shared_host_cores=cores,
-                          bandwidth_bit_s=None if bw == LOOPBACK else float(parse_rate(bw)))
-            measured = statistics.median(r["step_time_s"] for r in runs)
-            points.setdefault(strategy, []).append(
-                (measured, Candidate(strategy=strategy, servers=k), net, runs[0]["model_bytes"]))
+    error of the predictions over every bandwidth and k of every result (runs of
+    different model sizes tell a step's fixed cost from its cost per byte): a seeded
+    random search, then coordinate steps that halve as they go (deterministic for
+    given ``results``)."""
+    points: dict[str, list[Point]] = {}
+    for result in results:
+        setup = result["setup"]
+        compute = Compute(**result["compute"])
+        n, cores = setup["nodes"], setup["cores"]
+        for bw, by_name in result["runs"].items():
+            for name, runs in by_name.items():
+                if not runs:
+                    continue
+                strategy, k, *compress = setup["configs"][name]
+                if compress and compress[0] != "none":
+                    continue  # the planner models uncompressed bytes only
+                net = Network(machines=n, servers=k, shared_host_cores=cores,
+                              bandwidth_bit_s=None if bw == LOOPBACK else float(parse_rate(bw)))
+                measured = statistics.median(r["step_time_s"] for r in runs)
+                points.setdefault(strategy, []).append(
+                    (measured, Candidate(strategy=strategy, servers=k), net,
+                     runs[0]["model_bytes"], compute))
     names, ranges = list(FITTED), list(FITTED.values())
     fitted: dict[str, dict[str, float]] = {name: {} for name in names}
     rng = random.Random(seed)
     for family, pts in points.items():
-        def error(values: list[float], family: str = family,
-                  pts: list[tuple[float, Candidate, Network, float]] = pts) -> float:
+        def error(values: list[float], family: str = family, pts: list[Point] = pts) -> float:
             trial = Constants(**{name: {family: v} for name, v in zip(names, values)},
                               overlap=CONSTANTS.overlap)
             return max(abs(predict(cand, network=net, compute=compute, model_bytes=mb,
                                    constants=trial).step_time_s - m) / m
-                       for m, cand, net, mb in pts)
+                       for m, cand, net, mb, compute in pts)
         best = min(([rng.uniform(lo, hi) for lo, hi in ranges] for _ in range(5000)), key=error)
         err, steps = error(best), [(hi - lo) / 10 for lo, hi in ranges]
         for i in range(3000):
@@ -308,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--analyse", action="store_true",
                    help="no runs: the table and plot again from --out's measurements")
     p.add_argument("--fit", action="store_true", help="with --analyse: fit the constants")
+    p.add_argument("--fit-with", type=Path, nargs="+", default=[],
+                   help="with --fit: more results (another model size) fitted together")
     p.add_argument("--out", type=Path, default=RESULTS / "cluster.json")
     args = p.parse_args(argv)
     args.model_options = {"d_model": args.d_model}
@@ -323,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.analyse:
         result = json.loads(args.out.read_text())
         if args.fit:
-            fitted = fit(result)
+            fitted = fit([result, *(json.loads(f.read_text()) for f in args.fit_with)])
             print(f"fitted: {fitted.as_dict()}")
     else:
         result = measure(args)

@@ -151,3 +151,5 @@ def test_env_prints_versions_and_devices(capsys, monkeypatch):
     assert re.search(r"^fork server +off \(POLYTRAIN_FORKSERVER\)$", out, re.M), out
     assert re.search(r"^--bandwidth \(emulated network\) +no: missing root \(running as uid "
                      r"1000\)", out, re.M), out
+    assert re.search(r"^--latency \(tc netem\) +unknown: trying it needs root \(running as "
+                     r"uid 1000\)$", out, re.M), out

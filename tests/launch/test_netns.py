@@ -240,6 +240,21 @@ def test_latency_delays_every_packet_or_is_refused_without_netem(clean_host):
     assert 10e-3 <= rtt < 14e-3  # one delay each way
 
 
+@needs_netns
+@pytest.mark.timeout(30)
+def test_polytrain_env_says_whether_latency_can_work_here(clean_host):
+    # netem put once on a throwaway namespace's loopback; the launch above agrees with it.
+    said = network.netem_check()
+    try:
+        polytrain.launch(scripts.identity, workers=2, nodes=2, bandwidth="1gbit",
+                         latency="1ms", timeout_s=COMM_TIMEOUT_S, env=_ENV)
+        assert said == "yes"
+    except ConfigError as e:
+        assert "netem" in str(e)
+        assert said == ("no: this kernel lacks tc's netem qdisc (CONFIG_NET_SCH_NETEM), so "
+                        "--latency is refused; modprobe sch_netem where it is a module")
+
+
 # -- cleanup -----------------------------------------------------------------------------------
 
 @needs_netns

@@ -137,6 +137,8 @@ def test_fanout_and_summation_servers():
         pytest.approx(4 * 1e6)  # a shard of the one bucket per server, from 4 machines
     assert fanout_traffic("ddp", machines=4, servers=0, model_bytes=1e8, constants=c) == 0.0
     assert [summation_servers("byteps", machines=4, servers=k) for k in (0, 2, 4)] == [4, 6, 4]
+    # On one machine BytePS's dedicated servers hold nothing (Theorem 1's end point): idle.
+    assert [summation_servers("byteps", machines=1, servers=k) for k in (0, 2)] == [1, 1]
     assert summation_servers("herring", machines=4, servers=2) == 6
     assert summation_servers("ddp", machines=4, servers=0) == 0
 

@@ -178,3 +178,13 @@ def test_a_placement_that_does_not_fit_the_tensors_or_the_run_is_refused_with_th
         Placement(past, (4, 5)).check(SPECS, [4, 5])
     with pytest.raises(ConfigError, match=r"handlers \[2\] are not workers of a machine of 2"):
         Placement(parts, (4, 5), (0, 2)).check(SPECS, [4, 5], local_workers=2)
+
+
+def test_a_declaration_mismatch_names_the_size_before_the_name_that_carries_it():
+    def decl(name, numel, dtype="torch.float32"):
+        return Declaration(key=1, kind=int(Kind.SUM), name=name, numel=numel, dtype=dtype,
+                           pushers=2, pullers=2)
+    assert decl("g[0] of 10", 10).mismatch(decl("g[0] of 12", 12)) == "numel"
+    assert decl("g", 10).mismatch(decl("g", 10, "torch.float16")) == "dtype"
+    assert decl("grad.a[0] of 10", 10).mismatch(decl("grad.b[0] of 10", 10)) == "name"
+    assert decl("g", 10).mismatch(decl("g", 10)) is None

@@ -40,7 +40,7 @@ def report() -> list[tuple[str, str]]:
     except ImportError as e:
         pipelining = f"no ({e})"
     from polytrain import _env
-    from polytrain.launch.network import missing_tools
+    from polytrain.launch.network import missing_tools, netem_check
 
     missing = missing_tools()
     network = ("no: missing " + ", ".join(missing) if missing
@@ -61,6 +61,7 @@ def report() -> list[tuple[str, str]]:
         ("strategies", ", ".join(polytrain.strategy_names())),
         ("fork server", "on" if _env.forkserver_on() else "off (POLYTRAIN_FORKSERVER)"),
         ("--bandwidth (emulated network)", network),
+        ("--latency (tc netem)", netem_check()),
     ]
 
 

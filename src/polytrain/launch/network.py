@@ -46,7 +46,7 @@ from .. import _env
 from ..errors import ConfigError, LaunchError
 
 __all__ = ["LinkShape", "Network", "NicSampler", "link_shape", "parse_rate", "parse_time",
-           "check_tools", "nic_bytes", "start_time", "sweep_stale", "STATE_DIR"]
+           "check_tools", "netem_check", "nic_bytes", "start_time", "sweep_stale", "STATE_DIR"]
 
 log = logging.getLogger(__name__)
 
@@ -190,6 +190,30 @@ def missing_tools() -> list[str]:
     if uid != 0:
         missing.append(f"root (running as uid {uid})")
     return missing + [f"{name} (not on PATH)" for name in ("ip", "tc") if not shutil.which(name)]
+
+
+def netem_check() -> str:
+    """Whether ``--latency`` can work here: tc's netem qdisc is put once on the loopback of
+    a throwaway namespace, which is removed again. ``yes``, ``no: ...`` or ``unknown: ...``."""
+    missing = missing_tools()
+    if missing:
+        return "unknown: trying it needs " + ", ".join(missing)
+    ip, tc = check_tools()
+    # Named like a run's namespaces, so that a sweep removes it if this process dies here.
+    name = f"{_PREFIX}{os.getpid() & 0xFFFFFF:06x}-probe"
+    made = _tool([ip, "netns", "add", name])
+    if made.returncode != 0:
+        return f"unknown: could not make a namespace to try it ({' '.join(made.stderr.split())})"
+    try:
+        out = _tool([tc, "-n", name, "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms"])
+    finally:
+        _delete_namespaces(ip, [name])
+    if out.returncode == 0:
+        return "yes"
+    if "qdisc kind is unknown" in out.stderr:
+        return ("no: this kernel lacks tc's netem qdisc (CONFIG_NET_SCH_NETEM), so --latency "
+                "is refused; modprobe sch_netem where it is a module")
+    return f"unknown: {' '.join(out.stderr.split())}"
 
 
 def check_tools() -> tuple[str, str]:

@@ -218,12 +218,13 @@ def host_traffic(strategy: str, *, machines: int, local_workers: int, servers: i
 
 def summation_servers(strategy: str, *, machines: int, servers: int) -> int:
     """Processes that hold a share of the sums (each costs the host its threads and messages):
-    BytePS's colocated servers only while they own bytes (not with k >= n), Herring's always."""
+    BytePS's colocated servers only while they own bytes (not with k >= n), its dedicated
+    ones only while they do (not on one machine), Herring's always."""
     if strategy == "ddp":
         return 0
     if strategy == "byteps":
         shares = optimal_shares(machines, servers)
-        return (machines if shares.per_colocated_server > 0 else 0) + servers
+        return (machines if shares.per_colocated_server > 0 else 0) + shares.cpu_servers
     if strategy == "herring":
         return machines + servers
     raise _unknown(strategy)

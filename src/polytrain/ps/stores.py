@@ -60,8 +60,9 @@ class Declaration:
                 f", {store_name(self.kind)} store, {self.pushers} pushers")
 
     def mismatch(self, other: Declaration) -> str | None:
-        """What differs between two declarations of the same key, or None."""
-        for name in ("kind", "name", "numel", "dtype", "pushers", "pullers", "options"):
+        """What differs between two declarations of the same key, or None. (Sizes before
+        names: a partition's name carries its tensor's size, ``'grad.w[0] of 10'``.)"""
+        for name in ("kind", "numel", "dtype", "name", "pushers", "pullers", "options"):
             if getattr(self, name) != getattr(other, name):
                 return name
         return None

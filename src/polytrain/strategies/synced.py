@@ -16,11 +16,18 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import ConfigError
+from ..moe.checkpoint import moe_layers
 from ..ps.grads import GradientSync
 from ..runtime import Context
 from .checks import broadcast_module, check_same_model
 
-__all__ = ["SyncedModule"]
+__all__ = ["SyncedModule", "keep_missing_for"]
+
+
+def keep_missing_for(sync: GradientSync, model: nn.Module) -> None:
+    """Leave ``.grad`` None where no worker had one, on models with MoE layers (an expert no
+    token chose: one process gives it none), unless some buckets are compressed."""
+    sync.keep_missing = bool(moe_layers(model)) and not sync.packed
 
 
 class SyncedModule(nn.Module):

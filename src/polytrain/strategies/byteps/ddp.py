@@ -19,10 +19,9 @@ from torch import nn
 
 from ... import runtime
 from ...errors import ConfigError
-from ...moe.checkpoint import moe_layers
 from ...ps.engine import engine_for
 from ...runtime import Context
-from ..synced import SyncedModule
+from ..synced import SyncedModule, keep_missing_for
 from .optimizer import Choice, gradient_sync
 from .options import BytePSOptions
 
@@ -74,4 +73,4 @@ class DistributedDataParallel(SyncedModule):
             compress_warmup=opts.compress_warmup,
             compress_warmup_with=opts.compress_warmup_with,
             partition_bytes=opts.partition_bytes, colocate=opts.colocate, in_backward=True)
-        self.sync.keep_missing = bool(moe_layers(module)) and not self.sync.packed
+        keep_missing_for(self.sync, module)

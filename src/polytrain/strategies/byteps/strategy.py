@@ -9,11 +9,11 @@ from torch import nn
 
 from ...errors import ConfigError
 from ...launch.layout import Layout
-from ...moe.checkpoint import moe_layers
 from ...ps.engine import Engine, engine_for
 from ...runtime import Context
 from ..base import register
 from ..served import ServedStrategy
+from ..synced import keep_missing_for
 from .async_mode import AsyncOptimizer
 from .optimizer import DistributedOptimizer, check_one_bit_adam
 from .options import BytePSOptions
@@ -84,8 +84,7 @@ class BytePS(ServedStrategy[BytePSOptions]):
                                                   compress_adam_refresh=(
                                                       opts.compress_adam_refresh),
                                                   **placing)
-            sync = self.optimizer.sync
-            sync.keep_missing = bool(moe_layers(model)) and not sync.packed
+            keep_missing_for(self.optimizer.sync, model)
         return model, self.optimizer
 
     def state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:

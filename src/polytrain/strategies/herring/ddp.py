@@ -22,12 +22,11 @@ from torch import nn
 from ... import runtime
 from ...comm.partition import TensorSpec
 from ...errors import ConfigError
-from ...moe.checkpoint import moe_layers
 from ...ps.engine import engine_for
 from ...ps.grads import GradientSync
 from ...ps.placement import server_ranks
 from ...runtime import Context
-from ..synced import SyncedModule
+from ..synced import SyncedModule, keep_missing_for
 from .plan import HerringPlan, plan_herring
 
 __all__ = ["DistributedDataParallel", "DEFAULT_BUCKET_CAP_MB"]
@@ -98,4 +97,4 @@ class DistributedDataParallel(SyncedModule):
         self.sync = GradientSync(engine_for(ctx), named, self.plan.buckets,
                                  self.plan.placement, in_backward=True,
                                  describe=self.plan.describe())
-        self.sync.keep_missing = bool(moe_layers(module))
+        keep_missing_for(self.sync, module)
