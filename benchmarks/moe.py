@@ -26,7 +26,10 @@ and 4 local processes of one thread each, forward+backward, with the share of
 time spent inside the token all-to-alls (profiler ranges, forward and backward).
 
 Part 3 (``--device cuda``, on a GPU): part 1's floor, layer and masked loop in fp32 and
-bf16 on 16,384 tokens, timed to ``torch.cuda.synchronize``; peak GPU memory per run.
+bf16 on 16,384 tokens, timed to ``torch.cuda.synchronize``; peak GPU memory per run; and
+inference four ways side by side (``inference_paths``: the layer, the layer on a
+quarter of its chunk budget, the host-routed streaming of the CPU, the masked loop),
+with the time until each call returns to the host and, at bf16 E=8, profiler tables.
 
 Usage: ./dev bench moe [--quick]   -> benchmarks/results/moe.json and moe.png
        ./dev bench moe --device cuda [--chunk-mib N ...] -> benchmarks/results/moe_cuda.json

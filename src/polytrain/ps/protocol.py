@@ -1,8 +1,9 @@
 """The wire format between workers and servers: fixed headers, tags, dtype codes.
 
-A request is one message on tag ``tags.HEADER``, which a server receives
-from any rank: a header of 8 int64 (64 bytes) followed, when ``numel > 0``
-and the payload is at most ``INLINE_BYTES``, by the payload's bytes. The
+A request is one message on tag ``tags.HEADER``, which a server has a
+receive posted for from every worker at all times: a header of 8 int64
+(64 bytes) followed, when ``numel > 0`` and the payload is at most
+``INLINE_BYTES``, by the payload's bytes. The
 server receives every request into a buffer of ``HEADER_BYTES +
 INLINE_BYTES`` (gloo takes a shorter message into a larger buffer, and
 aborts the receiving process on a longer one, so the limit is part of the
@@ -15,7 +16,7 @@ the receive before it sends the request.
     worker                           server
     ------------------------------------------------------------------
     irecv(response, seq)        |
-    isend(header | payload) --> |  irecv(request buffer, any source)
+    isend(header | payload) --> |  irecv(request buffer, this worker)
                                 |  store handles it (now or later)
     wait(response) <----------- |  isend(response, seq)
 
@@ -25,7 +26,8 @@ the receive before it sends the request.
 Why one message: gloo moves a message only once the receiver has posted its
 receive, so a payload of its own waited for a round trip after its header,
 and each message costs both ends about 100-150 us of CPU (docs/byteps.md,
-"Engine cost").
+"Engine cost"). Why a receive per worker: for the same reason, one receive
+from any rank at a time let one worker's request move at a time (stop 36).
 
 A PUSHPULL's payload is acknowledged as soon as the server holds it (one
 int64, the sequence number, on ``tags.tag(ACK, seq)``): the worker's credit
@@ -106,6 +108,11 @@ def _fields(message: torch.Tensor) -> torch.Tensor:
 def sender_of(message: torch.Tensor) -> int:
     """The rank that sent a request message (its header names it)."""
     return int(_fields(message)[SRC])
+
+
+def op_of(message: torch.Tensor) -> Op:
+    """The op of a request message."""
+    return Op(int(_fields(message)[OP]))
 
 
 def message_length(message: torch.Tensor) -> int:
