@@ -20,15 +20,15 @@ from .cost import Candidate, Compute, Constants, Network, Prediction, candidates
 __all__ = ["Job", "Plan", "CONSTANTS", "HOSTS", "AUTO", "plan_job", "chosen", "auto_record",
            "host_cores"]
 
-#: Fitted on ``./dev bench cluster`` (benchmarks/results/cluster_stop24.json); docs/cluster.md says
-#: how.
+#: Fitted on ``./dev bench cluster`` runs of two model sizes, 27.3 MB and 0.43 MB of gradients
+#: (benchmarks/results/cluster_stop36.json, cluster_small_stop36.json); docs/cluster.md says how.
 CONSTANTS = Constants(
-    efficiency={"ddp": 1.0, "byteps": 0.835, "herring": 0.849},
-    host_s_per_byte={"ddp": 0.0, "byteps": 3.34e-10, "herring": 6.48e-10},
-    overhead_s={"ddp": 0.0432, "byteps": 0.0114, "herring": 0.0036},
-    tail={"byteps": 0.523, "herring": 0.135},
-    server_s={"byteps": 0.0255, "herring": 0.0147},
-    combine={"ddp": 0.916, "byteps": 0.401, "herring": 0.499},
+    efficiency={"ddp": 0.976, "byteps": 0.654, "herring": 0.969},
+    host_s_per_byte={"ddp": 9.95e-10, "byteps": 8.99e-10, "herring": 9.04e-10},
+    overhead_s={"ddp": 0.00699, "byteps": 0.0, "herring": 0.00300},
+    tail={"byteps": 0.0126, "herring": 0.213},
+    server_s={"byteps": 0.00375, "herring": 0.00327},
+    combine={"ddp": 0.293, "byteps": 0.373, "herring": 0.563},
 )
 
 #: ``emulated``: every machine on this host, as ``polytrain train`` runs them; ``real``: each
