@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 import polytrain
+from polytrain.ps import Declaration, Kind
 
 
 def identity() -> dict:
@@ -256,3 +257,22 @@ def what_a_process_starts_with() -> dict:
 def _umask() -> int:
     with open("/proc/self/status") as f:  # read, not set: the heartbeat thread writes files
         return next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+
+
+def set_then_get(times: int) -> list[float]:
+    ctx = polytrain.init()
+    server = ctx.topology.servers[0]
+    client = ctx.ps_client
+    numel = 700_000  # 2.8 MB: inline, and still arriving on a shaped link after the send
+    client.declare(Declaration(key=3, kind=int(Kind.PARAM), name="w", numel=numel,
+                               dtype="torch.float32", pushers=2, pullers=2), server)
+    seen, out = [], torch.empty(numel)
+    for i in range(times):
+        if ctx.worker_index == 0:
+            client.set(server, key=3, tensor=torch.full((numel,), float(i))).wait()
+        dist.barrier(group=ctx.groups.workers)
+        if ctx.worker_index == 1:
+            client.get(server, key=3, out=out).wait()
+            seen.append(float(out[-1]))
+        dist.barrier(group=ctx.groups.workers)
+    return seen

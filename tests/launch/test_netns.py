@@ -255,6 +255,17 @@ def test_polytrain_env_says_whether_latency_can_work_here(clean_host):
                         "--latency is refused; modprobe sch_netem where it is a module")
 
 
+@needs_netns
+@pytest.mark.timeout(60)
+def test_a_set_waited_for_comes_before_any_workers_later_request(clean_host):
+    # Each worker's requests reach a server on their own receive, so a GET sent after a
+    # barrier could overtake a SET whose bytes were still on the link: without the SET's
+    # receipt, every GET here saw the value before (0.0, 0.0, 1.0, ... at 100 Mbit/s).
+    seen = polytrain.launch(scripts.set_then_get, workers=2, nodes=2, servers=1, args=(8,),
+                            bandwidth="100mbit", timeout_s=COMM_TIMEOUT_S, env=_ENV)[1]
+    assert seen == [float(i) for i in range(8)]
+
+
 # -- cleanup -----------------------------------------------------------------------------------
 
 @needs_netns

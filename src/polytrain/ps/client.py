@@ -14,6 +14,7 @@ from ..errors import ConfigError
 from .protocol import (
     HEADER_TAG,
     LIVENESS_TAG,
+    RECEIPTED,
     STATUS_BYTES,
     Op,
     ack_tag,
@@ -78,8 +79,8 @@ class PSClient:
                 payload: torch.Tensor | None = None, answer: torch.Tensor | None = None,
                 lane: int = 0, what: str = "") -> list[Handle]:
         """Send one request; the answer (if any) lands in ``answer``. Returns its handles:
-        the answer's, then (a PUSHPULL with a payload) the server's receipt, then the sends
-        (one, or two for a payload over ``protocol.INLINE_BYTES``).
+        the answer's, then (a PUSHPULL or SET with a payload) the server's receipt, then the
+        sends (one, or two for a payload over ``protocol.INLINE_BYTES``).
         """
         with self._lock:
             seq = next(self._seq)
@@ -90,7 +91,7 @@ class PSClient:
                                                 f"answer to {what}"))
         flat = None if payload is None else payload.detach().reshape(-1)
         numel = 0 if flat is None else flat.numel()
-        if op == Op.PUSHPULL and numel:
+        if op in RECEIPTED and numel:
             handles.append(self.transport.irecv(torch.empty(1, dtype=torch.int64), server,
                                                 ack_tag(seq), f"receipt of {what}"))
         # One message, header then payload, unless the payload is too large to go inline.
@@ -129,7 +130,8 @@ class PSClient:
                                     answer=out))
 
     def set(self, server: int, *, key: int, tensor: torch.Tensor) -> Pending:
-        """Replace a parameter store's value."""
+        """Replace a parameter store's value. Once waited for, any request sent afterwards,
+        by any worker (after a barrier, say), is handled after it (the server's receipt)."""
         return Pending(self.request(server, Op.SET, key=key, payload=tensor))
 
     def get(self, server: int, *, key: int, out: torch.Tensor, round: int = 0) -> Pending:

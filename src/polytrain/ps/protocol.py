@@ -110,6 +110,14 @@ def sender_of(message: torch.Tensor) -> int:
     return int(_fields(message)[SRC])
 
 
+#: Ops whose payload the server acknowledges (one int64 on ``tag(ACK, seq)``) when the key's
+#: thread takes it: a PUSHPULL's receipt gives the worker's credit back; a SET's says that any
+#: request sent after the worker waited for it (after a barrier, by any worker) is handled
+#: after it. (Each worker's requests arrive on their own receive, so arrival alone orders
+#: only one worker's.)
+RECEIPTED = (Op.PUSHPULL, Op.SET)
+
+
 def op_of(message: torch.Tensor) -> Op:
     """The op of a request message."""
     return Op(int(_fields(message)[OP]))

@@ -23,6 +23,7 @@ from ..errors import ClosedByTimeout, CommError, PolytrainError, kept_error
 from .protocol import (
     HEADER_TAG,
     LIVENESS_TAG,
+    RECEIPTED,
     REQUEST_BYTES,
     STATUS_BYTES,
     Op,
@@ -78,7 +79,7 @@ class _Engine(threading.Thread):
                 req, payload = item
                 if payload is not None:
                     payload.wait()
-                if req.op == Op.PUSHPULL and req.numel:
+                if req.op in RECEIPTED and req.numel:
                     self.server.acknowledge(req)
                 self.server.handling(req)
                 self.server.stores[req.key].handle(req)
@@ -260,7 +261,7 @@ class Server:
         workers = list(self.topology.workers)
         pending = set(workers)
         # Each worker's posted receive holds a buffer too.
-        buffers = _RequestBuffers(keep=len(workers), pinned=16 + len(workers))
+        buffers = _RequestBuffers(pinned=16 + len(workers))
         arrivals: queue.SimpleQueue[tuple[int, torch.Tensor]] = queue.SimpleQueue()
         for w in workers:
             threading.Thread(target=self._guard, args=(self._listen, w, buffers, arrivals),
