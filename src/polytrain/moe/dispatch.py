@@ -217,7 +217,9 @@ def moe_apply(x: torch.Tensor, indices: torch.Tensor, scores: torch.Tensor,
         group: the expert-parallel group (None: every expert is local).
 
     Returns:
-        (tokens, d) output, and (local experts,) rows each local expert processed.
+        (tokens, d) output, and (local experts,) rows each local expert processed: int64
+        on the CPU, except in inference on a GPU, where they stay on x's device (reading
+        them there would wait for the GPU).
     """
     group = group or ExpertGroup(None)
     streams = not group.distributed and not torch.is_grad_enabled()
