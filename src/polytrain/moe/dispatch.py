@@ -172,9 +172,7 @@ def _streamed_on_device(x: torch.Tensor, indices: torch.Tensor, scores: torch.Te
     # Rows per expert, dropped slots counted in a last bin (torch.bincount reads its max).
     bins = torch.zeros(num + 1, dtype=flat.dtype, device=flat.device).scatter_add_(
         0, torch.where(kept, flat, num), torch.ones_like(flat))
-    key = torch.where(kept, flat, num - 1)
-    order = torch.sort(key, stable=True).indices
-    expert = key.index_select(0, order)
+    expert, order = torch.sort(torch.where(kept, flat, num - 1), stable=True)
     ends = bins[:num].cumsum(0)
     ends[-1] += bins[num]
     token = torch.where(kept, torch.div(torch.arange(slots, device=flat.device), top_k,

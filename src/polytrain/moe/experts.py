@@ -257,12 +257,17 @@ class ExpertMLP(ExpertList):
         super().__init__(num_local, d_model, lambda d: FeedForwardExpert(d, d_hidden))
         self.d_model, self.d_hidden, self.chunk_bytes = d_model, d_hidden, chunk_bytes
 
+    def chunk_budget(self, device: torch.device) -> int:
+        """Bytes the experts' temporaries may hold at once on ``device``: ``chunk_bytes``,
+        else the device's default."""
+        if self.chunk_bytes is not None:
+            return self.chunk_bytes
+        return CHUNK_BYTES if device.type == "cpu" else GPU_CHUNK_BYTES
+
     def chunk_rows(self, device: torch.device) -> int:
         """Rows per chunk on ``device``: (rows x d_hidden) fp32 temporaries stay within
-        ``chunk_bytes``."""
-        budget = self.chunk_bytes if self.chunk_bytes is not None else \
-            CHUNK_BYTES if device.type == "cpu" else GPU_CHUNK_BYTES
-        return max(1, budget // (self.d_hidden * 4))
+        :meth:`chunk_budget`."""
+        return max(1, self.chunk_budget(device) // (self.d_hidden * 4))
 
     def stream_rows(self, device: torch.device) -> int:
         """Rows per chunk of streamed inference planned on the host (the CPU's:
@@ -297,7 +302,7 @@ class ExpertMLP(ExpertList):
         """Experts whose stacked weights (:meth:`stacked`) fit in the chunk budget at once."""
         pad, size = self._pad(x), x.element_size()
         each = (2 * self.d_model + pad) * self.d_hidden * size
-        return max(1, self.chunk_rows(x.device) * self.d_hidden * 4 // each)
+        return max(1, self.chunk_budget(x.device) // each)
 
     def stacked(self, first: int, end: int,
                 like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
