@@ -76,6 +76,37 @@ def test_a_parameter_store_holds_pulls_until_the_slowest_clock_allows():
     assert len(out) == 1 and torch.equal(out[0][2], torch.full((3,), 3.0))
 
 
+def test_a_parameter_store_pull_of_a_round_never_holds_a_later_rounds_push():
+    # Staleness 0: pusher 0 pulls round 1 and pushes round 2 before pusher 1's pull of round 1
+    # arrives; that pull still answers the value after round 1 (asynchronous BytePS with
+    # staleness 0 is synchronous SGD only so).
+    out = []
+    s = store(Kind.PARAM, out)
+    s.handle(request(Op.SET, 0, payload=torch.zeros(3)))
+    s.handle(request(Op.PUSH, 0, round_=1, payload=torch.ones(3)))
+    s.handle(request(Op.PUSH, 1, round_=1, payload=torch.full((3,), 2.0)))
+    s.handle(request(Op.PULL, 0, round_=1))
+    s.handle(request(Op.PUSH, 0, round_=2, payload=torch.full((3,), 10.0)))
+    s.handle(request(Op.PULL, 1, round_=1))
+    s.handle(request(Op.GET, 1))
+    assert [t.tolist() for _, _, t in out] == [[3.0] * 3, [3.0] * 3, [13.0] * 3]
+    s.handle(request(Op.PUSH, 1, round_=2, payload=torch.full((3,), 20.0)))
+    s.handle(request(Op.PULL, 1, round_=2))
+    assert out[-1][2].tolist() == [33.0] * 3
+
+
+def test_a_parameter_store_adds_a_rounds_pushes_in_the_pushers_order():
+    values = {0: torch.tensor([1e8]), 1: torch.tensor([1.0]), 2: torch.tensor([-1e8])}
+    in_rank_order = (values[0] + values[1]) + values[2]
+    for order in itertools.permutations(values):
+        out = []
+        s = store(Kind.PARAM, out, numel=1, pushers=3)
+        for src in order:
+            s.handle(request(Op.PUSH, src, round_=1, payload=values[src]))
+        s.handle(request(Op.PULL, 0, round_=1))
+        assert torch.equal(out[0][2], in_rank_order), order
+
+
 def test_an_optimizer_store_steps_once_per_round_on_the_sum_under_the_rounds_settings():
     sgd = optimizer_spec(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.5))
     out = []

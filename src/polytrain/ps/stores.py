@@ -196,22 +196,29 @@ class ParamStore(Store):
 
     - SET replaces the value (a worker initialises it once after declaring).
     - PUSH adds the payload (an update: new minus old weights, already scaled
-      by the worker) and advances the pusher's clock by one.
-    - PULL of round c answers the value once every one of the ``pushers`` has
-      clock >= c - staleness (``options["staleness"]``, default 0); earlier
-      pulls wait. With staleness 0 a pull of round c is a barrier on all
-      pushers' c-th push; GET answers the current value at once.
+      by the worker) and advances the pusher's clock by one: it is the
+      pusher's push of round = its new clock.
+    - PULL of round c answers once every one of the ``pushers`` has clock >=
+      c - staleness (``options["staleness"]``, default 0); earlier pulls wait.
+      The answer holds every push of rounds up to c that has arrived and none
+      of a later round, so with staleness 0 a pull of round c is a barrier on
+      all pushers' c-th push and answers exactly the value after round c, even
+      when a worker that pulled first has already pushed round c + 1.
+      GET answers every push so far at once.
 
-    Clocks count pushes per key, so no coordination across servers is needed:
-    this is the clocked parameter service of asynchronous BytePS (bounded
-    staleness) and of HetPipe's Wave Synchronous Parallel (a clock is a wave).
+    A round's pushes are added in the pushers' order once the slowest pusher
+    has made it, so the value does not depend on arrival order. Clocks count
+    pushes per key, so no coordination across servers is needed: this is the
+    clocked parameter service of asynchronous BytePS (bounded staleness) and of
+    HetPipe's Wave Synchronous Parallel (a clock is a wave).
     """
 
     def __init__(self, decl: Declaration, respond: Respond) -> None:
         super().__init__(decl, respond)
-        self.value = torch.zeros(decl.numel, dtype=decl.torch_dtype)
+        self.value = torch.zeros(decl.numel, dtype=decl.torch_dtype)  # rounds <= global clock
         self.staleness = int(decl.options.get("staleness", 0))
         self.clocks: dict[tuple[int, int], int] = {}
+        self.ahead: dict[int, dict[tuple[int, int], torch.Tensor]] = {}  # later rounds' pushes
         self.waiting: list[Request] = []
 
     @property
@@ -225,26 +232,37 @@ class ParamStore(Store):
         if req.op == Op.SET:
             assert req.payload is not None
             self.value.copy_(req.payload)
+            self.ahead.clear()
         elif req.op == Op.PUSH:
             assert req.payload is not None
             if req.pusher not in self.clocks and len(self.clocks) == self.decl.pushers:
                 raise self.fail(req, f"more pushers than the {self.decl.pushers} declared")
-            self.value.add_(req.payload)
-            self.clocks[req.pusher] = self.clocks.get(req.pusher, 0) + 1
+            clock = self.clocks[req.pusher] = self.clocks.get(req.pusher, 0) + 1
+            self.ahead.setdefault(clock, {})[req.pusher] = req.payload
+            for done in sorted(r for r in self.ahead if r <= self.global_clock):
+                self.value.add_(_rank_sum(self.ahead.pop(done), self.value.dtype))
             self.waiting = _release(self.waiting, self._ready,
-                                    lambda r: self.respond(r, self.value.clone()))
+                                    lambda r: self.respond(r, self._read(r.round)))
         elif req.op == Op.PULL:
             if self._ready(req):
-                self.respond(req, self.value.clone())
+                self.respond(req, self._read(req.round))
             else:
                 self.waiting.append(req)
         elif req.op == Op.GET:
-            self.respond(req, self.value.clone())
+            self.respond(req, self._read(None))
         else:
             raise self.fail(req, "a parameter store answers SET, PUSH, PULL and GET only")
 
     def _ready(self, req: Request) -> bool:
         return self.global_clock >= req.round - self.staleness
+
+    def _read(self, round: int | None) -> torch.Tensor:
+        """The value with the pushes of rounds up to ``round`` (None: every round) so far."""
+        value = self.value.clone()
+        for r in sorted(self.ahead):
+            if round is None or r <= round:
+                value.add_(_rank_sum(self.ahead[r], value.dtype))
+        return value
 
     def waiting_for(self, round: int) -> str:
         clocks = ", ".join(f"{pusher_name(p)} at {c}"
