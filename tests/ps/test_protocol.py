@@ -7,7 +7,6 @@ from polytrain.ps.protocol import (
     Request,
     message_length,
     request,
-    sender_of,
 )
 from polytrain.ps.server import _RequestBuffers
 
@@ -23,10 +22,9 @@ def received(message: torch.Tensor, size: int = 4096) -> torch.Tensor:
 def test_a_request_and_its_payload_are_one_message() -> None:
     for payload in (torch.arange(10, dtype=torch.float32), torch.arange(7, dtype=torch.float64),
                     torch.tensor([True, False, True]), torch.arange(5, dtype=torch.uint8)):
-        msg = request(Op.PUSHPULL, key=3, round=9, seq=41, lane=1, src=5, payload=payload)
+        msg = request(Op.PUSHPULL, key=3, round=9, seq=41, lane=1, payload=payload)
         assert msg.numel() == HEADER_BYTES + payload.numel() * payload.element_size()
         buf = received(msg)
-        assert sender_of(buf) == 5
         assert message_length(buf) == msg.numel()
         req = Request.parse(5, buf)
         assert (req.op, req.key, req.round, req.seq, req.lane) == (Op.PUSHPULL, 3, 9, 41, 1)
@@ -35,7 +33,7 @@ def test_a_request_and_its_payload_are_one_message() -> None:
 
 
 def test_a_request_without_payload_is_its_header() -> None:
-    msg = request(Op.PULL, key=2, round=1, seq=7, src=3)
+    msg = request(Op.PULL, key=2, round=1, seq=7)
     assert msg.numel() * msg.element_size() == HEADER_BYTES
     req = Request.parse(3, received(msg))
     assert req.op == Op.PULL and req.numel == 0 and req.payload is None
@@ -44,7 +42,7 @@ def test_a_request_without_payload_is_its_header() -> None:
 
 def test_a_payload_over_the_inline_limit_follows_its_header() -> None:
     big = torch.zeros(INLINE_BYTES // 4 + 1, dtype=torch.float32)
-    msg = request(Op.PUSH, key=1, seq=2, src=0, payload=big)
+    msg = request(Op.PUSH, key=1, seq=2, payload=big)
     assert msg.numel() * msg.element_size() == HEADER_BYTES  # the header alone
     req = Request.parse(0, received(msg))
     assert req.numel == big.numel() and not req.inline and req.payload is None

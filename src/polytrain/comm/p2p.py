@@ -33,10 +33,9 @@ class Handle:
     connection of it. So wait only as long as a peer may legitimately take.
     """
 
-    def __init__(self, transport: Transport, work: Any, peer: int | None, nbytes: int,
+    def __init__(self, transport: Transport, work: Any, peer: int, nbytes: int,
                  direction: str, what: str, staged: torch.Tensor | None = None,
                  target: torch.Tensor | None = None,
-                 source_of: Callable[[torch.Tensor], int] | None = None,
                  length_of: Callable[[torch.Tensor], int] | None = None) -> None:
         self._transport = transport
         self._work = work
@@ -47,34 +46,26 @@ class Handle:
         self._staged = staged  # CPU copy of a device tensor (kept alive while in flight)
         self._target = target  # device tensor a staged receive is copied into
         self._done = False
-        self._source_of = source_of
         self._length_of = length_of
-        self.source: int | None = peer
 
     def wait(self, timeout_s: float | None = None) -> int:
         """Block until the message has moved; return the peer's rank."""
         if self._done:
-            assert self.source is not None
-            return self.source
+            return self._peer
         t = self._transport
         timeout = t.timeout_s if timeout_s is None else timeout_s
         try:
             self._work.wait(timeout=datetime.timedelta(seconds=timeout))
         except RuntimeError as e:
             raise t.error(e, self._peer, self._what, timeout) from None
-        if self.source is None:
-            # A message that names its sender (a request header) says who sent it; gloo's
-            # Work.source_rank is deprecated and warns in every process that calls it.
-            self.source = (self._source_of(self._staged) if self._source_of is not None
-                           and self._staged is not None else int(self._work.source_rank()))
         if self._direction == RECV:
             if self._length_of is not None and self._staged is not None:
                 self._nbytes = self._length_of(self._staged)  # a shorter message than the buffer
-            t.meter.record(self.source, self._nbytes, RECV)
+            t.meter.record(self._peer, self._nbytes, RECV)
             if self._target is not None and self._staged is not None:
                 self._target.copy_(self._staged)
         self._done = True
-        return self.source
+        return self._peer
 
 
 class Transport:
@@ -129,12 +120,9 @@ class Transport:
         self.meter.record(dst, nbytes, SENT)
         return Handle(self, work, dst, nbytes, SENT, what, staged=staged)
 
-    def irecv(self, tensor: torch.Tensor, src: int | None, tag: int,
-              what: str = "a message",
-              source_of: Callable[[torch.Tensor], int] | None = None,
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int, what: str = "a message",
               length_of: Callable[[torch.Tensor], int] | None = None) -> Handle:
-        """Receive into ``tensor`` from ``src`` (None: any rank). For a receive from any
-        rank, ``source_of(message)`` says who sent it (the message names its sender).
+        """Receive into ``tensor`` from ``src``.
         gloo takes a message shorter than ``tensor`` (a longer one aborts this process):
         ``length_of(message)`` says how many bytes came, for the meter."""
         if not tensor.is_contiguous():
@@ -142,15 +130,12 @@ class Transport:
                             "receive into a contiguous buffer and copy from it")
         staged = tensor if tensor.device.type == "cpu" else torch.empty_like(tensor, device="cpu")
         try:
-            group = self._group(tag)
-            work = (group.recv_anysource([staged], tag) if src is None
-                    else group.recv([staged], src, tag))
+            work = self._group(tag).recv([staged], src, tag)
         except RuntimeError as e:
             raise self.error(e, src, what, self.timeout_s) from None
         nbytes = staged.numel() * staged.element_size()
         return Handle(self, work, src, nbytes, RECV, what, staged=staged,
-                      target=tensor if staged is not tensor else None, source_of=source_of,
-                      length_of=length_of)
+                      target=tensor if staged is not tensor else None, length_of=length_of)
 
     def _group(self, tag: int) -> Any:
         return self.answers if channel_of(tag) == RESPONSE else self.group

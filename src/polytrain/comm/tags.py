@@ -8,8 +8,7 @@ range of ``SPAN`` tags and numbers its messages inside it modulo ``SPAN``:
 
     tag            channel    what
     -------------------------------------------------------------------------
-    0              HEADER     a request: header, payload up to 4 MiB (from anyone)
-    1              LIVENESS   a worker's last message to each server
+    0              HEADER     a request: header, payload up to 4 MiB (from any worker)
     CH(k) + n      k          message n (mod SPAN) of channel k, k in CHANNELS
 
 ``CH(k) = FIRST + k * SPAN``. A channel wraps around inside its range only.
@@ -24,11 +23,10 @@ Example::
 
 from __future__ import annotations
 
-__all__ = ["HEADER", "LIVENESS", "PAYLOAD", "RESPONSE", "LOCAL_REDUCE", "PIPELINE", "ACK",
+__all__ = ["HEADER", "PAYLOAD", "RESPONSE", "LOCAL_REDUCE", "PIPELINE", "ACK",
            "CHANNELS", "SPAN", "tag", "channel_of"]
 
 HEADER = 0
-LIVENESS = 1
 
 #: Channels with a range of their own: a request's payload and its response (numbered by
 #: the request's sequence number), the engine's messages among a machine's workers

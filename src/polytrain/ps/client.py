@@ -13,7 +13,6 @@ from ..comm.topology import Topology
 from ..errors import ConfigError
 from .protocol import (
     HEADER_TAG,
-    LIVENESS_TAG,
     RECEIPTED,
     STATUS_BYTES,
     Op,
@@ -95,8 +94,7 @@ class PSClient:
             handles.append(self.transport.irecv(torch.empty(1, dtype=torch.int64), server,
                                                 ack_tag(seq), f"receipt of {what}"))
         # One message, header then payload, unless the payload is too large to go inline.
-        message = make_request(op, key=key, round=round, seq=seq, lane=lane,
-                               src=self.transport.rank, payload=flat)
+        message = make_request(op, key=key, round=round, seq=seq, lane=lane, payload=flat)
         handles.append(self.transport.isend(message, server, HEADER_TAG, what))
         if flat is not None and numel and not inline(numel * flat.element_size()):
             handles.append(self.transport.isend(flat, server, payload_tag(seq), what))
@@ -144,7 +142,5 @@ class PSClient:
         handles = []
         for s in self.topology.servers:
             handles += self.request(s, Op.FINISH)
-            handles.append(self.transport.isend(torch.zeros(1, dtype=torch.int64), s,
-                                                LIVENESS_TAG, "the end of training"))
         for h in handles:
             h.wait()

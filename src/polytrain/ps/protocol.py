@@ -1,8 +1,8 @@
 """The wire format between workers and servers: fixed headers, tags, dtype codes.
 
 A request is one message on tag ``tags.HEADER``, which a server has a
-receive posted for from every worker at all times: a header of 8 int64
-(64 bytes) followed, when ``numel > 0`` and the payload is at most
+receive posted for from every worker at all times: a header of 7 int64
+(56 bytes) followed, when ``numel > 0`` and the payload is at most
 ``INLINE_BYTES``, by the payload's bytes. The
 server receives every request into a buffer of ``HEADER_BYTES +
 INLINE_BYTES`` (gloo takes a shorter message into a larger buffer, and
@@ -52,8 +52,7 @@ __all__: list[str] = []
 
 
 HEADER_TAG = tags.HEADER
-LIVENESS_TAG = tags.LIVENESS  # a worker's last message; its receive fails if the worker dies
-HEADER_LEN = 8
+HEADER_LEN = 7
 HEADER_BYTES = HEADER_LEN * 8
 #: Payloads up to this many bytes travel in their header's message. Above BytePS's
 #: 4,096,000-byte partitions, so a synchronous sum's request is always one message.
@@ -62,9 +61,9 @@ INLINE_BYTES = 4 << 20
 REQUEST_BYTES = HEADER_BYTES + INLINE_BYTES
 STATUS_BYTES = 2048  # a declaration's answer: JSON, zero-padded
 
-# Header fields. LANE tells apart pushers inside one process (0 for most); SRC is the
-# sender's rank (a receive from any source learns it from the header, not from gloo).
-OP, KEY, ROUND, NUMEL, DTYPE, SEQ, LANE, SRC = range(HEADER_LEN)
+# Header fields. LANE tells apart pushers inside one process (0 for most). The sender's rank
+# is not one: each worker's requests come on a receive of their own.
+OP, KEY, ROUND, NUMEL, DTYPE, SEQ, LANE = range(HEADER_LEN)
 
 
 class Op(IntEnum):
@@ -101,13 +100,8 @@ def inline(nbytes: int) -> bool:
 
 
 def _fields(message: torch.Tensor) -> torch.Tensor:
-    """The header of a request message (a uint8 buffer, or the 8 int64 themselves)."""
+    """The header of a request message (a uint8 buffer, or the int64 fields themselves)."""
     return message[:HEADER_BYTES].view(torch.int64) if message.dtype == torch.uint8 else message
-
-
-def sender_of(message: torch.Tensor) -> int:
-    """The rank that sent a request message (its header names it)."""
-    return int(_fields(message)[SRC])
 
 
 #: Ops whose payload the server acknowledges (one int64 on ``tag(ACK, seq)``) when the key's
@@ -182,17 +176,17 @@ class Request:
         h = _fields(message).tolist()
         req = cls(src, Op(h[OP]), h[KEY], h[ROUND], h[NUMEL], DTYPES[h[DTYPE]], h[SEQ], h[LANE])
         if req.numel and req.inline and message.dtype == torch.uint8:
-            # The header is 64 bytes, so the payload is aligned for every dtype.
+            # The header is 7 x 8 bytes, so the payload is aligned for every dtype.
             req.payload = message[HEADER_BYTES:HEADER_BYTES + req.nbytes].view(req.dtype)
         return req
 
 
 def request(op: Op, *, key: int = 0, round: int = 0, seq: int = 0, lane: int = 0,
-            src: int = 0, payload: torch.Tensor | None = None) -> torch.Tensor:
+            payload: torch.Tensor | None = None) -> torch.Tensor:
     """A request's first message: its header, then ``payload`` (flat) if it fits inline."""
     numel = 0 if payload is None else payload.numel()
     dtype = torch.uint8 if payload is None else payload.dtype
-    head = [int(op), key, round, numel, dtype_code(dtype), seq, lane, src]
+    head = [int(op), key, round, numel, dtype_code(dtype), seq, lane]
     nbytes = numel * dtype.itemsize
     if not numel or not inline(nbytes):
         return torch.tensor(head, dtype=torch.int64)

@@ -22,7 +22,6 @@ from ..comm.topology import Topology
 from ..errors import ClosedByTimeout, CommError, PolytrainError, kept_error
 from .protocol import (
     HEADER_TAG,
-    LIVENESS_TAG,
     RECEIPTED,
     REQUEST_BYTES,
     STATUS_BYTES,
@@ -43,7 +42,7 @@ __all__ = ["Server"]
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.5
-_TRAINING_S = 365 * 24 * 3600.0  # a watch waits for its worker's end: no bound on a run's length
+_TRAINING_S = 365 * 24 * 3600.0  # a worker's next request: no bound on a run's length
 _COPIED_BYTES = 64 << 10  # inline payloads up to this size are copied out of their buffer
 _ANSWERED = (Op.PULL, Op.PUSHPULL, Op.GET)  # the ops a store answers (now or once it can)
 _HELD_SHOWN = 6  # answers named in the report of those held long
@@ -209,9 +208,6 @@ class Server:
         # group, so nothing here may poll with a timeout. The main thread only supervises.
         threads = [threading.Thread(target=self._guard, args=(self._receive,), daemon=True,
                                     name="polytrain-receive")]
-        threads += [threading.Thread(target=self._guard, args=(self._watch, w), daemon=True,
-                                     name=f"polytrain-watch-{w}")
-                    for w in self.topology.workers]
         for t in [*self.engines, self.outbox, *threads]:
             t.start()
         try:
@@ -294,8 +290,13 @@ class Server:
 
     def _listen(self, worker: int, buffers: _RequestBuffers,
                 arrivals: queue.SimpleQueue[tuple[int, torch.Tensor]]) -> None:
-        """Receive ``worker``'s requests one after another until its FINISH. Its waits are
-        unbounded as :meth:`_watch`'s are: the idle bound is the main receive loop's."""
+        """Receive ``worker``'s requests one after another until its FINISH.
+
+        A receive from one worker fails at once if that worker dies, so this also watches
+        it. Its waits last the worker's whole training, however long (bounding them by the
+        idle timeout failed every run longer than that): the idle bound is the main receive
+        loop's, on its queue, and a worker alive but stuck is found there and by its peers'
+        own waits."""
         name = self.topology.name(worker)
         while self._error is None:
             message = buffers.take()
@@ -305,16 +306,6 @@ class Server:
             if op_of(message) == Op.FINISH:
                 return
             del message
-
-    def _watch(self, worker: int) -> None:
-        # A receive from one worker fails at once if that worker dies (a receive from any
-        # source does not): the worker's last message completes this one. It lasts the
-        # worker's whole training, however long (bounding it by the idle timeout failed every
-        # run longer than that); a worker alive but stuck is found by the request receive's
-        # idle timeout and by its peers' own waits.
-        signal = torch.empty(1, dtype=torch.int64)
-        self.transport.irecv(signal, worker, LIVENESS_TAG, "the end of training"
-                             ).wait(_TRAINING_S)
 
     def _receive_payload(self, req: Request) -> Handle | None:
         """Post the receive of a payload too large to come inline (None: no such payload)."""

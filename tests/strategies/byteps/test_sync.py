@@ -46,7 +46,7 @@ def test_the_classic_parameter_server_with_tiny_partitions_ends_where_single_end
     metrics, distributed = run_cached(c)
     assert max_abs_diff(single, distributed) < TOLERANCE["sgd"]
     # A parameter server's cost: each worker machine sends and receives the model, the
-    # server machine n times the model over its k servers (headers: 64 bytes per 4000).
+    # server machine n times the model over its k servers (headers: 56 bytes per 4000).
     m = metrics["model_bytes"]
     assert [x["kind"] for x in metrics["traffic"]["machines"]] == ["worker", "server"]
     for machine in metrics["traffic"]["machines"]:

@@ -29,7 +29,7 @@ from ...ps.placement import Placement, server_ranks, spread_handlers
 __all__ = ["Shares", "optimal_shares", "Plan", "plan_placement", "plan_for", "MIN_SPLIT_BYTES"]
 
 #: A partition is cut at an owner's boundary only into pieces of at least this many bytes,
-#: so a piece is never dwarfed by its 64-byte request header.
+#: so a piece is never dwarfed by its 56-byte request header.
 MIN_SPLIT_BYTES = 1024
 
 
