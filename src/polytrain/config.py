@@ -14,7 +14,7 @@ from ._env import check_seconds
 from .data import check_dataset, check_divisible
 from .emulation.devices import parse_cluster
 from .emulation.profile import optimizer_state_factor, profile_model
-from .errors import ConfigError
+from .errors import ConfigError, at_least, unknown
 from .launch.host import available_memory_bytes
 from .launch.launcher import check_port
 from .launch.layout import Layout
@@ -127,17 +127,13 @@ class TrainConfig:
         if self.workers is None:
             object.__setattr__(self, "workers", 2 if get_strategy(self.strategy).distributed else 1)
         if self.optimizer not in OPTIMIZERS:
-            raise ConfigError(f"unknown optimizer {self.optimizer!r}; the optimizers are: "
-                              f"{', '.join(OPTIMIZERS)}",
-                              "pass --optimizer sgd, adam or adagrad")
-        if self.steps < 1:
-            raise ConfigError(f"--steps must be at least 1 (got {self.steps})", "pass --steps 300")
+            raise unknown("optimizer", self.optimizer, OPTIMIZERS,
+                          "pass --optimizer sgd, adam or adagrad")
+        at_least("--steps", self.steps, "pass --steps 300")
         if not 0 < self.lr < math.inf:
             raise ConfigError(f"--lr must be a positive number (got {self.lr})",
                               "pass --lr 0.003")
-        if self.batch_size < 1:
-            raise ConfigError(f"--batch-size must be at least 1 (got {self.batch_size})",
-                              "pass --batch-size 32")
+        at_least("--batch-size", self.batch_size, "pass --batch-size 32")
         if not 0 <= self.seed < 2**63:
             raise ConfigError(f"--seed must be in 0..2**63-1 (torch's generator takes a 64-bit "
                               f"seed; got {self.seed})", "pass --seed 0")
@@ -147,9 +143,8 @@ class TrainConfig:
                               "leave --device out to train on the CPU, or install a CUDA "
                               "build of torch where there is a GPU")
         if self.lr_schedule not in SCHEDULES:
-            raise ConfigError(f"unknown learning-rate schedule {self.lr_schedule!r}; the "
-                              f"schedules are: {', '.join(SCHEDULES)}",
-                              "pass --lr-schedule constant or cosine")
+            raise unknown("learning-rate schedule", self.lr_schedule, SCHEDULES,
+                          "pass --lr-schedule constant or cosine", plural="schedules")
         if not 0 <= self.warmup_steps < self.steps:
             raise ConfigError(f"--warmup-steps must be at least 0 and less than --steps "
                               f"{self.steps} (got {self.warmup_steps})",
@@ -162,8 +157,7 @@ class TrainConfig:
                               "strategy such as ddp")
         check_dataset(self.data)
         if self.sampling not in SAMPLINGS:
-            raise ConfigError(f"unknown sampling {self.sampling!r}; the samplings are: "
-                              f"{', '.join(SAMPLINGS)}", "pass --sampling random or epoch")
+            raise unknown("sampling", self.sampling, SAMPLINGS, "pass --sampling random or epoch")
         if self.eval_every is not None and self.eval_every < 1:
             raise ConfigError(f"--eval-every must be at least 1 step (got {self.eval_every})",
                               "pass --eval-every 50")
@@ -218,16 +212,13 @@ class TrainConfig:
                                   f"{self.steps}: no checkpoint would be written",
                                   f"pass --checkpoint-every {max(1, self.steps // 10)}")
         if self.keep is not None:
-            if self.keep < 1:
-                raise ConfigError(f"--keep must be at least 1 (got {self.keep})",
-                                  "pass --keep 2, or leave it out to keep every checkpoint")
+            at_least("--keep", self.keep, "pass --keep 2, or leave it out to keep every checkpoint")
             if self.checkpoint_every is None:
                 raise ConfigError("--keep K prunes checkpoints, and no --checkpoint-every "
                                   "is given", "pass --checkpoint-every N")
         if self.on_save_error not in ON_SAVE_ERROR:
-            raise ConfigError(f"unknown --on-save-error {self.on_save_error!r}; the choices "
-                              f"are: {', '.join(ON_SAVE_ERROR)}",
-                              "pass --on-save-error continue or stop")
+            raise unknown("--on-save-error", self.on_save_error, ON_SAVE_ERROR,
+                          "pass --on-save-error continue or stop", plural="choices")
         if self.init is not None and self.resume is not None:
             raise ConfigError(f"--init {self.init} starts a run from a final.pt, and --resume "
                               f"{self.resume} continues a checkpoint, whose weights would "

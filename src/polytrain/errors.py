@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Iterable
+
 __all__ = ["PolytrainError", "ConfigError", "LaunchError", "CommError", "CommTimeout", "PeerLost",
-           "ClosedByTimeout", "is_timeout", "kept_error", "CLOSED_BY_TIMEOUT"]
+           "ClosedByTimeout", "is_timeout", "kept_error", "unknown", "at_least",
+           "CLOSED_BY_TIMEOUT"]
 
 # gloo's text for a receive cut off because another wait on the same group timed out.
 CLOSED_BY_TIMEOUT = "Application timeout caused pair closure"
@@ -22,6 +25,20 @@ class PolytrainError(Exception):
 
 class ConfigError(PolytrainError, ValueError):
     """Bad input: options, layouts or models that cannot work together."""
+
+
+def unknown(what: str, value: object, choices: Iterable[str], hint: str, *,
+            plural: str | None = None) -> ConfigError:
+    """The error for a name that is none of ``choices``, listing them (``plural`` defaults to
+    ``what`` + s): ``unknown optimizer 'x'; the optimizers are: sgd, adam``."""
+    return ConfigError(f"unknown {what} {value!r}; the {plural or what + 's'} are: "
+                       f"{', '.join(choices)}", hint)
+
+
+def at_least(name: str, value: float, hint: str, minimum: int = 1) -> None:
+    """Refuse ``value`` under ``minimum``: ``--steps must be at least 1 (got 0)``."""
+    if value < minimum:
+        raise ConfigError(f"{name} must be at least {minimum} (got {value})", hint)
 
 
 class LaunchError(PolytrainError, RuntimeError):

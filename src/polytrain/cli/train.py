@@ -10,7 +10,7 @@ from typing import Any, Sequence
 
 from ..checkpoint.manifest import newest, read_manifest, resolve, run_out
 from ..config import ON_SAVE_ERROR, SAMPLINGS, SCHEDULES, TrainConfig
-from ..errors import ConfigError
+from ..errors import ConfigError, unknown
 from ..plan import AUTO, Job, auto_record, chosen, plan_job
 from ..strategies.base import get_strategy, strategy_names
 from ..train import run_config
@@ -96,9 +96,9 @@ def _summary(cls: type) -> str:
 def _check_name(name: str) -> None:
     """Refuse a ``--strategy`` that is neither a strategy nor ``auto``, naming both."""
     if name != AUTO and name not in strategy_names():
-        raise ConfigError(f"unknown strategy {name!r}; the strategies are: "
-                          f"{', '.join(strategy_names())}, or {AUTO} (the one `polytrain "
-                          f"plan` predicts fastest)", "pass one of them, e.g. --strategy ddp")
+        raise unknown("strategy", name, (*strategy_names(), f"or {AUTO} (the one `polytrain "
+                                         "plan` predicts fastest)"),
+                      "pass one of them, e.g. --strategy ddp", plural="strategies")
 
 
 def config_from_args(ns: argparse.Namespace) -> TrainConfig:

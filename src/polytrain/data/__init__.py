@@ -6,7 +6,7 @@ from typing import Callable
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import unknown
 from .batches import EpochBatches, GlobalBatches, check_divisible, shard, windows
 from .text import stdlib_corpus
 
@@ -46,8 +46,7 @@ def dataset_names() -> list[str]:
 def check_dataset(name: str) -> None:
     """Refuse a data set name that is not registered, listing those that are."""
     if name not in _DATASETS:
-        raise ConfigError(f"unknown data set {name!r}; the data sets are: "
-                          f"{', '.join(dataset_names())}", "pass --data text")
+        raise unknown("data set", name, dataset_names(), "pass --data text")
 
 
 def get_dataset(name: str) -> torch.Tensor:

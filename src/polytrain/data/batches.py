@@ -6,7 +6,7 @@ from typing import Iterator
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import ConfigError, at_least
 
 __all__ = ["GlobalBatches", "EpochBatches", "windows", "shard", "check_divisible"]
 
@@ -24,9 +24,7 @@ class GlobalBatches:
     """
 
     def __init__(self, corpus: torch.Tensor, *, batch_size: int, window: int, seed: int) -> None:
-        if batch_size < 1:
-            raise ConfigError(f"--batch-size must be at least 1 (got {batch_size})",
-                              "pass --batch-size 32")
+        at_least("--batch-size", batch_size, "pass --batch-size 32")
         if corpus.numel() <= window:
             raise ConfigError(f"corpus of {corpus.numel()} tokens is shorter than a window "
                               f"of {window}", "pass a smaller --seq-len")
@@ -75,9 +73,7 @@ class EpochBatches:
     """
 
     def __init__(self, corpus: torch.Tensor, *, batch_size: int, window: int, seed: int) -> None:
-        if batch_size < 1:
-            raise ConfigError(f"--batch-size must be at least 1 (got {batch_size})",
-                              "pass --batch-size 32")
+        at_least("--batch-size", batch_size, "pass --batch-size 32")
         self.samples = windows(corpus, window)
         if self.samples.shape[0] < batch_size:
             raise ConfigError(f"the corpus holds {self.samples.shape[0]} samples of {window} "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import ConfigError
+from ..errors import ConfigError, at_least
 
 __all__ = ["Layout", "ProcessSpec", "WORKER", "SERVER"]
 
@@ -50,9 +50,7 @@ class Layout:
 
     def __post_init__(self) -> None:
         for name in ("workers", "nodes"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"--{name} must be at least 1 (got {getattr(self, name)})",
-                                  f"pass --{name} 1 or more")
+            at_least(f"--{name}", getattr(self, name), f"pass --{name} 1 or more")
         for name in ("servers", "colocated"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name} must be 0 or more (got {getattr(self, name)})",

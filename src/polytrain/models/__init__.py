@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import ConfigError
+from ..errors import ConfigError, unknown
 from .gpt import GPT
 from .gpt_moe import GPTMoEOptions, gpt_moe
 from .mlp import MLP
@@ -92,8 +92,7 @@ def get_model(name: str) -> ModelSpec:
     try:
         return _MODELS[name]
     except KeyError:
-        raise ConfigError(f"unknown model {name!r}; the models are: {', '.join(model_names())}",
-                          "pass one of them, e.g. --model gpt") from None
+        raise unknown("model", name, model_names(), "pass one of them, e.g. --model gpt") from None
 
 
 register_model(ModelSpec("gpt", GPT, _next_token, cross_entropy,

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import ConfigError
+from ..errors import ConfigError, at_least
 from ..layers import FeedForward  # the block's MLP (what moe.moefy replaces with experts)
 
 __all__ = ["GPT", "Block", "CausalSelfAttention", "FeedForward", "Embed", "Head"]
@@ -18,10 +18,8 @@ def check_sizes(*, heads: int | None = None, **sizes: int) -> None:
     """Refuse a model size below 1 (named with its flag) and heads that do not divide
     d_model: one line, before any layer is built."""
     for name, value in {**sizes, **({} if heads is None else {"heads": heads})}.items():
-        if value < 1:
-            flag = "--" + name.replace("_", "-")
-            raise ConfigError(f"{flag} must be at least 1 (got {value})",
-                              f"pass a positive {flag}, or leave it out for the default")
+        flag = "--" + name.replace("_", "-")
+        at_least(flag, value, f"pass a positive {flag}, or leave it out for the default")
     if heads is not None and sizes["d_model"] % heads:
         raise ConfigError(f"d_model {sizes['d_model']} is not divisible by heads {heads}",
                           f"pick heads among the divisors of {sizes['d_model']}")

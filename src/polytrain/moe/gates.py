@@ -46,7 +46,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import ConfigError
+from ..errors import ConfigError, unknown
 from .capacity import allowance, check_factor, expert_capacity, keep_mask
 from .draws import new_seed, normal, uniform
 from .exchange import ExpertGroup, all_gather_counts
@@ -436,7 +436,6 @@ def make_gate(name: str, d_model: int, num_experts: int, **options: Any) -> Gate
     try:
         cls = _GATES[name]
     except KeyError:
-        raise ConfigError(f"unknown gate {name!r}; the gates are: {', '.join(gate_names())}",
-                          "pass one of them, e.g. gate='gshard'") from None
+        raise unknown("gate", name, gate_names(), "pass one of them, e.g. gate='gshard'") from None
     return cls(d_model, num_experts, **options)
 

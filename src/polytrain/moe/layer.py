@@ -7,7 +7,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..errors import ConfigError
+from ..errors import ConfigError, at_least
 from .dispatch import moe_apply
 from .exchange import ExpertGroup
 from .experts import ExpertList, ExpertMLP
@@ -59,9 +59,7 @@ class MoE(nn.Module):
                  dropless: bool = False, balance_weight: float | None = None,
                  z_loss_weight: float = 0.0, gate_options: dict[str, Any] | None = None) -> None:
         super().__init__()
-        if num_experts < 1:
-            raise ConfigError(f"num_experts (--experts) must be at least 1 (got {num_experts})",
-                              "pass num_experts=8 (--experts 8)")
+        at_least("num_experts (--experts)", num_experts, "pass num_experts=8 (--experts 8)")
         self.d_model = d_model
         self.num_experts = num_experts
         self._group = ExpertGroup(group)

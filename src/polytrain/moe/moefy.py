@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import ConfigError
+from ..errors import ConfigError, at_least
 from .layer import MoE
 
 __all__ = ["moefy", "MoEEncoderLayer", "MoEDecoderLayer"]
@@ -75,8 +75,7 @@ def moefy(model: nn.Module, num_experts: int, *, every: int = 1, **options: Any)
     """
     from ..models.gpt import Block  # here: polytrain.models imports this package
 
-    if every < 1:
-        raise ConfigError(f"every must be at least 1 (got {every})", "pass every=1 or 2")
+    at_least("every", every, "pass every=1 or 2")
     found = 0
     for module in list(model.modules()):
         if isinstance(module, Block):

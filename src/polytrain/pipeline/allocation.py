@@ -34,11 +34,11 @@ from typing import Sequence
 
 from ..emulation.devices import Cluster, Device
 from ..emulation.profile import ModelProfile
-from ..errors import ConfigError
+from ..errors import ConfigError, unknown
 from .partition import PipelinePlan, minmax_cut, plan_pipeline
 
-__all__ = ["POLICIES", "VirtualWorker", "allocate", "count_virtual_workers", "HetPipePlan",
-           "plan_hetpipe", "roles_of"]
+__all__ = ["POLICIES", "VirtualWorker", "allocate", "check_policy", "count_virtual_workers",
+           "HetPipePlan", "plan_hetpipe", "roles_of"]
 
 POLICIES = ("np", "ed", "hd", "bd")
 
@@ -55,15 +55,15 @@ class VirtualWorker:
         return f"virtual worker {self.index}: " + " -> ".join(d.describe() for d in self.devices)
 
 
-def _check_policy(policy: str) -> None:
+def check_policy(policy: str) -> None:
     if policy not in POLICIES:
-        raise ConfigError(f"unknown allocation policy {policy!r}; the policies are: "
-                          f"{', '.join(POLICIES)}", "pass --policy np, ed, hd or bd")
+        raise unknown("allocation policy", policy, POLICIES, "pass --policy np, ed, hd or bd",
+                      plural="policies")
 
 
 def count_virtual_workers(workers: int, nodes: int, policy: str) -> int:
     """How many VWs ``policy`` makes of ``workers`` devices on ``nodes`` machines."""
-    _check_policy(policy)
+    check_policy(policy)
     per = workers // nodes
     if policy == "np":
         return nodes

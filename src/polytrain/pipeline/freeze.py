@@ -44,7 +44,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-from ..errors import ConfigError
+from ..errors import ConfigError, unknown
 
 __all__ = ["freeze_cap", "next_frozen", "GradNormTracker", "REFERENCE_STEPS", "SIGNALS",
            "DEFAULT_THRESHOLDS"]
@@ -168,8 +168,8 @@ class GradNormTracker:
             return self.ratios(layers)
         if kind == "relative":
             return self.relative_changes(layers)
-        raise ValueError(f"unknown freeze signal {kind!r}; the signals are: "
-                         f"{', '.join(SIGNALS)}")
+        raise unknown("freeze signal", kind, SIGNALS, "pass change, level or relative",
+                      plural="signals")
 
     def new_interval(self) -> None:
         """Close the interval: its means become the next one's ``previous``."""

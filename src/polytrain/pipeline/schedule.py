@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from ..errors import ConfigError
+from ..errors import at_least
 
 __all__ = ["Action", "FORWARD", "BACKWARD", "Order", "stage_order", "gpipe", "one_f_one_b",
            "asynchronous", "describe", "SCHEDULES"]
@@ -69,9 +69,8 @@ def asynchronous(stages: int, inflight: int, minibatches: int) -> tuple[Order, .
     virtual worker's own updates of minibatches up to ``p - inflight``
     (local staleness ``inflight - 1``); later stages see more recent ones.
     """
-    if inflight < 1:
-        raise ConfigError(f"N_m (--inflight) must be at least 1 (got {inflight})",
-                          "pass --inflight 2, or leave it out to let the partitioner choose")
+    at_least("N_m (--inflight)", inflight,
+             "pass --inflight 2, or leave it out to let the partitioner choose")
     return tuple(stage_order(inflight - j, minibatches) for j in range(stages))
 
 

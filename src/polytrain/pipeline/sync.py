@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import ConfigError, at_least, unknown
 from .schedule import FORWARD, SCHEDULES, describe
 from .stage import Stage
 
@@ -34,11 +34,9 @@ class SyncPipeline:
 
     def __init__(self, stage: Stage, *, schedule: str = "1f1b", microbatches: int = 4) -> None:
         if schedule not in SCHEDULES:
-            raise ConfigError(f"unknown pipeline schedule {schedule!r}; the schedules are: "
-                              f"{', '.join(SCHEDULES)}", "pass gpipe or 1f1b")
-        if microbatches < 1:
-            raise ConfigError(f"micro-batches must be at least 1 (got {microbatches})",
-                              "pass microbatches=4")
+            raise unknown("pipeline schedule", schedule, SCHEDULES, "pass gpipe or 1f1b",
+                          plural="schedules")
+        at_least("micro-batches", microbatches, "pass microbatches=4")
         self.stage = stage
         self.schedule = schedule
         self.microbatches = microbatches

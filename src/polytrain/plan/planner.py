@@ -10,7 +10,7 @@ import torch
 
 from ..data import check_dataset
 from ..emulation.devices import parse_cluster
-from ..errors import ConfigError
+from ..errors import ConfigError, at_least, unknown
 from ..launch.network import link_shape
 from ..models import get_model
 from ..ps.grads import sparse_parameter
@@ -80,15 +80,14 @@ class Job:
             object.__setattr__(self, "workers", 2)
         assert self.workers is not None
         if self.hosts not in HOSTS:
-            raise ConfigError(f"unknown --hosts {self.hosts!r}; they are: {', '.join(HOSTS)}",
-                              "pass --hosts emulated (this machine) or real")
+            raise unknown("--hosts", self.hosts, HOSTS,
+                          "pass --hosts emulated (this machine) or real", plural="choices")
         if self.cores is not None and self.hosts == "real":
             raise ConfigError(f"--cores {self.cores} is the one host's cores that emulated "
                               f"machines share; with --hosts real each machine is a host",
                               "leave out --cores, or pass --hosts emulated")
-        if self.cores is not None and self.cores < 1:
-            raise ConfigError(f"--cores must be at least 1 (got {self.cores})",
-                              "pass --cores 2, or leave it out for this machine's")
+        if self.cores is not None:
+            at_least("--cores", self.cores, "pass --cores 2, or leave it out for this machine's")
         if self.nodes < 1 or self.workers < self.nodes or self.workers % self.nodes:
             raise ConfigError(f"--workers {self.workers} do not spread evenly over --nodes "
                               f"{self.nodes}", f"pass --workers a multiple of {self.nodes}")

@@ -40,7 +40,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import ConfigError, unknown
 
 __all__ = ["Compressor", "FP16", "OneBit", "TopK", "RandomK", "Dithering", "CompressOptions",
            "Codec", "compressor", "compressor_names", "pack_bits", "unpack_bits",
@@ -417,9 +417,8 @@ def compressor(text: str) -> Compressor | None:
         return None
     make = _REGISTRY.get(name)
     if make is None:
-        raise ConfigError(f"unknown compressor {text!r}; the compressors are: "
-                          f"{', '.join(compressor_names())}", "pass one of them, e.g. "
-                          "--compress onebit or --compress topk:0.01")
+        raise unknown("compressor", text, compressor_names(), "pass one of them, e.g. "
+                      "--compress onebit or --compress topk:0.01")
     return make(args)
 
 

@@ -13,7 +13,7 @@ from torch import nn
 
 from .. import runtime
 from ..emulation.profile import ModelProfile, optimizer_state_factor, whole_model_bytes
-from ..errors import ConfigError
+from ..errors import ConfigError, unknown
 from ..launch.layout import Layout
 from ..moe.checkpoint import moe_layers
 from ..runtime import Context
@@ -297,9 +297,8 @@ def get_strategy(name: str) -> type[Strategy[Any]]:
     try:
         return _REGISTRY[name]
     except KeyError:
-        raise ConfigError(f"unknown strategy {name!r}; the strategies are: "
-                          f"{', '.join(strategy_names())}",
-                          "pass one of them, e.g. --strategy ddp") from None
+        raise unknown("strategy", name, strategy_names(), "pass one of them, e.g. --strategy ddp",
+                      plural="strategies") from None
 
 
 def make_options(cls: type[Strategy[Any]], options: dict[str, Any]) -> Any:

@@ -14,13 +14,14 @@ from torch import nn
 from ..emulation.clock import clock_of
 from ..emulation.devices import Cluster, homogeneous
 from ..emulation.profile import ModelProfile, optimizer_state_factor, profile_model
-from ..errors import ConfigError
+from ..errors import ConfigError, at_least
 from ..launch.layout import Layout
 from ..pipeline.allocation import (
     POLICIES,
     HetPipePlan,
     VirtualWorker,
     allocate,
+    check_policy,
     count_virtual_workers,
     plan_hetpipe,
     roles_of,
@@ -97,12 +98,10 @@ class HetPipeOptions:
                 "optimizer on every minibatch's gradients summed over the virtual workers)"})
 
     def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ConfigError(f"unknown allocation policy {self.policy!r}; the policies are: "
-                              f"{', '.join(POLICIES)}", "pass --policy np, ed, hd or bd")
-        if self.inflight is not None and self.inflight < 1:
-            raise ConfigError(f"--inflight (N_m) must be at least 1 (got {self.inflight})",
-                              "pass --inflight 2, or leave it out to let the partitioner choose")
+        check_policy(self.policy)
+        if self.inflight is not None:
+            at_least("--inflight (N_m)", self.inflight,
+                     "pass --inflight 2, or leave it out to let the partitioner choose")
         if not 0 < self.lag_lr <= 1:
             raise ConfigError(f"--lag-lr must be in (0, 1] (got {self.lag_lr})",
                               "pass --lag-lr 0.25, or 1 for the paper's learning rate on "

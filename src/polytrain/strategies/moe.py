@@ -11,7 +11,7 @@ from torch import nn
 
 from ..comm.bucket import flatten, plan_buckets, unflatten_into
 from ..comm.partition import TensorSpec
-from ..errors import ConfigError
+from ..errors import ConfigError, at_least
 from ..launch.layout import Layout
 from ..moe.checkpoint import canonical_names, full_state_dict, local_state_dict, moe_layers
 from .base import Strategy, register
@@ -30,9 +30,8 @@ class MoEOptions:
                 "workers / P such groups hold replicas of the experts", "metavar": "P"})
 
     def __post_init__(self) -> None:
-        if self.expert_parallel is not None and self.expert_parallel < 1:
-            raise ConfigError(f"--expert-parallel must be at least 1 (got "
-                              f"{self.expert_parallel})", "pass --expert-parallel 2")
+        if self.expert_parallel is not None:
+            at_least("--expert-parallel", self.expert_parallel, "pass --expert-parallel 2")
 
 
 @dataclass(frozen=True)

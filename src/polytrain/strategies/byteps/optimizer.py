@@ -9,7 +9,7 @@ import torch
 
 from ...comm.bucket import Bucket, buckets_of, plan_buckets
 from ...comm.partition import DEFAULT_PARTITION_BYTES, TensorSpec
-from ...errors import ConfigError
+from ...errors import ConfigError, at_least
 from ...ps.compression import DEFAULT_MIN_BYTES, CompressOptions, Compressor, compressor
 from ...ps.engine import Engine
 from ...ps.grads import GradientSync, bucket_specs
@@ -226,9 +226,8 @@ class DistributedOptimizer(WrappedOptimizer):
                  partition_bytes: int = DEFAULT_PARTITION_BYTES, colocate: bool = True,
                  compress_adam: bool = False, compress_adam_refresh: int = 0,
                  **compress: Any) -> None:
-        if backward_passes_per_step < 1:
-            raise ConfigError(f"backward_passes_per_step must be at least 1 (got "
-                              f"{backward_passes_per_step})", "pass 1, or the passes per step")
+        at_least("backward_passes_per_step", backward_passes_per_step,
+                 "pass 1, or the passes per step")
         super().__init__(optimizer)
         self.engine = engine
         self.backward_passes_per_step = backward_passes_per_step

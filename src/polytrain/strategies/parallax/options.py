@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ...errors import ConfigError
+from ...errors import ConfigError, at_least
 
 __all__ = ["ParallaxOptions"]
 
@@ -37,9 +37,9 @@ class ParallaxOptions:
         "metavar": "N"})
 
     def __post_init__(self) -> None:
-        if self.partitions is not None and self.partitions < 1:
-            raise ConfigError(f"--partitions must be at least 1 (got {self.partitions})",
-                              "pass --partitions 8, or leave it out to search")
+        if self.partitions is not None:
+            at_least("--partitions", self.partitions,
+                     "pass --partitions 8, or leave it out to search")
         if self.search_steps < 2:
             raise ConfigError(f"--search-steps must be at least 2 (got {self.search_steps}): "
                               f"the first step of each sample is not timed",

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from ...comm.partition import Partition
-from ...errors import ConfigError
+from ...errors import ConfigError, at_least
 from ...ps.placement import Placement, balanced
 
 __all__ = ["SparseVar", "RowRange", "ParallaxPlan", "plan_parallax", "classify",
@@ -162,9 +162,7 @@ def plan_parallax(sparse: Sequence[SparseVar], dense: Sequence[str], *, partitio
                   servers: Sequence[int]) -> ParallaxPlan:
     """Cut every sparse variable into ``partitions`` row ranges and spread them greedily by
     bytes over ``servers`` (least loaded first; ties to the lower rank)."""
-    if partitions < 1:
-        raise ConfigError(f"--partitions must be at least 1 (got {partitions})",
-                          "pass --partitions 8, or leave it out to search")
+    at_least("--partitions", partitions, "pass --partitions 8, or leave it out to search")
     if sparse and not servers:
         raise ConfigError("parallax puts sparse parameters on servers, but the run has none",
                           "launch with --colocated 1 and/or --servers K (polytrain.launch"

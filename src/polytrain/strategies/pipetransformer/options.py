@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields
 
-from ...errors import ConfigError
+from ...errors import ConfigError, at_least, unknown
 from ...pipeline.cache import check_writable
 from ...pipeline.freeze import DEFAULT_THRESHOLDS, SIGNALS
 from ...pipeline.schedule import SCHEDULES
@@ -104,15 +104,14 @@ class PipeTransformerOptions:
                 "instead of the machine's shared memory"})
 
     def __post_init__(self) -> None:
-        if self.pipeline_stages is not None and self.pipeline_stages < 1:
-            raise ConfigError(f"--pipeline-stages must be at least 1 (got "
-                              f"{self.pipeline_stages})", "pass --pipeline-stages 2")
+        if self.pipeline_stages is not None:
+            at_least("--pipeline-stages", self.pipeline_stages, "pass --pipeline-stages 2")
         if self.schedule not in SCHEDULES:
-            raise ConfigError(f"unknown pipeline schedule {self.schedule!r}; the schedules "
-                              f"are: {', '.join(SCHEDULES)}", "pass --schedule 1f1b or gpipe")
-        if self.micro_batches is not None and self.micro_batches < 1:
-            raise ConfigError(f"--micro-batches must be at least 1 (got {self.micro_batches})",
-                              "pass --micro-batches 4, or leave it out")
+            raise unknown("pipeline schedule", self.schedule, SCHEDULES,
+                          "pass --schedule 1f1b or gpipe", plural="schedules")
+        if self.micro_batches is not None:
+            at_least("--micro-batches", self.micro_batches,
+                     "pass --micro-batches 4, or leave it out")
         if not 0 < self.freeze_alpha < 1:
             raise ConfigError(f"--freeze-alpha must be in (0, 1) (got {self.freeze_alpha})",
                               "pass --freeze-alpha 0.333 (the paper's 1/3)")
@@ -121,8 +120,8 @@ class PipeTransformerOptions:
                               f"{self.freeze_every})", "pass --freeze-every 100, or leave it "
                               "out for one epoch of the data")
         if self.freeze_signal not in SIGNALS:
-            raise ConfigError(f"unknown freeze signal {self.freeze_signal!r}; the signals "
-                              f"are: {', '.join(SIGNALS)}", "pass --freeze-signal change")
+            raise unknown("freeze signal", self.freeze_signal, SIGNALS,
+                          "pass --freeze-signal change", plural="signals")
         if self.freeze_threshold is not None and not self.freeze_threshold > 0:
             raise ConfigError(f"--freeze-threshold must be positive (got "
                               f"{self.freeze_threshold})", "pass --freeze-threshold 0.5")
