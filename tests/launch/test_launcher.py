@@ -4,6 +4,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -306,6 +307,11 @@ def test_no_orphans_when_the_launcher_itself_is_killed(tmp_path):
     while any(_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(_alive(p) for p in pids)
+    # Its work directory outlived it (kill -9: no cleanup); the next launcher's start removes it.
+    left = list(Path(tempfile.gettempdir()).glob(f"polytrain-{launcher.pid}-*"))
+    assert len(left) == 1 and (left[0] / "processes.json").exists()
+    assert spawn(scripts.identity, workers=1)[0]["sum_of_worker_ranks"] == 0.0
+    assert not left[0].exists()
 
 
 @pytest.mark.timeout(120)

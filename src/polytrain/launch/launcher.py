@@ -242,8 +242,11 @@ class Launcher:
         return env
 
     def _run(self, payload: dict[str, Any]) -> list[Any]:
-        # The launcher's pid in the name: tools find a run's processes.json by it.
-        with tempfile.TemporaryDirectory(prefix=f"polytrain-{os.getpid()}-") as tmp:
+        # The launcher's pid in the name: tools find a run's processes.json by it, and the
+        # next launcher removes it if this one is killed before it can.
+        tmp_root = Path(tempfile.gettempdir())
+        sweep_stale(tmp_root, "polytrain-", "the work directory")
+        with tempfile.TemporaryDirectory(prefix=run_prefix("polytrain-"), dir=tmp_root) as tmp:
             workdir = Path(tmp)
             payload_file = workdir / "payload.pkl"
             payload_file.write_bytes(pickle.dumps(payload))
@@ -526,19 +529,30 @@ def run_shm(root: Path = SHM_ROOT) -> Path | None:
     there is no ``root``."""
     if not root.is_dir():
         return None
-    for stale in root.glob("polytrain-run-*"):
-        try:
-            pid, start = (int(x) for x in stale.name.split("-")[2:4])
-        except ValueError:
-            continue
-        if start_time(pid) != start:
-            shutil.rmtree(stale, ignore_errors=True)
-            log.warning("removed the shared memory of a run whose launcher (pid %d) is gone: %s",
-                        pid, stale)
-    me = os.getpid()
-    path = root / f"polytrain-run-{me}-{start_time(me)}-{uuid.uuid4().hex[:8]}"
+    sweep_stale(root, "polytrain-run-", "the shared memory")
+    path = root / f"{run_prefix('polytrain-run-')}{uuid.uuid4().hex[:8]}"
     path.mkdir(mode=0o700)
     return path
+
+
+def run_prefix(kind: str) -> str:
+    """``kind`` + this launcher's pid and start time: the name :func:`sweep_stale` reads."""
+    me = os.getpid()
+    return f"{kind}{me}-{start_time(me)}-"
+
+
+def sweep_stale(root: Path, kind: str, what: str) -> None:
+    """Remove ``root``'s directories named by :func:`run_prefix` of ``kind`` whose launcher no
+    longer runs (killed before it could remove them itself): the pid is gone or reused."""
+    for stale in root.glob(f"{kind}*"):
+        try:
+            pid, start = (int(x) for x in stale.name[len(kind):].split("-")[:2])
+        except ValueError:
+            continue
+        if stale.is_dir() and start_time(pid) != start:
+            shutil.rmtree(stale, ignore_errors=True)
+            log.warning("removed %s of a run whose launcher (pid %d) is gone: %s", what, pid,
+                        stale)
 
 
 def _last_beat(child: _Child) -> dict[str, Any]:
