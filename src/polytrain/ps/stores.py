@@ -206,8 +206,10 @@ class ParamStore(Store):
       when a worker that pulled first has already pushed round c + 1.
       GET answers every push so far at once.
 
-    A round's pushes are added in the pushers' order once the slowest pusher
-    has made it, so the value does not depend on arrival order. Clocks count
+    A round ahead of the slowest pusher is one running sum (a copy: no push
+    is kept, so a server holds at most staleness + 2 values of a key, and no
+    receive buffer stays pinned), added to the value once the slowest pusher
+    has made the round. Clocks count
     pushes per key, so no coordination across servers is needed: this is the
     clocked parameter service of asynchronous BytePS (bounded staleness) and of
     HetPipe's Wave Synchronous Parallel (a clock is a wave).
@@ -218,7 +220,7 @@ class ParamStore(Store):
         self.value = torch.zeros(decl.numel, dtype=decl.torch_dtype)  # rounds <= global clock
         self.staleness = int(decl.options.get("staleness", 0))
         self.clocks: dict[tuple[int, int], int] = {}
-        self.ahead: dict[int, dict[tuple[int, int], torch.Tensor]] = {}  # later rounds' pushes
+        self.ahead: dict[int, torch.Tensor] = {}  # later rounds' pushes, summed per round
         self.waiting: list[Request] = []
 
     @property
@@ -238,9 +240,12 @@ class ParamStore(Store):
             if req.pusher not in self.clocks and len(self.clocks) == self.decl.pushers:
                 raise self.fail(req, f"more pushers than the {self.decl.pushers} declared")
             clock = self.clocks[req.pusher] = self.clocks.get(req.pusher, 0) + 1
-            self.ahead.setdefault(clock, {})[req.pusher] = req.payload
+            if clock in self.ahead:
+                self.ahead[clock].add_(req.payload)
+            else:
+                self.ahead[clock] = req.payload.to(self.value.dtype, copy=True)
             for done in sorted(r for r in self.ahead if r <= self.global_clock):
-                self.value.add_(_rank_sum(self.ahead.pop(done), self.value.dtype))
+                self.value.add_(self.ahead.pop(done))
             self.waiting = _release(self.waiting, self._ready,
                                     lambda r: self.respond(r, self._read(r.round)))
         elif req.op == Op.PULL:
@@ -261,7 +266,7 @@ class ParamStore(Store):
         value = self.value.clone()
         for r in sorted(self.ahead):
             if round is None or r <= round:
-                value.add_(_rank_sum(self.ahead[r], value.dtype))
+                value.add_(self.ahead[r])
         return value
 
     def waiting_for(self, round: int) -> str:

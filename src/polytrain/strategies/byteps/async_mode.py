@@ -2,7 +2,8 @@
 
 Each step a worker runs its own optimizer on its own gradient, pushes the
 update ``(new - old) / workers`` of every partition to the partition's owner
-and pulls the owner's current value. A parameter store's clock counts each
+and pulls the owner's value as of its step: every push of steps up to its own
+that has arrived, none of a later step. A parameter store's clock counts each
 worker's pushes; a pull of step c waits until the slowest worker has pushed
 step c - staleness (bounded staleness; the reference had no bound). With
 staleness 0 every pull waits for every worker's push of that step, so the
