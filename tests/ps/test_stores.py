@@ -95,6 +95,16 @@ def test_a_parameter_store_pull_of_a_round_never_holds_a_later_rounds_push():
     assert out[-1][2].tolist() == [33.0] * 3
 
 
+def test_a_parameter_store_refuses_a_push_whose_round_is_not_the_pushers_count():
+    # A pull's answer is cut by round, so a caller numbering its pushes otherwise would read
+    # answers without some of its pushes: refused instead, naming the numbering.
+    s = store(Kind.PARAM, [])
+    s.handle(request(Op.PUSH, 0, round_=1, payload=torch.ones(3)))
+    with pytest.raises(CommError, match=r"PUSH of round 3 from rank 0: it is this pusher's "
+                                        r"push number 2"):
+        s.handle(request(Op.PUSH, 0, round_=3, payload=torch.ones(3)))
+
+
 def test_a_parameter_store_keeps_no_push_it_was_handed():
     # A push's payload is a view of the server's pooled receive buffer: a store that kept it
     # would pin 4 MiB per push (and the buffer is reused once the request is dropped).

@@ -196,8 +196,8 @@ class ParamStore(Store):
 
     - SET replaces the value (a worker initialises it once after declaring).
     - PUSH adds the payload (an update: new minus old weights, already scaled
-      by the worker) and advances the pusher's clock by one: it is the
-      pusher's push of round = its new clock.
+      by the worker) and advances the pusher's clock by one: its round must
+      be the pusher's new clock (its pushes counted from 1).
     - PULL of round c answers once every one of the ``pushers`` has clock >=
       c - staleness (``options["staleness"]``, default 0); earlier pulls wait.
       The answer holds every push of rounds up to c that has arrived and none
@@ -239,7 +239,11 @@ class ParamStore(Store):
             assert req.payload is not None
             if req.pusher not in self.clocks and len(self.clocks) == self.decl.pushers:
                 raise self.fail(req, f"more pushers than the {self.decl.pushers} declared")
-            clock = self.clocks[req.pusher] = self.clocks.get(req.pusher, 0) + 1
+            clock = self.clocks.get(req.pusher, 0) + 1
+            if req.round != clock:  # a pull's answer is cut by round: they must agree
+                raise self.fail(req, f"it is this pusher's push number {clock}: a parameter "
+                                     f"store's rounds count each pusher's pushes from 1")
+            self.clocks[req.pusher] = clock
             if clock in self.ahead:
                 self.ahead[clock].add_(req.payload)
             else:
