@@ -220,14 +220,19 @@ def fit(results: list[dict[str, Any]], *, seed: int = 0) -> Constants:
     for family in sorted(points, key=lambda f: f != "ddp"):
         pts = points[family]
 
-        def error(values: list[float], family: str = family, pts: list[Point] = pts,
-                  ddp: dict[tuple[int, str], tuple[float, float]] = ddp) -> float:
+        def predicted(values: list[float], family: str = family,
+                      pts: list[Point] = pts) -> list[float]:
+            """Each point's predicted step under ``values`` of ``family``'s constants."""
             trial = Constants(**{name: {family: v} for name, v in zip(names, values)},
                               overlap=CONSTANTS.overlap)
-            worst = 0.0
-            for m, cand, net, mb, compute, case in pts:
-                p = predict(cand, network=net, compute=compute, model_bytes=mb,
+            return [predict(cand, network=net, compute=compute, model_bytes=mb,
                             constants=trial).step_time_s
+                    for _, cand, net, mb, compute, _ in pts]
+
+        def error(values: list[float], pts: list[Point] = pts, predicted=predicted,
+                  ddp: dict[tuple[int, str], tuple[float, float]] = ddp) -> float:
+            worst = 0.0
+            for (m, *_, case), p in zip(pts, predicted(values)):
                 worst = max(worst, abs(p - m) / m)
                 if case in ddp and (m > ddp[case][0]) != (p > ddp[case][1]):
                     worst = max(worst, 1.0 + abs(p - ddp[case][1]) / ddp[case][1])
@@ -246,11 +251,7 @@ def fit(results: list[dict[str, Any]], *, seed: int = 0) -> Constants:
         for name, v in zip(names, best):
             fitted[name][family] = v
         if family == "ddp":
-            chosen = Constants(**{name: {family: v} for name, v in zip(names, best)},
-                               overlap=CONSTANTS.overlap)
-            ddp = {case: (m, predict(cand, network=net, compute=compute, model_bytes=mb,
-                                     constants=chosen).step_time_s)
-                   for m, cand, net, mb, compute, case in pts}
+            ddp = {case: (m, p) for (m, *_, case), p in zip(pts, predicted(best))}
         print(f"fit {family}: " + ", ".join(f"{name} {v:.3g}" for name, v in zip(names, best))
               + f"; largest error {err:.1%} over {len(pts)} points")
     return Constants(**fitted, overlap=CONSTANTS.overlap)

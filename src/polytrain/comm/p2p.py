@@ -48,10 +48,10 @@ class Handle:
         self._done = False
         self._length_of = length_of
 
-    def wait(self, timeout_s: float | None = None) -> int:
-        """Block until the message has moved; return the peer's rank."""
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Block until the message has moved."""
         if self._done:
-            return self._peer
+            return
         t = self._transport
         timeout = t.timeout_s if timeout_s is None else timeout_s
         try:
@@ -65,7 +65,6 @@ class Handle:
             if self._target is not None and self._staged is not None:
                 self._target.copy_(self._staged)
         self._done = True
-        return self._peer
 
 
 class Transport:

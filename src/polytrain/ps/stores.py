@@ -209,10 +209,10 @@ class ParamStore(Store):
     A round ahead of the slowest pusher is one running sum (a copy: no push
     is kept, so a server holds at most staleness + 2 values of a key, and no
     receive buffer stays pinned), added to the value once the slowest pusher
-    has made the round. Clocks count
-    pushes per key, so no coordination across servers is needed: this is the
-    clocked parameter service of asynchronous BytePS (bounded staleness) and of
-    HetPipe's Wave Synchronous Parallel (a clock is a wave).
+    has made the round. Clocks count pushes per key, so no coordination across
+    servers is needed: this is the clocked parameter service of asynchronous
+    BytePS (bounded staleness) and of HetPipe's Wave Synchronous Parallel (a
+    clock is a wave).
     """
 
     def __init__(self, decl: Declaration, respond: Respond) -> None:
@@ -248,7 +248,8 @@ class ParamStore(Store):
                 self.ahead[clock].add_(req.payload)
             else:
                 self.ahead[clock] = req.payload.to(self.value.dtype, copy=True)
-            for done in sorted(r for r in self.ahead if r <= self.global_clock):
+            slowest = self.global_clock
+            for done in sorted(r for r in self.ahead if r <= slowest):
                 self.value.add_(self.ahead.pop(done))
             self.waiting = _release(self.waiting, self._ready,
                                     lambda r: self.respond(r, self._read(r.round)))
