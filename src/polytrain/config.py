@@ -223,9 +223,7 @@ class TrainConfig:
             raise ConfigError(f"--init {self.init} starts a run from a final.pt, and --resume "
                               f"{self.resume} continues a checkpoint, whose weights would "
                               f"replace it", "pass one of them")
-        if self.max_restarts < 0:
-            raise ConfigError(f"--max-restarts must be 0 or more (got {self.max_restarts})",
-                              "pass --max-restarts 2")
+        at_least("--max-restarts", self.max_restarts, "pass --max-restarts 2", minimum=0)
         if self.max_restarts and self.checkpoint_every is None:
             raise ConfigError(f"--max-restarts {self.max_restarts} restarts from the newest "
                               f"checkpoint, and no --checkpoint-every is given",

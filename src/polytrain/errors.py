@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Iterable
 
 __all__ = ["PolytrainError", "ConfigError", "LaunchError", "CommError", "CommTimeout", "PeerLost",
-           "ClosedByTimeout", "is_timeout", "kept_error", "unknown", "at_least",
+           "ClosedByTimeout", "is_timeout", "kept_error", "unknown", "at_least", "divisors",
            "CLOSED_BY_TIMEOUT"]
 
 # gloo's text for a receive cut off because another wait on the same group timed out.
@@ -36,9 +36,17 @@ def unknown(what: str, value: object, choices: Iterable[str], hint: str, *,
 
 
 def at_least(name: str, value: float, hint: str, minimum: int = 1) -> None:
-    """Refuse ``value`` under ``minimum``: ``--steps must be at least 1 (got 0)``."""
+    """Refuse ``value`` under ``minimum``: ``--steps must be at least 1 (got 0)``, ``--servers
+    must be 0 or more (got -1)``."""
     if value < minimum:
-        raise ConfigError(f"{name} must be at least {minimum} (got {value})", hint)
+        least = "0 or more" if minimum == 0 else f"at least {minimum}"
+        raise ConfigError(f"{name} must be {least} (got {value})", hint)
+
+
+def divisors(n: int, *also: int) -> list[int]:
+    """The divisors of ``n`` that also divide each of ``also``, for a hint: ``pass --nodes
+    one of [1, 2, 4]``."""
+    return [d for d in range(1, n + 1) if all(m % d == 0 for m in (n, *also))]
 
 
 class LaunchError(PolytrainError, RuntimeError):

@@ -56,7 +56,8 @@ def test_placement_groups_consecutive_workers():
      r"group of 4 workers.*HINT: pass --experts a multiple of 4, or --expert-parallel one of "
      r"\[1, 2\]"),
     (["--strategy", "moe", "--model", "gpt-moe", "--workers", "4", "--expert-parallel", "3"],
-     r"--expert-parallel 3 does not divide --workers 4.*HINT"),
+     r"--expert-parallel 3 does not divide --workers 4.*HINT: pass --expert-parallel one of "
+     r"\[1, 2, 4\]"),
     (["--experts", "4"], r"--experts is an option of gpt-moe, not of model 'gpt'.*HINT: leave "
                          r"it out, or pick --model gpt-moe"),
     (["--model", "gpt-moe", "--top-k", "9"],

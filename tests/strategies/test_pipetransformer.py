@@ -207,7 +207,8 @@ def test_every_sample_is_seen_once_per_epoch_while_the_replicas_change():
 
 
 def test_refusals():
-    with pytest.raises(ConfigError, match="--pipeline-stages 3 does not divide a machine's 4"):
+    with pytest.raises(ConfigError, match=r"--pipeline-stages 3 does not divide a machine's 4.*"
+                                          r"HINT: pass --pipeline-stages one of \[1, 2, 4\]"):
         TrainConfig(strategy="pipetransformer", workers=4, model_options=TINY,
                     strategy_options={"pipeline_stages": 3})
     with pytest.raises(ConfigError, match="has 3 layers .* but the pipeline has 4 stages"):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import ConfigError, at_least
+from ..errors import ConfigError, at_least, divisors
 
 __all__ = ["Layout", "ProcessSpec", "WORKER", "SERVER"]
 
@@ -52,15 +52,13 @@ class Layout:
         for name in ("workers", "nodes"):
             at_least(f"--{name}", getattr(self, name), f"pass --{name} 1 or more")
         for name in ("servers", "colocated"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"--{name} must be 0 or more (got {getattr(self, name)})",
-                                  f"pass --{name} 0 or more")
+            at_least(f"--{name}", getattr(self, name), f"pass --{name} 0 or more", minimum=0)
         if self.workers % self.nodes:
-            fits = [n for n in range(1, self.workers + 1) if self.workers % n == 0]
             raise ConfigError(
                 f"--workers {self.workers} is not divisible by --nodes {self.nodes}: every "
                 f"emulated machine holds the same number of workers",
-                f"pass --nodes one of {fits}, or --workers a multiple of {self.nodes}")
+                f"pass --nodes one of {divisors(self.workers)}, or --workers a multiple of "
+                f"{self.nodes}")
 
     @property
     def workers_per_node(self) -> int:

@@ -7,7 +7,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..errors import ConfigError, at_least
+from ..errors import ConfigError, at_least, divisors
 from .dispatch import moe_apply
 from .exchange import ExpertGroup
 from .experts import ExpertList, ExpertMLP
@@ -79,11 +79,11 @@ class MoE(nn.Module):
 
     def _check_divisible(self, group: ExpertGroup) -> None:
         if self.num_experts % group.size:
-            fits = [p for p in range(1, self.num_experts + 1) if self.num_experts % p == 0]
             raise ConfigError(
                 f"{self.num_experts} experts cannot be split evenly over an expert-parallel "
                 f"group of {group.size} ranks",
-                f"use a group size among {fits}, or a multiple of {group.size} experts")
+                f"use a group size among {divisors(self.num_experts)}, or a multiple of "
+                f"{group.size} experts")
 
     @property
     def top_k(self) -> int:

@@ -11,6 +11,7 @@ import torch
 from ..data import check_dataset
 from ..emulation.devices import parse_cluster
 from ..errors import ConfigError, at_least, unknown
+from ..launch.layout import Layout
 from ..launch.network import link_shape
 from ..models import get_model
 from ..ps.grads import sparse_parameter
@@ -88,12 +89,7 @@ class Job:
                               "leave out --cores, or pass --hosts emulated")
         if self.cores is not None:
             at_least("--cores", self.cores, "pass --cores 2, or leave it out for this machine's")
-        if self.nodes < 1 or self.workers < self.nodes or self.workers % self.nodes:
-            raise ConfigError(f"--workers {self.workers} do not spread evenly over --nodes "
-                              f"{self.nodes}", f"pass --workers a multiple of {self.nodes}")
-        if self.servers < 0:
-            raise ConfigError(f"--servers must be 0 or more (got {self.servers})",
-                              "pass --servers 0")
+        Layout(workers=self.workers, nodes=self.nodes, servers=self.servers)  # or its error
         if self.batch_size < 1 or self.batch_size % self.workers:
             raise ConfigError(f"--batch-size {self.batch_size} (the global batch) does not "
                               f"split evenly over {self.workers} workers",

@@ -110,9 +110,8 @@ class HetPipeOptions:
             raise ConfigError(f"--lag-beta2 must be in (0, 1) (got {self.lag_beta2})",
                               "pass --lag-beta2 0.9, or the optimizer's own beta2 "
                               "(0.999 for Adam) to leave it alone")
-        if self.staleness < 0:
-            raise ConfigError(f"--staleness (D) must be 0 or more (got {self.staleness})",
-                              "pass --staleness 0 for a barrier every wave")
+        at_least("--staleness (D)", self.staleness, "pass --staleness 0 for a barrier every wave",
+                 minimum=0)
 
 
 @register

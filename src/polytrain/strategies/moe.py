@@ -11,7 +11,7 @@ from torch import nn
 
 from ..comm.bucket import flatten, plan_buckets, unflatten_into
 from ..comm.partition import TensorSpec
-from ..errors import ConfigError, at_least
+from ..errors import ConfigError, at_least, divisors
 from ..launch.layout import Layout
 from ..moe.checkpoint import canonical_names, full_state_dict, local_state_dict, moe_layers
 from .base import Strategy, register
@@ -60,9 +60,8 @@ def place_experts(workers: Sequence[int], expert_parallel: int) -> ExpertPlaceme
     """Split ``workers`` into groups of ``expert_parallel`` consecutive ranks."""
     w, p = len(workers), expert_parallel
     if w % p:
-        fits = [d for d in range(1, w + 1) if w % d == 0]
         raise ConfigError(f"--expert-parallel {p} does not divide --workers {w}",
-                          f"pass --expert-parallel one of {fits}")
+                          f"pass --expert-parallel one of {divisors(w)}")
     groups = tuple(tuple(workers[g * p:(g + 1) * p]) for g in range(w // p))
     replicas = tuple(tuple(workers[j::p]) for j in range(p))
     return ExpertPlacement(groups, replicas)
@@ -137,12 +136,11 @@ class ExpertParallel(Strategy[MoEOptions]):
         p = options.expert_parallel or layout.workers
         for prefix, layer in layers:
             if layer.num_experts % p:
-                fits = [d for d in range(1, layout.workers + 1)
-                        if layout.workers % d == 0 and layer.num_experts % d == 0]
                 raise ConfigError(
                     f"MoE layer {prefix.rstrip('.')!r} has {layer.num_experts} experts, which "
                     f"do not split evenly over an expert-parallel group of {p} workers",
-                    f"pass --experts a multiple of {p}, or --expert-parallel one of {fits}")
+                    f"pass --experts a multiple of {p}, or --expert-parallel one of "
+                    f"{divisors(layout.workers, layer.num_experts)}")
 
     def wrap(self, model: nn.Module,
              optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:

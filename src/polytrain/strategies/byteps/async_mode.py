@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ...comm.partition import DEFAULT_PARTITION_BYTES, TensorSpec
-from ...errors import ConfigError
+from ...errors import ConfigError, at_least
 from ...ps.client import Pending
 from ...ps.compression import ASYNC_COMPRESSORS, DEFAULT_MIN_BYTES, Codec
 from ...ps.engine import Engine
@@ -70,8 +70,7 @@ class AsyncOptimizer(WrappedOptimizer):
                 raise ConfigError(f"asynchronous BytePS cannot push {c.compressor} updates: it "
                                   f"pulls parameters, which only {', '.join(ASYNC_COMPRESSORS)} "
                                   f"keeps (see --compress)", "use fp16, or synchronous BytePS")
-        if staleness < 0:
-            raise ConfigError(f"staleness must be 0 or more (got {staleness})", "pass 0 or more")
+        at_least("staleness", staleness, "pass 0 or more", minimum=0)
         super().__init__(optimizer)
         self.ctx = engine.ctx
         self.engine = engine

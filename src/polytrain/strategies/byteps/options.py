@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ...comm.partition import DEFAULT_PARTITION_BYTES
-from ...errors import ConfigError
+from ...errors import ConfigError, at_least
 from ...ps.compression import ASYNC_COMPRESSORS, DEFAULT_MIN_BYTES, compressor
 from ...ps.engine import DEFAULT_CREDIT_BYTES
 
@@ -127,9 +127,8 @@ class BytePSOptions:
         if self.credit_bytes < 0:
             raise ConfigError(f"--credit-bytes must be 0 (no bound) or more (got "
                               f"{self.credit_bytes})", "pass --credit-bytes 1024000")
-        if self.staleness < 0:
-            raise ConfigError(f"--staleness must be 0 or more (got {self.staleness})",
-                              "pass --staleness 0 (synchronous) or a small bound such as 2")
+        at_least("--staleness", self.staleness,
+                 "pass --staleness 0 (synchronous) or a small bound such as 2", minimum=0)
         if self.staleness and not self.async_:
             raise ConfigError(f"--staleness {self.staleness} bounds asynchronous training only",
                               "add --async, or leave out --staleness")
@@ -179,9 +178,8 @@ class BytePSOptions:
         if not 0.0 <= self.compress_momentum < 1.0:
             raise ConfigError(f"--compress-momentum must be in [0, 1) (got "
                               f"{self.compress_momentum})", "pass --compress-momentum 0.9")
-        if self.compress_min_bytes < 0:
-            raise ConfigError(f"--compress-min-bytes must be 0 or more (got "
-                              f"{self.compress_min_bytes})", "pass --compress-min-bytes 65536")
+        at_least("--compress-min-bytes", self.compress_min_bytes,
+                 "pass --compress-min-bytes 65536", minimum=0)
         if self.async_ and codec is not None and codec.name not in ASYNC_COMPRESSORS:
             raise ConfigError(
                 f"--compress {self.compress} cannot run with --async: asynchronous BytePS "

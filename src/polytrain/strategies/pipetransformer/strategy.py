@@ -26,7 +26,7 @@ from ...emulation.profile import (
     optimizer_state_factor,
     profile_model,
 )
-from ...errors import ConfigError
+from ...errors import ConfigError, divisors
 from ...launch.launcher import SHM_ROOT
 from ...launch.layout import Layout
 from ...optim import placed_state
@@ -92,7 +92,7 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
             raise ConfigError(f"--pipeline-stages {k} does not divide a machine's {per} "
                               f"devices (workers {layout.workers} over {layout.nodes} "
                               f"machines): a pipeline never spans machines",
-                              f"pass --pipeline-stages among the divisors of {per}")
+                              f"pass --pipeline-stages one of {divisors(per)}")
 
     #: Options that only say where the activation cache lives: a resume may change them.
     _FREE_ON_RESUME = ("cache_mb", "cache_dir", "cache_shared")
