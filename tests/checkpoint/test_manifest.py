@@ -48,6 +48,21 @@ def test_a_truncated_file_is_found_and_the_newest_whole_checkpoint_is_used(tmp_p
     assert newest(tmp_path) == tmp_path / "step-2"
 
 
+def test_resume_reads_no_checkpoint_older_than_the_one_it_takes(tmp_path, monkeypatch):
+    from polytrain.checkpoint import manifest
+
+    for step in (2, 4, 6, 8):
+        make(tmp_path, step)
+    with open(tmp_path / "step-8" / "model.pt", "r+b") as f:
+        f.truncate(10)
+    read = []
+    real = manifest.verify
+    monkeypatch.setattr(manifest, "verify", lambda d: read.append(d.name) or real(d))
+    where, skipped = resolve(tmp_path)
+    assert where == tmp_path / "step-6" and len(skipped) == 1 and "step-8" in skipped[0]
+    assert read == ["step-8", "step-6"]  # not every checkpoint of the run
+
+
 def test_a_corrupted_byte_is_found(tmp_path):
     ckpt = make(tmp_path, 3)
     data = bytearray((ckpt / "model.pt").read_bytes())

@@ -133,29 +133,29 @@ def step_dirs(root: str | Path) -> list[tuple[int, Path]]:
     return sorted(found, reverse=True)
 
 
-def whole_checkpoints(root: str | Path) -> list[tuple[int, Path, str | None]]:
-    """Every ``step-S`` under ``root``, newest first, with why it is not whole (None: whole)."""
-    out: list[tuple[int, Path, str | None]] = []
-    for step, path in step_dirs(root):
-        try:
-            verify(path)
-            out.append((step, path, None))
-        except CheckpointError as e:
-            out.append((step, path, e.what))
-    return out
-
-
-def whole_past(root: str | Path, step: int = -1) -> Iterator[Path]:
-    """The whole checkpoints under ``root`` past ``step``, newest first, each verified only
-    when reached (damaged ones passed over)."""
+def checked(root: str | Path, step: int = -1) -> Iterator[tuple[int, Path, str | None]]:
+    """Every ``step-S`` under ``root`` past ``step``, newest first, with why it is not whole
+    (None: whole), each verified only when reached."""
     for s, path in step_dirs(root):
         if s <= step:
             return
         try:
             verify(path)
-        except CheckpointError:
+        except CheckpointError as e:
+            yield s, path, e.what
             continue
-        yield path
+        yield s, path, None
+
+
+def whole_checkpoints(root: str | Path) -> list[tuple[int, Path, str | None]]:
+    """Every ``step-S`` under ``root``, newest first, with why it is not whole (None: whole)."""
+    return list(checked(root))
+
+
+def whole_past(root: str | Path, step: int = -1) -> Iterator[Path]:
+    """The whole checkpoints under ``root`` past ``step``, newest first, each verified only
+    when reached (damaged ones passed over)."""
+    return (path for _, path, why in checked(root, step) if why is None)
 
 
 def newest(root: str | Path, *, after: int = -1) -> Path | None:
@@ -189,11 +189,11 @@ def resolve(path: str | Path) -> tuple[Path, list[str]]:
         raise CheckpointError(f"--resume {path}: no such directory",
                               "pass the --out directory of an earlier run, or one of its "
                               "checkpoints/step-S")
-    found = whole_checkpoints(root)
-    skipped = [f"{c}: {why}" for _, c, why in found if why is not None]
-    for _, c, why in found:
+    skipped = []
+    for _, c, why in checked(root):  # the newest whole one: older ones are not read
         if why is None:
             return c, skipped
+        skipped.append(f"{c}: {why}")
     detail = f" ({len(skipped)} damaged: {skipped[0]})" if skipped else ""
     raise CheckpointError(f"--resume {path}: no whole checkpoint in {root}{detail}",
                           "pass a run's --out directory that holds checkpoints/step-S (train "
