@@ -189,7 +189,7 @@ def resolve(path: str | Path) -> tuple[Path, list[str]]:
         raise CheckpointError(f"--resume {path}: no such directory",
                               "pass the --out directory of an earlier run, or one of its "
                               "checkpoints/step-S")
-    skipped = []
+    skipped: list[str] = []
     for _, c, why in checked(root):  # the newest whole one: older ones are not read
         if why is None:
             return c, skipped

@@ -112,11 +112,6 @@ def _fields(message: torch.Tensor) -> torch.Tensor:
 RECEIPTED = (Op.PUSHPULL, Op.SET)
 
 
-def op_of(message: torch.Tensor) -> Op:
-    """The op of a request message."""
-    return Op(int(_fields(message)[OP]))
-
-
 def message_length(message: torch.Tensor) -> int:
     """The bytes a request message took: its header, and its payload if inline."""
     h = _fields(message)

@@ -31,7 +31,6 @@ from .protocol import (
     decode,
     encode,
     message_length,
-    op_of,
     payload_tag,
     response_tag,
 )
@@ -192,6 +191,10 @@ class Server:
         self.engines = [_Engine(self, i) for i in range(max(1, threads))]
         self.outbox = _Outbox(self)
         self._error: BaseException | None = None
+        self._lock = threading.Lock()  # declarations, and the workers not finished
+        self._pending: set[int] = set()
+        self._finished = threading.Event()
+        self._last_request = 0.0  # time.monotonic() of the newest request
         # The answers not given yet, by (src, seq) (_report_held).
         self._held_path = _env.held_file()  # None: no launcher reads it (torchrun): logged
         self._logged: set[tuple[int, int, bool]] = set()  # (src, seq, handled) logged
@@ -206,17 +209,10 @@ class Server:
         """Answer requests until every worker has finished; raise the first failure."""
         # Threads do all waiting on gloo: a timed-out wait closes every connection of the
         # group, so nothing here may poll with a timeout. The main thread only supervises.
-        threads = [threading.Thread(target=self._guard, args=(self._receive,), daemon=True,
-                                    name="polytrain-receive")]
-        for t in [*self.engines, self.outbox, *threads]:
+        for t in [*self.engines, self.outbox]:
             t.start()
         try:
-            for t in threads:
-                while t.is_alive():
-                    t.join(_POLL_S)
-                    if self._error is not None:
-                        raise self._cause()
-                    self._report_held()
+            self._receive()
         finally:
             for e in self.engines:
                 e.queue.put(None)
@@ -247,7 +243,9 @@ class Server:
             self.fail(e)
 
     def _receive(self) -> None:
-        """Take the workers' requests as they come, each worker's in its order.
+        """Take the workers' requests as they come, each worker's in its order, until every
+        worker has finished; raise the first failure, and fail if no request comes for the
+        idle timeout.
 
         Every worker has a receive posted at all times (:meth:`_listen`): gloo moves
         a message only once its receive is posted, so one receive from any source
@@ -255,57 +253,60 @@ class Server:
         others' waited (BytePS k = 0 at 1 Gbit/s: 702 ms a step against 532 ms with
         concurrent receives; docs/byteps.md, "Stop 36")."""
         workers = list(self.topology.workers)
-        pending = set(workers)
+        self._pending = set(workers)
         # Each worker's posted receive holds a buffer too.
         buffers = _RequestBuffers(pinned=16 + len(workers))
-        arrivals: queue.SimpleQueue[tuple[int, torch.Tensor]] = queue.SimpleQueue()
+        self._last_request = time.monotonic()
         for w in workers:
-            threading.Thread(target=self._guard, args=(self._listen, w, buffers, arrivals),
+            threading.Thread(target=self._guard, args=(self._listen, w, buffers),
                              daemon=True, name=f"polytrain-listen-{w}").start()
-        while pending and self._error is None:
-            try:
-                # A wait on a Python queue: a gloo wait that times out closes the group.
-                src, message = arrivals.get(timeout=self.idle_timeout_s)
-            except queue.Empty:
+        while not self._finished.wait(_POLL_S):
+            if self._error is not None:
+                raise self._cause()
+            self._report_held()
+            if time.monotonic() - self._last_request > self.idle_timeout_s:
                 # Not a wait for a peer gone quiet (that is a CommTimeout, whose waiting the
                 # launcher blames on whoever works on instead) but the bound on the workers'
                 # idle time between requests, which is reached working.
+                with self._lock:
+                    pending = sorted(self._pending)
                 raise CommError(
-                    f"server rank {self.rank}: no request from the workers {sorted(pending)} "
+                    f"server rank {self.rank}: no request from the workers {pending} "
                     f"for {self.idle_timeout_s:g} s",
                     "if the workers are alive but slow between steps, raise the timeout "
-                    "(--timeout or POLYTRAIN_TIMEOUT) or polytrain.init(server_idle_s=...)"
-                    ) from None
-            req = Request.parse(src, message)
-            if req.payload is not None and not buffers.hold(req.nbytes):
-                req.payload = req.payload.clone()  # small, or too many buffers held already
-            del message  # a payload left inline keeps the buffer; otherwise it is free again
-            if req.op == Op.FINISH:
-                pending.discard(req.src)
-                log.debug("rank %d finished; waiting for %s", req.src, sorted(pending))
-            elif req.op == Op.DECLARE:
-                self._declare(req)
-            else:
-                self._dispatch(req)
+                    "(--timeout or POLYTRAIN_TIMEOUT) or polytrain.init(server_idle_s=...)")
 
-    def _listen(self, worker: int, buffers: _RequestBuffers,
-                arrivals: queue.SimpleQueue[tuple[int, torch.Tensor]]) -> None:
-        """Receive ``worker``'s requests one after another until its FINISH.
+    def _listen(self, worker: int, buffers: _RequestBuffers) -> None:
+        """Receive ``worker``'s requests one after another until its FINISH, and hand each to
+        its key's engine thread (on this thread: a hand-off to one receive loop first cost
+        every request a thread switch more).
 
         A receive from one worker fails at once if that worker dies, so this also watches
         it. Its waits last the worker's whole training, however long (bounding them by the
-        idle timeout failed every run longer than that): the idle bound is the main receive
-        loop's, on its queue, and a worker alive but stuck is found there and by its peers'
-        own waits."""
+        idle timeout failed every run longer than that): the idle bound is :meth:`_receive`'s,
+        and a worker alive but stuck is found there and by its peers' own waits."""
         name = self.topology.name(worker)
         while self._error is None:
             message = buffers.take()
             self.transport.irecv(message, worker, HEADER_TAG, f"a request from {name}",
                                  length_of=message_length).wait(_TRAINING_S)
-            arrivals.put((worker, message))
-            if op_of(message) == Op.FINISH:
+            self._last_request = time.monotonic()
+            req = Request.parse(worker, message)
+            if req.payload is not None and not buffers.hold(req.nbytes):
+                req.payload = req.payload.clone()  # small, or too many buffers held already
+            del message  # a payload left inline keeps the buffer; otherwise it is free again
+            if req.op == Op.FINISH:
+                with self._lock:
+                    self._pending.discard(worker)
+                    log.debug("rank %d finished; waiting for %s", worker, sorted(self._pending))
+                    if not self._pending:
+                        self._finished.set()
                 return
-            del message
+            if req.op == Op.DECLARE:
+                with self._lock:  # workers declare the same keys at once
+                    self._declare(req)
+            else:
+                self._dispatch(req)
 
     def _receive_payload(self, req: Request) -> Handle | None:
         """Post the receive of a payload too large to come inline (None: no such payload)."""
