@@ -165,6 +165,18 @@ def test_resume_with_another_lr_or_schedule_or_with_init_is_refused(capsys, save
 
 
 @pytest.mark.timeout(120)
+def test_resume_with_other_batches_is_refused(capsys, saved):
+    # Both changed the batches a resumed run trained on, silently.
+    line = error_of(capsys, "--strategy", "single", "--resume", str(saved), "--sampling",
+                    "epoch", *TINY)
+    assert "was written with --sampling random, and this run has epoch" in line
+    line = error_of(capsys, "--strategy", "single", "--resume", str(saved), "--eval-every", "2",
+                    *TINY)
+    assert "was written without --eval-every, which trains on the data less its held-out " \
+           "tenth, and this run has it. HINT: resume without --eval-every" in line
+
+
+@pytest.mark.timeout(120)
 def test_resume_without_out_goes_on_in_the_resumed_runs_out(capsys, saved, tmp_path):
     # It trained and wrote nothing, saying nothing.
     import shutil

@@ -13,7 +13,7 @@ __all__ = ["run_record", "check_compatible"]
 # Fields that must match: they decide the weights' shapes, the batches seen, or the steps
 # taken (a checkpoint restores its optimizer's settings and schedule, so another --lr would
 # be recorded and not used).
-_SAME = ("model", "data", "optimizer", "seed", "batch_size", "lr", "lr_schedule",
+_SAME = ("model", "data", "sampling", "optimizer", "seed", "batch_size", "lr", "lr_schedule",
          "warmup_steps")
 
 
@@ -24,7 +24,8 @@ def run_record(config: Any) -> dict[str, Any]:
             "strategy_options": dict(config.strategy_options),
             "optimizer": config.optimizer, "seed": config.seed, "lr": config.lr,
             "lr_schedule": config.lr_schedule, "warmup_steps": config.warmup_steps,
-            "batch_size": config.batch_size, "nodes": config.nodes, "servers": config.servers}
+            "batch_size": config.batch_size, "nodes": config.nodes, "servers": config.servers,
+            "sampling": config.sampling, "held_out": config.eval_every is not None}
 
 
 def check_compatible(manifest: Mapping[str, Any], config: Any, where: Any) -> None:
@@ -41,6 +42,13 @@ def check_compatible(manifest: Mapping[str, Any], config: Any, where: Any) -> No
             raise CheckpointError(
                 f"checkpoint {where} was written with {flag} {saved[name]}, and this run has "
                 f"{getattr(config, name)}", f"resume with {flag} {saved[name]}")
+    if "held_out" in saved and saved["held_out"] != (config.eval_every is not None):
+        # --eval-every holds the corpus's last tenth out of training: other batches.
+        raise CheckpointError(
+            f"checkpoint {where} was written {'with' if saved['held_out'] else 'without'} "
+            f"--eval-every, which trains on the data less its held-out tenth, and this run "
+            f"has {'it' if config.eval_every is not None else 'none'}",
+            "resume with --eval-every N" if saved["held_out"] else "resume without --eval-every")
     if "model_options" in saved and dict(saved["model_options"]) != dict(config.model_options):
         raise CheckpointError(
             f"checkpoint {where} is of another model: its options are {saved['model_options']}, "
