@@ -95,6 +95,10 @@ def sparse_rule(optimizer: torch.optim.Optimizer, param: torch.Tensor,
                 "lr_decay": float(group["lr_decay"]),
                 "initial_accumulator_value": float(group["initial_accumulator_value"])}
     if kind in ("Adam", "AdamW", "LazyAdam", "SparseAdam"):
+        if group.get("amsgrad"):
+            raise ConfigError(f"{kind} with amsgrad=True has no sparse form here ({name}: the "
+                              f"rows' rule is SparseAdam's, which keeps no maximum)",
+                              "pass amsgrad=False, or Adagrad or SGD for the sparse parameters")
         if decay:
             raise ConfigError(f"{kind} with weight decay {decay} has no sparse form ({name}: "
                               f"decaying every row would touch the whole table each step)",

@@ -191,7 +191,8 @@ def run(ns: argparse.Namespace) -> int:
           f"{metrics['wall_time_s']:.1f} s")
     if metrics.get("final_eval_loss") is not None:
         last = metrics["eval"][-1]
-        print(f"held-out loss {last['loss']:.4f}, accuracy {last['accuracy']:.3f}")
+        accuracy = "" if last["accuracy"] is None else f", accuracy {last['accuracy']:.3f}"
+        print(f"held-out loss {last['loss']:.4f}{accuracy}")
     if config.out:
         print(f"wrote {config.out}/metrics.json and {config.out}/final.pt")
     return 0

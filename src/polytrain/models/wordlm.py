@@ -88,7 +88,7 @@ class WordLM(nn.Module):
             self.out.weight[:, -1] = 0.0
         # From the global generator, on CPU even under a meta-device context: the run's seed.
         self.sample_seed = int(torch.randint(0, 2**62, (), device="cpu"))
-        # The forwards so far: a buffer, so a checkpoint's model carries it and a resumed
+        # The training forwards so far: a buffer, so a checkpoint's model carries it and a resumed
         # run draws the uninterrupted run's negatives.
         self.register_buffer("draws", torch.zeros((), dtype=torch.int64, device="cpu"))
 
@@ -119,7 +119,8 @@ class WordLM(nn.Module):
         """(batch, seq_len + 1) ids -> (batch, seq_len) losses of predicting each next word."""
         x, y = window[:, :-1], window[:, 1:]
         neg = self.sample().to(window.device)
-        self.draws.add_(1)
+        if self.training:  # an evaluation draws the next step's negatives, and leaves them
+            self.draws.add_(1)
         h = self.tok(x) + self.pos[:x.shape[1]]
         h = self.ln(self.blocks(h))
         h = torch.cat([h, torch.ones_like(h[..., :1])], -1)               # (b, t, d + 1)

@@ -30,7 +30,14 @@ import torch
 from ..errors import CommError
 from ..optim import RULE_STATES, apply_rule
 from .protocol import Kind, Op, Request
-from .stores import Declaration, Respond, Store, applied_waiting, register_store
+from .stores import (
+    Declaration,
+    Respond,
+    Store,
+    applied_waiting,
+    check_full_precision,
+    register_store,
+)
 
 __all__ = ["SparseRowStore", "pack_rows", "unpack_rows", "state_numel"]
 
@@ -69,6 +76,7 @@ class SparseRowStore(Store):
 
     def __init__(self, decl: Declaration, respond: Respond) -> None:
         super().__init__(decl, respond)
+        check_full_precision(decl, "a sparse row store")
         self.width = int(decl.options["width"])
         self.rule: dict[str, Any] = dict(decl.options["rule"])
         if self.rule.get("name") not in RULE_STATES:

@@ -335,6 +335,16 @@ def optimizer_state_numel(spec: dict[str, Any], numel: int) -> int:
     return numel + sum(numel if per else 1 for _, per, _ in state_layout(spec)) + 1
 
 
+def check_full_precision(decl: Declaration, store: str) -> None:
+    """Refuse a 16-bit key on a store whose whole state (a checkpoint's, a repartition's)
+    carries its rounds applied as one value of the key's dtype: bfloat16 holds whole
+    numbers exactly only up to 256, float16 up to 2,048."""
+    if decl.torch_dtype not in (torch.float32, torch.float64):
+        raise CommError(f"server: {decl.describe()}: {store} holds float32 or float64 "
+                        f"values, not {decl.torch_dtype}",
+                        "keep 16-bit parameters' master copy in float32")
+
+
 class OptimizerStore(Store):
     """Parameters that an optimizer on the server updates, one step per round.
 
@@ -364,10 +374,7 @@ class OptimizerStore(Store):
 
     def __init__(self, decl: Declaration, respond: Respond) -> None:
         super().__init__(decl, respond)
-        if decl.torch_dtype not in (torch.float32, torch.float64):
-            raise CommError(f"server: {decl.describe()}: an optimizer store holds float32 or "
-                            f"float64 parameters", "keep 16-bit parameters' master copy in "
-                            "float32")
+        check_full_precision(decl, "an optimizer store")
         self.param = torch.zeros(decl.numel, dtype=decl.torch_dtype, requires_grad=True)
         spec = decl.options["optimizer"]
         self.optimizer = _build_optimizer(spec, self.param)

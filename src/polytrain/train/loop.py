@@ -104,7 +104,7 @@ def train(config: TrainConfig) -> dict[str, Any] | None:
     else:
         batches = GlobalBatches(corpus, batch_size=config.batch_size, window=seq_len + 1,
                                 seed=config.seed)
-    evals: list[dict[str, float]] = []
+    evals: list[dict[str, float | None]] = []
     start, before_losses, before_times = 0, [], []  # the steps a resumed run did before
     if config.resume is not None:
         resumed = load(config.resume, trainer, scheduler=scheduler)
@@ -188,11 +188,13 @@ def train(config: TrainConfig) -> dict[str, Any] | None:
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
-             loss_fn: Any, *, device: torch.device, chunk: int = 64) -> tuple[float, float]:
+             loss_fn: Any, *, device: torch.device, chunk: int = 64
+             ) -> tuple[float, float | None]:
     """Mean loss and next-token accuracy of ``model`` on held-out samples, at real speed
-    (an emulated device's clock pauses: evaluation is not training time)."""
+    (an emulated device's clock pauses: evaluation is not training time). The accuracy is
+    None for a model whose output is not a score per class (wordlm gives its losses)."""
     clock = clock_of(model)
-    total, correct, count = 0.0, 0.0, 0
+    total, correct, count, scores = 0.0, 0.0, 0, True
     was_training = model.training
     model.eval()
     try:
@@ -201,11 +203,13 @@ def evaluate(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor
                 x, y = inputs[i:i + chunk].to(device), targets[i:i + chunk].to(device)
                 out = model(x)
                 total += float(loss_fn(out, y)) * x.shape[0]
-                correct += float((out.argmax(-1) == y).float().mean()) * x.shape[0]
+                scores = out.shape[:-1] == y.shape
+                if scores:
+                    correct += float((out.argmax(-1) == y).float().mean()) * x.shape[0]
                 count += x.shape[0]
     finally:
         model.train(was_training)
-    return total / count, correct / count
+    return total / count, correct / count if scores else None
 
 
 def _checkpoint(config: TrainConfig, trainer: Any, scheduler: Any, step: int,

@@ -111,6 +111,7 @@ class SparseRows:
         self.vars = [_Var(i, v.name, params[v.name], sparse_rule(optimizer, params[v.name], v.name))
                      for i, v in enumerate(plan.sparse)]
         self.round = 0  # rounds pushed (and, once the servers apply them, applied)
+        self.paused = False  # lookups read the weights as they are (gathered for evaluation)
         self.inflight: list[tuple[Pending, torch.Tensor]] = []
         self.hooks = []
         by_weight = {id(v.param): v for v in self.vars}
@@ -163,6 +164,8 @@ class SparseRows:
 
     def _lookup_hook(self, var: _Var) -> Callable[[nn.Module, Any], None]:
         def hook(module: nn.Module, args: Any) -> None:
+            if self.paused:
+                return
             if var.declared:
                 check_declared(var, args[0])
             else:
@@ -174,6 +177,8 @@ class SparseRows:
         by_name = {v.name: v for v in self.vars}
 
         def hook(module: nn.Module, args: Any) -> None:
+            if self.paused:
+                return
             declared = reads(*args)
             unknown = sorted(set(declared) - set(by_name))
             if unknown:

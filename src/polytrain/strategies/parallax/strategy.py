@@ -88,6 +88,9 @@ class Parallax(ServedStrategy[ParallaxOptions]):
         if sparse:
             self.rows = SparseRows(ctx, model, self.plan, optimizer)
             self.rows.initial_state()
+            # Worker 0's SETs are held (their receipts) before any worker pulls a row: a
+            # first pull that overtook them read the store's zeros.
+            dist.barrier(group=ctx.groups.workers)
         self.dense = DenseSync(ctx, [params[n] for n in dense])
         optimizer.register_step_pre_hook(lambda opt, args, kwargs: self._before_step())
         return model, optimizer
@@ -166,6 +169,16 @@ class Parallax(ServedStrategy[ParallaxOptions]):
             self.rows.gather()
         return super().state_dict(model)
 
+    def evaluation_model(self, model: nn.Module) -> nn.Module | None:
+        """Worker 0's model with every sparse row gathered from the servers, whose lookups
+        read it as it is: they fetch nothing (a fetch is a collective of the machine's
+        workers, which do not evaluate)."""
+        if self.rows is not None:
+            self.rows.gather()  # worker 0 pulls; every worker's pushes have left first
+        net = super().evaluation_model(model)
+        return None if net is None or self.rows is None else _Gathered(net, self.rows)
+
+
     # -- checkpoints ---------------------------------------------------------------------------
 
     def checkpoint_state(self) -> dict[str, Any]:
@@ -233,3 +246,19 @@ class Parallax(ServedStrategy[ParallaxOptions]):
     def close(self) -> None:
         if self.rows is not None:
             self.rows.close()
+
+
+class _Gathered(nn.Module):
+    """A model whose sparse rows are all current: its lookups fetch nothing while it runs."""
+
+    def __init__(self, model: nn.Module, rows: SparseRows) -> None:
+        super().__init__()
+        self.model = model
+        self._rows = rows
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._rows.paused = True
+        try:
+            return self.model(*args, **kwargs)
+        finally:
+            self._rows.paused = False
