@@ -10,6 +10,7 @@ from polytrain import ConfigError, LaunchError, TrainConfig
 from polytrain.comm import TensorSpec
 from polytrain.herring import herring_traffic, plan_herring
 from polytrain.models import GPT
+from polytrain.strategies.herring.ddp import bucket_cap_bytes
 from tests.harness import adam_tolerance, max_abs_diff, run_cached, run_config, single_of, spawn
 
 STEPS = 4
@@ -61,6 +62,11 @@ def test_the_plans_refusals_name_the_rule_and_the_values():
         plan_herring(spec, bucket_cap_bytes=0, servers=[4])
     with pytest.raises(ConfigError, match="--bucket-cap-mb must be positive"):
         TrainConfig(strategy="herring", workers=2, strategy_options={"bucket_cap_mb": 0.0})
+    for bad in (float("nan"), float("inf")):  # int() of them raised deep in the drop-in
+        with pytest.raises(ConfigError, match=r"bucket_cap_mb must be positive.*HINT: pass "
+                                              r"bucket_cap_mb 25"):
+            bucket_cap_bytes(bad)
+    assert bucket_cap_bytes(1e-9) == 1 and bucket_cap_bytes(1.0) == 1 << 20
     with pytest.raises(ConfigError, match="--no-colocate keeps only the dedicated servers"):
         TrainConfig(strategy="herring", workers=2, strategy_options={"colocate": False})
 

@@ -14,6 +14,7 @@ Example::
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any, Sequence
 
 import torch.distributed as dist
@@ -34,6 +35,14 @@ __all__ = ["DistributedDataParallel", "DEFAULT_BUCKET_CAP_MB"]
 log = logging.getLogger(__name__)
 
 DEFAULT_BUCKET_CAP_MB = 25.0  # torch DDP's and Herring's
+
+
+def bucket_cap_bytes(mb: float, name: str = "bucket_cap_mb") -> int:
+    """A bucket cap of ``mb`` MiB in bytes (at least 1); ConfigError, naming the option
+    ``name``, for one that is not a positive finite number (nan, inf, 0 or less)."""
+    if not 0 < mb < math.inf:
+        raise ConfigError(f"{name} must be positive (got {mb})", f"pass {name} 25")
+    return max(1, int(mb * 2**20))
 
 
 def herring_servers(ctx: Context, *, colocate: bool) -> list[int]:
@@ -77,9 +86,7 @@ class DistributedDataParallel(SyncedModule):
                  find_unused_parameters: bool = False, gradient_as_bucket_view: bool = False,
                  *, colocate: bool = True, ctx: Context | None = None) -> None:
         ctx = ctx or runtime.current()
-        if bucket_cap_mb <= 0:
-            raise ConfigError(f"bucket_cap_mb must be positive (got {bucket_cap_mb})",
-                              "pass bucket_cap_mb=25 (--bucket-cap-mb 25)")
+        cap = bucket_cap_bytes(bucket_cap_mb)
         if process_group is not None:
             members = sorted(dist.get_process_group_ranks(process_group))
             if members != sorted(ctx.topology.workers):
@@ -91,7 +98,7 @@ class DistributedDataParallel(SyncedModule):
         named = self.trained()
         self.plan: HerringPlan = plan_herring(
             [TensorSpec.of(n, p) for n, p in named],
-            bucket_cap_bytes=int(bucket_cap_mb * 2**20),
+            bucket_cap_bytes=cap,
             servers=herring_servers(ctx, colocate=colocate),
             local_workers=len(ctx.local_workers))
         self.sync = GradientSync(engine_for(ctx), named, self.plan.buckets,

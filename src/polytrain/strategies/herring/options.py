@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
-from ...errors import ConfigError
-from .ddp import DEFAULT_BUCKET_CAP_MB
+from .ddp import DEFAULT_BUCKET_CAP_MB, bucket_cap_bytes
 
 __all__ = ["HerringOptions"]
 
@@ -29,6 +27,4 @@ class HerringOptions:
                 "machines"})
 
     def __post_init__(self) -> None:
-        if not 0 < self.bucket_cap_mb < math.inf:
-            raise ConfigError(f"--bucket-cap-mb must be positive (got {self.bucket_cap_mb})",
-                              "pass --bucket-cap-mb 25")
+        bucket_cap_bytes(self.bucket_cap_mb, "--bucket-cap-mb")
