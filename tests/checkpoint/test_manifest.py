@@ -63,6 +63,17 @@ def test_resume_reads_no_checkpoint_older_than_the_one_it_takes(tmp_path, monkey
     assert read == ["step-8", "step-6"]  # not every checkpoint of the run
 
 
+def test_a_manifest_without_its_fields_is_a_damaged_checkpoint(tmp_path):
+    # An edited manifest raised KeyError from deep in resume.
+    ckpt = make(tmp_path, 2)
+    path = ckpt / "manifest.json"
+    path.write_text(json.dumps({k: v for k, v in json.loads(path.read_text()).items()
+                                if k != "files"}))
+    with pytest.raises(CheckpointError, match=r"step-2 is damaged: its manifest.json has no "
+                                              r"files.*HINT: resume from another checkpoint"):
+        resolve(ckpt)
+
+
 def test_a_corrupted_byte_is_found(tmp_path):
     ckpt = make(tmp_path, 3)
     data = bytearray((ckpt / "model.pt").read_bytes())

@@ -28,9 +28,8 @@ from typing import Any, Iterable, Iterator
 from ..errors import ConfigError
 
 __all__ = ["FORMAT", "MANIFEST", "checkpoint_dir", "temporary_dir", "write_manifest",
-           "verify", "read_manifest", "step_dirs", "whole_checkpoints", "whole_past", "newest",
-           "resolve",
-           "run_out", "prune", "commit", "CheckpointError"]
+           "verify", "read_manifest", "require", "step_dirs", "checked", "whole_checkpoints",
+           "whole_past", "newest", "resolve", "run_out", "prune", "commit", "CheckpointError"]
 
 FORMAT = "polytrain.checkpoint/1"
 MANIFEST = "manifest.json"
@@ -97,7 +96,17 @@ def read_manifest(directory: str | Path) -> dict[str, Any]:
         got = manifest.get("format") if isinstance(manifest, dict) else None
         raise CheckpointError(f"checkpoint {directory} has format {got!r}, not {FORMAT!r}",
                               "resume from a checkpoint this version of polytrain wrote")
+    require(manifest, ("step", "files"), directory)
     return manifest
+
+
+def require(manifest: dict[str, Any], fields: Iterable[str], directory: str | Path) -> None:
+    """Refuse a manifest without ``fields`` (edited, or not written by a save)."""
+    missing = [f for f in fields if f not in manifest]
+    if missing:
+        raise CheckpointError(f"checkpoint {directory} is damaged: its {MANIFEST} has no "
+                              f"{', '.join(missing)}",
+                              "resume from another checkpoint (an older step-S)")
 
 
 def verify(directory: str | Path) -> dict[str, Any]:

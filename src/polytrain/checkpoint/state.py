@@ -39,6 +39,7 @@ from .manifest import (
     commit,
     prune,
     read_manifest,
+    require,
     resolve,
     temporary_dir,
     write_manifest,
@@ -223,6 +224,7 @@ def load(path: str | Path, model: nn.Module | Trainer,
     strategy.check_checkpoints()
     where, skipped = resolve(path)
     manifest = read_manifest(where)  # resolve() has checked its files
+    require(manifest, ("keys", "workers", "optimizer_index"), where)
     index, _, _ = _workers(strategy)
     names = strategy.parameter_names(model)
     keys = manifest["keys"]
