@@ -137,3 +137,36 @@ def test_a_gap_between_requests_longer_than_the_servers_idle_timeout_is_named():
     assert "server rank 2 (machine" in msg and \
         "no request from the workers [0, 1] for 2 s" in msg, msg
     assert "server_idle_s" in msg
+
+
+def free_then_push() -> None:
+    import torch.distributed as dist
+
+    ctx = polytrain.init()
+    engine = engine_for(ctx)
+    spec = [TensorSpec("a", (8,), torch.float32)]
+    placed = engine.keyed(spec, balanced(partition(spec, 1 << 20), ctx.topology.servers))
+    engine.declare(placed, kind=Kind.SUM, pushers=2, pullers=2)
+    out = torch.empty(8)
+    engine.push(placed, 0, round=0, tensor=torch.ones(8)).wait()
+    engine.pull(placed, 0, round=0, out=out).wait()
+    assert torch.equal(out, torch.full((8,), 2.0))
+    dist.barrier(group=ctx.groups.workers)
+    if ctx.worker_index == 0:
+        engine.free(placed)
+    dist.barrier(group=ctx.groups.workers)
+    if ctx.worker_index == 1:
+        engine.push(placed, 0, round=1, tensor=torch.ones(8)).wait()
+    ctx.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_a_freed_key_is_gone_from_its_server():
+    # Parallax's repartitions left every old range's store (values and the rule's state) on
+    # the servers: each partition count the search tried kept a copy of the tables (with
+    # Adam, 3 x 51.6 MB for wordlm's), never read again.
+    with pytest.raises(LaunchError) as info:
+        spawn(free_then_push, workers=2, servers=1)
+    msg = str(info.value)
+    assert "server rank 2 (machine server0) failed: CommError: server rank 2: rank 1 sent " \
+           "PUSH for key" in msg and "which nobody declared here" in msg, msg

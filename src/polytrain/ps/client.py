@@ -72,7 +72,6 @@ class PSClient:
         self.topology = topology
         self._seq = itertools.count(1)
         self._lock = threading.Lock()
-        self._declared: dict[int, int] = {}  # key -> server
 
     def request(self, server: int, op: Op, *, key: int = 0, round: int = 0,
                 payload: torch.Tensor | None = None, answer: torch.Tensor | None = None,
@@ -111,7 +110,11 @@ class PSClient:
             raise ConfigError(answer["error"], answer.get(
                 "hint", "build the same model with the same options on every worker, and "
                         "declare tensors in the same order"))
-        self._declared[decl.key] = server
+
+    def free(self, key: int, server: int) -> Pending:
+        """Forget a key on its owner (its store's memory), once nobody uses it any more:
+        after the requests of every worker that used it (a barrier after their waits)."""
+        return Pending(self.request(server, Op.FREE, key=key))
 
     def push(self, server: int, *, key: int, round: int, tensor: torch.Tensor,
              lane: int = 0) -> Pending:

@@ -177,6 +177,13 @@ class Engine:
                 dtype=str(p.dtype), pushers=pushers, pullers=pullers,
                 options=dict(options or {})), placement.owners[i])
 
+    def free(self, placement: Placement) -> None:
+        """Forget the placement's keys on their owners (see :meth:`PSClient.free`); one
+        worker calls it, once every worker is done with them."""
+        for p in [self.client.free(q.key, owner)
+                  for q, owner in zip(placement.partitions, placement.owners)]:
+            p.wait()
+
     def push(self, placement: Placement, i: int, *, round: int, tensor: torch.Tensor,
              lane: int = 0) -> Pending:
         """Push partition ``i``'s ``tensor`` for ``round`` (``lane``: which pusher of this

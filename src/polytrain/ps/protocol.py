@@ -74,6 +74,7 @@ class Op(IntEnum):
     FINISH = 5     # this worker sends nothing more
     SET = 6        # payload: new value of KEY (parameter stores)
     GET = 7        # answer: current value of KEY (parameter stores)
+    FREE = 8       # forget KEY: its store and declaration (no answer)
 
 
 class Kind(IntEnum):

@@ -79,6 +79,9 @@ class _Engine(threading.Thread):
                     payload.wait()
                 if req.op in RECEIPTED and req.numel:
                     self.server.acknowledge(req)
+                if req.op == Op.FREE:  # after every request of the key that came before it
+                    self.server.forget(req.key)
+                    continue
                 self.server.handling(req)
                 self.server.stores[req.key].handle(req)
         except BaseException as e:  # noqa: BLE001 - handed to the main loop, which raises it
@@ -421,6 +424,14 @@ class Server:
             self.pinned[decl.key] = engine
             self.stores[decl.key] = store
         self.respond(req, encode(answer, STATUS_BYTES))
+
+    def forget(self, key: int) -> None:
+        """Drop ``key``'s store and declaration (its memory); a later request for it is
+        refused as undeclared."""
+        with self._lock:
+            _, decl = self.declarations.pop(key)
+            del self.stores[key]
+            self.pinned.pop(key).load -= decl.numel * decl.torch_dtype.itemsize
 
     def acknowledge(self, req: Request) -> None:
         """Tell the worker that ``req``'s payload is here (its credit comes back)."""

@@ -377,10 +377,12 @@ class SparseRows:
         no update is lost. Every worker calls it between steps."""
         states = self.pull_states()
         new_states = self._cut(self.whole_variables(states), plan) if states else None
-        self.plan = plan
+        old, self.plan = self.placement, plan
         self.placement = self._install(plan)
         self.initial_state(new_states)
         dist.barrier(group=self.ctx.groups.workers)
+        if self.ctx.worker_index == 0:  # nobody uses the old ranges now: their memory goes
+            self.engine.free(old)
 
     def restore(self, merged: list[list[torch.Tensor]] | None, rounds: int) -> None:
         """Continue from a checkpoint: ``rounds`` pushed and applied, and (worker 0, which
