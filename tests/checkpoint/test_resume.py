@@ -75,6 +75,19 @@ def test_resume_equals_the_uninterrupted_run_bit_for_bit(strategy, workers, node
     assert whole["losses"][0] > whole["losses"][-1]  # it trained
 
 
+@pytest.mark.timeout(180)
+def test_compressed_byteps_resumes_inside_its_warm_up_where_it_was():
+    # The warm-up counted the steps synchronised since the process started: a resumed run
+    # warmed up again, uncompressed where the uninterrupted run compressed (a review found it).
+    config = TrainConfig(strategy="byteps", workers=2, nodes=2, servers=1, steps=6,
+                         batch_size=8, lr=3e-3, optimizer="adam", model_options=TINY,
+                         strategy_options={"compress": "fp16", "compress_warmup": 4,
+                                           "compress_min_bytes": 0})
+    whole, final, again, final_again = stop_and_resume(config, 3)
+    assert_equal_weights(final, final_again)
+    assert again["losses"] == whole["losses"] and len(again["losses"]) == 6
+
+
 WORDLM = {"vocab": 2000, "seq_len": 8, "d_model": 16, "layers": 1, "heads": 2, "negatives": 32}
 
 

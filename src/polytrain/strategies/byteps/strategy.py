@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Mapping
 
 import torch
@@ -9,6 +10,7 @@ from torch import nn
 
 from ...errors import ConfigError
 from ...launch.layout import Layout
+from ...ps.compression import compressor
 from ...ps.engine import Engine, engine_for
 from ...runtime import Context
 from ..base import register
@@ -19,6 +21,8 @@ from .optimizer import DistributedOptimizer, check_one_bit_adam
 from .options import BytePSOptions
 
 __all__ = ["BytePS"]
+
+log = logging.getLogger(__name__)
 
 
 @register
@@ -117,11 +121,28 @@ class BytePS(ServedStrategy[BytePSOptions]):
     def checkpoint_state(self) -> dict[str, Any]:
         if isinstance(self.optimizer, AsyncOptimizer):
             return {"clock": self.optimizer.clock}
+        if isinstance(self.optimizer, DistributedOptimizer):
+            # The steps synchronised: where the compression's warm-up (and 1-bit Adam's
+            # switch) stands.
+            return {"synced": self.optimizer.sync.synced}
         return {}
 
     def load_checkpoint_state(self, state: Mapping[str, Any]) -> None:
         if isinstance(self.optimizer, AsyncOptimizer) and "clock" in state:
             self.optimizer.resume_at(int(state["clock"]))
+        if isinstance(self.optimizer, DistributedOptimizer) and "synced" in state:
+            self.optimizer.sync.synced = int(state["synced"])
+            opts, codec = self.options, compressor(self.options.compress)
+            fresh = [what for what, on in (
+                ("error feedback's residuals", opts.error_feedback),
+                ("the compression's momentum", opts.compress_momentum),
+                (f"{opts.compress}'s random draws", codec is not None and not codec.deterministic),
+                ("1-bit Adam's frozen variance", opts.compress_adam)) if on]
+            if fresh and self.ctx is not None and self.ctx.worker_index == 0:
+                log.warning("resumed with compressed gradients: the warm-up goes on where it "
+                            "was, but %s start afresh (no checkpoint holds them, on the "
+                            "workers or the servers), so this run is close to, not bit-equal "
+                            "with, the uninterrupted one", ", ".join(fresh))
 
     def close(self) -> None:
         if self.optimizer is not None:
