@@ -10,7 +10,7 @@ import torch
 
 from ..errors import ConfigError
 
-__all__ = ["TensorSpec", "Partition", "partition", "DEFAULT_PARTITION_BYTES"]
+__all__ = ["TensorSpec", "Partition", "partition", "even_cuts", "DEFAULT_PARTITION_BYTES"]
 
 #: The largest partition of a tensor on the summation service, unless a strategy says
 #: otherwise (BytePS's BYTEPS_PARTITION_BYTES default).
@@ -64,6 +64,14 @@ class Partition:
         return f"{self.name}[{self.index}]"
 
 
+def even_cuts(numel: int, count: int) -> list[tuple[int, int]]:
+    """``count`` near-equal (offset, numel) pieces of ``numel`` elements, the first ones one
+    longer: ``even_cuts(10, 3) == [(0, 4), (4, 3), (7, 3)]``."""
+    base, extra = divmod(numel, count)
+    sizes = [base + (1 if i < extra else 0) for i in range(count)]
+    return [(sum(sizes[:i]), n) for i, n in enumerate(sizes)]
+
+
 def partition(specs: Sequence[TensorSpec], partition_bytes: int,
               first_key: int = 0) -> tuple[Partition, ...]:
     """Cut every tensor into the fewest near-equal pieces of at most ``partition_bytes``.
@@ -81,11 +89,7 @@ def partition(specs: Sequence[TensorSpec], partition_bytes: int,
     for t, spec in enumerate(specs):
         per = max(1, partition_bytes // spec.itemsize)  # elements that fit in one partition
         count = max(1, math.ceil(spec.numel / per))
-        base, extra = divmod(spec.numel, count)
-        offset = 0
-        for i in range(count):
-            n = base + (1 if i < extra else 0)
+        for i, (offset, n) in enumerate(even_cuts(spec.numel, count)):
             parts.append(Partition(key, t, spec.name, i, offset, n, n * spec.itemsize, spec.dtype))
-            offset += n
             key += 1
     return tuple(parts)

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ...comm.bucket import Bucket, plan_buckets
-from ...comm.partition import Partition, TensorSpec
+from ...comm.partition import Partition, TensorSpec, even_cuts
 from ...errors import ConfigError
 from ...ps.grads import bucket_specs
 from ...ps.placement import Placement
@@ -65,17 +65,6 @@ class HerringPlan:
         return (f"herring: {len(self.buckets)} fusion buffers, each in {len(self.servers)} "
                 f"equal shards (one per server); bytes per server: "
                 + ", ".join(f"rank {s} {load.get(s, 0)}" for s in self.servers))
-
-
-def _cuts(numel: int, count: int) -> list[tuple[int, int]]:
-    """``count`` near-equal (offset, numel) pieces of ``numel`` elements, larger ones first."""
-    base, extra = divmod(numel, count)
-    out, offset = [], 0
-    for i in range(count):
-        n = base + (1 if i < extra else 0)
-        out.append((offset, n))
-        offset += n
-    return out
 
 
 def plan_herring(specs: Sequence[TensorSpec], *, bucket_cap_bytes: int, servers: Sequence[int],
@@ -110,8 +99,8 @@ def plan_herring(specs: Sequence[TensorSpec], *, bucket_cap_bytes: int, servers:
                 f" pieces), but buffer {b} ({spec.name!r}) has {spec.numel} elements",
                 "use fewer servers (--servers, --no-colocate) or a larger --bucket-cap-mb")
         index = 0
-        for i, (start, count) in enumerate(_cuts(spec.numel, len(servers))):
-            for j, (off, n) in enumerate(_cuts(count, local_workers)):
+        for i, (start, count) in enumerate(even_cuts(spec.numel, len(servers))):
+            for j, (off, n) in enumerate(even_cuts(count, local_workers)):
                 parts.append(Partition(len(parts), b, spec.name, index, start + off, n,
                                        n * spec.itemsize, spec.dtype))
                 owners.append(servers[i])

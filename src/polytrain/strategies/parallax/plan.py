@@ -25,7 +25,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from ...comm.partition import Partition
+from ...comm.partition import Partition, even_cuts
 from ...errors import ConfigError, at_least
 from ...ps.placement import Placement, balanced
 
@@ -81,13 +81,9 @@ class ParallaxPlan:
 
     def placement(self) -> Placement:
         """The ranges as the engine's placement (one partition per range, in plan order)."""
-        parts = []
-        for i, r in enumerate(self.ranges):
-            v = self.sparse[r.var]
-            parts.append(Partition(i, r.var, v.name, r.index, r.lo * v.width,
-                                   (r.hi - r.lo) * v.width, (r.hi - r.lo) * v.row_bytes,
-                                   v.dtype))
-        return Placement(tuple(parts), tuple(r.owner for r in self.ranges))
+        parts = tuple(_range_partition(i, r.var, self.sparse[r.var], r.index, r.lo, r.hi)
+                      for i, r in enumerate(self.ranges))
+        return Placement(parts, tuple(r.owner for r in self.ranges))
 
     def as_json(self) -> dict[str, Any]:
         return {"dense": list(self.dense), "partitions": self.partitions,
@@ -146,16 +142,11 @@ def classify(model: nn.Module, *, sparse_embeddings: bool = True
     return dense, sparse
 
 
-def _cut(rows: int, parts: int) -> list[tuple[int, int]]:
-    """``rows`` cut into ``parts`` near-equal ranges (the first ones one longer)."""
-    parts = max(1, min(parts, rows))
-    base, extra = divmod(rows, parts)
-    out, lo = [], 0
-    for i in range(parts):
-        hi = lo + base + (1 if i < extra else 0)
-        out.append((lo, hi))
-        lo = hi
-    return out
+def _range_partition(key: int, var: int, v: SparseVar, index: int, lo: int, hi: int
+                     ) -> Partition:
+    """Rows ``lo:hi`` of sparse variable ``var`` (``v``) as the engine's partition."""
+    return Partition(key, var, v.name, index, lo * v.width, (hi - lo) * v.width,
+                     (hi - lo) * v.row_bytes, v.dtype)
 
 
 def plan_parallax(sparse: Sequence[SparseVar], dense: Sequence[str], *, partitions: int,
@@ -167,11 +158,11 @@ def plan_parallax(sparse: Sequence[SparseVar], dense: Sequence[str], *, partitio
         raise ConfigError("parallax puts sparse parameters on servers, but the run has none",
                           "launch with --colocated 1 and/or --servers K (polytrain.launch"
                           "(..., colocated=1, servers=K))")
-    cuts = [(v, i, lo, hi) for v, var in enumerate(sparse)
-            for i, (lo, hi) in enumerate(_cut(var.rows, partitions))]
-    parts = [Partition(k, v, sparse[v].name, i, lo * sparse[v].width,
-                       (hi - lo) * sparse[v].width, (hi - lo) * sparse[v].row_bytes,
-                       sparse[v].dtype) for k, (v, i, lo, hi) in enumerate(cuts)]
+    # A table of fewer rows than partitions has a range per row.
+    cuts = [(v, i, lo, lo + n) for v, var in enumerate(sparse)
+            for i, (lo, n) in enumerate(even_cuts(var.rows, max(1, min(partitions, var.rows))))]
+    parts = [_range_partition(k, v, sparse[v], i, lo, hi)
+             for k, (v, i, lo, hi) in enumerate(cuts)]
     owners = balanced(parts, list(servers)).owners if parts else ()
     ranges = tuple(RowRange(v, i, lo, hi, o) for (v, i, lo, hi), o in zip(cuts, owners))
     return ParallaxPlan(tuple(dense), tuple(sparse), partitions, tuple(servers), ranges)
