@@ -425,6 +425,24 @@ def test_a_server_under_torchrun_logs_the_answers_it_holds(tmp_path):
                             r"2 pushes \(from rank 0\)", h) for h in held), held
 
 
+@pytest.mark.timeout(90)
+def test_herring_on_machines_of_other_worker_counts_is_refused(tmp_path):
+    # Machines cut each shard into a piece per local worker: with 2 workers on one machine
+    # and 1 on the other they declared other keys (a mismatch, or a hang).
+    script = tmp_path / "job.py"
+    script.write_text("import os, torch, polytrain\n"
+                      "from polytrain.herring import DistributedDataParallel\n"
+                      "os.environ['POLYTRAIN_NODE'] = 'a' if os.environ['LOCAL_RANK'] in "
+                      "'013' else 'b'\n"
+                      "ctx = polytrain.init(timeout_s=20)\n"
+                      "DistributedDataParallel(torch.nn.Linear(4, 4))\n")
+    run = torchrun(script, "worker,worker,worker,server")
+    assert run.returncode != 0
+    assert "herring needs the same number of workers on every machine (workers per machine: " \
+           "{'a': 2, 'b': 1}). HINT: start as many worker processes on each machine" \
+           in run.stderr, run.stderr[-3000:]
+
+
 @pytest.mark.timeout(60)
 def test_a_script_that_launches_when_imported_is_told_to_guard_the_call(tmp_path):
     # Each child imports the launching script: an unguarded launch() started a run in every

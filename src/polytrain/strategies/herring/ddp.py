@@ -94,6 +94,13 @@ class DistributedDataParallel(SyncedModule):
                     f"herring sums gradients over every worker (ranks "
                     f"{sorted(ctx.topology.workers)}), but process_group has ranks {members}",
                     "leave process_group out, or pass ctx.groups.workers")
+        per_machine = {m: len(ctx.topology.workers_on(m)) for m in ctx.topology.worker_machines}
+        if len(set(per_machine.values())) > 1:
+            # Each machine cuts every shard into one piece per local worker: machines of other
+            # worker counts would declare other keys (a mismatch, or a hang).
+            raise ConfigError(f"herring needs the same number of workers on every machine "
+                              f"(workers per machine: {per_machine})",
+                              "start as many worker processes on each machine")
         super().__init__(module, ctx, broadcast_buffers=broadcast_buffers, method="herring")
         named = self.trained()
         self.plan: HerringPlan = plan_herring(
