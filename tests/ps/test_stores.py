@@ -222,6 +222,18 @@ def test_a_placement_that_does_not_fit_the_tensors_or_the_run_is_refused_with_th
         Placement(past, (4, 5)).check(SPECS, [4, 5])
     with pytest.raises(ConfigError, match=r"handlers \[2\] are not workers of a machine of 2"):
         Placement(parts, (4, 5), (0, 2)).check(SPECS, [4, 5], local_workers=2)
+    # A sum left elements no partition held as the memory that was there.
+    cut = partition(SPECS, 16)  # a: [0, 4) [4, 7) [7, 10); b: [0, 3) [3, 6)
+    gap = tuple(p for p in cut if (p.name, p.index) != ("a", 1))
+    with pytest.raises(ConfigError, match=r"elements \[4, 7\) of 'a' are in no partition.*"
+                                          r"HINT: cut every tensor into partitions that cover"):
+        Placement(gap, (4,) * len(gap)).check(SPECS, [4, 5])
+    twice = (*cut, cut[-1])
+    with pytest.raises(ConfigError, match=r"elements \[3, 6\) of 'b' are in two partitions"):
+        Placement(twice, (4,) * len(twice)).check(SPECS, [4, 5])
+    unplaced = tuple(p for p in cut if p.name == "a")
+    with pytest.raises(ConfigError, match=r"elements \[0, 6\) of 'b' are in no partition"):
+        Placement(unplaced, (4,) * len(unplaced)).check(SPECS, [4, 5])
 
 
 def test_a_declaration_mismatch_names_the_size_before_the_name_that_carries_it():

@@ -66,8 +66,10 @@ class Placement:
               local_workers: int = 1) -> None:
         """Refuse a placement that does not fit ``specs`` or the run (ConfigError, values).
 
-        Every partition must lie inside its tensor with the tensor's dtype, every
-        owner must be a server rank, every handler a worker of the machine.
+        Every partition must lie inside its tensor with the tensor's dtype, the
+        partitions must cover every element once (a sum leaves an element no partition
+        holds as whatever memory was there), every owner must be a server rank, every
+        handler a worker of the machine.
         """
         for i, (p, owner) in enumerate(zip(self.partitions, self.owners)):
             if not 0 <= p.tensor < len(specs):
@@ -88,6 +90,20 @@ class Placement:
                 raise ConfigError(f"placement: partition {i} ({p.label}) is owned by rank "
                                   f"{owner}, which is not a server (the servers are "
                                   f"{list(servers)})", "give every partition a server rank")
+        ranges: dict[int, list[tuple[int, int]]] = defaultdict(list)
+        for p in self.partitions:
+            ranges[p.tensor].append((p.offset, p.offset + p.numel))
+        for t, spec in enumerate(specs):
+            at = 0
+            for lo, hi in sorted(ranges[t]) + [(spec.numel, spec.numel)]:
+                if lo != at:
+                    what = (f"elements [{at}, {lo}) of {spec.name!r} are in no partition"
+                            if lo > at else f"elements [{lo}, {min(at, hi)}) of {spec.name!r} "
+                                            f"are in two partitions")
+                    raise ConfigError(f"placement: {what}",
+                                      "cut every tensor into partitions that cover it once "
+                                      "(polytrain.comm.partition does)")
+                at = hi
         if self.handlers is not None:
             bad = [h for h in self.handlers if not 0 <= h < local_workers]
             if bad:
