@@ -165,6 +165,48 @@ def test_the_drop_in_and_the_comm_hook_equal_torch_ddp_on_the_same_script():
     assert max_abs_diff(bare, start) > 1e-3
 
 
+class _Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 3), nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+        return self.a(x) + self.b(x) if use_b else self.a(x)
+
+
+def unused_script(kind: str) -> dict:
+    """Adam on a model whose branch b only the first step uses (on every worker)."""
+    ctx = polytrain.init()
+    torch.manual_seed(0)
+    model: nn.Module = _Branchy()
+    if kind == "torch":
+        model = nn.parallel.DistributedDataParallel(model, process_group=ctx.groups.workers,
+                                                    find_unused_parameters=True)
+    else:
+        from polytrain.herring import DistributedDataParallel as DDP
+        model = DDP(model, find_unused_parameters=kind == "herring")
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(4):
+        x, y = torch.randn(4, 6, generator=gen), torch.randn(4, 3, generator=gen)
+        x = polytrain.shard(x, ctx.worker_index, ctx.num_workers)
+        y = polytrain.shard(y, ctx.worker_index, ctx.num_workers)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x, step == 0), y).backward()
+        opt.step()
+    return {k.removeprefix("module."): v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.timeout(120)
+def test_find_unused_parameters_leaves_a_parameter_no_worker_used_as_torch_ddp_does():
+    # Its gradient was summed as zeros, and Adam went on moving it with its momentum.
+    torch_ddp = spawn(unused_script, workers=2, colocated=1, args=("torch",))[0]
+    herring = spawn(unused_script, workers=2, colocated=1, args=("herring",))[0]
+    zeros = spawn(unused_script, workers=2, colocated=1, args=("zeros",))[0]
+    assert max_abs_diff(torch_ddp, herring) < 1e-6
+    assert float((zeros["b.weight"] - torch_ddp["b.weight"]).abs().max()) > 1e-3
+
+
 def step_inside_no_sync() -> None:
     polytrain.init()
     model = nn.Linear(4, 2)

@@ -24,10 +24,14 @@ from .checks import broadcast_module, check_same_model
 __all__ = ["SyncedModule", "keep_missing_for"]
 
 
-def keep_missing_for(sync: GradientSync, model: nn.Module) -> None:
-    """Leave ``.grad`` None where no worker had one, on models with MoE layers (an expert no
-    token chose: one process gives it none), unless some buckets are compressed."""
-    sync.keep_missing = bool(moe_layers(model)) and not sync.packed
+def keep_missing_for(sync: GradientSync, model: nn.Module, *, find_unused: bool = False
+                     ) -> None:
+    """Leave ``.grad`` None where no worker had one (as torch's reducer does with
+    ``find_unused_parameters``, at the same cost: one small all-reduce a step), when
+    ``find_unused`` or on models with MoE layers (an expert no token chose: one process gives
+    it none), unless some buckets are compressed. Otherwise such a gradient is summed as
+    zeros, which Adam steps on with its momentum."""
+    sync.keep_missing = (find_unused or bool(moe_layers(model))) and not sync.packed
 
 
 class SyncedModule(nn.Module):

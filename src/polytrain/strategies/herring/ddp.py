@@ -73,8 +73,10 @@ class DistributedDataParallel(SyncedModule):
         broadcast_buffers: copy worker 0's buffers to every worker at each forward
             (default True, as torch's DDP).
         bucket_cap_mb: fusion buffer size in MiB (default 25).
-        find_unused_parameters: accepted; a parameter without a gradient in a step
-            is summed as zeros, so every worker sends the same buffers.
+        find_unused_parameters: a parameter that no worker gave a gradient in a step keeps
+            ``.grad`` None, as with torch's DDP (one small all-reduce a step more); without
+            it (the default), such a gradient is summed as zeros, so every worker sends the
+            same buffers.
         gradient_as_bucket_view: accepted; gradients are copied out of the buffers.
         colocate: a server on every worker machine (default True).
         ctx: the run (default: :func:`polytrain.init`'s).
@@ -111,4 +113,4 @@ class DistributedDataParallel(SyncedModule):
         self.sync = GradientSync(engine_for(ctx), named, self.plan.buckets,
                                  self.plan.placement, in_backward=True,
                                  describe=self.plan.describe())
-        keep_missing_for(self.sync, module)
+        keep_missing_for(self.sync, module, find_unused=find_unused_parameters)
