@@ -315,10 +315,12 @@ def test_no_orphans_when_the_launcher_itself_is_killed(tmp_path):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("inherited", ["default", "ignored"])
+@pytest.mark.parametrize("inherited", ["default", "ignored", "sigterm"])
 def test_ctrl_c_stops_every_child(tmp_path, inherited):
     # "ignored": started as a background job of a shell, SIGINT arrives ignored (and Python
-    # then installs no handler of its own); Ctrl-C must still stop the run.
+    # then installs no handler of its own); Ctrl-C must still stop the run. "sigterm" (what
+    # timeout, docker stop and Slurm send) ended the launcher at once, leaving its work
+    # directory and shared memory behind, and saying nothing.
     code = (f"import polytrain; from tests.launch import scripts; "
             f"polytrain.launch(scripts.write_pid_and_hang, workers=2, "
             f"args=({str(tmp_path)!r},))")
@@ -331,10 +333,13 @@ def test_ctrl_c_stops_every_child(tmp_path, inherited):
         assert time.monotonic() < deadline, "children did not start"
         time.sleep(0.1)
     pids = [int(p.read_text()) for p in tmp_path.glob("pid-*")]
-    launcher.send_signal(subprocess.signal.SIGINT)
+    launcher.send_signal(signal.SIGTERM if inherited == "sigterm" else signal.SIGINT)
     _, err = launcher.communicate(timeout=60)
-    assert "interrupted (Ctrl-C): stopped all 2 processes" in err
+    how = "SIGTERM" if inherited == "sigterm" else "Ctrl-C"
+    assert f"interrupted ({how}): stopped all 2 processes" in err
     assert not any(_alive(p) for p in pids)
+    assert not list(Path(tempfile.gettempdir()).glob(f"polytrain-{launcher.pid}-*"))
+    assert not list(Path("/dev/shm").glob(f"polytrain-run-{launcher.pid}-*"))
 
 
 def test_a_port_in_use_is_refused_before_anything_starts():

@@ -252,13 +252,21 @@ class Launcher:
             payload_file.write_bytes(pickle.dumps(payload))
             children: list[_Child] = []
             interrupted = threading.Event()
-            previous = None
+            caught: list[int] = []  # the signals that interrupted the run
+
+            def interrupt(signum: int, frame: Any) -> None:
+                caught.append(signum)
+                interrupted.set()
+            previous = {}
             if threading.current_thread() is threading.main_thread():
-                # Our own handler, not Python's default: a shell that starts us in the
+                # Our own handlers, not Python's default: a shell that starts us in the
                 # background leaves SIGINT ignored, and Python then installs none (Ctrl-C
-                # would be lost). A flag, checked between polls, also keeps the interrupt
-                # out of the middle of subprocess's own bookkeeping.
-                previous = signal.signal(signal.SIGINT, lambda *_: interrupted.set())
+                # would be lost); SIGTERM (timeout, docker stop, Slurm) ended the launcher
+                # at once, leaving its work directory and shared memory behind. A flag,
+                # checked between polls, also keeps the interrupt out of the middle of
+                # subprocess's own bookkeeping.
+                previous = {s: signal.signal(s, interrupt)
+                            for s in (signal.SIGINT, signal.SIGTERM)}
             network: Network | None = None
             shm: Path | None = None
             oom_kills_before = oom_kills()
@@ -282,8 +290,8 @@ class Launcher:
             except KeyboardInterrupt:
                 interrupted.set()
             finally:
-                if previous is not None:
-                    signal.signal(signal.SIGINT, previous)
+                for s, handler in previous.items():
+                    signal.signal(s, handler)
                 try:
                     self._stop(children)
                 finally:
@@ -292,8 +300,10 @@ class Launcher:
                     if network is not None:
                         network.close()
             if interrupted.is_set():
-                raise LaunchError(f"interrupted (Ctrl-C): stopped all {len(children)} processes",
-                                  exitcode=130)
+                how = signal.Signals(caught[0]) if caught else signal.SIGINT
+                raise LaunchError(f"interrupted ({'Ctrl-C' if how == signal.SIGINT else how.name})"
+                                  f": stopped all {len(children)} processes",
+                                  exitcode=128 + how)
             return [_read_result(c.result_file) for c in children if c.spec.role == "worker"]
 
     def _hang_after_s(self) -> float:

@@ -95,7 +95,7 @@ def run_config(config: TrainConfig, *, env: Mapping[str, str] | None = None,
             metrics = launcher.run_fn(train, (config,))[0]
             break
         except LaunchError as e:
-            if restarts >= config.max_restarts or e.exitcode == 130:
+            if restarts >= config.max_restarts or e.exitcode in (130, 143):  # interrupted
                 raise
             restarts += 1
             assert config.out is not None  # checked with --max-restarts
