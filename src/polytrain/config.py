@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -289,8 +290,13 @@ def check_init(path: str, model: Any) -> dict[str, torch.Tensor]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - torch.load raises what the bytes make it raise
+        # torch's text for a file it cannot unpickle runs over lines and advises loading it
+        # with weights_only=False, unsafe for a file that is not a checkpoint at all.
+        detail = ("not a file of tensors that torch.save wrote"
+                  if isinstance(e, pickle.UnpicklingError)
+                  else (str(e).strip().splitlines() or [""])[0][:200])
         raise ConfigError(f"--init {path} cannot be read as a final.pt "
-                          f"({type(e).__name__}: {e})",
+                          f"({type(e).__name__}: {detail})",
                           "pass the final.pt of an earlier run of the same --model") from None
     if not isinstance(state, dict):
         raise ConfigError(f"--init {path} holds a {type(state).__name__}, not a state dict",

@@ -129,6 +129,20 @@ def test_pipetransformer_refuses_a_checkpoint_of_other_machines_or_planning_opti
         cls.check_resume(saved, Layout(workers=8, nodes=2), same)
 
 
+def test_hetpipe_refuses_a_checkpoint_of_another_policy_or_machines():
+    # Every worker started and failed deep in its first step ("the stages differ"), and
+    # --max-restarts ran it again.
+    cls = get_strategy("hetpipe")
+    saved = {"workers": 4, "nodes": 2, "strategy_options": {}}  # the default policy, hd
+    cls.check_resume(saved, Layout(workers=4, nodes=2), make_options(cls, {"policy": "hd"}))
+    with pytest.raises(ConfigError, match=r"cannot resume a checkpoint of --policy hd on 2 "
+                                          r"machines as --policy np on 2.*HINT: resume with "
+                                          r"--policy hd --nodes 2"):
+        cls.check_resume(saved, Layout(workers=4, nodes=2), make_options(cls, {"policy": "np"}))
+    with pytest.raises(ConfigError, match=r"as --policy hd on 1"):
+        cls.check_resume(saved, Layout(workers=4, nodes=1), make_options(cls, {}))
+
+
 @pytest.mark.timeout(120)
 def test_checkpoints_of_another_run_in_out_are_not_mixed_with_this_runs(capsys, saved, tmp_path):
     # A fresh run into an --out that held another run's step-2 and step-4 wrote its own beside

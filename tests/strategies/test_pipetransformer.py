@@ -207,6 +207,12 @@ def test_every_sample_is_seen_once_per_epoch_while_the_replicas_change():
 
 
 def test_refusals():
+    # It was silently lowered to the largest divisor of the replica's batch (7 ran as 4).
+    with pytest.raises(ConfigError, match=r"--micro-batches 7 does not divide a replica's 16 "
+                                          r"samples.*HINT: pass --micro-batches one of "
+                                          r"\[1, 2, 4, 8, 16\]"):
+        TrainConfig(strategy="pipetransformer", workers=4, batch_size=32, model_options=TINY,
+                    strategy_options={"pipeline_stages": 2, "micro_batches": 7})
     with pytest.raises(ConfigError, match=r"--pipeline-stages 3 does not divide a machine's 4.*"
                                           r"HINT: pass --pipeline-stages one of \[1, 2, 4\]"):
         TrainConfig(strategy="pipetransformer", workers=4, model_options=TINY,

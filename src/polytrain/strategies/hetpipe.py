@@ -33,7 +33,7 @@ from ..pipeline.wsp import WaveSync, model_placement
 from ..ps.settings import optimizer_spec
 from ..runtime import Context
 from ..tensors import host_state
-from .base import LossFn, Strategy, register
+from .base import LossFn, Strategy, make_options, register
 
 __all__ = ["HetPipe", "HetPipeOptions"]
 
@@ -160,6 +160,21 @@ class HetPipe(Strategy[HetPipeOptions]):
     @classmethod
     def replicas(cls, layout: Layout, options: HetPipeOptions) -> int:
         return count_virtual_workers(layout.workers, layout.nodes, options.policy)
+
+    @classmethod
+    def check_resume(cls, saved: Mapping[str, Any], layout: Layout,
+                     options: HetPipeOptions) -> None:
+        """Each worker's checkpoint holds its stage of its virtual worker: the same workers,
+        machines and policy cut the same stages (the devices are checked on load)."""
+        super().check_resume(saved, layout, options)
+        policy = make_options(cls, dict(saved.get("strategy_options") or {})).policy
+        nodes = int(saved.get("nodes", layout.nodes))
+        if (policy, nodes) != (options.policy, layout.nodes):
+            raise ConfigError(f"strategy 'hetpipe' cannot resume a checkpoint of --policy "
+                              f"{policy} on {nodes} machines as --policy {options.policy} on "
+                              f"{layout.nodes}: each worker's state is its stage of its virtual "
+                              f"worker, and they would be cut otherwise",
+                              f"resume with --policy {policy} --nodes {nodes}")
 
     @classmethod
     def check_devices(cls, cluster: Any, profile: Callable[[], ModelProfile], layout: Layout,

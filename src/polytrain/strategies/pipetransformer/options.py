@@ -61,8 +61,10 @@ class PipeTransformerOptions:
     schedule: str = field(default="1f1b", metadata={
         "help": "pipetransformer: 1f1b (default) or gpipe", "choices": tuple(SCHEDULES)})
     micro_batches: int | None = field(default=None, metadata={
-        "help": "pipetransformer: micro-batches per pipeline step (default: re-chosen at every "
-                "plan, the smallest divisor of the replica's batch >= 2 x stages)",
+        "help": "pipetransformer: micro-batches per pipeline step, a divisor of a replica's "
+                "batch (where AutoDP's replicas later halve it, the largest divisor of it up "
+                "to M); default: re-chosen at every plan, the smallest divisor of the "
+                "replica's batch >= 2 x stages",
         "metavar": "M"})
     freeze: bool = field(default=True, metadata={
         "help": "pipetransformer: no AutoFreeze; every layer trains throughout"})

@@ -144,6 +144,11 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
                          global_batch=batch_size, micro_batches=options.micro_batches,
                          memory=memory, state_factor=optimizer_state_factor(optimizer))
         per = batch_size // plan.replicas
+        m = options.micro_batches
+        if m is not None and per % m:  # the plan would take the largest divisor below it
+            raise ConfigError(f"--micro-batches {m} does not divide a replica's {per} samples "
+                              f"(--batch-size {batch_size} over {plan.replicas} replicas)",
+                              f"pass --micro-batches one of {divisors(per)}")
         if per % plan.micro_batches:
             raise ConfigError(f"a replica's {per} samples cannot be cut into "
                               f"{plan.micro_batches} micro-batches",
