@@ -54,12 +54,13 @@ class LaunchError(PolytrainError, RuntimeError):
 
     def __init__(self, what: str, hint: str | None = None, *, rank: int | None = None,
                  role: str | None = None, machine: str | None = None,
-                 exitcode: int | None = None) -> None:
+                 exitcode: int | None = None, bad_input: bool = False) -> None:
         super().__init__(what, hint)
         self.rank = rank
         self.role = role
         self.machine = machine
         self.exitcode = exitcode
+        self.bad_input = bad_input  # the process raised ConfigError: a rerun fails the same
 
 
 class CommError(PolytrainError, RuntimeError):

@@ -27,9 +27,11 @@ def identity() -> dict:
             "sum_of_worker_ranks": float(total), "threads": os.environ["OMP_NUM_THREADS"]}
 
 
-def worker_raises(bad_rank: int) -> None:
+def worker_raises(bad_rank: int, config: bool = False) -> None:
     ctx = polytrain.init()
     if ctx.rank == bad_rank:
+        if config:
+            raise polytrain.ConfigError("bad on purpose", "pass a good one")
         raise RuntimeError(f"boom on purpose from rank {ctx.rank}")
     x = torch.zeros(1)
     dist.all_reduce(x, group=ctx.groups.workers)  # blocks: the bad rank never joins

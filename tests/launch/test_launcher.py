@@ -66,6 +66,11 @@ def test_a_worker_that_raises_stops_the_run_and_is_named():
     assert "worker rank 1 (machine node0) failed: RuntimeError: boom on purpose from rank 1" \
         in message
     assert info.value.rank == 1 and info.value.role == "worker"
+    assert not info.value.bad_input  # --max-restarts may restart it
+    with pytest.raises(LaunchError) as info:
+        spawn(scripts.worker_raises, workers=2, args=(1, True))
+    assert "failed: ConfigError: bad on purpose" in str(info.value)
+    assert info.value.bad_input  # not restarted: a rerun fails the same (a hetpipe resume ran 3x)
 
 
 @pytest.mark.timeout(60)

@@ -153,11 +153,13 @@ def _raise_injected(signum: int, frame: Any) -> None:
 
 
 def _write_error(cause: str, secondary: bool, hint: str | None = None,
-                 waited_s: float | None = None, lost: int | None = None) -> None:
+                 waited_s: float | None = None, lost: int | None = None,
+                 bad_input: bool = False) -> None:
     path = _env.error_file()
     if path:
         _write_json(path, {"cause": cause, "time": time.time(), "secondary": secondary,
-                           "hint": hint, "waited_s": waited_s, "lost": lost})
+                           "hint": hint, "waited_s": waited_s, "lost": lost,
+                           "bad_input": bad_input})
 
 
 def _write_json(path: str, record: dict[str, Any], tmp: str = ".tmp") -> None:
@@ -231,8 +233,9 @@ def fail_to_start(cause: str, hint: str) -> None:
 
 
 def _fail(cause: str, secondary: bool, code: int = 1, hint: str | None = None,
-          waited_s: float | None = None, lost: int | None = None) -> None:
-    _write_error(cause, secondary, hint, waited_s, lost)
+          waited_s: float | None = None, lost: int | None = None,
+          bad_input: bool = False) -> None:
+    _write_error(cause, secondary, hint, waited_s, lost, bad_input)
     sys.stdout.flush()
     sys.stderr.flush()
     # Skip atexit hooks: a graceful shutdown would wait on peers that may be gone.
@@ -269,7 +272,9 @@ def main() -> None:
         hint = _hint_for(e)
         _fail(f"{type(e).__name__}: {e}", _is_secondary(e),
               hint=f"{hint} (its traceback is printed above)" if hint else None,
-              waited_s=_waited_s(e), lost=getattr(e, "peer", None))
+              waited_s=_waited_s(e), lost=getattr(e, "peer", None),
+              # By name: the child imports no more of polytrain than the script did.
+              bad_input=any(c.__name__ == "ConfigError" for c in type(e).__mro__))
     _end_script()
     # Free cycles that hold process groups now: torch aborts if it frees them during exit.
     gc.collect()

@@ -116,6 +116,7 @@ class _Failure:
     hint: str = _SEE_TRACEBACK
     waited_s: float | None = None  # it timed out waiting for peers, after so long (0: unknown)
     lost: int | None = None  # the rank of the peer it lost, where it knows
+    bad_input: bool = False  # it raised ConfigError
 
     def order(self) -> tuple[int, float]:
         return (1 if self.secondary else 0, self.time)
@@ -476,7 +477,7 @@ class Launcher:
                 raise LaunchError(
                     first.describe() + tail, first.hint,
                     rank=first.spec.rank, role=first.spec.role, machine=first.spec.machine,
-                    exitcode=first.exitcode)
+                    exitcode=first.exitcode, bad_input=first.bad_input)
             if all(code == 0 for code in codes):
                 return
             time.sleep(_POLL_S)
@@ -599,7 +600,8 @@ def _failure(child: _Child, oom_kills_before: int | None) -> _Failure:
             info = json.loads(child.error_file.read_text())
             hint = info.get("hint")
             return _Failure(child.spec, code, info["cause"], info["time"], info["secondary"],
-                            label, hint or _SEE_TRACEBACK, info.get("waited_s"), info.get("lost"))
+                            label, hint or _SEE_TRACEBACK, info.get("waited_s"), info.get("lost"),
+                            bool(info.get("bad_input")))
         except (ValueError, KeyError, OSError):
             pass
     def oom(code: int) -> bool:

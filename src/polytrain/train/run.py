@@ -95,7 +95,8 @@ def run_config(config: TrainConfig, *, env: Mapping[str, str] | None = None,
             metrics = launcher.run_fn(train, (config,))[0]
             break
         except LaunchError as e:
-            if restarts >= config.max_restarts or e.exitcode in (130, 143):  # interrupted
+            # Not after an interrupt, nor after bad input: a rerun would fail the same.
+            if restarts >= config.max_restarts or e.exitcode in (130, 143) or e.bad_input:
                 raise
             restarts += 1
             assert config.out is not None  # checked with --max-restarts
