@@ -70,6 +70,8 @@ def test_a_stopped_process_is_found_by_its_heartbeat_and_named():
         found = time.monotonic() - hang.sent_at
         assert found < 5, f"found after {found:.1f} s with --timeout 5"
         assert "process state T" in str(info.value) or "no heartbeat" in str(info.value)
+        # It said its traceback was printed above: a stopped process prints none.
+        assert "(kill -CONT)" in str(info.value.hint), info.value.hint
         assert info.value.rank == 1
         assert not any(alive(p) for p in hang.pids.values())
     assert time.monotonic() - start < 60

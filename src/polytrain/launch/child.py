@@ -270,7 +270,14 @@ def main() -> None:
     except BaseException as e:  # noqa: BLE001 - every failure must reach the launcher
         print(f"{who} failed:\n{traceback.format_exc()}", file=sys.stderr, end="", flush=True)
         hint = _hint_for(e)
-        _fail(f"{type(e).__name__}: {e}", _is_secondary(e),
+        # polytrain's errors carry their hint apart (what, hint): it goes last in the
+        # launcher's message, not in the middle of it before a hint of the launcher's own.
+        what, own = getattr(e, "what", None), getattr(e, "hint", None)
+        if isinstance(what, str) and (own is None or isinstance(own, str)):
+            e_text, hint = what, hint or own
+        else:
+            e_text = str(e)
+        _fail(f"{type(e).__name__}: {e_text}", _is_secondary(e),
               hint=f"{hint} (its traceback is printed above)" if hint else None,
               waited_s=_waited_s(e), lost=getattr(e, "peer", None),
               # By name: the child imports no more of polytrain than the script did.

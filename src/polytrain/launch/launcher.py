@@ -89,6 +89,14 @@ def _files(workdir: Path, rank: int) -> tuple[Path, Path, Path, Path, Path, Path
 
 
 _SEE_TRACEBACK = "the traceback of that process is printed above; fix its cause and rerun"
+# Processes that wrote no traceback of their own:
+_STOPPED_HINT = ("it was stopped (kill -STOP, a debugger, a shell's Ctrl-Z): continue it "
+                 "(kill -CONT) or leave it running, and rerun")
+_SILENT_HINT = ("its heartbeat thread stopped too: the whole process is stuck (in C code that "
+                "holds the GIL, or swapped out); raise --timeout if it was only slow")
+_SIGNALLED_HINT = ("a signal ended it without a traceback: SIGSEGV or SIGBUS, a crash in C "
+                   "code (faulthandler's dump above shows where); SIGKILL, something outside "
+                   "the run (the kernel's OOM killer, a job scheduler, a user)")
 _LEFT_HINT = ("if they waited in a collective every worker makes, find why it returned (or "
               "called sys.exit(0)) before them, e.g. fewer steps or batches on it")
 _UNJOINED_HINT = ("every process of a run, servers too, must call polytrain.init(): a server "
@@ -326,6 +334,7 @@ class Launcher:
                 state = _proc_state(c.proc.pid)
                 c.hung = (f"stopped answering: no heartbeat for {age:.1f} s (half of "
                           f"--timeout {2 * limit:g}){f'; process state {state}' if state else ''}")
+                c.hint = _STOPPED_HINT if state.startswith("T") else _SILENT_HINT
                 hung.append(c)
         return hung
 
@@ -440,6 +449,7 @@ class Launcher:
                         state = _proc_state(c.proc.pid)
                         if state.startswith("T"):
                             c.hung = f"stopped answering: process state {state}"
+                            c.hint = _STOPPED_HINT
                             failed.append(c)
             if failed and interrupted.is_set():
                 return  # Ctrl-C in a terminal reaches the children too: not a failure
@@ -621,7 +631,7 @@ def _failure(child: _Child, oom_kills_before: int | None) -> _Failure:
         if oom(code):
             return _Failure(child.spec, code, f"{_ended_how(code)}{_OOM_CAUSE}", 0.0, False,
                             label, _OOM_HINT)
-        return _Failure(child.spec, code, _ended_how(code), 0.0, False, label)
+        return _Failure(child.spec, code, _ended_how(code), 0.0, False, label, _SIGNALLED_HINT)
     return _Failure(child.spec, code, _ended_how(code), time.time(), False, label)
 
 
