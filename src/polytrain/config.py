@@ -121,10 +121,11 @@ class TrainConfig:
         if cluster is not None:
             if self.workers is None:
                 object.__setattr__(self, "workers", cluster.size)
-            if self.nodes == 1:
+            nodes_given = self.nodes != 1
+            if not nodes_given:
                 object.__setattr__(self, "nodes", len(cluster.machines))
             cluster.check_layout(cluster.size if self.workers is None else self.workers,
-                                 self.nodes)
+                                 self.nodes, nodes_given=nodes_given)
         if self.workers is None:
             object.__setattr__(self, "workers", 2 if get_strategy(self.strategy).distributed else 1)
         if self.optimizer not in OPTIMIZERS:

@@ -244,8 +244,9 @@ def test_refusals_before_any_process_starts():
     with pytest.raises(ConfigError, match=r"keeps the global weights on parameter servers.*"
                                           r"HINT: pass --servers 1"):
         TrainConfig(strategy="hetpipe", workers=4, nodes=2)
+    # Not "2 workers on 2 machines": --nodes was not given (the devices' 2 machines were used).
     with pytest.raises(ConfigError, match=r"--devices describes 4 devices on 2 machines but the "
-                                          r"run has 2 workers"):
+                                          r"run has 2 workers\. HINT"):
         TrainConfig(strategy="ddp", workers=2, devices="m0:fast*2,m1:slow*2")
     with pytest.raises(ConfigError, match=r"strategy 'ddp' keeps the whole model on every "
                                           r"worker: .* device m0/0 tiny has 2 MiB"):

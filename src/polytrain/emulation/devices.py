@@ -150,8 +150,9 @@ class Cluster:
         mb_s = self.intra_mb_s if a.machine_index == b.machine_index else self.inter_mb_s
         return mb_s * _MB
 
-    def check_layout(self, workers: int, nodes: int) -> None:
-        """Refuse a launch layout that is not this cluster's machines and devices."""
+    def check_layout(self, workers: int, nodes: int, *, nodes_given: bool = True) -> None:
+        """Refuse a launch layout that is not this cluster's machines and devices
+        (``nodes_given``: whether the user passed ``nodes``, or it came from the cluster)."""
         per = {len(m.types) for m in self.machines}
         if len(per) > 1:
             raise ConfigError(
@@ -162,7 +163,7 @@ class Cluster:
         if workers != self.size or nodes != len(self.machines):
             raise ConfigError(
                 f"--devices describes {self.size} devices on {len(self.machines)} machines but the "
-                f"run has {workers} workers on {nodes} machines",
+                f"run has {workers} workers{f' on {nodes} machines' if nodes_given else ''}",
                 "leave out --workers and --nodes (--devices sets them), or make them agree")
 
     def describe(self) -> str:

@@ -74,9 +74,11 @@ class Job:
             cluster = parse_cluster(self.devices)
             if self.workers is None:
                 object.__setattr__(self, "workers", cluster.size)
-            if self.nodes == 1:
+            nodes_given = self.nodes != 1
+            if not nodes_given:
                 object.__setattr__(self, "nodes", len(cluster.machines))
-            cluster.check_layout(self.workers or cluster.size, self.nodes)
+            cluster.check_layout(self.workers or cluster.size, self.nodes,
+                                 nodes_given=nodes_given)
         if self.workers is None:
             object.__setattr__(self, "workers", 2)
         assert self.workers is not None
