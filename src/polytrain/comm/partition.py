@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -69,7 +70,7 @@ def even_cuts(numel: int, count: int) -> list[tuple[int, int]]:
     longer: ``even_cuts(10, 3) == [(0, 4), (4, 3), (7, 3)]``."""
     base, extra = divmod(numel, count)
     sizes = [base + (1 if i < extra else 0) for i in range(count)]
-    return [(sum(sizes[:i]), n) for i, n in enumerate(sizes)]
+    return list(zip(itertools.accumulate(sizes, initial=0), sizes))
 
 
 def partition(specs: Sequence[TensorSpec], partition_bytes: int,
