@@ -119,13 +119,9 @@ class TrainConfig:
         self._check_checkpoints()
         cluster = parse_cluster(self.devices) if self.devices is not None else None
         if cluster is not None:
-            if self.workers is None:
-                object.__setattr__(self, "workers", cluster.size)
-            nodes_given = self.nodes != 1
-            if not nodes_given:
-                object.__setattr__(self, "nodes", len(cluster.machines))
-            cluster.check_layout(cluster.size if self.workers is None else self.workers,
-                                 self.nodes, nodes_given=nodes_given)
+            workers, nodes = cluster.fit_layout(self.workers, self.nodes)
+            object.__setattr__(self, "workers", workers)
+            object.__setattr__(self, "nodes", nodes)
         if self.workers is None:
             object.__setattr__(self, "workers", 2 if get_strategy(self.strategy).distributed else 1)
         if self.optimizer not in OPTIMIZERS:

@@ -150,6 +150,15 @@ class Cluster:
         mb_s = self.intra_mb_s if a.machine_index == b.machine_index else self.inter_mb_s
         return mb_s * _MB
 
+    def fit_layout(self, workers: int | None, nodes: int) -> tuple[int, int]:
+        """``--workers`` and ``--nodes`` as a run on this cluster takes them: each left out
+        (None; ``nodes`` 1) is the cluster's, and ones that disagree with it are refused."""
+        nodes_given = nodes != 1
+        workers = self.size if workers is None else workers
+        nodes = nodes if nodes_given else len(self.machines)
+        self.check_layout(workers, nodes, nodes_given=nodes_given)
+        return workers, nodes
+
     def check_layout(self, workers: int, nodes: int, *, nodes_given: bool = True) -> None:
         """Refuse a launch layout that is not this cluster's machines and devices
         (``nodes_given``: whether the user passed ``nodes``, or it came from the cluster)."""

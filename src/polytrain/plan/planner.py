@@ -72,13 +72,10 @@ class Job:
         check_dataset(self.data)  # the prediction does not depend on it, but it must exist
         if self.devices is not None:
             cluster = parse_cluster(self.devices)
-            if self.workers is None:
-                object.__setattr__(self, "workers", cluster.size)
-            nodes_given = self.nodes != 1
-            if not nodes_given:
-                object.__setattr__(self, "nodes", len(cluster.machines))
-            cluster.check_layout(self.workers or cluster.size, self.nodes,
-                                 nodes_given=nodes_given)
+            workers, nodes = cluster.fit_layout(self.workers or None, self.nodes)
+            if self.workers != 0:  # --workers 0 is Layout's to refuse, below
+                object.__setattr__(self, "workers", workers)
+            object.__setattr__(self, "nodes", nodes)
         if self.workers is None:
             object.__setattr__(self, "workers", 2)
         assert self.workers is not None

@@ -178,7 +178,6 @@ class Parallax(ServedStrategy[ParallaxOptions]):
         net = super().evaluation_model(model)
         return None if net is None or self.rows is None else _Gathered(net, self.rows)
 
-
     # -- checkpoints ---------------------------------------------------------------------------
 
     def checkpoint_state(self) -> dict[str, Any]:
