@@ -76,13 +76,38 @@ def test_resume_equals_the_uninterrupted_run_bit_for_bit(strategy, workers, node
 
 
 @pytest.mark.timeout(180)
-def test_compressed_byteps_resumes_inside_its_warm_up_where_it_was():
+@pytest.mark.parametrize("options, at", [
     # The warm-up counted the steps synchronised since the process started: a resumed run
     # warmed up again, uncompressed where the uninterrupted run compressed (a review found it).
+    ({"compress": "fp16", "compress_warmup": 4}, 3),
+    # 1-bit Adam past its warm-up: the frozen variance (recomputed after a resume, its bias
+    # correction took the later step: 2x the step size), and error feedback's residuals on
+    # the workers and the servers.
+    ({"compress": "onebit", "error_feedback": True, "compress_adam": True,
+      "compress_warmup": 2}, 4),
+    # Random draws (workers' and servers' generators) and the workers' momentum.
+    pytest.param({"compress": "randomk:0.25", "error_feedback": True,
+                  "compress_momentum": 0.9}, 3, marks=pytest.mark.long),
+    # 1-bit Adam's own variances (a refresh at steps 1, 3 and 5, across the resume).
+    pytest.param({"compress": "onebit", "error_feedback": True, "compress_adam": True,
+                  "compress_warmup": 1, "compress_adam_refresh": 2}, 4,
+                 marks=pytest.mark.long),
+])
+def test_compressed_byteps_resumes_where_its_compression_was(options, at):
     config = TrainConfig(strategy="byteps", workers=2, nodes=2, servers=1, steps=6,
                          batch_size=8, lr=3e-3, optimizer="adam", model_options=TINY,
-                         strategy_options={"compress": "fp16", "compress_warmup": 4,
-                                           "compress_min_bytes": 0})
+                         strategy_options={**options, "compress_min_bytes": 0})
+    whole, final, again, final_again = stop_and_resume(config, at)
+    assert_equal_weights(final, final_again)
+    assert again["losses"] == whole["losses"] and len(again["losses"]) == 6
+
+
+@pytest.mark.timeout(180)
+def test_asynchronous_byteps_resumes_its_half_precision_error_feedback():
+    config = TrainConfig(strategy="byteps", workers=2, nodes=2, servers=1, steps=6,
+                         batch_size=8, lr=3e-3, optimizer="adam", model_options=TINY,
+                         strategy_options={"async_": True, "staleness": 0, "compress": "fp16",
+                                           "error_feedback": True, "compress_min_bytes": 0})
     whole, final, again, final_again = stop_and_resume(config, 3)
     assert_equal_weights(final, final_again)
     assert again["losses"] == whole["losses"] and len(again["losses"]) == 6

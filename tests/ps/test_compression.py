@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from polytrain import ConfigError
+from polytrain import CommError, ConfigError
 from polytrain.ps import STORES, Declaration, Kind, Op
 from polytrain.ps.compression import (
     Codec,
@@ -15,6 +15,7 @@ from polytrain.ps.compression import (
     unpack_bits,
 )
 from polytrain.ps.protocol import DTYPES, Request
+from polytrain.ps.stores import WHOLE_STATE
 
 N = 1001  # not a multiple of 8: the last byte of packed bits is padded
 
@@ -235,6 +236,34 @@ def test_nesterov_momentum_on_the_worker_is_the_reference_wrappers():
         assert torch.equal(codec.decode(codec.encode(g)), (g + 0.5 * m).half().float())
 
 
+@pytest.mark.parametrize("name", ["randomk:50", "dithering:4", "onebit"])
+def test_a_codecs_state_carries_its_residual_velocity_and_draws_to_another_codec(name):
+    # What a checkpoint holds of a codec: a codec loaded with it encodes the next steps as
+    # the first one does, bit for bit (randomk and dithering draw from the generator).
+    options = CompressOptions(compressor(name), error_feedback=True, momentum=0.9)
+    codec = Codec(options, N, seed=7)
+    fresh = Codec(options, N, seed=7)
+    assert fresh.state().numel() == Codec.state_bytes(N)
+    for step in range(3):
+        codec.encode(data(step))
+    copy = Codec(options, N, seed=7)
+    copy.load_state(codec.state())
+    for step in range(3, 6):
+        assert torch.equal(copy.encode(data(step)), codec.encode(data(step)))
+    # Without the state, the next payload differs (this test could fail).
+    assert not torch.equal(fresh.encode(data(6)), codec.encode(data(6)))
+    with pytest.raises(ConfigError, match=f"takes {Codec.state_bytes(N + 1)} bytes, not "
+                                          f"{Codec.state_bytes(N)} "):
+        Codec(options, N + 1).load_state(codec.state())
+
+
+def test_a_codec_with_no_residual_yet_keeps_none_through_its_state():
+    codec = Codec(CompressOptions(compressor("onebit"), error_feedback=True), N)
+    copy = Codec(CompressOptions(compressor("onebit"), error_feedback=True), N)
+    copy.load_state(codec.state())
+    assert copy.residual is None and copy.velocity is None
+
+
 @pytest.mark.parametrize("text, message", [
     ("topk:0", r"topk:0: K must be a count"), ("dithering:1", r"dithering:1: dithering takes "
                                                               r"S levels, 2 or more"),
@@ -303,3 +332,29 @@ def test_fused_tensors_bounds_cut_a_partition_into_segments():
     with pytest.raises(ConfigError, match=r"segments \[3, 3\] must be positive lengths that "
                                           r"add up to the payload's 7 elements"):
         Codec(CompressOptions(compressor("onebit")), 7, segments=(3, 3))
+
+
+def test_the_compressed_stores_codec_state_comes_back_with_a_set_of_its_size():
+    # A checkpoint reads the server's codec (its error feedback's residual and draws) with a
+    # GET of WHOLE_STATE and a resumed run's fresh server takes it back with a SET.
+    c = compressor("randomk:50")
+    decl = Declaration(key=1, kind=int(Kind.COMPRESSED), name="w", numel=c.nbytes(N),
+                       dtype="torch.uint8", pushers=1, pullers=1,
+                       options=CompressOptions(c, error_feedback=True).declaration(N))
+    out: list[torch.Tensor] = []
+    first = STORES[Kind.COMPRESSED](decl, lambda req, t: out.append(t.clone()))
+    for step in range(2):
+        first.handle(push(2, c.encode(data(step), torch.Generator().manual_seed(step))))
+    first.handle(Request(2, Op.GET, 1, WHOLE_STATE, 0, DTYPES[6], seq=9, lane=0))
+    state = out[-1]
+    assert state.numel() == Codec.state_bytes(N)
+    second = STORES[Kind.COMPRESSED](decl, lambda req, t: out.append(t.clone()))
+    second.handle(Request(2, Op.SET, 1, 0, state.numel(), DTYPES[6], seq=10, lane=0,
+                          payload=state))
+    nxt = c.encode(data(5), torch.Generator().manual_seed(5))
+    first.handle(push(2, nxt))
+    second.handle(push(2, nxt))
+    assert torch.equal(out[-1], out[-2])
+    with pytest.raises(CommError, match="a SET restores the codec's state"):
+        second.handle(Request(2, Op.SET, 1, 0, 3, DTYPES[6], seq=11, lane=0,
+                              payload=torch.zeros(3, dtype=torch.uint8)))

@@ -9,6 +9,10 @@ declaration fixes every size: ``numel`` is the payload's bytes (uint8) and
 ``options`` carry the compressor, the tensor's ``numel``, its ``segments``
 (the fused tensors' lengths, when it holds several) and the feedback flag,
 so a worker posts its receive before it pushes.
+
+A GET of round ``stores.WHOLE_STATE`` answers the codec's state (the error
+feedback's residual and the random compressors' generator: ``Codec.state``),
+and a SET of that size restores it, so a checkpoint carries it across a restart.
 """
 
 from __future__ import annotations
@@ -17,8 +21,8 @@ import torch
 
 from ..errors import CommError
 from .compression import Codec, CompressOptions, compressor
-from .protocol import Kind
-from .stores import Declaration, Respond, SumStore, register_store
+from .protocol import Kind, Op, Request
+from .stores import WHOLE_STATE, Declaration, Respond, SumStore, register_store
 
 __all__ = ["CompressedSumStore"]
 
@@ -40,6 +44,22 @@ class CompressedSumStore(SumStore):
         if self.codec.nbytes != decl.numel:
             raise CommError(f"server: {decl.describe()}: {codec.spec()} of {numel} elements "
                             f"takes {self.codec.nbytes} bytes, not {decl.numel}")
+
+    def handle(self, req: Request) -> None:
+        if req.op == Op.GET and req.round == WHOLE_STATE:
+            self.respond(req, self.codec.state())
+        elif req.op == Op.SET:
+            assert req.payload is not None
+            want = Codec.state_bytes(self.codec.numel)
+            if req.payload.numel() != want:
+                raise self.fail(req, f"a SET restores the codec's state ({want} bytes), not "
+                                     f"{req.payload.numel()} bytes")
+            if self.rounds:
+                raise self.fail(req, f"a SET of the codec's state came while rounds "
+                                     f"{sorted(self.rounds)} are in progress")
+            self.codec.load_state(req.payload)
+        else:
+            super().handle(req)
 
     def _sum(self, pushes: dict[tuple[int, int], torch.Tensor]) -> torch.Tensor:
         total = None

@@ -54,6 +54,9 @@ DEFAULT_ONEBIT_BLOCK = 128
 
 _F32 = torch.float32
 
+#: The bytes of a CPU generator's state (a random compressor's draws so far).
+_GENERATOR_BYTES = torch.Generator().get_state().numel()
+
 def _segments(numel: int, segments: tuple[int, ...] | None) -> tuple[int, ...]:
     """``segments`` checked against ``numel`` (None: the whole payload is one segment)."""
     if segments is None:
@@ -508,3 +511,35 @@ class Codec:
 
     def decode(self, payload: torch.Tensor) -> torch.Tensor:
         return self.options.compressor.decode(payload, self.numel, self.segments)
+
+    # -- what a checkpoint holds ---------------------------------------------------------------
+
+    @staticmethod
+    def state_bytes(numel: int) -> int:
+        """The bytes of :meth:`state` for a codec of ``numel`` elements."""
+        return 2 * (1 + 4 * numel) + _GENERATOR_BYTES
+
+    def state(self) -> torch.Tensor:
+        """What this codec carries from one step to the next, as one uint8 tensor (a server
+        answers it as a key's whole state): error feedback's residual and the momentum's
+        velocity (each a flag byte, then its float32 values, zeros where there is none yet),
+        then the random compressors' generator."""
+        parts = []
+        for t in (self.residual, self.velocity):
+            parts += [torch.tensor([t is not None], dtype=torch.uint8),
+                      _bytes_of(torch.zeros(self.numel, dtype=_F32) if t is None else t)]
+        return torch.cat([*parts, self.generator.get_state()])
+
+    def load_state(self, state: torch.Tensor) -> None:
+        """Carry on from :meth:`state`'s tensor (a codec of the same size)."""
+        want = self.state_bytes(self.numel)
+        if state.dtype != torch.uint8 or state.numel() != want:
+            raise ConfigError(f"a codec's state of {self.numel} elements takes {want} bytes, "
+                              f"not {state.numel()} {state.dtype}",
+                              "load the state of a codec of the same tensor")
+        at, n, kept = 0, 4 * self.numel, []
+        for _ in range(2):
+            kept.append(state[at + 1:at + 1 + n].clone().view(_F32) if state[at] else None)
+            at += 1 + n
+        self.residual, self.velocity = kept
+        self.generator.set_state(state[at:].clone())

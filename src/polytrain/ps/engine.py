@@ -51,7 +51,7 @@ from .compression import Codec, CompressOptions
 from .credit import CreditQueue
 from .placement import Placement, spread_handlers
 from .protocol import Kind, Op
-from .stores import Declaration
+from .stores import WHOLE_STATE, Declaration
 
 if TYPE_CHECKING:
     from ..runtime import Context
@@ -268,6 +268,51 @@ class Engine:
                 pushers=pushers, pullers=pushers,
                 options=packing.declaration(p.numel, segments)),
                 placement.owners[i])
+
+    # -- what compressed sums carry across steps (checkpoints) ---------------------------------
+
+    def _packed(self) -> list[_Part]:
+        return [p for t in self.tensors for p in t.parts if p.codec is not None]
+
+    def codec_states(self) -> dict[int, torch.Tensor]:
+        """By key, the state of the codecs this worker compresses with (its machine's
+        partitions it pushes: error feedback, momentum, random draws); between rounds."""
+        return {p.part.key: p.codec.state() for p in self._packed()
+                if p.handler == self.me and p.codec is not None}
+
+    def server_codec_states(self) -> dict[int, torch.Tensor]:
+        """By key, the servers' codec state of every compressed partition (their error
+        feedback and draws), read at once: one worker calls it, when every round is done."""
+        parts = self._packed()
+        outs = {p.part.key: torch.empty(Codec.state_bytes(p.part.numel), dtype=torch.uint8)
+                for p in parts}
+        Pending.all([self.client.get(p.owner, key=p.part.key, out=outs[p.part.key],
+                                     round=WHOLE_STATE) for p in parts]).wait()
+        return outs
+
+    def codecs_fit(self, mine: dict[int, torch.Tensor],
+                   servers: dict[int, torch.Tensor] | None = None) -> bool:
+        """Whether :meth:`codec_states` (and :meth:`server_codec_states`) of a run fit this
+        one's partitions: the same keys, of the same sizes."""
+        parts = self._packed()
+        want = {p.part.key: Codec.state_bytes(p.part.numel) for p in parts}
+        mine_want = {p.part.key: want[p.part.key] for p in parts if p.handler == self.me}
+        def sizes(states: dict[int, torch.Tensor]) -> dict[int, int]:
+            return {int(k): v.numel() for k, v in states.items()}
+        return sizes(mine) == mine_want and (servers is None or sizes(servers) == want)
+
+    def restore_codecs(self, mine: dict[int, torch.Tensor],
+                       servers: dict[int, torch.Tensor] | None = None) -> None:
+        """Carry on from :meth:`codec_states` (and, from one worker, :meth:`server_codec_states`:
+        set on the servers and waited for, so a barrier after it orders every worker's
+        pushes after them), that :meth:`codecs_fit`; before the first round."""
+        parts = self._packed()
+        for p in parts:
+            if p.handler == self.me and p.codec is not None:
+                p.codec.load_state(mine[p.part.key])
+        if servers is not None:
+            Pending.all([self.client.set(p.owner, key=p.part.key, tensor=servers[p.part.key])
+                         for p in parts]).wait()
 
     def _start(self) -> None:
         if self._threads:

@@ -77,8 +77,8 @@ class GradientSync:
             (None: uncompressed; see :meth:`Engine.sums`).
         warmup: the first ``warmup`` steps of this object send the compressed buckets
             through keys of their own (1-bit Adam's warm-up; default 0), uncompressed or
-            as ``warmup_compression`` says. Counted from this object's first step: a
-            resumed run warms up again.
+            as ``warmup_compression`` says. Counted by :attr:`synced` (a resumed run
+            sets it to carry on where the warm-up was).
         warmup_compression: per bucket, how the compressed buckets travel during the
             warm-up (as ``compression``; None: uncompressed, the default).
         averaging: declare uncompressed keys of their own for the compressed buckets, for

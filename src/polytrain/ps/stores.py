@@ -26,7 +26,8 @@ __all__ = ["Declaration", "Store", "SumStore", "ParamStore", "OptimizerStore", "
            "WHOLE_STATE", "optimizer_state_numel", "register_store", "store_name",
            "applied_waiting", "pushes_of", "pusher_name"]
 
-#: The round of a GET that asks an optimizer store for its whole state (see OptimizerStore).
+#: The round of a GET that asks a store for its whole state (see OptimizerStore, and the
+#: compressed sum store: ps/compressed.py).
 WHOLE_STATE = -1
 
 Respond = Callable[[Request, torch.Tensor], None]

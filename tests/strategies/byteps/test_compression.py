@@ -9,7 +9,7 @@ import polytrain
 import polytrain.byteps as bps
 from polytrain import ConfigError, TrainConfig
 from polytrain.ps.compression import CompressOptions, compressor
-from polytrain.strategies.byteps.optimizer import _OneBitAdam
+from polytrain.strategies.byteps.optimizer import FROZEN_VARIANCE, _OneBitAdam
 from tests.harness import max_abs_diff, run_cached, run_config, single_of, spawn
 
 TINY = {"seq_len": 16, "d_model": 64, "layers": 2}
@@ -188,16 +188,16 @@ def test_one_bit_adam_renews_the_frozen_variance_from_the_workers_own_variances(
             adam.step()
         if step == 2:                             # the first freeze: both workers' mean
             at_2 = ((mine + other[0]) / 2 / (1 - 0.99 ** 3)).sqrt() + 1e-8
-            assert torch.allclose(onebit.frozen[id(params[0])], at_2[:3])
-            assert onebit.frozen[id(params[1])][4] == float("inf")  # variance 0: no step
+            assert torch.allclose(adam.state[params[0]][FROZEN_VARIANCE], at_2[:3])
+            assert adam.state[params[1]][FROZEN_VARIANCE][4] == float("inf")  # variance 0: no step
             assert params[1][4] == before[1][4]
             # Adam's state carries it, as of its step count (3 after this step).
             assert torch.allclose(adam.state[params[0]]["exp_avg_sq"],
                                   (at_2[:3] - 1e-8) ** 2 * (1 - 0.99 ** 3))
     assert torch.allclose(onebit.local_v[0], mine)   # the EMA of this worker's g^2
     want = ((mine + other[0]) / 2 / (1 - 0.99 ** 7)).sqrt() + 1e-8
-    assert torch.allclose(onebit.frozen[id(params[0])], want[:3])
-    assert torch.allclose(onebit.frozen[id(params[1])], want[3:])
+    assert torch.allclose(adam.state[params[0]][FROZEN_VARIANCE], want[:3])
+    assert torch.allclose(adam.state[params[1]][FROZEN_VARIANCE], want[3:])
     # Step 6's update already divides by the renewed variance.
     assert torch.allclose(params[1].detach(), before[1] - 0.01 * pushed[1] / want[3:])
 

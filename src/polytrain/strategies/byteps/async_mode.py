@@ -148,5 +148,26 @@ class AsyncOptimizer(WrappedOptimizer):
         """Continue from a checkpoint's clock (before the first step; the servers are fresh)."""
         self.clock = self.base = clock
 
+    def carried(self) -> dict[str, Any]:
+        """For a checkpoint: the clock, and by key the state of this worker's codecs (fp16's
+        error feedback and momentum)."""
+        return {"clock": self.clock, "codecs": {p.key: c.state() for p, c in zip(
+            self.placement.partitions, self._codecs) if c is not None}}
+
+    def carry_on(self, state: Mapping[str, Any]) -> bool:
+        """Go on from :meth:`carried` (before the first step). False, with only the clock
+        restored, where the saved codecs do not fit this run's partitions."""
+        self.resume_at(int(state["clock"]))
+        saved = state.get("codecs")
+        ours = {p.key: c for p, c in zip(self.placement.partitions, self._codecs)
+                if c is not None}
+        fits = saved is not None and {int(k): v.numel() for k, v in saved.items()} == {
+            k: Codec.state_bytes(c.numel) for k, c in ours.items()}
+        if fits:
+            assert saved is not None
+            for k, c in ours.items():
+                c.load_state(saved[k])
+        return fits
+
     def __repr__(self) -> str:
         return f"byteps.AsyncOptimizer({self.optimizer!r}, staleness={self.staleness})"

@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any, Callable, Iterable, Mapping, Sequence, Union
 
 import torch
+import torch.distributed as dist
 
 from ...comm.bucket import Bucket, buckets_of, plan_buckets
 from ...comm.partition import DEFAULT_PARTITION_BYTES, TensorSpec
@@ -17,7 +18,8 @@ from .options import DEFAULT_FUSE_BYTES, check_refresh
 from .plan import Plan, plan_for
 
 __all__ = ["DistributedOptimizer", "WrappedOptimizer", "named_params_of", "Choice",
-           "tensor_compression", "warmup_compression", "fused_buckets", "gradient_sync"]
+           "tensor_compression", "warmup_compression", "fused_buckets", "gradient_sync",
+           "FROZEN_VARIANCE"]
 
 #: A compressor, its name (``"topk:0.01"``), or None / ``"none"``: uncompressed.
 Choice = Union[Compressor, str, None]
@@ -251,7 +253,47 @@ class DistributedOptimizer(WrappedOptimizer):
         if compressing:
             assert self.compress_adam is not None
             return self.compress_adam.step(closure)
+        if self.compress_adam is not None:
+            self.compress_adam.thaw()
         return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+
+    def carried(self) -> dict[str, Any]:
+        """What the compression carries from one step to the next, for a checkpoint (between
+        steps; worker 0 reads the servers'): the steps synchronised (where the warm-up
+        stands), this worker's codecs and, on worker 0, the servers' (error feedback,
+        momentum, random draws), and 1-bit Adam's own variance of the gradients (with a
+        refresh). 1-bit Adam's frozen variance is in Adam's state."""
+        engine = self.engine
+        out: dict[str, Any] = {"synced": self.sync.synced, "codecs": engine.codec_states()}
+        if engine.ctx.worker_index == 0:
+            out["server_codecs"] = engine.server_codec_states()
+        if self.compress_adam is not None:
+            out["local_variance"] = [v.cpu().clone() for v in self.compress_adam.local_v]
+        return out
+
+    def carry_on(self, state: Mapping[str, Any]) -> bool:
+        """Go on from :meth:`carried` (collective over the workers, before the first step).
+        False, with nothing but the warm-up's count restored, where the saved codecs do not
+        fit this run's partitions (another layout, or a checkpoint without them)."""
+        self.sync.synced = int(state["synced"])
+        engine, ctx = self.engine, self.engine.ctx
+        mine, servers = state.get("codecs"), state.get("server_codecs")
+        saved_v = list(state.get("local_variance", []))
+        ours = self.compress_adam.local_v if self.compress_adam is not None else []
+        fits = (mine is not None and engine.codecs_fit(mine, servers)
+                and [v.shape for v in saved_v] == [v.shape for v in ours])
+        if ctx.num_workers > 1:  # all or none: the servers' state goes with the workers'
+            flag = torch.tensor([int(fits)])
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=ctx.groups.workers)
+            fits = bool(flag.item())
+        if fits:
+            assert mine is not None
+            engine.restore_codecs(mine, servers)
+            for v, saved in zip(ours, saved_v):
+                v.copy_(saved)
+        if ctx.num_workers > 1:  # no worker pushes before the servers' codecs are set
+            dist.barrier(group=ctx.groups.workers)
+        return fits
 
     def close(self) -> None:
         """Remove the gradient hooks."""
@@ -284,7 +326,9 @@ class _OneBitAdam:
     Reads and keeps Adam's own state: ``exp_avg`` holds the average momentum
     pulled each step (so checkpoints and the warm-up's momentum carry over),
     ``exp_avg_sq`` and ``step`` go on as Adam's; the frozen variance is taken
-    from them at the first compressed step.
+    from them at the first compressed step and kept there too, as
+    ``FROZEN_VARIANCE`` (so a checkpoint carries it: recomputed after a resume,
+    its bias correction would use the later step).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, sync: GradientSync,
@@ -300,7 +344,6 @@ class _OneBitAdam:
         self.sync = sync
         packed = {m for b in sync.packed for m in sync.buckets[b].members}
         self.packed = [p if i in packed else None for i, p in enumerate(sync.params)]
-        self.frozen: dict[int, torch.Tensor] = {}  # id(param) -> sqrt(v hat) + eps
         self.group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
         #: With ``refresh`` F: every step, each worker's own variance of its gradients, one
         #: flat buffer per compressed bucket; averaged over the workers at steps W, W + F^k.
@@ -351,16 +394,16 @@ class _OneBitAdam:
             if p is None:
                 continue
             group, state = self.group_of[id(p)], self.optimizer.state[p]
-            if id(p) not in self.frozen:
+            frozen = state.get(FROZEN_VARIANCE)
+            if frozen is None:
                 _, beta2 = group["betas"]
-                self.frozen[id(p)] = _frozen(state["exp_avg_sq"] / (1 - beta2 ** float(
-                    state["step"])), group["eps"])
+                frozen = state[FROZEN_VARIANCE] = _frozen(state["exp_avg_sq"] / (
+                    1 - beta2 ** float(state["step"])), group["eps"])
             assert p.grad is not None
             state["exp_avg"].copy_(p.grad)
             state["step"] += 1
             lr = group["lr"]
-            p.addcdiv_(p.grad, self.frozen[id(p)], value=-(lr.item() if torch.is_tensor(lr)
-                                                             else lr))
+            p.addcdiv_(p.grad, frozen, value=-(lr.item() if torch.is_tensor(lr) else lr))
             held.append((p, p.grad))
             p.grad = None  # Adam skips it
         try:
@@ -369,6 +412,13 @@ class _OneBitAdam:
             for p, g in held:
                 p.grad = g
         return loss
+
+    def thaw(self) -> None:
+        """An exact Adam step (the warm-up's): the variance is frozen again after it (a run
+        resumed on another layout warms up again, on a checkpoint's frozen variance)."""
+        for p in self.packed:
+            if p is not None and (state := self.optimizer.state.get(p)):
+                state.pop(FROZEN_VARIANCE, None)
 
     def refreshing(self) -> bool:
         """Whether the step just synchronised is one at which the variance is frozen anew:
@@ -395,10 +445,14 @@ class _OneBitAdam:
             beta2 = group["betas"][1]
             v_hat = means[j][off:off + p.numel()].view(p.shape).to(p.device, p.dtype) / (
                 1 - beta2 ** seen)
-            self.frozen[id(p)] = _frozen(v_hat, group["eps"])
+            state[FROZEN_VARIANCE] = _frozen(v_hat, group["eps"])
             # Adam's own state holds it too (as of this step's count), so that a checkpoint
             # carries a variance, for plain Adam or a warm-up after resuming.
             state["exp_avg_sq"].copy_(v_hat * (1 - beta2 ** (float(state["step"]) + 1)))
+
+
+#: The key of 1-bit Adam's frozen variance (``sqrt(v hat) + eps``) in Adam's per-parameter state.
+FROZEN_VARIANCE = "onebit_frozen_variance"
 
 
 def _frozen(v_hat: torch.Tensor, eps: float) -> torch.Tensor:

@@ -111,7 +111,7 @@ class BytePS(ServedStrategy[BytePSOptions]):
                 f"on {layout.workers}: each worker's optimizer state and clock are its own",
                 f"resume with --workers {saved['workers']}")
         # Synchronous: every worker holds the whole model and optimizer state, and the
-        # servers only sum (nothing kept across steps): any layout resumes.
+        # servers only sum: any layout resumes (compression's state only on the same one).
 
     def load_model_state(self, model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
         super().load_model_state(model, state)
@@ -119,30 +119,34 @@ class BytePS(ServedStrategy[BytePSOptions]):
             self.optimizer.install()  # the servers hold the parameters
 
     def checkpoint_state(self) -> dict[str, Any]:
-        if isinstance(self.optimizer, AsyncOptimizer):
-            return {"clock": self.optimizer.clock}
-        if isinstance(self.optimizer, DistributedOptimizer):
-            # The steps synchronised: where the compression's warm-up (and 1-bit Adam's
-            # switch) stands.
-            return {"synced": self.optimizer.sync.synced}
+        # Asynchronous: the clock; synchronous: the steps synchronised (where the warm-up
+        # and 1-bit Adam's switch stand). Both: what the compression carries across steps.
+        if isinstance(self.optimizer, (AsyncOptimizer, DistributedOptimizer)):
+            return self.optimizer.carried()
         return {}
 
     def load_checkpoint_state(self, state: Mapping[str, Any]) -> None:
+        # Empty: a checkpoint of another worker count (synchronous only: asynchronous refuses).
+        restored = False
         if isinstance(self.optimizer, AsyncOptimizer) and "clock" in state:
-            self.optimizer.resume_at(int(state["clock"]))
-        if isinstance(self.optimizer, DistributedOptimizer) and "synced" in state:
-            self.optimizer.sync.synced = int(state["synced"])
-            opts, codec = self.options, compressor(self.options.compress)
-            fresh = [what for what, on in (
-                ("error feedback's residuals", opts.error_feedback),
-                ("the compression's momentum", opts.compress_momentum),
-                (f"{opts.compress}'s random draws", codec is not None and not codec.deterministic),
-                ("1-bit Adam's frozen variance", opts.compress_adam)) if on]
-            if fresh and self.ctx is not None and self.ctx.worker_index == 0:
-                log.warning("resumed with compressed gradients: the warm-up goes on where it "
-                            "was, but %s start afresh (no checkpoint holds them, on the "
-                            "workers or the servers), so this run is close to, not bit-equal "
-                            "with, the uninterrupted one", ", ".join(fresh))
+            restored = self.optimizer.carry_on(state)
+        elif isinstance(self.optimizer, DistributedOptimizer) and "synced" in state:
+            restored = self.optimizer.carry_on(state)
+        fresh = [] if restored else self._carried_across_steps(warm_up=not state)
+        if fresh and self.ctx is not None and self.ctx.worker_index == 0:
+            log.warning("resumed with compressed gradients from a checkpoint of another layout "
+                        "(or an older one): %s start afresh, so this run is close to, not "
+                        "bit-equal with, the uninterrupted one", ", ".join(fresh))
+
+    def _carried_across_steps(self, *, warm_up: bool) -> list[str]:
+        """What the compression options carry from step to step, in words."""
+        opts, codec = self.options, compressor(self.options.compress)
+        return [what for what, on in (
+            ("the warm-up", warm_up and opts.compress_warmup > 0 and not opts.async_),
+            ("error feedback's residuals", opts.error_feedback),
+            ("the compression's momentum", opts.compress_momentum),
+            (f"{opts.compress}'s random draws", codec is not None and not codec.deterministic),
+            ("1-bit Adam's own variances", opts.compress_adam_refresh > 0)) if on]
 
     def close(self) -> None:
         if self.optimizer is not None:
