@@ -1,11 +1,14 @@
 """``--strategy moe``: expert parallelism ends where ``--strategy single --model gpt-moe`` ends."""
 
 import pytest
+import torch
+from torch import nn
 
+import polytrain
 from polytrain import TrainConfig
 from polytrain.cli import main
 from polytrain.strategies.moe import place_experts
-from tests.harness import adam_tolerance, max_abs_diff, run_config, single_of
+from tests.harness import adam_tolerance, max_abs_diff, run_config, single_of, spawn
 
 STEPS = 5
 MODEL = {"seq_len": 16, "d_model": 32, "layers": 2, "experts": 4}
@@ -119,3 +122,76 @@ def test_data_parallel_strategies_route_moe_gates_over_the_global_batch(strategy
     _, single = run_config(single_of(config))
     _, distributed = run_config(config)
     assert max_abs_diff(single, distributed) < 1e-5
+
+
+class _Tiny(nn.Module):
+    """A linear layer and an MoE layer; ``pair``: the output is ``(y, None)``."""
+
+    def __init__(self, pair: bool = False) -> None:
+        super().__init__()
+        from polytrain.moe import MoE
+        self.pair = pair
+        self.inp = nn.Linear(8, 8)
+        self.moe = MoE(8, 4, top_k=2, gate="naive", d_hidden=16)
+
+    def forward(self, x: torch.Tensor) -> object:
+        y = self.moe(self.inp(x))
+        return (y, None) if self.pair else y
+
+
+def accumulation_script(expert_parallel: int | None) -> dict[str, bool]:
+    """Gradients of ways to call backward that one process treats alike, compared."""
+    ctx = polytrain.init()
+    options = {} if expert_parallel is None else {"expert_parallel": expert_parallel}
+
+    def made(pair: bool = False) -> nn.Module:
+        torch.manual_seed(0)
+        inner = _Tiny(pair)
+        model, _ = polytrain.distribute(inner, torch.optim.SGD(inner.parameters(), lr=0.1),
+                                        strategy="moe", **options)
+        return model
+
+    gen = torch.Generator().manual_seed(1)
+    x1, x2 = (polytrain.shard(torch.randn(16, 8, generator=gen), ctx.worker_index,
+                              ctx.num_workers) for _ in range(2))
+
+    def grads(model: nn.Module, *steps: tuple) -> dict[str, torch.Tensor]:
+        model.zero_grad()
+        for step in steps:
+            step(model)
+        return {n: q.grad.clone() for n, q in model.named_parameters() if q.grad is not None}
+
+    def loss(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        out = m(x)
+        return (out[0] if isinstance(out, tuple) else out).pow(2).mean()
+
+    model = made()
+    one = grads(model, lambda m: loss(m, x1).backward())
+    twice = grads(model, lambda m: loss(m, x1).backward(), lambda m: loss(m, x1).backward())
+    apart = grads(model, lambda m: loss(m, x1).backward(), lambda m: loss(m, x2).backward())
+
+    def interleaved(m: nn.Module) -> None:  # forward, forward, backward, backward
+        a, b = loss(m, x1), loss(m, x2)
+        a.backward()
+        b.backward()
+    together = grads(model, interleaved)
+    paired = grads(made(pair=True), lambda m: loss(m, x1).backward())
+    return {"names": sorted(one) == sorted(twice) == sorted(together) == sorted(paired),
+            "twice": all(torch.equal(twice[n], 2 * one[n]) for n in one),
+            "interleaved": all(torch.equal(together[n], apart[n]) for n in apart),
+            "pair": all(torch.equal(paired[n], one[n]) for n in one)}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("workers, nodes, expert_parallel", [
+    (2, 1, None),
+    pytest.param(4, 2, 2, marks=pytest.mark.long),  # expert replicas summed over a group
+])
+def test_gradients_accumulate_over_backwards_whatever_the_model_returns(workers, nodes,
+                                                                        expert_parallel):
+    # Each backward divided every expert gradient held so far by W again (two backwards
+    # gave 1.5x one's, not 2x); a second forward before the first backward, or a model
+    # returning a tuple, left the backward unsynchronised (a review found both).
+    results = spawn(accumulation_script, workers=workers, nodes=nodes, args=(expert_parallel,))
+    want = {"names": True, "twice": True, "interleaved": True, "pair": True}
+    assert results == [want] * workers

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -68,29 +69,27 @@ def place_experts(workers: Sequence[int], expert_parallel: int) -> ExpertPlaceme
 
 
 class _SyncAfterBackward(nn.Module):
-    """The model, plus one gradient synchronisation at the end of every backward pass."""
+    """The model, plus one gradient synchronisation at the end of every backward pass.
+
+    Every trainable parameter has a hook on the gradient coming into it. The first hook
+    of a backward queues :meth:`ExpertParallel.sync_gradients` for when the backward ends
+    (every gradient in place, the auxiliary losses' too), whatever the model returns and
+    however forwards and backwards interleave. Each hook also sets aside the gradient its
+    parameter holds from an earlier backward (already synchronised), so a backward
+    reduces only its own gradients, which are then added to it: accumulation over
+    several backwards sums their averages, as one process sums (before, expert
+    gradients were divided by W again at every backward).
+    """
 
     def __init__(self, module: nn.Module, strategy: ExpertParallel) -> None:
         super().__init__()
         self.module = module
         object.__setattr__(self, "_strategy", strategy)
-        self._queued = False
+        self._handles = [q.register_hook(functools.partial(strategy.arrived, q))
+                         for q in module.parameters() if q.requires_grad]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        out = self.module(*args, **kwargs)
-        if torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad:
-            self._queued = False
-            out.register_hook(self._queue)
-        return out
-
-    def _queue(self, grad: torch.Tensor) -> torch.Tensor:
-        # Runs when backward reaches the output; the callback runs when backward ends,
-        # when every gradient (the auxiliary losses' too) is in place.
-        if not self._queued:
-            self._queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(
-                self.__dict__["_strategy"].sync_gradients)
-        return grad
+        return self.module(*args, **kwargs)
 
 
 @register
@@ -173,17 +172,39 @@ class ExpertParallel(Strategy[MoEOptions]):
         expert_ids = {id(q) for q in kept}
         self.expert_params = [q for q in model.parameters() if id(q) in expert_ids]
         self.dense_params = [q for q in model.parameters() if id(q) not in expert_ids]
+        self._queued = False  # the synchronisation is queued for this backward's end
+        self._held: dict[int, torch.Tensor | None] = {}  # id -> earlier backwards' gradient
         return _SyncAfterBackward(model, self), optimizer
+
+    def arrived(self, q: nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
+        """``q``'s hook: a backward's gradient comes in (see :class:`_SyncAfterBackward`)."""
+        if not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.sync_gradients)
+        if id(q) not in self._held:
+            self._held[id(q)] = q.grad
+            q.grad = None
+        return grad
 
     @torch.no_grad()
     def sync_gradients(self) -> None:
-        """Average dense gradients over all workers, expert gradients over their replicas."""
+        """This backward's gradients: dense ones averaged over all workers, expert ones over
+        their replicas; then added to what each parameter held before it."""
         ctx = self.ctx
         assert ctx is not None
+        held, self._held, self._queued = self._held, {}, False
+        for q in self.dense_params + self.expert_params:  # no gradient came: only the held
+            if id(q) not in held:
+                held[id(q)] = q.grad
+                q.grad = None
         w = ctx.num_workers
         self._reduce(self.dense_params, ctx.groups.workers if w > 1 else None,
                      ctx.topology.workers, w)
         self._reduce(self.expert_params, self.replica_group, self.replica_ranks, w)
+        for q in self.dense_params + self.expert_params:
+            before = held[id(q)]
+            if before is not None:
+                q.grad = before if q.grad is None else before.add_(q.grad)
 
     def _reduce(self, params: list[nn.Parameter], group: Any, ranks: Sequence[int],
                 divisor: int) -> None:
