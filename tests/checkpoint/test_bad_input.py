@@ -141,6 +141,13 @@ def test_hetpipe_refuses_a_checkpoint_of_another_policy_or_machines():
         cls.check_resume(saved, Layout(workers=4, nodes=2), make_options(cls, {"policy": "np"}))
     with pytest.raises(ConfigError, match=r"as --policy hd on 1"):
         cls.check_resume(saved, Layout(workers=4, nodes=1), make_options(cls, {}))
+    # The optimizer's state is the servers' with the servers' optimizer and the stages'
+    # without: switching started it afresh, silently (a review found it).
+    with pytest.raises(ConfigError, match=r"resumes a checkpoint's optimizer state only with "
+                                          r"the options that made them \(--server-optimizer "
+                                          r"True there, False here\)"):
+        cls.check_resume(saved, Layout(workers=4, nodes=2),
+                         make_options(cls, {"server_optimizer": False}))
 
 
 @pytest.mark.timeout(120)

@@ -49,7 +49,8 @@ def test_spec_file(tmp_path):
     ("m0:quick*2", r"unknown device type 'quick'; the types are: fast, mid, slow.*HINT: define"),
     ("m0:fast*2,m0:slow", r"machine 'm0' appears twice"),
     ("m0 fast", r"cannot read 'm0 fast'.*HINT: write machines as NAME:TYPE\*COUNT"),
-    ("x=0/10,m0:x", r"needs a positive rate"),
+    ("x=0/10,m0:x", r"needs a positive, finite rate"),
+    ("x=8/1e999,m0:x", r"needs a positive, finite rate and memory \(got 8.0 GFLOP/s, inf MiB"),
     ("", r"at least one machine"),
 ])
 def test_bad_specs_are_refused_with_a_hint(spec, message):

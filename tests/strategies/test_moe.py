@@ -66,6 +66,8 @@ def test_placement_groups_consecutive_workers():
     (["--model", "gpt-moe", "--top-k", "9"],
      r"top_k \(--top-k\) must be between 1 and the number of experts 8 \(got 9\)"),
     (["--model", "gpt-moe", "--gate", "hash"], r"invalid choice: 'hash'"),
+    (["--model", "gpt-moe", "--capacity-factor", "inf"],  # was OverflowError at step 1
+     r"capacity_factor \(--capacity-factor\) must be positive and finite \(got inf\)"),
 ])
 def test_bad_moe_input_gets_one_clear_line(args, message, capsys):
     import re

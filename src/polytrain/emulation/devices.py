@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,8 +39,8 @@ class DeviceType:
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_\-]*", self.name):
             raise ConfigError(f"device type name {self.name!r} is not a plain name",
                               "use letters, digits, '_' or '-', starting with a letter")
-        if not self.gflops > 0 or not self.memory_mb > 0:
-            raise ConfigError(f"device type {self.name!r} needs a positive rate and memory "
+        if not 0 < self.gflops < math.inf or not 0 < self.memory_mb < math.inf:
+            raise ConfigError(f"device type {self.name!r} needs a positive, finite rate and memory "
                               f"(got {self.gflops} GFLOP/s, {self.memory_mb} MiB)",
                               f"define it as {self.name}=GFLOPS/MEMORY_MIB, e.g. "
                               f"{self.name}=3/1024")

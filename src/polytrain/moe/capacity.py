@@ -28,9 +28,9 @@ __all__ = ["expert_capacity", "allowance", "keep_mask", "check_factor"]
 
 
 def check_factor(factor: float | None, name: str = "capacity_factor") -> None:
-    if factor is not None and not factor > 0:
+    if factor is not None and not 0 < factor < math.inf:
         flag = f" (--{name.replace('_', '-')})" if name == "capacity_factor" else ""
-        raise ConfigError(f"{name}{flag} must be positive (got {factor})",
+        raise ConfigError(f"{name}{flag} must be positive and finite (got {factor})",
                           f"pass {name}=1.25, or None for no capacity limit")
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import weakref
 from abc import ABC, abstractmethod
-from typing import Any, Callable, ClassVar, Generic, Mapping, TypeVar, overload
+from typing import Any, Callable, ClassVar, Generic, Iterable, Mapping, TypeVar, overload
 
 import torch
 import torch.distributed as dist
@@ -252,6 +252,20 @@ class Strategy(ABC, Generic[OptionsT]):
                 f"strategy {cls.name!r} cannot resume a checkpoint of {saved['workers']} "
                 f"workers on {layout.workers}: each worker's state belongs to its place in "
                 f"the layout", f"resume with --workers {saved['workers']}")
+
+    @classmethod
+    def refuse_other_options(cls, saved: Mapping[str, Any], options: OptionsT,
+                             names: Iterable[str], what: str) -> None:
+        """Refuse a resume whose options ``names`` differ from the checkpoint's run's
+        (``what``: the state those options made, which the checkpoint holds)."""
+        theirs = make_options(cls, dict(saved.get("strategy_options") or {}))
+        differ = [n for n in names if getattr(theirs, n) != getattr(options, n)]
+        if differ:
+            said = ", ".join(f"--{n.replace('_', '-')} {getattr(theirs, n)} there, "
+                             f"{getattr(options, n)} here" for n in differ)
+            raise ConfigError(f"strategy {cls.name!r} resumes {what} only with the options "
+                              f"that made them ({said})",
+                              f"resume with the checkpoint's {cls.name} options")
 
     def parameter_names(self, model: nn.Module) -> dict[str, nn.Parameter]:
         """The parameters this worker holds, by their names in the plain model's

@@ -175,6 +175,10 @@ class HetPipe(Strategy[HetPipeOptions]):
                               f"{layout.nodes}: each worker's state is its stage of its virtual "
                               f"worker, and they would be cut otherwise",
                               f"resume with --policy {policy} --nodes {nodes}")
+        # The optimizer's state is the servers' with it and the stages' without: a resume
+        # that switched would start the optimizer afresh.
+        cls.refuse_other_options(saved, options, ["server_optimizer"],
+                                 "a checkpoint's optimizer state")
 
     @classmethod
     def check_devices(cls, cluster: Any, profile: Callable[[], ModelProfile], layout: Layout,

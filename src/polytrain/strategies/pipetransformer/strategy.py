@@ -39,7 +39,7 @@ from ...pipeline.stage import Stage
 from ...pipeline.sync import SyncPipeline
 from ...runtime import Context
 from ...tensors import host_copy, host_state
-from ..base import LossFn, Strategy, make_options, register
+from ..base import LossFn, Strategy, register
 from .options import PipeTransformerOptions
 
 __all__ = ["PipeTransformer"]
@@ -108,16 +108,9 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
                               f"{saved['nodes']} machines on {layout.nodes}: its pipelines' "
                               f"stages belong to their machines",
                               f"resume with --nodes {saved['nodes']}")
-        theirs = make_options(cls, dict(saved.get("strategy_options") or {}))
-        differ = [f.name for f in dataclasses.fields(options)
-                  if f.name not in cls._FREE_ON_RESUME
-                  and getattr(theirs, f.name) != getattr(options, f.name)]
-        if differ:
-            said = ", ".join(f"--{n.replace('_', '-')} {getattr(theirs, n)} there, "
-                             f"{getattr(options, n)} here" for n in differ)
-            raise ConfigError(f"strategy 'pipetransformer' resumes a checkpoint's plan and "
-                              f"freeze timeline only with the options that made them ({said})",
-                              "resume with the checkpoint's pipetransformer options")
+        cls.refuse_other_options(saved, options, [
+            f.name for f in dataclasses.fields(options) if f.name not in cls._FREE_ON_RESUME],
+            "a checkpoint's plan and freeze timeline")
 
     @classmethod
     def replicas(cls, layout: Layout, options: PipeTransformerOptions) -> int:
