@@ -62,6 +62,24 @@ def test_the_pipeline_halves_and_replicas_double_when_half_the_stages_hold_it(pr
     assert (odd.stages, odd.replicas) == (4, 2)
 
 
+def test_a_pipeline_that_cannot_halve_far_enough_freezes_fewer_layers(profile):
+    # AutoFreeze may freeze all but the last layer, and a pipeline of 3 stages (odd), or
+    # one whose batch does not split over twice the replicas, could not shrink below its
+    # trained layers: the run stopped at a freeze point, on every worker (a review found it).
+    first = plan_pipe(profile, step=0, frozen=0, stages=3, replicas=1, global_batch=12)
+    odd = plan_pipe(profile, step=10, frozen=7, stages=3, replicas=1, global_batch=12,
+                    previous=first)
+    assert (odd.frozen, odd.stages) == (5, 3)  # 8 layers: 3 train, one a stage
+    first = plan_pipe(profile, step=0, frozen=0, stages=4, replicas=1, global_batch=2)
+    short = plan_pipe(profile, step=10, frozen=7, stages=4, replicas=1, global_batch=2,
+                      previous=first)
+    assert (short.frozen, short.stages, short.replicas) == (6, 2, 2)
+    # Never fewer than before.
+    again = plan_pipe(profile, step=20, frozen=7, stages=2, replicas=2, global_batch=2,
+                      previous=short)
+    assert again.frozen == 6
+
+
 def test_freeze_only_keeps_the_cuts(profile):
     first = plan_pipe(profile, step=0, frozen=0, stages=4, replicas=2, global_batch=32)
     plan = plan_pipe(profile, step=10, frozen=3, stages=4, replicas=2, global_batch=32,

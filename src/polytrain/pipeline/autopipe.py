@@ -179,36 +179,47 @@ def plan_pipe(profile: ModelProfile, *, step: int, frozen: int, stages: int, rep
     for the step to be no slower; without, the freed workers idle. With ``cached`` the
     frozen front costs nothing (AutoCache serves it in steady state). Every stage must fit
     ``memory`` bytes (a device's; ``state_factor``: optimizer state per weight). A first
-    plan (no ``previous``) keeps ``stages``.
+    plan (no ``previous``) keeps ``stages``. With ``autopipe``, fewer layers than
+    ``frozen`` freeze where the trained ones could not fill the fewest stages the
+    pipeline can halve to (the plan's ``frozen`` says how many did).
 
     Raises:
-        ConfigError: every layer frozen, no cut of the first plan fits memory, or too few
-            trained layers even at one stage.
+        ConfigError: every layer frozen, no cut of the first plan fits memory, or no cut
+            of the trained layers fits memory.
     """
     names = profile.names
     if frozen >= len(names):
         raise ConfigError(f"{frozen} of the model's {len(names)} layers cannot all freeze",
                           "the last layer always trains")
     k, r = stages, replicas
+
+    def halvable(k: int, r: int) -> bool:
+        return k > 1 and k % 2 == 0 and (not autodp or global_batch % (2 * r) == 0)
+
+    if previous is not None and autopipe:
+        # Every stage trains a layer at least: with fewer trained layers than the fewest
+        # stages the pipeline can halve to (an odd K, or a batch that does not split over
+        # twice the replicas), freeze fewer (never fewer than before).
+        fewest, rr = k, r
+        while halvable(fewest, rr):
+            fewest, rr = fewest // 2, rr * 2 if autodp else rr
+        frozen = max(previous.frozen, min(frozen, len(names) - fewest))
     job = _Job(profile, frozen, global_batch, memory, state_factor, cached, micro_batches)
     if previous is None:  # the first plan: the cut of the stages asked for
         bounds = _require(job.cut(k, r), k, memory)[1]
     elif not autopipe:  # freeze only: the cuts stay
         bounds = previous.bounds
     else:
-        def halvable() -> bool:
-            return k > 1 and k % 2 == 0 and (not autodp or global_batch % (2 * r) == 0)
-
         best = job.cut(k, r)
         while best is None:  # fewer trained layers than stages: must halve
-            if not halvable():
+            if not halvable(k, r):
                 raise ConfigError(f"{len(names) - frozen} trained layers cannot fill {k} "
                                   f"stages", "freeze fewer layers or use fewer stages")
             k, r = k // 2, r * 2 if autodp else r
             best = job.cut(k, r)
         # The slowest stage's time per step: its cost per sample times the replica's batch.
         limit = previous.bottleneck / previous.replicas
-        while halvable():
+        while halvable(k, r):
             half = job.cut(k // 2, r * 2 if autodp else r)
             if half is None or half[0] / (r * 2 if autodp else r) > limit * (1 + 1e-9):
                 break
