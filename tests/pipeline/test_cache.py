@@ -105,3 +105,36 @@ def test_first_stages_of_one_machine_share_their_entries(tmp_path):
     assert not list(tmp_path.glob(".*.part"))
     a.close()
     b.close()
+
+
+def test_what_a_stage_publishes_in_shared_memory_counts_against_its_budget(tmp_path):
+    # Every entry went to the shared directory (host memory: /dev/shm) whatever --cache-mb
+    # said, and was kept in the process as well: 2 GiB a machine an epoch on the default
+    # task against 256 MiB asked (a review found it).
+    entry = 32 * 1024
+    cache = ActivationCache(memory_bytes=4 * entry, directory=str(tmp_path / "disk"),
+                            shared=str(tmp_path / "shm"))
+    (tmp_path / "shm").mkdir()
+    for i in range(20):
+        cache.put(bytes([i]) * 16, 1, torch.full((entry // 4,), float(i)))
+    shm = sum(f.stat().st_size for f in (tmp_path / "shm").iterdir())
+    stats = cache.stats
+    assert stats.memory_bytes + stats.shared_bytes <= 4 * entry
+    assert (stats.memory_bytes, stats.shared_bytes) == (2 * entry, 2 * entry)
+    assert entry * 2 <= shm < entry * 3  # two entries (and torch.save's headers)
+    assert stats.disk_entries == 18
+    for i in range(20):  # every entry is still served
+        depth, value = cache.get(bytes([i]) * 16)
+        assert depth == 1 and float(value[0]) == i
+    cache.close()
+
+
+def test_a_shared_directory_that_cannot_be_written_ends_the_publishing_not_the_run(tmp_path,
+                                                                                 caplog):
+    (tmp_path / "file").write_text("")  # a small /dev/shm fills up: torch.save raises
+    cache = ActivationCache(memory_bytes=1 << 20, shared=str(tmp_path / "file" / "shm"))
+    cache.put(b"k" * 16, 1, torch.ones(8))
+    assert "stops publishing its entries there" in caplog.text
+    assert cache.shared is None and cache.stats.shared_bytes == 0
+    assert cache.get(b"k" * 16)[0] == 1  # kept in the process's own memory
+    cache.close()

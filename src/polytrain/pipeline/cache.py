@@ -10,12 +10,18 @@ hash of the input row), so any data set works. With ``shared`` (a directory
 in host shared memory, one per machine), every entry is also published there
 for the other first stages of the same machine, as the paper's cache lives in
 the host's shared memory: a sample re-sharded to another replica of the
-machine still hits (frozen layers are the same in every replica).
+machine still hits (frozen layers are the same in every replica). What a
+process publishes there is host memory too: it counts against the process's
+budget (``--cache-mb``) with its own copy, and an entry past the budget is
+neither published nor kept in memory; a shared directory that fills up (a
+small ``/dev/shm``) ends the publishing with a warning, not the run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import logging
 import os
 import shutil
 import tempfile
@@ -31,18 +37,22 @@ from ..tensors import host_copy
 
 __all__ = ["ActivationCache", "CacheStats", "frozen_forward", "check_writable"]
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class CacheStats:
     """Counts for ``metrics.json``: samples served from the cache (of those, found in the
     machine's shared directory, and advanced through newly frozen layers), samples
-    computed, bytes held in memory and on disk (this process's tiers)."""
+    computed, bytes held in memory and on disk (this process's tiers) and published in the
+    machine's shared directory (by this process)."""
 
     hits: int = 0
     shared_hits: int = 0
     misses: int = 0
     advanced: int = 0
     memory_bytes: int = 0
+    shared_bytes: int = 0
     disk_bytes: int = 0
     disk_entries: int = 0
 
@@ -73,7 +83,8 @@ class ActivationCache:
         h = frozen_forward(layers, x, frozen=3, cache=cache)   # hits: no layer runs
 
     Args:
-        memory_bytes: the memory tier's budget (``--cache-mb``); entries past it go to disk.
+        memory_bytes: the host memory budget (``--cache-mb``): the memory tier and what this
+            process publishes in ``shared``; entries past it go to disk.
         directory: where the disk tier's files go (default: a fresh temporary directory,
             removed by :meth:`close`).
         shared: a directory the first stages of one machine share (``/dev/shm/...``):
@@ -90,6 +101,7 @@ class ActivationCache:
         self._dir: Path | None = None
         self.memory: dict[bytes, tuple[int, torch.Tensor]] = {}
         self.disk: dict[bytes, tuple[int, Path, int]] = {}
+        self.published: dict[bytes, int] = {}  # key -> bytes this process put in ``shared``
         self.stats = CacheStats()
 
     @staticmethod
@@ -117,13 +129,44 @@ class ActivationCache:
 
     def put(self, key: bytes, depth: int, value: torch.Tensor) -> None:
         value = host_copy(value)  # host memory, off a GPU too
-        if self.shared is not None:
-            # Written aside and renamed: a reader sees the whole entry or none.
-            path = self.shared / (key.hex() + ".pt")
-            part = self.shared / f".{key.hex()}-{os.getpid()}.part"
+        published = key in self.published
+        self._forget(key)  # an entry advanced to a new depth replaces the old
+        nbytes = value.numel() * value.element_size()
+        if self.shared is not None and self._in_budget(2 * nbytes):  # its copy and ours
+            self._publish(key, depth, value, nbytes)
+        elif published and self.shared is not None:  # not the old one either, then
+            (self.shared / (key.hex() + ".pt")).unlink(missing_ok=True)
+        self._keep(key, depth, value)
+
+    def _in_budget(self, nbytes: int) -> bool:
+        return self.stats.memory_bytes + self.stats.shared_bytes + nbytes <= self.budget
+
+    def _publish(self, key: bytes, depth: int, value: torch.Tensor, nbytes: int) -> None:
+        assert self.shared is not None
+        # Written aside and renamed: a reader sees the whole entry or none.
+        path = self.shared / (key.hex() + ".pt")
+        part = self.shared / f".{key.hex()}-{os.getpid()}.part"
+        try:
             torch.save((depth, value), part)
             os.replace(part, path)
-        self._keep(key, depth, value)
+        except (OSError, RuntimeError) as e:  # torch.save reports a full disk as RuntimeError
+            with contextlib.suppress(OSError):
+                part.unlink(missing_ok=True)
+            log.warning("AutoCache: cannot write to the machine's shared cache %s (%s); this "
+                        "first stage stops publishing its entries there and caches on its "
+                        "own", self.shared, e)
+            self.shared = None
+            return
+        self.published[key] = nbytes
+        self.stats.shared_bytes += nbytes
+
+    def _forget(self, key: bytes) -> None:
+        """Drop ``key`` from the memory tier and the bytes published (not from disk: a
+        new entry's file replaces its file)."""
+        old = self.memory.pop(key, None)
+        if old is not None:
+            self.stats.memory_bytes -= old[1].numel() * old[1].element_size()
+        self.stats.shared_bytes -= self.published.pop(key, 0)
 
     def _keep(self, key: bytes, depth: int, value: torch.Tensor) -> None:
         """Hold an entry in this process's tiers: memory within the budget, then disk."""
@@ -131,7 +174,7 @@ class ActivationCache:
         old = self.memory.pop(key, None)
         if old is not None:
             self.stats.memory_bytes -= old[1].numel() * old[1].element_size()
-        if key in self.memory or self.stats.memory_bytes + nbytes <= self.budget:
+        if self._in_budget(nbytes):
             self.memory[key] = (depth, value)
             self.stats.memory_bytes += nbytes
             return
