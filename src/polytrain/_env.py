@@ -31,6 +31,7 @@ STACKS_FILE = "POLYTRAIN_STACKS_FILE"  # where a child writes its threads' stack
 HELD_FILE = "POLYTRAIN_HELD_FILE"  # where a server says which answers it has held long
 NIC = "POLYTRAIN_NIC"  # the emulated machine's interface, under --bandwidth
 SHM_DIR = "POLYTRAIN_SHM_DIR"  # the run's directory in host shared memory (the launcher's)
+RUN_DIR = "POLYTRAIN_RUN_DIR"  # the launcher's work directory: the processes' scratch files
 FORKSERVER = "POLYTRAIN_FORKSERVER"  # 0: every launched process is a fresh interpreter
 # A worker's index among all workers on this host: polytrain launch runs every emulated
 # machine on one host, where LOCAL_RANK (per emulated machine) would give two machines'
@@ -186,6 +187,12 @@ def loading_main() -> bool:
 def shm_dir() -> str | None:
     """The run's directory in host shared memory, which the launcher removes at the end."""
     return os.environ.get(SHM_DIR) or None
+
+
+def run_dir() -> str | None:
+    """The launcher's work directory, for a process's scratch files: the launcher removes
+    it at the end, and the next launch removes a killed launcher's (None: not launched)."""
+    return os.environ.get(RUN_DIR) or None
 
 
 def user_set(name: str) -> bool:

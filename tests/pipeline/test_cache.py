@@ -1,14 +1,18 @@
 """AutoCache: cached activations give the same loss and gradients as recomputing them."""
 
 
+from pathlib import Path
+
 import pytest
 import torch
 
+import polytrain
 from polytrain import ConfigError
 from polytrain.models import GPT
 from polytrain.models import cross_entropy as loss_fn
 from polytrain.pipeline.cache import ActivationCache, frozen_forward
 from polytrain.strategies.pipetransformer import PipeTransformerOptions
+from tests.harness import spawn
 
 
 def _model():
@@ -138,3 +142,24 @@ def test_a_shared_directory_that_cannot_be_written_ends_the_publishing_not_the_r
     assert cache.shared is None and cache.stats.shared_bytes == 0
     assert cache.get(b"k" * 16)[0] == 1  # kept in the process's own memory
     cache.close()
+
+
+def _spill_and_fail() -> None:
+    cache = ActivationCache(memory_bytes=0)  # every entry on disk
+    cache.put(b"k" * 16, 1, torch.ones(8))
+    print("CACHE-DIR", cache._dir, flush=True)
+    raise RuntimeError("a step failed")  # the process leaves without closing the cache
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_process_leaves_no_disk_tier_behind(capfd):
+    # A process that fails leaves with os._exit and never closes its cache: the disk tier
+    # stayed in /tmp (a review found it). Under polytrain launch it is now made in the
+    # launcher's work directory, which goes at the end of the run.
+    with pytest.raises(polytrain.LaunchError, match="a step failed"):
+        spawn(_spill_and_fail, workers=1)
+    out = capfd.readouterr().out
+    where = Path(out.split("CACHE-DIR ", 1)[1].split()[0])
+    assert where.name.startswith("polytrain-cache-") and where.parent.name.startswith(
+        "polytrain-")
+    assert not where.exists()

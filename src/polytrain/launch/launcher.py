@@ -218,6 +218,7 @@ class Launcher:
                    network: Network | None) -> dict[str, str]:
         error, result, label, heartbeat, stacks, held = files
         env = self._base_env()
+        env[_env.RUN_DIR] = str(error.parent)  # the work directory
         if network is not None:
             env.update(network.child_env(spec.machine))
         on_machine = sum(1 for p in self.layout.processes() if p.machine == spec.machine)

@@ -32,6 +32,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from .. import _env
 from ..errors import ConfigError
 from ..tensors import host_copy
 
@@ -86,7 +87,8 @@ class ActivationCache:
         memory_bytes: the host memory budget (``--cache-mb``): the memory tier and what this
             process publishes in ``shared``; entries past it go to disk.
         directory: where the disk tier's files go (default: a fresh temporary directory,
-            removed by :meth:`close`).
+            removed by :meth:`close`; under ``polytrain launch`` in the launcher's work
+            directory, so that it goes with it when the process fails).
         shared: a directory the first stages of one machine share (``/dev/shm/...``):
             every entry is published there as a file and looked up there on a miss
             (default: none, this process's entries only). Its owner removes it.
@@ -189,8 +191,9 @@ class ActivationCache:
 
     def _directory(self) -> Path:
         if self._dir is None:
-            if self._dir_arg is None:
-                self._dir = Path(tempfile.mkdtemp(prefix="polytrain-cache-"))
+            if self._dir_arg is None:  # in the launcher's work directory, if launched: a
+                # process that fails leaves without closing the cache, and it is removed then
+                self._dir = Path(tempfile.mkdtemp(prefix="polytrain-cache-", dir=_env.run_dir()))
             else:
                 check_writable(self._dir_arg)
                 self._dir = Path(tempfile.mkdtemp(prefix=f"cache-{os.getpid()}-",

@@ -540,8 +540,8 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
         for s in everyone:
             for k, v in s.items():
                 total[k] = total.get(k, 0) + v
-        keys = ("hits", "shared_hits", "misses", "advanced", "memory_bytes", "disk_bytes",
-                "disk_entries")
+        keys = ("hits", "shared_hits", "misses", "advanced", "memory_bytes", "shared_bytes",
+                "disk_bytes", "disk_entries")
         return {"freeze_timeline": self.timeline,
                 "cache": {k: total.get(k, 0) for k in keys}}
 
