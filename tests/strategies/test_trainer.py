@@ -123,6 +123,27 @@ def test_distribute_refuses_what_the_cli_refuses_before_any_process_starts():
                                "stages"), pipeline
 
 
+def other_optimizer(strategy: str) -> str:
+    """What distribute() says of an optimizer built over another model's parameters."""
+    polytrain.init()
+    model, other = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    try:
+        polytrain.distribute(model, torch.optim.SGD(other.parameters(), lr=0.1),
+                             strategy=strategy)
+    except ConfigError as e:
+        return str(e)
+    return "accepted"
+
+
+@pytest.mark.timeout(60)
+def test_an_optimizer_of_parameters_the_model_does_not_hold_is_refused():
+    # 'moe' dropped them all and trained nothing; 'ddp' left them unsynchronised (a review).
+    from tests.harness import spawn
+
+    said = spawn(other_optimizer, workers=2, args=("ddp",))[0]
+    assert said.startswith("2 of the optimizer's 2 parameters are not the model's"), said
+
+
 def test_the_step_api_adds_the_gates_losses_unless_told_not_to():
     from polytrain.models import GPT, cross_entropy
     from polytrain.moe import moefy

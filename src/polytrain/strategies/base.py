@@ -18,7 +18,7 @@ from ..launch.layout import Layout
 from ..moe.checkpoint import moe_layers
 from ..runtime import Context
 from ..tensors import host_state
-from .checks import broadcast_module, check_same_model, check_same_optimizer
+from .checks import broadcast_module, check_optimizer_of, check_same_model, check_same_optimizer
 from .trainer import Trainer, with_gate_losses
 
 __all__ = ["Strategy", "NoOptions", "register", "get_strategy", "strategy_names", "distribute",
@@ -400,6 +400,7 @@ def distribute(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str
         if layout is not None:  # what the CLI checks of the model before any process starts
             cls.check_model(model, layout, opts)
         cls.check_optimizer(optimizer, opts)
+        check_optimizer_of(model, optimizer)
         check_same_model(ctx, model)
         check_same_optimizer(ctx, model, optimizer)
         if not cls.agrees_model:

@@ -11,8 +11,9 @@ from torch import nn
 from ..errors import ConfigError
 from ..runtime import Context
 
-__all__ = ["check_same_model", "check_same_optimizer", "check_same_tensors", "broadcast_module",
-           "model_signature", "optimizer_signature", "tensor_signature"]
+__all__ = ["check_optimizer_of", "check_same_model", "check_same_optimizer",
+           "check_same_tensors", "broadcast_module", "model_signature", "optimizer_signature",
+           "tensor_signature"]
 
 
 Signature = list[tuple[str, tuple[int, ...], str]]
@@ -84,6 +85,20 @@ def _optimizer_difference(a: list[Any], b: list[Any]) -> str:
         if pa != pb:
             return f"holds other parameters in parameter group {i}"
     return "differs"
+
+
+def check_optimizer_of(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Refuse an optimizer that updates parameters the model does not hold: a strategy
+    synchronises the model's parameters only (and one that shards them keeps only those)."""
+    ours = {id(p) for p in model.parameters()}
+    held = [p for g in optimizer.param_groups for p in g["params"]]
+    stray = sum(1 for p in held if id(p) not in ours)
+    if stray:
+        raise ConfigError(f"{stray} of the optimizer's {len(held)} parameters are not the "
+                          f"model's: no strategy would synchronise them, and the workers' "
+                          f"copies would drift apart (or, none being the model's, nothing "
+                          f"would train)", "build the optimizer over model.parameters() of "
+                          "the model given to distribute()")
 
 
 def check_same_optimizer(ctx: Context, model: nn.Module,
