@@ -35,6 +35,11 @@ def test_hd_needs_machines_of_even_size_and_unknown_policies_are_refused():
     with pytest.raises(ConfigError, match="unknown allocation policy 'xy'; the policies are: "
                                           "np, ed, hd"):
         count_virtual_workers(4, 2, "xy")
+    # Machines of different sizes (a library cluster; the CLI makes even ones): IndexError.
+    with pytest.raises(ConfigError, match=r"--policy ed takes one device of every machine "
+                                          r"for each virtual worker, and the machines hold "
+                                          r"\[4, 2\] devices"):
+        allocate(parse_cluster("a:fast*4,b:slow*2"), "ed")
 
 
 def test_plan_on_two_fast_and_two_slow_devices():

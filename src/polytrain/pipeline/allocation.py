@@ -101,8 +101,12 @@ def allocate(cluster: Cluster, policy: str) -> tuple[VirtualWorker, ...]:
     if policy == "np":
         groups = by_machine
     elif policy in ("ed", "bd"):
-        per = len(by_machine[0])
-        groups = [[m[i] for m in by_machine] for i in range(per)]
+        counts = [len(m) for m in by_machine]
+        if len(set(counts)) > 1:  # a virtual worker takes one device of every machine
+            raise ConfigError(f"--policy {policy} takes one device of every machine for each "
+                              f"virtual worker, and the machines hold {counts} devices",
+                              "give every machine as many devices, or pass --policy hd")
+        groups = [[m[i] for m in by_machine] for i in range(counts[0])]
     else:
         groups = _hybrid(by_machine)
     groups = [sorted(g, key=lambda d: d.type.gflops) for g in groups]  # stable: ties keep order

@@ -16,7 +16,7 @@ from torch.func import functional_call
 from ..comm import tags
 from ..comm.p2p import Transport
 from ..emulation.clock import DeviceClock
-from ..errors import CommError
+from ..errors import CommError, CommTimeout
 
 __all__ = ["StageSpec", "Stage"]
 
@@ -252,6 +252,11 @@ class Stage:
         if wait:
             self._reaper.join(self.transport.timeout_s)
             self._check_sends()
+            if self._reaper.is_alive():  # a send that each wait's own timeout let go on
+                raise CommTimeout(f"{self.spec.label}: its sends were still in flight "
+                                  f"{self.transport.timeout_s:g} s after the last step",
+                                  "if the next stage is alive but slow, raise the timeout "
+                                  "(--timeout)", waited_s=self.transport.timeout_s)
 
 
 @dataclass(frozen=True)
