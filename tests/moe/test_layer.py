@@ -125,7 +125,7 @@ def test_no_tokens_at_all():
     ({"top_k": 5}, r"top_k \(--top-k\) must be between 1 and the number of experts 4 \(got 5\)"),
     ({"gate": "hash"}, r"unknown gate 'hash'; the gates are: gshard, naive, noisy, switch"),
     ({"capacity_factor": 0.0},
-     r"capacity_factor \(--capacity-factor\) must be positive \(got 0.0\)"),
+     r"capacity_factor \(--capacity-factor\) must be positive and finite \(got 0.0\)"),
     ({"capacity_factor": 1.0, "dropless": True},
      r"a dropless gate \(--dropless\) has no capacity"),
 ])

@@ -178,10 +178,21 @@ def accumulation_script(expert_parallel: int | None) -> dict[str, bool]:
         b.backward()
     together = grads(model, interleaved)
     paired = grads(made(pair=True), lambda m: loss(m, x1).backward())
+
+    def bomb(grad: torch.Tensor) -> torch.Tensor:  # the first layer: reached last
+        raise RuntimeError("a backward that fails")
+    handle = model.module.inp.weight.register_hook(bomb)
+    try:
+        loss(model, x1).backward()
+    except RuntimeError:
+        pass
+    handle.remove()
+    after = grads(model, lambda m: loss(m, x1).backward())  # synchronised again
     return {"names": sorted(one) == sorted(twice) == sorted(together) == sorted(paired),
             "twice": all(torch.equal(twice[n], 2 * one[n]) for n in one),
             "interleaved": all(torch.equal(together[n], apart[n]) for n in apart),
-            "pair": all(torch.equal(paired[n], one[n]) for n in one)}
+            "pair": all(torch.equal(paired[n], one[n]) for n in one),
+            "after a failure": all(torch.equal(after[n], one[n]) for n in one)}
 
 
 @pytest.mark.timeout(120)
@@ -193,7 +204,9 @@ def test_gradients_accumulate_over_backwards_whatever_the_model_returns(workers,
                                                                         expert_parallel):
     # Each backward divided every expert gradient held so far by W again (two backwards
     # gave 1.5x one's, not 2x); a second forward before the first backward, or a model
-    # returning a tuple, left the backward unsynchronised (a review found both).
+    # returning a tuple, left the backward unsynchronised (a review found both). A backward
+    # that raises must not leave the next one unsynchronised.
     results = spawn(accumulation_script, workers=workers, nodes=nodes, args=(expert_parallel,))
-    want = {"names": True, "twice": True, "interleaved": True, "pair": True}
+    want = {"names": True, "twice": True, "interleaved": True, "pair": True,
+            "after a failure": True}
     assert results == [want] * workers

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -18,6 +19,8 @@ from ..moe.checkpoint import canonical_names, full_state_dict, local_state_dict,
 from .base import Strategy, register
 
 __all__ = ["ExpertParallel", "MoEOptions", "ExpertPlacement", "place_experts"]
+
+log = logging.getLogger(__name__)
 
 _BUCKET_BYTES = 25 << 20
 
@@ -89,6 +92,7 @@ class _SyncAfterBackward(nn.Module):
                          for q in module.parameters() if q.requires_grad]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.__dict__["_strategy"].abandon()
         return self.module(*args, **kwargs)
 
 
@@ -185,6 +189,15 @@ class ExpertParallel(Strategy[MoEOptions]):
             self._held[id(q)] = q.grad
             q.grad = None
         return grad
+
+    def abandon(self) -> None:
+        """Before a forward: forget a backward that raised before its end (its
+        synchronisation never ran), so the next one synchronises; the gradients it set
+        aside are dropped (the usual next step, zero_grad(), would drop them too)."""
+        if self._queued:
+            log.warning("a backward pass raised before its end: its gradients were not "
+                        "synchronised, and those accumulated before it are dropped")
+            self._held, self._queued = {}, False
 
     @torch.no_grad()
     def sync_gradients(self) -> None:
