@@ -54,13 +54,15 @@ class LaunchError(PolytrainError, RuntimeError):
 
     def __init__(self, what: str, hint: str | None = None, *, rank: int | None = None,
                  role: str | None = None, machine: str | None = None,
-                 exitcode: int | None = None, bad_input: bool = False) -> None:
+                 exitcode: int | None = None, bad_input: bool = False,
+                 interrupted: bool = False) -> None:
         super().__init__(what, hint)
         self.rank = rank
         self.role = role
         self.machine = machine
         self.exitcode = exitcode
         self.bad_input = bad_input  # the process raised ConfigError: a rerun fails the same
+        self.interrupted = interrupted  # the launcher was (Ctrl-C, SIGTERM, SIGHUP)
 
 
 class CommError(PolytrainError, RuntimeError):

@@ -324,12 +324,13 @@ def test_no_orphans_when_the_launcher_itself_is_killed(tmp_path):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("inherited", ["default", "ignored", "sigterm"])
+@pytest.mark.parametrize("inherited", ["default", "ignored", "sigterm", "sighup"])
 def test_ctrl_c_stops_every_child(tmp_path, inherited):
     # "ignored": started as a background job of a shell, SIGINT arrives ignored (and Python
     # then installs no handler of its own); Ctrl-C must still stop the run. "sigterm" (what
     # timeout, docker stop and Slurm send) ended the launcher at once, leaving its work
-    # directory and shared memory behind, and saying nothing.
+    # directory and shared memory behind, and saying nothing; so did "sighup" (the terminal
+    # or ssh session closed).
     code = (f"import polytrain; from tests.launch import scripts; "
             f"polytrain.launch(scripts.write_pid_and_hang, workers=2, "
             f"args=({str(tmp_path)!r},))")
@@ -342,13 +343,52 @@ def test_ctrl_c_stops_every_child(tmp_path, inherited):
         assert time.monotonic() < deadline, "children did not start"
         time.sleep(0.1)
     pids = [int(p.read_text()) for p in tmp_path.glob("pid-*")]
-    launcher.send_signal(signal.SIGTERM if inherited == "sigterm" else signal.SIGINT)
+    sent = {"sigterm": signal.SIGTERM, "sighup": signal.SIGHUP}.get(inherited, signal.SIGINT)
+    launcher.send_signal(sent)
     _, err = launcher.communicate(timeout=60)
-    how = "SIGTERM" if inherited == "sigterm" else "Ctrl-C"
+    how = "Ctrl-C" if sent == signal.SIGINT else sent.name
     assert f"interrupted ({how}): stopped all 2 processes" in err
     assert not any(_alive(p) for p in pids)
     assert not list(Path(tempfile.gettempdir()).glob(f"polytrain-{launcher.pid}-*"))
     assert not list(Path("/dev/shm").glob(f"polytrain-run-{launcher.pid}-*"))
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_ended_by_a_signal_from_outside_is_named_not_taken_for_an_interrupt(
+        tmp_path):
+    # A worker's own SIGTERM handler leaves with code 143 and no error file: it was reported
+    # as "exited with code 143" pointing at a traceback there was none of, and taken for the
+    # launcher's own interrupt (no --max-restarts restart; a review found it).
+    code = ("import sys, polytrain\nfrom tests.launch import scripts\ntry:\n"
+            f"    polytrain.launch(scripts.write_pid_and_hang, workers=2, "
+            f"args=({str(tmp_path)!r},))\n"
+            "except polytrain.LaunchError as e:\n"
+            "    print('interrupted' if e.interrupted else 'failed', e, file=sys.stderr)\n")
+    launcher = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT,
+                                stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while len(list(tmp_path.glob("pid-*"))) < 2:
+        assert time.monotonic() < deadline, "children did not start"
+        time.sleep(0.1)
+    os.kill(int((tmp_path / "pid-1").read_text()), signal.SIGTERM)
+    _, err = launcher.communicate(timeout=60)
+    assert re.search(r"failed worker rank 1 \(machine node0\) failed: ended by SIGTERM \(exit "
+                     r"code 143\).*HINT: a signal ended it.*SIGTERM or SIGINT, something "
+                     r"outside the run", err), err
+
+
+@pytest.mark.timeout(120)
+def test_a_fixed_port_serves_one_run_after_another():
+    # The last run's connections hold the port in TIME_WAIT for a minute, and the check that
+    # it is free refused the next run (a rerun, or a --max-restarts restart) on it.
+    from tests.harness import run_config
+
+    config = polytrain.TrainConfig(strategy="ddp", workers=2, model="mlp", steps=2,
+                                   batch_size=8, port=free_port(),
+                                   model_options={"seq_len": 16, "d_model": 16, "layers": 1})
+    for _ in range(2):
+        metrics, _ = run_config(config)
+        assert len(metrics["losses"]) == 2
 
 
 def test_a_port_in_use_is_refused_before_anything_starts():

@@ -56,6 +56,9 @@ def check_port(port: int | None) -> None:
 
 def _check_port(host: str, port: int) -> None:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        # As the rendezvous store binds: a port the last run's connections still hold in
+        # TIME_WAIT (a rerun or a restart, for a minute) is free; a listening one is not.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError as e:
@@ -95,8 +98,9 @@ _STOPPED_HINT = ("it was stopped (kill -STOP, a debugger, a shell's Ctrl-Z): con
 _SILENT_HINT = ("its heartbeat thread stopped too: the whole process is stuck (in C code that "
                 "holds the GIL, or swapped out); raise --timeout if it was only slow")
 _SIGNALLED_HINT = ("a signal ended it without a traceback: SIGSEGV or SIGBUS, a crash in C "
-                   "code (faulthandler's dump above shows where); SIGKILL, something outside "
-                   "the run (the kernel's OOM killer, a job scheduler, a user)")
+                   "code (faulthandler's dump above shows where); SIGKILL, SIGTERM or SIGINT, "
+                   "something outside the run (the kernel's OOM killer, a job scheduler, a "
+                   "user)")
 _LEFT_HINT = ("if they waited in a collective every worker makes, find why it returned (or "
               "called sys.exit(0)) before them, e.g. fewer steps or batches on it")
 _UNJOINED_HINT = ("every process of a run, servers too, must call polytrain.init(): a server "
@@ -275,8 +279,9 @@ class Launcher:
                 # at once, leaving its work directory and shared memory behind. A flag,
                 # checked between polls, also keeps the interrupt out of the middle of
                 # subprocess's own bookkeeping.
+                # SIGHUP: the terminal or ssh session closed.
                 previous = {s: signal.signal(s, interrupt)
-                            for s in (signal.SIGINT, signal.SIGTERM)}
+                            for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
             network: Network | None = None
             shm: Path | None = None
             oom_kills_before = oom_kills()
@@ -300,8 +305,6 @@ class Launcher:
             except KeyboardInterrupt:
                 interrupted.set()
             finally:
-                for s, handler in previous.items():
-                    signal.signal(s, handler)
                 try:
                     self._stop(children)
                 finally:
@@ -309,11 +312,15 @@ class Launcher:
                         shutil.rmtree(shm, ignore_errors=True)
                     if network is not None:
                         network.close()
+                    # Only now: a second SIGTERM while stopping would have ended the launcher
+                    # before it removed what the run made.
+                    for s, handler in previous.items():
+                        signal.signal(s, handler)
             if interrupted.is_set():
                 how = signal.Signals(caught[0]) if caught else signal.SIGINT
                 raise LaunchError(f"interrupted ({'Ctrl-C' if how == signal.SIGINT else how.name})"
                                   f": stopped all {len(children)} processes",
-                                  exitcode=128 + how)
+                                  exitcode=128 + how, interrupted=True)
             return [_read_result(c.result_file) for c in children if c.spec.role == "worker"]
 
     def _hang_after_s(self) -> float:
@@ -627,6 +634,9 @@ def _failure(child: _Child, oom_kills_before: int | None) -> _Failure:
                         f"{f' ({why})' if why else _OOM_CAUSE if oom(how) else ''}",
                         0.0, False, label,
                         _OOM_HINT if oom(how) and not why else _SERVER_DIED_HINT)
+    if code in _SIGNAL_EXITS:  # the child's own handler: a signal from outside the run
+        return _Failure(child.spec, code, f"ended by {_SIGNAL_EXITS[code]} (exit code {code})",
+                        0.0, False, label, _SIGNALLED_HINT)
     if code < 0:
         # A process killed by a signal nobody in the run sent is the likeliest root cause.
         if oom(code):
@@ -635,6 +645,10 @@ def _failure(child: _Child, oom_kills_before: int | None) -> _Failure:
         return _Failure(child.spec, code, _ended_how(code), 0.0, False, label, _SIGNALLED_HINT)
     return _Failure(child.spec, code, _ended_how(code), time.time(), False, label)
 
+
+#: The exit codes a child gives itself on a signal (launch/child.py: SIGTERM, SIGINT) without
+#: an error file: they end it at once, as the signal would.
+_SIGNAL_EXITS = {128 + signal.SIGTERM: "SIGTERM", 128 + signal.SIGINT: "SIGINT"}
 
 _OOM_CAUSE = (", likely by the kernel's out-of-memory killer (its kill count rose during the "
               "run): the run needed more memory than this machine has")

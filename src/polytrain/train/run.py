@@ -96,7 +96,7 @@ def run_config(config: TrainConfig, *, env: Mapping[str, str] | None = None,
             break
         except LaunchError as e:
             # Not after an interrupt, nor after bad input: a rerun would fail the same.
-            if restarts >= config.max_restarts or e.exitcode in (130, 143) or e.bad_input:
+            if restarts >= config.max_restarts or e.interrupted or e.bad_input:
                 raise
             restarts += 1
             assert config.out is not None  # checked with --max-restarts
