@@ -173,6 +173,16 @@ class GradientSync:
                 self._queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self.synchronize)
             self._passes[i] += 1
+            if self._passes[i] > self.passes_per_step:  # its sum left with the first ones
+                raise ConfigError(
+                    f"{self.names[i]!r} had a gradient from {self._passes[i]} backward passes "
+                    f"before the step synchronised it, and {self.passes_per_step} "
+                    f"{'is' if self.passes_per_step == 1 else 'are'} summed: the sum left "
+                    f"with the first, and the others would be lost",
+                    "to accumulate over N backward passes, pass backward_passes_per_step=N "
+                    "(byteps.DistributedOptimizer); under distribute(), call "
+                    "optimizer.step() after each backward, or accumulate with strategy "
+                    "'ddp' or 'herring' (their no_sync())")
             if self._passes[i] == self.passes_per_step and not self._ready[i]:
                 self._collect(i)
         return hook

@@ -212,3 +212,30 @@ def test_a_sparse_gradient_is_refused_naming_the_parameter_and_what_takes_it(str
         assert re.search(r"parameter '0\.weight' has a sparse gradient \(an nn\.Embedding\("
                          r"sparse=True\)\), and the push/pull engine \(byteps, herring\) sums "
                          r"dense ones\. HINT: .*strategy 'parallax'", said), said
+
+
+def two_backwards() -> str:
+    """Two backward passes, then one step, under distribute(..., strategy="byteps")."""
+    ctx = polytrain.init()
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    model, opt = polytrain.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                      strategy="byteps")
+    x = polytrain.shard(torch.randn(8, 8), ctx.worker_index, ctx.num_workers)
+    try:
+        for _ in range(2):
+            model(x).pow(2).mean().backward()
+        opt.step()
+    except ConfigError as e:
+        return str(e)
+    return "accepted"
+
+
+@pytest.mark.timeout(120)
+def test_more_backward_passes_than_a_step_sums_are_refused_not_lost():
+    # The second backward's gradients were dropped: the sum had left with the first, and
+    # the step trained on it alone (a new user's accumulation loop ended elsewhere than ddp).
+    said = spawn(two_backwards, workers=2, colocated=1)[0]
+    assert re.match(r"'(weight|bias)' had a gradient from 2 backward passes before the step "
+                    r"synchronised it, and 1 is summed", said), said
+    assert "pass backward_passes_per_step=N" in said
