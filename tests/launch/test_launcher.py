@@ -403,6 +403,20 @@ def test_a_port_in_use_is_refused_before_anything_starts():
             polytrain.launch(scripts.identity, workers=2, port=port)
 
 
+@pytest.mark.timeout(60)
+def test_a_function_of_python_c_is_refused_with_where_to_define_it():
+    # The processes find it by importing the launching script, and `python -c` has none:
+    # each ran polytrain's fork server's main (an IndexError), or found no such function.
+    code = ("import polytrain\ndef main():\n    return polytrain.init().rank\n"
+            "polytrain.launch(main, workers=2)\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=50)
+    assert done.returncode != 0
+    assert re.search(r"ConfigError: launch\(\) cannot send 'main': it is defined in an "
+                     r"interactive session, `python -c` or stdin.*HINT: define the function "
+                     r"in a module or script file", done.stderr), done.stderr
+
+
 def test_a_function_that_cannot_be_sent_is_refused():
     with pytest.raises(ConfigError, match="function defined at module level"):
         polytrain.launch(lambda: None, workers=2)

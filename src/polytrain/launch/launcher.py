@@ -198,6 +198,15 @@ class Launcher:
                 f"the processes ({e})",
                 "pass a function defined at module level, with picklable arguments") from None
         main = sys.modules.get("__main__")
+        if getattr(fn, "__module__", None) == "__main__" and not getattr(main, "__file__", None):
+            # A process finds the function by importing the launching script, and `python -c`,
+            # stdin, a REPL or a notebook have none (it ran polytrain's own main, or failed
+            # to find the function, in every process).
+            raise ConfigError(
+                f"launch() cannot send {getattr(fn, '__qualname__', fn)!r}: it is defined in "
+                f"an interactive session, `python -c` or stdin, which the processes cannot "
+                f"import", "define the function in a module or script file, and launch it "
+                "from there (or run the script with `polytrain launch`)")
         payload = {"kind": "fn", "target": target, "sys_path": list(sys.path),
                    "main_file": getattr(main, "__file__", None), "argv": list(sys.argv)}
         return self._run(payload)
