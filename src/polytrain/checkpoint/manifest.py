@@ -195,9 +195,11 @@ def resolve(path: str | Path) -> tuple[Path, list[str]]:
         return p, []
     root = p / "checkpoints" if (p / "checkpoints").is_dir() else p
     if not root.is_dir():
-        raise CheckpointError(f"--resume {path}: no such directory",
-                              "pass the --out directory of an earlier run, or one of its "
-                              "checkpoints/step-S")
+        raise CheckpointError(f"checkpoint {path}: no such directory",
+                              "pass (to --resume, or polytrain.load) the --out directory of "
+                              "an earlier run, or one of its checkpoints/step-S; a script's "
+                              "first run can ask polytrain.checkpoint.newest(DIR) whether "
+                              "there is one")
     skipped: list[str] = []
     for _, c, why in checked(root):  # the newest whole one: older ones are not read
         if why is None:
