@@ -268,7 +268,14 @@ def main() -> None:
     except KeyboardInterrupt:
         os._exit(130)
     except BaseException as e:  # noqa: BLE001 - every failure must reach the launcher
-        print(f"{who} failed:\n{traceback.format_exc()}", file=sys.stderr, end="", flush=True)
+        if _is_secondary(e):  # its traceback (and torch's C++ frames) only say it lost a peer
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            print(f"{who} stopped: {type(e).__name__}: {first[:300]} (it lost a peer; the "
+                  f"launcher names the process that failed first)", file=sys.stderr,
+                  flush=True)
+        else:
+            print(f"{who} failed:\n{traceback.format_exc()}", file=sys.stderr, end="",
+                  flush=True)
         hint = _hint_for(e)
         # polytrain's errors carry their hint apart (what, hint): it goes last in the
         # launcher's message, not in the middle of it before a hint of the launcher's own.
