@@ -118,3 +118,11 @@ def test_the_reason_names_ddp_once_when_it_is_the_choice_or_the_runner_up(fixed_
         why = plan_job(Job(model="mlp", workers=4, nodes=4, servers=2,
                            bandwidth=bandwidth)).why()
         assert why.count("ddp") == 1, why
+
+
+@pytest.mark.timeout(120)
+def test_plan_measures_a_wordlm_of_a_vocabulary_under_256(capsys):
+    # Its sample drew byte ids, 0..255, past a 100-word embedding: an IndexError (a review).
+    assert main(["plan", "--model", "wordlm", "--vocab", "100", "--seq-len", "8",
+                 "--d-model", "16", "--layers", "1", "--heads", "2", "--batch-size", "4"]) == 0
+    assert "recommended:" in capsys.readouterr().out

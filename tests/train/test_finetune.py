@@ -75,3 +75,22 @@ def test_eval_every_is_refused_where_no_worker_holds_the_model():
     with pytest.raises(ConfigError, match="holds part of the model"):
         TrainConfig(strategy="hetpipe", workers=2, servers=1, eval_every=5,
                     model_options=TINY)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("strategy, workers", [("single", 1), ("ddp", 2)])
+def test_a_held_out_part_shorter_than_a_window_is_refused_in_one_line(strategy, workers,
+                                                                      capsys):
+    # It divided by zero held-out samples at the first evaluation, after training (a review);
+    # from the workers, a refusal ends the command as the CLI's own do (exit code 2).
+    from polytrain.cli import main
+
+    code = main(["train", "--quiet", "--strategy", strategy, "--workers", str(workers),
+                 "--model", "mlp", "--data", "text-finetune", "--seq-len", "7000",
+                 "--d-model", "8", "--layers", "1", "--eval-every", "1", "--steps", "1",
+                 "--batch-size", "2"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert ("--eval-every holds out the last tenth of the data, 6554 tokens, fewer than one "
+            "window of --seq-len 7000 + 1") in err
+    assert "HINT: pass a smaller --seq-len" in err

@@ -34,6 +34,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except LaunchError as e:
         print(f"polytrain {ns.command}: error: {e}", file=sys.stderr)
+        if e.bad_input:  # a process refused its input (ConfigError): as the CLI's own refusal
+            return 2
         # The failed process's own exit code (sys.exit(3): 3), else 1 (a signal: negative).
         return e.exitcode if e.exitcode is not None and 0 < e.exitcode < 256 else 1
     except PolytrainError as e:

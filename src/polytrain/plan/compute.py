@@ -22,7 +22,9 @@ def _sample(spec: Any, model: torch.nn.Module, options: Mapping[str, Any], batch
             ) -> tuple[torch.Tensor, torch.Tensor]:
     seq_len = int(getattr(model, "seq_len", options.get("seq_len", 64)))
     gen = torch.Generator().manual_seed(0)
-    window = torch.randint(0, 256, (batch, seq_len + 1), generator=gen)
+    # Token ids the model has (wordlm's --vocab may be under 256, the text's bytes).
+    window = torch.randint(0, min(256, int(getattr(model, "vocab", 256))),
+                           (batch, seq_len + 1), generator=gen)
     inputs, targets = spec.split(window)
     return inputs, targets
 

@@ -21,6 +21,7 @@ from ..data import EpochBatches, GlobalBatches, get_dataset, held_out_split, win
 from ..emulation.clock import clock_of, emulate
 from ..emulation.devices import parse_cluster
 from ..emulation.profile import profile_model
+from ..errors import ConfigError
 from ..models import get_model
 from ..optim import make_optimizer
 from ..runtime import Context, init
@@ -95,6 +96,11 @@ def train(config: TrainConfig) -> dict[str, Any] | None:
     held_out = None
     if config.eval_every is not None:
         corpus, rest = held_out_split(corpus)
+        if rest.numel() < seq_len + 1:
+            raise ConfigError(f"--eval-every holds out the last tenth of the data, "
+                              f"{rest.numel()} tokens, fewer than one window of --seq-len "
+                              f"{seq_len} + 1", "pass a smaller --seq-len, larger --data, or "
+                              "leave out --eval-every")
         held_out = spec.split(windows(rest, seq_len + 1, limit=EVAL_SAMPLES))
     batches: Any
     if config.sampling == "epoch":
