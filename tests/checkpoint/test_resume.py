@@ -305,3 +305,16 @@ def test_asynchronous_byteps_resumes_from_its_clocks_and_trains_on():
     assert again["losses"][8] == pytest.approx(whole["losses"][8], rel=0.1)
     assert sum(again["losses"][-4:]) < sum(again["losses"][8:12])  # it trains on after resuming
     assert again["losses"][-1] < again["losses"][0]
+
+
+@pytest.mark.timeout(120)
+def test_a_resumed_runs_metrics_keep_the_held_out_evaluations_before_the_resume():
+    # metrics.json held only the evaluations after the resume (a review found it), and their
+    # training time counted from the resume.
+    config = TrainConfig(strategy="single", steps=6, batch_size=8, lr=3e-3, optimizer="adam",
+                         model_options=TINY, eval_every=2)
+    whole, _, again, _ = stop_and_resume(config, 3)
+    assert [e["step"] for e in again["eval"]] == [2, 4, 6]
+    assert [e["loss"] for e in again["eval"]] == [e["loss"] for e in whole["eval"]]
+    times = [e["train_time_s"] for e in again["eval"]]
+    assert times == sorted(times) and times[0] == whole["eval"][0]["train_time_s"]

@@ -111,12 +111,16 @@ def train(config: TrainConfig) -> dict[str, Any] | None:
         batches = GlobalBatches(corpus, batch_size=config.batch_size, window=seq_len + 1,
                                 seed=config.seed)
     evals: list[dict[str, float | None]] = []
+    save_errors: list[str] = []
     start, before_losses, before_times = 0, [], []  # the steps a resumed run did before
     if config.resume is not None:
         resumed = load(config.resume, trainer, scheduler=scheduler)
         start, trainer.steps = resumed.step, resumed.step
         before_losses = list(resumed.extra.get("losses", []))
         before_times = list(resumed.extra.get("times", []))
+        # Their held-out evaluations and save errors too (older checkpoints: none kept).
+        evals = list(resumed.extra.get("evals", []))
+        save_errors = list(resumed.extra.get("save_errors", []))
         if lead:
             log.warning("resumed from %s at step %d", resumed.path, start)
     progress = Progress(config.steps, enabled=strategy.shows_progress and not config.quiet)
@@ -129,7 +133,6 @@ def train(config: TrainConfig) -> dict[str, Any] | None:
               if ctx is not None and ctx.emulated_network else set())
     losses: list[float | None] = []
     times: list[float] = []
-    save_errors: list[str] = []
     for step, batch in zip(range(start, config.steps), batches.iterate(start)):
         inputs, targets = spec.split(batch)
         t0 = time.perf_counter()
@@ -154,12 +157,13 @@ def train(config: TrainConfig) -> dict[str, Any] | None:
             net = strategy.evaluation_model(trainer.model)
             if net is not None:
                 value, accuracy = evaluate(net, *held_out, spec.loss, device=device)
-                evals.append({"step": step + 1, "train_time_s": sum(times), "loss": value,
-                              "accuracy": accuracy})
+                evals.append({"step": step + 1, "loss": value, "accuracy": accuracy,
+                              "train_time_s": sum(before_times) + sum(times)})
         if config.checkpoint_every and (step + 1) % config.checkpoint_every == 0:
             _checkpoint(config, trainer, scheduler, step + 1,
-                        before_losses + _global_losses(ctx, losses), before_times + times,
-                        save_errors)
+                        {"losses": before_losses + _global_losses(ctx, losses),
+                         "times": before_times + times, "evals": evals,
+                         "save_errors": list(save_errors)}, save_errors)
     global_losses = before_losses + _global_losses(ctx, losses)
     times = before_times + times
     state = trainer.state_dict()
@@ -219,14 +223,14 @@ def evaluate(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor
 
 
 def _checkpoint(config: TrainConfig, trainer: Any, scheduler: Any, step: int,
-                losses: list[float], times: list[float], errors: list[str]) -> None:
-    """Write ``out/checkpoints/step-S`` (every worker); a failure stops the run or is
-    recorded, per ``--on-save-error``."""
+                extra: dict[str, Any], errors: list[str]) -> None:
+    """Write ``out/checkpoints/step-S`` (every worker; ``extra``: the run's records so far,
+    what a resumed run's metrics.json carries on from); a failure stops the run or is
+    recorded in ``errors``, per ``--on-save-error``."""
     assert config.out is not None
     try:
         save(Path(config.out) / "checkpoints", trainer, step=step, scheduler=scheduler,
-             extra={"losses": losses, "times": times}, run=run_record(config),
-             keep=config.keep)
+             extra=extra, run=run_record(config), keep=config.keep)
     except CheckpointError as e:
         if config.on_save_error == "stop":
             raise
