@@ -89,10 +89,16 @@ def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
     return value
 
 
+#: The shortest timeout: a launched process whose heartbeat (every 0.5 s) is older than half
+#: of it is taken for hung, and a shorter one would take a busy, healthy process for one.
+MIN_TIMEOUT_S = 2.0
+
+
 def check_seconds(value: float, what: str, hint: str) -> None:
-    """Refuse a timeout that is not a positive number of seconds gloo can take."""
-    if not 0 < value <= MAX_TIMEOUT_S:
-        raise ConfigError(f"{what} must be a positive number of seconds, at most "
+    """Refuse a timeout that is not a number of seconds gloo can take, or is too short for
+    the launcher to tell a hung process from a busy one."""
+    if not MIN_TIMEOUT_S <= value <= MAX_TIMEOUT_S:
+        raise ConfigError(f"{what} must be a number of seconds from {MIN_TIMEOUT_S:g} to "
                           f"{MAX_TIMEOUT_S:.0f} (got {value:g})", hint)
 
 

@@ -79,8 +79,10 @@ def test_train_writes_metrics_and_final_state_as_the_contract_says(tmp_path):
     # Each of these was a traceback, a run that failed only after training, or nonsense run.
     (["--heads", "0"], r"--heads must be at least 1 \(got 0\)"),
     (["--layers", "-1"], r"--layers must be at least 1 \(got -1\)"),
-    (["--timeout", "1e300"], r"--timeout must be a positive number of seconds, at most 2147483"),
-    (["--timeout", "nan"], r"--timeout must be a positive number of seconds"),
+    (["--timeout", "1e300"], r"--timeout must be a number of seconds from 2 to 2147483"),
+    (["--timeout", "nan"], r"--timeout must be a number of seconds from 2"),
+    # Half of it, 0.5 s, is one heartbeat: a busy, healthy process would be taken for hung.
+    (["--timeout", "1"], r"--timeout must be a number of seconds from 2 to"),
     (["--port", "70000"], r"--port must be a TCP port, 1\.\.65535 \(got 70000\)"),
     (["--seed", str(2**64)], r"--seed must be in 0\.\.2\*\*63-1"),
     (["--batch-size", "0"], r"--batch-size must be at least 1 \(got 0\)"),
