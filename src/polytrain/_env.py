@@ -108,7 +108,8 @@ def _role(spec: str, local_rank: int) -> str:
     if len(roles) == 1:
         return roles[0]
     if local_rank >= len(roles):
-        return "invalid: " + spec
+        return f"none: POLYTRAIN_ROLE={spec!r} lists {len(roles)} roles, one per local rank, " \
+               f"and this is local rank {local_rank}"
     return roles[local_rank]
 
 

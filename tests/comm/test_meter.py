@@ -20,6 +20,13 @@ def test_topology_refuses_bad_roles_and_runs_without_workers():
         Topology.from_roles([("worker", "a"), ("boss", "a")])
     with pytest.raises(ConfigError, match="a run needs a worker"):
         Topology.from_roles([("server", "a")])
+    # A comma list shorter than the machine's processes: it said "role 'invalid: ...'".
+    from polytrain import _env
+    role = _env.read({"POLYTRAIN_ROLE": "worker,server", "LOCAL_RANK": "2"}).role
+    with pytest.raises(ConfigError, match=r"rank 2 has no role: POLYTRAIN_ROLE='worker,server' "
+                                          r"lists 2 roles, one per local rank, and this is "
+                                          r"local rank 2. HINT: list a role for every process"):
+        Topology.from_roles([("worker", "a"), ("server", "a"), (role, "a")])
 
 
 def test_each_message_is_counted_once_per_machine_and_per_step():

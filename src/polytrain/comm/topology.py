@@ -42,6 +42,10 @@ class Topology:
     def from_roles(cls, roles: list[tuple[str, str]]) -> Topology:
         """Build from ``(role, machine)`` per rank, checking the roles."""
         for rank, (role, _) in enumerate(roles):
+            if role.startswith("none: "):  # a comma list shorter than the local ranks
+                raise ConfigError(f"rank {rank} has no role: {role.removeprefix('none: ')}",
+                                  "list a role for every process of the machine, e.g. "
+                                  "POLYTRAIN_ROLE=worker,worker,server for --nproc-per-node 3")
             if role not in ROLES:
                 raise ConfigError(
                     f"rank {rank} has role {role!r}; a role is one of {ROLES}",
