@@ -577,7 +577,7 @@ def test_a_script_that_calls_launch_runs_under_polytrain_launch_as_it_is(tmp_pat
         (str(r), "4") for r in range(4)], run.stdout
     # Another layout than the launcher's is refused, not run silently.
     run = _run_calling_launch(tmp_path, "workers=4, nodes=2", ["--workers", "2"])
-    assert run.returncode == 1
+    assert run.returncode == 2  # a refusal (ConfigError), from the processes as from the CLI
     assert "launch() asks for a run of 4 processes, but polytrain launch started this " \
            "process as one of 2" in run.stderr, run.stderr[-2000:]
     # A shell that merely has RANK and WORLD_SIZE set (a cluster's pod, say) still launches.
