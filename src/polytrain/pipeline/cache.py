@@ -171,11 +171,9 @@ class ActivationCache:
         self.stats.shared_bytes -= self.published.pop(key, 0)
 
     def _keep(self, key: bytes, depth: int, value: torch.Tensor) -> None:
-        """Hold an entry in this process's tiers: memory within the budget, then disk."""
+        """Hold an entry (not in the memory tier: ``put`` forgot it, ``get`` found it
+        elsewhere) in this process's tiers: memory within the budget, then disk."""
         nbytes = value.numel() * value.element_size()
-        old = self.memory.pop(key, None)
-        if old is not None:
-            self.stats.memory_bytes -= old[1].numel() * old[1].element_size()
         if self._in_budget(nbytes):
             self.memory[key] = (depth, value)
             self.stats.memory_bytes += nbytes

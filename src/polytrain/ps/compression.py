@@ -36,15 +36,15 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 
 from ..errors import ConfigError, unknown
 
 __all__ = ["Compressor", "FP16", "OneBit", "TopK", "RandomK", "Dithering", "CompressOptions",
-           "Codec", "compressor", "compressor_names", "pack_bits", "unpack_bits",
-           "ASYNC_COMPRESSORS", "DEFAULT_MIN_BYTES", "DEFAULT_ONEBIT_BLOCK"]
+           "Codec", "codec_states_fit", "compressor", "compressor_names", "pack_bits",
+           "unpack_bits", "ASYNC_COMPRESSORS", "DEFAULT_MIN_BYTES", "DEFAULT_ONEBIT_BLOCK"]
 
 #: Tensors smaller than this travel uncompressed (BytePS's ``BYTEPS_MIN_COMPRESS_BYTES``).
 DEFAULT_MIN_BYTES = 65_536
@@ -543,3 +543,10 @@ class Codec:
             at += 1 + n
         self.residual, self.velocity = kept
         self.generator.set_state(state[at:].clone())
+
+
+def codec_states_fit(states: Mapping[int, torch.Tensor], codecs: Mapping[int, Codec]) -> bool:
+    """Whether ``states`` (by key, :meth:`Codec.state`'s, as a checkpoint holds them) are
+    those of ``codecs``: the same keys, each of its codec's size."""
+    return ({int(k): v.numel() for k, v in states.items()}
+            == {k: Codec.state_bytes(c.numel) for k, c in codecs.items()})

@@ -47,7 +47,7 @@ from ..comm.p2p import Handle
 from ..comm.partition import Partition, TensorSpec
 from ..errors import CommError, CommTimeout, ConfigError, kept_error
 from .client import Pending
-from .compression import Codec, CompressOptions
+from .compression import Codec, CompressOptions, codec_states_fit
 from .credit import CreditQueue
 from .placement import Placement, spread_handlers
 from .protocol import Kind, Op
@@ -271,35 +271,33 @@ class Engine:
 
     # -- what compressed sums carry across steps (checkpoints) ---------------------------------
 
-    def _packed(self) -> list[_Part]:
-        return [p for t in self.tensors for p in t.parts if p.codec is not None]
+    def _packed(self) -> list[tuple[_Part, Codec]]:
+        return [(p, p.codec) for t in self.tensors for p in t.parts if p.codec is not None]
 
     def codec_states(self) -> dict[int, torch.Tensor]:
         """By key, the state of the codecs this worker compresses with (its machine's
         partitions it pushes: error feedback, momentum, random draws); between rounds."""
-        return {p.part.key: p.codec.state() for p in self._packed()
-                if p.handler == self.me and p.codec is not None}
+        return {p.part.key: c.state() for p, c in self._packed() if p.handler == self.me}
 
     def server_codec_states(self) -> dict[int, torch.Tensor]:
         """By key, the servers' codec state of every compressed partition (their error
         feedback and draws), read at once: one worker calls it, when every round is done."""
         parts = self._packed()
-        outs = {p.part.key: torch.empty(Codec.state_bytes(p.part.numel), dtype=torch.uint8)
-                for p in parts}
+        outs = {p.part.key: torch.empty(Codec.state_bytes(c.numel), dtype=torch.uint8)
+                for p, c in parts}
         Pending.all([self.client.get(p.owner, key=p.part.key, out=outs[p.part.key],
-                                     round=WHOLE_STATE) for p in parts]).wait()
+                                     round=WHOLE_STATE) for p, _ in parts]).wait()
         return outs
 
     def codecs_fit(self, mine: dict[int, torch.Tensor],
                    servers: dict[int, torch.Tensor] | None = None) -> bool:
         """Whether :meth:`codec_states` (and :meth:`server_codec_states`) of a run fit this
-        one's partitions: the same keys, of the same sizes."""
+        one's partitions: the same keys, of the same sizes (a server's codec has its
+        partition's size, as the handler's has)."""
         parts = self._packed()
-        want = {p.part.key: Codec.state_bytes(p.part.numel) for p in parts}
-        mine_want = {p.part.key: want[p.part.key] for p in parts if p.handler == self.me}
-        def sizes(states: dict[int, torch.Tensor]) -> dict[int, int]:
-            return {int(k): v.numel() for k, v in states.items()}
-        return sizes(mine) == mine_want and (servers is None or sizes(servers) == want)
+        return (codec_states_fit(mine, {p.part.key: c for p, c in parts if p.handler == self.me})
+                and (servers is None
+                     or codec_states_fit(servers, {p.part.key: c for p, c in parts})))
 
     def restore_codecs(self, mine: dict[int, torch.Tensor],
                        servers: dict[int, torch.Tensor] | None = None) -> None:
@@ -307,12 +305,12 @@ class Engine:
         set on the servers and waited for, so a barrier after it orders every worker's
         pushes after them), that :meth:`codecs_fit`; before the first round."""
         parts = self._packed()
-        for p in parts:
-            if p.handler == self.me and p.codec is not None:
-                p.codec.load_state(mine[p.part.key])
+        for p, c in parts:
+            if p.handler == self.me:
+                c.load_state(mine[p.part.key])
         if servers is not None:
             Pending.all([self.client.set(p.owner, key=p.part.key, tensor=servers[p.part.key])
-                         for p in parts]).wait()
+                         for p, _ in parts]).wait()
 
     def _start(self) -> None:
         if self._threads:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from ...comm.partition import DEFAULT_PARTITION_BYTES, TensorSpec
 from ...errors import ConfigError, at_least
 from ...ps.client import Pending
-from ...ps.compression import ASYNC_COMPRESSORS, DEFAULT_MIN_BYTES, Codec
+from ...ps.compression import ASYNC_COMPRESSORS, DEFAULT_MIN_BYTES, Codec, codec_states_fit
 from ...ps.engine import Engine
 from ...ps.protocol import Kind
 from ...tensors import host_copy
@@ -161,8 +161,7 @@ class AsyncOptimizer(WrappedOptimizer):
         saved = state.get("codecs")
         ours = {p.key: c for p, c in zip(self.placement.partitions, self._codecs)
                 if c is not None}
-        fits = saved is not None and {int(k): v.numel() for k, v in saved.items()} == {
-            k: Codec.state_bytes(c.numel) for k, c in ours.items()}
+        fits = saved is not None and codec_states_fit(saved, ours)
         if fits:
             assert saved is not None
             for k, c in ours.items():
