@@ -19,10 +19,10 @@ from pathlib import Path
 
 import torch
 
-from polytrain.data import EpochBatches, get_dataset, held_out_split, windows
+from polytrain.data import EVAL_SAMPLES, EpochBatches, get_dataset, held_out_split, windows
 from polytrain.emulation.profile import layers_of
 from polytrain.models import get_model
-from polytrain.train.loop import EVAL_SAMPLES, evaluate
+from polytrain.train.loop import evaluate
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODEL = {"seq_len": 32, "d_model": 64, "layers": 8, "heads": 4}

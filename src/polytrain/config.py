@@ -12,7 +12,7 @@ from typing import Any, Mapping
 import torch
 
 from ._env import check_seconds
-from .data import check_dataset, check_divisible
+from .data import check_dataset, check_divisible, training_data
 from .emulation.devices import parse_cluster
 from .emulation.profile import optimizer_state_factor, profile_model
 from .errors import ConfigError, at_least, unknown
@@ -20,7 +20,7 @@ from .launch.host import available_memory_bytes
 from .launch.launcher import check_port
 from .launch.layout import Layout
 from .launch.network import LinkShape, link_shape
-from .models import get_model
+from .models import get_model, seq_len_of
 from .optim import make_optimizer
 from .strategies.base import get_strategy, make_options
 
@@ -177,6 +177,7 @@ class TrainConfig:
         cls.check_model(model, layout, options)
         cls.check_optimizer(make_optimizer(self.optimizer, model, self.lr), options)
         check_divisible(self.batch_size, cls.replicas(layout, options))
+        self._check_data(spec, model)
         self._check_devices(model)
         self._check_memory(model, layout.workers)
         self._check_out()  # last: a refused command leaves no directory behind
@@ -227,6 +228,16 @@ class TrainConfig:
                               f"checkpoint, and no --checkpoint-every is given",
                               "pass --checkpoint-every N with --out DIR")
 
+    def _check_data(self, spec: Any, model: Any) -> None:
+        """Refuse data too short for the run's windows, batches or held-out part now, and not
+        in every worker once the processes have started: ``data.training_data``'s rules, on
+        a stand-in of the corpus's length (``meta``: no copy of it is made)."""
+        tokens = spec.tokens(model, self.data).numel()
+        training_data(torch.empty(tokens, dtype=torch.uint8, device="meta"),
+                      window=seq_len_of(model, self.model_options) + 1,
+                      batch_size=self.batch_size, seed=self.seed, sampling=self.sampling,
+                      hold_out=self.eval_every is not None)
+
     def _check_memory(self, model: Any, processes: int) -> None:
         """Refuse a job whose weights alone cannot fit in this host's free memory. Every
         worker process builds the whole model on the CPU before its strategy keeps its part
@@ -253,7 +264,7 @@ class TrainConfig:
     def _check_devices(self, model: Any) -> str | None:
         spec = get_model(self.model)
         cls = get_strategy(self.strategy)
-        seq_len = int(getattr(model, "seq_len", self.model_options.get("seq_len", 64)))
+        seq_len = seq_len_of(model, self.model_options)
         sample = spec.split(torch.zeros((1, seq_len + 1), dtype=torch.long))[0]
         cluster = parse_cluster(self.devices) if self.devices is not None else None
         return cls.check_devices(cluster, lambda: profile_model(model, sample), self.layout(),

@@ -30,3 +30,24 @@ def test_a_batch_that_does_not_split_evenly_is_refused_with_the_fix():
     with pytest.raises(ConfigError, match=r"global batch 10 is not divisible by 4 .* "
                                           r"HINT: pass --batch-size 12"):
         shard(torch.zeros(10), 0, 4)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("options, message", [
+    ({"model_options": {"seq_len": 5_000_000}},
+     r"corpus of 4194304 tokens is shorter than a window of 5000001\. HINT: pass a smaller "
+     r"--seq-len"),
+    ({"sampling": "epoch", "batch_size": 100_000},
+     r"the corpus holds 64527 samples of 65 tokens, fewer than one batch of 100000"),
+    ({"data": "text-finetune", "eval_every": 1, "model_options": {"seq_len": 7000}},
+     r"--eval-every holds out the last tenth of the data, 6554 tokens, fewer than one window "
+     r"of --seq-len 7000 \+ 1"),
+    ({"model": "wordlm", "model_options": {"seq_len": 5_000_000}},
+     r"corpus of \d+ tokens is shorter than a window of 5000001"),
+])
+def test_data_too_short_for_the_run_is_refused_before_any_process_starts(options, message):
+    # Before, every worker raised it once the processes had started (with its traceback).
+    from polytrain.config import TrainConfig
+
+    with pytest.raises(ConfigError, match=message):
+        TrainConfig(strategy="ddp", workers=2, **options)

@@ -6,16 +6,19 @@ from typing import Callable
 
 import torch
 
-from ..errors import unknown
+from ..errors import ConfigError, unknown
 from .batches import EpochBatches, GlobalBatches, check_divisible, shard, windows
 from .text import stdlib_corpus
 
 __all__ = ["GlobalBatches", "EpochBatches", "windows", "shard", "check_divisible",
            "check_dataset",
-           "stdlib_corpus", "get_dataset", "dataset_names", "held_out_split", "HELD_OUT"]
+           "stdlib_corpus", "get_dataset", "dataset_names", "held_out_split", "HELD_OUT",
+           "EVAL_SAMPLES", "training_data"]
 
 #: The fraction of a data set's end that ``--eval-every`` holds out (never trained on).
 HELD_OUT = 0.1
+#: Held-out samples an evaluation runs on (non-overlapping windows of the held-out part).
+EVAL_SAMPLES = 256
 
 
 def _part(start: float, end: float) -> Callable[[], torch.Tensor]:
@@ -53,3 +56,26 @@ def get_dataset(name: str) -> torch.Tensor:
     """The corpus called ``name`` as a 1-D tensor of token ids."""
     check_dataset(name)
     return _DATASETS[name]()
+
+
+def training_data(corpus: torch.Tensor, *, window: int, batch_size: int, seed: int,
+                  sampling: str = "random", hold_out: bool = False
+                  ) -> tuple[GlobalBatches | EpochBatches, torch.Tensor | None]:
+    """A run's batches of ``window`` tokens over ``corpus`` (``sampling`` random or epoch)
+    and, with ``hold_out``, the held-out windows (at most :data:`EVAL_SAMPLES` of the last
+    :data:`HELD_OUT`, never trained on; else None). A corpus too short for them is refused
+    (ConfigError). On a ``meta`` corpus of the right length it checks without the data:
+    ``polytrain train`` refuses such a run before any process starts.
+    """
+    held_out = None
+    if hold_out:
+        corpus, rest = held_out_split(corpus)
+        if rest.numel() < window:
+            raise ConfigError(f"--eval-every holds out the last tenth of the data, "
+                              f"{rest.numel()} tokens, fewer than one window of --seq-len "
+                              f"{window - 1} + 1", "pass a smaller --seq-len, larger --data, "
+                              "or leave out --eval-every")
+        held_out = windows(rest, window, limit=EVAL_SAMPLES)
+    if sampling == "epoch":
+        return EpochBatches(corpus, batch_size=batch_size, window=window, seed=seed), held_out
+    return GlobalBatches(corpus, batch_size=batch_size, window=window, seed=seed), held_out

@@ -16,7 +16,8 @@ from .gpt_moe import GPTMoEOptions, gpt_moe
 from .mlp import MLP
 from .wordlm import WordLM, WordLMOptions
 
-__all__ = ["GPT", "MLP", "WordLM", "ModelSpec", "register_model", "get_model", "model_names"]
+__all__ = ["GPT", "MLP", "WordLM", "ModelSpec", "register_model", "get_model", "model_names",
+           "seq_len_of"]
 
 
 def _next_token(window: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,6 +76,19 @@ class ModelSpec:
                 raise ConfigError(f"model {self.name!r} takes no option {', '.join(unknown)}",
                                   f"its options are: {', '.join(params)}")
         return self.build(**options)
+
+    def tokens(self, model: nn.Module, data: str) -> torch.Tensor:
+        """The token ids ``model`` trains on: its own corpus, else the data set ``data``."""
+        if self.corpus is not None:
+            return self.corpus(model)
+        from ..data import get_dataset
+
+        return get_dataset(data)
+
+
+def seq_len_of(model: nn.Module, options: dict[str, Any]) -> int:
+    """The tokens of a sample's input: the model's ``seq_len``, else its option (default 64)."""
+    return int(getattr(model, "seq_len", options.get("seq_len", 64)))
 
 
 _MODELS: dict[str, ModelSpec] = {}

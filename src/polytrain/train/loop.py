@@ -17,24 +17,21 @@ import torch.distributed as dist
 
 from ..checkpoint import CheckpointError, load, run_record, save
 from ..config import TrainConfig, check_init
-from ..data import EpochBatches, GlobalBatches, get_dataset, held_out_split, windows
+from ..data import EpochBatches, training_data
 from ..emulation.clock import clock_of, emulate
 from ..emulation.devices import parse_cluster
 from ..emulation.profile import profile_model
-from ..errors import ConfigError
-from ..models import get_model
+from ..models import get_model, seq_len_of
 from ..optim import make_optimizer
 from ..runtime import Context, init
 from ..strategies.base import distribute, get_strategy
 from .metrics import build_metrics, warmup_steps
 from .progress import Progress
 
-__all__ = ["train", "make_optimizer", "evaluate", "EVAL_SAMPLES"]
+__all__ = ["train", "make_optimizer", "evaluate"]
 
 log = logging.getLogger(__name__)
 
-#: Held-out samples an evaluation runs on (non-overlapping windows of the held-out part).
-EVAL_SAMPLES = 256
 
 
 def lr_factor(step: int, *, steps: int, schedule: str, warmup: int) -> float:
@@ -78,7 +75,7 @@ def train(config: TrainConfig) -> dict[str, Any] | None:
     if config.init is not None:  # every worker loads it; distribute() then agrees on worker 0's
         model.load_state_dict(check_init(config.init, model))
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    seq_len = int(getattr(model, "seq_len", config.model_options.get("seq_len", 64)))
+    seq_len = seq_len_of(model, config.model_options)
     optimizer = make_optimizer(config.optimizer, model, config.lr)
     if cluster is not None and device.type == "cpu":  # on real GPUs nothing is emulated
         # Every strategy, ddp included, runs at the speed of this worker's device.
@@ -92,24 +89,13 @@ def train(config: TrainConfig) -> dict[str, Any] | None:
     strategy = trainer.strategy
     scheduler = make_scheduler(config, trainer.optimizer)  # every strategy follows its lr
     lead = ctx is None or ctx.worker_index == 0
-    corpus = spec.corpus(model) if spec.corpus is not None else get_dataset(config.data)
-    held_out = None
-    if config.eval_every is not None:
-        corpus, rest = held_out_split(corpus)
-        if rest.numel() < seq_len + 1:
-            raise ConfigError(f"--eval-every holds out the last tenth of the data, "
-                              f"{rest.numel()} tokens, fewer than one window of --seq-len "
-                              f"{seq_len} + 1", "pass a smaller --seq-len, larger --data, or "
-                              "leave out --eval-every")
-        held_out = spec.split(windows(rest, seq_len + 1, limit=EVAL_SAMPLES))
-    batches: Any
-    if config.sampling == "epoch":
-        batches = EpochBatches(corpus, batch_size=config.batch_size, window=seq_len + 1,
-                               seed=config.seed)
+    batches, held = training_data(spec.tokens(model, config.data), window=seq_len + 1,
+                                  batch_size=config.batch_size, seed=config.seed,
+                                  sampling=config.sampling,
+                                  hold_out=config.eval_every is not None)
+    held_out = spec.split(held) if held is not None else None
+    if isinstance(batches, EpochBatches):
         strategy.epoch_steps = batches.steps_per_epoch
-    else:
-        batches = GlobalBatches(corpus, batch_size=config.batch_size, window=seq_len + 1,
-                                seed=config.seed)
     evals: list[dict[str, float | None]] = []
     save_errors: list[str] = []
     start, before_losses, before_times = 0, [], []  # the steps a resumed run did before
