@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -86,7 +86,7 @@ class ModelSpec:
         return get_dataset(data)
 
 
-def seq_len_of(model: nn.Module, options: dict[str, Any]) -> int:
+def seq_len_of(model: nn.Module, options: Mapping[str, Any]) -> int:
     """The tokens of a sample's input: the model's ``seq_len``, else its option (default 64)."""
     return int(getattr(model, "seq_len", options.get("seq_len", 64)))
 

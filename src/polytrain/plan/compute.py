@@ -20,7 +20,7 @@ __all__ = ["measure_compute", "device_compute"]
 
 def _sample(spec: Any, model: torch.nn.Module, options: Mapping[str, Any], batch: int
             ) -> tuple[torch.Tensor, torch.Tensor]:
-    seq_len = seq_len_of(model, dict(options))
+    seq_len = seq_len_of(model, options)
     gen = torch.Generator().manual_seed(0)
     # Token ids the model has (wordlm's --vocab may be under 256, the text's bytes).
     window = torch.randint(0, min(256, int(getattr(model, "vocab", 256))),
