@@ -278,3 +278,11 @@ def set_then_get(times: int) -> list[float]:
             seen.append(float(out[-1]))
         dist.barrier(group=ctx.groups.workers)
     return seen
+
+
+def heartbeat_unwritable(seconds: float) -> int:
+    """Its heartbeat's record cannot be written (as on a full disk: here a directory takes
+    the temporary file's name), and it works on for ``seconds``."""
+    os.mkdir(os.environ["POLYTRAIN_HEARTBEAT_FILE"] + ".tmp")
+    time.sleep(seconds)
+    return 7

@@ -121,6 +121,18 @@ def test_a_worker_that_never_reaches_the_collective_is_named_not_its_waiting_pee
 
 
 @pytest.mark.timeout(60)
+def test_a_process_whose_heartbeat_record_cannot_be_written_is_not_taken_for_hung(capfd):
+    # On a full disk the heartbeat thread stopped at its first failed write, and the launcher
+    # then stopped the working process as hung, once half the timeout had passed.
+    assert polytrain.launch(scripts.heartbeat_unwritable, workers=1, args=(5.0,), timeout_s=2,
+                            env={"OMP_NUM_THREADS": "1"}) == [7]
+    err = capfd.readouterr().err
+    assert err.count("its heartbeat record cannot be written") == 1, err
+    assert re.search(r"\[polytrain rank 0 worker@node0\] its heartbeat record cannot be "
+                     r"written \(Is a directory\): only the file's time is renewed", err), err
+
+
+@pytest.mark.timeout(60)
 def test_leaving_the_run_at_exit_that_times_out_says_so_in_one_line(capfd):
     # It printed gloo's traceback ("Exception ignored in atexit callback"), naming no one.
     assert polytrain.launch(scripts.late_to_leave, workers=2, args=(1, 11.0), timeout_s=5,

@@ -136,11 +136,43 @@ def _start_heartbeat() -> None:
                             where, working_since = "", None  # as the end record says
                         _write_json(path, {"where": where, "working_since": working_since,
                                            "script_ended": _script_ended, "joined": _joined})
-                except OSError:
-                    return
+                except OSError as e:
+                    if not _touch(path, e):
+                        return
             time.sleep(_SAMPLE_S)
 
     threading.Thread(target=beat, name="polytrain-heartbeat", daemon=True).start()
+
+
+_touch_warned = False
+
+
+def _who() -> str:
+    """How this process names itself in what it prints: ``[polytrain rank 3 worker@node1]``."""
+    rank, role, node = _env.identity()
+    return f"[polytrain rank {rank} {role}@{node}]"
+
+
+def _touch(path: str, error: OSError) -> bool:
+    """A beat whose record cannot be written (a full disk, say): renew the heartbeat file's
+    time alone, which needs no space, so that the launcher does not take a working process
+    for a hung one; say so once. False when even that fails (the thread then stops)."""
+    global _touch_warned
+    try:
+        os.utime(path)
+    except OSError as e:
+        print(f"{_who()} its heartbeat file {path} cannot be "
+              f"written ({error.strerror or error}) nor touched ({e.strerror or e}): the "
+              f"launcher will report this process as hung", file=sys.stderr, flush=True)
+        return False
+    if not _touch_warned:
+        _touch_warned = True
+        print(f"{_who()} its heartbeat record cannot be written "
+              f"({error.strerror or error}): only the file's time is renewed, so a hang is "
+              f"still found, but not where the process was", file=sys.stderr, flush=True)
+    with contextlib.suppress(OSError):  # a partial temporary file takes space
+        os.remove(path + ".tmp")
+    return True
 
 
 class InjectedFault(RuntimeError):
@@ -254,8 +286,7 @@ def main() -> None:
     signal.signal(signal.SIGUSR1, _raise_injected)
     with open(sys.argv[1], "rb") as f:
         payload = pickle.load(f)
-    rank, role, node = _env.identity()
-    who = f"[polytrain rank {rank} {role}@{node}]"
+    who = _who()
     try:
         result = _run(payload)
     except SystemExit as e:
