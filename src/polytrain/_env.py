@@ -28,6 +28,7 @@ LABEL_FILE = "POLYTRAIN_LABEL_FILE"
 RESULT_FILE = "POLYTRAIN_RESULT_FILE"  # where a launched function's return value goes
 HEARTBEAT_FILE = "POLYTRAIN_HEARTBEAT_FILE"  # the launcher watches its mtime: a hung child
 STACKS_FILE = "POLYTRAIN_STACKS_FILE"  # where a child writes its threads' stacks on SIGUSR2
+CRASH_FILE = "POLYTRAIN_CRASH_FILE"  # where a child's faulthandler writes a crash (SIGSEGV...)
 HELD_FILE = "POLYTRAIN_HELD_FILE"  # where a server says which answers it has held long
 NIC = "POLYTRAIN_NIC"  # the emulated machine's interface, under --bandwidth
 SHM_DIR = "POLYTRAIN_SHM_DIR"  # the run's directory in host shared memory (the launcher's)
@@ -135,6 +136,10 @@ def heartbeat_file() -> str | None:
 
 def stacks_file() -> str | None:
     return os.environ.get(STACKS_FILE)
+
+
+def crash_file() -> str | None:
+    return os.environ.get(CRASH_FILE)
 
 
 def held_file() -> str | None:

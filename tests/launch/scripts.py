@@ -104,9 +104,12 @@ def fill_shared_memory(victim: int) -> str:
     return shm
 
 
-def killed_by_signal(victim: int) -> None:
+def killed_by_signal(victim: int, how: str = "kill") -> None:
     ctx = polytrain.init()
     if ctx.rank == victim:
+        if how == "segfault":  # a crash in C code
+            import ctypes
+            ctypes.string_at(0)
         os.kill(os.getpid(), signal.SIGKILL)
     time.sleep(60)
 

@@ -208,6 +208,20 @@ def test_a_process_killed_by_a_signal_is_named():
         spawn(scripts.killed_by_signal, workers=4, nodes=2, args=(2,))
 
 
+@pytest.mark.timeout(60)
+def test_a_crash_in_c_code_is_named_and_its_dump_printed_under_its_name(capfd):
+    # faulthandler's dump went to the shared terminal naming no process: with several
+    # processes (or several crashes) nobody could tell whose it was.
+    with pytest.raises(LaunchError, match=r"worker rank 1 \(machine node0\) failed: killed by "
+                                          r"SIGSEGV \(11\)\. HINT: a signal ended it"):
+        spawn(scripts.killed_by_signal, workers=2, args=(1, "segfault"))
+    err = capfd.readouterr().err
+    assert re.search(r"\[polytrain rank 1 worker@node0\] where it crashed \(faulthandler\):\n"
+                     r"Fatal Python error: Segmentation fault\n(.*\n)*?"
+                     r'  File ".*scripts\.py", line \d+ in killed_by_signal\n', err), err
+    assert err.count("Fatal Python error") == 1, err  # not also unlabelled
+
+
 def test_a_sigkill_while_the_kernels_oom_kills_rose_is_named_as_out_of_memory(monkeypatch):
     # A real out-of-memory kill would take this shared machine's memory: the kernel's OOM
     # kill count (launch/host.py's oom_kills) is faked, the process killed by SIGKILL is real.

@@ -275,7 +275,10 @@ def _fail(cause: str, secondary: bool, code: int = 1, hint: str | None = None,
 
 
 def main() -> None:
-    faulthandler.enable()  # a crash inside torch still shows where Python was
+    # A crash inside torch still shows where Python was: in a file of its own under a
+    # launcher, which prints it under this process's name (processes share one terminal).
+    crash = _env.crash_file()
+    faulthandler.enable(file=open(crash, "w") if crash else sys.stderr, all_threads=True)
     # The launcher asks a process it names as stalled for its threads' stacks.
     stacks = _env.stacks_file()
     faulthandler.register(signal.SIGUSR2, all_threads=True,

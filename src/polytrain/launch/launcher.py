@@ -77,18 +77,20 @@ class _Child:
     heartbeat_file: Path
     stacks_file: Path
     held_file: Path
+    crash_file: Path
     started: float = 0.0
     stopped_by_us: bool = False
     hung: str = ""  # why the heartbeat says it stopped answering ("" while it answers)
     hint: str = ""  # what to do about ``hung``, if not the traceback's fix
 
 
-def _files(workdir: Path, rank: int) -> tuple[Path, Path, Path, Path, Path, Path]:
+def _files(workdir: Path, rank: int) -> tuple[Path, Path, Path, Path, Path, Path, Path]:
     """A child's files in the run's directory, in :class:`_Child`'s order: error, result,
-    label, heartbeat, stacks, held answers (a server's)."""
+    label, heartbeat, stacks, held answers (a server's), crash dump."""
     return (workdir / f"error-{rank}.json", workdir / f"result-{rank}.pkl",
             workdir / f"label-{rank}.txt", workdir / f"heartbeat-{rank}",
-            workdir / f"stacks-{rank}.txt", workdir / f"held-{rank}.txt")
+            workdir / f"stacks-{rank}.txt", workdir / f"held-{rank}.txt",
+            workdir / f"crash-{rank}.txt")
 
 
 _SEE_TRACEBACK = "the traceback of that process is printed above; fix its cause and rerun"
@@ -97,8 +99,9 @@ _STOPPED_HINT = ("it was stopped (kill -STOP, a debugger, a shell's Ctrl-Z): con
                  "(kill -CONT) or leave it running, and rerun")
 _SILENT_HINT = ("its heartbeat thread stopped too: the whole process is stuck (in C code that "
                 "holds the GIL, or swapped out); raise --timeout if it was only slow")
-_SIGNALLED_HINT = ("a signal ended it without a traceback: SIGSEGV or SIGBUS, a crash in C "
-                   "code (faulthandler's dump above shows where); SIGKILL, SIGTERM or SIGINT, "
+_SIGNALLED_HINT = ("a signal ended it without a traceback: SIGSEGV, SIGBUS or SIGABRT, a "
+                   "crash in C code (faulthandler's dump above, under its name, shows where); "
+                   "SIGKILL, SIGTERM or SIGINT, "
                    "something outside the run (the kernel's OOM killer, a job scheduler, a "
                    "user)")
 _LEFT_HINT = ("if they waited in a collective every worker makes, find why it returned (or "
@@ -229,7 +232,7 @@ class Launcher:
 
     def _child_env(self, spec: ProcessSpec, files: tuple[Path, ...], shm: Path | None,
                    network: Network | None) -> dict[str, str]:
-        error, result, label, heartbeat, stacks, held = files
+        error, result, label, heartbeat, stacks, held, crash = files
         env = self._base_env()
         env[_env.RUN_DIR] = str(error.parent)  # the work directory
         if network is not None:
@@ -251,6 +254,7 @@ class Launcher:
             _env.HEARTBEAT_FILE: str(heartbeat),
             _env.STACKS_FILE: str(stacks),
             _env.HELD_FILE: str(held),
+            _env.CRASH_FILE: str(crash),
             _env.PARENT_PID: str(os.getpid()),
         })
         if spec.role == WORKER:  # every machine here is on this host: workers are ranks 0..W-1
@@ -651,6 +655,7 @@ def _failure(child: _Child, oom_kills_before: int | None) -> _Failure:
         if oom(code):
             return _Failure(child.spec, code, f"{_ended_how(code)}{_OOM_CAUSE}", 0.0, False,
                             label, _OOM_HINT)
+        _print_crash(child)
         return _Failure(child.spec, code, _ended_how(code), 0.0, False, label, _SIGNALLED_HINT)
     return _Failure(child.spec, code, _ended_how(code), time.time(), False, label)
 
@@ -666,6 +671,19 @@ _OOM_HINT = ("run fewer processes on this machine, or a smaller model or batch (
 _SERVER_DIED_HINT = ("find what ended the fork server (one per launching process: "
                      "polytrain.launch.forkserver); POLYTRAIN_FORKSERVER=0 starts every process "
                      "as a fresh interpreter instead")
+
+
+def _print_crash(child: _Child) -> None:
+    """Print what the child's faulthandler wrote when it crashed (SIGSEGV, SIGABRT...), under
+    its name: every process shares the terminal, and the dump itself names no one."""
+    try:
+        dump = child.crash_file.read_text(errors="replace")
+    except OSError:
+        return
+    if dump.strip():
+        print(f"[polytrain rank {child.spec.rank} {child.spec.role}@{child.spec.machine}] "
+              f"where it crashed (faulthandler):\n{dump}", file=sys.stderr,
+              end="" if dump.endswith("\n") else "\n", flush=True)
 
 
 def _ended_how(code: int) -> str:
