@@ -207,14 +207,18 @@ def test_find_unused_parameters_leaves_a_parameter_no_worker_used_as_torch_ddp_d
     assert float((zeros["b.weight"] - torch_ddp["b.weight"]).abs().max()) > 1e-3
 
 
-def step_inside_no_sync() -> None:
+def step_inside_no_sync(leave: bool = False) -> None:
     polytrain.init()
     model = nn.Linear(4, 2)
     trainer_model, opt = polytrain.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1),
                                               strategy="herring")
+    trainer_model(torch.randn(2, 4)).sum().backward()
+    opt.step()  # a synchronised step first: the check is per step
     with trainer_model.no_sync():
         trainer_model(torch.randn(2, 4)).sum().backward()
-        opt.step()
+        if not leave:
+            opt.step()
+    opt.step()
 
 
 def group_with_a_server() -> str:
@@ -237,7 +241,11 @@ def test_a_process_group_other_than_the_workers_is_refused():
 
 
 @pytest.mark.timeout(60)
-def test_a_step_inside_no_sync_before_any_synchronised_gradient_is_refused():
-    with pytest.raises(LaunchError, match=r"optimizer.step\(\) inside herring's no_sync\(\) "
+@pytest.mark.parametrize("leave, where", [(False, "inside"),
+                                          (True, "after every backward inside")])
+def test_a_step_inside_no_sync_before_any_synchronised_gradient_is_refused(leave, where):
+    # A step after leaving no_sync(), with every backward of the step inside it, was let
+    # through: each worker applied only its own gradients, and the replicas drifted apart.
+    with pytest.raises(LaunchError, match=rf"optimizer.step\(\) {where} herring's no_sync\(\) "
                                           r"with no gradient synchronised"):
-        spawn(step_inside_no_sync, workers=2, colocated=1)
+        spawn(step_inside_no_sync, workers=2, colocated=1, args=(leave,))

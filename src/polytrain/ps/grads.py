@@ -164,10 +164,13 @@ class GradientSync:
         self._first_submit: float | None = None
         self._queued = False
         self._came = [False] * len(self.params)
+        #: Whether a backward inside no_sync() accumulated gradients since the last sum.
+        self.unsynced = False
 
     def _hook(self, i: int) -> Callable[[torch.Tensor], None]:
         def hook(param: torch.Tensor) -> None:
             if not self.enabled:
+                self.unsynced = True
                 return
             if self.in_backward and not self._queued:
                 self._queued = True

@@ -51,11 +51,13 @@ class Herring(ServedStrategy[HerringOptions]):
         synced = [0]
 
         def check(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-            # A step inside no_sync() before any backward outside it: nothing was summed.
-            if not ddp.sync.enabled and ddp.sync.synced == synced[0]:
-                raise ConfigError("optimizer.step() inside herring's no_sync() with no "
-                                  "gradient synchronised since the last step: each worker "
-                                  "would apply only its own gradients",
+            # A step inside no_sync(), or after it with every backward of the step inside it:
+            # nothing was summed.
+            if ddp.sync.synced == synced[0] and (not ddp.sync.enabled or ddp.sync.unsynced):
+                where = "inside" if not ddp.sync.enabled else "after every backward inside"
+                raise ConfigError(f"optimizer.step() {where} herring's no_sync() with no "
+                                  f"gradient synchronised since the last step: each worker "
+                                  f"would apply only its own gradients",
                                   "run the last backward of the step outside no_sync(), "
                                   "then step")
             synced[0] = ddp.sync.synced
