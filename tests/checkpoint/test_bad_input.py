@@ -222,3 +222,16 @@ def test_resume_without_out_goes_on_in_the_resumed_runs_out(capsys, saved, tmp_p
         line = error_of(capsys, "--strategy", "single", "--resume", str(where), *longer)
         assert f"--resume {where} is not inside a run's --out, and no --out is given: the run " \
                f"would write nothing. HINT: pass --out DIR" in line
+
+
+@pytest.mark.timeout(120)
+def test_resume_of_a_checkpoint_at_the_last_step_is_refused(capsys, saved):
+    # It "resumed", trained nothing, and wrote the run's metrics.json again with none of its
+    # traffic.
+    before = (saved / "metrics.json").read_text()
+    line = error_of(capsys, "--strategy", "single", "--resume", str(saved), *TINY)
+    assert f"checkpoint {saved}/checkpoints/step-4 is at step 4, the run's last (--steps 4): " \
+           f"nothing is left to train" in line
+    assert f"HINT: pass --steps N above 4 to train on; its weights are in " \
+           f"{saved}/checkpoints/step-4/model.pt (--init takes them)" in line
+    assert (saved / "metrics.json").read_text() == before

@@ -83,6 +83,13 @@ def run_config(config: TrainConfig, *, env: Mapping[str, str] | None = None,
     config = resume_point(config)
     check_checkpoint_folder(config)
     origin, start = config.resume, start_step(config)
+    if origin is not None and start == config.steps:  # a restart may get there: it finishes
+        raise CheckpointError(
+            f"checkpoint {origin} is at step {start}, the run's last (--steps "
+            f"{config.steps}): nothing is left to train, and resuming would only write the "
+            f"run's final.pt and metrics.json again (with none of its traffic)",
+            f"pass --steps N above {start} to train on; its weights are in "
+            f"{Path(origin) / 'model.pt'} (--init takes them)")
     if not get_strategy(config.strategy).distributed:
         metrics = train(config)
         assert metrics is not None
