@@ -73,6 +73,15 @@ def test_resume_equals_the_uninterrupted_run_bit_for_bit(strategy, workers, node
     assert again["losses"] == whole["losses"] and len(again["losses"]) == 6
     assert again["checkpoints"]["resumed_at"] == 3
     assert whole["losses"][0] > whole["losses"][-1]  # it trained
+    # Each step's traffic lines up with the losses: None before the resume (the list held
+    # the resumed run's own 3 steps only, as if they were the first 3).
+    by_step, by_step_again = (m["traffic"]["sent_bytes_by_step"] for m in (whole, again))
+    if nodes > 1:
+        assert len(by_step) == 6 and all(b > 0 for b in by_step)
+        assert by_step_again[:3] == [None] * 3 and by_step_again[3] > 0
+        # The first one also carries the resume's messages (and herring's differ by a few
+        # bytes from run to run).
+        assert by_step_again[4:] == pytest.approx(by_step[4:], rel=0.01)
 
 
 @pytest.mark.timeout(180)
@@ -143,6 +152,15 @@ def test_parallax_resumes_its_servers_rows_bit_for_bit(optimizer, nodes, workers
     assert again["losses"] == whole["losses"] and len(again["losses"]) == 6
     assert again["checkpoints"]["resumed_at"] == 3
     assert whole["losses"][0] > whole["losses"][-1]  # it trained
+    # Each step's traffic lines up with the losses: None before the resume (the list held
+    # the resumed run's own 3 steps only, as if they were the first 3).
+    by_step, by_step_again = (m["traffic"]["sent_bytes_by_step"] for m in (whole, again))
+    if nodes > 1:
+        assert len(by_step) == 6 and all(b > 0 for b in by_step)
+        assert by_step_again[:3] == [None] * 3 and by_step_again[3] > 0
+        # The first one also carries the resume's messages (and herring's differ by a few
+        # bytes from run to run).
+        assert by_step_again[4:] == pytest.approx(by_step[4:], rel=0.01)
     if "search_steps" in options:  # its first sample (steps 0-2) came back with the rows
         assert again["partition_search"]["samples"][0] == whole["partition_search"]["samples"][0]
 

@@ -41,9 +41,12 @@ def build_metrics(*, config: Any, losses: Sequence[float], times: Sequence[float
     samples_per_s = config.batch_size * len(warm) / sum(warm) if warm and sum(warm) > 0 else 0.0
     machines: list[dict[str, Any]] = []
     servers: list[dict[str, Any]] = []
-    by_step: list[float] = []
+    by_step: list[float | None] = []
     if topology is not None and reports:
-        by_step = sent_bytes_by_step(reports, topology)
+        measured = sent_bytes_by_step(reports, topology)
+        # A resumed run measured its own steps only: None for those before, so that the
+        # list lines up with the losses.
+        by_step = [None] * max(0, len(times) - len(measured)) + list(measured)
         skip = len(times) - len(warm)
         machines = [m.as_dict() for m in machine_traffic(reports, topology, warmup=skip)]
         servers = server_traffic(reports, topology, warmup=skip)
@@ -84,7 +87,8 @@ def build_metrics(*, config: Any, losses: Sequence[float], times: Sequence[float
             "note": "bytes crossing machines per steady-state step; 'estimated' marks bytes "
                     "moved inside torch collectives, counted from their algorithm's cost; "
                     "nic_* (with --bandwidth): the kernel's counters of each machine's NIC, "
-                    "headers included; sent_bytes_by_step: every step's, all machines together",
+                    "headers included; sent_bytes_by_step: every step's, all machines together "
+                    "(None: a step before the resume this run started from)",
         },
         "versions": {"polytrain": polytrain.__version__, "torch": torch.__version__},
     }
