@@ -33,7 +33,6 @@ __all__ = ["train", "make_optimizer", "evaluate"]
 log = logging.getLogger(__name__)
 
 
-
 def lr_factor(step: int, *, steps: int, schedule: str, warmup: int) -> float:
     """The learning rate of step ``step`` (from 0) as a fraction of ``--lr``.
 
