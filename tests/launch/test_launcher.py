@@ -645,3 +645,30 @@ def test_polytrain_launch_exits_with_the_code_a_failed_worker_exited_with(tmp_pa
     run = polytrain_launch("--workers", "2", "--timeout", "20", str(script))
     assert run.returncode == 3, run.stderr[-2000:]
     assert "worker rank 1 (machine node0) failed: exited with code 3" in run.stderr
+
+
+@pytest.mark.timeout(60)
+def test_output_into_a_pipe_whose_reader_ended_is_named_not_taken_for_a_lost_peer(tmp_path):
+    # `polytrain launch script.py | head -1`: every worker's print raised BrokenPipeError,
+    # which was taken for a lost peer ("it lost a peer"), and the run failed naming a
+    # traceback that was never printed.
+    script = tmp_path / "chatty.py"
+    script.write_text("import polytrain, time\n"
+                      "ctx = polytrain.init()\n"
+                      "for i in range(2000):\n"
+                      "    print(f'line {i} from rank {ctx.rank}', flush=True)\n"
+                      "    time.sleep(0.005)\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
+    cli = Path(sys.executable).with_name("polytrain")
+    proc = subprocess.Popen([str(cli), "launch", "--workers", "2", "--timeout", "20",
+                             str(script)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().startswith("line 0")
+    proc.stdout.close()  # as head does once it has its line
+    _, err = proc.communicate(timeout=50)
+    assert proc.returncode == 1, err
+    assert "lost a peer" not in err, err
+    assert re.search(r"polytrain launch: error: worker rank [01] \(machine node0\) failed: "
+                     r"BrokenPipeError: \[Errno 32\] Broken pipe.*HINT: it wrote to a pipe "
+                     r"whose reader had ended", err), err
+    assert re.search(r"\[polytrain rank [01] worker@node0\] failed:\nTraceback", err), err

@@ -205,7 +205,15 @@ def _write_json(path: str, record: dict[str, Any], tmp: str = ".tmp") -> None:
 def _is_secondary(exc: BaseException) -> bool:
     if getattr(exc, "peer_lost", False):
         return True
+    if isinstance(exc, BrokenPipeError):  # Python's own write (gloo's errors are RuntimeError)
+        return False
     return any(m in str(exc) for m in _SECONDARY_MARKERS)
+
+
+#: What to do about a write to a closed pipe: the output's reader ended (``| head``).
+_PIPE_HINT = ("it wrote to a pipe whose reader had ended: when the run's output goes to a "
+              "command (| head, | grep -m 1), let that command read all of it, or write the "
+              "output to a file and read that")
 
 
 def _waited_s(exc: BaseException) -> float | None:
@@ -268,8 +276,10 @@ def _fail(cause: str, secondary: bool, code: int = 1, hint: str | None = None,
           waited_s: float | None = None, lost: int | None = None,
           bad_input: bool = False) -> None:
     _write_error(cause, secondary, hint, waited_s, lost, bad_input)
-    sys.stdout.flush()
-    sys.stderr.flush()
+    with contextlib.suppress(OSError):  # a closed pipe
+        sys.stdout.flush()
+    with contextlib.suppress(OSError):
+        sys.stderr.flush()
     # Skip atexit hooks: a graceful shutdown would wait on peers that may be gone.
     os._exit(code)
 
@@ -302,15 +312,16 @@ def main() -> None:
     except KeyboardInterrupt:
         os._exit(130)
     except BaseException as e:  # noqa: BLE001 - every failure must reach the launcher
-        if _is_secondary(e):  # its traceback (and torch's C++ frames) only say it lost a peer
-            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            print(f"{who} stopped: {type(e).__name__}: {first[:300]} (it lost a peer; the "
-                  f"launcher names the process that failed first)", file=sys.stderr,
-                  flush=True)
-        else:
-            print(f"{who} failed:\n{traceback.format_exc()}", file=sys.stderr, end="",
-                  flush=True)
-        hint = _hint_for(e)
+        with contextlib.suppress(OSError):  # stderr may be the pipe that broke
+            if _is_secondary(e):  # its traceback (and torch's C++ frames) say it lost a peer
+                first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+                print(f"{who} stopped: {type(e).__name__}: {first[:300]} (it lost a peer; the "
+                      f"launcher names the process that failed first)", file=sys.stderr,
+                      flush=True)
+            else:
+                print(f"{who} failed:\n{traceback.format_exc()}", file=sys.stderr, end="",
+                      flush=True)
+        hint = _PIPE_HINT if isinstance(e, BrokenPipeError) else _hint_for(e)
         # polytrain's errors carry their hint apart (what, hint): it goes last in the
         # launcher's message, not in the middle of it before a hint of the launcher's own.
         what, own = getattr(e, "what", None), getattr(e, "hint", None)
