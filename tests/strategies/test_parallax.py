@@ -323,6 +323,19 @@ def test_the_partition_search_repartitions_live_rows_without_losing_an_update():
     assert max_abs_diff(single, distributed) < TOLERANCE["adagrad"]
 
 
+
+@pytest.mark.timeout(120)
+def test_a_run_that_ends_before_its_partition_search_does_finishes_and_says_so():
+    # A run of --search-steps steps or fewer trained every step, then failed in metrics()
+    # (min() of no samples) and wrote neither final.pt nor metrics.json; one that ended
+    # mid-search reported as chosen a count it never used.
+    for steps, samples in ((2, 0), (3, 1)):  # after one sample, the search always goes on
+        metrics, _ = run_config(config(1, 2, 0, steps=steps, partitions=None, search_steps=2))
+        search = metrics["partition_search"]
+        assert len(search["samples"]) == samples and search["chosen"] is None, search
+        assert metrics["plan"]["partitions"] in (1, 2, 4)
+
+
 # -- traffic -----------------------------------------------------------------------------------
 
 TRAFFIC_MODEL = {**MODEL, "vocab": 20000, "d_model": 64, "negatives": 256}

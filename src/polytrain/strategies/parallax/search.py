@@ -83,7 +83,11 @@ class PartitionSearch:
         return min(candidates, key=lambda q: (b / q + a * (q - 1) + c, q))
 
     def as_json(self) -> dict[str, Any]:
+        """The samples, the fit and the choice; ``chosen`` is None while the search is not
+        over (a run that ended first: its plan holds the count it used)."""
         fit = fit_cost(self.samples)
+        over = bool(self.samples) and self.next_count() is None
         return {"samples": [{"partitions": p, "step_s": t} for p, t in self.samples],
                 "fit": None if fit is None else dict(zip(("a", "b", "c"), fit)),
-                "model": "t(P) = b / P + a (P - 1) + c", "chosen": self.best()}
+                "model": "t(P) = b / P + a (P - 1) + c",
+                "chosen": self.best() if over else None}
