@@ -160,6 +160,10 @@ class TrainConfig:
             raise ConfigError(f"--eval-every must be at least 1 step (got {self.eval_every})",
                               "pass --eval-every 50")
         spec = get_model(self.model)
+        default_data = next(f.default for f in dataclasses.fields(self) if f.name == "data")
+        if spec.corpus is not None and self.data != default_data:
+            raise ConfigError(f"model {self.model!r} trains on its own corpus, and --data "
+                              f"{self.data} would be ignored", "leave --data out")
         with torch.device("meta"):  # the model's own checks, without allocating it
             model = spec.make(**self.model_options)
         cls = get_strategy(self.strategy)

@@ -51,3 +51,14 @@ def test_data_too_short_for_the_run_is_refused_before_any_process_starts(options
 
     with pytest.raises(ConfigError, match=message):
         TrainConfig(strategy="ddp", workers=2, **options)
+
+
+
+def test_data_a_model_would_ignore_is_refused():
+    # wordlm trains on its own corpus: --data text-finetune ran on it, and metrics.json said
+    # text-finetune.
+    from polytrain.config import TrainConfig
+
+    with pytest.raises(ConfigError, match=r"model 'wordlm' trains on its own corpus, and --data "
+                                          r"text-finetune would be ignored"):
+        TrainConfig(strategy="single", model="wordlm", data="text-finetune")

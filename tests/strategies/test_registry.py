@@ -21,6 +21,19 @@ def test_unknown_strategy_option_lists_the_valid_ones():
                              bucket_mb=25)
 
 
+
+@pytest.mark.parametrize("strategy", ["byteps", "herring"])
+def test_sparse_gradients_are_refused_before_start_where_the_engine_sums_dense_ones(strategy):
+    # Every worker failed in its first backward, each with a traceback, and the hint named
+    # sparse=False, which the CLI cannot pass.
+    with pytest.raises(ConfigError, match=rf"parameter 'tok.weight' has sparse gradients .*, "
+                                          rf"and strategy '{strategy}' sums dense ones\. HINT: "
+                                          rf"train with --strategy parallax .* --dense-grads"):
+        polytrain.TrainConfig(strategy=strategy, model="wordlm", workers=2, servers=1,
+                              model_options={"vocab": 1000})
+    polytrain.TrainConfig(strategy=strategy, model="wordlm", workers=2, servers=1,
+                          model_options={"vocab": 1000, "dense_grads": True})
+
 def test_single_returns_the_model_and_its_full_state():
     model = torch.nn.Linear(2, 3)
     wrapped, _ = polytrain.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1),

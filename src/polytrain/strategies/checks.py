@@ -9,11 +9,12 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import ConfigError
+from ..ps.grads import sparse_parameter
 from ..runtime import Context
 
-__all__ = ["check_optimizer_of", "check_same_model", "check_same_optimizer",
-           "check_same_tensors", "broadcast_module", "model_signature", "optimizer_signature",
-           "tensor_signature"]
+__all__ = ["check_dense_gradients", "check_optimizer_of", "check_same_model",
+           "check_same_optimizer", "check_same_tensors", "broadcast_module", "model_signature",
+           "optimizer_signature", "tensor_signature"]
 
 
 Signature = list[tuple[str, tuple[int, ...], str]]
@@ -142,3 +143,14 @@ def broadcast_module(ctx: Context, model: nn.Module) -> None:
     src = ctx.topology.workers[0]
     for t in list(model.parameters()) + list(model.buffers()):
         dist.broadcast(t.data, src=src, group=ctx.groups.workers)
+
+
+def check_dense_gradients(model: nn.Module, strategy: str) -> None:
+    """Refuse a model with sparse gradients for a strategy whose engine sums dense ones (its
+    first backward would fail in every worker)."""
+    name = sparse_parameter(model)
+    if name is not None:
+        raise ConfigError(f"parameter {name!r} has sparse gradients (an "
+                          f"nn.Embedding(sparse=True)), and strategy {strategy!r} sums dense "
+                          f"ones", "train with --strategy parallax (its rows on servers) or "
+                          "ddp, or make them dense (--model wordlm: --dense-grads)")

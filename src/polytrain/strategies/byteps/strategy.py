@@ -14,6 +14,7 @@ from ...ps.compression import compressor
 from ...ps.engine import Engine, engine_for
 from ...runtime import Context
 from ..base import register
+from ..checks import check_dense_gradients
 from ..served import ServedStrategy
 from ..synced import keep_missing_for
 from .async_mode import AsyncOptimizer
@@ -49,6 +50,10 @@ class BytePS(ServedStrategy[BytePSOptions]):
 
     name = "byteps"
     Options = BytePSOptions
+
+    @classmethod
+    def check_model(cls, model: nn.Module, layout: Layout, options: BytePSOptions) -> None:
+        check_dense_gradients(model, cls.name)
     no_colocate_means = ("is the classic parameter server: every gradient goes to "
                          "dedicated servers")
 

@@ -8,8 +8,10 @@ import torch
 from torch import nn
 
 from ...errors import ConfigError
+from ...launch.layout import Layout
 from ...runtime import Context
 from ..base import register
+from ..checks import check_dense_gradients
 from ..served import ServedStrategy
 from .ddp import DistributedDataParallel
 from .options import HerringOptions
@@ -35,6 +37,10 @@ class Herring(ServedStrategy[HerringOptions]):
     no_colocate_means = "keeps only the dedicated servers"
     agrees_model = True  # its DistributedDataParallel checks and copies the model
     Options = HerringOptions
+
+    @classmethod
+    def check_model(cls, model: nn.Module, layout: Layout, options: HerringOptions) -> None:
+        check_dense_gradients(model, cls.name)
 
     def __init__(self, ctx: Context | None, options: HerringOptions) -> None:
         super().__init__(ctx, options)
