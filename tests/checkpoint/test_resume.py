@@ -233,8 +233,12 @@ def test_moe_resumes_resharded_from_four_workers_on_two():
 
 
 @pytest.mark.timeout(180)
-def test_ddp_resumes_on_another_worker_count():
-    config = TrainConfig(strategy="ddp", workers=2, steps=6, batch_size=8, model_options=TINY)
+@pytest.mark.parametrize("strategy, nodes, servers", [("ddp", 1, 0), ("herring", 2, 1)])
+def test_whole_model_strategies_resume_on_another_worker_count(strategy, nodes, servers):
+    # Herring refused it ("each worker's state belongs to its place in the layout"), though
+    # its workers hold what ddp's do.
+    config = TrainConfig(strategy=strategy, workers=2, nodes=nodes, servers=servers, steps=6,
+                         batch_size=8, model_options=TINY)
     whole, final, again, final_again = stop_and_resume(config, 3, config.replace(workers=4))
     assert max_abs_diff(final, final_again) < 1e-5
     assert again["losses"] == pytest.approx(whole["losses"], abs=1e-5)

@@ -36,6 +36,8 @@ class Herring(ServedStrategy[HerringOptions]):
     name = "herring"
     no_colocate_means = "keeps only the dedicated servers"
     agrees_model = True  # its DistributedDataParallel checks and copies the model
+    # Every worker holds the whole model and optimizer; the servers only sum.
+    resumes_on_other_layouts = True
     Options = HerringOptions
 
     @classmethod
