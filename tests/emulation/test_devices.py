@@ -155,6 +155,12 @@ def test_emulated_device_waits_out_the_layer_time():
     slowest = BUILTIN_TYPES["slow"].__class__(name="crawl", gflops=0.2, memory_mb=64)
     clock = emulate(model, slowest, profile)
     assert clock_of(model) is clock
+    # Through wrappers of wrappers (Parallax's evaluation model holds DDP's): its held-out
+    # evaluation ran at the emulated device's speed, the clock never paused.
+    wrapper = torch.nn.Module()
+    wrapper.module = torch.nn.Module()
+    wrapper.module.module = model
+    assert clock_of(wrapper) is clock and clock_of(torch.nn.Linear(2, 2)) is None
     expected = 4 * profile.flops / 0.2e9
     start = time.monotonic()
     model(x).sum().backward()

@@ -119,10 +119,16 @@ def emulate(model: nn.Module, device_type: DeviceType, profile: ModelProfile) ->
 
 
 def clock_of(model: nn.Module) -> DeviceClock | None:
-    """The emulated device ``model`` runs on (None: real speed)."""
-    inner = getattr(model, "module", model)
-    clock = getattr(inner, _ATTR, None)
-    return clock if isinstance(clock, DeviceClock) else None
+    """The emulated device ``model`` runs on (None: real speed), through wrappers that hold
+    the model they run as ``module`` (DDP's, Parallax's evaluation model's)."""
+    while True:
+        clock = getattr(model, _ATTR, None)
+        if isinstance(clock, DeviceClock):
+            return clock
+        inner = getattr(model, "module", None)
+        if not isinstance(inner, nn.Module) or inner is model:
+            return None
+        model = inner
 
 
 def _batch(args: Any) -> int:

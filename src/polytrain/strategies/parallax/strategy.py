@@ -252,12 +252,12 @@ class _Gathered(nn.Module):
 
     def __init__(self, model: nn.Module, rows: SparseRows) -> None:
         super().__init__()
-        self.model = model
+        self.module = model  # as wrappers name it: evaluation finds its emulated device
         self._rows = rows
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._rows.paused = True
         try:
-            return self.model(*args, **kwargs)
+            return self.module(*args, **kwargs)
         finally:
             self._rows.paused = False
