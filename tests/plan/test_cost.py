@@ -156,3 +156,14 @@ def test_tail_servers_and_combine_on_an_emulated_host_only():
     q = predict(Candidate(strategy="herring"), network=real, compute=NO_COMPUTE,
                 model_bytes=4e6, constants=c)
     assert q.step_time_s == pytest.approx(6.0 / WIRE_EFFICIENCY)
+
+
+def test_workers_sharing_the_hosts_cores_stretch_measured_compute_not_an_emulated_devices():
+    # polytrain plan --devices doubled the compute of 4 workers on 2 cores (2.7 s predicted,
+    # 1.39 s run): an emulated device's time is waited out, whatever else runs on the host.
+    net = Network(machines=2, local_workers=2, shared_host_cores=2)
+    measured = Compute(forward_s=0.1, backward_s=0.2, optimizer_s=0.0)
+    device = Compute(forward_s=0.1, backward_s=0.2, optimizer_s=0.0, emulated=True)
+    p, q = (predict(Candidate(strategy="ddp"), network=net, compute=c, model_bytes=1e6,
+                    constants=Constants()) for c in (measured, device))
+    assert p.compute_s == pytest.approx(0.6) and q.compute_s == pytest.approx(0.3)

@@ -84,4 +84,4 @@ def device_compute(model: str, model_options: Mapping[str, Any], *, batch: int,
     slowest = min(d.type.flops_per_s for d in cluster.devices)
     fwd = sum(x.fwd_flops for x in profile.layers) * batch / slowest
     bwd = sum(x.bwd_flops for x in profile.layers) * batch / slowest
-    return Compute(forward_s=fwd, backward_s=bwd, optimizer_s=0.0)
+    return Compute(forward_s=fwd, backward_s=bwd, optimizer_s=0.0, emulated=True)

@@ -119,11 +119,16 @@ class Candidate:
 
 @dataclass(frozen=True, kw_only=True)
 class Compute:
-    """One worker's compute per step at its batch: forward, backward, optimizer (seconds)."""
+    """One worker's compute per step at its batch: forward, backward, optimizer (seconds).
+
+    ``emulated``: the times are an emulated device's (``--devices``), which a worker waits
+    out whatever else runs on the host, so the workers' sharing of its cores does not
+    stretch them (they are measured here otherwise, on one core, and it does)."""
 
     forward_s: float
     backward_s: float
     optimizer_s: float
+    emulated: bool = False
 
     @property
     def step_s(self) -> float:
@@ -297,8 +302,9 @@ def predict(candidate: Candidate, *, network: Network, compute: Compute, model_b
         host = (host_traffic(s, **shape) * model_bytes * per_byte / network.shared_host_cores
                 + constants.server_s.get(s, 0.0) * summation_servers(
                     s, machines=network.machines, servers=candidate.servers))
-        # The workers' compute shares the same cores.
-        share = max(1.0, network.workers / network.shared_host_cores)
+        # The workers' compute shares the same cores (an emulated device's is waited out).
+        share = 1.0 if compute.emulated else max(1.0, network.workers
+                                                 / network.shared_host_cores)
     else:  # real machines, each with its own CPUs: the NIC is the bound, as in the papers
         host, share = 0.0, 1.0
     latency = _messages(candidate, network, model_bytes, constants) * network.latency_s
