@@ -105,6 +105,21 @@ class TrafficMeter:
         self.record(ranks[(i + 1) % p], share, SENT, estimated=True)
         self.record(ranks[(i - 1) % p], share, RECV, estimated=True)
 
+    def record_ring_allgather(self, ranks: Sequence[int], nbytes: int) -> None:
+        """Record a ring all-gather over ``ranks`` of this rank's ``nbytes`` (estimated: torch
+        moved it; the others' parts taken as large as this one's).
+
+        A ring of p ranks has every rank pass on p - 1 parts to its successor (its own and
+        p - 2 others') and receive as many from its predecessor: how gloo sums sparse
+        gradients (every rank's rows and their indices, gathered).
+        """
+        p = len(ranks)
+        if p < 2 or self.rank not in ranks:
+            return
+        i = list(ranks).index(self.rank)
+        self.record(ranks[(i + 1) % p], (p - 1) * nbytes, SENT, estimated=True)
+        self.record(ranks[(i - 1) % p], (p - 1) * nbytes, RECV, estimated=True)
+
 
 @dataclass(frozen=True)
 class MachineTraffic:

@@ -101,15 +101,29 @@ class DDP(Strategy[DDPOptions]):
         find_unused = self.options.find_unused_parameters or bool(moe_layers(model))
         wrapped = _DDP(model, device_ids=device_ids, process_group=ctx.groups.workers,
                        find_unused_parameters=find_unused)
+        sparse = {id(m.weight) for m in model.modules()
+                  if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse}
         grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters()
-                         if p.requires_grad)
+                         if p.requires_grad and id(p) not in sparse)
         workers = list(ctx.topology.workers)
         meter = ctx.meter
 
         def record(module: nn.Module, args: Any) -> None:
-            # DDP all-reduces every gradient once per backward of a forward that syncs.
+            # DDP all-reduces every dense gradient once per backward of a forward that syncs.
             if torch.is_grad_enabled() and getattr(module, "require_backward_grad_sync", True):
                 meter.record_ring_allreduce(workers, grad_bytes)
 
+        def record_rows(p: torch.Tensor) -> None:
+            # gloo gathers every worker's sparse gradient (its rows and their indices) once
+            # the backward that syncs has produced it: bytes that depend on the rows touched.
+            grad = p.grad
+            if grad is not None and grad.is_sparse and wrapped.require_backward_grad_sync:
+                rows = grad.coalesce()  # as gloo sends it: each row touched once
+                meter.record_ring_allgather(workers, rows._values().nbytes
+                                            + rows._indices().nbytes)
+
         wrapped.register_forward_pre_hook(record)
+        for p in model.parameters():
+            if id(p) in sparse and p.requires_grad:
+                p.register_post_accumulate_grad_hook(record_rows)
         return wrapped, optimizer
