@@ -54,10 +54,24 @@ def test_every_buffer_is_cut_into_equal_shards_one_per_server_and_piece_per_loca
     assert sum(load.values()) == total and max(load.values()) / min(load.values()) <= 1.001
 
 
+def test_a_buffer_smaller_than_its_pieces_goes_to_as_many_servers_as_it_has_elements():
+    # It was refused, naming --bucket-cap-mb, which cannot help a lone scalar of another
+    # dtype (its own buffer whatever the cap).
+    specs = [TensorSpec("w", (10,), torch.float32), TensorSpec("t", (), torch.float64),
+             TensorSpec("b", (5,), torch.float32)]
+    plan = plan_herring(specs, bucket_cap_bytes=1 << 20, servers=[4, 5, 6], local_workers=2)
+    by_buffer: dict[str, list[tuple[int, int, int]]] = {}
+    for p, o, h in zip(plan.placement.partitions, plan.placement.owners,
+                       plan.placement.handlers):
+        by_buffer.setdefault(p.name, []).append((p.numel, o, h))
+    assert by_buffer["t"] == [(1, 5, 0)]  # one element: one server (the next in turn)
+    # 5 elements over 3 servers of 2 local workers: 2, 2 and 1, the last in one piece.
+    assert by_buffer["b"] == [(1, 4, 0), (1, 4, 1), (1, 5, 0), (1, 5, 1), (1, 6, 0)]
+    assert [n for n, _, _ in by_buffer["w"]] == [2, 2, 2, 1, 2, 1]
+
+
 def test_the_plans_refusals_name_the_rule_and_the_values():
     spec = [TensorSpec("b", (5,), torch.float32)]
-    with pytest.raises(ConfigError, match=r"3 x 2 = 6 pieces\), but buffer 0 \('b'\) has 5"):
-        plan_herring(spec, bucket_cap_bytes=1 << 20, servers=[4, 5, 6], local_workers=2)
     with pytest.raises(ConfigError, match="bucket cap must be positive"):
         plan_herring(spec, bucket_cap_bytes=0, servers=[4])
     with pytest.raises(ConfigError, match="--bucket-cap-mb must be positive"):
@@ -163,6 +177,47 @@ def test_the_drop_in_and_the_comm_hook_equal_torch_ddp_on_the_same_script():
     start = nn.Sequential(nn.Linear(12, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(),
                           nn.Linear(64, 3)).state_dict()
     assert max_abs_diff(bare, start) > 1e-3
+
+
+class _Tempered(nn.Module):
+    """Linear layers and a float64 scalar: a buffer of one element, smaller than its pieces."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 3)
+        self.temperature = nn.Parameter(torch.tensor(1.5, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) / self.temperature.float()
+
+
+def tempered_script(kind: str) -> dict:
+    ctx = polytrain.init()
+    torch.manual_seed(0)
+    model: nn.Module = _Tempered()
+    if kind == "torch":
+        model = nn.parallel.DistributedDataParallel(model, process_group=ctx.groups.workers)
+    else:
+        from polytrain.herring import DistributedDataParallel as DDP
+        model = DDP(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x, y = torch.randn(8, 6, generator=gen), torch.randn(8, 3, generator=gen)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(polytrain.shard(x, ctx.worker_index, ctx.num_workers)),
+                               polytrain.shard(y, ctx.worker_index, ctx.num_workers)).backward()
+        opt.step()
+    return {k.removeprefix("module."): v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.timeout(120)
+def test_a_scalar_of_another_dtype_is_summed_as_torch_ddp_sums_it():
+    # Herring refused it: its buffer of one element could not be cut into 2 x 2 pieces.
+    torch_ddp = spawn(tempered_script, workers=4, nodes=2, colocated=1, args=("torch",))[0]
+    herring = spawn(tempered_script, workers=4, nodes=2, colocated=1, args=("herring",))[0]
+    assert max_abs_diff(torch_ddp, herring) < 1e-6
+    assert abs(float(herring["temperature"]) - 1.5) > 1e-4  # it trained
 
 
 class _Branchy(nn.Module):

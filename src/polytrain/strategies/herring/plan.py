@@ -71,8 +71,9 @@ def plan_herring(specs: Sequence[TensorSpec], *, bucket_cap_bytes: int, servers:
                  local_workers: int = 1) -> HerringPlan:
     """Herring's buffers of ``specs`` (parameters in model order) and their shards.
 
-    Raises ConfigError for a cap of zero or below, no servers, or a buffer with fewer
-    elements than its S x L pieces (more servers than the buffer has elements).
+    A buffer of fewer elements than its S x L pieces (a lone scalar of another dtype, say)
+    is cut into as many shards and pieces as it has elements, on servers taken in turn
+    from the buffer's index. Raises ConfigError for a cap of zero or below, or no servers.
     """
     if bucket_cap_bytes < 1:
         raise ConfigError(f"herring's bucket cap must be positive (got {bucket_cap_bytes} "
@@ -90,20 +91,16 @@ def plan_herring(specs: Sequence[TensorSpec], *, bucket_cap_bytes: int, servers:
     parts: list[Partition] = []
     owners: list[int] = []
     handlers: list[int] = []
-    pieces = len(servers) * local_workers
     for b, spec in enumerate(flat):
-        if spec.numel < pieces:
-            raise ConfigError(
-                f"herring cuts every fusion buffer into one shard per server and each shard "
-                f"into one piece per local worker ({len(servers)} x {local_workers} = {pieces}"
-                f" pieces), but buffer {b} ({spec.name!r}) has {spec.numel} elements",
-                "use fewer servers (--servers, --no-colocate) or a larger --bucket-cap-mb")
+        shards = max(1, min(len(servers), spec.numel))
         index = 0
-        for i, (start, count) in enumerate(even_cuts(spec.numel, len(servers))):
-            for j, (off, n) in enumerate(even_cuts(count, local_workers)):
+        for i, (start, count) in enumerate(even_cuts(spec.numel, shards)):
+            for j, (off, n) in enumerate(even_cuts(count, max(1, min(local_workers, count)))):
                 parts.append(Partition(len(parts), b, spec.name, index, start + off, n,
                                        n * spec.itemsize, spec.dtype))
-                owners.append(servers[i])
+                # A buffer on fewer servers than all: on the next ones in turn.
+                owners.append(servers[(i + (b if shards < len(servers) else 0))
+                                      % len(servers)])
                 handlers.append(j)
                 index += 1
     return HerringPlan(buckets, tuple(flat),
