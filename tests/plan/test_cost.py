@@ -123,6 +123,8 @@ def test_candidates_and_recommendation():
     assert recommend(tied).candidate.key == "ddp"
     with pytest.raises(ConfigError, match="no strategy can run this job"):
         recommend([])
+    # One worker sums nothing: servers would only add their cost (byteps k=0 was recommended).
+    assert [c.key for c in candidates(Network(machines=1, servers=2))] == ["ddp"]
 
 
 def test_fanout_and_summation_servers():

@@ -270,8 +270,11 @@ def _messages(candidate: Candidate, network: Network, model_bytes: float,
 
 
 def candidates(network: Network) -> list[Candidate]:
-    """Every strategy the job can run with: ddp, and BytePS and Herring on 0..k servers."""
+    """Every strategy the job can run with: ddp, and BytePS and Herring on 0..k servers; ddp
+    alone for one worker, which has nothing to sum (servers would only add their cost)."""
     out = [Candidate(strategy="ddp")]
+    if network.workers < 2:
+        return out
     for strategy in ("byteps", "herring"):
         out += [Candidate(strategy=strategy, servers=k) for k in range(network.servers + 1)]
     return out
