@@ -65,7 +65,8 @@ def test_resume_of_another_strategy_model_or_optimizer_is_refused(capsys, saved)
            "--strategy single" in line
     wide = [("64" if a == "32" else a) for a in TINY]  # --d-model 64
     line = error_of(capsys, "--strategy", "single", "--resume", str(saved), *wide)
-    assert "is of another model" in line and "'d_model': 32" in line
+    assert "is of another model: its options differ from this run's in d_model (32 there, " \
+           "64 here)" in line
     line = error_of(capsys, "--strategy", "single", "--resume", str(saved), "--optimizer",
                     "sgd", *TINY)
     assert "was written with --optimizer adam, and this run has sgd" in line
@@ -235,3 +236,17 @@ def test_resume_of_a_checkpoint_at_the_last_step_is_refused(capsys, saved):
     assert f"HINT: pass --steps N above 4 to train on; its weights are in " \
            f"{saved}/checkpoints/step-4/model.pt (--init takes them)" in line
     assert (saved / "metrics.json").read_text() == before
+
+
+
+@pytest.mark.timeout(120)
+def test_resume_with_a_model_option_given_at_its_default_goes_on(capsys, saved, tmp_path):
+    # --heads 4 is gpt's default: "is of another model: its options are {...}, this run's
+    # {..., 'heads': 4}", for the same model.
+    import shutil
+    run = tmp_path / "run"
+    shutil.copytree(saved, run)
+    longer = [("6" if a == "4" and i and TINY[i - 1] == "--steps" else a)
+              for i, a in enumerate(TINY)]
+    assert main(["train", "--strategy", "single", "--resume", str(run), "--heads", "4",
+                 *longer]) == 0, capsys.readouterr().err

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from ..models import get_model
 from ..strategies.base import get_strategy, make_options
 from .manifest import CheckpointError
 
@@ -49,10 +50,16 @@ def check_compatible(manifest: Mapping[str, Any], config: Any, where: Any) -> No
             f"--eval-every, which trains on the data less its held-out tenth, and this run "
             f"has {'it' if config.eval_every is not None else 'none'}",
             "resume with --eval-every N" if saved["held_out"] else "resume without --eval-every")
-    if "model_options" in saved and dict(saved["model_options"]) != dict(config.model_options):
+    spec = get_model(config.model)
+    if "model_options" in saved and (spec.full_options(saved["model_options"])
+                                     != spec.full_options(config.model_options)):
+        theirs, ours = (spec.full_options(o) for o in (saved["model_options"],
+                                                       config.model_options))
+        differ = {k: (theirs.get(k), ours.get(k)) for k in sorted({*theirs, *ours})
+                  if theirs.get(k) != ours.get(k)}
         raise CheckpointError(
-            f"checkpoint {where} is of another model: its options are {saved['model_options']}, "
-            f"this run's {dict(config.model_options)}",
+            f"checkpoint {where} is of another model: its options differ from this run's in "
+            + ", ".join(f"{k} ({a} there, {b} here)" for k, (a, b) in differ.items()),
             "resume with the checkpoint's model options, or start without --resume")
     step = int(saved["step"])
     if step > config.steps:

@@ -77,6 +77,13 @@ class ModelSpec:
                                   f"its options are: {', '.join(params)}")
         return self.build(**options)
 
+    def full_options(self, options: Mapping[str, Any]) -> dict[str, Any]:
+        """``options`` with every option the model takes and was not given at its default:
+        two runs of the same model compare equal however their options were spelled."""
+        defaults = {n: p.default for n, p in inspect.signature(self.build).parameters.items()
+                    if p.default is not p.empty}
+        return {**defaults, **options}
+
     def tokens(self, model: nn.Module, data: str) -> torch.Tensor:
         """The token ids ``model`` trains on: its own corpus, else the data set ``data``."""
         if self.corpus is not None:
