@@ -74,9 +74,14 @@ def read(environ: Mapping[str, str] | None = None) -> ProcessEnv:
         master_port=int(port) if port else None,
         role=_role(env.get(ROLE, "worker"), local_rank),
         node=env.get(NODE) or socket.gethostname(),
-        timeout_s=_seconds(env, TIMEOUT, DEFAULT_TIMEOUT_S),
+        timeout_s=timeout_of(env),
         launched=launched,
     )
+
+
+def timeout_of(env: Mapping[str, str]) -> float:
+    """The timeout ``env`` sets (POLYTRAIN_TIMEOUT, else the default), checked."""
+    return _seconds(env, TIMEOUT, DEFAULT_TIMEOUT_S)
 
 
 def _seconds(env: Mapping[str, str], name: str, default: float) -> float:

@@ -672,3 +672,9 @@ def test_output_into_a_pipe_whose_reader_ended_is_named_not_taken_for_a_lost_pee
                      r"BrokenPipeError: \[Errno 32\] Broken pipe.*HINT: it wrote to a pipe "
                      r"whose reader had ended", err), err
     assert re.search(r"\[polytrain rank [01] worker@node0\] failed:\nTraceback", err), err
+
+
+def test_a_bad_polytrain_timeout_is_refused_before_any_process_starts():
+    # Every process raised it from polytrain.init(), each with its traceback.
+    with pytest.raises(ConfigError, match=r"POLYTRAIN_TIMEOUT='abc' is not a number of seconds"):
+        polytrain.launch(scripts.identity, workers=2, env={"POLYTRAIN_TIMEOUT": "abc"})

@@ -25,7 +25,8 @@ def add_parser(sub: Any) -> None:
                    help="server processes on every worker machine (default 0)")
     p.add_argument("--port", type=int, default=None, help="rendezvous port (default: a free one)")
     p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
-                   help="longest wait on another process (default 120)")
+                   help="longest wait on another process (default: POLYTRAIN_TIMEOUT, "
+                        "else 120)")
     add_network_flags(p)
     p.add_argument("script", metavar="SCRIPT")
     p.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS")

@@ -170,6 +170,8 @@ class Launcher:
         check_port(port)
         if timeout_s is not None:
             _env.check_seconds(timeout_s, "--timeout", "pass --timeout 120")
+        else:  # POLYTRAIN_TIMEOUT (else the default), read once here: a bad value is one line
+            timeout_s = _env.timeout_of({**os.environ, **(env or {})})
         self.layout = layout
         self.shape = shape
         self.host = "127.0.0.1"
