@@ -50,3 +50,19 @@ def test_this_machine_reads_real_figures():
         pytest.skip("no /proc on this host")
     assert host.available_memory_bytes() > 0
     assert host.oom_kills() is not None and host.oom_kills() >= 0
+
+
+def test_reading_the_nic_of_a_machine_whose_process_ended_is_a_lost_peer():
+    # Worker 0 failed with FileNotFoundError ('/proc/PID/net/dev') from inside the meter when
+    # a peer it read the NIC through had died: the launcher then took it for a cause.
+    import subprocess
+    import sys
+
+    from polytrain.errors import PeerLost
+    from polytrain.launch.network import NicSampler
+
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    with pytest.raises(PeerLost, match=r"process \d+ of machine node1, whose NIC counters this "
+                                       r"process reads, has ended"):
+        NicSampler({"node1": (int(done.stdout), "eth0")})()

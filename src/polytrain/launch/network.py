@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from .. import _env
-from ..errors import ConfigError, LaunchError
+from ..errors import ConfigError, LaunchError, PeerLost
 
 __all__ = ["LinkShape", "Network", "NicSampler", "link_shape", "parse_rate", "parse_time",
            "check_tools", "netem_check", "nic_bytes", "start_time", "sweep_stale", "STATE_DIR"]
@@ -344,7 +344,15 @@ class NicSampler:
     nics: Mapping[str, tuple[int, str]]
 
     def __call__(self) -> dict[str, tuple[int, int]]:
-        return {machine: nic_bytes(pid, nic) for machine, (pid, nic) in self.nics.items()}
+        out = {}
+        for machine, (pid, nic) in self.nics.items():
+            try:
+                out[machine] = nic_bytes(pid, nic)
+            except FileNotFoundError:  # its /proc is gone: a peer that ended (secondary)
+                raise PeerLost(f"process {pid} of machine {machine}, whose NIC counters this "
+                               f"process reads, has ended",
+                               "look at that process's log for its error") from None
+        return out
 
 
 class Network:
