@@ -134,3 +134,19 @@ def test_flag_value_reads_the_last_value_given():
     assert flag_value(["--strategy", "a", "--steps", "3", "--strategy=b"], "--strategy") == "b"
     assert flag_value(["--strategy"], "--strategy") is None
     assert flag_value(["--strategys", "x"], "--strategy") is None
+
+
+@pytest.mark.parametrize("args, unknown", [
+    (["plan", "--device", "cuda"], "--device cuda"),  # train's: it was read as plan's --devices
+    (["plan", "--dev", "cuda"], "--dev cuda"),
+    (["train", "--foo"], "--foo"),
+    (["launch", "--max-restarts", "2", "job.py"], "--max-restarts"),
+])
+def test_an_unknown_or_prefix_option_is_refused_with_the_subcommands_usage(args, unknown, capsys):
+    # Prefixes were taken for options, and unknown options came with the top level's usage.
+    with pytest.raises(SystemExit) as exit_:
+        main(args)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2
+    assert err.startswith(f"usage: polytrain {args[0]} "), err
+    assert f"polytrain {args[0]}: error: unrecognized arguments: {unknown}\n" in err

@@ -15,18 +15,27 @@ __all__ = ["main"]
 def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     """The parser of every subcommand; ``argv`` only shapes the help (``train --strategy X -h``)."""
     parser = argparse.ArgumentParser(
-        prog="polytrain", description="Hybrid distributed training on torch.distributed.")
+        prog="polytrain", description="Hybrid distributed training on torch.distributed.",
+        allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     train.add_parser(sub, argv)
     launch.add_parser(sub)
     plan.add_parser(sub)
     env.add_parser(sub)
+    for command in sub.choices.values():
+        # No prefixes: `plan --device cuda` (a train option) was read as plan's --devices.
+        command.allow_abbrev = False
+    setattr(parser, "commands", dict(sub.choices))  # noqa: B010 - main() reports with them
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else list(argv)
-    ns = build_parser(args).parse_args(args)
+    parser = build_parser(args)
+    ns, unknown = parser.parse_known_args(args)
+    if unknown:  # with the subcommand's usage, not the top level's
+        getattr(parser, "commands")[ns.command].error(  # noqa: B009
+            f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return int(ns.run(ns))
     except ConfigError as e:
