@@ -250,3 +250,14 @@ def test_resume_with_a_model_option_given_at_its_default_goes_on(capsys, saved, 
               for i, a in enumerate(TINY)]
     assert main(["train", "--strategy", "single", "--resume", str(run), "--heads", "4",
                  *longer]) == 0, capsys.readouterr().err
+
+
+@pytest.mark.timeout(120)
+def test_a_run_without_checkpoints_does_not_write_over_a_checkpointed_runs_results(capsys, saved):
+    # It replaced that run's final.pt and metrics.json, and a later --resume of the folder went
+    # on with the other run.
+    before = (saved / "metrics.json").read_text()
+    line = error_of(capsys, "--strategy", "single", "--out", str(saved), "--lr", "0.05", *TINY)
+    assert f"--out {saved} holds another run's checkpoints (2 checkpoints up to step-4): this " \
+           f"run would write its final.pt and metrics.json over that run's" in line
+    assert (saved / "metrics.json").read_text() == before

@@ -40,8 +40,9 @@ def start_step(config: TrainConfig) -> int:
 
 def check_checkpoint_folder(config: TrainConfig) -> None:
     """Refuse to write checkpoints beside another run's newer ones in ``OUT/checkpoints/``:
-    a restart, and a later ``--resume OUT``, take the newest there, which would be theirs."""
-    if config.checkpoint_every is None or config.out is None:
+    a restart, and a later ``--resume OUT``, take the newest there, which would be theirs.
+    Nor may a fresh run without checkpoints write its results over that run's."""
+    if config.out is None:
         return
     root = Path(config.out) / "checkpoints"
     start = start_step(config)
@@ -50,6 +51,14 @@ def check_checkpoint_folder(config: TrainConfig) -> None:
     if not past:
         return
     what = f"{len(past)} checkpoint{'s' * (len(past) > 1)} up to {past[0]}"
+    if config.checkpoint_every is None:
+        if config.resume is None:
+            raise CheckpointError(
+                f"--out {config.out} holds another run's checkpoints ({what}): this run would "
+                f"write its final.pt and metrics.json over that run's, and a later --resume "
+                f"{config.out} would go on with that run", "pass another --out (or remove "
+                f"{root}), or continue that run with --resume {config.out}")
+        return
     if config.resume is None:
         raise CheckpointError(
             f"--out {config.out} already holds an earlier run's checkpoints ({what}), and "
