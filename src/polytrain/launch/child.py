@@ -202,6 +202,19 @@ def _write_json(path: str, record: dict[str, Any], tmp: str = ".tmp") -> None:
     os.replace(path + tmp, path)
 
 
+def _raised_at(exc: BaseException) -> str:
+    """`` at job.py:40`` for the innermost frame of ``exc``'s traceback in the script's own
+    code (not polytrain's, torch's or the standard library's); "" if none."""
+    polytrain_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    place = ""
+    for frame, line in traceback.walk_tb(exc.__traceback__):
+        name = frame.f_code.co_filename
+        if not (name.startswith("<") or name.startswith(polytrain_dir)
+                or name.startswith(_STDLIB) or "-packages" in name):
+            place = f" at {os.path.basename(name)}:{line}"
+    return place
+
+
 def _is_secondary(exc: BaseException) -> bool:
     if getattr(exc, "peer_lost", False):
         return True
@@ -312,12 +325,17 @@ def main() -> None:
     except KeyboardInterrupt:
         os._exit(130)
     except BaseException as e:  # noqa: BLE001 - every failure must reach the launcher
+        # By name: the child imports no more of polytrain than the script did.
+        refused = any(c.__name__ == "ConfigError" for c in type(e).__mro__)
         with contextlib.suppress(OSError):  # stderr may be the pipe that broke
             if _is_secondary(e):  # its traceback (and torch's C++ frames) say it lost a peer
                 first = str(e).strip().splitlines()[0] if str(e).strip() else ""
                 print(f"{who} stopped: {type(e).__name__}: {first[:300]} (it lost a peer; the "
                       f"launcher names the process that failed first)", file=sys.stderr,
                       flush=True)
+            elif refused:  # a refusal says what to do: its traceback is noise, not a clue
+                print(f"{who} refused{_raised_at(e)}: {type(e).__name__}: {e}",
+                      file=sys.stderr, flush=True)
             else:
                 print(f"{who} failed:\n{traceback.format_exc()}", file=sys.stderr, end="",
                       flush=True)
@@ -330,10 +348,9 @@ def main() -> None:
         else:
             e_text = str(e)
         _fail(f"{type(e).__name__}: {e_text}", _is_secondary(e),
-              hint=f"{hint} (its traceback is printed above)" if hint else None,
-              waited_s=_waited_s(e), lost=getattr(e, "peer", None),
-              # By name: the child imports no more of polytrain than the script did.
-              bad_input=any(c.__name__ == "ConfigError" for c in type(e).__mro__))
+              hint=f"{hint} (its traceback is printed above)" if hint and not refused
+              else hint, waited_s=_waited_s(e), lost=getattr(e, "peer", None),
+              bad_input=refused)
     _end_script()
     # Free cycles that hold process groups now: torch aborts if it frees them during exit.
     gc.collect()
