@@ -148,3 +148,16 @@ def host_worker():
 @pytest.mark.timeout(120)
 def test_the_launcher_numbers_workers_across_the_hosts_machines():
     assert spawn(host_worker, workers=4, nodes=2, servers=1) == ["0", "1", "2", "3"]
+
+
+def test_a_bad_log_level_does_not_stop_import_polytrain():
+    # `import polytrain` raised ValueError from logging.
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, POLYTRAIN_LOG_LEVEL="loud", PYTHONPATH=os.pathsep.join(sys.path))
+    done = subprocess.run([sys.executable, "-c", "import polytrain; print('imported')"],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout == "imported\n", done.stderr
+    assert "POLYTRAIN_LOG_LEVEL='LOUD' is not a level" in done.stderr

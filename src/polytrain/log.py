@@ -32,7 +32,15 @@ def _configure() -> None:
     handler.addFilter(_Prefix())
     handler.setFormatter(logging.Formatter("%(polytrain_id)s %(levelname)s %(name)s: %(message)s"))
     root.addHandler(handler)
-    root.setLevel(_env.log_level())
+    level = _env.log_level()
+    if not isinstance(logging.getLevelName(level), int):  # a name it knows maps to its number
+        # A bad setting must not stop `import polytrain`: say so, and keep the default.
+        handler.handle(logging.makeLogRecord({
+            "name": "polytrain", "levelname": "WARNING", "levelno": logging.WARNING,
+            "msg": f"POLYTRAIN_LOG_LEVEL={level!r} is not a level (DEBUG, INFO, WARNING, "
+                   f"ERROR): WARNING is used"}))
+        level = "WARNING"
+    root.setLevel(level)
     root.propagate = False
 
 
