@@ -91,7 +91,10 @@ def test_train_writes_metrics_and_final_state_as_the_contract_says(tmp_path):
     (["--strategy", "herring", "--bucket-cap-mb", "nan"], r"--bucket-cap-mb must be positive"),
     (["--strategy", "moe", "--model", "gpt-moe", "--balance-loss", "nan"],
      r"balance_weight \(--balance-loss\) must be 0 or more \(got nan\)"),
-    (["--model", "mlp", "--heads", "4"], r"model 'mlp' takes no option heads"),
+    (["--model", "mlp", "--heads", "4"], r"model 'mlp' takes no option --heads"),
+    # The hint named moefy's every=, not the flag.
+    (["--model", "gpt-moe", "--moe-every", "0"], r"--moe-every must be at least 1 \(got 0\)\. "
+                                                  r"HINT: pass --moe-every 1"),
     (["--strategy", "pipetransformer", "--model", "wordlm", "--workers", "4", "--nodes", "2"],
      r"WordLM cannot be timed layer by layer: its forward does not run on shapes alone"),
 ])

@@ -41,5 +41,5 @@ def test_mlp_predicts_the_next_byte():
 
 
 def test_unknown_model_options_are_named():
-    with pytest.raises(ConfigError, match="model 'gpt' takes no option experts"):
+    with pytest.raises(ConfigError, match="model 'gpt' takes no option --experts"):
         get_model("gpt").make(experts=4)

@@ -72,9 +72,11 @@ class ModelSpec:
         params = inspect.signature(self.build).parameters
         if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
             unknown = sorted(set(options) - set(params))
-            if unknown:
-                raise ConfigError(f"model {self.name!r} takes no option {', '.join(unknown)}",
-                                  f"its options are: {', '.join(params)}")
+            if unknown:  # as flags: the CLI's names (a script's are the same with _)
+                flags = ", ".join("--" + n.replace("_", "-") for n in params)
+                raise ConfigError(f"model {self.name!r} takes no option "
+                                  f"{', '.join('--' + n.replace('_', '-') for n in unknown)}",
+                                  f"its options are: {flags}")
         return self.build(**options)
 
     def full_options(self, options: Mapping[str, Any]) -> dict[str, Any]:

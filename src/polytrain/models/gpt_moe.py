@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from ..errors import at_least
 from ..moe import MoE, gate_names, moefy
 from .gpt import GPT, _init_weights
 
@@ -51,6 +52,7 @@ def gpt_moe(*, vocab: int = 256, seq_len: int = 64, d_model: int = 128, layers: 
 
         model = gpt_moe(seq_len=32, d_model=64, layers=2, experts=4, gate="gshard")
     """
+    at_least("--moe-every", moe_every, "pass --moe-every 1 (every block) or 2")  # its flag
     model = GPT(vocab=vocab, seq_len=seq_len, d_model=d_model, layers=layers, heads=heads,
                 d_hidden=d_hidden)
     moefy(model, experts, every=moe_every, top_k=top_k, gate=gate,
