@@ -261,3 +261,10 @@ def test_a_run_without_checkpoints_does_not_write_over_a_checkpointed_runs_resul
     assert f"--out {saved} holds another run's checkpoints (2 checkpoints up to step-4): this " \
            f"run would write its final.pt and metrics.json over that run's" in line
     assert (saved / "metrics.json").read_text() == before
+
+
+def test_resume_of_a_final_pt_points_at_init(capsys, saved):
+    # It said "no such directory" of a file that exists.
+    line = error_of(capsys, "--strategy", "single", "--resume", str(saved / "final.pt"), *TINY)
+    assert f"checkpoint {saved}/final.pt is a file, and a checkpoint is a directory" in line
+    assert "to start a new run from a final.pt's weights, pass it to --init" in line

@@ -194,6 +194,12 @@ def resolve(path: str | Path) -> tuple[Path, list[str]]:
         verify(p)
         return p, []
     root = p / "checkpoints" if (p / "checkpoints").is_dir() else p
+    if p.is_file():  # a final.pt, say: weights alone, which --init starts from
+        raise CheckpointError(f"checkpoint {path} is a file, and a checkpoint is a directory "
+                              f"(model, optimizer, data position, RNG)",
+                              "pass a run's --out or one of its checkpoints/step-S to "
+                              "--resume; to start a new run from a final.pt's weights, pass "
+                              "it to --init")
     if not root.is_dir():
         raise CheckpointError(f"checkpoint {path}: no such directory",
                               "pass (to --resume, or polytrain.load) the --out directory of "
