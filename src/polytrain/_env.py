@@ -79,9 +79,10 @@ def read(environ: Mapping[str, str] | None = None) -> ProcessEnv:
     )
 
 
-def timeout_of(env: Mapping[str, str]) -> float:
-    """The timeout ``env`` sets (POLYTRAIN_TIMEOUT, else the default), checked."""
-    return _seconds(env, TIMEOUT, DEFAULT_TIMEOUT_S)
+def timeout_of(env: Mapping[str, str] | None = None) -> float:
+    """The timeout ``env`` (default: this process's) sets: POLYTRAIN_TIMEOUT, else the
+    default; checked."""
+    return _seconds(os.environ if env is None else env, TIMEOUT, DEFAULT_TIMEOUT_S)
 
 
 def _seconds(env: Mapping[str, str], name: str, default: float) -> float:

@@ -158,3 +158,15 @@ def test_env_prints_versions_and_devices(capsys, monkeypatch):
                      r"1000\)", out, re.M), out
     assert re.search(r"^--latency \(tc netem\) +unknown: trying it needs root \(running as "
                      r"uid 1000\)$", out, re.M), out
+
+
+def test_polytrain_timeout_is_trains_default_timeout(monkeypatch):
+    # polytrain train ignored it (launch read it), though the hints name both.
+    from polytrain.cli import build_parser
+    from polytrain.cli.train import config_from_args
+
+    monkeypatch.setenv("POLYTRAIN_TIMEOUT", "77")
+    args = ["train", "--strategy", "single", "--steps", "1"]
+    assert config_from_args(build_parser(args).parse_args(args)).timeout_s == 77
+    args += ["--timeout", "30"]
+    assert config_from_args(build_parser(args).parse_args(args)).timeout_s == 30

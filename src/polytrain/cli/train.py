@@ -8,6 +8,7 @@ import re
 import sys
 from typing import Any, Sequence
 
+from .. import _env
 from ..checkpoint.manifest import newest, read_manifest, resolve, run_out
 from ..config import ON_SAVE_ERROR, SAMPLINGS, SCHEDULES, TrainConfig
 from ..errors import ConfigError, unknown
@@ -55,8 +56,9 @@ def add_parser(sub: Any, argv: Sequence[str] = ()) -> None:
                    help="random windows (default), or epoch: fixed samples, each once per "
                         "epoch")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.add_argument("--timeout", type=float, default=d["timeout_s"].default, metavar="SECONDS",
-                   help="longest wait on another process before failing (default 120)")
+    p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                   help="longest wait on another process before failing (default: "
+                        "POLYTRAIN_TIMEOUT, else 120)")
     p.add_argument("--port", type=int, default=None, help="rendezvous port (default: a free one)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="default cpu")
     p.add_argument("--checkpoint-every", type=int, default=None, metavar="N",
@@ -117,7 +119,8 @@ def _common(ns: argparse.Namespace) -> dict[str, Any]:
         model=ns.model, data=ns.data, workers=ns.workers, nodes=ns.nodes, steps=ns.steps,
         batch_size=ns.batch_size, lr=ns.lr, optimizer=ns.optimizer, lr_schedule=ns.lr_schedule,
         warmup_steps=ns.warmup_steps, seed=ns.seed, out=_out(ns), quiet=ns.quiet,
-        timeout_s=ns.timeout, port=ns.port, device=ns.device, devices=ns.devices,
+        timeout_s=ns.timeout if ns.timeout is not None else _env.timeout_of(),
+        port=ns.port, device=ns.device, devices=ns.devices,
         bandwidth=ns.bandwidth, latency=ns.latency, model_options=model_options(ns, _model_flags),
         init=ns.init, eval_every=ns.eval_every, sampling=ns.sampling,
         checkpoint_every=ns.checkpoint_every, keep=ns.keep, on_save_error=ns.on_save_error,
