@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -187,18 +188,22 @@ class TrainConfig:
         self._check_out()  # last: a refused command leaves no directory behind
 
     def _check_out(self) -> None:
-        """Make ``--out`` now, so that a directory that cannot be made fails before training
-        (not after it, losing the run)."""
+        """Refuse an ``--out`` that cannot be made a directory now, so that it fails before
+        training (not after it, losing the run), without making it: a run refused later
+        (a damaged --resume, say) leaves no directory behind."""
         if self.out is None:
             return
         if not str(self.out).strip():
             raise ConfigError("--out is empty", "pass --out DIR, or leave it out")
-        try:
-            Path(self.out).mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise ConfigError(f"--out {self.out} cannot be made a directory: "
-                              f"{e.strerror or e}", "pass --out a directory you can write "
-                              "to (it is made if missing)") from None
+        out = Path(self.out).absolute()
+        first = next(p for p in (out, *out.parents) if p.exists())  # "/" exists
+        why = ("File exists" if first.is_file() and first == out else
+               "Not a directory" if not first.is_dir() else
+               "Permission denied or read-only" if not os.access(first, os.W_OK | os.X_OK)
+               else None)
+        if why is not None:
+            raise ConfigError(f"--out {self.out} cannot be made a directory: {why}",
+                              "pass --out a directory you can write to (it is made if missing)")
 
     def _check_checkpoints(self) -> None:
         if self.checkpoint_every is not None:

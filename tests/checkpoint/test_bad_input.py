@@ -268,3 +268,12 @@ def test_resume_of_a_final_pt_points_at_init(capsys, saved):
     line = error_of(capsys, "--strategy", "single", "--resume", str(saved / "final.pt"), *TINY)
     assert f"checkpoint {saved}/final.pt is a file, and a checkpoint is a directory" in line
     assert "to start a new run from a final.pt's weights, pass it to --init" in line
+
+
+def test_a_refused_run_leaves_no_out_directory_behind(capsys, tmp_path):
+    # A --resume refused after the options were checked had already made --out.
+    out = tmp_path / "new" / "out"
+    line = error_of(capsys, "--strategy", "single", "--out", str(out), "--resume",
+                    str(tmp_path / "missing"), *TINY)
+    assert "no such directory" in line
+    assert not (tmp_path / "new").exists()
