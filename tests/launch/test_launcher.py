@@ -236,7 +236,7 @@ def test_a_sigkill_while_the_kernels_oom_kills_rose_is_named_as_out_of_memory(mo
     proc.kill()
     proc.wait()
     spec = Layout(workers=2).processes()[1]
-    child = launcher._Child(spec, proc, *(Path("/nonexistent") / n for n in "erlhsw"))
+    child = launcher._Child(spec, proc, *(Path("/nonexistent") / n for n in "erlhswc"))
     monkeypatch.setattr(launcher, "oom_kills", lambda: 8)
     oom = launcher._failure(child, oom_kills_before=7)
     assert oom.describe() == ("worker rank 1 (machine node0) failed: killed by SIGKILL (9), "
