@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +14,16 @@ from polytrain.strategies.base import Strategy, get_strategy, make_options
 
 TINY = ["--steps", "4", "--batch-size", "8", "--seq-len", "16", "--d-model", "32", "--quiet",
         "--timeout", "30"]
+LONGER = [("6" if a == "4" and i and TINY[i - 1] == "--steps" else a)
+          for i, a in enumerate(TINY)]  # TINY's run with --steps 6: it trains on past step-4
+
+
+def copied(saved: Path, tmp_path: Path) -> Path:
+    """A copy of the ``saved`` run's --out, to resume in without changing it."""
+    import shutil
+    run = tmp_path / "run"
+    shutil.copytree(saved, run)
+    return run
 
 
 def error_of(capsys, *args: str) -> str:
@@ -202,17 +213,14 @@ def test_resume_with_other_batches_is_refused(capsys, saved):
 def test_resume_without_out_goes_on_in_the_resumed_runs_out(capsys, saved, tmp_path):
     # It trained and wrote nothing, saying nothing.
     import shutil
-    run = tmp_path / "run"
-    shutil.copytree(saved, run)
-    longer = [("6" if a == "4" and i and TINY[i - 1] == "--steps" else a)
-              for i, a in enumerate(TINY)]
+    run = copied(saved, tmp_path)
     for resume in (run, run / "checkpoints" / "step-4"):
-        assert main(["train", "--strategy", "single", "--resume", str(resume), *longer]) == 0
+        assert main(["train", "--strategy", "single", "--resume", str(resume), *LONGER]) == 0
         assert f"wrote {run}/metrics.json and {run}/final.pt" in capsys.readouterr().out
         assert json.loads((run / "metrics.json").read_text())["steps"] == 6
     # An older checkpoint of the run: going on in its --out would write over its results.
     line = error_of(capsys, "--strategy", "single", "--resume",
-                    str(run / "checkpoints" / "step-2"), *longer)
+                    str(run / "checkpoints" / "step-2"), *LONGER)
     assert f"is not the newest checkpoint of {run} (step-4 is), and no --out is given: going " \
            f"on there would write over that run's final.pt and metrics.json" in line
     outside = tmp_path / "step-4"
@@ -220,7 +228,7 @@ def test_resume_without_out_goes_on_in_the_resumed_runs_out(capsys, saved, tmp_p
     backup = tmp_path / "backup"  # a folder of step-S, not a run's checkpoints/
     shutil.copytree(saved / "checkpoints", backup)
     for where in (outside, backup):
-        line = error_of(capsys, "--strategy", "single", "--resume", str(where), *longer)
+        line = error_of(capsys, "--strategy", "single", "--resume", str(where), *LONGER)
         assert f"--resume {where} is not inside a run's --out, and no --out is given: the run " \
                f"would write nothing. HINT: pass --out DIR" in line
 
@@ -238,18 +246,13 @@ def test_resume_of_a_checkpoint_at_the_last_step_is_refused(capsys, saved):
     assert (saved / "metrics.json").read_text() == before
 
 
-
 @pytest.mark.timeout(120)
 def test_resume_with_a_model_option_given_at_its_default_goes_on(capsys, saved, tmp_path):
     # --heads 4 is gpt's default: "is of another model: its options are {...}, this run's
     # {..., 'heads': 4}", for the same model.
-    import shutil
-    run = tmp_path / "run"
-    shutil.copytree(saved, run)
-    longer = [("6" if a == "4" and i and TINY[i - 1] == "--steps" else a)
-              for i, a in enumerate(TINY)]
+    run = copied(saved, tmp_path)
     assert main(["train", "--strategy", "single", "--resume", str(run), "--heads", "4",
-                 *longer]) == 0, capsys.readouterr().err
+                 *LONGER]) == 0, capsys.readouterr().err
 
 
 @pytest.mark.timeout(120)

@@ -619,12 +619,17 @@ def test_a_script_that_calls_launch_runs_under_polytrain_launch_as_it_is(tmp_pat
     assert "result [(0, 2), (1, 2)]" in run.stdout, run.stdout
 
 
-def polytrain_launch(*args: str) -> subprocess.CompletedProcess[str]:
-    """``polytrain launch ARGS`` in a new process, its output captured."""
+def launch_command(*args: str) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment of ``polytrain launch ARGS`` in a new process."""
     cli = Path(sys.executable).with_name("polytrain")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
-    return subprocess.run([str(cli), "launch", *args], env=env, capture_output=True, text=True,
-                          timeout=80)
+    return [str(cli), "launch", *args], env
+
+
+def polytrain_launch(*args: str) -> subprocess.CompletedProcess[str]:
+    """``polytrain launch ARGS`` in a new process, its output captured."""
+    command, env = launch_command(*args)
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=80)
 
 
 @pytest.mark.timeout(90)
@@ -665,11 +670,9 @@ def test_output_into_a_pipe_whose_reader_ended_is_named_not_taken_for_a_lost_pee
                       "for i in range(2000):\n"
                       "    print(f'line {i} from rank {ctx.rank}', flush=True)\n"
                       "    time.sleep(0.005)\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
-    cli = Path(sys.executable).with_name("polytrain")
-    proc = subprocess.Popen([str(cli), "launch", "--workers", "2", "--timeout", "20",
-                             str(script)], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    command, env = launch_command("--workers", "2", "--timeout", "20", str(script))
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
     assert proc.stdout is not None and proc.stdout.readline().startswith("line 0")
     proc.stdout.close()  # as head does once it has its line
     _, err = proc.communicate(timeout=50)
