@@ -34,6 +34,18 @@ def test_frozen_layers_move_to_the_first_stage_at_their_forward_cost(profile):
         front + sum(x.flops for x in layers[2:plan.bounds[1]]))
 
 
+def test_the_frozen_front_costs_its_forward_on_the_share_the_cache_will_not_serve(profile):
+    first = plan_pipe(profile, step=0, frozen=0, stages=4, replicas=2, global_batch=32)
+    layers = profile.layers
+    front = layers[0].fwd_flops + layers[1].fwd_flops
+    costs = {}
+    for cached in (0.0, 0.25, 1.0):
+        plan = plan_pipe(profile, step=10, frozen=2, stages=4, replicas=2, global_batch=32,
+                         previous=first, autodp=False, cached=cached, memory=1.0 * 2**20)
+        costs[cached] = plan.stage_cost[0] - sum(x.flops for x in layers[2:plan.bounds[1]])
+    assert costs == pytest.approx({0.0: front, 0.25: 0.75 * front, 1.0: 0.0})
+
+
 def test_the_pipeline_halves_and_replicas_double_when_half_the_stages_hold_it(profile):
     first = plan_pipe(profile, step=0, frozen=0, stages=4, replicas=2, global_batch=32,
                       memory=1.0 * 2**20)

@@ -10,7 +10,7 @@ import polytrain
 from polytrain import ConfigError
 from polytrain.models import GPT
 from polytrain.models import cross_entropy as loss_fn
-from polytrain.pipeline.cache import ActivationCache, frozen_forward
+from polytrain.pipeline.cache import ActivationCache, expected_hits, frozen_forward
 from polytrain.strategies.pipetransformer import PipeTransformerOptions
 from tests.harness import spawn
 
@@ -163,3 +163,19 @@ def test_a_failed_process_leaves_no_disk_tier_behind(capfd):
     assert where.name.startswith("polytrain-cache-") and where.parent.name.startswith(
         "polytrain-")
     assert not where.exists()
+
+
+def test_the_cache_is_counted_on_for_samples_it_met_since_it_began():
+    # Epochs of 10 steps, caching from step 25: epoch 2 (steps 20-29) and epoch 3 meet
+    # samples last seen in epochs 1 and 2; of epoch 2's steps, 25-29 come after caching
+    # began, so half of epoch 3's samples are cached, and all of epoch 4's.
+    def hits(start, steps, **kw):
+        return expected_hits(start, steps, since=25, epoch_steps=10, **kw)
+
+    assert hits(25, 5) == 0.0                     # still the epoch caching began in
+    assert hits(30, 10) == pytest.approx(0.5)
+    assert hits(40, 10) == pytest.approx(1.0)
+    assert hits(30, 20) == pytest.approx(0.75)
+    assert hits(40, 10, same_cache=0.5) == pytest.approx(0.5)  # half land on another cache
+    assert expected_hits(40, 10, since=None, epoch_steps=10) == 0.0  # not caching
+    assert expected_hits(40, 10, since=25, epoch_steps=None) == 0.0  # no epochs

@@ -94,15 +94,15 @@ def choose_microbatches(stages: int, per_replica: int) -> int:
 
 
 def _costs(profile: ModelProfile, frozen: int, bounds: tuple[int, ...],
-           cached: bool = False) -> tuple[float, ...]:
+           cached: float = 0.0) -> tuple[float, ...]:
     """FLOPs per sample of each stage: its trained layers forward + backward, its frozen ones
-    (and, on stage 0, the frozen front, unless cached) forward only."""
+    (and, on stage 0, the frozen front, but the share ``cached`` serves) forward only."""
     layers = profile.layers
 
     def one(i: int) -> float:
         return layers[i].fwd_flops if i < frozen else layers[i].flops
 
-    front = 0.0 if cached else sum(one(i) for i in range(bounds[0]))
+    front = (1.0 - cached) * sum(one(i) for i in range(bounds[0]))
     return tuple(sum(one(i) for i in range(bounds[j], bounds[j + 1])) + (front if j == 0 else 0.0)
                  for j in range(len(bounds) - 1))
 
@@ -116,7 +116,7 @@ class _Job:
     global_batch: int
     memory: float
     state_factor: int
-    cached: bool
+    cached: float
     micro_batches: int | None
 
     def microbatches(self, stages: int, replicas: int) -> int:
@@ -143,12 +143,12 @@ class _Job:
 
     def cut(self, stages: int, replicas: int) -> tuple[float, tuple[int, ...]] | None:
         """The trained layers cut over ``stages`` minimising the slowest stage (frozen front
-        on stage 0, free when cached) among cuts that fit memory; None if none does (or
+        on stage 0, but the share cached) among cuts that fit memory; None if none does (or
         fewer trained layers than stages)."""
         layers = self.profile.layers
         f = self.frozen
         n = len(layers) - f
-        front = 0.0 if self.cached else sum(x.fwd_flops for x in layers[:f])
+        front = (1.0 - self.cached) * sum(x.fwd_flops for x in layers[:f])
 
         def cost(j: int, a: int, e: int) -> float | None:
             if self.stage_memory(j, a + f, e + f, stages, replicas) > self.memory:
@@ -165,7 +165,7 @@ class _Job:
 def plan_pipe(profile: ModelProfile, *, step: int, frozen: int, stages: int, replicas: int,
               global_batch: int, previous: PipePlan | None = None, autopipe: bool = True,
               autodp: bool = True, micro_batches: int | None = None,
-              cached: bool = False, memory: float = math.inf,
+              cached: float = 0.0, memory: float = math.inf,
               state_factor: int = 2) -> PipePlan:
     """The plan with ``frozen`` front layers, from ``stages`` x ``replicas`` (the plan in force).
 
@@ -176,8 +176,9 @@ def plan_pipe(profile: ModelProfile, *, step: int, frozen: int, stages: int, rep
     (or must: fewer trained layers than stages). With ``autodp`` the replicas double when
     it halves, if the global batch splits over twice as many (else it does not halve), and
     each replica's batch halves, so a half-length stage may cost up to twice per sample
-    for the step to be no slower; without, the freed workers idle. With ``cached`` the
-    frozen front costs nothing (AutoCache serves it in steady state). Every stage must fit
+    for the step to be no slower; without, the freed workers idle. ``cached`` is the share
+    of the frozen front's samples AutoCache is expected to serve (``cache.expected_hits``):
+    the front costs its forward on the rest. Every stage must fit
     ``memory`` bytes (a device's; ``state_factor``: optimizer state per weight). A first
     plan (no ``previous``) keeps ``stages``. With ``autopipe``, fewer layers than
     ``frozen`` freeze where the trained ones could not fill the fewest stages the

@@ -36,7 +36,7 @@ from .. import _env
 from ..errors import ConfigError
 from ..tensors import host_copy
 
-__all__ = ["ActivationCache", "CacheStats", "frozen_forward", "check_writable"]
+__all__ = ["ActivationCache", "CacheStats", "frozen_forward", "check_writable", "expected_hits"]
 
 log = logging.getLogger(__name__)
 
@@ -205,6 +205,30 @@ class ActivationCache:
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
+
+
+def expected_hits(start: int, steps: int, *, since: int | None, epoch_steps: int | None,
+                  same_cache: float = 1.0) -> float:
+    """The share of the samples of steps [``start``, ``start + steps``) the cache should serve.
+
+    The cache has kept every sample its first stages computed from step ``since`` on (None:
+    not caching). With epochs of ``epoch_steps`` steps (each sample once, in a fresh
+    order), a sample of epoch e was last met at a uniformly random step of epoch e - 1,
+    so it is cached with the chance that this step came at or after ``since``;
+    ``same_cache`` is the chance that it then came to a first stage sharing the cache it
+    went into (the same process, or the same machine with the shared tier). Without
+    epochs (None) nothing is counted on. A plan that took the cache as full from its
+    start put the whole frozen front's cost nowhere while a cold cache served nothing.
+
+    Example::
+
+        expected_hits(80, 40, since=80, epoch_steps=55)   # 0.136: steps 110-119, 30/55 each
+    """
+    if since is None or not epoch_steps or steps <= 0:
+        return 0.0
+    seen = sum(min(1.0, max(0.0, (u // epoch_steps * epoch_steps - since) / epoch_steps))
+               for u in range(start, start + steps))
+    return same_cache * seen / steps
 
 
 def _run(layers: Sequence[nn.Module], x: torch.Tensor) -> torch.Tensor:

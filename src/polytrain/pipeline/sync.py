@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from ..errors import ConfigError, at_least, unknown
@@ -46,8 +48,14 @@ class SyncPipeline:
     def describe(self) -> str:
         return f"{self.schedule}, {self.microbatches} micro-batches\n" + describe(self.orders)
 
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
-        """Run one minibatch (this replica's slice) through the pipeline; grads go to ``.grad``."""
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor, *,
+             prepare: Callable[[torch.Tensor], torch.Tensor] | None = None) -> float | None:
+        """Run one minibatch (this replica's slice) through the pipeline; grads go to ``.grad``.
+
+        ``prepare`` (first stage) maps each micro-batch's inputs before the stage's layers,
+        when the schedule reaches its forward: PipeTransformer's frozen front, so that the
+        next stage starts on the first micro-batch, not after the whole minibatch's front.
+        """
         m = self.microbatches
         if inputs.shape[0] % m:
             raise ConfigError(f"a minibatch of {inputs.shape[0]} samples cannot be cut into {m} "
@@ -60,7 +68,8 @@ class SyncPipeline:
         for action in self.orders[self.stage.spec.index]:
             i = action.minibatch
             if action.kind == FORWARD:
-                loss = self.stage.forward(base + i, batch=size, inputs=xs[i], targets=ys[i])
+                x = xs[i] if prepare is None or not self.stage.spec.is_first else prepare(xs[i])
+                loss = self.stage.forward(base + i, batch=size, inputs=x, targets=ys[i])
                 if loss is not None:
                     losses.append(float(loss))
             else:

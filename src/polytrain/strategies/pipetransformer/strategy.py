@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import logging
 import math
 import shutil
@@ -33,7 +34,7 @@ from ...optim import placed_state
 from ...pipeline.assembly import make_stage, stage_optimizer
 from ...pipeline.asyncpipe import numeric_settings
 from ...pipeline.autopipe import PipePlan, plan_pipe
-from ...pipeline.cache import ActivationCache, frozen_forward
+from ...pipeline.cache import ActivationCache, expected_hits, frozen_forward
 from ...pipeline.freeze import GradNormTracker, next_frozen
 from ...pipeline.stage import Stage
 from ...pipeline.sync import SyncPipeline
@@ -275,7 +276,7 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
                         replicas=plan.replicas, global_batch=self.global_batch, previous=plan,
                         autopipe=self.options.autopipe, autodp=self.options.autodp,
                         micro_batches=self.options.micro_batches,
-                        cached=self.options.cache and frozen >= self.options.cache_from,
+                        cached=self._expected_hits(step, frozen),
                         memory=self.memory, state_factor=self.state_factor)
         signal = {n: round(r, 4) for n, r in zip(self._names[plan.frozen:freezable], ratios)}
         if (new.frozen, new.bounds, new.stages, new.replicas, new.micro_batches) == \
@@ -284,6 +285,26 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
                                   "changed": False})
             return
         self._install(new, plan, signal)
+
+    def _expected_hits(self, step: int, frozen: int) -> float:
+        """The share of the frozen front's samples AutoCache should serve until the next
+        freeze point, with ``frozen`` layers frozen from ``step`` on: it caches from the
+        first plan whose front was ``--cache-from`` layers, and a sample comes back one
+        epoch later, to a first stage of the plan in force's machines at random."""
+        ctx, plan = self.ctx, self.plan
+        if not self.options.cache or frozen < self.options.cache_from or ctx is None \
+                or plan is None:
+            return 0.0
+        since = next((e["step"] for e in self.timeline
+                      if e["bounds"][0] >= self.options.cache_from), step)
+        firsts = [ctx.topology.machine(ctx.topology.workers[r * plan.stages])
+                  for r in range(plan.replicas)]
+        if self.options.cache_shared:  # the machine's first stages share their entries
+            same = sum((firsts.count(m) / len(firsts)) ** 2 for m in set(firsts))
+        else:
+            same = 1 / len(firsts)
+        return expected_hits(step, self.freeze_every or 1, since=since,
+                             epoch_steps=self.epoch_steps, same_cache=same)
 
     def _install(self, plan: PipePlan, old: PipePlan | None,
                  signal: dict[str, float] | None = None) -> None:
@@ -411,13 +432,14 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
         if self.stage is None or self.pipe is None or self.stage_opt is None:
             return None  # idle: a device freed without AutoDP
         stage, opt = self.stage, self.stage_opt
-        if stage.spec.is_first and plan.bounds[0]:
-            inputs = frozen_forward(self.layers, inputs, frozen=plan.bounds[0],
-                                    cache=self.cache)
         for group, i in zip(opt.param_groups, self.sources):  # the user's lr schedule
             group.update(numeric_settings(self.base_optimizer.param_groups[i]))
         opt.zero_grad(set_to_none=True)
-        loss = self.pipe.step(inputs, targets)
+        front = None  # the frozen front, forward-only, a micro-batch at a time in the schedule
+        if stage.spec.is_first and plan.bounds[0]:
+            front = functools.partial(frozen_forward, self.layers, frozen=plan.bounds[0],
+                                      cache=self.cache)
+        loss = self.pipe.step(inputs, targets, prepare=front)
         grads = [g for p in stage.params if (g := p.grad) is not None]  # the trained ones
         if self.group_size > 1 and grads:
             # The data leaves the device once its backward has finished there.
