@@ -130,20 +130,30 @@ def main(argv: list[str] | None = None) -> int:
                   f"train time {runs[name][-1]['train_time_s']:.1f} s", flush=True)
     summary: dict[str, Any] = {}
     ref = runs.get("no freeze")
+    # The must-show's target: the no-freeze run's final held-out loss + 1%; and, as one
+    # evaluation can jump (an overfitting run's last), its best + 1% beside it.
     target = statistics.median(x["final_eval_loss"] for x in ref) * 1.01 if ref else None
-    for name, rs in runs.items():
-        reach = [time_to(x["eval"], target) for x in rs] if target else []
+    best = statistics.median(min(e["loss"] for e in x["eval"]) for x in ref) * 1.01 \
+        if ref else None
+
+    def median_time(rs: list[dict[str, Any]], loss: float | None) -> float | None:
+        reach = [time_to(x["eval"], loss) for x in rs] if loss else []
         ok = [t for t in reach if t is not None]
+        return statistics.median(ok) if len(ok) == len(reach) and ok else None
+
+    for name, rs in runs.items():
         summary[name] = {
             "final_eval_loss": statistics.median(x["final_eval_loss"] for x in rs),
             "train_time_s": statistics.median(x["train_time_s"] for x in rs),
-            "time_to_target_s": statistics.median(ok) if len(ok) == len(reach) and ok
-            else None}
+            "time_to_target_s": median_time(rs, target),
+            "time_to_best_s": median_time(rs, best)}
     if ref and summary["no freeze"]["time_to_target_s"]:
         base_t = summary["no freeze"]["time_to_target_s"]
+        base_b = summary["no freeze"]["time_to_best_s"]
         for s in summary.values():
-            t = s["time_to_target_s"]
+            t, b = s["time_to_target_s"], s["time_to_best_s"]
             s["speedup"] = base_t / t if t else None
+            s["speedup_to_best"] = base_b / b if b and base_b else None
             s["final_within_1pct"] = abs(s["final_eval_loss"] / summary["no freeze"][
                 "final_eval_loss"] - 1) <= 0.01 or s["final_eval_loss"] < summary[
                 "no freeze"]["final_eval_loss"]
@@ -151,14 +161,15 @@ def main(argv: list[str] | None = None) -> int:
            "steps": args.steps, "rounds": args.rounds, "pretrain_steps": args.pretrain_steps,
            "freeze_every": args.freeze_every, "freeze_signal": args.freeze_signal,
            "freeze_threshold": args.freeze_threshold, "freeze_alpha": args.freeze_alpha,
-           "target_loss": target,
+           "target_loss": target, "best_target_loss": best,
            "summary": summary, "runs": runs}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1) + "\n")
     for name, s in summary.items():
         print(f"{name:12s} time to {target or float('nan'):.4f}: {s['time_to_target_s']} s, "
-              f"speed-up "
-              f"{s.get('speedup')}, final {s['final_eval_loss']:.4f}")
+              f"speed-up {s.get('speedup')}; to {best or float('nan'):.4f} (best + 1%): "
+              f"{s['time_to_best_s']} s, speed-up {s.get('speedup_to_best')}; "
+              f"final {s['final_eval_loss']:.4f}")
     plot(out, args.out.with_suffix(".png"))
     return 0
 
@@ -176,15 +187,23 @@ def plot(out: dict[str, Any], path: Path) -> None:
     if out["target_loss"]:
         ax.axhline(out["target_loss"], color="grey", ls="--", lw=0.8,
                    label="no-freeze final + 1%")
+    if out.get("best_target_loss"):
+        ax.axhline(out["best_target_loss"], color="grey", ls=":", lw=0.8,
+                   label="no-freeze best + 1%")
     ax.set_xlabel("training time (s, emulated devices)")
     ax.set_ylabel("held-out loss")
     ax.legend()
     names = list(out["summary"])
-    ups = [out["summary"][n].get("speedup") or 0 for n in names]
-    bx.bar(range(len(names)), ups)
-    bx.set_xticks(range(len(names)), names, rotation=20)
+    at = range(len(names))
+    bx.bar([i - 0.2 for i in at], [out["summary"][n].get("speedup") or 0 for n in names],
+           width=0.4, label="to the no-freeze final + 1%")
+    bx.bar([i + 0.2 for i in at],
+           [out["summary"][n].get("speedup_to_best") or 0 for n in names], width=0.4,
+           label="to the no-freeze best + 1%")
+    bx.set_xticks(at, names, rotation=20)
     bx.axhline(2.0, color="grey", ls="--", lw=0.8)
-    bx.set_ylabel("speed-up to the no-freeze final loss")
+    bx.set_ylabel("speed-up (time to the loss)")
+    bx.legend()
     fig.suptitle(f"PipeTransformer on 8 emulated devices ({out['devices']})")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
