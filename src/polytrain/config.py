@@ -227,6 +227,11 @@ class TrainConfig:
         if self.on_save_error not in ON_SAVE_ERROR:
             raise unknown("--on-save-error", self.on_save_error, ON_SAVE_ERROR,
                           "pass --on-save-error continue or stop", plural="choices")
+        if self.on_save_error == "stop" and self.checkpoint_every is None:
+            raise ConfigError("--on-save-error stop says what a checkpoint that cannot be "
+                              "written does, and no --checkpoint-every is given",
+                              "pass --checkpoint-every N with --out DIR, or leave out "
+                              "--on-save-error")
         if self.init is not None and self.resume is not None:
             raise ConfigError(f"--init {self.init} starts a run from a final.pt, and --resume "
                               f"{self.resume} continues a checkpoint, whose weights would "

@@ -55,6 +55,13 @@ def test_max_restarts_needs_checkpoints(capsys, tmp_path):
     assert "restarts from the newest checkpoint, and no --checkpoint-every" in line
 
 
+def test_on_save_error_stop_needs_checkpoints(capsys, tmp_path):
+    # It was accepted and did nothing: no checkpoint was ever written to fail.
+    line = error_of(capsys, "--on-save-error", "stop", "--out", str(tmp_path), *TINY)
+    assert "--on-save-error stop says what a checkpoint that cannot be written does, and no " \
+        "--checkpoint-every is given" in line
+
+
 def test_resume_from_a_directory_without_checkpoints(capsys, tmp_path):
     line = error_of(capsys, "--strategy", "single", "--resume", str(tmp_path), *TINY)
     assert f"--resume {tmp_path}: no whole checkpoint in {tmp_path}" in line

@@ -44,6 +44,18 @@ def test_the_frozen_front_costs_its_forward_on_the_share_the_cache_will_not_serv
                          previous=first, autodp=False, cached=cached, memory=1.0 * 2**20)
         costs[cached] = plan.stage_cost[0] - sum(x.flops for x in layers[2:plan.bounds[1]])
     assert costs == pytest.approx({0.0: front, 0.25: 0.75 * front, 1.0: 0.0})
+    # As a function of the candidate: the share depends on which stages hold the caches.
+    asked = []
+
+    def share(frozen, stages, replicas):
+        asked.append((frozen, stages, replicas))
+        return 0.25
+
+    plan = plan_pipe(profile, step=10, frozen=2, stages=4, replicas=2, global_batch=32,
+                     previous=first, autodp=False, cached=share, memory=1.0 * 2**20)
+    assert plan.stage_cost[0] - sum(x.flops for x in layers[2:plan.bounds[1]]) == \
+        pytest.approx(0.75 * front)
+    assert (2, 4, 2) in asked and {f for f, _, _ in asked} == {2}
 
 
 def test_the_pipeline_halves_and_replicas_double_when_half_the_stages_hold_it(profile):

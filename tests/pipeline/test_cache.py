@@ -58,6 +58,23 @@ def test_a_step_on_cached_activations_equals_recomputing_them(memory, tmp_path):
     cache.close()
 
 
+def test_the_frozen_front_runs_as_a_fixed_function_whatever_its_layers_mode():
+    # A dropout in the front drew a fresh mask on every miss, and the cache replayed the
+    # first one: with the cache and without, the run trained differently.
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(8, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 8)]
+    x = torch.randn(4, 8)
+    expected = layers[2](layers[0](x))  # the dropout as in eval mode: the identity
+    cache = ActivationCache(memory_bytes=1 << 20)
+    for out in (frozen_forward(layers, x, frozen=3),
+                frozen_forward(layers, x, frozen=3, cache=cache),  # computed
+                frozen_forward(layers, x, frozen=3, cache=cache)):  # served
+        assert torch.allclose(out, expected)
+    assert cache.stats.hits == 4
+    assert all(layer.training for layer in layers)  # their modes are left as they were
+    cache.close()
+
+
 def test_cached_activations_advance_through_newly_frozen_layers():
     model, layers = _model()
     x = torch.randint(0, 256, (8, 16))

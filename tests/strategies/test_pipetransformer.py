@@ -1,6 +1,7 @@
 """PipeTransformer end to end: transparency, AutoFreeze, AutoDP's hand-over, epochs, refusals."""
 
 import re
+from collections import OrderedDict
 
 import pytest
 import torch
@@ -105,6 +106,43 @@ def test_frozen_layers_never_change_and_the_run_equals_a_reference_freezing_the_
     ref = reference(steps, timeline)
     assert max_abs_diff(ref, states[-1]) < adam_tolerance(3e-3, steps)
     assert max_abs_diff(ref, reference(steps, timeline[:1])) > 1e-3  # freezing mattered
+
+
+class Counting(torch.nn.Module):
+    """A layer whose buffer changes as it trains (as a batch norm's statistics do)."""
+
+    def __init__(self, d, out):
+        super().__init__()
+        self.lin = torch.nn.Linear(d, out)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        if self.training:
+            self.calls += 1
+        return self.lin(x)
+
+
+def train_counting(steps):
+    polytrain.init()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(OrderedDict(embed=torch.nn.Embedding(256, 16),
+                                            a=Counting(16, 16), head=Counting(16, 256)))
+    trainer = polytrain.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                   strategy="pipetransformer", loss_fn=loss_fn, freeze=False)
+    for x, y in _batches(steps):
+        trainer.step(x, y)
+    state = trainer.state_dict()
+    trainer.close()
+    return state
+
+
+@pytest.mark.timeout(300)
+def test_the_gathered_model_carries_every_stages_buffers():
+    # K = 2 on one machine: the head runs on stage 1 only (the last layer always does).
+    # final.pt took worker 0's own copy of its buffer, never run: its initial value.
+    state = spawn(train_counting, workers=2, args=(3,))[0]
+    micro_batches = 4  # per step: the smallest divisor of the batch, 8, at least 2 K
+    assert state["a.calls"].item() == state["head.calls"].item() == 3 * micro_batches
 
 
 def hand_over(steps, options):

@@ -19,13 +19,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Callable, Union
 
 from ..emulation.profile import ModelProfile
 from ..errors import ConfigError
 from .partition import minmax_cut
 
-__all__ = ["PipePlan", "plan_pipe", "choose_microbatches"]
+__all__ = ["PipePlan", "plan_pipe", "choose_microbatches", "CacheShare"]
+
+#: The share of the frozen front's samples AutoCache serves: a number, or a function of a
+#: candidate plan's (frozen layers, stages, replicas), as a re-plan changes which stages
+#: hold the caches.
+CacheShare = Union[float, Callable[[int, int, int], float]]
 
 
 @dataclass(frozen=True)
@@ -116,8 +121,14 @@ class _Job:
     global_batch: int
     memory: float
     state_factor: int
-    cached: float
+    cached: CacheShare
     micro_batches: int | None
+
+    def share(self, stages: int, replicas: int) -> float:
+        """The share of the frozen front AutoCache serves with this cut's layout."""
+        if callable(self.cached):
+            return self.cached(self.frozen, stages, replicas)
+        return self.cached
 
     def microbatches(self, stages: int, replicas: int) -> int:
         per = self.global_batch // replicas
@@ -148,7 +159,7 @@ class _Job:
         layers = self.profile.layers
         f = self.frozen
         n = len(layers) - f
-        front = (1.0 - self.cached) * sum(x.fwd_flops for x in layers[:f])
+        front = (1.0 - self.share(stages, replicas)) * sum(x.fwd_flops for x in layers[:f])
 
         def cost(j: int, a: int, e: int) -> float | None:
             if self.stage_memory(j, a + f, e + f, stages, replicas) > self.memory:
@@ -165,7 +176,7 @@ class _Job:
 def plan_pipe(profile: ModelProfile, *, step: int, frozen: int, stages: int, replicas: int,
               global_batch: int, previous: PipePlan | None = None, autopipe: bool = True,
               autodp: bool = True, micro_batches: int | None = None,
-              cached: float = 0.0, memory: float = math.inf,
+              cached: CacheShare = 0.0, memory: float = math.inf,
               state_factor: int = 2) -> PipePlan:
     """The plan with ``frozen`` front layers, from ``stages`` x ``replicas`` (the plan in force).
 
@@ -177,8 +188,9 @@ def plan_pipe(profile: ModelProfile, *, step: int, frozen: int, stages: int, rep
     it halves, if the global batch splits over twice as many (else it does not halve), and
     each replica's batch halves, so a half-length stage may cost up to twice per sample
     for the step to be no slower; without, the freed workers idle. ``cached`` is the share
-    of the frozen front's samples AutoCache is expected to serve (``cache.expected_hits``):
-    the front costs its forward on the rest. Every stage must fit
+    of the frozen front's samples AutoCache is expected to serve (``cache.expected_hits``),
+    or a function of the candidate's frozen layers, stages and replicas giving it: the
+    front costs its forward on the rest. Every stage must fit
     ``memory`` bytes (a device's; ``state_factor``: optimizer state per weight). A first
     plan (no ``previous``) keeps ``stages``. With ``autopipe``, fewer layers than
     ``frozen`` freeze where the trained ones could not fill the fewest stages the
@@ -229,7 +241,7 @@ def plan_pipe(profile: ModelProfile, *, step: int, frozen: int, stages: int, rep
     m = job.microbatches(k, r)
     return PipePlan(step=step, frozen=frozen, frozen_layers=names[:frozen], bounds=bounds,
                     stages=k, replicas=r, micro_batches=m,
-                    stage_cost=_costs(profile, frozen, bounds, cached))
+                    stage_cost=_costs(profile, frozen, bounds, job.share(k, r)))
 
 
 def _require(found: tuple[float, tuple[int, ...]] | None, stages: int, memory: float

@@ -27,7 +27,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 from torch import nn
@@ -237,10 +237,27 @@ def _run(layers: Sequence[nn.Module], x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+@contextlib.contextmanager
+def _evaluating(layers: Sequence[nn.Module]) -> Iterator[None]:
+    """``layers`` in eval mode meanwhile (every module's own mode restored after)."""
+    modes = [(m, m.training) for layer in layers for m in layer.modules()]
+    for layer in layers:
+        layer.eval()
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
 @torch.no_grad()
 def frozen_forward(layers: Sequence[nn.Module], inputs: torch.Tensor, *, frozen: int,
                    cache: ActivationCache | None = None) -> torch.Tensor:
     """The output of the frozen front ``layers[:frozen]`` on ``inputs``, without autograd.
+
+    The front runs in eval mode: a frozen layer is a fixed function (no dropout mask,
+    a batch norm on its running statistics), so a cached entry equals recomputing it and
+    a run trains the same with the cache or without.
 
     With ``cache``: a sample cached at depth ``frozen`` is taken as is, one cached at a
     smaller depth runs only ``layers[depth:frozen]``, the rest run from the input; every
@@ -249,6 +266,12 @@ def frozen_forward(layers: Sequence[nn.Module], inputs: torch.Tensor, *, frozen:
     """
     if frozen == 0:
         return inputs
+    with _evaluating(layers[:frozen]):
+        return _cached_forward(layers, inputs, frozen, cache)
+
+
+def _cached_forward(layers: Sequence[nn.Module], inputs: torch.Tensor, frozen: int,
+                    cache: ActivationCache | None) -> torch.Tensor:
     if cache is None:
         return _run(layers[:frozen], inputs)
     keys = [cache.key(row) for row in inputs.cpu()]  # one copy off a GPU, not one a row

@@ -276,7 +276,7 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
                         replicas=plan.replicas, global_batch=self.global_batch, previous=plan,
                         autopipe=self.options.autopipe, autodp=self.options.autodp,
                         micro_batches=self.options.micro_batches,
-                        cached=self._expected_hits(step, frozen),
+                        cached=self._cache_share(step),
                         memory=self.memory, state_factor=self.state_factor)
         signal = {n: round(r, 4) for n, r in zip(self._names[plan.frozen:freezable], ratios)}
         if (new.frozen, new.bounds, new.stages, new.replicas, new.micro_batches) == \
@@ -286,25 +286,29 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
             return
         self._install(new, plan, signal)
 
-    def _expected_hits(self, step: int, frozen: int) -> float:
+    def _cache_share(self, step: int) -> Callable[[int, int, int], float]:
         """The share of the frozen front's samples AutoCache should serve until the next
-        freeze point, with ``frozen`` layers frozen from ``step`` on: it caches from the
-        first plan whose front was ``--cache-from`` layers, and a sample comes back one
-        epoch later, to a first stage of the plan in force's machines at random."""
-        ctx, plan = self.ctx, self.plan
-        if not self.options.cache or frozen < self.options.cache_from or ctx is None \
-                or plan is None:
-            return 0.0
+        freeze point, for a plan from ``step`` on with (frozen, stages, replicas): it caches
+        from the first plan whose front was ``--cache-from`` layers, and a sample comes
+        back one epoch later, to a first stage of that plan's at random (its own cache, or
+        its machine's with the shared tier)."""
+        ctx = self.ctx
+        assert ctx is not None
         since = next((e["step"] for e in self.timeline
                       if e["bounds"][0] >= self.options.cache_from), step)
-        firsts = [ctx.topology.machine(ctx.topology.workers[r * plan.stages])
-                  for r in range(plan.replicas)]
-        if self.options.cache_shared:  # the machine's first stages share their entries
-            same = sum((firsts.count(m) / len(firsts)) ** 2 for m in set(firsts))
-        else:
-            same = 1 / len(firsts)
-        return expected_hits(step, self.freeze_every or 1, since=since,
-                             epoch_steps=self.epoch_steps, same_cache=same)
+
+        def share(frozen: int, stages: int, replicas: int) -> float:
+            if not self.options.cache or frozen < self.options.cache_from:
+                return 0.0
+            firsts = [ctx.topology.machine(ctx.topology.workers[r * stages])
+                      for r in range(replicas)]
+            if self.options.cache_shared:
+                same = sum((firsts.count(m) / replicas) ** 2 for m in set(firsts))
+            else:
+                same = 1 / replicas
+            return expected_hits(step, self.freeze_every or 1, since=since,
+                                 epoch_steps=self.epoch_steps, same_cache=same)
+        return share
 
     def _install(self, plan: PipePlan, old: PipePlan | None,
                  signal: dict[str, float] | None = None) -> None:
@@ -334,6 +338,9 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
         if where is None:
             ctx.set_label(f"idle (step {plan.step})")
             self.stage, self.pipe, self.stage_opt = None, None, None
+            if self.cache is not None:  # an idle worker serves no sample
+                self.cache.close()
+                self.cache = None
             return
         r, j = where
         ranks = [ctx.topology.workers[i] for i in range(r * plan.stages, (r + 1) * plan.stages)]
@@ -368,15 +375,15 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
     _handed: dict[str, dict[str, Any]] | None = None
 
     def _held(self) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
-        """The weights this worker holds current (its stage's and frozen front's) and its
-        stage optimizer's state, by parameter name."""
+        """The state this worker holds current (its stage's and frozen front's weights and
+        buffers, as ``state_dict`` names them) and its stage optimizer's state, by
+        parameter name."""
         if self.stage is None or self.plan is None:
             return {}, {}
-        held_layers = self._names[:self.plan.bounds[0]] if self.stage.spec.is_first else []
-        params = dict(self.model.named_parameters())
-        names = [n for layer in held_layers for n in self._layer_params.get(layer, [])]
-        names += list(self.stage.names)
-        weights = {n: host_copy(params[n]) for n in names}
+        j = self.stage.spec.index
+        layers = set(self._names[0 if j == 0 else self.plan.bounds[j]:self.plan.bounds[j + 1]])
+        weights = {n: host_copy(t) for n, t in self.model.state_dict().items()
+                   if n.split(".", 1)[0] in layers}
         return weights, self._stage_optimizer_state()
 
     def _stage_optimizer_state(self) -> dict[str, dict[str, Any]]:
@@ -403,14 +410,14 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
         new_where = plan.pipeline_of(ctx.worker_index)
         source = (new_where[0] * plan.stages) // old.stages if new_where is not None else 0
         self.source_replica = source
-        params = dict(self.model.named_parameters())
+        current = self.model.state_dict()  # weights and buffers, sharing their storage
         handed: dict[str, dict[str, Any]] = {}
         with torch.no_grad():
             for replica, w, s in everyone:
                 if replica != source:
                     continue
                 for n, t in w.items():
-                    params[n].copy_(t)
+                    current[n].copy_(t)
                 handed.update(s)
         self._handed = handed
 
@@ -547,9 +554,7 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
         assert self.ctx is not None
         if self.ctx.worker_index != 0:
             return None
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                p.copy_(state[name])
+        model.load_state_dict(state)  # weights and buffers (a batch norm's statistics)
         return model
 
     def metrics(self) -> dict[str, Any]:
