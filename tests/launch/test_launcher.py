@@ -386,6 +386,40 @@ def test_ctrl_c_stops_every_child(tmp_path, inherited):
     assert not list(Path("/dev/shm").glob(f"polytrain-run-{launcher.pid}-*"))
 
 
+def _children_of(pid):
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(cmdline)
+    return found
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_while_the_fork_server_starts_prints_the_launchers_line_alone(tmp_path):
+    # The terminal sends SIGINT to the whole process group: the fork server, importing
+    # torch, printed a KeyboardInterrupt traceback (and the launcher a warning that it had
+    # ended) around the launcher's one line.
+    code = (f"import polytrain; from tests.launch import scripts; "
+            f"polytrain.launch(scripts.write_pid_and_hang, workers=2, "
+            f"args=({str(tmp_path)!r},))")
+    launcher = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not any(b"forkserver" in c for c in _children_of(launcher.pid)):
+        assert launcher.poll() is None and time.monotonic() < deadline, "no fork server"
+        time.sleep(0.01)
+    os.killpg(launcher.pid, signal.SIGINT)  # Ctrl-C: every process of the group
+    _, err = launcher.communicate(timeout=60)
+    assert "LaunchError: interrupted (Ctrl-C)" in err  # what launch() raises in the script
+    assert err.count("Traceback") == 1 and "KeyboardInterrupt" not in err, err
+    assert "fork server" not in err, err
+
+
 @pytest.mark.timeout(120)
 def test_a_worker_ended_by_a_signal_from_outside_is_named_not_taken_for_an_interrupt(
         tmp_path):

@@ -165,6 +165,7 @@ class ForkServer:
             # The server dies with the thread that started it (PR_SET_PDEATHSIG): this one
             # lives as long as the server does, whatever thread launches.
             try:
+                signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])  # see _SERVER_CODE
                 self._proc = subprocess.Popen(
                     [sys.executable, "-c", _SERVER_CODE, str(theirs.fileno()), str(os.getpid())],
                     pass_fds=(theirs.fileno(),), env=dict(base_env), stdin=subprocess.DEVNULL)
@@ -317,7 +318,13 @@ def _open(fd: int) -> bool:
         return False
 
 
-_SERVER_CODE = "from polytrain.launch.forkserver import main; main()"
+# Ctrl-C is the launcher's to handle: the server ignores SIGINT from its first line on, and
+# the launcher's thread starts it with SIGINT blocked, so that one pressed while the
+# server starts, or imports torch, is discarded there (a pending signal set to be ignored
+# is), not a KeyboardInterrupt traceback from the server beside the launcher's one line.
+_SERVER_CODE = ("import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+                "signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT]); "
+                "from polytrain.launch.forkserver import main; main()")
 _Key = tuple[tuple[str, str], ...]
 _servers: dict[_Key, ForkServer] = {}
 _unusable: dict[_Key, str] = {}  # environments whose server failed: why
@@ -486,8 +493,7 @@ def main() -> None:
     fd, parent = int(sys.argv[1]), int(sys.argv[2])
     from .child import die_with
 
-    die_with(parent)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to handle
+    die_with(parent)  # SIGINT is ignored from _SERVER_CODE's first line on
     sock = socket.socket(fileno=fd)
     for name in _PRELOAD:
         __import__(name)
