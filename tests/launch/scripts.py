@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import os
 import resource
@@ -73,6 +74,13 @@ def thread_outlives_script(delay_s: float) -> int:
     """Leave a thread of the script's (not a daemon) running ``delay_s`` past the end."""
     ctx = polytrain.init()
     threading.Thread(target=_upload, args=(delay_s,), name="uploader").start()
+    return ctx.rank
+
+
+def exit_handler_outlives_script(delay_s: float) -> int:
+    """Register an exit handler (atexit) that runs ``delay_s`` after the script returns."""
+    ctx = polytrain.init()
+    atexit.register(_upload, delay_s)
     return ctx.rank
 
 

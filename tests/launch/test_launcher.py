@@ -164,6 +164,19 @@ def test_a_thread_the_script_leaves_running_is_waited_for_and_named(capfd):
 
 
 @pytest.mark.timeout(60)
+def test_an_exit_handler_that_outlives_the_script_is_waited_for_and_named(capfd):
+    # It was waited for without a word: an exit handler that never returned hung the run
+    # with nothing printed (and no timeout: Python waits for it too).
+    assert polytrain.launch(scripts.exit_handler_outlives_script, workers=2, args=(5.0,),
+                            timeout_s=2, env={"OMP_NUM_THREADS": "1"}) == [0, 1]
+    err = capfd.readouterr().err
+    for rank in (0, 1):
+        assert re.search(rf"\[polytrain rank {rank} worker@\S+\] its script has ended, but an "
+                         r"exit handler \(atexit\) still runs, now at scripts\.py:\d+ in "
+                         r"_upload", err), err
+
+
+@pytest.mark.timeout(60)
 def test_an_idle_thread_pool_left_at_exit_ends_as_under_python(capfd):
     # Its idle worker thread waits for the stop that Python's own shutdown sends: the join
     # alone waited for ever.

@@ -372,8 +372,8 @@ def _exit_cleanly(who: str) -> None:
     once in a few hundred runs of a script that leaves the run at exit).
 
     A thread of the script's that is still running is waited for, as Python would, not
-    cut off (it may be saving something); every timeout it is named, so that a process
-    that does not end says why.
+    cut off (it may be saving something), and so is an exit handler; every timeout the
+    one that runs is named, so that a process that does not end says why.
     """
     patience = _env.read().timeout_s
     # What Python's own shutdown runs first: executors tell their idle threads to stop.
@@ -388,7 +388,20 @@ def _exit_cleanly(who: str) -> None:
                       f"to end, as Python does (make it a daemon thread if it should not be "
                       f"waited for)", file=sys.stderr, flush=True)
                 t.join(patience)
-    atexit._run_exitfuncs()
+    # So are the exit handlers (atexit), named every timeout while one runs.
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(patience):
+            print(f"{who} its script has ended, but an exit handler (atexit) still runs, now "
+                  f"at {_thread_place(threading.main_thread())[0]}: the process waits for it "
+                  f"to end, as Python does", file=sys.stderr, flush=True)
+
+    threading.Thread(target=watch, name="polytrain-exit-watch", daemon=True).start()
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        done.set()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
