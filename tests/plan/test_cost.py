@@ -169,3 +169,26 @@ def test_workers_sharing_the_hosts_cores_stretch_measured_compute_not_an_emulate
     p, q = (predict(Candidate(strategy="ddp"), network=net, compute=c, model_bytes=1e6,
                     constants=Constants()) for c in (measured, device))
     assert p.compute_s == pytest.approx(0.6) and q.compute_s == pytest.approx(0.3)
+
+
+@pytest.mark.parametrize("budget_s,steps", [(60.0, 1 + 5), (0.0, 1 + 1)])
+def test_compute_is_timed_with_as_many_steps_as_the_budget_holds(monkeypatch, budget_s, steps):
+    # A large batch took minutes with nothing printed: six steps of 18 s at
+    # `polytrain plan --batch-size 4096`. The warm-up step says how many more fit.
+    import dataclasses
+
+    from polytrain.models import get_model
+    from polytrain.plan import compute
+
+    spec = get_model("gpt")
+    taken = []
+
+    def loss(out, targets):
+        taken.append(1)
+        return spec.loss(out, targets)
+
+    monkeypatch.setattr(compute, "get_model", lambda _: dataclasses.replace(spec, loss=loss))
+    measured = compute.measure_compute("gpt", {"d_model": 16, "seq_len": 8, "layers": 1},
+                                       batch=2, budget_s=budget_s)
+    assert len(taken) == steps
+    assert measured.forward_s > 0 and measured.backward_s > 0

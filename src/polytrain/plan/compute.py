@@ -30,11 +30,14 @@ def _sample(spec: Any, model: torch.nn.Module, options: Mapping[str, Any], batch
 
 
 def measure_compute(model: str, model_options: Mapping[str, Any], *, batch: int,
-                    optimizer: str = "adam", repeats: int = 5, threads: int = 1) -> Compute:
+                    optimizer: str = "adam", repeats: int = 5, threads: int = 1,
+                    budget_s: float = 10.0) -> Compute:
     """Time forward, backward and the optimizer step of ``model`` at ``batch`` samples.
 
     In this process, on ``threads`` threads (a launched worker gets one per core it
-    shares), after one warm-up step; each part is the median of ``repeats``.
+    shares), after one warm-up step; each part is the median of ``repeats``, or of as
+    many as the warm-up step says fit in ``budget_s`` (one at least): a large batch took
+    minutes with nothing printed (``polytrain plan --batch-size 4096``: 18 s a step).
     """
     spec = get_model(model)
     before = torch.get_num_threads()
@@ -45,7 +48,8 @@ def measure_compute(model: str, model_options: Mapping[str, Any], *, batch: int,
         opt = make_optimizer(optimizer, net, 1e-3)
         inputs, targets = _sample(spec, net, model_options, batch)
         parts: dict[str, list[float]] = {"forward": [], "backward": [], "optimizer": []}
-        for i in range(repeats + 1):
+        i = 0
+        while i <= repeats:
             opt.zero_grad(set_to_none=False)
             t0 = time.perf_counter()
             loss = spec.loss(net(inputs), targets)
@@ -58,6 +62,9 @@ def measure_compute(model: str, model_options: Mapping[str, Any], *, batch: int,
                 parts["forward"].append(t1 - t0)
                 parts["backward"].append(t2 - t1)
                 parts["optimizer"].append(t3 - t2)
+            else:
+                repeats = max(1, min(repeats, int(budget_s / max(t3 - t0, 1e-9))))
+            i += 1
     except (MemoryError, RuntimeError) as e:
         if not isinstance(e, MemoryError) and "can't allocate memory" not in str(e):
             raise
