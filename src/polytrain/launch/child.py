@@ -84,6 +84,16 @@ def _thread_place(thread: threading.Thread) -> tuple[str, bool]:
             any(m in name for m in _WAITING_IN))
 
 
+def _stack_files(thread: threading.Thread) -> set[str]:
+    """The files of every frame on ``thread``'s stack now."""
+    frame = sys._current_frames().get(thread.ident or -1)
+    files = set()
+    while frame is not None:
+        files.add(frame.f_code.co_filename)
+        frame = frame.f_back
+    return files
+
+
 _script_ended: float | None = None  # when the script (or function) returned: the heartbeat says
 _joined: bool | None = None  # whether it had joined the run (polytrain.init) when it returned
 # The end record and the heartbeat thread's records are written under one lock: a beat built
@@ -388,14 +398,19 @@ def _exit_cleanly(who: str) -> None:
                       f"to end, as Python does (make it a daemon thread if it should not be "
                       f"waited for)", file=sys.stderr, flush=True)
                 t.join(patience)
-    # So are the exit handlers (atexit), named every timeout while one runs.
+    # So are the exit handlers (atexit), named every timeout while one runs (not polytrain's
+    # own leaving of the run, whose waits have the timeout and say so themselves).
     done = threading.Event()
+    own = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "runtime.py")
 
     def watch() -> None:
         while not done.wait(patience):
+            main = threading.main_thread()
+            if own in _stack_files(main):
+                continue
             print(f"{who} its script has ended, but an exit handler (atexit) still runs, now "
-                  f"at {_thread_place(threading.main_thread())[0]}: the process waits for it "
-                  f"to end, as Python does", file=sys.stderr, flush=True)
+                  f"at {_thread_place(main)[0]}: the process waits for it to end, as Python "
+                  f"does", file=sys.stderr, flush=True)
 
     threading.Thread(target=watch, name="polytrain-exit-watch", daemon=True).start()
     try:
