@@ -152,28 +152,20 @@ def test_leaving_the_run_at_exit_that_times_out_says_so_in_one_line(capfd):
 
 
 @pytest.mark.timeout(60)
-def test_a_thread_the_script_leaves_running_is_waited_for_and_named(capfd):
+@pytest.mark.parametrize("script,what", [
     # It was joined without a word: a process that never ended said nothing of why.
-    assert polytrain.launch(scripts.thread_outlives_script, workers=2, args=(5.0,),
-                            timeout_s=2, env={"OMP_NUM_THREADS": "1"}) == [0, 1]
-    err = capfd.readouterr().err
-    for rank in (0, 1):
-        assert re.search(rf"\[polytrain rank {rank} worker@\S+\] its script has ended, but its "
-                         r"thread 'uploader' \(not a daemon\) still runs, now at "
-                         r"scripts\.py:\d+ in _upload", err), err
-
-
-@pytest.mark.timeout(60)
-def test_an_exit_handler_that_outlives_the_script_is_waited_for_and_named(capfd):
+    (scripts.thread_outlives_script, r"its thread 'uploader' \(not a daemon\)"),
     # It was waited for without a word: an exit handler that never returned hung the run
     # with nothing printed (and no timeout: Python waits for it too).
-    assert polytrain.launch(scripts.exit_handler_outlives_script, workers=2, args=(5.0,),
-                            timeout_s=2, env={"OMP_NUM_THREADS": "1"}) == [0, 1]
+    (scripts.exit_handler_outlives_script, r"an exit handler \(atexit\)")],
+    ids=["thread", "exit handler"])
+def test_what_outlives_the_script_is_waited_for_and_named(capfd, script, what):
+    assert polytrain.launch(script, workers=2, args=(5.0,), timeout_s=2,
+                            env={"OMP_NUM_THREADS": "1"}) == [0, 1]
     err = capfd.readouterr().err
     for rank in (0, 1):
-        assert re.search(rf"\[polytrain rank {rank} worker@\S+\] its script has ended, but an "
-                         r"exit handler \(atexit\) still runs, now at scripts\.py:\d+ in "
-                         r"_upload", err), err
+        assert re.search(rf"\[polytrain rank {rank} worker@\S+\] its script has ended, but "
+                         rf"{what} still runs, now at scripts\.py:\d+ in _upload", err), err
 
 
 @pytest.mark.timeout(60)

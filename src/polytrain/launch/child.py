@@ -62,6 +62,7 @@ _WAITING_IN = tuple(os.sep + os.path.join(*p) for p in (
     ("polytrain", "ps", ""), ("polytrain", "pipeline", ""), ("polytrain", "strategies", ""),
     ("polytrain", "runtime.py"), ("polytrain", "launch", "child.py")))
 _STDLIB = sysconfig.get_paths()["stdlib"]
+_POLYTRAIN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _SAMPLE_S = 0.05  # how often the heartbeat thread looks at the main thread
 
 
@@ -215,11 +216,10 @@ def _write_json(path: str, record: dict[str, Any], tmp: str = ".tmp") -> None:
 def _raised_at(exc: BaseException) -> str:
     """`` at job.py:40`` for the innermost frame of ``exc``'s traceback in the script's own
     code (not polytrain's, torch's or the standard library's); "" if none."""
-    polytrain_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     place = ""
     for frame, line in traceback.walk_tb(exc.__traceback__):
         name = frame.f_code.co_filename
-        if not (name.startswith("<") or name.startswith(polytrain_dir)
+        if not (name.startswith("<") or name.startswith(_POLYTRAIN_DIR)
                 or name.startswith(_STDLIB) or "-packages" in name):
             place = f" at {os.path.basename(name)}:{line}"
     return place
@@ -401,7 +401,7 @@ def _exit_cleanly(who: str) -> None:
     # So are the exit handlers (atexit), named every timeout while one runs (not polytrain's
     # own leaving of the run, whose waits have the timeout and say so themselves).
     done = threading.Event()
-    own = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "runtime.py")
+    own = os.path.join(_POLYTRAIN_DIR, "runtime.py")
 
     def watch() -> None:
         while not done.wait(patience):
