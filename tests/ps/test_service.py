@@ -139,6 +139,21 @@ def test_a_gap_between_requests_longer_than_the_servers_idle_timeout_is_named():
     assert "server_idle_s" in msg
 
 
+def quiet_longer_than_the_idle_timeout(idle_s: float, quiet_s: float) -> bool:
+    ctx = polytrain.init(server_idle_s=idle_s)
+    time.sleep(quiet_s)  # no store declared: the servers have nothing to serve
+    ctx.shutdown()
+    return True
+
+
+@pytest.mark.timeout(60)
+def test_servers_that_hold_no_store_wait_for_the_end_however_long():
+    # Parallax with no sparse parameter starts servers that get no request until the end:
+    # they stopped a healthy run after the idle timeout (an hour by default).
+    assert spawn(quiet_longer_than_the_idle_timeout, workers=2, servers=1,
+                 args=(2.0, 5.0)) == [True, True]
+
+
 def free_then_push() -> None:
     import torch.distributed as dist
 

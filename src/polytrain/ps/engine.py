@@ -50,7 +50,7 @@ from .client import Pending
 from .compression import Codec, CompressOptions, codec_states_fit
 from .credit import CreditQueue
 from .placement import Placement, spread_handlers
-from .protocol import Kind, Op
+from .protocol import DTYPES, Kind, Op
 from .stores import WHOLE_STATE, Declaration
 
 if TYPE_CHECKING:
@@ -72,7 +72,9 @@ def _local_tag(key: int, round_: int) -> int:
     return tags.tag(tags.LOCAL_REDUCE, key * 4 + round_ % 4)
 
 
-_engines: weakref.WeakKeyDictionary[Context, Engine] = weakref.WeakKeyDictionary()
+#: Each run's engines, one per credit bound (a script's own calls and a strategy with
+#: another ``--credit-bytes`` each keep theirs).
+_engines: weakref.WeakKeyDictionary[Context, dict[int, Engine]] = weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -223,6 +225,12 @@ class Engine:
         handler and the servers (the reduce inside the machine stays exact), with the
         handler's own error feedback; the servers' compressed sum stores answer packed sums.
         """
+        for s in specs:
+            if s.dtype not in DTYPES:
+                raise ConfigError(f"{s.name!r} is {s.dtype}, which the summation service does "
+                                  f"not carry", "pass a tensor of one of: " + ", ".join(
+                                      str(d).removeprefix("torch.") for d in DTYPES)
+                                  + " (a complex one as torch.view_as_real(t))")
         placement = self.keyed(specs, placement, first_key=first_key)
         handlers = placement.handlers or spread_handlers(placement.partitions, len(self.local))
         tensors = [SumTensor(s.name, s, result=torch.empty(s.numel, dtype=s.dtype))
@@ -396,8 +404,9 @@ class Engine:
         self.answers.put(None)
         for t in self._threads:
             t.join(timeout=1.0)
-        if _engines.get(self.ctx) is self:
-            del _engines[self.ctx]
+        mine = _engines.get(self.ctx, {})
+        if mine.get(self.credit_bytes) is self:
+            del mine[self.credit_bytes]
 
     # -- the threads -------------------------------------------------------------------------
 
@@ -473,14 +482,14 @@ class Engine:
 
 
 def engine_for(ctx: Context, *, credit_bytes: int = DEFAULT_CREDIT_BYTES) -> Engine:
-    """This run's engine (made on first use, again if the credit changes).
+    """This run's engine with this credit bound (made on first use; one per bound, so a
+    tensor declared on one is always summed by it).
 
     Keys come from the run's one :class:`~polytrain.ps.keys.KeySpace`, so engines,
     strategies and a script's own calls never share a service key.
     """
-    engine = _engines.get(ctx)
-    if engine is not None and not engine.closed and engine.credit_bytes == credit_bytes:
-        return engine
-    engine = Engine(ctx, credit_bytes=credit_bytes)
-    _engines[ctx] = engine
+    mine = _engines.setdefault(ctx, {})
+    engine = mine.get(credit_bytes)
+    if engine is None or engine.closed:
+        engine = mine[credit_bytes] = Engine(ctx, credit_bytes=credit_bytes)
     return engine

@@ -139,6 +139,10 @@ class GradientSync:
         #: one process gives it none, and Adam would step on zeros); one small all-reduce of
         #: a flag per parameter a step. Off by default.
         self.keep_missing = False
+        #: Synchronised, and no gradient has come since: synchronize() has nothing to do
+        #: (``.grad`` already holds the average), so Horovod's ``synchronize(); clip;
+        #: step()`` sums once.
+        self._fresh = False
         self._reset()
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook(i))
                        for i, p in enumerate(self.params)]
@@ -154,6 +158,11 @@ class GradientSync:
         is over)."""
         return self.synced >= self.warmup
 
+    @property
+    def synchronized(self) -> bool:
+        """Whether ``.grad`` holds the average: synchronised, and no gradient came since."""
+        return self._fresh
+
     def _sums(self) -> Sequence[SumTensor]:
         return self.tensors if self.compressing else self._warming
 
@@ -164,11 +173,15 @@ class GradientSync:
         self._first_submit: float | None = None
         self._queued = False
         self._came = [False] * len(self.params)
+        #: Per parameter, the gradient handed to the engine and its version counter then:
+        #: a change before synchronize() (clipping, unscaling) would be lost, and is refused.
+        self._handed: list[tuple[torch.Tensor, int] | None] = [None] * len(self.params)
         #: Whether a backward inside no_sync() accumulated gradients since the last sum.
         self.unsynced = False
 
     def _hook(self, i: int) -> Callable[[torch.Tensor], None]:
         def hook(param: torch.Tensor) -> None:
+            self._fresh = False
             if not self.enabled:
                 self.unsynced = True
                 return
@@ -195,6 +208,8 @@ class GradientSync:
         """Parameter i's gradient is final for this step: submit its bucket once all are."""
         p = self.params[i]
         self._came[i] = p.grad is not None
+        if p.grad is not None:
+            self._handed[i] = (p.grad, p.grad._version)
         grad = p.grad if p.grad is not None else torch.zeros_like(p)
         if grad.is_sparse:
             raise ConfigError(f"parameter {self.names[i]!r} has a sparse gradient (an "
@@ -217,11 +232,19 @@ class GradientSync:
 
     @torch.no_grad()
     def synchronize(self) -> None:
-        """Wait for every bucket's sum and leave the average over workers in ``.grad``."""
+        """Wait for every bucket's sum and leave the average over workers in ``.grad``.
+
+        Nothing to do where no gradient came since the last call (``.grad`` holds the
+        average). A gradient changed in place or replaced after backward handed it over
+        (clipped, unscaled by a ``GradScaler``) is refused, naming it: its sum left
+        without the change, so change gradients after this call, not before."""
+        if self._fresh:
+            return
         waited = time.perf_counter()
         for i in range(len(self.params)):
             if not self._ready[i]:
                 self._collect(i)
+        self._check_unchanged()
         assert self._first_submit is not None or not self.buckets
         for bucket, t in zip(self.buckets, self._sums()):
             total = self.engine.wait(t)
@@ -242,6 +265,28 @@ class GradientSync:
                     p.grad = None
         self.synced += 1
         self._reset()
+        self._fresh = True
+
+    def _check_unchanged(self) -> None:
+        for i, handed in enumerate(self._handed):
+            if handed is None:
+                continue
+            grad, version = handed
+            p = self.params[i]
+            if p.grad is grad and grad._version == version:
+                continue
+            for t in self._sums():  # leave the engine idle: every sum is waited for
+                if t.busy:
+                    self.engine.wait(t)
+            self._reset()
+            how = "was replaced" if p.grad is not grad else "was changed in place"
+            raise ConfigError(
+                f"the gradient of {self.names[i]!r} {how} between backward() and the step's "
+                f"synchronisation (gradient clipping, or a GradScaler's unscale_?): its sum "
+                f"had left with the gradient backward made, and the change would be lost",
+                "call optimizer.synchronize() first, then change the gradients, then "
+                "optimizer.step() (it uses the synchronised gradients; Horovod's "
+                "'with optimizer.skip_synchronize():' works too)")
 
     @torch.no_grad()
     def average(self, values: Sequence[torch.Tensor]) -> list[torch.Tensor]:

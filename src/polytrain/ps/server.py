@@ -267,7 +267,9 @@ class Server:
             if self._error is not None:
                 raise self._cause()
             self._report_held()
-            if time.monotonic() - self._last_request > self.idle_timeout_s:
+            # A server that holds no store has nothing for anyone to wait on (Parallax with
+            # no sparse parameter): it waits for the workers' FINISH, however long.
+            if self.stores and time.monotonic() - self._last_request > self.idle_timeout_s:
                 # Not a wait for a peer gone quiet (that is a CommTimeout, whose waiting the
                 # launcher blames on whoever works on instead) but the bound on the workers'
                 # idle time between requests, which is reached working.

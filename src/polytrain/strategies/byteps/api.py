@@ -7,6 +7,7 @@ docs/from-byteps.md maps every call and environment variable.
 from __future__ import annotations
 
 import itertools
+import logging
 import weakref
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
@@ -36,11 +37,15 @@ from .optimizer import DistributedOptimizer as _SyncOptimizer
 from .options import BytePSOptions
 from .plan import plan_for
 
+log = logging.getLogger(__name__)
+
 __all__ = ["init", "shutdown", "push_pull", "push_pull_async", "push_pull_inplace",
            "push_pull_async_inplace", "poll", "synchronize", "declare", "PushPullHandle",
            "broadcast_parameters", "broadcast_optimizer_state", "DistributedOptimizer",
            "Compression", "size", "rank", "local_rank", "local_size"]
 
+#: Unnamed push_pull calls after which a warning says each kept keys of its own.
+UNNAMED_WARN = 100
 _names: weakref.WeakKeyDictionary[Context, dict[str, SumTensor]] = weakref.WeakKeyDictionary()
 _unnamed: weakref.WeakKeyDictionary[Context, itertools.count[int]] = weakref.WeakKeyDictionary()
 _declared: weakref.WeakKeyDictionary[Context, list[str]] = weakref.WeakKeyDictionary()
@@ -189,7 +194,12 @@ def _push_pull_async(tensor: torch.Tensor, average: bool, name: str | None, prio
         raise ConfigError(f"push_pull compresses float32 tensors only (got {tensor.dtype})",
                           "pass compression=Compression.none for this tensor")
     if name is None:
-        name = f"push_pull.{next(_unnamed.setdefault(ctx, itertools.count()))}"
+        n = next(_unnamed.setdefault(ctx, itertools.count()))
+        name = f"push_pull.{n}"
+        if n == UNNAMED_WARN:
+            log.warning("%d push_pull calls without a name: each declares keys of its own on "
+                        "the servers, kept for the run, so memory grows with every call; pass "
+                        "name=... for a tensor pushed every step", n + 1)
     engine = engine_for(ctx)
     declared = _names.setdefault(ctx, {})
     spec = TensorSpec(name, tuple(tensor.shape), tensor.dtype)
@@ -340,7 +350,12 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 - ByteP
             compression=polytrain.byteps.Compression.onebit, error_feedback=True)
     """
     ctx = _worker_ctx(ctx, "DistributedOptimizer")
-    chosen = options.pop("compress", "none") if compression is None else compression
+    compress = options.pop("compress", None)
+    if compress is not None and compression is not None:
+        raise ConfigError(f"DistributedOptimizer got both compression={compression!r} and "
+                          f"compress={compress!r}", "pass one of them (compression is "
+                          "BytePS's name for it)")
+    chosen = (compress or "none") if compression is None else compression
     # Every compressor in use is checked as --compress is (its name, async's refusal).
     values = list(chosen.values()) if isinstance(chosen, Mapping) else [chosen]
     specs = sorted({v if isinstance(v, str) else v.spec() for v in values if v is not None})

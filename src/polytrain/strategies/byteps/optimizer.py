@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Any, Callable, Iterable, Mapping, Sequence, Union
+import inspect
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -181,6 +183,15 @@ class WrappedOptimizer(torch.optim.Optimizer):
         return f"byteps.{type(self).__name__}({self.optimizer!r})"
 
 
+def _needs_closure(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step`` requires a closure (LBFGS: it re-evaluates the loss)."""
+    try:
+        closure = inspect.signature(optimizer.step).parameters.get("closure")
+    except (TypeError, ValueError):
+        return False
+    return closure is not None and closure.default is inspect.Parameter.empty
+
+
 class DistributedOptimizer(WrappedOptimizer):
     """Wraps any torch optimizer: gradients are summed by the summation service, then it steps.
 
@@ -238,24 +249,61 @@ class DistributedOptimizer(WrappedOptimizer):
             engine, named, fuse_bytes=fuse_bytes, partition_bytes=partition_bytes,
             colocate=colocate, passes_per_step=backward_passes_per_step,
             averaging=compress_adam and compress_adam_refresh > 0, **compress)
+        if _needs_closure(optimizer):
+            raise ConfigError(f"{type(optimizer).__name__} evaluates its closure several times "
+                              f"a step, and a BytePS step sums the gradients of one backward",
+                              "use an optimizer that steps on one gradient (SGD, Adam, ...)")
+        self._skip = False  # inside skip_synchronize()
         self.compress_adam: _OneBitAdam | None = None
         if compress_adam:
             self.compress_adam = _OneBitAdam(optimizer, self.sync, compress_adam_refresh)
             self.sync.transform = self.compress_adam.local_momentum
 
     def synchronize(self) -> None:
-        """Wait for every gradient's sum and leave the average over workers in ``.grad``."""
+        """Wait for every gradient's sum and leave the average over workers in ``.grad``
+        (nothing to do if no gradient came since the last call). Call it before changing
+        gradients (clipping, a GradScaler's ``unscale_``); ``step()`` then uses them::
+
+            loss.backward()
+            opt.synchronize()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+        """
         self.sync.synchronize()
 
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Horovod's and BytePS's: ``step()`` inside it does not synchronise (call
+        :meth:`synchronize` before it; a step with gradients not yet synchronised is
+        refused)."""
+        self._skip = True
+        try:
+            yield
+        finally:
+            self._skip = False
+
     def step(self, closure: Callable[[], float] | None = None) -> Any:
+        """Run ``closure`` (once: its backward's gradients are the ones summed), wait for
+        the sums and step the wrapped optimizer; returns the closure's loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
         compressing = self.compress_adam is not None and self.sync.compressing
-        self.synchronize()
+        if not self._skip:
+            self.synchronize()
+        elif not self.sync.synchronized:
+            raise ConfigError("step() inside skip_synchronize() with gradients not yet "
+                              "synchronised: it would step on this worker's own gradients",
+                              "call optimizer.synchronize() before the step")
         if compressing:
             assert self.compress_adam is not None
-            return self.compress_adam.step(closure)
+            self.compress_adam.step()
+            return loss
         if self.compress_adam is not None:
             self.compress_adam.thaw()
-        return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+        self.optimizer.step()
+        return loss
 
     def carried(self) -> dict[str, Any]:
         """What the compression carries from one step to the next, for a checkpoint (between
@@ -380,13 +428,9 @@ class _OneBitAdam:
         return (1 - beta1) * grad + beta1 * m
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> Any:
+    def step(self) -> None:
         """The compressed tensors' update from the pulled momentum (in ``.grad``); Adam's for
         the others."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
         if self.refreshing():
             self._refresh()
         held = []
@@ -411,7 +455,6 @@ class _OneBitAdam:
         finally:
             for p, g in held:
                 p.grad = g
-        return loss
 
     def thaw(self) -> None:
         """An exact Adam step (the warm-up's): the variance is frozen again after it (a run
