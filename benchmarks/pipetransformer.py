@@ -18,7 +18,9 @@ loss. Rounds alternate the runs; times are medians over rounds. Saves
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import platform
 import statistics
 from pathlib import Path
 from typing import Any
@@ -34,6 +36,9 @@ from polytrain.train import run_config
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ENV = {"OMP_NUM_THREADS": "1"}
+#: torch threads of the pre-training (in this process): 2 made the model behind every figure
+#: in docs/pipetransformer.md except stop 41's (first held-out loss 1.6408 at step 10).
+PRETRAIN_THREADS = 2
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "no freeze": {"freeze": False},
@@ -61,6 +66,40 @@ def device_memory_mb(model: dict[str, Any], batch: int, stages: int) -> float:
             break
     assert need[stages] < need[stages // 2], need
     return round((need[stages] * 1.15), 3)
+
+
+def corpus_sha256() -> str:
+    """The text corpus's fingerprint: it is read from this Python's standard library, so
+    another Python version is another corpus (and another pre-trained model)."""
+    from polytrain.data import stdlib_corpus
+
+    return hashlib.sha256(stdlib_corpus().numpy().tobytes()).hexdigest()
+
+
+def pretrained(folder: Path, model: dict[str, Any], steps: int) -> dict[str, Any]:
+    """Pre-train the GPT once into ``folder`` (``single``, on PRETRAIN_THREADS threads: the
+    float sums, so the model, depend on the thread count) and say what made it; a model
+    made from another corpus, torch or thread count is made again."""
+    want = {"corpus_sha256": corpus_sha256(), "torch": torch.__version__,
+            "python": platform.python_version(), "threads": PRETRAIN_THREADS, "steps": steps}
+    record = folder / "provenance.json"
+    if (folder / "final.pt").exists() and record.exists():
+        made = json.loads(record.read_text())
+        if {k: made.get(k) for k in want} == want:
+            return made
+        print(f"re-training {folder.name}: made with {made}, this run has {want}", flush=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(PRETRAIN_THREADS)
+    try:
+        run_config(polytrain.TrainConfig(strategy="single", data="text-pretrain", steps=steps,
+                                         batch_size=32, lr=2e-3, model_options=model,
+                                         out=str(folder), quiet=True))
+    finally:
+        torch.set_num_threads(threads)
+    made = {**want, "final_pt_sha256": hashlib.sha256(
+        (folder / "final.pt").read_bytes()).hexdigest()}
+    record.write_text(json.dumps(made, indent=1) + "\n")
+    return made
 
 
 def time_to(evals: list[dict[str, float]], target: float) -> float | None:
@@ -98,10 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         args.steps, args.pretrain_steps, args.freeze_every, args.eval_every = 12, 20, 4, 4
     tag = "-".join(f"{k}{v}" for k, v in model.items())
     pre = RESULTS / f"pretrained-{tag}-{args.pretrain_steps}"
-    if not (pre / "final.pt").exists():
-        run_config(polytrain.TrainConfig(strategy="single", data="text-pretrain",
-                                         steps=args.pretrain_steps, batch_size=32, lr=2e-3,
-                                         model_options=model, out=str(pre), quiet=True))
+    provenance = pretrained(pre, model, args.pretrain_steps)
     memory = device_memory_mb(model, args.batch_size, 4)
     devices = f"d={args.gflops}/{memory},m0:d*4,m1:d*4"
     base = polytrain.TrainConfig(
@@ -111,7 +147,12 @@ def main(argv: list[str] | None = None) -> int:
     names = [n for n in VARIANTS if args.only is None or n in args.only]
     runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
     if args.merge and args.out.exists():
-        earlier = json.loads(args.out.read_text())["runs"]
+        kept = json.loads(args.out.read_text())
+        if kept.get("pretrained") != provenance:
+            raise SystemExit(f"--merge: the runs in {args.out} fine-tuned another pre-trained "
+                             f"model ({kept.get('pretrained')}; now {provenance}): run them "
+                             f"all again, without --merge")
+        earlier = kept["runs"]
         runs = {n: list(earlier.get(n, [])) for n in VARIANTS if n in earlier or n in names}
     for r in range(args.rounds):
         for name in names:
@@ -157,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
             s["final_within_1pct"] = abs(s["final_eval_loss"] / summary["no freeze"][
                 "final_eval_loss"] - 1) <= 0.01 or s["final_eval_loss"] < summary[
                 "no freeze"]["final_eval_loss"]
-    out = {"model": model, "devices": devices, "batch_size": args.batch_size,
+    out = {"model": model, "pretrained": provenance, "devices": devices,
+           "batch_size": args.batch_size,
            "steps": args.steps, "rounds": args.rounds, "pretrain_steps": args.pretrain_steps,
            "freeze_every": args.freeze_every, "freeze_signal": args.freeze_signal,
            "freeze_threshold": args.freeze_threshold, "freeze_alpha": args.freeze_alpha,
