@@ -603,6 +603,30 @@ def test_a_script_that_launches_when_imported_is_told_to_guard_the_call(tmp_path
 
 
 @pytest.mark.timeout(60)
+def test_a_script_that_trains_when_imported_is_told_to_guard_the_call(tmp_path):
+    # An unguarded run_config() of a one-process run trained again in every child of the
+    # script's next (guarded) run, all writing the same folder.
+    script = tmp_path / "job.py"
+    script.write_text("import polytrain\n"
+                      "from polytrain.train import run_config\n"
+                      f"run_config(polytrain.TrainConfig(steps=2, out={str(tmp_path / 'a')!r}, "
+                      "quiet=True, model_options={'d_model': 8, 'layers': 1, 'seq_len': 8}))\n"
+                      "def main():\n"
+                      "    return polytrain.init().rank\n"
+                      "if __name__ == '__main__':\n"
+                      "    print(polytrain.launch(main, workers=2, timeout_s=20))\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
+    run = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
+                         text=True, timeout=50)
+    assert run.returncode == 1
+    assert re.search(r"LaunchError: worker rank \d \(machine node0\) failed: ConfigError: "
+                     r"polytrain\.train\.run_config\(\) ran in a launched process, as it "
+                     r"imported the launching script: the script calls run_config\(\) when "
+                     r"imported.*HINT: put the call under `if __name__ == \"__main__\":`",
+                     run.stderr), run.stderr[-2000:]
+
+
+@pytest.mark.timeout(60)
 def test_launched_functions_see_the_launching_scripts_argv(tmp_path):
     # A main() that parsed its script's arguments (argparse, sys.argv[1]) got the child's own
     # argv, [child.py, payload.pkl], and failed on the payload file's path.

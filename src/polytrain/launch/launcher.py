@@ -27,7 +27,7 @@ from .host import oom_kills
 from .layout import WORKER, Layout, ProcessSpec
 from .network import LinkShape, Network, check_tools, link_shape, start_time
 
-__all__ = ["launch", "launch_script", "Launcher", "free_port"]
+__all__ = ["launch", "launch_script", "Launcher", "free_port", "refuse_at_import"]
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +142,18 @@ class _Failure:
                 f"failed: {self.cause}")
 
 
+def refuse_at_import(call: str) -> None:
+    """Refuse ``call`` (one that starts a run) in a launched process importing the launching
+    script: the script makes it when imported, so every process would start a run."""
+    if _env.loading_main():
+        name = call.removeprefix("polytrain.").removeprefix("train.")
+        raise ConfigError(f"{call} ran in a launched process, as it imported the launching "
+                          f"script: the script calls {name} when imported, so every process "
+                          f"would start a run of its own",
+                          "put the call under `if __name__ == \"__main__\":`, as in the "
+                          "README's example (as multiprocessing requires)")
+
+
 class Launcher:
     """Runs one :class:`Layout` as local processes on ``127.0.0.1``.
 
@@ -189,12 +201,7 @@ class Launcher:
     def run_fn(self, fn: Callable[..., Any], args: Sequence[Any] = (),
                kwargs: Mapping[str, Any] | None = None) -> list[Any]:
         """Run ``fn(*args, **kwargs)`` in every process; return the workers' results by rank."""
-        if _env.loading_main():
-            raise ConfigError("polytrain.launch() ran in a launched process, as it imported the "
-                              "launching script: the script calls launch() when imported, so "
-                              "every process would start a run of its own",
-                              "put the call under `if __name__ == \"__main__\":`, as in the "
-                              "README's example (as multiprocessing requires)")
+        refuse_at_import("polytrain.launch()")
         try:
             target = pickle.dumps((fn, tuple(args), dict(kwargs or {})))
         except (pickle.PicklingError, AttributeError, TypeError) as e:

@@ -11,7 +11,7 @@ from ..checkpoint import check_compatible, newest, resolve
 from ..checkpoint.manifest import CheckpointError, read_manifest, whole_past
 from ..config import TrainConfig
 from ..errors import LaunchError
-from ..launch.launcher import Launcher
+from ..launch.launcher import Launcher, refuse_at_import
 from ..strategies.base import get_strategy
 from .loop import train
 
@@ -88,6 +88,7 @@ def run_config(config: TrainConfig, *, env: Mapping[str, str] | None = None,
 
         metrics = run_config(TrainConfig(strategy="ddp", workers=2, steps=50))
     """
+    refuse_at_import("polytrain.train.run_config()")  # before a single run trains in-process
     say = report or log.warning
     config = resume_point(config)
     check_checkpoint_folder(config)
