@@ -94,6 +94,15 @@ def test_a_timeout_that_is_not_a_positive_number_of_seconds_is_refused_in_one_li
     assert not polytrain.is_initialized()
 
 
+def test_a_run_configured_in_python_takes_the_timeout_from_the_environment(monkeypatch):
+    # polytrain train and init() read POLYTRAIN_TIMEOUT; TrainConfig (run_config's) did not.
+    monkeypatch.delenv("POLYTRAIN_TIMEOUT", raising=False)
+    assert polytrain.TrainConfig().timeout_s == 120
+    monkeypatch.setenv("POLYTRAIN_TIMEOUT", "600")
+    assert polytrain.TrainConfig().timeout_s == 600
+    assert polytrain.TrainConfig(timeout_s=30).timeout_s == 30
+
+
 def test_a_join_that_fails_on_several_hosts_names_gloos_interface_where_it_is_loopback(
         monkeypatch):
     from polytrain import runtime

@@ -12,7 +12,7 @@ from typing import Any, Mapping
 
 import torch
 
-from ._env import check_seconds
+from ._env import check_seconds, timeout_of
 from .data import check_dataset, check_divisible, training_data
 from .emulation.devices import parse_cluster
 from .emulation.profile import optimizer_state_factor, profile_model
@@ -53,7 +53,8 @@ class TrainConfig:
         warmup_steps: the first steps' learning rate rises linearly to ``lr`` (default 0).
         seed: weights and batches are a function of it (default 0).
         out: directory for ``metrics.json`` and ``final.pt`` (default: none written).
-        quiet: no progress bar. timeout_s: longest wait on a peer. port: rendezvous port.
+        quiet: no progress bar. timeout_s: longest wait on a peer (default
+            POLYTRAIN_TIMEOUT, else 120 s, as ``polytrain train``). port: rendezvous port.
         device: ``cpu`` or ``cuda``. strategy_options: the strategy's own options.
         bandwidth, latency: emulate the cluster's network: every machine in a network
             namespace of its own, its NIC shaped to ``bandwidth`` each way (``"1gbit"``,
@@ -98,7 +99,7 @@ class TrainConfig:
     seed: int = 0
     out: str | None = None
     quiet: bool = False
-    timeout_s: float = 120.0
+    timeout_s: float = field(default_factory=timeout_of)
     port: int | None = None
     device: str = "cpu"
     devices: str | None = None
@@ -241,6 +242,13 @@ class TrainConfig:
             raise ConfigError(f"--max-restarts {self.max_restarts} restarts from the newest "
                               f"checkpoint, and no --checkpoint-every is given",
                               "pass --checkpoint-every N with --out DIR")
+        if self.max_restarts and not get_strategy(self.strategy).distributed:
+            raise ConfigError(f"--max-restarts {self.max_restarts} starts a run's processes "
+                              f"again when one dies, and --strategy {self.strategy} trains "
+                              f"in this one process, with none to restart",
+                              f"leave out --max-restarts (and, after a failure, go on with "
+                              f"--resume {self.out or 'OUT'}), or train with a distributed "
+                              f"strategy")
 
     def _check_data(self, spec: Any, model: Any) -> None:
         """Refuse data too short for the run's windows, batches or held-out part now, and not

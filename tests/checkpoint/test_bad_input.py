@@ -55,6 +55,17 @@ def test_max_restarts_needs_checkpoints(capsys, tmp_path):
     assert "restarts from the newest checkpoint, and no --checkpoint-every" in line
 
 
+def test_max_restarts_of_a_one_process_run_is_refused(capsys, tmp_path):
+    # It was accepted and did nothing: single trains in the calling process, and a failure
+    # ended the run with no restart.
+    line = error_of(capsys, "--strategy", "single", "--max-restarts", "2", "--checkpoint-every",
+                    "2", "--out", str(tmp_path), *TINY)
+    assert "--max-restarts 2 starts a run's processes again when one dies, and --strategy " \
+           "single trains in this one process, with none to restart" in line
+    assert f"HINT: leave out --max-restarts (and, after a failure, go on with --resume " \
+           f"{tmp_path})" in line
+
+
 def test_on_save_error_stop_needs_checkpoints(capsys, tmp_path):
     # It was accepted and did nothing: no checkpoint was ever written to fail.
     line = error_of(capsys, "--on-save-error", "stop", "--out", str(tmp_path), *TINY)
@@ -186,6 +197,32 @@ def test_checkpoints_of_another_run_in_out_are_not_mixed_with_this_runs(capsys, 
     # Without checkpoints of its own, a fresh run may still write into that --out.
     assert main(["train", "--strategy", "single", "--out", str(tmp_path), "--checkpoint-every",
                  "2", *TINY]) == 0
+
+
+@pytest.mark.timeout(120)
+def test_resuming_another_runs_checkpoint_into_an_out_with_checkpoints_is_refused(
+        capsys, saved, tmp_path):
+    # Only checkpoints past the resumed step counted: resumed at step-4 of another run, this
+    # one was accepted, wrote its final.pt over the folder's, and --keep 1 pruned its step-2
+    # and step-4.
+    other = tmp_path / "other"
+    assert main(["train", "--strategy", "single", "--out", str(other), "--lr", "0.05",
+                 "--checkpoint-every", "2", *TINY]) == 0
+    run = copied(saved, tmp_path)
+    before = (run / "final.pt").read_bytes()
+    line = error_of(capsys, "--strategy", "single", "--lr", "0.05", "--resume",
+                    str(other / "checkpoints" / "step-4"), "--out", str(run),
+                    "--checkpoint-every", "2", "--keep", "1", *LONGER)
+    assert f"--out {run} holds checkpoints that the run this one resumes ({other}/checkpoints/" \
+           f"step-4) did not write (2 checkpoints up to step-4)" in line
+    assert f"HINT: pass another --out (or remove {run}/checkpoints), or --resume {run}" in line
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-2", "step-4"]
+    assert (run / "final.pt").read_bytes() == before
+    # The same run's own checkpoint, resumed from where it was made, goes on there.
+    assert main(["train", "--strategy", "single", "--resume",
+                 str(saved / "checkpoints" / "step-4"), "--out", str(run),
+                 "--checkpoint-every", "2", "--keep", "1", *LONGER]) == 0
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-6"]
 
 
 @pytest.mark.timeout(120)

@@ -6,9 +6,17 @@ import json
 
 import pytest
 import torch
+from torch import nn
 
+import polytrain
 from polytrain.checkpoint import CheckpointError, newest, resolve, verify
-from polytrain.checkpoint.manifest import commit, prune, temporary_dir, write_manifest
+from polytrain.checkpoint.manifest import (
+    commit,
+    prune,
+    temporary_dir,
+    write_atomically,
+    write_manifest,
+)
 
 
 def make(root, step, payload=b"x" * 1000):
@@ -118,3 +126,53 @@ def test_keep_prunes_the_oldest_whole_checkpoints(tmp_path):
     removed = prune(tmp_path, 2)
     assert sorted(p.name for p in removed) == ["step-1", "step-2"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-3", "step-4"]
+
+
+def test_a_file_written_atomically_is_the_old_one_or_the_new_one(tmp_path):
+    # final.pt and metrics.json were written in place: a crash while writing (a full disk, a
+    # kill) left half a file where the run's results had been.
+    path = tmp_path / "final.pt"
+    write_atomically(path, lambda tmp: torch.save({"w": torch.ones(2)}, tmp))
+
+    def crash(tmp):
+        tmp.write_bytes(b"half a fi")
+        raise OSError(28, "No space left on device")
+    with pytest.raises(OSError, match="No space left"):
+        write_atomically(path, crash)
+    assert torch.equal(torch.load(path)["w"], torch.ones(2))
+    assert [p.name for p in tmp_path.iterdir()] == ["final.pt"]  # no temporary file left
+    write_atomically(path, lambda tmp: torch.save({"w": torch.zeros(2)}, tmp))
+    assert torch.equal(torch.load(path)["w"], torch.zeros(2))
+
+
+def test_a_run_whose_out_is_named_like_a_checkpoint_resumes_from_its_newest(tmp_path):
+    # --out runs/step-1000 was taken for one checkpoint without a manifest.
+    out = tmp_path / "step-1000"
+    make(out / "checkpoints", 2)
+    make(out / "checkpoints", 4)
+    assert resolve(out)[0] == out / "checkpoints" / "step-4"
+
+
+def test_load_refuses_another_optimizer_class_or_scheduler_than_the_saved_ones(tmp_path):
+    # An Adagrad given Adam's state failed at its step() with KeyError 'sum'; a scheduler
+    # given to load() for a checkpoint without one (or none for one with) was ignored.
+    def made(optimizer):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 2)
+        return polytrain.distribute(model, optimizer(model.parameters()), "single")
+    model, opt = made(torch.optim.Adam)
+    model(torch.ones(3, 4)).sum().backward()
+    opt.step()
+    moment = opt.state[model.weight]["exp_avg"].clone()
+    saved = polytrain.save(tmp_path, model, opt, step=1)
+    with pytest.raises(CheckpointError, match=r"the checkpoint's optimizer is Adam and this "
+                                              r"one Adagrad: its state would not fit"):
+        polytrain.load(tmp_path, *made(torch.optim.Adagrad))
+    model, opt = made(torch.optim.Adam)
+    with pytest.raises(CheckpointError, match=rf"checkpoint {saved} was saved without a "
+                                              r"learning-rate scheduler, and this load\(\) is "
+                                              r"given one"):
+        polytrain.load(tmp_path, model, opt,
+                       scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0))
+    assert polytrain.load(tmp_path, model, opt).step == 1
+    assert torch.equal(opt.state[model.weight]["exp_avg"], moment)

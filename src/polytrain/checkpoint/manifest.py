@@ -23,13 +23,14 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from ..errors import ConfigError
 
 __all__ = ["FORMAT", "MANIFEST", "checkpoint_dir", "temporary_dir", "write_manifest",
            "verify", "read_manifest", "require", "step_dirs", "checked", "whole_checkpoints",
-           "whole_past", "newest", "resolve", "run_out", "prune", "commit", "CheckpointError"]
+           "whole_past", "newest", "resolve", "run_out", "prune", "commit", "CheckpointError",
+           "write_atomically"]
 
 FORMAT = "polytrain.checkpoint/1"
 MANIFEST = "manifest.json"
@@ -64,6 +65,22 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
+def write_atomically(path: str | Path, write: Callable[[Path], object]) -> None:
+    """``write(tmp)`` beside ``path``, flushed to disk, then renamed over it: a crash leaves
+    the old file or the new one, never half of either.
+
+        write_atomically(out / "final.pt", lambda tmp: torch.save(state, tmp))
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        write(tmp)
+        _fsync(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def write_manifest(directory: Path, meta: dict[str, Any]) -> dict[str, Any]:
     """Write ``manifest.json`` listing every other file of ``directory`` with size and sha256."""
     files = {}
@@ -73,10 +90,8 @@ def write_manifest(directory: Path, meta: dict[str, Any]) -> dict[str, Any]:
         _fsync(path)
         files[path.name] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
     manifest = {"format": FORMAT, **meta, "files": files}
-    tmp = directory / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=1) + "\n")
-    _fsync(tmp)
-    os.replace(tmp, directory / MANIFEST)
+    write_atomically(directory / MANIFEST,
+                     lambda tmp: tmp.write_text(json.dumps(manifest, indent=1) + "\n"))
     return manifest
 
 
@@ -190,7 +205,8 @@ def resolve(path: str | Path) -> tuple[Path, list[str]]:
     run's ``--out`` directory (its ``checkpoints/``): the newest whole one there.
     """
     p = Path(path)
-    if (p / MANIFEST).exists() or _STEP.match(p.name):
+    # A run's --out may itself be named step-N: its checkpoints/ says which it is.
+    if (p / MANIFEST).exists() or (_STEP.match(p.name) and not (p / "checkpoints").is_dir()):
         verify(p)
         return p, []
     root = p / "checkpoints" if (p / "checkpoints").is_dir() else p

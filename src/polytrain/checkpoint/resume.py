@@ -64,6 +64,6 @@ def check_compatible(manifest: Mapping[str, Any], config: Any, where: Any) -> No
     step = int(saved["step"])
     if step > config.steps:
         raise CheckpointError(f"checkpoint {where} is at step {step}, past --steps "
-                              f"{config.steps}", f"pass --steps {step} or more")
+                              f"{config.steps}", f"pass --steps N above {step} to train on")
     cls = get_strategy(config.strategy)
     cls.check_resume(saved, config.layout(), make_options(cls, dict(config.strategy_options)))

@@ -257,7 +257,15 @@ def load(path: str | Path, model: nn.Module | Trainer,
     strategy.load_checkpoint_state(own["strategy"] if saved_workers == _workers(strategy)[1]
                                    else {})
     run = torch.load(where / "run.pt", map_location="cpu", weights_only=False)
-    if scheduler is not None and run.get("scheduler") is not None:
+    if (scheduler is None) != (run.get("scheduler") is None):
+        raise CheckpointError(
+            f"checkpoint {where} was saved " + (
+                "with a learning-rate scheduler, and this load() is given none: the saved "
+                "schedule would be dropped" if scheduler is None else
+                "without a learning-rate scheduler, and this load() is given one: it would "
+                "start at its first step"),
+            "pass load() the scheduler save() was given, or none if it was given none")
+    if scheduler is not None:
         scheduler.load_state_dict(run["scheduler"])
     return Resumed(step=int(run["step"]), path=where, extra=dict(run.get("extra") or {}),
                    skipped=tuple(skipped))
@@ -268,6 +276,12 @@ def _load_optimizer(optimizer: torch.optim.Optimizer, names: Mapping[str, nn.Par
                     worker_file: Any) -> None:
     by_id = {id(p): n for n, p in names.items()}
     saved_groups = own["groups"]
+    mine = type(getattr(optimizer, "optimizer", optimizer)).__name__
+    if own.get("class") not in (None, mine):  # another class's state breaks its step()
+        raise CheckpointError(f"the checkpoint's optimizer is {own['class']} and this one "
+                              f"{mine}: its state would not fit",
+                              f"resume with the checkpoint's optimizer, {own['class']} "
+                              f"(its --optimizer)")
     if len(saved_groups) != len(optimizer.param_groups):
         raise CheckpointError(f"the checkpoint's optimizer has {len(saved_groups)} parameter "
                               f"groups and this one {len(optimizer.param_groups)}",

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import logging
 import math
 import time
@@ -16,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint import CheckpointError, load, run_record, save
+from ..checkpoint.manifest import write_atomically
 from ..config import TrainConfig, check_init
 from ..data import EpochBatches, training_data
 from ..emulation.clock import clock_of, emulate
@@ -25,7 +25,7 @@ from ..models import get_model, seq_len_of
 from ..optim import make_optimizer
 from ..runtime import Context, init
 from ..strategies.base import distribute, get_strategy
-from .metrics import build_metrics, warmup_steps
+from .metrics import build_metrics, warmup_steps, write_metrics
 from .progress import Progress
 
 __all__ = ["train", "make_optimizer", "evaluate"]
@@ -176,8 +176,8 @@ def train(config: TrainConfig) -> dict[str, Any] | None:
     if config.out is not None:
         out = Path(config.out)
         out.mkdir(parents=True, exist_ok=True)
-        torch.save(state, out / "final.pt")
-        (out / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
+        write_atomically(out / "final.pt", lambda tmp: torch.save(state, tmp))
+        write_metrics(out, metrics)
     return metrics
 
 

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import statistics
+from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
+from ..checkpoint.manifest import write_atomically
 from ..comm.meter import MeterReport, machine_traffic, sent_bytes_by_step, server_traffic
 from ..comm.topology import Topology
 
-__all__ = ["warmup_steps", "steady", "step_times", "build_metrics"]
+__all__ = ["warmup_steps", "steady", "step_times", "build_metrics", "write_metrics"]
 
 
 def warmup_steps(count: int) -> int:
@@ -92,3 +95,9 @@ def build_metrics(*, config: Any, losses: Sequence[float], times: Sequence[float
         },
         "versions": {"polytrain": polytrain.__version__, "torch": torch.__version__},
     }
+
+
+def write_metrics(out: Path, metrics: dict[str, Any]) -> None:
+    """``out/metrics.json``, replaced whole (a crash leaves the old file or the new one)."""
+    write_atomically(out / "metrics.json",
+                     lambda tmp: tmp.write_text(json.dumps(metrics, indent=1) + "\n"))

@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from ..checkpoint import check_compatible, newest, resolve
-from ..checkpoint.manifest import CheckpointError, read_manifest, whole_past
+from ..checkpoint.manifest import (
+    CheckpointError,
+    read_manifest,
+    run_out,
+    step_dirs,
+    whole_past,
+)
 from ..config import TrainConfig
 from ..errors import LaunchError
 from ..launch.launcher import Launcher, refuse_at_import
 from ..strategies.base import get_strategy
 from .loop import train
+from .metrics import write_metrics
 
 __all__ = ["run_config", "resume_point"]
 
@@ -46,6 +52,15 @@ def check_checkpoint_folder(config: TrainConfig) -> None:
         return
     root = Path(config.out) / "checkpoints"
     start = start_step(config)
+    foreign = _foreign_history(config, root, start)
+    if foreign:
+        what = f"{len(foreign)} checkpoint{'s' * (len(foreign) > 1)} up to {foreign[0]}"
+        raise CheckpointError(
+            f"--out {config.out} holds checkpoints that the run this one resumes "
+            f"({config.resume}) did not write ({what}): it would write its final.pt and "
+            f"metrics.json over their run's, and its checkpoints beside (with --keep, "
+            f"instead of) them", f"pass another --out (or remove {root}), or --resume "
+            f"{config.out} to continue their run")
     # Damaged ones are passed over: nothing resumes them, and this run replaces them.
     past = [path.name for path in whole_past(root, start)]
     if not past:
@@ -70,6 +85,30 @@ def check_checkpoint_folder(config: TrainConfig) -> None:
         f"({what}): they are not this run's, and a restart or a later --resume would take "
         f"them", f"remove them from {root} to go on from step {start}, or pass another "
         f"--out")
+
+
+def _foreign_history(config: TrainConfig, root: Path, start: int) -> list[str]:
+    """The checkpoints in ``root`` up to ``start`` that the run ``config.resume`` continues
+    did not write (newest first), for a resume into another ``--out``: those the resumed
+    checkpoint's own folder holds with the same files (copied along) are its history."""
+    if config.resume is None or run_out(config.resume) == Path(config.out or "").resolve():
+        return []
+    origin = Path(config.resume).parent  # the resumed run's checkpoints folder
+    foreign = []
+    for step, path in step_dirs(root):
+        if step > start:
+            continue  # newer ones: check_checkpoint_folder's own refusal names them
+        try:
+            files = read_manifest(path)["files"]
+        except (CheckpointError, KeyError):
+            continue  # damaged: nothing resumes it, and this run replaces it
+        try:
+            same = read_manifest(origin / path.name).get("files") == files
+        except CheckpointError:
+            same = False
+        if not same:
+            foreign.append(path.name)
+    return foreign
 
 
 def run_config(config: TrainConfig, *, env: Mapping[str, str] | None = None,
@@ -132,5 +171,5 @@ def run_config(config: TrainConfig, *, env: Mapping[str, str] | None = None,
     if restarts:
         metrics["restarts"] = restarts
         if config.out is not None:  # worker 0 wrote it before the count was known
-            (Path(config.out) / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
+            write_metrics(Path(config.out), metrics)
     return metrics
