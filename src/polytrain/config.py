@@ -185,8 +185,30 @@ class TrainConfig:
         check_divisible(self.batch_size, cls.replicas(layout, options))
         self._check_data(spec, model)
         self._check_devices(model)
+        self._check_link(model, layout)
         self._check_memory(model, layout.workers)
         self._check_out()  # last: a refused command leaves no directory behind
+
+    def _check_link(self, model: Any, layout: Layout) -> None:
+        """Refuse emulated links too slow for a run's first wait: at the start every
+        strategy copies worker 0's model to the other workers a tensor at a time, and a
+        wait longer than ``--timeout`` fails the run (after the timeout, in gloo's words)."""
+        link = self.link()
+        if link is None or layout.nodes < 2:
+            return
+        name, t = max(model.named_parameters(), key=lambda kv: kv[1].numel() * kv[1].element_size())
+        nbytes = t.numel() * t.element_size()
+        seconds = nbytes * 8 / link.rate_bit_s
+        if seconds <= self.timeout_s:
+            return
+        need = nbytes * 8 / self.timeout_s
+        rate = f"{math.ceil(need / 1e3)}kbit" if need < 1e6 else f"{math.ceil(need / 1e6)}mbit"
+        raise ConfigError(f"--bandwidth {self.bandwidth} carries the model's largest tensor "
+                          f"({name}, {nbytes:,} bytes), which every worker gets from worker 0 "
+                          f"at the start, in {seconds:,.0f} s, longer than --timeout "
+                          f"{self.timeout_s:g}: the run would time out there",
+                          f"pass --bandwidth {rate} or more (a real network's is 1gbit or "
+                          f"more), or a --timeout above {math.ceil(seconds)}")
 
     def _check_out(self) -> None:
         """Refuse an ``--out`` that cannot be made a directory now, so that it fails before
