@@ -14,6 +14,7 @@ from polytrain.checkpoint.manifest import (
     commit,
     prune,
     temporary_dir,
+    tidy,
     write_atomically,
     write_manifest,
 )
@@ -176,3 +177,19 @@ def test_load_refuses_another_optimizer_class_or_scheduler_than_the_saved_ones(t
                        scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0))
     assert polytrain.load(tmp_path, model, opt).step == 1
     assert torch.equal(opt.state[model.weight]["exp_avg"], moment)
+
+
+def test_what_a_crash_left_is_tidied_before_the_next_save(tmp_path):
+    # A crash between commit()'s two renames left the only whole step-4 as .step-4.old,
+    # which nothing read; an unfinished save's .step-S.tmp of another step stayed forever.
+    make(tmp_path, 2)
+    make(tmp_path, 4)
+    (tmp_path / "step-4").rename(tmp_path / ".step-4.old")  # moved aside, then the crash
+    make(tmp_path, 6)
+    (tmp_path / ".step-6.old").mkdir()  # its replacement is in place
+    (tmp_path / ".step-8.tmp").mkdir()  # unfinished
+    assert newest(tmp_path).name == "step-6"
+    assert tidy(tmp_path) == ["removed .step-8.tmp, an unfinished save",
+                              "restored step-4, moved aside by a save that did not finish"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-2", "step-4", "step-6"]
+    verify(tmp_path / "step-4")

@@ -30,7 +30,7 @@ from ..errors import ConfigError
 __all__ = ["FORMAT", "MANIFEST", "checkpoint_dir", "temporary_dir", "write_manifest",
            "verify", "read_manifest", "require", "step_dirs", "checked", "whole_checkpoints",
            "whole_past", "newest", "resolve", "run_out", "prune", "commit", "CheckpointError",
-           "write_atomically"]
+           "write_atomically", "tidy"]
 
 FORMAT = "polytrain.checkpoint/1"
 MANIFEST = "manifest.json"
@@ -231,6 +231,26 @@ def resolve(path: str | Path) -> tuple[Path, list[str]]:
     raise CheckpointError(f"--resume {path}: no whole checkpoint in {root}{detail}",
                           "pass a run's --out directory that holds checkpoints/step-S (train "
                           "with --checkpoint-every N), or start without --resume")
+
+
+def tidy(root: str | Path) -> list[str]:
+    """Undo what a crash left in ``root`` (before a save, on worker 0 alone): temporary
+    folders of unfinished saves are removed, and a whole checkpoint that :func:`commit` had
+    moved aside when it crashed between its two renames gets its name back (removed where
+    its replacement is in place). Returns what it did, to log."""
+    root = Path(root)
+    done = []
+    for path in sorted(root.glob(".step-*.tmp")):
+        shutil.rmtree(path, ignore_errors=True)
+        done.append(f"removed {path.name}, an unfinished save")
+    for path in sorted(root.glob(".step-*.old")):
+        final = root / path.name[1:-len(".old")]
+        if final.exists():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            os.replace(path, final)
+            done.append(f"restored {final.name}, moved aside by a save that did not finish")
+    return done
 
 
 def commit(tmp: Path, final: Path) -> None:

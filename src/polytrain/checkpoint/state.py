@@ -42,6 +42,7 @@ from .manifest import (
     require,
     resolve,
     temporary_dir,
+    tidy,
     write_manifest,
 )
 
@@ -160,8 +161,8 @@ def save(root: str | Path, model: nn.Module | Trainer,
     error: str | None = None
     if index == 0:
         try:
-            if tmp.exists():
-                shutil.rmtree(tmp)  # a crash's leftover: never read
+            for line in tidy(root):  # a crash's leftovers (this step's .tmp among them)
+                log.warning("checkpoints in %s: %s", root, line)
             tmp.mkdir(parents=True)
         except OSError as e:
             error = f"{type(e).__name__}: {e}"
