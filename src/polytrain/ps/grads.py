@@ -135,6 +135,10 @@ class GradientSync:
             b.numel, dtype=b.dtype, device=self.params[b.members[0]].device)
             for b in self.buckets]
         self._workers = engine.ctx.num_workers
+        #: 16-bit buckets travel divided by the workers, so that their sum cannot overflow
+        #: (the servers add in float32 but answer in the bucket's dtype); the rest divide
+        #: the sum, in float32 where they are, as one process would.
+        self._predivided = [b.dtype in (torch.float16, torch.bfloat16) for b in self.buckets]
         #: Leave ``.grad`` None where no worker had a gradient (an MoE expert no token chose:
         #: one process gives it none, and Adam would step on zeros); one small all-reduce of
         #: a flag per parameter a step. Off by default.
@@ -228,7 +232,10 @@ class GradientSync:
         if self._missing[b] == 0:
             if self._first_submit is None:
                 self._first_submit = time.perf_counter()
-            self.engine.submit(self._sums()[b], grad.reshape(-1) if buf is None else buf)
+            flat = grad.reshape(-1) if buf is None else buf
+            if self._predivided[b]:  # a 16-bit sum of W gradients can overflow: as torch's DDP
+                flat = flat.div_(self._workers) if buf is not None else flat.div(self._workers)
+            self.engine.submit(self._sums()[b], flat)
 
     @torch.no_grad()
     def synchronize(self) -> None:
@@ -246,13 +253,15 @@ class GradientSync:
                 self._collect(i)
         self._check_unchanged()
         assert self._first_submit is not None or not self.buckets
-        for bucket, t in zip(self.buckets, self._sums()):
+        for bucket, t, divided in zip(self.buckets, self._sums(), self._predivided):
             total = self.engine.wait(t)
             for m, off in zip(bucket.members, bucket.offsets):
                 p = self.params[m]
                 if p.grad is None:
                     p.grad = torch.empty_like(p)
-                p.grad.copy_(total[off:off + p.numel()].view(p.shape)).div_(self._workers)
+                p.grad.copy_(total[off:off + p.numel()].view(p.shape))
+                if not divided:
+                    p.grad.div_(self._workers)
         done = time.perf_counter()
         if self._first_submit is not None:
             self.comm_s.append(done - self._first_submit)

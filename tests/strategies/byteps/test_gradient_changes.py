@@ -1,5 +1,6 @@
 """BytePS's optimizer when the loop touches gradients between backward and step (clipping,
-unscaling), steps with a closure, or mixes its own push_pull calls with the optimizer's."""
+unscaling), steps with a closure, sums 16-bit gradients, or mixes its own push_pull calls
+with the optimizer's."""
 
 import pytest
 import torch
@@ -94,6 +95,14 @@ def loops():
         torch.optim.SGD(make_model().parameters(), lr=0.1), compression="fp16",
         compress="onebit"))
 
+    # 16-bit gradients whose sum passes float16's largest value (65504) still average.
+    w16 = nn.Parameter(torch.zeros(4, dtype=torch.float16))
+    opt = bps.DistributedOptimizer(torch.optim.SGD([w16], lr=0.0), named_parameters=[("w", w16)])
+    (w16.float() * 40000.0).sum().backward()
+    opt.synchronize()
+    out["half"] = w16.grad.clone()
+    opt.close()
+
     # A dtype the service does not carry is refused, and the engine goes on working.
     out["complex"] = refused(lambda: bps.push_pull(torch.ones(2, dtype=torch.complex64),
                                                    name="c"))
@@ -143,4 +152,5 @@ def test_clipping_closures_and_own_calls_beside_the_optimizer():
         assert o["both_compressions"].startswith("DistributedOptimizer got both compression=")
         assert o["complex"].startswith("'c' is torch.complex64, which the summation service")
         assert o["named_sums"] == ([1.0] * 3, [3.0] * 3)
+        assert o["half"].dtype == torch.float16 and o["half"].tolist() == [40000.0] * 4
     assert out[0]["closure_loss"] != out[1]["closure_loss"]  # each worker's own shard
