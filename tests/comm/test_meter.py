@@ -41,12 +41,18 @@ def test_each_message_is_counted_once_per_machine_and_per_step():
         meters[1].record(0, 999, "recv")
         for m in meters:
             m.mark_step()
-    traffic = {t.name: t for t in machine_traffic([m.report() for m in meters], TOPO, warmup=1)}
-    per_step = {n: (t.sent_bytes_per_step, t.recv_bytes_per_step) for n, t in traffic.items()}
-    assert per_step["node0"] == (210, 200) and per_step["node1"] == (200, 210)
-    assert traffic["server0"].kind == "server"
-    assert traffic["server0"].recv_bytes_per_step == 400 == traffic["server0"].sent_bytes_per_step
-    assert not any(t.estimated for t in traffic.values())
+    # The server's own report (what ctx.shutdown() returns beside the workers') counts no
+    # step: with it, every machine's traffic read 0.
+    server = TrafficMeter(4, TOPO)
+    server.record(0, 100, "recv")
+    for reports in ([m.report() for m in meters], [m.report() for m in meters] + [server.report()]):
+        traffic = {t.name: t for t in machine_traffic(reports, TOPO, warmup=1)}
+        per_step = {n: (t.sent_bytes_per_step, t.recv_bytes_per_step) for n, t in traffic.items()}
+        assert per_step["node0"] == (210, 200) and per_step["node1"] == (200, 210)
+        assert traffic["server0"].kind == "server"
+        assert traffic["server0"].recv_bytes_per_step == 400 == \
+            traffic["server0"].sent_bytes_per_step
+        assert not any(t.estimated for t in traffic.values())
 
 
 def test_ring_allreduce_estimate_marks_estimated():

@@ -78,3 +78,26 @@ def test_a_checkpoint_of_another_expert_count_is_refused(tmp_path):
     with pytest.raises(polytrain.ConfigError, match=r"MoE layer 'h0.mlp' has 8 experts but "
                                                     r"the checkpoint has 4"):
         load_sharded(other, tmp_path)
+
+
+def test_the_model_distribute_returns_saves_under_the_models_own_names(tmp_path):
+    # distribute(..., strategy="moe") returns a wrapper holding the model as .module: its
+    # shards were keyed "module.h0.mlp." and a plain model could not load them ("has 4
+    # experts but the checkpoint has None").
+    class Wrapper(nn.Module):  # as distribute()'s (and torch's DDP)
+        def __init__(self, module: nn.Module) -> None:
+            super().__init__()
+            self.module = module
+
+    model = build(0)
+    save_sharded(Wrapper(model), tmp_path)
+    for into in (build(1), Wrapper(build(1))):
+        load_sharded(into, tmp_path)
+        plain = getattr(into, "module", into)
+        assert all(torch.equal(v, model.state_dict()[k]) for k, v in plain.state_dict().items())
+    # A model whose MoE layers are named otherwise is told which the checkpoint holds.
+    other = nn.Sequential(build(1))
+    with pytest.raises(polytrain.ConfigError, match=r"MoE layer '0.h0.mlp' is not in the "
+                                                    r"checkpoint \(its MoE layers: \['h0.mlp', "
+                                                    r"'h1.mlp'\]\)"):
+        load_sharded(other, tmp_path)

@@ -154,8 +154,11 @@ def machine_traffic(reports: Sequence[MeterReport], topology: Topology, *,
 
     Each message is counted once: from its sender's report when the sender
     reported, else from its receiver's (so workers' reports alone cover their
-    traffic with servers). Steps after the first ``warmup`` are averaged.
+    traffic with servers). Steps after the first ``warmup`` are averaged. Reports that
+    counted no step (servers': they never call ``mark_step``) are left out, so
+    ``machine_traffic(ctx.shutdown(), ...)`` sees the workers' steps.
     """
+    reports = _stepped(reports)
     reporting = {r.rank for r in reports}
     first, nsteps = _steady_window(reports, warmup)
     counted = max(1, nsteps - first)
@@ -186,6 +189,7 @@ def sent_bytes_by_step(reports: Sequence[MeterReport], topology: Topology) -> li
     """Cross-machine bytes sent in each step, all machines together (each message once, as
     :func:`machine_traffic` counts them): for runs whose traffic changes over time (a
     compression warm-up)."""
+    reports = _stepped(reports)
     reporting = {r.rank for r in reports}
     nsteps = min((len(r.steps) for r in reports), default=0)
     out = [0.0] * nsteps
@@ -197,6 +201,11 @@ def sent_bytes_by_step(reports: Sequence[MeterReport], topology: Topology) -> li
                     continue
                 out[i] += n
     return out
+
+
+def _stepped(reports: Sequence[MeterReport]) -> list[MeterReport]:
+    """The reports that counted steps (a server's counts none: every window would be 0)."""
+    return [r for r in reports if r.steps]
 
 
 def _steady_window(reports: Sequence[MeterReport], warmup: int) -> tuple[int, int]:

@@ -145,8 +145,10 @@ def save_sharded(model: nn.Module, directory: str | Path, *, write: bool = True)
     Every rank of the expert-parallel groups calls it; ranks that hold the same
     experts as another (data-parallel replicas) pass ``write=False``. Files:
     ``meta.json`` and ``shard-R.pt`` per rank R of the expert-parallel group,
-    each with canonical keys.
+    each with canonical keys. ``model`` may be what ``distribute`` returned (or a DDP): its
+    wrapped model is saved, under the model's own names.
     """
+    model = getattr(model, "module", model)
     layers = moe_layers(model)
     size = _one_group_size(layers)
     rank = layers[0][1].group.rank if layers else 0
@@ -171,8 +173,9 @@ def load_sharded(model: nn.Module, directory: str | Path) -> None:
     """Load what :func:`save_sharded` wrote into ``model``, whatever its expert-parallel size.
 
     Each rank opens only the shard files that hold its experts (and shard 0
-    for the rest).
+    for the rest). ``model`` may be what ``distribute`` returned, as in :func:`save_sharded`.
     """
+    model = getattr(model, "module", model)
     path = Path(directory)
     meta_file = path / "meta.json"
     if not meta_file.exists():
@@ -185,7 +188,11 @@ def load_sharded(model: nn.Module, directory: str | Path) -> None:
     saved_ranks = int(meta["ranks"])
     layers = moe_layers(model)
     for prefix, layer in layers:
-        saved = meta["experts"].get(prefix)
+        if prefix not in meta["experts"]:
+            raise ConfigError(f"MoE layer {prefix.rstrip('.')!r} is not in the checkpoint "
+                              f"(its MoE layers: {sorted(p.rstrip('.') for p in meta['experts'])})",
+                              "load it into the model that save_sharded() was given")
+        saved = meta["experts"][prefix]
         if saved != layer.num_experts:
             raise ConfigError(f"MoE layer {prefix.rstrip('.')!r} has {layer.num_experts} "
                               f"experts but the checkpoint has {saved}",
