@@ -52,6 +52,10 @@ def test_spec_file(tmp_path):
     ("x=0/10,m0:x", r"needs a positive, finite rate"),
     ("x=8/1e999,m0:x", r"needs a positive, finite rate and memory \(got 8.0 GFLOP/s, inf MiB"),
     ("", r"at least one machine"),
+    # A typo made a list of 2e10 names (a long stall, then MemoryError); *0, no device.
+    ("m0:fast*20000000000", r"'fast\*20000000000' in 'm0:fast\*20000000000' asks for "
+                            r"20000000000 devices, and a machine holds 1 to 1024"),
+    ("m0:fast*0", r"asks for 0 devices"),
 ])
 def test_bad_specs_are_refused_with_a_hint(spec, message):
     with pytest.raises(ConfigError, match=message):

@@ -242,11 +242,20 @@ def parse_cluster(spec: str) -> Cluster:
                 c = _COUNT.match(part.strip())
                 if c is None:
                     raise ConfigError(f"--devices: cannot read {part!r} in {item!r}", _SPEC_HINT)
-                names += [c[1]] * int(c[2] or 1)
+                count = int(c[2] or 1)
+                if not 1 <= count <= MAX_DEVICES:
+                    raise ConfigError(f"--devices: {part.strip()!r} in {item!r} asks for {count} "
+                                      f"devices, and a machine holds 1 to {MAX_DEVICES}",
+                                      "write TYPE*N with N the machine's devices of that type")
+                names += [c[1]] * count
             machines.append(Machine(m[1], tuple(names)))
         else:
             raise ConfigError(f"--devices: cannot read {item!r}", _SPEC_HINT)
     return Cluster(machines=tuple(machines), types=types, **links)
+
+
+#: The most devices of one type a machine may list (each is a worker process).
+MAX_DEVICES = 1024
 
 
 def _from_file(path: Path) -> Cluster:
