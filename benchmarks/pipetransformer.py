@@ -36,8 +36,8 @@ from polytrain.train import run_config
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ENV = {"OMP_NUM_THREADS": "1"}
-#: torch threads of the pre-training (in this process): 2 made the model behind every figure
-#: in docs/pipetransformer.md except stop 41's (first held-out loss 1.6408 at step 10).
+#: torch threads of the pre-training (in this process): 2, with AVX512 kernels, made the model
+#: behind every figure in docs/pipetransformer.md but stop 41's (first held-out loss 1.6408).
 PRETRAIN_THREADS = 2
 
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -77,11 +77,13 @@ def corpus_sha256() -> str:
 
 
 def pretrained(folder: Path, model: dict[str, Any], steps: int) -> dict[str, Any]:
-    """Pre-train the GPT once into ``folder`` (``single``, on PRETRAIN_THREADS threads: the
-    float sums, so the model, depend on the thread count) and say what made it; a model
-    made from another corpus, torch or thread count is made again."""
+    """Pre-train the GPT once into ``folder`` (``single``, on PRETRAIN_THREADS threads) and
+    say what made it. The float sums, so the model, depend on the thread count and on the
+    CPU kernels torch picks (``ATEN_CPU_CAPABILITY``: avx2, avx512...); a model made from
+    another corpus, torch, thread count or kernels is made again."""
     want = {"corpus_sha256": corpus_sha256(), "torch": torch.__version__,
-            "python": platform.python_version(), "threads": PRETRAIN_THREADS, "steps": steps}
+            "python": platform.python_version(), "threads": PRETRAIN_THREADS,
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "steps": steps}
     record = folder / "provenance.json"
     if (folder / "final.pt").exists() and record.exists():
         made = json.loads(record.read_text())
