@@ -196,8 +196,8 @@ class TrainConfig:
         link = self.link()
         if link is None or layout.nodes < 2:
             return
-        name, t = max(model.named_parameters(), key=lambda kv: kv[1].numel() * kv[1].element_size())
-        nbytes = t.numel() * t.element_size()
+        nbytes, name = max(((t.numel() * t.element_size(), n) for n, t in model.named_parameters()),
+                           key=lambda size_name: size_name[0])  # the first of the largest
         seconds = nbytes * 8 / link.rate_bit_s
         if seconds <= self.timeout_s:
             return

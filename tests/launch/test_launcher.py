@@ -584,46 +584,37 @@ def test_herring_on_machines_of_other_worker_counts_is_refused(tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_a_script_that_launches_when_imported_is_told_to_guard_the_call(tmp_path):
+@pytest.mark.parametrize("body, said", [
     # Each child imports the launching script: an unguarded launch() started a run in every
     # child, and the run failed after a minute naming a heartbeat, runs deep.
-    script = tmp_path / "job.py"
-    script.write_text("import polytrain\n"
-                      "def main():\n"
-                      "    return polytrain.init().rank\n"
-                      "print(polytrain.launch(main, workers=2, timeout_s=20))\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
-    run = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
-                         text=True, timeout=50)
-    assert run.returncode == 1
-    assert re.search(r"LaunchError: worker rank \d \(machine node0\) failed: ConfigError: "
-                     r"polytrain\.launch\(\) ran in a launched process, as it imported the "
-                     r"launching script.*HINT: put the call under "
-                     r"`if __name__ == \"__main__\":`", run.stderr), run.stderr[-2000:]
-
-
-@pytest.mark.timeout(60)
-def test_a_script_that_trains_when_imported_is_told_to_guard_the_call(tmp_path):
+    ("print(polytrain.launch(main, workers=2, timeout_s=20))\n",
+     r"polytrain\.launch\(\) ran in a launched process, as it imported the "
+     r"launching script.*HINT: put the call under "
+     r"`if __name__ == \"__main__\":`"),
     # An unguarded run_config() of a one-process run trained again in every child of the
     # script's next (guarded) run, all writing the same folder.
+    ("from polytrain.train import run_config\n"
+     "run_config(polytrain.TrainConfig(steps=2, out=OUT, quiet=True, "
+     "model_options={'d_model': 8, 'layers': 1, 'seq_len': 8}))\n"
+     "if __name__ == '__main__':\n"
+     "    print(polytrain.launch(main, workers=2, timeout_s=20))\n",
+     r"polytrain\.train\.run_config\(\) ran in a launched process, as it "
+     r"imported the launching script: the script calls run_config\(\) when "
+     r"imported.*HINT: put the call under `if __name__ == \"__main__\":`"),
+], ids=["launch", "run_config"])
+def test_a_script_that_starts_a_run_when_imported_is_told_to_guard_the_call(tmp_path, body,
+                                                                             said):
     script = tmp_path / "job.py"
     script.write_text("import polytrain\n"
-                      "from polytrain.train import run_config\n"
-                      f"run_config(polytrain.TrainConfig(steps=2, out={str(tmp_path / 'a')!r}, "
-                      "quiet=True, model_options={'d_model': 8, 'layers': 1, 'seq_len': 8}))\n"
+                      f"OUT = {str(tmp_path / 'a')!r}\n"
                       "def main():\n"
-                      "    return polytrain.init().rank\n"
-                      "if __name__ == '__main__':\n"
-                      "    print(polytrain.launch(main, workers=2, timeout_s=20))\n")
+                      "    return polytrain.init().rank\n" + body)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
     run = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
                          text=True, timeout=50)
     assert run.returncode == 1
     assert re.search(r"LaunchError: worker rank \d \(machine node0\) failed: ConfigError: "
-                     r"polytrain\.train\.run_config\(\) ran in a launched process, as it "
-                     r"imported the launching script: the script calls run_config\(\) when "
-                     r"imported.*HINT: put the call under `if __name__ == \"__main__\":`",
-                     run.stderr), run.stderr[-2000:]
+                     + said, run.stderr), run.stderr[-2000:]
 
 
 @pytest.mark.timeout(60)

@@ -13,6 +13,7 @@ import contextlib
 import ctypes
 import faulthandler
 import gc
+import itertools
 import json
 import os
 import pickle
@@ -25,7 +26,7 @@ import threading
 import time
 import traceback
 import types
-from typing import Any
+from typing import Any, Iterator
 
 from .. import _env
 from ..errors import is_timeout
@@ -66,20 +67,25 @@ _POLYTRAIN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _SAMPLE_S = 0.05  # how often the heartbeat thread looks at the main thread
 
 
+def _frames(thread: threading.Thread) -> Iterator[types.FrameType]:
+    """``thread``'s frames now, innermost first."""
+    frame = sys._current_frames().get(thread.ident or -1)
+    while frame is not None:
+        yield frame
+        frame = frame.f_back
+
+
 def _thread_place(thread: threading.Thread) -> tuple[str, bool]:
     """Where ``thread`` is, as ``file:line in function`` of its innermost frame outside
     the standard library (and not ``<frozen ...>`` or ``<string>``), and whether that frame
     waits for the peers (see ``_WAITING_IN``)."""
-    frame = sys._current_frames().get(thread.ident or -1)
-    innermost = frame
-    while frame is not None:
-        name = frame.f_code.co_filename
-        if not name.startswith("<") and (not name.startswith(_STDLIB) or "-packages" in name):
-            break
-        frame = frame.f_back
-    frame = frame or innermost
-    if frame is None:
+    frames = _frames(thread)
+    innermost = next(frames, None)
+    if innermost is None:
         return "", False
+    frame = next((f for f in itertools.chain([innermost], frames)
+                  if not (name := f.f_code.co_filename).startswith("<")
+                  and (not name.startswith(_STDLIB) or "-packages" in name)), innermost)
     name = frame.f_code.co_filename
     return (f"{os.path.basename(name)}:{frame.f_lineno} in {frame.f_code.co_name}",
             any(m in name for m in _WAITING_IN))
@@ -87,12 +93,7 @@ def _thread_place(thread: threading.Thread) -> tuple[str, bool]:
 
 def _stack_files(thread: threading.Thread) -> set[str]:
     """The files of every frame on ``thread``'s stack now."""
-    frame = sys._current_frames().get(thread.ident or -1)
-    files = set()
-    while frame is not None:
-        files.add(frame.f_code.co_filename)
-        frame = frame.f_back
-    return files
+    return {f.f_code.co_filename for f in _frames(thread)}
 
 
 _script_ended: float | None = None  # when the script (or function) returned: the heartbeat says

@@ -143,10 +143,10 @@ class GradientSync:
         #: one process gives it none, and Adam would step on zeros); one small all-reduce of
         #: a flag per parameter a step. Off by default.
         self.keep_missing = False
-        #: Synchronised, and no gradient has come since: synchronize() has nothing to do
-        #: (``.grad`` already holds the average), so Horovod's ``synchronize(); clip;
-        #: step()`` sums once.
-        self._fresh = False
+        #: Synchronised, and no gradient has come since: ``.grad`` holds the average, and
+        #: synchronize() has nothing to do (so Horovod's ``synchronize(); clip; step()``
+        #: sums once).
+        self.synchronized = False
         self._reset()
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook(i))
                        for i, p in enumerate(self.params)]
@@ -162,11 +162,6 @@ class GradientSync:
         is over)."""
         return self.synced >= self.warmup
 
-    @property
-    def synchronized(self) -> bool:
-        """Whether ``.grad`` holds the average: synchronised, and no gradient came since."""
-        return self._fresh
-
     def _sums(self) -> Sequence[SumTensor]:
         return self.tensors if self.compressing else self._warming
 
@@ -176,16 +171,16 @@ class GradientSync:
         self._missing = [len(b.members) for b in self.buckets]
         self._first_submit: float | None = None
         self._queued = False
-        self._came = [False] * len(self.params)
-        #: Per parameter, the gradient handed to the engine and its version counter then:
-        #: a change before synchronize() (clipping, unscaling) would be lost, and is refused.
+        #: Per parameter, the gradient handed to the engine and its version counter then
+        #: (None: it had none, and zeros went): a change before synchronize() (clipping,
+        #: unscaling) would be lost, and is refused.
         self._handed: list[tuple[torch.Tensor, int] | None] = [None] * len(self.params)
         #: Whether a backward inside no_sync() accumulated gradients since the last sum.
         self.unsynced = False
 
     def _hook(self, i: int) -> Callable[[torch.Tensor], None]:
         def hook(param: torch.Tensor) -> None:
-            self._fresh = False
+            self.synchronized = False
             if not self.enabled:
                 self.unsynced = True
                 return
@@ -211,7 +206,6 @@ class GradientSync:
     def _collect(self, i: int) -> None:
         """Parameter i's gradient is final for this step: submit its bucket once all are."""
         p = self.params[i]
-        self._came[i] = p.grad is not None
         if p.grad is not None:
             self._handed[i] = (p.grad, p.grad._version)
         grad = p.grad if p.grad is not None else torch.zeros_like(p)
@@ -245,7 +239,7 @@ class GradientSync:
         average). A gradient changed in place or replaced after backward handed it over
         (clipped, unscaled by a ``GradScaler``) is refused, naming it: its sum left
         without the change, so change gradients after this call, not before."""
-        if self._fresh:
+        if self.synchronized:
             return
         waited = time.perf_counter()
         for i in range(len(self.params)):
@@ -267,14 +261,15 @@ class GradientSync:
             self.comm_s.append(done - self._first_submit)
             self.exposed_s.append(done - waited)
         if self.keep_missing:
-            came = torch.tensor(self._came, dtype=torch.float32, device=self.params[0].device)
+            came = torch.tensor([h is not None for h in self._handed], dtype=torch.float32,
+                                device=self.params[0].device)
             dist.all_reduce(came, group=self.engine.ctx.groups.workers)
             for p, n in zip(self.params, came.tolist()):
                 if n == 0:
                     p.grad = None
         self.synced += 1
         self._reset()
-        self._fresh = True
+        self.synchronized = True
 
     def _check_unchanged(self) -> None:
         for i, handed in enumerate(self._handed):

@@ -241,6 +241,10 @@ class DistributedOptimizer(WrappedOptimizer):
                  **compress: Any) -> None:
         at_least("backward_passes_per_step", backward_passes_per_step,
                  "pass 1, or the passes per step")
+        if _needs_closure(optimizer):
+            raise ConfigError(f"{type(optimizer).__name__} evaluates its closure several times "
+                              f"a step, and a BytePS step sums the gradients of one backward",
+                              "use an optimizer that steps on one gradient (SGD, Adam, ...)")
         super().__init__(optimizer)
         self.engine = engine
         self.backward_passes_per_step = backward_passes_per_step
@@ -249,10 +253,6 @@ class DistributedOptimizer(WrappedOptimizer):
             engine, named, fuse_bytes=fuse_bytes, partition_bytes=partition_bytes,
             colocate=colocate, passes_per_step=backward_passes_per_step,
             averaging=compress_adam and compress_adam_refresh > 0, **compress)
-        if _needs_closure(optimizer):
-            raise ConfigError(f"{type(optimizer).__name__} evaluates its closure several times "
-                              f"a step, and a BytePS step sums the gradients of one backward",
-                              "use an optimizer that steps on one gradient (SGD, Adam, ...)")
         self._skip = False  # inside skip_synchronize()
         self.compress_adam: _OneBitAdam | None = None
         if compress_adam:
