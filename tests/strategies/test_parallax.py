@@ -360,3 +360,56 @@ def test_every_machine_moves_parallaxs_bytes_with_the_measured_alpha():
         total = sum(m[direction] for m in machines) / len(machines)
         assert total - want["dense"] == pytest.approx(want["sparse"], rel=0.05)
         assert total == pytest.approx(want["total"], rel=0.05)
+
+
+# -- a dense parameter no worker used ----------------------------------------------------------
+
+class _Branchy(nn.Module):
+    """An embedding (sparse rows, on the servers) and two dense branches; b is used once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(4, 6)
+        self.a, self.b = nn.Linear(6, 3), nn.Linear(6, 3)
+
+    def forward(self, ids: torch.Tensor, use_b: bool) -> torch.Tensor:
+        x = self.tok(ids).mean(1)
+        return self.a(x) + self.b(x) if use_b else self.a(x)
+
+
+def branchy_script(distributed: bool) -> dict:
+    """AdamW (weight decay on the dense branches only) on a model whose branch b only the
+    first step uses; the global batch of 4 is sharded over the workers."""
+    import polytrain
+    ctx = polytrain.init() if distributed else None
+    torch.manual_seed(0)
+    model: nn.Module = _Branchy()
+    opt = torch.optim.AdamW([{"params": model.tok.parameters(), "weight_decay": 0.0},
+                             {"params": [*model.a.parameters(), *model.b.parameters()]}],
+                            lr=1e-2, weight_decay=0.1)
+    if ctx is not None:
+        model, opt = polytrain.distribute(model, opt, strategy="parallax")
+    gen = torch.Generator().manual_seed(1)
+    for step in range(4):
+        # Every sample reads every row: lazy Adam on the servers is then Adam.
+        ids = torch.stack([torch.randperm(4, generator=gen) for _ in range(4)])
+        y = torch.randn(4, 3, generator=gen)
+        if ctx is not None:
+            ids = polytrain.shard(ids, ctx.worker_index, ctx.num_workers)
+            y = polytrain.shard(y, ctx.worker_index, ctx.num_workers)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(ids, step == 0), y).backward()
+        opt.step()
+    # The dense branches (the table's rows live on the servers).
+    return {k: v.detach().clone() for k, v in model.state_dict().items()
+            if not k.startswith("tok")}
+
+
+@pytest.mark.timeout(120)
+def test_a_dense_parameter_no_worker_used_keeps_no_gradient_as_in_one_process():
+    # It was all-reduced as zeros: AdamW decayed it and went on moving it with its momentum,
+    # where one process leaves a parameter without a gradient alone.
+    from tests.harness import spawn
+    alone = branchy_script(False)
+    workers = spawn(branchy_script, workers=2, colocated=1, args=(True,))
+    assert max_abs_diff(alone, workers[0]) < 1e-6

@@ -36,8 +36,12 @@ class DenseSync:
         if not self.params:
             return lambda: None
         ctx = self.ctx
+        # After the gradients, one count per parameter of the workers that have its gradient:
+        # a parameter no worker used keeps .grad None, as in one process (summed as zeros,
+        # Adam's momentum and AdamW's decay would move it).
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                          for p in self.params]).cpu()
+                          for p in self.params]
+                         + [torch.tensor([float(p.grad is not None) for p in self.params])]).cpu()
         local = len(ctx.local_workers) > 1
         leader = ctx.local_workers[0]
         if local:
@@ -58,12 +62,15 @@ class DenseSync:
             if local:
                 dist.broadcast(flat, src=leader, group=ctx.groups.local)
             flat.div_(ctx.num_workers)
+            had = flat[-len(self.params):]
             at = 0
-            for p in self.params:
+            for p, used in zip(self.params, had.tolist()):
                 n = p.numel()
                 g = flat[at:at + n].view_as(p).to(p.device)
                 at += n
-                if p.grad is None:
+                if not used:
+                    p.grad = None
+                elif p.grad is None:
                     p.grad = g.clone()
                 else:
                     p.grad.copy_(g)
