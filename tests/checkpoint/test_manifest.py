@@ -129,6 +129,29 @@ def test_keep_prunes_the_oldest_whole_checkpoints(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-3", "step-4"]
 
 
+def test_the_prune_at_each_save_reads_only_the_files_changed_since_they_were_checked(
+        tmp_path, monkeypatch):
+    # Every save's prune read every kept checkpoint's files again: keep=3 of a 10 GB model
+    # read 30 GB a save.
+    from polytrain.checkpoint import manifest
+
+    read = []
+    real = manifest.hashlib.sha256
+    monkeypatch.setattr(manifest.hashlib, "sha256", lambda: read.append(1) or real())
+    for s in (1, 2, 3):
+        make(tmp_path, s)
+    assert len(read) == 6  # each file once, when its manifest was written
+    prune(tmp_path, 2)
+    make(tmp_path, 4)
+    prune(tmp_path, 2)
+    assert len(read) == 8 and sorted(p.name for p in tmp_path.iterdir()) == ["step-3", "step-4"]
+    with open(tmp_path / "step-4" / "model.pt", "r+b") as f:  # damaged after its check
+        f.write(b"y")
+    prune(tmp_path, 1)
+    assert len(read) == 9  # read again, found damaged: step-3 is the newest whole one, kept
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-3", "step-4"]
+
+
 def test_a_file_written_atomically_is_the_old_one_or_the_new_one(tmp_path):
     # final.pt and metrics.json were written in place: a crash while writing (a full disk, a
     # kill) left half a file where the run's results had been.

@@ -49,11 +49,24 @@ def temporary_dir(root: str | Path, step: int) -> Path:
     return Path(root) / f".step-{step}.tmp"
 
 
+# The checksums this process computed, by file (device, inode), with the size and times they
+# were computed at: the prune at every save checks the kept checkpoints again, and an
+# unchanged file is not read again (a file written, truncated or replaced since has another
+# size, mtime or ctime, or another inode). A new process (a resume) reads every file.
+_hashed: dict[tuple[int, int], tuple[int, int, int, str]] = {}
+
+
 def _sha256(path: Path) -> str:
+    st = path.stat()
+    key, seen = (st.st_dev, st.st_ino), (st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    known = _hashed.get(key)
+    if known is not None and known[:3] == seen:
+        return known[3]
     h = hashlib.sha256()
     with path.open("rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
+    _hashed[key] = (*seen, h.hexdigest())
     return h.hexdigest()
 
 
