@@ -1,3 +1,4 @@
+import json
 import os
 import re
 import shutil
@@ -13,8 +14,9 @@ import pytest
 import polytrain
 from polytrain import ConfigError, LaunchError
 from polytrain.launch import free_port, launcher
-from polytrain.launch.launcher import SHM_ROOT, run_shm
+from polytrain.launch.launcher import _OWNER, SHM_ROOT, mark_owner, run_shm, sweep_stale
 from polytrain.launch.layout import Layout
+from polytrain.launch.network import start_time
 from tests.harness import spawn
 from tests.launch import scripts
 
@@ -188,6 +190,34 @@ def test_a_collective_on_the_default_group_with_servers_says_which_group_to_pass
                          timeout_s=5, env={"OMP_NUM_THREADS": "1"})
 
 
+def mark_as(path, pid, start, pid_ns=None):
+    """What mark_owner writes, for a launcher ``pid`` started at ``start``."""
+    mark_owner(path)
+    owner = json.loads((path / _OWNER).read_text())
+    owner.update(pid=pid, start=start, **({} if pid_ns is None else {"pid_ns": pid_ns}))
+    (path / _OWNER).write_text(json.dumps(owner))
+
+
+@pytest.mark.timeout(10)
+def test_the_sweep_removes_only_directories_a_launcher_that_is_gone_made(tmp_path):
+    # Symptom: a user's /tmp/polytrain-2024-06-01 (an --out) was read as pid 2024 and
+    # removed with its final.pt; so was a live run's directory of a container sharing /tmp.
+    dirs = {name: tmp_path / name for name in (
+        "polytrain-2024-06-01", "polytrain-4194999-12345-abcd_123", "polytrain-4194999-12345-"
+        "unmarked", "polytrain-4194999-12345-otherns1", "polytrain-4194999-12345-stale123")}
+    for path in dirs.values():
+        path.mkdir()
+        (path / "final.pt").write_bytes(b"x")
+    mark_as(dirs["polytrain-2024-06-01"], 2024, 6)                   # not a launcher's name
+    mark_as(dirs["polytrain-4194999-12345-abcd_123"], os.getpid(),   # a live launcher's
+            start_time(os.getpid()))
+    mark_as(dirs["polytrain-4194999-12345-otherns1"], 4194999, 12345, "pid:[1]")
+    mark_as(dirs["polytrain-4194999-12345-stale123"], 4194999, 12345)
+    sweep_stale(tmp_path, "polytrain-", "the work directory")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        n for n in dirs if n != "polytrain-4194999-12345-stale123")
+
+
 @pytest.mark.skipif(not SHM_ROOT.is_dir(), reason="no /dev/shm on this host")
 @pytest.mark.timeout(90)
 def test_the_runs_shared_memory_is_removed_however_the_run_ends():
@@ -198,6 +228,7 @@ def test_the_runs_shared_memory_is_removed_however_the_run_ends():
     stale = SHM_ROOT / "polytrain-run-4194999-12345-deadbeef"  # no such pid
     stale.mkdir(exist_ok=True)
     (stale / "left").write_bytes(b"x")
+    mark_as(stale, 4194999, 12345)
     live = run_shm()                              # this process's, still running
     assert live is not None and live.is_dir()
     try:

@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import pickle
+import re
 import shutil
 import signal
 import socket
@@ -284,6 +285,7 @@ class Launcher:
         sweep_stale(tmp_root, "polytrain-", "the work directory")
         with tempfile.TemporaryDirectory(prefix=run_prefix("polytrain-"), dir=tmp_root) as tmp:
             workdir = Path(tmp)
+            mark_owner(workdir)
             payload_file = workdir / "payload.pkl"
             payload_file.write_bytes(pickle.dumps(payload))
             children: list[_Child] = []
@@ -583,6 +585,7 @@ def run_shm(root: Path = SHM_ROOT) -> Path | None:
     sweep_stale(root, "polytrain-run-", "the shared memory")
     path = root / f"{run_prefix('polytrain-run-')}{uuid.uuid4().hex[:8]}"
     path.mkdir(mode=0o700)
+    mark_owner(path)
     return path
 
 
@@ -592,15 +595,46 @@ def run_prefix(kind: str) -> str:
     return f"{kind}{me}-{start_time(me)}-"
 
 
+_OWNER = ".polytrain-owner"  # in a run's directory: the launcher that made it
+
+
+def _pid_namespace() -> str:
+    """This process's PID namespace (``pid:[4026531836]``; "" where /proc does not say):
+    a pid names a process only inside its namespace."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+def mark_owner(path: Path) -> None:
+    """Mark ``path`` as a directory this launcher made: :func:`sweep_stale` removes only
+    marked ones."""
+    me = os.getpid()
+    (path / _OWNER).write_text(json.dumps({"pid": me, "start": start_time(me),
+                                           "pid_ns": _pid_namespace()}))
+
+
 def sweep_stale(root: Path, kind: str, what: str) -> None:
-    """Remove ``root``'s directories named by :func:`run_prefix` of ``kind`` whose launcher no
-    longer runs (killed before it could remove them itself): the pid is gone or reused."""
+    """Remove ``root``'s directories that a launcher made (named by :func:`run_prefix` of
+    ``kind`` and a random suffix, and marked by :func:`mark_owner`) and that launcher no
+    longer runs (killed before it could remove them itself): the pid is gone or reused.
+
+    Anything else is left alone: a user's folder named ``polytrain-2024-06-01``; a directory
+    of a launcher in another PID namespace (a container sharing /tmp or /dev/shm), whose pid
+    says nothing here; one a launcher was killed in before it marked it (empty).
+    """
+    name = re.compile(rf"{re.escape(kind)}(\d+)-(\d+)-[a-z0-9_]{{8}}")
+    here = _pid_namespace()
     for stale in root.glob(f"{kind}*"):
-        try:
-            pid, start = (int(x) for x in stale.name[len(kind):].split("-")[:2])
-        except ValueError:
+        if not name.fullmatch(stale.name) or stale.is_symlink() or not stale.is_dir():
             continue
-        if stale.is_dir() and start_time(pid) != start:
+        try:
+            owner = json.loads((stale / _OWNER).read_text())
+            pid, start, ns = int(owner["pid"]), owner["start"], str(owner["pid_ns"])
+        except (OSError, ValueError, TypeError, KeyError):
+            continue
+        if ns == here and start_time(pid) != start:
             shutil.rmtree(stale, ignore_errors=True)
             log.warning("removed %s of a run whose launcher (pid %d) is gone: %s", what, pid,
                         stale)
