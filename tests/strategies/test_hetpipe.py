@@ -182,6 +182,25 @@ def test_many_in_flight_with_no_staleness_follows_the_written_out_semantics():
     assert max_abs_diff(state, synchronous) > 1e-4  # N_m = 2 is not synchronous SGD
 
 
+@pytest.mark.timeout(180)
+def test_virtual_workers_cut_differently_push_each_layer_with_the_same_settings():
+    # Symptom: on the paper's kind of cluster (machines of different types, policy hd) the
+    # servers stopped the run at the first wave: "the pushers disagree on the optimizer's
+    # settings". h1 is on a late stage (lr x --lag-lr, Adam's beta2 --lag-beta2) in virtual
+    # worker 2 only, and each pushed its own stage's settings for it. A layer late in any
+    # virtual worker is now pushed with the late settings by all.
+    config = TrainConfig(strategy="hetpipe", devices="m0:fast*2,m1:slow*2,m2:fast*2",
+                         servers=1, steps=4, batch_size=12, optimizer="adam", lr=3e-3,
+                         model_options={**TINY, "layers": 3},
+                         strategy_options={"policy": "hd", "inflight": 2})
+    firsts = [line.split("layers")[1].split()[0] for line in config.plan_summary().splitlines()
+              if "stage 0 on" in line]
+    assert firsts == ["embed..h0", "embed..h0", "embed..h1"]
+    metrics, state = run_config(config)
+    assert len(metrics["losses"]) == 4
+    assert all(bool(torch.isfinite(t).all()) for t in state.values())
+
+
 def train_lagged(steps: int, lag_beta2: float | None, grouped: bool) -> dict:
     # N_m = 2, D = 0 with Adam on the servers; grouped: the user's optimizer gives the first
     # stage (embed, h0 on both virtual workers) beta2 0.9 itself.

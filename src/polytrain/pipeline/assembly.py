@@ -10,7 +10,7 @@ in stages (:func:`fused_keys`). HetPipe uses them, and so can any pipeline.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Sequence
+from typing import Any, Collection, Sequence
 
 import torch
 from torch import nn
@@ -22,7 +22,7 @@ from ..emulation.profile import ModelProfile, layers_of
 from ..errors import ConfigError
 from .stage import LossFn, Stage, StageSpec
 
-__all__ = ["make_stage", "stage_optimizer", "fused_keys"]
+__all__ = ["make_stage", "stage_optimizer", "fused_keys", "layer_of"]
 
 
 def make_stage(model: nn.Module, bounds: Sequence[int], index: int, *, ranks: Sequence[int],
@@ -103,6 +103,13 @@ def stage_optimizer(base: torch.optim.Optimizer, model: nn.Module,
     return kind(groups), sources, [group_of[i] for i in range(len(stage.params))]
 
 
+def layer_of(name: str, layers: Collection[str]) -> str:
+    """The layer (of ``layers``: :func:`layers_of`'s names) parameter ``name`` belongs to;
+    "" for a model without children (one layer, the model)."""
+    first = name.split(".", 1)[0]
+    return first if first in layers else ""
+
+
 def fused_keys(model: nn.Module,
                optimizer: torch.optim.Optimizer) -> list[tuple[TensorSpec, list[str]]]:
     """The servers' keys: per layer, its parameters of one optimizer group and dtype as one
@@ -117,7 +124,7 @@ def fused_keys(model: nn.Module,
     children = {n for n, _ in layers_of(model)}
     keys: dict[tuple[str, int, torch.dtype], list[tuple[str, torch.Tensor]]] = {}
     for name, p in model.named_parameters():
-        layer = name.split(".", 1)[0] if name.split(".", 1)[0] in children else ""
+        layer = layer_of(name, children)
         keys.setdefault((layer, group_of.get(id(p), -1), p.dtype), []).append((name, p))
     out = []
     for (layer, group, dtype), members in keys.items():

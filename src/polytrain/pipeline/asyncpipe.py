@@ -13,7 +13,7 @@ from .predict import predict_weights
 from .stage import Stage
 from .wsp import WaveSync
 
-__all__ = ["AsyncPipeline", "numeric_settings"]
+__all__ = ["AsyncPipeline", "numeric_settings", "stage_lag", "lag_settings"]
 
 log = logging.getLogger(__name__)
 
@@ -22,6 +22,21 @@ def numeric_settings(group: dict[str, Any]) -> dict[str, Any]:
     """A parameter group's numeric settings (``lr``, ``betas``, ...: what a schedule changes)."""
     return {k: v.clone() if isinstance(v, torch.Tensor) else v
             for k, v in group.items() if k != "params" and is_numeric_setting(v)}
+
+
+def stage_lag(inflight: int, index: int) -> int:
+    """How many updates late stage ``index``'s gradients arrive with N_m = ``inflight``
+    (its backward of a minibatch comes after ``max(1, N_m - index)`` forwards)."""
+    return max(1, inflight - index) - 1
+
+
+def lag_settings(settings: dict[str, Any], lr_factor: float, beta2: float | None) -> None:
+    """A late stage's changes to a group's settings, in place: its learning rate times
+    ``lr_factor`` and, with Adam's ``betas``, ``beta2`` as its second-moment decay."""
+    if lr_factor != 1.0:
+        settings["lr"] = settings["lr"] * lr_factor
+    if beta2 is not None and isinstance(settings.get("betas"), (tuple, list)):
+        settings["betas"] = (settings["betas"][0], beta2)
 
 
 class AsyncPipeline:
@@ -102,9 +117,9 @@ class AsyncPipeline:
         self.sources = list(sources)
         self.settings: dict[int, list[dict[str, Any]]] = {}  # minibatch -> its groups' settings
         self.inflight = inflight
-        self.peak = max(1, inflight - stage.spec.index)
+        self.lag = stage_lag(inflight, stage.spec.index)
+        self.peak = self.lag + 1
         self.predict = predict
-        self.lag = self.peak - 1
         self.lr_factor = lag_lr if self.lag else 1.0
         self.beta2 = lag_beta2 if self.lag else None
         if source is None:  # no settings to follow: change them once
@@ -145,10 +160,9 @@ class AsyncPipeline:
             self._install()
         t = self.fed
         if self.source is not None:
+            # As the source has them: the lag is the stage's own update's (see _apply).
             self.settings[t] = [numeric_settings(self.source.param_groups[i])
                                 for i in self.sources]
-            for values in self.settings[t]:
-                self._lagged(values)
         loss = self.stage.forward(t, batch=inputs.shape[0], inputs=inputs, targets=targets,
                                   weights=self._weights())
         self.fed += 1
@@ -157,10 +171,7 @@ class AsyncPipeline:
     def _lagged(self, settings: dict[str, Any]) -> None:
         """A late stage's changes to a group's settings: its learning rate and, with Adam's
         ``betas``, its second-moment decay."""
-        if self.lr_factor != 1.0:
-            settings["lr"] = settings["lr"] * self.lr_factor
-        if self.beta2 is not None and isinstance(settings.get("betas"), (tuple, list)):
-            settings["betas"] = (settings["betas"][0], self.beta2)
+        lag_settings(settings, self.lr_factor, self.beta2)
 
     def catch_up(self, *, background: bool = False) -> None:
         """The backwards the schedule puts after the forwards fed so far; with
@@ -266,6 +277,7 @@ class AsyncPipeline:
         if settings is not None:
             for group, values in zip(self.optimizer.param_groups, settings):
                 group.update(values)
+                self._lagged(group)
         if self.wsp is not None and self.wsp.synchronous:
             # The servers' weights of this very minibatch replace the stage's before its next
             # forward: an update of its own would be thrown away.

@@ -21,7 +21,7 @@ its tensor. Declarations, pushes and pulls go through the run's engine
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence
+from typing import Any, Callable, Collection, Sequence
 
 import torch
 import torch.distributed as dist
@@ -83,6 +83,10 @@ class WaveSync:
         buckets: ``tensors`` fused into flat buckets (lists of indices into ``tensors``),
             each pushed and pulled as one tensor: fewer, larger requests (default: each
             tensor alone). ``groups`` then gives each bucket's group.
+        late, lag: with the servers' optimizer, the tensors of ``placement`` (indices) whose
+            rounds the servers step with the settings ``lag`` changes in place (a late
+            stage's: HetPipe's ``--lag-lr``): every virtual worker pushes a key with the
+            same settings, where virtual workers cut differently lag different stages.
     """
 
     def __init__(self, ctx: Context, placement: Placement, mine: dict[int, int],
@@ -90,7 +94,9 @@ class WaveSync:
                  staleness: int, inflight: int = 1,
                  optimizer: Sequence[dict[str, Any]] | None = None,
                  groups: Sequence[int] | None = None, lane: int = 0,
-                 buckets: Sequence[Sequence[int]] | None = None) -> None:
+                 buckets: Sequence[Sequence[int]] | None = None,
+                 late: Collection[int] = (),
+                 lag: Callable[[dict[str, Any]], None] | None = None) -> None:
         self.ctx = ctx
         self.lane = lane
         self.params = list(tensors)
@@ -116,6 +122,9 @@ class WaveSync:
         self.placement = placement
         self.mine = [(i, p) for i, p in enumerate(placement.partitions) if p.tensor in mine]
         self._local = {p.tensor: mine[p.tensor] for _, p in self.mine}
+        self._lag = lag
+        # Per key of mine: 1 where the servers step it with the late settings.
+        self._late = [int(lag is not None and p.tensor in late) for _, p in self.mine]
         papers = optimizer is None  # the buffers of one mode only: they hold weights' sizes
         self.pulled = [torch.empty_like(t, device="cpu") for t in self.tensors if papers]
         # An optimizer store answers its value and the rounds (minibatches) it holds.
@@ -129,7 +138,8 @@ class WaveSync:
         self.since_push = [torch.zeros_like(t) for t in self.tensors if papers]
         self.history: list[tuple[int, list[torch.Tensor]]] = []
         self.wave_grads: list[list[torch.Tensor]] = []  # this wave's, to push at its end
-        self.wave_settings: list[list[torch.Tensor]] = []  # and per group their settings
+        # And per minibatch their settings: per group, as given and as a late stage's.
+        self.wave_settings: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
         self._pull: Pending | None = None
         self._pushes: Pending | None = None
 
@@ -210,7 +220,8 @@ class WaveSync:
 
         With the servers' optimizer the gradients, times ``scale``, are kept for the
         wave's push as this stage's next minibatch, with ``settings`` (each group's
-        settings this update used; default: the ones declared) for the servers' step.
+        settings as the user's optimizer had them for it, changed by ``lag`` for the
+        ``late`` keys; default: the ones declared) for the servers' step.
         """
         if delta is None and not self.synchronous:
             raise ValueError("only a synchronous stage (the servers' optimizer, D = 0, "
@@ -224,9 +235,18 @@ class WaveSync:
         self.slots += 1
         if delta is not None:
             self.history.append((self.slots, self._flat(delta)))
-        self.wave_settings.append([torch.tensor(
-            round_settings(spec, settings[g] if settings is not None else spec["settings"]),
-            dtype=torch.float64) for g, spec in enumerate(self.optimizer)])
+        given = [dict(settings[g] if settings is not None else spec["settings"])
+                 for g, spec in enumerate(self.optimizer)]
+        plain = [torch.tensor(round_settings(spec, values), dtype=torch.float64)
+                 for spec, values in zip(self.optimizer, given)]
+        lagged = plain
+        if any(self._late):
+            assert self._lag is not None
+            for values in given:
+                self._lag(values)
+            lagged = [torch.tensor(round_settings(spec, values), dtype=torch.float64)
+                      for spec, values in zip(self.optimizer, given)]
+        self.wave_settings.append((plain, lagged))
         self.wave_grads.append(self._flat([
             torch.zeros(t.shape, dtype=t.dtype) if g is None else (g.detach() * scale).to("cpu")
             for t, g in zip(self.params, grads)]))
@@ -251,8 +271,8 @@ class WaveSync:
             payloads = [torch.cat([
                 piece for g, values in zip(self.wave_grads, self.wave_settings)
                 for piece in round_pieces(self._slice(g, p),
-                                          values[self.groups[self._local[p.tensor]]])])
-                for _, p in self.mine]
+                                          values[late][self.groups[self._local[p.tensor]]])])
+                for (_, p), late in zip(self.mine, self._late)]
             self.wave_grads, self.wave_settings = [], []
         else:
             return

@@ -13,7 +13,7 @@ from torch import nn
 
 from ..emulation.clock import clock_of
 from ..emulation.devices import Cluster, homogeneous
-from ..emulation.profile import ModelProfile, optimizer_state_factor, profile_model
+from ..emulation.profile import ModelProfile, layers_of, optimizer_state_factor, profile_model
 from ..errors import ConfigError, at_least
 from ..launch.layout import Layout
 from ..pipeline.allocation import (
@@ -26,8 +26,8 @@ from ..pipeline.allocation import (
     plan_hetpipe,
     roles_of,
 )
-from ..pipeline.assembly import fused_keys, make_stage, stage_optimizer
-from ..pipeline.asyncpipe import AsyncPipeline
+from ..pipeline.assembly import fused_keys, layer_of, make_stage, stage_optimizer
+from ..pipeline.asyncpipe import AsyncPipeline, lag_settings, stage_lag
 from ..pipeline.stage import Stage
 from ..pipeline.wsp import WaveSync, model_placement
 from ..ps.settings import optimizer_spec
@@ -259,6 +259,8 @@ class HetPipe(Strategy[HetPipeOptions]):
             log.info("%s", plan.describe())
         fused = fused_keys(self.model, self.base_optimizer)
         placement = model_placement(ctx, [spec for spec, _ in fused])  # one for both lanes
+        late = self._late_keys(plan, fused)
+        lag_lr, lag_beta2 = self.options.lag_lr, self.options.lag_beta2
         clock = clock_of(self.model)  # the twin's copy runs on the same device
         for lane, role in enumerate(self.roles):
             stage = self._stage(role, plan, profile, loss_fn, clock)
@@ -274,7 +276,8 @@ class HetPipe(Strategy[HetPipeOptions]):
                                optimizer=[optimizer_spec(base, i) for i in sources]
                                if self.options.server_optimizer else None,
                                groups=[groups[b[0]] for b in buckets], lane=lane,
-                               buckets=buckets)
+                               buckets=buckets, late=late,
+                               lag=lambda values: lag_settings(values, lag_lr, lag_beta2))
                 states = self.resume_states[lane] if self.resume_states else None
                 wsp.start(initialise=role.vw == 0, states=states if role.vw == 0 else None)
             role.wsp = wsp
@@ -294,6 +297,18 @@ class HetPipe(Strategy[HetPipeOptions]):
                                       "--devices")
                 optimizer.load_state_dict(saved["optimizer"])
         self.started = True
+
+    def _late_keys(self, plan: HetPipePlan, fused: list[tuple[Any, list[str]]]) -> set[int]:
+        """The servers' keys of layers on a late stage (lag >= 1) of any virtual worker:
+        the servers step them with the late settings (``--lag-lr``, ``--lag-beta2``).
+        Virtual workers of other device types cut the model elsewhere, so a layer may be
+        late in one and not in another; a key's pushers must agree on its settings."""
+        names = [n for n, _ in layers_of(self.model)]
+        late = {names[layer] for pipe in plan.pipelines
+                for j, (a, e) in enumerate(zip(pipe.bounds, pipe.bounds[1:]))
+                if stage_lag(plan.inflight, j) for layer in range(a, e)}
+        return {k for k, (_, members) in enumerate(fused)
+                if layer_of(members[0], names) in late}
 
     def _stage(self, role: _Role, plan: HetPipePlan, profile: ModelProfile, loss_fn: LossFn,
                clock: Any) -> Stage:
