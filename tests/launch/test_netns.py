@@ -309,6 +309,28 @@ def test_a_run_id_a_live_run_holds_is_refused(clean_host):
     assert not any("0abcde" in x for x in _leftovers())
 
 
+@pytest.mark.skipif(not (IP and shutil.which("tc")), reason="needs iproute2 (ip, tc)")
+def test_a_claim_is_never_seen_half_written(tmp_path, monkeypatch):
+    # A claim was created empty and written after: another launcher's sweep that read it
+    # then took it for ownerless and removed it, and later this live run's namespaces.
+    net = Network(["node0"], LinkShape.parse("1gbit"), run_id="0abcdf", state_dir=tmp_path)
+    claim, dump = tmp_path / "0abcdf.json", json.dump
+    monkeypatch.setattr(network.json, "dump",
+                        lambda *a, **k: (assert_absent(claim), dump(*a, **k))[1])
+    net._take_claim()
+    monkeypatch.undo()
+    assert json.loads(claim.read_text())["pid"] == os.getpid()
+    assert [p.name for p in tmp_path.iterdir()] == ["0abcdf.json"]
+    with pytest.raises(ConfigError, match=r"belongs to another live run \(0abcdf, launcher pid"):
+        Network(["node0"], LinkShape.parse("1gbit"), run_id="0abcdf",
+                state_dir=tmp_path)._take_claim()
+    assert [p.name for p in tmp_path.iterdir()] == ["0abcdf.json"]
+
+
+def assert_absent(path: Path) -> None:
+    assert not path.exists(), f"{path} is visible while it is written"
+
+
 def _start_launcher(tmp_path: Path, workers: int) -> tuple[subprocess.Popen, list[int]]:
     code = (f"import polytrain; from tests.launch import scripts; "
             f"polytrain.launch(scripts.write_pid_and_hang, workers={workers}, nodes={workers}, "

@@ -478,16 +478,23 @@ class Network:
     def _take_claim(self) -> None:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         start = start_time(os.getpid())
+        # Written whole under another name, then linked into place (which fails where the
+        # claim exists): another launcher's sweep never reads a claim half written, which it
+        # would take for an ownerless one and remove, with this run's namespaces after it.
+        tmp = self.state_dir / f".{self.run_id}.{os.getpid()}.tmp"
         try:
-            fd = os.open(self._claim, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            with open(tmp, "w") as f:
+                json.dump({"pid": os.getpid(), "start": start, "machines": list(self.machines)},
+                          f)
+            os.link(tmp, self._claim)
         except FileExistsError:
             owner = _owner(self._claim)
             pid = f"launcher pid {owner[0]}" if owner else "an unknown launcher"
             raise ConfigError(f"network namespace {self.hub} belongs to another live run "
                               f"({self.run_id}, {pid})",
                               "let that run end, or start this one with another run id") from None
-        with os.fdopen(fd, "w") as f:
-            json.dump({"pid": os.getpid(), "start": start, "machines": list(self.machines)}, f)
+        finally:
+            tmp.unlink(missing_ok=True)
 
     def _add_namespace(self, name: str) -> None:
         out = _tool([self._ip, "netns", "add", name])
