@@ -3,6 +3,7 @@ timeouts init takes."""
 
 import os
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import polytrain
-from polytrain import ConfigError, _env
+from polytrain import CommError, CommTimeout, ConfigError, _env
 from tests.harness import spawn
 
 
@@ -122,6 +123,29 @@ def test_a_join_that_fails_on_several_hosts_names_gloos_interface_where_it_is_lo
     monkeypatch.setattr(runtime.socket, "gethostbyname", lambda name: "127.0.1.1")
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth0")
     assert runtime._interface_hint(env) == ""
+
+
+@pytest.mark.timeout(30)
+def test_a_rendezvous_port_taken_before_rank_0_listens_is_named_at_once():
+    # It read as a join timeout ("could not join ... within 20 s"), with the hint to check
+    # that every process was started, though rank 0 failed at once.
+    import socket
+
+    from polytrain import runtime
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        env = _env.read({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                         "MASTER_PORT": str(port), "POLYTRAIN_ROLE": "worker",
+                         "POLYTRAIN_NODE": "node0"})
+        started = time.monotonic()
+        with pytest.raises(CommError, match=rf"rank 0 \(worker, machine node0\) could not "
+                                            rf"listen .*:{port}: the port is in use.*HINT: "
+                                            r"rerun") as caught:
+            runtime._join(env, timeout=20)
+    assert not isinstance(caught.value, CommTimeout) and time.monotonic() - started < 10
 
 
 def test_workers_that_share_a_gpu_take_gloo_for_cuda_tensors():

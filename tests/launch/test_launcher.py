@@ -130,6 +130,74 @@ def test_a_worker_that_never_reaches_the_collective_is_named_not_its_waiting_pee
 
 
 @pytest.mark.timeout(60)
+def test_a_process_the_host_refuses_to_start_is_named_with_what_to_do(monkeypatch):
+    # A full process table (ulimit -u) or no memory: subprocess's BlockingIOError came out as
+    # a traceback naming no process.
+    monkeypatch.setenv("POLYTRAIN_FORKSERVER", "0")
+    real, started = launcher.subprocess.Popen, []
+
+    def popen(*args, **kwargs):
+        if started:
+            raise BlockingIOError(11, "Resource temporarily unavailable")
+        started.append(real(*args, **kwargs))
+        return started[-1]
+    monkeypatch.setattr(launcher.subprocess, "Popen", popen)
+    with pytest.raises(LaunchError, match=r"could not start worker rank 1 \(machine node0\): "
+                                          r"\[Errno 11\] .*HINT: .*ulimit -u"):
+        polytrain.launch(scripts.identity, workers=2, timeout_s=30)
+    assert started[0].poll() is not None  # the one started was stopped
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_while_the_processes_start_starts_no_more(monkeypatch):
+    # Every process was started before the launcher looked at the interrupt (each start may
+    # wait for the fork server): docker stop's grace ran out and SIGKILL left the run's files.
+    real, calls = launcher._start, []
+
+    def start(*args, **kwargs):
+        calls.append(real(*args, **kwargs))
+        os.kill(os.getpid(), signal.SIGINT)
+        return calls[-1]
+    monkeypatch.setattr(launcher, "_start", start)
+    with pytest.raises(LaunchError, match=r"interrupted \(Ctrl-C\): stopped all 1 processes"):
+        polytrain.launch(scripts.identity, workers=3, timeout_s=30)
+    assert len(calls) == 1 and calls[0].poll() is not None
+
+
+class _Running:
+    pid = os.getpid()
+
+    def poll(self):
+        return None
+
+
+@pytest.mark.timeout(20)
+def test_a_heartbeat_is_aged_on_the_launchers_own_clock(tmp_path, monkeypatch):
+    # Symptom: the age of a beat was the wall clock's time since the file's mtime. After a
+    # Ctrl-Z and fg (the launcher checks before the children beat again), a suspend or a
+    # clock step, every healthy process was reported hung: "no heartbeat for 600.0 s".
+    from polytrain.launch.layout import ProcessSpec
+
+    run = launcher.Launcher(Layout(workers=1), timeout_s=2.0)  # hung after 1 s without a beat
+    files = launcher._files(tmp_path, 0)
+    child = launcher._Child(ProcessSpec(0, "worker", "node0", 0), _Running(), *files,
+                            started=time.monotonic(), beat_seen=time.monotonic())
+    beat = child.heartbeat_file
+    beat.write_text("{}")
+    os.utime(beat, (time.time() - 600, time.time() - 600))  # the wall clock stepped on
+    run._last_check = time.monotonic()
+    assert run._check_heartbeats([child]) == []
+    time.sleep(1.2)
+    assert run._check_heartbeats([child]) == [child]  # no beat for 1.2 s: hung
+    child.hung = ""
+    os.utime(beat, (time.time(), time.time()))        # it beat again
+    assert run._check_heartbeats([child]) == []
+    clock = time.monotonic
+    monkeypatch.setattr(launcher.time, "monotonic", lambda: clock() + 100)  # stopped 100 s
+    assert run._check_heartbeats([child]) == []       # given its time again
+
+
+@pytest.mark.timeout(60)
 def test_a_process_whose_heartbeat_record_cannot_be_written_is_not_taken_for_hung(capfd):
     # On a full disk the heartbeat thread stopped at its first failed write, and the launcher
     # then stopped the working process as hung, once half the timeout had passed.
@@ -494,14 +562,17 @@ def test_a_fixed_port_serves_one_run_after_another():
         assert len(metrics["losses"]) == 2
 
 
-def test_a_port_in_use_is_refused_before_anything_starts():
+@pytest.mark.parametrize("address", ["127.0.0.1", "127.0.0.2"])
+def test_a_port_in_use_is_refused_before_anything_starts(address):
+    # The store listens on every address: a port taken at 127.0.0.2 (or a NIC's address)
+    # passed the check on 127.0.0.1, and rank 0 failed to listen after every process started.
     import socket
 
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((address, 0))
         s.listen()
         port = s.getsockname()[1]
-        with pytest.raises(ConfigError, match=rf"port {port} on 127.0.0.1 is in use.*HINT: "
+        with pytest.raises(ConfigError, match=rf"port {port} on this host is in use.*HINT: "
                                               r"pass another --port"):
             polytrain.launch(scripts.identity, workers=2, port=port)
 

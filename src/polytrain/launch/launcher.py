@@ -37,12 +37,16 @@ _POLL_S = 0.05
 _GRACE_S = 3.0
 _NETWORK_PORT = 29500  # in the run's own namespaces every port is free
 _FIRST_BEAT_S = 60.0  # a child's first heartbeat comes after it has imported torch
+_START_HINT = ("this host refused a new process: see `ulimit -u` (processes per user) and "
+               "free memory, or run fewer --workers/--servers")
+_PAUSED_S = 5.0  # a launcher whose heartbeat checks are this far apart was stopped itself
 _STACKS_S = 2.0  # how long a stalled child is given to write its stacks before it is stopped
 _STALL_SLACK_S = 1.0  # "working since before the peer's wait began", give or take a beat
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on ``host`` that nobody listens on right now."""
+def free_port(host: str = "") -> int:
+    """A TCP port that nobody listens on right now, on ``host`` (default: on any address,
+    as the rendezvous store listens)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
@@ -55,16 +59,18 @@ def check_port(port: int | None) -> None:
                           "pass --port 29500, or leave it out to take a free one")
 
 
-def _check_port(host: str, port: int) -> None:
+def _check_port(port: int) -> None:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        # As the rendezvous store binds: a port the last run's connections still hold in
-        # TIME_WAIT (a rerun or a restart, for a minute) is free; a listening one is not.
+        # As the rendezvous store binds: on every address (a port another program listens on
+        # at 127.0.0.2 or the NIC's address is taken too), and a port the last run's
+        # connections still hold in TIME_WAIT (a rerun or a restart, for a minute) is free.
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            s.bind((host, port))
+            s.bind(("", port))
         except OSError as e:
             raise ConfigError(
-                f"port {port} on {host} is in use ({e.strerror}); the rendezvous needs a free one",
+                f"port {port} on this host is in use ({e.strerror}); the rendezvous needs a "
+                f"free one",
                 "pass another --port, or leave --port out to pick a free port") from None
 
 
@@ -79,7 +85,12 @@ class _Child:
     stacks_file: Path
     held_file: Path
     crash_file: Path
-    started: float = 0.0
+    started: float = 0.0  # time.monotonic() when it was started
+    # Its heartbeat file's mtime as last seen, and when (monotonic) the launcher saw it
+    # change: the age of a beat is the launcher's own time since, not the wall clock's
+    # (which steps, and runs on through a suspend that stops every timeout).
+    beat_mtime: int | None = None
+    beat_seen: float = 0.0
     stopped_by_us: bool = False
     hung: str = ""  # why the heartbeat says it stopped answering ("" while it answers)
     hint: str = ""  # what to do about ``hung``, if not the traceback's fix
@@ -192,12 +203,13 @@ class Launcher:
             check_tools()  # before anything starts: one line on what is missing
             port = _NETWORK_PORT if port is None else port
         elif port is None:
-            port = free_port(self.host)
+            port = free_port()
         else:
-            _check_port(self.host, port)
+            _check_port(port)
         self.port = port
         self.env = dict(env or {})
         self.timeout_s = timeout_s
+        self._last_check = 0.0  # time.monotonic() of the last heartbeat check
 
     def run_fn(self, fn: Callable[..., Any], args: Sequence[Any] = (),
                kwargs: Mapping[str, Any] | None = None) -> list[Any]:
@@ -316,10 +328,19 @@ class Launcher:
                     network.open()
                 server = server_for(self._base_env())
                 for spec in self.layout.processes():
+                    if interrupted.is_set():
+                        break  # Ctrl-C while starting: those started are stopped below
                     files = _files(workdir, spec.rank)
-                    proc = _start(payload_file, self._child_env(spec, files, shm, network),
-                                  server, network, spec.machine)
-                    children.append(_Child(spec, proc, *files, started=time.time()))
+                    try:
+                        proc = _start(payload_file, self._child_env(spec, files, shm, network),
+                                      server, network, spec.machine)
+                    except OSError as e:
+                        raise LaunchError(
+                            f"could not start {spec.role} rank {spec.rank} (machine "
+                            f"{spec.machine}): {e}", _START_HINT, rank=spec.rank,
+                            role=spec.role, machine=spec.machine) from None
+                    now = time.monotonic()
+                    children.append(_Child(spec, proc, *files, started=now, beat_seen=now))
                     if server is not None and not server.alive:  # one warning, not one each
                         server = None
                 _write_processes(workdir, children)
@@ -352,16 +373,25 @@ class Launcher:
         return 0.5 * (self.timeout_s if self.timeout_s is not None else _env.DEFAULT_TIMEOUT_S)
 
     def _check_heartbeats(self, children: list[_Child]) -> list[_Child]:
-        """The running children whose heartbeat is older than the timeout (hung)."""
-        now, limit = time.time(), self._hang_after_s()
+        """The running children whose heartbeat has not changed for half the timeout (hung),
+        on the launcher's monotonic clock. A launcher that was itself stopped for a while
+        (Ctrl-Z then fg stops the children too) gives every child that long again."""
+        now, limit = time.monotonic(), self._hang_after_s()
+        if now - self._last_check > _PAUSED_S:
+            for c in children:
+                c.beat_seen = max(c.beat_seen, now)
+        self._last_check = now
         hung = []
         for c in children:
             if c.proc.poll() is not None:
                 continue
             try:
-                age, first = now - c.heartbeat_file.stat().st_mtime, False
+                mtime: int | None = c.heartbeat_file.stat().st_mtime_ns
             except OSError:  # no beat yet: the child is still importing
-                age, first = now - c.started, True
+                mtime = None
+            if mtime != c.beat_mtime:
+                c.beat_mtime, c.beat_seen = mtime, now
+            age, first = now - c.beat_seen, c.beat_mtime is None
             if age > (max(limit, _FIRST_BEAT_S) if first else limit):
                 state = _proc_state(c.proc.pid)
                 c.hung = (f"stopped answering: no heartbeat for {age:.1f} s (half of "
@@ -468,6 +498,7 @@ class Launcher:
         """Poll the children until all end well, or name the first failure's root cause
         (``oom_kills_before``: the kernel's OOM kill count when the run started)."""
         beat_check = 0.0
+        self._last_check = time.monotonic()
         while not interrupted.is_set():
             codes = [c.proc.poll() for c in children]
             failed = [c for c, code in zip(children, codes) if code not in (None, 0)]
