@@ -161,6 +161,84 @@ def test_the_servers_optimizer_keeps_each_parameter_groups_settings_and_schedule
     assert max_abs_diff(single, untrained) > 1e-3
 
 
+def train_frozen(steps: int, distributed: bool, everything: bool) -> dict | None:
+    """AdamW with weight decay on a GPT whose embedding and first block are frozen; the
+    optimizer gets the trained parameters only, or (``everything``) model.parameters()."""
+    if distributed:
+        polytrain.init()
+    torch.manual_seed(0)
+    model = GPT(**TINY)
+    for name, p in model.named_parameters():
+        if name.split(".")[0] in ("embed", "h0"):
+            p.requires_grad_(False)
+    params = model.parameters() if everything else [p for p in model.parameters()
+                                                     if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=3e-3, weight_decay=0.1)
+    if distributed:
+        trainer = polytrain.distribute(model, opt, strategy="hetpipe", loss_fn=loss_fn,
+                                       policy="ed", inflight=1, staleness=0)
+    for x, y in script_batches(steps):
+        if distributed:
+            trainer.step(x, y)
+        else:
+            opt.zero_grad()
+            loss_fn(model(x), y).backward()
+            opt.step()
+    return hetpipe_final(trainer) if distributed else model.state_dict()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("everything", [False, True], ids=["trained", "all"])
+def test_frozen_parameters_stay_as_they_are_and_the_rest_trains_as_in_one_process(everything):
+    # Fine-tuning with a frozen front: an optimizer of the trained parameters only was
+    # refused ("give the optimizer every parameter ..., or set requires_grad=False on the
+    # others", which they were); one of every parameter had the servers step the frozen ones
+    # with zero gradients, and AdamW's weight decay moved them.
+    single = train_frozen(4, False, everything)
+    hetpipe = spawn(train_frozen, workers=4, nodes=2, servers=1, args=(4, True, everything))[0]
+    assert max_abs_diff(single, hetpipe) < 1e-5
+    torch.manual_seed(0)
+    untrained = GPT(**TINY).state_dict()
+    frozen = [k for k in untrained if k.split(".")[0] in ("embed", "h0")]
+    assert frozen and all(torch.equal(hetpipe[k], untrained[k]) for k in frozen)
+    assert not torch.equal(hetpipe["head.out.weight"], untrained["head.out.weight"])
+
+
+def train_with_a_stage_of_no_parameters(steps: int, distributed: bool) -> dict | None:
+    """Three devices for three layers, the middle one a ReLU: a stage with no parameter."""
+    if distributed:
+        polytrain.init()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mse = torch.nn.functional.mse_loss
+    if distributed:
+        trainer = polytrain.distribute(model, opt, strategy="hetpipe", loss_fn=mse,
+                                       policy="np", inflight=1, staleness=0)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x, y = torch.randn(6, 4, generator=gen), torch.randn(6, 2, generator=gen)
+        if distributed:
+            trainer.step(x, y)
+        else:
+            opt.zero_grad()
+            mse(model(x), y).backward()
+            opt.step()
+    if distributed:
+        assert tuple(trainer.strategy.plan.pipelines[0].bounds) == (0, 1, 2, 3)  # ReLU alone
+    return hetpipe_final(trainer) if distributed else model.state_dict()
+
+
+@pytest.mark.timeout(120)
+def test_a_stage_of_parameter_free_layers_passes_its_activations_on():
+    # A ReLU alone on a device: torch's "optimizer got an empty parameter list" at the first
+    # step.
+    single = train_with_a_stage_of_no_parameters(3, False)
+    hetpipe = spawn(train_with_a_stage_of_no_parameters, workers=3, servers=1,
+                    args=(3, True))[0]
+    assert max_abs_diff(single, hetpipe) < 1e-6
+
+
 @pytest.mark.timeout(120)
 def test_many_in_flight_with_no_staleness_follows_the_written_out_semantics():
     # N_m = 2, D = 0, two VWs of two stages: stashed weights, an update per minibatch,

@@ -71,8 +71,10 @@ def stage_optimizer(base: torch.optim.Optimizer, model: nn.Module,
     """The user's optimizer ``base`` (over ``model``) rebuilt over ``stage``'s parameters: its
     class, and one group for each of its groups that holds some (with their settings, which
     the stage follows every minibatch). Returns it, the user's group each of its groups
-    follows, and each stage parameter's group. Parameters are matched by name, so a stage
-    built from a copy of ``model`` (a twin's) works too."""
+    follows, and each stage parameter's group (-1: frozen, ``requires_grad=False``, and not
+    in ``base``). A stage with no parameter ``base`` holds (frozen or parameter-free layers)
+    gets an optimizer of one empty group. Parameters are matched by name, so a stage built
+    from a copy of ``model`` (a twin's) works too."""
     # By name: a twin's stage holds a copy of the model's parameters.
     name_of = {id(p): n for n, p in model.named_parameters()}
     mine = {n: i for i, n in enumerate(stage.names)}
@@ -92,15 +94,20 @@ def stage_optimizer(base: torch.optim.Optimizer, model: nn.Module,
             settings["foreach"] = settings["foreach"] is not False and not settings.get("fused")
         groups.append({**settings, "params": params})
         sources.append(i)
-    missing = [n for i, n in enumerate(stage.names) if i not in group_of]
+    missing = [n for i, n in enumerate(stage.names)
+               if i not in group_of and stage.params[i].requires_grad]
     if missing:
         raise ConfigError(f"the optimizer does not hold the parameters "
                           f"{', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''} "
                           f"of {stage.spec.label}",
                           "give the optimizer every parameter that trains (model."
                           "parameters()), or set requires_grad=False on the others")
+    if not groups:  # only frozen or parameter-free layers: an optimizer that steps nothing
+        settings = {k: v for k, v in base.param_groups[0].items() if k != "params"}
+        groups, sources = [{**settings, "params": []}], [0]
     kind: Any = type(base)  # the user's class, built on this stage's share of its groups
-    return kind(groups), sources, [group_of[i] for i in range(len(stage.params))]
+    # -1: a frozen parameter the optimizer does not hold.
+    return kind(groups), sources, [group_of.get(i, -1) for i in range(len(stage.params))]
 
 
 def layer_of(name: str, layers: Collection[str]) -> str:
@@ -112,8 +119,9 @@ def layer_of(name: str, layers: Collection[str]) -> str:
 
 def fused_keys(model: nn.Module,
                optimizer: torch.optim.Optimizer) -> list[tuple[TensorSpec, list[str]]]:
-    """The servers' keys: per layer, its parameters of one optimizer group and dtype as one
-    flat tensor (a stage holds whole layers, so every virtual worker agrees on them).
+    """The servers' keys: per layer, its trained parameters of one optimizer group and dtype
+    as one flat tensor (a stage holds whole layers, so every virtual worker agrees on them);
+    frozen parameters (``requires_grad=False``) have none.
     Returns each key's spec and the names of its parameters, in model order.
 
     One request per layer instead of one per tensor: a GPT block has 12 tensors, and the
@@ -124,6 +132,8 @@ def fused_keys(model: nn.Module,
     children = {n for n, _ in layers_of(model)}
     keys: dict[tuple[str, int, torch.dtype], list[tuple[str, torch.Tensor]]] = {}
     for name, p in model.named_parameters():
+        if not p.requires_grad:  # frozen: never pushed, every virtual worker's copy stays
+            continue
         layer = layer_of(name, children)
         keys.setdefault((layer, group_of.get(id(p), -1), p.dtype), []).append((name, p))
     out = []
