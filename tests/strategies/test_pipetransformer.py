@@ -36,14 +36,44 @@ def test_without_freezing_two_stages_by_two_replicas_is_single(optimizer, lr):
     assert (plan["stages"], plan["replicas"], plan["micro_batches"]) == (2, 2, 4)
 
 
-def _batches(steps, batch=8, seed=0, distinct=3):
+def _batches(steps, batch=8, seed=0, distinct=3, kind="gpt"):
     """Batches that come back every ``distinct`` steps (epochs of a tiny data set), so the
-    cache meets samples again."""
+    cache meets samples again: token windows (gpt), or 4 patches of 12 features and one of 5
+    classes (a user's model)."""
     gen = torch.Generator().manual_seed(seed)
-    pool = [torch.randint(0, 256, (batch, 17), generator=gen) for _ in range(distinct)]
+    if kind == "gpt":
+        windows = [torch.randint(0, 256, (batch, 17), generator=gen) for _ in range(distinct)]
+        pool = [(w[:, :-1], w[:, 1:]) for w in windows]
+    else:
+        pool = [(torch.randn(batch, 4, 12, generator=gen),
+                 torch.randint(0, 5, (batch,), generator=gen)) for _ in range(distinct)]
     for step in range(steps):
-        w = pool[step % distinct]
-        yield w[:, :-1], w[:, 1:]
+        yield pool[step % distinct]
+
+
+class Block(torch.nn.Module):
+    """A pre-norm residual MLP block, as a user's ViT-like model has them."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(d)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(d, 2 * d), torch.nn.GELU(),
+                                       torch.nn.Linear(2 * d, d))
+
+    def forward(self, x):
+        return x + self.mlp(self.norm(x))
+
+
+def _model(kind):
+    """The GPT, or a user's nn.Sequential: patches -> 4 blocks -> a classifier (6 layers)."""
+    torch.manual_seed(0)
+    if kind == "gpt":
+        return GPT(**TINY), loss_fn
+    head = torch.nn.Sequential(torch.nn.LayerNorm(16), torch.nn.Flatten(),
+                               torch.nn.Linear(4 * 16, 5))
+    return torch.nn.Sequential(OrderedDict(
+        patch=torch.nn.Linear(12, 16), **{f"b{i}": Block(16) for i in range(4)},
+        head=head)), torch.nn.functional.cross_entropy
 
 
 # Every layer counts as stopped; at step 2 every ratio is 1 (the interval is the reference's
@@ -51,14 +81,13 @@ def _batches(steps, batch=8, seed=0, distinct=3):
 FREEZING = dict(freeze_every=2, freeze_threshold=100.0, freeze_alpha=0.5)
 
 
-def train_freezing(steps, options):
+def train_freezing(steps, options, kind="gpt"):
     polytrain.init()
-    torch.manual_seed(0)
-    model = GPT(**TINY)
+    model, loss = _model(kind)
     trainer = polytrain.distribute(model, torch.optim.Adam(model.parameters(), lr=3e-3),
-                                   strategy="pipetransformer", loss_fn=loss_fn, **options)
+                                   strategy="pipetransformer", loss_fn=loss, **options)
     states = []
-    for x, y in _batches(steps):
+    for x, y in _batches(steps, kind=kind):
         trainer.step(x, y)
         states.append(trainer.state_dict())
     records = trainer.strategy.metrics()
@@ -66,46 +95,47 @@ def train_freezing(steps, options):
     return states, records["freeze_timeline"], records["cache"]
 
 
-def reference(steps, timeline):
+def reference(steps, timeline, kind="gpt"):
     """One process, freezing the timeline's layers at its steps (no gradient, no update)."""
-    torch.manual_seed(0)
-    model = GPT(**TINY)
+    model, loss = _model(kind)
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
     at = {e["step"]: e["frozen_layers"] for e in timeline}
-    for step, (x, y) in enumerate(_batches(steps)):
+    for step, (x, y) in enumerate(_batches(steps, kind=kind)):
         for name in at.get(step, []):
             for p in getattr(model, name).parameters():
                 p.requires_grad_(False)
                 p.grad = None
         opt.zero_grad()
-        loss_fn(model(x), y).backward()
+        loss(model(x), y).backward()
         opt.step()
     return model.state_dict()
 
 
 @pytest.mark.timeout(300)
-def test_frozen_layers_never_change_and_the_run_equals_a_reference_freezing_the_same():
+@pytest.mark.parametrize("kind", ["gpt", "user"])
+def test_frozen_layers_never_change_and_the_run_equals_a_reference_freezing_the_same(kind):
+    # "user": any nn.Sequential of blocks, with its own loss and inputs, not only the GPT.
     steps = 9
     states, timeline, cache = spawn(train_freezing, workers=4, nodes=2,
-                                    args=(steps, FREEZING))[0]
+                                    args=(steps, FREEZING, kind))[0]
     frozen_at = [(e["step"], e["frozen"]) for e in timeline]
     assert [s for s, _ in frozen_at] == [0, 2, 4, 6, 8] and frozen_at[1] == (2, 3)
     assert all(a[1] <= b[1] for a, b in zip(frozen_at, frozen_at[1:]))
     # The pipeline shortened and widened on the way: 2 x 2, then 1 x 4 (no memory limit).
     assert [(e["stages"], e["replicas"]) for e in timeline][:2] == [(2, 2), (1, 4)]
     assert cache["hits"] > 0 and cache["misses"] > 0
+    layers = [n for n, _ in _model(kind)[0].named_children()]
     for step, frozen in frozen_at:
         if not frozen:
             continue
-        names = [k for k in states[0] if k.split(".")[0] in ("embed", "h0", "h1", "h2", "h3")
-                 [:frozen]]
+        names = [k for k in states[0] if k.split(".")[0] in layers[:frozen]]
         at_freeze = states[step - 1]  # the weights after the last update before freezing
         for later in states[step:]:
             for k in names:
                 assert torch.equal(later[k], at_freeze[k]), (step, k)
-    ref = reference(steps, timeline)
+    ref = reference(steps, timeline, kind)
     assert max_abs_diff(ref, states[-1]) < adam_tolerance(3e-3, steps)
-    assert max_abs_diff(ref, reference(steps, timeline[:1])) > 1e-3  # freezing mattered
+    assert max_abs_diff(ref, reference(steps, timeline[:1], kind)) > 1e-3  # freezing mattered
 
 
 class Counting(torch.nn.Module):
