@@ -297,3 +297,7 @@ def heartbeat_unwritable(seconds: float) -> int:
     os.mkdir(os.environ["POLYTRAIN_HEARTBEAT_FILE"] + ".tmp")
     time.sleep(seconds)
     return 7
+
+
+def returns_a_lambda() -> object:
+    return lambda: None

@@ -164,6 +164,15 @@ def test_ctrl_c_while_the_processes_start_starts_no_more(monkeypatch):
     assert len(calls) == 1 and calls[0].poll() is not None
 
 
+@pytest.mark.timeout(60)
+def test_a_result_that_cannot_be_sent_back_is_named_as_such():
+    # It read as "exited with code 1", after pickle's traceback.
+    with pytest.raises(LaunchError, match=r"worker rank 0 .*the function returned a function, "
+                                          r"which cannot be sent back to the launcher .*HINT: "
+                                          r"return plain data"):
+        polytrain.launch(scripts.returns_a_lambda, workers=1, timeout_s=30)
+
+
 class _Running:
     pid = os.getpid()
 

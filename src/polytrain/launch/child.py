@@ -366,8 +366,15 @@ def main() -> None:
     # Free cycles that hold process groups now: torch aborts if it frees them during exit.
     gc.collect()
     if payload["kind"] == "fn" and (result_file := _env.result_file()):
+        try:
+            data = pickle.dumps(result)
+        except Exception as e:  # noqa: BLE001 - any object's __reduce__ may raise anything
+            _fail(f"the function returned a {type(result).__name__}, which cannot be sent "
+                  f"back to the launcher ({type(e).__name__}: {e})", False,
+                  hint="return plain data: tensors, numbers, strings, and lists or dicts of "
+                       "them", bad_input=True)
         with open(result_file + ".tmp", "wb") as f:
-            pickle.dump(result, f)
+            f.write(data)
         os.replace(result_file + ".tmp", result_file)
     _exit_cleanly(who)
 
