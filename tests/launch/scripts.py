@@ -301,3 +301,16 @@ def heartbeat_unwritable(seconds: float) -> int:
 
 def returns_a_lambda() -> object:
     return lambda: None
+
+
+def leaves_a_helper(directory: str, fail: bool) -> None:
+    """Start a helper process that would outlive the script, write its pid, then end (or
+    fail)."""
+    import subprocess
+    from pathlib import Path
+
+    ctx = polytrain.init()
+    helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    Path(directory, f"helper-{ctx.rank}").write_text(str(helper.pid))
+    if fail and ctx.rank == 1:
+        raise RuntimeError("the script failed")

@@ -173,6 +173,32 @@ def test_a_result_that_cannot_be_sent_back_is_named_as_such():
         polytrain.launch(scripts.returns_a_lambda, workers=1, timeout_s=30)
 
 
+def _gone(pid: int) -> bool:
+    """Whether ``pid`` has ended (a zombie that its new parent has not reaped counts)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in "ZX"
+    except OSError:
+        return True
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("fail", [False, True], ids=["ends", "fails"])
+def test_processes_a_worker_leaves_behind_are_stopped_with_the_run(tmp_path, fail):
+    # A script's helper process outlived the run (and, under --bandwidth, kept its machine's
+    # network namespace alive); a failed worker's orphans too.
+    if fail:
+        with pytest.raises(LaunchError, match=r"worker rank 1 .*the script failed"):
+            spawn(scripts.leaves_a_helper, workers=2, args=(str(tmp_path), fail))
+    else:
+        spawn(scripts.leaves_a_helper, workers=2, args=(str(tmp_path), fail))
+    helpers = [int(p.read_text()) for p in tmp_path.glob("helper-*")]
+    assert len(helpers) == 2
+    deadline = time.monotonic() + 5
+    while not all(_gone(pid) for pid in helpers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert all(_gone(pid) for pid in helpers), helpers
+
+
 class _Running:
     pid = os.getpid()
 

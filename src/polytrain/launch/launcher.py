@@ -573,6 +573,30 @@ class Launcher:
                     log.warning("%s rank %d (pid %d) did not end %g s after SIGKILL (%s)",
                                 c.spec.role, c.spec.rank, c.proc.pid, _GRACE_S,
                                 _proc_state(c.proc.pid) or "state unknown")
+        self._stop_left_behind(children)
+
+    def _stop_left_behind(self, children: list[_Child]) -> None:
+        """Stop what the children started and left running (a helper of the script's, an
+        orphan of a failed worker): each child leads a process group, which they stay in.
+        Under --bandwidth such a process would also keep its machine's namespace alive."""
+        def members(leader: int, groups: dict[int, int]) -> list[int]:
+            return [pid for pid, pgid in groups.items() if pgid == leader and pid != leader]
+
+        groups = _process_groups()
+        left = [(c, pids) for c in children if (pids := members(c.proc.pid, groups))]
+        for c, pids in left:
+            log.warning("%s rank %d (machine %s) left %d process%s running (pid %s): stopping "
+                        "them", c.spec.role, c.spec.rank, c.spec.machine, len(pids),
+                        "" if len(pids) == 1 else "es", ", ".join(map(str, pids)))
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for c, _ in left:
+                with contextlib.suppress(OSError):  # gone meanwhile
+                    os.killpg(c.proc.pid, sig)
+            deadline = time.monotonic() + _GRACE_S
+            while left and time.monotonic() < deadline:
+                time.sleep(_POLL_S)
+                groups = _process_groups()
+                left = [(c, pids) for c, pids in left if members(c.proc.pid, groups)]
 
 
 def _write_processes(workdir: Path, children: list[_Child]) -> None:
@@ -679,6 +703,19 @@ def _last_beat(child: _Child) -> dict[str, Any]:
     except (OSError, ValueError):
         return {}
     return beat if isinstance(beat, dict) else {}
+
+
+def _process_groups() -> dict[int, int]:
+    """Every live process's process group (zombies left out), by pid, from /proc."""
+    groups = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] not in ("Z", "X"):
+            groups[int(stat.parent.name)] = int(fields[2])
+    return groups
 
 
 def _proc_state(pid: int) -> str:
