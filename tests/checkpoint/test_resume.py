@@ -176,6 +176,23 @@ def test_a_parallax_checkpoint_resumed_with_another_partition_count_is_the_same_
     assert_equal_weights(final, final_again)
 
 
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("before, after", [((2, 1), (4, 2)), ((4, 2), (2, 1))],
+                         ids=["2-to-4", "4-to-2"])
+def test_parallax_resumes_on_another_number_of_workers_and_machines(before, after):
+    # It was refused ("resume with the checkpoint's --workers"): a run that lost a machine
+    # could not go on with the others. Worker 0's file holds the rows as whole variables.
+    (workers, nodes), (workers_after, nodes_after) = before, after
+    config = TrainConfig(strategy="parallax", model="wordlm", workers=workers, nodes=nodes,
+                         steps=6, batch_size=8, optimizer="adagrad", lr=0.05,
+                         model_options=WORDLM, strategy_options={"partitions": 3})
+    whole, final, again, final_again = stop_and_resume(
+        config, 3, config.replace(workers=workers_after, nodes=nodes_after))
+    assert again["checkpoints"]["resumed_at"] == 3
+    assert max_abs_diff(final, final_again) < 2e-5  # only summation order differs
+    assert again["losses"] == pytest.approx(whole["losses"], abs=1e-4)
+
+
 PIPE = {"seq_len": 16, "d_model": 32, "layers": 4}  # embed h0 h1 h2 h3 head: 6 layers
 # Every layer counts as stopped: the freeze points (every 2 steps) freeze 3 layers at step 2,
 # AutoPipe halves the pipelines, AutoDP doubles the replicas, then more may freeze.

@@ -255,8 +255,11 @@ def load(path: str | Path, model: nn.Module | Trainer,
     _load_optimizer(optimizer, names, own["optimizer"], manifest["optimizer_index"],
                     worker_file)
     set_rng_state(own["rng"])
-    strategy.load_checkpoint_state(own["strategy"] if saved_workers == _workers(strategy)[1]
-                                   else {})
+    if saved_workers == _workers(strategy)[1]:
+        strategy.load_checkpoint_state(own["strategy"])
+    else:  # another layout: only a whole state carries over
+        strategy.load_checkpoint_state(worker_file(0)["strategy"]
+                                       if strategy.whole_state_on_worker_0 else {})
     run = torch.load(where / "run.pt", map_location="cpu", weights_only=False)
     if (scheduler is None) != (run.get("scheduler") is None):
         raise CheckpointError(

@@ -224,8 +224,12 @@ class Strategy(ABC, Generic[OptionsT]):
     # -- checkpoints (polytrain.checkpoint calls these; every worker, at the same step) -------
 
     #: Whether a checkpoint may resume on another number of workers: True where every
-    #: worker's state follows from the whole model and the per-name optimizer state.
+    #: worker's state follows from the whole model and the per-name optimizer state, or
+    #: from worker 0's strategy state (:attr:`whole_state_on_worker_0`).
     resumes_on_other_layouts: ClassVar[bool] = False
+    #: Whether worker 0's :meth:`checkpoint_state` holds the whole strategy state, whatever
+    #: the layout: a resume on another number of workers gives it to every worker (else {}).
+    whole_state_on_worker_0: ClassVar[bool] = False
     #: Why this strategy cannot save or resume checkpoints yet (None: it can). Saving its
     #: model and optimizer alone would resume a different run without a word.
     checkpoint_gap: ClassVar[str | None] = None

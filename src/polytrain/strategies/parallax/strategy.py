@@ -48,6 +48,10 @@ class Parallax(ServedStrategy[ParallaxOptions]):
     name = "parallax"
     no_colocate_means = "keeps only the dedicated servers"
     Options = ParallaxOptions
+    # Worker 0's checkpoint state holds the servers' rows as whole variables, which any
+    # layout cuts into its own ranges; the dense parameters are every worker's.
+    resumes_on_other_layouts = True
+    whole_state_on_worker_0 = True
 
     def __init__(self, ctx: Context | None, options: ParallaxOptions) -> None:
         super().__init__(ctx, options)
