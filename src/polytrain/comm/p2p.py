@@ -48,10 +48,6 @@ class Handle:
         self._done = False
         self._length_of = length_of
 
-    def completed(self) -> bool:
-        """Whether the message has moved (without waiting; :meth:`wait` still finishes it)."""
-        return self._done or bool(self._work.is_completed())
-
     def wait(self, timeout_s: float | None = None) -> None:
         """Block until the message has moved."""
         if self._done:

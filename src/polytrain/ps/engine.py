@@ -375,12 +375,6 @@ class Engine:
         if not mine:
             t.done.set()
 
-    def arrived(self, t: SumTensor) -> bool:
-        """Whether the last submitted round's sum is all here: this worker's partitions
-        answered by the servers and the other partitions' sums received from their handlers
-        (then :meth:`wait` does not block)."""
-        return t.done.is_set() and all(h.completed() for h in t.recvs)
-
     def wait(self, t: SumTensor) -> torch.Tensor:
         """The sum over every worker of the last submitted round, flat on CPU."""
         if not t.busy:

@@ -240,27 +240,3 @@ def test_more_backward_passes_than_a_step_sums_are_refused_not_lost():
     assert re.match(r"'(weight|bias)' had a gradient from 2 backward passes before the step "
                     r"synchronised it, and 1 is summed", said), said
     assert "pass backward_passes_per_step=N" in said
-
-
-def poll_before_the_sum() -> dict:
-    """Worker 0 (the handler of the one small partition) pushes a second late; worker 1,
-    which hands its piece to worker 0 and handles none itself, polls meanwhile."""
-    ctx = polytrain.init()
-    if ctx.rank == 0:
-        time.sleep(1.0)
-    handle = bps.push_pull_async(torch.full((4,), float(ctx.rank + 1)), name="late", average=False)
-    handles = any(p.handler == ctx.rank for p in handle.tensor.parts)
-    early = bps.poll(handle)
-    total = bps.synchronize(handle)
-    return {"handles": handles, "early": early, "after": bps.poll(handle), "sum": total}
-
-
-@pytest.mark.timeout(60)
-def test_poll_says_done_only_once_the_sum_is_back_also_on_a_worker_that_handles_no_part():
-    # poll() said True at once on a worker that handles no partition of the tensor (it had
-    # nothing of its own in flight), where synchronize() still waited for the sum.
-    first, second = spawn(poll_before_the_sum, workers=2, colocated=1)
-    assert first["handles"] and not second["handles"]
-    assert second["early"] is False
-    assert first["after"] and second["after"]
-    assert torch.equal(second["sum"], torch.full((4,), 3.0))

@@ -218,9 +218,9 @@ def _push_pull_async(tensor: torch.Tensor, average: bool, name: str | None, prio
 
 
 def poll(handle: PushPullHandle) -> bool:
-    """Whether the push_pull's sum is back on this worker (then :func:`synchronize` does not
-    wait)."""
-    return handle.engine.arrived(handle.tensor)
+    """Whether the servers have answered this worker's share of the push_pull (then
+    :func:`synchronize` waits at most for the sum's way back inside the machine)."""
+    return handle.tensor.done.is_set()
 
 
 def synchronize(handle: PushPullHandle) -> torch.Tensor:
