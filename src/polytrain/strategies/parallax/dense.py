@@ -27,7 +27,8 @@ class DenseSync:
     def __init__(self, ctx: Context, params: list[nn.Parameter]) -> None:
         self.ctx = ctx
         self.params = params
-        self.nbytes = sum(p.numel() * p.element_size() for p in params)
+        # What the all-reduce moves: the gradients and a count per parameter.
+        self.nbytes = sum((p.numel() + 1) * p.element_size() for p in params)
         self.leaders = list(ctx.topology.leaders)
 
     def start(self) -> Callable[[], None]:
@@ -41,7 +42,9 @@ class DenseSync:
         # Adam's momentum and AdamW's decay would move it).
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
                           for p in self.params]
-                         + [torch.tensor([float(p.grad is not None) for p in self.params])]).cpu()
+                         + [torch.tensor([float(p.grad is not None) for p in self.params],
+                                         dtype=self.params[0].dtype,
+                                         device=self.params[0].device)]).cpu()
         local = len(ctx.local_workers) > 1
         leader = ctx.local_workers[0]
         if local:
@@ -66,7 +69,7 @@ class DenseSync:
             at = 0
             for p, used in zip(self.params, had.tolist()):
                 n = p.numel()
-                g = flat[at:at + n].view_as(p).to(p.device)
+                g = flat[at:at + n].view_as(p).to(device=p.device, dtype=p.dtype)
                 at += n
                 if not used:
                     p.grad = None
