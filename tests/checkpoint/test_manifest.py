@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -145,8 +146,11 @@ def test_the_prune_at_each_save_reads_only_the_files_changed_since_they_were_che
     make(tmp_path, 4)
     prune(tmp_path, 2)
     assert len(read) == 8 and sorted(p.name for p in tmp_path.iterdir()) == ["step-3", "step-4"]
-    with open(tmp_path / "step-4" / "model.pt", "r+b") as f:  # damaged after its check
+    damaged = tmp_path / "step-4" / "model.pt"
+    mtime = damaged.stat().st_mtime_ns
+    with open(damaged, "r+b") as f:  # damaged after its check, its size kept
         f.write(b"y")
+    os.utime(damaged, ns=(mtime + 10**9, mtime + 10**9))  # a later time, even on a coarse clock
     prune(tmp_path, 1)
     assert len(read) == 9  # read again, found damaged: step-3 is the newest whole one, kept
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-3", "step-4"]

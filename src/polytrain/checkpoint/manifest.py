@@ -52,15 +52,17 @@ def temporary_dir(root: str | Path, step: int) -> Path:
 # The checksums this process computed, by file (device, inode), with the size and times they
 # were computed at: the prune at every save checks the kept checkpoints again, and an
 # unchanged file is not read again (a file written, truncated or replaced since has another
-# size, mtime or ctime, or another inode). A new process (a resume) reads every file.
+# size, mtime or ctime, or another inode). A manifest's checksums are always computed afresh
+# (a new file may take a removed one's inode within one timestamp tick), and a new process
+# (a restart) reads every file.
 _hashed: dict[tuple[int, int], tuple[int, int, int, str]] = {}
 
 
-def _sha256(path: Path) -> str:
+def _sha256(path: Path, *, fresh: bool = False) -> str:
     st = path.stat()
     key, seen = (st.st_dev, st.st_ino), (st.st_size, st.st_mtime_ns, st.st_ctime_ns)
     known = _hashed.get(key)
-    if known is not None and known[:3] == seen:
+    if not fresh and known is not None and known[:3] == seen:
         return known[3]
     h = hashlib.sha256()
     with path.open("rb") as f:
@@ -101,7 +103,7 @@ def write_manifest(directory: Path, meta: dict[str, Any]) -> dict[str, Any]:
         if path.name == MANIFEST or not path.is_file():
             continue
         _fsync(path)
-        files[path.name] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+        files[path.name] = {"bytes": path.stat().st_size, "sha256": _sha256(path, fresh=True)}
     manifest = {"format": FORMAT, **meta, "files": files}
     write_atomically(directory / MANIFEST,
                      lambda tmp: tmp.write_text(json.dumps(manifest, indent=1) + "\n"))
