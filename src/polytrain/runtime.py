@@ -353,7 +353,7 @@ def _join(env: _env.ProcessEnv, timeout: float) -> None:
                                 timeout=datetime.timedelta(seconds=timeout))
     except (RuntimeError, dist.DistStoreError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        if rank == 0 and "EADDRINUSE" in str(e):
+        if env.launched and rank == 0 and "EADDRINUSE" in str(e):
             # Free when the launcher checked it, taken before rank 0 could listen (or a
             # launcher of its own, as torchrun, did not check it).
             raise CommError(f"rank 0 ({env.role}, machine {env.node}) could not listen for "

@@ -310,7 +310,9 @@ def leaves_a_helper(directory: str, fail: bool) -> None:
     from pathlib import Path
 
     ctx = polytrain.init()
-    helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    # Rank 1's leaves the process group and session too, as a daemon would.
+    helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
+                              start_new_session=ctx.rank == 1)
     Path(directory, f"helper-{ctx.rank}").write_text(str(helper.pid))
     if fail and ctx.rank == 1:
         raise RuntimeError("the script failed")

@@ -183,9 +183,10 @@ def _gone(pid: int) -> bool:
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("fail", [False, True], ids=["ends", "fails"])
-def test_processes_a_worker_leaves_behind_are_stopped_with_the_run(tmp_path, fail):
+def test_processes_a_worker_leaves_behind_are_stopped_with_the_run(tmp_path, fail, caplog):
     # A script's helper process outlived the run (and, under --bandwidth, kept its machine's
     # network namespace alive); a failed worker's orphans too.
+    caplog.set_level("WARNING", logger="polytrain")
     if fail:
         with pytest.raises(LaunchError, match=r"worker rank 1 .*the script failed"):
             spawn(scripts.leaves_a_helper, workers=2, args=(str(tmp_path), fail))
@@ -197,6 +198,8 @@ def test_processes_a_worker_leaves_behind_are_stopped_with_the_run(tmp_path, fai
     while not all(_gone(pid) for pid in helpers) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert all(_gone(pid) for pid in helpers), helpers
+    for rank in (0, 1):
+        assert f"worker rank {rank} left 1 process running" in caplog.text
 
 
 class _Running:

@@ -318,12 +318,6 @@ def main() -> None:
     faulthandler.register(signal.SIGUSR2, all_threads=True,
                           file=open(stacks, "w") if stacks else sys.stderr)
     die_with(_env.parent_pid())
-    # A session (and process group) of its own: what the script starts and leaves behind
-    # stays in it, and the launcher stops the group at the end. The terminal's Ctrl-C goes to
-    # the launcher alone, which stops every process.
-    if _env.parent_pid() is not None:
-        with contextlib.suppress(OSError):
-            os.setsid()
     _start_heartbeat()
     signal.signal(signal.SIGTERM, lambda *_: os._exit(143))
     signal.signal(signal.SIGUSR1, _raise_injected)

@@ -26,7 +26,15 @@ from ..errors import ConfigError, LaunchError
 from .forkserver import ForkServer, Process, server_for
 from .host import oom_kills
 from .layout import WORKER, Layout, ProcessSpec
-from .network import LinkShape, Network, check_tools, link_shape, start_time
+from .network import (
+    LinkShape,
+    Network,
+    check_tools,
+    link_shape,
+    owner_alive,
+    owner_record,
+    start_time,
+)
 
 __all__ = ["launch", "launch_script", "Launcher", "free_port", "refuse_at_import"]
 
@@ -352,6 +360,9 @@ class Launcher:
             finally:
                 try:
                     self._stop(children)
+                    _stop_left_behind(workdir, {c.proc.pid for c in children},
+                                      clean=not interrupted.is_set() and all(
+                                          c.proc.poll() == 0 for c in children))
                 finally:
                     if shm is not None:
                         shutil.rmtree(shm, ignore_errors=True)
@@ -573,30 +584,6 @@ class Launcher:
                     log.warning("%s rank %d (pid %d) did not end %g s after SIGKILL (%s)",
                                 c.spec.role, c.spec.rank, c.proc.pid, _GRACE_S,
                                 _proc_state(c.proc.pid) or "state unknown")
-        self._stop_left_behind(children)
-
-    def _stop_left_behind(self, children: list[_Child]) -> None:
-        """Stop what the children started and left running (a helper of the script's, an
-        orphan of a failed worker): each child leads a process group, which they stay in.
-        Under --bandwidth such a process would also keep its machine's namespace alive."""
-        def members(leader: int, groups: dict[int, int]) -> list[int]:
-            return [pid for pid, pgid in groups.items() if pgid == leader and pid != leader]
-
-        groups = _process_groups()
-        left = [(c, pids) for c in children if (pids := members(c.proc.pid, groups))]
-        for c, pids in left:
-            log.warning("%s rank %d (machine %s) left %d process%s running (pid %s): stopping "
-                        "them", c.spec.role, c.spec.rank, c.spec.machine, len(pids),
-                        "" if len(pids) == 1 else "es", ", ".join(map(str, pids)))
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            for c, _ in left:
-                with contextlib.suppress(OSError):  # gone meanwhile
-                    os.killpg(c.proc.pid, sig)
-            deadline = time.monotonic() + _GRACE_S
-            while left and time.monotonic() < deadline:
-                time.sleep(_POLL_S)
-                groups = _process_groups()
-                left = [(c, pids) for c, pids in left if members(c.proc.pid, groups)]
 
 
 def _write_processes(workdir: Path, children: list[_Child]) -> None:
@@ -653,21 +640,10 @@ def run_prefix(kind: str) -> str:
 _OWNER = ".polytrain-owner"  # in a run's directory: the launcher that made it
 
 
-def _pid_namespace() -> str:
-    """This process's PID namespace (``pid:[4026531836]``; "" where /proc does not say):
-    a pid names a process only inside its namespace."""
-    try:
-        return os.readlink("/proc/self/ns/pid")
-    except OSError:
-        return ""
-
-
 def mark_owner(path: Path) -> None:
     """Mark ``path`` as a directory this launcher made: :func:`sweep_stale` removes only
     marked ones."""
-    me = os.getpid()
-    (path / _OWNER).write_text(json.dumps({"pid": me, "start": start_time(me),
-                                           "pid_ns": _pid_namespace()}))
+    (path / _OWNER).write_text(json.dumps(owner_record()))
 
 
 def sweep_stale(root: Path, kind: str, what: str) -> None:
@@ -680,16 +656,15 @@ def sweep_stale(root: Path, kind: str, what: str) -> None:
     says nothing here; one a launcher was killed in before it marked it (empty).
     """
     name = re.compile(rf"{re.escape(kind)}(\d+)-(\d+)-[a-z0-9_]{{8}}")
-    here = _pid_namespace()
     for stale in root.glob(f"{kind}*"):
         if not name.fullmatch(stale.name) or stale.is_symlink() or not stale.is_dir():
             continue
         try:
-            owner = json.loads((stale / _OWNER).read_text())
-            pid, start, ns = int(owner["pid"]), owner["start"], str(owner["pid_ns"])
-        except (OSError, ValueError, TypeError, KeyError):
+            owner = owner_alive(json.loads((stale / _OWNER).read_text()))
+        except (OSError, ValueError):
             continue
-        if ns == here and start_time(pid) != start:
+        if owner is not None and not owner[1]:
+            pid = owner[0]
             shutil.rmtree(stale, ignore_errors=True)
             log.warning("removed %s of a run whose launcher (pid %d) is gone: %s", what, pid,
                         stale)
@@ -705,17 +680,54 @@ def _last_beat(child: _Child) -> dict[str, Any]:
     return beat if isinstance(beat, dict) else {}
 
 
-def _process_groups() -> dict[int, int]:
-    """Every live process's process group (zombies left out), by pid, from /proc."""
-    groups = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+def _run_processes(workdir: Path) -> dict[int, str]:
+    """The live processes whose environment names this run's work directory, with their
+    role and rank: what the run's processes started (a forked child's own /proc environ is
+    its fork server's, so the children themselves mostly do not show)."""
+    entry = f"{_env.RUN_DIR}={workdir}".encode()
+    found = {}
+    for environ in Path("/proc").glob("[0-9]*/environ"):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
+            variables = environ.read_bytes().split(b"\0")
+        except OSError:  # gone, or another user's
             continue
-        if fields[0] not in ("Z", "X"):
-            groups[int(stat.parent.name)] = int(fields[2])
-    return groups
+        pid = int(environ.parent.name)
+        if entry in variables and pid != os.getpid() and not _proc_state(pid).startswith("Z"):
+            named = dict(v.split(b"=", 1) for v in variables if b"=" in v)
+            found[pid] = (f"{named.get(_env.ROLE.encode(), b'?').decode()} rank "
+                          f"{named.get(_env.RANK.encode(), b'?').decode()}")
+    return found
+
+
+def _stop_left_behind(workdir: Path, children: set[int], *, clean: bool) -> None:
+    """Stop what the run's processes started and left running (a script's helper, a failed
+    worker's orphans), found by the work directory in their environment; under --bandwidth
+    such a process would also keep its machine's namespace alive. After a clean end they
+    get a grace period to end by themselves (a data loader's workers do, within seconds)."""
+    deadline = time.monotonic() + (_GRACE_S if clean else 0.0)
+    while left := {p: who for p, who in _run_processes(workdir).items() if p not in children}:
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(_POLL_S)
+    if not left:
+        return
+    by: dict[str, list[int]] = {}
+    for pid, who in left.items():
+        by.setdefault(who, []).append(pid)
+    for who, pids in by.items():
+        log.warning("%s left %d process%s running (pid %s): stopping %s", who, len(pids),
+                    "" if len(pids) == 1 else "es", ", ".join(map(str, pids)),
+                    "it" if len(pids) == 1 else "them")
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in left:
+            with contextlib.suppress(OSError):  # ended meanwhile
+                os.kill(pid, sig)
+        deadline = time.monotonic() + _GRACE_S
+        while left and time.monotonic() < deadline:
+            time.sleep(_POLL_S)
+            left = {p: who for p, who in _run_processes(workdir).items() if p in left}
+        if not left:
+            return
 
 
 def _proc_state(pid: int) -> str:

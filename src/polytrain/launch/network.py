@@ -40,13 +40,14 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from .. import _env
 from ..errors import ConfigError, LaunchError, PeerLost
 
 __all__ = ["LinkShape", "Network", "NicSampler", "link_shape", "parse_rate", "parse_time",
-           "check_tools", "netem_check", "nic_bytes", "start_time", "sweep_stale", "STATE_DIR"]
+           "check_tools", "netem_check", "nic_bytes", "start_time", "sweep_stale", "STATE_DIR",
+           "owner_record", "owner_alive", "pid_namespace"]
 
 log = logging.getLogger(__name__)
 
@@ -241,14 +242,41 @@ def start_time(pid: int) -> int | None:
     return int(fields[19])
 
 
+def pid_namespace() -> str:
+    """This process's PID namespace (``pid:[4026531836]``; "" where /proc does not say): a
+    pid names a process only inside its namespace."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+def owner_record() -> dict[str, Any]:
+    """This process as the owner of what a later run may sweep (a run's directory, its
+    network's claim): its pid, start time and PID namespace."""
+    me = os.getpid()
+    return {"pid": me, "start": start_time(me), "pid_ns": pid_namespace()}
+
+
+def owner_alive(record: Any) -> tuple[int, bool] | None:
+    """The pid an :func:`owner_record` names and whether that process still runs (one of
+    another PID namespace counts as running: its pid says nothing here); None if the record
+    is not one."""
+    try:
+        # A record without its namespace (written before stop 43) is of this one.
+        pid, start = int(record["pid"]), int(record["start"])
+        ns = str(record.get("pid_ns", pid_namespace()))
+    except (ValueError, KeyError, TypeError):
+        return None
+    return pid, ns != pid_namespace() or start_time(pid) == start
+
+
 def _owner(claim: Path) -> tuple[int, bool] | None:
     """The pid of a claim's launcher and whether it still runs; None if the claim is unreadable."""
     try:
-        record = json.loads(claim.read_text())
-        pid, start = int(record["pid"]), int(record["start"])
-    except (OSError, ValueError, KeyError, TypeError):
+        return owner_alive(json.loads(claim.read_text()))
+    except (OSError, ValueError):
         return None
-    return pid, start_time(pid) == start
 
 
 def _run_namespaces(ip: str) -> dict[str, list[str]]:
@@ -477,15 +505,13 @@ class Network:
 
     def _take_claim(self) -> None:
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        start = start_time(os.getpid())
         # Written whole under another name, then linked into place (which fails where the
         # claim exists): another launcher's sweep never reads a claim half written, which it
         # would take for an ownerless one and remove, with this run's namespaces after it.
         tmp = self.state_dir / f".{self.run_id}.{os.getpid()}.tmp"
         try:
             with open(tmp, "w") as f:
-                json.dump({"pid": os.getpid(), "start": start, "machines": list(self.machines)},
-                          f)
+                json.dump({**owner_record(), "machines": list(self.machines)}, f)
             os.link(tmp, self._claim)
         except FileExistsError:
             owner = _owner(self._claim)
