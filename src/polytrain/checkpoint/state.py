@@ -247,8 +247,10 @@ def load(path: str | Path, model: nn.Module | Trainer,
     def worker_file(i: int) -> dict[str, Any]:
         if i not in files:
             # Our own files (RNG states are not tensors): trusted as the run's own output.
+            # Mapped, not read: on another layout every worker opens worker 0's file, which
+            # holds Parallax's whole sparse tables.
             files[i] = torch.load(where / f"worker-{i}.pt", map_location="cpu",
-                                  weights_only=False)
+                                  weights_only=False, mmap=True)
         return files[i]
 
     own = worker_file(index % saved_workers)

@@ -188,8 +188,9 @@ class Parallax(ServedStrategy[ParallaxOptions]):
         """The servers' sparse rows with their rule's state (worker 0's file: whole
         variables, so a resumed run may cut them into another partition count), the
         rounds pushed, the partition count and the search so far."""
+        assert self.ctx is not None
         state: dict[str, Any] = {"partitions": self._count, "since": self._since,
-                                 "times": list(self._times)}
+                                 "times": list(self._times), "workers": self.ctx.num_workers}
         search = self.search or getattr(self, "final_search", None)
         if search is not None:
             state["search"] = {"start": search.start, "low": search.low, "high": search.high,
@@ -216,7 +217,10 @@ class Parallax(ServedStrategy[ParallaxOptions]):
                               f"state of the servers' rows belongs to its place in the layout",
                               "resume with the checkpoint's --workers")
         assert ctx is not None and self.plan is not None
-        saved = state.get("search")
+        # On another layout the rows carry over; the search's step times and the machines'
+        # touched rows were the old layout's: the search starts afresh.
+        moved = int(state.get("workers", ctx.num_workers)) != ctx.num_workers
+        saved = None if moved else state.get("search")
         if saved is not None:
             search = PartitionSearch(saved["start"], low=saved["low"], high=saved["high"])
             search.samples, search.going_up = [tuple(s) for s in saved["samples"]], \
@@ -225,9 +229,11 @@ class Parallax(ServedStrategy[ParallaxOptions]):
                 self.final_search, self.search = search, None
             elif self.options.partitions is None:
                 self.search = search
-        count = int(state["partitions"]) if self.options.partitions is None \
-            else self.options.partitions
-        self._since, self._times, self._last = int(state["since"]), list(state["times"]), None
+        count = int(state["partitions"]) if self.options.partitions is None and not moved \
+            else self.options.partitions or self._count
+        if not moved:
+            self._since, self._times = int(state["since"]), list(state["times"])
+        self._last = None
         if self.rows is None:
             return
         if count != self._count:
@@ -244,7 +250,7 @@ class Parallax(ServedStrategy[ParallaxOptions]):
                               "resume from a checkpoint this model's parallax run wrote")
         self.rows.restore(merged, int(state["rounds"]))
         for v in self.rows.vars:
-            v.touched = list(state.get("touched", {}).get(v.name, []))
+            v.touched = [] if moved else list(state.get("touched", {}).get(v.name, []))
 
     def close(self) -> None:
         if self.rows is not None:
