@@ -80,8 +80,10 @@ def test_resume_equals_the_uninterrupted_run_bit_for_bit(strategy, workers, node
         assert len(by_step) == 6 and all(b > 0 for b in by_step)
         assert by_step_again[:3] == [None] * 3 and by_step_again[3] > 0
         # The first one also carries the resume's messages (and herring's differ by a few
-        # bytes from run to run).
-        assert by_step_again[4:] == pytest.approx(by_step[4:], rel=0.01)
+        # bytes from run to run). With the partition search, which count comes next (and
+        # when rows move to it) depends on the steps' times in each run: not compared.
+        if "search_steps" not in options:
+            assert by_step_again[4:] == pytest.approx(by_step[4:], rel=0.01)
 
 
 @pytest.mark.timeout(180)
@@ -159,8 +161,10 @@ def test_parallax_resumes_its_servers_rows_bit_for_bit(optimizer, nodes, workers
         assert len(by_step) == 6 and all(b > 0 for b in by_step)
         assert by_step_again[:3] == [None] * 3 and by_step_again[3] > 0
         # The first one also carries the resume's messages (and herring's differ by a few
-        # bytes from run to run).
-        assert by_step_again[4:] == pytest.approx(by_step[4:], rel=0.01)
+        # bytes from run to run). With the partition search, which count comes next (and
+        # when rows move to it) depends on the steps' times in each run: not compared.
+        if "search_steps" not in options:
+            assert by_step_again[4:] == pytest.approx(by_step[4:], rel=0.01)
     if "search_steps" in options:  # its first sample (steps 0-2) came back with the rows
         assert again["partition_search"]["samples"][0] == whole["partition_search"]["samples"][0]
 

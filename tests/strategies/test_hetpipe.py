@@ -279,6 +279,48 @@ def test_virtual_workers_cut_differently_push_each_layer_with_the_same_settings(
     assert all(bool(torch.isfinite(t).all()) for t in state.values())
 
 
+def late_settings_per_layer() -> list[tuple[int, int, float, dict[str, int]]]:
+    """Per stage of this process: its virtual worker, index, own learning-rate factor, and
+    per layer it pushes whether the servers step it with the late settings."""
+    from polytrain.emulation.devices import parse_cluster
+
+    ctx = polytrain.init()
+    ctx.cluster = parse_cluster("m0:fast*2,m1:slow*2,m2:fast*2")
+    torch.manual_seed(0)
+    model = GPT(**{**TINY, "layers": 3})
+    trainer = polytrain.distribute(model, torch.optim.Adam(model.parameters(), lr=3e-3),
+                                   strategy="hetpipe", loss_fn=loss_fn, policy="hd", inflight=2)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(2):  # 12 sequences: 4 for each of the 3 virtual workers
+        w = torch.randint(0, 256, (12, 17), generator=gen)
+        trainer.step(w[:, :-1], w[:, 1:])
+    found = []
+    for role in trainer.strategy.roles:
+        late = {p.name.split(".")[0].split("[")[0]: flag
+                for (_, p), flag in zip(role.wsp.mine, role.wsp._late)}
+        found.append((role.vw, role.index, role.pipe.lr_factor, late))
+    trainer.close()
+    return found
+
+
+@pytest.mark.timeout(120)
+def test_a_layer_late_in_one_virtual_worker_is_pushed_late_by_all():
+    # The decisions behind the run above: h1 is on a late stage (stage 0, N_m = 2) in virtual
+    # worker 2 only; every virtual worker pushes it with the late settings, while each
+    # stage's own update keeps its own stage's learning rate.
+    stages = [s for per in spawn(late_settings_per_layer, workers=6, nodes=3, servers=1)
+              for s in per]
+    by = {(vw, j): (factor, late) for vw, j, factor, late in stages}
+    assert sorted(by) == [(v, j) for v in range(3) for j in range(2)]
+    assert {v: by[(v, 0)][0] for v in range(3)} == {0: 0.25, 1: 0.25, 2: 0.25}
+    assert {v: by[(v, 1)][0] for v in range(3)} == {0: 1.0, 1: 1.0, 2: 1.0}
+    pushes_h1 = {v: by[(v, j)][1]["h1"] for v in range(3) for j in range(2)
+                 if "h1" in by[(v, j)][1]}
+    assert pushes_h1 == {0: 1, 1: 1, 2: 1}  # on stage 1 of VWs 0 and 1, stage 0 of VW 2
+    assert all(by[(v, 1)][1]["h2"] == 0 and by[(v, 1)][1]["head"] == 0 for v in range(3))
+    assert all(by[(v, 0)][1]["embed"] == 1 for v in range(3))
+
+
 def train_lagged(steps: int, lag_beta2: float | None, grouped: bool) -> dict:
     # N_m = 2, D = 0 with Adam on the servers; grouped: the user's optimizer gives the first
     # stage (embed, h0 on both virtual workers) beta2 0.9 itself.
