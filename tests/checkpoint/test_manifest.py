@@ -206,6 +206,29 @@ def test_load_refuses_another_optimizer_class_or_scheduler_than_the_saved_ones(t
     assert torch.equal(opt.state[model.weight]["exp_avg"], moment)
 
 
+def test_a_checkpoint_on_a_file_system_that_cannot_map_files_still_loads(tmp_path,
+                                                                          monkeypatch):
+    # Worker files are memory-mapped when loaded; some file systems refuse that.
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    model, opt = polytrain.distribute(model, torch.optim.Adam(model.parameters()), "single")
+    model(torch.ones(3, 4)).sum().backward()
+    opt.step()
+    moment = opt.state[model.weight]["exp_avg"].clone()
+    polytrain.save(tmp_path, model, opt, step=1)
+    real, mapped = torch.load, []
+
+    def load(*args, **kwargs):
+        if kwargs.get("mmap"):
+            mapped.append(args[0])
+            raise RuntimeError("mmap: operation not supported")
+        return real(*args, **kwargs)
+    monkeypatch.setattr(torch, "load", load)
+    opt.state.clear()
+    assert polytrain.load(tmp_path, model, opt).step == 1 and mapped
+    assert torch.equal(opt.state[model.weight]["exp_avg"], moment)
+
+
 def test_what_a_crash_left_is_tidied_before_the_next_save(tmp_path):
     # A crash between commit()'s two renames left the only whole step-4 as .step-4.old,
     # which nothing read; an unfinished save's .step-S.tmp of another step stayed forever.

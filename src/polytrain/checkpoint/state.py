@@ -248,9 +248,13 @@ def load(path: str | Path, model: nn.Module | Trainer,
         if i not in files:
             # Our own files (RNG states are not tensors): trusted as the run's own output.
             # Mapped, not read: on another layout every worker opens worker 0's file, which
-            # holds Parallax's whole sparse tables.
-            files[i] = torch.load(where / f"worker-{i}.pt", map_location="cpu",
-                                  weights_only=False, mmap=True)
+            # holds Parallax's whole sparse tables (read where the file system cannot map).
+            try:
+                files[i] = torch.load(where / f"worker-{i}.pt", map_location="cpu",
+                                      weights_only=False, mmap=True)
+            except (OSError, RuntimeError):
+                files[i] = torch.load(where / f"worker-{i}.pt", map_location="cpu",
+                                      weights_only=False)
         return files[i]
 
     own = worker_file(index % saved_workers)
