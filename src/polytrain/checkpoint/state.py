@@ -18,6 +18,7 @@ launcher's, or a cluster's shared storage).
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 import shutil
@@ -249,12 +250,12 @@ def load(path: str | Path, model: nn.Module | Trainer,
             # Our own files (RNG states are not tensors): trusted as the run's own output.
             # Mapped, not read: on another layout every worker opens worker 0's file, which
             # holds Parallax's whole sparse tables (read where the file system cannot map).
+            load = functools.partial(torch.load, where / f"worker-{i}.pt", map_location="cpu",
+                                     weights_only=False)
             try:
-                files[i] = torch.load(where / f"worker-{i}.pt", map_location="cpu",
-                                      weights_only=False, mmap=True)
+                files[i] = load(mmap=True)
             except (OSError, RuntimeError):
-                files[i] = torch.load(where / f"worker-{i}.pt", map_location="cpu",
-                                      weights_only=False)
+                files[i] = load()
         return files[i]
 
     own = worker_file(index % saved_workers)

@@ -235,17 +235,19 @@ class WaveSync:
         self.slots += 1
         if delta is not None:
             self.history.append((self.slots, self._flat(delta)))
+        optimizer = self.optimizer
         given = [dict(settings[g] if settings is not None else spec["settings"])
-                 for g, spec in enumerate(self.optimizer)]
-        plain = [torch.tensor(round_settings(spec, values), dtype=torch.float64)
-                 for spec, values in zip(self.optimizer, given)]
-        lagged = plain
+                 for g, spec in enumerate(optimizer)]
+
+        def rounded() -> list[torch.Tensor]:
+            return [torch.tensor(round_settings(spec, values), dtype=torch.float64)
+                    for spec, values in zip(optimizer, given)]
+        plain = lagged = rounded()
         if any(self._late):
             assert self._lag is not None
             for values in given:
                 self._lag(values)
-            lagged = [torch.tensor(round_settings(spec, values), dtype=torch.float64)
-                      for spec, values in zip(self.optimizer, given)]
+            lagged = rounded()
         self.wave_settings.append((plain, lagged))
         self.wave_grads.append(self._flat([
             torch.zeros(t.shape, dtype=t.dtype) if g is None else (g.detach() * scale).to("cpu")
