@@ -124,17 +124,16 @@ def hetpipe_final(trainer: polytrain.Trainer) -> dict:
     return state
 
 
-def train_grouped(steps: int, distributed: bool) -> dict | None:
-    if distributed:
-        polytrain.init()
-    torch.manual_seed(0)
-    model = GPT(**TINY)
-    opt = grouped_adamw(model)
+def train_script(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int,
+                 distributed: bool, schedule: bool = False) -> dict:
+    """A script's loop on ``script_batches``: through hetpipe's step API (policy ed, D = 0,
+    N_m = 1) on the global batches, or in one process; with ``schedule``, a LambdaLR on the
+    optimizer it steps. Returns the final weights."""
     if distributed:  # the step API, on global batches
         trainer = polytrain.distribute(model, opt, strategy="hetpipe", loss_fn=loss_fn,
                                        policy="ed", inflight=1, staleness=0)
         opt = trainer.optimizer
-    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    lr = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s)) if schedule else None
     for x, y in script_batches(steps):
         if distributed:
             trainer.step(x, y)
@@ -142,10 +141,17 @@ def train_grouped(steps: int, distributed: bool) -> dict | None:
             opt.zero_grad()
             loss_fn(model(x), y).backward()
             opt.step()
-        schedule.step()
-    if not distributed:
-        return model.state_dict()
-    return hetpipe_final(trainer)
+        if lr is not None:
+            lr.step()
+    return hetpipe_final(trainer) if distributed else model.state_dict()
+
+
+def train_grouped(steps: int, distributed: bool) -> dict | None:
+    if distributed:
+        polytrain.init()
+    torch.manual_seed(0)
+    model = GPT(**TINY)
+    return train_script(model, grouped_adamw(model), steps, distributed, schedule=True)
 
 
 @pytest.mark.timeout(120)
@@ -174,17 +180,7 @@ def train_frozen(steps: int, distributed: bool, everything: bool) -> dict | None
     params = model.parameters() if everything else [p for p in model.parameters()
                                                      if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=3e-3, weight_decay=0.1)
-    if distributed:
-        trainer = polytrain.distribute(model, opt, strategy="hetpipe", loss_fn=loss_fn,
-                                       policy="ed", inflight=1, staleness=0)
-    for x, y in script_batches(steps):
-        if distributed:
-            trainer.step(x, y)
-        else:
-            opt.zero_grad()
-            loss_fn(model(x), y).backward()
-            opt.step()
-    return hetpipe_final(trainer) if distributed else model.state_dict()
+    return train_script(model, opt, steps, distributed)
 
 
 @pytest.mark.timeout(120)
