@@ -9,6 +9,7 @@ bounds the whole test (``@pytest.mark.timeout``; 120 s by default).
 from __future__ import annotations
 
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -18,7 +19,7 @@ import polytrain
 from polytrain.train import run_config as run_job
 
 __all__ = ["spawn", "run_config", "run_cached", "single_of", "max_abs_diff", "adam_tolerance",
-           "COMM_TIMEOUT_S"]
+           "Sleepy", "COMM_TIMEOUT_S"]
 
 COMM_TIMEOUT_S = 30.0
 _ENV = {"OMP_NUM_THREADS": "1"}
@@ -73,3 +74,18 @@ def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
     """Largest elementwise difference of two state dicts with the same keys."""
     assert a.keys() == b.keys(), (sorted(a), sorted(b))
     return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+
+
+class Sleepy(torch.nn.Module):
+    """A layer whose FLOPs misjudge its time (as a gather or a custom kernel may): a small
+    Linear behind a sleep of ``seconds`` per call, then dropout ``p`` (0: none, no draw)."""
+
+    def __init__(self, d: int, seconds: float = 0.02, p: float = 0.0) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(d, d)
+        self.seconds, self.p = seconds, p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.seconds)
+        out = self.lin(x)
+        return torch.nn.functional.dropout(out, self.p, self.training) if self.p else out

@@ -16,7 +16,7 @@ from polytrain import ConfigError, LaunchError, TrainConfig
 from polytrain.emulation.profile import profile_model
 from polytrain.models import GPT
 from polytrain.models import cross_entropy as loss_fn
-from tests.harness import adam_tolerance, max_abs_diff, run_config, single_of, spawn
+from tests.harness import Sleepy, adam_tolerance, max_abs_diff, run_config, single_of, spawn
 from tests.strategies.hetpipe_reference import simulate
 
 TINY = {"seq_len": 16, "d_model": 32, "layers": 2}
@@ -144,6 +144,32 @@ def train_script(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int,
         if lr is not None:
             lr.step()
     return hetpipe_final(trainer) if distributed else model.state_dict()
+
+
+def plan_costed(costs: str) -> tuple:
+    """Virtual worker 0's cuts of the GPT with a sleepy layer after its embedding."""
+    polytrain.init()
+    torch.manual_seed(0)
+    gpt = GPT(**TINY)
+    model = torch.nn.Sequential(gpt.embed, Sleepy(32), gpt.h0, gpt.h1, gpt.head)
+    trainer = polytrain.distribute(model, torch.optim.SGD(model.parameters(), lr=0.05),
+                                   strategy="hetpipe", loss_fn=loss_fn, policy="ed",
+                                   inflight=1, staleness=0, layer_costs=costs)
+    for x, y in script_batches(2):
+        trainer.step(x, y)
+    bounds = trainer.strategy.plan.pipelines[0].bounds
+    trainer.close()
+    return bounds
+
+
+@pytest.mark.timeout(180)
+def test_measured_layer_costs_cut_where_the_time_is():
+    # Two stages per virtual worker: by FLOPs the sleepy layer is nearly free and shares a
+    # stage with a block; timed, it is the slowest layer by far, and the cut isolates it
+    # with the cheap embedding.
+    by_flops = spawn(plan_costed, workers=4, nodes=2, servers=1, args=("flops",))[0]
+    by_time = spawn(plan_costed, workers=4, nodes=2, servers=1, args=("measured",))[0]
+    assert by_time == (0, 2, 5) != by_flops
 
 
 def train_grouped(steps: int, distributed: bool) -> dict | None:

@@ -12,7 +12,7 @@ from polytrain.data import EpochBatches
 from polytrain.models import GPT
 from polytrain.models import cross_entropy as loss_fn
 from polytrain.strategies.pipetransformer.options import PipeTransformerOptions
-from tests.harness import adam_tolerance, max_abs_diff, run_config, single_of, spawn
+from tests.harness import Sleepy, adam_tolerance, max_abs_diff, run_config, single_of, spawn
 
 TINY = {"seq_len": 16, "d_model": 32, "layers": 4}  # embed h0 h1 h2 h3 head: 6 layers
 
@@ -272,6 +272,38 @@ def test_every_sample_is_seen_once_per_epoch_while_the_replicas_change():
         got = sorted(i for per_step, _ in results for s in per_step[6 * epoch:6 * epoch + 6]
                      for i in s)
         assert got == list(range(n)), epoch
+
+
+def train_costed(steps, costs):
+    polytrain.init()
+    user, loss = _model("user")
+    model = torch.nn.Sequential(OrderedDict(sleepy=Sleepy(12), **dict(user.named_children())))
+    trainer = polytrain.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                   strategy="pipetransformer", loss_fn=loss, freeze=False,
+                                   layer_costs=costs)
+    for x, y in _batches(steps, kind="user"):
+        trainer.step(x, y)
+    records = trainer.strategy.metrics()
+    state = trainer.state_dict()
+    trainer.close()
+    return records, state
+
+
+@pytest.mark.timeout(300)
+def test_measured_layer_costs_cut_where_the_time_is():
+    # K = 2: by FLOPs the sleepy first layer is nearly free and shares stage 0 with others;
+    # timed, it is the slowest layer by far, and stands alone.
+    flops, by_flops = spawn(train_costed, workers=2, args=(3, "flops"))[0]
+    measured, by_time = spawn(train_costed, workers=2, args=(3, "measured"))[0]
+    [flops_plan], [measured_plan] = flops["freeze_timeline"], measured["freeze_timeline"]
+    assert measured_plan["bounds"] == [0, 1, 7] != flops_plan["bounds"]
+    assert "layer_costs_ms" not in flops
+    times = measured["layer_costs_ms"]
+    assert list(times) == ["sleepy", "patch", "b0", "b1", "b2", "b3", "head"]
+    assert times["sleepy"]["forward_ms"] > 10 * max(t["forward_ms"] for n, t in times.items()
+                                                     if n != "sleepy")
+    # The cuts change where layers run, not what the run computes.
+    assert max_abs_diff(by_flops, by_time) == 0
 
 
 def test_refusals():

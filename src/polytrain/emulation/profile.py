@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
+import statistics
+import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -12,8 +15,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ..errors import ConfigError
 
-__all__ = ["LayerProfile", "ModelProfile", "profile_model", "layers_of",
-           "optimizer_state_factor", "whole_model_bytes"]
+__all__ = ["LayerProfile", "ModelProfile", "profile_model", "layers_of", "measure_layers",
+           "with_measured_costs", "optimizer_state_factor", "whole_model_bytes"]
 
 
 @dataclass(frozen=True)
@@ -97,19 +100,14 @@ def profile_model(model: nn.Module, sample: torch.Tensor) -> ModelProfile:
     ``sample`` is one input batch (any batch size; only its shape and dtype
     matter). FLOPs come from :class:`torch.utils.flop_counter.FlopCounterMode`
     (a layer costs at least one FLOP per output element); activation bytes are
-    the tensors the forward saves for backward. Both are measured at batch 1
-    and 2 and differenced, which leaves out what does not grow with the batch
+    the tensors the forward saves for backward. Both are measured at batch 2
+    and 3 and differenced, which leaves out what does not grow with the batch
     (weights saved for backward).
     """
-    # polytrain's own attachments (the strategy, the emulated clock) stay shared, not copied.
-    memo = {id(v): v for m in model.modules() for k, v in vars(m).items()
-            if k.startswith("_polytrain")}
-    meta = copy.deepcopy(model, memo).to("meta")
-    for m in meta.modules():  # the copy must not drive the original's hooks (an emulated clock)
-        m._forward_hooks.clear()
-        m._forward_pre_hooks.clear()
-    one, chain_break = _measure(meta, sample.shape[1:], sample.dtype, 1)
-    two, _ = _measure(meta, sample.shape[1:], sample.dtype, 2)
+    meta = _hookless_copy(model).to("meta")
+    # Batch 2 and 3, not 1 and 2: a batch norm in training refuses a batch of one sample.
+    one, chain_break = _measure(meta, sample.shape[1:], sample.dtype, 2)
+    two, _ = _measure(meta, sample.shape[1:], sample.dtype, 3)
     layers = []
     for name, module in layers_of(meta):
         a, b = one.get(name), two.get(name)
@@ -127,6 +125,86 @@ def profile_model(model: nn.Module, sample: torch.Tensor) -> ModelProfile:
             out_dtype=b["out_dtype"]))
     return ModelProfile(tuple(layers), tuple(sample.shape[1:]), sample.dtype,
                         chain_break=chain_break)
+
+
+def _hookless_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` to measure: polytrain's own attachments (the strategy, the
+    emulated clock) stay shared, not copied, and the copy drives none of the original's
+    hooks (an emulated clock would charge its time)."""
+    memo = {id(v): v for m in model.modules() for k, v in vars(m).items()
+            if k.startswith("_polytrain")}
+    twin = copy.deepcopy(model, memo)
+    for m in twin.modules():
+        m._forward_hooks.clear()
+        m._forward_pre_hooks.clear()
+    return twin
+
+
+def measure_layers(model: nn.Module, sample: torch.Tensor, *, repeats: int = 5,
+                   budget_s: float = 5.0) -> list[tuple[float, float]]:
+    """Each layer's forward and backward, in seconds per sample, timed on this device.
+
+    The layers of a copy of ``model`` (on its device; the model itself, its buffers,
+    gradients and the random streams are left as they were) run one by one on
+    ``sample`` (a real batch: small batches cost more per sample) and what the layers
+    before them made of it. Each time is the median of ``repeats`` after one warm-up,
+    or of as many as the warm-up says fit in ``budget_s`` (one at least). A layer whose
+    output is not floating point (nothing flows back) has a backward of 0.
+    """
+    twin = _hookless_copy(model)
+    device = sample.device
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    layers = [m for _, m in layers_of(twin)]
+    fwd: list[list[float]] = [[] for _ in layers]
+    bwd: list[list[float]] = [[] for _ in layers]
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        with torch.no_grad():  # each layer's input: what the layers before it make
+            inputs = [sample]
+            for layer in layers[:-1]:
+                inputs.append(layer(inputs[-1]))
+        done = 0
+        while done <= repeats:
+            start = time.perf_counter()
+            for i, layer in enumerate(layers):
+                x = inputs[i].detach()
+                if x.is_floating_point():
+                    x.requires_grad_(True)
+                sync()
+                t0 = time.perf_counter()
+                out = layer(x)
+                sync()
+                t1 = time.perf_counter()
+                if isinstance(out, torch.Tensor) and out.requires_grad:
+                    out.backward(torch.ones_like(out))
+                    sync()
+                t2 = time.perf_counter()
+                for p in layer.parameters():
+                    p.grad = None
+                if done:
+                    fwd[i].append(t1 - t0)
+                    bwd[i].append(t2 - t1)
+            if not done:  # the warm-up allocates; it also says how many repeats fit
+                repeats = max(1, min(repeats, int(budget_s / max(time.perf_counter() - start,
+                                                                 1e-9))))
+            done += 1
+    batch = sample.shape[0]
+    return [(statistics.median(f) / batch, statistics.median(b) / batch)
+            for f, b in zip(fwd, bwd)]
+
+
+def with_measured_costs(profile: ModelProfile,
+                        seconds: Sequence[tuple[float, float]]) -> ModelProfile:
+    """``profile`` with each layer's forward and backward cost in proportion to its measured
+    ``seconds`` (per layer: forward, backward) instead of its FLOPs: the model's total stays
+    its FLOPs, so a device's rate still converts costs to time."""
+    total = sum(f + b for f, b in seconds)
+    if len(seconds) != len(profile.layers) or total <= 0:
+        raise ValueError(f"{len(seconds)} measured layers (total {total} s) for a profile of "
+                         f"{len(profile.layers)}")
+    scale = profile.flops / total
+    return dataclasses.replace(profile, layers=tuple(
+        dataclasses.replace(x, fwd_flops=f * scale, bwd_flops=b * scale)
+        for x, (f, b) in zip(profile.layers, seconds)))
 
 
 def _measure(model: nn.Module, shape: Sequence[int], dtype: torch.dtype,

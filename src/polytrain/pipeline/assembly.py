@@ -3,26 +3,88 @@
 A pipeline strategy decides where the cuts go and which ranks run which
 stage; these functions build the pieces from that plan: the stage module and
 its neighbours (:func:`make_stage`), the user's optimizer over the stage's
-parameters (:func:`stage_optimizer`), and the servers' keys for a model held
-in stages (:func:`fused_keys`). HetPipe uses them, and so can any pipeline.
+parameters (:func:`stage_optimizer`), the servers' keys for a model held
+in stages (:func:`fused_keys`), and what each layer costs where the cuts go
+(:func:`layer_profile`, ``--layer-costs``). HetPipe and PipeTransformer use
+them, and so can any pipeline.
 """
 
 from __future__ import annotations
 
+import logging
+import statistics
 from collections import OrderedDict
+from dataclasses import field
 from typing import Any, Collection, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..comm.p2p import Transport
 from ..comm.partition import TensorSpec
 from ..emulation.clock import DeviceClock
-from ..emulation.profile import ModelProfile, layers_of
-from ..errors import ConfigError
+from ..emulation.profile import (
+    ModelProfile,
+    layers_of,
+    measure_layers,
+    profile_model,
+    with_measured_costs,
+)
+from ..errors import ConfigError, unknown
 from .stage import LossFn, Stage, StageSpec
 
-__all__ = ["make_stage", "stage_optimizer", "fused_keys", "layer_of"]
+__all__ = ["make_stage", "stage_optimizer", "fused_keys", "layer_of", "layer_profile",
+           "layer_costs_field", "check_layer_costs", "LAYER_COSTS"]
+
+log = logging.getLogger(__name__)
+
+#: What a layer costs where a pipeline is cut: its FLOPs, or its times measured at the start.
+LAYER_COSTS = ("flops", "measured")
+
+
+def layer_costs_field() -> Any:
+    """The ``--layer-costs`` field of a pipeline strategy's options (one flag, shared)."""
+    return field(default="flops", metadata={
+        "help": "what a layer costs where the pipeline is cut: flops (default; what emulated "
+                "--devices charge) or measured (its forward and backward timed on every "
+                "worker's device at the first step, the median over the workers)",
+        "choices": LAYER_COSTS, "metavar": "COSTS"})
+
+
+def check_layer_costs(costs: str) -> None:
+    """Refuse a ``--layer-costs`` that is none of :data:`LAYER_COSTS`."""
+    if costs not in LAYER_COSTS:
+        raise unknown("layer cost", costs, LAYER_COSTS, "pass --layer-costs flops or measured")
+
+
+def layer_profile(model: nn.Module, sample: torch.Tensor, *, costs: str, group: Any,
+                  owner: str) -> tuple[ModelProfile, dict[str, dict[str, float]] | None]:
+    """The layer profile a pipeline strategy plans with (every worker of ``group`` calls it,
+    and all get the same): the FLOPs profile, or with ``costs="measured"`` the same with
+    each layer's forward and backward in proportion to their times on the workers' own
+    devices (:func:`~polytrain.emulation.profile.measure_layers` on ``sample``; per layer,
+    the median over the workers, so that every worker cuts alike). Returns it and, when
+    measured, the times per layer in milliseconds per sample (``forward_ms``,
+    ``backward_ms``), for the run's record; the group's first rank logs them, as strategy
+    ``owner``'s."""
+    profile = profile_model(model, sample[:1])
+    if costs == "flops":
+        return profile, None
+    mine = measure_layers(model, sample)
+    everyone: list[Any] = [mine]
+    if dist.is_initialized():
+        everyone = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, mine, group=group)
+    seconds = [(statistics.median(w[i][0] for w in everyone),
+                statistics.median(w[i][1] for w in everyone)) for i in range(len(mine))]
+    record = {name: {"forward_ms": round(f * 1e3, 6), "backward_ms": round(b * 1e3, 6)}
+              for name, (f, b) in zip(profile.names, seconds)}
+    if not dist.is_initialized() or dist.get_rank(group) == 0:
+        log.info("%s: measured layer costs, ms per sample (forward/backward): %s", owner,
+                 ", ".join(f"{n} {t['forward_ms']:.4g}/{t['backward_ms']:.4g}"
+                           for n, t in record.items()))
+    return with_measured_costs(profile, seconds), record
 
 
 def make_stage(model: nn.Module, bounds: Sequence[int], index: int, *, ranks: Sequence[int],

@@ -13,7 +13,7 @@ from torch import nn
 
 from ..emulation.clock import clock_of
 from ..emulation.devices import Cluster, homogeneous
-from ..emulation.profile import ModelProfile, layers_of, optimizer_state_factor, profile_model
+from ..emulation.profile import ModelProfile, layers_of, optimizer_state_factor
 from ..errors import ConfigError, at_least
 from ..launch.layout import Layout
 from ..pipeline.allocation import (
@@ -26,7 +26,15 @@ from ..pipeline.allocation import (
     plan_hetpipe,
     roles_of,
 )
-from ..pipeline.assembly import fused_keys, layer_of, make_stage, stage_optimizer
+from ..pipeline.assembly import (
+    check_layer_costs,
+    fused_keys,
+    layer_costs_field,
+    layer_of,
+    layer_profile,
+    make_stage,
+    stage_optimizer,
+)
 from ..pipeline.asyncpipe import AsyncPipeline, lag_settings, stage_lag
 from ..pipeline.stage import Stage
 from ..pipeline.wsp import WaveSync, model_placement
@@ -64,6 +72,10 @@ class HetPipeOptions:
             0 < B < 1 (default 0.9; None keeps the optimizer's, as the paper does): the
             step shrinks soon after the late gradients start to swing, in the coordinates
             that swing. Optimizers without ``betas`` are left alone.
+        layer_costs: what the partitioner balances: ``flops`` (default; what emulated
+            devices charge, at each device's rate) or ``measured`` (each layer timed on the
+            workers' devices at the first step, then at each device's rate:
+            :func:`polytrain.pipeline.assembly.layer_profile`).
         server_optimizer: the parameter servers run the optimizer, one step per minibatch
             on the sum of every virtual worker's gradients, and stages push gradients
             (default True); False is the paper: each virtual worker's optimizer makes its
@@ -79,8 +91,8 @@ class HetPipeOptions:
         "help": "N_m, minibatches in flight per virtual worker (default: the partitioner's "
                 "choice)", "metavar": "N_m"})
     staleness: int = field(default=0, metadata={
-        "help": "how many clocks a worker may run ahead of the slowest (hetpipe: D, in "
-                "waves; default 0)", "metavar": "D"})
+        "help": "D, how many waves a virtual worker may run ahead of the slowest (default "
+                "0: a barrier every wave)", "metavar": "D"})
     predict: bool = field(default=True, metadata={
         "help": "hetpipe: run every forward on the live weights, as the paper does "
                 "(default: a stage whose gradients arrive late runs on the weights predicted "
@@ -92,6 +104,7 @@ class HetPipeOptions:
         "help": "hetpipe: Adam's second-moment decay (beta2) on a stage whose gradients "
                 "arrive late (N_m > 1: the first stages; default 0.9, 0.999 or the "
                 "optimizer's own value keeps it)", "metavar": "B"})
+    layer_costs: str = layer_costs_field()
     server_optimizer: bool = field(default=True, metadata={
         "help": "hetpipe: let each virtual worker's optimizer make the updates and push "
                 "their sum every wave, as the paper does (default: the servers run the "
@@ -99,6 +112,7 @@ class HetPipeOptions:
 
     def __post_init__(self) -> None:
         check_policy(self.policy)
+        check_layer_costs(self.layer_costs)
         if self.inflight is not None:
             at_least("--inflight (N_m)", self.inflight,
                      "pass --inflight 2, or leave it out to let the partitioner choose")
@@ -249,7 +263,8 @@ class HetPipe(Strategy[HetPipeOptions]):
         ctx = self.ctx
         assert ctx is not None
         count = len(self.virtual_workers)
-        profile = profile_model(self.model, inputs[:1])
+        profile, _ = layer_profile(self.model, inputs, costs=self.options.layer_costs,
+                                   group=ctx.groups.workers, owner=self.name)
         plan = plan_hetpipe(self._cluster(), profile, policy=self.options.policy,
                             global_batch=inputs.shape[0] * count // len(self.roles),
                             state_factor=optimizer_state_factor(self.base_optimizer),

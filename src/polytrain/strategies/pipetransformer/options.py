@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field, fields
 
 from ...errors import ConfigError, at_least, unknown
+from ...pipeline.assembly import check_layer_costs, layer_costs_field
 from ...pipeline.cache import check_writable
 from ...pipeline.freeze import DEFAULT_THRESHOLDS, SIGNALS
 from ...pipeline.schedule import SCHEDULES
@@ -30,6 +31,9 @@ class PipeTransformerOptions:
         schedule: ``1f1b`` (default) or ``gpipe``.
         micro_batches: per pipeline step (default: re-chosen at every plan, the smallest
             divisor of the replica's batch that is at least 2 K).
+        layer_costs: what AutoPipe balances: ``flops`` (default; exactly what emulated
+            devices charge) or ``measured`` (each layer timed on the workers' devices at the
+            first step: :func:`polytrain.pipeline.assembly.layer_profile`).
         freeze: AutoFreeze (default True; ``--no-freeze`` trains every layer throughout).
         freeze_every: steps between freeze points (default: one epoch of the data).
         freeze_alpha: the cap's fraction of the remaining layers, in (0, 1) (default 1/3).
@@ -66,6 +70,7 @@ class PipeTransformerOptions:
                 "to M); default: re-chosen at every plan, the smallest divisor of the "
                 "replica's batch >= 2 x stages",
         "metavar": "M"})
+    layer_costs: str = layer_costs_field()
     freeze: bool = field(default=True, metadata={
         "help": "pipetransformer: no AutoFreeze; every layer trains throughout"})
     freeze_every: int | None = field(default=None, metadata={
@@ -114,6 +119,7 @@ class PipeTransformerOptions:
         if self.micro_batches is not None:
             at_least("--micro-batches", self.micro_batches,
                      "pass --micro-batches 4, or leave it out")
+        check_layer_costs(self.layer_costs)
         if not 0 < self.freeze_alpha < 1:
             raise ConfigError(f"--freeze-alpha must be in (0, 1) (got {self.freeze_alpha})",
                               "pass --freeze-alpha 0.333 (the paper's 1/3)")

@@ -21,17 +21,12 @@ from ... import _env
 from ...data import shard
 from ...emulation.clock import clock_of
 from ...emulation.devices import Cluster, homogeneous
-from ...emulation.profile import (
-    ModelProfile,
-    layers_of,
-    optimizer_state_factor,
-    profile_model,
-)
+from ...emulation.profile import ModelProfile, layers_of, optimizer_state_factor
 from ...errors import ConfigError, divisors
 from ...launch.launcher import SHM_ROOT
 from ...launch.layout import Layout
 from ...optim import placed_state
-from ...pipeline.assembly import make_stage, stage_optimizer
+from ...pipeline.assembly import layer_profile, make_stage, stage_optimizer
 from ...pipeline.asyncpipe import numeric_settings
 from ...pipeline.autopipe import PipePlan, plan_pipe
 from ...pipeline.cache import ActivationCache, expected_hits, frozen_forward
@@ -165,6 +160,8 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
         self.cache: ActivationCache | None = None
         self.shared_cache: str | None = None  # this machine's shared AutoCache directory
         self.profile: ModelProfile | None = None
+        #: ``--layer-costs measured``: each layer's times (ms per sample), as metrics.json's
+        self.layer_times: dict[str, dict[str, float]] | None = None
         self.global_batch = 0
         self._planned = -1
         self._next_mb = 0
@@ -228,8 +225,11 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
         ctx = self.ctx
         assert ctx is not None
         self.loss_fn = loss_fn
-        self.profile = profile_model(self.model, inputs[:1])
         k = self._k0
+        # Measured at about a micro-batch's size (the default plan's: 2 K per replica batch).
+        self.profile, self.layer_times = layer_profile(
+            self.model, inputs[:max(1, inputs.shape[0] // (2 * k))],
+            costs=self.options.layer_costs, group=ctx.groups.workers, owner=self.name)
         self.global_batch = inputs.shape[0] * self.replica[1]  # the plan's, or a resumed one's
         self.memory = min(d.type.memory_bytes for d in self._cluster().devices)
         self.state_factor = optimizer_state_factor(self.base_optimizer)
@@ -569,8 +569,11 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
                 total[k] = total.get(k, 0) + v
         keys = ("hits", "shared_hits", "misses", "advanced", "memory_bytes", "shared_bytes",
                 "disk_bytes", "disk_entries")
-        return {"freeze_timeline": self.timeline,
-                "cache": {k: total.get(k, 0) for k in keys}}
+        out = {"freeze_timeline": self.timeline,
+               "cache": {k: total.get(k, 0) for k in keys}}
+        if self.layer_times is not None:
+            out["layer_costs_ms"] = self.layer_times
+        return out
 
     def close(self) -> None:
         if self.stage is not None:
