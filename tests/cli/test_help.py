@@ -64,7 +64,11 @@ def test_train_help_has_a_group_per_strategy_with_its_description_and_options(ca
         assert re.search(r"Also [-\w, ]*--staleness[-\w, ]*, under shared strategy options",
                          one_line(sections[f"{name} options"]))
     assert "[byteps] with --async" in one_line(sections[SHARED])
-    assert "[hetpipe] how many clocks" in one_line(sections[SHARED])
+    assert "[hetpipe] D, how many waves a virtual worker" in one_line(sections[SHARED])
+    # Owners whose meaning is the same are tagged together, and it is said once.
+    costs = one_line(sections[SHARED]).partition("--layer-costs COSTS ")[2]
+    assert costs.startswith("[hetpipe, pipetransformer] what a layer costs")
+    assert costs.count("what a layer costs") == 1
 
 
 def test_every_flag_is_listed_once_and_the_usage_names_the_groups(capsys):

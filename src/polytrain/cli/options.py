@@ -138,8 +138,11 @@ def add_option_groups(parser: argparse.ArgumentParser, owners: Sequence[Owner], 
         action = _add_flag(target, first_cls, first)
         if shown is None:
             action.help = argparse.SUPPRESS
-        elif name in shared:
-            action.help = "; ".join(f"[{o}] {_help(f)}" for o, f in meanings.items())
+        elif name in shared:  # owners that mean the same say it once, tagged together
+            alike: dict[str, list[str]] = {}
+            for o, f in meanings.items():
+                alike.setdefault(_help(f), []).append(o)
+            action.help = "; ".join(f"[{', '.join(os)}] {text}" for text, os in alike.items())
         else:
             action.help = _help(shown)
         if action.metavar is not None and shown is not None:  # as the shown help names it
