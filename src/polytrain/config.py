@@ -183,8 +183,10 @@ class TrainConfig:
         cls.check_model(model, layout, options)
         cls.check_optimizer(make_optimizer(self.optimizer, model, self.lr), options)
         check_divisible(self.batch_size, cls.replicas(layout, options))
-        self._check_data(spec, model)
+        batches, _ = self._check_data(spec, model)
         self._check_devices(model)
+        cls.check_steps(options, steps=self.steps, data=self.data, batch_size=self.batch_size,
+                        epoch_steps=getattr(batches, "steps_per_epoch", None))
         self._check_link(model, layout)
         self._check_memory(model, layout.workers)
         self._check_out()  # last: a refused command leaves no directory behind
@@ -272,12 +274,13 @@ class TrainConfig:
                               f"--resume {self.out or 'OUT'}), or train with a distributed "
                               f"strategy")
 
-    def _check_data(self, spec: Any, model: Any) -> None:
+    def _check_data(self, spec: Any, model: Any) -> tuple[Any, Any]:
         """Refuse data too short for the run's windows, batches or held-out part now, and not
         in every worker once the processes have started: ``data.training_data``'s rules, on
-        a stand-in of the corpus's length (``meta``: no copy of it is made)."""
+        a stand-in of the corpus's length (``meta``: no copy of it is made). Returns its
+        batches and held-out part (stand-ins too)."""
         tokens = spec.tokens(model, self.data).numel()
-        training_data(torch.empty(tokens, dtype=torch.uint8, device="meta"),
+        return training_data(torch.empty(tokens, dtype=torch.uint8, device="meta"),
                       window=seq_len_of(model, self.model_options) + 1,
                       batch_size=self.batch_size, seed=self.seed, sampling=self.sampling,
                       hold_out=self.eval_every is not None)

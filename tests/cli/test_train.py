@@ -97,6 +97,14 @@ def test_train_writes_metrics_and_final_state_as_the_contract_says(tmp_path):
                                                   r"HINT: pass --moe-every 1"),
     (["--strategy", "pipetransformer", "--model", "wordlm", "--workers", "4", "--nodes", "2"],
      r"WordLM cannot be timed layer by layer: its forward does not run on shapes alone"),
+    # They trained to the end and froze nothing (a warning in the workers' log said so).
+    (["--strategy", "pipetransformer", "--workers", "2"],
+     r"pipetransformer's freeze points default to one epoch of the data, and --sampling "
+     r"random has no epochs: no layer would freeze\. HINT: pass --freeze-every N \(for "
+     r"instance --freeze-every 100, a fifth of the run\), or --no-freeze"),
+    (["--strategy", "pipetransformer", "--workers", "2", "--sampling", "epoch", "--steps", "40"],
+     r"one epoch of text is 2016 steps of 32, the run 40: no layer would freeze\. HINT: pass "
+     r"--freeze-every N \(for instance --freeze-every 8"),
 ])
 def test_bad_input_gets_one_clear_line_and_no_process(args, message, capsys):
     import re

@@ -101,6 +101,13 @@ class Strategy(ABC, Generic[OptionsT]):
         return False
 
     @classmethod
+    def check_steps(cls, options: OptionsT, *, steps: int, epoch_steps: int | None,
+                    data: str, batch_size: int) -> None:
+        """Refuse options the run's length makes void (ConfigError): ``steps`` steps of
+        ``batch_size`` on data set ``data``, whose epoch is ``epoch_steps`` steps (None:
+        ``--sampling random``, no epochs). By default nothing depends on it."""
+
+    @classmethod
     def check_devices(cls, cluster: Any, profile: Callable[[], ModelProfile], layout: Layout,
                       options: OptionsT, *, batch_size: int, optimizer: str) -> str | None:
         """Refuse a run whose devices cannot hold what each worker keeps (ConfigError).

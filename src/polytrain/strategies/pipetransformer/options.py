@@ -35,7 +35,8 @@ class PipeTransformerOptions:
             devices charge) or ``measured`` (each layer timed on the workers' devices at the
             first step: :func:`polytrain.pipeline.assembly.layer_profile`).
         freeze: AutoFreeze (default True; ``--no-freeze`` trains every layer throughout).
-        freeze_every: steps between freeze points (default: one epoch of the data).
+        freeze_every: steps between freeze points (default: one epoch of the data; a
+            ``polytrain train`` without epochs, ``--sampling random``, must give it).
         freeze_alpha: the cap's fraction of the remaining layers, in (0, 1) (default 1/3).
         freeze_signal: what says a layer has stopped learning, from its mean gradient norm
             over the last interval (:mod:`polytrain.pipeline.freeze`): ``change`` (default),
@@ -75,7 +76,8 @@ class PipeTransformerOptions:
         "help": "pipetransformer: no AutoFreeze; every layer trains throughout"})
     freeze_every: int | None = field(default=None, metadata={
         "help": "pipetransformer: steps between freeze points (default: one epoch of the "
-                "data)", "metavar": "N"})
+                "data, with --sampling epoch; --sampling random has no epochs, so give N)",
+        "metavar": "N"})
     freeze_alpha: float = field(default=1 / 3, metadata={
         "help": "pipetransformer: AutoFreeze's cap, the fraction of the remaining layers that "
                 "may freeze at a freeze point, in (0, 1) (default 1/3)", "metavar": "A"})

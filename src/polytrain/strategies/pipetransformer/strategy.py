@@ -123,6 +123,25 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
                               "pass a smaller --pipeline-stages, or a model with more blocks")
 
     @classmethod
+    def check_steps(cls, options: PipeTransformerOptions, *, steps: int,
+                    epoch_steps: int | None, data: str, batch_size: int) -> None:
+        """AutoFreeze's freeze points default to one epoch of the data: a run without epochs,
+        or shorter than one, would freeze nothing, which a run of PipeTransformer asks for
+        only with ``--no-freeze``."""
+        if not options.freeze or options.freeze_every is not None:
+            return
+        hint = (f"pass --freeze-every N (for instance --freeze-every {max(1, steps // 5)}, "
+                f"a fifth of the run), or --no-freeze to train every layer throughout")
+        if epoch_steps is None:
+            raise ConfigError("pipetransformer's freeze points default to one epoch of the "
+                              "data, and --sampling random has no epochs: no layer would "
+                              "freeze", hint)
+        if epoch_steps >= steps:
+            raise ConfigError(f"pipetransformer's freeze points default to one epoch of the "
+                              f"data, and one epoch of {data} is {epoch_steps} steps of "
+                              f"{batch_size}, the run {steps}: no layer would freeze", hint)
+
+    @classmethod
     def check_devices(cls, cluster: Any, profile: Callable[[], ModelProfile], layout: Layout,
                       options: PipeTransformerOptions, *, batch_size: int,
                       optimizer: str) -> str | None:
