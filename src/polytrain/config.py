@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -13,7 +12,7 @@ from typing import Any, Mapping
 import torch
 
 from ._env import check_seconds, timeout_of
-from .data import check_dataset, check_divisible, training_data
+from .data import DEFAULT_DATASET, check_dataset, check_divisible, training_data
 from .emulation.devices import parse_cluster
 from .emulation.profile import optimizer_state_factor, profile_model
 from .errors import ConfigError, at_least, unknown
@@ -86,7 +85,7 @@ class TrainConfig:
 
     strategy: str = "ddp"
     model: str = "gpt"
-    data: str = "text"
+    data: str = DEFAULT_DATASET
     workers: int | None = None  # None: 1 for ``single``, else 2
     nodes: int = 1
     servers: int = 0
@@ -162,10 +161,7 @@ class TrainConfig:
             raise ConfigError(f"--eval-every must be at least 1 step (got {self.eval_every})",
                               "pass --eval-every 50")
         spec = get_model(self.model)
-        default_data = next(f.default for f in dataclasses.fields(self) if f.name == "data")
-        if spec.corpus is not None and self.data != default_data:
-            raise ConfigError(f"model {self.model!r} trains on its own corpus, and --data "
-                              f"{self.data} would be ignored", "leave --data out")
+        spec.check_data(self.data)
         with torch.device("meta"):  # the model's own checks, without allocating it
             model = spec.make(**self.model_options)
         cls = get_strategy(self.strategy)
@@ -347,11 +343,12 @@ def check_init(path: str, model: Any) -> dict[str, torch.Tensor]:
     except Exception as e:  # noqa: BLE001 - torch.load raises what the bytes make it raise
         # torch's text for a file it cannot unpickle runs over lines and advises loading it
         # with weights_only=False, unsafe for a file that is not a checkpoint at all.
-        detail = ("not a file of tensors that torch.save wrote"
-                  if isinstance(e, pickle.UnpicklingError)
-                  else (str(e).strip().splitlines() or [""])[0][:200])
-        raise ConfigError(f"--init {path} cannot be read as a final.pt "
-                          f"({type(e).__name__}: {detail})",
+        # Any other bytes make it raise whatever they happen to (an IndexError for a text
+        # file): only the file system's own errors say more than that.
+        detail = (f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
+                  if isinstance(e, OSError)
+                  else "not a file of tensors that torch.save wrote, or a damaged one")
+        raise ConfigError(f"--init {path} cannot be read as a final.pt ({detail})",
                           "pass the final.pt of an earlier run of the same --model") from None
     if not isinstance(state, dict):
         raise ConfigError(f"--init {path} holds a {type(state).__name__}, not a state dict",

@@ -64,7 +64,8 @@ def test_train_writes_metrics_and_final_state_as_the_contract_says(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--strategy", "bytepz"], r"unknown strategy 'bytepz'; the strategies are: .*ddp"),
-    (["--strategy", "bytepz"], r"the strategies are: .*ddp.*, or auto \(the one `polytrain plan`"),
+    (["--strategy", "bytepz"], r"the strategies are: .*ddp.*, or auto \(of ddp, byteps, "
+                               r"herring, the one `polytrain plan`"),
     (["--model", "resnet"], r"unknown model 'resnet'; the models are: .*gpt.*mlp"),
     (["--data", "imagenet"], r"unknown data set 'imagenet'; the data sets are: text"),
     (["--workers", "3", "--nodes", "2"], r"--workers 3 is not divisible by --nodes 2.*HINT"),
@@ -91,7 +92,15 @@ def test_train_writes_metrics_and_final_state_as_the_contract_says(tmp_path):
     (["--strategy", "herring", "--bucket-cap-mb", "nan"], r"--bucket-cap-mb must be positive"),
     (["--strategy", "moe", "--model", "gpt-moe", "--balance-loss", "nan"],
      r"balance_weight \(--balance-loss\) must be 0 or more \(got nan\)"),
-    (["--model", "mlp", "--heads", "4"], r"model 'mlp' takes no option --heads"),
+    # The hint named --vocab, which is then refused as wordlm's option.
+    (["--model", "mlp", "--heads", "4"], r"model 'mlp' takes no option --heads\. HINT: its "
+                                         r"options are: --seq-len, --d-model, --layers$"),
+    # The hints spoke Python (capacity_factor=1.25, or None) to a command line.
+    (["--strategy", "moe", "--model", "gpt-moe", "--capacity-factor", "0"],
+     r"HINT: pass --capacity-factor 1\.25 \(capacity_factor=1\.25 in a script\), or "
+     r"--dropless for no capacity limit"),
+    (["--strategy", "moe", "--model", "gpt-moe", "--z-loss", "-1"],
+     r"HINT: pass a small weight, e\.g\. --z-loss 0\.01 \(z_loss_weight=0\.01 in a script\)"),
     # The hint named moefy's every=, not the flag.
     (["--model", "gpt-moe", "--moe-every", "0"], r"--moe-every must be at least 1 \(got 0\)\. "
                                                   r"HINT: pass --moe-every 1"),

@@ -85,6 +85,13 @@ def test_plan_of_a_model_with_sparse_gradients_offers_only_what_can_sum_them(cap
     (["plan", "--hosts", "real", "--cores", "4"],
      "--cores 4 is the one host's cores that emulated machines share; with --hosts real"),
     (["plan", "--cores", "0"], "--cores must be at least 1 (got 0)"),
+    # Planned as if the flag were used (train refuses it), and "does not split evenly".
+    (["plan", "--model", "wordlm", "--data", "text-finetune"],
+     "model 'wordlm' trains on its own corpus, and --data text-finetune would be ignored"),
+    (["plan", "--batch-size", "0"], "--batch-size must be at least 1 (got 0)"),
+    # argparse said "the following arguments are required: SCRIPT, ARGS" (ARGS are not).
+    (["launch"], "polytrain launch needs the SCRIPT to run. HINT: pass it and its own "
+                 "arguments last"),
 ])
 def test_bad_input_is_one_line(args, message, capsys):
     assert main(args) == 2

@@ -9,12 +9,10 @@ from typing import Any
 from ..config import OPTIMIZERS, TrainConfig
 from ..data import dataset_names
 from ..errors import ConfigError
-from ..models import get_model, model_names
+from ..models import SIZE_OPTIONS, get_model, model_names
 from .options import OptionFlag, Owner, add_network_flags, add_option_groups, given_options
 
 __all__: list[str] = []
-
-_MODEL_FIELDS = ("seq_len", "d_model", "layers", "heads")
 
 
 def add_job_flags(p: argparse.ArgumentParser) -> None:
@@ -49,7 +47,7 @@ def add_devices_flag(p: argparse.ArgumentParser) -> None:
 def add_model_flags(p: argparse.ArgumentParser) -> dict[str, OptionFlag]:
     """The model options group; returns the flags of the models' own Options."""
     m = p.add_argument_group("model options")
-    for name, what in zip(_MODEL_FIELDS, ("sequence length", "width",
+    for name, what in zip(SIZE_OPTIONS, ("sequence length", "width",
                                           "blocks or hidden layers", "attention heads")):
         m.add_argument(f"--{name.replace('_', '-')}", type=int, default=None,
                        help=f"{what} (default {_defaults(name)})")
@@ -71,7 +69,7 @@ def _defaults(field: str) -> str:
 
 def model_options(ns: argparse.Namespace, flags: dict[str, OptionFlag]) -> dict[str, Any]:
     """The model options given on the command line (another model's are refused)."""
-    out = {k: getattr(ns, k) for k in _MODEL_FIELDS if getattr(ns, k) is not None}
+    out = {k: getattr(ns, k) for k in SIZE_OPTIONS if getattr(ns, k) is not None}
     out.update(given_options(ns, ns.model, _model_options(ns.model), flags, kind="model"))
     return out
 

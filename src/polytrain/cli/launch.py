@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from ..errors import ConfigError
 from ..launch.launcher import launch_script
 from ..launch.layout import Layout
 from .options import add_network_flags
@@ -28,12 +29,16 @@ def add_parser(sub: Any) -> None:
                    help="longest wait on another process (default: POLYTRAIN_TIMEOUT, "
                         "else 120)")
     add_network_flags(p)
-    p.add_argument("script", metavar="SCRIPT")
+    p.add_argument("script", metavar="SCRIPT", nargs="?")  # none: refused by run(), clearly
     p.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS")
     p.set_defaults(run=run)
 
 
 def run(ns: argparse.Namespace) -> int:
+    if ns.script is None:  # argparse said "required: SCRIPT, ARGS", and ARGS are not
+        raise ConfigError("polytrain launch needs the SCRIPT to run",
+                          "pass it and its own arguments last: polytrain launch --workers 2 "
+                          "train.py --lr 0.1")
     layout = Layout(workers=ns.workers, nodes=ns.nodes, servers=ns.servers,
                     colocated=ns.colocated)
     launch_script(ns.script, ns.args, layout=layout, port=ns.port, timeout_s=ns.timeout,

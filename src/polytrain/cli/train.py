@@ -13,6 +13,7 @@ from ..checkpoint.manifest import newest, read_manifest, resolve, run_out
 from ..config import ON_SAVE_ERROR, SAMPLINGS, SCHEDULES, TrainConfig
 from ..errors import ConfigError, unknown
 from ..plan import AUTO, Job, auto_record, chosen, plan_job
+from ..plan.cost import STRATEGIES as PLANNED
 from ..strategies.base import get_strategy, strategy_names
 from ..train import run_config
 from .job import add_devices_flag, add_job_flags, add_model_flags, model_options
@@ -33,7 +34,8 @@ def add_parser(sub: Any, argv: Sequence[str] = ()) -> None:
     d = TrainConfig.__dataclass_fields__
     p.add_argument("--strategy", default=d["strategy"].default, metavar="NAME",
                    help=f"one of {', '.join(strategy_names())} (default ddp), or {AUTO}: "
-                        f"the one `polytrain plan` predicts fastest for the job")
+                        f"of {', '.join(PLANNED)}, the one `polytrain plan` predicts fastest "
+                        f"for the job")
     add_job_flags(p)
     p.add_argument("--steps", type=int, default=d["steps"].default, metavar="T",
                    help="training steps (default 500)")
@@ -98,8 +100,8 @@ def _summary(cls: type) -> str:
 def _check_name(name: str) -> None:
     """Refuse a ``--strategy`` that is neither a strategy nor ``auto``, naming both."""
     if name != AUTO and name not in strategy_names():
-        raise unknown("strategy", name, (*strategy_names(), f"or {AUTO} (the one `polytrain "
-                                         "plan` predicts fastest)"),
+        raise unknown("strategy", name, (*strategy_names(), f"or {AUTO} (of {', '.join(PLANNED)}, "
+                                         "the one `polytrain plan` predicts fastest)"),
                       "pass one of them, e.g. --strategy ddp", plural="strategies")
 
 

@@ -10,8 +10,8 @@ from ..errors import ConfigError, unknown
 from .batches import EpochBatches, GlobalBatches, check_divisible, shard, windows
 from .text import stdlib_corpus
 
-__all__ = ["GlobalBatches", "EpochBatches", "windows", "shard", "check_divisible",
-           "check_dataset",
+__all__ = ["DEFAULT_DATASET", "GlobalBatches", "EpochBatches", "windows", "shard",
+           "check_divisible", "check_dataset",
            "stdlib_corpus", "get_dataset", "dataset_names", "held_out_split", "HELD_OUT",
            "EVAL_SAMPLES", "training_data"]
 
@@ -31,6 +31,9 @@ def _part(start: float, end: float) -> Callable[[], torch.Tensor]:
 # A fine-tuning task: pre-train on the first three quarters of the corpus (modules whose
 # paths sort first), fine-tune on the last 64th (other modules, other code; small enough
 # that a short fine-tuning run sees it for a few epochs).
+#: The data set a run trains on unless told (``--data``).
+DEFAULT_DATASET = "text"
+
 _DATASETS: dict[str, Callable[[], torch.Tensor]] = {
     "text": stdlib_corpus, "text-pretrain": _part(0.0, 0.75),
     "text-finetune": _part(63 / 64, 1.0)}

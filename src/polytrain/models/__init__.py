@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
@@ -17,7 +18,11 @@ from .mlp import MLP
 from .wordlm import WordLM, WordLMOptions
 
 __all__ = ["GPT", "MLP", "WordLM", "ModelSpec", "register_model", "get_model", "model_names",
-           "seq_len_of"]
+           "seq_len_of", "SIZE_OPTIONS"]
+
+#: The size options every model may take, each a flag of its own (``--seq-len``); a model's
+#: other options are the fields of its ``options`` class.
+SIZE_OPTIONS = ("seq_len", "d_model", "layers", "heads")
 
 
 def _next_token(window: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,7 +78,9 @@ class ModelSpec:
         if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
             unknown = sorted(set(options) - set(params))
             if unknown:  # as flags: the CLI's names (a script's are the same with _)
-                flags = ", ".join("--" + n.replace("_", "-") for n in params)
+                own = {f.name for f in dataclasses.fields(self.options)} if self.options else set()
+                flags = ", ".join("--" + n.replace("_", "-") for n in params
+                                  if n in SIZE_OPTIONS or n in own)
                 raise ConfigError(f"model {self.name!r} takes no option "
                                   f"{', '.join('--' + n.replace('_', '-') for n in unknown)}",
                                   f"its options are: {flags}")
@@ -85,6 +92,14 @@ class ModelSpec:
         defaults = {n: p.default for n, p in inspect.signature(self.build).parameters.items()
                     if p.default is not p.empty}
         return {**defaults, **options}
+
+    def check_data(self, data: str) -> None:
+        """Refuse a ``--data`` other than the default for a model with its own corpus."""
+        from ..data import DEFAULT_DATASET
+
+        if self.corpus is not None and data != DEFAULT_DATASET:
+            raise ConfigError(f"model {self.name!r} trains on its own corpus, and --data "
+                              f"{data} would be ignored", "leave --data out")
 
     def tokens(self, model: nn.Module, data: str) -> torch.Tensor:
         """The token ids ``model`` trains on: its own corpus, else the data set ``data``."""

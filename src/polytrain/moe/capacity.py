@@ -29,9 +29,12 @@ __all__ = ["expert_capacity", "allowance", "keep_mask", "check_factor"]
 
 def check_factor(factor: float | None, name: str = "capacity_factor") -> None:
     if factor is not None and not 0 < factor < math.inf:
-        flag = f" (--{name.replace('_', '-')})" if name == "capacity_factor" else ""
-        raise ConfigError(f"{name}{flag} must be positive and finite (got {factor})",
-                          f"pass {name}=1.25, or None for no capacity limit")
+        if name == "capacity_factor":  # a flag too
+            raise ConfigError(f"{name} (--capacity-factor) must be positive and finite (got "
+                              f"{factor})", "pass --capacity-factor 1.25 (capacity_factor=1.25 "
+                              "in a script), or --dropless for no capacity limit")
+        raise ConfigError(f"{name} must be positive and finite (got {factor})",
+                          f"pass {name}=1.25, or None to use the training capacity factor")
 
 
 def expert_capacity(tokens: int, num_experts: int, top_k: int, factor: float) -> int:

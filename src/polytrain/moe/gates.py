@@ -158,7 +158,8 @@ class Gate(nn.Module):
             raise ConfigError(f"a dropless gate (--dropless) has no capacity (got "
                               f"capacity_factor {capacity_factor}, eval_capacity_factor "
                               f"{eval_capacity_factor})",
-                              "leave out the capacity factor (--capacity-factor), or dropless")
+                              "leave out --capacity-factor (and eval_capacity_factor in a "
+                              "script), or --dropless")
         train_cf, eval_cf = (None, None) if dropless else self.default_capacity
         self.capacity_factor = capacity_factor if capacity_factor is not None else train_cf
         self.eval_capacity_factor = (eval_capacity_factor if eval_capacity_factor is not None
@@ -168,12 +169,12 @@ class Gate(nn.Module):
         self.balance_weight = (self.default_balance_weight if balance_weight is None
                                else balance_weight)
         self.z_loss_weight = z_loss_weight
-        for name, weight in (("balance_weight", self.balance_weight),
-                             ("z_loss_weight", z_loss_weight)):
+        for name, flag, weight in (("balance_weight", "--balance-loss", self.balance_weight),
+                                   ("z_loss_weight", "--z-loss", z_loss_weight)):
             if not 0 <= weight < math.inf:
-                raise ConfigError(f"{name} (--{'balance-loss' if name[0] == 'b' else 'z-loss'}) "
-                                  f"must be 0 or more (got {weight})",
-                                  f"pass a small weight, e.g. {name}=0.01, or 0 for none")
+                raise ConfigError(f"{name} ({flag}) must be 0 or more (got {weight})",
+                                  f"pass a small weight, e.g. {flag} 0.01 ({name}=0.01 in a "
+                                  f"script), or 0 for none")
         self.wg = nn.Linear(d_model, num_experts, bias=False)
         self.group = ExpertGroup(group)
         self.batch_group: ExpertGroup | None = None

@@ -8,7 +8,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from ..data import check_dataset
+from ..data import DEFAULT_DATASET, check_dataset
 from ..emulation.devices import parse_cluster
 from ..errors import ConfigError, at_least, unknown
 from ..launch.layout import Layout
@@ -66,7 +66,7 @@ class Job:
     devices: str | None = None
     hosts: str = "emulated"
     cores: int | None = None
-    data: str = "text"
+    data: str = DEFAULT_DATASET
 
     def __post_init__(self) -> None:
         check_dataset(self.data)  # the prediction does not depend on it, but it must exist
@@ -89,12 +89,13 @@ class Job:
         if self.cores is not None:
             at_least("--cores", self.cores, "pass --cores 2, or leave it out for this machine's")
         Layout(workers=self.workers, nodes=self.nodes, servers=self.servers)  # or its error
-        if self.batch_size < 1 or self.batch_size % self.workers:
+        at_least("--batch-size", self.batch_size, "pass --batch-size 32")
+        if self.batch_size % self.workers:
             raise ConfigError(f"--batch-size {self.batch_size} (the global batch) does not "
                               f"split evenly over {self.workers} workers",
                               f"pass --batch-size a multiple of {self.workers}")
         link_shape(self.bandwidth, self.latency)  # a bad rate or time: its own ConfigError
-        get_model(self.model)
+        get_model(self.model).check_data(self.data)
 
     def network(self) -> Network:
         assert self.workers is not None
