@@ -133,3 +133,18 @@ def test_plan_measures_a_wordlm_of_a_vocabulary_under_256(capsys):
     assert main(["plan", "--model", "wordlm", "--vocab", "100", "--seq-len", "8",
                  "--d-model", "16", "--layers", "1", "--heads", "2", "--batch-size", "4"]) == 0
     assert "recommended:" in capsys.readouterr().out
+
+
+def test_plan_help_speaks_of_predictions_not_of_a_run(capsys):
+    # It repeated train's texts: "needs root and iproute2", "1 for single", "runs at".
+    def help_of(command):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        return " ".join(capsys.readouterr().out.split())
+
+    plan, train = help_of("plan"), help_of("train")
+    assert "needs root" not in plan and "1 for single" not in plan and "runs at" not in plan
+    assert "1gbit); predicted, nothing is shaped" in plan
+    assert "each worker's compute is predicted at its device's speed" in plan
+    assert "needs root and iproute2" in train and "(default 2; 1 for single)" in train
+    assert "every worker runs at its device's speed" in train

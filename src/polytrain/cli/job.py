@@ -15,16 +15,18 @@ from .options import OptionFlag, Owner, add_network_flags, add_option_groups, gi
 __all__: list[str] = []
 
 
-def add_job_flags(p: argparse.ArgumentParser) -> None:
+def add_job_flags(p: argparse.ArgumentParser, *, planning: bool = False) -> None:
     """``--model --data --workers --nodes --servers --batch-size --optimizer`` and the network;
-    ``--devices`` is :func:`add_devices_flag`, the model options :func:`add_model_flags`."""
+    ``--devices`` is :func:`add_devices_flag`, the model options :func:`add_model_flags`.
+    ``planning``: for ``polytrain plan``, which predicts the job and runs nothing."""
     d = TrainConfig.__dataclass_fields__
     p.add_argument("--model", default=d["model"].default, metavar="NAME",
                    help=f"one of {', '.join(model_names())} (default gpt)")
     p.add_argument("--data", default=d["data"].default, metavar="NAME",
                    help=f"one of {', '.join(dataset_names())} (default text)")
     p.add_argument("--workers", type=int, default=None, metavar="W",
-                   help="worker processes in all (default 2; 1 for single)")
+                   help="worker processes in all (default 2" +
+                        (")" if planning else "; 1 for single)"))
     p.add_argument("--nodes", type=int, default=1, metavar="N",
                    help="emulated machines the workers are spread over (default 1)")
     p.add_argument("--servers", type=int, default=0, metavar="K",
@@ -33,15 +35,17 @@ def add_job_flags(p: argparse.ArgumentParser) -> None:
                    help="GLOBAL batch per step (default 32)")
     p.add_argument("--optimizer", default=d["optimizer"].default, choices=OPTIMIZERS,
                    help="default adam")
-    add_network_flags(p)
+    add_network_flags(p, planning=planning)
 
 
-def add_devices_flag(p: argparse.ArgumentParser) -> None:
+def add_devices_flag(p: argparse.ArgumentParser, *, planning: bool = False) -> None:
     """``--devices``: emulated heterogeneous devices (last, as the usage line ends with it)."""
+    speed = ("each worker's compute is predicted at its device's speed" if planning
+             else "every worker runs at its device's speed")
     p.add_argument("--devices", default=None, metavar="SPEC",
-                   help="emulated heterogeneous devices, e.g. 'm0:fast*2,m1:slow*2' or a JSON "
-                        "file: sets --workers and --nodes, every worker runs at its device's "
-                        "speed (built-in types fast, mid, slow; define more as NAME=GFLOPS/MIB)")
+                   help=f"emulated heterogeneous devices, e.g. 'm0:fast*2,m1:slow*2' or a JSON "
+                        f"file: sets --workers and --nodes, {speed} (built-in types fast, mid, "
+                        f"slow; define more as NAME=GFLOPS/MIB)")
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> dict[str, OptionFlag]:

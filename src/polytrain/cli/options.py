@@ -178,15 +178,18 @@ def given_options(ns: argparse.Namespace, owner: str, options_cls: type | None,
     return out
 
 
-def add_network_flags(parser: Any) -> None:
-    """``--bandwidth`` and ``--latency``: the emulated network of ``train`` and ``launch``."""
-    parser.add_argument("--bandwidth", default=None, metavar="RATE",
-                        help="emulate the cluster's network: every machine in a network "
-                             "namespace of its own, its NIC shaped to RATE each way (tc's units: "
-                             "bit, kbit, mbit, gbit, e.g. 1gbit); needs root and iproute2")
-    parser.add_argument("--latency", default=None, metavar="TIME",
-                        help="with --bandwidth: delay every packet a machine sends by TIME "
-                             "(us, ms, s, e.g. 0.2ms; default 0)")
+def add_network_flags(parser: Any, *, planning: bool = False) -> None:
+    """``--bandwidth`` and ``--latency``: the emulated network of ``train`` and ``launch``, or
+    (``planning``) the network ``plan`` predicts for."""
+    units = "tc's units: bit, kbit, mbit, gbit, e.g. 1gbit"
+    parser.add_argument("--bandwidth", default=None, metavar="RATE", help=(
+        f"the cluster's network: every machine's NIC at RATE each way ({units}); predicted, "
+        f"nothing is shaped" if planning else
+        f"emulate the cluster's network: every machine in a network namespace of its own, its "
+        f"NIC shaped to RATE each way ({units}); needs root and iproute2"))
+    parser.add_argument("--latency", default=None, metavar="TIME", help=(
+        f"with --bandwidth: {'the delay of' if planning else 'delay'} every packet a machine "
+        f"sends{'' if planning else ' by TIME'} (us, ms, s, e.g. 0.2ms; default 0)"))
 
 
 def add_hidden_flags(parser: argparse.ArgumentParser, owners: Sequence[Owner]

@@ -25,8 +25,8 @@ def add_parser(sub: Any) -> None:
                                    "compute profile of the model and each strategy's bytes on "
                                    "the busiest NIC; recommend the fastest. Nothing is "
                                    "launched, so the cluster may be larger than this machine.")
-    add_job_flags(p)
-    add_devices_flag(p)
+    add_job_flags(p, planning=True)
+    add_devices_flag(p, planning=True)
     p.add_argument("--hosts", default="emulated", choices=HOSTS,
                    help="emulated (default): every machine on this host, as `polytrain train` "
                         "runs them; real: each machine its own host")
