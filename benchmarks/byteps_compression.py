@@ -86,8 +86,15 @@ def main(argv: list[str]) -> int:
                                  quiet=True, model_options=model, timeout_s=300)
     share = small_share(model)
     rows: dict[str, dict[str, Any]] = {}
+    task = {"steps": steps, "model": model or "default GPT"}
     if args.keep and Path(args.out).exists():
-        rows = dict(json.loads(Path(args.out).read_text())["runs"])
+        kept = json.loads(Path(args.out).read_text())
+        there = {k: kept.get("config", {}).get(k) for k in task}
+        if there != task:  # ratios to another task's uncompressed run would mean nothing
+            raise SystemExit(f"--keep: the runs in {args.out} are of another task ({there}; "
+                             f"now {task}): pass the same --steps and --quick, or leave out "
+                             f"--keep")
+        rows = dict(kept["runs"])
     for name in args.compressors:
         options: dict[str, Any] = {} if name == "none" else {"compress": name,
                                                              "error_feedback": True}
@@ -122,8 +129,11 @@ def main(argv: list[str]) -> int:
                      "wall_s": time.perf_counter() - started,
                      "model_bytes": metrics["model_bytes"]}
         print(key, rows[key], flush=True)
-    plain = rows["none"]["wire_bytes_per_step"]
-    for row in rows.values():
+    if "none" not in rows:  # the runs are kept, without ratios to a run never made
+        print(f"no uncompressed run in {args.out}: ratios left out (add --compressors none)",
+              flush=True)
+    plain = rows["none"]["wire_bytes_per_step"] if "none" in rows else None
+    for row in rows.values() if plain is not None else ():
         compressed = row["wire_bytes_per_step"] - share * plain
         row["wire_vs_none"] = row["wire_bytes_per_step"] / plain
         row["compressed_tensors_vs_none"] = compressed / ((1 - share) * plain)
@@ -148,14 +158,13 @@ def main(argv: list[str]) -> int:
               + (" --compress-adam" if args.compress_adam else "")
               + (f" --compress-adam-refresh {args.compress_adam_refresh}"
                  if args.compress_adam_refresh else ""),
-              "config": {"workers": 2, "nodes": 2, "servers": 1, "steps": steps,
-                         "model": model or "default GPT", "error_feedback": True,
+              "config": {"workers": 2, "nodes": 2, "servers": 1, **task, "error_feedback": True,
                          "uncompressed_share_of_bytes": share},
               "runs": rows}
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(f"{'compressor':<36} {'wire/none':>10} {'compressed/none':>16} {'whole run':>10} "
           f"{'loss':>8} {'loss/none':>10} {'last20/none':>12}")
-    for name, row in rows.items():
+    for name, row in rows.items() if plain is not None else ():
         print(f"{name:<36} {row['wire_vs_none']:>10.4f} "
               f"{row['compressed_tensors_vs_none']:>16.4f} "
               f"{row.get('whole_run_compressed_tensors_vs_none', float('nan')):>10.4f}"

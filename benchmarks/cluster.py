@@ -88,10 +88,14 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                                                        for b in [*bandwidths, LOOPBACK]}
     plan_rounds = [(r, b) for r in range(args.rounds) for b in bandwidths]
     plan_rounds += [(r, LOOPBACK) for r in range(args.loopback_rounds)]
-    for i, (r, bw) in enumerate(plan_rounds):
-        # Alternate, and rotate who goes first, so drift in the machine's load spreads evenly.
+    for r, bw in plan_rounds:
+        # Alternate, and rotate who goes first, so drift in the machine's load spreads evenly:
+        # by round, so that each bandwidth's rounds start with another configuration (by
+        # the pair's index, as before, a bandwidth count that the configurations divide
+        # gave each bandwidth the same order every round).
         order = list(cfgs)
-        order = order[i % len(order):] + order[:i % len(order)]
+        shift = (r + [*bandwidths, LOOPBACK].index(bw)) % len(order)
+        order = order[shift:] + order[:shift]
         for name in order:
             strategy, k, compress = cfgs[name]
             m = run(train_config(args, strategy, k, None if bw == LOOPBACK else bw, compress))

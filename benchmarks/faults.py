@@ -170,15 +170,22 @@ def kill_launcher(name: str, reference: Path, out: Path) -> dict[str, Any]:
     launcher = subprocess.Popen(args, env=dict(os.environ, **ENV, PYTHONPATH=str(ROOT / "src")),
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     trigger = out / "checkpoints" / f"step-{2 * EVERY}"
-    deadline = time.monotonic() + 300
-    while not trigger.exists() and time.monotonic() < deadline and launcher.poll() is None:
+    try:
+        deadline = time.monotonic() + 300
+        while not trigger.exists() and time.monotonic() < deadline and launcher.poll() is None:
+            time.sleep(0.05)
         time.sleep(0.05)
-    time.sleep(0.05)
-    pids = children(launcher.pid)
-    newest = max((int(p.name[5:]) for p in trigger.parent.glob("step-*")), default=0)
-    launcher.kill()
-    killed = time.monotonic()
-    launcher.wait()
+        pids = children(launcher.pid)
+        newest = max((int(p.name[5:]) for p in trigger.parent.glob("step-*")), default=0)
+        injected = trigger.exists() and launcher.poll() is None
+    finally:  # on any path out: the launcher is killed (its children die with it)
+        launcher.kill()
+        killed = time.monotonic()
+        launcher.wait()
+    if not injected:  # never a row that reads as a fault survived when none was made
+        return {"restarted": False, "named": None,
+                "error": f"the fault was not injected: no {trigger.name} while the launcher "
+                         f"ran (it ended with {launcher.returncode}, -9: killed after 300 s)"}
     while any(alive(p) for p in pids.values()) and time.monotonic() - killed < 30:
         time.sleep(0.05)
     gone_s = time.monotonic() - killed

@@ -95,6 +95,7 @@ def main() -> None:
     parser.add_argument("--rates", nargs="+", default=["200mbit", "1gbit", "5gbit"])
     parser.add_argument("--mib", type=int, default=8, help="all-reduce and send size")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=RESULTS / "links.json")
     args = parser.parse_args()
     rows = [links(r, args.mib * MIB, args.rounds) for r in args.rates]
     for r in rows:
@@ -106,9 +107,9 @@ def main() -> None:
         print(f"{m['strategy']:>6} {m['machine']:>7}: NIC/meter sent "
               f"{m['nic_sent_per_metered']:.4f}, received {m['nic_recv_per_metered']:.4f} "
               f"({m['metered_sent'] / 1e6:.2f} MB metered per step)")
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "links.json").write_text(json.dumps({"links": rows, "meter": meter}, indent=1))
-    print(f"wrote {RESULTS / 'links.json'}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"links": rows, "meter": meter}, indent=1))
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

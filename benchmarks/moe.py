@@ -523,11 +523,11 @@ def main() -> None:
                         "memory: peak resident set added by one run, fresh process, "
                         "MALLOC_MMAP_THRESHOLD_=131072, after warm-up and malloc_trim",
                         "overhead = floor tokens/s / layer tokens/s - 1"]}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    name = "moe-quick" if args.quick else "moe"
-    (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
-    plot(result, RESULTS / f"{name}.png")
-    print(f"wrote {RESULTS / name}.json and .png")
+    out = args.out or RESULTS / ("moe-quick.json" if args.quick else "moe.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    plot(result, out.with_suffix(".png"))
+    print(f"wrote {out} and its .png")
 
 
 if __name__ == "__main__":

@@ -179,6 +179,15 @@ def replay(compress: str, warmup_with: str, warmup: int, steps: int,
             "whole_run_compressed_bytes_vs_none": sent / plain if plain else 1.0}
 
 
+def parse_run(run: str) -> tuple[str, str, str, str]:
+    """``C[/WITH[/W[/VARIANCE]]]`` -> (compress, warm-up compressor, warm-up steps, variance);
+    what is left out takes its default by position ("none", "0", "sums")."""
+    parts = run.split("/")
+    if len(parts) > 4:
+        raise SystemExit(f"--runs {run}: at most C/WITH/W/VARIANCE")
+    return tuple(parts + ["none", "0", "sums"][len(parts) - 1:])  # type: ignore[return-value]
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", nargs="+", default=["none"], metavar="C/WITH/W")
@@ -189,8 +198,7 @@ def main(argv: list[str]) -> int:
     out = Path(args.out)
     rows: dict[str, Any] = json.loads(out.read_text())["runs"] if out.exists() else {}
     for run in args.runs:
-        compress, warmup_with, warmup, variance = (run.split("/") + ["none", "0", "sums"])[:4] \
-            if run != "none" else ("none", "none", "0", "sums")
+        compress, warmup_with, warmup, variance = parse_run(run)
         started = time.perf_counter()
         row = replay(compress, warmup_with, int(warmup), args.steps, variance)
         row["wall_s"] = time.perf_counter() - started

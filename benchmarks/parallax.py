@@ -131,15 +131,17 @@ def main(argv: list[str] | None = None) -> int:
               f"{args.curve_steps} steps", flush=True)
     if "speed" in parts:
         for r in range(args.rounds):
-            for name, cfg in runs.items():
-                m = run_config(cfg, env=ENV)
+            order = list(runs)  # alternate, and rotate who goes first: drift spreads evenly
+            for name in order[r % len(order):] + order[:r % len(order)]:
+                m = run_config(runs[name], env=ENV)
                 raw.setdefault(name, []).append(m)
                 print(f"round {r} {name}: step {m['step_time_s']['median'] * 1e3:.1f} ms, "
                       f"final loss {m['final_loss']:.3f}", flush=True)
         target = args.target
         if target is None:
             first = raw[next(iter(ours))][0]["losses"]
-            cut = first[int(0.8 * len(first)) - 5:int(0.8 * len(first))]
+            end = max(1, int(0.8 * len(first)))  # a short run (--steps 5) has a target too
+            cut = first[max(0, end - 5):end]
             target = sum(cut) / len(cut)
         out["target_loss"] = target
         out["speed"] = {name: [summary(m, target) for m in ms] for name, ms in raw.items()}

@@ -148,16 +148,27 @@ def main(argv: list[str] | None = None) -> int:
         init=str(pre / "final.pt"), eval_every=args.eval_every, quiet=True, timeout_s=300)
     names = [n for n in VARIANTS if args.only is None or n in args.only]
     runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+    # What makes runs comparable: merged runs must agree on all of it.
+    task = {"devices": devices, "batch_size": args.batch_size, "steps": args.steps,
+            "pretrain_steps": args.pretrain_steps, "freeze_every": args.freeze_every,
+            "freeze_signal": args.freeze_signal, "freeze_threshold": args.freeze_threshold,
+            "freeze_alpha": args.freeze_alpha, "eval_every": args.eval_every}
     if args.merge and args.out.exists():
         kept = json.loads(args.out.read_text())
         if kept.get("pretrained") != provenance:
             raise SystemExit(f"--merge: the runs in {args.out} fine-tuned another pre-trained "
                              f"model ({kept.get('pretrained')}; now {provenance}): run them "
                              f"all again, without --merge")
+        other = [f"{k} {kept.get(k)} there, {v} now" for k, v in task.items()
+                 if kept.get(k) != v]
+        if other:
+            raise SystemExit(f"--merge: the runs in {args.out} ran another task "
+                             f"({'; '.join(other)}): pass the same settings, or run them all "
+                             f"again without --merge")
         earlier = kept["runs"]
         runs = {n: list(earlier.get(n, [])) for n in VARIANTS if n in earlier or n in names}
     for r in range(args.rounds):
-        for name in names:
+        for name in names[r % len(names):] + names[:r % len(names)]:  # who goes first rotates
             freezing = {"freeze_every": args.freeze_every, "freeze_signal": args.freeze_signal,
                         "freeze_threshold": args.freeze_threshold,
                         "freeze_alpha": args.freeze_alpha}
@@ -200,11 +211,7 @@ def main(argv: list[str] | None = None) -> int:
             s["final_within_1pct"] = abs(s["final_eval_loss"] / summary["no freeze"][
                 "final_eval_loss"] - 1) <= 0.01 or s["final_eval_loss"] < summary[
                 "no freeze"]["final_eval_loss"]
-    out = {"model": model, "pretrained": provenance, "devices": devices,
-           "batch_size": args.batch_size,
-           "steps": args.steps, "rounds": args.rounds, "pretrain_steps": args.pretrain_steps,
-           "freeze_every": args.freeze_every, "freeze_signal": args.freeze_signal,
-           "freeze_threshold": args.freeze_threshold, "freeze_alpha": args.freeze_alpha,
+    out = {"model": model, "pretrained": provenance, **task, "rounds": args.rounds,
            "target_loss": target, "best_target_loss": best,
            "summary": summary, "runs": runs}
     args.out.parent.mkdir(parents=True, exist_ok=True)

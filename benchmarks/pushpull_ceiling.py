@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -111,10 +112,9 @@ def main() -> None:
               f"{r['push_s_median']:.3f} s, step {r['step_s_median']:.3f} s; M at the link's "
               f"rate {r['link_s']:.3f} s (step {r['step_over_link']:.2f}x)")
     args.out.parent.mkdir(exist_ok=True)
+    # Every flag as given: the command reproduces the run (machines, model bytes, steps too).
     args.out.write_text(json.dumps({"command": "sudo ./dev bench pushpull_ceiling "
-                                    f"--rate {args.rate} --chunk-bytes "
-                                    + " ".join(map(str, args.chunk_bytes)), "rows": rows},
-                                   indent=1) + "\n")
+                                    + " ".join(sys.argv[1:]), "rows": rows}, indent=1) + "\n")
     print(f"wrote {args.out}")
 
 
