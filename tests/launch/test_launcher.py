@@ -634,12 +634,14 @@ def test_a_function_that_cannot_be_sent_is_refused():
         polytrain.launch(lambda: None, workers=2)
 
 
-def torchrun(script: Path, roles: str, *argv: str) -> subprocess.CompletedProcess[str]:
-    """``torchrun --standalone`` of ``script`` on one machine "box", a process per role."""
+def torchrun(script: Path, roles: str, *argv: str,
+             processes: int | None = None) -> subprocess.CompletedProcess[str]:
+    """``torchrun --standalone`` of ``script`` on one machine "box", a process per role (or
+    ``processes`` of one role)."""
     env = dict(os.environ, POLYTRAIN_ROLE=roles, POLYTRAIN_NODE="box",
                PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
     return subprocess.run([str(Path(sys.executable).with_name("torchrun")), "--standalone",
-                           "--nproc-per-node", str(len(roles.split(","))),
+                           "--nproc-per-node", str(processes or len(roles.split(","))),
                            "--master-port", str(free_port()), str(script), *argv],
                           env=env, capture_output=True, text=True, timeout=80)
 
@@ -882,3 +884,24 @@ def test_a_bad_polytrain_timeout_is_refused_before_any_process_starts():
     # Every process raised it from polytrain.init(), each with its traceback.
     with pytest.raises(ConfigError, match=r"POLYTRAIN_TIMEOUT='abc' is not a number of seconds"):
         polytrain.launch(scripts.identity, workers=2, env={"POLYTRAIN_TIMEOUT": "abc"})
+
+
+@pytest.mark.timeout(90)
+def test_a_pipeline_on_machines_of_unlike_worker_counts_is_refused_under_torchrun(tmp_path):
+    # torchrun may start 3 workers on one machine and 1 on another: pipetransformer then
+    # trained with a pipeline across the two machines (ranks 2 and 3), its contract broken.
+    script = tmp_path / "job.py"
+    script.write_text("import os, torch, polytrain\n"
+                      "from polytrain.models import GPT, cross_entropy\n"
+                      "os.environ['POLYTRAIN_NODE'] = 'a' if os.environ['LOCAL_RANK'] < '3' "
+                      "else 'b'\n"
+                      "polytrain.init(timeout_s=20)\n"
+                      "m = GPT(seq_len=8, d_model=16, layers=2)\n"
+                      "polytrain.distribute(m, torch.optim.SGD(m.parameters(), lr=0.1), "
+                      "strategy='pipetransformer', loss_fn=cross_entropy, freeze=False)\n")
+    run = torchrun(script, "worker", processes=4)
+    assert run.returncode != 0
+    assert "ConfigError: strategy 'pipetransformer' lays out its stages by machine and needs " \
+           "as many workers on each, but this run has 3 on a, 1 on b. HINT: start as many " \
+           "workers on every machine (torchrun: the same --nproc-per-node on every node)" \
+           in run.stderr, run.stderr[-3000:]

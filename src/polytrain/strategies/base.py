@@ -18,7 +18,13 @@ from ..launch.layout import Layout
 from ..moe.checkpoint import moe_layers
 from ..runtime import Context
 from ..tensors import host_state
-from .checks import broadcast_module, check_optimizer_of, check_same_model, check_same_optimizer
+from .checks import (
+    broadcast_module,
+    check_even_machines,
+    check_optimizer_of,
+    check_same_model,
+    check_same_optimizer,
+)
 from .trainer import Trainer, with_gate_losses
 
 __all__ = ["Strategy", "NoOptions", "register", "get_strategy", "strategy_names", "distribute",
@@ -61,6 +67,9 @@ class Strategy(ABC, Generic[OptionsT]):
     #: :func:`distribute` then does not. It checks that every worker built the same model
     #: (and optimizer) for every strategy, before torch's own check can fail less clearly.
     agrees_model: ClassVar[bool] = False
+    #: True where every machine must run as many workers (a pipeline, or the devices, of a
+    #: machine): a run torchrun started otherwise is refused at :func:`distribute`.
+    even_machines: ClassVar[bool] = False
     #: Steps in one epoch of the training data, set by the training loop before the first
     #: step (None: the data has no epochs).
     epoch_steps: int | None = None
@@ -407,6 +416,8 @@ def distribute(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str
         if not ctx.is_worker:
             raise ConfigError(f"rank {ctx.rank} is a server and cannot train a model",
                               "call distribute() on workers only")
+        if cls.even_machines:
+            check_even_machines(strategy, ctx.topology)
         layout = _layout_of(ctx)
         if layout is not None:  # what the CLI checks of the model before any process starts
             cls.check_model(model, layout, opts)

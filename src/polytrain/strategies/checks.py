@@ -8,16 +8,29 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..comm.topology import Topology
 from ..errors import ConfigError
 from ..ps.grads import sparse_parameter
 from ..runtime import Context
 
-__all__ = ["check_dense_gradients", "check_optimizer_of", "check_same_model",
+__all__ = ["check_even_machines", "check_dense_gradients", "check_optimizer_of", "check_same_model",
            "check_same_optimizer", "check_same_tensors", "broadcast_module", "model_signature",
            "optimizer_signature", "tensor_signature"]
 
 
 Signature = list[tuple[str, tuple[int, ...], str]]
+
+
+def check_even_machines(strategy: str, topology: Topology) -> None:
+    """Refuse machines with unlike numbers of workers for a strategy that lays itself out by
+    machine (``polytrain launch`` and ``train`` only start even ones; torchrun may not)."""
+    counts = {m: len(topology.workers_on(m)) for m in topology.worker_machines}
+    if len(set(counts.values())) > 1:
+        raise ConfigError(f"strategy {strategy!r} lays out its stages by machine and needs as "
+                          f"many workers on each, but this run has "
+                          + ", ".join(f"{n} on {m}" for m, n in counts.items()),
+                          "start as many workers on every machine (torchrun: the same "
+                          "--nproc-per-node on every node)")
 
 
 def tensor_signature(named: Iterable[tuple[str, torch.Tensor]]) -> Signature:

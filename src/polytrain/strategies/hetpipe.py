@@ -158,6 +158,7 @@ class HetPipe(Strategy[HetPipeOptions]):
     name = "hetpipe"
     Options = HetPipeOptions
     pipeline = True
+    even_machines = True
 
     @classmethod
     def uses_servers(cls, options: HetPipeOptions) -> bool:

@@ -76,6 +76,7 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
     name = "pipetransformer"
     Options = PipeTransformerOptions
     pipeline = True
+    even_machines = True
 
     # -- before any process starts ----------------------------------------------------------
 
