@@ -887,21 +887,27 @@ def test_a_bad_polytrain_timeout_is_refused_before_any_process_starts():
 
 
 @pytest.mark.timeout(90)
-def test_a_pipeline_on_machines_of_unlike_worker_counts_is_refused_under_torchrun(tmp_path):
+@pytest.mark.parametrize("machine, options, message", [
     # torchrun may start 3 workers on one machine and 1 on another: pipetransformer then
     # trained with a pipeline across the two machines (ranks 2 and 3), its contract broken.
+    ("'a' if os.environ['LOCAL_RANK'] < '3' else 'b'", "",
+     "ConfigError: strategy 'pipetransformer' lays out its stages by machine and needs as many "
+     "workers on each, but this run has 3 on a, 1 on b. HINT: start as many workers on every "
+     "machine (torchrun: the same --nproc-per-node on every node)"),
+    # The layout's own check ran only before polytrain train started its processes.
+    ("'box'", ", pipeline_stages=3",
+     "ConfigError: --pipeline-stages 3 does not divide a machine's 4 devices"),
+])
+def test_a_pipeline_layout_torchrun_cannot_hold_is_refused(tmp_path, machine, options, message):
     script = tmp_path / "job.py"
     script.write_text("import os, torch, polytrain\n"
                       "from polytrain.models import GPT, cross_entropy\n"
-                      "os.environ['POLYTRAIN_NODE'] = 'a' if os.environ['LOCAL_RANK'] < '3' "
-                      "else 'b'\n"
+                      f"os.environ['POLYTRAIN_NODE'] = {machine}\n"
                       "polytrain.init(timeout_s=20)\n"
                       "m = GPT(seq_len=8, d_model=16, layers=2)\n"
                       "polytrain.distribute(m, torch.optim.SGD(m.parameters(), lr=0.1), "
-                      "strategy='pipetransformer', loss_fn=cross_entropy, freeze=False)\n")
+                      "strategy='pipetransformer', loss_fn=cross_entropy, "
+                      f"freeze=False{options})\n")
     run = torchrun(script, "worker", processes=4)
     assert run.returncode != 0
-    assert "ConfigError: strategy 'pipetransformer' lays out its stages by machine and needs " \
-           "as many workers on each, but this run has 3 on a, 1 on b. HINT: start as many " \
-           "workers on every machine (torchrun: the same --nproc-per-node on every node)" \
-           in run.stderr, run.stderr[-3000:]
+    assert message in run.stderr, run.stderr[-3000:]

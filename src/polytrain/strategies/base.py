@@ -419,7 +419,10 @@ def distribute(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str
         if cls.even_machines:
             check_even_machines(strategy, ctx.topology)
         layout = _layout_of(ctx)
-        if layout is not None:  # what the CLI checks of the model before any process starts
+        if layout is not None:  # what the CLI checks before any process starts
+            if cls.even_machines:  # its stages by machine: K must divide a machine's workers
+                # (the others' layout checks would refuse a script's own servers)
+                cls.check_layout(layout, opts)
             cls.check_model(model, layout, opts)
         cls.check_optimizer(optimizer, opts)
         check_optimizer_of(model, optimizer)
