@@ -11,6 +11,21 @@ def test_corpus_is_real_text_read_offline():
     assert b"def " in bytes(corpus[:100_000].tolist())
 
 
+def test_the_corpus_skips_tests_below_the_library_not_a_python_under_a_test_folder(
+        tmp_path, monkeypatch):
+    # Python installed under /home/test/... read nothing: "test" was looked for in the
+    # whole path, and the run was refused ("found only 0 bytes of Python source").
+    import sysconfig
+    root = tmp_path / "test" / "lib"
+    (root / "test").mkdir(parents=True)
+    (root / "site-packages").mkdir()
+    (root / "a.py").write_bytes(b"a = 1\n" * 20_000)
+    (root / "test" / "t.py").write_bytes(b"t = 2\n" * 100)
+    (root / "site-packages" / "s.py").write_bytes(b"s = 3\n" * 100)
+    monkeypatch.setattr(sysconfig, "get_paths", lambda: {"stdlib": str(root)})
+    assert bytes(stdlib_corpus().tolist()) == b"a = 1\n" * 20_000
+
+
 def test_same_seed_gives_the_same_global_batches_and_another_seed_others():
     corpus = get_dataset("text")
     a = [b for _, b in zip(range(3), GlobalBatches(corpus, batch_size=4, window=9, seed=1))]

@@ -24,7 +24,8 @@ def stdlib_corpus(max_bytes: int = 4 << 20) -> torch.Tensor:
     chunks: list[bytes] = []
     size = 0
     for path in sorted(root.glob("*.py")) + sorted(root.glob("*/*.py")):
-        if "site-packages" in path.parts or "test" in path.parts:
+        # Below the root: a Python installed under /home/test/ is not a test directory.
+        if {"site-packages", "test"} & set(path.relative_to(root).parts):
             continue
         try:
             data = path.read_bytes()
