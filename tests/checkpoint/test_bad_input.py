@@ -324,3 +324,22 @@ def test_a_refused_run_leaves_no_out_directory_behind(capsys, tmp_path):
                     str(tmp_path / "missing"), *TINY)
     assert "no such directory" in line
     assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.timeout(120)
+def test_resume_on_another_corpus_is_refused(capsys, saved, monkeypatch):
+    # The data sets are this Python's standard library: after an upgrade, or on another
+    # machine's Python, a resume trained on other batches, silently.
+    import polytrain.data
+
+    original = polytrain.data._DATASETS["text"]
+    other = original().clone()
+    other[:100] = ord("#")
+    monkeypatch.setitem(polytrain.data._DATASETS, "text", lambda: other)
+    line = error_of(capsys, "--strategy", "single", "--resume", str(saved), *TINY)
+    assert "trained on another corpus than this run's --data text: the data sets are the " \
+           "standard library of the Python that runs" in line
+    assert "HINT: resume with Python 3." in line
+    monkeypatch.setitem(polytrain.data._DATASETS, "text", original)  # the same bytes: goes on
+    assert main(["train", "--strategy", "single", "--resume", str(saved), *LONGER,
+                 "--out", str(copied(saved, saved.parent / "again"))]) == 0

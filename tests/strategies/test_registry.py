@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 
@@ -123,3 +125,27 @@ def test_parameters_start_identical_on_every_worker(strategy):
     a, b = spawn(agree_on_weights, workers=2, colocated=int(strategy == "herring"),
                  args=(strategy,))
     assert len(a) == len(b) > 0 and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def train_on_own_corpus() -> None:
+    import polytrain.data
+    from polytrain.train.loop import train
+
+    if os.environ["RANK"] == "1":  # another Python's standard library, say
+        other = polytrain.data.stdlib_corpus().clone()
+        other[:100] = ord("#")
+        polytrain.data._DATASETS["text"] = lambda: other
+    train(polytrain.TrainConfig(strategy="ddp", workers=2, steps=1, batch_size=4,
+                                model_options={"seq_len": 8, "d_model": 16, "layers": 1},
+                                quiet=True))
+
+
+@pytest.mark.timeout(60)
+def test_workers_whose_corpora_differ_get_one_clear_error():
+    # Each sliced its share of another "global" batch, and nothing said so.
+    with pytest.raises(LaunchError, match=r"ConfigError: worker rank 1's corpus \(the data "
+                                          r"set's token ids, by sha256\) differs from worker "
+                                          r"rank 0's \(machine node0: [0-9a-f]{64}; machine "
+                                          r"node0: [0-9a-f]{64}\).*HINT: run every machine on "
+                                          r"the same Python version"):
+        spawn(train_on_own_corpus, workers=2)

@@ -3,8 +3,12 @@ strategy can carry its state to. Checked before any process starts."""
 
 from __future__ import annotations
 
+import platform
 from typing import Any, Mapping
 
+import torch
+
+from ..data import corpus_digest
 from ..models import get_model
 from ..strategies.base import get_strategy, make_options
 from .manifest import CheckpointError
@@ -18,9 +22,12 @@ _SAME = ("model", "data", "sampling", "optimizer", "seed", "batch_size", "lr", "
          "warmup_steps")
 
 
-def run_record(config: Any) -> dict[str, Any]:
-    """What a checkpoint records of the run that wrote it (a ``TrainConfig``)."""
-    return {"strategy": config.strategy, "model": config.model, "data": config.data,
+def run_record(config: Any, corpus: str | None = None) -> dict[str, Any]:
+    """What a checkpoint records of the run that wrote it (a ``TrainConfig``), with its
+    corpus's digest (:func:`~polytrain.data.corpus_digest`) and Python when given."""
+    where = {} if corpus is None else {"corpus_sha256": corpus,
+                                       "python": platform.python_version()}
+    return {**where, "strategy": config.strategy, "model": config.model, "data": config.data,
             "model_options": dict(config.model_options),
             "strategy_options": dict(config.strategy_options),
             "optimizer": config.optimizer, "seed": config.seed, "lr": config.lr,
@@ -51,6 +58,17 @@ def check_compatible(manifest: Mapping[str, Any], config: Any, where: Any) -> No
             f"has {'it' if config.eval_every is not None else 'none'}",
             "resume with --eval-every N" if saved["held_out"] else "resume without --eval-every")
     spec = get_model(config.model)
+    if "corpus_sha256" in saved:
+        with torch.device("meta"):
+            model = spec.make(**config.model_options)
+        if corpus_digest(spec.tokens(model, config.data)) != saved["corpus_sha256"]:
+            raise CheckpointError(
+                f"checkpoint {where} trained on another corpus than this run's --data "
+                f"{config.data}: the data sets are the standard library of the Python that "
+                f"runs, and it ran on Python {saved.get('python')}, this on "
+                f"{platform.python_version()}",
+                f"resume with Python {saved.get('python')}, or start without --resume "
+                f"(--init CHECKPOINT/model.pt starts from its weights)")
     if "model_options" in saved and (spec.full_options(saved["model_options"])
                                      != spec.full_options(config.model_options)):
         theirs, ours = (spec.full_options(o) for o in (saved["model_options"],

@@ -10,7 +10,7 @@ from ..errors import ConfigError, unknown
 from .batches import EpochBatches, GlobalBatches, check_divisible, shard, windows
 from .text import stdlib_corpus
 
-__all__ = ["DEFAULT_DATASET", "GlobalBatches", "EpochBatches", "windows", "shard",
+__all__ = ["DEFAULT_DATASET", "corpus_digest", "GlobalBatches", "EpochBatches", "windows", "shard",
            "check_divisible", "check_dataset",
            "stdlib_corpus", "get_dataset", "dataset_names", "held_out_split", "HELD_OUT",
            "EVAL_SAMPLES", "training_data"]
@@ -31,6 +31,14 @@ def _part(start: float, end: float) -> Callable[[], torch.Tensor]:
 # A fine-tuning task: pre-train on the first three quarters of the corpus (modules whose
 # paths sort first), fine-tune on the last 64th (other modules, other code; small enough
 # that a short fine-tuning run sees it for a few epochs).
+def corpus_digest(tokens: torch.Tensor) -> str:
+    """The sha256 of a corpus's token ids: the data sets are this Python's standard library,
+    so another Python (another machine's, or after an upgrade) is another corpus."""
+    import hashlib
+
+    return hashlib.sha256(tokens.contiguous().cpu().numpy().tobytes()).hexdigest()
+
+
 #: The data set a run trains on unless told (``--data``).
 DEFAULT_DATASET = "text"
 

@@ -13,9 +13,9 @@ from ..errors import ConfigError
 from ..ps.grads import sparse_parameter
 from ..runtime import Context
 
-__all__ = ["check_even_machines", "check_dense_gradients", "check_optimizer_of", "check_same_model",
-           "check_same_optimizer", "check_same_tensors", "broadcast_module", "model_signature",
-           "optimizer_signature", "tensor_signature"]
+__all__ = ["check_even_machines", "check_dense_gradients", "check_optimizer_of",
+           "check_same_model", "check_same_optimizer", "check_same_tensors", "check_same_value",
+           "broadcast_module", "model_signature", "optimizer_signature", "tensor_signature"]
 
 
 Signature = list[tuple[str, tuple[int, ...], str]]
@@ -148,6 +148,19 @@ def check_same_tensors(ctx: Context, signature: Signature,
                 f"worker rank {rank}'s {what} differs from worker rank {ref_rank}'s:"
                 f" compared with worker {ref_rank}, worker {rank} "
                 f"{_first_difference(reference, other)}", fix)
+
+
+def check_same_value(ctx: Context, value: Any, what: str, fix: str) -> None:
+    """Raise ConfigError on every worker if any worker's ``value`` differs from worker 0's,
+    naming the first that differs, its machine and both values."""
+    everyone: list[Any] = [None] * ctx.num_workers
+    dist.all_gather_object(everyone, value, group=ctx.groups.workers)
+    for i, other in enumerate(everyone):
+        if other != everyone[0]:
+            rank, first = ctx.topology.workers[i], ctx.topology.workers[0]
+            raise ConfigError(f"worker rank {rank}'s {what} differs from worker rank {first}'s"
+                              f" (machine {ctx.topology.machine(rank)}: {other}; machine "
+                              f"{ctx.topology.machine(first)}: {everyone[0]})", fix)
 
 
 @torch.no_grad()

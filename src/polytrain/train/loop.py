@@ -17,7 +17,7 @@ import torch.distributed as dist
 from ..checkpoint import CheckpointError, load, run_record, save
 from ..checkpoint.manifest import write_atomically
 from ..config import TrainConfig, check_init
-from ..data import EpochBatches, training_data
+from ..data import EpochBatches, corpus_digest, training_data
 from ..emulation.clock import clock_of, emulate
 from ..emulation.devices import parse_cluster
 from ..emulation.profile import profile_model
@@ -25,6 +25,7 @@ from ..models import get_model, seq_len_of
 from ..optim import make_optimizer
 from ..runtime import Context, init
 from ..strategies.base import distribute, get_strategy
+from ..strategies.checks import check_same_value
 from .metrics import build_metrics, warmup_steps, write_metrics
 from .progress import Progress
 
@@ -88,7 +89,13 @@ def train(config: TrainConfig) -> dict[str, Any] | None:
     strategy = trainer.strategy
     scheduler = make_scheduler(config, trainer.optimizer)  # every strategy follows its lr
     lead = ctx is None or ctx.worker_index == 0
-    batches, held = training_data(spec.tokens(model, config.data), window=seq_len + 1,
+    tokens = spec.tokens(model, config.data)
+    corpus = corpus_digest(tokens)
+    if ctx is not None:  # another Python on another machine reads another corpus
+        check_same_value(ctx, corpus, "corpus (the data set's token ids, by sha256)",
+                         "run every machine on the same Python version: the data sets are "
+                         "its standard library")
+    batches, held = training_data(tokens, window=seq_len + 1,
                                   batch_size=config.batch_size, seed=config.seed,
                                   sampling=config.sampling,
                                   hold_out=config.eval_every is not None)
@@ -145,7 +152,7 @@ def train(config: TrainConfig) -> dict[str, Any] | None:
                 evals.append({"step": step + 1, "loss": value, "accuracy": accuracy,
                               "train_time_s": sum(before_times) + sum(times)})
         if config.checkpoint_every and (step + 1) % config.checkpoint_every == 0:
-            _checkpoint(config, trainer, scheduler, step + 1,
+            _checkpoint(config, trainer, scheduler, step + 1, run_record(config, corpus),
                         {"losses": before_losses + _global_losses(ctx, losses),
                          "times": before_times + times, "evals": evals,
                          "save_errors": list(save_errors)}, save_errors)
@@ -208,14 +215,14 @@ def evaluate(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor
 
 
 def _checkpoint(config: TrainConfig, trainer: Any, scheduler: Any, step: int,
-                extra: dict[str, Any], errors: list[str]) -> None:
-    """Write ``out/checkpoints/step-S`` (every worker; ``extra``: the run's records so far,
-    what a resumed run's metrics.json carries on from); a failure stops the run or is
-    recorded in ``errors``, per ``--on-save-error``."""
+                run: dict[str, Any], extra: dict[str, Any], errors: list[str]) -> None:
+    """Write ``out/checkpoints/step-S`` (every worker; ``run``: :func:`run_record`'s;
+    ``extra``: the run's records so far, what a resumed run's metrics.json carries on
+    from); a failure stops the run or is recorded in ``errors``, per ``--on-save-error``."""
     assert config.out is not None
     try:
         save(Path(config.out) / "checkpoints", trainer, step=step, scheduler=scheduler,
-             extra=extra, run=run_record(config), keep=config.keep)
+             extra=extra, run=run, keep=config.keep)
     except CheckpointError as e:
         if config.on_save_error == "stop":
             raise
