@@ -19,6 +19,7 @@ from polytrain.checkpoint.manifest import (
     write_atomically,
     write_manifest,
 )
+from tests.harness import spawn
 
 
 def make(root, step, payload=b"x" * 1000):
@@ -82,6 +83,25 @@ def test_a_manifest_without_its_fields_is_a_damaged_checkpoint(tmp_path):
     with pytest.raises(CheckpointError, match=r"step-2 is damaged: its manifest.json has no "
                                               r"files.*HINT: resume from another checkpoint"):
         resolve(ckpt)
+
+
+@pytest.mark.parametrize("edit, what", [
+    ({"files": {"model.pt": {}}}, "its files are not listed"),  # was KeyError: 'bytes'
+    ({"files": []}, "its files are not listed"),  # was AttributeError
+    ({"step": "x"}, "its step is 'x'"),  # was ValueError, from start_step
+    ({"step": -2}, "its step is -2"),
+])
+def test_a_manifest_with_fields_of_the_wrong_kind_is_a_damaged_checkpoint(tmp_path, edit, what):
+    ckpt = make(tmp_path, 2)
+    path = ckpt / "manifest.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **edit}))
+    with pytest.raises(CheckpointError, match=rf"step-2 is damaged: manifest.json is not a "
+                                              rf"save's \({what}.*HINT: resume from another"):
+        resolve(ckpt)
+    # A save's pruning passes it over as damaged: it broke every later save (worker 0 died
+    # with the KeyError, the other workers waited for it).
+    newer = make(tmp_path, 4)
+    assert prune(tmp_path, 1, protect=[newer]) == [] and ckpt.exists()
 
 
 def test_a_corrupted_byte_is_found(tmp_path):
@@ -243,3 +263,25 @@ def test_what_a_crash_left_is_tidied_before_the_next_save(tmp_path):
                               "restored step-4, moved aside by a save that did not finish"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-2", "step-4", "step-6"]
     verify(tmp_path / "step-4")
+
+
+def save_unpicklable(root: str) -> str:
+    ctx = polytrain.init()
+    model = nn.Linear(2, 2)
+    trainer = polytrain.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1), "ddp",
+                                   loss_fn=nn.functional.mse_loss)
+    try:  # worker 0 writes the run's records: a lambda among them cannot be pickled
+        polytrain.save(root, trainer, step=1, extra={"made_by": lambda: ctx.rank})
+    except CheckpointError as e:
+        return e.what
+    finally:
+        trainer.close()
+    return "saved"
+
+
+@pytest.mark.timeout(120)
+def test_a_save_that_fails_otherwise_than_on_disk_fails_on_every_worker(tmp_path):
+    # Worker 0's pickling error escaped the save; the other workers waited in its gather.
+    said = spawn(save_unpicklable, workers=2, args=(str(tmp_path / "ckpt"),))
+    assert all("Can't pickle" in s or "PicklingError" in s for s in said), said
+    assert said[0] == said[1] and not (tmp_path / "ckpt" / "step-1").exists()

@@ -127,6 +127,15 @@ def read_manifest(directory: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {directory} has format {got!r}, not {FORMAT!r}",
                               "resume from a checkpoint this version of polytrain wrote")
     require(manifest, ("step", "files"), directory)
+    step, files = manifest["step"], manifest["files"]
+    entries_ok = isinstance(files, dict) and all(
+        isinstance(e, dict) and type(e.get("bytes")) is int and isinstance(e.get("sha256"), str)
+        for e in files.values())
+    if type(step) is not int or step < 0 or not entries_ok:  # edited, or not a save's
+        what = (f"its step is {step!r}" if type(step) is not int or step < 0
+                else "its files are not listed as {name: {bytes, sha256}}")
+        raise CheckpointError(f"checkpoint {directory} is damaged: {MANIFEST} is not a save's "
+                              f"({what})", "resume from another checkpoint (an older step-S)")
     return manifest
 
 

@@ -165,7 +165,7 @@ def save(root: str | Path, model: nn.Module | Trainer,
             for line in tidy(root):  # a crash's leftovers (this step's .tmp among them)
                 log.warning("checkpoints in %s: %s", root, line)
             tmp.mkdir(parents=True)
-        except OSError as e:
+        except Exception as e:  # noqa: BLE001 - every worker must reach the gather: each raises it
             error = f"{type(e).__name__}: {e}"
     errors = _gather(group, count, error)
     error = next((e for e in errors if e), None)
@@ -178,8 +178,8 @@ def save(root: str | Path, model: nn.Module | Trainer,
                 torch.save({"step": step, "extra": dict(extra or {}),
                             "scheduler": scheduler.state_dict() if scheduler is not None
                             else None}, tmp / "run.pt")
-        except (OSError, RuntimeError) as e:  # torch.save reports a full disk as RuntimeError
-            error = f"{type(e).__name__}: {e}"
+        except Exception as e:  # noqa: BLE001 - a full disk (RuntimeError), an unpicklable
+            error = f"{type(e).__name__}: {e}"  # state: every worker raises it, none waits
         held = _gather(group, count, (error, sorted(names)))
         error = next((e for e, _ in held if e), None)
     if error is None and index == 0:
@@ -194,7 +194,7 @@ def save(root: str | Path, model: nn.Module | Trainer,
             write_manifest(tmp, meta)
             commit(tmp, final)
             prune(root, keep, protect=[final])
-        except OSError as e:
+        except Exception as e:  # noqa: BLE001 - every worker must reach the gather
             error = f"{type(e).__name__}: {e}"
     error = next((e for e in _gather(group, count, error) if e), None)
     if error is not None:
