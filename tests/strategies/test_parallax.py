@@ -413,3 +413,40 @@ def test_a_dense_parameter_no_worker_used_keeps_no_gradient_as_in_one_process():
     alone = branchy_script(False)
     workers = spawn(branchy_script, workers=2, colocated=1, args=(True,))
     assert max_abs_diff(alone, workers[0]) < 1e-6
+
+
+class _TiedByUse(nn.Module):
+    """An embedding whose weight the output layer reads directly: ``h @ tok.weight.t()``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(16, 4)
+        self.mix = nn.Linear(4, 4)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.mix(self.tok(ids)) @ self.tok.weight.t()
+
+
+def tied_by_use_script() -> None:
+    import polytrain
+    ctx = polytrain.init()
+    torch.manual_seed(0)
+    model = _TiedByUse()
+    trainer = polytrain.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                   strategy="parallax", loss_fn=nn.functional.cross_entropy)
+    gen = torch.Generator().manual_seed(ctx.rank)
+    for _ in range(3):
+        ids = torch.randint(0, 4, (4,), generator=gen)  # looks up rows 0-3 only
+        trainer.step(ids, torch.randint(0, 16, (4,), generator=gen))
+
+
+@pytest.mark.timeout(120)
+def test_an_embedding_read_outside_its_lookups_is_refused():
+    # Its rows were fetched only where looked up, so the output layer read the others
+    # stale, and the run differed from single's, silently.
+    from polytrain import LaunchError
+    from tests.harness import spawn
+    with pytest.raises(LaunchError, match=r"ConfigError: tok.weight is read outside its "
+                                          r"embedding lookups: its gradient has \d+ rows no "
+                                          r"lookup of this step read.*HINT: "):
+        spawn(tied_by_use_script, workers=2, nodes=2, colocated=1)

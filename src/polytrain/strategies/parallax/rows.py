@@ -270,6 +270,15 @@ class SparseRows:
             g = g.cpu()
             rows = g.ne(0).any(1).nonzero()[:, 0]
             values = g[rows]
+            stale = rows[~var.fresh[rows]]
+            if stale.numel():  # not a lookup's: the forward read the weight itself, stale rows
+                raise ConfigError(
+                    f"{var.name} is read outside its embedding lookups: its gradient has "
+                    f"{stale.numel()} rows no lookup of this step read (e.g. "
+                    f"{stale[:5].tolist()}), whose values were out of date (a weight tied by "
+                    f"use, as logits = h @ weight.t())",
+                    "read it through its embedding only, or train it dense: pass "
+                    "--no-sparse-embeddings (sparse_embeddings=False) and keep sparse=False")
         return rows, values
 
     def _local_sum(self, rows: torch.Tensor, values: torch.Tensor
