@@ -100,6 +100,13 @@ def test_gshard_and_switch_default_capacities_and_z_loss():
     assert (switch.gate.capacity_factor, switch.gate.eval_capacity_factor, switch.top_k) == \
         (1.25, 2.0, 1)
     switch(torch.randn(T, D))
+    # A training factor given leaves the gate's eval factor (it replaced it: 1.0, 1.5);
+    # a gate without one (naive) evaluates at the training factor.
+    assert MoE(D, E, gate="gshard", capacity_factor=1.0).gate.eval_capacity_factor == 2.4
+    assert MoE(D, E, gate="switch", capacity_factor=1.5).gate.eval_capacity_factor == 2.0
+    assert MoE(D, E, gate="naive", capacity_factor=1.5).gate.eval_capacity_factor == 1.5
+    assert MoE(D, E, gate="switch", capacity_factor=1.5,
+               eval_capacity_factor=1.1).gate.eval_capacity_factor == 1.1
     # both losses present, weighted: z-loss of gshard plus both balance losses
     assert float(aux_loss(nn.Sequential(layer, switch)).detach()) > 0
     assert float(aux_loss(MoE(D, E))) == 0.0
@@ -128,6 +135,11 @@ def test_no_tokens_at_all():
      r"capacity_factor \(--capacity-factor\) must be positive and finite \(got 0.0\)"),
     ({"capacity_factor": 1.0, "dropless": True},
      r"a dropless gate \(--dropless\) has no capacity"),
+    # TypeError: __init__() got an unexpected keyword argument 'jitter'
+    ({"gate_options": {"jitter": 0.1}},
+     r"gate 'naive' takes no option jitter \(jitter is an option of switch\)\. HINT: leave "
+     r"jitter out of gate_options"),
+    ({"gate": "switch", "gate_options": {"jiter": 0.1}}, r"no gate takes jiter"),
 ])
 def test_bad_options_are_named(kwargs, message):
     with pytest.raises(ConfigError, match=message):

@@ -38,6 +38,7 @@ sequence major and is not split by samples the same way.
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Any, ClassVar
 
@@ -162,9 +163,11 @@ class Gate(nn.Module):
                               "script), or --dropless")
         train_cf, eval_cf = (None, None) if dropless else self.default_capacity
         self.capacity_factor = capacity_factor if capacity_factor is not None else train_cf
+        # As documented: the gate's own eval factor (GShard's 2.4, Switch's 2.0) before
+        # the training one; a given training factor replaced it, and evaluation dropped more.
         self.eval_capacity_factor = (eval_capacity_factor if eval_capacity_factor is not None
-                                     else capacity_factor if capacity_factor is not None
-                                     else eval_cf)
+                                     else eval_cf if eval_cf is not None
+                                     else self.capacity_factor)
         self.dropless = dropless
         self.balance_weight = (self.default_balance_weight if balance_weight is None
                                else balance_weight)
@@ -432,11 +435,35 @@ def gate_names() -> list[str]:
     return sorted(_GATES)
 
 
+def _options_of(cls: type[Gate]) -> set[str]:
+    """The keyword options ``cls`` takes: its own, and its bases' where it passes on
+    ``**kwargs``."""
+    names: set[str] = set()
+    for base in cls.__mro__:
+        if "__init__" not in vars(base):
+            continue
+        params = inspect.signature(vars(base)["__init__"]).parameters.values()
+        names |= {p.name for p in params if p.kind == p.KEYWORD_ONLY
+                  or (p.kind == p.POSITIONAL_OR_KEYWORD and p.name not in ("self", "d_model",
+                                                                           "num_experts"))}
+        if not any(p.kind == p.VAR_KEYWORD for p in params):
+            break
+    return names
+
+
 def make_gate(name: str, d_model: int, num_experts: int, **options: Any) -> Gate:
     """Build the gate called ``name``; the error lists the gates there are."""
     try:
         cls = _GATES[name]
     except KeyError:
         raise unknown("gate", name, gate_names(), "pass one of them, e.g. gate='gshard'") from None
+    other = sorted(set(options) - _options_of(cls))
+    if other:  # was TypeError: __init__() got an unexpected keyword argument
+        owners = {o: [n for n, g in _GATES.items() if o in _options_of(g)] for o in other}
+        said = "; ".join(f"{o} is an option of {', '.join(owners[o])}" if owners[o]
+                         else f"no gate takes {o}" for o in other)
+        raise ConfigError(f"gate {name!r} takes no option {', '.join(other)} ({said})",
+                          f"leave {', '.join(other)} out of gate_options, or pick a gate "
+                          f"that takes it")
     return cls(d_model, num_experts, **options)
 
