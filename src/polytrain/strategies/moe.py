@@ -153,7 +153,6 @@ class ExpertParallel(Strategy[MoEOptions]):
             raise ConfigError("the optimizer has stepped already; strategy 'moe' shards the "
                               "experts and cannot shard optimizer state",
                               "call distribute() before the first optimizer step")
-        model.to(ctx.device)
         workers = ctx.topology.workers
         p = self.options.expert_parallel or len(workers)
         self.placement = place_experts(workers, p)
@@ -170,6 +169,8 @@ class ExpertParallel(Strategy[MoEOptions]):
         for _, layer in moe_layers(model):
             layer.shard_experts(expert_group)  # distribute() gives the gates the batch group
             kept += list(layer.experts.parameters())
+        # After the cut: a GPU holds its experts only, never every expert at once.
+        model.to(ctx.device)
         alive = {id(q) for q in model.parameters()}
         for group in optimizer.param_groups:  # listed experts of other ranks are gone
             group["params"] = [q for q in group["params"] if id(q) in alive]
