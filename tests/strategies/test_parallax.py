@@ -450,3 +450,20 @@ def test_an_embedding_read_outside_its_lookups_is_refused():
                                           r"embedding lookups: its gradient has \d+ rows no "
                                           r"lookup of this step read.*HINT: "):
         spawn(tied_by_use_script, workers=2, nodes=2, colocated=1)
+
+
+def test_the_rows_touched_per_step_are_kept_as_counts_and_old_lists_load():
+    # Every step appended a number to a list, kept in memory and in every checkpoint.
+    from polytrain.strategies.parallax.rows import Touched
+    touched = Touched()
+    assert touched.mean() == 0.0
+    touched.add(50)  # the first step: left out of the mean once there are others
+    assert touched.mean() == 50.0
+    for rows in range(1000):
+        touched.add(rows)
+    assert touched.mean() == pytest.approx(sum(range(1000)) / 1000)
+    assert touched.state() == {"first": 50, "total": sum(range(1000)), "steps": 1000}
+    assert Touched.from_state(touched.state()).mean() == touched.mean()
+    old = Touched.from_state([50, 10, 20, 30])  # an older checkpoint's list
+    assert (old.first, old.total, old.steps) == (50, 60, 3) and old.mean() == 20.0
+    assert Touched.from_state([]).mean() == 0.0

@@ -68,13 +68,41 @@ def _gather_local(tensors: list[torch.Tensor], group: Any, workers: int
     return out
 
 
+class Touched:
+    """How many rows a machine pushed per step, kept as counts (a list grew by a number a
+    step, in memory and in every checkpoint): the first step apart, as it is no steady one."""
+
+    def __init__(self, first: int | None = None, total: int = 0, steps: int = 0) -> None:
+        self.first, self.total, self.steps = first, total, steps
+
+    def add(self, rows: int) -> None:
+        if self.first is None:
+            self.first = rows
+        else:
+            self.total, self.steps = self.total + rows, self.steps + 1
+
+    def mean(self) -> float:
+        """Rows per step after the first (the first alone while there is no other)."""
+        return self.total / self.steps if self.steps else float(self.first or 0)
+
+    def state(self) -> dict[str, int | None]:
+        return {"first": self.first, "total": self.total, "steps": self.steps}
+
+    @classmethod
+    def from_state(cls, state: Any) -> Touched:
+        """From :meth:`state`, or an older checkpoint's list of every step's count."""
+        if isinstance(state, (list, tuple)):
+            return cls(state[0], sum(state[1:]), len(state) - 1) if state else cls()
+        return cls(state.get("first"), int(state.get("total", 0)), int(state.get("steps", 0)))
+
+
 class _Var:
     """One sparse parameter on this worker."""
 
     def __init__(self, index: int, name: str, param: nn.Parameter, rule: dict[str, Any]) -> None:
         self.index, self.name, self.param, self.rule = index, name, param, rule
         self.fresh = torch.ones(param.shape[0], dtype=torch.bool)  # rows current this step
-        self.touched: list[int] = []  # rows this machine pushed, per step (leaders)
+        self.touched = Touched()  # rows this machine pushed per step (leaders)
         self.declared = False  # this step's rows came from the model's sparse_reads
 
 
@@ -314,7 +342,7 @@ class SparseRows:
             if not self.is_leader:
                 continue
             values = values / workers  # every replica's loss is a mean over its slice: average
-            var.touched.append(rows.numel())
+            var.touched.add(rows.numel())
             lr = self._lr(var)
             for i, r, part in self._split(var, rows):
                 lo, hi = torch.searchsorted(rows, torch.tensor([r.lo, r.hi])).tolist()
@@ -415,13 +443,12 @@ class SparseRows:
             var.fresh.fill_(True)
         dist.barrier(group=self.ctx.groups.workers)
 
-    def alpha(self, skip: int = 1) -> dict[str, dict[str, float]]:
+    def alpha(self) -> dict[str, dict[str, float]]:
         """Per sparse parameter: rows, row bytes and the mean fraction of rows this machine
-        touched per step (after local aggregation; the first ``skip`` steps left out)."""
+        touched per step (after local aggregation; the first step left out)."""
         out = {}
         for var in self.vars:
-            steps = var.touched[skip:] if len(var.touched) > skip else var.touched
-            mean = sum(steps) / len(steps) / var.param.shape[0] if steps else 0.0
+            mean = var.touched.mean() / var.param.shape[0]
             out[var.name] = {"rows": int(var.param.shape[0]),
                              "row_bytes": var.param.shape[1] * var.param.element_size(),
                              "alpha": mean}

@@ -19,7 +19,7 @@ from ..served import ServedStrategy
 from .dense import DenseSync
 from .options import ParallaxOptions
 from .plan import ParallaxPlan, SparseVar, classify, plan_parallax
-from .rows import SparseRows
+from .rows import SparseRows, Touched
 from .search import PartitionSearch
 
 __all__ = ["Parallax"]
@@ -199,7 +199,7 @@ class Parallax(ServedStrategy[ParallaxOptions]):
         if self.rows is not None:
             states = self.rows.pull_states()  # collective; worker 0's are the servers' states
             state["rounds"] = self.rows.round
-            state["touched"] = {v.name: list(v.touched) for v in self.rows.vars}
+            state["touched"] = {v.name: v.touched.state() for v in self.rows.vars}
             if states:
                 state["rows"] = {v.name: m for v, m in
                                  zip(self.rows.vars, self.rows.whole_variables(states))}
@@ -250,7 +250,8 @@ class Parallax(ServedStrategy[ParallaxOptions]):
                               "resume from a checkpoint this model's parallax run wrote")
         self.rows.restore(merged, int(state["rounds"]))
         for v in self.rows.vars:
-            v.touched = [] if moved else list(state.get("touched", {}).get(v.name, []))
+            v.touched = Touched() if moved else Touched.from_state(
+                state.get("touched", {}).get(v.name, []))
 
     def close(self) -> None:
         if self.rows is not None:
