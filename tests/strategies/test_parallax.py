@@ -467,3 +467,23 @@ def test_the_rows_touched_per_step_are_kept_as_counts_and_old_lists_load():
     old = Touched.from_state([50, 10, 20, 30])  # an older checkpoint's list
     assert (old.first, old.total, old.steps) == (50, 60, 3) and old.mean() == 20.0
     assert Touched.from_state([]).mean() == 0.0
+
+
+def out_of_range_script() -> None:
+    import polytrain
+    polytrain.init()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(16, 4), nn.Flatten(), nn.Linear(8, 3))
+    trainer = polytrain.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                   strategy="parallax", loss_fn=nn.functional.cross_entropy)
+    trainer.step(torch.tensor([[1, 2], [3, 16]]), torch.tensor([0, 1]))  # row 16 of 0..15
+
+
+@pytest.mark.timeout(120)
+def test_a_lookup_past_the_table_is_refused_naming_the_row():
+    # An IndexError inside a forward hook (a negative id read another variable's rows).
+    from polytrain import LaunchError
+    from tests.harness import spawn
+    with pytest.raises(LaunchError, match=r"ConfigError: a lookup of 0.weight reads row 16, and "
+                                          r"it has rows 0\.\.15.*HINT: pass token ids below"):
+        spawn(out_of_range_script, workers=1, colocated=1)

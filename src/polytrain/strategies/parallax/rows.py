@@ -240,6 +240,13 @@ class SparseRows:
         wanted = []
         for var in order:
             rows = torch.unique(reads[var].detach().reshape(-1).cpu())
+            if rows.numel() and not 0 <= int(rows[0]) <= int(rows[-1]) < var.param.shape[0]:
+                # An IndexError from deep inside, or (negative) another variable's rows.
+                bad = rows[(rows < 0) | (rows >= var.param.shape[0])]
+                raise ConfigError(f"a lookup of {var.name} reads row {int(bad[0])}, and it has "
+                                  f"rows 0..{var.param.shape[0] - 1}",
+                                  "pass token ids below the embedding's size (check the data "
+                                  "against the model's vocabulary)")
             wanted.append(rows[~var.fresh[rows]] + offsets[var.index])
         union = self._local_union(torch.cat(wanted))
         if union.numel() == 0:
