@@ -181,8 +181,10 @@ class TrainConfig:
         check_divisible(self.batch_size, cls.replicas(layout, options))
         batches, _ = self._check_data(spec, model)
         self._check_devices(model)
-        cls.check_steps(options, steps=self.steps, data=self.data, batch_size=self.batch_size,
-                        epoch_steps=getattr(batches, "steps_per_epoch", None))
+        if self.resume is None:  # a resume runs as its checkpoint's run did (options checked)
+            cls.check_steps(options, steps=self.steps, data=self.data,
+                            batch_size=self.batch_size,
+                            epoch_steps=getattr(batches, "steps_per_epoch", None))
         self._check_link(model, layout)
         self._check_memory(model, layout.workers)
         self._check_out()  # last: a refused command leaves no directory behind

@@ -338,8 +338,18 @@ def test_resume_on_another_corpus_is_refused(capsys, saved, monkeypatch):
     monkeypatch.setitem(polytrain.data._DATASETS, "text", lambda: other)
     line = error_of(capsys, "--strategy", "single", "--resume", str(saved), *TINY)
     assert "trained on another corpus than this run's --data text: the data sets are the " \
-           "standard library of the Python that runs" in line
-    assert "HINT: resume with Python 3." in line
+           "standard library of the Python that runs, and the files under " in line
+    assert "differ from those it read" in line and "HINT: resume with that Python" in line
+    # Another Python's version is named.
+    manifest = saved / "checkpoints" / "step-4" / "manifest.json"
+    kept = manifest.read_text()
+    try:
+        manifest.write_text(json.dumps({**json.loads(kept), "python": "3.9.0"}))
+        line = error_of(capsys, "--strategy", "single", "--resume", str(saved), *TINY)
+        assert "and it ran on Python 3.9.0, this on 3." in line
+        assert "HINT: resume with Python 3.9.0, or start without --resume" in line
+    finally:
+        manifest.write_text(kept)
     monkeypatch.setitem(polytrain.data._DATASETS, "text", original)  # the same bytes: goes on
     assert main(["train", "--strategy", "single", "--resume", str(saved), *LONGER,
                  "--out", str(copied(saved, saved.parent / "again"))]) == 0

@@ -229,6 +229,21 @@ def test_pipetransformer_resumes_its_plan_and_freeze_timeline_bit_for_bit(at, op
         assert whole["freeze_timeline"][-1]["frozen"] > 0  # something froze
 
 
+@pytest.mark.timeout(240)
+def test_pipetransformer_with_measured_layer_costs_resumes_the_times_it_planned_with():
+    # A resumed run timed the layers again, and its freeze points re-planned with the new
+    # times: other cuts than the uninterrupted run's could follow.
+    config = TrainConfig(strategy="pipetransformer", workers=4, nodes=2, steps=6, batch_size=8,
+                         optimizer="adam", lr=3e-3, model_options=PIPE,
+                         strategy_options={**FREEZING, "cache": False,
+                                           "layer_costs": "measured"})
+    whole, final, again, final_again = stop_and_resume(config, 3)
+    assert again["layer_costs_ms"] == whole["layer_costs_ms"]
+    assert list(whole["layer_costs_ms"]) == ["embed", "h0", "h1", "h2", "h3", "head"]
+    assert again["freeze_timeline"] == whole["freeze_timeline"]
+    assert_equal_weights(final, final_again)
+
+
 @pytest.mark.timeout(180)
 def test_a_checkpoint_does_not_change_the_run():
     # Saving gathers the state between steps: the run with checkpoints is the run without.

@@ -289,6 +289,24 @@ def train_costed(steps, costs):
     return records, state
 
 
+def with_a_server() -> int:
+    polytrain.init()
+    model, loss = _model("user")
+    trainer = polytrain.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                   strategy="pipetransformer", loss_fn=loss, freeze=False)
+    for x, y in _batches(1, kind="user"):
+        trainer.step(x, y)
+    trainer.close()
+    return 1
+
+
+@pytest.mark.timeout(120)
+def test_a_script_with_servers_of_its_own_may_run_a_pipeline():
+    # distribute() ran the CLI's whole layout check, which refuses servers pipetransformer
+    # does not use; a script may have them for its own push_pull.
+    assert spawn(with_a_server, workers=2, servers=1) == [1, 1]
+
+
 @pytest.mark.timeout(300)
 def test_measured_layer_costs_cut_where_the_time_is():
     # K = 2: by FLOPs the sleepy first layer is nearly free and shares stage 0 with others;

@@ -147,5 +147,5 @@ def test_workers_whose_corpora_differ_get_one_clear_error():
                                           r"set's token ids, by sha256\) differs from worker "
                                           r"rank 0's \(machine node0: [0-9a-f]{64}; machine "
                                           r"node0: [0-9a-f]{64}\).*HINT: run every machine on "
-                                          r"the same Python version"):
+                                          r"the same Python, with the same standard library"):
         spawn(train_on_own_corpus, workers=2)

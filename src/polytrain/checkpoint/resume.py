@@ -4,6 +4,7 @@ strategy can carry its state to. Checked before any process starts."""
 from __future__ import annotations
 
 import platform
+import sysconfig
 from typing import Any, Mapping
 
 import torch
@@ -62,13 +63,17 @@ def check_compatible(manifest: Mapping[str, Any], config: Any, where: Any) -> No
         with torch.device("meta"):
             model = spec.make(**config.model_options)
         if corpus_digest(spec.tokens(model, config.data)) != saved["corpus_sha256"]:
+            here, there = platform.python_version(), saved.get("python")
+            why = (f"it ran on Python {there}, this on {here}" if there != here else
+                   f"the files under {sysconfig.get_paths()['stdlib']} differ from those it "
+                   f"read (a patched or partly installed standard library)")
             raise CheckpointError(
                 f"checkpoint {where} trained on another corpus than this run's --data "
                 f"{config.data}: the data sets are the standard library of the Python that "
-                f"runs, and it ran on Python {saved.get('python')}, this on "
-                f"{platform.python_version()}",
-                f"resume with Python {saved.get('python')}, or start without --resume "
-                f"(--init CHECKPOINT/model.pt starts from its weights)")
+                f"runs, and {why}",
+                f"resume with {'Python ' + str(there) if there != here else 'that Python'}, "
+                f"or start without --resume (--init CHECKPOINT/model.pt starts from its "
+                f"weights)")
     if "model_options" in saved and (spec.full_options(saved["model_options"])
                                      != spec.full_options(config.model_options)):
         theirs, ours = (spec.full_options(o) for o in (saved["model_options"],

@@ -34,7 +34,8 @@ def check_factor(factor: float | None, name: str = "capacity_factor") -> None:
                               f"{factor})", "pass --capacity-factor 1.25 (capacity_factor=1.25 "
                               "in a script), or --dropless for no capacity limit")
         raise ConfigError(f"{name} must be positive and finite (got {factor})",
-                          f"pass {name}=1.25, or None to use the training capacity factor")
+                          f"pass {name}=1.25, or None for the gate's eval factor (gshard "
+                          f"2.4, switch 2.0; else the training one)")
 
 
 def expert_capacity(tokens: int, num_experts: int, top_k: int, factor: float) -> int:

@@ -35,7 +35,7 @@ from ..errors import ConfigError, unknown
 from .stage import LossFn, Stage, StageSpec
 
 __all__ = ["make_stage", "stage_optimizer", "fused_keys", "layer_of", "layer_profile",
-           "layer_costs_field", "check_layer_costs", "LAYER_COSTS"]
+           "layer_costs_field", "check_layer_costs", "costs_record", "LAYER_COSTS"]
 
 log = logging.getLogger(__name__)
 
@@ -59,32 +59,41 @@ def check_layer_costs(costs: str) -> None:
 
 
 def layer_profile(model: nn.Module, sample: torch.Tensor, *, costs: str, group: Any,
-                  owner: str) -> tuple[ModelProfile, dict[str, dict[str, float]] | None]:
+                  owner: str, seconds: Sequence[tuple[float, float]] | None = None
+                  ) -> tuple[ModelProfile, list[tuple[float, float]] | None]:
     """The layer profile a pipeline strategy plans with (every worker of ``group`` calls it,
     and all get the same): the FLOPs profile, or with ``costs="measured"`` the same with
     each layer's forward and backward in proportion to their times on the workers' own
     devices (:func:`~polytrain.emulation.profile.measure_layers` on ``sample``; per layer,
-    the median over the workers, so that every worker cuts alike). Returns it and, when
-    measured, the times per layer in milliseconds per sample (``forward_ms``,
-    ``backward_ms``), for the run's record; the group's first rank logs them, as strategy
+    the median over the workers, so that every worker cuts alike). ``seconds``: times
+    measured before (a checkpoint's), used as they are, so that a resumed run plans as
+    the run it continues did. Returns it and, when measured, the seconds per sample of
+    each layer (forward, backward), which the group's first rank logs, as strategy
     ``owner``'s."""
     profile = profile_model(model, sample[:1])
     if costs == "flops":
         return profile, None
-    mine = measure_layers(model, sample)
-    everyone: list[Any] = [mine]
-    if dist.is_initialized():
-        everyone = [None] * dist.get_world_size(group)
-        dist.all_gather_object(everyone, mine, group=group)
-    seconds = [(statistics.median(w[i][0] for w in everyone),
-                statistics.median(w[i][1] for w in everyone)) for i in range(len(mine))]
-    record = {name: {"forward_ms": round(f * 1e3, 6), "backward_ms": round(b * 1e3, 6)}
-              for name, (f, b) in zip(profile.names, seconds)}
-    if not dist.is_initialized() or dist.get_rank(group) == 0:
-        log.info("%s: measured layer costs, ms per sample (forward/backward): %s", owner,
-                 ", ".join(f"{n} {t['forward_ms']:.4g}/{t['backward_ms']:.4g}"
-                           for n, t in record.items()))
-    return with_measured_costs(profile, seconds), record
+    if seconds is None:
+        mine = measure_layers(model, sample)
+        everyone: list[Any] = [mine]
+        if dist.is_initialized():
+            everyone = [None] * dist.get_world_size(group)
+            dist.all_gather_object(everyone, mine, group=group)
+        seconds = [(statistics.median(w[i][0] for w in everyone),
+                    statistics.median(w[i][1] for w in everyone)) for i in range(len(mine))]
+        if not dist.is_initialized() or dist.get_rank(group) == 0:
+            log.info("%s: measured layer costs, ms per sample (forward/backward): %s", owner,
+                     ", ".join(f"{n} {t['forward_ms']:.4g}/{t['backward_ms']:.4g}"
+                               for n, t in costs_record(profile.names, seconds).items()))
+    seconds = [(float(f), float(b)) for f, b in seconds]
+    return with_measured_costs(profile, seconds), seconds
+
+
+def costs_record(names: Sequence[str], seconds: Sequence[tuple[float, float]]
+                 ) -> dict[str, dict[str, float]]:
+    """Measured layer times for a run's record: per layer, milliseconds per sample."""
+    return {name: {"forward_ms": round(f * 1e3, 6), "backward_ms": round(b * 1e3, 6)}
+            for name, (f, b) in zip(names, seconds)}
 
 
 def make_stage(model: nn.Module, bounds: Sequence[int], index: int, *, ranks: Sequence[int],

@@ -86,6 +86,13 @@ class Strategy(ABC, Generic[OptionsT]):
         if layout.servers and not cls.uses_servers(options):
             raise ConfigError(f"strategy {cls.name!r} does not use servers (got --servers "
                               f"{layout.servers})", "leave out --servers")
+        cls.check_machines(layout, options)
+
+    @classmethod
+    def check_machines(cls, layout: Layout, options: OptionsT) -> None:
+        """Refuse workers and machines the strategy cannot lay itself out on (ConfigError):
+        the part of :meth:`check_layout` that :func:`distribute` also checks, of a run
+        torchrun started (the rest, as servers it does not use, a script may well have)."""
 
     @classmethod
     def check_model(cls, model: nn.Module, layout: Layout, options: OptionsT) -> None:
@@ -420,9 +427,7 @@ def distribute(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str
             check_even_machines(strategy, ctx.topology)
         layout = _layout_of(ctx)
         if layout is not None:  # what the CLI checks before any process starts
-            if cls.even_machines:  # its stages by machine: K must divide a machine's workers
-                # (the others' layout checks would refuse a script's own servers)
-                cls.check_layout(layout, opts)
+            cls.check_machines(layout, opts)
             cls.check_model(model, layout, opts)
         cls.check_optimizer(optimizer, opts)
         check_optimizer_of(model, optimizer)

@@ -170,6 +170,10 @@ class HetPipe(Strategy[HetPipeOptions]):
             raise ConfigError("strategy 'hetpipe' keeps the global weights on parameter "
                               "servers (Wave Synchronous Parallel), but the run has none",
                               "pass --servers 1 (or more)")
+        cls.check_machines(layout, options)
+
+    @classmethod
+    def check_machines(cls, layout: Layout, options: HetPipeOptions) -> None:
         count_virtual_workers(layout.workers, layout.nodes, options.policy)
 
     @classmethod
@@ -194,6 +198,8 @@ class HetPipe(Strategy[HetPipeOptions]):
         # that switched would start the optimizer afresh.
         cls.refuse_other_options(saved, options, ["server_optimizer"],
                                  "a checkpoint's optimizer state")
+        # The stages' cuts: FLOPs, or the times the checkpoint keeps.
+        cls.refuse_other_options(saved, options, ["layer_costs"], "a checkpoint's stages")
 
     @classmethod
     def check_devices(cls, cluster: Any, profile: Callable[[], ModelProfile], layout: Layout,
@@ -214,6 +220,10 @@ class HetPipe(Strategy[HetPipeOptions]):
         self.virtual_workers: tuple[VirtualWorker, ...] = ()
         self.resume_states: list[list[torch.Tensor] | None] | None = None  # per lane
         self.resume_optimizers: list[dict[str, Any] | None] | None = None  # per lane
+        #: ``--layer-costs measured``: the layers' seconds per sample (forward, backward)
+        #: this run planned with, and those of the run it resumes
+        self.layer_seconds: list[tuple[float, float]] | None = None
+        self.resume_seconds: list[tuple[float, float]] | None = None
 
     # -- set-up -----------------------------------------------------------------------------
 
@@ -264,8 +274,11 @@ class HetPipe(Strategy[HetPipeOptions]):
         ctx = self.ctx
         assert ctx is not None
         count = len(self.virtual_workers)
-        profile, _ = layer_profile(self.model, inputs, costs=self.options.layer_costs,
-                                   group=ctx.groups.workers, owner=self.name)
+        # Measured, or as the run this one resumes measured them (its cuts are the saved
+        # stages'): a new measurement could cut them otherwise.
+        profile, self.layer_seconds = layer_profile(
+            self.model, inputs, costs=self.options.layer_costs, group=ctx.groups.workers,
+            owner=self.name, seconds=self.resume_seconds)
         plan = plan_hetpipe(self._cluster(), profile, policy=self.options.policy,
                             global_batch=inputs.shape[0] * count // len(self.roles),
                             state_factor=optimizer_state_factor(self.base_optimizer),
@@ -406,7 +419,8 @@ class HetPipe(Strategy[HetPipeOptions]):
             return {}
         state: dict[str, Any] = {"stages": [
             {"names": list(role.stage.names), "optimizer": role.pipe.optimizer.state_dict()}
-            if role.pipe and role.stage else None for role in self.roles]}
+            if role.pipe and role.stage else None for role in self.roles],
+            "layer_seconds": self.layer_seconds}
         if self.options.server_optimizer:
             state["servers"] = [role.wsp.server_states() if role.vw == 0 and role.wsp else None
                                 for role in self.roles]
@@ -416,6 +430,7 @@ class HetPipe(Strategy[HetPipeOptions]):
         """Keep the servers' and the stages' saved state for the first step, which declares
         the keys and builds the stages."""
         self.resume_optimizers = state.get("stages")
+        self.resume_seconds = state.get("layer_seconds")
         servers = state.get("servers")
         if servers is not None and self.options.server_optimizer:
             self.resume_states = list(servers)

@@ -93,8 +93,8 @@ def train(config: TrainConfig) -> dict[str, Any] | None:
     corpus = corpus_digest(tokens)
     if ctx is not None:  # another Python on another machine reads another corpus
         check_same_value(ctx, corpus, "corpus (the data set's token ids, by sha256)",
-                         "run every machine on the same Python version: the data sets are "
-                         "its standard library")
+                         "run every machine on the same Python, with the same standard "
+                         "library: the data sets are its files")
     batches, held = training_data(tokens, window=seq_len + 1,
                                   batch_size=config.batch_size, seed=config.seed,
                                   sampling=config.sampling,

@@ -26,7 +26,7 @@ from ...errors import ConfigError, divisors
 from ...launch.launcher import SHM_ROOT
 from ...launch.layout import Layout
 from ...optim import placed_state
-from ...pipeline.assembly import layer_profile, make_stage, stage_optimizer
+from ...pipeline.assembly import costs_record, layer_profile, make_stage, stage_optimizer
 from ...pipeline.asyncpipe import numeric_settings
 from ...pipeline.autopipe import PipePlan, plan_pipe
 from ...pipeline.cache import ActivationCache, expected_hits, frozen_forward
@@ -81,8 +81,7 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
     # -- before any process starts ----------------------------------------------------------
 
     @classmethod
-    def check_layout(cls, layout: Layout, options: PipeTransformerOptions) -> None:
-        super().check_layout(layout, options)
+    def check_machines(cls, layout: Layout, options: PipeTransformerOptions) -> None:
         per = layout.workers // max(1, layout.nodes)
         k = _stages(layout.workers, layout.nodes, options)
         if per % k:
@@ -180,8 +179,8 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
         self.cache: ActivationCache | None = None
         self.shared_cache: str | None = None  # this machine's shared AutoCache directory
         self.profile: ModelProfile | None = None
-        #: ``--layer-costs measured``: each layer's times (ms per sample), as metrics.json's
-        self.layer_times: dict[str, dict[str, float]] | None = None
+        #: ``--layer-costs measured``: each layer's seconds per sample (forward, backward)
+        self.layer_seconds: list[tuple[float, float]] | None = None
         self.global_batch = 0
         self._planned = -1
         self._next_mb = 0
@@ -246,10 +245,14 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
         assert ctx is not None
         self.loss_fn = loss_fn
         k = self._k0
-        # Measured at about a micro-batch's size (the default plan's: 2 K per replica batch).
-        self.profile, self.layer_times = layer_profile(
-            self.model, inputs[:max(1, inputs.shape[0] // (2 * k))],
-            costs=self.options.layer_costs, group=ctx.groups.workers, owner=self.name)
+        # Measured at about a micro-batch's size (the default plan's: 2 K per replica batch;
+        # 2 samples at least, as a batch norm in training takes no fewer), or as the run
+        # this one resumes measured them.
+        size = max(min(2, inputs.shape[0]), inputs.shape[0] // (2 * k))
+        self.profile, self.layer_seconds = layer_profile(
+            self.model, inputs[:size], costs=self.options.layer_costs,
+            group=ctx.groups.workers, owner=self.name,
+            seconds=(self._resume or {}).get("layer_seconds"))
         self.global_batch = inputs.shape[0] * self.replica[1]  # the plan's, or a resumed one's
         self.memory = min(d.type.memory_bytes for d in self._cluster().devices)
         self.state_factor = optimizer_state_factor(self.base_optimizer)
@@ -521,7 +524,8 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
         where = self.plan.pipeline_of(self.ctx.worker_index) if self.plan else None
         weights, state = self._held()
         return {"where": where, "weights": weights, "state": state,
-                "source": getattr(self, "source_replica", None)}
+                "source": getattr(self, "source_replica", None),
+                "layer_seconds": self.layer_seconds}
 
     def state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """Replica 0's stages (and its frozen front) gathered on worker 0."""
@@ -540,15 +544,17 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
 
     def checkpoint_state(self) -> dict[str, Any]:
         """This worker's plan (frozen layers, K, R, cuts, micro-batches), the freeze
-        timeline and gradient-norm tracker, the minibatch count, and its stage optimizer's
-        state by name; the weights are the checkpoint's model (replica 0's, which every
+        timeline and gradient-norm tracker, the minibatch count, the measured layer times
+        (``--layer-costs measured``: a resumed run plans with them), and its stage
+        optimizer's state by name; the weights are the checkpoint's model (replica 0's, which every
         replica equals). The activation cache is not kept: a resumed run refills it."""
         if self.plan is None:
             return {}
         return {"plan": self.plan, "timeline": copy.deepcopy(self.timeline),
                 "tracker": copy.deepcopy(self.tracker), "planned": self._planned,
                 "next_mb": self._next_mb, "stage_optimizer": self._stage_optimizer_state(),
-                "source": getattr(self, "source_replica", None)}
+                "source": getattr(self, "source_replica", None),
+                "layer_seconds": self.layer_seconds}
 
     def load_checkpoint_state(self, state: Mapping[str, Any]) -> None:
         """Keep the saved state until the first step, which installs its plan (planning
@@ -591,8 +597,8 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
                 "disk_bytes", "disk_entries")
         out = {"freeze_timeline": self.timeline,
                "cache": {k: total.get(k, 0) for k in keys}}
-        if self.layer_times is not None:
-            out["layer_costs_ms"] = self.layer_times
+        if self.layer_seconds is not None and self.profile is not None:
+            out["layer_costs_ms"] = costs_record(self.profile.names, self.layer_seconds)
         return out
 
     def close(self) -> None:
