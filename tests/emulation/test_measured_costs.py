@@ -64,9 +64,14 @@ def test_layer_profile_in_one_process_and_its_refusal():
     model = _model()
     flops, none = layer_profile(model, torch.randn(4, 8), costs="flops", group=None, owner="x")
     assert none is None and flops == profile_model(model, torch.randn(1, 8))
-    measured, times = layer_profile(model, torch.randn(4, 8), costs="measured", group=None,
-                                    owner="x")
-    assert list(times) == list(flops.names)
+    measured, seconds = layer_profile(model, torch.randn(4, 8), costs="measured", group=None,
+                                      owner="x")
+    assert len(seconds) == 5 and all(f > 0 and b > 0 for f, b in seconds)
+    # Times given (a checkpoint's) are used as they are: nothing is measured.
+    given = [(1.0, 1.0)] * 4 + [(6.0, 0.0)]
+    again, kept = layer_profile(model, torch.randn(4, 8), costs="measured", group=None,
+                                owner="x", seconds=given)
+    assert kept == given and again == with_measured_costs(flops, given)
     slowest = max(range(5), key=lambda i: measured.layers[i].fwd_flops)
     assert slowest == 3 and max(range(5), key=lambda i: flops.layers[i].fwd_flops) != 3
     with pytest.raises(ConfigError, match="unknown layer cost 'timed'.*flops, measured"):
