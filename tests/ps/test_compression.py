@@ -358,3 +358,12 @@ def test_the_compressed_stores_codec_state_comes_back_with_a_set_of_its_size():
     with pytest.raises(CommError, match="a SET restores the codec's state"):
         second.handle(Request(2, Op.SET, 1, 0, 3, DTYPES[6], seq=11, lane=0,
                               payload=torch.zeros(3, dtype=torch.uint8)))
+
+
+@pytest.mark.parametrize("name", ["topk:1234567", "topk:0.0123456789", "randomk:0.01",
+                                  "topk:25", "randomk:1e-05"])
+def test_a_compressors_spec_keeps_every_digit(name):
+    # ":g" kept six digits: topk:1234567 reached the servers as topk:1.23457e+06, K 1234570,
+    # and their byte count differed from the worker's.
+    c = compressor(name)
+    assert compressor(c.spec()) == c and c.spec() == name

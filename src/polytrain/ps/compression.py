@@ -258,7 +258,9 @@ class _Sparse(Compressor):
         return out
 
     def spec(self) -> str:
-        return f"{self.name}:{self.k:g}"
+        # Every digit (":g" kept six: topk:1234567 reached the servers as 1234570).
+        k = self.k
+        return f"{self.name}:{int(k) if k >= 1 and k == int(k) else repr(float(k))}"
 
 
 @dataclass(frozen=True)

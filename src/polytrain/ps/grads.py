@@ -263,7 +263,10 @@ class GradientSync:
         if self.keep_missing:
             came = torch.tensor([h is not None for h in self._handed], dtype=torch.float32,
                                 device=self.params[0].device)
-            dist.all_reduce(came, group=self.engine.ctx.groups.workers)
+            ctx = self.engine.ctx
+            dist.all_reduce(came, group=ctx.groups.workers)
+            # The meter sees what crosses machines: this too (4 bytes a parameter).
+            ctx.meter.record_ring_allreduce(ctx.topology.workers, came.numel() * 4)
             for p, n in zip(self.params, came.tolist()):
                 if n == 0:
                     p.grad = None
