@@ -260,7 +260,7 @@ class _Sparse(Compressor):
     def spec(self) -> str:
         # Every digit (":g" kept six: topk:1234567 reached the servers as 1234570).
         k = self.k
-        return f"{self.name}:{int(k) if k >= 1 and k == int(k) else repr(float(k))}"
+        return f"{self.name}:{int(k) if float(k).is_integer() else repr(float(k))}"
 
 
 @dataclass(frozen=True)
