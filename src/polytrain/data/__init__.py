@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from typing import Callable
 
 import torch
@@ -28,20 +29,18 @@ def _part(start: float, end: float) -> Callable[[], torch.Tensor]:
     return part
 
 
-# A fine-tuning task: pre-train on the first three quarters of the corpus (modules whose
-# paths sort first), fine-tune on the last 64th (other modules, other code; small enough
-# that a short fine-tuning run sees it for a few epochs).
 def corpus_digest(tokens: torch.Tensor) -> str:
     """The sha256 of a corpus's token ids: the data sets are this Python's standard library,
     so another Python (another machine's, or after an upgrade) is another corpus."""
-    import hashlib
-
     return hashlib.sha256(tokens.contiguous().cpu().numpy().tobytes()).hexdigest()
 
 
 #: The data set a run trains on unless told (``--data``).
 DEFAULT_DATASET = "text"
 
+# A fine-tuning task: pre-train on the first three quarters of the corpus (modules whose
+# paths sort first), fine-tune on the last 64th (other modules, other code; small enough
+# that a short fine-tuning run sees it for a few epochs).
 _DATASETS: dict[str, Callable[[], torch.Tensor]] = {
     "text": stdlib_corpus, "text-pretrain": _part(0.0, 0.75),
     "text-finetune": _part(63 / 64, 1.0)}

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..data import DEFAULT_DATASET
 from ..errors import ConfigError, unknown
 from .gpt import GPT
 from .gpt_moe import GPTMoEOptions, gpt_moe
@@ -95,8 +96,6 @@ class ModelSpec:
 
     def check_data(self, data: str) -> None:
         """Refuse a ``--data`` other than the default for a model with its own corpus."""
-        from ..data import DEFAULT_DATASET
-
         if self.corpus is not None and data != DEFAULT_DATASET:
             raise ConfigError(f"model {self.name!r} trains on its own corpus, and --data "
                               f"{data} would be ignored", "leave --data out")

@@ -170,7 +170,7 @@ class HetPipe(Strategy[HetPipeOptions]):
             raise ConfigError("strategy 'hetpipe' keeps the global weights on parameter "
                               "servers (Wave Synchronous Parallel), but the run has none",
                               "pass --servers 1 (or more)")
-        cls.check_machines(layout, options)
+        super().check_layout(layout, options)
 
     @classmethod
     def check_machines(cls, layout: Layout, options: HetPipeOptions) -> None:

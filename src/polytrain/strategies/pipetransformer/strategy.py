@@ -524,8 +524,7 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
         where = self.plan.pipeline_of(self.ctx.worker_index) if self.plan else None
         weights, state = self._held()
         return {"where": where, "weights": weights, "state": state,
-                "source": getattr(self, "source_replica", None),
-                "layer_seconds": self.layer_seconds}
+                "source": getattr(self, "source_replica", None)}
 
     def state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """Replica 0's stages (and its frozen front) gathered on worker 0."""
@@ -546,8 +545,8 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
         """This worker's plan (frozen layers, K, R, cuts, micro-batches), the freeze
         timeline and gradient-norm tracker, the minibatch count, the measured layer times
         (``--layer-costs measured``: a resumed run plans with them), and its stage
-        optimizer's state by name; the weights are the checkpoint's model (replica 0's, which every
-        replica equals). The activation cache is not kept: a resumed run refills it."""
+        optimizer's state by name; the weights are the checkpoint's model (replica 0's,
+        which every replica equals). The activation cache is not kept: a resumed run refills it."""
         if self.plan is None:
             return {}
         return {"plan": self.plan, "timeline": copy.deepcopy(self.timeline),
