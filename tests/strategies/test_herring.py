@@ -262,13 +262,14 @@ def test_find_unused_parameters_leaves_a_parameter_no_worker_used_as_torch_ddp_d
     assert float((zeros["b.weight"] - torch_ddp["b.weight"]).abs().max()) > 1e-3
 
 
-def step_inside_no_sync(leave: bool = False) -> None:
+def step_inside_no_sync(leave: bool = False, summed_first: bool = False) -> None:
     polytrain.init()
     model = nn.Linear(4, 2)
     trainer_model, opt = polytrain.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1),
                                               strategy="herring")
     trainer_model(torch.randn(2, 4)).sum().backward()
-    opt.step()  # a synchronised step first: the check is per step
+    if not summed_first:
+        opt.step()  # a synchronised step first: the check is per step
     with trainer_model.no_sync():
         trainer_model(torch.randn(2, 4)).sum().backward()
         if not leave:
@@ -296,11 +297,86 @@ def test_a_process_group_other_than_the_workers_is_refused():
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("leave, where", [(False, "inside"),
-                                          (True, "after every backward inside")])
-def test_a_step_inside_no_sync_before_any_synchronised_gradient_is_refused(leave, where):
+@pytest.mark.parametrize("leave, summed_first, where", [
+    (False, False, "inside"), (True, False, "after a backward inside"),
+    (True, True, "after a backward inside")])
+def test_a_step_after_a_backward_inside_no_sync_and_none_outside_it_is_refused(
+        leave, summed_first, where):
     # A step after leaving no_sync(), with every backward of the step inside it, was let
-    # through: each worker applied only its own gradients, and the replicas drifted apart.
+    # through: each worker applied only its own gradients, and the replicas drifted apart;
+    # so was one whose step had a summed backward before the no_sync() one (summed_first).
     with pytest.raises(LaunchError, match=rf"optimizer.step\(\) {where} herring's no_sync\(\) "
-                                          r"with no gradient synchronised"):
-        spawn(step_inside_no_sync, workers=2, colocated=1, args=(leave,))
+                                          r"with no gradient synchronised since"):
+        spawn(step_inside_no_sync, workers=2, colocated=1, args=(leave, summed_first))
+
+
+class _Loud(nn.Module):
+    """One float16 parameter whose gradient, 40000 on every worker, is past float16's range
+    once summed over two."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(8, dtype=torch.float16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.w * x).sum()
+
+
+def loud_script(kind: str) -> torch.Tensor:
+    ctx = polytrain.init()
+    model = nn.parallel.DistributedDataParallel(_Loud(), process_group=ctx.groups.workers)
+    if kind == "hook":
+        from polytrain.herring import HerringHookState, herring_hook
+        model.register_comm_hook(HerringHookState(ctx), herring_hook)
+    model(torch.full((8,), 40000.0, dtype=torch.float16)).backward()
+    return model.module.w.grad.clone()
+
+
+@pytest.mark.timeout(90)
+def test_the_comm_hook_averages_float16_gradients_whose_sum_overflows_as_torch_ddp_does():
+    # The hook summed the bucket and divided after: 80000 is inf in float16.
+    torch_ddp = spawn(loud_script, workers=2, colocated=1, args=("torch",))[0]
+    hook = spawn(loud_script, workers=2, colocated=1, args=("hook",))[0]
+    assert torch.equal(torch_ddp, torch.full((8,), 40000.0, dtype=torch.float16))
+    assert torch.equal(hook, torch_ddp)
+
+
+def refreeze_script(change: str) -> dict:
+    """SGD with momentum and weight decay; the first layer's requires_grad changes at step 2,
+    after the wrap."""
+    ctx = polytrain.init()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3))
+    model[0].requires_grad_(change == "freeze")
+    from polytrain.herring import DistributedDataParallel as DDP
+    ddp = DDP(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
+    gen = torch.Generator().manual_seed(1)
+    at_change = None
+    for step in range(4):
+        if step == 2:
+            model[0].requires_grad_(change == "unfreeze")
+            at_change = model[0].weight.detach().clone()
+        x, y = torch.randn(4, 6, generator=gen), torch.randn(4, 3, generator=gen)
+        opt.zero_grad()
+        nn.functional.mse_loss(ddp(polytrain.shard(x, ctx.worker_index, ctx.num_workers)),
+                               polytrain.shard(y, ctx.worker_index, ctx.num_workers)).backward()
+        opt.step()
+    return {"at_change": at_change, "end": model[0].weight.detach().clone(),
+            "grad": model[0].weight.grad}
+
+
+@pytest.mark.timeout(90)
+def test_a_parameter_frozen_after_the_wrap_is_left_alone_as_in_one_process():
+    # Its gradient came back as zeros, and momentum and weight decay moved it.
+    out = spawn(refreeze_script, workers=2, colocated=1, args=("freeze",))[0]
+    assert out["grad"] is None
+    assert torch.equal(out["end"], out["at_change"])
+
+
+@pytest.mark.timeout(90)
+def test_a_parameter_unfrozen_after_the_wrap_is_refused_naming_it():
+    # It had no sum: each worker stepped on its own gradient, and the copies drifted apart.
+    with pytest.raises(LaunchError, match=r"parameter '0.weight' requires a gradient, but did "
+                                          r"not when the model was wrapped"):
+        spawn(refreeze_script, workers=2, colocated=1, args=("unfreeze",))

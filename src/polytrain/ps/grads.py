@@ -251,6 +251,8 @@ class GradientSync:
             total = self.engine.wait(t)
             for m, off in zip(bucket.members, bucket.offsets):
                 p = self.params[m]
+                if p.grad is None and not p.requires_grad:
+                    continue  # frozen since (requires_grad_(False)): as one process, no .grad
                 if p.grad is None:
                     p.grad = torch.empty_like(p)
                 p.grad.copy_(total[off:off + p.numel()].view(p.shape))

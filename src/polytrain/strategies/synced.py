@@ -62,12 +62,26 @@ class SyncedModule(nn.Module):
         return [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._check_trained()
         if self.broadcast_buffers and self.ctx.num_workers > 1:
             src = self.ctx.topology.workers[0]
             with torch.no_grad():
                 for b in self.module.buffers():
                     dist.broadcast(b.data, src=src, group=self.ctx.groups.workers)
         return self.module(*args, **kwargs)
+
+    def _check_trained(self) -> None:
+        """Refuse a parameter unfrozen since the wrap: :attr:`sync` has no sum for it, so each
+        worker would step on its own gradient and the copies drift apart. (One frozen since
+        keeps ``.grad`` None, as in one process: :meth:`GradientSync.synchronize`.)"""
+        summed = {id(p) for p in self.sync.params}
+        for name, p in self.module.named_parameters():
+            if p.requires_grad and id(p) not in summed:
+                raise ConfigError(
+                    f"parameter {name!r} requires a gradient, but did not when the model was "
+                    f"wrapped: its gradients would not be summed, and each worker's copy "
+                    f"would drift apart", "set requires_grad before wrapping the model, or "
+                    "close() the wrapped model and wrap its .module again")
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -60,7 +60,8 @@ class HerringHookState:
         self.first_key = self.ctx.keys.take(_MAX_BUCKETS * _LAYOUTS * self.pieces)
         self.sums: dict[tuple[int, int], SumTensor] = {}
         self.layout: dict[int, list[int]] = {}  # bucket index -> the numels seen, in order
-        self.waiting: queue.Queue[tuple[SumTensor, torch.Tensor, Any] | None] = queue.Queue()
+        self.waiting: queue.Queue[tuple[SumTensor, torch.Tensor, bool, Any] | None] = \
+            queue.Queue()
         self._thread = threading.Thread(target=self._wait, daemon=True,
                                         name="polytrain-herring-hook")
         self._thread.start()
@@ -86,10 +87,12 @@ class HerringHookState:
 
     def _wait(self) -> None:
         while (item := self.waiting.get()) is not None:
-            t, buffer, fut = item
+            t, buffer, divided, fut = item
             try:
                 total = self.engine.wait(t)
-                buffer.copy_(total.view_as(buffer).to(buffer.device)).div_(self.ctx.num_workers)
+                buffer.copy_(total.view_as(buffer).to(buffer.device))
+                if not divided:
+                    buffer.div_(self.ctx.num_workers)
                 fut.set_result(buffer)
             except BaseException as e:  # noqa: BLE001 - DDP raises it from the future
                 fut.set_exception(e)
@@ -104,9 +107,15 @@ def herring_hook(state: HerringHookState,
     """Average one DDP bucket over every worker through Herring's servers (a comm hook)."""
     buffer = bucket.buffer()
     t = state._sum_of(bucket.index(), buffer.numel(), buffer.dtype)
-    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future(
+        devices=[buffer.device] if buffer.is_cuda else None)
+    # A 16-bit sum of W gradients can overflow (the servers answer in the bucket's dtype):
+    # such a bucket travels divided, as torch's default hook divides before its all-reduce.
+    divided = buffer.dtype in (torch.float16, torch.bfloat16)
+    if divided:
+        buffer.div_(state.ctx.num_workers)
     state.engine.submit(t, buffer)
-    state.waiting.put((t, buffer, fut))
+    state.waiting.put((t, buffer, divided, fut))
     return fut
 
 

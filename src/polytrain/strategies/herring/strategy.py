@@ -59,16 +59,18 @@ class Herring(ServedStrategy[HerringOptions]):
         synced = [0]
 
         def check(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-            # A step inside no_sync(), or after it with every backward of the step inside it:
-            # nothing was summed.
-            if ddp.sync.synced == synced[0] and (not ddp.sync.enabled or ddp.sync.unsynced):
-                where = "inside" if not ddp.sync.enabled else "after every backward inside"
+            # A backward inside no_sync() with none outside it since (even after a summed
+            # one): .grad holds this worker's own gradients of it. A step inside no_sync()
+            # with nothing summed since the last step: none at all.
+            sync = ddp.sync
+            if sync.unsynced or (not sync.enabled and sync.synced == synced[0]):
+                where = "inside" if not sync.enabled else "after a backward inside"
                 raise ConfigError(f"optimizer.step() {where} herring's no_sync() with no "
-                                  f"gradient synchronised since the last step: each worker "
-                                  f"would apply only its own gradients",
+                                  f"gradient synchronised since: each worker would apply "
+                                  f"its own gradients, and the copies would drift apart",
                                   "run the last backward of the step outside no_sync(), "
                                   "then step")
-            synced[0] = ddp.sync.synced
+            synced[0] = sync.synced
 
         optimizer.register_step_pre_hook(check)
         return ddp, optimizer
