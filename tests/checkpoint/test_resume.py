@@ -316,6 +316,19 @@ def test_hetpipe_with_adam_on_the_servers_resumes_bit_for_bit():
     assert again["losses"] == whole["losses"]
 
 
+@pytest.mark.timeout(180)
+def test_hetpipe_with_twin_virtual_workers_resumes_bit_for_bit():
+    # Policy bd: each process runs two virtual workers' stages, the twin's on a copy of the
+    # model made at the wrap. The resume loaded the checkpoint's weights into the model
+    # only, and the twins restarted from the initial weights.
+    config = hetpipe(steps=6, inflight=1).replace(
+        strategy_options={"inflight": 1, "staleness": 0, "policy": "bd"})
+    whole, final, again, final_again = stop_and_resume(config, 3)
+    assert again["checkpoints"]["resumed_at"] == 3
+    assert_equal_weights(final, final_again)
+    assert again["losses"] == whole["losses"]
+
+
 @pytest.mark.long  # (moved to the long tier to keep CI short)
 @pytest.mark.timeout(180)
 def test_hetpipe_with_the_stages_own_adam_resumes_within_rounding():

@@ -409,6 +409,12 @@ class HetPipe(Strategy[HetPipeOptions]):
             return own or {}
         return {k: merged[k] for k in model.state_dict()}
 
+    def load_model_state(self, model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+        """Into the model and, with policy bd, the twin's copy (made by :meth:`wrap` from the
+        weights then): a twin's stage takes its layers from it at the first step."""
+        for role in self.roles:
+            role.model.load_state_dict(dict(state))
+
     def checkpoint_state(self) -> dict[str, Any]:
         """Per lane of this process: its stage's own optimizer state (which makes the updates
         with ``--no-server-optimizer``, the paper's), and, with
