@@ -380,3 +380,26 @@ def test_a_parameter_unfrozen_after_the_wrap_is_refused_naming_it():
     with pytest.raises(LaunchError, match=r"parameter '0.weight' requires a gradient, but did "
                                           r"not when the model was wrapped"):
         spawn(refreeze_script, workers=2, colocated=1, args=("unfreeze",))
+
+
+def frozen_on_one_worker() -> str:
+    ctx = polytrain.init()
+    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3))
+    model[0].requires_grad_(ctx.worker_index != 1)
+    from polytrain.herring import DistributedDataParallel as DDP
+    try:
+        DDP(model)
+    except ConfigError as e:
+        return str(e)
+    return "accepted"
+
+
+@pytest.mark.timeout(90)
+def test_workers_that_freeze_other_parameters_are_refused_on_every_worker():
+    # Their buckets differed: a declaration mismatch naming bucket keys on some workers, a
+    # timeout on the others.
+    for said in spawn(frozen_on_one_worker, workers=2, colocated=1):
+        assert said.startswith("worker rank 1's trained parameters (requires_grad) differs "
+                               "from worker rank 0's"), said
+        assert said.endswith("HINT: freeze the same parameters on every worker before "
+                             "wrapping the model")
