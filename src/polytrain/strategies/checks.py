@@ -21,12 +21,14 @@ __all__ = ["check_even_machines", "check_dense_gradients", "check_optimizer_of",
 Signature = list[tuple[str, tuple[int, ...], str]]
 
 
-def check_even_machines(strategy: str, topology: Topology) -> None:
+def check_even_machines(strategy: str, topology: Topology,
+                        why: str = "lays out its stages by machine") -> None:
     """Refuse machines with unlike numbers of workers for a strategy that lays itself out by
-    machine (``polytrain launch`` and ``train`` only start even ones; torchrun may not)."""
+    machine (``why``; ``polytrain launch`` and ``train`` only start even ones; torchrun may
+    not)."""
     counts = {m: len(topology.workers_on(m)) for m in topology.worker_machines}
     if len(set(counts.values())) > 1:
-        raise ConfigError(f"strategy {strategy!r} lays out its stages by machine and needs as "
+        raise ConfigError(f"strategy {strategy!r} {why} and needs as "
                           f"many workers on each, but this run has "
                           + ", ".join(f"{n} on {m}" for m, n in counts.items()),
                           "start as many workers on every machine (torchrun: the same "

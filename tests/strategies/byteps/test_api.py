@@ -240,3 +240,27 @@ def test_more_backward_passes_than_a_step_sums_are_refused_not_lost():
     assert re.match(r"'(weight|bias)' had a gradient from 2 backward passes before the step "
                     r"synchronised it, and 1 is summed", said), said
     assert "pass backward_passes_per_step=N" in said
+
+
+def compressed_drop_in() -> dict:
+    """BytePS's DistributedDataParallel with a compressor and the options that need one."""
+    polytrain.init()
+    out = {}
+    model = DDP(nn.Linear(64, 64), compression=bps.Compression.onebit, error_feedback=True,
+                compress_min_bytes=0)
+    out["compressed"] = list(model.sync.packed)
+    model.close()
+    try:
+        DDP(nn.Linear(4, 2), compression=bps.Compression.onebit, compress="topk:0.1")
+    except ConfigError as e:
+        out["both"] = str(e)
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_the_drop_in_takes_compression_with_the_options_that_need_one():
+    # Its options were checked before compression= was seen: error_feedback=True was refused
+    # as '--compress is none'; and compress= beside compression= was dropped silently.
+    for out in spawn(compressed_drop_in, workers=2, colocated=1):
+        assert out["compressed"]  # the weight's bucket travels compressed
+        assert out["both"].startswith("DistributedDataParallel got both compression=")

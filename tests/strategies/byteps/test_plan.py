@@ -5,10 +5,12 @@ import torch
 
 from polytrain import ConfigError
 from polytrain.comm import TensorSpec
+from polytrain.comm.topology import Topology
 from polytrain.models import GPT
 from polytrain.strategies.byteps.plan import (
     MIN_SPLIT_BYTES,
     optimal_shares,
+    plan_for,
     plan_placement,
 )
 
@@ -134,3 +136,16 @@ def test_colocated_servers_must_cover_every_machine():
     with pytest.raises(ConfigError, match="one colocated server.*HINT"):
         plan_placement(gpt_specs(), partition_bytes=4096, machines=3, colocated=[4, 5],
                        dedicated=[])
+
+
+def test_machines_of_other_worker_counts_are_refused_naming_the_counts():
+    # torchrun may start 2 workers on one machine and 1 on another: the handlers came from
+    # the first machine, and the lone worker was refused with a hint it could not act on
+    # ('use handler indices 0 .. 0') while the others waited out the timeout.
+    topology = Topology.from_roles([("worker", "a"), ("worker", "a"), ("worker", "b"),
+                                    ("server", "a"), ("server", "b")])
+    with pytest.raises(ConfigError, match=r"strategy 'byteps' reduces each machine's gradients "
+                                          r"among its workers first \(a piece each\) and needs "
+                                          r"as many workers on each, but this run has 2 on a, "
+                                          r"1 on b"):
+        plan_for(topology, [TensorSpec("w", (1000,), F32)], partition_bytes=4096)

@@ -32,9 +32,8 @@ from ...ps.engine import Engine, SumTensor, engine_for
 from ...runtime import Context
 from ..checks import check_same_tensors, tensor_signature
 from .async_mode import AsyncOptimizer
-from .optimizer import Choice
+from .optimizer import Choice, checked_options
 from .optimizer import DistributedOptimizer as _SyncOptimizer
-from .options import BytePSOptions
 from .plan import plan_for
 
 log = logging.getLogger(__name__)
@@ -350,17 +349,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 - ByteP
             compression=polytrain.byteps.Compression.onebit, error_feedback=True)
     """
     ctx = _worker_ctx(ctx, "DistributedOptimizer")
-    compress = options.pop("compress", None)
-    if compress is not None and compression is not None:
-        raise ConfigError(f"DistributedOptimizer got both compression={compression!r} and "
-                          f"compress={compress!r}", "pass one of them (compression is "
-                          "BytePS's name for it)")
-    chosen = (compress or "none") if compression is None else compression
-    # Every compressor in use is checked as --compress is (its name, async's refusal).
-    values = list(chosen.values()) if isinstance(chosen, Mapping) else [chosen]
-    specs = sorted({v if isinstance(v, str) else v.spec() for v in values if v is not None})
-    for spec in specs or ["none"]:
-        opts = BytePSOptions(**options, compress=spec)
+    opts, chosen = checked_options("DistributedOptimizer", compression, options)
     engine = engine_for(ctx, credit_bytes=opts.credit_bytes)
     placing: dict[str, Any] = {"partition_bytes": opts.partition_bytes,
                                "colocate": opts.colocate, "compression": chosen,

@@ -22,8 +22,7 @@ from ...errors import ConfigError
 from ...ps.engine import engine_for
 from ...runtime import Context
 from ..synced import SyncedModule, keep_missing_for
-from .optimizer import Choice, gradient_sync
-from .options import BytePSOptions
+from .optimizer import Choice, checked_options, gradient_sync
 
 __all__ = ["DistributedDataParallel"]
 
@@ -54,7 +53,7 @@ class DistributedDataParallel(SyncedModule):
                  compression: Choice | Mapping[str, Choice] = None, *,
                  ctx: Context | None = None, **options: Any) -> None:
         ctx = ctx or runtime.current()
-        opts = BytePSOptions(**options)
+        opts, chosen = checked_options("DistributedDataParallel", compression, options)
         if opts.async_:
             raise ConfigError("DistributedDataParallel sums gradients synchronously; "
                               "async_ does not apply", "use DistributedOptimizer(..., "
@@ -67,7 +66,7 @@ class DistributedDataParallel(SyncedModule):
         super().__init__(module, ctx, broadcast_buffers=broadcast_buffers, method="BytePS")
         self.plan, self.sync = gradient_sync(
             engine_for(ctx, credit_bytes=opts.credit_bytes), self.trained(),
-            compression=opts.compress if compression is None else compression,
+            compression=chosen,
             error_feedback=opts.error_feedback, compress_momentum=opts.compress_momentum,
             compress_min_bytes=opts.compress_min_bytes, fuse_bytes=opts.fuse_bytes,
             compress_warmup=opts.compress_warmup,

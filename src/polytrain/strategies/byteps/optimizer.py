@@ -16,15 +16,35 @@ from ...errors import ConfigError, at_least
 from ...ps.compression import DEFAULT_MIN_BYTES, CompressOptions, Compressor, compressor
 from ...ps.engine import Engine
 from ...ps.grads import GradientSync, bucket_specs
-from .options import DEFAULT_FUSE_BYTES, check_refresh
+from .options import DEFAULT_FUSE_BYTES, BytePSOptions, check_refresh
 from .plan import Plan, plan_for
 
 __all__ = ["DistributedOptimizer", "WrappedOptimizer", "named_params_of", "Choice",
-           "tensor_compression", "warmup_compression", "fused_buckets", "gradient_sync",
-           "FROZEN_VARIANCE"]
+           "checked_options", "tensor_compression", "warmup_compression", "fused_buckets",
+           "gradient_sync", "FROZEN_VARIANCE"]
 
 #: A compressor, its name (``"topk:0.01"``), or None / ``"none"``: uncompressed.
 Choice = Union[Compressor, str, None]
+
+
+def checked_options(owner: str, compression: Choice | Mapping[str, Choice],
+                    options: Mapping[str, Any]
+                    ) -> tuple[BytePSOptions, Choice | Mapping[str, Choice]]:
+    """The options a wrapper (``owner``) was given, checked as the CLI's flags are, with each
+    compressor in use as ``--compress`` (its name, the options that need one, async's
+    refusal), and the compression chosen: ``compression`` (BytePS's name), else ``options``'
+    ``compress``, else none; both given is refused."""
+    options = dict(options)
+    compress = options.pop("compress", None)
+    if compress is not None and compression is not None:
+        raise ConfigError(f"{owner} got both compression={compression!r} and "
+                          f"compress={compress!r}", "pass one of them (compression is "
+                          "BytePS's name for it)")
+    chosen = (compress or "none") if compression is None else compression
+    values = list(chosen.values()) if isinstance(chosen, Mapping) else [chosen]
+    specs = sorted({v if isinstance(v, str) else v.spec() for v in values if v is not None})
+    opts = [BytePSOptions(**options, compress=spec) for spec in specs or ["none"]]
+    return opts[0], chosen
 
 
 def _resolve(choice: Choice) -> Compressor | None:

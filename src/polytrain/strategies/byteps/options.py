@@ -124,6 +124,10 @@ class BytePSOptions:
         if self.fuse_bytes < 0:
             raise ConfigError(f"--fuse-bytes must be 0 (no fusion) or more (got "
                               f"{self.fuse_bytes})", "pass --fuse-bytes 4096000, or 0")
+        if self.async_ and self.fuse_bytes != DEFAULT_FUSE_BYTES:
+            raise ConfigError(f"--fuse-bytes fuses synchronous BytePS's gradients; --async "
+                              f"pushes each parameter's update alone (got --fuse-bytes "
+                              f"{self.fuse_bytes})", "drop --async, or leave out --fuse-bytes")
         if self.credit_bytes < 0:
             raise ConfigError(f"--credit-bytes must be 0 (no bound) or more (got "
                               f"{self.credit_bytes})", "pass --credit-bytes 1024000")

@@ -25,6 +25,7 @@ from ...comm.partition import Partition, TensorSpec, partition
 from ...comm.topology import Topology
 from ...errors import ConfigError
 from ...ps.placement import Placement, server_ranks, spread_handlers
+from ..checks import check_even_machines
 
 __all__ = ["Shares", "optimal_shares", "Plan", "plan_placement", "plan_for", "MIN_SPLIT_BYTES"]
 
@@ -247,6 +248,9 @@ def plan_for(topology: Topology, specs: Sequence[TensorSpec], *, partition_bytes
     and every dedicated server take part; keys are numbered from 0 (the engine
     gives them fresh service keys).
     """
+    # Every worker plans at the same point, so each refuses: none waits for the others.
+    check_even_machines("byteps", topology, "reduces each machine's gradients among its "
+                        "workers first (a piece each)")
     colocated, dedicated = server_ranks(topology, colocate=colocate, strategy="byteps")
     local = len(topology.workers_on(topology.worker_machines[0]))
     return plan_placement(specs, partition_bytes=partition_bytes,

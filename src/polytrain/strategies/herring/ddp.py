@@ -27,6 +27,7 @@ from ...ps.engine import engine_for
 from ...ps.grads import GradientSync
 from ...ps.placement import server_ranks
 from ...runtime import Context
+from ..checks import check_even_machines
 from ..synced import SyncedModule, keep_missing_for
 from .plan import HerringPlan, plan_herring
 
@@ -35,6 +36,9 @@ __all__ = ["DistributedDataParallel", "DEFAULT_BUCKET_CAP_MB"]
 log = logging.getLogger(__name__)
 
 DEFAULT_BUCKET_CAP_MB = 25.0  # torch DDP's and Herring's
+#: Why herring needs as many workers on every machine: machines of other worker counts would
+#: declare other keys (a mismatch, or a hang).
+EVEN_MACHINES = "cuts every shard into one piece per worker of a machine"
 
 
 def bucket_cap_bytes(mb: float, name: str = "bucket_cap_mb") -> int:
@@ -96,13 +100,7 @@ class DistributedDataParallel(SyncedModule):
                     f"herring sums gradients over every worker (ranks "
                     f"{sorted(ctx.topology.workers)}), but process_group has ranks {members}",
                     "leave process_group out, or pass ctx.groups.workers")
-        per_machine = {m: len(ctx.topology.workers_on(m)) for m in ctx.topology.worker_machines}
-        if len(set(per_machine.values())) > 1:
-            # Each machine cuts every shard into one piece per local worker: machines of other
-            # worker counts would declare other keys (a mismatch, or a hang).
-            raise ConfigError(f"herring needs the same number of workers on every machine "
-                              f"(workers per machine: {per_machine})",
-                              "start as many worker processes on each machine")
+        check_even_machines("herring", ctx.topology, EVEN_MACHINES)
         super().__init__(module, ctx, broadcast_buffers=broadcast_buffers, method="herring")
         named = self.trained()
         self.plan: HerringPlan = plan_herring(

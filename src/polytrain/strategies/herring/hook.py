@@ -26,7 +26,8 @@ from ...comm.partition import TensorSpec
 from ...errors import ConfigError
 from ...ps.engine import SumTensor, engine_for
 from ...runtime import Context
-from .ddp import herring_servers
+from ..checks import check_even_machines
+from .ddp import EVEN_MACHINES, herring_servers
 from .plan import plan_herring
 
 __all__ = ["HerringHookState", "herring_hook"]
@@ -53,6 +54,7 @@ class HerringHookState:
 
     def __init__(self, ctx: Context | None = None, *, colocate: bool = True) -> None:
         self.ctx = ctx or runtime.current()
+        check_even_machines("herring", self.ctx.topology, EVEN_MACHINES)
         self.engine = engine_for(self.ctx)
         self.servers = herring_servers(self.ctx, colocate=colocate)
         self.local = len(self.ctx.local_workers)
