@@ -39,6 +39,31 @@ def test_a_process_that_left_the_run_still_counts_as_having_joined_it():
     assert spawn(joined_then_left, workers=2) == [(False, True, False)] * 2
 
 
+def init_twice() -> list[str]:
+    ctx = polytrain.init(timeout_s=30)
+    said = [str(polytrain.init() is ctx), str(polytrain.init(device="cpu", timeout_s=30) is ctx)]
+    for kwargs in ({"timeout_s": 5}, {"device": "meta"}):
+        try:
+            polytrain.init(**kwargs)
+            said.append("accepted")
+        except ConfigError as e:
+            said.append(str(e))
+    return said
+
+
+@pytest.mark.timeout(60)
+def test_a_second_init_that_asks_for_another_device_or_timeout_is_refused():
+    # It returned the first call's run: a script's init(device="cuda") after distribute()
+    # (which joins the run itself) trained on the CPU, silently.
+    said = spawn(init_twice, workers=1)[0]
+    assert said[:2] == ["True", "True"]
+    assert said[2].startswith("polytrain.init() was called again with timeout_s=5 (it has 30)")
+    assert said[3].startswith("polytrain.init() was called again with device='meta' (it has "
+                              "cpu)")
+    assert said[3].endswith("HINT: pass them to the first call: polytrain.init(...) before "
+                            "distribute() or bps.init(), which join the run themselves")
+
+
 @pytest.mark.timeout(60)
 def test_members_only_groups_between_leaders_and_others():
     # Regression: rank 0 (a leader) and rank 1 hung creating a group of [0, 1]. torch

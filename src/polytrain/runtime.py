@@ -206,6 +206,25 @@ def has_joined() -> bool:
     return _joined
 
 
+def _check_again(ctx: Context, device: str | torch.device | None,
+                 timeout_s: float | None) -> None:
+    """A second :func:`init` returns the run it joined: refuse a device or timeout that
+    differs from that run's (it was ignored, and a script meant for a GPU trained on the CPU,
+    silently). The first call may be another's: ``distribute()``'s, ``bps.init()``'s."""
+    differs = []
+    if device is not None:
+        wanted = torch.device(device)
+        if wanted.type != ctx.device.type or wanted.index not in (None, ctx.device.index):
+            differs.append(f"device={str(device)!r} (it has {ctx.device})")
+    if timeout_s is not None and timeout_s != ctx.timeout_s:
+        differs.append(f"timeout_s={timeout_s:g} (it has {ctx.timeout_s:g})")
+    if differs:
+        raise ConfigError(f"polytrain.init() was called again with {' and '.join(differs)}, "
+                          f"but this process joined its run already, and keeps it",
+                          "pass them to the first call: polytrain.init(...) before "
+                          "distribute() or bps.init(), which join the run themselves")
+
+
 def init(*, device: str | torch.device | None = None, timeout_s: float | None = None,
          server_threads: int = 4, server_idle_s: float | None = None) -> Context:
     """Join the run this process was launched into, and learn everyone's role and machine.
@@ -235,6 +254,7 @@ def init(*, device: str | torch.device | None = None, timeout_s: float | None = 
     """
     global _context, _joined
     if _context is not None:
+        _check_again(_context, device, timeout_s)
         return _context
     env = _env.read()
     timeout = float(timeout_s if timeout_s is not None else env.timeout_s)
