@@ -123,3 +123,24 @@ def test_micro_batches_fill_the_bubble():
     assert choose_microbatches(2, 16) == 4
     assert choose_microbatches(4, 12) == 12
     assert choose_microbatches(4, 6) == 6
+
+
+def test_a_frozen_front_stage_0_cannot_hold_freezes_fewer_layers_not_the_run():
+    # Stage 0 holds the whole frozen front (its weights once); at 5 frozen layers no cut
+    # fitted any K the pipeline could halve to, and the run stopped mid-training with
+    # '3 trained layers cannot fill 1 stages' (memory was the limit, not the layers).
+    from polytrain.emulation.profile import LayerProfile, ModelProfile
+    layer = [LayerProfile(f"l{i}", 1e6, 2e6, 100, 0.0, 4.0, (1,), torch.float32)
+             for i in range(8)]  # 100 bytes of weights: 400 trained (SGD-like state 2)
+    profile = ModelProfile(tuple(layer), (1,), torch.long)
+    plan = plan_pipe(profile, step=0, frozen=0, stages=4, replicas=2, global_batch=32,
+                     memory=850)
+    for asked, frozen in ((3, 3), (5, 4)):
+        plan = plan_pipe(profile, step=10, frozen=asked, stages=plan.stages,
+                         replicas=plan.replicas, global_batch=32, previous=plan, memory=850)
+        assert plan.frozen == frozen
+    assert plan.bounds == (4, 5, 6, 7, 8)
+    with pytest.raises(ConfigError, match=r"no cut of the 4 trained layers into 4 stages or "
+                                          r"fewer fits a device's"):
+        plan_pipe(profile, step=20, frozen=5, stages=plan.stages, replicas=plan.replicas,
+                  global_batch=32, previous=plan, memory=700)

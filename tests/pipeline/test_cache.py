@@ -1,6 +1,7 @@
 """AutoCache: cached activations give the same loss and gradients as recomputing them."""
 
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -158,6 +159,41 @@ def test_a_shared_directory_that_cannot_be_written_ends_the_publishing_not_the_r
     assert "stops publishing its entries there" in caplog.text
     assert cache.shared is None and cache.stats.shared_bytes == 0
     assert cache.get(b"k" * 16)[0] == 1  # kept in the process's own memory
+    cache.close()
+
+
+def test_a_disk_tier_that_fails_costs_recomputing_not_the_run(tmp_path, caplog):
+    # torch.save and torch.load raised from the first stage (a full disk, a tmp cleaner),
+    # and the other stages waited out the timeout naming it as a lost peer.
+    model, layers = _model()
+    x = torch.randint(0, 256, (4, 16))
+    fresh = frozen_forward(layers, x, frozen=2)
+    cache = ActivationCache(memory_bytes=0, directory=str(tmp_path))
+    frozen_forward(layers, x, frozen=2, cache=cache)
+    assert cache.stats.disk_entries == 4
+    shutil.rmtree(cache._dir)  # its files are gone, and so is the directory to write to
+    again = frozen_forward(layers, x, frozen=2, cache=cache)
+    assert torch.equal(again, fresh)
+    assert cache.stats.misses == 8 and cache.stats.hits == 0
+    assert "cannot read" in caplog.text and "cannot write to its disk tier" in caplog.text
+    assert not cache.spilling and cache.stats.disk_entries == 0 == cache.stats.disk_bytes
+    assert torch.equal(frozen_forward(layers, x, frozen=2, cache=cache), fresh)
+    cache.close()
+
+
+def test_float_inputs_of_any_dtype_are_cached_and_told_apart_by_dtype_and_shape():
+    # The key went through numpy, which has no bfloat16: a model fed bfloat16 inputs failed.
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(8, 8).to(torch.bfloat16), torch.nn.Linear(8, 8).to(torch.bfloat16)]
+    x = torch.randn(4, 8, dtype=torch.bfloat16)
+    cache = ActivationCache(memory_bytes=1 << 20)
+    fresh = frozen_forward(layers, x, frozen=1)
+    assert torch.equal(frozen_forward(layers, x, frozen=1, cache=cache), fresh)
+    assert torch.equal(frozen_forward(layers, x, frozen=1, cache=cache), fresh)
+    assert (cache.stats.misses, cache.stats.hits) == (4, 4)
+    a = torch.zeros(4)
+    assert len({ActivationCache.key(a), ActivationCache.key(a.view(2, 2)),
+                ActivationCache.key(a.to(torch.int32))}) == 3  # the same bytes, told apart
     cache.close()
 
 

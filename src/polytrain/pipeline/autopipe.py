@@ -194,11 +194,12 @@ def plan_pipe(profile: ModelProfile, *, step: int, frozen: int, stages: int, rep
     ``memory`` bytes (a device's; ``state_factor``: optimizer state per weight). A first
     plan (no ``previous``) keeps ``stages``. With ``autopipe``, fewer layers than
     ``frozen`` freeze where the trained ones could not fill the fewest stages the
-    pipeline can halve to (the plan's ``frozen`` says how many did).
+    pipeline can halve to, or where stage 0 could not hold the frozen front in
+    ``memory`` (the plan's ``frozen`` says how many did).
 
     Raises:
         ConfigError: every layer frozen, no cut of the first plan fits memory, or no cut
-            of the trained layers fits memory.
+            of the trained layers fits memory even with no more frozen than before.
     """
     names = profile.names
     if frozen >= len(names):
@@ -223,13 +224,22 @@ def plan_pipe(profile: ModelProfile, *, step: int, frozen: int, stages: int, rep
     elif not autopipe:  # freeze only: the cuts stay
         bounds = previous.bounds
     else:
-        best = job.cut(k, r)
-        while best is None:  # fewer trained layers than stages: must halve
-            if not halvable(k, r):
-                raise ConfigError(f"{len(names) - frozen} trained layers cannot fill {k} "
-                                  f"stages", "freeze fewer layers or use fewer stages")
-            k, r = k // 2, r * 2 if autodp else r
-            best = job.cut(k, r)
+        # Stage 0 holds the whole frozen front: where no cut fits memory at any K it can
+        # halve to, freeze fewer (never fewer than before; those fitted).
+        for f in range(frozen, previous.frozen - 1, -1):
+            job = _Job(profile, f, global_batch, memory, state_factor, cached, micro_batches)
+            kk, rr, best = k, r, job.cut(k, r)
+            while best is None and halvable(kk, rr):  # too few trained layers, or memory
+                kk, rr = kk // 2, rr * 2 if autodp else rr
+                best = job.cut(kk, rr)
+            if best is not None:
+                frozen, k, r = f, kk, rr
+                break
+        if best is None:
+            raise ConfigError(f"no cut of the {len(names) - previous.frozen} trained layers "
+                              f"into {k} stages or fewer fits a device's "
+                              f"{memory / 2**20:g} MiB", "use devices with more memory or "
+                              "a smaller --batch-size")
         # The slowest stage's time per step: its cost per sample times the replica's batch.
         limit = previous.bottleneck / previous.replicas
         while halvable(k, r):

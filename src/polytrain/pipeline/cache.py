@@ -104,21 +104,35 @@ class ActivationCache:
         self.memory: dict[bytes, tuple[int, torch.Tensor]] = {}
         self.disk: dict[bytes, tuple[int, Path, int]] = {}
         self.published: dict[bytes, int] = {}  # key -> bytes this process put in ``shared``
+        #: False once the disk tier failed (full, removed): entries past the budget are
+        #: dropped, and their samples' frozen layers run again.
+        self.spilling = True
         self.stats = CacheStats()
 
     @staticmethod
     def key(sample: torch.Tensor) -> bytes:
-        """A sample's identity: a hash of its input's bytes."""
-        data = sample.detach().cpu().contiguous().numpy().tobytes()
-        return hashlib.blake2b(data, digest_size=16).digest()
+        """A sample's identity: a hash of its input's dtype, shape and bytes (as raw bytes:
+        numpy has no bfloat16)."""
+        t = sample.detach().cpu().contiguous().reshape(-1)
+        digest = hashlib.blake2b(f"{t.dtype}{tuple(sample.shape)}".encode(), digest_size=16)
+        digest.update(t.view(torch.uint8).numpy().tobytes())
+        return digest.digest()
 
     def get(self, key: bytes) -> tuple[int, torch.Tensor] | None:
         """(depth, activation) of a cached sample, or None."""
         if key in self.memory:
             return self.memory[key]
         if key in self.disk:
-            depth, path, _ = self.disk[key]
-            return depth, torch.load(path, weights_only=True)
+            depth, path, nbytes = self.disk[key]
+            try:
+                return depth, torch.load(path, weights_only=True)
+            except (OSError, RuntimeError, EOFError) as e:  # removed, or cut short: a miss
+                log.warning("AutoCache: cannot read %s (%s); the sample's frozen layers run "
+                            "again", path, e)
+                del self.disk[key]
+                self.stats.disk_bytes -= nbytes
+                self.stats.disk_entries -= 1
+                return None
         if self.shared is not None:
             try:
                 depth, value = torch.load(self.shared / (key.hex() + ".pt"), weights_only=True)
@@ -178,14 +192,34 @@ class ActivationCache:
             self.memory[key] = (depth, value)
             self.stats.memory_bytes += nbytes
             return
-        path = self._directory() / (key.hex() + ".pt")
-        torch.save(value, path)
+        if not self.spilling:
+            self._drop_disk(key)
+            return
+        try:
+            path = self._directory() / (key.hex() + ".pt")
+            torch.save(value, path)
+        except (OSError, RuntimeError) as e:  # torch.save reports a full disk as RuntimeError
+            log.warning("AutoCache: cannot write to its disk tier %s (%s); this first stage "
+                        "keeps no more entries past --cache-mb (they are recomputed)",
+                        self._dir or self._dir_arg, e)
+            self.spilling = False
+            self._drop_disk(key)
+            return
         if key in self.disk:
             self.stats.disk_bytes -= self.disk[key][2]
         else:
             self.stats.disk_entries += 1
         self.disk[key] = (depth, path, nbytes)
         self.stats.disk_bytes += nbytes
+
+    def _drop_disk(self, key: bytes) -> None:
+        """Forget ``key``'s disk entry (an older depth's), if it has one."""
+        old = self.disk.pop(key, None)
+        if old is not None:
+            self.stats.disk_bytes -= old[2]
+            self.stats.disk_entries -= 1
+            with contextlib.suppress(OSError):
+                old[1].unlink(missing_ok=True)
 
     def _directory(self) -> Path:
         if self._dir is None:

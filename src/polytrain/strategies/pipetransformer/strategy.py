@@ -601,12 +601,14 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
         return out
 
     def close(self) -> None:
-        if self.stage is not None:
-            self.stage.close()
-        if self.cache is not None:
-            self.cache.close()
-        if self.shared_cache is not None:  # every worker has finished its last step
-            shutil.rmtree(self.shared_cache, ignore_errors=True)
+        try:
+            if self.stage is not None:
+                self.stage.close()  # may time out on a peer: the cache's files go anyway
+        finally:
+            if self.cache is not None:
+                self.cache.close()
+            if self.shared_cache is not None:  # every worker has finished its last step
+                shutil.rmtree(self.shared_cache, ignore_errors=True)
 
 
 def _shared_directory(ctx: Context) -> str:
