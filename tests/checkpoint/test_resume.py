@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -327,6 +328,26 @@ def test_hetpipe_with_twin_virtual_workers_resumes_bit_for_bit():
     assert again["checkpoints"]["resumed_at"] == 3
     assert_equal_weights(final, final_again)
     assert again["losses"] == whole["losses"]
+
+
+@pytest.mark.timeout(180)
+def test_a_hetpipe_resume_whose_devices_cut_other_stages_is_refused_on_every_worker():
+    # Only the checks after the servers were given the checkpoint's state caught it, on the
+    # workers whose stage moved, while the others waited (or a middle stage of equal-sized
+    # blocks SET another layer's optimizer state on the servers).
+    config = hetpipe(steps=4, inflight=1).replace(
+        devices="m0:fast*2,m1:fast*2", model_options={**TINY, "layers": 4})
+    with tempfile.TemporaryDirectory() as tmp:
+        run(config, Path(tmp) / "a", checkpoint_every=2)
+        with pytest.raises(Exception) as caught:
+            run(config.replace(devices="m0:fast*2,m1:slow*2"), Path(tmp) / "b",
+                resume=str(Path(tmp) / "a" / "checkpoints" / "step-2"))
+    said = str(caught.value)
+    assert re.search(r"the checkpoint's stage \d of virtual worker \d \(worker rank \d\) "
+                     r"held .* the stages differ \(\d other process", said)
+    assert said.endswith("HINT: resume with the checkpoint's --policy, --nodes, --devices, "
+                         "--batch-size and --inflight"), said
+    assert "lost" not in said and "timed out" not in said, said
 
 
 @pytest.mark.long  # (moved to the long tier to keep CI short)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..emulation.clock import clock_of
@@ -291,8 +292,9 @@ class HetPipe(Strategy[HetPipeOptions]):
         late = self._late_keys(plan, fused)
         lag_lr, lag_beta2 = self.options.lag_lr, self.options.lag_beta2
         clock = clock_of(self.model)  # the twin's copy runs on the same device
-        for lane, role in enumerate(self.roles):
-            stage = self._stage(role, plan, profile, loss_fn, clock)
+        stages = [self._stage(role, plan, profile, loss_fn, clock) for role in self.roles]
+        self._check_saved_stages(stages)
+        for lane, (role, stage) in enumerate(zip(self.roles, stages)):
             optimizer, sources, groups = stage_optimizer(self.base_optimizer, self.model, stage)
             local = {n: i for i, n in enumerate(stage.names)}
             held = [k for k, (_, names) in enumerate(fused) if names[0] in local]
@@ -318,14 +320,29 @@ class HetPipe(Strategy[HetPipeOptions]):
                                       lag_beta2=self.options.lag_beta2)
             saved = self.resume_optimizers[lane] if self.resume_optimizers else None
             if saved is not None:
-                if saved["names"] != list(stage.names):
-                    raise ConfigError(f"the checkpoint's stage {role.index} of virtual worker "
-                                      f"{role.vw} held {_span(saved['names'])}, this run's "
-                                      f"holds {_span(stage.names)}: the stages differ",
-                                      "resume with the checkpoint's --policy, --nodes and "
-                                      "--devices")
                 optimizer.load_state_dict(saved["optimizer"])
         self.started = True
+
+    def _check_saved_stages(self, stages: list[Stage]) -> None:
+        """Refuse, on every worker and before any state reaches the servers, a resume whose
+        stages are cut otherwise than the checkpoint's (other --devices, --batch-size or
+        --inflight can move a cut): a stage's saved state is its layers'."""
+        ctx = self.ctx
+        assert ctx is not None
+        mine = None
+        for lane, (role, stage) in enumerate(zip(self.roles, stages)):
+            saved = self.resume_optimizers[lane] if self.resume_optimizers else None
+            if saved is not None and saved["names"] != list(stage.names):
+                mine = (f"the checkpoint's stage {role.index} of virtual worker {role.vw} "
+                        f"(worker rank {ctx.rank}) held {_span(saved['names'])}, this run's holds "
+                        f"{_span(stage.names)}: the stages differ")
+                break
+        said: list[str | None] = [None] * ctx.num_workers
+        dist.all_gather_object(said, mine, group=ctx.groups.workers)
+        first = next((m for m in said if m is not None), None)
+        if first is not None:
+            raise ConfigError(first, "resume with the checkpoint's --policy, --nodes, "
+                                     "--devices, --batch-size and --inflight")
 
     def _late_keys(self, plan: HetPipePlan, fused: list[tuple[Any, list[str]]]) -> set[int]:
         """The servers' keys of layers on a late stage (lag >= 1) of any virtual worker:
