@@ -96,6 +96,15 @@ class BytePS(ServedStrategy[BytePSOptions]):
             keep_missing_for(self.optimizer.sync, model)
         return model, self.optimizer
 
+    def evaluation_model(self, model: nn.Module) -> nn.Module | None:
+        # Asynchronous: worker 0's copy may lack up to --staleness steps of the others'
+        # pushes; it waits for them (as state_dict does), so that a held-out loss describes
+        # the model final.pt holds. A fresher pull is within the bound.
+        if isinstance(self.optimizer, AsyncOptimizer) and self.ctx is not None \
+                and self.ctx.worker_index == 0:
+            self.optimizer.pull_final()
+        return super().evaluation_model(model)
+
     def state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         if isinstance(self.optimizer, AsyncOptimizer):
             self.optimizer.pull_final()  # every worker's pushes are in the servers' copy
