@@ -517,3 +517,24 @@ def test_cli_trains_hetpipe_on_emulated_devices_and_writes_the_contract(tmp_path
     assert traffic["server0"]["recv_bytes_per_step"] > 0
     state = torch.load(out / "final.pt")
     assert list(state) == list(GPT(seq_len=16, d_model=32).state_dict())
+
+
+@pytest.mark.parametrize("strategy", ["hetpipe", "pipetransformer"])
+def test_weights_tied_across_layers_are_refused_before_any_process_starts(strategy):
+    # The stage naming the tensor second found it missing from the optimizer ('give the
+    # optimizer every parameter that trains'), on that worker only; the others waited.
+    from torch import nn
+
+    from polytrain.launch.layout import Layout
+    from polytrain.strategies.base import get_strategy, make_options
+    embed, head = nn.Embedding(16, 8), nn.Linear(8, 16, bias=False)
+    head.weight = embed.weight
+    cls = get_strategy(strategy)
+    layout, options = Layout(workers=2, servers=1), make_options(cls, {})
+    with pytest.raises(ConfigError, match=rf"'0.weight' and '2.weight' are one tensor \(tied "
+                                          rf"weights\) in two layers, and strategy "
+                                          rf"'{strategy}' gives each pipeline stage its own"):
+        cls.check_model(nn.Sequential(embed, nn.Linear(8, 8), head), layout, options)
+    shared = nn.Linear(8, 8)  # one layer used twice inside a block is fine
+    cls.check_model(nn.Sequential(embed, nn.Sequential(shared, nn.Tanh(), shared),
+                                  nn.Linear(8, 16)), layout, options)

@@ -181,6 +181,22 @@ def stage_optimizer(base: torch.optim.Optimizer, model: nn.Module,
     return kind(groups), sources, [group_of.get(i, -1) for i in range(len(stage.params))]
 
 
+def check_untied(model: nn.Module, owner: str) -> None:
+    """Refuse a tensor that two layers share (tied weights, as an embedding and its output
+    head): each stage holds its own layers' weights, so the two would train apart, and the
+    stage that names it second found it missing from the optimizer."""
+    layers = [n for n, _ in layers_of(model)]
+    first: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        seen = first.setdefault(id(p), name)
+        if layer_of(seen, layers) != layer_of(name, layers):
+            raise ConfigError(f"{seen!r} and {name!r} are one tensor (tied weights) in two "
+                              f"layers, and strategy {owner!r} gives each pipeline stage its "
+                              f"own layers' weights: they would train apart",
+                              "untie them (give the second layer a weight of its own), or "
+                              "train with a data-parallel strategy")
+
+
 def layer_of(name: str, layers: Collection[str]) -> str:
     """The layer (of ``layers``: :func:`layers_of`'s names) parameter ``name`` belongs to;
     "" for a model without children (one layer, the model)."""

@@ -29,6 +29,7 @@ from ..pipeline.allocation import (
 )
 from ..pipeline.assembly import (
     check_layer_costs,
+    check_untied,
     fused_keys,
     layer_costs_field,
     layer_of,
@@ -172,6 +173,10 @@ class HetPipe(Strategy[HetPipeOptions]):
                               "servers (Wave Synchronous Parallel), but the run has none",
                               "pass --servers 1 (or more)")
         super().check_layout(layout, options)
+
+    @classmethod
+    def check_model(cls, model: nn.Module, layout: Layout, options: HetPipeOptions) -> None:
+        check_untied(model, cls.name)
 
     @classmethod
     def check_machines(cls, layout: Layout, options: HetPipeOptions) -> None:

@@ -26,7 +26,13 @@ from ...errors import ConfigError, divisors
 from ...launch.launcher import SHM_ROOT
 from ...launch.layout import Layout
 from ...optim import placed_state
-from ...pipeline.assembly import costs_record, layer_profile, make_stage, stage_optimizer
+from ...pipeline.assembly import (
+    check_untied,
+    costs_record,
+    layer_profile,
+    make_stage,
+    stage_optimizer,
+)
 from ...pipeline.asyncpipe import numeric_settings
 from ...pipeline.autopipe import PipePlan, plan_pipe
 from ...pipeline.cache import ActivationCache, expected_hits, frozen_forward
@@ -115,6 +121,7 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
     @classmethod
     def check_model(cls, model: nn.Module, layout: Layout,
                     options: PipeTransformerOptions) -> None:
+        check_untied(model, cls.name)
         n = len(layers_of(model))
         k = _stages(layout.workers, layout.nodes, options)
         if n < k:
