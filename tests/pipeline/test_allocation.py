@@ -38,8 +38,16 @@ def test_hd_needs_machines_of_even_size_and_unknown_policies_are_refused():
     # Machines of different sizes (a library cluster; the CLI makes even ones): IndexError.
     with pytest.raises(ConfigError, match=r"--policy ed takes one device of every machine "
                                           r"for each virtual worker, and the machines hold "
-                                          r"\[4, 2\] devices"):
+                                          r"\[4, 2\] devices. HINT: give every machine "
+                                          r"as many devices, or pass --policy np"):
         allocate(parse_cluster("a:fast*4,b:slow*2"), "ed")
+    # hd: ValueError: min() arg is an empty sequence (its halves came from one machine's
+    # count); and ed's hint named hd, which needs even machines too.
+    with pytest.raises(ConfigError, match=r"--policy hd splits the machines' devices in "
+                                          r"halves, pairing machines, and the machines hold "
+                                          r"\[1, 3\] devices"):
+        allocate(parse_cluster("m0:fast*1,m1:slow*3"), "hd")
+    assert len(allocate(parse_cluster("m0:fast*1,m1:slow*3"), "np")) == 2
 
 
 def test_plan_on_two_fast_and_two_slow_devices():

@@ -100,15 +100,17 @@ def allocate(cluster: Cluster, policy: str) -> tuple[VirtualWorker, ...]:
     groups: list[list[Device]]
     if policy == "np":
         groups = by_machine
-    elif policy in ("ed", "bd"):
-        counts = [len(m) for m in by_machine]
-        if len(set(counts)) > 1:  # a virtual worker takes one device of every machine
-            raise ConfigError(f"--policy {policy} takes one device of every machine for each "
-                              f"virtual worker, and the machines hold {counts} devices",
-                              "give every machine as many devices, or pass --policy hd")
-        groups = [[m[i] for m in by_machine] for i in range(counts[0])]
     else:
-        groups = _hybrid(by_machine)
+        counts = [len(m) for m in by_machine]
+        if len(set(counts)) > 1:  # a virtual worker takes one device of every machine (ed,
+            # bd), or half of two machines' (hd)
+            how = ("splits the machines' devices in halves, pairing machines," if policy == "hd"
+                   else "takes one device of every machine for each virtual worker,")
+            raise ConfigError(f"--policy {policy} {how} and the machines hold {counts} devices",
+                              "give every machine as many devices, or pass --policy np "
+                              "(a virtual worker per machine)")
+        groups = ([[m[i] for m in by_machine] for i in range(counts[0])]
+                  if policy in ("ed", "bd") else _hybrid(by_machine))
     groups = [sorted(g, key=lambda d: d.type.gflops) for g in groups]  # stable: ties keep order
     groups.sort(key=lambda g: min(d.index for d in g))
     if policy == "bd":  # each VW, then its twin the other way
