@@ -403,3 +403,44 @@ def test_workers_that_freeze_other_parameters_are_refused_on_every_worker():
                                "from worker rank 0's"), said
         assert said.endswith("HINT: freeze the same parameters on every worker before "
                              "wrapping the model")
+
+
+class _Fragile(nn.Module):
+    """Two layers; on worker 1 the gradient between them raises once (an out-of-memory
+    error in backward, say), after the second layer's gradients have left."""
+
+    def __init__(self, fail: bool) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 3)
+        self.fail = fail
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if self.fail and h.requires_grad:
+            self.fail = False
+            h.register_hook(lambda g: (_ for _ in ()).throw(RuntimeError("out of memory")))
+        return self.b(h)
+
+
+def skip_a_failed_batch() -> None:
+    ctx = polytrain.init()
+    torch.manual_seed(0)
+    from polytrain.herring import DistributedDataParallel as DDP
+    model = DDP(_Fragile(fail=ctx.worker_index == 1), bucket_cap_mb=1e-5)
+    for _ in range(2):
+        try:
+            model(torch.randn(4, 6)).sum().backward()
+        except RuntimeError:  # skip the batch, as a loop that survives OOM does
+            continue
+
+
+@pytest.mark.timeout(90)
+def test_a_worker_that_skips_a_batch_whose_backward_failed_is_named_with_the_cause():
+    # Its next backward was refused as 'had a gradient from 2 backward passes ... pass
+    # backward_passes_per_step=N', advice that does not apply.
+    with pytest.raises(LaunchError) as e:
+        spawn(skip_a_failed_batch, workers=2, colocated=1)
+    said = str(e.value)
+    assert said.startswith("worker rank 1 (machine node0) failed: ConfigError: the last "
+                           "backward pass on this worker raised after some of its gradients "
+                           "had been sent to be summed"), said

@@ -162,6 +162,12 @@ class GradientSync:
         is over)."""
         return self.synced >= self.warmup
 
+    @property
+    def backward_unfinished(self) -> bool:
+        """A backward pass queued the synchronisation (``in_backward``) and it has not run:
+        that backward is running now, or it raised after some gradients had left."""
+        return self._queued
+
     def _sums(self) -> Sequence[SumTensor]:
         return self.tensors if self.compressing else self._warming
 

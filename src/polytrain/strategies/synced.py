@@ -68,6 +68,13 @@ class SyncedModule(nn.Module):
         return [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.sync.backward_unfinished:
+            raise ConfigError(
+                "the last backward pass on this worker raised after some of its gradients had "
+                "been sent to be summed, so the workers' sums are out of step (the others "
+                "wait for the rest of this worker's)", "let that error stop the run (a batch "
+                "skipped on one worker, after an out-of-memory error say, cannot be summed); "
+                "resume from a checkpoint")
         self._check_trained()
         if self.broadcast_buffers and self.ctx.num_workers > 1:
             src = self.ctx.topology.workers[0]

@@ -47,6 +47,7 @@ class Herring(ServedStrategy[HerringOptions]):
     def __init__(self, ctx: Context | None, options: HerringOptions) -> None:
         super().__init__(ctx, options)
         self.ddp: DistributedDataParallel | None = None
+        self._check_hook: Any = None  # the optimizer's step pre-hook (no_sync's check)
 
     def wrap(self, model: nn.Module,
              optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -72,7 +73,7 @@ class Herring(ServedStrategy[HerringOptions]):
                                   "then step")
             synced[0] = sync.synced
 
-        optimizer.register_step_pre_hook(check)
+        self._check_hook = optimizer.register_step_pre_hook(check)
         return ddp, optimizer
 
     def metrics(self) -> dict[str, Any]:
@@ -89,5 +90,8 @@ class Herring(ServedStrategy[HerringOptions]):
             "plan": self.ddp.plan.describe()}
 
     def close(self) -> None:
+        if self._check_hook is not None:  # the optimizer outlives the run's wrapping
+            self._check_hook.remove()
+            self._check_hook = None
         if self.ddp is not None:
             self.ddp.close()
