@@ -171,6 +171,9 @@ def test_a_disk_tier_that_fails_costs_recomputing_not_the_run(tmp_path, caplog):
     cache = ActivationCache(memory_bytes=0, directory=str(tmp_path))
     frozen_forward(layers, x, frozen=2, cache=cache)
     assert cache.stats.disk_entries == 4
+    first = next(iter(cache.disk.values()))[1]
+    first.write_bytes(b"not a tensor")  # damaged: a miss too (UnpicklingError)
+    assert cache.get(next(iter(cache.disk))) is None and cache.stats.disk_entries == 3
     shutil.rmtree(cache._dir)  # its files are gone, and so is the directory to write to
     again = frozen_forward(layers, x, frozen=2, cache=cache)
     assert torch.equal(again, fresh)

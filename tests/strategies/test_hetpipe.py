@@ -538,3 +538,7 @@ def test_weights_tied_across_layers_are_refused_before_any_process_starts(strate
     shared = nn.Linear(8, 8)  # one layer used twice inside a block is fine
     cls.check_model(nn.Sequential(embed, nn.Sequential(shared, nn.Tanh(), shared),
                                   nn.Linear(8, 16)), layout, options)
+    # So is a pipeline of one stage (machines of one worker): it holds the tensor once.
+    one = make_options(cls, {"policy": "np"} if strategy == "hetpipe" else {})
+    cls.check_model(nn.Sequential(embed, nn.Linear(8, 8), head),
+                    Layout(workers=2, nodes=2, servers=1), one)

@@ -16,7 +16,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from ..errors import ConfigError
 
 __all__ = ["LayerProfile", "ModelProfile", "profile_model", "layers_of", "measure_layers",
-           "with_measured_costs", "optimizer_state_factor", "whole_model_bytes"]
+           "with_measured_costs", "optimizer_state_factor", "whole_model_bytes",
+           "hookless_copy"]
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,7 @@ def profile_model(model: nn.Module, sample: torch.Tensor) -> ModelProfile:
     and 3 and differenced, which leaves out what does not grow with the batch
     (weights saved for backward).
     """
-    meta = _hookless_copy(model).to("meta")
+    meta = hookless_copy(model).to("meta")
     # Batch 2 and 3, not 1 and 2: a batch norm in training refuses a batch of one sample.
     one, chain_break = _measure(meta, sample.shape[1:], sample.dtype, 2)
     two, _ = _measure(meta, sample.shape[1:], sample.dtype, 3)
@@ -127,10 +128,10 @@ def profile_model(model: nn.Module, sample: torch.Tensor) -> ModelProfile:
                         chain_break=chain_break)
 
 
-def _hookless_copy(model: nn.Module) -> nn.Module:
-    """A copy of ``model`` to measure: polytrain's own attachments (the strategy, the
-    emulated clock) stay shared, not copied, and the copy drives none of the original's
-    hooks (an emulated clock would charge its time)."""
+def hookless_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` to measure or evaluate: polytrain's own attachments (the
+    strategy, the emulated clock) stay shared, not copied, and the copy drives none of the
+    original's forward hooks (an emulated clock would charge its time)."""
     memo = {id(v): v for m in model.modules() for k, v in vars(m).items()
             if k.startswith("_polytrain")}
     twin = copy.deepcopy(model, memo)
@@ -151,7 +152,7 @@ def measure_layers(model: nn.Module, sample: torch.Tensor, *, repeats: int = 5,
     or of as many as the warm-up says fit in ``budget_s`` (one at least). A layer whose
     output is not floating point (nothing flows back) has a backward of 0.
     """
-    twin = _hookless_copy(model)
+    twin = hookless_copy(model)
     device = sample.device
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     layers = [m for _, m in layers_of(twin)]

@@ -181,10 +181,13 @@ def stage_optimizer(base: torch.optim.Optimizer, model: nn.Module,
     return kind(groups), sources, [group_of.get(i, -1) for i in range(len(stage.params))]
 
 
-def check_untied(model: nn.Module, owner: str) -> None:
+def check_untied(model: nn.Module, owner: str, stages: int) -> None:
     """Refuse a tensor that two layers share (tied weights, as an embedding and its output
-    head): each stage holds its own layers' weights, so the two would train apart, and the
-    stage that names it second found it missing from the optimizer."""
+    head) where the pipeline has more than one stage: each stage holds its own layers'
+    weights, so the two would train apart, and the stage that names it second found it
+    missing from the optimizer. (A cut may change: any two layers may part.)"""
+    if stages <= 1:  # one stage holds every layer: the tensor once
+        return
     layers = [n for n, _ in layers_of(model)]
     first: dict[int, str] = {}
     for name, p in model.named_parameters(remove_duplicate=False):

@@ -23,6 +23,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import pickle
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -126,7 +127,8 @@ class ActivationCache:
             depth, path, nbytes = self.disk[key]
             try:
                 return depth, torch.load(path, weights_only=True)
-            except (OSError, RuntimeError, EOFError) as e:  # removed, or cut short: a miss
+            except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as e:
+                # removed, cut short or damaged: a miss
                 log.warning("AutoCache: cannot read %s (%s); the sample's frozen layers run "
                             "again", path, e)
                 del self.disk[key]
@@ -198,7 +200,8 @@ class ActivationCache:
         try:
             path = self._directory() / (key.hex() + ".pt")
             torch.save(value, path)
-        except (OSError, RuntimeError) as e:  # torch.save reports a full disk as RuntimeError
+        except (OSError, RuntimeError, ConfigError) as e:  # torch.save reports a full disk
+            # as RuntimeError; a --cache-dir removed since the start is a ConfigError
             log.warning("AutoCache: cannot write to its disk tier %s (%s); this first stage "
                         "keeps no more entries past --cache-mb (they are recomputed)",
                         self._dir or self._dir_arg, e)

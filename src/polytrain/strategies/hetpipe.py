@@ -176,7 +176,9 @@ class HetPipe(Strategy[HetPipeOptions]):
 
     @classmethod
     def check_model(cls, model: nn.Module, layout: Layout, options: HetPipeOptions) -> None:
-        check_untied(model, cls.name)
+        # The stages per virtual worker depend on the machines' sizes, not their types.
+        vws = allocate(homogeneous(layout.workers, layout.nodes), options.policy)
+        check_untied(model, cls.name, max(len(vw.devices) for vw in vws))
 
     @classmethod
     def check_machines(cls, layout: Layout, options: HetPipeOptions) -> None:

@@ -60,6 +60,8 @@ class SyncedModule(nn.Module):
             "freeze the same parameters on every worker before wrapping the model")
         broadcast_module(ctx, module)
         self.module = module
+        #: Parameters frozen at the wrap: they have no sum (:meth:`_check_trained`).
+        self._frozen = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
         self.ctx = ctx
         self.broadcast_buffers = broadcast_buffers
 
@@ -87,9 +89,8 @@ class SyncedModule(nn.Module):
         """Refuse a parameter unfrozen since the wrap: :attr:`sync` has no sum for it, so each
         worker would step on its own gradient and the copies drift apart. (One frozen since
         keeps ``.grad`` None, as in one process: :meth:`GradientSync.synchronize`.)"""
-        summed = {id(p) for p in self.sync.params}
-        for name, p in self.module.named_parameters():
-            if p.requires_grad and id(p) not in summed:
+        for name, p in self._frozen:
+            if p.requires_grad:
                 raise ConfigError(
                     f"parameter {name!r} requires a gradient, but did not when the model was "
                     f"wrapped: its gradients would not be summed, and each worker's copy "

@@ -250,6 +250,11 @@ def compressed_drop_in() -> dict:
                 compress_min_bytes=0)
     out["compressed"] = list(model.sync.packed)
     model.close()
+    # Per tensor, some uncompressed: the options check the compressor in use.
+    model = DDP(nn.Linear(64, 64), compression={"weight": "onebit", "bias": "none"},
+                error_feedback=True, compress_min_bytes=0)
+    out["mapped"] = list(model.sync.packed)
+    model.close()
     try:
         DDP(nn.Linear(4, 2), compression=bps.Compression.onebit, compress="topk:0.1")
     except ConfigError as e:
@@ -262,5 +267,5 @@ def test_the_drop_in_takes_compression_with_the_options_that_need_one():
     # Its options were checked before compression= was seen: error_feedback=True was refused
     # as '--compress is none'; and compress= beside compression= was dropped silently.
     for out in spawn(compressed_drop_in, workers=2, colocated=1):
-        assert out["compressed"]  # the weight's bucket travels compressed
+        assert out["compressed"] and out["mapped"]  # the weight's bucket is compressed
         assert out["both"].startswith("DistributedDataParallel got both compression=")

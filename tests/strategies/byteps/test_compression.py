@@ -274,3 +274,35 @@ def test_one_bit_adam_on_another_optimizer_is_refused_before_any_process_starts(
     TrainConfig(strategy="byteps", optimizer="adam", workers=2,
                 strategy_options={"compress": "onebit", "compress_adam": True,
                                   "compress_warmup": 2})
+
+
+def freeze_during_one_bit_adam():
+    """1-bit Adam past its warm-up; the first layer's weight frozen after the wrap."""
+    polytrain.init()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(),
+                                torch.nn.Linear(64, 32))
+    opt = bps.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
+                                   named_parameters=model.named_parameters(),
+                                   compression="onebit", error_feedback=True,
+                                   compress_min_bytes=4096, compress_adam=True,
+                                   compress_warmup=1)
+    g = torch.Generator().manual_seed(1)
+    at_freeze = None
+    for step in range(4):
+        if step == 2:
+            model[0].weight.requires_grad_(False)
+            at_freeze = model[0].weight.detach().clone()
+        opt.zero_grad()
+        x = torch.randn(8, 32, generator=g)
+        torch.nn.functional.mse_loss(model(x), x.flip(1)).backward()
+        opt.step()
+    return at_freeze, model[0].weight.detach().clone()
+
+
+@pytest.mark.timeout(120)
+def test_a_weight_frozen_during_one_bit_adam_stays_where_it_froze():
+    # Its gradient came back as zeros and 1-bit Adam moved it; once .grad stayed None (as
+    # in one process), 1-bit Adam's step stopped the run on a bare assert.
+    for at_freeze, end in spawn(freeze_during_one_bit_adam, workers=2, nodes=2, colocated=1):
+        assert torch.equal(at_freeze, end)

@@ -140,6 +140,17 @@ class AsyncOptimizer(WrappedOptimizer):
         for p, value in zip(self._params, self._pulled):
             p.detach().copy_(value.view(p.shape))
 
+    def peek_final(self) -> dict[int, torch.Tensor]:
+        """The servers' parameters once every worker has pushed as many steps as this one,
+        by ``id`` of this worker's parameter, leaving its own copy as it is (an evaluation
+        must not change the training)."""
+        out = [torch.empty(p.numel(), dtype=p.dtype) for p in self._params]
+        Pending.all([self.engine.pull(self.placement, i, round=self.clock - self.base
+                                      + self.staleness,
+                                      out=out[part.tensor][part.offset:part.offset + part.numel])
+                     for i, part in enumerate(self.placement.partitions)]).wait()
+        return {id(p): v.view(p.shape) for p, v in zip(self._params, out)}
+
     def pull_final(self) -> None:
         """Load the servers' parameters once every worker has pushed as many steps as this one."""
         self._pull(self.clock - self.base + self.staleness, [])

@@ -42,7 +42,8 @@ def checked_options(owner: str, compression: Choice | Mapping[str, Choice],
                           "BytePS's name for it)")
     chosen = (compress or "none") if compression is None else compression
     values = list(chosen.values()) if isinstance(chosen, Mapping) else [chosen]
-    specs = sorted({v if isinstance(v, str) else v.spec() for v in values if v is not None})
+    specs = sorted({v if isinstance(v, str) else v.spec() for v in values if v is not None}
+                   - {"none"})  # a mapping's uncompressed tensors beside compressed ones
     opts = [BytePSOptions(**options, compress=spec) for spec in specs or ["none"]]
     return opts[0], chosen
 
@@ -455,7 +456,7 @@ class _OneBitAdam:
             self._refresh()
         held = []
         for p in self.packed:
-            if p is None:
+            if p is None or p.grad is None:  # frozen since the wrap: Adam skips it too
                 continue
             group, state = self.group_of[id(p)], self.optimizer.state[p]
             frozen = state.get(FROZEN_VARIANCE)
@@ -463,7 +464,6 @@ class _OneBitAdam:
                 _, beta2 = group["betas"]
                 frozen = state[FROZEN_VARIANCE] = _frozen(state["exp_avg_sq"] / (
                     1 - beta2 ** float(state["step"])), group["eps"])
-            assert p.grad is not None
             state["exp_avg"].copy_(p.grad)
             state["step"] += 1
             lr = group["lr"]

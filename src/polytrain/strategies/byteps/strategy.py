@@ -8,6 +8,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
+from ...emulation.profile import hookless_copy
 from ...errors import ConfigError
 from ...launch.layout import Layout
 from ...ps.compression import compressor
@@ -98,12 +99,19 @@ class BytePS(ServedStrategy[BytePSOptions]):
 
     def evaluation_model(self, model: nn.Module) -> nn.Module | None:
         # Asynchronous: worker 0's copy may lack up to --staleness steps of the others'
-        # pushes; it waits for them (as state_dict does), so that a held-out loss describes
-        # the model final.pt holds. A fresher pull is within the bound.
-        if isinstance(self.optimizer, AsyncOptimizer) and self.ctx is not None \
-                and self.ctx.worker_index == 0:
-            self.optimizer.pull_final()
-        return super().evaluation_model(model)
+        # pushes; it waits for them (as state_dict does) and evaluates a copy of the model
+        # with them, so that a held-out loss describes the model final.pt holds, and its own
+        # copy trains on as it would without the evaluation.
+        net = super().evaluation_model(model)
+        if net is None or not isinstance(self.optimizer, AsyncOptimizer):
+            return net
+        pulled = self.optimizer.peek_final()
+        copy = hookless_copy(net)
+        with torch.no_grad():
+            for (_, p), (_, q) in zip(net.named_parameters(), copy.named_parameters()):
+                if id(p) in pulled:
+                    q.copy_(pulled[id(p)])
+        return copy
 
     def state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         if isinstance(self.optimizer, AsyncOptimizer):

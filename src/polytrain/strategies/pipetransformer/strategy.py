@@ -121,9 +121,9 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
     @classmethod
     def check_model(cls, model: nn.Module, layout: Layout,
                     options: PipeTransformerOptions) -> None:
-        check_untied(model, cls.name)
         n = len(layers_of(model))
         k = _stages(layout.workers, layout.nodes, options)
+        check_untied(model, cls.name, k)
         if n < k:
             raise ConfigError(f"the model has {n} layers (children) but the pipeline has {k} "
                               f"stages: every stage needs at least one",
