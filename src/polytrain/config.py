@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +24,15 @@ from .launch.network import LinkShape, link_shape
 from .models import get_model, seq_len_of
 from .optim import make_optimizer
 from .strategies.base import get_strategy, make_options
+
+#: What ``device`` takes: each worker's GPU is chosen for it (``polytrain.init``).
+DEVICES = ("cpu", "cuda")
+#: The fields that count (steps, samples, processes): a whole number, or None where allowed.
+_WHOLE = {"workers": "--workers", "nodes": "--nodes", "servers": "--servers",
+          "steps": "--steps", "batch_size": "--batch-size", "warmup_steps": "--warmup-steps",
+          "seed": "--seed", "eval_every": "--eval-every",
+          "checkpoint_every": "--checkpoint-every", "keep": "--keep",
+          "max_restarts": "--max-restarts"}
 
 __all__ = ["TrainConfig", "OPTIMIZERS", "SCHEDULES", "SAMPLINGS", "ON_SAVE_ERROR",
            "check_init"]
@@ -117,6 +127,10 @@ class TrainConfig:
     auto: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        self._check_whole_numbers()
+        if self.device not in DEVICES:
+            raise unknown("device", self.device, DEVICES, "pass --device cpu or cuda (a worker "
+                          "takes its own GPU)", plural="devices")
         self._check_checkpoints()
         cluster = parse_cluster(self.devices) if self.devices is not None else None
         if cluster is not None:
@@ -227,6 +241,19 @@ class TrainConfig:
         if why is not None:
             raise ConfigError(f"--out {self.out} cannot be made a directory: {why}",
                               "pass --out a directory you can write to (it is made if missing)")
+
+    def _check_whole_numbers(self) -> None:
+        """A count given as 10.5, "32" or True (a JSON config's 1e3 is a float) failed inside
+        every worker, or (a seed of 1.5) was cut short silently."""
+        for name, flag in _WHOLE.items():
+            value = getattr(self, name)
+            if value is None or (isinstance(value, numbers.Integral)
+                                 and not isinstance(value, bool)):
+                continue
+            whole = isinstance(value, float) and value.is_integer()
+            raise ConfigError(f"{flag} must be a whole number (got {value!r})",
+                              f"pass {flag} {int(value)}" if whole else
+                              f"pass {flag} as a whole number")
 
     def _check_checkpoints(self) -> None:
         if self.checkpoint_every is not None:
@@ -356,21 +383,22 @@ def check_init(path: str, model: Any) -> dict[str, torch.Tensor]:
         raise ConfigError(f"--init {path} holds a {type(state).__name__}, not a state dict",
                           "pass the final.pt of an earlier run of the same --model")
     want = model.state_dict()
-    for (a, ta), b in zip(want.items(), list(state) + [None] * len(want)):
-        if b != a:
-            raise ConfigError(f"--init {path} holds another model's weights: the first key "
-                              f"that differs is {a!r} here but "
-                              f"{'missing' if b is None else repr(b)} there",
-                              "pass the final.pt of a run of the same --model and model "
-                              "options")
-        if tuple(state[b].shape) != tuple(ta.shape):
-            raise ConfigError(f"--init {path} holds another model's weights: {a!r} is "
-                              f"{list(ta.shape)} here but {list(state[b].shape)} there",
-                              "pass the final.pt of a run of the same --model and model "
-                              "options")
-    if len(state) > len(want):
+    hint = "pass the final.pt of a run of the same --model and model options"
+    if set(state) != set(want):  # the first key that differs, in order (any order loads)
+        for a, b in zip(want, list(state) + [None] * len(want)):
+            if b != a:
+                raise ConfigError(f"--init {path} holds another model's weights: the first "
+                                  f"key that differs is {a!r} here but "
+                                  f"{'missing' if b is None else repr(b)} there", hint)
         extra = list(state)[len(want)]
         raise ConfigError(f"--init {path} holds another model's weights: the first key that "
-                          f"differs is {extra!r}, which this model lacks",
-                          "pass the final.pt of a run of the same --model and model options")
+                          f"differs is {extra!r}, which this model lacks", hint)
+    for a, ta in want.items():
+        b = state[a]
+        if not isinstance(b, torch.Tensor):
+            raise ConfigError(f"--init {path} holds a {type(b).__name__} as {a!r}, not a "
+                              f"tensor", hint)
+        if tuple(b.shape) != tuple(ta.shape):
+            raise ConfigError(f"--init {path} holds another model's weights: {a!r} is "
+                              f"{list(ta.shape)} here but {list(b.shape)} there", hint)
     return state

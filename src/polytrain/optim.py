@@ -128,7 +128,11 @@ class LazyAdam(torch.optim.Optimizer):
 
     ``torch.optim.Adam`` refuses sparse gradients and ``SparseAdam`` dense ones;
     a model with both (an ``nn.Embedding(sparse=True)`` and a dense body) takes
-    this one. ``--optimizer adam`` builds it for such models.
+    this one. ``--optimizer adam`` builds it for such models. Both take the Adam
+    paper's efficient form, as ``SparseAdam`` does: ``lr * sqrt(1 - beta2^t) / (1 -
+    beta1^t) * m / (sqrt(v) + eps)``. ``torch.optim.Adam`` adds ``eps`` after the bias
+    correction, ``sqrt(v / (1 - beta2^t)) + eps``: the two differ where ``sqrt(v)``
+    is near ``eps`` (gradients of about 1e-6 and below), not otherwise.
 
     Example::
 

@@ -125,6 +125,22 @@ def test_bad_input_gets_one_clear_line_and_no_process(args, message, capsys):
     assert re.search(message, err), err
 
 
+@pytest.mark.parametrize("field, value, message", [
+    # A JSON config's 1e3 is a float: range(start, 1000.0) failed in every worker.
+    ("steps", 1e3, r"--steps must be a whole number \(got 1000.0\). HINT: pass --steps 1000"),
+    ("steps", 10.5, r"--steps must be a whole number \(got 10.5\). HINT: pass --steps as"),
+    ("seed", 1.5, r"--seed must be a whole number"),  # trained with seed 1, recorded 1.5
+    ("batch_size", "32", r"--batch-size must be a whole number \(got '32'\)"),  # TypeError
+    ("eval_every", True, r"--eval-every must be a whole number \(got True\)"),
+    # Accepted, and "cuda:0" even passed the check that a GPU is there; failed in workers.
+    ("device", "gpu", r"unknown device 'gpu'; the devices are: cpu, cuda"),
+    ("device", "cuda:0", r"unknown device 'cuda:0'"),
+])
+def test_a_python_config_of_the_wrong_kind_is_refused_in_one_line(field, value, message):
+    with pytest.raises(ConfigError, match=message):
+        TrainConfig(strategy="single", **{field: value})
+
+
 def test_a_job_whose_weights_cannot_fit_in_memory_is_refused(monkeypatch, capsys):
     # 8 blocks of width 2048: 404 M weights (1.5 GiB), counted on the meta device; the
     # machine's free memory is faked to 8 GiB.

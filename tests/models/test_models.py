@@ -43,3 +43,15 @@ def test_mlp_predicts_the_next_byte():
 def test_unknown_model_options_are_named():
     with pytest.raises(ConfigError, match="model 'gpt' takes no option --experts"):
         get_model("gpt").make(experts=4)
+
+
+def test_a_sequence_past_seq_len_and_a_hidden_width_below_1_are_refused_by_name():
+    # An IndexError from the position embedding (a device assert on CUDA); d_hidden=0 built
+    # the default width silently, and a negative one failed inside torch.
+    model = GPT(seq_len=8, d_model=16, layers=1, heads=2)
+    with pytest.raises(ValueError, match=r"sequences of at most seq_len 8 tokens, and got 9"):
+        model(torch.zeros(1, 9, dtype=torch.long))
+    assert model(torch.zeros(1, 8, dtype=torch.long)).shape == (1, 8, 256)
+    for bad in (0, -5):
+        with pytest.raises(ConfigError, match=rf"--d-hidden must be at least 1 \(got {bad}\)"):
+            GPT(seq_len=8, d_model=16, layers=1, heads=2, d_hidden=bad)

@@ -60,6 +60,13 @@ def test_init_of_another_models_weights_names_the_first_key_that_differs(tmp_pat
     with pytest.raises(ConfigError, match=r"cannot be read as a final\.pt "
                                           r"\(FileNotFoundError: \[Errno 2\]"):
         BASE.replace(init=str(tmp_path / "missing.pt"))
+    # The same tensors in another order load (refused as another model's, naming the
+    # first key); a value that is not a tensor is named (AttributeError: 'int' ... 'shape').
+    torch.save(dict(sorted(first.items())), path)
+    BASE.replace(init=str(path))
+    torch.save({**first, "embed.pos.weight": 5}, path)
+    with pytest.raises(ConfigError, match=r"holds a int as 'embed.pos.weight', not a tensor"):
+        BASE.replace(init=str(path))
     # Were EOFError and UnpicklingError tracebacks; then "(IndexError: list index out of
     # range)" for a text file of lines: what such bytes make torch raise says nothing.
     for junk in (b"", b"not a checkpoint", b"root:x:0:0:root:/root:/bin/bash\n",

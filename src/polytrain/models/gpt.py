@@ -34,6 +34,9 @@ class Embed(nn.Module):
         self.pos = nn.Embedding(seq_len, d_model)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        if idx.shape[1] > self.pos.num_embeddings:  # an IndexError, or a CUDA device assert
+            raise ValueError(f"the model takes sequences of at most seq_len "
+                             f"{self.pos.num_embeddings} tokens, and got {idx.shape[1]}")
         positions = torch.arange(idx.shape[1], device=idx.device)
         return self.tok(idx) + self.pos(positions)
 
@@ -106,8 +109,9 @@ class GPT(nn.Sequential):
     def __init__(self, *, vocab: int = 256, seq_len: int = 64, d_model: int = 128,
                  layers: int = 4, heads: int = 4, d_hidden: int | None = None,
                  sparse_embedding: bool = False) -> None:
-        check_sizes(vocab=vocab, seq_len=seq_len, d_model=d_model, layers=layers, heads=heads)
-        hidden = d_hidden or 4 * d_model
+        check_sizes(vocab=vocab, seq_len=seq_len, d_model=d_model, layers=layers, heads=heads,
+                    **({} if d_hidden is None else {"d_hidden": d_hidden}))
+        hidden = 4 * d_model if d_hidden is None else d_hidden
         parts: OrderedDict[str, nn.Module] = OrderedDict()
         parts["embed"] = Embed(vocab, seq_len, d_model, sparse=sparse_embedding)
         for i in range(layers):
