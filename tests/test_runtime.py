@@ -97,6 +97,17 @@ def test_a_gloo_timeout_gets_the_default_group_hint_only_from_the_users_own_call
     assert runtime.hint_for(raised_in(__file__)) is None  # no servers: the world is the workers
 
 
+def test_environment_values_are_read_without_their_spaces_and_empty_is_unset(monkeypatch):
+    # POLYTRAIN_LOG_LEVEL="info " was refused as a level (WARNING taken), and
+    # POLYTRAIN_TIMEOUT= (set to nothing, as `export X=` leaves it) stopped every run.
+    assert _env.read({"POLYTRAIN_TIMEOUT": ""}).timeout_s == _env.DEFAULT_TIMEOUT_S
+    assert _env.read({"POLYTRAIN_TIMEOUT": " 30 "}).timeout_s == 30
+    monkeypatch.setenv("POLYTRAIN_LOG_LEVEL", " info ")
+    assert _env.log_level() == "INFO"
+    monkeypatch.setenv("POLYTRAIN_LOG_LEVEL", "")
+    assert _env.log_level() == "WARNING"
+
+
 def test_a_timeout_that_is_not_a_positive_number_of_seconds_is_refused_in_one_line():
     # POLYTRAIN_TIMEOUT=abc was float()'s ValueError; init(timeout_s=-1) reached gloo's
     # "The client socket has timed out after -1000ms".

@@ -86,7 +86,7 @@ def timeout_of(env: Mapping[str, str] | None = None) -> float:
 
 
 def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
-    text = env.get(name)
+    text = (env.get(name) or "").strip() or None  # set to nothing: unset, as the others
     hint = f"set it to, say, {default:g}, or unset it"
     try:
         value = default if text is None else float(text)
@@ -121,7 +121,7 @@ def _role(spec: str, local_rank: int) -> str:
 
 
 def log_level() -> str:
-    return os.environ.get(LOG_LEVEL, "WARNING").upper()
+    return os.environ.get(LOG_LEVEL, "").strip().upper() or "WARNING"
 
 
 def error_file() -> str | None:
