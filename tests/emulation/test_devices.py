@@ -38,10 +38,33 @@ def test_spec_file(tmp_path):
                       ({"machines": {"m0": "fast"}}, r"must be a list of type names"),
                       ({"machines": {"m0": ["x"]}, "types": {"x": {"gflops": "many",
                                                                   "memory_mb": 8}}},
-                       r"ValueError: could not convert string to float: 'many'")):
+                       r"TypeError: 'many' is not a number"),
+                      # Each was accepted: a misnamed key fell back to its default, true was
+                      # 1 GFLOP/s, a string a number.
+                      ({"machines": {"m0": ["fast"]}, "link_mb_s": {"intra_mb_s": 5}},
+                       r"\"link_mb_s\" has 'intra_mb_s', and takes only 'intra', 'inter'"),
+                      ({"machines": {"m0": ["fast"]}, "links": {}},
+                       r"the file has 'links', and takes only 'machines'"),
+                      ({"machines": {"m0": ["x"]}, "types": {"x": {"gflops": True,
+                                                                  "memory_mb": 8}}},
+                       r"True is not a number"),
+                      ({"machines": {"m0": ["x"]}, "types": {"x": {"gflops": 1,
+                                                                  "memory_mb": "4096"}}},
+                       r"'4096' is not a number")):
         path.write_text(json.dumps(bad))
         with pytest.raises(ConfigError, match=r"--devices: .* lacks, misnames or mistypes a "
                                               r"field \(.*" + said):
+            parse_cluster(str(path))
+    # json keeps a repeated key's last value: m0's two fast devices were lost, silently.
+    path.write_text('{"machines": {"m0": ["fast", "fast"], "m0": ["slow"]}}')
+    with pytest.raises(ConfigError, match=r"'m0' appears twice in one object of the file"):
+        parse_cluster(str(path))
+    for bad, said in (({"machines": {"a b": ["fast"]}}, r"machine name 'a b' is not a plain"),
+                      ({"machines": {"m0": ["fast"]}, "types": {"fast": {
+                          "gflops": 1000, "memory_mb": 1}}}, r"defines device type 'fast', "
+                                                             r"which is built in")):
+        path.write_text(json.dumps(bad))
+        with pytest.raises(ConfigError, match=said):
             parse_cluster(str(path))
 
 
@@ -56,6 +79,14 @@ def test_spec_file(tmp_path):
     ("m0:fast*20000000000", r"'fast\*20000000000' in 'm0:fast\*20000000000' asks for "
                             r"20000000000 devices, and a machine holds 1 to 1024"),
     ("m0:fast*0", r"asks for 0 devices"),
+    # Accepted before: a third field dropped, infinite links, 2048 devices on one machine,
+    # and a type defined twice (the last won, over a built-in's too).
+    ("m0:fast,link=1/2/3", r"cannot read link bandwidths 'link=1/2/3' \(two numbers"),
+    ("m0:fast,link=inf/inf", r"link bandwidths must be positive and finite"),
+    ("m0:fast*1024+fast*1024", r"machine 'm0' holds 2048 devices, and a machine holds 1 to "
+                               r"1024"),
+    ("big=8/4096,m0:big,big=1/0.5", r"device type 'big' is defined twice. HINT"),
+    ("fast=1000/1,m0:fast", r"device type 'fast' is defined twice \(it is built in\)"),
 ])
 def test_bad_specs_are_refused_with_a_hint(spec, message):
     with pytest.raises(ConfigError, match=message):

@@ -130,9 +130,18 @@ class Cluster:
                         f"machine {m.name!r} uses unknown device type {t!r}; the types are: "
                         f"{', '.join(sorted(self.types))}",
                         f"define it in the spec as {t}=GFLOPS/MEMORY_MIB, e.g. {t}=3/1024")
-        if not self.intra_mb_s > 0 or not self.inter_mb_s > 0:
-            raise ConfigError(f"link bandwidths must be positive (got {self.intra_mb_s:g} and "
-                              f"{self.inter_mb_s:g} MB/s)", "write link=1000/100 (MB/s)")
+        if not 0 < self.intra_mb_s < math.inf or not 0 < self.inter_mb_s < math.inf:
+            raise ConfigError(f"link bandwidths must be positive and finite (got "
+                              f"{self.intra_mb_s:g} and {self.inter_mb_s:g} MB/s)",
+                              "write link=1000/100 (MB/s)")
+        for m in self.machines:
+            if not _NAME.match(m.name):
+                raise ConfigError(f"machine name {m.name!r} is not a plain name (letters, "
+                                  f"digits, _ - .)", "name machines as m0, m1, ...")
+            if len(m.types) > MAX_DEVICES:
+                raise ConfigError(f"machine {m.name!r} holds {len(m.types)} devices, and a "
+                                  f"machine holds 1 to {MAX_DEVICES}",
+                                  "list each machine's own devices")
 
     @property
     def devices(self) -> tuple[Device, ...]:
@@ -193,6 +202,7 @@ def homogeneous(workers: int, nodes: int) -> Cluster:
                    types={"nominal": nominal}, intra_mb_s=1e6, inter_mb_s=1e6)
 
 
+_NAME = re.compile(r"^[A-Za-z0-9_\-.]+$")
 _MACHINE = re.compile(r"^([A-Za-z0-9_\-.]+):(.+)$")
 _TYPE_DEF = re.compile(r"^([A-Za-z_][A-Za-z0-9_\-]*)=([0-9.eE+\-]+)/([0-9.eE+\-]+)$")
 _COUNT = re.compile(r"^([A-Za-z_][A-Za-z0-9_\-]*)(?:\*(\d+))?$")
@@ -225,16 +235,23 @@ def parse_cluster(spec: str) -> Cluster:
         if item.startswith("link="):
             parts = item.removeprefix("link=").split("/")
             try:
+                if links or len(parts) != 2:
+                    raise ValueError(item)
                 links = {"intra_mb_s": float(parts[0]), "inter_mb_s": float(parts[1])}
-            except (ValueError, IndexError):
-                raise ConfigError(f"--devices: cannot read link bandwidths {item!r}",
-                                  "write link=INTRA/INTER in MB/s, e.g. link=1000/100") from None
+            except ValueError:
+                raise ConfigError(f"--devices: cannot read link bandwidths {item!r} (two "
+                                  f"numbers, given once)", "write link=INTRA/INTER in MB/s, "
+                                  "e.g. link=1000/100") from None
         elif (m := _TYPE_DEF.match(item)) is not None:
             try:
                 gflops, memory = float(m[2]), float(m[3])
             except ValueError:
                 raise ConfigError(f"--devices: cannot read the type definition {item!r}",
                                   _SPEC_HINT) from None
+            if m[1] in types:  # the last one won, silently, and over a built-in's too
+                raise ConfigError(f"--devices: device type {m[1]!r} is defined twice"
+                                  f"{' (it is built in)' if m[1] in BUILTIN_TYPES else ''}",
+                                  "give the new type a name of its own")
             types[m[1]] = DeviceType(name=m[1], gflops=gflops, memory_mb=memory)
         elif (m := _MACHINE.match(item)) is not None:
             names: list[str] = []
@@ -260,7 +277,7 @@ MAX_DEVICES = 1024
 
 def _from_file(path: Path) -> Cluster:
     try:
-        data: Any = json.loads(path.read_text())
+        data: Any = json.loads(path.read_text(), object_pairs_hook=_unique_keys)
     except OSError as e:
         raise ConfigError(f"--devices: cannot read {str(path)!r} ({e.strerror})",
                           "pass an existing JSON file or a spec like 'm0:fast*2'") from None
@@ -269,15 +286,21 @@ def _from_file(path: Path) -> Cluster:
                           "see polytrain.pipeline.parse_cluster for the format") from None
     types = dict(BUILTIN_TYPES)
     try:
+        _known_keys(data, ("machines", "types", "link_mb_s"), "the file")
         for name, t in dict(data.get("types", {})).items():
-            types[name] = DeviceType(name=name, gflops=float(t["gflops"]),
-                                     memory_mb=float(t["memory_mb"]))
+            if name in types:
+                raise ConfigError(f"--devices: {str(path)!r} defines device type {name!r}, "
+                                  f"which is built in", "give the new type a name of its own")
+            _known_keys(t, ("gflops", "memory_mb"), f"type {name!r}")
+            types[name] = DeviceType(name=name, gflops=_number(t["gflops"]),
+                                     memory_mb=_number(t["memory_mb"]))
         if not isinstance(data["machines"], dict):
             raise TypeError(f'"machines" must map each machine to its device types, not '
                             f'{data["machines"]!r}')
         machines = tuple(Machine(str(n), _type_names(ts)) for n, ts in data["machines"].items())
         link = dict(data.get("link_mb_s", {}))
-        intra, inter = float(link.get("intra", 1000.0)), float(link.get("inter", 100.0))
+        _known_keys(link, ("intra", "inter"), '"link_mb_s"')
+        intra, inter = _number(link.get("intra", 1000.0)), _number(link.get("inter", 100.0))
     except ConfigError:
         raise
     except (KeyError, TypeError, AttributeError, ValueError) as e:
@@ -287,6 +310,32 @@ def _from_file(path: Path) -> Cluster:
                           '{"gflops": 2.0, "memory_mb": 4096}}, "link_mb_s": {"intra": 1000, '
                           '"inter": 100}}') from None
     return Cluster(machines=machines, types=types, intra_mb_s=intra, inter_mb_s=inter)
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose keys are all different (json keeps a repeated key's last value:
+    a machine listed twice lost its first devices, silently)."""
+    keys = [k for k, _ in pairs]
+    dup = next((k for k in keys if keys.count(k) > 1), None)
+    if dup is not None:
+        raise ConfigError(f"--devices: {dup!r} appears twice in one object of the file",
+                          "name each machine and type once, and list all its devices there")
+    return dict(pairs)
+
+
+def _known_keys(obj: Any, known: tuple[str, ...], where: str) -> None:
+    """Refuse a key the format does not have (a misnamed one fell back to its default)."""
+    unknown_keys = sorted(set(dict(obj)) - set(known))
+    if unknown_keys:
+        raise TypeError(f"{where} has {unknown_keys[0]!r}, and takes only "
+                        f"{', '.join(repr(k) for k in known)}")
+
+
+def _number(value: Any) -> float:
+    """A JSON number (true, or "4096", read as one before)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{value!r} is not a number")
+    return float(value)
 
 
 def _type_names(types: Any) -> tuple[str, ...]:
