@@ -192,3 +192,16 @@ def test_compute_is_timed_with_as_many_steps_as_the_budget_holds(monkeypatch, bu
                                        batch=2, budget_s=budget_s)
     assert len(taken) == steps
     assert measured.forward_s > 0 and measured.backward_s > 0
+
+
+def test_byteps_on_one_machine_costs_the_same_with_cpu_servers_it_gives_nothing():
+    # Theorem 1 gives one machine's servers no bytes, yet k = 1 was charged a partition's
+    # fan-out and the latency of its messages (4 ms at 1 ms a packet, here).
+    net = Network(machines=1, local_workers=2, servers=1, bandwidth_bit_s=1e9, latency_s=1e-3,
+                  shared_host_cores=64)
+    compute = Compute(forward_s=0.01, backward_s=0.02, optimizer_s=0.0)
+    k0, k1 = (predict(Candidate(strategy="byteps", servers=k), network=net, compute=compute,
+                      model_bytes=4e6) for k in (0, 1))
+    assert k1.step_time_s == k0.step_time_s and k1.latency_s == 0 == k1.link_s
+    assert fanout_traffic("byteps", machines=1, servers=1, model_bytes=4e6,
+                          constants=Constants()) == 0

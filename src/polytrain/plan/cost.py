@@ -244,8 +244,8 @@ def fanout_traffic(strategy: str, *, machines: int, servers: int, model_bytes: f
     otherwise idle.
     """
     n = machines
-    if strategy == "ddp" or (n == 1 and servers == 0):
-        return 0.0
+    if strategy == "ddp" or (n == 1 and (servers == 0 or strategy == "byteps")):
+        return 0.0  # nothing crosses a NIC (Theorem 1 gives one machine's servers nothing)
     if strategy == "byteps":
         shares = optimal_shares(n, servers)
         largest = max(shares.per_colocated_server, shares.per_cpu_server) * model_bytes
@@ -259,8 +259,8 @@ def _messages(candidate: Candidate, network: Network, model_bytes: float,
               constants: Constants) -> int:
     """Packets' delays a step waits out one after another (for the latency term)."""
     n, p = network.machines, network.workers
-    if n == 1 and candidate.servers == 0:
-        return 0
+    if n == 1 and (candidate.servers == 0 or candidate.strategy == "byteps"):
+        return 0  # nothing crosses a NIC
     if candidate.strategy == "ddp":
         return 2 * (p - 1) * max(1, math.ceil(model_bytes / constants.bucket_bytes))
     size = constants.partition_bytes if candidate.strategy == "byteps" else constants.bucket_bytes
