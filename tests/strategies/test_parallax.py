@@ -487,3 +487,19 @@ def test_a_lookup_past_the_table_is_refused_naming_the_row():
     with pytest.raises(LaunchError, match=r"ConfigError: a lookup of 0.weight reads row 16, and "
                                           r"it has rows 0\.\.15.*HINT: pass token ids below"):
         spawn(out_of_range_script, workers=1, colocated=1)
+
+
+@pytest.mark.timeout(240)
+def test_held_out_evaluations_and_checkpoints_leave_the_steps_traffic_alone(tmp_path):
+    # Each evaluation and checkpoint gathers the sparse tables from the servers; their
+    # bytes went into the next step's window: --eval-every 2 made every other step of
+    # sent_bytes_by_step 5x the plain run's (213,492 bytes against 41,320).
+    c = config(2, 2, 1, steps=8).replace(eval_every=8)  # held-out data; one evaluation,
+    plain, _ = run_config(c)                             # after the last step's window
+    busy, _ = run_config(c.replace(eval_every=2, checkpoint_every=3, out=str(tmp_path)))
+    assert len(busy["eval"]) == 4 and busy["final_eval_loss"] is not None
+    # (The step after a gather may move less: worker 0's rows are current then.)
+    steps = zip(busy["traffic"]["sent_bytes_by_step"], plain["traffic"]["sent_bytes_by_step"])
+    assert all(b <= p for b, p in steps), (busy["traffic"], plain["traffic"])  # was 5x at 2
+    for b, p in zip(busy["traffic"]["machines"], plain["traffic"]["machines"]):
+        assert b["sent_bytes_per_step"] <= p["sent_bytes_per_step"]

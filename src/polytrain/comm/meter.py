@@ -79,6 +79,15 @@ class TrafficMeter:
             if self._nic_sampler is not None:
                 self._nics.append(dict(self._nic_sampler()))
 
+    def discard(self) -> None:
+        """Leave out of every step what was recorded since the last mark (a held-out
+        evaluation's or a checkpoint's bytes between two steps), the NICs' too; the totals
+        keep it."""
+        with self._lock:
+            self._window.clear()
+            if self._nic_sampler is not None and self._nics:
+                self._nics[-1] = dict(self._nic_sampler())
+
     def report(self) -> MeterReport:
         with self._lock:
             return MeterReport(self.rank, dict(self._totals), [dict(s) for s in self._steps],

@@ -144,18 +144,23 @@ def train(config: TrainConfig) -> dict[str, Any] | None:
                 dist.barrier(group=ctx.groups.workers)
             ctx.meter.mark_step()
         progress.update(step, loss, config.batch_size / max(times[-1], 1e-9))
+        aside = False  # bytes between steps that are not training's
         if held_out is not None and ((step + 1) % config.eval_every == 0  # type: ignore[operator]
                                      or step + 1 == config.steps):
+            aside = True
             net = strategy.evaluation_model(trainer.model)
             if net is not None:
                 value, accuracy = evaluate(net, *held_out, spec.loss, device=device)
                 evals.append({"step": step + 1, "loss": value, "accuracy": accuracy,
                               "train_time_s": sum(before_times) + sum(times)})
         if config.checkpoint_every and (step + 1) % config.checkpoint_every == 0:
+            aside = True
             _checkpoint(config, trainer, scheduler, step + 1, run_record(config, corpus),
                         {"losses": before_losses + _global_losses(ctx, losses),
                          "times": before_times + times, "evals": evals,
                          "save_errors": list(save_errors)}, save_errors)
+        if aside and ctx is not None:  # Parallax's gathers of its tables, say: not a step's
+            ctx.meter.discard()
     global_losses = before_losses + _global_losses(ctx, losses)
     times = before_times + times
     state = trainer.state_dict()

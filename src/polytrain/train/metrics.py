@@ -91,7 +91,8 @@ def build_metrics(*, config: Any, losses: Sequence[float], times: Sequence[float
                     "moved inside torch collectives, counted from their algorithm's cost; "
                     "nic_* (with --bandwidth): the kernel's counters of each machine's NIC, "
                     "headers included; sent_bytes_by_step: every step's, all machines together "
-                    "(None: a step before the resume this run started from)",
+                    "(None: a step before the resume this run started from); what held-out "
+                    "evaluations and checkpoints move between steps is in no step",
         },
         "versions": {"polytrain": polytrain.__version__, "torch": torch.__version__},
     }
