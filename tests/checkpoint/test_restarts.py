@@ -130,3 +130,22 @@ def test_a_resumed_run_that_dies_before_its_first_checkpoint_restarts_from_its_r
                       report=said.append)
     assert started == [None, str(tmp_path / "tuned" / "checkpoints" / "step-2")]
     assert inits == [str(first / "final.pt"), None] and metrics["restarts"] == 1
+
+
+@pytest.mark.timeout(120)
+def test_results_that_cannot_be_written_stop_the_run_in_one_line_without_a_restart(tmp_path):
+    # A raw OSError: a traceback, and --max-restarts trained again from the last checkpoint
+    # to fail the same way.
+    out = tmp_path / "out"
+    (out / "final.pt").mkdir(parents=True)  # in the way of the file
+    (out / "final.pt" / "keep").write_text("")
+    config = TrainConfig(strategy="ddp", workers=2, steps=4, batch_size=8, model_options=TINY,
+                         quiet=True, timeout_s=30)
+    said: list[str] = []
+    with pytest.raises(LaunchError) as e:
+        run_job(config.replace(out=str(out), checkpoint_every=2, max_restarts=1), env=ENV,
+                report=said.append)
+    assert "ConfigError: cannot write the results to --out" in str(e.value), str(e.value)
+    assert str(e.value).endswith("HINT: free space there, or pass another --out; the run's "
+                                 "checkpoints, if any, hold it up to the last")
+    assert said == []  # no restart
