@@ -185,3 +185,28 @@ def test_a_freed_key_is_gone_from_its_server():
     msg = str(info.value)
     assert "server rank 2 (machine server0) failed: CommError: server rank 2: rank 1 sent " \
            "PUSH for key" in msg and "which nobody declared here" in msg, msg
+
+
+def test_a_request_queued_behind_its_keys_free_is_refused_as_undeclared():
+    # The FREE and a later PUSH of its key were both dispatched before the engine thread
+    # freed it (the main loop finds the key still pinned): the PUSH met KeyError: 0 in the
+    # engine thread, and the run failed naming no key (1 CI run in many).
+    from types import SimpleNamespace
+
+    from polytrain.errors import CommError
+    from polytrain.ps.protocol import Op, Request
+    from polytrain.ps.server import Server, _Engine
+
+    failed: list[BaseException] = []
+    server = SimpleNamespace(stores={0: None}, forget=lambda key: server.stores.pop(key),
+                             fail=failed.append, handling=lambda req: None, rank=2)
+    server.undeclared = lambda req: Server.undeclared(server, req)
+    engine = _Engine(server, 0)
+    for op in (Op.FREE, Op.PUSH):
+        engine.queue.put((Request(src=1, op=op, key=0, round=1, numel=0, dtype=torch.float32,
+                                  seq=7, lane=0), None))
+    engine.queue.put(None)
+    engine.run()
+    assert len(failed) == 1 and isinstance(failed[0], CommError), failed
+    assert str(failed[0]).startswith("server rank 2: rank 1 sent PUSH for key 0, which nobody "
+                                     "declared here")

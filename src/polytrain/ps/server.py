@@ -82,8 +82,11 @@ class _Engine(threading.Thread):
                 if req.op == Op.FREE:  # after every request of the key that came before it
                     self.server.forget(req.key)
                     continue
+                store = self.server.stores.get(req.key)
+                if store is None:  # a FREE queued here before it, after its dispatch
+                    raise self.server.undeclared(req)
                 self.server.handling(req)
-                self.server.stores[req.key].handle(req)
+                store.handle(req)
         except BaseException as e:  # noqa: BLE001 - handed to the main loop, which raises it
             self.server.fail(e)
 
@@ -321,13 +324,18 @@ class Server:
         return self.transport.irecv(req.payload, req.src, payload_tag(req.seq),
                                     f"payload of {req.op.name} key {req.key}")
 
+    def undeclared(self, req: Request) -> CommError:
+        """The error for ``req`` of a key this server does not hold (never declared, or
+        freed)."""
+        return CommError(
+            f"server rank {self.rank}: rank {req.src} sent {req.op.name} for key {req.key}, "
+            f"which nobody declared here",
+            "declare every key (with its owner server) before pushing or pulling it")
+
     def _dispatch(self, req: Request) -> None:
         engine = self.pinned.get(req.key)
         if engine is None:
-            raise CommError(
-                f"server rank {self.rank}: rank {req.src} sent {req.op.name} for key {req.key}, "
-                f"which nobody declared here",
-                "declare every key (with its owner server) before pushing or pulling it")
+            raise self.undeclared(req)
         if req.op in _ANSWERED:
             with self._held_lock:
                 self._held[(req.src, req.seq)] = _Held(req.op, req.key, req.round,
