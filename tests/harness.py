@@ -70,6 +70,15 @@ def adam_tolerance(lr: float, steps: int) -> float:
     return 0.01 * lr * steps
 
 
+def refused(fn: Callable[[], Any]) -> str:
+    """The text of the ConfigError ``fn()`` raises, or "accepted"."""
+    try:
+        fn()
+    except polytrain.ConfigError as e:
+        return str(e)
+    return "accepted"
+
+
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     """Largest elementwise difference of two state dicts with the same keys."""
     assert a.keys() == b.keys(), (sorted(a), sorted(b))

@@ -16,7 +16,7 @@ from ._env import check_seconds, timeout_of
 from .data import DEFAULT_DATASET, check_dataset, check_divisible, training_data
 from .emulation.devices import parse_cluster
 from .emulation.profile import optimizer_state_factor, profile_model
-from .errors import ConfigError, at_least, unknown
+from .errors import ConfigError, at_least, first_line, unknown
 from .launch.host import available_memory_bytes
 from .launch.launcher import check_port
 from .launch.layout import Layout
@@ -374,8 +374,7 @@ def check_init(path: str, model: Any) -> dict[str, torch.Tensor]:
         # with weights_only=False, unsafe for a file that is not a checkpoint at all.
         # Any other bytes make it raise whatever they happen to (an IndexError for a text
         # file): only the file system's own errors say more than that.
-        detail = (f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
-                  if isinstance(e, OSError)
+        detail = (first_line(e) if isinstance(e, OSError)
                   else "not a file of tensors that torch.save wrote, or a damaged one")
         raise ConfigError(f"--init {path} cannot be read as a final.pt ({detail})",
                           "pass the final.pt of an earlier run of the same --model") from None

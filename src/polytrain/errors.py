@@ -6,7 +6,7 @@ from typing import Iterable
 
 __all__ = ["PolytrainError", "ConfigError", "LaunchError", "CommError", "CommTimeout", "PeerLost",
            "ClosedByTimeout", "is_timeout", "kept_error", "unknown", "at_least", "divisors",
-           "CLOSED_BY_TIMEOUT"]
+           "first_line", "CLOSED_BY_TIMEOUT"]
 
 # gloo's text for a receive cut off because another wait on the same group timed out.
 CLOSED_BY_TIMEOUT = "Application timeout caused pair closure"
@@ -41,6 +41,12 @@ def at_least(name: str, value: float, hint: str, minimum: int = 1) -> None:
     if value < minimum:
         least = "0 or more" if minimum == 0 else f"at least {minimum}"
         raise ConfigError(f"{name} must be {least} (got {value})", hint)
+
+
+def first_line(e: BaseException, limit: int = 200) -> str:
+    """``Type: the first line of its text`` (at most ``limit`` characters), for a refusal
+    that names an error raised by what it called (torch's texts run over lines)."""
+    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:limit]}"
 
 
 def divisors(n: int, *also: int) -> list[int]:

@@ -124,16 +124,14 @@ class ActivationCache:
         if key in self.memory:
             return self.memory[key]
         if key in self.disk:
-            depth, path, nbytes = self.disk[key]
+            depth, path, _ = self.disk[key]
             try:
                 return depth, torch.load(path, weights_only=True)
             except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as e:
                 # removed, cut short or damaged: a miss
                 log.warning("AutoCache: cannot read %s (%s); the sample's frozen layers run "
                             "again", path, e)
-                del self.disk[key]
-                self.stats.disk_bytes -= nbytes
-                self.stats.disk_entries -= 1
+                self._drop_disk(key)
                 return None
         if self.shared is not None:
             try:
@@ -216,7 +214,8 @@ class ActivationCache:
         self.stats.disk_bytes += nbytes
 
     def _drop_disk(self, key: bytes) -> None:
-        """Forget ``key``'s disk entry (an older depth's), if it has one."""
+        """Forget ``key``'s disk entry (an older depth's, or one that cannot be read), if it
+        has one."""
         old = self.disk.pop(key, None)
         if old is not None:
             self.stats.disk_bytes -= old[2]

@@ -206,6 +206,12 @@ def nic_traffic(strategy: str, *, machines: int, local_workers: int, servers: in
     raise _unknown(strategy)
 
 
+def _crosses_nics(strategy: str, machines: int, servers: int) -> bool:
+    """Whether any of a step's bytes cross a NIC (not on one machine without servers, nor
+    for BytePS's on one machine: Theorem 1 gives them nothing)."""
+    return nic_traffic(strategy, machines=machines, local_workers=1, servers=servers) > 0
+
+
 def host_traffic(strategy: str, *, machines: int, local_workers: int, servers: int) -> float:
     """Bytes sent per step over every NIC together, in units of M (what one host copies)."""
     n, k = machines, servers
@@ -244,8 +250,8 @@ def fanout_traffic(strategy: str, *, machines: int, servers: int, model_bytes: f
     otherwise idle.
     """
     n = machines
-    if strategy == "ddp" or (n == 1 and (servers == 0 or strategy == "byteps")):
-        return 0.0  # nothing crosses a NIC (Theorem 1 gives one machine's servers nothing)
+    if strategy == "ddp" or not _crosses_nics(strategy, n, servers):
+        return 0.0
     if strategy == "byteps":
         shares = optimal_shares(n, servers)
         largest = max(shares.per_colocated_server, shares.per_cpu_server) * model_bytes
@@ -259,8 +265,8 @@ def _messages(candidate: Candidate, network: Network, model_bytes: float,
               constants: Constants) -> int:
     """Packets' delays a step waits out one after another (for the latency term)."""
     n, p = network.machines, network.workers
-    if n == 1 and (candidate.servers == 0 or candidate.strategy == "byteps"):
-        return 0  # nothing crosses a NIC
+    if not _crosses_nics(candidate.strategy, n, candidate.servers):
+        return 0
     if candidate.strategy == "ddp":
         return 2 * (p - 1) * max(1, math.ceil(model_bytes / constants.bucket_bytes))
     size = constants.partition_bytes if candidate.strategy == "byteps" else constants.bucket_bytes

@@ -53,6 +53,13 @@ def bucket_specs(buckets: Sequence[Bucket], specs: Sequence[TensorSpec]) -> list
     return out
 
 
+def travels_divided(dtype: torch.dtype) -> bool:
+    """Whether gradients of ``dtype`` are divided by the workers before they are summed, as
+    torch's DDP does: a 16-bit sum of W gradients can overflow (the servers add in float32
+    but answer in the bucket's dtype)."""
+    return dtype in (torch.float16, torch.bfloat16)
+
+
 class GradientSync:
     """Sums the gradients of ``params`` over every worker, bucket by bucket, during backward.
 
@@ -138,7 +145,7 @@ class GradientSync:
         #: 16-bit buckets travel divided by the workers, so that their sum cannot overflow
         #: (the servers add in float32 but answer in the bucket's dtype); the rest divide
         #: the sum, in float32 where they are, as one process would.
-        self._predivided = [b.dtype in (torch.float16, torch.bfloat16) for b in self.buckets]
+        self._predivided = [travels_divided(b.dtype) for b in self.buckets]
         #: Leave ``.grad`` None where no worker had a gradient (an MoE expert no token chose:
         #: one process gives it none, and Adam would step on zeros); one small all-reduce of
         #: a flag per parameter a step. Off by default.

@@ -52,14 +52,14 @@ class SyncedModule(nn.Module):
             raise ConfigError(f"rank {ctx.rank} is a server; {method} trains on workers",
                               "wrap the model on workers only (servers serve inside init())")
         check_same_model(ctx, module)
+        self.module = module
         # The same tensors, but another set that trains: other buckets and keys (a mismatch
         # naming bucket keys on some workers, a timeout on the others).
-        check_same_tensors(ctx, tensor_signature(
-            [(n, p) for n, p in module.named_parameters() if p.requires_grad]),
-            "trained parameters (requires_grad)",
-            "freeze the same parameters on every worker before wrapping the model")
+        check_same_tensors(ctx, tensor_signature(self.trained()),
+                           "trained parameters (requires_grad)",
+                           "freeze the same parameters on every worker before wrapping the "
+                           "model")
         broadcast_module(ctx, module)
-        self.module = module
         #: Parameters frozen at the wrap: they have no sum (:meth:`_check_trained`).
         self._frozen = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
         self.ctx = ctx

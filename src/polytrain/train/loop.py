@@ -21,7 +21,7 @@ from ..data import EpochBatches, corpus_digest, training_data
 from ..emulation.clock import clock_of, emulate
 from ..emulation.devices import parse_cluster
 from ..emulation.profile import profile_model
-from ..errors import ConfigError
+from ..errors import ConfigError, first_line
 from ..models import get_model, seq_len_of
 from ..optim import make_optimizer
 from ..runtime import Context, init
@@ -194,8 +194,7 @@ def train(config: TrainConfig) -> dict[str, Any] | None:
             write_metrics(out, metrics)
         except (OSError, RuntimeError) as e:  # torch.save reports a full disk as RuntimeError
             # Bad input, not a failure to restart from: a restart would train again to here.
-            raise ConfigError(f"cannot write the results to --out {out} ({type(e).__name__}: "
-                              f"{(str(e).strip().splitlines() or [''])[0][:200]})",
+            raise ConfigError(f"cannot write the results to --out {out} ({first_line(e)})",
                               "free space there, or pass another --out; the run's "
                               "checkpoints, if any, hold it up to the last") from None
     return metrics

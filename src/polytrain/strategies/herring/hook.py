@@ -25,6 +25,7 @@ from ... import runtime
 from ...comm.partition import TensorSpec
 from ...errors import ConfigError
 from ...ps.engine import SumTensor, engine_for
+from ...ps.grads import travels_divided
 from ...runtime import Context
 from ..checks import check_even_machines
 from .ddp import EVEN_MACHINES, herring_servers
@@ -111,9 +112,7 @@ def herring_hook(state: HerringHookState,
     t = state._sum_of(bucket.index(), buffer.numel(), buffer.dtype)
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future(
         devices=[buffer.device] if buffer.is_cuda else None)
-    # A 16-bit sum of W gradients can overflow (the servers answer in the bucket's dtype):
-    # such a bucket travels divided, as torch's default hook divides before its all-reduce.
-    divided = buffer.dtype in (torch.float16, torch.bfloat16)
+    divided = travels_divided(buffer.dtype)
     if divided:
         buffer.div_(state.ctx.num_workers)
     state.engine.submit(t, buffer)
