@@ -126,42 +126,43 @@ def train(config: TrainConfig) -> dict[str, Any] | None:
               if ctx is not None and ctx.emulated_network else set())
     losses: list[float | None] = []
     times: list[float] = []
-    for step, batch in zip(range(start, config.steps), batches.iterate(start)):
-        inputs, targets = spec.split(batch)
-        t0 = time.perf_counter()
-        loss = trainer.step(inputs, targets)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t0)
-        losses.append(loss)
-        if scheduler is not None:
-            with warnings.catch_warnings():
-                # A strategy may step its own optimizers (hetpipe's stages) that follow this
-                # one's settings: torch's check that this one stepped first does not apply.
-                warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler")
-                scheduler.step()
-        if ctx is not None:
-            if step + 1 - start in settle:
-                dist.barrier(group=ctx.groups.workers)
-            ctx.meter.mark_step()
-        progress.update(step, loss, config.batch_size / max(times[-1], 1e-9))
-        aside = False  # bytes between steps that are not training's
-        if held_out is not None and ((step + 1) % config.eval_every == 0  # type: ignore[operator]
-                                     or step + 1 == config.steps):
-            aside = True
-            net = strategy.evaluation_model(trainer.model)
-            if net is not None:
-                value, accuracy = evaluate(net, *held_out, spec.loss, device=device)
-                evals.append({"step": step + 1, "loss": value, "accuracy": accuracy,
-                              "train_time_s": sum(before_times) + sum(times)})
-        if config.checkpoint_every and (step + 1) % config.checkpoint_every == 0:
-            aside = True
-            _checkpoint(config, trainer, scheduler, step + 1, run_record(config, corpus),
-                        {"losses": before_losses + _global_losses(ctx, losses),
-                         "times": before_times + times, "evals": evals,
-                         "save_errors": list(save_errors)}, save_errors)
-        if aside and ctx is not None:  # Parallax's gathers of its tables, say: not a step's
-            ctx.meter.discard()
+    with progress:  # an error ends the bar's line first
+        for step, batch in zip(range(start, config.steps), batches.iterate(start)):
+            inputs, targets = spec.split(batch)
+            t0 = time.perf_counter()
+            loss = trainer.step(inputs, targets)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - t0)
+            losses.append(loss)
+            if scheduler is not None:
+                with warnings.catch_warnings():
+                    # A strategy may step its own optimizers (hetpipe's stages) that follow this
+                    # one's settings: torch's check that this one stepped first does not apply.
+                    warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler")
+                    scheduler.step()
+            if ctx is not None:
+                if step + 1 - start in settle:
+                    dist.barrier(group=ctx.groups.workers)
+                ctx.meter.mark_step()
+            progress.update(step, loss, config.batch_size / max(times[-1], 1e-9))
+            aside = False  # bytes between steps that are not training's
+            if held_out is not None and ((step + 1) % config.eval_every == 0  # type: ignore[operator]
+                                         or step + 1 == config.steps):
+                aside = True
+                net = strategy.evaluation_model(trainer.model)
+                if net is not None:
+                    value, accuracy = evaluate(net, *held_out, spec.loss, device=device)
+                    evals.append({"step": step + 1, "loss": value, "accuracy": accuracy,
+                                  "train_time_s": sum(before_times) + sum(times)})
+            if config.checkpoint_every and (step + 1) % config.checkpoint_every == 0:
+                aside = True
+                _checkpoint(config, trainer, scheduler, step + 1, run_record(config, corpus),
+                            {"losses": before_losses + _global_losses(ctx, losses),
+                             "times": before_times + times, "evals": evals,
+                             "save_errors": list(save_errors)}, save_errors)
+            if aside and ctx is not None:  # Parallax's gathers of its tables, say: not a step's
+                ctx.meter.discard()
     global_losses = before_losses + _global_losses(ctx, losses)
     times = before_times + times
     state = trainer.state_dict()

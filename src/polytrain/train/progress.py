@@ -21,6 +21,17 @@ class Progress:
         self.tty = self.stream.isatty()
         self._last = 0.0
         self._every = max(1, total // 10)
+        self._open = False  # a redrawn line without its newline yet
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """Ends a redrawn line left open (a step that raised): the error starts on its own line."""
+        if self._open:
+            self.stream.write("\n")
+            self.stream.flush()
+            self._open = False
 
     def update(self, step: int, loss: float | None, samples_per_s: float) -> None:
         if not self.enabled:
@@ -37,7 +48,8 @@ class Progress:
             width = 24
             filled = width * done // self.total
             self.stream.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {text}")
-            if done == self.total:
+            self._open = done < self.total
+            if not self._open:
                 self.stream.write("\n")
         elif done % self._every == 0 or done == self.total:
             self.stream.write(text + "\n")

@@ -1,0 +1,43 @@
+"""The progress bar: periodic lines off a terminal, one redrawn line on it."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from polytrain.train.progress import Progress
+
+pytestmark = pytest.mark.timeout(10)
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_an_error_mid_run_starts_on_its_own_line() -> None:
+    stream = Terminal()
+    with pytest.raises(RuntimeError), Progress(10, stream=stream) as bar:
+        bar.update(0, 2.5, 100.0)
+        raise RuntimeError("a step failed")
+    assert stream.getvalue().startswith("\r[") and stream.getvalue().endswith("\n")
+    assert stream.getvalue().count("\n") == 1
+
+
+def test_a_finished_bar_ends_its_line_once() -> None:
+    stream = Terminal()
+    with Progress(2, stream=stream) as bar:
+        bar.update(0, 2.5, 100.0)
+        bar.update(1, 2.0, 100.0)
+    assert stream.getvalue().endswith("2/2 loss  2.000    100.0 samples/s\n")
+    assert stream.getvalue().count("\n") == 1
+
+
+def test_off_a_terminal_it_writes_a_line_every_tenth() -> None:
+    stream = io.StringIO()
+    with Progress(20, stream=stream) as bar:
+        for step in range(20):
+            bar.update(step, None, 50.0)
+    lines = stream.getvalue().splitlines()
+    assert [line.split()[1] for line in lines] == [f"{n}/20" for n in range(2, 21, 2)]
