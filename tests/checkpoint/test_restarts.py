@@ -40,11 +40,15 @@ def test_a_worker_killed_at_a_random_step_restarts_and_ends_with_the_uninterrupt
                           report=said.append)
         fault.join()
         assert fault.sent_at is not None, "the fault was never injected"
-        assert metrics["restarts"] == 1
         assert len(said) == 1 and "worker rank 1 (machine node1) failed: killed by SIGKILL" \
             in said[0] and "restart 1 of 2 from checkpoint step-" in said[0], said
         resumed_at = int(said[0].rsplit("step-", 1)[1])
         assert resumed_at >= at
+        assert metrics["restarts"] == 1
+        # metrics.json says where the run started and where its restart resumed.
+        assert metrics["checkpoints"]["resumed_from"] is None
+        assert metrics["checkpoints"]["resumed_at"] == 0
+        assert metrics["restarted_from"] == [str(out / "checkpoints" / f"step-{resumed_at}")]
         a = torch.load(Path(tmp) / "plain" / "final.pt")
         b = torch.load(out / "final.pt")
         assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
@@ -108,6 +112,7 @@ def test_a_resumed_run_that_dies_before_its_first_checkpoint_restarts_from_its_r
                                      checkpoint_every=2, max_restarts=1), report=said.append)
     resumed = str(first / "checkpoints" / "step-4")
     assert started == [resumed, resumed] and metrics["restarts"] == 1
+    assert metrics["restarted_from"] == [resumed]
     assert said == [f"polytrain: worker rank 1 (machine node1) failed: killed by SIGKILL (9); "
                     f"restart 1 of 1 from {resumed} (no checkpoint of its own yet)"]
 
@@ -130,6 +135,7 @@ def test_a_resumed_run_that_dies_before_its_first_checkpoint_restarts_from_its_r
                       report=said.append)
     assert started == [None, str(tmp_path / "tuned" / "checkpoints" / "step-2")]
     assert inits == [str(first / "final.pt"), None] and metrics["restarts"] == 1
+    assert metrics["init"] == str(first / "final.pt")  # what the run started from
 
 
 @pytest.mark.timeout(120)

@@ -143,7 +143,8 @@ def run_config(config: TrainConfig, *, env: Mapping[str, str] | None = None,
         metrics = train(config)
         assert metrics is not None
         return metrics
-    restarts = 0
+    restarts, restarted_from = 0, list[str | None]()
+    first = config  # as the user asked: what metrics.json says the run started from
     while True:
         launcher = Launcher(config.layout(), port=config.port, env=env,
                             timeout_s=config.timeout_s, shape=config.link())
@@ -164,12 +165,18 @@ def run_config(config: TrainConfig, *, env: Mapping[str, str] | None = None,
                      "step 0 (no checkpoint yet)")
             say(f"polytrain: {e.what}; restart {restarts} of {config.max_restarts} from "
                 f"{where}")
+            restarted_from.append(back)
             # From a checkpoint, its weights replace --init's (kept only for step 0).
             config = resume_point(config.replace(resume=back,
                                                  init=config.init if back is None else None))
     assert metrics is not None
     if restarts:
-        metrics["restarts"] = restarts
+        # The last attempt wrote where it resumed: the run started where the user said.
+        metrics["restarts"], metrics["restarted_from"] = restarts, restarted_from
+        if "checkpoints" in metrics:
+            metrics["checkpoints"].update(resumed_from=origin, resumed_at=start)
+        if first.init is not None:
+            metrics["init"] = first.init
         if config.out is not None:  # worker 0 wrote it before the count was known
             write_metrics(Path(config.out), metrics)
     return metrics
