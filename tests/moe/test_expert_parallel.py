@@ -243,6 +243,25 @@ def test_half_precision_gates_count_past_65504_tokens(gate):
     assert abs(got - want) < 1e-2 * want, (got, want)
 
 
+@pytest.mark.parametrize("gate", ["noisy", "gshard", "switch"])
+def test_half_precision_gates_count_past_65504_tokens_on_one_expert(gate):
+    # A collapsed router (every token to one expert, when the balance loss matters most):
+    # the per-expert sums were taken in float16 and were inf before the float32 cast.
+    torch.manual_seed(0)
+    layer = MoE(D, E, gate=gate, d_hidden=4, dropless=True)
+    with torch.no_grad():
+        layer.gate.wg.weight.zero_()
+        layer.gate.wg.weight[0] = 3.0
+    x = torch.rand(70_000, D) + 0.5
+    torch.manual_seed(1)
+    layer.gate(x)
+    want = float(layer.gate.loss.detach())
+    torch.manual_seed(1)
+    layer.gate.half()(x.half())
+    got = float(layer.gate.loss.detach())
+    assert abs(got - want) < 1e-2 * want, (got, want)
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("workers", [2, 4])
 def test_expert_parallel_equals_all_local(workers):

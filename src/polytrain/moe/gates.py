@@ -56,11 +56,17 @@ __all__ = ["Gate", "NaiveGate", "NoisyGate", "GShardGate", "SwitchGate", "make_g
            "gate_names", "balance_loss", "z_loss"]
 
 
+def _sum_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Sums over tokens in float32 at least: a half-precision sum is inf past 65504 (one
+    expert that most tokens choose), a bfloat16 count loses its units past 256."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def _balance_sums(probs: torch.Tensor, top1: torch.Tensor) -> dict[str, torch.Tensor]:
     # Per-expert sums over tokens: router probabilities (with grad) and first choices.
-    experts = probs.shape[1]
-    first = torch.bincount(top1.clamp(min=0), minlength=experts).to(probs.dtype)
-    return {"probs": probs.sum(0), "first": first}
+    experts, acc = probs.shape[1], _sum_dtype(probs.dtype)
+    first = torch.bincount(top1.clamp(min=0), minlength=experts).to(acc)
+    return {"probs": probs.to(acc).sum(0), "first": first}
 
 
 def _balance_of(sums: dict[str, torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
@@ -262,8 +268,7 @@ class Gate(nn.Module):
         balanced = stats is not None and bool(self.balance_weight)
         if not balanced and not self.z_loss_weight:
             return None
-        # Sums in float32 at least: a half-precision count overflows past 65504 tokens.
-        acc = torch.promote_types(logits.dtype, torch.float32)
+        acc = _sum_dtype(logits.dtype)
         local = {k: v.to(acc) for k, v in stats.items()} if balanced and stats else {}
         if self.z_loss_weight:
             local["z"] = _z_sum(logits.to(acc))
@@ -341,7 +346,8 @@ class NoisyGate(Gate):
         top_values, top_indices = logits.topk(min(k + 1, experts), dim=-1)
         scores = F.softmax(top_values[:, :k], dim=-1)
         indices = top_indices[:, :k]
-        importance = torch.zeros_like(clean).scatter(1, indices, scores).sum(0)
+        acc = _sum_dtype(clean.dtype)
+        importance = torch.zeros_like(clean, dtype=acc).scatter(1, indices, scores.to(acc)).sum(0)
         if noisy and x.shape[0]:
             # P(expert e stays in the top k if only its noise were drawn again).
             normal = torch.distributions.Normal(0.0, 1.0)
@@ -350,9 +356,9 @@ class NoisyGate(Gate):
             is_in = logits > in_threshold
             p_in = normal.cdf((clean - in_threshold) / std)
             p_out = normal.cdf((clean - out_threshold) / std)
-            load = torch.where(is_in, p_in, p_out).sum(0)
+            load = torch.where(is_in, p_in, p_out).to(acc).sum(0)
         else:
-            load = (torch.zeros_like(clean).scatter(1, indices, 1.0)).sum(0)
+            load = (torch.zeros_like(clean, dtype=acc).scatter(1, indices, 1.0)).sum(0)
         return indices, scores, logits, {"importance": importance, "load": load}
 
     def balance(self, sums: dict[str, torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
