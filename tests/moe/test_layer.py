@@ -112,6 +112,15 @@ def test_gshard_and_switch_default_capacities_and_z_loss():
     assert float(aux_loss(MoE(D, E))) == 0.0
 
 
+def test_a_balance_loss_weight_for_the_naive_gate_is_refused():
+    # It has no balance loss: the weight was dropped without a word.
+    with pytest.raises(ConfigError, match=r"the naive gate has no balance loss, so "
+                                          r"balance_weight \(--balance-loss\) 0.5 would do "
+                                          r"nothing\. HINT: use gate gshard"):
+        MoE(D, E, gate="naive", balance_weight=0.5)
+    assert MoE(D, E, gate="naive", balance_weight=0.0).gate.balance_weight == 0.0
+
+
 def test_balance_loss_is_one_when_perfectly_balanced():
     from polytrain.moe.gates import balance_loss
     probs = torch.full((8, 4), 0.25)

@@ -46,6 +46,25 @@ def test_torch_encoder_layers(norm_first):
         assert torch.allclose(encoder.eval()(x), y, atol=1e-6)
 
 
+@pytest.mark.parametrize("activation", ["relu", "gelu", nn.GELU(approximate="tanh")],
+                         ids=["relu", "gelu", "tanh-gelu"])
+def test_a_one_expert_torch_layer_computes_the_block_it_replaced(activation):
+    # Its experts were GELU's whatever the layer's activation (torch's default is ReLU).
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.0, batch_first=True,
+                                       activation=activation)
+    x = torch.randn(7, 16)
+    want = layer.linear2(layer.activation(layer.linear1(x)))
+    linear1, linear2 = layer.linear1, layer.linear2
+    moe = moefy(layer, 1, top_k=1).moe
+    expert = moe.experts[0]
+    with torch.no_grad():
+        expert.fc.weight.copy_(linear1.weight), expert.fc.bias.copy_(linear1.bias)
+        expert.proj.weight.copy_(linear2.weight), expert.proj.bias.copy_(linear2.bias)
+    assert torch.allclose(moe(x), want, atol=1e-6)
+    assert "moe.experts.0.fc.weight" in layer.state_dict()
+
+
 def test_torch_decoder_layers():
     torch.manual_seed(0)
     decoder = moefy(nn.TransformerDecoder(nn.TransformerDecoderLayer(16, 2, 32, batch_first=True),

@@ -146,6 +146,7 @@ class Gate(nn.Module):
     default_top_k: ClassVar[int] = 2
     default_capacity: ClassVar[tuple[float | None, float | None]] = (None, None)
     default_balance_weight: ClassVar[float] = 0.0
+    has_balance_loss: ClassVar[bool] = True
 
     def __init__(self, d_model: int, num_experts: int, *, top_k: int | None = None,
                  capacity_factor: float | None = None, eval_capacity_factor: float | None = None,
@@ -184,6 +185,11 @@ class Gate(nn.Module):
                 raise ConfigError(f"{name} ({flag}) must be 0 or more (got {weight})",
                                   f"pass a small weight, e.g. {flag} 0.01 ({name}=0.01 in a "
                                   f"script), or 0 for none")
+        if self.balance_weight and not self.has_balance_loss:
+            raise ConfigError(f"the {self.name} gate has no balance loss, so balance_weight "
+                              f"(--balance-loss) {self.balance_weight:g} would do nothing",
+                              "use gate gshard, switch or noisy for a balance loss, or leave "
+                              "balance_weight out")
         self.wg = nn.Linear(d_model, num_experts, bias=False)
         self.group = ExpertGroup(group)
         self.batch_group: ExpertGroup | None = None
@@ -309,6 +315,7 @@ class NaiveGate(Gate):
     """FastMoE's naive gate: the top-k router logits, softmax over those k."""
 
     name = "naive"
+    has_balance_loss = False
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                dict[str, torch.Tensor] | None]:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ConfigError, at_least
@@ -39,10 +40,35 @@ def _like(layer: MoE, reference: torch.Tensor) -> MoE:
     return layer.to(device=reference.device, dtype=reference.dtype)
 
 
+class _FeedForwardAs(nn.Module):
+    """``proj(activation(fc(x)))``: an expert of a torch layer whose activation is not GELU
+    (torch's layers default to ReLU); named as the default expert's."""
+
+    def __init__(self, d_model: int, d_hidden: int,
+                 activation: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d_model, d_hidden)
+        self.proj = nn.Linear(d_hidden, d_model)
+        self.activation = activation  # a module among the children, a function as is
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.activation(self.fc(x)))
+
+
+def _is_exact_gelu(activation: object) -> bool:
+    return activation is F.gelu or (isinstance(activation, nn.GELU) and
+                                    activation.approximate == "none")
+
+
 def _moefy_torch_layer(layer: nn.Module, num_experts: int, options: dict[str, Any]) -> None:
     linear1 = layer.linear1
     assert isinstance(linear1, nn.Linear)
     opts = {"d_hidden": linear1.out_features, **options}
+    activation = layer.activation
+    if "expert" not in opts and not _is_exact_gelu(activation):
+        # The default experts are GELU's: the layer's own function, not another one.
+        hidden = opts.pop("d_hidden")
+        opts["expert"] = lambda d: _FeedForwardAs(d, hidden, activation)
     moe = _like(MoE(linear1.in_features, num_experts, **opts), linear1.weight)
     for name in ("linear1", "dropout", "linear2"):
         delattr(layer, name)
@@ -60,7 +86,8 @@ def moefy(model: nn.Module, num_experts: int, *, every: int = 1, **options: Any)
     Knows polytrain's GPT (``block.mlp``) and :class:`torch.nn.TransformerEncoderLayer` /
     :class:`~torch.nn.TransformerDecoderLayer` (their ``linear1``/``linear2``
     become ``moe``; the dropout inside the old block goes, the one after it
-    stays). The experts' hidden width defaults to the replaced block's. Works
+    stays; experts apply the layer's own activation, ReLU by default in torch). The
+    experts' hidden width defaults to the replaced block's. Works
     in place and returns the model. FastMoE's ``fmoefy`` for Megatron-LM, for
     these models.
 
