@@ -6,6 +6,7 @@ from torch import nn
 
 import polytrain
 from polytrain.models import GPT
+from polytrain.models.gpt import Block
 from polytrain.moe import (
     MoE,
     full_state_dict,
@@ -78,6 +79,24 @@ def test_a_checkpoint_of_another_expert_count_is_refused(tmp_path):
     with pytest.raises(polytrain.ConfigError, match=r"MoE layer 'h0.mlp' has 8 experts but "
                                                     r"the checkpoint has 4"):
         load_sharded(other, tmp_path)
+
+
+def test_a_checkpoint_of_another_model_or_missing_a_shard_is_refused_in_one_line(tmp_path):
+    # Raw KeyError, torch's many-line load_state_dict error, FileNotFoundError.
+    save_sharded(build(0), tmp_path)
+    deeper = build(0)
+    deeper.h2 = Block(16, 2, 64)  # a block the checkpoint lacks
+    with pytest.raises(polytrain.ConfigError, match=r"h2\.\S+ is not in the checkpoint: .* is "
+                                                    r"another model's"):
+        load_sharded(deeper, tmp_path)
+    wider = build(0)
+    wider.head.out = nn.Linear(16, 300, bias=False)
+    with pytest.raises(polytrain.ConfigError, match=r"head.out.weight is \(256, 16\) in the "
+                                                    r"checkpoint, \(300, 16\) here"):
+        load_sharded(wider, tmp_path)
+    (tmp_path / "shard-0.pt").unlink()
+    with pytest.raises(polytrain.ConfigError, match=r"lacks shard-0.pt, one of the 1 shards"):
+        load_sharded(build(1), tmp_path)
 
 
 def test_the_model_distribute_returns_saves_under_the_models_own_names(tmp_path):

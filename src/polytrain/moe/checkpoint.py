@@ -201,14 +201,25 @@ def load_sharded(model: nn.Module, directory: str | Path) -> None:
 
     def shard(r: int) -> dict[str, torch.Tensor]:
         if r not in cache:
-            cache[r] = torch.load(path / f"shard-{r}.pt", map_location="cpu")
+            file = path / f"shard-{r}.pt"
+            if not file.exists():
+                raise ConfigError(f"{path} lacks {file.name}, one of the {saved_ranks} shards "
+                                  f"its meta.json lists", "copy the whole directory that "
+                                  "save_sharded() wrote")
+            cache[r] = torch.load(file, map_location="cpu")
         return cache[r]["state"]
 
     state: dict[str, torch.Tensor] = {}
-    for key in model.state_dict():
+    for key, mine in model.state_dict().items():
         name, expert = _canonical(key, layers)
         found = _split(key, layers)
         owner = 0 if expert is None or found is None else \
             expert // (found[1].num_experts // saved_ranks)
-        state[key] = shard(owner)[name]
+        saved_value = shard(owner).get(name)
+        if saved_value is None or saved_value.shape != mine.shape:
+            what = ("not in the checkpoint" if saved_value is None else
+                    f"{tuple(saved_value.shape)} in the checkpoint, {tuple(mine.shape)} here")
+            raise ConfigError(f"{key} is {what}: {path} is another model's",
+                              "load it into the model that save_sharded() was given")
+        state[key] = saved_value
     model.load_state_dict(state)
