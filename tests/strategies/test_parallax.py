@@ -49,6 +49,18 @@ def test_the_plan_puts_the_embeddings_on_servers_and_the_body_on_all_reduce():
     assert classify(plain, sparse_embeddings=False) == (["0.weight", "1.weight", "1.bias"], [])
 
 
+def test_embeddings_whose_rows_cannot_live_on_servers_stay_dense_or_are_refused():
+    # max_norm renormalized the worker's fetched rows in place, unseen by the servers (the
+    # run silently left single's weights); an EmbeddingBag of mode 'max' made sparse met
+    # torch's "max mode does not support sparse weights" at its first forward.
+    model = nn.Sequential(nn.Embedding(10, 4, max_norm=1.0), nn.EmbeddingBag(10, 4, mode="max"),
+                          nn.EmbeddingBag(10, 4))
+    assert classify(model) == (["0.weight", "1.weight"], ["2.weight"])
+    with pytest.raises(ConfigError, match=r"0 is built with sparse=True, but parallax cannot "
+                                          r"hold its rows on servers: it renormalizes"):
+        classify(nn.Sequential(nn.Embedding(10, 4, max_norm=1.0, sparse=True)))
+
+
 def test_row_ranges_are_spread_greedily_by_bytes_over_the_servers():
     variables = [SparseVar("a", 1000, 8, torch.float32), SparseVar("b", 300, 8, torch.float32)]
     plan = plan_parallax(variables, ["w"], partitions=4, servers=[6, 7, 8])
@@ -480,6 +492,20 @@ def out_of_range_script() -> None:
 
 
 @pytest.mark.timeout(120)
+def test_a_resume_with_other_sparse_embeddings_is_refused_before_any_process_starts():
+    # The tables' optimizer state lives only on the servers: without them Adam's moments
+    # restarted silently; the other way a worker raised advice that did not apply.
+    from polytrain.strategies.parallax import Parallax, ParallaxOptions
+    layout = TrainConfig(strategy="parallax", workers=2).layout()
+    saved = {"workers": 2, "strategy_options": {"sparse_embeddings": True}}
+    with pytest.raises(ConfigError, match=r"strategy 'parallax' resumes the servers' rows and "
+                                          r"their optimizer state only with the options that "
+                                          r"made them \(--sparse-embeddings True there, False "
+                                          r"here\)"):
+        Parallax.check_resume(saved, layout, ParallaxOptions(sparse_embeddings=False))
+    Parallax.check_resume(saved, layout, ParallaxOptions(partitions=4))  # others may change
+
+
 def test_a_lookup_past_the_table_is_refused_naming_the_row():
     # An IndexError inside a forward hook (a negative id read another variable's rows).
     from polytrain import LaunchError

@@ -107,18 +107,43 @@ class ParallaxPlan:
         return "\n".join(lines)
 
 
+def unservable(m: nn.Module) -> str | None:
+    """Why an embedding's rows cannot live on servers (None: they can)."""
+    if getattr(m, "max_norm", None) is not None:
+        return ("it renormalizes the rows it reads in the forward (max_norm), which the "
+                "servers' rows would never see")
+    if isinstance(m, nn.EmbeddingBag) and m.mode == "max":
+        return "mode='max' has no sparse gradient"
+    return None
+
+
+def sparse_tables(model: nn.Module, *, sparse_embeddings: bool = True) -> list[nn.Module]:
+    """The embeddings whose rows go to servers: those built with ``sparse=True``, and with
+    ``sparse_embeddings`` every other ``nn.Embedding``/``nn.EmbeddingBag`` whose rows can
+    (:func:`unservable`: the others stay dense). One built sparse that cannot is refused."""
+    tables = []
+    for name, m in model.named_modules():
+        if not isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
+            continue
+        why = unservable(m)
+        if why is not None and m.sparse:
+            raise ConfigError(f"{name} is built with sparse=True, but parallax cannot hold its "
+                              f"rows on servers: {why}", "build it with sparse=False (it is "
+                              "then all-reduced), or without that option")
+        if why is None and (m.sparse or sparse_embeddings):
+            tables.append(m)
+    return tables
+
+
 def classify(model: nn.Module, *, sparse_embeddings: bool = True
              ) -> tuple[list[str], list[str]]:
     """(dense parameter names, sparse parameter names) of ``model``, in parameter order.
 
-    Sparse: the weight of an embedding with ``sparse=True``, or of any
-    ``nn.Embedding``/``nn.EmbeddingBag`` when ``sparse_embeddings``. A sparse
-    weight shared with another module (tied weights) is refused: its gradient
-    would be partly dense.
+    Sparse: the weights of :func:`sparse_tables`. A sparse weight shared with another
+    module (tied weights) is refused: its gradient would be partly dense.
     """
-    sparse_ids = {id(m.weight) for m in model.modules()
-                  if isinstance(m, (nn.Embedding, nn.EmbeddingBag))
-                  and (m.sparse or sparse_embeddings)}
+    sparse_ids = {id(m.weight) for m in sparse_tables(model,
+                                                      sparse_embeddings=sparse_embeddings)}
     users: dict[int, int] = {}
     for m in model.modules():
         for p in m.parameters(recurse=False):

@@ -12,13 +12,14 @@ import torch.distributed as dist
 from torch import nn
 
 from ...errors import ConfigError
+from ...launch.layout import Layout
 from ...ps.placement import server_ranks
 from ...runtime import Context
 from ..base import register
 from ..served import ServedStrategy
 from .dense import DenseSync
 from .options import ParallaxOptions
-from .plan import ParallaxPlan, SparseVar, classify, plan_parallax
+from .plan import ParallaxPlan, SparseVar, classify, plan_parallax, sparse_tables
 from .rows import SparseRows, Touched
 from .search import PartitionSearch
 
@@ -53,6 +54,15 @@ class Parallax(ServedStrategy[ParallaxOptions]):
     resumes_on_other_layouts = True
     whole_state_on_worker_0 = True
 
+    @classmethod
+    def check_resume(cls, saved: Mapping[str, Any], layout: Layout,
+                     options: ParallaxOptions) -> None:
+        """Which tables the servers hold is the checkpoint's: their rows' optimizer state
+        lives only there (a resume without them restarted Adam's moments silently)."""
+        super().check_resume(saved, layout, options)
+        cls.refuse_other_options(saved, options, ["sparse_embeddings"],
+                                 "the servers' rows and their optimizer state")
+
     def __init__(self, ctx: Context | None, options: ParallaxOptions) -> None:
         super().__init__(ctx, options)
         self.plan: ParallaxPlan | None = None
@@ -69,10 +79,8 @@ class Parallax(ServedStrategy[ParallaxOptions]):
         ctx = self.ctx
         assert ctx is not None
         model.to(ctx.device)
-        if self.options.sparse_embeddings:
-            for m in model.modules():
-                if isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
-                    m.sparse = True  # its gradient: the rows a step touched
+        for m in sparse_tables(model, sparse_embeddings=self.options.sparse_embeddings):
+            m.sparse = True  # its gradient: the rows a step touched
         dense, sparse = classify(model, sparse_embeddings=self.options.sparse_embeddings)
         params = dict(model.named_parameters())
         colocated, dedicated = server_ranks(ctx.topology, colocate=self.options.colocate,
