@@ -226,6 +226,25 @@ def test_load_refuses_another_optimizer_class_or_scheduler_than_the_saved_ones(t
     assert torch.equal(opt.state[model.weight]["exp_avg"], moment)
 
 
+def test_load_refuses_a_checkpoint_of_another_strategy(tmp_path):
+    # Its optimizer and strategy state are that strategy's: a ddp checkpoint loaded into
+    # parallax was refused for a worker count it had; parallax's into ddp lost the
+    # tables' optimizer state. Only the CLI's resume checked.
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    model, opt = polytrain.distribute(model, torch.optim.Adam(model.parameters()), "single")
+    saved = polytrain.save(tmp_path, model, opt, step=1)
+    path = saved / "manifest.json"
+    manifest = json.loads(path.read_text())
+    assert manifest["strategy"] == "single"
+    assert polytrain.load(tmp_path, model, opt).step == 1
+    path.write_text(json.dumps({**manifest, "strategy": "parallax"}))
+    with pytest.raises(CheckpointError, match=rf"checkpoint {saved} was written by strategy "
+                                              rf"'parallax', and this trainer's is 'single'\. "
+                                              rf"HINT: load it with strategy 'parallax'"):
+        polytrain.load(tmp_path, model, opt)
+
+
 def test_a_checkpoint_on_a_file_system_that_cannot_map_files_still_loads(tmp_path,
                                                                           monkeypatch):
     # Worker files are memory-mapped when loaded; some file systems refuse that.

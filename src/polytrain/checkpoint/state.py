@@ -187,7 +187,8 @@ def save(root: str | Path, model: nn.Module | Trainer,
         for i, (_, ns) in enumerate(held):
             for n in ns:
                 index_of.setdefault(n, i)
-        meta = {**dict(run or {}), "step": step, "workers": count, "time": time.time(),
+        meta = {"strategy": strategy.name, **dict(run or {}), "step": step, "workers": count,
+                "time": time.time(),
                 "keys": {k: list(v.shape) for k, v in full.items()},
                 "optimizer_index": index_of}
         try:
@@ -227,6 +228,14 @@ def load(path: str | Path, model: nn.Module | Trainer,
     where, skipped = resolve(path)
     manifest = read_manifest(where)  # resolve() has checked its files
     require(manifest, ("keys", "workers", "optimizer_index"), where)
+    if manifest.get("strategy", strategy.name) != strategy.name:
+        # Its optimizer and strategy state are that strategy's (Parallax's tables' state
+        # is on its servers): loaded into another they were dropped or misread.
+        raise CheckpointError(f"checkpoint {where} was written by strategy "
+                              f"{manifest['strategy']!r}, and this trainer's is "
+                              f"{strategy.name!r}", f"load it with strategy "
+                              f"{manifest['strategy']!r}, or start from its weights alone "
+                              f"({where / 'model.pt'}; --init takes them)")
     index, _, _ = _workers(strategy)
     names = strategy.parameter_names(model)
     keys = manifest["keys"]
