@@ -435,9 +435,13 @@ class Engine:
                     handle.wait()
                     pieces[peer] = buf
                 ordered = [pieces[r] for r in sorted(pieces)]  # local rank order: deterministic
-                own = ordered[0].clone()
+                # In float32 at least, as the servers sum: where the sum is taken must not
+                # change it (16-bit partial sums lost half their bits, bf16's most).
+                acc = torch.promote_types(ordered[0].dtype, torch.float32)
+                total = ordered[0].to(acc, copy=True)
                 for x in ordered[1:]:
-                    own.add_(x)
+                    total.add_(x)
+                own = total.to(ordered[0].dtype)
             part, codec = task.part.part, task.part.codec
             if codec is not None:  # compress the machine's sum; the answer is packed too
                 own = codec.encode(own)

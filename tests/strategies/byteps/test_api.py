@@ -37,6 +37,8 @@ def use_the_api():
     out["again"] = bps.push_pull(2 * x, name="x")
     out["sum"] = bps.push_pull(torch.tensor([w + 1]), name="n", average=False)
     out["unnamed"] = bps.push_pull(torch.ones(3, 3))
+    # An empty tensor (a model's 0-size parameter), twice: its rounds stay in step.
+    out["empty"] = [bps.push_pull(torch.empty(0, 4), name="e") for _ in range(2)]
     # BytePS's priority (#241: always 0 there): a larger one is queued first, then by key.
     queue = engine_for(ctx).queue
     queued, put = [], queue.put
@@ -117,6 +119,7 @@ def test_push_pull_broadcasts_and_the_distributed_optimizer():
         assert torch.allclose(o["again"], 2 * sum(xs) / 4)
         assert o["sum"].tolist() == [10] and o["sum"].dtype == torch.int64
         assert torch.equal(o["unnamed"], torch.ones(3, 3))
+        assert [tuple(e.shape) for e in o["empty"]] == [(0, 4), (0, 4)]
         assert "name 'x' was first used for [10]" in o["reuse_error"]
         queued, sums = o["priorities"]
         assert all(torch.equal(t, torch.ones(2)) for t in sums)
@@ -138,6 +141,21 @@ def test_push_pull_broadcasts_and_the_distributed_optimizer():
     for c in range(1, 5):  # step c (0-based) ends after the slow worker pushed step c - 1
         assert ends[c] >= slow_starts[c - 1]
     assert ends[4] < slow_starts[4]  # ... and no later: the fast worker did run ahead
+
+
+def sum_of_bf16_pieces():
+    polytrain.init()
+    piece = [1.0, 2.0 ** -8, 2.0 ** -8][bps.rank()]
+    return bps.push_pull(torch.full((4,), piece, dtype=torch.bfloat16), name="h",
+                         average=False).tolist()
+
+
+@pytest.mark.timeout(60)
+def test_16_bit_pieces_are_summed_on_their_machine_in_float32_as_on_the_servers():
+    # In bf16, 1 + 2^-8 rounds to 1 and again: three GPUs of a machine summed to 1.0, where
+    # a server (float32) gets 1 + 2^-7, which bf16 holds exactly.
+    out = spawn(sum_of_bf16_pieces, workers=3, nodes=1, servers=0, colocated=1)
+    assert out == [[1 + 2 ** -7] * 4] * 3
 
 
 def mismatched_names():
