@@ -314,5 +314,12 @@ def leaves_a_helper(directory: str, fail: bool) -> None:
     helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
                               start_new_session=ctx.rank == 1)
     Path(directory, f"helper-{ctx.rank}").write_text(str(helper.pid))
+    # A forked one (a multiprocessing helper; a failed worker's outlived it): from a fork
+    # server's child, its /proc environ was the server's, which names no run.
+    import multiprocessing
+    forked = multiprocessing.get_context("fork").Process(target=time.sleep, args=(120,),
+                                                         daemon=True)
+    forked.start()
+    Path(directory, f"forked-{ctx.rank}").write_text(str(forked.pid))
     if fail and ctx.rank == 1:
         raise RuntimeError("the script failed")

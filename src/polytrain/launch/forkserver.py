@@ -51,6 +51,7 @@ returncode)`` for every child it reaped.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 import pickle
@@ -73,6 +74,7 @@ log = logging.getLogger(__name__)
 
 _PRELOAD = ("polytrain", "polytrain.train", "polytrain.launch.child")
 _MAX_MESSAGE = 1 << 20
+_PR_SET_CHILD_SUBREAPER = 36
 _START_S = 120.0  # the server imports torch before its first answer; a loaded machine is slow
 
 
@@ -385,7 +387,7 @@ def _serve(sock: socket.socket) -> None:
         ready, _, _ = select.select(watched, [], [], 1.0)
         if wake_r in ready:
             os.read(wake_r, 4096)
-        while children:
+        while True:  # its children, and the orphans it adopted (reaped, not reported)
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
             except ChildProcessError:
@@ -393,8 +395,9 @@ def _serve(sock: socket.socket) -> None:
                 break
             if pid == 0:
                 break
-            children.discard(pid)
-            answer("exited", pid, os.waitstatus_to_exitcode(status))
+            if pid in children:
+                children.discard(pid)
+                answer("exited", pid, os.waitstatus_to_exitcode(status))
         if sock.fileno() in ready:
             try:
                 message, fds, _, _ = socket.recv_fds(sock, _MAX_MESSAGE, 3)
@@ -494,6 +497,11 @@ def main() -> None:
     from .child import die_with
 
     die_with(parent)  # SIGINT is ignored from _SERVER_CODE's first line on
+    # What a forked child forks (a multiprocessing helper) has the server's /proc environ,
+    # so the launcher cannot find it by the run's; orphaned, it comes to the server, whose
+    # children the launcher can list.
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1)
     sock = socket.socket(fileno=fd)
     for name in _PRELOAD:
         __import__(name)

@@ -19,7 +19,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Collection, Mapping, Sequence
 
 from .. import _env
 from ..errors import ConfigError, LaunchError
@@ -329,12 +329,15 @@ class Launcher:
             network: Network | None = None
             shm: Path | None = None
             oom_kills_before = oom_kills()
+            adopters: set[int] = set()  # the fork server: it adopts its children's orphans
             try:
                 shm = run_shm()
                 if self.shape is not None:
                     network = Network(self.layout.machines(), self.shape)
                     network.open()
                 server = server_for(self._base_env())
+                if server is not None:
+                    adopters.add(server.pid)
                 for spec in self.layout.processes():
                     if interrupted.is_set():
                         break  # Ctrl-C while starting: those started are stopped below
@@ -360,7 +363,7 @@ class Launcher:
             finally:
                 try:
                     self._stop(children)
-                    _stop_left_behind(workdir, {c.proc.pid for c in children},
+                    _stop_left_behind(workdir, {c.proc.pid for c in children}, adopters,
                                       clean=not interrupted.is_set() and all(
                                           c.proc.poll() == 0 for c in children))
                 finally:
@@ -680,32 +683,48 @@ def _last_beat(child: _Child) -> dict[str, Any]:
     return beat if isinstance(beat, dict) else {}
 
 
-def _run_processes(workdir: Path) -> dict[int, str]:
+def _run_processes(workdir: Path, adopters: Collection[int] = ()) -> dict[int, str]:
     """The live processes whose environment names this run's work directory, with their
     role and rank: what the run's processes started (a forked child's own /proc environ is
-    its fork server's, so the children themselves mostly do not show)."""
+    its fork server's, so the children themselves mostly do not show); and those the fork
+    servers ``adopters`` adopted, not their own children: what a forked child forked (a
+    multiprocessing helper: its environ is the server's too) and left when it ended."""
     entry = f"{_env.RUN_DIR}={workdir}".encode()
     found = {}
     for environ in Path("/proc").glob("[0-9]*/environ"):
+        pid = int(environ.parent.name)
+        if pid == os.getpid() or _proc_state(pid).startswith("Z"):
+            continue
         try:
             variables = environ.read_bytes().split(b"\0")
         except OSError:  # gone, or another user's
             continue
-        pid = int(environ.parent.name)
-        if entry in variables and pid != os.getpid() and not _proc_state(pid).startswith("Z"):
+        if entry in variables:
             named = dict(v.split(b"=", 1) for v in variables if b"=" in v)
             found[pid] = (f"{named.get(_env.ROLE.encode(), b'?').decode()} rank "
                           f"{named.get(_env.RANK.encode(), b'?').decode()}")
+        elif adopters and _parent(pid) in adopters:
+            found[pid] = "a worker or server that ended"
     return found
 
 
-def _stop_left_behind(workdir: Path, children: set[int], *, clean: bool) -> None:
+def _parent(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[1])  # the name in (...) may hold spaces
+
+
+def _stop_left_behind(workdir: Path, children: set[int], adopters: Collection[int] = (), *,
+                      clean: bool) -> None:
     """Stop what the run's processes started and left running (a script's helper, a failed
     worker's orphans), found by the work directory in their environment; under --bandwidth
     such a process would also keep its machine's namespace alive. After a clean end they
     get a grace period to end by themselves (a data loader's workers do, within seconds)."""
     deadline = time.monotonic() + (_GRACE_S if clean else 0.0)
-    while left := {p: who for p, who in _run_processes(workdir).items() if p not in children}:
+    while left := {p: who for p, who in _run_processes(workdir, adopters).items()
+                   if p not in children}:
         if time.monotonic() >= deadline:
             break
         time.sleep(_POLL_S)
@@ -725,7 +744,7 @@ def _stop_left_behind(workdir: Path, children: set[int], *, clean: bool) -> None
         deadline = time.monotonic() + _GRACE_S
         while left and time.monotonic() < deadline:
             time.sleep(_POLL_S)
-            left = {p: who for p, who in _run_processes(workdir).items() if p in left}
+            left = {p: who for p, who in _run_processes(workdir, adopters).items() if p in left}
         if not left:
             return
 
