@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import polytrain
-from polytrain import ConfigError, LaunchError
+from polytrain import ConfigError, LaunchError, TrainConfig
 from polytrain.launch import free_port, launcher
 from polytrain.launch.launcher import _OWNER, SHM_ROOT, mark_owner, run_shm, sweep_stale
 from polytrain.launch.layout import Layout
@@ -201,6 +201,20 @@ def test_processes_a_worker_leaves_behind_are_stopped_with_the_run(tmp_path, fai
     assert all(_gone(pid) for pid in helpers), helpers
     for rank in (0, 1):
         assert f"worker rank {rank} left 1 process running" in caplog.text
+
+
+@pytest.mark.timeout(20)
+def test_run_config_under_torchrun_or_polytrain_launch_is_refused(monkeypatch):
+    # Each process started a whole run of its own, all writing one --out.
+    from polytrain.train import run as run_module
+    monkeypatch.setattr(run_module, "Launcher", lambda *a, **k: pytest.fail("started a run"))
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    with pytest.raises(ConfigError, match=r"run_config\(\) \(polytrain train\) starts the run's "
+                                          r"processes itself, and torchrun started this process "
+                                          r"as one of 2"):
+        run_module.run_config(TrainConfig(strategy="ddp", workers=2))
 
 
 class _Running:

@@ -6,6 +6,7 @@ import logging
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from .. import _env
 from ..checkpoint import check_compatible, newest, resolve
 from ..checkpoint.manifest import (
     CheckpointError,
@@ -15,7 +16,7 @@ from ..checkpoint.manifest import (
     whole_past,
 )
 from ..config import TrainConfig
-from ..errors import LaunchError
+from ..errors import ConfigError, LaunchError
 from ..launch.launcher import Launcher, refuse_at_import
 from ..strategies.base import get_strategy
 from .loop import train
@@ -128,6 +129,13 @@ def run_config(config: TrainConfig, *, env: Mapping[str, str] | None = None,
         metrics = run_config(TrainConfig(strategy="ddp", workers=2, steps=50))
     """
     refuse_at_import("polytrain.train.run_config()")  # before a single run trains in-process
+    by = _env.started_by()
+    if by is not None:  # each process would start a whole run, all writing one --out
+        raise ConfigError(
+            f"run_config() (polytrain train) starts the run's processes itself, and {by} "
+            f"started this process as one of {_env.world_size()}: each would train a whole "
+            f"run of its own", f"run it from a plain shell or script, not under {by}; under "
+            f"{by}, train with polytrain.init() and polytrain.distribute() in the script")
     say = report or log.warning
     config = resume_point(config)
     check_checkpoint_folder(config)
