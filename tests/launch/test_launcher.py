@@ -847,14 +847,22 @@ def polytrain_launch(*args: str) -> subprocess.CompletedProcess[str]:
 def test_polytrain_launch_runs_a_script_and_reports_its_failure(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(
-        "import os, polytrain\n"
+        "import os, time, polytrain\n"
         "ctx = polytrain.init()\n"
+        "if ctx.rank == 0:\n"
+        "    for i in range(100):\n"
+        "        print(f'line-{i}')\n"
+        "    time.sleep(60)\n"
         "if ctx.rank == 1:\n"
+        "    time.sleep(2)\n"
         "    raise ValueError('bad shard on rank 1')\n")
     run = polytrain_launch("--workers", "2", "--servers", "1", str(script))
     assert run.returncode == 1
     assert re.search(r"polytrain launch: error: worker rank 1 \(machine node0\) failed: "
                      r"ValueError: bad shard on rank 1", run.stderr), run.stderr[-2000:]
+    # Rank 0, stopped with SIGTERM (which ends it with os._exit), loses none of what it
+    # printed into the pipe.
+    assert "line-99" in run.stdout, run.stdout[-500:]
 
 
 @pytest.mark.timeout(90)
