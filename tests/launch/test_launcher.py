@@ -88,6 +88,9 @@ def test_a_worker_that_raises_stops_the_run_and_is_named(capfd):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("code, cause, hint", [
     (3, r"exited with code 3", r"it called sys\.exit: its output above may say why$"),
+    # It said "the traceback of that process is printed above": there was none.
+    ("os._exit(3)", r"exited with code 3", r"find what ended it \(os\._exit or sys\.exit in "
+                                            r"one of its threads"),
     # It was "exited with code bad config...", pointing at a traceback there was none of.
     ("bad config: no data file", r"exited: bad config: no data file",
      r"fix what it says, and rerun$"),

@@ -309,22 +309,70 @@ def test_a_run_id_a_live_run_holds_is_refused(clean_host):
     assert not any("0abcde" in x for x in _leftovers())
 
 
-@pytest.mark.skipif(not (IP and shutil.which("tc")), reason="needs iproute2 (ip, tc)")
 def test_a_claim_is_never_seen_half_written(tmp_path, monkeypatch):
     # A claim was created empty and written after: another launcher's sweep that read it
     # then took it for ownerless and removed it, and later this live run's namespaces.
-    net = Network(["node0"], LinkShape.parse("1gbit"), run_id="0abcdf", state_dir=tmp_path)
+    monkeypatch.setattr(network, "STATE_DIR", tmp_path)
     claim, dump = tmp_path / "0abcdf.json", json.dump
-    monkeypatch.setattr(network.json, "dump",
-                        lambda *a, **k: (assert_absent(claim), dump(*a, **k))[1])
-    net._take_claim()
-    monkeypatch.undo()
+    with monkeypatch.context() as m:
+        m.setattr(network.json, "dump", lambda *a, **k: (assert_absent(claim), dump(*a, **k))[1])
+        assert network.take_claim("0abcdf", {"machines": ["node0"]}) == claim
     assert json.loads(claim.read_text())["pid"] == os.getpid()
     assert [p.name for p in tmp_path.iterdir()] == ["0abcdf.json"]
     with pytest.raises(ConfigError, match=r"belongs to another live run \(0abcdf, launcher pid"):
-        Network(["node0"], LinkShape.parse("1gbit"), run_id="0abcdf",
-                state_dir=tmp_path)._take_claim()
+        network.take_claim("0abcdf", {})
     assert [p.name for p in tmp_path.iterdir()] == ["0abcdf.json"]
+
+
+@needs_netns
+@pytest.mark.timeout(30)
+def test_a_sweep_removes_a_dead_writers_half_written_claim_and_leaves_a_live_ones(
+        tmp_path, monkeypatch):
+    # A launcher killed between writing its claim's copy and linking it left the copy for
+    # good: sweeps read only the claims.
+    monkeypatch.setattr(network, "STATE_DIR", tmp_path)
+    dead, live = tmp_path / ".0abcdf.99999999.tmp", tmp_path / f".0abce0.{os.getpid()}.tmp"
+    dead.write_text("{"), live.write_text("{")
+    network.sweep_stale()
+    assert not dead.exists() and live.exists()
+
+
+@needs_netns
+@pytest.mark.timeout(30)
+def test_the_netem_probe_holds_a_claim_while_its_namespace_lives(monkeypatch, clean_host):
+    # A launcher starting while `polytrain env` tried netem took the unclaimed probe for
+    # ownerless and removed it, and the check said "unknown".
+    seen: list[bool] = []
+    tool = network._tool
+
+    def spy(cmd, input=None):
+        if cmd[1:3] == ["netns", "add"]:
+            run_id = network._NAMESPACE.fullmatch(cmd[3]).group(1)
+            seen.append((network.STATE_DIR / f"{run_id}.json").exists())
+        return tool(cmd, input)
+
+    monkeypatch.setattr(network, "_tool", spy)
+    assert network.netem_check() == "yes"
+    assert seen == [True]
+
+
+def test_iproute2_runs_in_a_session_of_its_own():
+    # A terminal's Ctrl-C reaches the whole foreground group: it killed ip and tc halfway
+    # through a network's set-up, reported as a kernel that lacks veth or namespaces.
+    out = network._tool(["sh", "-c", "ps -o sid= -p $$"])
+    assert int(out.stdout) != os.getsid(0)
+
+
+@needs_netns
+@pytest.mark.timeout(60)
+def test_close_removes_the_runs_namespaces_it_did_not_see_made(clean_host):
+    net = Network(["node0"], LinkShape.parse("1gbit"))
+    net.open()
+    try:  # as an `ip netns add` that a signal ended after it made the namespace
+        subprocess.run([IP, "netns", "add", net.prefix + "late"], check=True)
+    finally:
+        net.close()
+    assert not any(net.run_id in x for x in _leftovers())
 
 
 def assert_absent(path: Path) -> None:

@@ -799,7 +799,9 @@ def _failure(child: _Child, oom_kills_before: int | None) -> _Failure:
                             label, _OOM_HINT)
         _print_crash(child)
         return _Failure(child.spec, code, _ended_how(code), 0.0, False, label, _SIGNALLED_HINT)
-    return _Failure(child.spec, code, _ended_how(code), time.time(), False, label)
+    # No error of Python's (each writes its file): os._exit, or a library that exits.
+    return _Failure(child.spec, code, _ended_how(code), time.time(), False, label,
+                    _EXITED_HINT if child.spec.role == WORKER else _SERVER_LEFT_HINT)
 
 
 #: The exit codes a child gives itself on a signal (launch/child.py: SIGTERM, SIGINT) without
