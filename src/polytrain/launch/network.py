@@ -75,8 +75,11 @@ _KILLED_TOOL_S = 5.0  # how long a killed tool may take to end before we go on w
 def _tool(cmd: Sequence[str], input: str | None = None) -> subprocess.CompletedProcess[str]:
     """Run one of iproute2's tools (or sysctl); its output as text, bounded in time (also
     after a kill: not subprocess.run's unbounded wait, for a tool stuck in the kernel)."""
+    # In a session of its own: a terminal's Ctrl-C interrupts the launcher, which then removes
+    # what it made; it killed the tool too, and a half-made network was reported as a kernel
+    # that lacks namespaces or veth.
     proc = subprocess.Popen(list(cmd), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         out, err = proc.communicate(input, timeout=_TOOL_TIMEOUT_S)
         return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
@@ -200,15 +203,23 @@ def netem_check() -> str:
     if missing:
         return "unknown: trying it needs " + ", ".join(missing)
     ip, tc = check_tools()
-    # Named like a run's namespaces, so that a sweep removes it if this process dies here.
-    name = f"{_PREFIX}{os.getpid() & 0xFFFFFF:06x}-probe"
-    made = _tool([ip, "netns", "add", name])
-    if made.returncode != 0:
-        return f"unknown: could not make a namespace to try it ({' '.join(made.stderr.split())})"
+    # Named and claimed like a run's: a launcher's sweep leaves it while this process lives,
+    # and removes it if this process dies here.
+    run_id = secrets.token_hex(3)
+    claim = take_claim(run_id, {})
+    name = f"{_PREFIX}{run_id}-probe"
     try:
-        out = _tool([tc, "-n", name, "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms"])
+        made = _tool([ip, "netns", "add", name])
+        if made.returncode != 0:
+            return (f"unknown: could not make a namespace to try it "
+                    f"({' '.join(made.stderr.split())})")
+        try:
+            out = _tool([tc, "-n", name, "qdisc", "add", "dev", "lo", "root", "netem", "delay",
+                         "1ms"])
+        finally:
+            _delete_namespaces(ip, [name])
     finally:
-        _delete_namespaces(ip, [name])
+        claim.unlink(missing_ok=True)
     if out.returncode == 0:
         return "yes"
     if "qdisc kind is unknown" in out.stderr:
@@ -296,21 +307,55 @@ def _delete_namespaces(ip: str, names: Sequence[str]) -> None:
         # Already gone is fine: a concurrent sweep may have removed it. One that cannot be
         # removed must not keep the others (or the run's own error) from their clean-up.
         try:
-            _tool([ip, "netns", "delete", name])
+            out = _tool([ip, "netns", "delete", name])
         except LaunchError as e:
             log.warning("could not remove network namespace %s: %s", name, e)
+            continue
+        if out.returncode != 0 and "No such file" not in out.stderr:
+            log.warning("could not remove network namespace %s: %s", name,
+                        " ".join(out.stderr.split()))
 
 
-def sweep_stale(state_dir: Path = STATE_DIR) -> list[str]:
+def take_claim(run_id: str, record: dict[str, Any]) -> Path:
+    """Claim ``run_id`` for this process in :data:`STATE_DIR` (``record`` added to its owner
+    record); the claim's path. ConfigError where a live run holds it."""
+    STATE_DIR.mkdir(parents=True, exist_ok=True)
+    claim = STATE_DIR / f"{run_id}.json"
+    # Written whole under another name, then linked into place (which fails where the claim
+    # exists): another launcher's sweep never reads a claim half written, which it would
+    # take for an ownerless one and remove, with this run's namespaces after it.
+    tmp = STATE_DIR / f".{run_id}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "w") as f:
+            json.dump({**owner_record(), **record}, f)
+        os.link(tmp, claim)
+    except FileExistsError:
+        owner = _owner(claim)
+        pid = f"launcher pid {owner[0]}" if owner else "an unknown launcher"
+        raise ConfigError(f"network namespace {_PREFIX}{run_id}-hub belongs to another live "
+                          f"run ({run_id}, {pid})",
+                          "let that run end, or start this one with another run id") from None
+    finally:
+        tmp.unlink(missing_ok=True)
+    return claim
+
+
+def sweep_stale() -> list[str]:
     """Remove the networks of runs whose launcher is gone; return their run ids.
 
     A run is stale when its claim names a launcher that no longer runs, or when
     its namespaces have no claim at all (a run writes its claim before it makes
-    any namespace, so a live run always has one).
+    any namespace, so a live run always has one; every run of the host claims in
+    :data:`STATE_DIR`). A claim's half-written copy whose writer is gone goes too.
     """
     ip, _ = check_tools()
     runs = _run_namespaces(ip)
+    state_dir = STATE_DIR
     claims = {p.stem: p for p in state_dir.glob("*.json")} if state_dir.is_dir() else {}
+    for tmp in state_dir.glob(".*.tmp") if state_dir.is_dir() else []:
+        writer = tmp.name.split(".")[2]  # .RUN.PID.tmp
+        if writer.isdigit() and start_time(int(writer)) is None:
+            tmp.unlink(missing_ok=True)
     removed = []
     for run_id in sorted(set(runs) | set(claims)):
         owner = _owner(claims[run_id]) if run_id in claims else None
@@ -397,11 +442,13 @@ class Network:
         shape: each machine's NIC rate and delay.
         run_id: six hex digits naming the run's namespaces (default: random); one a live run
             holds is refused.
-        state_dir: where runs claim their ids (default ``/run/polytrain/netns``).
+
+    Every run of a host claims its id in :data:`STATE_DIR` (``/run/polytrain/netns``),
+    where the others' sweeps look.
     """
 
-    def __init__(self, machines: Sequence[str], shape: LinkShape, *, run_id: str | None = None,
-                 state_dir: Path = STATE_DIR) -> None:
+    def __init__(self, machines: Sequence[str], shape: LinkShape, *,
+                 run_id: str | None = None) -> None:
         if not 1 <= len(machines) <= _MAX_MACHINES:
             raise ConfigError(f"an emulated network holds 1 to {_MAX_MACHINES} machines (got "
                               f"{len(machines)})", "run fewer --nodes and --servers")
@@ -417,9 +464,8 @@ class Network:
                               "pass e.g. run_id='a1b2c3', or none for a random one")
         self.machines = tuple(machines)
         self.shape = shape
-        self.state_dir = state_dir
         self._ip, self._tc = check_tools()
-        self._claim = state_dir / f"{self.run_id}.json"
+        self._claim: Path | None = None
         self._made: list[str] = []
         self._open = False
 
@@ -478,7 +524,7 @@ class Network:
 
     def open(self) -> None:
         """Remove stale runs, claim this run's id, make its namespaces, links and qdiscs."""
-        sweep_stale(self.state_dir)
+        sweep_stale()
         self._take_claim()
         self._open = True
         try:
@@ -496,31 +542,24 @@ class Network:
         """Remove everything :meth:`open` made (idempotent)."""
         if not self._open:
             return
-        # Machines first: their veth ends go with them, then the hub and its bridge.
-        _delete_namespaces(self._ip, [n for n in self._made if n != self.hub] +
-                           [n for n in self._made if n == self.hub])
+        # Machines first: their veth ends go with them, then the hub and its bridge. Those of
+        # the run's name it did not see made too (an `ip netns add` that ended uncertain).
+        try:
+            ours = _run_namespaces(self._ip).get(self.run_id, [])
+        except LaunchError as e:
+            log.warning("could not list the network namespaces: %s", e)
+            ours = []
+        made = [*self._made, *(n for n in ours if n not in self._made)]
+        _delete_namespaces(self._ip, [n for n in made if n != self.hub] +
+                           [n for n in made if n == self.hub])
         self._made.clear()
-        self._claim.unlink(missing_ok=True)
+        if self._claim is not None:
+            self._claim.unlink(missing_ok=True)
+            self._claim = None
         self._open = False
 
     def _take_claim(self) -> None:
-        self.state_dir.mkdir(parents=True, exist_ok=True)
-        # Written whole under another name, then linked into place (which fails where the
-        # claim exists): another launcher's sweep never reads a claim half written, which it
-        # would take for an ownerless one and remove, with this run's namespaces after it.
-        tmp = self.state_dir / f".{self.run_id}.{os.getpid()}.tmp"
-        try:
-            with open(tmp, "w") as f:
-                json.dump({**owner_record(), "machines": list(self.machines)}, f)
-            os.link(tmp, self._claim)
-        except FileExistsError:
-            owner = _owner(self._claim)
-            pid = f"launcher pid {owner[0]}" if owner else "an unknown launcher"
-            raise ConfigError(f"network namespace {self.hub} belongs to another live run "
-                              f"({self.run_id}, {pid})",
-                              "let that run end, or start this one with another run id") from None
-        finally:
-            tmp.unlink(missing_ok=True)
+        self._claim = take_claim(self.run_id, {"machines": list(self.machines)})
 
     def _add_namespace(self, name: str) -> None:
         out = _tool([self._ip, "netns", "add", name])
