@@ -37,6 +37,10 @@ def use_the_api():
     out["again"] = bps.push_pull(2 * x, name="x")
     out["sum"] = bps.push_pull(torch.tensor([w + 1]), name="n", average=False)
     out["unnamed"] = bps.push_pull(torch.ones(3, 3))
+    # After the run's engine was closed (a byteps trainer's close() closes it), a name
+    # declared before is summed again (it waited for the timeout on a new engine).
+    engine_for(ctx).close()
+    out["after_close"] = bps.push_pull(x, name="x")
     # An empty tensor (a model's 0-size parameter), twice: its rounds stay in step.
     out["empty"] = [bps.push_pull(torch.empty(0, 4), name="e") for _ in range(2)]
     # BytePS's priority (#241: always 0 there): a larger one is queued first, then by key.
@@ -120,6 +124,7 @@ def test_push_pull_broadcasts_and_the_distributed_optimizer():
         assert o["sum"].tolist() == [10] and o["sum"].dtype == torch.int64
         assert torch.equal(o["unnamed"], torch.ones(3, 3))
         assert [tuple(e.shape) for e in o["empty"]] == [(0, 4), (0, 4)]
+        assert torch.allclose(o["after_close"], sum(xs) / 4)
         assert "name 'x' was first used for [10]" in o["reuse_error"]
         queued, sums = o["priorities"]
         assert all(torch.equal(t, torch.ones(2)) for t in sums)

@@ -45,7 +45,9 @@ __all__ = ["init", "shutdown", "push_pull", "push_pull_async", "push_pull_inplac
 
 #: Unnamed push_pull calls after which a warning says each kept keys of its own.
 UNNAMED_WARN = 100
-_names: weakref.WeakKeyDictionary[Context, dict[str, SumTensor]] = weakref.WeakKeyDictionary()
+# By engine: one that a closed byteps strategy closed is replaced, and its tensors with it
+# (a name declared on the old one was queued on the new one, never started: a timeout).
+_names: weakref.WeakKeyDictionary[Engine, dict[str, SumTensor]] = weakref.WeakKeyDictionary()
 _unnamed: weakref.WeakKeyDictionary[Context, itertools.count[int]] = weakref.WeakKeyDictionary()
 _declared: weakref.WeakKeyDictionary[Context, list[str]] = weakref.WeakKeyDictionary()
 _joined: list[Context] = []  # the run bps.init() joined, while it lasts
@@ -200,7 +202,7 @@ def _push_pull_async(tensor: torch.Tensor, average: bool, name: str | None, prio
                         "the servers, kept for the run, so memory grows with every call; pass "
                         "name=... for a tensor pushed every step", n + 1)
     engine = engine_for(ctx)
-    declared = _names.setdefault(ctx, {})
+    declared = _names.setdefault(engine, {})
     spec = TensorSpec(name, tuple(tensor.shape), tensor.dtype)
     t = declared.get(name)
     if t is None:
