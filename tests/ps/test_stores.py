@@ -156,6 +156,21 @@ def test_an_optimizer_store_steps_as_the_users_optimizer_does_bit_for_bit():
     assert torch.equal(out[-1][2][:64], param.detach())
 
 
+@pytest.mark.parametrize("kind", [Kind.SUM, Kind.PARAM])
+def test_a_push_of_another_size_than_declared_is_refused_naming_the_key(kind):
+    # One of another size was broadcast into the sum ([2, 2, 2] from ones(3) and ones(1)),
+    # or failed in torch naming no key.
+    for wrong, said in ((torch.ones(1), "1 elements"), (torch.ones(4), "4 elements")):
+        s = store(kind, [], numel=3)
+        if kind == Kind.SUM:
+            s.handle(request(Op.PUSH, 0, payload=torch.ones(3)))
+        with pytest.raises(CommError, match=rf"server: .*w.*: request PUSH of round "
+                                            rf"{int(kind == Kind.PARAM)} from rank 1: it pushed "
+                                            rf"{said}, and the key is declared 3 x "
+                                            rf"torch.float32"):
+            s.handle(request(Op.PUSH, 1, round_=int(kind == Kind.PARAM), payload=wrong))
+
+
 def test_a_store_says_why_a_held_answer_waits():
     # A server's report of answers held long (the launcher names it when a worker times out).
     out = []

@@ -92,6 +92,18 @@ class Store(ABC):
         return CommError(f"server: {self.decl.describe()}: request {req.op.name} of round "
                          f"{req.round} from {pusher_name(req.pusher)}: {what}")
 
+    def declared_payload(self, req: Request) -> torch.Tensor:
+        """``req``'s payload, refused unless of the declared size (one of another size was
+        broadcast into the sum, or failed in torch naming no key). Its dtype may be
+        narrower (asynchronous BytePS pushes 16-bit updates to a float32 key)."""
+        payload = req.payload
+        if payload is None:  # an empty tensor's push has no payload
+            payload = torch.empty(0, dtype=req.dtype)
+        if payload.numel() != self.decl.numel:
+            raise self.fail(req, f"it pushed {payload.numel()} elements, and the key is "
+                                 f"declared {self.decl.numel} x {self.decl.torch_dtype}")
+        return payload
+
 
 def _rank_sum(pushes: dict[tuple[int, int], torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     """The pushes summed in the pushers' order (rank, then lane): results independent of
@@ -160,8 +172,7 @@ class SumStore(Store):
         if req.op in (Op.PUSH, Op.PUSHPULL):
             if req.pusher in rnd.pushes or rnd.result is not None:
                 raise self.fail(req, "this rank already pushed this round")
-            assert req.payload is not None
-            rnd.pushes[req.pusher] = req.payload
+            rnd.pushes[req.pusher] = self.declared_payload(req)
             if len(rnd.pushes) == self.decl.pushers:
                 rnd.result = self._sum(rnd.pushes)
                 rnd.pushes.clear()
@@ -233,11 +244,10 @@ class ParamStore(Store):
 
     def handle(self, req: Request) -> None:
         if req.op == Op.SET:
-            assert req.payload is not None
-            self.value.copy_(req.payload)
+            self.value.copy_(self.declared_payload(req))
             self.ahead.clear()
         elif req.op == Op.PUSH:
-            assert req.payload is not None
+            payload = self.declared_payload(req)
             if req.pusher not in self.clocks and len(self.clocks) == self.decl.pushers:
                 raise self.fail(req, f"more pushers than the {self.decl.pushers} declared")
             clock = self.clocks.get(req.pusher, 0) + 1
@@ -246,9 +256,9 @@ class ParamStore(Store):
                                      f"store's rounds count each pusher's pushes from 1")
             self.clocks[req.pusher] = clock
             if clock in self.ahead:
-                self.ahead[clock].add_(req.payload)
+                self.ahead[clock].add_(payload)
             else:
-                self.ahead[clock] = req.payload.to(self.value.dtype, copy=True)
+                self.ahead[clock] = payload.to(self.value.dtype, copy=True)
             slowest = self.global_clock
             for done in sorted(r for r in self.ahead if r <= slowest):
                 self.value.add_(self.ahead.pop(done))
