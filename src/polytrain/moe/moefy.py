@@ -64,7 +64,7 @@ def _moefy_torch_layer(layer: nn.Module, num_experts: int, options: dict[str, An
     linear1 = layer.linear1
     assert isinstance(linear1, nn.Linear)
     opts = {"d_hidden": linear1.out_features, **options}
-    activation = layer.activation
+    activation: Callable[[torch.Tensor], torch.Tensor] = layer.activation  # type: ignore[assignment]
     if "expert" not in opts and not _is_exact_gelu(activation):
         # The default experts are GELU's: the layer's own function, not another one.
         hidden = opts.pop("d_hidden")

@@ -7,17 +7,20 @@ servers, cut into row ranges; workers push the rows their step touched
 the update rule (:func:`polytrain.optim.sparse_rule`: sgd, adagrad, adam) and
 the server applies it itself, once per round, to the rows that round touched.
 
-- PUSH of round t: :func:`pack_rows` (the round's learning rate, the unique
-  rows of this range the pusher touched, counted from the range's start, and
-  their gradient, already averaged over the workers). A pusher that touched
-  no row pushes only the learning rate. Once all ``pushers`` have pushed round
-  t and round t - 1 is applied, the pushes are concatenated in rank order,
-  summed per row and the rule steps those rows (its step count is t).
+- PUSH of round t: :func:`pack_rows` (the round's learning rate, whether the
+  pusher's machine read the parameter at all that round, the unique rows of
+  this range the pusher touched, counted from the range's start, and their
+  gradient, already averaged over the workers). A pusher that touched no row
+  of the range pushes only the first two. Once all ``pushers`` have pushed
+  round t and round t - 1 is applied, the pushes are concatenated in rank
+  order, summed per row and the rule steps those rows. Its step count counts
+  the rounds in which some machine read the parameter, as one process's
+  optimizer counts the steps that gave the parameter a gradient.
 - PULL of round r with a payload of int64 rows: their values, (rows, width),
   once r rounds are applied. Without a payload: the whole state
   (:func:`state_numel` elements: the values, the rule's state tensors, the
-  rounds applied), which SET takes back, so a range can move to another key
-  (re-partitioning) with its optimizer state and its round.
+  rounds applied, the rule's steps), which SET takes back, so a range can move
+  to another key (re-partitioning) with its optimizer state and its round.
 - GET: the whole state at once.
 """
 
@@ -39,36 +42,46 @@ from .stores import (
     register_store,
 )
 
-__all__ = ["SparseRowStore", "pack_rows", "unpack_rows", "state_numel"]
+__all__ = ["SparseRowStore", "pack_rows", "unpack_rows", "state_numel", "state_tensors"]
 
-_LR_BYTES = 8  # a float64 ahead of the rows
+_HEAD_BYTES = 16  # two float64 ahead of the rows: the learning rate, whether it was read
 
 
-def pack_rows(lr: float, rows: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """One push's payload as uint8: lr (float64), rows (int64), values (rows, width)."""
-    parts = [torch.tensor([lr], dtype=torch.float64).view(torch.uint8),
+def pack_rows(lr: float, rows: torch.Tensor, values: torch.Tensor, *,
+              read: bool | None = None) -> torch.Tensor:
+    """One push's payload as uint8: lr and ``read`` (float64; default: whether ``rows``
+    holds any), rows (int64), values (rows, width)."""
+    read = bool(rows.numel()) if read is None else read
+    parts = [torch.tensor([lr, float(read)], dtype=torch.float64).view(torch.uint8),
              rows.to(torch.int64).contiguous().view(torch.uint8),
              values.contiguous().view(-1).view(torch.uint8)]
     return torch.cat(parts)
 
 
 def unpack_rows(payload: torch.Tensor, width: int, dtype: torch.dtype
-                ) -> tuple[float, torch.Tensor, torch.Tensor]:
-    """The inverse of :func:`pack_rows`."""
+                ) -> tuple[float, bool, torch.Tensor, torch.Tensor]:
+    """The inverse of :func:`pack_rows`: lr, read, rows, values."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    n, rest = divmod(payload.numel() - _LR_BYTES, 8 + width * itemsize)
+    n, rest = divmod(payload.numel() - _HEAD_BYTES, 8 + width * itemsize)
     if rest or n < 0:
-        raise ValueError(f"a payload of {payload.numel()} bytes is not lr + rows of width "
-                         f"{width}")
-    lr = float(payload[:_LR_BYTES].view(torch.float64)[0])
-    rows = payload[_LR_BYTES:_LR_BYTES + 8 * n].view(torch.int64)
-    values = payload[_LR_BYTES + 8 * n:].view(dtype).view(n, width)
-    return lr, rows, values
+        raise ValueError(f"a payload of {payload.numel()} bytes is not lr, read + rows of "
+                         f"width {width}")
+    lr, read = payload[:_HEAD_BYTES].view(torch.float64).tolist()
+    rows = payload[_HEAD_BYTES:_HEAD_BYTES + 8 * n].view(torch.int64)
+    values = payload[_HEAD_BYTES + 8 * n:].view(dtype).view(n, width)
+    return lr, bool(read), rows, values
+
+
+def state_tensors(rule: str) -> int:
+    """The tensors of a range's whole state, each of the range's shape: values, then the
+    rule's state."""
+    return 1 + RULE_STATES[rule]
 
 
 def state_numel(numel: int, rule: str) -> int:
-    """Elements of a range's whole state: values, the rule's state tensors, rounds applied."""
-    return (1 + RULE_STATES[rule]) * numel + 1
+    """Elements of a range's whole state: :func:`state_tensors`, then the rounds applied
+    and the rule's steps."""
+    return state_tensors(rule) * numel + 2
 
 
 class SparseRowStore(Store):
@@ -91,6 +104,7 @@ class SparseRowStore(Store):
         self.state = [torch.full((rows, self.width), fill, dtype=dtype)
                       for _ in range(RULE_STATES[self.rule["name"]])]
         self.applied = 0
+        self.steps = 0  # the rounds in which some machine read the parameter
         self.rounds: dict[int, dict[tuple[int, int], torch.Tensor]] = {}
         self.waiting: list[Request] = []
 
@@ -129,19 +143,22 @@ class SparseRowStore(Store):
             pushes = self.rounds.pop(self.applied + 1)
             unpacked = [unpack_rows(pushes[p], self.width, self.value.dtype)
                         for p in sorted(pushes)]  # rank order: independent of arrival order
-            lrs = {lr for lr, _, _ in unpacked}
+            lrs = {lr for lr, _, _, _ in unpacked}
             if len(lrs) != 1:
                 raise CommError(f"server: {self.decl.describe()}: the pushers of round "
                                 f"{self.applied + 1} disagree on the learning rate ({sorted(lrs)})",
                                 "every worker must use the same learning-rate schedule")
-            rows = torch.cat([r for _, r, _ in unpacked])
+            # A round that read the parameter nowhere is not one of its steps: one process's
+            # optimizer skips a parameter without a gradient (Adam's bias correction counts).
+            self.steps += any(read for _, read, _, _ in unpacked)
+            rows = torch.cat([r for _, _, r, _ in unpacked])
             if rows.numel():
-                values = torch.cat([v for _, _, v in unpacked])
+                values = torch.cat([v for _, _, _, v in unpacked])
                 unique, inverse = torch.unique(rows, return_inverse=True)
                 summed = torch.zeros(unique.numel(), self.width, dtype=values.dtype)
                 summed.index_add_(0, inverse, values)
                 apply_rule(self.rule, self.value, self.state, unique, summed,
-                           step=self.applied + 1, lr=lrs.pop())
+                           step=self.steps, lr=lrs.pop())
             self.applied += 1
             stepped = True
         if stepped:
@@ -157,9 +174,9 @@ class SparseRowStore(Store):
                 raise self.fail(req, f"rows outside 0 .. {self.value.shape[0] - 1}")
             self.respond(req, self.value[rows])
             return
-        applied = torch.tensor([float(self.applied)], dtype=self.value.dtype)
+        counts = torch.tensor([float(self.applied), float(self.steps)], dtype=self.value.dtype)
         self.respond(req, torch.cat([t.reshape(-1) for t in (self.value, *self.state)]
-                                    + [applied]))
+                                    + [counts]))
 
     def _load(self, payload: torch.Tensor) -> None:
         n = self.value.numel()
@@ -169,7 +186,7 @@ class SparseRowStore(Store):
                             f"{state_numel(n, self.rule['name'])}")
         for i, t in enumerate((self.value, *self.state)):
             t.copy_(payload[i * n:(i + 1) * n].view_as(t))
-        self.applied = int(payload[-1])
+        self.applied, self.steps = int(payload[-2]), int(payload[-1])
 
 
 register_store(Kind.SPARSE, SparseRowStore, "sparse row")

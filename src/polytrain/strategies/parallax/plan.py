@@ -117,11 +117,12 @@ def unservable(m: nn.Module) -> str | None:
     return None
 
 
-def sparse_tables(model: nn.Module, *, sparse_embeddings: bool = True) -> list[nn.Module]:
+def sparse_tables(model: nn.Module, *, sparse_embeddings: bool = True
+                  ) -> list[nn.Embedding | nn.EmbeddingBag]:
     """The embeddings whose rows go to servers: those built with ``sparse=True``, and with
     ``sparse_embeddings`` every other ``nn.Embedding``/``nn.EmbeddingBag`` whose rows can
     (:func:`unservable`: the others stay dense). One built sparse that cannot is refused."""
-    tables = []
+    tables: list[nn.Embedding | nn.EmbeddingBag] = []
     for name, m in model.named_modules():
         if not isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
             continue

@@ -35,7 +35,7 @@ from ...ps.client import Pending
 from ...ps.engine import engine_for
 from ...ps.placement import Placement
 from ...ps.protocol import Kind, Op
-from ...ps.sparse import pack_rows, state_numel
+from ...ps.sparse import pack_rows, state_numel, state_tensors
 from ...runtime import Context
 from .plan import ParallaxPlan
 
@@ -181,9 +181,10 @@ class SparseRows:
             else:
                 rows = var.param.detach()[r.lo:r.hi].reshape(-1).cpu()
                 fill = float(var.rule.get("initial_accumulator_value", 0.0))
-                extra = state_numel(rows.numel(), var.rule["name"]) - rows.numel() - 1
+                extra = state_numel(rows.numel(), var.rule["name"]) - rows.numel() - 2
+                # A fresh rule state: none of its steps taken yet.
                 state = torch.cat([rows, torch.full((extra,), fill, dtype=rows.dtype),
-                                   torch.tensor([float(self.round)], dtype=rows.dtype)])
+                                   torch.tensor([float(self.round), 0.0], dtype=rows.dtype)])
             pending.append((self.engine.set(self.placement, i, state), state))
         for p, _ in pending:
             p.wait()
@@ -353,7 +354,8 @@ class SparseRows:
             lr = self._lr(var)
             for i, r, part in self._split(var, rows):
                 lo, hi = torch.searchsorted(rows, torch.tensor([r.lo, r.hi])).tolist()
-                payload = pack_rows(lr, part - r.lo, values[lo:hi])
+                # Whether the machine read the parameter at all: a step of its rule.
+                payload = pack_rows(lr, part - r.lo, values[lo:hi], read=bool(rows.numel()))
                 self.inflight.append((self.engine.push(self.placement, i, round=self.round,
                                                        tensor=payload), payload))
 
@@ -401,26 +403,35 @@ class SparseRows:
         for var in self.vars:
             olds = [(r, s) for r, s in zip(self.plan.ranges, states) if r.var == var.index]
             olds.sort(key=lambda x: x[0].lo)
-            k = 1 + (state_numel(1, var.rule["name"]) - 2)  # tensors in a state
+            k = state_tensors(var.rule["name"])
             width = var.param.shape[1]
             merged.append([torch.cat([s[j * (r.hi - r.lo) * width:(j + 1) * (r.hi - r.lo) * width]
                                       .view(r.hi - r.lo, width) for r, s in olds])
                            for j in range(k)])
         return merged
 
-    def _cut(self, merged: list[list[torch.Tensor]], plan: ParallaxPlan
-             ) -> list[torch.Tensor]:
+    def rule_steps(self, states: list[torch.Tensor]) -> list[int]:
+        """Per sparse parameter, the steps its rule has taken (the rounds that read it), from
+        ``states``, one per range of the plan (every range of a parameter counts alike)."""
+        steps = {r.var: int(s[-1]) for r, s in zip(self.plan.ranges, states)}
+        return [steps[v.index] for v in self.vars]
+
+    def _cut(self, merged: list[list[torch.Tensor]], plan: ParallaxPlan,
+             steps: list[int]) -> list[torch.Tensor]:
         """``merged`` (as :meth:`whole_variables` gives) cut by ``plan``'s ranges: each
-        range's whole state, with the rounds pushed as its rounds applied."""
+        range's whole state, with the rounds pushed as its rounds applied and its
+        parameter's ``steps``."""
         return [torch.cat([t[r.lo:r.hi].reshape(-1) for t in merged[r.var]]
-                          + [torch.tensor([float(self.round)], dtype=merged[r.var][0].dtype)])
+                          + [torch.tensor([float(self.round), float(steps[r.var])],
+                                          dtype=merged[r.var][0].dtype)])
                 for r in plan.ranges]
 
     def repartition(self, plan: ParallaxPlan) -> None:
         """Move every range to ``plan``'s (new keys), with its optimizer state and round:
         no update is lost. Every worker calls it between steps."""
         states = self.pull_states()
-        new_states = self._cut(self.whole_variables(states), plan) if states else None
+        new_states = (self._cut(self.whole_variables(states), plan, self.rule_steps(states))
+                      if states else None)
         old, self.plan = self.placement, plan
         self.placement = self._install(plan)
         self.initial_state(new_states)
@@ -428,24 +439,27 @@ class SparseRows:
         if self.ctx.worker_index == 0:  # nobody uses the old ranges now: their memory goes
             self.engine.free(old)
 
-    def restore(self, merged: list[list[torch.Tensor]] | None, rounds: int) -> None:
+    def restore(self, merged: list[list[torch.Tensor]] | None, rounds: int,
+                steps: list[int] | None = None) -> None:
         """Continue from a checkpoint: ``rounds`` pushed and applied, and (worker 0, which
-        alone passes ``merged``) every sparse parameter's whole state, cut by this plan's
-        ranges and set on the servers. Every worker calls it between steps, after the
-        checkpoint's weights are loaded (every row is then current on every worker)."""
+        alone passes ``merged``) every sparse parameter's whole state and its rule's
+        ``steps`` (default: every round, as checkpoints before them counted), cut by this
+        plan's ranges and set on the servers. Every worker calls it between steps, after
+        the checkpoint's weights are loaded (every row is then current on every worker)."""
         self.drain()
         self.round = rounds
         if self.ctx.worker_index == 0:
             if merged is None or len(merged) != len(self.vars) or any(
                     [tuple(t.shape) for t in m] != [tuple(v.param.shape)] * len(m)
-                    or len(m) != 1 + (state_numel(1, v.rule["name"]) - 2)
+                    or len(m) != state_tensors(v.rule["name"])
                     for m, v in zip(merged, self.vars)):
                 here = [(v.name, tuple(v.param.shape), v.rule["name"]) for v in self.vars]
                 raise ConfigError(
                     "the checkpoint's sparse rows do not fit this run's sparse parameters "
                     f"and rules ({here})",
                     "resume with the checkpoint's model, optimizer and --sparse-embeddings")
-            self.initial_state(self._cut(merged, self.plan))
+            self.initial_state(self._cut(merged, self.plan,
+                                         steps if steps is not None else [rounds] * len(merged)))
         for var in self.vars:
             var.fresh.fill_(True)
         dist.barrier(group=self.ctx.groups.workers)

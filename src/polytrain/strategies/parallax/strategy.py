@@ -211,6 +211,8 @@ class Parallax(ServedStrategy[ParallaxOptions]):
             if states:
                 state["rows"] = {v.name: m for v, m in
                                  zip(self.rows.vars, self.rows.whole_variables(states))}
+                state["steps"] = dict(zip((v.name for v in self.rows.vars),
+                                          self.rows.rule_steps(states)))
         return state
 
     def load_checkpoint_state(self, state: Mapping[str, Any]) -> None:
@@ -256,7 +258,10 @@ class Parallax(ServedStrategy[ParallaxOptions]):
             raise ConfigError("the checkpoint has no sparse rows for "
                               f"{[v.name for v in self.rows.vars]}",
                               "resume from a checkpoint this model's parallax run wrote")
-        self.rows.restore(merged, int(state["rounds"]))
+        steps = state.get("steps")  # none in checkpoints before them: every round counted
+        self.rows.restore(merged, int(state["rounds"]),
+                          [int(steps[v.name]) for v in self.rows.vars]
+                          if steps is not None and merged is not None else None)
         for v in self.rows.vars:
             v.touched = Touched() if moved else Touched.from_state(
                 state.get("touched", {}).get(v.name, []))
