@@ -97,6 +97,23 @@ def test_the_search_doubles_while_faster_then_looks_below_and_fits():
     assert t.best() == 13  # sqrt(8 / 0.05) = 12.6: 13 costs less than 12
 
 
+def test_the_search_times_a_step_without_what_the_loop_does_after_it(monkeypatch):
+    # A checkpoint or a held-out evaluation between two steps (a gather of every table)
+    # was timed as the step's: one of a sample's two timed steps, which the search compared.
+    from polytrain.strategies.parallax import Parallax, ParallaxOptions
+    from polytrain.strategies.parallax import strategy as module
+    clock = iter([0.0, 1.0, 10.0, 11.5, 12.0])
+    monkeypatch.setattr(module.time, "perf_counter", lambda: next(clock))
+    s = Parallax(None, ParallaxOptions(search_steps=5))
+    s.search = PartitionSearch(1, low=1, high=8)
+    s.replan(0)      # step 0 begins at 0.0
+    s._step_done()   # its optimizer steps at 1.0; a checkpoint until 10.0
+    s.replan(1)      # step 1 begins at 10.0
+    s._step_done()   # 11.5
+    s.replan(2)      # 12.0
+    assert s._times == [1.0, 1.5]
+
+
 def test_adamw_with_weight_decay_on_a_sparse_parameter_is_refused_with_what_to_pass():
     emb = nn.Embedding(10, 4, sparse=True)
     with pytest.raises(ConfigError, match="AdamW with weight decay 0.01 has no sparse form") as e:

@@ -72,7 +72,8 @@ class Parallax(ServedStrategy[ParallaxOptions]):
         self._count = 0  # the partition count in use
         self._since = 0  # steps at this count
         self._times: list[float] = []
-        self._last: float | None = None
+        self._last: float | None = None  # when the step in progress began ...
+        self._ended: float | None = None  # ... and when the last one's optimizer stepped
 
     def wrap(self, model: nn.Module,
              optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -105,7 +106,11 @@ class Parallax(ServedStrategy[ParallaxOptions]):
             dist.barrier(group=ctx.groups.workers)
         self.dense = DenseSync(ctx, [params[n] for n in dense])
         optimizer.register_step_pre_hook(lambda opt, args, kwargs: self._before_step())
+        optimizer.register_step_post_hook(lambda opt, args, kwargs: self._step_done())
         return model, optimizer
+
+    def _step_done(self) -> None:
+        self._ended = time.perf_counter()
 
     def _before_step(self) -> None:
         assert self.dense is not None
@@ -122,8 +127,10 @@ class Parallax(ServedStrategy[ParallaxOptions]):
         now = time.perf_counter()
         if self.search is None:
             return
-        if self._last is not None:
-            self._times.append(now - self._last)
+        if self._last is not None and self._ended is not None and self._ended > self._last:
+            # The step's own time: what the loop did after it (a held-out evaluation, a
+            # checkpoint's gathers of the tables) is not the partition count's.
+            self._times.append(self._ended - self._last)
         self._since += 1
         self._last = now
         if self._since <= self.options.search_steps:
