@@ -241,6 +241,20 @@ def test_resume_with_another_lr_or_schedule_or_with_init_is_refused(capsys, save
         in line
 
 
+def test_resume_of_a_cosine_schedule_with_other_steps_is_refused(capsys, tmp_path):
+    # The schedule follows --steps: the learning rate jumped to another curve at the resume.
+    out = tmp_path / "run"
+    assert main(["train", "--strategy", "single", "--out", str(out), "--checkpoint-every", "2",
+                 "--lr-schedule", "cosine", *TINY]) == 0
+    capsys.readouterr()
+    line = error_of(capsys, "--strategy", "single", "--resume", str(out / "checkpoints" /
+                                                                    "step-2"),
+                    "--out", str(tmp_path / "longer"), "--lr-schedule", "cosine", *LONGER)
+    assert ("was written by a run of --steps 4, and this run has 6: its cosine learning-rate "
+            "schedule, fixed by --steps, would jump to another curve") in line
+    assert "HINT: resume with --steps 4, or start a run of 6 steps from its weights" in line
+
+
 @pytest.mark.timeout(120)
 def test_resume_with_other_batches_is_refused(capsys, saved):
     # Both changed the batches a resumed run trained on, silently.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import platform
 import sysconfig
+from pathlib import Path
 from typing import Any, Mapping
 
 import torch
@@ -33,8 +34,9 @@ def run_record(config: Any, corpus: str | None = None) -> dict[str, Any]:
             "strategy_options": dict(config.strategy_options),
             "optimizer": config.optimizer, "seed": config.seed, "lr": config.lr,
             "lr_schedule": config.lr_schedule, "warmup_steps": config.warmup_steps,
-            "batch_size": config.batch_size, "nodes": config.nodes, "servers": config.servers,
-            "sampling": config.sampling, "held_out": config.eval_every is not None}
+            "steps": config.steps, "batch_size": config.batch_size, "nodes": config.nodes,
+            "servers": config.servers, "sampling": config.sampling,
+            "held_out": config.eval_every is not None}
 
 
 def check_compatible(manifest: Mapping[str, Any], config: Any, where: Any) -> None:
@@ -51,6 +53,15 @@ def check_compatible(manifest: Mapping[str, Any], config: Any, where: Any) -> No
             raise CheckpointError(
                 f"checkpoint {where} was written with {flag} {saved[name]}, and this run has "
                 f"{getattr(config, name)}", f"resume with {flag} {saved[name]}")
+    if (config.lr_schedule == "cosine" and "steps" in saved
+            and saved["steps"] != config.steps):
+        # The cosine falls to its floor at the last step: another --steps is another curve.
+        raise CheckpointError(
+            f"checkpoint {where} was written by a run of --steps {saved['steps']}, and this run "
+            f"has {config.steps}: its cosine learning-rate schedule, fixed by --steps, would "
+            f"jump to another curve at the step it resumes",
+            f"resume with --steps {saved['steps']}, or start a run of {config.steps} steps "
+            f"from its weights (--init {Path(str(where)) / 'model.pt'})")
     if "held_out" in saved and saved["held_out"] != (config.eval_every is not None):
         # --eval-every holds the corpus's last tenth out of training: other batches.
         raise CheckpointError(
