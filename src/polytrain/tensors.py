@@ -1,4 +1,5 @@
-"""Host copies of tensors and state dicts, shared by every layer (imports torch only)."""
+"""Host copies of tensors and state dicts, and the dtype sums are taken in; shared by every
+layer (imports torch only)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["host_copy", "host_state"]
+__all__ = ["host_copy", "host_state", "sum_dtype"]
+
+
+def sum_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a sum of ``dtype`` values is taken in: float32 for 16-bit floats (a float16
+    sum is inf past 65504, a bfloat16 one keeps 8 bits), else ``dtype`` itself (integers
+    stay exact)."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
 def host_copy(tensor: torch.Tensor) -> torch.Tensor:

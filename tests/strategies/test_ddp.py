@@ -98,3 +98,24 @@ def test_sparse_gradients_are_metered_by_the_rows_gloo_gathers_not_as_dense():
     sent = [m["sent_bytes_per_step"] for m in metrics["traffic"]["machines"]]
     assert all(dense < s <= dense + rows * (width * 4 + 8) for s in sent), (sent, dense)
     assert max(sent) < metrics["model_bytes"] / 50
+
+
+def distributes_a_max_norm_embedding(strategy: str) -> str:
+    polytrain.init()
+    model = nn.Sequential(nn.Embedding(10, 4, max_norm=1.0), nn.Linear(4, 2))
+    try:
+        polytrain.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1), strategy)
+    except polytrain.ConfigError as e:
+        return str(e)
+    return "distributed"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("strategy", ["ddp", "parallax"])
+def test_an_embedding_that_renormalizes_in_the_forward_is_refused(strategy):
+    # max_norm rescales the rows a worker's batch read, in its own copy: the copies drifted
+    # apart (ddp), or away from the servers' rows (parallax), silently.
+    said = spawn(distributes_a_max_norm_embedding, workers=2, args=(strategy,))
+    assert said == [said[0]] * 2 and said[0].startswith(
+        "0 renormalizes the rows it reads in place during the forward (max_norm=1): each "
+        "worker would change only its own batch's rows"), said

@@ -49,16 +49,15 @@ def test_the_plan_puts_the_embeddings_on_servers_and_the_body_on_all_reduce():
     assert classify(plain, sparse_embeddings=False) == (["0.weight", "1.weight", "1.bias"], [])
 
 
-def test_embeddings_whose_rows_cannot_live_on_servers_stay_dense_or_are_refused():
-    # max_norm renormalized the worker's fetched rows in place, unseen by the servers (the
-    # run silently left single's weights); an EmbeddingBag of mode 'max' made sparse met
-    # torch's "max mode does not support sparse weights" at its first forward.
-    model = nn.Sequential(nn.Embedding(10, 4, max_norm=1.0), nn.EmbeddingBag(10, 4, mode="max"),
-                          nn.EmbeddingBag(10, 4))
-    assert classify(model) == (["0.weight", "1.weight"], ["2.weight"])
+def test_an_embedding_bag_of_mode_max_stays_dense_or_is_refused():
+    # Made sparse, it met torch's "max mode does not support sparse weights" at its first
+    # forward.
+    model = nn.Sequential(nn.EmbeddingBag(10, 4, mode="max"), nn.EmbeddingBag(10, 4))
+    assert classify(model) == (["0.weight"], ["1.weight"])
     with pytest.raises(ConfigError, match=r"0 is built with sparse=True, but parallax cannot "
-                                          r"hold its rows on servers: it renormalizes"):
-        classify(nn.Sequential(nn.Embedding(10, 4, max_norm=1.0, sparse=True)))
+                                          r"hold its rows on servers: mode='max' has no "
+                                          r"sparse gradient"):
+        classify(nn.Sequential(nn.EmbeddingBag(10, 4, mode="max", sparse=True)))
 
 
 def test_row_ranges_are_spread_greedily_by_bytes_over_the_servers():

@@ -308,6 +308,17 @@ def _fail(cause: str, secondary: bool, code: int = 1, hint: str | None = None,
     os._exit(code)
 
 
+def _exit_flushed(code: int) -> None:
+    """End now, with what the process printed: a stream that is not a terminal is
+    block-buffered, and os._exit dropped its last lines (the launcher's SIGTERM to the
+    peers of a failed process, say), often what tells why."""
+    for stream in (sys.stdout, sys.stderr):
+        # A closed pipe; or the signal came while that stream was writing (reentrant call).
+        with contextlib.suppress(OSError, RuntimeError, ValueError):
+            stream.flush()
+    os._exit(code)
+
+
 def main() -> None:
     # A crash inside torch still shows where Python was: in a file of its own under a
     # launcher, which prints it under this process's name (processes share one terminal).
@@ -319,7 +330,7 @@ def main() -> None:
                           file=open(stacks, "w") if stacks else sys.stderr)
     die_with(_env.parent_pid())
     _start_heartbeat()
-    signal.signal(signal.SIGTERM, lambda *_: os._exit(143))
+    signal.signal(signal.SIGTERM, lambda *_: _exit_flushed(143))
     signal.signal(signal.SIGUSR1, _raise_injected)
     with open(sys.argv[1], "rb") as f:
         payload = pickle.load(f)
@@ -334,7 +345,7 @@ def main() -> None:
             _fail(f"exited: {e.code}", False, 1, hint="fix what it says, and rerun")
         result = None
     except KeyboardInterrupt:
-        os._exit(130)
+        _exit_flushed(130)
     except BaseException as e:  # noqa: BLE001 - every failure must reach the launcher
         # By name: the child imports no more of polytrain than the script did.
         refused = any(c.__name__ == "ConfigError" for c in type(e).__mro__)

@@ -64,6 +64,7 @@ import subprocess
 import sys
 import threading
 import traceback
+from pathlib import Path
 from typing import Any, Mapping, Protocol
 
 from .. import _env
@@ -282,6 +283,15 @@ class ForkServer:
         with self._ended:
             return self._codes.get(pid)
 
+    def adopted(self) -> set[int]:
+        """The live processes the server adopted (what its children forked and left when
+        they ended), not the children it started: read while no start is in flight, so a
+        child being forked for another run is never among them."""
+        with self._lock:
+            with self._ended:
+                own = set(self._children)
+            return {pid for pid in live_children(self.pid) if pid not in own}
+
     def wait(self, pid: int, timeout: float | None) -> int | None:
         with self._ended:
             self._ended.wait_for(lambda: pid in self._codes, timeout)
@@ -291,6 +301,19 @@ class ForkServer:
         """No more children; the server ends when the last one has (it keeps them alive)."""
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_WR)
+
+
+def live_children(parent: int) -> set[int]:
+    """The live (not zombie) processes whose parent is ``parent``, from /proc."""
+    found = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # the name in (...): spaces
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == parent and fields[0] not in ("Z", "X"):
+            found.add(int(stat.parent.name))
+    return found
 
 
 # The resource limits a forked child takes from its launcher (those this platform has).

@@ -329,7 +329,7 @@ class Launcher:
             network: Network | None = None
             shm: Path | None = None
             oom_kills_before = oom_kills()
-            adopters: set[int] = set()  # the fork server: it adopts its children's orphans
+            adopters: list[ForkServer] = []  # the fork server: it adopts its children's orphans
             try:
                 shm = run_shm()
                 if self.shape is not None:
@@ -337,7 +337,7 @@ class Launcher:
                     network.open()
                 server = server_for(self._base_env())
                 if server is not None:
-                    adopters.add(server.pid)
+                    adopters.append(server)
                 for spec in self.layout.processes():
                     if interrupted.is_set():
                         break  # Ctrl-C while starting: those started are stopped below
@@ -683,13 +683,14 @@ def _last_beat(child: _Child) -> dict[str, Any]:
     return beat if isinstance(beat, dict) else {}
 
 
-def _run_processes(workdir: Path, adopters: Collection[int] = ()) -> dict[int, str]:
+def _run_processes(workdir: Path, adopters: Collection[ForkServer] = ()) -> dict[int, str]:
     """The live processes whose environment names this run's work directory, with their
     role and rank: what the run's processes started (a forked child's own /proc environ is
     its fork server's, so the children themselves mostly do not show); and those the fork
     servers ``adopters`` adopted, not their own children: what a forked child forked (a
     multiprocessing helper: its environ is the server's too) and left when it ended."""
     entry = f"{_env.RUN_DIR}={workdir}".encode()
+    adopted = set().union(*(s.adopted() for s in adopters))
     found = {}
     for environ in Path("/proc").glob("[0-9]*/environ"):
         pid = int(environ.parent.name)
@@ -703,21 +704,13 @@ def _run_processes(workdir: Path, adopters: Collection[int] = ()) -> dict[int, s
             named = dict(v.split(b"=", 1) for v in variables if b"=" in v)
             found[pid] = (f"{named.get(_env.ROLE.encode(), b'?').decode()} rank "
                           f"{named.get(_env.RANK.encode(), b'?').decode()}")
-        elif adopters and _parent(pid) in adopters:
+        elif pid in adopted:
             found[pid] = "a worker or server that ended"
     return found
 
 
-def _parent(pid: int) -> int | None:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return int(stat.rsplit(")", 1)[1].split()[1])  # the name in (...) may hold spaces
-
-
-def _stop_left_behind(workdir: Path, children: set[int], adopters: Collection[int] = (), *,
-                      clean: bool) -> None:
+def _stop_left_behind(workdir: Path, children: set[int],
+                      adopters: Collection[ForkServer] = (), *, clean: bool) -> None:
     """Stop what the run's processes started and left running (a script's helper, a failed
     worker's orphans), found by the work directory in their environment; under --bandwidth
     such a process would also keep its machine's namespace alive. After a clean end they

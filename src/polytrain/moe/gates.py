@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ConfigError, unknown
+from ..tensors import sum_dtype
 from .capacity import allowance, check_factor, expert_capacity, keep_mask
 from .draws import new_seed, normal, uniform
 from .exchange import ExpertGroup, all_gather_counts
@@ -56,15 +57,10 @@ __all__ = ["Gate", "NaiveGate", "NoisyGate", "GShardGate", "SwitchGate", "make_g
            "gate_names", "balance_loss", "z_loss"]
 
 
-def _sum_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Sums over tokens in float32 at least: a half-precision sum is inf past 65504 (one
-    expert that most tokens choose), a bfloat16 count loses its units past 256."""
-    return torch.promote_types(dtype, torch.float32)
-
-
 def _balance_sums(probs: torch.Tensor, top1: torch.Tensor) -> dict[str, torch.Tensor]:
     # Per-expert sums over tokens: router probabilities (with grad) and first choices.
-    experts, acc = probs.shape[1], _sum_dtype(probs.dtype)
+    # Sums over tokens: a float16 one is inf when most of 65504+ tokens choose one expert.
+    experts, acc = probs.shape[1], sum_dtype(probs.dtype)
     first = torch.bincount(top1.clamp(min=0), minlength=experts).to(acc)
     return {"probs": probs.to(acc).sum(0), "first": first}
 
@@ -274,7 +270,7 @@ class Gate(nn.Module):
         balanced = stats is not None and bool(self.balance_weight)
         if not balanced and not self.z_loss_weight:
             return None
-        acc = _sum_dtype(logits.dtype)
+        acc = sum_dtype(logits.dtype)
         local = {k: v.to(acc) for k, v in stats.items()} if balanced and stats else {}
         if self.z_loss_weight:
             local["z"] = _z_sum(logits.to(acc))
@@ -353,7 +349,7 @@ class NoisyGate(Gate):
         top_values, top_indices = logits.topk(min(k + 1, experts), dim=-1)
         scores = F.softmax(top_values[:, :k], dim=-1)
         indices = top_indices[:, :k]
-        acc = _sum_dtype(clean.dtype)
+        acc = sum_dtype(clean.dtype)
         importance = torch.zeros_like(clean, dtype=acc).scatter(1, indices, scores.to(acc)).sum(0)
         if noisy and x.shape[0]:
             # P(expert e stays in the top k if only its noise were drawn again).

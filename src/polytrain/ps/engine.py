@@ -46,6 +46,7 @@ from ..comm import tags
 from ..comm.p2p import Handle
 from ..comm.partition import Partition, TensorSpec
 from ..errors import CommError, CommTimeout, ConfigError, kept_error
+from ..tensors import sum_dtype
 from .client import Pending
 from .compression import Codec, CompressOptions, codec_states_fit
 from .credit import CreditQueue
@@ -435,9 +436,9 @@ class Engine:
                     handle.wait()
                     pieces[peer] = buf
                 ordered = [pieces[r] for r in sorted(pieces)]  # local rank order: deterministic
-                # In float32 at least, as the servers sum: where the sum is taken must not
-                # change it (16-bit partial sums lost half their bits, bf16's most).
-                acc = torch.promote_types(ordered[0].dtype, torch.float32)
+                # In the servers' sum dtype: where the sum is taken must not change it
+                # (16-bit partial sums lost bits; integers stay exact).
+                acc = sum_dtype(ordered[0].dtype)
                 total = ordered[0].to(acc, copy=True)
                 for x in ordered[1:]:
                     total.add_(x)

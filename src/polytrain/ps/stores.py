@@ -19,6 +19,7 @@ from typing import Any, Callable
 import torch
 
 from ..errors import CommError, ConfigError
+from ..tensors import sum_dtype
 from .protocol import Kind, Op, Request
 from .settings import setting_values
 
@@ -165,7 +166,7 @@ class SumStore(Store):
         super().__init__(decl, respond)
         self.rounds: dict[int, _Round] = {}
         dtype = decl.torch_dtype
-        self.acc_dtype = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+        self.acc_dtype = sum_dtype(dtype)
 
     def handle(self, req: Request) -> None:
         rnd = self.rounds.setdefault(req.round, _Round())

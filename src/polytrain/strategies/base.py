@@ -21,6 +21,7 @@ from ..tensors import host_state
 from .checks import (
     broadcast_module,
     check_even_machines,
+    check_no_forward_renorm,
     check_optimizer_of,
     check_same_model,
     check_same_optimizer,
@@ -431,6 +432,8 @@ def distribute(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str
             cls.check_model(model, layout, opts)
         cls.check_optimizer(optimizer, opts)
         check_optimizer_of(model, optimizer)
+        if ctx.num_workers > 1:
+            check_no_forward_renorm(model)
         check_same_model(ctx, model)
         check_same_optimizer(ctx, model, optimizer)
         if not cls.agrees_model:

@@ -182,3 +182,17 @@ def check_dense_gradients(model: nn.Module, strategy: str) -> None:
                           f"nn.Embedding(sparse=True)), and strategy {strategy!r} sums dense "
                           f"ones", "train with --strategy parallax (its rows on servers) or "
                           "ddp, or make them dense (--model wordlm: --dense-grads)")
+
+
+def check_no_forward_renorm(model: nn.Module) -> None:
+    """Refuse an embedding that renormalizes the rows it reads during the forward
+    (``max_norm``): each worker would change only its own batch's rows of its copy, unseen
+    by the others and by the gradients, and the copies would drift apart."""
+    for name, m in model.named_modules():
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None:
+            raise ConfigError(
+                f"{name or type(m).__name__} renormalizes the rows it reads in place during "
+                f"the forward (max_norm={m.max_norm:g}): each worker would change only its "
+                f"own batch's rows, unseen by the others, and the workers' copies would drift "
+                f"apart", "leave max_norm out and clip the rows' norms after the optimizer "
+                "step (the same on every worker), or train with strategy single")

@@ -36,6 +36,8 @@ def use_the_api():
     out["avg"] = bps.push_pull(x, name="x")
     out["again"] = bps.push_pull(2 * x, name="x")
     out["sum"] = bps.push_pull(torch.tensor([w + 1]), name="n", average=False)
+    # Integers stay exact on the machine too (not through float32: 2^40 + 1 was 2^40).
+    out["big"] = bps.push_pull(torch.tensor([2 ** 40 + w]), name="big", average=False)
     out["unnamed"] = bps.push_pull(torch.ones(3, 3))
     # After the run's engine was closed (a byteps trainer's close() closes it), a name
     # declared before is summed again (it waited for the timeout on a new engine).
@@ -122,6 +124,7 @@ def test_push_pull_broadcasts_and_the_distributed_optimizer():
         assert torch.allclose(o["avg"], sum(xs) / 4)
         assert torch.allclose(o["again"], 2 * sum(xs) / 4)
         assert o["sum"].tolist() == [10] and o["sum"].dtype == torch.int64
+        assert o["big"].tolist() == [4 * 2 ** 40 + 6]
         assert torch.equal(o["unnamed"], torch.ones(3, 3))
         assert [tuple(e.shape) for e in o["empty"]] == [(0, 4), (0, 4)]
         assert torch.allclose(o["after_close"], sum(xs) / 4)

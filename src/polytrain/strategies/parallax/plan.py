@@ -108,10 +108,8 @@ class ParallaxPlan:
 
 
 def unservable(m: nn.Module) -> str | None:
-    """Why an embedding's rows cannot live on servers (None: they can)."""
-    if getattr(m, "max_norm", None) is not None:
-        return ("it renormalizes the rows it reads in the forward (max_norm), which the "
-                "servers' rows would never see")
+    """Why an embedding's rows cannot live on servers (None: they can). (One with
+    ``max_norm`` no data-parallel strategy takes: ``checks.check_no_forward_renorm``.)"""
     if isinstance(m, nn.EmbeddingBag) and m.mode == "max":
         return "mode='max' has no sparse gradient"
     return None
