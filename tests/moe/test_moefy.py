@@ -65,6 +65,13 @@ def test_a_one_expert_torch_layer_computes_the_block_it_replaced(activation):
     assert "moe.experts.0.fc.weight" in layer.state_dict()
 
 
+def test_an_activation_with_parameters_is_refused_not_shared_by_the_experts():
+    layer = nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, activation=nn.PReLU())
+    with pytest.raises(ConfigError, match=r"moefy cannot give each expert the layer's "
+                                          r"activation PReLU: it has parameters"):
+        moefy(layer, 2)
+
+
 def test_torch_decoder_layers():
     torch.manual_seed(0)
     decoder = moefy(nn.TransformerDecoder(nn.TransformerDecoderLayer(16, 2, 32, batch_first=True),

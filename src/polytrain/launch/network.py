@@ -206,7 +206,10 @@ def netem_check() -> str:
     # Named and claimed like a run's: a launcher's sweep leaves it while this process lives,
     # and removes it if this process dies here.
     run_id = secrets.token_hex(3)
-    claim = take_claim(run_id, {})
+    try:
+        claim = take_claim(run_id, {})
+    except OSError as e:  # a read-only /run, say: a run could not claim its network either
+        return f"unknown: could not claim a namespace to try it in {STATE_DIR} ({e})"
     name = f"{_PREFIX}{run_id}-probe"
     try:
         made = _tool([ip, "netns", "add", name])

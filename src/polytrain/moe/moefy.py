@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ConfigError, at_least
+from ..layers import FeedForward
 from .layer import MoE
 
 __all__ = ["moefy", "MoEEncoderLayer", "MoEDecoderLayer"]
@@ -40,21 +41,6 @@ def _like(layer: MoE, reference: torch.Tensor) -> MoE:
     return layer.to(device=reference.device, dtype=reference.dtype)
 
 
-class _FeedForwardAs(nn.Module):
-    """``proj(activation(fc(x)))``: an expert of a torch layer whose activation is not GELU
-    (torch's layers default to ReLU); named as the default expert's."""
-
-    def __init__(self, d_model: int, d_hidden: int,
-                 activation: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        super().__init__()
-        self.fc = nn.Linear(d_model, d_hidden)
-        self.proj = nn.Linear(d_hidden, d_model)
-        self.activation = activation  # a module among the children, a function as is
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(self.activation(self.fc(x)))
-
-
 def _is_exact_gelu(activation: object) -> bool:
     return activation is F.gelu or (isinstance(activation, nn.GELU) and
                                     activation.approximate == "none")
@@ -67,8 +53,14 @@ def _moefy_torch_layer(layer: nn.Module, num_experts: int, options: dict[str, An
     activation: Callable[[torch.Tensor], torch.Tensor] = layer.activation  # type: ignore[assignment]
     if "expert" not in opts and not _is_exact_gelu(activation):
         # The default experts are GELU's: the layer's own function, not another one.
+        if isinstance(activation, nn.Module) and any(True for _ in activation.parameters()):
+            raise ConfigError(f"moefy cannot give each expert the layer's activation "
+                              f"{type(activation).__name__}: it has parameters, which the "
+                              f"experts would share", "pass expert=... (a factory of one "
+                              "expert) to moefy, or a layer with an activation without "
+                              "parameters")
         hidden = opts.pop("d_hidden")
-        opts["expert"] = lambda d: _FeedForwardAs(d, hidden, activation)
+        opts["expert"] = lambda d: FeedForward(d, hidden, activation)
     moe = _like(MoE(linear1.in_features, num_experts, **opts), linear1.weight)
     for name in ("linear1", "dropout", "linear2"):
         delattr(layer, name)
