@@ -131,7 +131,7 @@ WORDLM = {"vocab": 2000, "seq_len": 8, "d_model": 16, "layers": 1, "heads": 2, "
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("optimizer, nodes, workers, options", [
     ("sgd", 1, 2, {"partitions": 3}),
-    ("adagrad", 1, 2, {"partitions": 3}),
+    pytest.param("adagrad", 1, 2, {"partitions": 3}, marks=pytest.mark.long),
     pytest.param("adagrad", 2, 4, {"partitions": 2}, marks=pytest.mark.long),
     # The partition search (2 steps a sample): the resumed run cuts the saved rows
     # into the count the search had reached, and continues its samples.
@@ -182,8 +182,9 @@ def test_a_parallax_checkpoint_resumed_with_another_partition_count_is_the_same_
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("before, after", [((2, 1), (4, 2)), ((4, 2), (2, 1))],
-                         ids=["2-to-4", "4-to-2"])
+@pytest.mark.parametrize("before, after", [
+    pytest.param((2, 1), (4, 2), marks=pytest.mark.long), ((4, 2), (2, 1))],
+    ids=["2-to-4", "4-to-2"])
 def test_parallax_resumes_on_another_number_of_workers_and_machines(before, after):
     # It was refused ("resume with the checkpoint's --workers"): a run that lost a machine
     # could not go on with the others. Worker 0's file holds the rows as whole variables.
@@ -270,7 +271,8 @@ def test_moe_resumes_resharded_from_four_workers_on_two():
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("strategy, nodes, servers", [("ddp", 1, 0), ("herring", 2, 1)])
+@pytest.mark.parametrize("strategy, nodes, servers", [
+    pytest.param("ddp", 1, 0, marks=pytest.mark.long), ("herring", 2, 1)])
 def test_whole_model_strategies_resume_on_another_worker_count(strategy, nodes, servers):
     # Herring refused it ("each worker's state belongs to its place in the layout"), though
     # its workers hold what ddp's do.

@@ -288,6 +288,8 @@ class ForkServer:
         they ended), not the children it started: read while no start is in flight, so a
         child being forked for another run is never among them."""
         with self._lock:
+            if not self.alive:  # its pid may be another process's now
+                return set()
             with self._ended:
                 own = set(self._children)
             return {pid for pid in live_children(self.pid) if pid not in own}
