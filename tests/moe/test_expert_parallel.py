@@ -229,17 +229,22 @@ def test_a_gate_with_a_batch_group_evaluates_on_one_rank_alone():
     assert first == [True, True, True] and second == []
 
 
+def float32_and_half_losses(layer: MoE, x: torch.Tensor) -> tuple[float, float]:
+    """The gate's aux loss on ``x`` in float32, then in float16 (the same draws)."""
+    losses = []
+    for dtype in (torch.float32, torch.float16):
+        gate = layer.gate.to(dtype)
+        torch.manual_seed(1)
+        gate(x.to(dtype))
+        losses.append(float(gate.loss.detach()))
+    return losses[0], losses[1]
+
+
 @pytest.mark.parametrize("gate", ["noisy", "gshard", "switch"])
 def test_half_precision_gates_count_past_65504_tokens(gate):
     torch.manual_seed(0)
     layer = MoE(D, E, gate=gate, d_hidden=4, dropless=True, z_loss_weight=0.1)
-    x = torch.randn(80_000, D)
-    torch.manual_seed(1)
-    layer.gate(x)
-    want = float(layer.gate.loss.detach())
-    torch.manual_seed(1)
-    layer.gate.half()(x.half())
-    got = float(layer.gate.loss.detach())
+    want, got = float32_and_half_losses(layer, torch.randn(80_000, D))
     assert abs(got - want) < 1e-2 * want, (got, want)
 
 
@@ -252,13 +257,7 @@ def test_half_precision_gates_count_past_65504_tokens_on_one_expert(gate):
     with torch.no_grad():
         layer.gate.wg.weight.zero_()
         layer.gate.wg.weight[0] = 3.0
-    x = torch.rand(70_000, D) + 0.5
-    torch.manual_seed(1)
-    layer.gate(x)
-    want = float(layer.gate.loss.detach())
-    torch.manual_seed(1)
-    layer.gate.half()(x.half())
-    got = float(layer.gate.loss.detach())
+    want, got = float32_and_half_losses(layer, torch.rand(70_000, D) + 0.5)
     assert abs(got - want) < 1e-2 * want, (got, want)
 
 

@@ -68,6 +68,7 @@ from pathlib import Path
 from typing import Any, Mapping, Protocol
 
 from .. import _env
+from .host import proc_stat
 
 __all__ = ["Process", "ForkedProcess", "ForkServer", "server_for"]
 
@@ -308,13 +309,10 @@ class ForkServer:
 def live_children(parent: int) -> set[int]:
     """The live (not zombie) processes whose parent is ``parent``, from /proc."""
     found = set()
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()  # the name in (...): spaces
-        except (OSError, IndexError):
-            continue
-        if int(fields[1]) == parent and fields[0] not in ("Z", "X"):
-            found.add(int(stat.parent.name))
+    for entry in Path("/proc").glob("[0-9]*"):
+        fields = proc_stat(int(entry.name))
+        if fields is not None and int(fields[1]) == parent and fields[0] not in ("Z", "X"):
+            found.add(int(entry.name))
     return found
 
 

@@ -1,4 +1,5 @@
-"""What the kernel says about this host's memory: how much is free, and whether it killed for it.
+"""What the kernel says about this host's memory (how much is free, and whether it killed for
+it) and about its processes (``/proc/PID/stat``).
 
 Every process of a local run (every emulated machine) shares this host's
 memory, so a job too large for it ends with the kernel's out-of-memory
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["available_memory_bytes", "oom_kills"]
+__all__ = ["available_memory_bytes", "oom_kills", "proc_stat"]
 
 _UNLIMITED = 1 << 60  # cgroup v1 writes "no limit" as a number near 2**63
 
@@ -73,3 +74,13 @@ def oom_kills() -> int | None:
         if count is not None:
             return count
     return _field(_read(Path("/proc/vmstat")), "oom_kill")
+
+
+def proc_stat(pid: int) -> list[str] | None:
+    """The fields of ``/proc/PID/stat`` after the process's name (state, parent pid, ...;
+    ``man 5 proc`` counts them from 3); None if it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()  # the name in (...) may hold spaces

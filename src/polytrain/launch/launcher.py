@@ -694,12 +694,12 @@ def _run_processes(workdir: Path, adopters: Collection[ForkServer] = ()) -> dict
     found = {}
     for environ in Path("/proc").glob("[0-9]*/environ"):
         pid = int(environ.parent.name)
-        if pid == os.getpid() or _proc_state(pid).startswith("Z"):
-            continue
         try:
             variables = environ.read_bytes().split(b"\0")
         except OSError:  # gone, or another user's
             continue
+        if pid == os.getpid() or (entry in variables and _proc_state(pid).startswith("Z")):
+            continue  # (an adopted process is never a zombie: adopted() leaves them out)
         if entry in variables:
             named = dict(v.split(b"=", 1) for v in variables if b"=" in v)
             found[pid] = (f"{named.get(_env.ROLE.encode(), b'?').decode()} rank "

@@ -44,6 +44,7 @@ from typing import Any, Mapping, Sequence
 
 from .. import _env
 from ..errors import ConfigError, LaunchError, PeerLost
+from .host import proc_stat
 
 __all__ = ["LinkShape", "Network", "NicSampler", "link_shape", "parse_rate", "parse_time",
            "check_tools", "netem_check", "nic_bytes", "start_time", "sweep_stale", "STATE_DIR",
@@ -246,12 +247,8 @@ def check_tools() -> tuple[str, str]:
 
 def start_time(pid: int) -> int | None:
     """The start time of a live process (clock ticks since boot); None if gone or a zombie."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat.rsplit(")", 1)[1].split()  # the name in (...) may hold spaces
-    if fields[0] in ("Z", "X"):
+    fields = proc_stat(pid)
+    if fields is None or fields[0] in ("Z", "X"):
         return None
     return int(fields[19])
 

@@ -152,7 +152,7 @@ def run_config(config: TrainConfig, *, env: Mapping[str, str] | None = None,
         assert metrics is not None
         return metrics
     restarts, restarted_from = 0, list[str | None]()
-    first = config  # as the user asked: what metrics.json says the run started from
+    init = config.init  # as the user asked: what metrics.json says the run started from
     while True:
         launcher = Launcher(config.layout(), port=config.port, env=env,
                             timeout_s=config.timeout_s, shape=config.link())
@@ -183,8 +183,8 @@ def run_config(config: TrainConfig, *, env: Mapping[str, str] | None = None,
         metrics["restarts"], metrics["restarted_from"] = restarts, restarted_from
         if "checkpoints" in metrics:
             metrics["checkpoints"].update(resumed_from=origin, resumed_at=start)
-        if first.init is not None:
-            metrics["init"] = first.init
+        if init is not None:
+            metrics["init"] = init
         if config.out is not None:  # worker 0 wrote it before the count was known
             write_metrics(Path(config.out), metrics)
     return metrics
