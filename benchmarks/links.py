@@ -3,11 +3,13 @@
 For each rate, two machines of one worker: the payload rate of a gloo
 all-reduce and of one send, and the NIC's bytes per payload byte; then
 ``ddp`` and ``byteps`` (one server) on an MLP of 1.6 MB of gradients, each
-machine's NIC bytes per metered byte. Needs root and iproute2. Saves
-``benchmarks/results/links.json``.
+machine's NIC bytes per metered byte; and per rate, a message of 16 KB, 120 KB
+and 1 MiB sent after the link was idle (0.5 s): its time against its bytes'
+time at the rate (a real NIC saves no credit while idle). Needs root and
+iproute2. Saves ``benchmarks/results/links.json``.
 
     sudo ./dev bench links                   # 200mbit, 1gbit, 5gbit
-    sudo ./dev bench links --rates 100mbit
+    sudo ./dev bench links --rates 10mbit 100mbit
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -30,6 +33,7 @@ from polytrain.train import run_config
 RESULTS = Path(__file__).resolve().parent / "results"
 ENV = {"OMP_NUM_THREADS": "1"}
 MIB = 1 << 20
+IDLE_SIZES = [16_384, 120_000, MIB]
 
 
 def _nic() -> tuple[int, int]:
@@ -64,16 +68,44 @@ def send(nbytes: int) -> float:
     return time.perf_counter() - t0
 
 
+def after_idle(sizes: list[int], idle_s: float, rounds: int) -> dict[int, list[float]]:
+    """Per size, worker 0's seconds from a send to worker 1's acknowledgement, each round
+    after ``idle_s`` of a quiet link."""
+    ctx = polytrain.init()
+    ack = torch.zeros(1)
+    times: dict[int, list[float]] = {}
+    for nbytes in sizes:
+        x = torch.ones(nbytes // 4)
+        for _ in range(rounds):
+            dist.barrier(group=ctx.groups.workers)
+            time.sleep(idle_s)
+            t0 = time.perf_counter()
+            if ctx.rank == 0:
+                dist.send(x, 1)
+                dist.recv(ack, 1)
+            else:
+                dist.recv(x, 0)
+                dist.send(ack, 0)
+            times.setdefault(nbytes, []).append(time.perf_counter() - t0)
+    return times
+
+
 def links(rate: str, nbytes: int, rounds: int) -> dict[str, Any]:
     shaped = {"workers": 2, "nodes": 2, "bandwidth": rate, "env": ENV}
     ring = polytrain.launch(all_reduce, args=(nbytes, rounds), **shaped)[0]
     # Two ranks: each sends (and receives) the whole buffer once per all-reduce.
     payload = nbytes * rounds
     one = polytrain.launch(send, args=(nbytes,), **shaped)[1]
+    idle = polytrain.launch(after_idle, args=(IDLE_SIZES, 0.5, 5), **shaped)[0]
+    # The line time counts the headers htb counts: 66 bytes per 1448-byte segment.
+    line_s = {n: n * (1 + 66 / 1448) * 8 / parse_rate(rate) for n in IDLE_SIZES}
     return {"rate": rate, "rate_mbit_s": parse_rate(rate) / 1e6,
             "all_reduce_mbit_s": payload * 8 / ring["seconds"] / 1e6,
             "send_mbit_s": nbytes * 8 / one / 1e6,
-            "nic_bytes_per_payload_byte": ring["nic_sent"] / payload}
+            "nic_bytes_per_payload_byte": ring["nic_sent"] / payload,
+            "after_idle": [{"bytes": n, "ms": [1e3 * t for t in idle[n]],
+                            "median_ms": 1e3 * statistics.median(idle[n]),
+                            "line_ms": 1e3 * line_s[n]} for n in IDLE_SIZES]}
 
 
 def agreement(strategy: str, servers: int, rate: str) -> list[dict[str, Any]]:
@@ -102,6 +134,9 @@ def main() -> None:
         print(f"{r['rate']:>8}: all-reduce {r['all_reduce_mbit_s']:7.1f} Mbit/s, send "
               f"{r['send_mbit_s']:7.1f} Mbit/s of payload; NIC "
               f"{r['nic_bytes_per_payload_byte']:.4f} bytes per payload byte")
+        for m in r["after_idle"]:
+            print(f"{'':>8}  {m['bytes']:>9,} B after idle: {m['median_ms']:8.2f} ms "
+                  f"(its bytes at the rate: {m['line_ms']:8.2f} ms)")
     meter = agreement("ddp", 0, "1gbit") + agreement("byteps", 1, "1gbit")
     for m in meter:
         print(f"{m['strategy']:>6} {m['machine']:>7}: NIC/meter sent "

@@ -243,6 +243,26 @@ def transfer_over_the_nic(nbytes: int) -> dict:
     return out
 
 
+def sends_after_idle_s(nbytes: int, idle_s: float, rounds: int) -> list[float]:
+    """Worker 0's seconds from sending ``nbytes`` to worker 1 to its acknowledgement, each
+    after ``idle_s`` of a quiet link."""
+    ctx = polytrain.init()
+    x, ack = torch.zeros(nbytes // 4), torch.zeros(1)
+    times = []
+    for _ in range(rounds):
+        dist.barrier(group=ctx.groups.workers)
+        time.sleep(idle_s)
+        t0 = time.perf_counter()
+        if ctx.rank == 0:
+            dist.send(x, 1)
+            dist.recv(ack, 1)
+        else:
+            dist.recv(x, 0)
+            dist.send(ack, 0)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
 def round_trip_s(rounds: int) -> float:
     """The median round trip of a small message between worker 0 (node0) and worker 1 (node1)."""
     ctx = polytrain.init()

@@ -61,8 +61,15 @@ _NAMESPACE = re.compile(r"pt-([0-9a-f]{6})-(hub|[A-Za-z0-9_.]+)")
 _RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
 _TIME_UNITS = {"us": 1e-6, "usec": 1e-6, "ms": 1e-3, "msec": 1e-3, "s": 1.0, "sec": 1.0}
 _QUANTITY = re.compile(r"\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:e[-+]?\d+)?)\s*([a-z]*)\s*")
-# A veth may pass a 64 KiB segment at once (GSO): the bucket must hold one.
-_MIN_BURST_BYTES = 1 << 17
+# The shaper's bucket: what a link sends at once after it was idle. A real NIC sends at
+# its rate from the first byte; the bucket is a millisecond at the rate (the timer's
+# grain), at least two full frames. A veth hands whole GSO segments (up to 64 KiB) to
+# the shaper, which lets one through whenever the bucket is not empty: segments are kept
+# to the bucket's size, or every idle link would send its first 64 KiB for free
+# (128 KiB was the bucket before: 105 ms of a 10 Mbit/s link).
+_BURST_S = 1e-3
+_MIN_BURST_BYTES = 2 * 1514
+_GSO_MAX_BYTES = 65536  # a GSO segment's most
 #: The most bytes one TCP socket may hold queued below it (the kernel's TSQ bound,
 #: ``net.ipv4.tcp_limit_output_bytes``, 4 MiB by default), per emulated machine.
 _QUEUE_S = 1e-3
@@ -593,12 +600,14 @@ class Network:
         for m in self.machines:
             nic = self.nic(m)
             hub += [f"link add {nic}h type veth peer name {nic} netns {self.namespace(m)}",
-                    f"link set {nic}h master {bridge} addrgenmode none", f"link set {nic}h up"]
+                    f"link set {nic}h master {bridge} addrgenmode none",
+                    f"link set {nic}h gso_max_size {self._segment_bytes()}", f"link set {nic}h up"]
         self._batch(self._ip, self.hub, hub)
         for m in self.machines:
             nic = self.nic(m)
             self._batch(self._ip, self.namespace(m), [
                 "link set lo up", f"link set {nic} addrgenmode none",
+                f"link set {nic} gso_max_size {self._segment_bytes()}",
                 f"addr add {self.address(m)}/24 dev {nic}", f"link set {nic} up"])
             self._short_queues(m)
 
@@ -620,10 +629,18 @@ class Network:
             self._batch(self._tc, self.namespace(m), self._qdiscs(nic, self.shape.delay_s))
             self._batch(self._tc, self.hub, self._qdiscs(nic + "h", 0.0))
 
+    def _burst_bytes(self) -> int:
+        """The shaper's bucket (see _BURST_S)."""
+        return max(_MIN_BURST_BYTES, int(self.shape.rate_bit_s / 8 * _BURST_S))
+
+    def _segment_bytes(self) -> int:
+        """The largest GSO segment a veth hands the shaper: no more than its bucket."""
+        return min(_GSO_MAX_BYTES, self._burst_bytes())
+
     def _qdiscs(self, nic: str, delay_s: float) -> list[str]:
         """htb at the rate on egress of ``nic``; netem under it for a delay."""
         rate = self.shape.rate_bit_s
-        burst = max(_MIN_BURST_BYTES, rate // 8 // 1000)  # a millisecond at the rate
+        burst = self._burst_bytes()
         commands = [f"qdisc add dev {nic} root handle 1: htb default 1",
                     f"class add dev {nic} parent 1: classid 1:1 htb rate {rate}bit "
                     f"ceil {rate}bit burst {burst}b cburst {burst}b quantum 65536"]
