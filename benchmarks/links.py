@@ -8,8 +8,8 @@ and 1 MiB sent after the link was idle (0.5 s): its time against its bytes'
 time at the rate (a real NIC saves no credit while idle). Needs root and
 iproute2. Saves ``benchmarks/results/links.json``.
 
-    sudo ./dev bench links                   # 200mbit, 1gbit, 5gbit
-    sudo ./dev bench links --rates 10mbit 100mbit
+    sudo ./dev bench links                   # 10mbit, 200mbit, 1gbit, 5gbit
+    sudo ./dev bench links --rates 100mbit
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -26,11 +27,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-import polytrain
-from polytrain.launch.network import nic_bytes, parse_rate
-from polytrain.train import run_config
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from tests.launch.scripts import sends_after_idle_s  # noqa: E402
+
+import polytrain  # noqa: E402
+from polytrain.launch.network import nic_bytes, parse_rate  # noqa: E402
+from polytrain.train import run_config  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
 ENV = {"OMP_NUM_THREADS": "1"}
 MIB = 1 << 20
 IDLE_SIZES = [16_384, 120_000, MIB]
@@ -68,35 +74,13 @@ def send(nbytes: int) -> float:
     return time.perf_counter() - t0
 
 
-def after_idle(sizes: list[int], idle_s: float, rounds: int) -> dict[int, list[float]]:
-    """Per size, worker 0's seconds from a send to worker 1's acknowledgement, each round
-    after ``idle_s`` of a quiet link."""
-    ctx = polytrain.init()
-    ack = torch.zeros(1)
-    times: dict[int, list[float]] = {}
-    for nbytes in sizes:
-        x = torch.ones(nbytes // 4)
-        for _ in range(rounds):
-            dist.barrier(group=ctx.groups.workers)
-            time.sleep(idle_s)
-            t0 = time.perf_counter()
-            if ctx.rank == 0:
-                dist.send(x, 1)
-                dist.recv(ack, 1)
-            else:
-                dist.recv(x, 0)
-                dist.send(ack, 0)
-            times.setdefault(nbytes, []).append(time.perf_counter() - t0)
-    return times
-
-
 def links(rate: str, nbytes: int, rounds: int) -> dict[str, Any]:
     shaped = {"workers": 2, "nodes": 2, "bandwidth": rate, "env": ENV}
     ring = polytrain.launch(all_reduce, args=(nbytes, rounds), **shaped)[0]
     # Two ranks: each sends (and receives) the whole buffer once per all-reduce.
     payload = nbytes * rounds
     one = polytrain.launch(send, args=(nbytes,), **shaped)[1]
-    idle = polytrain.launch(after_idle, args=(IDLE_SIZES, 0.5, 5), **shaped)[0]
+    idle = polytrain.launch(sends_after_idle_s, args=(IDLE_SIZES, 0.5, 5), **shaped)[1]
     # The line time counts the headers htb counts: 66 bytes per 1448-byte segment.
     line_s = {n: n * (1 + 66 / 1448) * 8 / parse_rate(rate) for n in IDLE_SIZES}
     return {"rate": rate, "rate_mbit_s": parse_rate(rate) / 1e6,
@@ -124,7 +108,7 @@ def agreement(strategy: str, servers: int, rate: str) -> list[dict[str, Any]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rates", nargs="+", default=["200mbit", "1gbit", "5gbit"])
+    parser.add_argument("--rates", nargs="+", default=["10mbit", "200mbit", "1gbit", "5gbit"])
     parser.add_argument("--mib", type=int, default=8, help="all-reduce and send size")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path, default=RESULTS / "links.json")

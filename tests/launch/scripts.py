@@ -243,23 +243,33 @@ def transfer_over_the_nic(nbytes: int) -> dict:
     return out
 
 
-def sends_after_idle_s(nbytes: int, idle_s: float, rounds: int) -> list[float]:
-    """Worker 0's seconds from sending ``nbytes`` to worker 1 to its acknowledgement, each
-    after ``idle_s`` of a quiet link."""
+def sends_after_idle_s(sizes: list[int], idle_s: float, rounds: int) -> dict[int, list[float]]:
+    """Every worker but 0 sends each of ``sizes`` to worker 0 at once, ``rounds`` times each
+    after ``idle_s`` of quiet links; worker 0 acknowledges once it has every sender's.
+
+    Returns, per size, a sender's seconds from its send to the acknowledgement (never
+    shorter than the transfer of all the senders' bytes into worker 0's machine).
+    """
     ctx = polytrain.init()
-    x, ack = torch.zeros(nbytes // 4), torch.zeros(1)
-    times = []
-    for _ in range(rounds):
-        dist.barrier(group=ctx.groups.workers)
-        time.sleep(idle_s)
-        t0 = time.perf_counter()
-        if ctx.rank == 0:
-            dist.send(x, 1)
-            dist.recv(ack, 1)
-        else:
-            dist.recv(x, 0)
-            dist.send(ack, 0)
-        times.append(time.perf_counter() - t0)
+    ack = torch.zeros(1)
+    senders = range(1, ctx.num_workers)
+    times: dict[int, list[float]] = {}
+    for nbytes in sizes:
+        x = [torch.ones(nbytes // 4) for _ in senders] if ctx.rank == 0 else torch.ones(
+            nbytes // 4)
+        for _ in range(rounds):
+            dist.barrier(group=ctx.groups.workers)
+            time.sleep(idle_s)
+            t0 = time.perf_counter()
+            if ctx.rank == 0:
+                for w in [dist.irecv(buf, src) for buf, src in zip(x, senders)]:
+                    w.wait()
+                for src in senders:
+                    dist.send(ack, src)
+            else:
+                dist.send(x, 0)
+                dist.recv(ack, 0)
+            times.setdefault(nbytes, []).append(time.perf_counter() - t0)
     return times
 
 

@@ -61,15 +61,18 @@ _NAMESPACE = re.compile(r"pt-([0-9a-f]{6})-(hub|[A-Za-z0-9_.]+)")
 _RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
 _TIME_UNITS = {"us": 1e-6, "usec": 1e-6, "ms": 1e-3, "msec": 1e-3, "s": 1.0, "sec": 1.0}
 _QUANTITY = re.compile(r"\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:e[-+]?\d+)?)\s*([a-z]*)\s*")
-# The shaper's bucket: what a link sends at once after it was idle. A real NIC sends at
-# its rate from the first byte; the bucket is a millisecond at the rate (the timer's
-# grain), at least two full frames. A veth hands whole GSO segments (up to 64 KiB) to
-# the shaper, which lets one through whenever the bucket is not empty: segments are kept
-# to the bucket's size, or every idle link would send its first 64 KiB for free
-# (128 KiB was the bucket before: 105 ms of a 10 Mbit/s link).
+# The shaper's bucket: what a link sends at once after it was idle. A real NIC saves no
+# credit while idle; the bucket is a millisecond at the rate (the timer's grain), and at
+# least two frames (so the segments below stay above the kernel's least, about 320 B).
+# htb lets a whole GSO segment through whenever its bucket is not empty, and a sender's
+# TCP builds segments up to its NIC's gso_max_size (64 KiB unless told): each machine's
+# NIC is told the bucket, so both shapers on a path (its upload, the receiver's download
+# at the hub, where the bridge forwards the sender's segments) see segments no larger.
+# An idle link so sends about 2 ms at the rate at once (three frames below 24 Mbit/s).
 _BURST_S = 1e-3
-_MIN_BURST_BYTES = 2 * 1514
-_GSO_MAX_BYTES = 65536  # a GSO segment's most
+_FRAME_BYTES = 1500 + 14
+_MIN_BURST_BYTES = 2 * _FRAME_BYTES
+_GSO_MAX_BYTES = 65536  # the most a GSO segment can be
 #: The most bytes one TCP socket may hold queued below it (the kernel's TSQ bound,
 #: ``net.ipv4.tcp_limit_output_bytes``, 4 MiB by default), per emulated machine.
 _QUEUE_S = 1e-3
@@ -599,15 +602,14 @@ class Network:
                f"link set {bridge} addrgenmode none", f"link set {bridge} up"]
         for m in self.machines:
             nic = self.nic(m)
-            hub += [f"link add {nic}h type veth peer name {nic} netns {self.namespace(m)}",
-                    f"link set {nic}h master {bridge} addrgenmode none",
-                    f"link set {nic}h gso_max_size {self._segment_bytes()}", f"link set {nic}h up"]
+            hub += [f"link add {nic}h type veth peer name {nic} netns {self.namespace(m)} "
+                    f"gso_max_size {self._segment_bytes()}",
+                    f"link set {nic}h master {bridge} addrgenmode none", f"link set {nic}h up"]
         self._batch(self._ip, self.hub, hub)
         for m in self.machines:
             nic = self.nic(m)
             self._batch(self._ip, self.namespace(m), [
                 "link set lo up", f"link set {nic} addrgenmode none",
-                f"link set {nic} gso_max_size {self._segment_bytes()}",
                 f"addr add {self.address(m)}/24 dev {nic}", f"link set {nic} up"])
             self._short_queues(m)
 
@@ -634,7 +636,8 @@ class Network:
         return max(_MIN_BURST_BYTES, int(self.shape.rate_bit_s / 8 * _BURST_S))
 
     def _segment_bytes(self) -> int:
-        """The largest GSO segment a veth hands the shaper: no more than its bucket."""
+        """Each machine NIC's gso_max_size: its bucket, or less (TCP's segments are whole
+        MSS below it less its headers' room, about 320 bytes)."""
         return min(_GSO_MAX_BYTES, self._burst_bytes())
 
     def _qdiscs(self, nic: str, delay_s: float) -> list[str]:
