@@ -412,3 +412,19 @@ def test_a_resumed_runs_metrics_keep_the_held_out_evaluations_before_the_resume(
     assert [e["loss"] for e in again["eval"]] == [e["loss"] for e in whole["eval"]]
     times = [e["train_time_s"] for e in again["eval"]]
     assert times == sorted(times) and times[0] == whole["eval"][0]["train_time_s"]
+
+
+@pytest.mark.timeout(120)
+def test_a_resumed_runs_step_times_leave_out_the_steps_where_it_started_again(tmp_path):
+    # The first step of new processes is slow (connections, caches, allocations), as a
+    # fresh run's first, which the warm-up leaves out: so are those of each resume.
+    config = TrainConfig(strategy="single", steps=12, batch_size=8, model_options=TINY)
+    run(config, tmp_path / "a", checkpoint_every=4)
+    run(config, tmp_path / "b", checkpoint_every=4,
+        resume=str(tmp_path / "a" / "checkpoints" / "step-4"))
+    metrics, _ = run(config, tmp_path / "c", resume=str(tmp_path / "b" / "checkpoints" / "step-8"))
+    times = metrics["step_times"]
+    assert len(times) == 12
+    steady = [t for i, t in enumerate(times) if i not in (0, 4, 8)]  # warm-up: step 0
+    assert metrics["step_time_s"]["mean"] == pytest.approx(sum(steady) / len(steady), rel=1e-12)
+    assert metrics["samples_per_s"] == pytest.approx(8 * len(steady) / sum(steady), rel=1e-12)

@@ -106,11 +106,13 @@ def train(config: TrainConfig) -> dict[str, Any] | None:
     evals: list[dict[str, float | None]] = []
     save_errors: list[str] = []
     start, before_losses, before_times = 0, [], []  # the steps a resumed run did before
+    cold: list[int] = []  # the steps where this run and those it resumed from started again
     if config.resume is not None:
         resumed = load(config.resume, trainer, scheduler=scheduler)
         start, trainer.steps = resumed.step, resumed.step
         before_losses = list(resumed.extra.get("losses", []))
         before_times = list(resumed.extra.get("times", []))
+        cold = [*resumed.extra.get("cold_steps", []), start]
         # Their held-out evaluations and save errors too (older checkpoints: none kept).
         evals = list(resumed.extra.get("evals", []))
         save_errors = list(resumed.extra.get("save_errors", []))
@@ -159,7 +161,8 @@ def train(config: TrainConfig) -> dict[str, Any] | None:
                 aside = True
                 _checkpoint(config, trainer, scheduler, step + 1, run_record(config, corpus),
                             {"losses": before_losses + _global_losses(ctx, losses),
-                             "times": before_times + times, "evals": evals,
+                             "times": before_times + times, "cold_steps": cold,
+                             "evals": evals,
                              "save_errors": list(save_errors)}, save_errors)
             if aside and ctx is not None:  # Parallax's gathers of its tables, say: not a step's
                 ctx.meter.discard()
@@ -176,7 +179,8 @@ def train(config: TrainConfig) -> dict[str, Any] | None:
     metrics = build_metrics(config=config, losses=global_losses, times=times,
                             model_bytes=model_bytes,
                             topology=ctx.topology if ctx is not None else None,
-                            reports=reports, wall_s=time.perf_counter() - started)
+                            reports=reports, wall_s=time.perf_counter() - started,
+                            cold=cold)
     metrics.update({k: v for k, v in records.items() if k not in metrics})
     if held_out is not None:
         metrics["eval"] = evals

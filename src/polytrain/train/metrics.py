@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import statistics
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Collection, Sequence
 
 import torch
 
@@ -21,13 +21,15 @@ def warmup_steps(count: int) -> int:
     return max(1, count // 10) if count > 1 else 0
 
 
-def steady(values: Sequence[float]) -> list[float]:
-    """Drop the warm-up (:func:`warmup_steps`)."""
-    return list(values[warmup_steps(len(values)):])
+def steady(values: Sequence[float], cold: Collection[int] = ()) -> list[float]:
+    """Drop the warm-up (:func:`warmup_steps`) and the ``cold`` steps (by index: a resumed
+    run's first, which its new processes take cold, as a fresh run its first)."""
+    first = warmup_steps(len(values))
+    return [v for i, v in enumerate(values) if i >= first and i not in cold]
 
 
-def step_times(times: Sequence[float]) -> dict[str, float]:
-    s = sorted(steady(times))
+def step_times(times: Sequence[float], cold: Collection[int] = ()) -> dict[str, float]:
+    s = sorted(steady(times, cold))
     if not s:
         return {"median": 0.0, "p90": 0.0, "mean": 0.0}
     p90 = s[min(len(s) - 1, int(round(0.9 * (len(s) - 1))))]
@@ -36,11 +38,16 @@ def step_times(times: Sequence[float]) -> dict[str, float]:
 
 def build_metrics(*, config: Any, losses: Sequence[float], times: Sequence[float],
                   model_bytes: int, topology: Topology | None,
-                  reports: Sequence[MeterReport], wall_s: float) -> dict[str, Any]:
-    """The metrics of one run; traffic is per machine, cross-machine bytes per steady step."""
+                  reports: Sequence[MeterReport], wall_s: float,
+                  cold: Collection[int] = ()) -> dict[str, Any]:
+    """The metrics of one run; traffic is per machine, cross-machine bytes per steady step.
+
+    ``cold``: the steps (indices into ``times``) where a resumed run started; the step times
+    leave them out. (The traffic of a resumed run is its own steps' after its warm-up.)
+    """
     import polytrain
 
-    warm = steady(times)
+    warm = steady(times, cold)
     samples_per_s = config.batch_size * len(warm) / sum(warm) if warm and sum(warm) > 0 else 0.0
     machines: list[dict[str, Any]] = []
     servers: list[dict[str, Any]] = []
@@ -50,7 +57,7 @@ def build_metrics(*, config: Any, losses: Sequence[float], times: Sequence[float
         # A resumed run measured its own steps only: None for those before, so that the
         # list lines up with the losses.
         by_step = [None] * max(0, len(times) - len(measured)) + list(measured)
-        skip = len(times) - len(warm)
+        skip = warmup_steps(len(times))
         machines = [m.as_dict() for m in machine_traffic(reports, topology, warmup=skip)]
         servers = server_traffic(reports, topology, warmup=skip)
     auto = getattr(config, "auto", None)
@@ -78,7 +85,7 @@ def build_metrics(*, config: Any, losses: Sequence[float], times: Sequence[float
         "losses": list(losses),
         "final_loss": losses[-1] if losses else None,
         "samples_per_s": samples_per_s,
-        "step_time_s": step_times(times),
+        "step_time_s": step_times(times, cold),
         "step_times": list(times),
         "wall_time_s": wall_s,
         "model_bytes": model_bytes,
