@@ -2,6 +2,8 @@
 
 
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -219,6 +221,40 @@ def test_a_failed_process_leaves_no_disk_tier_behind(capfd):
     assert where.name.startswith("polytrain-cache-") and where.parent.name.startswith(
         "polytrain-")
     assert not where.exists()
+
+
+@pytest.mark.timeout(60)
+def test_a_killed_processs_disk_tier_in_cache_dir_goes_with_the_next_cache_there(tmp_path,
+                                                                                  caplog):
+    # --cache-dir's disk tier of a killed process stayed, however large, until removed by
+    # hand. A process's own directory there names it; the next cache removes those whose
+    # process is gone, and leaves those of a live one, of another host and the user's own.
+    killed = subprocess.run(
+        [sys.executable, "-c", "import os, torch\n"
+         "from polytrain.pipeline.cache import ActivationCache\n"
+         f"cache = ActivationCache(memory_bytes=0, directory={str(tmp_path)!r})\n"
+         "cache.put(b'k' * 16, 1, torch.ones(8))\n"
+         "print(cache._dir, flush=True)\n"
+         "os._exit(9)"], capture_output=True, text=True, timeout=50)
+    left = Path(killed.stdout.split()[0])
+    assert left.parent == tmp_path and any(left.iterdir()), killed.stderr
+    elsewhere = tmp_path / left.name.replace(left.name[-8:], "abcdef12")
+    shutil.copytree(left, elsewhere)
+    marker = elsewhere / ".polytrain-owner"
+    marker.write_text(marker.read_text().replace('"host": "', '"host": "another-'))
+    mine = tmp_path / "polytrain-cache-runs"  # a user's own folder, named like ours
+    mine.mkdir()
+    live = ActivationCache(memory_bytes=0, directory=str(tmp_path))
+    live.put(b"a" * 16, 1, torch.ones(8))
+    with caplog.at_level("WARNING"):
+        cache = ActivationCache(memory_bytes=0, directory=str(tmp_path))
+        cache.put(b"b" * 16, 1, torch.ones(8))
+    assert not left.exists()
+    assert "removed an AutoCache disk tier of a run whose process (pid " in caplog.text
+    assert elsewhere.exists() and mine.exists() and live._dir.exists() and cache._dir.exists()
+    live.close()
+    cache.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([elsewhere.name, mine.name])
 
 
 def test_the_cache_is_counted_on_for_samples_it_met_since_it_began():

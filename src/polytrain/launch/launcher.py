@@ -627,36 +627,43 @@ def run_shm(root: Path = SHM_ROOT) -> Path | None:
     there is no ``root``."""
     if not root.is_dir():
         return None
-    sweep_stale(root, "polytrain-run-", "the shared memory")
-    path = root / f"{run_prefix('polytrain-run-')}{uuid.uuid4().hex[:8]}"
+    return owned_dir(root, "polytrain-run-", "the shared memory")
+
+
+def owned_dir(root: Path, kind: str, what: str) -> Path:
+    """A fresh directory ``kind``... in ``root`` that this process owns, after removing
+    those (:func:`sweep_stale`) whose owner no longer runs; ``what`` names them in its log."""
+    sweep_stale(root, kind, what)
+    path = root / f"{run_prefix(kind)}{uuid.uuid4().hex[:8]}"
     path.mkdir(mode=0o700)
     mark_owner(path)
     return path
 
 
 def run_prefix(kind: str) -> str:
-    """``kind`` + this launcher's pid and start time: the name :func:`sweep_stale` reads."""
+    """``kind`` + this process's pid and start time: the name :func:`sweep_stale` reads."""
     me = os.getpid()
     return f"{kind}{me}-{start_time(me)}-"
 
 
-_OWNER = ".polytrain-owner"  # in a run's directory: the launcher that made it
+_OWNER = ".polytrain-owner"  # in a run's directory: the process (a launcher) that made it
 
 
 def mark_owner(path: Path) -> None:
-    """Mark ``path`` as a directory this launcher made: :func:`sweep_stale` removes only
+    """Mark ``path`` as a directory this process made: :func:`sweep_stale` removes only
     marked ones."""
     (path / _OWNER).write_text(json.dumps(owner_record()))
 
 
 def sweep_stale(root: Path, kind: str, what: str) -> None:
-    """Remove ``root``'s directories that a launcher made (named by :func:`run_prefix` of
-    ``kind`` and a random suffix, and marked by :func:`mark_owner`) and that launcher no
+    """Remove ``root``'s directories that a process made (named by :func:`run_prefix` of
+    ``kind`` and a random suffix, and marked by :func:`mark_owner`) and that process no
     longer runs (killed before it could remove them itself): the pid is gone or reused.
 
     Anything else is left alone: a user's folder named ``polytrain-2024-06-01``; a directory
-    of a launcher in another PID namespace (a container sharing /tmp or /dev/shm), whose pid
-    says nothing here; one a launcher was killed in before it marked it (empty).
+    of a process in another PID namespace (a container sharing /tmp or /dev/shm) or on
+    another host (a shared file system), whose pid says nothing here; one a process was
+    killed in before it marked it (empty).
     """
     name = re.compile(rf"{re.escape(kind)}(\d+)-(\d+)-[a-z0-9_]{{8}}")
     for stale in root.glob(f"{kind}*"):
@@ -669,7 +676,7 @@ def sweep_stale(root: Path, kind: str, what: str) -> None:
         if owner is not None and not owner[1]:
             pid = owner[0]
             shutil.rmtree(stale, ignore_errors=True)
-            log.warning("removed %s of a run whose launcher (pid %d) is gone: %s", what, pid,
+            log.warning("removed %s of a run whose process (pid %d) is gone: %s", what, pid,
                         stale)
 
 

@@ -37,6 +37,7 @@ import os
 import re
 import secrets
 import shutil
+import socket
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -274,22 +275,27 @@ def pid_namespace() -> str:
 
 def owner_record() -> dict[str, Any]:
     """This process as the owner of what a later run may sweep (a run's directory, its
-    network's claim): its pid, start time and PID namespace."""
+    network's claim): its pid, start time, PID namespace and host."""
     me = os.getpid()
-    return {"pid": me, "start": start_time(me), "pid_ns": pid_namespace()}
+    return {"pid": me, "start": start_time(me), "pid_ns": pid_namespace(),
+            "host": socket.gethostname()}
 
 
 def owner_alive(record: Any) -> tuple[int, bool] | None:
     """The pid an :func:`owner_record` names and whether that process still runs (one of
-    another PID namespace counts as running: its pid says nothing here); None if the record
-    is not one."""
+    another PID namespace or host counts as running: its pid says nothing here, and every
+    host's first PID namespace has the same name; a directory on a shared file system);
+    None if the record is not one."""
     try:
-        # A record without its namespace (written before stop 43) is of this one.
+        # A record without its namespace (written before stop 43) or host (stop 47) is of
+        # this one.
         pid, start = int(record["pid"]), int(record["start"])
         ns = str(record.get("pid_ns", pid_namespace()))
-    except (ValueError, KeyError, TypeError):
+        host = str(record.get("host", socket.gethostname()))
+    except (ValueError, KeyError, TypeError, AttributeError):
         return None
-    return pid, ns != pid_namespace() or start_time(pid) == start
+    elsewhere = ns != pid_namespace() or host != socket.gethostname()
+    return pid, elsewhere or start_time(pid) == start
 
 
 def _owner(claim: Path) -> tuple[int, bool] | None:

@@ -35,6 +35,7 @@ from torch import nn
 
 from .. import _env
 from ..errors import ConfigError
+from ..launch.launcher import owned_dir
 from ..tensors import host_copy
 
 __all__ = ["ActivationCache", "CacheStats", "frozen_forward", "check_writable", "expected_hits"]
@@ -87,9 +88,10 @@ class ActivationCache:
     Args:
         memory_bytes: the host memory budget (``--cache-mb``): the memory tier and what this
             process publishes in ``shared``; entries past it go to disk.
-        directory: where the disk tier's files go (default: a fresh temporary directory,
-            removed by :meth:`close`; under ``polytrain launch`` in the launcher's work
-            directory, so that it goes with it when the process fails).
+        directory: where the disk tier's files go, in a directory of this process's that
+            :meth:`close` removes, and the next cache there if this process is killed
+            (default: a fresh temporary directory; under ``polytrain launch`` in the
+            launcher's work directory, so that it goes with it when the process fails).
         shared: a directory the first stages of one machine share (``/dev/shm/...``):
             every entry is published there as a file and looked up there on a miss
             (default: none, this process's entries only). Its owner removes it.
@@ -228,10 +230,10 @@ class ActivationCache:
             if self._dir_arg is None:  # in the launcher's work directory, if launched: a
                 # process that fails leaves without closing the cache, and it is removed then
                 self._dir = Path(tempfile.mkdtemp(prefix="polytrain-cache-", dir=_env.run_dir()))
-            else:
+            else:  # a killed process leaves it: the next cache there removes it
                 check_writable(self._dir_arg)
-                self._dir = Path(tempfile.mkdtemp(prefix=f"cache-{os.getpid()}-",
-                                                  dir=self._dir_arg))
+                self._dir = owned_dir(Path(self._dir_arg), "polytrain-cache-",
+                                      "an AutoCache disk tier")
         return self._dir
 
     def close(self) -> None:
