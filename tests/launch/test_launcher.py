@@ -13,7 +13,7 @@ import pytest
 
 import polytrain
 from polytrain import ConfigError, LaunchError, TrainConfig
-from polytrain.launch import free_port, launcher
+from polytrain.launch import child, free_port, launcher
 from polytrain.launch.launcher import _OWNER, SHM_ROOT, mark_owner, run_shm, sweep_stale
 from polytrain.launch.layout import Layout
 from polytrain.launch.network import start_time
@@ -897,7 +897,8 @@ def test_output_into_a_pipe_whose_reader_ended_is_named_not_taken_for_a_lost_pee
     command, env = launch_command("--workers", "2", "--timeout", "20", str(script))
     proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
-    assert proc.stdout is not None and proc.stdout.readline().startswith("line 0")
+    assert proc.stdout is not None
+    assert re.match(r"\[rank [01] worker@node0\] line 0 ", proc.stdout.readline())
     proc.stdout.close()  # as head does once it has its line
     _, err = proc.communicate(timeout=50)
     assert proc.returncode == 1, err
@@ -939,3 +940,65 @@ def test_a_pipeline_layout_torchrun_cannot_hold_is_refused(tmp_path, machine, op
     run = torchrun(script, "worker", processes=4)
     assert run.returncode != 0
     assert message in run.stderr, run.stderr[-3000:]
+
+
+def test_a_rank_prefix_starts_every_line_a_process_prints():
+    class Sink:
+        def __init__(self):
+            self.text = ""
+
+        def write(self, text):
+            self.text += text
+
+        def isatty(self):
+            return True
+
+        def flush(self):
+            self.text += "|"  # where the stream was flushed
+
+    sink = Sink()
+    out = child.RankPrefixed(sink, "[rank 3 worker@node1] ")
+    print("loss", 2.5, file=out)  # print writes its parts, then the newline, apart
+    assert sink.text == "[rank 3 worker@node1] loss 2.5\n"  # in one write: a whole line
+    out.write("two\nlines\n")
+    out.write("50%\r")  # a bar redrawn in place keeps its prefix
+    out.write("100%\n")
+    out.write("[polytrain rank 3 worker@node1] WARNING polytrain: named already\n")
+    out.writelines(["a", "b\n"])
+    print("epoch 1 ...", end="", file=out, flush=True)  # a line's start, shown at once
+    print(" done", file=out)
+    assert sink.text == ("[rank 3 worker@node1] loss 2.5\n[rank 3 worker@node1] two\n"
+                         "[rank 3 worker@node1] lines\n[rank 3 worker@node1] 50%\r"
+                         "[rank 3 worker@node1] 100%\n"
+                         "[polytrain rank 3 worker@node1] WARNING polytrain: named already\n"
+                         "[rank 3 worker@node1] ab\n[rank 3 worker@node1] epoch 1 ...|"
+                         " done\n")
+    assert out.isatty()  # the rest is the stream's: a progress bar still sees a terminal
+
+
+@pytest.mark.timeout(90)
+def test_polytrain_launch_prefixes_each_processs_lines_unless_told_not_to(tmp_path, capfd):
+    # Eight workers' prints interleaved with nothing to tell them apart (and, where Python
+    # writes through, the parts of one print with another process's).
+    script = tmp_path / "job.py"
+    script.write_text("import sys, polytrain\n"
+                      "ctx = polytrain.init()\n"
+                      "print('out', ctx.rank)\n"
+                      "print('err', ctx.rank, file=sys.stderr)\n")
+    env = {"OMP_NUM_THREADS": "1"}
+    for prefix in (True, False):
+        capfd.readouterr()
+        launcher.launch_script(str(script), layout=Layout(workers=2, nodes=2), env=env,
+                               rank_prefix=prefix)
+        out, err = capfd.readouterr()
+        if not prefix:  # as printed (and where Python writes through, parts interleave)
+            assert sorted(out) == sorted("out 0\nout 1\n") and "[rank" not in err, out
+            continue
+        assert sorted(out.splitlines()) == ["[rank 0 worker@node0] out 0",
+                                            "[rank 1 worker@node1] out 1"], out
+        assert {"[rank 0 worker@node0] err 0", "[rank 1 worker@node1] err 1"} <= set(
+            err.splitlines()), err
+    # One process: nothing to tell apart.
+    capfd.readouterr()
+    launcher.launch_script(str(script), layout=Layout(workers=1), env=env)
+    assert capfd.readouterr().out == "out 0\n"

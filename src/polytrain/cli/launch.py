@@ -28,6 +28,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                    help="longest wait on another process (default: POLYTRAIN_TIMEOUT, "
                         "else 120)")
+    p.add_argument("--no-rank-prefix", dest="rank_prefix", action="store_false",
+                   help="print the processes' lines as they are (default: each starts with "
+                        "[rank R role@machine] where there are several processes)")
     add_network_flags(p)
     p.add_argument("script", metavar="SCRIPT", nargs="?")  # none: refused by run(), clearly
     p.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS")
@@ -42,5 +45,5 @@ def run(ns: argparse.Namespace) -> int:
     layout = Layout(workers=ns.workers, nodes=ns.nodes, servers=ns.servers,
                     colocated=ns.colocated)
     launch_script(ns.script, ns.args, layout=layout, port=ns.port, timeout_s=ns.timeout,
-                  bandwidth=ns.bandwidth, latency=ns.latency)
+                  bandwidth=ns.bandwidth, latency=ns.latency, rank_prefix=ns.rank_prefix)
     return 0

@@ -268,7 +268,88 @@ def _load_main(path: str | None) -> None:
         del os.environ[_env.LOADING_MAIN]
 
 
+class RankPrefixed:
+    """A text stream that starts every line it passes on with ``prefix`` and passes each
+    line on whole (processes share one terminal: the parts of one ``print`` were
+    interleaved with other processes' where Python writes through). A line ends at a
+    newline or a carriage return (a progress bar redrawn in place keeps its prefix), or
+    where the stream is flushed. A line that names its process already (polytrain's own,
+    ``[polytrain ...``) passes as it is."""
+
+    def __init__(self, stream: Any, prefix: str) -> None:
+        self._stream, self._prefix = stream, prefix
+        self._line: list[str] = []  # the current line's text not passed on yet
+        self._started = False  # whether the current line's start was passed on (a flush)
+        self._lock = threading.Lock()
+
+    def write(self, text: str) -> int:
+        with self._lock:
+            lines = []
+            for part in _LINE_ENDS.split(text):
+                if part:
+                    self._line.append(part)
+                    if part in ("\n", "\r"):
+                        lines.append(self._take())
+            if lines:
+                self._stream.write("".join(lines))
+        return len(text)
+
+    def writelines(self, lines: Any) -> None:
+        for line in lines:
+            self.write(line)
+
+    def flush(self) -> None:
+        with self._lock:
+            rest = self._take()
+            if rest:
+                self._stream.write(rest)
+        self._stream.flush()
+
+    def _take(self) -> str:
+        text = "".join(self._line)
+        self._line.clear()
+        if not text:
+            return ""
+        if not self._started and text not in ("\n", "\r") \
+                and not text.startswith("[polytrain "):
+            text = self._prefix + text
+        self._started = not text.endswith(("\n", "\r"))
+        return text
+
+    def __getattr__(self, name: str) -> Any:  # isatty, fileno, encoding, buffer...
+        return getattr(self._stream, name)
+
+
+_LINE_ENDS = re.compile(r"([\n\r])")
+
+
+@contextlib.contextmanager
+def _rank_prefixed(payload: dict[str, Any]) -> Iterator[None]:
+    """Start the lines the script prints on this process's ``sys.stdout`` and
+    ``sys.stderr`` with its rank, role and machine while it runs, where the launcher asks
+    (a run of several processes, not ``--no-rank-prefix``)."""
+    if not payload.get("rank_prefix"):
+        yield
+        return
+    rank, role, node = _env.identity()
+    out, err = sys.stdout, sys.stderr
+    sys.stdout = RankPrefixed(out, f"[rank {rank} {role}@{node}] ")
+    sys.stderr = RankPrefixed(err, f"[rank {rank} {role}@{node}] ")
+    try:
+        yield
+    finally:
+        for stream in (sys.stdout, sys.stderr):  # a last line without its newline
+            with contextlib.suppress(OSError, ValueError):
+                stream.flush()
+        sys.stdout, sys.stderr = out, err
+
+
 def _run(payload: dict[str, Any]) -> Any:
+    with _rank_prefixed(payload):
+        return _run_payload(payload)
+
+
+def _run_payload(payload: dict[str, Any]) -> Any:
     for entry in reversed(payload["sys_path"]):
         if entry not in sys.path:
             sys.path.insert(0, entry)

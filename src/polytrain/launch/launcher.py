@@ -194,11 +194,14 @@ class Launcher:
             a process without a heartbeat for half of it is reported as hung.
         shape: emulate the machines' network with links of this rate and delay (default:
             none, every process on this host's loopback).
+        rank_prefix: start each line a process's script prints (on its ``sys.stdout`` and
+            ``sys.stderr``) with ``[rank R role@machine]``, where there are several
+            processes (default True).
     """
 
     def __init__(self, layout: Layout, *, port: int | None = None,
                  env: Mapping[str, str] | None = None, timeout_s: float | None = None,
-                 shape: LinkShape | None = None) -> None:
+                 shape: LinkShape | None = None, rank_prefix: bool = True) -> None:
         check_port(port)
         if timeout_s is not None:
             _env.check_seconds(timeout_s, "--timeout", "pass --timeout 120")
@@ -217,6 +220,7 @@ class Launcher:
         self.port = port
         self.env = dict(env or {})
         self.timeout_s = timeout_s
+        self.rank_prefix = rank_prefix and layout.world_size > 1
         self._last_check = 0.0  # time.monotonic() of the last heartbeat check
 
     def run_fn(self, fn: Callable[..., Any], args: Sequence[Any] = (),
@@ -241,7 +245,8 @@ class Launcher:
                 f"import", "define the function in a module or script file, and launch it "
                 "from there (or run the script with `polytrain launch`)")
         payload = {"kind": "fn", "target": target, "sys_path": list(sys.path),
-                   "main_file": getattr(main, "__file__", None), "argv": list(sys.argv)}
+                   "main_file": getattr(main, "__file__", None), "argv": list(sys.argv),
+                   "rank_prefix": self.rank_prefix}
         return self._run(payload)
 
     def run_script(self, script: str, argv: Sequence[str] = ()) -> None:
@@ -250,7 +255,7 @@ class Launcher:
             what = "is a directory" if Path(script).is_dir() else "does not exist"
             raise ConfigError(f"script {script!r} {what}", "pass the path of a Python file")
         payload = {"kind": "script", "script": str(Path(script).resolve()), "argv": list(argv),
-                   "sys_path": [], "main_file": None}
+                   "sys_path": [], "main_file": None, "rank_prefix": self.rank_prefix}
         self._run(payload)
 
     # -- processes --------------------------------------------------------------------------
@@ -870,7 +875,7 @@ def launch(fn: Callable[..., Any], *, workers: int = 1, nodes: int = 1, servers:
            colocated: int = 0, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None,
            port: int | None = None, env: Mapping[str, str] | None = None,
            timeout_s: float | None = None, bandwidth: str | None = None,
-           latency: str | None = None) -> list[Any]:
+           latency: str | None = None, rank_prefix: bool = True) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` in every process of a local layout.
 
     Workers are spread evenly over ``nodes`` emulated machines; each of the
@@ -879,7 +884,8 @@ def launch(fn: Callable[..., Any], *, workers: int = 1, nodes: int = 1, servers:
     run (a server serves there and exits when the workers finish). With
     ``bandwidth`` (``"1gbit"``; and ``latency``, ``"0.2ms"``), every machine runs
     in a network namespace of its own behind a NIC of that shape (needs root and
-    iproute2).
+    iproute2). Each line a process prints starts with ``[rank R role@machine]``
+    where there are several (``rank_prefix=False``: as printed).
 
     Example::
 
@@ -913,13 +919,15 @@ def launch(fn: Callable[..., Any], *, workers: int = 1, nodes: int = 1, servers:
                 f"servers={servers}, colocated={colocated}), or the same to launch()")
         return [fn(*args, **dict(kwargs or {}))]
     return Launcher(layout, port=port, env=env, timeout_s=timeout_s,
-                    shape=link_shape(bandwidth, latency)).run_fn(fn, args, kwargs)
+                    shape=link_shape(bandwidth, latency),
+                    rank_prefix=rank_prefix).run_fn(fn, args, kwargs)
 
 
 def launch_script(script: str, argv: Sequence[str] = (), *, layout: Layout,
                   port: int | None = None, env: Mapping[str, str] | None = None,
                   timeout_s: float | None = None, bandwidth: str | None = None,
-                  latency: str | None = None) -> None:
+                  latency: str | None = None, rank_prefix: bool = True) -> None:
     """Run a Python script in every process of ``layout`` (what ``polytrain launch`` does)."""
     Launcher(layout, port=port, env=env, timeout_s=timeout_s,
-             shape=link_shape(bandwidth, latency)).run_script(script, argv)
+             shape=link_shape(bandwidth, latency),
+             rank_prefix=rank_prefix).run_script(script, argv)

@@ -154,8 +154,10 @@ def run_config(config: TrainConfig, *, env: Mapping[str, str] | None = None,
     restarts, restarted_from = 0, list[str | None]()
     init = config.init  # as the user asked: what metrics.json says the run started from
     while True:
+        # What polytrain train prints names its process already (worker 0's bar and
+        # records; every process's log lines).
         launcher = Launcher(config.layout(), port=config.port, env=env,
-                            timeout_s=config.timeout_s, shape=config.link())
+                            timeout_s=config.timeout_s, shape=config.link(), rank_prefix=False)
         try:
             metrics = launcher.run_fn(train, (config,))[0]
             break
