@@ -13,7 +13,6 @@ from ..comm.topology import Topology
 from ..errors import ConfigError
 from .protocol import (
     HEADER_TAG,
-    RECEIPTED,
     STATUS_BYTES,
     Op,
     ack_tag,
@@ -21,6 +20,7 @@ from .protocol import (
     encode,
     inline,
     payload_tag,
+    receipted,
     response_tag,
 )
 from .protocol import request as make_request
@@ -89,7 +89,7 @@ class PSClient:
                                                 f"answer to {what}"))
         flat = None if payload is None else payload.detach().reshape(-1)
         numel = 0 if flat is None else flat.numel()
-        if op in RECEIPTED and numel:
+        if receipted(op, numel):
             handles.append(self.transport.irecv(torch.empty(1, dtype=torch.int64), server,
                                                 ack_tag(seq), f"receipt of {what}"))
         # One message, header then payload, unless the payload is too large to go inline.

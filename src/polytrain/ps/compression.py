@@ -352,7 +352,7 @@ def _fraction_or_count(name: str, arg: str) -> float:
         k = float(arg)
     except ValueError:
         k = -1.0
-    if not (0 < k < 1 or (k >= 1 and k == int(k))):
+    if not (0 < k < 1 or (1 <= k < math.inf and k == int(k))):
         raise ConfigError(f"{name}:{arg}: K must be a count of elements (1 or more) or a "
                           f"fraction between 0 and 1", f"pass {name}:0.01 or {name}:1000")
     return k
@@ -496,8 +496,15 @@ class Codec:
         return self.options.compressor.nbytes(self.numel, self.segments)
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
-        """(numel,) float32 -> the uint8 payload (this side's momentum and feedback applied)."""
+        """(numel,) float32 -> the uint8 payload (this side's momentum and feedback applied).
+
+        A step with an inf or nan (AMP's overflow, which its gradient scaler then skips) is
+        sent, and neither momentum nor feedback keeps any of it: it would come back in every
+        later step. So is one whose payload decodes to inf (a value past float16's range):
+        the residual stays the one before it, as for a step that never came."""
         opts, x = self.options, x.to(_F32)
+        if opts.momentum and not bool(torch.isfinite(x).all()):
+            return opts.compressor.encode(x, self.generator, self.segments)
         if opts.momentum:
             if self.velocity is None:
                 self.velocity = torch.zeros_like(x)
@@ -508,7 +515,9 @@ class Codec:
                 x = x + self.residual
         payload = opts.compressor.encode(x, self.generator, self.segments)
         if opts.error_feedback:
-            self.residual = x - opts.compressor.decode(payload, self.numel, self.segments)
+            residual = x - opts.compressor.decode(payload, self.numel, self.segments)
+            if bool(torch.isfinite(residual).all()):
+                self.residual = residual
         return payload
 
     def decode(self, payload: torch.Tensor) -> torch.Tensor:

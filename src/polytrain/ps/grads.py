@@ -162,6 +162,9 @@ class GradientSync:
         self.comm_s: list[float] = []
         self.exposed_s: list[float] = []
         self.synced = 0  # steps synchronised so far
+        #: Whether the step synchronised last travelled compressed (past the warm-up): what
+        #: the step after a user's synchronize() reads, once ``synced`` has counted it.
+        self.synced_compressed = False
 
     @property
     def compressing(self) -> bool:
@@ -285,6 +288,7 @@ class GradientSync:
             for p, n in zip(self.params, came.tolist()):
                 if n == 0:
                     p.grad = None
+        self.synced_compressed = self.compressing
         self.synced += 1
         self._reset()
         self.synchronized = True

@@ -109,8 +109,16 @@ def _fields(message: torch.Tensor) -> torch.Tensor:
 #: thread takes it: a PUSHPULL's receipt gives the worker's credit back; a SET's says that any
 #: request sent after the worker waited for it (after a barrier, by any worker) is handled
 #: after it. (Each worker's requests arrive on their own receive, so arrival alone orders
-#: only one worker's.)
+#: only one worker's.) A FREE is acknowledged too, payload or not (:func:`receipted`).
 RECEIPTED = (Op.PUSHPULL, Op.SET)
+
+
+def receipted(op: Op, numel: int) -> bool:
+    """Whether the server acknowledges a request of ``op`` with ``numel`` payload elements:
+    the payload of a RECEIPTED op, and every FREE, so that a request of its key sent after
+    the free was waited for (by any worker, after a barrier) finds the key gone (before, it
+    could reach the key's thread first, and be summed)."""
+    return op == Op.FREE or (op in RECEIPTED and numel > 0)
 
 
 def message_length(message: torch.Tensor) -> int:

@@ -22,7 +22,6 @@ from ..comm.topology import Topology
 from ..errors import ClosedByTimeout, CommError, PolytrainError, kept_error
 from .protocol import (
     HEADER_TAG,
-    RECEIPTED,
     REQUEST_BYTES,
     STATUS_BYTES,
     Op,
@@ -32,6 +31,7 @@ from .protocol import (
     encode,
     message_length,
     payload_tag,
+    receipted,
     response_tag,
 )
 from .stores import STORES, Declaration, Store
@@ -77,7 +77,7 @@ class _Engine(threading.Thread):
                 req, payload = item
                 if payload is not None:
                     payload.wait()
-                if req.op in RECEIPTED and req.numel:
+                if receipted(req.op, req.numel):
                     self.server.acknowledge(req)
                 if req.op == Op.FREE:  # after every request of the key that came before it
                     self.server.forget(req.key)

@@ -11,6 +11,7 @@ import polytrain
 import polytrain.byteps as bps
 from polytrain import ConfigError
 from polytrain.byteps.parallel import DistributedDataParallel as DDP
+from polytrain.ps.compression import TopK
 from polytrain.ps.engine import engine_for
 from tests.harness import refused, spawn
 
@@ -58,6 +59,17 @@ def use_the_api():
         bps.push_pull(torch.zeros(3), name="x")
     except ConfigError as e:
         out["reuse_error"] = str(e)
+    # Compression by name, as DistributedOptimizer takes it (an AttributeError in the engine
+    # before); another one for the same name (ignored before); an object the name's rules
+    # refuse (the servers refused it in their own process before).
+    out["fp16"] = bps.push_pull(x, name="xc", compression="fp16")
+    for key, call in (("recompressed", lambda: bps.push_pull(x, name="xc", compression="onebit")),
+                      ("bad_object", lambda: bps.push_pull(x, name="xk",
+                                                           compression=TopK(k=2.5)))):
+        try:
+            call()
+        except ConfigError as e:
+            out[key] = str(e)
 
     # Broadcasts: different seeds, then worker 1's weights and optimizer state everywhere.
     model = make_model(seed=w)
@@ -129,6 +141,10 @@ def test_push_pull_broadcasts_and_the_distributed_optimizer():
         assert [tuple(e.shape) for e in o["empty"]] == [(0, 4), (0, 4)]
         assert torch.allclose(o["after_close"], sum(xs) / 4)
         assert "name 'x' was first used for [10]" in o["reuse_error"]
+        assert torch.equal(o["fp16"], sum(xs) / 4)
+        assert "name 'xc' was first used with compression fp16, now with onebit" in o[
+            "recompressed"]
+        assert "topk:2.5: K must be a count" in o["bad_object"]
         queued, sums = o["priorities"]
         assert all(torch.equal(t, torch.ones(2)) for t in sums)
         assert [label for _, label in sorted(queued)] == (

@@ -8,8 +8,9 @@ import torch
 import polytrain
 import polytrain.byteps as bps
 from polytrain import ConfigError, TrainConfig
+from polytrain.comm.partition import TensorSpec
 from polytrain.ps.compression import CompressOptions, compressor
-from polytrain.strategies.byteps.optimizer import FROZEN_VARIANCE, _OneBitAdam
+from polytrain.strategies.byteps.optimizer import FROZEN_VARIANCE, _OneBitAdam, tensor_compression
 from tests.harness import max_abs_diff, run_cached, run_config, single_of, spawn
 
 TINY = {"seq_len": 16, "d_model": 64, "layers": 2}
@@ -306,3 +307,59 @@ def test_a_weight_frozen_during_one_bit_adam_stays_where_it_froze():
     # in one process), 1-bit Adam's step stopped the run on a bare assert.
     for at_freeze, end in spawn(freeze_during_one_bit_adam, workers=2, nodes=2, colocated=1):
         assert torch.equal(at_freeze, end)
+
+
+def one_bit_adam_synchronized_first(first: bool, warmup: int) -> dict[str, torch.Tensor]:
+    """1-bit Adam past a warm-up of ``warmup`` steps; each step's gradients synchronised
+    before its step() where ``first`` (Horovod's recipe for clipping), else by the step."""
+    ctx = polytrain.init()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(),
+                                torch.nn.Linear(64, 32))
+    opt = bps.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
+                                   named_parameters=model.named_parameters(),
+                                   compression="onebit", error_feedback=True,
+                                   compress_min_bytes=4096, compress_adam=True,
+                                   compress_warmup=warmup)
+    g = torch.Generator().manual_seed(100 + ctx.rank)
+    for _ in range(4):
+        opt.zero_grad()
+        x = torch.randn(8, 32, generator=g)
+        torch.nn.functional.mse_loss(model(x), x.flip(1)).backward()
+        if first:
+            opt.synchronize()
+        opt.step()
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("warmup", [1, 2])
+def test_one_bit_adam_steps_alike_whether_synchronize_came_before_the_step(warmup):
+    # The phase was read in step(), after synchronize() had counted the step: the warm-up's
+    # last step (pushed exact) was taken for a compressed one, its Adam update skipped and
+    # its momentum overwritten (and with a warm-up of 1, a KeyError).
+    by_step = spawn(one_bit_adam_synchronized_first, workers=2, nodes=2, colocated=1,
+                    args=(False, warmup))[0]
+    first = spawn(one_bit_adam_synchronized_first, workers=2, nodes=2, colocated=1,
+                  args=(True, warmup))[0]
+    for k, v in by_step.items():
+        assert torch.equal(first[k], v), (k, max_abs_diff(first, by_step))
+
+
+def test_compression_of_tensors_that_are_not_float32_is_refused_or_told(caplog):
+    # A bfloat16 model with --compress onebit moved every byte uncompressed, saying nothing.
+    def spec(name, dtype):
+        return TensorSpec(name, (64, 64), dtype)
+
+    with pytest.raises(ConfigError, match=r"compression applies to float32 tensors, and the "
+                                          r"tensors it would compress here are bfloat16 "
+                                          r"\('a', 'b'\): none would be\. HINT: train"):
+        tensor_compression([spec("a", torch.bfloat16), spec("b", torch.bfloat16)], "onebit",
+                           min_bytes=0)
+    with caplog.at_level("WARNING"):
+        out = tensor_compression([spec("a", torch.float32), spec("b", torch.float16)],
+                                 "onebit", min_bytes=0)
+    assert out[0] is not None and out[1] is None
+    assert "compression applies to float32 tensors: 1 of float16 ('b') travel uncompressed" \
+        in caplog.text
+    assert tensor_compression([spec("b", torch.float16)], "none") == [None]  # nothing asked

@@ -47,7 +47,8 @@ __all__ = ["init", "shutdown", "push_pull", "push_pull_async", "push_pull_inplac
 UNNAMED_WARN = 100
 # By engine: one that a closed byteps strategy closed is replaced, and its tensors with it
 # (a name declared on the old one was queued on the new one, never started: a timeout).
-_names: weakref.WeakKeyDictionary[Engine, dict[str, SumTensor]] = weakref.WeakKeyDictionary()
+_names: weakref.WeakKeyDictionary[Engine, dict[str, tuple[SumTensor, str]]] = (
+    weakref.WeakKeyDictionary())
 _unnamed: weakref.WeakKeyDictionary[Context, itertools.count[int]] = weakref.WeakKeyDictionary()
 _declared: weakref.WeakKeyDictionary[Context, list[str]] = weakref.WeakKeyDictionary()
 _joined: list[Context] = []  # the run bps.init() joined, while it lasts
@@ -170,7 +171,7 @@ class PushPullHandle:
 
 def push_pull_async(tensor: torch.Tensor, average: bool = True, name: str | None = None,
                     version: int = 0, priority: int = 0,
-                    compression: Compressor | None = Compression.none, *,
+                    compression: Compressor | str | None = Compression.none, *,
                     ctx: Context | None = None) -> PushPullHandle:
     """Start summing (or averaging) ``tensor`` over every worker; see :func:`push_pull`."""
     return _push_pull_async(tensor, average, name, priority, compression, False, ctx)
@@ -178,19 +179,26 @@ def push_pull_async(tensor: torch.Tensor, average: bool = True, name: str | None
 
 def push_pull_async_inplace(tensor: torch.Tensor, average: bool = True,
                             name: str | None = None, version: int = 0, priority: int = 0,
-                            compression: Compressor | None = Compression.none, *,
+                            compression: Compressor | str | None = Compression.none, *,
                             ctx: Context | None = None) -> PushPullHandle:
     """:func:`push_pull_async` whose :func:`synchronize` writes the result into ``tensor``."""
     return _push_pull_async(tensor, average, name, priority, compression, True, ctx)
 
 
 def _push_pull_async(tensor: torch.Tensor, average: bool, name: str | None, priority: int,
-                     compression: Compressor | None, inplace: bool,
+                     compression: Compressor | str | None, inplace: bool,
                      ctx: Context | None) -> PushPullHandle:
     ctx = _worker_ctx(ctx, "push_pull")
     if average and not (tensor.is_floating_point() or tensor.is_complex()):
         raise ConfigError(f"push_pull(average=True) of a {tensor.dtype} tensor would round",
                           "pass average=False for integer tensors, or a float tensor")
+    # A name as DistributedOptimizer takes ("topk:0.01"), or a compressor object.
+    if isinstance(compression, str):
+        compression = compressor(compression)
+    elif compression is not None and not isinstance(compression, Compressor):
+        raise ConfigError(f"push_pull's compression must be a polytrain compressor or its "
+                          f"name (got {compression!r})",
+                          "pass polytrain.byteps.Compression.fp16, say, or 'topk:0.01'")
     if compression is not None and tensor.dtype != torch.float32:
         raise ConfigError(f"push_pull compresses float32 tensors only (got {tensor.dtype})",
                           "pass compression=Compression.none for this tensor")
@@ -204,16 +212,23 @@ def _push_pull_async(tensor: torch.Tensor, average: bool, name: str | None, prio
     engine = engine_for(ctx)
     declared = _names.setdefault(engine, {})
     spec = TensorSpec(name, tuple(tensor.shape), tensor.dtype)
-    t = declared.get(name)
+    how = "none" if compression is None else compression.spec()
+    t, first_how = declared.get(name, (None, how))
     if t is None:
+        if compression is not None:  # held to its name's rules, as the servers will parse it
+            _checked(compression)
         plan = plan_for(ctx.topology, [spec], partition_bytes=DEFAULT_PARTITION_BYTES)
         packing = None if compression is None else [CompressOptions(compression)]
         [t] = engine.sums([spec], plan.placement, compression=packing)
-        declared[name] = t
+        declared[name] = (t, how)
     elif t.spec != spec:
         raise ConfigError(f"push_pull name {name!r} was first used for {list(t.spec.shape)} "
                           f"{t.spec.dtype}, now for {list(spec.shape)} {spec.dtype}",
                           "give every distinct tensor its own name")
+    elif first_how != how:  # the servers hold the first: this one would be ignored
+        raise ConfigError(f"push_pull name {name!r} was first used with compression "
+                          f"{first_how}, now with {how}",
+                          "give the tensor another name for another compression")
     engine.submit(t, tensor, priority)
     return PushPullHandle(engine, t, tensor, average, inplace)
 
@@ -238,7 +253,7 @@ def synchronize(handle: PushPullHandle) -> torch.Tensor:
 
 def push_pull(tensor: torch.Tensor, average: bool = True, name: str | None = None,
               version: int = 0, priority: int = 0,
-              compression: Compressor | None = Compression.none, *,
+              compression: Compressor | str | None = Compression.none, *,
               ctx: Context | None = None) -> torch.Tensor:
     """The sum (or average) of ``tensor`` over every worker, through the summation service.
 
@@ -259,7 +274,7 @@ def push_pull(tensor: torch.Tensor, average: bool = True, name: str | None = Non
 
 def push_pull_inplace(tensor: torch.Tensor, average: bool = True, name: str | None = None,
                       version: int = 0, priority: int = 0,
-                      compression: Compressor | None = Compression.none, *,
+                      compression: Compressor | str | None = Compression.none, *,
                       ctx: Context | None = None) -> torch.Tensor:
     """:func:`push_pull` that writes the result into ``tensor`` and returns it."""
     return synchronize(push_pull_async_inplace(tensor, average, name, version, priority,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import logging
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence, Union
 
 import torch
@@ -18,6 +19,8 @@ from ...ps.engine import Engine
 from ...ps.grads import GradientSync, bucket_specs
 from .options import DEFAULT_FUSE_BYTES, BytePSOptions, check_refresh
 from .plan import Plan, plan_for
+
+log = logging.getLogger(__name__)
 
 __all__ = ["DistributedOptimizer", "WrappedOptimizer", "named_params_of", "Choice",
            "checked_options", "tensor_compression", "warmup_compression", "fused_buckets",
@@ -64,11 +67,25 @@ def tensor_compression(specs: Sequence[TensorSpec], choice: Choice | Mapping[str
             raise ConfigError(f"compression names tensors that are not parameters: {unknown}",
                               "key the mapping by the names of named_parameters")
     out: list[CompressOptions | None] = []
+    other_dtype: list[TensorSpec] = []  # asked to be compressed, and not float32
     for s in specs:
         codec = _resolve(choice.get(s.name) if isinstance(choice, Mapping) else choice)
+        if codec is not None and s.nbytes >= min_bytes and s.dtype != torch.float32:
+            other_dtype.append(s)
         small = s.nbytes < min_bytes or s.dtype != torch.float32
         out.append(None if codec is None or small else
                    CompressOptions(codec, error_feedback=error_feedback, momentum=momentum))
+    if other_dtype:  # it moved every byte of a bfloat16 model, saying nothing
+        names = ", ".join(repr(s.name) for s in other_dtype[:3]) + (
+            " and more" if len(other_dtype) > 3 else "")
+        dtypes = ", ".join(sorted({str(s.dtype).removeprefix("torch.") for s in other_dtype}))
+        if not any(out):
+            raise ConfigError(f"compression applies to float32 tensors, and the tensors it "
+                              f"would compress here are {dtypes} ({names}): none would be",
+                              "train the model in float32 (model.float()), or leave "
+                              "compression out")
+        log.warning("compression applies to float32 tensors: %d of %s (%s) travel "
+                    "uncompressed", len(other_dtype), dtypes, names)
     return out
 
 
@@ -310,14 +327,15 @@ class DistributedOptimizer(WrappedOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        compressing = self.compress_adam is not None and self.sync.compressing
         if not self._skip:
             self.synchronize()
         elif not self.sync.synchronized:
             raise ConfigError("step() inside skip_synchronize() with gradients not yet "
                               "synchronised: it would step on this worker's own gradients",
                               "call optimizer.synchronize() before the step")
-        if compressing:
+        # How this step's gradients travelled (the warm-up's last went exact), read after
+        # the synchronisation, which may have come before this call (synchronize(); clip).
+        if self.compress_adam is not None and self.sync.synced_compressed:
             assert self.compress_adam is not None
             self.compress_adam.step()
             return loss
