@@ -976,6 +976,30 @@ def test_a_rank_prefix_starts_every_line_a_process_prints():
     assert out.isatty()  # the rest is the stream's: a progress bar still sees a terminal
 
 
+@pytest.mark.timeout(10)
+def test_a_rank_prefix_lets_a_signal_handler_inside_a_write_print_and_flush():
+    # The child's SIGTERM handler flushes sys.stdout, and a handler may run inside write():
+    # with a plain lock held there, it waited for itself forever.
+    class Reentering:
+        def __init__(self):
+            self.text, self.inside = "", False
+
+        def write(self, text):
+            if not self.inside:  # a signal arrives while the line is being written
+                self.inside = True
+                print("from the handler", file=out)
+                out.flush()
+            self.text += text
+
+        def flush(self):
+            pass
+
+    sink = Reentering()
+    out = child.RankPrefixed(sink, "[rank 0 worker@node0] ")
+    out.write("a line\n")
+    assert sink.text == "from the handler\n[rank 0 worker@node0] a line\n"
+
+
 @pytest.mark.timeout(90)
 def test_polytrain_launch_prefixes_each_processs_lines_unless_told_not_to(tmp_path, capfd):
     # Eight workers' prints interleaved with nothing to tell them apart (and, where Python

@@ -228,7 +228,8 @@ def test_a_killed_processs_disk_tier_in_cache_dir_goes_with_the_next_cache_there
                                                                                   caplog):
     # --cache-dir's disk tier of a killed process stayed, however large, until removed by
     # hand. A process's own directory there names it; the next cache removes those whose
-    # process is gone, and leaves those of a live one, of another host and the user's own.
+    # process is gone, and leaves those of a live one, of another host (kernel boot) and the
+    # user's own.
     killed = subprocess.run(
         [sys.executable, "-c", "import os, torch\n"
          "from polytrain.pipeline.cache import ActivationCache\n"
@@ -241,7 +242,7 @@ def test_a_killed_processs_disk_tier_in_cache_dir_goes_with_the_next_cache_there
     elsewhere = tmp_path / left.name.replace(left.name[-8:], "abcdef12")
     shutil.copytree(left, elsewhere)
     marker = elsewhere / ".polytrain-owner"
-    marker.write_text(marker.read_text().replace('"host": "', '"host": "another-'))
+    marker.write_text(marker.read_text().replace('"boot": "', '"boot": "another-'))
     mine = tmp_path / "polytrain-cache-runs"  # a user's own folder, named like ours
     mine.mkdir()
     live = ActivationCache(memory_bytes=0, directory=str(tmp_path))

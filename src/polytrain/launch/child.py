@@ -280,18 +280,33 @@ class RankPrefixed:
         self._stream, self._prefix = stream, prefix
         self._line: list[str] = []  # the current line's text not passed on yet
         self._started = False  # whether the current line's start was passed on (a flush)
-        self._lock = threading.Lock()
+        # Reentrant: a signal handler (the child's SIGTERM flush), a finaliser or a warning
+        # may run in this thread inside write(), and print or flush: it passes on as it is
+        # (depth > 1). A fork while another thread writes must not leave it held.
+        self._lock = threading.RLock()
+        self._depth = 0
+        os.register_at_fork(after_in_child=self._after_fork)
+
+    def _after_fork(self) -> None:
+        self._lock, self._depth = threading.RLock(), 0
 
     def write(self, text: str) -> int:
         with self._lock:
-            lines = []
-            for part in _LINE_ENDS.split(text):
-                if part:
-                    self._line.append(part)
-                    if part in ("\n", "\r"):
-                        lines.append(self._take())
-            if lines:
-                self._stream.write("".join(lines))
+            self._depth += 1
+            try:
+                if self._depth > 1:
+                    self._stream.write(text)
+                    return len(text)
+                lines = []
+                for part in _LINE_ENDS.split(text):
+                    if part:
+                        self._line.append(part)
+                        if part in ("\n", "\r"):
+                            lines.append(self._take())
+                if lines:
+                    self._stream.write("".join(lines))
+            finally:
+                self._depth -= 1
         return len(text)
 
     def writelines(self, lines: Any) -> None:
@@ -300,9 +315,13 @@ class RankPrefixed:
 
     def flush(self) -> None:
         with self._lock:
-            rest = self._take()
-            if rest:
-                self._stream.write(rest)
+            self._depth += 1
+            try:
+                rest = self._take() if self._depth == 1 else ""
+                if rest:
+                    self._stream.write(rest)
+            finally:
+                self._depth -= 1
         self._stream.flush()
 
     def _take(self) -> str:

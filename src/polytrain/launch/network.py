@@ -37,7 +37,6 @@ import os
 import re
 import secrets
 import shutil
-import socket
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -273,28 +272,36 @@ def pid_namespace() -> str:
         return ""
 
 
+def boot_id() -> str:
+    """This kernel's boot (``/proc/sys/kernel/random/boot_id``): the same in every container
+    of a host, another on another host or after a reboot; "" where it cannot be read."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
 def owner_record() -> dict[str, Any]:
     """This process as the owner of what a later run may sweep (a run's directory, its
-    network's claim): its pid, start time, PID namespace and host."""
+    network's claim): its pid, start time, PID namespace and kernel boot."""
     me = os.getpid()
-    return {"pid": me, "start": start_time(me), "pid_ns": pid_namespace(),
-            "host": socket.gethostname()}
+    return {"pid": me, "start": start_time(me), "pid_ns": pid_namespace(), "boot": boot_id()}
 
 
 def owner_alive(record: Any) -> tuple[int, bool] | None:
     """The pid an :func:`owner_record` names and whether that process still runs (one of
-    another PID namespace or host counts as running: its pid says nothing here, and every
-    host's first PID namespace has the same name; a directory on a shared file system);
-    None if the record is not one."""
+    another PID namespace or kernel boot counts as running: its pid says nothing here, and
+    every host's first PID namespace has the same name, as on a shared file system); None
+    if the record is not one."""
     try:
-        # A record without its namespace (written before stop 43) or host (stop 47) is of
+        # A record without its namespace (written before stop 43) or boot (stop 47) is of
         # this one.
         pid, start = int(record["pid"]), int(record["start"])
         ns = str(record.get("pid_ns", pid_namespace()))
-        host = str(record.get("host", socket.gethostname()))
+        boot = str(record.get("boot", boot_id()))
     except (ValueError, KeyError, TypeError, AttributeError):
         return None
-    elsewhere = ns != pid_namespace() or host != socket.gethostname()
+    elsewhere = ns != pid_namespace() or boot != boot_id()
     return pid, elsewhere or start_time(pid) == start
 
 

@@ -112,7 +112,7 @@ def train(config: TrainConfig) -> dict[str, Any] | None:
         start, trainer.steps = resumed.step, resumed.step
         before_losses = list(resumed.extra.get("losses", []))
         before_times = list(resumed.extra.get("times", []))
-        cold = [*resumed.extra.get("cold_steps", []), start]
+        cold = [*resumed.extra.get("cold_steps", []), len(before_times)]  # where ours start
         # Their held-out evaluations and save errors too (older checkpoints: none kept).
         evals = list(resumed.extra.get("evals", []))
         save_errors = list(resumed.extra.get("save_errors", []))
