@@ -82,6 +82,10 @@ def loops():
     opt.close()
     out["lbfgs"] = refused(lambda: bps.DistributedOptimizer(
         torch.optim.LBFGS(make_model().parameters())))
+    # BytePS's momentum wrapper takes the place of SGD's: with both, two momenta.
+    out["two_momenta"] = refused(lambda: bps.DistributedOptimizer(
+        torch.optim.SGD(make_model().parameters(), lr=0.1, momentum=0.9),
+        compression="onebit", error_feedback=True, compress_momentum=0.9))
     out["both_compressions"] = refused(lambda: bps.DistributedOptimizer(
         torch.optim.SGD(make_model().parameters(), lr=0.1), compression="fp16",
         compress="onebit"))
@@ -141,6 +145,9 @@ def test_clipping_closures_and_own_calls_beside_the_optimizer():
             assert torch.allclose(v, plain[k], atol=1e-6), k
         assert o["lbfgs"].startswith("LBFGS evaluates its closure several times")
         assert o["both_compressions"].startswith("DistributedOptimizer got both compression=")
+        assert o["two_momenta"].startswith("compress_momentum 0.9 puts a momentum on the "
+                                           "gradients before compression, and SGD has "
+                                           "momentum 0.9 of its own")
         assert o["complex"].startswith("'c' is torch.complex64, which the summation service")
         assert o["named_sums"] == ([1.0] * 3, [3.0] * 3)
         assert o["half"].dtype == torch.float16 and o["half"].tolist() == [40000.0] * 4

@@ -93,6 +93,9 @@ def test_compression_flags_become_the_strategys_options():
       "compress_momentum": 0.9}, r"would add a second momentum"),
     ({"compress": "fp16", "async_": True, "compress_warmup": 10},
      r"apply to synchronous BytePS.*HINT: drop --async"),
+    ({"compress": "fp16", "async_": True, "error_feedback": True, "compress_momentum": 0.9},
+     r"--async pushes updates \(the optimizer's steps\): it would put a second momentum on "
+     r"them\. HINT: drop --async, or leave out --compress-momentum"),
     ({"compress": "onebit", "compress_warmup_with": "dithering:4"},
      r"--compress-warmup-with dithering:4 says what the warm-up travels as, but "
      r"--compress-warmup is 0.*HINT: add --compress-warmup N"),

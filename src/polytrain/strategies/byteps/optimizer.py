@@ -283,6 +283,14 @@ class DistributedOptimizer(WrappedOptimizer):
             raise ConfigError(f"{type(optimizer).__name__} evaluates its closure several times "
                               f"a step, and a BytePS step sums the gradients of one backward",
                               "use an optimizer that steps on one gradient (SGD, Adam, ...)")
+        momentum = compress.get("compress_momentum", 0.0)
+        own = max((float(g.get("momentum") or 0.0) for g in optimizer.param_groups), default=0.0)
+        if momentum and own:  # BytePS's momentum wrapper moves SGD's momentum, not adds one
+            raise ConfigError(f"compress_momentum {momentum} puts a momentum on the gradients "
+                              f"before compression, and {type(optimizer).__name__} has "
+                              f"momentum {own} of its own: the update would have two",
+                              "give the optimizer momentum=0 (compress_momentum takes its "
+                              "place), or leave compress_momentum out")
         super().__init__(optimizer)
         self.engine = engine
         self.backward_passes_per_step = backward_passes_per_step

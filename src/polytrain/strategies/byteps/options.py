@@ -175,6 +175,11 @@ class BytePSOptions:
             raise ConfigError(f"--compress-adam compresses Adam's momentum; "
                               f"--compress-momentum {self.compress_momentum} would add a "
                               f"second momentum before it", "leave out --compress-momentum")
+        if self.async_ and self.compress_momentum:
+            raise ConfigError("--compress-momentum is a momentum on the gradients before "
+                              "compression, and --async pushes updates (the optimizer's "
+                              "steps): it would put a second momentum on them",
+                              "drop --async, or leave out --compress-momentum")
         if self.async_ and (self.compress_warmup or self.compress_adam):
             raise ConfigError("--compress-warmup and --compress-adam apply to synchronous "
                               "BytePS (--async pushes updates, not sums)",
