@@ -221,22 +221,33 @@ def test_a_renewed_variance_costs_one_exact_sum_at_its_steps_and_trains():
     assert metrics["final_loss"] < metrics["losses"][0]
 
 
-def train_with_a_renewed_variance():
-    ctx = polytrain.init()
+def one_bit_adam(**options):
+    """The one-bit Adam tests' model (seed 0) and its optimizer: Adam, onebit with error
+    feedback on tensors of 4 KB and more, 1-bit Adam with ``options``."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(),
                                 torch.nn.Linear(64, 32))
-    initial = {k: v.clone() for k, v in model.state_dict().items()}
     opt = bps.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
                                    named_parameters=model.named_parameters(),
                                    compression="onebit", error_feedback=True,
-                                   compress_min_bytes=4096, compress_adam=True,
-                                   compress_adam_refresh=2)
+                                   compress_min_bytes=4096, compress_adam=True, **options)
+    return model, opt
+
+
+def backward_on_a_batch(model, opt, g):
+    """Gradients of a batch drawn from ``g`` (learning x -> x reversed), for ``opt``'s step."""
+    opt.zero_grad()
+    x = torch.randn(8, 32, generator=g)
+    torch.nn.functional.mse_loss(model(x), x.flip(1)).backward()
+
+
+def train_with_a_renewed_variance():
+    ctx = polytrain.init()
+    model, opt = one_bit_adam(compress_adam_refresh=2)
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
     g = torch.Generator().manual_seed(100 + ctx.rank)  # each worker its own data
     for _ in range(6):                                # frozen at steps 0, 2 and 4
-        opt.zero_grad()
-        x = torch.randn(8, 32, generator=g)
-        torch.nn.functional.mse_loss(model(x), x.flip(1)).backward()
+        backward_on_a_batch(model, opt, g)
         opt.step()
     return initial, {k: v.clone() for k, v in model.state_dict().items()}
 
@@ -280,23 +291,14 @@ def test_one_bit_adam_on_another_optimizer_is_refused_before_any_process_starts(
 def freeze_during_one_bit_adam():
     """1-bit Adam past its warm-up; the first layer's weight frozen after the wrap."""
     polytrain.init()
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(),
-                                torch.nn.Linear(64, 32))
-    opt = bps.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
-                                   named_parameters=model.named_parameters(),
-                                   compression="onebit", error_feedback=True,
-                                   compress_min_bytes=4096, compress_adam=True,
-                                   compress_warmup=1)
+    model, opt = one_bit_adam(compress_warmup=1)
     g = torch.Generator().manual_seed(1)
     at_freeze = None
     for step in range(4):
         if step == 2:
             model[0].weight.requires_grad_(False)
             at_freeze = model[0].weight.detach().clone()
-        opt.zero_grad()
-        x = torch.randn(8, 32, generator=g)
-        torch.nn.functional.mse_loss(model(x), x.flip(1)).backward()
+        backward_on_a_batch(model, opt, g)
         opt.step()
     return at_freeze, model[0].weight.detach().clone()
 
@@ -313,19 +315,10 @@ def one_bit_adam_synchronized_first(first: bool, warmup: int) -> dict[str, torch
     """1-bit Adam past a warm-up of ``warmup`` steps; each step's gradients synchronised
     before its step() where ``first`` (Horovod's recipe for clipping), else by the step."""
     ctx = polytrain.init()
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(),
-                                torch.nn.Linear(64, 32))
-    opt = bps.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
-                                   named_parameters=model.named_parameters(),
-                                   compression="onebit", error_feedback=True,
-                                   compress_min_bytes=4096, compress_adam=True,
-                                   compress_warmup=warmup)
+    model, opt = one_bit_adam(compress_warmup=warmup)
     g = torch.Generator().manual_seed(100 + ctx.rank)
     for _ in range(4):
-        opt.zero_grad()
-        x = torch.randn(8, 32, generator=g)
-        torch.nn.functional.mse_loss(model(x), x.flip(1)).backward()
+        backward_on_a_batch(model, opt, g)
         if first:
             opt.synchronize()
         opt.step()

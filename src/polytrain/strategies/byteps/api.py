@@ -32,7 +32,7 @@ from ...ps.engine import Engine, SumTensor, engine_for
 from ...runtime import Context
 from ..checks import check_same_tensors, tensor_signature
 from .async_mode import AsyncOptimizer
-from .optimizer import Choice, checked_options
+from .optimizer import Choice, _resolve, checked_options
 from .optimizer import DistributedOptimizer as _SyncOptimizer
 from .plan import plan_for
 
@@ -192,10 +192,8 @@ def _push_pull_async(tensor: torch.Tensor, average: bool, name: str | None, prio
     if average and not (tensor.is_floating_point() or tensor.is_complex()):
         raise ConfigError(f"push_pull(average=True) of a {tensor.dtype} tensor would round",
                           "pass average=False for integer tensors, or a float tensor")
-    # A name as DistributedOptimizer takes ("topk:0.01"), or a compressor object.
-    if isinstance(compression, str):
-        compression = compressor(compression)
-    elif compression is not None and not isinstance(compression, Compressor):
+    compression = _resolve(compression)  # a name as DistributedOptimizer takes, or an object
+    if compression is not None and not isinstance(compression, Compressor):
         raise ConfigError(f"push_pull's compression must be a polytrain compressor or its "
                           f"name (got {compression!r})",
                           "pass polytrain.byteps.Compression.fp16, say, or 'topk:0.01'")
