@@ -209,6 +209,30 @@ def test_dithering_is_unbiased():
     assert torch.allclose(mean, x, atol=0.05 * float(x.abs().max()))
 
 
+def test_each_machine_dithers_with_draws_of_its_own_and_randomk_draws_the_servers():
+    # Eight machines push the same gradient. Dithered with the same draws (before stop 48:
+    # every codec of a key was seeded with the key alone), every machine rounds alike and
+    # their mean is as far off as one machine's; with draws of their own the errors
+    # average out (1/sqrt(8) of one's, in expectation).
+    x, machines = data(n=4096), range(8)
+    dithering = CompressOptions(compressor("dithering:2"))
+    codecs = [Codec(dithering, x.numel(), seed=5, stream=rank) for rank in machines]
+    payloads = [c.encode(x) for c in codecs]
+    sent = [c.decode(p) for c, p in zip(codecs, payloads)]
+    one = float((sent[0] - x).pow(2).mean())
+    mean = float((sum(sent) / len(sent) - x).pow(2).mean())
+    assert mean < 0.25 * one, (mean, one)
+    # Still the same draws run to run.
+    again = Codec(dithering, x.numel(), seed=5, stream=3)
+    assert torch.equal(again.encode(x), payloads[3])
+    # randomk keeps drawing the server's elements on every machine, so their sum has K.
+    randomk = CompressOptions(compressor("randomk:16"))
+    server = Codec(randomk, x.numel(), seed=5)
+    chosen = {tuple(torch.nonzero(c.decode(c.encode(x))).flatten().tolist())
+              for c in [server] + [Codec(randomk, x.numel(), seed=5, stream=r) for r in machines]}
+    assert len(chosen) == 1
+
+
 def test_error_feedback_carries_what_compression_dropped_to_the_next_step():
     c = compressor("topk:1")
     codec = Codec(CompressOptions(c, error_feedback=True), 4)

@@ -117,6 +117,11 @@ class Compressor(ABC):
     name: str = ""
     #: Whether the same input always gives the same payload.
     deterministic = True
+    #: Whether every machine's codec of a key draws what the server's draws (randomk: the
+    #: same elements, so the servers' sum keeps all of them); otherwise each machine draws
+    #: its own (dithering: alike draws would round every machine's error alike, and their
+    #: sum's error would not shrink with the machines).
+    shared_draws = False
     #: Whether it can send an element as exactly 0 while others of its block are not
     #: (a sparsifier's unchosen elements, dithering's lowest level): Adam's variance of such
     #: sums stays 0 there, which 1-bit Adam cannot freeze (docs/from-byteps.md).
@@ -281,6 +286,7 @@ class RandomK(_Sparse):
 
     name = "randomk"
     deterministic = False
+    shared_draws = True
 
     def choose(self, x: torch.Tensor, k: int, generator: torch.Generator | None
                ) -> torch.Tensor:
@@ -474,20 +480,25 @@ class Codec:
 
     ``encode`` applies momentum (if any), adds the residual (error feedback),
     compresses and keeps the new residual; ``decode`` unpacks. ``seed`` seeds
-    the generator of random compressors (the key: the same on every machine).
+    the generator of random compressors (the key: the same on every machine);
+    ``stream``, the pushing process's rank (None: the server's), draws apart from
+    the other machines where the compressor does not share its draws.
     ``segments``: the lengths of the tensors in the payload (None: one).
     """
 
     options: CompressOptions
     numel: int
     seed: int = 0
+    stream: int | None = None
     segments: tuple[int, ...] | None = None
     residual: torch.Tensor | None = None
     velocity: torch.Tensor | None = None
     generator: torch.Generator = field(default_factory=torch.Generator)
 
     def __post_init__(self) -> None:
-        self.generator.manual_seed(self.seed)
+        apart = self.stream is not None and not self.options.compressor.shared_draws
+        self.generator.manual_seed(self.seed if not apart else
+                                   (self.seed * 1_000_003 + 1 + self.stream) % 2 ** 63)
         if self.segments is not None:
             self.segments = _segments(self.numel, tuple(self.segments))
 

@@ -240,7 +240,7 @@ class Engine:
             handler = self.local[h] if local_reduce else self.me
             peers = tuple(r for r in self.local if r != handler) if local_reduce else ()
             packing = compression[p.tensor] if compression else None
-            codec = Codec(packing, p.numel, seed=p.key,
+            codec = Codec(packing, p.numel, seed=p.key, stream=handler,
                           segments=packing.segments(p.offset, p.numel)) if packing else None
             tensors[p.tensor].parts.append(_Part(p, owner, handler, tensors[p.tensor], peers,
                                                  codec))

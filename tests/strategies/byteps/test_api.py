@@ -63,6 +63,12 @@ def use_the_api():
     # before); another one for the same name (ignored before); an object the name's rules
     # refuse (the servers refused it in their own process before).
     out["fp16"] = bps.push_pull(x, name="xc", compression="fp16")
+    # Each machine dithers with draws of its own (the same draws rounded every machine's
+    # error alike): its codec's generator state is in what a checkpoint keeps of it.
+    before = set(engine_for(ctx).codec_states())
+    bps.push_pull(torch.ones(64), name="xd", compression="dithering:2")
+    out["dithered"] = {k: v for k, v in engine_for(ctx).codec_states().items()
+                       if k not in before}
     for key, call in (("recompressed", lambda: bps.push_pull(x, name="xc", compression="onebit")),
                       ("bad_object", lambda: bps.push_pull(x, name="xk",
                                                            compression=TopK(k=2.5)))):
@@ -153,6 +159,12 @@ def test_push_pull_broadcasts_and_the_distributed_optimizer():
         assert o["lr"] == pytest.approx(0.2)  # worker 1's
         for k, v in o["initial"].items():
             assert torch.equal(v, out[1]["initial"][k])
+    # One handler a machine for each dithered key, and the two machines drew apart.
+    states = {}
+    for o in out:
+        for key, state in o["dithered"].items():
+            states.setdefault(key, []).append(state)
+    assert states and all(len(s) == 2 and not torch.equal(*s) for s in states.values())
     # Some worker queued both (it handles both partitions for its machine).
     assert any({"early", "late"} <= {label.split("[")[0] for _, label in o["priorities"][0]}
                for o in out)
