@@ -496,9 +496,10 @@ class Codec:
     generator: torch.Generator = field(default_factory=torch.Generator)
 
     def __post_init__(self) -> None:
-        apart = self.stream is not None and not self.options.compressor.shared_draws
-        self.generator.manual_seed(self.seed if not apart else
-                                   (self.seed * 1_000_003 + 1 + self.stream) % 2 ** 63)
+        seed = self.seed
+        if self.stream is not None and not self.options.compressor.shared_draws:
+            seed = (seed * 1_000_003 + 1 + self.stream) % 2 ** 63
+        self.generator.manual_seed(seed)
         if self.segments is not None:
             self.segments = _segments(self.numel, tuple(self.segments))
 

@@ -221,13 +221,16 @@ def test_a_renewed_variance_costs_one_exact_sum_at_its_steps_and_trains():
     assert metrics["final_loss"] < metrics["losses"][0]
 
 
-def one_bit_adam(**options):
+def one_bit_adam(model=None, adam=None, **options):
     """The one-bit Adam tests' model (seed 0) and its optimizer: Adam, onebit with error
-    feedback on tensors of 4 KB and more, 1-bit Adam with ``options``."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(),
-                                torch.nn.Linear(64, 32))
-    opt = bps.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
+    feedback on tensors of 4 KB and more, 1-bit Adam with ``options`` (on ``model`` and its
+    ``adam``, where given)."""
+    if model is None:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(),
+                                    torch.nn.Linear(64, 32))
+    adam = adam or torch.optim.Adam(model.parameters(), lr=0.01)
+    opt = bps.DistributedOptimizer(adam,
                                    named_parameters=model.named_parameters(),
                                    compression="onebit", error_feedback=True,
                                    compress_min_bytes=4096, compress_adam=True, **options)
@@ -337,6 +340,44 @@ def test_one_bit_adam_steps_alike_whether_synchronize_came_before_the_step(warmu
                   args=(True, warmup))[0]
     for k, v in by_step.items():
         assert torch.equal(first[k], v), (k, max_abs_diff(first, by_step))
+
+
+def renew_after_a_resume_without_the_codecs():
+    """1-bit Adam with a renewal every 2: three steps, then a resume whose codecs do not fit
+    (another layout's), two more: the renewal at step 4 has seen those two only."""
+    ctx = polytrain.init()
+    model, opt = one_bit_adam(compress_adam_refresh=2)
+    g = torch.Generator().manual_seed(100 + ctx.rank)
+    for _ in range(3):                             # renewed at steps 0 and 2
+        backward_on_a_batch(model, opt, g)
+        opt.step()
+    state = {**opt.carried(), "codecs": {}}
+    opt.close()
+    model, opt = one_bit_adam(model, opt.optimizer, compress_adam_refresh=2)
+    restored = opt.carry_on(state)
+    for _ in range(2):                             # steps 3 and 4, renewed at 4
+        backward_on_a_batch(model, opt, g)
+        opt.step()
+    onebit = opt.compress_adam
+    frozen = {i: opt.optimizer.state[p][FROZEN_VARIANCE].clone()
+              for i, p in enumerate(onebit.packed) if p is not None}
+    return restored, [v.clone() for v in onebit.local_v], dict(onebit.slot), frozen
+
+
+@pytest.mark.timeout(120)
+def test_a_renewal_after_a_resume_that_lost_the_variances_corrects_for_the_steps_since():
+    # The workers' own variances start at zero again where a resume cannot restore them;
+    # the renewal corrected their bias for every step of the run (5), not the 2 they saw:
+    # a variance sqrt(5/2) too small, every update that much too large.
+    out = spawn(renew_after_a_resume_without_the_codecs, workers=2, nodes=2, colocated=1)
+    (restored, local_v, slot, frozen), (_, other_v, _, _) = out
+    assert restored is False
+    for i, got in frozen.items():
+        j, off = slot[i]
+        mean = (local_v[j] + other_v[j])[off:off + got.numel()].view(got.shape) / 2
+        want = (mean / (1 - 0.999 ** 2)).sqrt() + 1e-8
+        want = want.masked_fill(mean == 0, float("inf"))
+        assert torch.allclose(got, want, rtol=1e-5), i
 
 
 def test_compression_of_tensors_that_are_not_float32_is_refused_or_told(caplog):

@@ -364,6 +364,7 @@ class DistributedOptimizer(WrappedOptimizer):
             out["server_codecs"] = engine.server_codec_states()
         if self.compress_adam is not None:
             out["local_variance"] = [v.cpu().clone() for v in self.compress_adam.local_v]
+            out["local_variance_from"] = self.compress_adam.v_from
         return out
 
     def carry_on(self, state: Mapping[str, Any]) -> bool:
@@ -386,6 +387,9 @@ class DistributedOptimizer(WrappedOptimizer):
             engine.restore_codecs(mine, servers)
             for v, saved in zip(ours, saved_v):
                 v.copy_(saved)
+        if self.compress_adam is not None:  # the steps its own variances have seen start...
+            self.compress_adam.v_from = (int(state.get("local_variance_from", 0)) if fits
+                                         else self.sync.synced)  # ...anew where not restored
         if ctx.num_workers > 1:  # no worker pushes before the servers' codecs are set
             dist.barrier(group=ctx.groups.workers)
         return fits
@@ -449,6 +453,9 @@ class _OneBitAdam:
                         for b in packed_buckets]
         self.slot = {m: (j, off) for j, b in enumerate(packed_buckets)
                      for m, off in zip(sync.buckets[b].members, sync.buckets[b].offsets)}
+        #: The synchronised steps before ``local_v`` started (a resume that could not
+        #: restore it starts it at zero there): its bias correction counts the steps since.
+        self.v_from = 0
         if refresh and sync.warmup == 0:  # no warm-up: Adam's state starts here (as Adam's)
             for p in self.packed:
                 if p is not None and not optimizer.state[p]:
@@ -525,7 +532,7 @@ class _OneBitAdam:
         """Freeze again, at the workers' mean of their own gradients' variance (one exact sum
         of the compressed tensors' size), bias-corrected for the steps it has seen."""
         means = self.sync.average(self.local_v)
-        seen = float(self.sync.synced)
+        seen = float(self.sync.synced - self.v_from)
         for i, p in enumerate(self.packed):
             if p is None:
                 continue
