@@ -304,3 +304,87 @@ def test_a_save_that_fails_otherwise_than_on_disk_fails_on_every_worker(tmp_path
     said = spawn(save_unpicklable, workers=2, args=(str(tmp_path / "ckpt"),))
     assert all("Can't pickle" in s or "PicklingError" in s for s in said), said
     assert said[0] == said[1] and not (tmp_path / "ckpt" / "step-1").exists()
+
+
+def test_load_refuses_parameter_groups_in_another_order(tmp_path):
+    # Groups were matched by position: the weights' weight decay went to the biases and the
+    # biases' 0 to the weights, silently.
+    def made(order):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 2)
+        groups = {"weights": {"params": [model.weight], "weight_decay": 0.1},
+                  "biases": {"params": [model.bias], "weight_decay": 0.0}}
+        opt = torch.optim.AdamW([groups[k] for k in order])
+        return polytrain.distribute(model, opt, "single")
+    model, opt = made(["weights", "biases"])
+    polytrain.save(tmp_path, model, opt, step=1)
+    model, opt = made(["biases", "weights"])
+    with pytest.raises(CheckpointError, match=r"this optimizer's parameter group 0 holds the "
+                                              r"parameters of the checkpoint's group 1"):
+        polytrain.load(tmp_path, model, opt)
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.0, 0.1]  # nothing loaded
+    model, opt = made(["weights", "biases"])
+    assert polytrain.load(tmp_path, model, opt).step == 1
+
+
+PIPE = {"freeze_every": 2, "freeze_threshold": 100.0, "freeze_alpha": 0.5}
+
+
+def pipetransformer_steps(root: str, save_at: int | None, resume: bool) -> dict:
+    """Six steps of a tiny GPT on a one-worker PipeTransformer that freezes at every even
+    step, saved at ``save_at`` or resumed from ``root``: its weights and freeze timeline."""
+    from polytrain.models import GPT, cross_entropy
+    polytrain.init()
+    torch.manual_seed(0)
+    model = GPT(seq_len=16, d_model=32, layers=4)
+    trainer = polytrain.distribute(model, torch.optim.Adam(model.parameters(), lr=3e-3),
+                                   "pipetransformer", loss_fn=cross_entropy, **PIPE)
+    start = polytrain.load(root, trainer).step if resume else 0
+    g = torch.Generator().manual_seed(0)
+    for step in range(6):
+        w = torch.randint(0, 256, (8, 17), generator=g)
+        if step >= start:
+            trainer.step(w[:, :-1], w[:, 1:])
+        if step + 1 == save_at:
+            polytrain.save(root, trainer, step=save_at)
+    out = {"steps": trainer.steps, "weights": trainer.state_dict(),
+           "frozen": [p["step"] for p in trainer.strategy.timeline if p["changed"]]}
+    trainer.close()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_load_sets_the_trainers_step_count_so_a_resumed_pipetransformer_freezes_on_time(
+        tmp_path):
+    # load() left the trainer's count at 0: the resumed run's freeze points (step %
+    # freeze_every) came 3 steps late, and its weights were 6e-3 off the uninterrupted run's.
+    root = str(tmp_path / "ckpt")
+    (whole,) = spawn(pipetransformer_steps, workers=1, args=(root, 3, False))
+    (resumed,) = spawn(pipetransformer_steps, workers=1, args=(root, None, True))
+    assert resumed["steps"] == whole["steps"] == 6
+    assert resumed["frozen"] == whole["frozen"]
+    for k, v in whole["weights"].items():
+        assert torch.equal(resumed["weights"][k], v), k
+
+
+def load_into_one_worker(root: str) -> str:
+    try:
+        pipetransformer_steps(root, None, True)
+    except CheckpointError as e:
+        return str(e)
+    return "loaded"
+
+
+@pytest.mark.timeout(120)
+def test_load_refuses_a_layout_the_strategy_cannot_carry_its_state_to(tmp_path):
+    # Only the CLI's resume checked: a script relaunched on another worker count loaded
+    # PipeTransformer's checkpoint and dropped its plan and freeze timeline, silently.
+    root = tmp_path / "ckpt"
+    spawn(pipetransformer_steps, workers=1, args=(str(root), 3, False))
+    path = root / "step-3" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    path.write_text(json.dumps({**manifest, "workers": 2}))  # as two workers' would say
+    (said,) = spawn(load_into_one_worker, workers=1, args=(str(root),))
+    assert f"checkpoint {root / 'step-3'}: strategy 'pipetransformer' cannot resume a " \
+           f"checkpoint of 2 workers on 1" in said, said
+    assert manifest["nodes"] == 1  # recorded, for the strategies that check machines

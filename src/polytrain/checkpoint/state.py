@@ -18,6 +18,7 @@ launcher's, or a cluster's shared storage).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import random
@@ -31,8 +32,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..errors import ConfigError
 from ..optim import placed_state
-from ..strategies.base import Strategy, Trainer, strategy_of
+from ..strategies.base import Strategy, Trainer, layout_of, strategy_of
 from ..tensors import host_state
 from .manifest import (
     CheckpointError,
@@ -187,7 +189,9 @@ def save(root: str | Path, model: nn.Module | Trainer,
         for i, (_, ns) in enumerate(held):
             for n in ns:
                 index_of.setdefault(n, i)
-        meta = {"strategy": strategy.name, **dict(run or {}), "step": step, "workers": count,
+        layout = layout_of(strategy.ctx) if strategy.ctx is not None else None
+        meta = {"strategy": strategy.name, **({"nodes": layout.nodes} if layout else {}),
+                **dict(run or {}), "step": step, "workers": count,
                 "time": time.time(),
                 "keys": {k: list(v.shape) for k, v in full.items()},
                 "optimizer_index": index_of}
@@ -223,6 +227,7 @@ def load(path: str | Path, model: nn.Module | Trainer,
         trainer = polytrain.distribute(model, opt, strategy="ddp", loss_fn=loss_fn)
         start = polytrain.load("out/checkpoints", trainer).step
     """
+    trainer = model if isinstance(model, Trainer) else None
     model, optimizer, strategy = _unpack(model, optimizer)
     strategy.check_checkpoints()
     where, skipped = resolve(path)
@@ -236,6 +241,7 @@ def load(path: str | Path, model: nn.Module | Trainer,
                               f"{strategy.name!r}", f"load it with strategy "
                               f"{manifest['strategy']!r}, or start from its weights alone "
                               f"({where / 'model.pt'}; --init takes them)")
+    _check_layout(manifest, strategy, where)
     index, _, _ = _workers(strategy)
     names = strategy.parameter_names(model)
     keys = manifest["keys"]
@@ -249,8 +255,6 @@ def load(path: str | Path, model: nn.Module | Trainer,
                                   f"{keys[n]} there and {list(p.shape)} here",
                                   "resume with the checkpoint's --model and model options, "
                                   "or start without --resume")
-    state = torch.load(where / "model.pt", map_location="cpu", weights_only=True)
-    strategy.load_model_state(model, state)
     saved_workers = int(manifest["workers"])
     files: dict[int, dict[str, Any]] = {}
 
@@ -268,6 +272,9 @@ def load(path: str | Path, model: nn.Module | Trainer,
         return files[i]
 
     own = worker_file(index % saved_workers)
+    _check_optimizer(optimizer, names, own["optimizer"])  # before anything is loaded
+    state = torch.load(where / "model.pt", map_location="cpu", weights_only=True)
+    strategy.load_model_state(model, state)
     _load_optimizer(optimizer, names, own["optimizer"], manifest["optimizer_index"],
                     worker_file)
     set_rng_state(own["rng"])
@@ -287,13 +294,31 @@ def load(path: str | Path, model: nn.Module | Trainer,
             "pass load() the scheduler save() was given, or none if it was given none")
     if scheduler is not None:
         scheduler.load_state_dict(run["scheduler"])
+    if trainer is not None:  # its step count: what replan() and freeze points count from
+        trainer.steps = int(run["step"])
     return Resumed(step=int(run["step"]), path=where, extra=dict(run.get("extra") or {}),
                    skipped=tuple(skipped))
 
 
-def _load_optimizer(optimizer: torch.optim.Optimizer, names: Mapping[str, nn.Parameter],
-                    own: Mapping[str, Any], index_of: Mapping[str, int],
-                    worker_file: Any) -> None:
+def _check_layout(manifest: Mapping[str, Any], strategy: Strategy[Any], where: Path) -> None:
+    """Refuse, as the CLI's resume does, a checkpoint whose layout this strategy cannot
+    carry its state to (another worker count where each worker's state is its own).
+    Options a checkpoint does not record (saved from a script) are taken as this run's."""
+    layout = layout_of(strategy.ctx) if strategy.ctx is not None else None
+    if layout is None:
+        return
+    options = strategy.options
+    saved = {"strategy_options": {f.name: getattr(options, f.name)
+                                  for f in dataclasses.fields(options)}, **manifest}
+    try:
+        type(strategy).check_resume(saved, layout, options)
+    except ConfigError as e:
+        raise CheckpointError(f"checkpoint {where}: {e.what}", e.hint) from None
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer, names: Mapping[str, nn.Parameter],
+                     own: Mapping[str, Any]) -> None:
+    """Refuse an optimizer state that would not fit: another class, other groups."""
     by_id = {id(p): n for n, p in names.items()}
     saved_groups = own["groups"]
     mine = type(getattr(optimizer, "optimizer", optimizer)).__name__
@@ -306,6 +331,26 @@ def _load_optimizer(optimizer: torch.optim.Optimizer, names: Mapping[str, nn.Par
         raise CheckpointError(f"the checkpoint's optimizer has {len(saved_groups)} parameter "
                               f"groups and this one {len(optimizer.param_groups)}",
                               "resume with the checkpoint's --optimizer")
+    # Groups are matched by position: a group that holds what another saved group held
+    # (the groups built in another order) would take that one's settings, silently. (A
+    # group holding only some of its saved group's parameters is a worker's share.)
+    saved_names = [set(g.get("params", ())) for g in saved_groups]
+    for i, g in enumerate(optimizer.param_groups):
+        held = {by_id[id(p)] for p in g["params"] if id(p) in by_id}
+        if held and held != saved_names[i] and held in saved_names:
+            raise CheckpointError(
+                f"this optimizer's parameter group {i} holds the parameters of the "
+                f"checkpoint's group {saved_names.index(held)} (the groups are in another "
+                f"order): its settings would go to other parameters",
+                "build the optimizer's parameter groups in the order of the run that saved "
+                "the checkpoint")
+
+
+def _load_optimizer(optimizer: torch.optim.Optimizer, names: Mapping[str, nn.Parameter],
+                    own: Mapping[str, Any], index_of: Mapping[str, int],
+                    worker_file: Any) -> None:
+    by_id = {id(p): n for n, p in names.items()}
+    saved_groups = own["groups"]
     for g, saved in zip(optimizer.param_groups, saved_groups):
         g.update({k: v for k, v in saved["settings"].items() if k in g})
         for p in g["params"]:

@@ -426,7 +426,7 @@ def distribute(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str
                               "call distribute() on workers only")
         if cls.even_machines:
             check_even_machines(strategy, ctx.topology)
-        layout = _layout_of(ctx)
+        layout = layout_of(ctx)
         if layout is not None:  # what the CLI checks before any process starts
             cls.check_machines(layout, opts)
             cls.check_model(model, layout, opts)
@@ -462,7 +462,7 @@ def distribute(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str
 _DISTRIBUTED: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
 
 
-def _layout_of(ctx: Context) -> Layout | None:
+def layout_of(ctx: Context) -> Layout | None:
     """The run's layout as the CLI describes one (None where the machines are uneven, as
     torchrun may start them: the CLI's checks then do not apply as they are)."""
     top = ctx.topology

@@ -109,7 +109,7 @@ def train(config: TrainConfig) -> dict[str, Any] | None:
     cold: list[int] = []  # the steps where this run and those it resumed from started again
     if config.resume is not None:
         resumed = load(config.resume, trainer, scheduler=scheduler)
-        start, trainer.steps = resumed.step, resumed.step
+        start = resumed.step  # load() set the trainer's step count
         before_losses = list(resumed.extra.get("losses", []))
         before_times = list(resumed.extra.get("times", []))
         cold = [*resumed.extra.get("cold_steps", []), len(before_times)]  # where ours start
