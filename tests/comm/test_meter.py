@@ -104,3 +104,40 @@ def test_nic_counters_are_averaged_over_the_meters_steady_window():
     # Without an emulated network nobody samples, and metrics.json has no nic_* keys.
     plain = machine_traffic([TrafficMeter(r, TOPO).report() for r in range(4)], TOPO)
     assert "nic_sent_bytes_per_step" not in plain[0].as_dict()
+
+
+def test_what_is_discarded_after_a_step_stays_out_of_the_nic_figures_too():
+    # discard() rewrote the last NIC sample, which the window's difference never reads:
+    # an evaluation after the last step (which every --eval-every run has) was counted in
+    # nic_*, 401,000 bytes a step against the meter's 1,000.
+    topo = Topology.from_roles([("worker", "node0"), ("worker", "node1")])
+    wire = [0]
+    meters = [TrafficMeter(r, topo) for r in range(2)]
+    meters[0].sample_nics(lambda: {"node0": (wire[0], wire[0]), "node1": (wire[0], wire[0])})
+    for step in range(6):
+        wire[0] += 1000  # the step's bytes
+        meters[0].record(1, 1000, "sent")
+        for m in meters:
+            m.mark_step()
+        if step in (2, 5):  # an evaluation after steps 3 and 6
+            wire[0] += 1_000_000
+            meters[0].record(1, 1_000_000, "sent")
+            for m in meters:
+                m.discard()
+    node0 = {t.name: t for t in machine_traffic([m.report() for m in meters], topo,
+                                                warmup=1)}["node0"]
+    assert node0.sent_bytes_per_step == node0.nic_sent_bytes_per_step == 1000
+
+
+def test_a_run_shorter_than_its_warmup_still_leaves_out_its_cold_first_step():
+    # A run resumed near its end has fewer steps of its own than the warm-up its whole
+    # length asks for: the window fell back to every step, the first (cold: the start-up's
+    # messages) among them.
+    meters = [TrafficMeter(r, TOPO) for r in range(4)]
+    for step in range(5):
+        meters[0].record(2, 40_000_000 if step == 0 else 1000, "sent")
+        for m in meters:
+            m.mark_step()
+    traffic = {t.name: t for t in machine_traffic([m.report() for m in meters], TOPO,
+                                                  warmup=10)}
+    assert traffic["node0"].sent_bytes_per_step == 1000

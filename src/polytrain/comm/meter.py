@@ -59,11 +59,13 @@ class TrafficMeter:
         self._steps: list[dict[_Key, int]] = []
         self._nic_sampler: Callable[[], NicCounters] | None = None
         self._nics: list[dict[str, tuple[int, int]]] = []
+        # Per machine, the NIC bytes discarded so far: left out of every later sample.
+        self._nic_discarded: dict[str, tuple[int, int]] = {}
 
     def sample_nics(self, sampler: Callable[[], NicCounters]) -> None:
         """Read the machines' NIC counters now and at every :meth:`mark_step` from here on."""
         self._nic_sampler = sampler
-        self._nics = [dict(sampler())]
+        self._nics, self._nic_discarded = [dict(sampler())], {}
 
     def record(self, peer: int, nbytes: int, direction: str, *, estimated: bool = False) -> None:
         key = (peer, direction, estimated)
@@ -77,7 +79,7 @@ class TrafficMeter:
             self._steps.append(dict(self._window))
             self._window.clear()
             if self._nic_sampler is not None:
-                self._nics.append(dict(self._nic_sampler()))
+                self._nics.append(self._nic_sample())
 
     def discard(self) -> None:
         """Leave out of every step what was recorded since the last mark (a held-out
@@ -86,7 +88,16 @@ class TrafficMeter:
         with self._lock:
             self._window.clear()
             if self._nic_sampler is not None and self._nics:
-                self._nics[-1] = dict(self._nic_sampler())
+                # Later samples go on from the last mark's: the bytes since are left out.
+                now, last = self._nic_sampler(), self._nics[-1]
+                self._nic_discarded = {m: (now[m][0] - last[m][0], now[m][1] - last[m][1])
+                                       for m in now if m in last}
+
+    def _nic_sample(self) -> dict[str, tuple[int, int]]:
+        assert self._nic_sampler is not None
+        off = self._nic_discarded
+        return {m: (sent - off.get(m, (0, 0))[0], recv - off.get(m, (0, 0))[1])
+                for m, (sent, recv) in self._nic_sampler().items()}
 
     def report(self) -> MeterReport:
         with self._lock:
@@ -220,7 +231,8 @@ def _stepped(reports: Sequence[MeterReport]) -> list[MeterReport]:
 def _steady_window(reports: Sequence[MeterReport], warmup: int) -> tuple[int, int]:
     """The steps every report has, less the first ``warmup`` ones: ``(first, end)``."""
     nsteps = min((len(r.steps) for r in reports), default=0)
-    return (warmup if nsteps > warmup else 0), nsteps
+    # Fewer steps than the warm-up (a run resumed near its end): still not the cold first.
+    return (warmup if nsteps > warmup else min(1, nsteps - 1) if nsteps else 0), nsteps
 
 
 def _nic_traffic(reports: Sequence[MeterReport], first: int,
