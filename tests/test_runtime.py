@@ -60,6 +60,20 @@ def test_a_second_init_that_asks_for_another_device_or_timeout_is_refused():
                             "distribute() or bps.init(), which join the run themselves")
 
 
+def init_on(devices: list[str]) -> list[str]:
+    return [refused(lambda: polytrain.init(device=d)) for d in devices]  # noqa: B023
+
+
+@pytest.mark.timeout(60)
+def test_a_device_polytrain_does_not_run_on_is_refused_in_one_line():
+    # device='meta' was taken, and distribute() failed inside torch ("Tensor.item() cannot
+    # be called on meta tensors"); 'gpu' met torch's own list of every device type.
+    said = spawn(init_on, workers=1, args=(["meta", "gpu", "mps"],))[0]
+    for name, text in zip(["meta", "gpu", "mps"], said):
+        assert text == f"device {name!r}: polytrain runs on cpu or cuda. HINT: pass " \
+                       f"device='cpu' or device='cuda' (or 'cuda:N')", text
+
+
 @pytest.mark.timeout(60)
 def test_members_only_groups_between_leaders_and_others():
     # Regression: rank 0 (a leader) and rank 1 hung creating a group of [0, 1]. torch

@@ -390,13 +390,24 @@ def _join(env: _env.ProcessEnv, timeout: float) -> None:
 def _pick_device(device: str | torch.device | None, local_rank: int) -> torch.device:
     if device is None or str(device) == "cpu":
         return torch.device("cpu")
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):  # meta or mps trained nothing here
+        raise ConfigError(f"device {str(device)!r}: polytrain runs on cpu or cuda",
+                          "pass device='cpu' or device='cuda' (or 'cuda:N')")
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise ConfigError("device 'cuda' was asked for but torch sees no CUDA device",
                               "pass --device cpu, or install a CUDA build of torch")
+        count = torch.cuda.device_count()
         if dev.index is None:
-            dev = torch.device("cuda", _env.gpu_index(local_rank, torch.cuda.device_count()))
+            dev = torch.device("cuda", _env.gpu_index(local_rank, count))
+        elif dev.index >= count:
+            raise ConfigError(f"device {str(device)!r}: this machine has {count} CUDA "
+                              f"device(s), 0 to {count - 1}",
+                              "pass device='cuda' (one GPU a process by its local rank)")
         torch.cuda.set_device(dev)
     return dev
 
