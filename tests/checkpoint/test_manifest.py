@@ -217,11 +217,15 @@ def test_load_refuses_another_optimizer_class_or_scheduler_than_the_saved_ones(t
                                               r"one Adagrad: its state would not fit"):
         polytrain.load(tmp_path, *made(torch.optim.Adagrad))
     model, opt = made(torch.optim.Adam)
+    fresh = model.weight.detach().clone()
     with pytest.raises(CheckpointError, match=rf"checkpoint {saved} was saved without a "
                                               r"learning-rate scheduler, and this load\(\) is "
                                               r"given one"):
         polytrain.load(tmp_path, model, opt,
                        scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0))
+    # Refused before it loaded anything (a script that catches it and starts afresh trained
+    # on the checkpoint's weights with a fresh optimizer).
+    assert torch.equal(model.weight, fresh)
     assert polytrain.load(tmp_path, model, opt).step == 1
     assert torch.equal(opt.state[model.weight]["exp_avg"], moment)
 

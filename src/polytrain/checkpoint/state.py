@@ -273,6 +273,15 @@ def load(path: str | Path, model: nn.Module | Trainer,
 
     own = worker_file(index % saved_workers)
     _check_optimizer(optimizer, names, own["optimizer"])  # before anything is loaded
+    run = torch.load(where / "run.pt", map_location="cpu", weights_only=False)
+    if (scheduler is None) != (run.get("scheduler") is None):
+        raise CheckpointError(
+            f"checkpoint {where} was saved " + (
+                "with a learning-rate scheduler, and this load() is given none: the saved "
+                "schedule would be dropped" if scheduler is None else
+                "without a learning-rate scheduler, and this load() is given one: it would "
+                "start at its first step"),
+            "pass load() the scheduler save() was given, or none if it was given none")
     state = torch.load(where / "model.pt", map_location="cpu", weights_only=True)
     strategy.load_model_state(model, state)
     _load_optimizer(optimizer, names, own["optimizer"], manifest["optimizer_index"],
@@ -283,15 +292,6 @@ def load(path: str | Path, model: nn.Module | Trainer,
     else:  # another layout: only a whole state carries over
         strategy.load_checkpoint_state(worker_file(0)["strategy"]
                                        if strategy.whole_state_on_worker_0 else {})
-    run = torch.load(where / "run.pt", map_location="cpu", weights_only=False)
-    if (scheduler is None) != (run.get("scheduler") is None):
-        raise CheckpointError(
-            f"checkpoint {where} was saved " + (
-                "with a learning-rate scheduler, and this load() is given none: the saved "
-                "schedule would be dropped" if scheduler is None else
-                "without a learning-rate scheduler, and this load() is given one: it would "
-                "start at its first step"),
-            "pass load() the scheduler save() was given, or none if it was given none")
     if scheduler is not None:
         scheduler.load_state_dict(run["scheduler"])
     if trainer is not None:  # its step count: what replan() and freeze points count from
