@@ -9,8 +9,10 @@ from torch.func import functional_call
 
 import polytrain
 from polytrain.emulation.profile import layers_of, profile_model
+from polytrain.errors import CommTimeout, PeerLost
 from polytrain.models import GPT
 from polytrain.models import cross_entropy as loss_fn
+from polytrain.pipeline.assembly import make_stage as assembled_stage
 from polytrain.pipeline.asyncpipe import AsyncPipeline
 from polytrain.pipeline.schedule import asynchronous
 from polytrain.pipeline.stage import Stage, StageSpec
@@ -174,3 +176,135 @@ def test_a_late_stage_steps_with_the_lag_learning_rate():
         assert torch.allclose(got[n], expected[n], atol=1e-6), n
     full, _ = reference(2, 6)
     assert max(float((got[n] - full[n]).abs().max()) for n in got) > 1e-4
+
+
+def two_stage_pipeline(ctx, model: nn.Module, sample: torch.Tensor, bounds=(0, 2, 4)) -> Stage:
+    """This process's stage of ``model`` cut at ``bounds``, built as the strategies build it
+    (:func:`polytrain.pipeline.assembly.make_stage`, from the profile of ``sample``)."""
+    profile = profile_model(model, sample)
+    return assembled_stage(model, bounds, ctx.worker_index, ranks=[0, 1],
+                           labels=["stage 0", "stage 1"], links=[0.0], profile=profile,
+                           transport=ctx.transport, loss_fn=loss_fn)
+
+
+def inputs_that_change(kind: str) -> list[str]:
+    ctx = polytrain.init()
+    model = tiny_model()
+    (x, y), = data(1, 4)
+    stage = two_stage_pipeline(ctx, model, x)
+    if kind == "sync":
+        sync = SyncPipeline(stage, schedule="1f1b", microbatches=2)
+        run = sync.step
+    else:
+        run = AsyncPipeline(stage, torch.optim.SGD(stage.params, lr=LR), inflight=1).feed
+    run(x, y)
+    refusals = []
+    for other in (x[:, :12], x.to(torch.int32)):  # a shorter sequence, another dtype
+        try:
+            run(other, y[:, :other.shape[1]])
+        except polytrain.ConfigError as e:
+            refusals.append(str(e))
+    run(x, y)  # refused before any message: the pipeline goes on
+    stage.close()
+    return refusals
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_inputs_of_another_shape_or_dtype_than_the_first_steps_are_refused_on_every_stage(kind):
+    # A shorter sequence at step 2 gave a cross_entropy batch mismatch on the last stage (or
+    # trained on an uninitialised buffer), a longer one crashed gloo (SIGABRT): the stages
+    # after the first receive into buffers of the shapes profiled at the first step.
+    for rank, refusals in enumerate(spawn(inputs_that_change, workers=2, args=(kind,))):
+        assert len(refusals) == 2, (rank, refusals)
+        assert f"stage {rank}: pipeline stages take inputs of the first step's shape " \
+               f"(batch, 16) and dtype torch.int64" in refusals[0]
+        assert "not (batch, 12) torch.int64" in refusals[0]
+        assert "not (batch, 16) torch.int32" in refusals[1]
+        assert "HINT: pad to a fixed length" in refusals[0]
+
+
+class Bucket(nn.Module):
+    """Float features to token ids: an integer activation at a cut."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x.abs() * 100).long() % 64
+
+
+def bucketed_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(OrderedDict(lin=nn.Linear(4, 4), bucket=Bucket(),
+                                     embed=nn.Embedding(64, 8), head=nn.Flatten()))
+
+
+def squared_error(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return ((out.sum(1) - y) ** 2).mean()
+
+
+def integer_cut() -> dict:
+    ctx = polytrain.init()
+    model = bucketed_model()
+    x, y = torch.randn(4, 4, generator=torch.Generator().manual_seed(1)), torch.randn(4)
+    profile = profile_model(model, x)
+    stage = assembled_stage(model, (0, 2, 4), ctx.worker_index, ranks=[0, 1],
+                            labels=["stage 0", "stage 1"], links=[0.0], profile=profile,
+                            transport=ctx.transport, loss_fn=squared_error)
+    SyncPipeline(stage, schedule="1f1b", microbatches=2).step(x, y)
+    stage.close()
+    return {n: p.grad.clone() for n, p in stage.module.named_parameters()}
+
+
+@pytest.mark.timeout(60)
+def test_a_cut_at_an_integer_activation_sends_and_waits_for_no_gradient():
+    # Stage 0 waited out the timeout for a gradient and blamed a healthy stage 1: the
+    # receiving stage marks only floating-point inputs as requiring grad and sends none
+    # back for token ids, but the sending stage's backward always posted the receive.
+    first, last = spawn(integer_cut, workers=2)
+    model = bucketed_model()
+    x, y = torch.randn(4, 4, generator=torch.Generator().manual_seed(1)), torch.randn(4)
+    squared_error(model(x), y).backward()
+    assert model.lin.weight.grad is None  # no gradient flows through the ids
+    assert all(not g.any() for g in first.values())
+    assert torch.allclose(last["embed.weight"], model.embed.weight.grad, atol=1e-6)
+    assert last["embed.weight"].any()
+
+
+class _Failing:
+    """A transport whose every message fails with ``error``."""
+
+    timeout_s = 1.0
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    def irecv(self, *args, **kwargs):
+        raise self.error
+
+    def isend(self, *args, **kwargs):
+        raise self.error
+
+
+@pytest.mark.timeout(20)
+def test_a_stages_errors_keep_the_wait_and_the_lost_peer():
+    # A stage's error named the stage but dropped CommTimeout.waited_s and PeerLost.peer
+    # (rebuilt as type(e)(what, hint)): the launcher words and dates a failure from them.
+    def spec(index: int) -> StageSpec:
+        return StageSpec(index=index, count=2, prev=0 if index else None,
+                         next=None if index else 1, label=f"stage {index}",
+                         prev_label="stage 0", next_label="stage 1", input_shape=(4,))
+
+    receiving = Stage(spec(1), nn.Linear(4, 4), _Failing(CommTimeout("no answer", "wait longer",
+                                                                     waited_s=12.5)),
+                      loss_fn=squared_error)
+    with pytest.raises(CommTimeout) as timeout:
+        receiving.forward(0, batch=2, targets=torch.zeros(2))
+    assert timeout.value.waited_s == 12.5 and timeout.value.hint == "wait longer"
+    assert timeout.value.what == ("stage 1: receiving the activations of minibatch 0 from/to "
+                                  "stage 0: no answer")
+    receiving.close()
+    sending = Stage(spec(0), nn.Linear(4, 4), _Failing(PeerLost("gone", peer=3)),
+                    loss_fn=squared_error)
+    sending.forward(0, batch=2, inputs=torch.zeros(2, 4))
+    with pytest.raises(PeerLost) as lost:
+        sending.close()
+    assert lost.value.peer == 3 and lost.value.what.startswith("stage 0: sending")

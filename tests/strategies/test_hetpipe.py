@@ -226,8 +226,10 @@ def test_frozen_parameters_stay_as_they_are_and_the_rest_trains_as_in_one_proces
     assert not torch.equal(hetpipe["head.out.weight"], untrained["head.out.weight"])
 
 
-def train_with_a_stage_of_no_parameters(steps: int, distributed: bool) -> dict | None:
-    """Three devices for three layers, the middle one a ReLU: a stage with no parameter."""
+def train_with_a_stage_of_no_parameters(steps: int, distributed: bool,
+                                        options: dict | None = None) -> dict | None:
+    """Three devices for three layers, the middle one a ReLU: a stage with no parameter
+    (hetpipe ``options`` beside the synchronous defaults)."""
     if distributed:
         polytrain.init()
     torch.manual_seed(0)
@@ -236,7 +238,8 @@ def train_with_a_stage_of_no_parameters(steps: int, distributed: bool) -> dict |
     mse = torch.nn.functional.mse_loss
     if distributed:
         trainer = polytrain.distribute(model, opt, strategy="hetpipe", loss_fn=mse,
-                                       policy="np", inflight=1, staleness=0)
+                                       **{"policy": "np", "inflight": 1, "staleness": 0,
+                                          **(options or {})})
     gen = torch.Generator().manual_seed(1)
     for _ in range(steps):
         x, y = torch.randn(6, 4, generator=gen), torch.randn(6, 2, generator=gen)
@@ -252,12 +255,15 @@ def train_with_a_stage_of_no_parameters(steps: int, distributed: bool) -> dict |
 
 
 @pytest.mark.timeout(120)
-def test_a_stage_of_parameter_free_layers_passes_its_activations_on():
+@pytest.mark.parametrize("options", [{}, {"server_optimizer": False}, {"staleness": 1}])
+def test_a_stage_of_parameter_free_layers_passes_its_activations_on(options):
     # A ReLU alone on a device: torch's "optimizer got an empty parameter list" at the first
-    # step.
+    # step; where the stage makes updates of its own (all but the servers' optimizer with
+    # D = 0, N_m = 1), "Tensor list must have at least one tensor" at its first update.
+    # One virtual worker, one in flight: every setting trains as one process.
     single = train_with_a_stage_of_no_parameters(3, False)
     hetpipe = spawn(train_with_a_stage_of_no_parameters, workers=3, servers=1,
-                    args=(3, True))[0]
+                    args=(3, True, options))[0]
     assert max_abs_diff(single, hetpipe) < 1e-6
 
 
@@ -426,6 +432,37 @@ def test_refusals_before_any_process_starts():
     with pytest.raises(ConfigError, match=r"--lag-beta2 must be in \(0, 1\) \(got 1.0\).*"
                                           r"HINT: pass --lag-beta2 0.9"):
         TrainConfig(strategy="hetpipe", servers=1, strategy_options={"lag_beta2": 1.0})
+
+
+def bd_batches(sizes: tuple[int, ...]) -> list[str]:
+    """Policy bd on 2 machines x 2 devices (4 virtual workers), a global batch of each size
+    in turn; returns the refusals."""
+    polytrain.init()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    trainer = polytrain.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                   strategy="hetpipe", loss_fn=torch.nn.functional.mse_loss,
+                                   policy="bd", staleness=0)
+    refusals = []
+    for size in sizes:
+        try:
+            trainer.step(torch.randn(size, 4), torch.randn(size, 2))
+        except ConfigError as e:
+            refusals.append(str(e))
+    hetpipe_final(trainer)
+    return refusals
+
+
+@pytest.mark.timeout(60)
+def test_bd_refuses_every_global_batch_its_virtual_workers_do_not_divide():
+    # A DataLoader's last batch of 6 after batches of 8, on 4 virtual workers: each twin
+    # trained on 1 of its device's 3 samples, 2 of 6 dropped silently. The split into
+    # twins took shape[0] // 2, and only the first step's plan checked the divisibility.
+    for refusals in spawn(bd_batches, workers=4, nodes=2, servers=1, args=((8, 6, 8),)):
+        assert refusals == ["global batch 6 is not divisible by the 4 virtual workers of "
+                            "policy 'bd': each trains an equal slice. HINT: pass batches of a "
+                            "multiple of 4 samples (--batch-size; a DataLoader with "
+                            "drop_last=True)"]
 
 
 def test_a_model_too_big_for_one_device_fits_split_into_stages():

@@ -131,7 +131,8 @@ def make_stage(model: nn.Module, bounds: Sequence[int], index: int, *, ranks: Se
         input_shape=profile.input_shape if first else profile.layers[a - 1].out_shape,
         input_dtype=profile.input_dtype if first else profile.layers[a - 1].out_dtype,
         link_prev=0.0 if first else links[j - 1],
-        link_next=0.0 if last else links[j])
+        link_next=0.0 if last else links[j],
+        sample_shape=profile.input_shape, sample_dtype=profile.input_dtype)
     # The whole model's device: a stage of parameter-free layers computes there too.
     device = next((p.device for p in model.parameters()), None)
     return Stage(spec, module, transport, loss_fn=loss_fn, clock=clock, device=device)

@@ -154,6 +154,7 @@ class AsyncPipeline:
     def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
         """Minibatch ``fed``'s forward only (:meth:`catch_up` runs the backward due after it):
         for a process that interleaves two pipelines' stages (policy ``bd``)."""
+        self.stage.check_inputs(inputs)
         self._join()
         self.drained = False  # a drain before this (a checkpoint's) was not the last
         if self.wsp is not None and self.wsp.pending and not self.overlap:
@@ -282,6 +283,11 @@ class AsyncPipeline:
             # The servers' weights of this very minibatch replace the stage's before its next
             # forward: an update of its own would be thrown away.
             self.wsp.step(None, grads, scale=self.update_scale, settings=settings)
+            self.version += 1
+            return
+        if not self.params:  # a stage of parameter-free layers: nothing to update, but
+            if self.wsp is not None:  # its waves are counted as every stage's
+                self.wsp.step([], grads, scale=self.update_scale, settings=settings)
             self.version += 1
             return
         params = [p.detach() for p in self.params]

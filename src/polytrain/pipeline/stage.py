@@ -16,7 +16,7 @@ from torch.func import functional_call
 from ..comm import tags
 from ..comm.p2p import Transport
 from ..emulation.clock import DeviceClock
-from ..errors import CommError, CommTimeout
+from ..errors import CommError, CommTimeout, ConfigError
 
 __all__ = ["StageSpec", "Stage"]
 
@@ -45,6 +45,10 @@ class StageSpec:
     input_dtype: torch.dtype = torch.float32
     link_prev: float = 0.0            # bytes/s to the previous stage (0: not emulated)
     link_next: float = 0.0
+    #: The pipeline's inputs per sample, and their dtype, as profiled at the first step:
+    #: every stage is given them (None: not checked; see :meth:`Stage.check_inputs`).
+    sample_shape: tuple[int, ...] | None = None
+    sample_dtype: torch.dtype | None = None
 
     @property
     def is_first(self) -> bool:
@@ -115,6 +119,26 @@ class Stage:
 
     # -- compute ----------------------------------------------------------------------------
 
+    def check_inputs(self, inputs: torch.Tensor) -> None:
+        """Refuse the pipeline's inputs of another shape past the batch dimension, or another
+        dtype, than the first step's (:attr:`StageSpec.sample_shape`): the stages after the
+        first receive into buffers of the shapes profiled then. Every stage is given the same
+        inputs, so every stage refuses alike, without a message (a pipeline of one stage too,
+        so that a run is refused on any cluster, not only where its pipelines are cut)."""
+        spec = self.spec
+        if spec.sample_shape is None:
+            return
+        shape, dtype = tuple(inputs.shape[1:]), inputs.dtype
+        if shape != spec.sample_shape or (spec.sample_dtype is not None
+                                          and dtype != spec.sample_dtype):
+            raise ConfigError(
+                f"{spec.label}: pipeline stages take inputs of the first step's shape "
+                f"{_shape(spec.sample_shape)} and dtype {spec.sample_dtype} (the stages after "
+                f"the first receive activations of the shapes profiled then), not "
+                f"{_shape(shape)} {dtype}",
+                "pad to a fixed length: every step's inputs of one shape and dtype past the "
+                "batch dimension")
+
     def forward(self, mb: int, *, batch: int, inputs: torch.Tensor | None = None,
                 targets: torch.Tensor | None = None,
                 weights: Sequence[torch.Tensor] | None = None) -> torch.Tensor | None:
@@ -162,18 +186,23 @@ class Stage:
         self._check_sends()
         spec = self.spec
         flight = self._flights.pop(mb)
+        outputs: list[torch.Tensor] = []
+        grad_outputs: list[torch.Tensor] | None = None
         if spec.is_last:
-            outputs, grad_outputs = [flight.out * scale], None
-        else:
-            g = torch.empty_like(flight.out)
-            self._recv(g, spec.next, spec.next_label, self._tag(mb, 1),
+            outputs = [flight.out * scale]
+        elif flight.out.is_floating_point():
+            grad_out = torch.empty_like(flight.out)
+            self._recv(grad_out, spec.next, spec.next_label, self._tag(mb, 1),
                        f"the gradients of minibatch {mb}")
-            outputs, grad_outputs = [flight.out], [g]
+            outputs, grad_outputs = [flight.out], [grad_out]
+        # else: an integer activation (token ids) carries no gradient, and the next stage
+        # sends none (it marks only floating-point inputs as requiring grad): nothing flows.
         wanted = [w for w in flight.weights if w.requires_grad]
         needs_input = flight.x.requires_grad and not spec.is_first
         inputs = wanted + ([flight.x] if needs_input else [])
-        grads = list(torch.autograd.grad(outputs, inputs, grad_outputs, allow_unused=True)) \
-            if inputs else []
+        grads: list[torch.Tensor | None] = [None] * len(inputs)
+        if inputs and outputs:
+            grads = list(torch.autograd.grad(outputs, inputs, grad_outputs, allow_unused=True))
         if needs_input:
             gx = grads.pop()
             gx = torch.zeros_like(flight.x) if gx is None else gx
@@ -273,6 +302,14 @@ def _with_context(e: BaseException, context: str) -> CommError:
     """The same kind of error (a lost peer stays a lost peer), prefixed with who and what."""
     if isinstance(e, CommError):
         err = type(e)(f"{context}: {e.what}", e.hint)
+        # And what else it carries (a timeout's waited_s, a lost peer's rank): the launcher
+        # words and dates the failure from them.
+        vars(err).update({k: v for k, v in vars(e).items() if k not in ("what", "hint")})
     else:
         err = CommError(f"{context}: {type(e).__name__}: {e}")
     return err
+
+
+def _shape(per_sample: Sequence[int]) -> str:
+    """A shape with its batch dimension: ``(batch, 16)``."""
+    return "(" + ", ".join(["batch", *map(str, per_sample)]) + ")"

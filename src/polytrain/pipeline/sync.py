@@ -56,6 +56,7 @@ class SyncPipeline:
         when the schedule reaches its forward: PipeTransformer's frozen front, so that the
         next stage starts on the first micro-batch, not after the whole minibatch's front.
         """
+        self.stage.check_inputs(inputs)
         m = self.microbatches
         if inputs.shape[0] % m:
             raise ConfigError(f"a minibatch of {inputs.shape[0]} samples cannot be cut into {m} "

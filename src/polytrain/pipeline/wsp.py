@@ -229,8 +229,9 @@ class WaveSync:
         if self.optimizer is None:
             assert delta is not None
             flat = self._flat(delta)
-            torch._foreach_add_(self.wave_update, flat)
-            torch._foreach_add_(self.since_push, flat)
+            if flat:  # (a stage of parameter-free layers has none)
+                torch._foreach_add_(self.wave_update, flat)
+                torch._foreach_add_(self.since_push, flat)
             return
         self.slots += 1
         if delta is not None:
