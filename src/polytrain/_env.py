@@ -217,6 +217,16 @@ def user_set(name: str) -> bool:
     return name in os.environ
 
 
+def process_threads(world_size: int, cores: int | None = None) -> int:
+    """The threads each process of a run of ``world_size`` launched here computes on:
+    ``OMP_NUM_THREADS`` where the user set it, else torchrun's rule: processes that share
+    the host's cores (``cores``, default this machine's) do not each take all of them."""
+    given = os.environ.get(OMP_NUM_THREADS, "")
+    if given.isdigit() and int(given) > 0:
+        return int(given)
+    return max(1, (cores or os.cpu_count() or 1) // world_size)
+
+
 def inherited() -> dict[str, str]:
     """This process's whole environment, for the processes it starts."""
     return dict(os.environ)

@@ -22,7 +22,7 @@ from .launch.launcher import check_port
 from .launch.layout import Layout
 from .launch.network import LinkShape, link_shape
 from .models import get_model, seq_len_of
-from .optim import make_optimizer
+from .optim import OPTIMIZERS, check_optimizer_name, make_optimizer
 from .strategies.base import get_strategy, make_options
 
 #: What ``device`` takes: each worker's GPU is chosen for it (``polytrain.init``).
@@ -35,9 +35,8 @@ _WHOLE = {"workers": "--workers", "nodes": "--nodes", "servers": "--servers",
           "max_restarts": "--max-restarts"}
 
 __all__ = ["TrainConfig", "OPTIMIZERS", "SCHEDULES", "SAMPLINGS", "ON_SAVE_ERROR",
-           "check_init"]
+           "check_init", "check_whole"]
 
-OPTIMIZERS = ("sgd", "adam", "adagrad")
 SCHEDULES = ("constant", "cosine")
 SAMPLINGS = ("random", "epoch")
 ON_SAVE_ERROR = ("continue", "stop")
@@ -52,7 +51,7 @@ class TrainConfig:
         model: a registered model (default ``gpt``); model_options go to its constructor.
         data: a data set (default ``text``: the standard library's source, as bytes).
         workers, nodes, servers: the layout (default 2 workers on 1 machine, no servers;
-            ``single`` runs 1 worker).
+            ``single`` runs 1 worker; with ``devices``, its workers and machines).
         steps: training steps (default 500). batch_size: GLOBAL batch (default 32).
         lr, optimizer: learning rate and ``sgd``, ``adam`` (lazy on sparse gradients) or
             ``adagrad`` (default 2e-3, adam).
@@ -97,7 +96,7 @@ class TrainConfig:
     model: str = "gpt"
     data: str = DEFAULT_DATASET
     workers: int | None = None  # None: 1 for ``single``, else 2
-    nodes: int = 1
+    nodes: int | None = None  # None: the devices' machines, else 1
     servers: int = 0
     steps: int = 500
     batch_size: int = 32
@@ -137,11 +136,11 @@ class TrainConfig:
             workers, nodes = cluster.fit_layout(self.workers, self.nodes)
             object.__setattr__(self, "workers", workers)
             object.__setattr__(self, "nodes", nodes)
+        if self.nodes is None:
+            object.__setattr__(self, "nodes", 1)
         if self.workers is None:
             object.__setattr__(self, "workers", 2 if get_strategy(self.strategy).distributed else 1)
-        if self.optimizer not in OPTIMIZERS:
-            raise unknown("optimizer", self.optimizer, OPTIMIZERS,
-                          "pass --optimizer sgd, adam or adagrad")
+        check_optimizer_name(self.optimizer)
         at_least("--steps", self.steps, "pass --steps 300")
         if not 0 < self.lr < math.inf:
             raise ConfigError(f"--lr must be a positive number (got {self.lr})",
@@ -243,17 +242,8 @@ class TrainConfig:
                               "pass --out a directory you can write to (it is made if missing)")
 
     def _check_whole_numbers(self) -> None:
-        """A count given as 10.5, "32" or True (a JSON config's 1e3 is a float) failed inside
-        every worker, or (a seed of 1.5) was cut short silently."""
         for name, flag in _WHOLE.items():
-            value = getattr(self, name)
-            if value is None or (isinstance(value, numbers.Integral)
-                                 and not isinstance(value, bool)):
-                continue
-            whole = isinstance(value, float) and value.is_integer()
-            raise ConfigError(f"{flag} must be a whole number (got {value!r})",
-                              f"pass {flag} {int(value)}" if whole else
-                              f"pass {flag} as a whole number")
+            check_whole(flag, getattr(self, name))
 
     def _check_checkpoints(self) -> None:
         if self.checkpoint_every is not None:
@@ -356,12 +346,25 @@ class TrainConfig:
     def layout(self) -> Layout:
         cls = get_strategy(self.strategy)
         options = make_options(cls, dict(self.strategy_options))
-        assert self.workers is not None
+        assert self.workers is not None and self.nodes is not None
         return Layout(workers=self.workers, nodes=self.nodes, servers=self.servers,
                       colocated=cls.colocated_servers(options))
 
     def replace(self, **changes: Any) -> TrainConfig:
         return dataclasses.replace(self, **changes)
+
+
+def check_whole(flag: str, value: object) -> None:
+    """Refuse a count (``flag``'s value; None passes) that is not a whole number: one given
+    as 10.5, "32" or True (a JSON config's 1e3 is a float) failed inside every worker, or (a
+    seed of 1.5) was cut short silently."""
+    if value is None or (isinstance(value, numbers.Integral) and not isinstance(value, bool)):
+        return
+    if isinstance(value, float) and value.is_integer():
+        raise ConfigError(f"{flag} must be a whole number (got {value!r})",
+                          f"pass {flag} {int(value)}")
+    raise ConfigError(f"{flag} must be a whole number (got {value!r})",
+                      f"pass {flag} as a whole number")
 
 
 def check_init(path: str, model: Any) -> dict[str, torch.Tensor]:

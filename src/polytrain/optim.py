@@ -15,10 +15,13 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from .errors import ConfigError
+from .errors import ConfigError, unknown
 
-__all__ = ["make_optimizer", "LazyAdam", "sparse_rule", "row_sgd", "row_adagrad", "row_adam",
-           "RULE_STATES", "placed_state"]
+__all__ = ["OPTIMIZERS", "check_optimizer_name", "make_optimizer", "LazyAdam", "sparse_rule",
+           "row_sgd", "row_adagrad", "row_adam", "RULE_STATES", "placed_state"]
+
+#: What ``--optimizer`` takes.
+OPTIMIZERS = ("sgd", "adam", "adagrad")
 
 #: State tensors (each the parameter's shape) that each rule keeps per row.
 RULE_STATES = {"sgd": 0, "adagrad": 1, "adam": 2}
@@ -201,9 +204,17 @@ def placed_state(optimizer: torch.optim.Optimizer, param: torch.Tensor,
     return out
 
 
+def check_optimizer_name(name: str) -> None:
+    """Refuse an ``--optimizer`` that is none of :data:`OPTIMIZERS` (any other name ran
+    Adam, silently), listing them."""
+    if name not in OPTIMIZERS:
+        raise unknown("optimizer", name, OPTIMIZERS, "pass --optimizer sgd, adam or adagrad")
+
+
 def make_optimizer(name: str, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
     """``--optimizer`` over ``model``'s parameters: sgd, adagrad or adam (lazy where the model
     has sparse embeddings: ``torch.optim.Adam`` refuses their gradients)."""
+    check_optimizer_name(name)
     params = model.parameters()
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr)

@@ -103,6 +103,28 @@ def test_layout_must_match_the_cluster():
         parse_cluster("m0:fast*2,m1:slow").check_layout(3, 2)
 
 
+@pytest.mark.timeout(20)
+def test_an_explicit_one_machine_that_contradicts_the_devices_is_refused():
+    # `--devices m0:fast*2,m1:fast*2 --nodes 1` ran on the devices' 2 machines, saying
+    # nothing, while --nodes 3 was refused: a given 1 was taken for the default (nodes != 1).
+    from polytrain import TrainConfig
+    from polytrain.plan import Job
+
+    c = parse_cluster("m0:fast*2,m1:fast*2")
+    assert c.fit_layout(None, None) == (4, 2)
+    for nodes in (1, 3):
+        message = rf"describes 4 devices on 2 machines but the run has 4 workers on {nodes} "
+        with pytest.raises(ConfigError, match=message):
+            c.fit_layout(None, nodes)
+        with pytest.raises(ConfigError, match=message):
+            TrainConfig(devices="m0:fast*2,m1:fast*2", nodes=nodes)
+        with pytest.raises(ConfigError, match=message):
+            Job(model="mlp", devices="m0:fast*2,m1:fast*2", nodes=nodes)
+    # Left out, nodes is the devices' machines, or 1 without devices.
+    assert TrainConfig(devices="m0:fast*2,m1:fast*2").nodes == 2
+    assert TrainConfig().nodes == Job(model="mlp").nodes == 1
+
+
 def test_profile_of_gpt_counts_blocks_head_and_memory():
     model = GPT(seq_len=16, d_model=32, layers=2, heads=2)
     p = profile_model(model, torch.zeros(3, 16, dtype=torch.long))

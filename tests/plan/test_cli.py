@@ -6,6 +6,7 @@ import pytest
 
 from polytrain.cli import build_parser, main
 from polytrain.cli.train import config_from_args
+from polytrain.errors import ConfigError
 from polytrain.plan import Job, plan_job
 from polytrain.plan.cost import Compute
 from polytrain.plan.planner import Job as PlannerJob
@@ -18,7 +19,7 @@ JOB = ["--model", "mlp", "--workers", "4", "--nodes", "4", "--batch-size", "32",
 @pytest.fixture
 def fixed_compute(monkeypatch):
     """No timing of a model: every plan sees the same compute."""
-    monkeypatch.setattr(PlannerJob, "compute", lambda self: FIXED)
+    monkeypatch.setattr(PlannerJob, "compute", lambda self, threads=1: FIXED)
 
 
 def test_plan_json_shape(capsys, fixed_compute):
@@ -148,3 +149,29 @@ def test_plan_help_speaks_of_predictions_not_of_a_run(capsys):
     assert "each worker's compute is predicted at its device's speed" in plan
     assert "needs root and iproute2" in train and "(default 2; 1 for single)" in train
     assert "every worker runs at its device's speed" in train
+
+
+@pytest.mark.timeout(20)
+def test_auto_refuses_a_gpu_run_it_would_plan_as_a_cpu_one(monkeypatch, fixed_compute):
+    # `train --strategy auto --device cuda` chose from CPU timings (the planner times the
+    # model on this machine's CPU) and ran the choice on GPUs, saying nothing.
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on a GPU machine
+    args = ["train", "--strategy", "auto", *JOB, "--device", "cuda"]
+    with pytest.raises(ConfigError, match=r"^--strategy auto with --device cuda: the "
+                                          r"planner predicts CPU runs .*HINT: pass --strategy "
+                                          r"NAME \(one of ddp, byteps, herring\)"):
+        config_from_args(build_parser(args).parse_args(args))
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("command", ["plan", "train"])
+def test_an_explicit_nodes_1_that_contradicts_the_devices_is_refused(command, capsys):
+    # --nodes defaulted to 1, so a given --nodes 1 could not be told from none: the devices'
+    # 2 machines silently replaced it (and --nodes 3 was refused).
+    assert main([command, "--model", "mlp", "--devices", "m0:fast*2,m1:fast*2",
+                 "--nodes", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--devices describes 4 devices on 2 machines but the run has 4 workers on 1 " \
+           "machines" in err and "\n" not in err

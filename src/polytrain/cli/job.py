@@ -27,8 +27,9 @@ def add_job_flags(p: argparse.ArgumentParser, *, planning: bool = False) -> None
     p.add_argument("--workers", type=int, default=None, metavar="W",
                    help="worker processes in all (default 2" +
                         (")" if planning else "; 1 for single)"))
-    p.add_argument("--nodes", type=int, default=1, metavar="N",
-                   help="emulated machines the workers are spread over (default 1)")
+    p.add_argument("--nodes", type=int, default=None, metavar="N",
+                   help="emulated machines the workers are spread over (default 1; with "
+                        "--devices, its machines)")
     p.add_argument("--servers", type=int, default=0, metavar="K",
                    help="dedicated server processes, each its own CPU machine (default 0)")
     p.add_argument("--batch-size", type=int, default=d["batch_size"].default, metavar="B",

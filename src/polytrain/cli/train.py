@@ -155,7 +155,14 @@ def auto_config(ns: argparse.Namespace) -> TrainConfig:
     """``--strategy auto``: the config of the strategy (and servers) the planner recommends.
 
     A strategy's own flag is refused: the planner predicts every strategy with its defaults.
+    So is ``--device cuda``: the planner times the model on this machine's CPU (or from
+    ``--devices``, CPU workers at emulated speeds), and a GPU run was planned as a CPU one.
     """
+    if ns.device != "cpu":
+        raise ConfigError(f"--strategy {AUTO} with --device {ns.device}: the planner predicts "
+                          f"CPU runs (it times the model on this machine's CPU), not GPU ones",
+                          f"pass --strategy NAME (one of {', '.join(PLANNED)}) with --device "
+                          f"{ns.device}, or leave --device out")
     for name, opt in _flags.items():
         if getattr(ns, name, None) is not None:
             raise ConfigError(f"{opt.flag} is an option of {', '.join(opt.owners)}, and "

@@ -160,12 +160,13 @@ class Cluster:
         mb_s = self.intra_mb_s if a.machine_index == b.machine_index else self.inter_mb_s
         return mb_s * _MB
 
-    def fit_layout(self, workers: int | None, nodes: int) -> tuple[int, int]:
+    def fit_layout(self, workers: int | None, nodes: int | None) -> tuple[int, int]:
         """``--workers`` and ``--nodes`` as a run on this cluster takes them: each left out
-        (None; ``nodes`` 1) is the cluster's, and ones that disagree with it are refused."""
-        nodes_given = nodes != 1
+        (None) is the cluster's, and ones given that disagree with it are refused (an
+        ``--nodes 1`` among them: it was taken for the default, and overridden)."""
+        nodes_given = nodes is not None
         workers = self.size if workers is None else workers
-        nodes = nodes if nodes_given else len(self.machines)
+        nodes = len(self.machines) if nodes is None else nodes
         self.check_layout(workers, nodes, nodes_given=nodes_given)
         return workers, nodes
 

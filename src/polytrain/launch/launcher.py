@@ -299,8 +299,7 @@ class Launcher:
         if shm is not None:
             env[_env.SHM_DIR] = str(shm)
         if not _env.user_set(_env.OMP_NUM_THREADS) and _env.OMP_NUM_THREADS not in self.env:
-            # torchrun's rule: processes that share the CPUs do not each take all of them.
-            env[_env.OMP_NUM_THREADS] = str(max(1, (os.cpu_count() or 1) // self.layout.world_size))
+            env[_env.OMP_NUM_THREADS] = str(_env.process_threads(self.layout.world_size))
         return env
 
     def _run(self, payload: dict[str, Any]) -> list[Any]:

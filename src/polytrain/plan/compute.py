@@ -42,37 +42,41 @@ def measure_compute(model: str, model_options: Mapping[str, Any], *, batch: int,
     spec = get_model(model)
     before = torch.get_num_threads()
     torch.set_num_threads(max(1, threads))
-    try:
-        torch.manual_seed(0)
-        net = spec.make(**model_options)
-        opt = make_optimizer(optimizer, net, 1e-3)
-        inputs, targets = _sample(spec, net, model_options, batch)
-        parts: dict[str, list[float]] = {"forward": [], "backward": [], "optimizer": []}
-        i = 0
-        while i <= repeats:
-            opt.zero_grad(set_to_none=False)
-            t0 = time.perf_counter()
-            loss = spec.loss(net(inputs), targets)
-            t1 = time.perf_counter()
-            loss.backward()
-            t2 = time.perf_counter()
-            opt.step()
-            t3 = time.perf_counter()
-            if i:  # the first step allocates gradients and optimizer state
-                parts["forward"].append(t1 - t0)
-                parts["backward"].append(t2 - t1)
-                parts["optimizer"].append(t3 - t2)
-            else:
-                repeats = max(1, min(repeats, int(budget_s / max(t3 - t0, 1e-9))))
-            i += 1
-    except (MemoryError, RuntimeError) as e:
-        if not isinstance(e, MemoryError) and "can't allocate memory" not in str(e):
-            raise
-        raise ConfigError(f"timing {model} at one worker's batch of {batch} needs more memory than "
-                          f"this machine has", "pass a smaller --batch-size, or --devices to "
-                          "predict from the model's FLOPs") from None
-    finally:
-        torch.set_num_threads(before)
+    # fork_rng: the caller's random numbers go on as if nothing had been timed (plan_job
+    # reseeded them: a seed set before it gave other weights after it); devices=[]: only
+    # the CPU's generator is used here.
+    with torch.random.fork_rng(devices=[]):
+        try:
+            torch.manual_seed(0)
+            net = spec.make(**model_options)
+            opt = make_optimizer(optimizer, net, 1e-3)
+            inputs, targets = _sample(spec, net, model_options, batch)
+            parts: dict[str, list[float]] = {"forward": [], "backward": [], "optimizer": []}
+            i = 0
+            while i <= repeats:
+                opt.zero_grad(set_to_none=False)
+                t0 = time.perf_counter()
+                loss = spec.loss(net(inputs), targets)
+                t1 = time.perf_counter()
+                loss.backward()
+                t2 = time.perf_counter()
+                opt.step()
+                t3 = time.perf_counter()
+                if i:  # the first step allocates gradients and optimizer state
+                    parts["forward"].append(t1 - t0)
+                    parts["backward"].append(t2 - t1)
+                    parts["optimizer"].append(t3 - t2)
+                else:
+                    repeats = max(1, min(repeats, int(budget_s / max(t3 - t0, 1e-9))))
+                i += 1
+        except (MemoryError, RuntimeError) as e:
+            if not isinstance(e, MemoryError) and "can't allocate memory" not in str(e):
+                raise
+            raise ConfigError(f"timing {model} at one worker's batch of {batch} needs more "
+                              f"memory than this machine has", "pass a smaller --batch-size, "
+                              "or --devices to predict from the model's FLOPs") from None
+        finally:
+            torch.set_num_threads(before)
     return Compute(forward_s=statistics.median(parts["forward"]),
                    backward_s=statistics.median(parts["backward"]),
                    optimizer_s=statistics.median(parts["optimizer"]))

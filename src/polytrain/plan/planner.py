@@ -8,13 +8,17 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from .. import _env
+from ..config import check_whole
 from ..data import DEFAULT_DATASET, check_dataset
 from ..emulation.devices import parse_cluster
 from ..errors import ConfigError, at_least, unknown
 from ..launch.layout import Layout
 from ..launch.network import link_shape
 from ..models import get_model
+from ..optim import check_optimizer_name
 from ..ps.grads import sparse_parameter
+from ..strategies.base import get_strategy, make_options
 from .compute import device_compute, measure_compute
 from .cost import Candidate, Compute, Constants, Network, Prediction, candidates, predict, recommend
 
@@ -57,7 +61,7 @@ class Job:
     model: str = "gpt"
     model_options: Mapping[str, Any] = field(default_factory=dict)
     workers: int | None = None
-    nodes: int = 1
+    nodes: int | None = None  # None: the devices' machines, else 1
     servers: int = 0
     batch_size: int = 32
     optimizer: str = "adam"
@@ -69,6 +73,13 @@ class Job:
     data: str = DEFAULT_DATASET
 
     def __post_init__(self) -> None:
+        # TrainConfig's checks: a count of 2.0 ended in a TypeError from inside torch, and
+        # an unknown optimizer was timed as Adam.
+        for name, flag in (("workers", "--workers"), ("nodes", "--nodes"),
+                           ("servers", "--servers"), ("batch_size", "--batch-size"),
+                           ("cores", "--cores")):
+            check_whole(flag, getattr(self, name))
+        check_optimizer_name(self.optimizer)
         check_dataset(self.data)  # the prediction does not depend on it, but it must exist
         if self.devices is not None:
             cluster = parse_cluster(self.devices)
@@ -76,9 +87,11 @@ class Job:
             if self.workers != 0:  # --workers 0 is Layout's to refuse, below
                 object.__setattr__(self, "workers", workers)
             object.__setattr__(self, "nodes", nodes)
+        if self.nodes is None:
+            object.__setattr__(self, "nodes", 1)
         if self.workers is None:
             object.__setattr__(self, "workers", 2)
-        assert self.workers is not None
+        assert self.workers is not None and self.nodes is not None
         if self.hosts not in HOSTS:
             raise unknown("--hosts", self.hosts, HOSTS,
                           "pass --hosts emulated (this machine) or real", plural="choices")
@@ -98,7 +111,7 @@ class Job:
         get_model(self.model).check_data(self.data)
 
     def network(self) -> Network:
-        assert self.workers is not None
+        assert self.workers is not None and self.nodes is not None
         shape = link_shape(self.bandwidth, self.latency)
         return Network(machines=self.nodes, local_workers=self.workers // self.nodes,
                        servers=self.servers,
@@ -118,15 +131,31 @@ class Job:
         with torch.device("meta"):
             return get_model(self.model).make(**self.model_options)
 
-    def compute(self) -> Compute:
-        """One worker's compute per step: its devices' speed, or measured here."""
+    def compute(self, threads: int = 1) -> Compute:
+        """One worker's compute per step: its devices' speed, or measured here on
+        ``threads`` threads."""
         assert self.workers is not None
         batch = self.batch_size // self.workers
         if self.devices is not None:
             return device_compute(self.model, self.model_options, batch=batch,
                                   cluster=parse_cluster(self.devices))
         return measure_compute(self.model, self.model_options, batch=batch,
-                               optimizer=self.optimizer)
+                               optimizer=self.optimizer, threads=threads)
+
+    def threads(self, candidate: Candidate) -> int:
+        """The threads each worker of ``candidate`` gets when ``polytrain train`` launches it
+        here (:func:`polytrain._env.process_threads`, the launcher's rule: servers take
+        their share of the cores). Timed at one thread, the compute of ``--workers 1`` on 2
+        cores was predicted at 174 ms and ran at 126. Real hosts (cores unknown) and
+        emulated devices (a rate, not a timing) get 1.
+        """
+        assert self.workers is not None and self.nodes is not None
+        if self.hosts == "real" or self.devices is not None:
+            return 1
+        cls = get_strategy(candidate.strategy)
+        layout = Layout(workers=self.workers, nodes=self.nodes, servers=candidate.servers,
+                        colocated=cls.colocated_servers(make_options(cls, {})))
+        return _env.process_threads(layout.world_size, self.cores)
 
 
 @dataclass(frozen=True)
@@ -142,6 +171,8 @@ class Plan:
     constants: Constants
     #: A parameter with sparse gradients, which only ddp of the candidates can sum (None: none).
     sparse: str | None = None
+    #: The threads ``compute`` was timed on: the recommended candidate's workers'.
+    threads: int = 1
 
     def why(self) -> str:
         """One line: the choice, its predicted step, and the runner-up's."""
@@ -185,6 +216,7 @@ class Plan:
                 "compute": {"forward_s": self.compute.forward_s,
                             "backward_s": self.compute.backward_s,
                             "optimizer_s": self.compute.optimizer_s,
+                            "threads": self.threads,
                             "source": "devices" if self.job.devices else "measured here"},
                 "constants": self.constants.as_dict()}
 
@@ -203,19 +235,33 @@ def plan_job(job: Job, *, constants: Constants = CONSTANTS,
              compute: Compute | Callable[[], Compute] | None = None) -> Plan:
     """Predict every candidate strategy for ``job`` and recommend the fastest.
 
-    ``compute`` overrides the job's compute profile (a value, or a function that
-    makes one): tests and the benchmark pass theirs.
+    Each candidate's compute is timed on the threads its workers would get
+    (:meth:`Job.threads`: servers take their share of the cores), once per thread count.
+    ``compute`` overrides the job's compute profile for every candidate (a value, or a
+    function that makes one): tests and the benchmark pass theirs.
     """
     network = job.network()
-    profile = compute() if callable(compute) else compute if compute is not None \
-        else job.compute()
+    given = compute() if callable(compute) else compute
+    timed: dict[int, Compute] = {}
+
+    def profile_of(c: Candidate) -> tuple[int, Compute]:
+        threads = job.threads(c)
+        if given is not None:
+            return threads, given
+        if threads not in timed:
+            timed[threads] = job.compute(threads)
+        return threads, timed[threads]
+
     model_bytes = job.model_bytes()
     sparse = job.sparse_parameter()
+    profiles = {c: profile_of(c) for c in candidates(network)
+                if sparse is None or c.strategy == "ddp"}
     predictions = tuple(predict(c, network=network, compute=profile, model_bytes=model_bytes,
-                                constants=constants) for c in candidates(network)
-                        if sparse is None or c.strategy == "ddp")
-    return Plan(job, network, profile, model_bytes, predictions, recommend(predictions),
-                constants, sparse)
+                                constants=constants) for c, (_, profile) in profiles.items())
+    best = recommend(predictions)
+    threads, profile = profiles[best.candidate]
+    return Plan(job, network, profile, model_bytes, predictions, best, constants, sparse,
+                threads)
 
 
 def chosen(plan: Plan) -> Candidate:
