@@ -392,3 +392,37 @@ def test_load_refuses_a_layout_the_strategy_cannot_carry_its_state_to(tmp_path):
     assert f"checkpoint {root / 'step-3'}: strategy 'pipetransformer' cannot resume a " \
            f"checkpoint of 2 workers on 1" in said, said
     assert manifest["nodes"] == 1  # recorded, for the strategies that check machines
+
+
+def load_another_step_on_each_worker(root: str) -> str:
+    """Two steps saved; worker w loads step w + 1 (as a file system that shows workers other
+    directories would have them do), then every worker loads a damaged path."""
+    ctx = polytrain.init()
+    model = nn.Linear(2, 2)
+    trainer = polytrain.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1), "ddp",
+                                   loss_fn=nn.functional.mse_loss)
+    for step in (1, 2):
+        polytrain.save(root, trainer, step=step)
+    said = []
+    for path in (f"{root}/step-{ctx.worker_index + 1}",
+                 f"{root}/step-{2 if ctx.worker_index else 9}"):
+        try:
+            polytrain.load(path, trainer)
+            said.append("loaded")
+        except CheckpointError as e:
+            said.append(e.what)
+    trainer.close()
+    return said
+
+
+@pytest.mark.timeout(120)
+def test_workers_that_find_other_checkpoints_are_refused_on_every_worker(tmp_path):
+    # Each worker resolved its path alone: ddp's replicas went on from other weights.
+    root = tmp_path / "ckpt"
+    (mine, other), (theirs, lost) = spawn(load_another_step_on_each_worker, workers=2,
+                                          args=(str(root),))
+    assert mine == theirs == (f"the workers found other checkpoints: worker 0 "
+                              f"{root / 'step-1'}, worker 1 {root / 'step-2'}"), mine
+    # One worker's path missing: both refuse at once, none waits for the other.
+    assert other.startswith("no checkpoint at") or "step-9" in other, other
+    assert lost.startswith(f"worker 0 could not load a checkpoint at {root / 'step-2'}"), lost

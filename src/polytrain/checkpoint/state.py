@@ -230,7 +230,7 @@ def load(path: str | Path, model: nn.Module | Trainer,
     trainer = model if isinstance(model, Trainer) else None
     model, optimizer, strategy = _unpack(model, optimizer)
     strategy.check_checkpoints()
-    where, skipped = resolve(path)
+    where, skipped = _resolve_alike(path, strategy)
     manifest = read_manifest(where)  # resolve() has checked its files
     require(manifest, ("keys", "workers", "optimizer_index"), where)
     if manifest.get("strategy", strategy.name) != strategy.name:
@@ -298,6 +298,33 @@ def load(path: str | Path, model: nn.Module | Trainer,
         trainer.steps = int(run["step"])
     return Resumed(step=int(run["step"]), path=where, extra=dict(run.get("extra") or {}),
                    skipped=tuple(skipped))
+
+
+def _resolve_alike(path: str | Path, strategy: Strategy[Any]) -> tuple[Path, list[str]]:
+    """:func:`resolve` on every worker, refused on all unless all found the same checkpoint
+    (a file system that shows workers other directories, as NFS's caches may, or a script
+    that gives them other paths: ddp's replicas went on from other weights, silently)."""
+    _, count, group = _workers(strategy)
+    found: tuple[Path, list[str]] | CheckpointError
+    try:
+        found = resolve(path)
+    except CheckpointError as e:  # raised on every worker: the others must not wait for it
+        found = e
+    said = _gather(group, count, str(found) if isinstance(found, CheckpointError)
+                   else (str(found[0]),))
+    if isinstance(found, CheckpointError):
+        raise found
+    failed = next((i for i, s in enumerate(said) if isinstance(s, str)), None)
+    if failed is not None:
+        raise CheckpointError(f"worker {failed} could not load a checkpoint at {path}: "
+                              f"{said[failed]}")
+    if len(set(said)) > 1:
+        raise CheckpointError(
+            "the workers found other checkpoints: " + ", ".join(
+                f"worker {i} {w}" for i, (w,) in enumerate(said)),
+            "give every worker the same step-S directory, on a file system they all see "
+            "alike")
+    return found
 
 
 def _check_layout(manifest: Mapping[str, Any], strategy: Strategy[Any], where: Path) -> None:
