@@ -59,6 +59,7 @@ def test_compute_is_timed_on_the_threads_the_launched_workers_get(monkeypatch):
         return Compute(forward_s=0.1 / threads, backward_s=0.2 / threads, optimizer_s=0.0)
 
     monkeypatch.setattr(planner, "measure_compute", measure)
+    monkeypatch.setattr(planner, "host_cores", lambda: 8)  # planned on a host of 8
     plan = plan_job(Job(model="mlp", workers=2, servers=1, cores=8))
     # ddp: 2 processes on 8 cores, 4 threads each; byteps and herring put a server beside
     # the workers (3 or 4 processes: 2 threads each). Each count is timed once.
@@ -67,6 +68,12 @@ def test_compute_is_timed_on_the_threads_the_launched_workers_get(monkeypatch):
     assert plan.as_dict()["compute"]["threads"] == plan.threads
     assert plan_job(Job(model="mlp", workers=1, cores=8)).get("ddp").compute_s == \
         pytest.approx(0.3 / 8)
+    # --cores describes the host planned for; the timing runs here, on no more threads
+    # than this machine has (64 cores: ddp was timed on 32 threads of 2, 5x too slow).
+    monkeypatch.setattr(planner, "host_cores", lambda: 2)
+    assert plan_job(Job(model="mlp", workers=2, cores=64)).get("ddp").compute_s == \
+        pytest.approx(0.3 / 2)
+    monkeypatch.setattr(planner, "host_cores", lambda: 8)
     monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the launcher passes the user's own on
     assert plan_job(Job(model="mlp", workers=1, cores=8)).get("ddp").compute_s == \
         pytest.approx(0.3 / 3)

@@ -460,9 +460,8 @@ def test_bd_refuses_every_global_batch_its_virtual_workers_do_not_divide():
     # twins took shape[0] // 2, and only the first step's plan checked the divisibility.
     for refusals in spawn(bd_batches, workers=4, nodes=2, servers=1, args=((8, 6, 8),)):
         assert refusals == ["global batch 6 is not divisible by the 4 virtual workers of "
-                            "policy 'bd': each trains an equal slice. HINT: pass batches of a "
-                            "multiple of 4 samples (--batch-size; a DataLoader with "
-                            "drop_last=True)"]
+                            "policy 'bd': each trains an equal slice. HINT: pass --batch-size "
+                            "a multiple of 4 (a DataLoader: drop_last=True)"]
 
 
 def test_a_model_too_big_for_one_device_fits_split_into_stages():

@@ -37,7 +37,8 @@ from ..emulation.profile import ModelProfile
 from ..errors import ConfigError, unknown
 from .partition import PipelinePlan, minmax_cut, plan_pipeline
 
-__all__ = ["POLICIES", "VirtualWorker", "allocate", "check_policy", "count_virtual_workers",
+__all__ = ["POLICIES", "VirtualWorker", "allocate", "check_batch", "check_policy",
+           "count_virtual_workers",
            "HetPipePlan", "plan_hetpipe", "roles_of"]
 
 POLICIES = ("np", "ed", "hd", "bd")
@@ -174,6 +175,16 @@ def roles_of(vws: Sequence[VirtualWorker], worker: int) -> list[tuple[int, int]]
     return found
 
 
+def check_batch(global_batch: int, virtual_workers: int, policy: str) -> None:
+    """Refuse a global batch the virtual workers cannot take equal slices of (every step's:
+    a DataLoader's last batch may be shorter)."""
+    if global_batch % virtual_workers:
+        raise ConfigError(f"global batch {global_batch} is not divisible by the "
+                          f"{virtual_workers} virtual workers of policy {policy!r}: each "
+                          f"trains an equal slice", f"pass --batch-size a multiple of "
+                          f"{virtual_workers} (a DataLoader: drop_last=True)")
+
+
 def plan_hetpipe(cluster: Cluster, profile: ModelProfile, *, policy: str, global_batch: int,
                  state_factor: int, inflight: int | None = None, staleness: int = 0,
                  search: object = minmax_cut) -> HetPipePlan:
@@ -195,10 +206,7 @@ def plan_hetpipe(cluster: Cluster, profile: ModelProfile, *, policy: str, global
                   for d in cluster.devices}
         vws = tuple(VirtualWorker(vw.index, tuple(halves[d.index] for d in vw.devices))
                     for vw in vws)
-    if global_batch % len(vws):
-        raise ConfigError(f"global batch {global_batch} is not divisible by the {len(vws)} "
-                          f"virtual workers of policy {policy!r}",
-                          f"pass --batch-size a multiple of {len(vws)}")
+    check_batch(global_batch, len(vws), policy)
     minibatch = global_batch // len(vws)
     stages = max(len(vw.devices) for vw in vws)
     candidates = [inflight] if inflight is not None else list(range(1, stages + 1))

@@ -155,7 +155,8 @@ class Job:
         cls = get_strategy(candidate.strategy)
         layout = Layout(workers=self.workers, nodes=self.nodes, servers=candidate.servers,
                         colocated=cls.colocated_servers(make_options(cls, {})))
-        return _env.process_threads(layout.world_size, self.cores)
+        # (timed here: never more threads than this machine has, whatever --cores says)
+        return min(_env.process_threads(layout.world_size, self.cores), host_cores())
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from ..pipeline.allocation import (
     HetPipePlan,
     VirtualWorker,
     allocate,
+    check_batch,
     check_policy,
     count_virtual_workers,
     plan_hetpipe,
@@ -379,15 +380,11 @@ class HetPipe(Strategy[HetPipeOptions]):
 
     def train_step(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                    inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn) -> float | None:
-        if inputs.shape[0] % len(self.roles):  # policy bd: every step, not only the first
-            count = len(self.virtual_workers)
-            raise ConfigError(f"global batch {inputs.shape[0] * count // len(self.roles)} is "
-                              f"not divisible by the {count} virtual workers of policy "
-                              f"{self.options.policy!r}: each trains an equal slice",
-                              f"pass batches of a multiple of {count} samples (--batch-size; "
-                              f"a DataLoader with drop_last=True)")
         if not self.started:
-            self._setup(inputs, loss_fn)
+            self._setup(inputs, loss_fn)  # (the plan refuses the first step's batch)
+        if inputs.shape[0] % len(self.roles):  # policy bd's twins: every step's too
+            count = len(self.virtual_workers)
+            check_batch(inputs.shape[0] * count // len(self.roles), count, self.options.policy)
         if len(self.roles) == 1:
             pipe = self.roles[0].pipe
             assert pipe is not None
