@@ -19,7 +19,7 @@ JOB = ["--model", "mlp", "--workers", "4", "--nodes", "4", "--batch-size", "32",
 @pytest.fixture
 def fixed_compute(monkeypatch):
     """No timing of a model: every plan sees the same compute."""
-    monkeypatch.setattr(PlannerJob, "compute", lambda self, threads=1: FIXED)
+    monkeypatch.setattr(PlannerJob, "compute", lambda self, threads=1, budget_s=10.0: FIXED)
 
 
 def test_plan_json_shape(capsys, fixed_compute):

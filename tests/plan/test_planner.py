@@ -54,8 +54,11 @@ def test_compute_is_timed_on_the_threads_the_launched_workers_get(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # conftest sets it; a user may not
     timed = []
 
-    def measure(model, options, *, batch, optimizer, threads):
+    budgets = []
+
+    def measure(model, options, *, batch, optimizer, threads, budget_s):
         timed.append(threads)
+        budgets.append(budget_s)
         return Compute(forward_s=0.1 / threads, backward_s=0.2 / threads, optimizer_s=0.0)
 
     monkeypatch.setattr(planner, "measure_compute", measure)
@@ -65,6 +68,9 @@ def test_compute_is_timed_on_the_threads_the_launched_workers_get(monkeypatch):
     # the workers (3 or 4 processes: 2 threads each). Each count is timed once.
     assert plan.get("ddp").compute_s == pytest.approx(0.3 / 4)
     assert sorted(timed) == sorted(set(timed)) and 4 in timed and 2 in timed
+    # ... within one timing's budget, shared (a large batch's plan took that much again
+    # for each thread count).
+    assert sum(budgets) == pytest.approx(10.0)
     assert plan.as_dict()["compute"]["threads"] == plan.threads
     assert plan_job(Job(model="mlp", workers=1, cores=8)).get("ddp").compute_s == \
         pytest.approx(0.3 / 8)

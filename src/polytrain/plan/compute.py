@@ -29,9 +29,13 @@ def _sample(spec: Any, model: torch.nn.Module, options: Mapping[str, Any], batch
     return inputs, targets
 
 
+#: About how long timing a model's step may take (one warm-up step at least).
+BUDGET_S = 10.0
+
+
 def measure_compute(model: str, model_options: Mapping[str, Any], *, batch: int,
                     optimizer: str = "adam", repeats: int = 5, threads: int = 1,
-                    budget_s: float = 10.0) -> Compute:
+                    budget_s: float = BUDGET_S) -> Compute:
     """Time forward, backward and the optimizer step of ``model`` at ``batch`` samples.
 
     In this process, on ``threads`` threads (a launched worker gets one per core it

@@ -19,7 +19,7 @@ from ..models import get_model
 from ..optim import check_optimizer_name
 from ..ps.grads import sparse_parameter
 from ..strategies.base import get_strategy, make_options
-from .compute import device_compute, measure_compute
+from .compute import BUDGET_S, device_compute, measure_compute
 from .cost import Candidate, Compute, Constants, Network, Prediction, candidates, predict, recommend
 
 __all__ = ["Job", "Plan", "CONSTANTS", "HOSTS", "AUTO", "plan_job", "chosen", "auto_record",
@@ -131,16 +131,16 @@ class Job:
         with torch.device("meta"):
             return get_model(self.model).make(**self.model_options)
 
-    def compute(self, threads: int = 1) -> Compute:
+    def compute(self, threads: int = 1, budget_s: float = BUDGET_S) -> Compute:
         """One worker's compute per step: its devices' speed, or measured here on
-        ``threads`` threads."""
+        ``threads`` threads within about ``budget_s`` (:func:`measure_compute`)."""
         assert self.workers is not None
         batch = self.batch_size // self.workers
         if self.devices is not None:
             return device_compute(self.model, self.model_options, batch=batch,
                                   cluster=parse_cluster(self.devices))
         return measure_compute(self.model, self.model_options, batch=batch,
-                               optimizer=self.optimizer, threads=threads)
+                               optimizer=self.optimizer, threads=threads, budget_s=budget_s)
 
     def threads(self, candidate: Candidate) -> int:
         """The threads each worker of ``candidate`` gets when ``polytrain train`` launches it
@@ -243,26 +243,20 @@ def plan_job(job: Job, *, constants: Constants = CONSTANTS,
     """
     network = job.network()
     given = compute() if callable(compute) else compute
-    timed: dict[int, Compute] = {}
-
-    def profile_of(c: Candidate) -> tuple[int, Compute]:
-        threads = job.threads(c)
-        if given is not None:
-            return threads, given
-        if threads not in timed:
-            timed[threads] = job.compute(threads)
-        return threads, timed[threads]
-
     model_bytes = job.model_bytes()
     sparse = job.sparse_parameter()
-    profiles = {c: profile_of(c) for c in candidates(network)
-                if sparse is None or c.strategy == "ddp"}
-    predictions = tuple(predict(c, network=network, compute=profile, model_bytes=model_bytes,
-                                constants=constants) for c, (_, profile) in profiles.items())
+    threads = {c: job.threads(c) for c in candidates(network)
+               if sparse is None or c.strategy == "ddp"}
+    counts = sorted(set(threads.values()))
+    # One timing's budget shared by them all: a large batch's plan takes as long as before.
+    timed = {t: given if given is not None else job.compute(t, budget_s=BUDGET_S / len(counts))
+             for t in counts}
+    predictions = tuple(predict(c, network=network, compute=timed[t], model_bytes=model_bytes,
+                                constants=constants) for c, t in threads.items())
     best = recommend(predictions)
-    threads, profile = profiles[best.candidate]
+    profile = timed[threads[best.candidate]]
     return Plan(job, network, profile, model_bytes, predictions, best, constants, sparse,
-                threads)
+                threads[best.candidate])
 
 
 def chosen(plan: Plan) -> Candidate:
