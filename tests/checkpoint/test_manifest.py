@@ -404,11 +404,14 @@ def load_another_step_on_each_worker(root: str) -> str:
     for step in (1, 2):
         polytrain.save(root, trainer, step=step)
     said = []
-    for path in (f"{root}/step-{ctx.worker_index + 1}",
-                 f"{root}/step-{2 if ctx.worker_index else 9}"):
+    for path, missing_ok in ((f"{root}/step-{ctx.worker_index + 1}", False),
+                             (f"{root}/step-{2 if ctx.worker_index else 9}", False),
+                             # a script's first run, where one worker sees the checkpoints
+                             (f"{root if ctx.worker_index == 0 else root + '-not-here'}", True),
+                             (f"{root}-nowhere", True)):
         try:
-            polytrain.load(path, trainer)
-            said.append("loaded")
+            resumed = polytrain.load(path, trainer, missing_ok=missing_ok)
+            said.append("loaded" if resumed else "none")
         except CheckpointError as e:
             said.append(e.what)
     trainer.close()
@@ -419,10 +422,14 @@ def load_another_step_on_each_worker(root: str) -> str:
 def test_workers_that_find_other_checkpoints_are_refused_on_every_worker(tmp_path):
     # Each worker resolved its path alone: ddp's replicas went on from other weights.
     root = tmp_path / "ckpt"
-    (mine, other), (theirs, lost) = spawn(load_another_step_on_each_worker, workers=2,
-                                          args=(str(root),))
+    (mine, other, seen, none), (theirs, lost, unseen, none_too) = spawn(
+        load_another_step_on_each_worker, workers=2, args=(str(root),))
     assert mine == theirs == (f"the workers found other checkpoints: worker 0 "
                               f"{root / 'step-1'}, worker 1 {root / 'step-2'}"), mine
     # One worker's path missing: both refuse at once, none waits for the other.
     assert other.startswith("no checkpoint at") or "step-9" in other, other
     assert lost.startswith(f"worker 0 could not load a checkpoint at {root / 'step-2'}"), lost
+    # A first run's missing_ok: None where no worker finds one; refused where one does.
+    assert seen == unseen == f"the workers found other checkpoints: worker 0 " \
+                             f"{root / 'step-2'}, worker 1 none", seen
+    assert none == none_too == "none"

@@ -23,7 +23,7 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Literal, overload
 
 from ..errors import ConfigError
 
@@ -222,11 +222,21 @@ def run_out(path: str | Path) -> Path | None:
     return p.parent if p.name == "checkpoints" else None
 
 
-def resolve(path: str | Path) -> tuple[Path, list[str]]:
+@overload
+def resolve(path: str | Path, *, missing_ok: Literal[False] = ...) -> tuple[Path, list[str]]: ...
+
+
+@overload
+def resolve(path: str | Path, *, missing_ok: bool) -> tuple[Path, list[str]] | None: ...
+
+
+def resolve(path: str | Path, *, missing_ok: bool = False) -> tuple[Path, list[str]] | None:
     """The checkpoint a ``--resume PATH`` means, and the damaged ones skipped on the way.
 
     PATH is a checkpoint (``.../step-S``: it must be whole), a checkpoints folder, or a
-    run's ``--out`` directory (its ``checkpoints/``): the newest whole one there.
+    run's ``--out`` directory (its ``checkpoints/``): the newest whole one there. With
+    ``missing_ok``, None where there is no checkpoint at all (no such folder, or none in
+    it): a script's first run.
     """
     p = Path(path)
     # A run's --out may itself be named step-N: its checkpoints/ says which it is.
@@ -241,16 +251,19 @@ def resolve(path: str | Path) -> tuple[Path, list[str]]:
                               "--resume; to start a new run from a final.pt's weights, pass "
                               "it to --init")
     if not root.is_dir():
+        if missing_ok:
+            return None
         raise CheckpointError(f"checkpoint {path}: no such directory",
                               "pass (to --resume, or polytrain.load) the --out directory of "
                               "an earlier run, or one of its checkpoints/step-S; a script's "
-                              "first run can ask polytrain.checkpoint.newest(DIR) whether "
-                              "there is one")
+                              "first run can pass polytrain.load(DIR, ..., missing_ok=True)")
     skipped: list[str] = []
     for _, c, why in checked(root):  # the newest whole one: older ones are not read
         if why is None:
             return c, skipped
         skipped.append(f"{c}: {why}")
+    if missing_ok and not skipped:  # (damaged ones only: refused, not a first run)
+        return None
     detail = f" ({len(skipped)} damaged: {skipped[0]})" if skipped else ""
     raise CheckpointError(f"--resume {path}: no whole checkpoint in {root}{detail}",
                           "pass a run's --out directory that holds checkpoints/step-S (train "

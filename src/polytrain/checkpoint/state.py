@@ -26,7 +26,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Literal, Mapping, overload
 
 import torch
 import torch.distributed as dist
@@ -212,25 +212,43 @@ def save(root: str | Path, model: nn.Module | Trainer,
     return final
 
 
+@overload
 def load(path: str | Path, model: nn.Module | Trainer,
-         optimizer: torch.optim.Optimizer | None = None, *, scheduler: Any = None) -> Resumed:
+         optimizer: torch.optim.Optimizer | None = ..., *, scheduler: Any = ...,
+         missing_ok: Literal[False] = ...) -> Resumed: ...
+
+
+@overload
+def load(path: str | Path, model: nn.Module | Trainer,
+         optimizer: torch.optim.Optimizer | None = ..., *, scheduler: Any = ...,
+         missing_ok: bool) -> Resumed | None: ...
+
+
+def load(path: str | Path, model: nn.Module | Trainer,
+         optimizer: torch.optim.Optimizer | None = None, *, scheduler: Any = None,
+         missing_ok: bool = False) -> Resumed | None:
     """Load the newest whole checkpoint at ``path`` into a distributed model and optimizer.
 
     Collective: every worker calls it, after :func:`polytrain.distribute` and
-    before the first step. ``path`` is a checkpoint (``.../step-S``), a
-    checkpoints folder or a run's ``--out``. Sizes and checksums are checked
-    first; a checkpoint of another model is refused naming the first tensor
-    that differs.
+    before the first step, and all load the same checkpoint or all refuse.
+    ``path`` is a checkpoint (``.../step-S``), a checkpoints folder or a run's
+    ``--out``. Sizes and checksums are checked first; a checkpoint of another
+    model is refused naming the first tensor that differs. With ``missing_ok``,
+    None where no worker finds a checkpoint there (a script's first run).
 
     Example::
 
         trainer = polytrain.distribute(model, opt, strategy="ddp", loss_fn=loss_fn)
-        start = polytrain.load("out/checkpoints", trainer).step
+        resumed = polytrain.load("out/checkpoints", trainer, missing_ok=True)
+        start = resumed.step if resumed else 0
     """
     trainer = model if isinstance(model, Trainer) else None
     model, optimizer, strategy = _unpack(model, optimizer)
     strategy.check_checkpoints()
-    where, skipped = _resolve_alike(path, strategy)
+    found = _resolve_alike(path, strategy, missing_ok)
+    if found is None:
+        return None
+    where, skipped = found
     manifest = read_manifest(where)  # resolve() has checked its files
     require(manifest, ("keys", "workers", "optimizer_index"), where)
     if manifest.get("strategy", strategy.name) != strategy.name:
@@ -300,18 +318,20 @@ def load(path: str | Path, model: nn.Module | Trainer,
                    skipped=tuple(skipped))
 
 
-def _resolve_alike(path: str | Path, strategy: Strategy[Any]) -> tuple[Path, list[str]]:
+def _resolve_alike(path: str | Path, strategy: Strategy[Any],
+                   missing_ok: bool) -> tuple[Path, list[str]] | None:
     """:func:`resolve` on every worker, refused on all unless all found the same checkpoint
     (a file system that shows workers other directories, as NFS's caches may, or a script
-    that gives them other paths: ddp's replicas went on from other weights, silently)."""
+    that gives them other paths: ddp's replicas went on from other weights, silently), or
+    (``missing_ok``) none found one."""
     _, count, group = _workers(strategy)
-    found: tuple[Path, list[str]] | CheckpointError
+    found: tuple[Path, list[str]] | None | CheckpointError
     try:
-        found = resolve(path)
+        found = resolve(path, missing_ok=missing_ok)
     except CheckpointError as e:  # raised on every worker: the others must not wait for it
         found = e
     said = _gather(group, count, str(found) if isinstance(found, CheckpointError)
-                   else (str(found[0]),))
+                   else None if found is None else (str(found[0]),))
     if isinstance(found, CheckpointError):
         raise found
     failed = next((i for i, s in enumerate(said) if isinstance(s, str)), None)
@@ -321,7 +341,7 @@ def _resolve_alike(path: str | Path, strategy: Strategy[Any]) -> tuple[Path, lis
     if len(set(said)) > 1:
         raise CheckpointError(
             "the workers found other checkpoints: " + ", ".join(
-                f"worker {i} {w}" for i, (w,) in enumerate(said)),
+                f"worker {i} " + (w[0] if w else "none") for i, w in enumerate(said)),
             "give every worker the same step-S directory, on a file system they all see "
             "alike")
     return found
