@@ -11,6 +11,7 @@ from polytrain.ps.protocol import Op, Request
 from polytrain.ps.sparse import SparseRowStore, pack_rows, state_numel
 from polytrain.ps.stores import Declaration
 from polytrain.strategies.parallax import (
+    ParallaxOptions,
     PartitionSearch,
     SparseVar,
     classify,
@@ -76,6 +77,15 @@ def test_row_ranges_are_spread_greedily_by_bytes_over_the_servers():
         plan_parallax(variables, [], partitions=0, servers=[6])
 
 
+def test_search_steps_beside_fixed_partitions_is_refused():
+    # --partitions skips the search, and --search-steps was taken and did nothing.
+    with pytest.raises(ConfigError, match=r"--search-steps 5 paces the search of the partition "
+                                          r"count, and --partitions 2 skips it"):
+        ParallaxOptions(partitions=2, search_steps=5)
+    ParallaxOptions(partitions=2)
+    ParallaxOptions(search_steps=5)
+
+
 def test_the_search_doubles_while_faster_then_looks_below_and_fits():
     s = PartitionSearch(4, high=32)
     for p, t in [(4, 1.0), (8, 0.7), (16, 0.6), (32, 0.8)]:
@@ -99,7 +109,7 @@ def test_the_search_doubles_while_faster_then_looks_below_and_fits():
 def test_the_search_times_a_step_without_what_the_loop_does_after_it(monkeypatch):
     # A checkpoint or a held-out evaluation between two steps (a gather of every table)
     # was timed as the step's: one of a sample's two timed steps, which the search compared.
-    from polytrain.strategies.parallax import Parallax, ParallaxOptions
+    from polytrain.strategies.parallax import Parallax
     from polytrain.strategies.parallax import strategy as module
     clock = iter([0.0, 1.0, 10.0, 11.5, 12.0])
     monkeypatch.setattr(module.time, "perf_counter", lambda: next(clock))

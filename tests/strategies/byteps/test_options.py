@@ -87,6 +87,8 @@ def test_compression_flags_become_the_strategys_options():
     ({"compress": "onebit", "compress_warmup": -1}, r"--compress-warmup must be 0 or more "
                                                     r"steps \(got -1\)"),
     ({"compress_warmup": 100}, r"apply to compressed gradients, but --compress is none"),
+    ({"compress_min_bytes": 0}, r"--compress-min-bytes apply to compressed gradients, but "
+                                r"--compress is none"),  # (it was taken, and did nothing)
     ({"compress": "onebit", "compress_adam": True}, r"--compress-adam \(1-bit Adam\) freezes"
                                                     r".*HINT: add --compress-warmup N"),
     ({"compress": "onebit", "compress_adam": True, "compress_warmup": 10,

@@ -137,9 +137,10 @@ class BytePSOptions:
             raise ConfigError(f"--staleness {self.staleness} bounds asynchronous training only",
                               "add --async, or leave out --staleness")
         codec = compressor(self.compress)  # an unknown name or a bad argument: its error
-        if codec is None and (self.error_feedback or self.compress_momentum):
-            raise ConfigError("--error-feedback and --compress-momentum apply to compressed "
-                              "gradients, but --compress is none",
+        if codec is None and (self.error_feedback or self.compress_momentum
+                              or self.compress_min_bytes != DEFAULT_MIN_BYTES):
+            raise ConfigError("--error-feedback, --compress-momentum and --compress-min-bytes "
+                              "apply to compressed gradients, but --compress is none",
                               "add --compress NAME (e.g. onebit), or leave them out")
         if self.compress_warmup < 0:
             raise ConfigError(f"--compress-warmup must be 0 or more steps (got "
