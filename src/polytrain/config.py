@@ -85,7 +85,7 @@ class TrainConfig:
             ``stop`` when a checkpoint cannot be written.
         resume: continue from a checkpoint (``.../step-S``) or the newest whole one of a
             run's ``out`` directory (default: none, start afresh).
-        max_restarts: when a process dies, stop the run and start it again from the
+        max_restarts: when a process dies or hangs, stop the run and start it again from the
             newest checkpoint, up to this many times (default 0).
         auto: set by ``--strategy auto`` (:func:`polytrain.plan.auto_record`): the
             planner's choice, why, and every strategy's prediction; ``metrics.json``
