@@ -149,6 +149,16 @@ def test_no_tokens_at_all():
      r"gate 'naive' takes no option jitter \(jitter is an option of switch\)\. HINT: leave "
      r"jitter out of gate_options"),
     ({"gate": "switch", "gate_options": {"jiter": 0.1}}, r"no gate takes jiter"),
+    # From a review: Python's "got multiple values for keyword argument 'top_k'", torch's
+    # "negative dimension" and topk()'s "argument 'k' must be int" at the first forward,
+    # and a d_hidden beside expert= ignored.
+    ({"gate_options": {"top_k": 1}}, r"gate_options 'top_k': MoE takes it as its own "
+                                     r"argument\. HINT: pass top_k=\.\.\. to MoE"),
+    ({"d_hidden": -1}, r"d_hidden must be at least 1 \(got -1\)"),
+    ({"top_k": 2.5}, r"top_k \(--top-k\) must be between 1 and the number of experts 4 "
+                     r"\(got 2.5\)"),
+    ({"expert": lambda d: torch.nn.Linear(d, d), "d_hidden": 9},
+     r"d_hidden is the default expert's width, and expert= builds the experts instead"),
 ])
 def test_bad_options_are_named(kwargs, message):
     with pytest.raises(ConfigError, match=message):

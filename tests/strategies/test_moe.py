@@ -210,3 +210,55 @@ def test_gradients_accumulate_over_backwards_whatever_the_model_returns(workers,
     want = {"names": True, "twice": True, "interleaved": True, "pair": True,
             "after a failure": True}
     assert results == [want] * workers
+
+
+def moe_edges(root: str) -> dict[str, object]:
+    """What the review of the moe strategy found, on 2 workers: a parameter unfrozen after
+    the wrap, float16 gradients near their range, sharded checkpoints of a step API trainer."""
+    from polytrain.moe import load_sharded, save_sharded
+    from polytrain.strategies.base import strategy_of
+    ctx = polytrain.init()
+    out: dict[str, object] = {}
+    torch.manual_seed(0)
+    inner = _Tiny()
+    inner.inp.requires_grad_(False)
+    model, _ = polytrain.distribute(inner, torch.optim.SGD(inner.parameters(), lr=0.1),
+                                    strategy="moe")
+    inner.inp.requires_grad_(True)  # gradual unfreezing, after the wrap
+    try:
+        model(torch.randn(4, 8))
+        out["unfrozen"] = "accepted"
+    except polytrain.ConfigError as e:
+        out["unfrozen"] = e.what
+    # Two workers' float16 gradients of 40,000 average to 40,000 (summed first: inf).
+    half = [nn.Parameter(torch.zeros(3, dtype=torch.float16))]
+    half[0].grad = torch.full((3,), 40000.0, dtype=torch.float16)
+    strategy = strategy_of(model)
+    strategy._reduce(half, ctx.groups.workers, ctx.topology.workers, 2)
+    out["float16"] = half[0].grad.float().tolist()
+    # The step API's trainer, as docs/moe.md recommends, saves and loads its experts.
+    torch.manual_seed(1)
+    inner = _Tiny()
+    trainer = polytrain.distribute(inner, torch.optim.SGD(inner.parameters(), lr=0.1),
+                                   strategy="moe", loss_fn=lambda y, t: (y - t).pow(2).mean())
+    before = {k: v.clone() for k, v in inner.state_dict().items()}
+    save_sharded(trainer, root)
+    with torch.no_grad():
+        for p in inner.parameters():
+            p.zero_()
+    load_sharded(trainer, root)
+    out["sharded"] = all(torch.equal(v, inner.state_dict()[k]) for k, v in before.items())
+    trainer.close()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_unfreezing_after_the_wrap_16_bit_sums_and_a_trainers_shards(tmp_path):
+    # An unfrozen parameter had no hook: never averaged, each worker stepped on its own
+    # gradient. float16 gradients were summed, then divided: 2 x 40,000 was inf. save_sharded
+    # of the trainer distribute(..., loss_fn=...) returns: AttributeError (no .module).
+    for out in spawn(moe_edges, workers=2, args=(str(tmp_path / "shards"),)):
+        assert out["unfrozen"].startswith("parameter 'inp.weight' requires a gradient, but did "
+                                          "not when the model was wrapped"), out["unfrozen"]
+        assert out["float16"] == [40000.0] * 3
+        assert out["sharded"] is True

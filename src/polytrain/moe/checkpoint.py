@@ -139,16 +139,24 @@ def _one_group_size(layers: list[tuple[str, MoE]]) -> int:
     return sizes.pop()
 
 
+def _bare(model: Any) -> nn.Module:
+    """The model inside what ``distribute`` returned: a wrapper's (or a DDP's) ``.module``,
+    a step API trainer's ``.model`` (not a module: its ``.model`` is what it trains)."""
+    if not isinstance(model, nn.Module):
+        model = model.model
+    return getattr(model, "module", model)
+
+
 def save_sharded(model: nn.Module, directory: str | Path, *, write: bool = True) -> None:
     """Write this rank's experts (and, on expert-parallel rank 0, the rest) to ``directory``.
 
     Every rank of the expert-parallel groups calls it; ranks that hold the same
     experts as another (data-parallel replicas) pass ``write=False``. Files:
     ``meta.json`` and ``shard-R.pt`` per rank R of the expert-parallel group,
-    each with canonical keys. ``model`` may be what ``distribute`` returned (or a DDP): its
-    wrapped model is saved, under the model's own names.
+    each with canonical keys. ``model`` may be what ``distribute`` returned (a wrapper, a
+    DDP or a step API's trainer): its model is saved, under the model's own names.
     """
-    model = getattr(model, "module", model)
+    model = _bare(model)
     layers = moe_layers(model)
     size = _one_group_size(layers)
     rank = layers[0][1].group.rank if layers else 0
@@ -175,7 +183,7 @@ def load_sharded(model: nn.Module, directory: str | Path) -> None:
     Each rank opens only the shard files that hold its experts (and shard 0
     for the rest). ``model`` may be what ``distribute`` returned, as in :func:`save_sharded`.
     """
-    model = getattr(model, "module", model)
+    model = _bare(model)
     path = Path(directory)
     meta_file = path / "meta.json"
     if not meta_file.exists():

@@ -152,7 +152,8 @@ class Gate(nn.Module):
         super().__init__()
         self.num_experts = num_experts
         self.top_k = self.default_top_k if top_k is None else top_k
-        if not 1 <= self.top_k <= num_experts:
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or \
+                not 1 <= self.top_k <= num_experts:  # (2.5 met torch's topk() at a forward)
             raise ConfigError(f"top_k (--top-k) must be between 1 and the number of experts "
                               f"{num_experts} (got {self.top_k})",
                               f"pass top_k (--top-k) in 1..{num_experts}")

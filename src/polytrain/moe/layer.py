@@ -16,6 +16,11 @@ from .gates import Gate, make_gate
 __all__ = ["MoE"]
 
 
+#: MoE's own arguments that it hands its gate: not to be given again in ``gate_options``.
+_OWN = {"top_k", "capacity_factor", "eval_capacity_factor", "dropless", "balance_weight",
+        "z_loss_weight", "group", "batch_group"}
+
+
 class MoE(nn.Module):
     """A mixture-of-experts feed-forward layer: gate, dispatch, experts, combine.
 
@@ -60,6 +65,16 @@ class MoE(nn.Module):
                  z_loss_weight: float = 0.0, gate_options: dict[str, Any] | None = None) -> None:
         super().__init__()
         at_least("num_experts (--experts)", num_experts, "pass num_experts=8 (--experts 8)")
+        clash = sorted(set(gate_options or {}) & _OWN)  # (Python's "multiple values" before)
+        if clash:
+            raise ConfigError(f"gate_options {', '.join(map(repr, clash))}: MoE takes "
+                              f"{'it' if len(clash) == 1 else 'them'} as its own argument",
+                              f"pass {clash[0]}=... to MoE, not in gate_options")
+        if d_hidden is not None and expert is not None:
+            raise ConfigError("d_hidden is the default expert's width, and expert= builds "
+                              "the experts instead", "leave out d_hidden, or expert")
+        if d_hidden is not None:
+            at_least("d_hidden", d_hidden, "pass d_hidden=4 * d_model, or leave it out")
         self.d_model = d_model
         self.num_experts = num_experts
         self._group = ExpertGroup(group)

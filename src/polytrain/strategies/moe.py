@@ -16,7 +16,9 @@ from ..comm.partition import TensorSpec
 from ..errors import ConfigError, at_least, divisors
 from ..launch.layout import Layout
 from ..moe.checkpoint import canonical_names, full_state_dict, local_state_dict, moe_layers
+from ..ps.grads import travels_divided
 from .base import Strategy, register
+from .synced import check_still_frozen
 
 __all__ = ["ExpertParallel", "MoEOptions", "ExpertPlacement", "place_experts"]
 
@@ -90,8 +92,11 @@ class _SyncAfterBackward(nn.Module):
         object.__setattr__(self, "_strategy", strategy)
         self._handles = [q.register_hook(functools.partial(strategy.arrived, q))
                          for q in module.parameters() if q.requires_grad]
+        #: Parameters frozen at the wrap: no hook, so no sum (:func:`check_still_frozen`).
+        self._frozen = [(n, q) for n, q in module.named_parameters() if not q.requires_grad]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        check_still_frozen(self._frozen)
         self.__dict__["_strategy"].abandon()
         return self.module(*args, **kwargs)
 
@@ -239,8 +244,12 @@ class ExpertParallel(Strategy[MoEOptions]):
         specs = [TensorSpec.of(str(i), g) for i, g in enumerate(grads)]
         for bucket in plan_buckets(specs, _BUCKET_BYTES):
             flat = flatten(bucket, grads)
+            first = travels_divided(flat.dtype)  # a 16-bit sum could overflow: divide first
+            if first:
+                flat.div_(divisor)
             dist.all_reduce(flat, group=group)
-            flat.div_(divisor)
+            if not first:
+                flat.div_(divisor)
             unflatten_into(bucket, flat, grads)
             self.ctx.meter.record_ring_allreduce(list(ranks), bucket.nbytes)
         for q, g, n in zip(trainable, grads, present.tolist()):

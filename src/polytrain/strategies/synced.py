@@ -9,7 +9,7 @@ plan their gradient sums (fusion, placement, compression); both then hold a
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -21,7 +21,7 @@ from ..ps.grads import GradientSync
 from ..runtime import Context
 from .checks import broadcast_module, check_same_model, check_same_tensors, tensor_signature
 
-__all__ = ["SyncedModule", "keep_missing_for"]
+__all__ = ["SyncedModule", "check_still_frozen", "keep_missing_for"]
 
 
 def keep_missing_for(sync: GradientSync, model: nn.Module, *, find_unused: bool = False
@@ -32,6 +32,19 @@ def keep_missing_for(sync: GradientSync, model: nn.Module, *, find_unused: bool 
     it none), unless some buckets are compressed. Otherwise such a gradient is summed as
     zeros, which Adam steps on with its momentum."""
     sync.keep_missing = (find_unused or bool(moe_layers(model))) and not sync.packed
+
+
+def check_still_frozen(frozen: Sequence[tuple[str, nn.Parameter]]) -> None:
+    """Refuse a parameter of ``frozen`` (those frozen when the model was wrapped) that
+    requires a gradient now: nothing sums its gradients, so each worker would step on its
+    own and the copies drift apart."""
+    for name, p in frozen:
+        if p.requires_grad:
+            raise ConfigError(
+                f"parameter {name!r} requires a gradient, but did not when the model was "
+                f"wrapped: its gradients would not be summed, and each worker's copy "
+                f"would drift apart", "set requires_grad before wrapping the model, or "
+                "close() the wrapped model and wrap its .module again")
 
 
 class SyncedModule(nn.Module):
@@ -86,16 +99,9 @@ class SyncedModule(nn.Module):
         return self.module(*args, **kwargs)
 
     def _check_trained(self) -> None:
-        """Refuse a parameter unfrozen since the wrap: :attr:`sync` has no sum for it, so each
-        worker would step on its own gradient and the copies drift apart. (One frozen since
-        keeps ``.grad`` None, as in one process: :meth:`GradientSync.synchronize`.)"""
-        for name, p in self._frozen:
-            if p.requires_grad:
-                raise ConfigError(
-                    f"parameter {name!r} requires a gradient, but did not when the model was "
-                    f"wrapped: its gradients would not be summed, and each worker's copy "
-                    f"would drift apart", "set requires_grad before wrapping the model, or "
-                    "close() the wrapped model and wrap its .module again")
+        """Refuse a parameter unfrozen since the wrap (:func:`check_still_frozen`). (One
+        frozen since keeps ``.grad`` None, as in one process: :meth:`GradientSync.synchronize`.)"""
+        check_still_frozen(self._frozen)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
