@@ -43,7 +43,7 @@ def test_the_tracker_compares_each_layer_with_its_first_steps():
         t.record({"h0": v, "h1": 10 * v})
     t.new_interval()
     t.record({"h0": 0.5, "h1": 18.0})
-    assert t.ratios(["h0", "h1", "h2"]) == pytest.approx([0.25, 0.9, 1.0])
+    assert t.ratios(["h0", "h1"]) == pytest.approx([0.25, 0.9]) and t.ratios(["h2"]) == [None]
     other = GradNormTracker()
     other.record({"h2": 4.0})
     t.merge([other])
@@ -68,7 +68,7 @@ def test_the_change_signal_reads_each_layers_trend_between_intervals():
     assert t.previous == {"h0": 2.0, "h1": 10.0}
     for v in (1.9, 2.1):
         t.record({"h0": v, "h1": 8.0})
-    assert t.changes(["h0", "h1", "h2"]) == pytest.approx([0.0, 0.2, 1.0])
+    assert t.changes(["h0", "h1"]) == pytest.approx([0.0, 0.2]) and t.changes(["h2"]) == [None]
     assert t.signal("change", ["h0", "h1"]) == t.changes(["h0", "h1"])
     assert t.signal("level", ["h0", "h1"]) == t.ratios(["h0", "h1"])
     assert next_frozen(0, 2, t.changes(["h0", "h1"]), alpha=0.5, threshold=0.1) == 1
@@ -134,3 +134,20 @@ def test_an_unknown_signal_is_refused_with_the_names():
     assert PipeTransformerOptions(freeze_signal="level").threshold == 1.0
     assert PipeTransformerOptions(freeze_signal="relative").threshold == 0.5
     assert PipeTransformerOptions(freeze_threshold=0.3).threshold == 0.3
+
+
+@pytest.mark.parametrize("kind, threshold", [("level", 1.0), ("relative", 0.5)])
+def test_a_layer_without_parameters_has_no_signal_and_never_counts_as_stopped(kind, threshold):
+    # An activation between linear layers has no gradient norm: its 1.0 counted as stopped
+    # under level's threshold of 1.0, and under relative it entered the median, so linear
+    # layers whose norms grew by half froze (a review: 2 of 3 at alpha 1/3).
+    t = GradNormTracker()
+    linears = ["lin0", "lin1", "lin2"]
+    for _ in range(5):
+        t.record({n: 2.0 for n in linears})
+    t.new_interval()
+    t.record({"lin0": 3.0, "lin1": 3.2, "lin2": 2.8})  # every linear still learning
+    layers = ["lin0", "relu0", "lin1", "relu1", "lin2", "relu2"]
+    signal = t.signal(kind, layers)
+    assert [s is None for s in signal] == [False, True] * 3
+    assert next_frozen(0, 6, signal, alpha=1 / 3, threshold=threshold) == 0

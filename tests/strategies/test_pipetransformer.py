@@ -353,6 +353,16 @@ def test_refusals():
     (["--no-cache", "--cache-mb", "64"],
      r"--no-cache turns AutoCache off, so --cache-mb would do nothing\. HINT: leave out "
      r"--no-cache, or --cache-mb"),
+    # AutoCache caches the front AutoPipe moves out, AutoDP takes the devices its halving
+    # frees: without AutoPipe they did nothing, silently (a review).
+    (["--no-autopipe", "--cache-mb", "64"],
+     r"--no-autopipe turns AutoPipe off, so --cache-mb would do nothing"),
+    (["--no-autopipe", "--no-autodp"], r"--no-autopipe turns AutoPipe off, so --no-autodp "
+                                       r"would do nothing"),
+    # Its first freeze point past the run: it trained to the end, freezing nothing.
+    (["--steps", "20", "--freeze-every", "20"],
+     r"--freeze-every 20 puts the first freeze point past the run's 20 steps: no layer "
+     r"would freeze"),
 ])
 def test_options_that_a_switched_off_part_would_ignore_are_refused(args, message, capsys):
     from polytrain.cli import main
@@ -378,3 +388,35 @@ def test_handed_optimizer_state_is_placed_as_torchs_load_state_dict_places_it():
     # Fused or capturable: step on the parameter's device, in float32.
     capturable = placed_state(torch.optim.Adam([p], capturable=True), p, saved)
     assert capturable["step"].dtype == torch.float32
+
+
+def test_a_cache_a_worker_closes_still_counts_what_it_served():
+    # A first stage that stopped being one (idle with --no-autodp, or another stage after
+    # a halving) closed its cache, and metrics.json lost its hits and misses.
+    from types import SimpleNamespace
+
+    from polytrain.pipeline.cache import CacheStats
+    from polytrain.strategies.pipetransformer.strategy import PipeTransformer
+    strategy = PipeTransformer(None, PipeTransformerOptions())
+    closed = []
+    for hits in (3, 4):
+        strategy.cache = SimpleNamespace(stats=CacheStats(hits=hits, misses=1, shared_hits=1),
+                                         close=lambda: closed.append(True))
+        strategy._drop_cache()
+    assert strategy.cache is None and closed == [True, True]
+    assert strategy._served == {"hits": 7, "shared_hits": 2, "misses": 2, "advanced": 0}
+
+
+@pytest.mark.timeout(120)
+def test_polytrain_train_prints_each_new_plan(capfd):
+    # The plan at every freeze point was logged at INFO on worker 0, which the default
+    # level (WARNING) hides: polytrain train printed only the first.
+    from polytrain.cli import main
+
+    assert main(["train", "--strategy", "pipetransformer", "--workers", "2", "--steps", "5",
+                 "--batch-size", "8", "--seq-len", "16", "--d-model", "32", "--layers", "4",
+                 "--freeze-every", "2", "--freeze-threshold", "100", "--freeze-alpha",
+                 "0.5"]) == 0
+    err = capfd.readouterr().err
+    assert re.search(r"pipetransformer: a new plan at step 2: 3 layers frozen, 1 stages x 2 "
+                     r"replicas", err), err

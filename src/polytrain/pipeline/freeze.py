@@ -75,15 +75,16 @@ def freeze_cap(frozen: int, freezable: int, alpha: float) -> int:
     return min(freezable, math.ceil(frozen + alpha * (freezable - frozen) - 1e-9))
 
 
-def next_frozen(frozen: int, freezable: int, ratios: Sequence[float], *, alpha: float,
-                threshold: float) -> int:
+def next_frozen(frozen: int, freezable: int, ratios: Sequence[float | None], *,
+                alpha: float, threshold: float) -> int:
     """How many front layers are frozen after this freeze point (never fewer than ``frozen``).
 
     Args:
         frozen: layers frozen now (L_frozen(T-1)).
         freezable: L, the layers that may ever freeze (the model's layers but the last).
         ratios: for each still trained freezable layer ``frozen .. freezable - 1``, its
-            gradient norm over the last interval divided by its reference norm.
+            signal (:meth:`GradNormTracker.signal`), None for a layer with no gradient
+            norm (no parameters: an activation), which never counts as stopped.
         alpha: the cap's fraction of the remaining layers, in (0, 1).
         threshold: a layer whose ratio is at most this has stopped learning.
     """
@@ -91,10 +92,11 @@ def next_frozen(frozen: int, freezable: int, ratios: Sequence[float], *, alpha: 
         raise ValueError(f"{freezable - frozen} layers are freezable but {len(ratios)} "
                          f"ratios were given")
     cap = freeze_cap(frozen, freezable, alpha)
-    stopped = [i for i, r in enumerate(ratios) if r <= threshold]
+    signal = {i: r for i, r in enumerate(ratios) if r is not None}
+    stopped = [i for i, r in signal.items() if r <= threshold]
     if not stopped:
         return frozen
-    smallest = min(stopped, key=lambda i: (ratios[i], -i))  # argmin; ties: the deepest
+    smallest = min(stopped, key=lambda i: (signal[i], -i))  # argmin; ties: the deepest
     return min(cap, frozen + smallest + 1)
 
 
@@ -127,40 +129,43 @@ class GradNormTracker:
             for name, mean in other.previous.items():
                 self.previous.setdefault(name, mean)
 
-    def ratios(self, layers: Sequence[str]) -> list[float]:
-        """Each layer's mean norm over the interval over its reference (1.0 if unmeasured)."""
-        out = []
+    def ratios(self, layers: Sequence[str]) -> list[float | None]:
+        """Each layer's mean norm over the interval over its reference (None if unmeasured:
+        a layer without parameters has no norm, and 1.0 there counted as stopped under
+        ``level``'s threshold of 1.0, freezing layers that still learned)."""
+        out: list[float | None] = []
         for name in layers:
             ref, now = self.reference.get(name), self.interval.get(name)
             if not ref or not now or sum(ref) == 0:
-                out.append(1.0)
+                out.append(None)
                 continue
             out.append((sum(now) / len(now)) / (sum(ref) / len(ref)))
         return out
 
-    def changes(self, layers: Sequence[str]) -> list[float]:
+    def changes(self, layers: Sequence[str]) -> list[float | None]:
         """Each layer's relative change of its mean norm, from the interval before this one
-        (before the first: its reference) to this one (1.0 if unmeasured)."""
-        out = []
+        (before the first: its reference) to this one (None if unmeasured)."""
+        out: list[float | None] = []
         for name in layers:
             ref, now = self.reference.get(name), self.interval.get(name)
             before = self.previous.get(name, sum(ref) / len(ref) if ref else 0.0)
             if not now or before == 0:
-                out.append(1.0)
+                out.append(None)
                 continue
             out.append(abs(sum(now) / len(now) - before) / before)
         return out
 
-    def relative_changes(self, layers: Sequence[str]) -> list[float]:
-        """Each layer's :meth:`changes` over the median of them all (all 1.0 if the median
-        is 0: nothing stands out)."""
+    def relative_changes(self, layers: Sequence[str]) -> list[float | None]:
+        """Each layer's :meth:`changes` over the median of the measured ones (all 1.0 if the
+        median is 0: nothing stands out; None where unmeasured)."""
         changes = self.changes(layers)
-        middle = statistics.median(changes) if changes else 0.0
+        measured = [c for c in changes if c is not None]
+        middle = statistics.median(measured) if measured else 0.0
         if middle == 0:
-            return [1.0] * len(changes)
-        return [c / middle for c in changes]
+            return [None if c is None else 1.0 for c in changes]
+        return [None if c is None else c / middle for c in changes]
 
-    def signal(self, kind: str, layers: Sequence[str]) -> list[float]:
+    def signal(self, kind: str, layers: Sequence[str]) -> list[float | None]:
         """The ``kind`` signal (one of :data:`SIGNALS`) of each of ``layers``."""
         if kind == "change":
             return self.changes(layers)

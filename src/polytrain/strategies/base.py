@@ -186,6 +186,11 @@ class Strategy(ABC, Generic[OptionsT]):
         """Whether this worker draws the progress bar: one worker that holds a loss."""
         return self.ctx is None or self.ctx.worker_index == 0
 
+    def notices(self) -> list[str]:
+        """What the run's output says since the last call (a re-plan's new plan): the
+        training loop prints it where the progress bar is drawn. None by default."""
+        return []
+
     def train_step(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                    inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn) -> float | None:
         """One step on this replica's slice; returns its mean loss (None: not held here)."""

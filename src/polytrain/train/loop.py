@@ -148,6 +148,8 @@ def train(config: TrainConfig) -> dict[str, Any] | None:
                     dist.barrier(group=ctx.groups.workers)
                 ctx.meter.mark_step()
             progress.update(step, loss, config.batch_size / max(times[-1], 1e-9))
+            for line in strategy.notices():  # a new plan (PipeTransformer's freeze points)
+                progress.note(line)
             aside = False  # bytes between steps that are not training's
             if held_out is not None and ((step + 1) % config.eval_every == 0  # type: ignore[operator]
                                          or step + 1 == config.steps):

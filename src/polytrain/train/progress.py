@@ -33,6 +33,16 @@ class Progress:
             self.stream.flush()
             self._open = False
 
+    def note(self, text: str) -> None:
+        """Print ``text`` (lines) between the bar's updates, on lines of its own."""
+        if not self.enabled:
+            return
+        if self._open:
+            self.stream.write("\n")
+            self._open = False
+        self.stream.write(text + "\n")
+        self.stream.flush()
+
     def update(self, step: int, loss: float | None, samples_per_s: float) -> None:
         if not self.enabled:
             return

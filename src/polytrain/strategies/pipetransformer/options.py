@@ -147,7 +147,11 @@ class PipeTransformerOptions:
         for off, switch, part, needs in (
                 (not self.freeze, "--no-freeze", "AutoFreeze",  # AutoCache caches frozen
                  {**_FREEZE_FLAGS, **_CACHE_FLAGS}),            # layers only
-                (not self.cache, "--no-cache", "AutoCache", _CACHE_FLAGS)):
+                (not self.cache, "--no-cache", "AutoCache", _CACHE_FLAGS),
+                # AutoCache caches the front AutoPipe moves out; AutoDP takes the devices
+                # AutoPipe's halving frees
+                (not self.autopipe, "--no-autopipe", "AutoPipe",
+                 {**_CACHE_FLAGS, "autodp": "--no-autodp"})):
             given = [flag for name, flag in needs.items()
                      if getattr(self, name) != defaults[name]]
             if off and given:

@@ -54,6 +54,11 @@ def _stages(layout_workers: int, nodes: int, options: PipeTransformerOptions) ->
     return options.pipeline_stages or per
 
 
+#: The counts of a cache's :class:`CacheStats` that add up over the caches a worker had
+#: (its bytes are what it holds at the end).
+_SERVED = ("hits", "shared_hits", "misses", "advanced")
+
+
 @register
 class PipeTransformer(Strategy[PipeTransformerOptions]):
     """PipeTransformer (He et al., ICML 2021): freeze converged front layers, shorten the
@@ -135,10 +140,16 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
         """AutoFreeze's freeze points default to one epoch of the data: a run without epochs,
         or shorter than one, would freeze nothing, which a run of PipeTransformer asks for
         only with ``--no-freeze``."""
-        if not options.freeze or options.freeze_every is not None:
+        if not options.freeze:
             return
         hint = (f"pass --freeze-every N (for instance --freeze-every {max(1, steps // 5)}, "
                 f"a fifth of the run), or --no-freeze to train every layer throughout")
+        if options.freeze_every is not None:
+            if options.freeze_every >= steps:  # (it trained to the end, freezing nothing)
+                raise ConfigError(f"--freeze-every {options.freeze_every} puts the first "
+                                  f"freeze point past the run's {steps} steps: no layer "
+                                  f"would freeze", hint)
+            return
         if epoch_steps is None:
             raise ConfigError("pipetransformer's freeze points default to one epoch of the "
                               "data, and --sampling random has no epochs: no layer would "
@@ -184,6 +195,9 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
         self.sources: list[int] = []
         self.group: Any = None
         self.cache: ActivationCache | None = None
+        #: What caches this worker closed served (a first stage that stopped being one).
+        self._served: dict[str, int] = {}
+        self._notices: list[str] = []  # new plans, for the run's output (notices())
         self.shared_cache: str | None = None  # this machine's shared AutoCache directory
         self.profile: ModelProfile | None = None
         #: ``--layer-costs measured``: each layer's seconds per sample (forward, backward)
@@ -234,6 +248,10 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
     def shows_progress(self) -> bool:
         assert self.ctx is not None
         return self.ctx.worker_index == self._k0 - 1
+
+    def notices(self) -> list[str]:
+        out, self._notices = self._notices, []
+        return out
 
     @property
     def freeze_every(self) -> int | None:
@@ -308,7 +326,8 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
                         micro_batches=self.options.micro_batches,
                         cached=self._cache_share(step),
                         memory=self.memory, state_factor=self.state_factor)
-        signal = {n: round(r, 4) for n, r in zip(self._names[plan.frozen:freezable], ratios)}
+        signal = {n: None if r is None else round(r, 4)
+                  for n, r in zip(self._names[plan.frozen:freezable], ratios)}
         if (new.frozen, new.bounds, new.stages, new.replicas, new.micro_batches) == \
                 (plan.frozen, plan.bounds, plan.stages, plan.replicas, plan.micro_batches):
             self.timeline.append({**plan.record(), "step": step, "grad_norm_signal": signal,
@@ -341,7 +360,7 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
         return share
 
     def _install(self, plan: PipePlan, old: PipePlan | None,
-                 signal: dict[str, float] | None = None) -> None:
+                 signal: dict[str, float | None] | None = None) -> None:
         """Switch to ``plan``: move weights and optimizer state, rebuild the stage and groups."""
         ctx = self.ctx
         assert ctx is not None and self.profile is not None
@@ -353,6 +372,9 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
                               "changed": True})
         if w == 0:
             log.info("%s", plan.describe(self.profile.names))
+        if old is not None:  # (the first plan is the run's summary: polytrain train prints it)
+            self._notices.append("pipetransformer: a new plan at " +
+                                 plan.describe(self.profile.names))
         frozen_names = {n for layer in self._names[:plan.frozen]
                         for n in self._layer_params.get(layer, [])}
         for name, p in self.model.named_parameters():
@@ -368,9 +390,7 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
         if where is None:
             ctx.set_label(f"idle (step {plan.step})")
             self.stage, self.pipe, self.stage_opt = None, None, None
-            if self.cache is not None:  # an idle worker serves no sample
-                self.cache.close()
-                self.cache = None
+            self._drop_cache()  # an idle worker serves no sample
             return
         r, j = where
         ranks = [ctx.topology.workers[i] for i in range(r * plan.stages, (r + 1) * plan.stages)]
@@ -394,13 +414,21 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
                 if name in by_name:
                     opt.state[by_name[name]] = placed_state(opt, by_name[name], state)
         if j != 0 or plan.bounds[0] < self.options.cache_from or not self.options.cache:
-            if self.cache is not None and j != 0:
-                self.cache.close()
-                self.cache = None
+            if j != 0:
+                self._drop_cache()
         elif self.cache is None:
             self.cache = ActivationCache(memory_bytes=int(self.options.cache_mb * 2**20),
                                          directory=self.options.cache_dir,
                                          shared=self.shared_cache)
+
+    def _drop_cache(self) -> None:
+        """Close this worker's cache (it is no first stage now); its counts stay counted."""
+        if self.cache is None:
+            return
+        for key in _SERVED:
+            self._served[key] = self._served.get(key, 0) + getattr(self.cache.stats, key)
+        self.cache.close()
+        self.cache = None
 
     _handed: dict[str, dict[str, Any]] | None = None
 
@@ -593,6 +621,8 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
         ctx = self.ctx
         assert ctx is not None
         stats = self.cache.stats.as_dict() if self.cache is not None else {}
+        for key, served in self._served.items():  # (before stop 48 a closed cache's were lost)
+            stats[key] = stats.get(key, 0) + served
         everyone: list[Any] = [None] * ctx.num_workers
         dist.all_gather_object(everyone, stats, group=ctx.groups.workers)
         total: dict[str, int] = {}
