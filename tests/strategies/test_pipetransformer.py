@@ -1,7 +1,12 @@
 """PipeTransformer end to end: transparency, AutoFreeze, AutoDP's hand-over, epochs, refusals."""
 
+import os
 import re
+import shutil
+import subprocess
+import sys
 from collections import OrderedDict
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,6 +14,7 @@ import torch
 import polytrain
 from polytrain import ConfigError, TrainConfig
 from polytrain.data import EpochBatches
+from polytrain.launch.launcher import free_port
 from polytrain.models import GPT
 from polytrain.models import cross_entropy as loss_fn
 from polytrain.strategies.pipetransformer.options import PipeTransformerOptions
@@ -420,3 +426,33 @@ def test_polytrain_train_prints_each_new_plan(capfd):
     err = capfd.readouterr().err
     assert re.search(r"pipetransformer: a new plan at step 2: 3 layers frozen, 1 stages x 2 "
                      r"replicas", err), err
+
+
+@pytest.mark.timeout(120)
+def test_the_shared_cache_directory_goes_when_a_script_ends_without_close(tmp_path):
+    # Outside polytrain launch (a script torchrun starts, as the README's step API) the
+    # machine's /dev/shm directory was removed by close() alone: a script that ends without
+    # it left the cached activations in host memory.
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import torch, polytrain\n"
+        "from polytrain.models import GPT, cross_entropy\n"
+        "polytrain.init()\n"
+        "torch.manual_seed(0)\n"
+        "model = GPT(seq_len=16, d_model=32, layers=4)\n"
+        "trainer = polytrain.distribute(model, torch.optim.Adam(model.parameters()),\n"
+        "    strategy='pipetransformer', loss_fn=cross_entropy, freeze_every=2)\n"
+        "x = torch.randint(0, 256, (8, 17))\n"
+        "trainer.step(x[:, :-1], x[:, 1:])\n"
+        "print(trainer.strategy.shared_cache)\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("POLYTRAIN_")}
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
+               WORLD_SIZE="1", LOCAL_RANK="0", OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
+                          text=True, timeout=100)
+    assert done.returncode == 0, done.stderr
+    shared = Path(done.stdout.strip().splitlines()[-1])
+    try:
+        assert shared.name.startswith("polytrain-autocache-") and not shared.exists()
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import copy
 import dataclasses
 import functools
@@ -660,4 +661,7 @@ def _shared_directory(ctx: Context) -> str:
         SHM_ROOT if SHM_ROOT.is_dir() else Path(tempfile.gettempdir()))
     path = root / f"polytrain-autocache-{name[0]}-{ctx.machine}"
     path.mkdir(parents=True, exist_ok=True)
+    # Removed by close(), and at the latest when the process ends: a script that ends
+    # without close() (the README's step API, run by torchrun) left it in host memory.
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
     return str(path)
