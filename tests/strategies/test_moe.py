@@ -243,6 +243,7 @@ def moe_edges(root: str) -> dict[str, object]:
                                    strategy="moe", loss_fn=lambda y, t: (y - t).pow(2).mean())
     before = {k: v.clone() for k, v in inner.state_dict().items()}
     save_sharded(trainer, root)
+    torch.distributed.barrier(group=ctx.groups.workers)  # every shard written
     with torch.no_grad():
         for p in inner.parameters():
             p.zero_()

@@ -456,3 +456,24 @@ def test_the_shared_cache_directory_goes_when_a_script_ends_without_close(tmp_pa
         assert shared.name.startswith("polytrain-autocache-") and not shared.exists()
     finally:
         shutil.rmtree(shared, ignore_errors=True)
+
+
+def test_the_shared_cache_directory_stays_while_another_of_its_users_runs(tmp_path):
+    # A worker that ended first (an idle one, without AutoDP) removed the machine's shared
+    # directory while the first stages still published to it: they turned it off.
+    import json as json_
+
+    from polytrain.launch.network import owner_record, start_time
+    from polytrain.strategies.pipetransformer import strategy as module
+    shared = tmp_path / "polytrain-autocache-x-node0"
+    shared.mkdir()
+    (shared / "entry.pt").write_bytes(b"x")
+    (shared / f"{module._USER}{os.getpid()}").write_text(json_.dumps(owner_record()))
+    other = shared / f"{module._USER}{os.getppid()}"  # a live process: this one's parent
+    other.write_text(json_.dumps({**owner_record(), "pid": os.getppid(),
+                                  "start": start_time(os.getppid())}))
+    module._leave_shared(shared)
+    assert (shared / "entry.pt").exists()
+    other.unlink()  # the other user left too: the last one out removes it
+    module._leave_shared(shared)
+    assert not shared.exists()

@@ -248,7 +248,8 @@ def plan_job(job: Job, *, constants: Constants = CONSTANTS,
     threads = {c: job.threads(c) for c in candidates(network)
                if sparse is None or c.strategy == "ddp"}
     counts = sorted(set(threads.values()))
-    # One timing's budget shared by them all: a large batch's plan takes as long as before.
+    # One timing's budget shared by them all (each still takes a warm-up and one timed
+    # step at least: a batch whose step outlasts its share takes those two).
     timed = {t: given if given is not None else job.compute(t, budget_s=BUDGET_S / len(counts))
              for t in counts}
     predictions = tuple(predict(c, network=network, compute=timed[t], model_bytes=model_bytes,

@@ -96,7 +96,8 @@ class _SyncAfterBackward(nn.Module):
         self._frozen = [(n, q) for n, q in module.named_parameters() if not q.requires_grad]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        check_still_frozen(self._frozen)
+        check_still_frozen(self._frozen, "set requires_grad before distribute() (a model "
+                                         "is given to it once: its experts are sharded)")
         self.__dict__["_strategy"].abandon()
         return self.module(*args, **kwargs)
 

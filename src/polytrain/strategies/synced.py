@@ -34,17 +34,18 @@ def keep_missing_for(sync: GradientSync, model: nn.Module, *, find_unused: bool 
     sync.keep_missing = (find_unused or bool(moe_layers(model))) and not sync.packed
 
 
-def check_still_frozen(frozen: Sequence[tuple[str, nn.Parameter]]) -> None:
+def check_still_frozen(frozen: Sequence[tuple[str, nn.Parameter]],
+                       hint: str = "set requires_grad before wrapping the model, or close() "
+                                   "the wrapped model and wrap its .module again") -> None:
     """Refuse a parameter of ``frozen`` (those frozen when the model was wrapped) that
     requires a gradient now: nothing sums its gradients, so each worker would step on its
-    own and the copies drift apart."""
+    own and the copies drift apart. ``hint``: what the wrapper's user can do."""
     for name, p in frozen:
         if p.requires_grad:
             raise ConfigError(
                 f"parameter {name!r} requires a gradient, but did not when the model was "
                 f"wrapped: its gradients would not be summed, and each worker's copy "
-                f"would drift apart", "set requires_grad before wrapping the model, or "
-                "close() the wrapped model and wrap its .module again")
+                f"would drift apart", hint)
 
 
 class SyncedModule(nn.Module):

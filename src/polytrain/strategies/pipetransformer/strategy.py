@@ -6,8 +6,10 @@ import atexit
 import copy
 import dataclasses
 import functools
+import json
 import logging
 import math
+import os
 import shutil
 import tempfile
 import uuid
@@ -26,6 +28,7 @@ from ...emulation.profile import ModelProfile, layers_of, optimizer_state_factor
 from ...errors import ConfigError, divisors
 from ...launch.launcher import SHM_ROOT
 from ...launch.layout import Layout
+from ...launch.network import owner_alive, owner_record
 from ...optim import placed_state
 from ...pipeline.assembly import (
     check_untied,
@@ -144,7 +147,8 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
         if not options.freeze:
             return
         hint = (f"pass --freeze-every N (for instance --freeze-every {max(1, steps // 5)}, "
-                f"a fifth of the run), or --no-freeze to train every layer throughout")
+                f"a fifth of the run), or --no-freeze to train every layer throughout"
+                if steps >= 2 else "pass --no-freeze: a run of one step has no freeze point")
         if options.freeze_every is not None:
             if options.freeze_every >= steps:  # (it trained to the end, freezing nothing)
                 raise ConfigError(f"--freeze-every {options.freeze_every} puts the first "
@@ -645,8 +649,8 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
         finally:
             if self.cache is not None:
                 self.cache.close()
-            if self.shared_cache is not None:  # every worker has finished its last step
-                shutil.rmtree(self.shared_cache, ignore_errors=True)
+            if self.shared_cache is not None:  # the machine's last worker out removes it
+                _leave_shared(Path(self.shared_cache))
 
 
 def _shared_directory(ctx: Context) -> str:
@@ -661,7 +665,25 @@ def _shared_directory(ctx: Context) -> str:
         SHM_ROOT if SHM_ROOT.is_dir() else Path(tempfile.gettempdir()))
     path = root / f"polytrain-autocache-{name[0]}-{ctx.machine}"
     path.mkdir(parents=True, exist_ok=True)
-    # Removed by close(), and at the latest when the process ends: a script that ends
-    # without close() (the README's step API, run by torchrun) left it in host memory.
-    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    (path / f"{_USER}{os.getpid()}").write_text(json.dumps(owner_record()))
+    # Left by close(), and at the latest when the process ends: a script that ends without
+    # close() (the README's step API, run by torchrun) left it in host memory.
+    atexit.register(_leave_shared, path)
     return str(path)
+
+
+_USER = ".polytrain-user-"  # in the machine's shared directory: a process that uses it
+
+
+def _leave_shared(path: Path) -> None:
+    """This process is done with the machine's shared directory: the last of its users
+    removes it (a worker that ends first, an idle one, must not take it from the others)."""
+    (path / f"{_USER}{os.getpid()}").unlink(missing_ok=True)
+    for mark in path.glob(f"{_USER}*"):
+        try:
+            owner = owner_alive(json.loads(mark.read_text()))
+        except (OSError, ValueError):
+            continue
+        if owner is not None and owner[1]:
+            return  # another user runs on
+    shutil.rmtree(path, ignore_errors=True)
