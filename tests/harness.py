@@ -8,6 +8,9 @@ bounds the whole test (``@pytest.mark.timeout``; 120 s by default).
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -16,6 +19,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 import polytrain
+from polytrain.launch import free_port
 from polytrain.train import run_config as run_job
 
 __all__ = ["spawn", "run_config", "run_cached", "single_of", "max_abs_diff", "adam_tolerance",
@@ -98,3 +102,15 @@ class Sleepy(torch.nn.Module):
         time.sleep(self.seconds)
         out = self.lin(x)
         return torch.nn.functional.dropout(out, self.p, self.training) if self.p else out
+
+
+def torchrun(script: Path, roles: str, *argv: str,
+             processes: int | None = None) -> subprocess.CompletedProcess[str]:
+    """``torchrun --standalone`` of ``script`` on one machine "box", a process per role (or
+    ``processes`` of one role)."""
+    env = dict(os.environ, POLYTRAIN_ROLE=roles, POLYTRAIN_NODE="box",
+               PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
+    return subprocess.run([str(Path(sys.executable).with_name("torchrun")), "--standalone",
+                           "--nproc-per-node", str(processes or len(roles.split(","))),
+                           "--master-port", str(free_port()), str(script), *argv],
+                          env=env, capture_output=True, text=True, timeout=80)

@@ -17,7 +17,7 @@ from polytrain.launch import child, free_port, launcher
 from polytrain.launch.launcher import _OWNER, SHM_ROOT, mark_owner, run_shm, sweep_stale
 from polytrain.launch.layout import Layout
 from polytrain.launch.network import start_time
-from tests.harness import spawn
+from tests.harness import spawn, torchrun
 from tests.launch import scripts
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -650,18 +650,6 @@ def test_a_function_of_python_c_is_refused_with_where_to_define_it():
 def test_a_function_that_cannot_be_sent_is_refused():
     with pytest.raises(ConfigError, match="function defined at module level"):
         polytrain.launch(lambda: None, workers=2)
-
-
-def torchrun(script: Path, roles: str, *argv: str,
-             processes: int | None = None) -> subprocess.CompletedProcess[str]:
-    """``torchrun --standalone`` of ``script`` on one machine "box", a process per role (or
-    ``processes`` of one role)."""
-    env = dict(os.environ, POLYTRAIN_ROLE=roles, POLYTRAIN_NODE="box",
-               PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
-    return subprocess.run([str(Path(sys.executable).with_name("torchrun")), "--standalone",
-                           "--nproc-per-node", str(processes or len(roles.split(","))),
-                           "--master-port", str(free_port()), str(script), *argv],
-                          env=env, capture_output=True, text=True, timeout=80)
 
 
 @pytest.mark.timeout(90)

@@ -3,8 +3,6 @@
 import os
 import re
 import shutil
-import subprocess
-import sys
 from collections import OrderedDict
 from pathlib import Path
 
@@ -14,11 +12,18 @@ import torch
 import polytrain
 from polytrain import ConfigError, TrainConfig
 from polytrain.data import EpochBatches
-from polytrain.launch.launcher import free_port
 from polytrain.models import GPT
 from polytrain.models import cross_entropy as loss_fn
 from polytrain.strategies.pipetransformer.options import PipeTransformerOptions
-from tests.harness import Sleepy, adam_tolerance, max_abs_diff, run_config, single_of, spawn
+from tests.harness import (
+    Sleepy,
+    adam_tolerance,
+    max_abs_diff,
+    run_config,
+    single_of,
+    spawn,
+    torchrun,
+)
 
 TINY = {"seq_len": 16, "d_model": 32, "layers": 4}  # embed h0 h1 h2 h3 head: 6 layers
 
@@ -445,12 +450,8 @@ def test_the_shared_cache_directory_goes_when_a_script_ends_without_close(tmp_pa
         "x = torch.randint(0, 256, (8, 17))\n"
         "trainer.step(x[:, :-1], x[:, 1:])\n"
         "print(trainer.strategy.shared_cache)\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("POLYTRAIN_")}
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
-               WORLD_SIZE="1", LOCAL_RANK="0", OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
-                          text=True, timeout=100)
-    assert done.returncode == 0, done.stderr
+    done = torchrun(script, "worker")
+    assert done.returncode == 0, done.stderr[-3000:]
     shared = Path(done.stdout.strip().splitlines()[-1])
     try:
         assert shared.name.startswith("polytrain-autocache-") and not shared.exists()
