@@ -334,15 +334,18 @@ def test_load_refuses_parameter_groups_in_another_order(tmp_path):
 PIPE = {"freeze_every": 2, "freeze_threshold": 100.0, "freeze_alpha": 0.5}
 
 
-def pipetransformer_steps(root: str, save_at: int | None, resume: bool) -> dict:
+def pipetransformer_steps(root: str, save_at: int | None, resume: bool,
+                          options: dict | None = None) -> dict:
     """Six steps of a tiny GPT on a one-worker PipeTransformer that freezes at every even
-    step, saved at ``save_at`` or resumed from ``root``: its weights and freeze timeline."""
+    step (or with ``options``), saved at ``save_at`` or resumed from ``root``: its weights
+    and freeze timeline."""
     from polytrain.models import GPT, cross_entropy
     polytrain.init()
     torch.manual_seed(0)
     model = GPT(seq_len=16, d_model=32, layers=4)
     trainer = polytrain.distribute(model, torch.optim.Adam(model.parameters(), lr=3e-3),
-                                   "pipetransformer", loss_fn=cross_entropy, **PIPE)
+                                   "pipetransformer", loss_fn=cross_entropy,
+                                   **(PIPE if options is None else options))
     start = polytrain.load(root, trainer).step if resume else 0
     g = torch.Generator().manual_seed(0)
     for step in range(6):
@@ -371,9 +374,9 @@ def test_load_sets_the_trainers_step_count_so_a_resumed_pipetransformer_freezes_
         assert torch.equal(resumed["weights"][k], v), k
 
 
-def load_into_one_worker(root: str) -> str:
+def load_into_one_worker(root: str, options: dict | None = None) -> str:
     try:
-        pipetransformer_steps(root, None, True)
+        pipetransformer_steps(root, None, True, options)
     except CheckpointError as e:
         return str(e)
     return "loaded"
@@ -392,6 +395,22 @@ def test_load_refuses_a_layout_the_strategy_cannot_carry_its_state_to(tmp_path):
     assert f"checkpoint {root / 'step-3'}: strategy 'pipetransformer' cannot resume a " \
            f"checkpoint of 2 workers on 1" in said, said
     assert manifest["nodes"] == 1  # recorded, for the strategies that check machines
+
+
+@pytest.mark.timeout(120)
+def test_load_refuses_other_options_than_those_that_made_a_scripts_checkpoint(tmp_path):
+    # A script's save recorded no options, and load() took them as the resuming run's: a
+    # PipeTransformer checkpoint saved freezing every 2 steps resumed freezing every 3, its
+    # saved plan and timeline continued under another rule, silently.
+    root = str(tmp_path / "ckpt")
+    spawn(pipetransformer_steps, workers=1, args=(root, 3, False))
+    (said,) = spawn(load_into_one_worker, workers=1,
+                    args=(root, {**PIPE, "freeze_every": 3, "cache_mb": 1.0}))
+    assert "resumes a checkpoint's plan and freeze timeline only with the options that made " \
+           "them (--freeze-every 2 there, 3 here)" in said, said
+    # Where the cache lives may change: the options that made the state are the same.
+    (said,) = spawn(load_into_one_worker, workers=1, args=(root, {**PIPE, "cache_mb": 1.0}))
+    assert said == "loaded"
 
 
 def load_another_step_on_each_worker(root: str) -> str:

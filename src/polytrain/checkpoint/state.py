@@ -191,6 +191,7 @@ def save(root: str | Path, model: nn.Module | Trainer,
                 index_of.setdefault(n, i)
         layout = layout_of(strategy.ctx) if strategy.ctx is not None else None
         meta = {"strategy": strategy.name, **({"nodes": layout.nodes} if layout else {}),
+                "strategy_options": _options_record(strategy.options),
                 **dict(run or {}), "step": step, "workers": count,
                 "time": time.time(),
                 "keys": {k: list(v.shape) for k, v in full.items()},
@@ -347,16 +348,25 @@ def _resolve_alike(path: str | Path, strategy: Strategy[Any],
     return found
 
 
+def _options_record(options: Any) -> dict[str, Any]:
+    """The strategy's options as a checkpoint records them (a script's save has no run
+    record): every field whose value JSON keeps as it is."""
+    return {f.name: v for f in dataclasses.fields(options)
+            if isinstance(v := getattr(options, f.name), (bool, int, float, str, type(None)))}
+
+
 def _check_layout(manifest: Mapping[str, Any], strategy: Strategy[Any], where: Path) -> None:
-    """Refuse, as the CLI's resume does, a checkpoint whose layout this strategy cannot
-    carry its state to (another worker count where each worker's state is its own).
-    Options a checkpoint does not record (saved from a script) are taken as this run's."""
+    """Refuse, as the CLI's resume does, a checkpoint whose layout or options this strategy
+    cannot carry its state to (another worker count where each worker's state is its own,
+    other options that made its state). An option the record leaves out was its default
+    (the CLI records the options it was given); a checkpoint without a record (a script's,
+    before polytrain recorded them) is taken to have this run's."""
     layout = layout_of(strategy.ctx) if strategy.ctx is not None else None
     if layout is None:
         return
     options = strategy.options
-    saved = {"strategy_options": {f.name: getattr(options, f.name)
-                                  for f in dataclasses.fields(options)}, **manifest}
+    saved = {**manifest,
+             "strategy_options": manifest.get("strategy_options", _options_record(options))}
     try:
         type(strategy).check_resume(saved, layout, options)
     except ConfigError as e:
