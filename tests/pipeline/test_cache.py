@@ -1,6 +1,7 @@
 """AutoCache: cached activations give the same loss and gradients as recomputing them."""
 
 
+import os
 import shutil
 import subprocess
 import sys
@@ -105,6 +106,20 @@ def test_a_cache_directory_that_is_not_writable_is_refused(tmp_path):
     blocker.write_text("not a directory")
     with pytest.raises(ConfigError, match=r"the cache directory .*file/cache is not writable"):
         PipeTransformerOptions(cache_dir=str(blocker / "cache"))
+    # A directory not there yet is checked, not made: the options are checked before the
+    # rest of the command, which may be refused (it was made, and left behind).
+    PipeTransformerOptions(cache_dir=str(tmp_path / "new" / "cache"))
+    assert not (tmp_path / "new").exists()
+    made = tmp_path / "made"
+    made.mkdir()
+    PipeTransformerOptions(cache_dir=str(made))
+    assert list(made.iterdir()) == []
+    if os.geteuid() != 0:  # root writes anywhere
+        made.chmod(0o500)
+        with pytest.raises(ConfigError, match=r"made is not writable"):
+            PipeTransformerOptions(cache_dir=str(made))
+        with pytest.raises(ConfigError, match=r"made/cache is not writable"):
+            PipeTransformerOptions(cache_dir=str(made / "cache"))
 
 
 def test_first_stages_of_one_machine_share_their_entries(tmp_path):

@@ -20,6 +20,7 @@ small ``/dev/shm``) ends the publishing with a warning, not the run.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import logging
 import os
@@ -64,12 +65,20 @@ class CacheStats:
 
 
 def check_writable(directory: str) -> None:
-    """Refuse a cache directory this process cannot create files in (one clear line)."""
-    path = Path(directory)
+    """Refuse a cache directory this process cannot create files in (one clear line).
+
+    Creates nothing: a directory not there yet is checked by its nearest existing parent
+    (the options are checked before any other check may refuse the command)."""
+    path = Path(directory).absolute()
+    there = next(p for p in (path, *path.parents) if p.exists())
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = tempfile.NamedTemporaryFile(dir=path, prefix=".polytrain-probe-", delete=True)
-        probe.close()
+        if not there.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR))
+        if there == path:
+            probe = tempfile.NamedTemporaryFile(dir=path, prefix=".polytrain-probe-")
+            probe.close()
+        elif not os.access(there, os.W_OK | os.X_OK):
+            raise PermissionError(errno.EACCES, f"{os.strerror(errno.EACCES)} in {there}")
     except OSError as e:
         raise ConfigError(f"the cache directory {directory} is not writable ({e.strerror})",
                           "pass --cache-dir DIR with a directory you can write, or "
