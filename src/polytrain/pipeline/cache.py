@@ -241,6 +241,7 @@ class ActivationCache:
                 self._dir = Path(tempfile.mkdtemp(prefix="polytrain-cache-", dir=_env.run_dir()))
             else:  # a killed process leaves it: the next cache there removes it
                 check_writable(self._dir_arg)
+                Path(self._dir_arg).mkdir(parents=True, exist_ok=True)
                 self._dir = owned_dir(Path(self._dir_arg), "polytrain-cache-",
                                       "an AutoCache disk tier")
         return self._dir
