@@ -25,6 +25,7 @@ from .checks import (
     check_optimizer_of,
     check_same_model,
     check_same_optimizer,
+    check_same_trained,
 )
 from .trainer import Trainer, with_gate_losses
 
@@ -440,6 +441,7 @@ def distribute(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str
         if ctx.num_workers > 1:
             check_no_forward_renorm(model)
         check_same_model(ctx, model)
+        check_same_trained(ctx, model)
         check_same_optimizer(ctx, model, optimizer)
         if not cls.agrees_model:
             broadcast_module(ctx, model)

@@ -14,7 +14,8 @@ from ..ps.grads import sparse_parameter
 from ..runtime import Context
 
 __all__ = ["check_even_machines", "check_dense_gradients", "check_optimizer_of",
-           "check_same_model", "check_same_optimizer", "check_same_tensors", "check_same_value",
+           "check_same_model", "check_same_optimizer", "check_same_tensors",
+           "check_same_trained", "check_same_value",
            "broadcast_module", "model_signature", "optimizer_signature", "tensor_signature"]
 
 
@@ -45,25 +46,36 @@ def model_signature(model: nn.Module) -> Signature:
     return tensor_signature([*model.named_parameters(), *model.named_buffers()])
 
 
-def _first_difference(a: list[Any], b: list[Any]) -> str:
-    names_a = {n: (s, d) for n, s, d in a}
-    names_b = {n: (s, d) for n, s, d in b}
-    for n, s, d in a:
-        if n not in names_b:
-            return f"has {n!r} {list(s)} that the other lacks"
-        if names_b[n] != (s, d):
-            s2, d2 = names_b[n]
-            return f"{n!r} is {list(s)} {d} there but {list(s2)} {d2} here"
-    for n, s, _ in b:
-        if n not in names_a:
-            return f"lacks {n!r} {list(s)}"
-    return "declares the same tensors in another order"
+def _first_difference(ref: list[Any], other: list[Any], ref_name: str, name: str) -> str:
+    """The first tensor in which ``other`` (``name``'s) differs from ``ref`` (``ref_name``'s)."""
+    in_ref = {n: (s, d) for n, s, d in ref}
+    in_other = {n: (s, d) for n, s, d in other}
+    for n, s, d in ref:
+        if n not in in_other:
+            return f"{name} lacks {n!r} {list(s)}, which {ref_name} has"
+        if in_other[n] != (s, d):
+            s2, d2 = in_other[n]
+            return f"{n!r} is {list(s)} {d} on {ref_name} but {list(s2)} {d2} on {name}"
+    for n, s, _ in other:
+        if n not in in_ref:
+            return f"{name} has {n!r} {list(s)}, which {ref_name} lacks"
+    return f"{name} declares the same tensors in another order"
 
 
 def check_same_model(ctx: Context, model: nn.Module) -> None:
     """Raise ConfigError on every worker if any worker built a different model."""
     check_same_tensors(ctx, model_signature(model), "model",
                        "build the same model with the same options on every worker")
+
+
+def check_same_trained(ctx: Context, model: nn.Module) -> None:
+    """Raise ConfigError on every worker if the workers froze other parameters (the same
+    tensors, another set that trains): their gradient sums would not match (a mismatch on
+    some workers, a timeout or a silently wrong sum on the others)."""
+    check_same_tensors(ctx, tensor_signature(
+        (n, p) for n, p in model.named_parameters() if p.requires_grad),
+        "trained parameters (requires_grad)",
+        "freeze the same parameters on every worker before wrapping the model")
 
 
 def _plain(value: Any) -> Any:
@@ -147,9 +159,9 @@ def check_same_tensors(ctx: Context, signature: Signature,
         if other != reference:
             rank = ctx.topology.workers[i]
             raise ConfigError(
-                f"worker rank {rank}'s {what} differs from worker rank {ref_rank}'s:"
-                f" compared with worker {ref_rank}, worker {rank} "
-                f"{_first_difference(reference, other)}", fix)
+                f"worker rank {rank}'s {what} differs from worker rank {ref_rank}'s: "
+                + _first_difference(reference, other, f"worker rank {ref_rank}",
+                                    f"worker rank {rank}"), fix)
 
 
 def check_same_value(ctx: Context, value: Any, what: str, fix: str) -> None:

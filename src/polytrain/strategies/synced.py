@@ -19,7 +19,7 @@ from ..errors import ConfigError
 from ..moe.checkpoint import moe_layers
 from ..ps.grads import GradientSync
 from ..runtime import Context
-from .checks import broadcast_module, check_same_model, check_same_tensors, tensor_signature
+from .checks import broadcast_module, check_same_model, check_same_trained
 
 __all__ = ["SyncedModule", "check_still_frozen", "keep_missing_for"]
 
@@ -66,13 +66,8 @@ class SyncedModule(nn.Module):
             raise ConfigError(f"rank {ctx.rank} is a server; {method} trains on workers",
                               "wrap the model on workers only (servers serve inside init())")
         check_same_model(ctx, module)
+        check_same_trained(ctx, module)
         self.module = module
-        # The same tensors, but another set that trains: other buckets and keys (a mismatch
-        # naming bucket keys on some workers, a timeout on the others).
-        check_same_tensors(ctx, tensor_signature(self.trained()),
-                           "trained parameters (requires_grad)",
-                           "freeze the same parameters on every worker before wrapping the "
-                           "model")
         broadcast_module(ctx, module)
         #: Parameters frozen at the wrap: they have no sum (:meth:`_check_trained`).
         self._frozen = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]

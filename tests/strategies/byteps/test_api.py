@@ -234,7 +234,8 @@ def test_workers_with_different_models_are_refused_before_any_tensor_is_overwrit
     out = spawn(mismatched_models, workers=2, nodes=2, colocated=1)
     assert [rank for rank, *_ in out] == [0, 1]
     for rank, errors, unchanged, exp_avg in out:
-        differ = r"'weight' is \[2, 4\] torch.float32 there but \[3, 4\] torch.float32 here"
+        differ = (r"'weight' is \[2, 4\] torch.float32 on worker rank 0 but \[3, 4\] "
+                  r"torch.float32 on worker rank 1")
         assert re.search(r"worker rank 1's broadcast_parameters\(\) argument differs from "
                          r"worker rank 0's: .*" + differ, errors["parameters"])
         assert re.search(r"worker rank 1's list of optimizer parameters differs .*"
