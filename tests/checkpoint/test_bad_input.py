@@ -281,6 +281,16 @@ def test_resume_without_out_goes_on_in_the_resumed_runs_out(capsys, saved, tmp_p
                     str(run / "checkpoints" / "step-2"), *LONGER)
     assert f"is not the newest checkpoint of {run} (step-4 is), and no --out is given: going " \
            f"on there would write over that run's final.pt and metrics.json" in line
+    # The run went on to step 6 from step-4: a run of 5 steps from there would write over
+    # its results (it was accepted: metrics.json went from 6 steps to 5).
+    before = (run / "metrics.json").read_text()
+    shorter = [("5" if a == "6" and i and LONGER[i - 1] == "--steps" else a)
+               for i, a in enumerate(LONGER)]
+    line = error_of(capsys, "--strategy", "single", "--resume", str(run), *shorter)
+    assert f"--resume {run} is of a run of --steps 6, this one has --steps 5, and no --out " \
+           f"is given: ending there would write over that run's final.pt and metrics.json. " \
+           f"HINT: pass --out DIR, or --steps 6" in line, line
+    assert (run / "metrics.json").read_text() == before
     outside = tmp_path / "step-4"
     shutil.copytree(saved / "checkpoints" / "step-4", outside)
     backup = tmp_path / "backup"  # a folder of step-S, not a run's checkpoints/

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import json
 import re
 import sys
+from pathlib import Path
 from typing import Any, Sequence
 
 from .. import _env
@@ -141,14 +143,30 @@ def _out(ns: argparse.Namespace) -> str | None:
         raise ConfigError(f"--resume {ns.resume} is not inside a run's --out, and no --out is "
                           f"given: the run would write nothing",
                           "pass --out DIR for its metrics.json, final.pt and checkpoints")
+    manifest = read_manifest(where)
+    # The run that wrote the checkpoint, or one that went on from it, may have been longer.
+    longest = max(int(manifest.get("steps", 0)), _steps_written(found / "metrics.json"))
+    if longest > ns.steps:
+        raise ConfigError(f"--resume {ns.resume} is of a run of --steps {longest}, this one "
+                          f"has --steps {ns.steps}, and no --out is given: ending there would "
+                          f"write over that run's final.pt and metrics.json",
+                          f"pass --out DIR, or --steps {longest}")
     # Only checkpoints past the resumed one are verified (usually none).
-    last = newest(found / "checkpoints", after=int(read_manifest(where)["step"]))
+    last = newest(found / "checkpoints", after=int(manifest["step"]))
     if last is not None:
         raise ConfigError(f"--resume {ns.resume} is not the newest checkpoint of {found} "
                           f"({last.name} is), and no --out is given: going on there would "
                           f"write over that run's final.pt and metrics.json",
                           f"pass --out DIR, or --resume {found} for its newest")
     return str(found)
+
+
+def _steps_written(metrics: Path) -> int:
+    """The steps of the run whose ``metrics.json`` this is; 0 where there is none to read."""
+    try:
+        return int(json.loads(metrics.read_text()).get("steps", 0))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return 0
 
 
 def auto_config(ns: argparse.Namespace) -> TrainConfig:
