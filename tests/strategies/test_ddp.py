@@ -100,9 +100,10 @@ def test_sparse_gradients_are_metered_by_the_rows_gloo_gathers_not_as_dense():
     assert max(sent) < metrics["model_bytes"] / 50
 
 
-def distributes_a_max_norm_embedding(strategy: str) -> str:
+def distributes_a_max_norm_embedding(strategy: str, option: str = "max_norm") -> str:
     polytrain.init()
-    model = nn.Sequential(nn.Embedding(10, 4, max_norm=1.0), nn.Linear(4, 2))
+    embedding = ({"max_norm": 1.0} if option == "max_norm" else {"scale_grad_by_freq": True})
+    model = nn.Sequential(nn.Embedding(10, 4, **embedding), nn.Linear(4, 2))
     try:
         polytrain.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1), strategy)
     except polytrain.ConfigError as e:
@@ -119,3 +120,15 @@ def test_an_embedding_that_renormalizes_in_the_forward_is_refused(strategy):
     assert said == [said[0]] * 2 and said[0].startswith(
         "0 renormalizes the rows it reads in place during the forward (max_norm=1): each "
         "worker would change only its own batch's rows"), said
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("strategy", ["ddp", "herring"])
+def test_an_embedding_that_scales_its_gradient_by_the_batchs_counts_is_refused(strategy):
+    # Each worker scaled by its own slice's counts of each row: the sum was not the whole
+    # batch's gradient (ddp), silently.
+    said = spawn(distributes_a_max_norm_embedding, workers=2, colocated=int(strategy != "ddp"),
+                 args=(strategy, "scale_grad_by_freq"))
+    assert said == [said[0]] * 2 and said[0].startswith(
+        "0 scales its gradient by how often each row occurs in the batch (scale_grad_by_freq="
+        "True): each worker would count its own slice"), said

@@ -21,6 +21,7 @@ from ..tensors import host_state
 from .checks import (
     broadcast_module,
     check_even_machines,
+    check_no_batch_scaled_gradients,
     check_no_forward_renorm,
     check_optimizer_of,
     check_same_model,
@@ -440,6 +441,7 @@ def distribute(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str
         check_optimizer_of(model, optimizer)
         if ctx.num_workers > 1:
             check_no_forward_renorm(model)
+            check_no_batch_scaled_gradients(model)
         check_same_model(ctx, model)
         check_same_trained(ctx, model)
         check_same_optimizer(ctx, model, optimizer)

@@ -13,8 +13,8 @@ from ..errors import ConfigError
 from ..ps.grads import sparse_parameter
 from ..runtime import Context
 
-__all__ = ["check_even_machines", "check_dense_gradients", "check_optimizer_of",
-           "check_same_model", "check_same_optimizer", "check_same_tensors",
+__all__ = ["check_even_machines", "check_dense_gradients", "check_no_batch_scaled_gradients",
+           "check_optimizer_of", "check_same_model", "check_same_optimizer", "check_same_tensors",
            "check_same_trained", "check_same_value",
            "broadcast_module", "model_signature", "optimizer_signature", "tensor_signature"]
 
@@ -194,6 +194,19 @@ def check_dense_gradients(model: nn.Module, strategy: str) -> None:
                           f"nn.Embedding(sparse=True)), and strategy {strategy!r} sums dense "
                           f"ones", "train with --strategy parallax (its rows on servers) or "
                           "ddp, or make them dense (--model wordlm: --dense-grads)")
+
+
+def check_no_batch_scaled_gradients(model: nn.Module) -> None:
+    """Refuse an embedding that scales its gradient by the batch's counts of each row
+    (``scale_grad_by_freq``): each worker would scale by its own slice's counts, and the
+    sum would not be the one-process gradient (nor can a sparse gradient carry it)."""
+    for name, m in model.named_modules():
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.scale_grad_by_freq:
+            raise ConfigError(
+                f"{name or type(m).__name__} scales its gradient by how often each row occurs "
+                f"in the batch (scale_grad_by_freq=True): each worker would count its own "
+                f"slice, and the summed gradient would not be the whole batch's",
+                "leave scale_grad_by_freq out, or train with strategy single")
 
 
 def check_no_forward_renorm(model: nn.Module) -> None:
