@@ -452,3 +452,24 @@ def test_workers_that_find_other_checkpoints_are_refused_on_every_worker(tmp_pat
     assert seen == unseen == f"the workers found other checkpoints: worker 0 " \
                              f"{root / 'step-2'}, worker 1 none", seen
     assert none == none_too == "none"
+
+
+def test_load_refuses_a_checkpoint_of_a_larger_model_before_loading_any_of_it(tmp_path):
+    # Only this model's parameters were looked up in the checkpoint: one of a model with
+    # more layers failed in torch's strict load_state_dict (a RuntimeError), after it had
+    # copied the matching layers.
+    def trainer(layers: int) -> polytrain.Trainer:
+        torch.manual_seed(layers)
+        model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(layers)])
+        return polytrain.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                    "single", loss_fn=nn.functional.mse_loss)
+    polytrain.save(tmp_path, trainer(3), step=1)
+    two = trainer(2)
+    before = {k: v.clone() for k, v in two.state_dict().items()}
+    with pytest.raises(CheckpointError, match=r"step-1 is of another model: it has '2.bias', "
+                                              r"which this model lacks"):
+        polytrain.load(tmp_path, two)
+    assert all(torch.equal(v, two.state_dict()[k]) for k, v in before.items())
+    polytrain.save(tmp_path / "two", two, step=1)
+    with pytest.raises(CheckpointError, match=r"is of another model: it has no '2.weight'"):
+        polytrain.load(tmp_path / "two", trainer(3))

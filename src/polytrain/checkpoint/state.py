@@ -274,6 +274,16 @@ def load(path: str | Path, model: nn.Module | Trainer,
                                   f"{keys[n]} there and {list(p.shape)} here",
                                   "resume with the checkpoint's --model and model options, "
                                   "or start without --resume")
+    if strategy.whole_model and not strategy.pipeline:  # the local model is the whole one:
+        # torch's strict load would name other keys only after loading the matching ones
+        mine = set(getattr(model, "module", model).state_dict())
+        other = sorted(set(keys) - mine) or sorted(mine - set(keys))
+        if other:
+            said = ("it has {!r}, which this model lacks" if other[0] in keys
+                    else "it has no {!r}").format(other[0])
+            raise CheckpointError(f"checkpoint {where} is of another model: {said}",
+                                  "resume with the checkpoint's --model and "
+                                  "model options, or start without --resume")
     saved_workers = int(manifest["workers"])
     files: dict[int, dict[str, Any]] = {}
 
