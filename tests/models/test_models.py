@@ -52,6 +52,16 @@ def test_a_sequence_past_seq_len_and_a_hidden_width_below_1_are_refused_by_name(
     with pytest.raises(ValueError, match=r"sequences of at most seq_len 8 tokens, and got 9"):
         model(torch.zeros(1, 9, dtype=torch.long))
     assert model(torch.zeros(1, 8, dtype=torch.long)).shape == (1, 8, 256)
+    # MLP and WordLM failed in torch ("mat1 and mat2 shapes cannot be multiplied").
+    mlp = MLP(seq_len=8)
+    with pytest.raises(ValueError, match=r"windows of exactly seq_len 8 bytes, and got 6"):
+        mlp(torch.zeros(1, 6, dtype=torch.long))
+    assert mlp(torch.zeros(1, 8, dtype=torch.long)).shape == (1, 256)
+    lm = get_model("wordlm").make(vocab=100, seq_len=8, d_model=16, layers=1, heads=2)
+    with pytest.raises(ValueError, match=r"windows of at most seq_len \+ 1 = 9 words, and got "
+                                         r"10"):
+        lm(torch.zeros(1, 10, dtype=torch.long))
+    assert lm(torch.zeros(1, 9, dtype=torch.long)).shape == (1, 8)
     for bad in (0, -5):
         with pytest.raises(ConfigError, match=rf"--d-hidden must be at least 1 \(got {bad}\)"):
             GPT(seq_len=8, d_model=16, layers=1, heads=2, d_hidden=bad)

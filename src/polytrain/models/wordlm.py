@@ -117,6 +117,9 @@ class WordLM(nn.Module):
 
     def forward(self, window: torch.Tensor) -> torch.Tensor:
         """(batch, seq_len + 1) ids -> (batch, seq_len) losses of predicting each next word."""
+        if window.shape[1] > self.pos.shape[0] + 1:  # the positions' shape error, in torch
+            raise ValueError(f"the model takes windows of at most seq_len + 1 = "
+                             f"{self.pos.shape[0] + 1} words, and got {window.shape[1]}")
         x, y = window[:, :-1], window[:, 1:]
         neg = self.sample().to(window.device)
         if self.training:  # an evaluation draws the next step's negatives, and leaves them
