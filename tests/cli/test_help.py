@@ -154,3 +154,19 @@ def test_an_unknown_or_prefix_option_is_refused_with_the_subcommands_usage(args,
     assert exit_.value.code == 2
     assert err.startswith(f"usage: polytrain {args[0]} "), err
     assert f"polytrain {args[0]}: error: unrecognized arguments: {unknown}\n" in err
+
+
+@pytest.mark.parametrize("argv, args", [
+    (["s.py", "--", "-1"], ["--", "-1"]),         # argparse dropped this '--'
+    (["s.py", "a", "--", "b"], ["a", "--", "b"]),
+    (["--workers", "2", "--", "s.py", "a"], ["a"]),  # the launcher's own '--'
+    (["s.py"], []),
+])
+def test_launch_passes_the_scripts_arguments_as_given(argv, args, monkeypatch):
+    # `python s.py -- -1` gives the script ['--', '-1']; `polytrain launch s.py -- -1` gave it
+    # ['-1'], which a script that reads what follows '--' as positionals took otherwise.
+    import polytrain.cli.launch as cli_launch
+    given = []
+    monkeypatch.setattr(cli_launch, "launch_script", lambda script, a, **_: given.append(a))
+    assert main(["launch", *argv]) == 0
+    assert given == [args]

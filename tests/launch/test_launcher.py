@@ -342,6 +342,27 @@ def test_the_sweep_removes_only_directories_a_launcher_that_is_gone_made(tmp_pat
         n for n in dirs if n != "polytrain-4194999-12345-stale123")
 
 
+@pytest.mark.timeout(30)
+def test_the_sweep_stops_what_a_killed_launchers_processes_left_running(tmp_path):
+    # Symptom: after kill -9 of the launcher, a helper a worker had started (its parent-death
+    # signal is not inherited) ran on for good; the next launch removed only the directory.
+    stale = tmp_path / "polytrain-4194999-12345-stale123"
+    stale.mkdir()
+    mark_as(stale, 4194999, 12345)
+    env = {**os.environ, "POLYTRAIN_RUN_DIR": str(stale), "POLYTRAIN_ROLE": "worker",
+           "RANK": "1"}
+    helper = subprocess.Popen(["sleep", "60"], env=env)
+    other = subprocess.Popen(["sleep", "60"])  # not the run's: left alone
+    try:
+        sweep_stale(tmp_path, "polytrain-", "the work directory")
+        assert helper.wait(timeout=10) == -signal.SIGTERM
+        assert other.poll() is None and not stale.exists()
+    finally:
+        for p in (helper, other):
+            p.kill()
+            p.wait()
+
+
 @pytest.mark.skipif(not SHM_ROOT.is_dir(), reason="no /dev/shm on this host")
 @pytest.mark.timeout(90)
 def test_the_runs_shared_memory_is_removed_however_the_run_ends():
@@ -590,7 +611,8 @@ def test_a_worker_ended_by_a_signal_from_outside_is_named_not_taken_for_an_inter
             f"    polytrain.launch(scripts.write_pid_and_hang, workers=2, "
             f"args=({str(tmp_path)!r},))\n"
             "except polytrain.LaunchError as e:\n"
-            "    print('interrupted' if e.interrupted else 'failed', e, file=sys.stderr)\n")
+            "    print('interrupted' if e.interrupted else 'failed', e.exitcode, e, "
+            "file=sys.stderr)\n")
     launcher = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT,
                                 stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
@@ -599,7 +621,9 @@ def test_a_worker_ended_by_a_signal_from_outside_is_named_not_taken_for_an_inter
         time.sleep(0.1)
     os.kill(int((tmp_path / "pid-1").read_text()), signal.SIGTERM)
     _, err = launcher.communicate(timeout=60)
-    assert re.search(r"failed worker rank 1 \(machine node0\) failed: ended by SIGTERM \(exit "
+    # As a signal, as docs/architecture.md says (polytrain train exits 1), not with 143: the
+    # code of the launcher's own SIGTERM.
+    assert re.search(r"failed -15 worker rank 1 \(machine node0\) failed: ended by SIGTERM \(exit "
                      r"code 143\).*HINT: a signal ended it.*SIGTERM or SIGINT, something "
                      r"outside the run", err), err
 
@@ -901,6 +925,13 @@ def test_a_bad_polytrain_timeout_is_refused_before_any_process_starts():
     # Every process raised it from polytrain.init(), each with its traceback.
     with pytest.raises(ConfigError, match=r"POLYTRAIN_TIMEOUT='abc' is not a number of seconds"):
         polytrain.launch(scripts.identity, workers=2, env={"POLYTRAIN_TIMEOUT": "abc"})
+    # Not a string: an AttributeError, or a fork server's thread traceback then one.
+    for env in ({"POLYTRAIN_TIMEOUT": 30}, {"OMP_NUM_THREADS": 1}):
+        (key, value), = env.items()
+        with pytest.raises(ConfigError, match=rf"env\['{key}'\] = {value}: environment "
+                                              rf"variables are strings\. HINT: pass "
+                                              rf"env={{'{key}': '{value}'}}"):
+            polytrain.launch(scripts.identity, workers=2, env=env)
 
 
 @pytest.mark.timeout(90)

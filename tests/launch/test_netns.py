@@ -58,6 +58,16 @@ def clean_host():
 
 # -- input -------------------------------------------------------------------------------------
 
+def test_rates_and_times_from_python_without_their_units_are_refused():
+    # An AttributeError ('float' object has no attribute 'lower').
+    with pytest.raises(ConfigError, match=r"--bandwidth 1000000000\.0 has no unit\. HINT: pass "
+                                          r"it as a string with its unit, e\.g\. --bandwidth "
+                                          r"1gbit"):
+        link_shape(1e9)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"--latency 0\.001 has no unit"):
+        link_shape("1gbit", 0.001)  # type: ignore[arg-type]
+
+
 def test_rates_and_times_parse_as_tc_writes_them():
     assert parse_rate("200mbit") == 200_000_000
     assert parse_rate("1Gbit") == parse_rate("1GBIT") == parse_rate("1gbit") == 10**9

@@ -33,6 +33,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser(args)
     ns, unknown = parser.parse_known_args(args)
+    ns.argv = args  # as given: argparse drops a '--' right after launch's SCRIPT
     if unknown:  # with the subcommand's usage, not the top level's
         getattr(parser, "commands")[ns.command].error(  # noqa: B009
             f"unrecognized arguments: {' '.join(unknown)}")

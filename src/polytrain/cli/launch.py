@@ -37,6 +37,16 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(run=run)
 
 
+def _script_args(ns: argparse.Namespace) -> list[str]:
+    """SCRIPT's ARGS as given: argparse drops a '--' right after SCRIPT, which ``python
+    SCRIPT -- A`` passes on (a script may read what follows it as positionals)."""
+    given = list(getattr(ns, "argv", []))
+    for i, arg in enumerate(given):
+        if arg == ns.script and given[i + 1:i + 2] == ["--"] and given[i + 2:] == ns.args:
+            return given[i + 1:]
+    return list(ns.args)
+
+
 def run(ns: argparse.Namespace) -> int:
     if ns.script is None:  # argparse said "required: SCRIPT, ARGS", and ARGS are not
         raise ConfigError("polytrain launch needs the SCRIPT to run",
@@ -44,6 +54,6 @@ def run(ns: argparse.Namespace) -> int:
                           "train.py --lr 0.1")
     layout = Layout(workers=ns.workers, nodes=ns.nodes, servers=ns.servers,
                     colocated=ns.colocated)
-    launch_script(ns.script, ns.args, layout=layout, port=ns.port, timeout_s=ns.timeout,
+    launch_script(ns.script, _script_args(ns), layout=layout, port=ns.port, timeout_s=ns.timeout,
                   bandwidth=ns.bandwidth, latency=ns.latency, rank_prefix=ns.rank_prefix)
     return 0

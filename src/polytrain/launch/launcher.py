@@ -203,6 +203,10 @@ class Launcher:
                  env: Mapping[str, str] | None = None, timeout_s: float | None = None,
                  shape: LinkShape | None = None, rank_prefix: bool = True) -> None:
         check_port(port)
+        for key, value in (env or {}).items():  # Popen's TypeError, in the fork server
+            if not isinstance(key, str) or not isinstance(value, str):
+                raise ConfigError(f"env[{key!r}] = {value!r}: environment variables are "
+                                  f"strings", f"pass env={{{key!r}: {str(value)!r}}}")
         if timeout_s is not None:
             _env.check_seconds(timeout_s, "--timeout", "pass --timeout 120")
         else:  # POLYTRAIN_TIMEOUT (else the default), read once here: a bad value is one line
@@ -664,6 +668,9 @@ def sweep_stale(root: Path, kind: str, what: str) -> None:
     ``kind`` and a random suffix, and marked by :func:`mark_owner`) and that process no
     longer runs (killed before it could remove them itself): the pid is gone or reused.
 
+    The processes still running with such a directory in their environment (what the
+    dead run's processes started) are stopped first.
+
     Anything else is left alone: a user's folder named ``polytrain-2024-06-01``; a directory
     of a process in another PID namespace (a container sharing /tmp or /dev/shm) or on
     another host (a shared file system), whose pid says nothing here; one a process was
@@ -679,6 +686,9 @@ def sweep_stale(root: Path, kind: str, what: str) -> None:
             continue
         if owner is not None and not owner[1]:
             pid = owner[0]
+            # What its processes started outlives a kill -9 of that launcher (Linux's
+            # parent-death signal reaches its children, not theirs): stopped here.
+            _stop_left_behind(stale, set(), clean=False)
             shutil.rmtree(stale, ignore_errors=True)
             log.warning("removed %s of a run whose process (pid %d) is gone: %s", what, pid,
                         stale)
@@ -793,8 +803,10 @@ def _failure(child: _Child, oom_kills_before: int | None) -> _Failure:
                         f"{f' ({why})' if why else _OOM_CAUSE if oom(how) else ''}",
                         0.0, False, label,
                         _OOM_HINT if oom(how) and not why else _SERVER_DIED_HINT)
-    if code in _SIGNAL_EXITS:  # the child's own handler: a signal from outside the run
-        return _Failure(child.spec, code, f"ended by {_SIGNAL_EXITS[code]} (exit code {code})",
+    if code in _SIGNAL_EXITS:  # the child's own handler: a signal from outside the run,
+        # reported as the signal (the CLI exits 1, not 143: a launcher's own interrupt's code)
+        return _Failure(child.spec, 128 - code, f"ended by {_SIGNAL_EXITS[code]} (exit code "
+                        f"{code})",
                         0.0, False, label, _SIGNALLED_HINT)
     if code < 0:
         # A process killed by a signal nobody in the run sent is the likeliest root cause.

@@ -109,6 +109,9 @@ def _tool(cmd: Sequence[str], input: str | None = None) -> subprocess.CompletedP
 
 
 def _quantity(text: str, units: Mapping[str, float], flag: str, example: str) -> float:
+    if not isinstance(text, str):  # a number from Python: which unit was meant?
+        raise ConfigError(f"{flag} {text!r} has no unit", f"pass it as a string with its "
+                          f"unit, e.g. {flag} {example}")
     m = _QUANTITY.fullmatch(text.lower())
     if m is not None:
         number, unit = float(m.group(1)), m.group(2)
