@@ -138,10 +138,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nodes", type=int, default=4)
     p.add_argument("--servers", type=int, nargs="+", default=[0, 1, 2],
                    help="CPU servers k of each BytePS run (default 0 1 2)")
-    p.add_argument("--out", type=Path, default=RESULTS / "byteps.json")
+    p.add_argument("--out", type=Path, default=None,
+                   help="default: results/byteps.json (--quick: byteps_quick.json)")
     args = p.parse_args(argv)
     if args.quick:
         args.rounds, args.steps, args.batch_size = 1, 4, 8
+    args.out = args.out or RESULTS / ("byteps_quick.json" if args.quick else "byteps.json")
     cfgs = configs(args)
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in cfgs}
     for r in range(args.rounds):

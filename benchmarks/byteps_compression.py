@@ -67,7 +67,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--compressors", nargs="*", default=COMPRESSORS)
-    parser.add_argument("--out", default=str(RESULTS / "byteps_compression.json"))
+    parser.add_argument("--out", default=None, help="default: results/byteps_compression.json "
+                                                    "(--quick: byteps_compression_quick.json)")
     parser.add_argument("--compress-warmup", type=int, default=0, metavar="N",
                         help="compressed runs: the first N steps uncompressed")
     parser.add_argument("--compress-warmup-with", default="none", metavar="NAME[:ARG]",
@@ -80,6 +81,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--keep", action="store_true",
                         help="keep the runs in --out that this one does not redo")
     args = parser.parse_args(argv)
+    args.out = args.out or str(RESULTS / ("byteps_compression_quick.json" if args.quick
+                                          else "byteps_compression.json"))
     model = {"seq_len": 16, "d_model": 64, "layers": 2} if args.quick else {}
     steps = args.steps or (30 if args.quick else 500)
     base = polytrain.TrainConfig(strategy="byteps", workers=2, nodes=2, servers=1, steps=steps,

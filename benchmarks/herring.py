@@ -47,8 +47,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--servers", type=int, default=2)
-    p.add_argument("--out", type=Path, default=RESULTS / "herring.json")
+    p.add_argument("--out", type=Path, default=None,
+                   help="default: results/herring.json (--quick: herring_quick.json)")
     args = p.parse_args(argv)
+    args.out = args.out or RESULTS / ("herring_quick.json" if args.quick else "herring.json")
     model = {"seq_len": 16, "d_model": 32, "layers": 2} if args.quick else {}
     if args.quick:
         args.rounds, args.steps = 1, 4

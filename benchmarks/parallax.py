@@ -162,12 +162,13 @@ def main(argv: list[str] | None = None) -> int:
         search = m["partition_search"]
         chosen = search["chosen"]
         best = min(fixed, key=fixed.get)
-        out["partitions"] = {"fixed_step_s": fixed, "search": search, "chosen": chosen,
-                             "best_fixed": best,
-                             "chosen_fixed_step_s": fixed.get(chosen),
-                             "within_of_best": (fixed[chosen] / fixed[best] - 1)
-                             if chosen in fixed else None}
-        print(json.dumps({k: v for k, v in out["partitions"].items() if k != "search"}))
+        # Its own key: "partitions" holds the speed runs' counts (it was written over).
+        out["partition_sweep"] = {"fixed_step_s": fixed, "search": search, "chosen": chosen,
+                                  "best_fixed": best,
+                                  "chosen_fixed_step_s": fixed.get(chosen),
+                                  "within_of_best": (fixed[chosen] / fixed[best] - 1)
+                                  if chosen in fixed else None}
+        print(json.dumps({k: v for k, v in out["partition_sweep"].items() if k != "search"}))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1) + "\n")
     _plot(out, args.out.with_suffix(".png"))

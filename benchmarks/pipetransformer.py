@@ -131,8 +131,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", nargs="*", default=None, help="run only these variants")
     p.add_argument("--merge", action="store_true",
                    help="add these runs to those already in --out (split a long benchmark)")
-    p.add_argument("--out", type=Path, default=RESULTS / "pipetransformer.json")
+    p.add_argument("--out", type=Path, default=None, help="default: results/pipetransformer"
+                                                         ".json (--quick: ..._quick.json)")
     args = p.parse_args(argv)
+    args.out = args.out or RESULTS / ("pipetransformer_quick.json" if args.quick
+                                      else "pipetransformer.json")
     model = {"seq_len": 32, "d_model": 64, "layers": 8, "heads": 4}
     if args.quick:
         model = {"seq_len": 16, "d_model": 32, "layers": 4, "heads": 4}
