@@ -40,6 +40,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 import polytrain
 from polytrain.models import GPT
 from polytrain.ps.compression import DEFAULT_MIN_BYTES
@@ -89,14 +91,18 @@ def main(argv: list[str]) -> int:
                                  quiet=True, model_options=model, timeout_s=300)
     share = small_share(model)
     rows: dict[str, dict[str, Any]] = {}
-    task = {"steps": steps, "model": model or "default GPT"}
+    # The losses depend on torch and on the CPU kernels it picks (the float sums): a kept
+    # run of another is no baseline (a dithering run was compared with an older torch's
+    # uncompressed one).
+    task = {"steps": steps, "model": model or "default GPT", "torch": torch.__version__,
+            "cpu_capability": torch.backends.cpu.get_cpu_capability()}
     if args.keep and Path(args.out).exists():
         kept = json.loads(Path(args.out).read_text())
         there = {k: kept.get("config", {}).get(k) for k in task}
         if there != task:  # ratios to another task's uncompressed run would mean nothing
-            raise SystemExit(f"--keep: the runs in {args.out} are of another task ({there}; "
-                             f"now {task}): pass the same --steps and --quick, or leave out "
-                             f"--keep")
+            raise SystemExit(f"--keep: the runs in {args.out} are of another task or "
+                             f"environment ({there}; now {task}): pass the same --steps and "
+                             f"--quick, or leave out --keep (run them all again)")
         rows = dict(kept["runs"])
     for name in args.compressors:
         options: dict[str, Any] = {} if name == "none" else {"compress": name,
