@@ -8,7 +8,7 @@ from polytrain import CommError, ConfigError, TrainConfig
 from polytrain.models import WordLM
 from polytrain.optim import LazyAdam, row_adagrad, row_adam, row_sgd, sparse_rule
 from polytrain.ps.protocol import Op, Request
-from polytrain.ps.sparse import SparseRowStore, pack_rows, state_numel
+from polytrain.ps.sparse import SparseRowStore, pack_rows, rule_settings, state_numel
 from polytrain.ps.stores import Declaration
 from polytrain.strategies.parallax import (
     ParallaxOptions,
@@ -260,12 +260,15 @@ def test_the_stores_whole_state_moves_to_another_store_with_the_rules_state():
     a, out = store(rule, pushers=1)
     a.handle(request(Op.SET, 0, 0, torch.cat([torch.ones(12), torch.zeros(12),
                                               torch.tensor([0.0, 0.0])])))
-    a.handle(request(Op.PUSH, 0, 1, pack_rows(0.1, torch.tensor([2]), torch.ones(1, 2))))
+    settings = rule_settings(rule)  # every push carries them: a scheduler may move them
+    a.handle(request(Op.PUSH, 0, 1, pack_rows(0.1, torch.tensor([2]), torch.ones(1, 2),
+                                              settings=settings)))
     a.handle(request(Op.GET, 0, 0))
     b, out_b = store(rule, pushers=1)
     b.handle(request(Op.SET, 0, 0, out[-1][1]))
     for s in (a, b):
-        s.handle(request(Op.PUSH, 0, 2, pack_rows(0.1, torch.tensor([2]), torch.ones(1, 2))))
+        s.handle(request(Op.PUSH, 0, 2, pack_rows(0.1, torch.tensor([2]), torch.ones(1, 2),
+                                                  settings=settings)))
         s.handle(request(Op.GET, 0, 0))
     assert torch.equal(out[-1][1], out_b[-1][1]) and out_b[-1][1][-2:].tolist() == [2, 2]
 

@@ -8,13 +8,15 @@ the update rule (:func:`polytrain.optim.sparse_rule`: sgd, adagrad, adam) and
 the server applies it itself, once per round, to the rows that round touched.
 
 - PUSH of round t: :func:`pack_rows` (the round's learning rate, whether the
-  pusher's machine read the parameter at all that round, the unique rows of
-  this range the pusher touched, counted from the range's start, and their
-  gradient, already averaged over the workers). A pusher that touched no row
-  of the range pushes only the first two. Once all ``pushers`` have pushed
-  round t and round t - 1 is applied, the pushes are concatenated in rank
-  order, summed per row and the rule steps those rows. Its step count counts
-  the rounds in which some machine read the parameter, as one process's
+  pusher's machine read the parameter at all that round, the round's settings
+  of the rule (:func:`rule_settings`: a scheduler may move Adam's betas), the
+  unique rows of this range the pusher touched, counted from the range's
+  start, and their gradient, already averaged over the workers). A pusher
+  that touched no row of the range pushes only the first three. Once all
+  ``pushers`` have pushed round t and round t - 1 is applied, the pushes are
+  concatenated in rank order, summed per row and the rule steps those rows,
+  with the round's learning rate and settings. Its step count counts the
+  rounds in which some machine read the parameter, as one process's
   optimizer counts the steps that gave the parameter a gradient.
 - PULL of round r with a payload of int64 rows: their values, (rows, width),
   once r rounds are applied. Without a payload: the whole state
@@ -26,7 +28,7 @@ the server applies it itself, once per round, to the rows that round touched.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -42,34 +44,61 @@ from .stores import (
     register_store,
 )
 
-__all__ = ["SparseRowStore", "pack_rows", "unpack_rows", "state_numel", "state_tensors"]
+__all__ = ["SparseRowStore", "pack_rows", "unpack_rows", "rule_settings", "with_settings",
+           "state_numel", "state_tensors"]
 
-_HEAD_BYTES = 16  # two float64 ahead of the rows: the learning rate, whether it was read
+# Two float64 ahead of the rule's settings: the learning rate, whether it was read.
+_HEAD_BYTES = 16
+
+
+def rule_settings(rule: Mapping[str, Any]) -> list[float]:
+    """The settings of ``rule`` (as :func:`polytrain.optim.sparse_rule` gives it) that every
+    push carries after its learning rate: a scheduler may move them between steps
+    (OneCycleLR cycles Adam's beta1). Adam: beta1, beta2, eps; Adagrad: lr_decay, eps."""
+    if rule["name"] == "adam":
+        return [float(rule["betas"][0]), float(rule["betas"][1]), float(rule["eps"])]
+    if rule["name"] == "adagrad":
+        return [float(rule["lr_decay"]), float(rule["eps"])]
+    return []
+
+
+def with_settings(rule: Mapping[str, Any], settings: Sequence[float]) -> dict[str, Any]:
+    """``rule`` with the settings :func:`rule_settings` gave (in its order)."""
+    if rule["name"] == "adam":
+        beta1, beta2, eps = settings
+        return {**rule, "betas": [beta1, beta2], "eps": eps}
+    if rule["name"] == "adagrad":
+        lr_decay, eps = settings
+        return {**rule, "lr_decay": lr_decay, "eps": eps}
+    return dict(rule)
 
 
 def pack_rows(lr: float, rows: torch.Tensor, values: torch.Tensor, *,
-              read: bool | None = None) -> torch.Tensor:
-    """One push's payload as uint8: lr and ``read`` (float64; default: whether ``rows``
-    holds any), rows (int64), values (rows, width)."""
+              read: bool | None = None, settings: Sequence[float] = ()) -> torch.Tensor:
+    """One push's payload as uint8: lr, ``read`` (default: whether ``rows`` holds any) and
+    the rule's ``settings`` (:func:`rule_settings`; float64), rows (int64), values
+    (rows, width)."""
     read = bool(rows.numel()) if read is None else read
-    parts = [torch.tensor([lr, float(read)], dtype=torch.float64).view(torch.uint8),
+    parts = [torch.tensor([lr, float(read), *settings], dtype=torch.float64).view(torch.uint8),
              rows.to(torch.int64).contiguous().view(torch.uint8),
              values.contiguous().view(-1).view(torch.uint8)]
     return torch.cat(parts)
 
 
-def unpack_rows(payload: torch.Tensor, width: int, dtype: torch.dtype
-                ) -> tuple[float, bool, torch.Tensor, torch.Tensor]:
-    """The inverse of :func:`pack_rows`: lr, read, rows, values."""
+def unpack_rows(payload: torch.Tensor, width: int, dtype: torch.dtype, settings: int = 0
+                ) -> tuple[float, bool, tuple[float, ...], torch.Tensor, torch.Tensor]:
+    """The inverse of :func:`pack_rows` (of ``settings`` settings): lr, read, the settings,
+    rows, values."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    n, rest = divmod(payload.numel() - _HEAD_BYTES, 8 + width * itemsize)
+    head = _HEAD_BYTES + 8 * settings
+    n, rest = divmod(payload.numel() - head, 8 + width * itemsize)
     if rest or n < 0:
-        raise ValueError(f"a payload of {payload.numel()} bytes is not lr, read + rows of "
-                         f"width {width}")
-    lr, read = payload[:_HEAD_BYTES].view(torch.float64).tolist()
-    rows = payload[_HEAD_BYTES:_HEAD_BYTES + 8 * n].view(torch.int64)
-    values = payload[_HEAD_BYTES + 8 * n:].view(dtype).view(n, width)
-    return lr, bool(read), rows, values
+        raise ValueError(f"a payload of {payload.numel()} bytes is not lr, read, {settings} "
+                         f"settings + rows of width {width}")
+    lr, read, *settings_of = payload[:head].view(torch.float64).tolist()
+    rows = payload[head:head + 8 * n].view(torch.int64)
+    values = payload[head + 8 * n:].view(dtype).view(n, width)
+    return lr, bool(read), tuple(settings_of), rows, values
 
 
 def state_tensors(rule: str) -> int:
@@ -141,24 +170,29 @@ class SparseRowStore(Store):
         stepped = False
         while len(self.rounds.get(self.applied + 1, ())) == self.decl.pushers:
             pushes = self.rounds.pop(self.applied + 1)
-            unpacked = [unpack_rows(pushes[p], self.width, self.value.dtype)
+            count = len(rule_settings(self.rule))
+            unpacked = [unpack_rows(pushes[p], self.width, self.value.dtype, count)
                         for p in sorted(pushes)]  # rank order: independent of arrival order
-            lrs = {lr for lr, _, _, _ in unpacked}
-            if len(lrs) != 1:
+            heads = {(lr, settings) for lr, _, settings, _, _ in unpacked}
+            if len(heads) != 1:
                 raise CommError(f"server: {self.decl.describe()}: the pushers of round "
-                                f"{self.applied + 1} disagree on the learning rate ({sorted(lrs)})",
-                                "every worker must use the same learning-rate schedule")
+                                f"{self.applied + 1} disagree on the learning rate or the "
+                                f"rule's settings ({sorted(heads)})",
+                                "every worker must use the same optimizer settings and "
+                                "schedule")
+            lr, settings = heads.pop()
             # A round that read the parameter nowhere is not one of its steps: one process's
             # optimizer skips a parameter without a gradient (Adam's bias correction counts).
-            self.steps += any(read for _, read, _, _ in unpacked)
-            rows = torch.cat([r for _, _, r, _ in unpacked])
+            self.steps += any(read for _, read, _, _, _ in unpacked)
+            rows = torch.cat([r for _, _, _, r, _ in unpacked])
             if rows.numel():
-                values = torch.cat([v for _, _, _, v in unpacked])
+                values = torch.cat([v for _, _, _, _, v in unpacked])
                 unique, inverse = torch.unique(rows, return_inverse=True)
                 summed = torch.zeros(unique.numel(), self.width, dtype=values.dtype)
                 summed.index_add_(0, inverse, values)
-                apply_rule(self.rule, self.value, self.state, unique, summed,
-                           step=self.steps, lr=lrs.pop())
+                # The round's settings: a scheduler may have moved them since the declaration.
+                apply_rule(with_settings(self.rule, settings), self.value, self.state, unique,
+                           summed, step=self.steps, lr=lr)
             self.applied += 1
             stepped = True
         if stepped:

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ...errors import CommError
+from ...ps.grads import travels_divided
 from ...runtime import Context
 
 __all__ = ["DenseSync"]
@@ -45,6 +46,11 @@ class DenseSync:
                          + [torch.tensor([float(p.grad is not None) for p in self.params],
                                          dtype=self.params[0].dtype,
                                          device=self.params[0].device)]).cpu()
+        # A 16-bit sum of the workers' gradients can overflow (two of 40,000 are inf in
+        # float16): those travel divided, as torch's DDP does; the rest divide the sum.
+        divided = travels_divided(flat.dtype)
+        if divided:
+            flat.div_(ctx.num_workers)
         local = len(ctx.local_workers) > 1
         leader = ctx.local_workers[0]
         if local:
@@ -64,7 +70,8 @@ class DenseSync:
                                     "look at the other leaders' logs") from None
             if local:
                 dist.broadcast(flat, src=leader, group=ctx.groups.local)
-            flat.div_(ctx.num_workers)
+            if not divided:
+                flat.div_(ctx.num_workers)
             had = flat[-len(self.params):]
             at = 0
             for p, used in zip(self.params, had.tolist()):

@@ -108,8 +108,7 @@ class ParallaxPlan:
 
 
 def unservable(m: nn.Module) -> str | None:
-    """Why an embedding's rows cannot live on servers (None: they can). (One with
-    ``max_norm`` no data-parallel strategy takes: ``checks.check_no_forward_renorm``.)"""
+    """Why an embedding's rows cannot live on servers (None: they can)."""
     if isinstance(m, nn.EmbeddingBag) and m.mode == "max":
         return "mode='max' has no sparse gradient"
     return None
@@ -138,23 +137,41 @@ def classify(model: nn.Module, *, sparse_embeddings: bool = True
              ) -> tuple[list[str], list[str]]:
     """(dense parameter names, sparse parameter names) of ``model``, in parameter order.
 
-    Sparse: the weights of :func:`sparse_tables`. A sparse weight shared with another
-    module (tied weights) is refused: its gradient would be partly dense.
+    Sparse: the weights of :func:`sparse_tables`. Embeddings that share one weight (an
+    encoder's and a decoder's table) are one sparse parameter: every use of it is a
+    lookup. Refused: a sparse weight another kind of module also uses (an output layer
+    tied to the table: its gradient there is dense), and an embedding of a sparse weight
+    with ``max_norm`` (its forward renormalizes the rows it reads in place, on the
+    worker's copy, which the servers' rows overwrite at the next fetch; one worker too).
     """
     sparse_ids = {id(m.weight) for m in sparse_tables(model,
                                                       sparse_embeddings=sparse_embeddings)}
-    users: dict[int, int] = {}
-    for m in model.modules():
-        for p in m.parameters(recurse=False):
-            users[id(p)] = users.get(id(p), 0) + 1
+    tied: dict[int, str] = {}  # a sparse weight's first user that is no lookup of it
+    for module_name, m in model.named_modules():
+        is_lookup = isinstance(m, (nn.Embedding, nn.EmbeddingBag))
+        for pname, p in m.named_parameters(recurse=False):
+            if id(p) not in sparse_ids or not p.requires_grad:
+                continue
+            if is_lookup and pname == "weight":
+                if m.max_norm is not None:
+                    raise ConfigError(
+                        f"{module_name or type(m).__name__} renormalizes the rows it reads in "
+                        f"place during the forward (max_norm={m.max_norm:g}), and parallax "
+                        f"holds its rows on servers: the next fetch overwrites the renormalized "
+                        f"rows with the servers' (with any number of workers)",
+                        "leave max_norm out, or, with one worker, keep the table on it: "
+                        "sparse_embeddings=False (--no-sparse-embeddings) and sparse=False")
+            else:
+                tied.setdefault(id(p), f"{module_name or 'the model'} ({type(m).__name__})")
     dense, sparse = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
         if id(p) in sparse_ids:
-            if users.get(id(p), 0) > 1:
-                raise ConfigError(f"{name} is an embedding's weight shared with another module "
-                                  f"(tied weights): its gradient is partly dense",
+            if id(p) in tied:
+                raise ConfigError(f"{name} is an embedding's weight that {tied[id(p)]} also "
+                                  f"uses (tied weights): its gradient there is dense, and "
+                                  f"parallax's servers take the rows a lookup read",
                                   "untie the weights, or pass --no-sparse-embeddings and "
                                   "sparse=False")
             if p.dim() != 2:

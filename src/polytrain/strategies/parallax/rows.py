@@ -35,7 +35,7 @@ from ...ps.client import Pending
 from ...ps.engine import engine_for
 from ...ps.placement import Placement
 from ...ps.protocol import Kind, Op
-from ...ps.sparse import pack_rows, state_numel, state_tensors
+from ...ps.sparse import pack_rows, rule_settings, state_numel, state_tensors
 from ...runtime import Context
 from .plan import ParallaxPlan
 
@@ -330,12 +330,16 @@ class SparseRows:
         summed.index_add_(0, inverse, values)
         return unique, summed
 
-    def _lr(self, var: _Var) -> float:
-        for g in self.optimizer.param_groups:
-            if any(p is var.param for p in g["params"]):
-                return float(g["lr"])
-        raise ConfigError(f"{var.name} is in no group of the optimizer",
-                          "pass every parameter of the model to the optimizer")
+    def _rule(self, var: _Var) -> dict[str, Any]:
+        """``var``'s rule as the optimizer's group has it now: a scheduler may have moved
+        its learning rate and settings (OneCycleLR cycles Adam's beta1, or SGD's momentum,
+        which has no sparse form) since :func:`distribute`."""
+        try:
+            return sparse_rule(self.optimizer, var.param, var.name)
+        except ConfigError as e:
+            raise ConfigError(f"{e.what}; changed after distribute() (by a scheduler?)",
+                              f"{e.hint}, and keep it so through the run (OneCycleLR: pass "
+                              f"cycle_momentum=False)") from None
 
     def push(self) -> None:
         """Push this step's sparse gradients (once per machine) and clear them locally."""
@@ -343,6 +347,7 @@ class SparseRows:
         self.round += 1
         workers = self.ctx.num_workers
         for var in self.vars:
+            rule = self._rule(var)  # every worker: all refuse a rule that has no sparse form
             rows, values = self._local_sum(*self._gradient(var))
             var.param.grad = None  # the servers update it, not the local optimizer
             var.fresh.zero_()
@@ -351,11 +356,11 @@ class SparseRows:
                 continue
             values = values / workers  # every replica's loss is a mean over its slice: average
             var.touched.add(rows.numel())
-            lr = self._lr(var)
             for i, r, part in self._split(var, rows):
                 lo, hi = torch.searchsorted(rows, torch.tensor([r.lo, r.hi])).tolist()
                 # Whether the machine read the parameter at all: a step of its rule.
-                payload = pack_rows(lr, part - r.lo, values[lo:hi], read=bool(rows.numel()))
+                payload = pack_rows(rule["lr"], part - r.lo, values[lo:hi],
+                                    read=bool(rows.numel()), settings=rule_settings(rule))
                 self.inflight.append((self.engine.push(self.placement, i, round=self.round,
                                                        tensor=payload), payload))
 

@@ -68,6 +68,7 @@ class Parallax(ServedStrategy[ParallaxOptions]):
         self.plan: ParallaxPlan | None = None
         self.rows: SparseRows | None = None
         self.dense: DenseSync | None = None
+        self.unchanged: _Unchanged | None = None
         self.search: PartitionSearch | None = None
         self._count = 0  # the partition count in use
         self._since = 0  # steps at this count
@@ -105,6 +106,8 @@ class Parallax(ServedStrategy[ParallaxOptions]):
             # first pull that overtook them read the store's zeros.
             dist.barrier(group=ctx.groups.workers)
         self.dense = DenseSync(ctx, [params[n] for n in dense])
+        self.unchanged = _Unchanged([(n, p) for n, p in model.named_parameters()
+                                     if p.requires_grad])
         optimizer.register_step_pre_hook(lambda opt, args, kwargs: self._before_step())
         optimizer.register_step_post_hook(lambda opt, args, kwargs: self._step_done())
         return model, optimizer
@@ -113,7 +116,8 @@ class Parallax(ServedStrategy[ParallaxOptions]):
         self._ended = time.perf_counter()
 
     def _before_step(self) -> None:
-        assert self.dense is not None
+        assert self.dense is not None and self.unchanged is not None
+        self.unchanged.check()
         # The pushes are packed and sent (and the servers apply them) while the dense
         # all-reduce runs in gloo's thread.
         finish = self.dense.start()
@@ -274,8 +278,54 @@ class Parallax(ServedStrategy[ParallaxOptions]):
                 state.get("touched", {}).get(v.name, []))
 
     def close(self) -> None:
+        if self.unchanged is not None:
+            self.unchanged.close()
         if self.rows is not None:
             self.rows.close()
+
+
+class _Unchanged:
+    """Every gradient as the last backward() left it (the tensor and its version), so that
+    the step refuses one changed since: parallax averages the gradients inside
+    ``optimizer.step()``, and a change before it (``clip_grad_norm_``) would act on each
+    worker's own gradient, by its own norm."""
+
+    def __init__(self, named: list[tuple[str, nn.Parameter]]) -> None:
+        self.named = named
+        self.left: list[tuple[torch.Tensor | None, int]] | None = None  # None: no backward
+        self._queued = False
+        self._hooks = [p.register_post_accumulate_grad_hook(self._hook) for _, p in named]
+
+    def _hook(self, param: torch.Tensor) -> None:
+        if not self._queued:  # once per backward: what the whole pass left
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._record)
+
+    def _record(self) -> None:
+        self._queued = False
+        self.left = [(p.grad, 0 if p.grad is None else p.grad._version) for _, p in self.named]
+
+    def check(self) -> None:
+        """Refuse a gradient replaced or changed in place since the last backward()."""
+        left, self.left, self._queued = self.left, None, False
+        if left is None:
+            return
+        for (name, p), (grad, version) in zip(self.named, left):
+            if p.grad is grad and (grad is None or grad._version == version):
+                continue
+            how = "was replaced" if p.grad is not grad else "was changed in place"
+            raise ConfigError(
+                f"the gradient of {name!r} {how} between backward() and optimizer.step() "
+                f"(gradient clipping, or a GradScaler's unscale_?): parallax averages the "
+                f"gradients over the workers inside the step, so the change would act on "
+                f"this worker's own gradient only",
+                "leave the gradients as backward() made them under parallax; to clip them, "
+                "train with strategy 'ddp', which averages them during backward()")
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
 
 
 class _Gathered(nn.Module):

@@ -1,0 +1,290 @@
+"""Parallax at its edges: 16-bit gradients, max_norm, tied tables, gradients changed before the
+step, optimizer settings a scheduler moves."""
+
+import pytest
+import torch
+from torch import nn
+
+from polytrain import CommError, ConfigError, LaunchError
+from polytrain.optim import LazyAdam
+from polytrain.strategies.parallax import classify
+from tests.harness import max_abs_diff, spawn
+
+# -- 16-bit dense gradients --------------------------------------------------------------------
+
+
+class _Half(nn.Module):
+    """One float16 parameter whose gradient is 40,000 on every slice of the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(4, dtype=torch.float16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.w * x).sum(1).mean()
+
+
+def half_script(distributed: bool) -> torch.Tensor:
+    import polytrain
+    ctx = polytrain.init() if distributed else None
+    model: nn.Module = _Half()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-5)
+    if ctx is not None:
+        model, opt = polytrain.distribute(model, opt, strategy="parallax")
+    x = torch.full((4, 4), 40000.0, dtype=torch.float16)
+    if ctx is not None:
+        x = polytrain.shard(x, ctx.worker_index, ctx.num_workers)
+    opt.zero_grad()
+    model(x).backward()
+    opt.step()
+    return model.w.detach().clone()
+
+
+@pytest.mark.timeout(120)
+def test_16_bit_dense_gradients_are_divided_before_they_are_summed():
+    # Two workers' float16 gradients of 40,000 were summed (80,000: inf in float16) and only
+    # then divided: the weights became -inf, where single moves them to -0.4.
+    alone = half_script(False)
+    workers = spawn(half_script, workers=2, colocated=1, args=(True,))
+    assert alone.tolist() == pytest.approx([-0.4] * 4, abs=1e-3)
+    for w in workers:
+        assert torch.equal(w, alone), (w, alone)
+
+
+# -- max_norm ----------------------------------------------------------------------------------
+
+def max_norm_script() -> None:
+    import polytrain
+    polytrain.init()
+    model = nn.Sequential(nn.Embedding(20, 4, max_norm=1.0), nn.Linear(4, 1))
+    polytrain.distribute(model, torch.optim.SGD(model.parameters(), lr=0.5),
+                         strategy="parallax", partitions=1)
+
+
+@pytest.mark.timeout(120)
+def test_an_embedding_with_max_norm_is_refused_even_with_one_worker():
+    # With one worker nothing refused it, and its forward's in-place renormalisation of the
+    # rows it read was overwritten by the servers' rows at the next fetch: 2.52 off single.
+    with pytest.raises(LaunchError, match=r"ConfigError: 0 renormalizes the rows it reads in "
+                                          r"place during the forward \(max_norm=1\), and "
+                                          r"parallax holds its rows on servers.*HINT: leave "
+                                          r"max_norm out"):
+        spawn(max_norm_script, workers=1, colocated=1)
+
+
+def test_max_norm_is_refused_only_where_the_rows_go_to_servers():
+    model = nn.Sequential(nn.Embedding(20, 4, max_norm=1.0), nn.Linear(4, 1))
+    with pytest.raises(ConfigError, match=r"0 renormalizes the rows .* \(max_norm=1\)"):
+        classify(model)
+    # Kept on the workers, it is an ordinary dense parameter (one worker: as single).
+    assert classify(model, sparse_embeddings=False) == (["0.weight", "1.weight", "1.bias"], [])
+
+
+# -- tied tables -------------------------------------------------------------------------------
+
+class _TiedTables(nn.Module):
+    """An encoder's and a decoder's table sharing one weight: both uses are lookups."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc, self.dec = nn.Embedding(8, 4), nn.Embedding(8, 4)
+        self.dec.weight = self.enc.weight
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        return self.out(self.enc(src).mean(1) * self.dec(tgt).mean(1))
+
+
+def tied_tables_script(distributed: bool, optimizer: str) -> dict:
+    import polytrain
+    ctx = polytrain.init() if distributed else None
+    torch.manual_seed(0)
+    model: nn.Module = _TiedTables()
+    opt = (torch.optim.SGD(model.parameters(), lr=0.5) if optimizer == "sgd"
+           else torch.optim.Adagrad(model.parameters(), lr=0.1))
+    if ctx is not None:
+        model, opt = polytrain.distribute(model, opt, strategy="parallax", partitions=2)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        # Rows 0-3 for the source, 2-7 for the target: some rows are read by both.
+        src, tgt = torch.randint(0, 4, (4, 3), generator=gen), torch.randint(2, 8, (4, 3),
+                                                                             generator=gen)
+        y = torch.randn(4, 2, generator=gen)
+        if ctx is not None:
+            src, tgt, y = (polytrain.shard(t, ctx.worker_index, ctx.num_workers)
+                           for t in (src, tgt, y))
+        opt.zero_grad()
+        nn.functional.mse_loss(model(src, tgt), y).backward()
+        opt.step()
+    return polytrain.full_state_dict(model) if ctx is not None else {
+        k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+def test_two_embeddings_sharing_a_weight_are_served_as_single_trains_them(optimizer):
+    # They were refused as "its gradient is partly dense": both uses are lookups.
+    model = _TiedTables()
+    assert classify(model) == (["out.weight", "out.bias"], ["enc.weight"])
+    alone = tied_tables_script(False, optimizer)
+    workers = spawn(tied_tables_script, workers=2, nodes=2, colocated=1,
+                    args=(True, optimizer))
+    untrained = {k: v.detach() for k, v in _seeded_tied().state_dict().items()}
+    assert max_abs_diff(alone, untrained) > 1e-2  # the weights moved
+    assert max_abs_diff(alone, workers[0]) < 1e-6
+
+
+def _seeded_tied() -> nn.Module:
+    torch.manual_seed(0)
+    return _TiedTables()
+
+
+def test_an_embedding_tied_to_a_linear_layer_is_refused_naming_it():
+    model = nn.ModuleDict({"tok": nn.Embedding(8, 4), "head": nn.Linear(4, 8)})
+    model["head"].weight = model["tok"].weight
+    with pytest.raises(ConfigError, match=r"tok.weight is an embedding's weight that head "
+                                          r"\(Linear\) also uses \(tied weights\): its "
+                                          r"gradient there is dense"):
+        classify(model)
+
+
+# -- gradients changed between backward() and step() -------------------------------------------
+
+class _Mlp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x))).pow(2).mean()
+
+
+def clipped_script() -> None:
+    import polytrain
+    ctx = polytrain.init()
+    torch.manual_seed(0)
+    model: nn.Module = _Mlp()
+    model, opt = polytrain.distribute(model, torch.optim.SGD(model.parameters(), lr=0.5),
+                                      strategy="parallax")
+    gen = torch.Generator().manual_seed(ctx.worker_index)
+    # Two backward passes before a step accumulate, as in one process: not a change.
+    opt.zero_grad()
+    model(torch.randn(4, 4, generator=gen)).backward()
+    model(torch.randn(4, 4, generator=gen)).backward()
+    opt.step()
+    opt.zero_grad()
+    model(torch.randn(4, 4, generator=gen)).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+    opt.step()
+
+
+@pytest.mark.timeout(120)
+def test_a_gradient_changed_between_backward_and_the_step_is_refused():
+    # parallax averages the gradients in optimizer.step(): clip_grad_norm_ before it clipped
+    # each worker's own gradient by its own norm, and the run ended 0.031 off single, silently.
+    with pytest.raises(LaunchError, match=r"ConfigError: the gradient of 'a.weight' was "
+                                          r"changed in place between backward\(\) and "
+                                          r"optimizer.step\(\).*HINT: "):
+        spawn(clipped_script, workers=2, colocated=1)
+
+
+# -- optimizer settings a scheduler moves ------------------------------------------------------
+
+class _Table(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(20, 4, sparse=True)
+        self.lin = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(self.emb(x)).pow(2).mean()
+
+
+def one_cycle_script(distributed: bool) -> dict:
+    """LazyAdam under OneCycleLR, which cycles beta1 as well as the learning rate."""
+    import polytrain
+    ctx = polytrain.init() if distributed else None
+    torch.manual_seed(0)
+    model: nn.Module = _Table()
+    opt = LazyAdam(model.parameters(), lr=0.05)
+    if ctx is not None:
+        model, opt = polytrain.distribute(model, opt, strategy="parallax", partitions=2)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=8)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(6):
+        x = torch.randint(0, 20, (4, 3), generator=gen)
+        if ctx is not None:
+            x = polytrain.shard(x, ctx.worker_index, ctx.num_workers)
+        opt.zero_grad()
+        model(x).backward()
+        opt.step()
+        sched.step()
+    return polytrain.full_state_dict(model) if ctx is not None else {
+        k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.timeout(120)
+def test_a_schedulers_betas_reach_the_servers_rows():
+    # The rule's settings were read once at distribute() and each push carried only the
+    # learning rate: OneCycleLR's beta1 never reached the servers (0.017 off single).
+    alone = one_cycle_script(False)
+    workers = spawn(one_cycle_script, workers=2, colocated=1, args=(True,))
+    assert max_abs_diff(alone, workers[0]) < 1e-6
+
+
+def momentum_cycle_script() -> None:
+    import polytrain
+    polytrain.init()
+    model = _Table()
+    model, opt = polytrain.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                      strategy="parallax", partitions=1)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=4)
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.tensor([[1, 2]])).backward()
+        opt.step()
+        sched.step()
+
+
+@pytest.mark.timeout(120)
+def test_momentum_a_scheduler_gives_the_sparse_rows_sgd_is_refused():
+    # OneCycleLR gave SGD momentum 0.85-0.95 after distribute(); the servers' rows went on
+    # without it, silently.
+    with pytest.raises(LaunchError, match=r"ConfigError: SGD with momentum 0.9\d* .*has no "
+                                          r"sparse form \(emb.weight.*after distribute\(\).*"
+                                          r"HINT: .*cycle_momentum=False"):
+        spawn(momentum_cycle_script, workers=1, colocated=1)
+
+
+def test_the_store_steps_each_round_with_the_settings_it_carries():
+    # The store applied the betas declared at distribute() to every round.
+    from polytrain.optim import row_adam
+    from polytrain.ps.protocol import Op
+    from polytrain.ps.sparse import pack_rows, rule_settings
+    from tests.strategies.test_parallax import request, store
+    rule = {"name": "adam", "lr": 0.1, "eps": 1e-8, "betas": [0.9, 0.999]}
+    s, out = store(rule, pushers=1)
+    s.handle(request(Op.SET, 0, 0, torch.cat([torch.ones(12), torch.zeros(24),
+                                              torch.tensor([0.0, 0.0])])))
+    expected, m, v = torch.ones(6, 2), torch.zeros(6, 2), torch.zeros(6, 2)
+    # Round 2's betas are a scheduler's, moved since the declaration.
+    for round_, grad, betas in ((1, 1.0, (0.9, 0.999)), (2, 3.0, (0.5, 0.9))):
+        s.handle(request(Op.PUSH, 0, round_, pack_rows(
+            0.1, torch.tensor([2]), torch.full((1, 2), grad),
+            settings=rule_settings({**rule, "betas": list(betas)}))))
+        row_adam(expected, m, v, torch.tensor([2]), torch.full((1, 2), grad), lr=0.1,
+                 step=round_, betas=betas, eps=1e-8)
+    s.handle(request(Op.GET, 0, 0))
+    assert torch.allclose(out[-1][1][:12].view(6, 2), expected, rtol=0, atol=1e-7)
+    assert not torch.allclose(expected[2], torch.tensor(0.8), atol=1e-3)  # not Adam's sign step
+
+    # Pushers that disagree on a setting are refused, as on the learning rate.
+    s, _ = store(rule, pushers=2)
+
+    def push(src, beta1):
+        settings = rule_settings({**rule, "betas": [beta1, 0.9]})
+        s.handle(request(Op.PUSH, src, 1, pack_rows(0.1, torch.tensor([2]), torch.ones(1, 2),
+                                                    settings=settings)))
+    push(0, 0.5)
+    with pytest.raises(CommError, match="disagree on the learning rate or the rule's settings"):
+        push(1, 0.6)
