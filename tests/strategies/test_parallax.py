@@ -50,7 +50,7 @@ def test_the_plan_puts_the_embeddings_on_servers_and_the_body_on_all_reduce():
     assert classify(plain, sparse_embeddings=False) == (["0.weight", "1.weight", "1.bias"], [])
 
 
-def test_an_embedding_bag_of_mode_max_stays_dense_or_is_refused():
+def test_an_embedding_bag_of_mode_max_or_scaled_by_frequency_stays_dense_or_is_refused():
     # Made sparse, it met torch's "max mode does not support sparse weights" at its first
     # forward.
     model = nn.Sequential(nn.EmbeddingBag(10, 4, mode="max"), nn.EmbeddingBag(10, 4))
@@ -59,6 +59,10 @@ def test_an_embedding_bag_of_mode_max_stays_dense_or_is_refused():
                                           r"hold its rows on servers: mode='max' has no "
                                           r"sparse gradient"):
         classify(nn.Sequential(nn.EmbeddingBag(10, 4, mode="max", sparse=True)))
+    # scale_grad_by_freq met torch's "not supported with sparse gradients" in backward (one
+    # worker: more are refused by every strategy).
+    model = nn.Sequential(nn.Embedding(10, 4, scale_grad_by_freq=True), nn.Embedding(10, 4))
+    assert classify(model) == (["0.weight"], ["1.weight"])
 
 
 def test_row_ranges_are_spread_greedily_by_bytes_over_the_servers():

@@ -111,6 +111,8 @@ def unservable(m: nn.Module) -> str | None:
     """Why an embedding's rows cannot live on servers (None: they can)."""
     if isinstance(m, nn.EmbeddingBag) and m.mode == "max":
         return "mode='max' has no sparse gradient"
+    if isinstance(m, nn.Embedding) and m.scale_grad_by_freq:
+        return "scale_grad_by_freq has no sparse gradient"  # torch: not supported
     return None
 
 
