@@ -26,8 +26,9 @@ in one round of a sum, on a machine with workers a (handler) and b:
 
 Local messages are tagged per (key, round) on their own channel
 (:mod:`polytrain.comm.tags`), so they match whatever order gradients become
-ready in; the only blocking waits live in three threads per worker
-(scheduler, send drain, completer) and in :meth:`Engine.wait`.
+ready in; the only blocking waits live in four threads per worker
+(scheduler, send drain, completer, and a watcher of the rounds that
+:meth:`Engine.ready` was asked about) and in :meth:`Engine.wait`.
 """
 
 from __future__ import annotations
@@ -111,7 +112,13 @@ class SumTensor:
     result: torch.Tensor = field(default_factory=lambda: torch.empty(0))
     busy: bool = False
     pending: int = 0  # this worker's handler partitions not yet summed in this round
+    # Set when this worker's handler partitions are summed: the others' sums may still be
+    # on their way from their handlers (``recvs``).
     done: threading.Event = field(default_factory=threading.Event)
+    # With :meth:`Engine.ready` asked this round: the watcher thread waits for every
+    # message of the round and sets ``arrived``; :meth:`Engine.wait` waits for that.
+    watched: bool = False
+    arrived: threading.Event = field(default_factory=threading.Event)
     recvs: list[Handle] = field(default_factory=list)
     sends: list[Handle] = field(default_factory=list)
     keep: list[torch.Tensor] = field(default_factory=list)  # buffers in flight
@@ -143,6 +150,7 @@ class Engine:
         self.queue: CreditQueue[_Task] = CreditQueue(credit_bytes)
         self.sent: queue.Queue[tuple[_Task, list[Handle], torch.Tensor] | None] = queue.Queue()
         self.answers: queue.Queue[tuple[_Task, Handle] | None] = queue.Queue()
+        self.watching: queue.Queue[SumTensor | None] = queue.Queue()
         self.tensors: list[SumTensor] = []
         self.error: BaseException | None = None
         self.closed = False
@@ -327,7 +335,8 @@ class Engine:
         self._threads = [threading.Thread(target=self._guard, args=(fn,), daemon=True, name=name)
                          for fn, name in ((self._schedule, "polytrain-engine-schedule"),
                                           (self._drain_sends, "polytrain-engine-sent"),
-                                          (self._complete, "polytrain-engine-complete"))]
+                                          (self._complete, "polytrain-engine-complete"),
+                                          (self._watch, "polytrain-engine-watch"))]
         for t in self._threads:
             t.start()
 
@@ -354,6 +363,8 @@ class Engine:
         mine = [p for p in t.parts if p.handler == self.me]
         t.pending = len(mine)
         t.done.clear()
+        t.watched = False
+        t.arrived.clear()
         transport = self.ctx.transport
         for p in t.parts:
             lo, n = p.part.offset, p.part.numel
@@ -376,12 +387,37 @@ class Engine:
         if not mine:
             t.done.set()
 
+    def ready(self, t: SumTensor) -> bool:
+        """Whether :meth:`wait` would return at once: every partition's sum is here, and
+        every message of the round has moved. Never blocks.
+
+        gloo cannot tell whether a message has arrived without waiting for it, so the first
+        call of a round hands the round's messages to the watcher thread, which waits for
+        them (a round never asked about is waited for by :meth:`wait` itself)."""
+        if not t.busy or self.error is not None:
+            return True  # wait() returns the sum, or raises the error, at once
+        if t.done.is_set() and not t.recvs and not t.sends:  # (the completer's are in)
+            return True  # no peer on this machine: nothing left to move
+        if not t.watched:
+            t.watched = True
+            self.watching.put(t)
+        return t.arrived.is_set()
+
     def wait(self, t: SumTensor) -> torch.Tensor:
         """The sum over every worker of the last submitted round, flat on CPU."""
         if not t.busy:
             raise ConfigError(f"{t.name!r} has no sum in flight", "submit() it first")
+        self._wait_for(t.arrived if t.watched else t.done, t)
+        if not t.watched:  # the watcher waited for them, and a handle is waited for once
+            for h in t.recvs + t.sends:
+                h.wait()
+        t.busy = False
+        t.keep = []
+        return t.result
+
+    def _wait_for(self, event: threading.Event, t: SumTensor) -> None:
         deadline = time.monotonic() + self.ctx.timeout_s
-        while not t.done.wait(_WAKE_S):
+        while not event.wait(_WAKE_S):
             self._raise()
             if time.monotonic() > deadline:
                 raise CommTimeout(f"rank {self.me}: the sum of {t.name!r} did not arrive within "
@@ -389,11 +425,6 @@ class Engine:
                                   "alive but slow, raise the timeout (--timeout)",
                                   waited_s=self.ctx.timeout_s)
         self._raise()
-        for h in t.recvs + t.sends:
-            h.wait()
-        t.busy = False
-        t.keep = []
-        return t.result
 
     def close(self) -> None:
         """Stop the threads (the servers stay for the context's shutdown)."""
@@ -403,6 +434,7 @@ class Engine:
         self.queue.close()
         self.sent.put(None)
         self.answers.put(None)
+        self.watching.put(None)
         for t in self._threads:
             t.join(timeout=1.0)
         mine = _engines.get(self.ctx, {})
@@ -425,6 +457,7 @@ class Engine:
             self.queue.close()
             for t in self.tensors:
                 t.done.set()
+                t.arrived.set()
 
     def _schedule(self) -> None:
         client = self.ctx.ps_client
@@ -484,6 +517,21 @@ class Engine:
                 t.pending -= 1
                 if t.pending == 0:
                     t.done.set()
+
+    def _watch(self) -> None:
+        # Rounds that ready() was asked about: every message of the round, as wait() would.
+        while (t := self.watching.get()) is not None:
+            while not (t.done.wait(_WAKE_S) or self.closed):
+                pass
+            if self.closed or self.error is not None:  # wait() raises it (or nobody waits)
+                return
+            for h in t.recvs:
+                h.wait()
+            with self._lock:  # the completer has added its last sends before ``done``
+                sends = list(t.sends)
+            for h in sends:
+                h.wait()
+            t.arrived.set()
 
 
 def engine_for(ctx: Context, *, credit_bytes: int = DEFAULT_CREDIT_BYTES) -> Engine:

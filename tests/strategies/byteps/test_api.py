@@ -322,3 +322,101 @@ def test_the_drop_in_takes_compression_with_the_options_that_need_one():
     for out in spawn(compressed_drop_in, workers=2, colocated=1):
         assert out["compressed"] and out["mapped"]  # the weight's bucket is compressed
         assert out["both"].startswith("DistributedDataParallel got both compression=")
+
+
+def broadcast_bare_tensors():
+    polytrain.init()
+    model = make_model(seed=bps.rank())
+    bps.broadcast_parameters(list(model.parameters()), root_rank=1)
+    first = [p.detach().clone() for p in model.parameters()]
+    other = make_model(seed=10 + bps.rank())  # named pairs and bare tensors in one list
+    mixed = [("0.weight", other[0].weight), other[2].bias]
+    bps.broadcast_parameters(mixed, root_rank=0)
+    said = {"number": refused(lambda: bps.broadcast_parameters([model[0].weight, 3])),
+            "one": refused(lambda: bps.broadcast_parameters(model[0].weight))}
+    return first, other[0].weight.detach().clone(), other[2].bias.detach().clone(), said
+
+
+@pytest.mark.timeout(60)
+def test_broadcast_parameters_takes_bare_tensors_as_byteps_does():
+    # Symptom: bps.broadcast_parameters(list(model.parameters())), which BytePS takes (its
+    # docstring names model.parameters()), failed with "too many values to unpack". Cause:
+    # only a state_dict or (name, tensor) pairs were read.
+    out = spawn(broadcast_bare_tensors, workers=2, colocated=1)
+    want = [p.detach() for p in make_model(seed=1).parameters()]
+    for first, weight, bias, said in out:
+        assert all(torch.equal(a, b) for a, b in zip(first, want))
+        assert torch.equal(weight, make_model(seed=10)[0].weight.detach())
+        assert torch.equal(bias, make_model(seed=10)[2].bias.detach())
+        assert said["number"] == ("broadcast_parameters() takes tensors or (name, tensor) "
+                                  "pairs, and item 1 is a int. HINT: pass model.state_dict(), "
+                                  "model.named_parameters() or model.parameters()")
+        assert said["one"].startswith("broadcast_parameters() got one tensor")
+
+
+def unknown_keywords():
+    polytrain.init()
+    model = nn.Linear(4, 2)
+
+    def wrap(**kw):
+        return bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                        named_parameters=model.named_parameters(), **kw)
+    return {"typo": refused(lambda: wrap(error_feedbak=True)),
+            "params": refused(lambda: wrap(compression_params={"compressor": "onebit"})),
+            "ddp": refused(lambda: DDP(model, credit_byte=0))}
+
+
+@pytest.mark.timeout(60)
+def test_unknown_keywords_are_refused_in_one_line_listing_the_options():
+    # Symptom: a misspelt option, or BytePS's compression_params={...}, gave a raw TypeError
+    # from BytePSOptions(...). Cause: the keywords went to the dataclass unchecked.
+    [said] = spawn(unknown_keywords, workers=1, colocated=1)
+    assert re.fullmatch(r"unknown DistributedOptimizer keyword 'error_feedbak'; the "
+                        r"DistributedOptimizer's keyword options are: async_, colocate, "
+                        r"compress, .*, staleness\. HINT: did you mean error_feedback=\?",
+                        said["typo"]), said["typo"]
+    assert said["params"].startswith("DistributedOptimizer takes no compression_params")
+    assert "HINT: pass compression= (a bps.Compression member" in said["params"]
+    assert "error_feedback=True and compress_momentum=M" in said["params"]
+    assert re.fullmatch(r"unknown DistributedDataParallel keyword 'credit_byte'; .*credit_bytes"
+                        r".*HINT: did you mean credit_bytes=\?", said["ddp"]), said["ddp"]
+    assert all("\n" not in s for s in said.values())
+
+
+def poll_while_the_other_worker_sleeps():
+    polytrain.init()
+    out = []
+    for late in (0, 1):  # each worker is once the late one; one of them handles the sum
+        if bps.rank() == late:
+            time.sleep(1.5)
+        started = time.time()
+        handle = bps.push_pull_async(torch.full((4,), bps.rank() + 1.0), name="polled")
+        first = bps.poll(handle)
+        while not bps.poll(handle):
+            time.sleep(0.01)
+        polled = time.time()
+        t0 = time.perf_counter()
+        total = bps.synchronize(handle)
+        out.append({"late": late, "started": started, "first": first, "polled": polled,
+                    "sync_s": time.perf_counter() - t0, "total": total.tolist(),
+                    "handler": handle.tensor.parts[0].handler == polytrain.runtime.current().rank})
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_poll_is_true_only_once_the_sum_is_here():
+    # Symptom: on a worker that handles no partition of the tensor, bps.poll() was True at
+    # once, and synchronize() then waited 3 s for the sum. Cause: poll() read an event that
+    # says this worker's own partitions are summed, which a worker without any has at once.
+    out = spawn(poll_while_the_other_worker_sleeps, workers=2, colocated=1)
+    for rank, rounds in enumerate(out):
+        for r in rounds:
+            assert r["total"] == [1.5] * 4
+            assert r["sync_s"] < 0.5  # poll() said it would not wait
+        early = [r for r in rounds if r["late"] != rank]
+        for r in early:  # the sum needs the late worker's piece, not pushed yet
+            assert not r["first"]
+            assert r["polled"] >= out[r["late"]][r["late"]]["started"]
+    # Both cases came: the early worker was once the handler and once not.
+    assert sorted(r["handler"] for rank, rounds in enumerate(out) for r in rounds
+                  if r["late"] != rank) == [False, True]

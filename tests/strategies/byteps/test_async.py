@@ -1,10 +1,14 @@
-"""Asynchronous BytePS: staleness 0 is synchronous; a bound above 0 trains as well."""
+"""Asynchronous BytePS: staleness 0 is synchronous, a bound above 0 trains as well, and
+BytePS's recipes (load after wrapping, clip) hold."""
 
 import pytest
 import torch
+from torch import nn
 
+import polytrain
+import polytrain.byteps as bps
 from polytrain import TrainConfig
-from tests.harness import max_abs_diff, run_config, single_of
+from tests.harness import max_abs_diff, run_config, single_of, spawn
 
 TINY = {"seq_len": 16, "d_model": 32, "layers": 2}
 
@@ -49,3 +53,69 @@ def test_asynchronous_evaluation_scores_the_model_final_pt_holds(tmp_path):
     again, _ = run_config(single_of(c).replace(devices=None, init=str(tmp_path / "final.pt"),
                                                steps=1, lr=1e-12, eval_every=1))
     assert again["eval"][0]["loss"] == pytest.approx(metrics["final_eval_loss"], abs=1e-6)
+
+
+def load_after_wrapping():
+    """BytePS's order: wrap (async), rank 0 loads a checkpoint, broadcast, then train."""
+    polytrain.init()
+    torch.manual_seed(bps.rank())
+    model = nn.Linear(4, 2)
+    opt = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(), async_=True)
+    if bps.rank() == 0:
+        model.load_state_dict({k: torch.full_like(v, 7.0) for k, v in model.state_dict().items()})
+    bps.broadcast_parameters(model.state_dict(), root_rank=0)
+    opt.zero_grad()
+    model(torch.ones(3, 4)).sum().backward()  # every gradient element is 3
+    opt.step()
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.timeout(60)
+def test_weights_loaded_after_wrapping_are_the_ones_trained():
+    # Symptom: the checkpoint rank 0 loaded (and broadcast) after wrapping was gone after the
+    # first step. Cause: the servers took worker 0's weights when the optimizer was made, and
+    # every step pulls the servers' copy.
+    for state in spawn(load_after_wrapping, workers=2, colocated=1):
+        for k, v in state.items():
+            assert torch.allclose(v, torch.full_like(v, 7.0 - 0.1 * 3)), (k, v)
+
+
+def clip_local_gradients():
+    """BytePS's clipping recipe on the asynchronous optimizer, each worker its own data."""
+    polytrain.init()
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    opt = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(), async_=True)
+    opt.zero_grad()
+    model(torch.full((3, 4), bps.rank() + 1.0)).pow(2).sum().backward()
+    local = {n: p.grad.clone() for n, p in model.named_parameters()}
+    opt.synchronize()
+    unchanged = all(torch.equal(p.grad, local[n]) for n, p in model.named_parameters())
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    clipped = {n: p.grad.clone() for n, p in model.named_parameters()}
+    with opt.skip_synchronize():
+        opt.step()
+    return initial, unchanged, clipped, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.timeout(60)
+def test_asynchronous_optimizer_takes_the_clipping_recipe_on_local_gradients():
+    # Symptom: backward(); opt.synchronize(); clip; with opt.skip_synchronize(): opt.step()
+    # (docs/from-byteps.md) raised AttributeError with async_=True. Cause: the asynchronous
+    # optimizer had neither call; its gradients are local, so both have nothing to do.
+    out = spawn(clip_local_gradients, workers=2, colocated=1)
+    initial = out[0][0]
+    for _, unchanged, clipped, _ in out:
+        assert unchanged
+        assert float(torch.cat([g.reshape(-1) for g in clipped.values()]).norm()) == (
+            pytest.approx(1.0, rel=1e-5))
+    # Staleness 0: each pushes its own clipped update over 2, and pulls their sum.
+    for _, _, _, final in out:
+        for n, v in final.items():
+            want = initial[n] - 0.1 * (out[0][2][n] + out[1][2][n]) / 2
+            assert torch.allclose(v, want, atol=1e-6), n
+        assert not torch.allclose(final["weight"], initial["weight"])
+    assert not torch.equal(out[0][2]["weight"], out[1][2]["weight"])  # local: they differ

@@ -142,6 +142,33 @@ def test_one_bit_adam_pushes_the_momentum_and_steps_with_the_frozen_variance():
     assert p.grad is not None
 
 
+@pytest.mark.timeout(30)
+def test_one_bit_adam_follows_the_groups_after_the_optimizer_state_is_loaded():
+    # Symptom: after bps.broadcast_optimizer_state, a scheduler's lr of 0 still moved the
+    # compressed weights (by 105, then 5363). Cause: 1-bit Adam kept the param-group dicts
+    # of the wrap, and load_state_dict (which the broadcast calls) puts new ones in place.
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(8))
+    adam = torch.optim.Adam([p], lr=0.1)
+    sync = _Sync(p)
+    onebit = _OneBitAdam(adam, sync)
+    p.grad = torch.randn(8)
+    adam.step()                                 # the warm-up
+    adam.load_state_dict(adam.state_dict())     # new group dicts, as the broadcast's
+    adam.param_groups[0]["lr"] = 0.0            # a scheduler's
+    adam.param_groups[0]["betas"] = (0.5, 0.999)
+    sync.compressing = True
+    m = adam.state[p]["exp_avg"].clone()
+    g = torch.randn(8)
+    pushed = onebit.local_momentum(0, g)
+    assert torch.allclose(pushed, 0.5 * m + 0.5 * g)  # the group's beta1 now
+    before = p.detach().clone()
+    p.grad = pushed.clone()
+    onebit.step()
+    assert torch.equal(p.detach(), before)      # lr 0: no move
+    assert torch.equal(adam.state[p]["exp_avg"], pushed)  # and it did step
+
+
 class _Averaging(_Sync):
     """A compressed bucket of two parameters whose average() is the mean of this worker's
     values and another worker's (``other``), as the servers' exact sum would give."""

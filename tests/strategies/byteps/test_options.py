@@ -16,11 +16,11 @@ def parse(*args):
 
 def test_flags_become_the_strategys_options():
     c = parse("--workers", "4", "--nodes", "2", "--servers", "1", "--no-colocate",
-              "--partition-bytes", "1000", "--credit-bytes", "0", "--async",
-              "--staleness", "2")
+              "--partition-bytes", "1000", "--async", "--staleness", "2")
     assert dict(c.strategy_options) == {"colocate": False, "partition_bytes": 1000,
-                                        "credit_bytes": 0, "async_": True, "staleness": 2}
-    assert dict(parse("--fuse-bytes", "0").strategy_options) == {"fuse_bytes": 0}
+                                        "async_": True, "staleness": 2}
+    assert dict(parse("--fuse-bytes", "0", "--credit-bytes", "0").strategy_options) == {
+        "fuse_bytes": 0, "credit_bytes": 0}
     assert parse().strategy_options == {}
 
 
@@ -41,6 +41,11 @@ def test_the_layout_has_a_colocated_server_per_machine_unless_told_otherwise():
     # It was accepted, and changed nothing: asynchronous mode pushes every tensor alone.
     ({"async_": True, "fuse_bytes": 0}, r"--fuse-bytes fuses synchronous BytePS's gradients; "
                                         r"--async pushes each parameter's update alone"),
+    # Accepted too, and ignored: asynchronous pushes never go through the credit queue.
+    ({"async_": True, "credit_bytes": 0}, r"--credit-bytes bounds synchronous BytePS's "
+                                          r"gradient pushes; --async pushes each step's updates "
+                                          r"without a credit \(got --credit-bytes 0\)\. HINT: "
+                                          r"drop --async, or leave out --credit-bytes"),
 ])
 def test_bad_options_are_refused_with_a_hint(options, message):
     with pytest.raises(ConfigError, match=message):

@@ -232,9 +232,9 @@ def _push_pull_async(tensor: torch.Tensor, average: bool, name: str | None, prio
 
 
 def poll(handle: PushPullHandle) -> bool:
-    """Whether the servers have answered this worker's share of the push_pull (then
-    :func:`synchronize` waits at most for the sum's way back inside the machine)."""
-    return handle.tensor.done.is_set()
+    """Whether the push_pull has finished, so that :func:`synchronize` returns at once
+    (the sum of every partition is on this worker); never blocks."""
+    return handle.engine.ready(handle.tensor)
 
 
 def synchronize(handle: PushPullHandle) -> torch.Tensor:
@@ -279,15 +279,40 @@ def push_pull_inplace(tensor: torch.Tensor, average: bool = True, name: str | No
                                                compression, ctx=ctx))
 
 
+def _named(params: Mapping[str, torch.Tensor]
+           | Iterable[tuple[str, torch.Tensor] | torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    """``params`` as (name, tensor) pairs: a state_dict's, named pairs, or bare tensors
+    named by position (``params[3]``), as BytePS takes them."""
+    if isinstance(params, torch.Tensor):
+        raise ConfigError("broadcast_parameters() got one tensor, not a collection of them",
+                          "pass model.state_dict(), model.named_parameters() or [tensor]")
+    items = list(params.items()) if isinstance(params, Mapping) else list(params)
+    out = []
+    for i, item in enumerate(items):
+        if isinstance(item, torch.Tensor):
+            out.append((f"params[{i}]", item))
+        elif (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
+              and isinstance(item[1], torch.Tensor)):
+            out.append(item)
+        else:
+            raise ConfigError(f"broadcast_parameters() takes tensors or (name, tensor) pairs, "
+                              f"and item {i} is a {type(item).__name__}",
+                              "pass model.state_dict(), model.named_parameters() or "
+                              "model.parameters()")
+    return out
+
+
 @torch.no_grad()
-def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+def broadcast_parameters(params: Mapping[str, torch.Tensor]
+                         | Iterable[tuple[str, torch.Tensor] | torch.Tensor],
                          root_rank: int = 0, *, ctx: Context | None = None) -> None:
-    """Copy worker ``root_rank``'s tensors into every worker's (a state_dict or named pairs)."""
+    """Copy worker ``root_rank``'s tensors into every worker's: a state_dict, named pairs
+    (``model.named_parameters()``) or tensors (``model.parameters()``, named by position)."""
     ctx = _worker_ctx(ctx)
     if not 0 <= root_rank < ctx.num_workers:
         raise ConfigError(f"root_rank {root_rank} is not a worker (there are "
                           f"{ctx.num_workers})", f"pass 0 .. {ctx.num_workers - 1}")
-    items = list(params.items()) if isinstance(params, Mapping) else list(params)
+    items = _named(params)
     # gloo broadcasts into a buffer of another size without a word: check first.
     check_same_tensors(ctx, tensor_signature(items),
                        "broadcast_parameters() argument", "pass the same model's state_dict() "

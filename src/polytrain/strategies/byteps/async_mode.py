@@ -13,8 +13,9 @@ is exactly the synchronous step ``w - lr * mean_i g_i``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -43,6 +44,9 @@ class AsyncOptimizer(WrappedOptimizer):
                              named_parameters=model.named_parameters(), staleness=2)
         loss_fn(model(x), y).backward()
         opt.step()                # local update, push it, pull the servers' parameters
+
+    The servers take worker 0's parameters at the first ``step()``, so a checkpoint
+    loaded (and broadcast) after wrapping is the one trained, as in BytePS's scripts.
 
     Args:
         optimizer: the worker's own optimizer (its update is what gets pushed).
@@ -87,18 +91,17 @@ class AsyncOptimizer(WrappedOptimizer):
         # Per partition: its codec (half-precision pushes with their own error feedback).
         self._codecs = [Codec(c, p.numel, seed=p.key) if (c := per_tensor[p.tensor]) else None
                         for p in self.placement.partitions]
-        self._declare()
-
-    def _declare(self) -> None:
-        ctx, engine, placement = self.ctx, self.engine, self.placement
-        engine.declare(placement, kind=Kind.PARAM, pushers=ctx.num_workers,
-                       pullers=ctx.num_workers, options={"staleness": self.staleness})
-        self.install()
-        log.info("asynchronous byteps, staleness %d:\n%s", self.staleness, self.plan.describe())
+        # The servers take worker 0's parameters at the first step, not here: BytePS scripts
+        # wrap first, then load a checkpoint on rank 0 and broadcast it.
+        self.installed = False
+        self.engine.declare(self.placement, kind=Kind.PARAM, pushers=self.ctx.num_workers,
+                            pullers=self.ctx.num_workers, options={"staleness": staleness})
+        log.info("asynchronous byteps, staleness %d:\n%s", staleness, self.plan.describe())
 
     def install(self) -> None:
         """Worker 0 sets the servers' parameters to its own (collective over the workers):
-        at the start, and when a checkpoint is loaded before the first step."""
+        before the first step (or pull), so that the weights trained are the ones the
+        workers hold then, and when :func:`polytrain.load` loads a checkpoint."""
         ctx, engine, placement = self.ctx, self.engine, self.placement
         if ctx.worker_index == 0:
             flats = [p.detach().reshape(-1).cpu() for p in self._params]
@@ -112,9 +115,27 @@ class AsyncOptimizer(WrappedOptimizer):
             for pending in sets + gets:
                 pending.wait()
         dist.barrier(group=ctx.groups.workers)
+        self.installed = True
+
+    def install_once(self) -> None:
+        """:meth:`install`, unless the servers hold the parameters already (collective the
+        first time)."""
+        if not self.installed:
+            self.install()
+
+    def synchronize(self) -> None:
+        """Nothing to wait for: asynchronous workers step on their own gradients (``.grad``
+        stays local; the update is what travels), so BytePS's ``synchronize(); clip;
+        step()`` clips this worker's gradients."""
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """BytePS's: ``step()`` inside it runs as outside it (no gradient is summed)."""
+        yield
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> Any:
+        self.install_once()
         old = [host_copy(p.reshape(-1)) for p in self._params]
         loss = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
         self.clock += 1
@@ -144,6 +165,7 @@ class AsyncOptimizer(WrappedOptimizer):
         """The servers' parameters once every worker has pushed as many steps as this one,
         by ``id`` of this worker's parameter, leaving its own copy as it is (an evaluation
         must not change the training)."""
+        self.install_once()
         out = [torch.empty(p.numel(), dtype=p.dtype) for p in self._params]
         Pending.all([self.engine.pull(self.placement, i, round=self.clock - self.base
                                       + self.staleness,
@@ -153,6 +175,7 @@ class AsyncOptimizer(WrappedOptimizer):
 
     def pull_final(self) -> None:
         """Load the servers' parameters once every worker has pushed as many steps as this one."""
+        self.install_once()
         self._pull(self.clock - self.base + self.staleness, [])
 
     def resume_at(self, clock: int) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import inspect
 import logging
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence, Union
@@ -13,7 +14,7 @@ import torch.distributed as dist
 
 from ...comm.bucket import Bucket, buckets_of, plan_buckets
 from ...comm.partition import DEFAULT_PARTITION_BYTES, TensorSpec
-from ...errors import ConfigError, at_least
+from ...errors import ConfigError, at_least, unknown
 from ...ps.compression import DEFAULT_MIN_BYTES, CompressOptions, Compressor, compressor
 from ...ps.engine import Engine
 from ...ps.grads import GradientSync, bucket_specs
@@ -38,6 +39,19 @@ def checked_options(owner: str, compression: Choice | Mapping[str, Choice],
     refusal), and the compression chosen: ``compression`` (BytePS's name), else ``options``'
     ``compress``, else none; both given is refused."""
     options = dict(options)
+    fields = sorted(f.name for f in dataclasses.fields(BytePSOptions))
+    if "compression_params" in options:  # BytePS's MXNet dictionary
+        raise ConfigError(f"{owner} takes no compression_params (BytePS's MXNet dictionary "
+                          f"of compressor, ef, momentum)", "pass compression= (a "
+                          "bps.Compression member or a name such as 'onebit' or "
+                          "'topk:0.01'), with error_feedback=True and compress_momentum=M "
+                          "as keywords of their own")
+    strange = sorted(set(options) - set(fields))  # was BytePSOptions(**...)'s TypeError
+    if strange:
+        close = difflib.get_close_matches(strange[0], fields, n=1)
+        raise unknown(f"{owner} keyword", strange[0], fields,
+                      f"did you mean {close[0]}=?" if close else "pass one of them, or "
+                      "leave it out", plural=f"{owner}'s keyword options")
     compress = options.pop("compress", None)
     if compress is not None and compression is not None:
         raise ConfigError(f"{owner} got both compression={compression!r} and "
@@ -62,9 +76,10 @@ def tensor_compression(specs: Sequence[TensorSpec], choice: Choice | Mapping[str
     it lacks travel uncompressed). Tensors under ``min_bytes`` bytes, and tensors that are
     not float32, travel uncompressed."""
     if isinstance(choice, Mapping):
-        unknown = sorted(set(choice) - {s.name for s in specs})
-        if unknown:
-            raise ConfigError(f"compression names tensors that are not parameters: {unknown}",
+        not_params = sorted(set(choice) - {s.name for s in specs})
+        if not_params:
+            raise ConfigError(f"compression names tensors that are not parameters: "
+                              f"{not_params}",
                               "key the mapping by the names of named_parameters")
     out: list[CompressOptions | None] = []
     other_dtype: list[TensorSpec] = []  # asked to be compressed, and not float32
@@ -443,7 +458,10 @@ class _OneBitAdam:
         self.sync = sync
         packed = {m for b in sync.packed for m in sync.buckets[b].members}
         self.packed = [p if i in packed else None for i, p in enumerate(sync.params)]
-        self.group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+        # By index, not the dicts: load_state_dict (bps.broadcast_optimizer_state's) puts
+        # new dicts in param_groups, and a scheduler then sets the lr in those.
+        self.group_index = {id(p): i for i, g in enumerate(optimizer.param_groups)
+                            for p in g["params"]}
         #: With ``refresh`` F: every step, each worker's own variance of its gradients, one
         #: flat buffer per compressed bucket; averaged over the workers at steps W, W + F^k.
         self.refresh = refresh
@@ -463,6 +481,10 @@ class _OneBitAdam:
                                               exp_avg=torch.zeros_like(p),
                                               exp_avg_sq=torch.zeros_like(p))
 
+    def group_of(self, p: torch.Tensor) -> dict[str, Any]:
+        """``p``'s parameter group, as the optimizer holds it now (lr, betas, eps)."""
+        return self.optimizer.param_groups[self.group_index[id(p)]]
+
     @torch.no_grad()
     def local_momentum(self, i: int, grad: torch.Tensor) -> torch.Tensor:
         """What parameter i pushes: its gradient, or after the warm-up (compressed tensors
@@ -470,7 +492,7 @@ class _OneBitAdam:
         p = self.packed[i]
         if p is None:
             return grad
-        beta1, beta2 = self.group_of[id(p)]["betas"]
+        beta1, beta2 = self.group_of(p)["betas"]
         if self.refresh:
             j, off = self.slot[i]
             flat = grad.detach().reshape(-1).float()
@@ -491,7 +513,7 @@ class _OneBitAdam:
         for p in self.packed:
             if p is None or p.grad is None:  # frozen since the wrap: Adam skips it too
                 continue
-            group, state = self.group_of[id(p)], self.optimizer.state[p]
+            group, state = self.group_of(p), self.optimizer.state[p]
             frozen = state.get(FROZEN_VARIANCE)
             if frozen is None:
                 _, beta2 = group["betas"]
@@ -537,7 +559,7 @@ class _OneBitAdam:
             if p is None:
                 continue
             j, off = self.slot[i]
-            group, state = self.group_of[id(p)], self.optimizer.state[p]
+            group, state = self.group_of(p), self.optimizer.state[p]
             beta2 = group["betas"][1]
             v_hat = means[j][off:off + p.numel()].view(p.shape).to(p.device, p.dtype) / (
                 1 - beta2 ** seen)

@@ -42,7 +42,7 @@ class BytePSOptions:
         credit_bytes: at most this many bytes pushed to one server and not yet held by
             it (a larger partition goes alone), so that earlier layers overtake later ones
             queued behind them; every server has its own window (default 1,024,000; 0: no
-            bound).
+            bound). Synchronous mode only.
         async_: asynchronous training: servers hold the parameters, workers push their
             optimizer's update and pull the current parameters, with no barrier.
         staleness: with ``async_``, a worker may run at most this many steps ahead of the
@@ -82,7 +82,8 @@ class BytePSOptions:
                 "classic parameter server)"})
     credit_bytes: int = field(default=DEFAULT_CREDIT_BYTES, metadata={
         "help": "bytes pushed to one server and not yet held by it, at most, so "
-                f"earlier layers go first (default {DEFAULT_CREDIT_BYTES}; 0: no bound)",
+                f"earlier layers go first (default {DEFAULT_CREDIT_BYTES}; 0: no bound; "
+                f"synchronous only)",
         "metavar": "B"})
     async_: bool = field(default=False, metadata={
         "help": "asynchronous: servers hold the parameters, workers push updates"})
@@ -131,6 +132,11 @@ class BytePSOptions:
         if self.credit_bytes < 0:
             raise ConfigError(f"--credit-bytes must be 0 (no bound) or more (got "
                               f"{self.credit_bytes})", "pass --credit-bytes 1024000")
+        if self.async_ and self.credit_bytes != DEFAULT_CREDIT_BYTES:
+            raise ConfigError(f"--credit-bytes bounds synchronous BytePS's gradient pushes; "
+                              f"--async pushes each step's updates without a credit (got "
+                              f"--credit-bytes {self.credit_bytes})",
+                              "drop --async, or leave out --credit-bytes")
         at_least("--staleness", self.staleness,
                  "pass --staleness 0 (synchronous) or a small bound such as 2", minimum=0)
         if self.staleness and not self.async_:

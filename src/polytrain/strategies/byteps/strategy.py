@@ -102,6 +102,8 @@ class BytePS(ServedStrategy[BytePSOptions]):
         # pushes; it waits for them (as state_dict does) and evaluates a copy of the model
         # with them, so that a held-out loss describes the model final.pt holds, and its own
         # copy trains on as it would without the evaluation.
+        if isinstance(self.optimizer, AsyncOptimizer):
+            self.optimizer.install_once()  # collective: before worker 0 alone pulls
         net = super().evaluation_model(model)
         if net is None or not isinstance(self.optimizer, AsyncOptimizer):
             return net
