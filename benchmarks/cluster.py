@@ -336,7 +336,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="also BytePS with the most CPU servers and each of these compressors "
                         "(with --error-feedback), e.g. onebit fp16")
     p.add_argument("--analyse", action="store_true",
-                   help="no runs: the table and plot again from --out's measurements")
+                   help="no runs: the tables again from --out's measurements, with the "
+                        "constants stored there (the file and its plot are left as they are)")
     p.add_argument("--fit", action="store_true", help="with --analyse: fit the constants")
     p.add_argument("--fit-with", type=Path, nargs="+", default=[],
                    help="with --fit: more results (another model size) fitted together")

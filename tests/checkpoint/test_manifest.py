@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -411,6 +412,16 @@ def test_load_refuses_other_options_than_those_that_made_a_scripts_checkpoint(tm
     # Where the cache lives may change: the options that made the state are the same.
     (said,) = spawn(load_into_one_worker, workers=1, args=(root, {**PIPE, "cache_mb": 1.0}))
     assert said == "loaded"
+    # Even where the saving run's cache directory cannot be used here: the record was
+    # rebuilt into options, whose check of that directory refused the load.
+    old, new = tmp_path / "old", tmp_path / "new"
+    spawn(pipetransformer_steps, workers=1,
+          args=(root + "-2", 3, False, {**PIPE, "cache_dir": str(old / "cache")}))
+    shutil.rmtree(old, ignore_errors=True)
+    old.write_text("a file now")
+    (said,) = spawn(load_into_one_worker, workers=1,
+                    args=(root + "-2", {**PIPE, "cache_dir": str(new / "cache")}))
+    assert said == "loaded", said
 
 
 def load_another_step_on_each_worker(root: str) -> str:

@@ -122,6 +122,33 @@ def test_a_cache_directory_that_is_not_writable_is_refused(tmp_path):
             PipeTransformerOptions(cache_dir=str(made / "cache"))
 
 
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
+                    reason="needs root and setpriv to check as another user")
+@pytest.mark.timeout(60)
+def test_a_cache_directory_under_one_this_user_cannot_search_is_refused(tmp_path):
+    # Path.exists() raised PermissionError (Python 3.11) outside the check's handler: a
+    # traceback instead of the one line.
+    as_nobody = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups",
+                 sys.executable, "-c"]
+    root = Path(__file__).resolve().parents[2]
+    probe = subprocess.run([*as_nobody, "import polytrain"], capture_output=True, timeout=50,
+                           cwd=root)
+    if probe.returncode != 0:  # a checkout in a directory only root can read
+        pytest.skip("user nobody cannot import polytrain from this checkout")
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)  # root's: another user cannot look inside
+    code = ("from polytrain import ConfigError\n"
+            "from polytrain.strategies.pipetransformer import PipeTransformerOptions\n"
+            "try:\n"
+            f"    PipeTransformerOptions(cache_dir={str(private / 'x' / 'cache')!r})\n"
+            "except ConfigError as e:\n"
+            "    print(e)\n")
+    run = subprocess.run([*as_nobody, code], capture_output=True, text=True, timeout=50,
+                         cwd=root)
+    assert run.returncode == 0 and "is not writable (Permission denied)" in run.stdout, \
+        (run.stdout, run.stderr)
+
+
 def test_first_stages_of_one_machine_share_their_entries(tmp_path):
     # Symptom: AutoCache hit 9% of the frozen front's samples on the benchmark. Cause: each
     # first stage cached only what it saw, and the data is re-sharded at random every

@@ -105,7 +105,11 @@ def distributes_a_max_norm_embedding(strategy: str, option: str = "max_norm") ->
     embedding = ({"max_norm": 1.0} if option == "max_norm" else {"scale_grad_by_freq": True})
     model = nn.Sequential(nn.Embedding(10, 4, **embedding), nn.Linear(4, 2))
     try:
-        polytrain.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1), strategy)
+        if strategy == "herring drop-in":  # torch DDP's replacement, without distribute()
+            from polytrain.herring import DistributedDataParallel
+            DistributedDataParallel(model)
+        else:
+            polytrain.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1), strategy)
     except polytrain.ConfigError as e:
         return str(e)
     return "distributed"
@@ -123,12 +127,17 @@ def test_an_embedding_that_renormalizes_in_the_forward_is_refused(strategy):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("strategy", ["ddp", "herring"])
-def test_an_embedding_that_scales_its_gradient_by_the_batchs_counts_is_refused(strategy):
+@pytest.mark.parametrize("strategy, option", [
+    ("ddp", "scale_grad_by_freq"), ("herring", "scale_grad_by_freq"),
+    ("herring drop-in", "scale_grad_by_freq"), ("herring drop-in", "max_norm")])
+def test_an_embedding_that_scales_its_gradient_by_the_batchs_counts_is_refused(strategy,
+                                                                                option):
     # Each worker scaled by its own slice's counts of each row: the sum was not the whole
     # batch's gradient (ddp), silently.
+    # (The drop-in DDP checked neither this nor max_norm.)
     said = spawn(distributes_a_max_norm_embedding, workers=2, colocated=int(strategy != "ddp"),
-                 args=(strategy, "scale_grad_by_freq"))
+                 args=(strategy, option))
     assert said == [said[0]] * 2 and said[0].startswith(
         "0 scales its gradient by how often each row occurs in the batch (scale_grad_by_freq="
-        "True): each worker would count its own slice"), said
+        "True): each worker would count its own slice" if option == "scale_grad_by_freq" else
+        "0 renormalizes the rows it reads in place during the forward (max_norm=1)"), said

@@ -70,8 +70,8 @@ def check_writable(directory: str) -> None:
     Creates nothing: a directory not there yet is checked by its nearest existing parent
     (the options are checked before any other check may refuse the command)."""
     path = Path(directory).absolute()
-    there = next(p for p in (path, *path.parents) if p.exists())
-    try:
+    try:  # (exists() raises where a parent is not searchable: Python 3.11)
+        there = next(p for p in (path, *path.parents) if p.exists())
         if not there.is_dir():
             raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR))
         if there == path:

@@ -293,10 +293,10 @@ class Strategy(ABC, Generic[OptionsT]):
                              names: Iterable[str], what: str) -> None:
         """Refuse a resume whose options ``names`` differ from the checkpoint's run's
         (``what``: the state those options made, which the checkpoint holds)."""
-        theirs = make_options(cls, dict(saved.get("strategy_options") or {}))
-        differ = [n for n in names if getattr(theirs, n) != getattr(options, n)]
+        theirs = {n: saved_option(cls, saved, n) for n in names}
+        differ = [n for n in names if theirs[n] != getattr(options, n)]
         if differ:
-            said = ", ".join(f"--{n.replace('_', '-')} {getattr(theirs, n)} there, "
+            said = ", ".join(f"--{n.replace('_', '-')} {theirs[n]} there, "
                              f"{getattr(options, n)} here" for n in differ)
             raise ConfigError(f"strategy {cls.name!r} resumes {what} only with the options "
                               f"that made them ({said})",
@@ -348,6 +348,20 @@ def get_strategy(name: str) -> type[Strategy[Any]]:
     except KeyError:
         raise unknown("strategy", name, strategy_names(), "pass one of them, e.g. --strategy ddp",
                       plural="strategies") from None
+
+
+def saved_option(cls: type[Strategy[Any]], saved: Mapping[str, Any], name: str) -> Any:
+    """Option ``name`` of the run that wrote checkpoint manifest ``saved``: as recorded, else
+    its default (the CLI records the options it was given). Read as it is, not rebuilt into
+    ``cls.Options``: their checks are of this machine (a cache directory the saving machine
+    had), and a record may hold options polytrain has since dropped or refuses together."""
+    recorded = dict(saved.get("strategy_options") or {})
+    if name in recorded:
+        return recorded[name]
+    f = next(f for f in dataclasses.fields(cls.Options) if f.name == name)
+    if f.default is dataclasses.MISSING and f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return f.default
 
 
 def make_options(cls: type[Strategy[Any]], options: dict[str, Any]) -> Any:

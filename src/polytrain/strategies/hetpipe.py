@@ -44,7 +44,7 @@ from ..pipeline.wsp import WaveSync, model_placement
 from ..ps.settings import optimizer_spec
 from ..runtime import Context
 from ..tensors import host_state
-from .base import LossFn, Strategy, make_options, register
+from .base import LossFn, Strategy, register, saved_option
 
 __all__ = ["HetPipe", "HetPipeOptions"]
 
@@ -195,7 +195,7 @@ class HetPipe(Strategy[HetPipeOptions]):
         """Each worker's checkpoint holds its stage of its virtual worker: the same workers,
         machines and policy cut the same stages (the devices are checked on load)."""
         super().check_resume(saved, layout, options)
-        policy = make_options(cls, dict(saved.get("strategy_options") or {})).policy
+        policy = saved_option(cls, saved, "policy")
         nodes = int(saved.get("nodes", layout.nodes))
         if (policy, nodes) != (options.policy, layout.nodes):
             raise ConfigError(f"strategy 'hetpipe' cannot resume a checkpoint of --policy "

@@ -19,7 +19,13 @@ from ..errors import ConfigError
 from ..moe.checkpoint import moe_layers
 from ..ps.grads import GradientSync
 from ..runtime import Context
-from .checks import broadcast_module, check_same_model, check_same_trained
+from .checks import (
+    broadcast_module,
+    check_no_batch_scaled_gradients,
+    check_no_forward_renorm,
+    check_same_model,
+    check_same_trained,
+)
 
 __all__ = ["SyncedModule", "check_still_frozen", "keep_missing_for"]
 
@@ -67,6 +73,9 @@ class SyncedModule(nn.Module):
                               "wrap the model on workers only (servers serve inside init())")
         check_same_model(ctx, module)
         check_same_trained(ctx, module)
+        if ctx.num_workers > 1:  # as distribute() checks: this is also the drop-in's way in
+            check_no_forward_renorm(module)
+            check_no_batch_scaled_gradients(module)
         self.module = module
         broadcast_module(ctx, module)
         #: Parameters frozen at the wrap: they have no sum (:meth:`_check_trained`).

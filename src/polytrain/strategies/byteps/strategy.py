@@ -14,7 +14,7 @@ from ...launch.layout import Layout
 from ...ps.compression import compressor
 from ...ps.engine import Engine, engine_for
 from ...runtime import Context
-from ..base import register
+from ..base import register, saved_option
 from ..checks import check_dense_gradients
 from ..served import ServedStrategy
 from ..synced import keep_missing_for
@@ -123,7 +123,7 @@ class BytePS(ServedStrategy[BytePSOptions]):
     @classmethod
     def check_resume(cls, saved: Mapping[str, Any], layout: Layout,
                      options: BytePSOptions) -> None:
-        was_async = bool(dict(saved.get("strategy_options", {})).get("async_", False))
+        was_async = bool(saved_option(cls, saved, "async_"))
         if was_async != options.async_:
             mode = {True: "asynchronous (--async)", False: "synchronous"}
             raise ConfigError(f"checkpoint of {mode[was_async]} BytePS cannot resume as "
