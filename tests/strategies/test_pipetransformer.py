@@ -459,7 +459,8 @@ def test_the_shared_cache_directory_goes_when_a_script_ends_without_close(tmp_pa
         shutil.rmtree(shared, ignore_errors=True)
 
 
-def test_the_shared_cache_directory_stays_while_another_of_its_users_runs(tmp_path):
+def test_the_shared_cache_directory_stays_while_another_of_its_users_runs(tmp_path,
+                                                                          monkeypatch):
     # A worker that ended first (an idle one, without AutoDP) removed the machine's shared
     # directory while the first stages still published to it: they turned it off.
     import json as json_
@@ -478,3 +479,11 @@ def test_the_shared_cache_directory_stays_while_another_of_its_users_runs(tmp_pa
     other.unlink()  # the other user left too: the last one out removes it
     module._leave_shared(shared)
     assert not shared.exists()
+    # Two users leaving at once: one removed the directory while the other listed it; that
+    # one's glob raised FileNotFoundError (a long-tier run failed at close()). It leaves.
+    shared.mkdir()
+
+    def removed_meanwhile(self, pattern):
+        raise FileNotFoundError(2, "No such file or directory", str(self))
+    monkeypatch.setattr(type(shared), "glob", removed_meanwhile)
+    module._leave_shared(shared)

@@ -679,7 +679,11 @@ def _leave_shared(path: Path) -> None:
     """This process is done with the machine's shared directory: the last of its users
     removes it (a worker that ends first, an idle one, must not take it from the others)."""
     (path / f"{_USER}{os.getpid()}").unlink(missing_ok=True)
-    for mark in path.glob(f"{_USER}*"):
+    try:
+        marks = list(path.glob(f"{_USER}*"))
+    except OSError:  # removed already: by another user that left at the same time
+        return
+    for mark in marks:
         try:
             owner = owner_alive(json.loads(mark.read_text()))
         except (OSError, ValueError):
