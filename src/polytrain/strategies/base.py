@@ -21,12 +21,9 @@ from ..tensors import host_state
 from .checks import (
     broadcast_module,
     check_even_machines,
-    check_no_batch_scaled_gradients,
-    check_no_forward_renorm,
     check_optimizer_of,
-    check_same_model,
     check_same_optimizer,
-    check_same_trained,
+    check_worker_models,
 )
 from .trainer import Trainer, with_gate_losses
 
@@ -453,11 +450,7 @@ def distribute(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str
             cls.check_model(model, layout, opts)
         cls.check_optimizer(optimizer, opts)
         check_optimizer_of(model, optimizer)
-        if ctx.num_workers > 1:
-            check_no_forward_renorm(model)
-            check_no_batch_scaled_gradients(model)
-        check_same_model(ctx, model)
-        check_same_trained(ctx, model)
+        check_worker_models(ctx, model)
         check_same_optimizer(ctx, model, optimizer)
         if not cls.agrees_model:
             broadcast_module(ctx, model)

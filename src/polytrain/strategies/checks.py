@@ -15,7 +15,7 @@ from ..runtime import Context
 
 __all__ = ["check_even_machines", "check_dense_gradients", "check_no_batch_scaled_gradients",
            "check_optimizer_of", "check_same_model", "check_same_optimizer", "check_same_tensors",
-           "check_same_trained", "check_same_value",
+           "check_same_trained", "check_same_value", "check_worker_models",
            "broadcast_module", "model_signature", "optimizer_signature", "tensor_signature"]
 
 
@@ -76,6 +76,17 @@ def check_same_trained(ctx: Context, model: nn.Module) -> None:
         (n, p) for n, p in model.named_parameters() if p.requires_grad),
         "trained parameters (requires_grad)",
         "freeze the same parameters on every worker before wrapping the model")
+
+
+def check_worker_models(ctx: Context, model: nn.Module) -> None:
+    """What every way in (:func:`~polytrain.distribute`, the drop-in DDP) checks of the
+    workers' models: that every worker built the same model and froze the same parameters,
+    then, on more than one worker, no embedding that only one process can train."""
+    check_same_model(ctx, model)
+    check_same_trained(ctx, model)
+    if ctx.num_workers > 1:
+        check_no_forward_renorm(model)
+        check_no_batch_scaled_gradients(model)
 
 
 def _plain(value: Any) -> Any:

@@ -19,13 +19,7 @@ from ..errors import ConfigError
 from ..moe.checkpoint import moe_layers
 from ..ps.grads import GradientSync
 from ..runtime import Context
-from .checks import (
-    broadcast_module,
-    check_no_batch_scaled_gradients,
-    check_no_forward_renorm,
-    check_same_model,
-    check_same_trained,
-)
+from .checks import broadcast_module, check_worker_models
 
 __all__ = ["SyncedModule", "check_still_frozen", "keep_missing_for"]
 
@@ -71,11 +65,7 @@ class SyncedModule(nn.Module):
         if not ctx.is_worker:
             raise ConfigError(f"rank {ctx.rank} is a server; {method} trains on workers",
                               "wrap the model on workers only (servers serve inside init())")
-        check_same_model(ctx, module)
-        check_same_trained(ctx, module)
-        if ctx.num_workers > 1:  # as distribute() checks: this is also the drop-in's way in
-            check_no_forward_renorm(module)
-            check_no_batch_scaled_gradients(module)
+        check_worker_models(ctx, module)  # as distribute(): the drop-in's way in too
         self.module = module
         broadcast_module(ctx, module)
         #: Parameters frozen at the wrap: they have no sum (:meth:`_check_trained`).
