@@ -31,7 +31,7 @@ from .compression import CompressOptions
 from .engine import Engine, SumTensor
 from .placement import Placement
 
-__all__ = ["GradientSync", "bucket_specs", "sparse_parameter"]
+__all__ = ["GradientSync", "bucket_specs", "gradient_change", "sparse_parameter"]
 
 
 def sparse_parameter(model: torch.nn.Module) -> str | None:
@@ -58,6 +58,17 @@ def travels_divided(dtype: torch.dtype) -> bool:
     torch's DDP does: a 16-bit sum of W gradients can overflow (the servers add in float32
     but answer in the bucket's dtype)."""
     return dtype in (torch.float16, torch.bfloat16)
+
+
+def gradient_change(param: torch.Tensor, left: tuple[torch.Tensor | None, int]) -> str | None:
+    """How ``param``'s gradient changed since backward left it (``left``: the gradient
+    tensor and its version then): "was replaced", "was changed in place", or None."""
+    grad, version = left
+    if param.grad is not grad:
+        return "was replaced"
+    if grad is not None and grad._version != version:
+        return "was changed in place"
+    return None
 
 
 class GradientSync:
@@ -295,17 +306,13 @@ class GradientSync:
 
     def _check_unchanged(self) -> None:
         for i, handed in enumerate(self._handed):
-            if handed is None:
-                continue
-            grad, version = handed
-            p = self.params[i]
-            if p.grad is grad and grad._version == version:
+            how = None if handed is None else gradient_change(self.params[i], handed)
+            if how is None:
                 continue
             for t in self._sums():  # leave the engine idle: every sum is waited for
                 if t.busy:
                     self.engine.wait(t)
             self._reset()
-            how = "was replaced" if p.grad is not grad else "was changed in place"
             raise ConfigError(
                 f"the gradient of {self.names[i]!r} {how} between backward() and the step's "
                 f"synchronisation (gradient clipping, or a GradScaler's unscale_?): its sum "

@@ -13,6 +13,7 @@ from torch import nn
 
 from ...errors import ConfigError
 from ...launch.layout import Layout
+from ...ps.grads import gradient_change
 from ...ps.placement import server_ranks
 from ...runtime import Context
 from ..base import register
@@ -310,10 +311,10 @@ class _Unchanged:
         left, self.left, self._queued = self.left, None, False
         if left is None:
             return
-        for (name, p), (grad, version) in zip(self.named, left):
-            if p.grad is grad and (grad is None or grad._version == version):
+        for (name, p), then in zip(self.named, left):
+            how = gradient_change(p, then)
+            if how is None:
                 continue
-            how = "was replaced" if p.grad is not grad else "was changed in place"
             raise ConfigError(
                 f"the gradient of {name!r} {how} between backward() and optimizer.step() "
                 f"(gradient clipping, or a GradScaler's unscale_?): parallax averages the "
