@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import logging
 import os
 import pickle
@@ -74,7 +75,9 @@ __all__ = ["Process", "ForkedProcess", "ForkServer", "server_for"]
 
 log = logging.getLogger(__name__)
 
-_PRELOAD = ("polytrain", "polytrain.train", "polytrain.launch.child")
+# torch._dynamo: torch imports it on the first optimizer a process builds (1.2 s of CPU, more
+# than a tiny test run's training); importing it starts no thread.
+_PRELOAD = ("polytrain", "polytrain.train", "polytrain.launch.child", "torch._dynamo")
 _MAX_MESSAGE = 1 << 20
 _PR_SET_CHILD_SUBREAPER = 36
 _START_S = 120.0  # the server imports torch before its first answer; a loaded machine is slow
@@ -532,6 +535,9 @@ def main() -> None:
 
     if torch.cuda.is_initialized():  # a fork would inherit a CUDA context it cannot use
         sys.exit("polytrain fork server: CUDA was initialised while importing; not forking")
+    # What the imports made lives as long as the children: their collections skip it (a
+    # child's gc.collect() at its end walked all of torch's objects, and copied their pages).
+    gc.freeze()
     _serve(sock)
     os._exit(0)
 
