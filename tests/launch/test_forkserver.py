@@ -71,6 +71,36 @@ def test_without_the_fork_server_every_process_is_a_fresh_interpreter(tmp_path, 
     assert {g["var"] for g in got} == {"c"} and {g["threads"] for g in got} == {1}
 
 
+class _FailsToStart:
+    """A server that fails each start but is not yet seen to have ended (its end not read)."""
+
+    alive = True
+
+    def __init__(self) -> None:
+        self.starts = 0
+
+    def start(self, *args: object) -> None:
+        self.starts += 1
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def adopted(self) -> set[int]:
+        return set()
+
+
+@pytest.mark.timeout(120)
+def test_a_start_the_server_failed_leaves_it_out_for_the_runs_other_processes(
+        tmp_path, monkeypatch, caplog):
+    # A loaded machine: the server had died, and the launcher had not yet read its end, so
+    # each of the run's processes tried it and warned (3 warnings, not 1).
+    from polytrain.launch import launcher
+    server = _FailsToStart()
+    monkeypatch.setattr(launcher, "server_for", lambda env: server)
+    got = _start(tmp_path, monkeypatch, "a server that is gone")
+    assert {g["parent"] for g in got} == {os.getpid()}  # fresh interpreters
+    assert server.starts == 1
+    assert len([r for r in caplog.records if "fork server" in r.getMessage()]) == 1
+
+
 @pytest.mark.timeout(120)
 def test_a_fork_server_that_never_served_is_not_started_again(tmp_path, monkeypatch, caplog):
     # It was started (and failed: a torch import of seconds) at every launch, and warned for

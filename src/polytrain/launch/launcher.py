@@ -23,7 +23,7 @@ from typing import Any, Callable, Collection, Mapping, Sequence
 
 from .. import _env
 from ..errors import ConfigError, LaunchError
-from .forkserver import ForkServer, Process, server_for
+from .forkserver import ForkedProcess, ForkServer, Process, server_for
 from .host import oom_kills
 from .layout import WORKER, Layout, ProcessSpec
 from .network import (
@@ -360,7 +360,10 @@ class Launcher:
                             role=spec.role, machine=spec.machine) from None
                     now = time.monotonic()
                     children.append(_Child(spec, proc, *files, started=now, beat_seen=now))
-                    if server is not None and not server.alive:  # one warning, not one each
+                    # One warning, not one each: a start the server failed (it may not yet
+                    # have been seen to end) leaves it out for the run's other processes.
+                    if server is not None and (not server.alive or
+                                               not isinstance(proc, ForkedProcess)):
                         server = None
                 _write_processes(workdir, children)
                 log.info("started %d processes on port %d: %s", len(children), self.port,
