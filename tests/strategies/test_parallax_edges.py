@@ -172,6 +172,11 @@ def clipped_script() -> None:
     model(torch.randn(4, 4, generator=gen)).backward()
     model(torch.randn(4, 4, generator=gen)).backward()
     opt.step()
+    # A closure's backward would run after the step's averaging: refused before any
+    # collective, on every worker alike, so the run goes on.
+    x = torch.randn(4, 4, generator=gen)
+    with pytest.raises(ConfigError, match=r"optimizer.step\(closure\) under parallax"):
+        opt.step(lambda: model(x).backward())
     opt.zero_grad()
     model(torch.randn(4, 4, generator=gen)).backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
@@ -179,7 +184,7 @@ def clipped_script() -> None:
 
 
 @pytest.mark.timeout(120)
-def test_a_gradient_changed_between_backward_and_the_step_is_refused():
+def test_a_gradient_changed_between_backward_and_the_step_or_a_closure_is_refused():
     # parallax averages the gradients in optimizer.step(): clip_grad_norm_ before it clipped
     # each worker's own gradient by its own norm, and the run ended 0.031 off single, silently.
     with pytest.raises(LaunchError, match=r"ConfigError: the gradient of 'a.weight' was "

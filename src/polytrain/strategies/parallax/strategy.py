@@ -109,15 +109,23 @@ class Parallax(ServedStrategy[ParallaxOptions]):
         self.dense = DenseSync(ctx, [params[n] for n in dense])
         self.unchanged = _Unchanged([(n, p) for n, p in model.named_parameters()
                                      if p.requires_grad])
-        optimizer.register_step_pre_hook(lambda opt, args, kwargs: self._before_step())
+        optimizer.register_step_pre_hook(
+            lambda opt, args, kwargs: self._before_step(args[0] if args else kwargs.get("closure")))
         optimizer.register_step_post_hook(lambda opt, args, kwargs: self._step_done())
         return model, optimizer
 
     def _step_done(self) -> None:
         self._ended = time.perf_counter()
 
-    def _before_step(self) -> None:
+    def _before_step(self, closure: Any) -> None:
         assert self.dense is not None and self.unchanged is not None
+        if closure is not None:  # its backward would run after the averaging below
+            raise ConfigError(
+                "optimizer.step(closure) under parallax: parallax averages the gradients as "
+                "the step begins, before the step runs the closure, so the closure's "
+                "backward would be applied unaveraged on each worker",
+                "run the forward and loss.backward() before optimizer.step(), and call it "
+                "without a closure (or train under ddp, which averages inside backward)")
         self.unchanged.check()
         # The pushes are packed and sent (and the servers apply them) while the dense
         # all-reduce runs in gloo's thread.
