@@ -1,12 +1,14 @@
 """Herring: the single run's weights, shards of M/(n+k) on every server, balance, the drop-in."""
 
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
 import polytrain
-from polytrain import ConfigError, LaunchError, TrainConfig
+from polytrain import CommTimeout, ConfigError, LaunchError, TrainConfig
 from polytrain.comm import TensorSpec
 from polytrain.herring import herring_traffic, plan_herring
 from polytrain.models import GPT
@@ -89,6 +91,10 @@ def test_the_plans_refusals_name_the_rule_and_the_values():
                                               r"bucket_cap_mb 25"):
             bucket_cap_bytes(bad)
     assert bucket_cap_bytes(1e-9) == 1 and bucket_cap_bytes(1.0) == 1 << 20
+    assert bucket_cap_bytes(None) == 25 << 20  # torch DDP's reading of None: its default
+    with pytest.raises(ConfigError, match=r"^bucket_cap_mb must be a number of MiB \(got "
+                                          r"'25', a str\)\. HINT: pass bucket_cap_mb 25$"):
+        bucket_cap_bytes("25")
     with pytest.raises(ConfigError, match="--no-colocate keeps only the dedicated servers"):
         TrainConfig(strategy="herring", workers=2, strategy_options={"colocate": False})
 
@@ -237,37 +243,47 @@ class _Branchy(nn.Module):
         return self.a(x) + self.b(x) if use_b else self.a(x)
 
 
-def unused_script(kind: str) -> dict:
-    """Adam on a model whose branch b only the first step uses (on every worker)."""
+def unused_script(kinds: tuple[str, ...]) -> dict:
+    """Adam on a model whose branch b only the first step uses (on every worker), once per
+    kind of wrapping, in one process."""
     ctx = polytrain.init()
-    torch.manual_seed(0)
-    model: nn.Module = _Branchy()
-    if kind == "torch":
-        model = nn.parallel.DistributedDataParallel(model, process_group=ctx.groups.workers,
-                                                    find_unused_parameters=True)
-    else:
-        from polytrain.herring import DistributedDataParallel as DDP
-        model = DDP(model, find_unused_parameters=kind == "herring")
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    gen = torch.Generator().manual_seed(1)
-    for step in range(4):
-        x, y = torch.randn(4, 6, generator=gen), torch.randn(4, 3, generator=gen)
-        x = polytrain.shard(x, ctx.worker_index, ctx.num_workers)
-        y = polytrain.shard(y, ctx.worker_index, ctx.num_workers)
-        opt.zero_grad()
-        nn.functional.mse_loss(model(x, step == 0), y).backward()
-        opt.step()
-    return {k.removeprefix("module."): v.detach().clone() for k, v in model.state_dict().items()}
+    out = {}
+    for kind in kinds:
+        torch.manual_seed(0)
+        model: nn.Module = _Branchy()
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        if kind == "torch":
+            model = nn.parallel.DistributedDataParallel(
+                model, process_group=ctx.groups.workers, find_unused_parameters=True)
+        elif kind in ("herring strategy", "byteps strategy"):
+            model, opt = polytrain.distribute(model, opt, strategy=kind.split()[0])
+        else:
+            from polytrain.herring import DistributedDataParallel as DDP
+            model = DDP(model, find_unused_parameters=kind == "herring")
+        gen = torch.Generator().manual_seed(1)
+        for step in range(4):
+            x, y = torch.randn(4, 6, generator=gen), torch.randn(4, 3, generator=gen)
+            x = polytrain.shard(x, ctx.worker_index, ctx.num_workers)
+            y = polytrain.shard(y, ctx.worker_index, ctx.num_workers)
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x, step == 0), y).backward()
+            opt.step()
+        out[kind] = {k.removeprefix("module."): v.detach().clone()
+                     for k, v in model.state_dict().items()}
+    return out
 
 
 @pytest.mark.timeout(120)
 def test_find_unused_parameters_leaves_a_parameter_no_worker_used_as_torch_ddp_does():
     # Its gradient was summed as zeros, and Adam went on moving it with its momentum.
-    torch_ddp = spawn(unused_script, workers=2, colocated=1, args=("torch",))[0]
-    herring = spawn(unused_script, workers=2, colocated=1, args=("herring",))[0]
-    zeros = spawn(unused_script, workers=2, colocated=1, args=("zeros",))[0]
-    assert max_abs_diff(torch_ddp, herring) < 1e-6
-    assert float((zeros["b.weight"] - torch_ddp["b.weight"]).abs().max()) > 1e-3
+    kinds = ("torch", "herring", "zeros", "herring strategy", "byteps strategy")
+    ends = spawn(unused_script, workers=2, colocated=1, args=(kinds,))[0]
+    assert max_abs_diff(ends["torch"], ends["herring"]) < 1e-6
+    assert float((ends["zeros"]["b.weight"] - ends["torch"]["b.weight"]).abs().max()) > 1e-3
+    # --strategy herring and byteps, which have no find_unused_parameters: b.weight ended
+    # 0.016 off single's, silently, as their drop-ins were built without it.
+    assert max_abs_diff(ends["torch"], ends["herring strategy"]) < 1e-6
+    assert max_abs_diff(ends["torch"], ends["byteps strategy"]) < 1e-6
 
 
 def step_inside_no_sync(leave: bool = False, summed_first: bool = False) -> None:
@@ -285,19 +301,48 @@ def step_inside_no_sync(leave: bool = False, summed_first: bool = False) -> None
     opt.step()
 
 
-def group_with_a_server() -> str:
+class _Marked(nn.Module):
+    """A layer and a buffer that forward adds to its output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+        self.register_buffer("mark", torch.zeros(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + self.mark
+
+
+def drop_in_arguments() -> dict:
     ctx = polytrain.init()
     from polytrain.herring import DistributedDataParallel as DDP
     DDP(nn.Linear(4, 2), process_group=ctx.groups.workers)  # every worker: accepted
-    return refused(lambda: DDP(nn.Linear(4, 2), process_group=dist.group.WORLD))  # servers too
+    # torch's DDP reads None as its default for both (25 MiB; broadcast the buffers).
+    model = DDP(_Marked(), bucket_cap_mb=None, broadcast_buffers=None)
+    model.module.mark.fill_(ctx.worker_index + 1.0)  # worker 1's buffer drifted
+    model(torch.randn(2, 4))
+    return {"group": refused(lambda: DDP(nn.Linear(4, 2), process_group=dist.group.WORLD)),
+            "mark": model.module.mark.tolist()}
+
+
+@functools.cache
+def drop_in_arguments_run() -> list[dict]:
+    return spawn(drop_in_arguments, workers=2, colocated=1)
 
 
 @pytest.mark.timeout(60)
 def test_a_process_group_other_than_the_workers_is_refused():
-    for error in spawn(group_with_a_server, workers=2, colocated=1):
-        assert error == ("herring sums gradients over every worker (ranks [0, 1]), but "
-                         "process_group has ranks [0, 1, 2]. HINT: leave process_group out, "
-                         "or pass ctx.groups.workers")
+    for said in drop_in_arguments_run():  # the world group holds the servers too
+        assert said["group"] == ("herring sums gradients over every worker (ranks [0, 1]), "
+                                 "but process_group has ranks [0, 1, 2]. HINT: leave "
+                                 "process_group out, or pass ctx.groups.workers")
+
+
+@pytest.mark.timeout(60)
+def test_none_for_bucket_cap_mb_and_broadcast_buffers_means_torchs_defaults():
+    # bucket_cap_mb=None raised TypeError ('<' between float and None); broadcast_buffers=None
+    # turned the broadcast off, where torch's DDP reads it as True.
+    assert [said["mark"] for said in drop_in_arguments_run()] == [[1.0, 1.0], [1.0, 1.0]]
 
 
 @pytest.mark.timeout(60)
@@ -343,6 +388,91 @@ def test_the_comm_hook_averages_float16_gradients_whose_sum_overflows_as_torch_d
     hook = spawn(loud_script, workers=2, colocated=1, args=("hook",))[0]
     assert torch.equal(torch_ddp, torch.full((8,), 40000.0, dtype=torch.float16))
     assert torch.equal(hook, torch_ddp)
+
+
+class _Mixed(nn.Module):
+    """A float32 and a float64 vector of 10 elements each, in their own DDP buckets: bucket 0
+    holds the float64 one, until DDP rebuilds its buckets after the first step (in the order
+    the gradients came) and bucket 0 holds the float32 one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 10))
+        self.shift = nn.Parameter(torch.linspace(-1.0, 1.0, 10, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ((x * self.scale).double() + self.shift).tanh().float()
+
+
+def mixed_steps(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    for _ in range(3):
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+
+class _Unanswered:
+    """The engine, but no sum comes back (a worker that left the run): a timeout."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.sums, self.submit = engine.sums, engine.submit
+
+    def wait(self, t):
+        raise CommTimeout("rank 0: ddp bucket 0 did not complete within 8 s", "raise the timeout",
+                          waited_s=8.0)
+
+
+def hook_edges() -> dict:
+    """The comm hook on _Mixed, then on a model whose sums time out."""
+    ctx = polytrain.init()
+    from polytrain.herring import HerringHookState, herring_hook
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(4, 10, generator=gen), torch.randn(4, 10, generator=gen)
+    model = nn.parallel.DistributedDataParallel(_Mixed(), process_group=ctx.groups.workers)
+    model.register_comm_hook(HerringHookState(ctx), herring_hook)
+    mixed_steps(model, polytrain.shard(x, ctx.worker_index, ctx.num_workers),
+                polytrain.shard(y, ctx.worker_index, ctx.num_workers))
+    out: dict = {"mixed": {k.removeprefix("module."): v.detach().clone()
+                           for k, v in model.state_dict().items()}}
+    model = nn.parallel.DistributedDataParallel(nn.Linear(4, 2), process_group=ctx.groups.workers)
+    state = HerringHookState(ctx)
+    state.engine = _Unanswered(state.engine)
+    model.register_comm_hook(state, herring_hook)
+    try:
+        model(torch.randn(2, 4)).sum().backward()
+        out["timeout"] = "accepted"
+    except Exception as e:  # noqa: BLE001 - the test reads what the user would see
+        out["timeout"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+@functools.cache
+def hook_edges_run() -> dict:
+    return spawn(hook_edges, workers=2, colocated=1)[0]
+
+
+@pytest.mark.timeout(90)
+def test_the_comm_hook_sums_buckets_that_change_dtype_when_ddp_rebuilds_them():
+    # Bucket 0 turned from float64 to float32 at the rebuild, with the same 10 elements, and
+    # the hook's sum for it, keyed by size alone, refused: "'ddp bucket 0' was declared [10]
+    # torch.float64 but got [10] torch.float32".
+    hook = hook_edges_run()["mixed"]
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(4, 10, generator=gen), torch.randn(4, 10, generator=gen)
+    single = _Mixed()
+    mixed_steps(single, x, y)
+    assert max_abs_diff(single.state_dict(), hook) < 1e-6
+    assert max_abs_diff(_Mixed().state_dict(), hook) > 1e-3
+
+
+@pytest.mark.timeout(90)
+def test_a_sum_that_fails_under_the_comm_hook_reaches_the_user_as_polytrains_error():
+    # The hook set the error as its future's exception, which DDP's reducer read as the
+    # value: "RuntimeError: Unable to cast rank 0: ... to Tensor".
+    assert hook_edges_run()["timeout"] == ("CommTimeout: rank 0: ddp bucket 0 did not complete "
+                                           "within 8 s. HINT: raise the timeout")
 
 
 def refreeze_script(change: str) -> dict:

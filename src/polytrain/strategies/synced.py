@@ -59,7 +59,7 @@ class SyncedModule(nn.Module):
 
     sync: GradientSync
 
-    def __init__(self, module: nn.Module, ctx: Context, *, broadcast_buffers: bool,
+    def __init__(self, module: nn.Module, ctx: Context, *, broadcast_buffers: bool | None,
                  method: str) -> None:
         super().__init__()
         if not ctx.is_worker:
@@ -71,7 +71,8 @@ class SyncedModule(nn.Module):
         #: Parameters frozen at the wrap: they have no sum (:meth:`_check_trained`).
         self._frozen = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
         self.ctx = ctx
-        self.broadcast_buffers = broadcast_buffers
+        # torch's DDP reads None as True (its default): buffers broadcast.
+        self.broadcast_buffers = broadcast_buffers is None or bool(broadcast_buffers)
 
     def trained(self) -> list[tuple[str, nn.Parameter]]:
         """The parameters whose gradients are summed: those that require one."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 from typing import Any, Sequence
 
 import torch.distributed as dist
@@ -41,9 +42,15 @@ DEFAULT_BUCKET_CAP_MB = 25.0  # torch DDP's and Herring's
 EVEN_MACHINES = "cuts every shard into one piece per worker of a machine"
 
 
-def bucket_cap_bytes(mb: float, name: str = "bucket_cap_mb") -> int:
-    """A bucket cap of ``mb`` MiB in bytes (at least 1); ConfigError, naming the option
-    ``name``, for one that is not a positive finite number (nan, inf, 0 or less)."""
+def bucket_cap_bytes(mb: float | None, name: str = "bucket_cap_mb") -> int:
+    """A bucket cap of ``mb`` MiB in bytes (at least 1; None: the default, as torch's DDP
+    reads it); ConfigError, naming the option ``name``, for one that is not a positive
+    finite number (a string, nan, inf, 0 or less)."""
+    if mb is None:
+        mb = DEFAULT_BUCKET_CAP_MB
+    if isinstance(mb, bool) or not isinstance(mb, numbers.Real):
+        raise ConfigError(f"{name} must be a number of MiB (got {mb!r}, a "
+                          f"{type(mb).__name__})", f"pass {name} 25")
     if not 0 < mb < math.inf:
         raise ConfigError(f"{name} must be positive (got {mb})", f"pass {name} 25")
     return max(1, int(mb * 2**20))
@@ -75,8 +82,8 @@ class DistributedDataParallel(SyncedModule):
         process_group: accepted if it holds every worker and nothing else (as
             ``ctx.groups.workers``); gradients are summed over all workers.
         broadcast_buffers: copy worker 0's buffers to every worker at each forward
-            (default True, as torch's DDP).
-        bucket_cap_mb: fusion buffer size in MiB (default 25).
+            (default True, as torch's DDP; None too).
+        bucket_cap_mb: fusion buffer size in MiB (default 25; None too, as torch's DDP).
         find_unused_parameters: a parameter that no worker gave a gradient in a step keeps
             ``.grad`` None, as with torch's DDP (one small all-reduce a step more); without
             it (the default), such a gradient is summed as zeros, so every worker sends the
@@ -87,8 +94,8 @@ class DistributedDataParallel(SyncedModule):
     """
 
     def __init__(self, module: nn.Module, device_ids: Sequence[Any] | None = None,
-                 output_device: Any = None, dim: int = 0, broadcast_buffers: bool = True,
-                 process_group: Any = None, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+                 output_device: Any = None, dim: int = 0, broadcast_buffers: bool | None = True,
+                 process_group: Any = None, bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB,
                  find_unused_parameters: bool = False, gradient_as_bucket_view: bool = False,
                  *, colocate: bool = True, ctx: Context | None = None) -> None:
         ctx = ctx or runtime.current()

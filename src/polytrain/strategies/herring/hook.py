@@ -34,7 +34,7 @@ from .plan import plan_herring
 __all__ = ["HerringHookState", "herring_hook"]
 
 # Keys reserved per bucket layout: DDP may rebuild its buckets once (after the first
-# iteration), so a bucket index can come with a second size.
+# iteration), so a bucket index can come with a second size or dtype.
 _MAX_BUCKETS = 4096
 _LAYOUTS = 2
 
@@ -62,8 +62,10 @@ class HerringHookState:
         self.pieces = len(self.servers) * self.local
         self.first_key = self.ctx.keys.take(_MAX_BUCKETS * _LAYOUTS * self.pieces)
         self.sums: dict[tuple[int, int], SumTensor] = {}
-        self.layout: dict[int, list[int]] = {}  # bucket index -> the numels seen, in order
-        self.waiting: queue.Queue[tuple[SumTensor, torch.Tensor, bool, Any] | None] = \
+        #: bucket index -> the (numel, dtype) seen, in order
+        self.layout: dict[int, list[tuple[int, torch.dtype]]] = {}
+        self.waiting: queue.Queue[
+            tuple[SumTensor, torch.Tensor, bool, Any, list[BaseException] | None] | None] = \
             queue.Queue()
         self._thread = threading.Thread(target=self._wait, daemon=True,
                                         name="polytrain-herring-hook")
@@ -71,12 +73,12 @@ class HerringHookState:
 
     def _sum_of(self, index: int, numel: int, dtype: torch.dtype) -> SumTensor:
         seen = self.layout.setdefault(index, [])
-        if numel not in seen:
-            seen.append(numel)
-        generation = seen.index(numel)
+        if (numel, dtype) not in seen:
+            seen.append((numel, dtype))
+        generation = seen.index((numel, dtype))
         if index >= _MAX_BUCKETS or generation >= _LAYOUTS:
-            raise ConfigError(f"herring_hook: bucket {index} of {numel} elements is past the "
-                              f"{_MAX_BUCKETS} buckets x {_LAYOUTS} layouts it reserved",
+            raise ConfigError(f"herring_hook: bucket {index} of {numel} {dtype} elements is "
+                              f"past the {_MAX_BUCKETS} buckets x {_LAYOUTS} layouts it reserved",
                               "raise bucket_cap_mb on the DDP model (fewer buckets)")
         key = (index, generation)
         if key not in self.sums:
@@ -90,15 +92,26 @@ class HerringHookState:
 
     def _wait(self) -> None:
         while (item := self.waiting.get()) is not None:
-            t, buffer, divided, fut = item
+            t, buffer, divided, fut, failed = item
             try:
                 total = self.engine.wait(t)
                 buffer.copy_(total.view_as(buffer).to(buffer.device))
                 if not divided:
                     buffer.div_(self.ctx.num_workers)
-                fut.set_result(buffer)
-            except BaseException as e:  # noqa: BLE001 - DDP raises it from the future
-                fut.set_exception(e)
+            except BaseException as e:  # noqa: BLE001 - raised to the user (herring_hook)
+                if failed is None:
+                    fut.set_exception(e)
+                    continue
+                failed.append(e)
+            fut.set_result(buffer)
+
+    @staticmethod
+    def _raise_failed(fut: torch.futures.Future[torch.Tensor],
+                      failed: list[BaseException]) -> None:
+        """At the end of backward: raise the error the bucket's sum met (a CommTimeout, say)."""
+        fut.wait()
+        if failed:
+            raise failed[0]
 
     def close(self) -> None:
         self.waiting.put(None)
@@ -116,7 +129,15 @@ def herring_hook(state: HerringHookState,
     if divided:
         buffer.div_(state.ctx.num_workers)
     state.engine.submit(t, buffer)
-    state.waiting.put((t, buffer, divided, fut))
+    # A failed sum's error: in backward, raised as it is by a callback at its end (DDP's
+    # reducer reads an error set on the future as its value: "Unable to cast ... to
+    # Tensor"); outside backward (DDP's Join), set on the future, which Python waits on.
+    failed: list[BaseException] | None = \
+        [] if torch._C._current_graph_task_id() != -1 else None
+    state.waiting.put((t, buffer, divided, fut, failed))
+    if failed is not None:
+        torch.autograd.Variable._execution_engine.queue_callback(
+            lambda: state._raise_failed(fut, failed))
     return fut
 
 
