@@ -6,7 +6,12 @@ import pytest
 
 from polytrain import ConfigError
 from polytrain.pipeline import freeze
-from polytrain.pipeline.freeze import GradNormTracker, freeze_cap, next_frozen
+from polytrain.pipeline.freeze import (
+    GradNormTracker,
+    freezable_layers,
+    freeze_cap,
+    next_frozen,
+)
 from polytrain.strategies.pipetransformer import PipeTransformerOptions
 
 
@@ -23,6 +28,15 @@ def test_the_cap_alone_is_the_reference_codes_schedule():
         frozen = next_frozen(frozen, 12, [0.0] * (12 - frozen), alpha=1 / 3, threshold=0.5)
         seen.append(frozen)
     assert seen == [4, 7, 9, 10, 11, 12]
+
+
+def test_the_last_layer_with_parameters_is_never_freezable():
+    # Symptom: a model ending in a LogSoftmax froze every weight. Cause: L was every layer but
+    # the last, and the last was the LogSoftmax, so its Linear counted as freezable.
+    assert freezable_layers([True] * 6) == 5  # every layer but the last
+    assert freezable_layers([True, False, True, False, True, False]) == 4
+    assert freezable_layers([True, True, False, False]) == 1
+    assert freezable_layers([False, False]) == 0  # nothing trains: nothing freezes
 
 
 def test_the_gradient_norm_signal_freezes_less_than_the_cap():

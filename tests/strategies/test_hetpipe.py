@@ -574,7 +574,38 @@ def test_weights_tied_across_layers_are_refused_before_any_process_starts(strate
     shared = nn.Linear(8, 8)  # one layer used twice inside a block is fine
     cls.check_model(nn.Sequential(embed, nn.Sequential(shared, nn.Tanh(), shared),
                                   nn.Linear(8, 16)), layout, options)
-    # So is a pipeline of one stage (machines of one worker): it holds the tensor once.
-    one = make_options(cls, {"policy": "np"} if strategy == "hetpipe" else {})
+    # So is a pipeline of one stage (machines of one worker): it holds the tensor once
+    # (pipetransformer without freezing: test_pipetransformer.py refuses it with freezing).
+    one = make_options(cls, {"policy": "np"} if strategy == "hetpipe" else {"freeze": False})
     cls.check_model(nn.Sequential(embed, nn.Linear(8, 8), head),
                     Layout(workers=2, nodes=2, servers=1), one)
+
+
+def test_a_refused_resume_names_the_stage_each_side_held():
+    # Symptom: resuming a checkpoint of --devices "m0:fast*2,m1:slow*2" on "m0:fast*2,m1:fast*2"
+    # said "the checkpoint's stage 0 of virtual worker 0 (worker rank 0) held h1.ln1.weight ..
+    # head.out.weight", where worker 0 had been stage 1. Cause: the checkpoint kept its stages'
+    # names but not their places, and the message named this run's place for both.
+    from types import SimpleNamespace
+
+    from polytrain.strategies.hetpipe import HetPipe, HetPipeOptions, _Role, _stage_moved
+    model = torch.nn.Linear(2, 2)
+    strategy = HetPipe(None, HetPipeOptions())
+    stage = SimpleNamespace(names=["h1.ln1.weight", "head.out.weight"])
+    pipe = SimpleNamespace(optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    strategy.roles, strategy.started = [_Role(0, 1, model, stage=stage, pipe=pipe)], True
+    [saved] = strategy.checkpoint_state()["stages"]
+    assert (saved["vw"], saved["index"]) == (0, 1)
+    now = _Role(0, 0, model)
+    names = ["embed.tok.weight", "h1.mlp.proj.bias"]
+    assert _stage_moved(saved, now, names, rank=0) == (
+        "the checkpoint's stage 1 of virtual worker 0 (worker rank 0) held h1.ln1.weight .. "
+        "head.out.weight (2 tensors), this run's stage 0 of virtual worker 0 holds "
+        "embed.tok.weight .. h1.mlp.proj.bias (2 tensors): the stages differ")
+    assert _stage_moved(saved, now, stage.names, rank=0) is None
+    # A checkpoint from before its stages kept their places: this run's alone is named.
+    older = {k: v for k, v in saved.items() if k not in ("vw", "index")}
+    assert _stage_moved(older, now, names, rank=0) == (
+        "the checkpoint's stage of worker rank 0 held h1.ln1.weight .. head.out.weight "
+        "(2 tensors), this run's stage 0 of virtual worker 0 holds embed.tok.weight .. "
+        "h1.mlp.proj.bias (2 tensors): the stages differ")

@@ -149,6 +149,41 @@ def test_frozen_layers_never_change_and_the_run_equals_a_reference_freezing_the_
     assert max_abs_diff(ref, reference(steps, timeline[:1], kind)) > 1e-3  # freezing mattered
 
 
+def train_trailing_activation(steps):
+    """An nn.Sequential whose last layer has no parameters (a LogSoftmax), freezing every step;
+    each step's largest change of the last Linear's weights."""
+    polytrain.init()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16),
+                                torch.nn.ReLU(), torch.nn.Linear(16, 4), torch.nn.LogSoftmax(-1))
+    trainer = polytrain.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                   strategy="pipetransformer",
+                                   loss_fn=torch.nn.functional.nll_loss, cache=False,
+                                   freeze_every=1, freeze_threshold=100.0, freeze_alpha=0.5)
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 8, generator=gen), torch.randint(0, 4, (8,), generator=gen)
+    moved = []
+    for _ in range(steps):
+        before = model[4].weight.detach().clone()
+        trainer.step(x, y)
+        moved.append(float((model[4].weight.detach() - before).abs().max()))
+    timeline = trainer.strategy.metrics()["freeze_timeline"]
+    trainer.close()
+    return moved, [e["frozen"] for e in timeline]
+
+
+@pytest.mark.timeout(120)
+def test_the_last_layer_with_parameters_trains_when_parameter_free_layers_follow_it():
+    # Symptom: with a LogSoftmax last, every layer froze (0, 3, 4, 5 of 6) and from the 4th
+    # step no weight changed, silently. Cause: "the last layer always trains" counted the
+    # LogSoftmax; the last Linear froze in its place.
+    moved, frozen = spawn(train_trailing_activation, workers=1, args=(6,))[0]
+    # At steps 1 and 2 the cap (2 of 4, then 3); then the ReLU before the last Linear, with
+    # no gradient norm, never counts as stopped, and the Linear and LogSoftmax never freeze.
+    assert frozen == [0, 2, 3, 3, 3, 3]
+    assert min(moved) > 1e-4, moved
+
+
 class Counting(torch.nn.Module):
     """A layer whose buffer changes as it trains (as a batch norm's statistics do)."""
 
@@ -361,6 +396,10 @@ def test_refusals():
     (["--no-freeze", "--no-autodp", "--freeze-alpha", "0.5"],
      r"so --freeze-alpha, --no-autodp would do nothing"),
     (["--no-freeze", "--cache-mb", "64"], r"so --cache-mb would do nothing"),
+    # AutoCache caches frozen layers only: --no-cache said nothing more (a review).
+    (["--no-freeze", "--no-cache"],
+     r"--no-freeze turns AutoFreeze off, so --no-cache would do nothing\. HINT: leave out "
+     r"--no-freeze, or --no-cache"),
     (["--no-cache", "--cache-mb", "64"],
      r"--no-cache turns AutoCache off, so --cache-mb would do nothing\. HINT: leave out "
      r"--no-cache, or --cache-mb"),
@@ -384,6 +423,32 @@ def test_options_that_a_switched_off_part_would_ignore_are_refused(args, message
     # each switch alone, and the options alone, are fine
     PipeTransformerOptions(freeze=False)
     PipeTransformerOptions(cache=False, freeze_every=3)
+
+
+def test_weights_tied_across_layers_are_refused_with_freezing_even_in_one_stage():
+    # Symptom: one worker (K = 1), an embedding tied to the output head, freezing: once the
+    # embedding froze, the head's weight changed by 0.0 a step while its bias trained.
+    # Cause: the tie check let a pipeline of one stage through (it holds the tensor once),
+    # and freezing the embedding set requires_grad False on the tensor the head trains.
+    from polytrain.launch.layout import Layout
+    from polytrain.strategies.pipetransformer.strategy import PipeTransformer
+
+    class Mean(torch.nn.Module):
+        def forward(self, x):
+            return x.mean(1)
+
+    model = torch.nn.Sequential(OrderedDict(embed=torch.nn.Embedding(32, 8),
+                                            mix=torch.nn.Linear(8, 8), pool=Mean(),
+                                            head=torch.nn.Linear(8, 32)))
+    model.head.weight = model.embed.weight
+    with pytest.raises(ConfigError) as caught:
+        PipeTransformer.check_model(model, Layout(workers=1), PipeTransformerOptions())
+    assert str(caught.value) == (
+        "'embed.weight' and 'head.weight' are one tensor (tied weights) in two layers, and "
+        "strategy 'pipetransformer' freezes front layers while the later ones train: "
+        "freezing the first would stop the second training. HINT: untie them (give the "
+        "second layer a weight of its own), or pass --no-freeze (Python: freeze=False)")
+    PipeTransformer.check_model(model, Layout(workers=1), PipeTransformerOptions(freeze=False))
 
 
 def test_handed_optimizer_state_is_placed_as_torchs_load_state_dict_places_it():

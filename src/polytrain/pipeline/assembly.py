@@ -182,23 +182,35 @@ def stage_optimizer(base: torch.optim.Optimizer, model: nn.Module,
     return kind(groups), sources, [group_of.get(i, -1) for i in range(len(stage.params))]
 
 
-def check_untied(model: nn.Module, owner: str, stages: int) -> None:
+def check_untied(model: nn.Module, owner: str, stages: int, *,
+                 freezing: str | None = None) -> None:
     """Refuse a tensor that two layers share (tied weights, as an embedding and its output
     head) where the pipeline has more than one stage: each stage holds its own layers'
     weights, so the two would train apart, and the stage that names it second found it
-    missing from the optimizer. (A cut may change: any two layers may part.)"""
-    if stages <= 1:  # one stage holds every layer: the tensor once
+    missing from the optimizer. (A cut may change: any two layers may part.)
+
+    ``freezing``: where the strategy freezes front layers, the option that turns that off;
+    then a pipeline of one stage is refused too: freezing the first layer froze the tensor
+    the second still trained."""
+    if stages <= 1 and freezing is None:  # one stage holds every layer: the tensor once
         return
     layers = [n for n, _ in layers_of(model)]
     first: dict[int, str] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         seen = first.setdefault(id(p), name)
-        if layer_of(seen, layers) != layer_of(name, layers):
-            raise ConfigError(f"{seen!r} and {name!r} are one tensor (tied weights) in two "
-                              f"layers, and strategy {owner!r} gives each pipeline stage its "
-                              f"own layers' weights: they would train apart",
-                              "untie them (give the second layer a weight of its own), or "
-                              "train with a data-parallel strategy")
+        if layer_of(seen, layers) == layer_of(name, layers):
+            continue
+        tied = f"{seen!r} and {name!r} are one tensor (tied weights) in two layers"
+        if stages <= 1:
+            raise ConfigError(f"{tied}, and strategy {owner!r} freezes front layers while "
+                              f"the later ones train: freezing the first would stop the "
+                              f"second training",
+                              f"untie them (give the second layer a weight of its own), or "
+                              f"pass {freezing}")
+        raise ConfigError(f"{tied}, and strategy {owner!r} gives each pipeline stage its own "
+                          f"layers' weights: they would train apart",
+                          "untie them (give the second layer a weight of its own), or "
+                          "train with a data-parallel strategy")
 
 
 def layer_of(name: str, layers: Collection[str]) -> str:

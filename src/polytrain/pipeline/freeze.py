@@ -1,7 +1,8 @@
 """AutoFreeze (PipeTransformer): how many front layers to freeze, from gradient norms.
 
 The paper's rule at freeze point ``T``, for a model of ``L`` freezable layers
-(every layer but the last, which always trains)::
+(those before the last layer with parameters, which always trains:
+:func:`freezable_layers`)::
 
     L_frozen(T) = min(L_frozen(T-1) + alpha (L - L_frozen(T-1)),      # geometric cap
                       argmin over l in [L_frozen(T-1), L) of ||g_l(T)||)
@@ -46,8 +47,8 @@ from typing import Mapping, Sequence
 
 from ..errors import ConfigError, unknown
 
-__all__ = ["freeze_cap", "next_frozen", "GradNormTracker", "REFERENCE_STEPS", "SIGNALS",
-           "DEFAULT_THRESHOLDS"]
+__all__ = ["freezable_layers", "freeze_cap", "next_frozen", "GradNormTracker",
+           "REFERENCE_STEPS", "SIGNALS", "DEFAULT_THRESHOLDS"]
 
 #: A layer's reference norm is its mean over its first steps of training.
 REFERENCE_STEPS = 5
@@ -59,6 +60,17 @@ SIGNALS = ("change", "level", "relative")
 #: no longer shrinks; ``relative`` at most half the median change (docs/pipetransformer.md,
 #: "Stop 25", reads the choice off the benchmark's recorded signals).
 DEFAULT_THRESHOLDS = {"change": 0.1, "level": 1.0, "relative": 0.5}
+
+
+def freezable_layers(has_parameters: Sequence[bool]) -> int:
+    """L, the front layers that may ever freeze: those before the last layer with parameters,
+    which always trains. Layers after it (an activation, a ``LogSoftmax``) have nothing to
+    train; counting them froze the model's last weights too, and then every weight.
+
+    >>> freezable_layers([True, False, True, False, True, False])  # ..., Linear, LogSoftmax
+    4
+    """
+    return max((i for i, has in enumerate(has_parameters) if has), default=0)
 
 
 def freeze_cap(frozen: int, freezable: int, alpha: float) -> int:
@@ -81,7 +93,7 @@ def next_frozen(frozen: int, freezable: int, ratios: Sequence[float | None], *,
 
     Args:
         frozen: layers frozen now (L_frozen(T-1)).
-        freezable: L, the layers that may ever freeze (the model's layers but the last).
+        freezable: L, the layers that may ever freeze (:func:`freezable_layers`).
         ratios: for each still trained freezable layer ``frozen .. freezable - 1``, its
             signal (:meth:`GradNormTracker.signal`), None for a layer with no gradient
             norm (no parameters: an activation), which never counts as stopped.

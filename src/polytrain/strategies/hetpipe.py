@@ -6,7 +6,7 @@ import contextlib
 import copy
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -340,10 +340,9 @@ class HetPipe(Strategy[HetPipeOptions]):
         mine = None
         for lane, (role, stage) in enumerate(zip(self.roles, stages)):
             saved = self.resume_optimizers[lane] if self.resume_optimizers else None
-            if saved is not None and saved["names"] != list(stage.names):
-                mine = (f"the checkpoint's stage {role.index} of virtual worker {role.vw} "
-                        f"(worker rank {ctx.rank}) held {_span(saved['names'])}, this run's holds "
-                        f"{_span(stage.names)}: the stages differ")
+            mine = (_stage_moved(saved, role, stage.names, ctx.rank) if saved is not None
+                    else None)
+            if mine is not None:
                 break
         said: list[str | None] = [None] * ctx.num_workers
         dist.all_gather_object(said, mine, group=ctx.groups.workers)
@@ -452,7 +451,8 @@ class HetPipe(Strategy[HetPipeOptions]):
         if not self.started:
             return {}
         state: dict[str, Any] = {"stages": [
-            {"names": list(role.stage.names), "optimizer": role.pipe.optimizer.state_dict()}
+            {"names": list(role.stage.names), "optimizer": role.pipe.optimizer.state_dict(),
+             "vw": role.vw, "index": role.index}
             if role.pipe and role.stage else None for role in self.roles],
             "layer_seconds": self.layer_seconds}
         if self.options.server_optimizer:
@@ -474,6 +474,21 @@ class HetPipe(Strategy[HetPipeOptions]):
         for role in self.roles:
             if role.stage is not None:
                 role.stage.close()
+
+
+def _stage_moved(saved: Mapping[str, Any], role: _Role, names: Sequence[str],
+                 rank: int) -> str | None:
+    """Why a checkpoint's stage (``saved``, of :meth:`HetPipe.checkpoint_state`) cannot resume
+    as ``role``'s stage holding ``names`` on worker ``rank``; None when it holds the same.
+    Each side is named by its own place (a checkpoint from before it kept its place: by
+    the worker alone)."""
+    if saved["names"] == list(names):
+        return None
+    was = (f"stage {saved['index']} of virtual worker {saved['vw']} (worker rank {rank})"
+           if "vw" in saved and "index" in saved else f"stage of worker rank {rank}")
+    return (f"the checkpoint's {was} held {_span(saved['names'])}, this run's stage "
+            f"{role.index} of virtual worker {role.vw} holds {_span(list(names))}: the "
+            f"stages differ")
 
 
 def _span(names: list[str]) -> str:

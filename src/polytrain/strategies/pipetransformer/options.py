@@ -146,7 +146,7 @@ class PipeTransformerOptions:
         defaults = {f.name: f.default for f in fields(self)}
         for off, switch, part, needs in (
                 (not self.freeze, "--no-freeze", "AutoFreeze",  # AutoCache caches frozen
-                 {**_FREEZE_FLAGS, **_CACHE_FLAGS}),            # layers only
+                 {**_FREEZE_FLAGS, "cache": "--no-cache", **_CACHE_FLAGS}),  # layers only
                 (not self.cache, "--no-cache", "AutoCache", _CACHE_FLAGS),
                 # AutoCache caches the front AutoPipe moves out; AutoDP takes the devices
                 # AutoPipe's halving frees

@@ -40,7 +40,7 @@ from ...pipeline.assembly import (
 from ...pipeline.asyncpipe import numeric_settings
 from ...pipeline.autopipe import PipePlan, plan_pipe
 from ...pipeline.cache import ActivationCache, expected_hits, frozen_forward
-from ...pipeline.freeze import GradNormTracker, next_frozen
+from ...pipeline.freeze import GradNormTracker, freezable_layers, next_frozen
 from ...pipeline.stage import Stage
 from ...pipeline.sync import SyncPipeline
 from ...runtime import Context
@@ -132,7 +132,8 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
                     options: PipeTransformerOptions) -> None:
         n = len(layers_of(model))
         k = _stages(layout.workers, layout.nodes, options)
-        check_untied(model, cls.name, k)
+        check_untied(model, cls.name, k, freezing="--no-freeze (Python: freeze=False)"
+                     if options.freeze else None)
         if n < k:
             raise ConfigError(f"the model has {n} layers (children) but the pipeline has {k} "
                               f"stages: every stage needs at least one",
@@ -319,7 +320,8 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
         everyone: list[Any] = [None] * ctx.num_workers
         dist.all_gather_object(everyone, mine, group=ctx.groups.workers)
         self.tracker.merge(everyone)
-        freezable = len(self._names) - 1  # the last layer always trains
+        # The last layer with parameters always trains (a LogSoftmax after it has none).
+        freezable = freezable_layers([n in self._layer_params for n in self._names])
         ratios = self.tracker.signal(self.options.freeze_signal,
                                      self._names[plan.frozen:freezable])
         frozen = next_frozen(plan.frozen, freezable, ratios, alpha=self.options.freeze_alpha,
