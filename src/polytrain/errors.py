@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from typing import Iterable
 
 __all__ = ["PolytrainError", "ConfigError", "LaunchError", "CommError", "CommTimeout", "PeerLost",
@@ -35,9 +36,13 @@ def unknown(what: str, value: object, choices: Iterable[str], hint: str, *,
                        f"{', '.join(choices)}", hint)
 
 
-def at_least(name: str, value: float, hint: str, minimum: int = 1) -> None:
+def at_least(name: str, value: float, hint: str, minimum: int = 1, *,
+             whole: bool = False) -> None:
     """Refuse ``value`` under ``minimum``: ``--steps must be at least 1 (got 0)``, ``--servers
-    must be 0 or more (got -1)``."""
+    must be 0 or more (got -1)``; with ``whole``, also a count that is not an int
+    (``num_experts must be a whole number (got 4.0)``: a float met torch's TypeError later)."""
+    if whole and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
+        raise ConfigError(f"{name} must be a whole number (got {value!r})", hint)
     if value < minimum:
         least = "0 or more" if minimum == 0 else f"at least {minimum}"
         raise ConfigError(f"{name} must be {least} (got {value})", hint)

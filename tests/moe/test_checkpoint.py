@@ -120,3 +120,48 @@ def test_the_model_distribute_returns_saves_under_the_models_own_names(tmp_path)
                                                     r"checkpoint \(its MoE layers: \['h0.mlp', "
                                                     r"'h1.mlp'\]\)"):
         load_sharded(other, tmp_path)
+
+
+def test_full_and_local_state_dicts_of_what_distribute_returned_use_the_models_names():
+    # full_state_dict(wrapped) keyed the state "module.embed.tok.weight", and
+    # local_state_dict(polytrain.full_state_dict(wrapped), wrapped) refused it ("the state has
+    # no 'module.embed.tok.weight'"): they did not unwrap the model as save_sharded does.
+    class Wrapper(nn.Module):  # as distribute()'s (and torch's DDP)
+        def __init__(self, module: nn.Module) -> None:
+            super().__init__()
+            self.module = module
+
+    class Trainer:  # as the step API's: not a module, its .model is the wrapper
+        def __init__(self, model: nn.Module) -> None:
+            self.model = model
+
+    model = build(0)
+    want = model.state_dict()
+    for wrapped in (Wrapper(model), Trainer(Wrapper(model))):
+        full = full_state_dict(wrapped)
+        assert list(full) == list(want)
+        local = local_state_dict(full, wrapped)
+        assert list(local) == list(want)
+        assert all(torch.equal(local[k], want[k]) for k in want)
+
+
+def test_a_save_that_fails_midway_leaves_the_last_checkpoint_whole(tmp_path, monkeypatch):
+    # shard-R.pt and meta.json were written in place: a save cut short (a full disk, a
+    # killed process) left a truncated shard over the last good one, which then failed to load.
+    save_sharded(build(0), tmp_path)
+    real_save = torch.save
+
+    def cut_short(obj, f, *args, **kwargs):
+        real_save(obj, f, *args, **kwargs)
+        with open(f, "r+b") as out:
+            out.truncate(100)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", cut_short)
+    with pytest.raises(OSError, match="No space left"):
+        save_sharded(build(1), tmp_path)
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["meta.json", "shard-0.pt"]
+    loaded = build(2)
+    load_sharded(loaded, tmp_path)
+    assert all(torch.equal(v, build(0).state_dict()[k]) for k, v in loaded.state_dict().items())

@@ -159,10 +159,22 @@ def test_no_tokens_at_all():
                      r"\(got 2.5\)"),
     ({"expert": lambda d: torch.nn.Linear(d, d), "d_hidden": 9},
      r"d_hidden is the default expert's width, and expert= builds the experts instead"),
+    # torch's TypeError at the experts' build, and "'<' not supported" in the gate's check.
+    ({"d_hidden": 2.5}, r"d_hidden must be a whole number \(got 2\.5\)"),
+    ({"capacity_factor": "1.2"},
+     r"capacity_factor \(--capacity-factor\) must be a number \(got '1\.2'\)"),
+    ({"eval_capacity_factor": "2"}, r"eval_capacity_factor must be a number \(got '2'\)"),
 ])
 def test_bad_options_are_named(kwargs, message):
     with pytest.raises(ConfigError, match=message):
         MoE(D, E, **kwargs)
+
+
+def test_a_fractional_expert_count_is_named():
+    # torch's TypeError ("empty() received an invalid combination of arguments").
+    with pytest.raises(ConfigError, match=r"num_experts \(--experts\) must be a whole number "
+                                          r"\(got 4\.0\)\. HINT: pass num_experts=8"):
+        MoE(D, 4.0)
 
 
 @pytest.mark.parametrize("chunk_bytes", [1 << 20, 12 * 4 * 5])  # one chunk; a few rows each
@@ -199,3 +211,25 @@ def test_inference_on_device_offsets_computes_what_the_training_path_does(top_k,
     assert torch.allclose(got, want, atol=1e-6), (got - want).abs().max()
     assert torch.equal(got[0], torch.zeros(D))
     assert torch.equal(load, want_load) and int(load.sum()) == int((indices >= 0).sum())
+
+
+@pytest.mark.parametrize("gate", ["naive", "noisy", "gshard", "switch"])
+def test_a_profile_on_the_meta_device_counts_top_k_experts_per_token(gate):
+    # --model gpt-moe with --devices (any strategy) and `polytrain plan`: the profile's
+    # forward on the meta device met nonzero() in route() (and the gates' draws), and every
+    # such run was refused. On the meta device the layer costs top_k experts per token.
+    from polytrain.emulation.profile import profile_model
+    from polytrain.models import GPT
+    from polytrain.moe import moefy
+
+    def profile(model: nn.Module) -> dict[str, float]:
+        sample = torch.zeros(2, 8, dtype=torch.long)
+        return {x.name: x.fwd_flops for x in profile_model(model, sample).layers}
+
+    top_k = 1 if gate == "switch" else 2
+    dense = profile(GPT(seq_len=8, d_model=16, layers=2, heads=2))
+    moe = profile(moefy(GPT(seq_len=8, d_model=16, layers=2, heads=2), 4, gate=gate,
+                        top_k=top_k))
+    mlp, router = 2 * 8 * (16 * 64 + 64 * 16), 2 * 8 * 16 * 4  # per sample of 8 tokens
+    assert moe["h0"] - dense["h0"] == (top_k - 1) * mlp + router
+    assert moe["embed"] == dense["embed"] and moe["head"] == dense["head"]

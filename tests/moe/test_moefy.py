@@ -91,3 +91,30 @@ def test_gpt_moe_model_is_moefied_gpt_with_the_given_options():
     assert all(isinstance(b.mlp, MoE) for b in model.blocks)
     gate = model.h1.mlp.gate
     assert (gate.num_experts, gate.top_k, gate.capacity_factor) == (4, 1, 2.0)
+
+
+def small_expert(d: int) -> nn.Module:
+    return nn.Sequential(nn.Linear(d, 6), nn.Tanh(), nn.Linear(6, d))
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+def test_an_expert_factory_builds_the_experts(activation):
+    # moefy put the replaced block's d_hidden in MoE's options before the user's expert=,
+    # and MoE refused both ("d_hidden is the default expert's width"): expert= never worked.
+    torch.manual_seed(0)
+    gpt = moefy(GPT(seq_len=8, d_model=16, layers=2, heads=2), 4, expert=small_expert)
+    layer = nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, batch_first=True,
+                                       activation=activation)
+    encoder = moefy(nn.TransformerEncoder(layer, 2, enable_nested_tensor=False), 4,
+                    expert=small_expert)
+    for moe in (gpt.h0.mlp, gpt.h1.mlp, encoder.layers[0].moe):
+        assert [m.out_features for m in moe.experts[3] if isinstance(m, nn.Linear)] == [6, 16]
+    assert gpt(torch.randint(0, 256, (2, 8))).shape == (2, 8, 256)
+    assert encoder(torch.randn(2, 5, 16)).shape == (2, 5, 16)
+
+
+def test_every_must_be_a_whole_number():
+    # every=1.5 was accepted: found % 1.5 replaced blocks 0 and 3 of 4.
+    with pytest.raises(ConfigError, match=r"every must be a whole number \(got 1\.5\)\. "
+                                          r"HINT: pass every=1 or 2"):
+        moefy(GPT(seq_len=8, d_model=16, layers=2, heads=2), 4, every=1.5)

@@ -1,5 +1,9 @@
 """``--strategy moe``: expert parallelism ends where ``--strategy single --model gpt-moe`` ends."""
 
+import json
+import time
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -7,6 +11,7 @@ from torch import nn
 import polytrain
 from polytrain import TrainConfig
 from polytrain.cli import main
+from polytrain.moe import MoE
 from polytrain.strategies.moe import place_experts
 from tests.harness import adam_tolerance, max_abs_diff, run_config, single_of, spawn
 
@@ -85,6 +90,21 @@ class _nothing:
 
     def __exit__(self, *exc):
         return False
+
+
+@pytest.mark.parametrize("strategy, servers", [("ddp", 0), ("moe", 0), ("hetpipe", 1)])
+def test_gpt_moe_runs_on_emulated_devices_and_is_planned(strategy, servers, capsys):
+    # Refused with "GPT cannot be timed layer by layer ... (the meta device)": the layer
+    # profile's forward met nonzero() in the MoE layer's routing, for every strategy.
+    config = TrainConfig(strategy=strategy, model="gpt-moe", devices="m0:fast*2", workers=2,
+                         servers=servers, model_options=MODEL)
+    summary = config.plan_summary()
+    assert summary is None if strategy != "hetpipe" else "stage 1 on fast" in summary
+    if strategy == "ddp":
+        assert main(["plan", "--model", "gpt-moe", "--devices", "m0:fast*2,m1:slow*2",
+                     "--d-model", "32", "--layers", "2", "--experts", "4", "--json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert all(p["compute_s"] > 0 for p in out["predictions"].values())
 
 
 def test_model_flags_become_model_options():
@@ -242,14 +262,31 @@ def moe_edges(root: str) -> dict[str, object]:
     trainer = polytrain.distribute(inner, torch.optim.SGD(inner.parameters(), lr=0.1),
                                    strategy="moe", loss_fn=lambda y, t: (y - t).pow(2).mean())
     before = {k: v.clone() for k, v in inner.state_dict().items()}
+    if ctx.rank == 1:
+        time.sleep(1.0)  # rank 0 wrote meta.json before this rank's shard was there
     save_sharded(trainer, root)
-    torch.distributed.barrier(group=ctx.groups.workers)  # every shard written
+    out["files when saved"] = sorted(p.name for p in Path(root).iterdir())
     with torch.no_grad():
         for p in inner.parameters():
             p.zero_()
     load_sharded(trainer, root)
     out["sharded"] = all(torch.equal(v, inner.state_dict()[k]) for k, v in before.items())
     trainer.close()
+    # A layer already split over the workers, given to ddp: worker 0's experts were
+    # broadcast over worker 1's, and gradients of different experts averaged.
+    split = nn.Sequential(nn.Linear(8, 8), MoE(8, 4, top_k=1, group=ctx.groups.workers))
+    try:
+        polytrain.distribute(split, torch.optim.SGD(split.parameters(), lr=0.1), "ddp")
+        out["split"] = "accepted"
+    except polytrain.ConfigError as e:
+        out["split"] = str(e)
+    # A group this rank is not in: torch's "Invalid process group specified".
+    only_0 = torch.distributed.new_group([0])
+    try:
+        MoE(8, 4, group=only_0)
+        out["not in group"] = "accepted"
+    except polytrain.ConfigError as e:
+        out["not in group"] = str(e)
     return out
 
 
@@ -258,8 +295,19 @@ def test_unfreezing_after_the_wrap_16_bit_sums_and_a_trainers_shards(tmp_path):
     # An unfrozen parameter had no hook: never averaged, each worker stepped on its own
     # gradient. float16 gradients were summed, then divided: 2 x 40,000 was inf. save_sharded
     # of the trainer distribute(..., loss_fn=...) returns: AttributeError (no .module).
-    for out in spawn(moe_edges, workers=2, args=(str(tmp_path / "shards"),)):
+    # save_sharded returned on rank 0 (meta.json written) before rank 1's shard was there.
+    # ddp took a layer built with group= (already split over the workers) without a word;
+    # a group the rank is not in met torch's "Invalid process group specified".
+    for rank, out in enumerate(spawn(moe_edges, workers=2, args=(str(tmp_path / "shards"),))):
         assert out["unfrozen"].startswith("parameter 'inp.weight' requires a gradient, but did "
                                           "not when the model was wrapped"), out["unfrozen"]
         assert out["float16"] == [40000.0] * 3
+        assert out["files when saved"] == ["meta.json", "shard-0.pt", "shard-1.pt"]
         assert out["sharded"] is True
+        assert out["split"] == (
+            "MoE layer '1' is already split over 2 ranks (built with group=): strategy 'ddp' "
+            "would copy worker 0's experts over the others'. HINT: build the layer without "
+            "group= (strategy 'moe' splits the experts over the workers itself)")
+        assert out["not in group"] == (
+            "rank 1 is not in the process group given to the MoE layer. HINT: pass a group "
+            "that holds this rank, or group=None (every expert here)" if rank else "accepted")

@@ -19,6 +19,7 @@ which tokens are dropped.
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -28,6 +29,11 @@ __all__ = ["expert_capacity", "allowance", "keep_mask", "check_factor"]
 
 
 def check_factor(factor: float | None, name: str = "capacity_factor") -> None:
+    if factor is not None and (isinstance(factor, bool) or
+                               not isinstance(factor, numbers.Real)):  # ("1.2": TypeError)
+        flag = " (--capacity-factor)" if name == "capacity_factor" else ""
+        raise ConfigError(f"{name}{flag} must be a number (got {factor!r})",
+                          f"pass {name}=1.25, or leave it out for the gate's")
     if factor is not None and not 0 < factor < math.inf:
         if name == "capacity_factor":  # a flag too
             raise ConfigError(f"{name} (--capacity-factor) must be positive and finite (got "

@@ -95,8 +95,10 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The whole model's state on CPU in the canonical (all experts local) form.
 
     Every rank of every expert-parallel group calls it (it all-gathers within each
-    layer's group); every rank gets the whole state.
+    layer's group); every rank gets the whole state. ``model`` may be what ``distribute``
+    returned, as in :func:`save_sharded`.
     """
+    model = _bare(model)
     layers = moe_layers(model)
     out: dict[str, torch.Tensor] = {}
     for key, value in model.state_dict().items():
@@ -120,7 +122,11 @@ def local_state_dict(state: dict[str, torch.Tensor], model: nn.Module) -> dict[s
     Example::
 
         model.load_state_dict(local_state_dict(torch.load("final.pt"), model))
+
+    The keys are the plain model's: ``model`` may be what ``distribute`` returned, as in
+    :func:`save_sharded`, and the result loads into its model (``model.module``).
     """
+    model = _bare(model)
     layers = moe_layers(model)
     out = {}
     for key in model.state_dict():
@@ -150,11 +156,17 @@ def _bare(model: Any) -> nn.Module:
 def save_sharded(model: nn.Module, directory: str | Path, *, write: bool = True) -> None:
     """Write this rank's experts (and, on expert-parallel rank 0, the rest) to ``directory``.
 
-    Every rank of the expert-parallel groups calls it; ranks that hold the same
-    experts as another (data-parallel replicas) pass ``write=False``. Files:
-    ``meta.json`` and ``shard-R.pt`` per rank R of the expert-parallel group,
-    each with canonical keys. ``model`` may be what ``distribute`` returned (a wrapper, a
-    DDP or a step API's trainer): its model is saved, under the model's own names.
+    Every rank of the expert-parallel groups calls it; one group writes, and the ranks
+    of the others, which hold the same experts (data-parallel replicas), pass
+    ``write=False``. Files: ``meta.json`` and ``shard-R.pt`` per rank R of the
+    expert-parallel group, each with canonical keys. ``model`` may be what ``distribute``
+    returned (a wrapper, a DDP or a step API's trainer): its model is saved, under the
+    model's own names.
+
+    Each file is written under a temporary name and renamed over the old one, so a save
+    cut short leaves the last one whole. ``meta.json`` is written once every shard is
+    (a barrier over the group, which times out after the run's ``--timeout`` like every
+    collective), and on return the directory is complete on every writing rank.
     """
     model = _bare(model)
     layers = moe_layers(model)
@@ -169,12 +181,21 @@ def save_sharded(model: nn.Module, directory: str | Path, *, write: bool = True)
         name, expert = _canonical(key, layers)
         if expert is not None or rank == 0:
             shard[name] = host_copy(value)
-    torch.save({"format": FORMAT, "rank": rank, "ranks": size, "state": shard},
-               path / f"shard-{rank}.pt")
+    # Here: polytrain.checkpoint imports the strategies, which import this module.
+    from ..checkpoint.manifest import write_atomically
+
+    write_atomically(path / f"shard-{rank}.pt", lambda tmp: torch.save(
+        {"format": FORMAT, "rank": rank, "ranks": size, "state": shard}, tmp))
+    group = layers[0][1].group if layers else None
+    if group is not None and group.distributed:
+        dist.barrier(group=group.group)  # every shard written before meta.json lists them
     if rank == 0:
         meta = {"format": FORMAT, "ranks": size,
                 "experts": {p: layer.num_experts for p, layer in layers}}
-        (path / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+        write_atomically(path / "meta.json",
+                         lambda tmp: tmp.write_text(json.dumps(meta, indent=1) + "\n"))
+    if group is not None and group.distributed:
+        dist.barrier(group=group.group)  # a load on any rank after this finds meta.json
 
 
 def load_sharded(model: nn.Module, directory: str | Path) -> None:

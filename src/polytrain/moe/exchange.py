@@ -19,6 +19,7 @@ from torch.autograd.function import FunctionCtx
 
 from .. import runtime
 from ..comm.meter import RECV, SENT
+from ..errors import ConfigError
 
 __all__ = ["ExpertGroup", "all_to_all", "exchange_counts", "all_gather_counts", "A2A_RANGE",
            "COUNTS_RANGE"]
@@ -53,8 +54,12 @@ class ExpertGroup:
             self.size, self.rank, self.global_ranks = 1, 0, (0,)
             self.group = None
             return
-        self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
+        if self.rank < 0:  # (torch: "Invalid process group specified", a call later)
+            raise ConfigError(f"rank {dist.get_rank()} is not in the process group given to the "
+                              f"MoE layer", "pass a group that holds this rank, or group=None "
+                              "(every expert here)")
+        self.size = dist.get_world_size(group)
         self.global_ranks = tuple(dist.get_process_group_ranks(group))
         self._backend = str(dist.get_backend(group)).lower()
 

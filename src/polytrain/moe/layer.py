@@ -46,7 +46,8 @@ class MoE(nn.Module):
         expert: a factory ``f(d_model) -> nn.Module`` for each expert (default: a
             two-layer GELU MLP of width ``d_hidden``, all local experts computed at once).
         d_hidden: the default expert's hidden width (default 4 * d_model).
-        capacity_factor: capacity factor while training (default: the gate's; None: none).
+        capacity_factor: capacity factor while training (default None: the gate's own,
+            gshard 1.2 and switch 1.25; naive and noisy have none; ``dropless`` for none).
         group: the expert-parallel process group (default None).
         batch_group: the data-parallel group whose ranks' tokens make the global batch
             (default: ``group``): the gate draws, counts capacity and computes its
@@ -64,7 +65,8 @@ class MoE(nn.Module):
                  dropless: bool = False, balance_weight: float | None = None,
                  z_loss_weight: float = 0.0, gate_options: dict[str, Any] | None = None) -> None:
         super().__init__()
-        at_least("num_experts (--experts)", num_experts, "pass num_experts=8 (--experts 8)")
+        at_least("num_experts (--experts)", num_experts, "pass num_experts=8 (--experts 8)",
+                 whole=True)
         clash = sorted(set(gate_options or {}) & _OWN)  # (Python's "multiple values" before)
         if clash:
             raise ConfigError(f"gate_options {', '.join(map(repr, clash))}: MoE takes "
@@ -74,7 +76,8 @@ class MoE(nn.Module):
             raise ConfigError("d_hidden is the default expert's width, and expert= builds "
                               "the experts instead", "leave out d_hidden, or expert")
         if d_hidden is not None:
-            at_least("d_hidden", d_hidden, "pass d_hidden=4 * d_model, or leave it out")
+            at_least("d_hidden", d_hidden, "pass d_hidden=4 * d_model, or leave it out",
+                     whole=True)
         self.d_model = d_model
         self.num_experts = num_experts
         self._group = ExpertGroup(group)
@@ -144,11 +147,24 @@ class MoE(nn.Module):
             raise ConfigError(f"MoE layer of width {self.d_model} got input of shape "
                               f"{list(x.shape)}", f"pass (..., {self.d_model}) tokens")
         tokens = x.reshape(-1, self.d_model)
+        if tokens.device.type == "meta":
+            return self._as_if_balanced(tokens).reshape(x.shape)
         indices, scores = self.gate(tokens)
         y, load = moe_apply(tokens, indices, scores, self.experts, self.num_experts,
                             self._group)
         self.last_load = load
         return y.reshape(x.shape)
+
+    def _as_if_balanced(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The forward on the meta device (polytrain's profiles: ``--devices``, ``plan``):
+        routing reads the gate's values, which the meta device lacks, so every local expert
+        gets an even share of ``top_k`` rows per token, the cost of a balanced layer."""
+        k = self.top_k
+        scores = self.gate.wg(tokens)[:, :k].softmax(-1)                      # (tokens, k)
+        rows = tokens.repeat_interleave(k, dim=0)                               # (tokens * k, d)
+        share, extra = divmod(rows.shape[0], self.num_local)
+        y = self.experts(rows, [share + (i < extra) for i in range(self.num_local)])
+        return (y.reshape(-1, k, self.d_model) * scores.unsqueeze(-1)).sum(1)
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, num_experts={self.num_experts}, "

@@ -41,6 +41,12 @@ def _like(layer: MoE, reference: torch.Tensor) -> MoE:
     return layer.to(device=reference.device, dtype=reference.dtype)
 
 
+def _with_width(d_hidden: int, options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` with the replaced block's width for the default experts (none for
+    ``expert=``'s: MoE refuses a width beside them)."""
+    return options if "expert" in options else {"d_hidden": d_hidden, **options}
+
+
 def _is_exact_gelu(activation: object) -> bool:
     return activation is F.gelu or (isinstance(activation, nn.GELU) and
                                     activation.approximate == "none")
@@ -49,7 +55,7 @@ def _is_exact_gelu(activation: object) -> bool:
 def _moefy_torch_layer(layer: nn.Module, num_experts: int, options: dict[str, Any]) -> None:
     linear1 = layer.linear1
     assert isinstance(linear1, nn.Linear)
-    opts = {"d_hidden": linear1.out_features, **options}
+    opts = _with_width(linear1.out_features, options)
     activation: Callable[[torch.Tensor], torch.Tensor] = layer.activation  # type: ignore[assignment]
     if "expert" not in opts and not _is_exact_gelu(activation):
         # The default experts are GELU's: the layer's own function, not another one.
@@ -79,7 +85,7 @@ def moefy(model: nn.Module, num_experts: int, *, every: int = 1, **options: Any)
     :class:`~torch.nn.TransformerDecoderLayer` (their ``linear1``/``linear2``
     become ``moe``; the dropout inside the old block goes, the one after it
     stays; experts apply the layer's own activation, ReLU by default in torch). The
-    experts' hidden width defaults to the replaced block's. Works
+    experts' hidden width is the replaced block's, unless ``expert=`` builds them. Works
     in place and returns the model. FastMoE's ``fmoefy`` for Megatron-LM, for
     these models.
 
@@ -94,14 +100,14 @@ def moefy(model: nn.Module, num_experts: int, *, every: int = 1, **options: Any)
     """
     from ..models.gpt import Block  # here: polytrain.models imports this package
 
-    at_least("every", every, "pass every=1 or 2")
+    at_least("every", every, "pass every=1 or 2", whole=True)
     found = 0
     for module in list(model.modules()):
         if isinstance(module, Block):
             if found % every == 0:
                 fc = module.mlp.fc
                 assert isinstance(fc, nn.Linear)
-                opts = {"d_hidden": fc.out_features, **options}
+                opts = _with_width(fc.out_features, options)
                 module.mlp = _like(MoE(fc.in_features, num_experts, **opts), fc.weight)
             found += 1
         elif isinstance(module, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)):

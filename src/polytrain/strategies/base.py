@@ -437,6 +437,7 @@ def distribute(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str
         raise ConfigError(f"strategy {strategy!r} trains in one process, and this run has "
                           f"{runtime.current().num_workers} workers: each would train its own "
                           f"copy", "pick a distributed strategy, e.g. strategy='ddp'")
+    _check_whole_experts(model, strategy)
     if cls.distributed:
         ctx = ctx or runtime.init()
         if not ctx.is_worker:
@@ -471,6 +472,19 @@ def distribute(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str
     if gate_losses:
         loss_fn = with_gate_losses(loss_fn, wrapped)
     return Trainer(instance, wrapped, opt, loss_fn, device=device)
+
+
+def _check_whole_experts(model: nn.Module, strategy: str) -> None:
+    """Refuse an MoE layer built already split over ranks (``group=``): every strategy
+    makes the workers' models agree from worker 0's (its experts over the others'), and
+    ``moe`` splits whole layers itself."""
+    for prefix, layer in moe_layers(model):
+        if layer.group.size > 1:
+            raise ConfigError(f"MoE layer {prefix.rstrip('.')!r} is already split over "
+                              f"{layer.group.size} ranks (built with group=): strategy "
+                              f"{strategy!r} would copy worker 0's experts over the others'",
+                              "build the layer without group= (strategy 'moe' splits the "
+                              "experts over the workers itself)")
 
 
 # The models distribute() was given and returned, by strategy (weakly: a copy, or a model
