@@ -109,8 +109,9 @@ class Parallax(ServedStrategy[ParallaxOptions]):
         self.dense = DenseSync(ctx, [params[n] for n in dense])
         self.unchanged = _Unchanged([(n, p) for n, p in model.named_parameters()
                                      if p.requires_grad])
-        optimizer.register_step_pre_hook(
-            lambda opt, args, kwargs: self._before_step(args[0] if args else kwargs.get("closure")))
+        # (torch hands the hook step's own arguments, the optimizer first.)
+        optimizer.register_step_pre_hook(lambda opt, args, kwargs: self._before_step(
+            args[1] if len(args) > 1 else kwargs.get("closure")))
         optimizer.register_step_post_hook(lambda opt, args, kwargs: self._step_done())
         return model, optimizer
 
