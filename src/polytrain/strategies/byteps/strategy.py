@@ -94,9 +94,7 @@ class BytePS(ServedStrategy[BytePSOptions]):
                                                   compress_adam_refresh=(
                                                       opts.compress_adam_refresh),
                                                   **placing)
-            # As one process: a parameter no worker gave a gradient keeps .grad None (one small
-            # all-reduce a step; summed as zeros, Adam would step on it with its momentum).
-            keep_missing_for(self.optimizer.sync, model, find_unused=True)
+            keep_missing_for(self.optimizer.sync, model)
         return model, self.optimizer
 
     def evaluation_model(self, model: nn.Module) -> nn.Module | None:
