@@ -41,6 +41,19 @@ def test_forked_processes_get_the_launchers_environment_streams_and_fresh_seeds(
 
 
 @pytest.mark.timeout(120)
+def test_the_variable_pytest_changes_for_each_test_starts_no_server_of_its_own(tmp_path,
+                                                                              monkeypatch):
+    # A server started for each of its values (torch imported again each test) had been most
+    # of the test suite's time.
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", "one")
+    first = _start(tmp_path, monkeypatch, "e")
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", "another")
+    again = _start(tmp_path, monkeypatch, "e")
+    assert len({g["parent"] for g in first + again}) == 1
+    assert {g["parent"] for g in first} != {os.getpid()}  # forked, not fresh interpreters
+
+
+@pytest.mark.timeout(120)
 def test_forked_processes_get_the_launchers_umask_and_limits_of_the_moment(tmp_path,
                                                                            monkeypatch):
     core = resource.getrlimit(resource.RLIMIT_CORE)

@@ -354,6 +354,11 @@ _SERVER_CODE = ("import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); "
                 "signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT]); "
                 "from polytrain.launch.forkserver import main; main()")
 _Key = tuple[tuple[str, str], ...]
+# Variables that change while the launching process runs and that no import reads: a child
+# gets them as they are (its whole environment comes with each request), and a server is
+# not started for each value. pytest names the test it runs in one: a server per test
+# (torch imported again: some 3 s of CPU) had been most of the test suite's time.
+_NOT_READ_AT_IMPORT = frozenset({"PYTEST_CURRENT_TEST"})
 _servers: dict[_Key, ForkServer] = {}
 _unusable: dict[_Key, str] = {}  # environments whose server failed: why
 _servers_lock = threading.Lock()
@@ -368,7 +373,7 @@ def server_for(base_env: Mapping[str, str]) -> ForkServer | None:
     (``POLYTRAIN_FORKSERVER=0``) or cannot start."""
     if not _env.forkserver_on(base_env):
         return None
-    key = tuple(sorted(base_env.items()))
+    key = tuple(sorted((k, v) for k, v in base_env.items() if k not in _NOT_READ_AT_IMPORT))
     with _servers_lock:
         if key in _unusable:
             return None
