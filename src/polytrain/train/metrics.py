@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from pathlib import Path
 from typing import Any, Collection, Sequence
@@ -106,6 +107,19 @@ def build_metrics(*, config: Any, losses: Sequence[float], times: Sequence[float
 
 
 def write_metrics(out: Path, metrics: dict[str, Any]) -> None:
-    """``out/metrics.json``, replaced whole (a crash leaves the old file or the new one)."""
-    write_atomically(out / "metrics.json",
-                     lambda tmp: tmp.write_text(json.dumps(metrics, indent=1) + "\n"))
+    """``out/metrics.json``, replaced whole (a crash leaves the old file or the new one). A
+    number that is not finite (the loss of a run that diverged) is written as null: JSON has
+    no NaN, and strict readers refused the file."""
+    text = json.dumps(_finite(metrics), indent=1, allow_nan=False) + "\n"
+    write_atomically(out / "metrics.json", lambda tmp: tmp.write_text(text))
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with every float that is not finite replaced by None, in lists and dicts."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
