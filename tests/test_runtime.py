@@ -118,6 +118,16 @@ def test_environment_values_are_read_without_their_spaces_and_empty_is_unset(mon
     assert _env.log_level() == "WARNING"
 
 
+def test_a_launchers_rank_or_port_that_is_not_a_whole_number_is_refused_in_one_line():
+    # LOCAL_RANK=abc (RANK, WORLD_SIZE, MASTER_PORT) was int()'s bare ValueError.
+    for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT"):
+        with pytest.raises(ConfigError, match=rf"{name}='abc' is not a whole number\. HINT: "
+                                              rf"set {name} as a launcher does"):
+            _env.read({"RANK": "0", "WORLD_SIZE": "2", name: "abc"})
+    assert _env.read({"RANK": "1", "WORLD_SIZE": "2", "MASTER_PORT": "29500"}).master_port == \
+        29500
+
+
 def test_a_timeout_that_is_not_a_positive_number_of_seconds_is_refused_in_one_line():
     # POLYTRAIN_TIMEOUT=abc was float()'s ValueError; init(timeout_s=-1) reached gloo's
     # "The client socket has timed out after -1000ms".

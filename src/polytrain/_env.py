@@ -65,13 +65,13 @@ def read(environ: Mapping[str, str] | None = None) -> ProcessEnv:
     env = os.environ if environ is None else environ
     launched = RANK in env and WORLD_SIZE in env
     port = env.get(MASTER_PORT)
-    local_rank = int(env.get(LOCAL_RANK, "0"))
+    local_rank = _whole(env, LOCAL_RANK, 0)
     return ProcessEnv(
-        rank=int(env.get(RANK, "0")),
-        world_size=int(env.get(WORLD_SIZE, "1")),
+        rank=_whole(env, RANK, 0),
+        world_size=_whole(env, WORLD_SIZE, 1),
         local_rank=local_rank,
         master_addr=env.get(MASTER_ADDR, "127.0.0.1"),
-        master_port=int(port) if port else None,
+        master_port=_whole(env, MASTER_PORT, 0) if port else None,
         role=_role(env.get(ROLE, "worker"), local_rank),
         node=env.get(NODE) or socket.gethostname(),
         timeout_s=timeout_of(env),
@@ -83,6 +83,17 @@ def timeout_of(env: Mapping[str, str] | None = None) -> float:
     """The timeout ``env`` (default: this process's) sets: POLYTRAIN_TIMEOUT, else the
     default; checked."""
     return _seconds(os.environ if env is None else env, TIMEOUT, DEFAULT_TIMEOUT_S)
+
+
+def _whole(env: Mapping[str, str], name: str, default: int) -> int:
+    """``env``'s whole number ``name`` (a launcher's RANK, WORLD_SIZE...), else ``default``."""
+    text = env.get(name, str(default))
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(f"{name}={text!r} is not a whole number",
+                          f"set {name} as a launcher does (a number, {name}={default}), or "
+                          f"unset it") from None
 
 
 def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
