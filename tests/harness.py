@@ -8,7 +8,9 @@ bounds the whole test (``@pytest.mark.timeout``; 120 s by default).
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -110,7 +112,21 @@ def torchrun(script: Path, roles: str, *argv: str,
     ``processes`` of one role)."""
     env = dict(os.environ, POLYTRAIN_ROLE=roles, POLYTRAIN_NODE="box",
                PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
-    return subprocess.run([str(Path(sys.executable).with_name("torchrun")), "--standalone",
-                           "--nproc-per-node", str(processes or len(roles.split(","))),
-                           "--master-port", str(free_port()), str(script), *argv],
-                          env=env, capture_output=True, text=True, timeout=80)
+    command = [str(Path(sys.executable).with_name("torchrun")), "--standalone",
+               "--nproc-per-node", str(processes or len(roles.split(","))),
+               "--master-port", str(free_port()), str(script), *argv]
+    # Output to files, not pipes, and in a session of its own: a process torchrun left
+    # behind held the pipes open, and the test waited past its time limit for their end
+    # (once in a loaded suite, after torchrun had returned); it is stopped here.
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(command, env=env, stdout=out, stderr=err, text=True,
+                                start_new_session=True)
+        try:
+            code = proc.wait(timeout=80)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(command, code, out.read(), err.read())
