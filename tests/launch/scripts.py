@@ -294,6 +294,7 @@ def what_a_process_starts_with() -> dict:
     # No init: what the process is before the run begins.
     return {"pid": os.getpid(), "parent": os.getppid(), "cwd": os.getcwd(),
             "rank": os.environ["RANK"], "var": os.environ.get("POLYTRAIN_TEST_VAR"),
+            "test": os.environ.get("PYTEST_CURRENT_TEST"),
             "threads": torch.get_num_threads(), "seed": torch.initial_seed(),
             "draw": torch.rand(1).item(), "said": print(f"said by {os.environ['RANK']}"),
             "umask": _umask(), "core": resource.getrlimit(resource.RLIMIT_CORE)[0]}

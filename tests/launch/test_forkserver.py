@@ -51,6 +51,8 @@ def test_the_variable_pytest_changes_for_each_test_starts_no_server_of_its_own(t
     again = _start(tmp_path, monkeypatch, "e")
     assert len({g["parent"] for g in first + again}) == 1
     assert {g["parent"] for g in first} != {os.getpid()}  # forked, not fresh interpreters
+    # Each child has the variable as the launcher had it at its launch.
+    assert {g["test"] for g in first} == {"one"} and {g["test"] for g in again} == {"another"}
 
 
 @pytest.mark.timeout(120)

@@ -103,10 +103,11 @@ def test_the_model_distribute_returns_saves_under_the_models_own_names(tmp_path)
     # distribute(..., strategy="moe") returns a wrapper holding the model as .module: its
     # shards were keyed "module.h0.mlp." and a plain model could not load them ("has 4
     # experts but the checkpoint has None").
-    class Wrapper(nn.Module):  # as distribute()'s (and torch's DDP)
+    class Wrapper(nn.Module):  # as distribute()'s (and torch's DDP): marked by distribute()
         def __init__(self, module: nn.Module) -> None:
             super().__init__()
             self.module = module
+            self._polytrain_strategy = "moe"
 
     model = build(0)
     save_sharded(Wrapper(model), tmp_path)
@@ -126,10 +127,11 @@ def test_full_and_local_state_dicts_of_what_distribute_returned_use_the_models_n
     # full_state_dict(wrapped) keyed the state "module.embed.tok.weight", and
     # local_state_dict(polytrain.full_state_dict(wrapped), wrapped) refused it ("the state has
     # no 'module.embed.tok.weight'"): they did not unwrap the model as save_sharded does.
-    class Wrapper(nn.Module):  # as distribute()'s (and torch's DDP)
+    class Wrapper(nn.Module):  # as distribute()'s (and torch's DDP): marked by distribute()
         def __init__(self, module: nn.Module) -> None:
             super().__init__()
             self.module = module
+            self._polytrain_strategy = "moe"
 
     class Trainer:  # as the step API's: not a module, its .model is the wrapper
         def __init__(self, model: nn.Module) -> None:
@@ -143,6 +145,16 @@ def test_full_and_local_state_dicts_of_what_distribute_returned_use_the_models_n
         local = local_state_dict(full, wrapped)
         assert list(local) == list(want)
         assert all(torch.equal(local[k], want[k]) for k in want)
+    # A model's own child named "module" is not a wrapper's: unwrapping it had dropped the
+    # model's other layers from the state (21 keys became 17, silently).
+    own = nn.Sequential()
+    own.add_module("inp", nn.Linear(8, 8))
+    own.add_module("module", build(0))
+    marked = Wrapper(own)
+    for model in (own, marked):
+        assert list(full_state_dict(model)) == list(own.state_dict())
+    own._polytrain_strategy = "single"  # single's wrap marks the model itself
+    assert list(full_state_dict(own)) == list(own.state_dict())
 
 
 def test_a_save_that_fails_midway_leaves_the_last_checkpoint_whole(tmp_path, monkeypatch):

@@ -20,6 +20,8 @@ What it keeps of a fresh process's contract:
   ``PYTHONPATH``, torch's) is the one the child would have read; the
   ``OMP_NUM_THREADS`` the launcher sets per run reaches torch's thread pools
   through ``torch.set_num_threads``;
+- what the server's imports made is frozen (``gc.freeze()``): a child's collections
+  skip it, and ``gc.get_objects()`` does not list it (a fresh interpreter's would);
 - its random generators are seeded afresh, as a new interpreter's are (Python's
   string hashes are not: every forked child has the server's hash seed, so the
   order of a set of strings is the same on every rank; a bug that orders

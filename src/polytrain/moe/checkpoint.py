@@ -147,10 +147,18 @@ def _one_group_size(layers: list[tuple[str, MoE]]) -> int:
 
 def _bare(model: Any) -> nn.Module:
     """The model inside what ``distribute`` returned: a wrapper's (or a DDP's) ``.module``,
-    a step API trainer's ``.model`` (not a module: its ``.model`` is what it trains)."""
+    a step API trainer's ``.model`` (not a module: its ``.model`` is what it trains). Only
+    a wrapper is unwrapped: a module whose one child is ``.module`` and that ``distribute``
+    marked (or torch's DDP); a model's own child named ``module`` stays (unwrapping it
+    dropped the model's other layers from the state, silently)."""
     if not isinstance(model, nn.Module):
         model = model.model
-    return getattr(model, "module", model)
+    inner = getattr(model, "module", None)
+    marked = getattr(model, "_polytrain_strategy", None) is not None or \
+        isinstance(model, nn.parallel.DistributedDataParallel)
+    if marked and isinstance(inner, nn.Module) and list(model.children()) == [inner]:
+        return inner
+    return model
 
 
 def save_sharded(model: nn.Module, directory: str | Path, *, write: bool = True) -> None:
