@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,7 +15,7 @@ from ._env import check_seconds, timeout_of
 from .data import DEFAULT_DATASET, check_dataset, check_divisible, training_data
 from .emulation.devices import parse_cluster
 from .emulation.profile import optimizer_state_factor, profile_model
-from .errors import ConfigError, at_least, first_line, unknown
+from .errors import ConfigError, at_least, check_whole, first_line, unknown
 from .launch.host import available_memory_bytes
 from .launch.launcher import check_port
 from .launch.layout import Layout
@@ -35,7 +34,7 @@ _WHOLE = {"workers": "--workers", "nodes": "--nodes", "servers": "--servers",
           "max_restarts": "--max-restarts"}
 
 __all__ = ["TrainConfig", "OPTIMIZERS", "SCHEDULES", "SAMPLINGS", "ON_SAVE_ERROR",
-           "check_init", "check_whole"]
+           "check_init"]
 
 SCHEDULES = ("constant", "cosine")
 SAMPLINGS = ("random", "epoch")
@@ -352,19 +351,6 @@ class TrainConfig:
 
     def replace(self, **changes: Any) -> TrainConfig:
         return dataclasses.replace(self, **changes)
-
-
-def check_whole(flag: str, value: object) -> None:
-    """Refuse a count (``flag``'s value; None passes) that is not a whole number: one given
-    as 10.5, "32" or True (a JSON config's 1e3 is a float) failed inside every worker, or (a
-    seed of 1.5) was cut short silently."""
-    if value is None or (isinstance(value, numbers.Integral) and not isinstance(value, bool)):
-        return
-    if isinstance(value, float) and value.is_integer():
-        raise ConfigError(f"{flag} must be a whole number (got {value!r})",
-                          f"pass {flag} {int(value)}")
-    raise ConfigError(f"{flag} must be a whole number (got {value!r})",
-                      f"pass {flag} as a whole number")
 
 
 def check_init(path: str, model: Any) -> dict[str, torch.Tensor]:

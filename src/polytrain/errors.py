@@ -7,7 +7,7 @@ from typing import Iterable
 
 __all__ = ["PolytrainError", "ConfigError", "LaunchError", "CommError", "CommTimeout", "PeerLost",
            "ClosedByTimeout", "is_timeout", "kept_error", "unknown", "at_least", "divisors",
-           "first_line", "CLOSED_BY_TIMEOUT"]
+           "first_line", "check_whole", "CLOSED_BY_TIMEOUT"]
 
 # gloo's text for a receive cut off because another wait on the same group timed out.
 CLOSED_BY_TIMEOUT = "Application timeout caused pair closure"
@@ -36,13 +36,26 @@ def unknown(what: str, value: object, choices: Iterable[str], hint: str, *,
                        f"{', '.join(choices)}", hint)
 
 
+def check_whole(flag: str, value: object, hint: str | None = None) -> None:
+    """Refuse a count (``flag``'s value; None passes) that is not a whole number: one given
+    as 10.5, "32" or True (a JSON config's 1e3 is a float) failed inside every worker, or (a
+    seed of 1.5) was cut short silently. ``hint`` (default: pass the flag a whole number,
+    the float's own where it is one)."""
+    if value is None or (isinstance(value, numbers.Integral) and not isinstance(value, bool)):
+        return
+    if hint is None:
+        hint = (f"pass {flag} {int(value)}" if isinstance(value, float) and value.is_integer()
+                else f"pass {flag} as a whole number")
+    raise ConfigError(f"{flag} must be a whole number (got {value!r})", hint)
+
+
 def at_least(name: str, value: float, hint: str, minimum: int = 1, *,
              whole: bool = False) -> None:
     """Refuse ``value`` under ``minimum``: ``--steps must be at least 1 (got 0)``, ``--servers
-    must be 0 or more (got -1)``; with ``whole``, also a count that is not an int
-    (``num_experts must be a whole number (got 4.0)``: a float met torch's TypeError later)."""
-    if whole and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
-        raise ConfigError(f"{name} must be a whole number (got {value!r})", hint)
+    must be 0 or more (got -1)``; with ``whole``, first :func:`check_whole` (``num_experts
+    must be a whole number (got 4.0)``: a float met torch's TypeError later)."""
+    if whole:
+        check_whole(name, value, hint)
     if value < minimum:
         least = "0 or more" if minimum == 0 else f"at least {minimum}"
         raise ConfigError(f"{name} must be {least} (got {value})", hint)

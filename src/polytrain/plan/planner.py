@@ -9,10 +9,9 @@ from typing import Any, Callable, Mapping
 import torch
 
 from .. import _env
-from ..config import check_whole
 from ..data import DEFAULT_DATASET, check_dataset
 from ..emulation.devices import parse_cluster
-from ..errors import ConfigError, at_least, unknown
+from ..errors import ConfigError, at_least, check_whole, unknown
 from ..launch.layout import Layout
 from ..launch.network import link_shape
 from ..models import get_model
