@@ -130,6 +130,7 @@ def test_every_machine_moves_herrings_bytes_and_every_server_the_same(nodes, wor
     kinds = [x["kind"] for x in metrics["traffic"]["machines"]]
     assert kinds == ["worker"] * nodes + ["server"] * servers
     for machine in metrics["traffic"]["machines"]:
+        assert not machine["estimated"]  # the flags of unused parameters travel as sums too
         expected = want[machine["kind"]] * m
         assert machine["sent_bytes_per_step"] == pytest.approx(expected, rel=0.02)
         assert machine["recv_bytes_per_step"] == pytest.approx(expected, rel=0.02)
@@ -255,8 +256,9 @@ def unused_script(kinds: tuple[str, ...]) -> dict:
         if kind == "torch":
             model = nn.parallel.DistributedDataParallel(
                 model, process_group=ctx.groups.workers, find_unused_parameters=True)
-        elif kind == "strategy":
-            model, opt = polytrain.distribute(model, opt, strategy="herring")
+        elif kind in ("strategy", "byteps"):
+            model, opt = polytrain.distribute(model, opt,
+                                              strategy="herring" if kind == "strategy" else kind)
         else:
             from polytrain.herring import DistributedDataParallel as DDP
             model = DDP(model, find_unused_parameters=kind == "herring")
@@ -277,12 +279,14 @@ def unused_script(kinds: tuple[str, ...]) -> dict:
 def test_find_unused_parameters_leaves_a_parameter_no_worker_used_as_torch_ddp_does():
     # Its gradient was summed as zeros, and Adam went on moving it with its momentum.
     ends = spawn(unused_script, workers=2, colocated=1,
-                 args=(("torch", "herring", "zeros", "strategy"),))[0]
+                 args=(("torch", "herring", "zeros", "strategy", "byteps"),))[0]
     assert max_abs_diff(ends["torch"], ends["herring"]) < 1e-6
     assert float((ends["zeros"]["b.weight"] - ends["torch"]["b.weight"]).abs().max()) > 1e-3
     # --strategy herring, which has no find_unused_parameters: b.weight ended 0.016 off
     # single's, silently, as its drop-in was built without it.
     assert max_abs_diff(ends["torch"], ends["strategy"]) < 1e-6
+    # --strategy byteps, the same way (it too ended 0.016 off).
+    assert max_abs_diff(ends["torch"], ends["byteps"]) < 1e-6
 
 
 def step_inside_no_sync(leave: bool = False, summed_first: bool = False) -> None:

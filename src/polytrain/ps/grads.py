@@ -8,7 +8,8 @@ last member is in, the bucket is handed to the engine while backward goes on
 flight and leaves the average over workers in every ``.grad``. Parameters
 whose gradient never came are summed as zeros, so every worker sends the same
 keys every step; with :attr:`GradientSync.keep_missing`, one that no worker's
-gradient came for is left without one (``None``), as in one process.
+gradient came for is left without one (``None``), as in one process: a flag per
+parameter travels in a sum of its own, on the servers with the gradients.
 
     backward:  grad(p9) grad(p8) | grad(p7) ... grad(p0)   (hooks, in this order)
     buckets:   [p9 p8] -> submit  | [p7 ..]  -> submit  ...
@@ -22,10 +23,9 @@ import time
 from typing import Callable, Sequence
 
 import torch
-import torch.distributed as dist
 
 from ..comm.bucket import Bucket
-from ..comm.partition import TensorSpec
+from ..comm.partition import TensorSpec, partition
 from ..errors import ConfigError
 from .compression import CompressOptions
 from .engine import Engine, SumTensor
@@ -117,6 +117,12 @@ class GradientSync:
         self.params = [p for _, p in named]
         self.names = [n for n, _ in named]
         self.buckets = list(buckets)
+        self._local_reduce = local_reduce
+        #: Where the flags of :attr:`keep_missing` are summed: with the last partition.
+        self._flags_at = (placement.owners[-1] if placement.owners else None,
+                          placement.handlers[-1] if placement.handlers else None)
+        self._flags: SumTensor | None = None
+        self._keep_missing = False
         self.passes_per_step = passes_per_step
         self.enabled = True  # False inside no_sync(): gradients only accumulate
         specs = bucket_specs(self.buckets, [TensorSpec.of(n, p) for n, p in named])
@@ -157,10 +163,6 @@ class GradientSync:
         #: (the servers add in float32 but answer in the bucket's dtype); the rest divide
         #: the sum, in float32 where they are, as one process would.
         self._predivided = [travels_divided(b.dtype) for b in self.buckets]
-        #: Leave ``.grad`` None where no worker had a gradient (an MoE expert no token chose:
-        #: one process gives it none, and Adam would step on zeros); one small all-reduce of
-        #: a flag per parameter a step. Off by default.
-        self.keep_missing = False
         #: Synchronised, and no gradient has come since: ``.grad`` holds the average, and
         #: synchronize() has nothing to do (so Horovod's ``synchronize(); clip; step()``
         #: sums once).
@@ -176,6 +178,26 @@ class GradientSync:
         #: Whether the step synchronised last travelled compressed (past the warm-up): what
         #: the step after a user's synchronize() reads, once ``synced`` has counted it.
         self.synced_compressed = False
+
+    @property
+    def keep_missing(self) -> bool:
+        """Leave ``.grad`` None where no worker had a gradient (an MoE expert no token
+        chose, a branch no worker took: one process gives it none, and Adam would step on
+        zeros). Off by default; on, a flag per parameter is summed each step, on a key of
+        its own beside the gradients' (4 bytes a parameter each way, measured as theirs).
+        Every worker sets it alike, at the same point: turning it on declares that key."""
+        return self._keep_missing
+
+    @keep_missing.setter
+    def keep_missing(self, on: bool) -> None:
+        owner, handler = self._flags_at
+        if on and self._flags is None and owner is not None:
+            spec = TensorSpec("gradients present", (len(self.params),), torch.float32)
+            parts = partition([spec], spec.nbytes)
+            self._flags = self.engine.sums(
+                [spec], Placement(parts, (owner,), None if handler is None else (handler,)),
+                local_reduce=self._local_reduce)[0]
+        self._keep_missing = on
 
     @property
     def compressing(self) -> bool:
@@ -274,6 +296,11 @@ class GradientSync:
                 self._collect(i)
         self._check_unchanged()
         assert self._first_submit is not None or not self.buckets
+        flags = self._flags if self.keep_missing else None
+        if flags is not None:  # with the last buckets' sums, summed while they are waited for
+            self.engine.submit(flags, torch.tensor([h is not None for h in self._handed],
+                                                   dtype=torch.float32,
+                                                   device=self.params[0].device))
         for bucket, t, divided in zip(self.buckets, self._sums(), self._predivided):
             total = self.engine.wait(t)
             for m, off in zip(bucket.members, bucket.offsets):
@@ -285,20 +312,14 @@ class GradientSync:
                 p.grad.copy_(total[off:off + p.numel()].view(p.shape))
                 if not divided:
                     p.grad.div_(self._workers)
+        came = None if flags is None else self.engine.wait(flags).tolist()
         done = time.perf_counter()
         if self._first_submit is not None:
             self.comm_s.append(done - self._first_submit)
             self.exposed_s.append(done - waited)
-        if self.keep_missing:
-            came = torch.tensor([h is not None for h in self._handed], dtype=torch.float32,
-                                device=self.params[0].device)
-            ctx = self.engine.ctx
-            dist.all_reduce(came, group=ctx.groups.workers)
-            # The meter sees what crosses machines: this too (4 bytes a parameter).
-            ctx.meter.record_ring_allreduce(ctx.topology.workers, came.numel() * 4)
-            for p, n in zip(self.params, came.tolist()):
-                if n == 0:
-                    p.grad = None
+        for p, n in zip(self.params, came or ()):
+            if n == 0:
+                p.grad = None
         self.synced_compressed = self.compressing
         self.synced += 1
         self._reset()

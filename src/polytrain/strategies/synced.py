@@ -27,10 +27,11 @@ __all__ = ["SyncedModule", "check_still_frozen", "keep_missing_for"]
 def keep_missing_for(sync: GradientSync, model: nn.Module, *, find_unused: bool = False
                      ) -> None:
     """Leave ``.grad`` None where no worker had one (as torch's reducer does with
-    ``find_unused_parameters``, at the same cost: one small all-reduce a step), when
-    ``find_unused`` or on models with MoE layers (an expert no token chose: one process gives
-    it none), unless some buckets are compressed. Otherwise such a gradient is summed as
-    zeros, which Adam steps on with its momentum."""
+    ``find_unused_parameters``, at about its cost: a flag per parameter summed a step, on a
+    key of its own beside the gradients'), when ``find_unused`` or on models with MoE layers
+    (an expert no token chose: one process gives it none), unless some buckets are
+    compressed. Otherwise such a gradient is summed as zeros, which Adam steps on with its
+    momentum."""
     sync.keep_missing = (find_unused or bool(moe_layers(model))) and not sync.packed
 
 

@@ -94,7 +94,10 @@ class BytePS(ServedStrategy[BytePSOptions]):
                                                   compress_adam_refresh=(
                                                       opts.compress_adam_refresh),
                                                   **placing)
-            keep_missing_for(self.optimizer.sync, model)
+            # A parameter no worker gave a gradient keeps .grad None, as in one process
+            # (summed as zeros, Adam would step on it with its momentum): a flag per
+            # parameter summed a step, beside the gradients (GradientSync.keep_missing).
+            keep_missing_for(self.optimizer.sync, model, find_unused=True)
         return model, self.optimizer
 
     def evaluation_model(self, model: nn.Module) -> nn.Module | None:

@@ -55,8 +55,9 @@ class Herring(ServedStrategy[HerringOptions]):
         assert ctx is not None
         model.to(ctx.device)
         # A parameter no worker gave a gradient keeps .grad None, as in one process: summed as
-        # zeros, Adam would step on it with its momentum. It costs one all-reduce of a flag
-        # per parameter a step, and needs no flag of the user (ddp's refusal does).
+        # zeros, Adam would step on it with its momentum. It costs a flag per parameter
+        # summed a step (GradientSync.keep_missing), and needs no flag of the user (ddp's
+        # refusal does).
         ddp = DistributedDataParallel(model, bucket_cap_mb=self.options.bucket_cap_mb,
                                       find_unused_parameters=True,
                                       colocate=self.options.colocate, ctx=ctx)
