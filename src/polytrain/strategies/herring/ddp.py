@@ -85,7 +85,7 @@ class DistributedDataParallel(SyncedModule):
             (default True, as torch's DDP; None too).
         bucket_cap_mb: fusion buffer size in MiB (default 25; None too, as torch's DDP).
         find_unused_parameters: a parameter that no worker gave a gradient in a step keeps
-            ``.grad`` None, as with torch's DDP (one small all-reduce a step more); without
+            ``.grad`` None, as with torch's DDP (a flag per parameter summed a step more); without
             it (the default), such a gradient is summed as zeros, so every worker sends the
             same buffers.
         gradient_as_bucket_view: accepted; gradients are copied out of the buffers.
