@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
+import functools
 import math
+import numbers
 import os
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -20,9 +25,9 @@ from .launch.host import available_memory_bytes
 from .launch.launcher import check_port
 from .launch.layout import Layout
 from .launch.network import LinkShape, link_shape
-from .models import get_model, seq_len_of
+from .models import GPT, get_model, seq_len_of
 from .optim import OPTIMIZERS, check_optimizer_name, make_optimizer
-from .strategies.base import get_strategy, make_options
+from .strategies.base import Strategy, get_strategy, make_options
 
 #: What ``device`` takes: each worker's GPU is chosen for it (``polytrain.init``).
 DEVICES = ("cpu", "cuda")
@@ -31,7 +36,9 @@ _WHOLE = {"workers": "--workers", "nodes": "--nodes", "servers": "--servers",
           "steps": "--steps", "batch_size": "--batch-size", "warmup_steps": "--warmup-steps",
           "seed": "--seed", "eval_every": "--eval-every",
           "checkpoint_every": "--checkpoint-every", "keep": "--keep",
-          "max_restarts": "--max-restarts"}
+          "max_restarts": "--max-restarts", "port": "--port"}
+#: The fields that name a file or directory: a str, or a path (``pathlib.Path``) kept as one.
+_PATHS = ("out", "init", "resume", "devices")
 
 __all__ = ["TrainConfig", "OPTIMIZERS", "SCHEDULES", "SAMPLINGS", "ON_SAVE_ERROR",
            "check_init"]
@@ -44,6 +51,9 @@ ON_SAVE_ERROR = ("continue", "stop")
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     """Everything ``polytrain train`` needs; the CLI builds one and so can a user.
+
+    A field of another kind than its annotation is refused (``lr="0.1"``: ConfigError);
+    the path fields (out, init, resume, devices) also take a ``pathlib.Path``, kept as a str.
 
     Args:
         strategy: a registered strategy (default ``ddp``).
@@ -125,7 +135,7 @@ class TrainConfig:
     auto: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
-        self._check_whole_numbers()
+        self._check_kinds()
         if self.device not in DEVICES:
             raise unknown("device", self.device, DEVICES, "pass --device cpu or cuda (a worker "
                           "takes its own GPU)", plural="devices")
@@ -198,7 +208,9 @@ class TrainConfig:
                             batch_size=self.batch_size,
                             epoch_steps=getattr(batches, "steps_per_epoch", None))
         self._check_link(model, layout)
-        self._check_memory(model, layout.workers)
+        # A strategy of its own step (a pipeline's) runs the model on micro-batches.
+        whole = cls.train_step is Strategy.train_step
+        self._check_memory(model, layout.workers, cls.replicas(layout, options), whole)
         self._check_out()  # last: a refused command leaves no directory behind
 
     def _check_link(self, model: Any, layout: Layout) -> None:
@@ -240,9 +252,38 @@ class TrainConfig:
             raise ConfigError(f"--out {self.out} cannot be made a directory: {why}",
                               "pass --out a directory you can write to (it is made if missing)")
 
-    def _check_whole_numbers(self) -> None:
-        for name, flag in _WHOLE.items():
-            check_whole(flag, getattr(self, name))
+    def _check_kinds(self) -> None:
+        """Refuse a field of another kind than its annotation says, given from Python (the
+        CLI parses its flags to these): ``lr="0.1"`` failed inside torch, ``quiet="no"`` was
+        taken for True. A count must be a whole number (``check_whole``, with its flag), a
+        float field takes an int too, and a path field a ``pathlib.Path`` (kept as a str)."""
+        for f in dataclasses.fields(self):
+            value, kinds = getattr(self, f.name), _kinds()[f.name]
+            if f.name in _PATHS and isinstance(value, os.PathLike):
+                value = os.fspath(value)
+                object.__setattr__(self, f.name, value)
+            if value is None and type(None) in kinds:
+                continue
+            if int in kinds and value is not None:
+                check_whole(_WHOLE.get(f.name, f.name), value)
+                continue
+            if (isinstance(value, numbers.Real) and not isinstance(value, bool) if float in kinds
+                    else isinstance(value, kinds)):
+                continue
+            what = " or ".join(_KIND_NAMES[k] for k in kinds if k is not type(None))
+            what += " or a path" if f.name in _PATHS else ""
+            what += ", or None" if type(None) in kinds else ""
+            if bool in kinds:
+                hint = f"pass {f.name}=True or {f.name}=False"
+            elif float in kinds and isinstance(value, str) and _is_number(value):
+                hint = f"pass {f.name}={float(value)!r}"
+            elif f.default is not None and f.default is not dataclasses.MISSING:
+                hint = f"pass {f.name}={f.default!r}"
+            else:
+                hint = f"pass {f.name} as {what}"
+            kind = type(value).__name__
+            raise ConfigError(f"{f.name} must be {what} (got {value!r}, "
+                              f"{'an' if kind[0] in 'aeiou' else 'a'} {kind})", hint)
 
     def _check_checkpoints(self) -> None:
         if self.checkpoint_every is not None:
@@ -299,12 +340,15 @@ class TrainConfig:
                       batch_size=self.batch_size, seed=self.seed, sampling=self.sampling,
                       hold_out=self.eval_every is not None)
 
-    def _check_memory(self, model: Any, processes: int) -> None:
-        """Refuse a job whose weights alone cannot fit in this host's free memory. Every
-        worker process builds the whole model on the CPU before its strategy keeps its part
-        (``processes`` copies); on the CPU the optimizer's state comes on top, once at least.
-        Gradients and activations come on top of that, so a job that passes may still not
-        fit: the launcher then names the kernel's out-of-memory kill."""
+    def _check_memory(self, model: Any, processes: int, replicas: int, whole: bool) -> None:
+        """Refuse a job whose weights, or weights and batch, cannot fit in this host's free
+        memory. Every worker process builds the whole model on the CPU before its strategy
+        keeps its part (``processes`` copies); on the CPU the optimizer's state comes on top,
+        once at least. Every worker holds each global batch's token ids (int64); a GPT on
+        the CPU whose step runs the model on a replica's whole slice (``whole``: not a
+        pipeline's micro-batches) makes its logits, (slice, seq_len, vocab), on one worker
+        at least. Gradients and other activations come on top of that, so a job that passes
+        may still not fit: the launcher then names the kernel's out-of-memory kill."""
         available = available_memory_bytes()
         if available is None:
             return
@@ -321,6 +365,29 @@ class TrainConfig:
                 f"{need / 2**30:,.1f} GiB, and this machine has {available / 2**30:,.1f} GiB "
                 f"available", "pass a smaller model (--d-model, --layers)"
                 + (" or fewer --workers" if processes > 1 else ""))
+        window = seq_len_of(model, self.model_options) + 1
+        per_sample = processes * window * 8  # bytes of each sample of the global batch
+        where = f" on each of its {processes} workers" if processes > 1 else ""
+        what = f"the batch's token ids{where}, {self.batch_size} x {window} int64"
+        if whole and self.device == "cpu" and isinstance(model, GPT):
+            head = model.get_submodule("head.out")  # (..., d_model) -> (..., vocab)
+            assert isinstance(head, torch.nn.Linear)
+            vocab, dtype = head.out_features, head.weight.dtype
+            per_sample += (window - 1) * vocab * head.weight.element_size() // replicas
+            whose = "the batch's logits" if replicas == 1 else "the logits of a replica's slice"
+            what += (f", and {whose}, {self.batch_size // replicas} x {window - 1} x {vocab} "
+                     f"{str(dtype).removeprefix('torch.')}")
+        total = need + self.batch_size * per_sample
+        if total > available:
+            fits = (available - need) // per_sample // replicas * replicas
+            raise ConfigError(
+                f"--batch-size {self.batch_size} of {self.model} with these options needs at "
+                f"least {total / 2**30:,.1f} GiB of this machine's memory (its weights"
+                f"{f' and {self.optimizer} state' if states else ''}, {what}), and this "
+                f"machine has {available / 2**30:,.1f} GiB available",
+                f"pass a smaller --batch-size (at most {fits} fits this lower bound; the "
+                f"model's other activations need more)" if fits else
+                "pass a smaller model (--d-model, --layers) or fewer --workers")
 
     def _check_devices(self, model: Any) -> str | None:
         spec = get_model(self.model)
@@ -351,6 +418,30 @@ class TrainConfig:
 
     def replace(self, **changes: Any) -> TrainConfig:
         return dataclasses.replace(self, **changes)
+
+
+_KIND_NAMES = {int: "a whole number", float: "a number", bool: "True or False", str: "a str",
+               collections.abc.Mapping: "a mapping"}
+
+
+@functools.cache
+def _kinds() -> dict[str, tuple[type, ...]]:
+    """Each field's classes, from its annotation: ``int | None`` is (int, NoneType),
+    ``Mapping[str, Any]`` is (Mapping,)."""
+    kinds = {}
+    for name, hint in typing.get_type_hints(TrainConfig).items():
+        union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+        kinds[name] = tuple(typing.get_origin(a) or a
+                            for a in (typing.get_args(hint) if union else (hint,)))
+    return kinds
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def check_init(path: str, model: Any) -> dict[str, torch.Tensor]:

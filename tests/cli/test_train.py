@@ -2,6 +2,7 @@ import json
 import math
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -135,10 +136,34 @@ def test_bad_input_gets_one_clear_line_and_no_process(args, message, capsys):
     # Accepted, and "cuda:0" even passed the check that a GPU is there; failed in workers.
     ("device", "gpu", r"unknown device 'gpu'; the devices are: cpu, cuda"),
     ("device", "cuda:0", r"unknown device 'cuda:0'"),
+    # Each failed inside torch's or Python's code (a TypeError), or was taken silently.
+    ("lr", "0.1", r"^lr must be a number \(got '0.1', a str\)\. HINT: pass lr=0\.1$"),
+    ("lr", True, r"^lr must be a number \(got True, a bool\)\. HINT: pass lr=0\.002$"),
+    ("timeout_s", "30", r"^timeout_s must be a number \(got '30', a str\)\. HINT: pass "
+                        r"timeout_s=30\.0$"),
+    ("quiet", "no", r"^quiet must be True or False \(got 'no', a str\)\. HINT: pass "
+                    r"quiet=True or quiet=False$"),  # taken for True
+    ("port", "29500", r"^--port must be a whole number \(got '29500'\)"),
+    ("port", True, r"^--port must be a whole number \(got True\)"),  # port 1, taken silently
+    ("servers", None, r"^servers must be a whole number \(got None, a NoneType\)\. HINT: "
+                      r"pass servers=0$"),
+    ("model", 3, r"^model must be a str \(got 3, an int\)\. HINT: pass model='gpt'$"),
+    ("out", 3, r"^out must be a str or a path, or None \(got 3, an int\)\. HINT: pass out "
+               r"as a str or a path, or None$"),
+    ("model_options", None, r"^model_options must be a mapping \(got None, a NoneType\)\. "
+                            r"HINT: pass model_options as a mapping$"),
+    ("auto", [1], r"^auto must be a mapping, or None \(got \[1\], a list\)"),
 ])
 def test_a_python_config_of_the_wrong_kind_is_refused_in_one_line(field, value, message):
     with pytest.raises(ConfigError, match=message):
         TrainConfig(strategy="single", **{field: value})
+
+
+def test_a_config_takes_paths_as_str_and_an_int_for_a_float(tmp_path):
+    # A path field takes a pathlib.Path, kept as a str: init=Path(...) was kept as a Path,
+    # and the run failed after training, writing metrics.json (json cannot write a Path).
+    config = TrainConfig(strategy="single", out=tmp_path / "out", lr=1, timeout_s=30)
+    assert config.out == str(tmp_path / "out") and (config.lr, config.timeout_s) == (1, 30)
 
 
 def test_a_job_whose_weights_cannot_fit_in_memory_is_refused(monkeypatch, capsys):
@@ -159,6 +184,33 @@ def test_a_job_whose_weights_cannot_fit_in_memory_is_refused(monkeypatch, capsys
                                          r"\(one per worker\) need at least 9.0 GiB"):
         config.replace(workers=4, optimizer="sgd", model_options={
             "d_model": 2048, "layers": 12, "heads": 16})
+
+
+def test_a_batch_that_cannot_fit_in_memory_is_refused(monkeypatch):
+    # Symptom: --batch-size 200000 of the default GPT (0.8 M weights) passed the memory
+    # check, and the kernel killed the run. Cause: the check counted the weights and the
+    # optimizer's state, not the batch: its token ids on every worker (8 bytes each) and the
+    # logits of a replica's slice, (200000, 64, 256) floats: 12.2 GiB.
+    monkeypatch.setattr("polytrain.config.available_memory_bytes", lambda: 8 * 2**30)
+    with pytest.raises(ConfigError) as refused:
+        TrainConfig(strategy="single", batch_size=200_000)
+    assert str(refused.value) == (
+        "--batch-size 200000 of gpt with these options needs at least 12.3 GiB of this "
+        "machine's memory (its weights and adam state, the batch's token ids, 200000 x 65 "
+        "int64, and the batch's logits, 200000 x 64 x 256 float32), and this machine has "
+        "8.0 GiB available. HINT: pass a smaller --batch-size "
+        "(at most 129882 fits this lower bound; the model's other activations need more)")
+    # Over 2 replicas a slice's logits are half of them, 6.1 GiB, with 2 x 0.1 GiB of token
+    # ids: it passes (the bound counts one replica's logits: their peaks may not coincide).
+    assert TrainConfig(strategy="ddp", workers=2, batch_size=200_000).batch_size == 200_000
+    with pytest.raises(ConfigError, match=r"^--batch-size 300000 .* needs at least 9\.5 GiB .* "
+                                          r"on each of its 2 workers, 300000 x 65 int64, and the "
+                                          r"logits of a replica's slice, 150000 x 64 x 256 "
+                                          r"float32\), .*\(at most 253668 fits"):
+        TrainConfig(strategy="ddp", workers=2, batch_size=300_000)
+    # A pipeline's last stage makes the logits of its micro-batches, the plan's: not counted.
+    assert TrainConfig(strategy="pipetransformer", workers=2, batch_size=200_000,
+                       strategy_options={"freeze": False}).batch_size == 200_000
 
 
 def test_a_port_in_use_is_refused(capsys):
@@ -203,3 +255,74 @@ def test_polytrain_timeout_is_trains_default_timeout(monkeypatch):
     assert config_from_args(build_parser(args).parse_args(args)).timeout_s == 77
     args += ["--timeout", "30"]
     assert config_from_args(build_parser(args).parse_args(args)).timeout_s == 30
+
+
+def _on_second_forward(monkeypatch, act):
+    """Make the GPT's head call ``act()`` on its second forward: step 2 of a run."""
+    from polytrain.models.gpt import Head
+
+    real, calls = Head.forward, []
+
+    def forward(self, x):
+        calls.append(1)
+        if len(calls) == 2:
+            act()
+        return real(self, x)
+    monkeypatch.setattr(Head, "forward", forward)
+
+
+def test_a_single_run_that_raises_ends_in_one_line_under_its_traceback(monkeypatch, capsys):
+    # Symptom: an error in a --strategy single run (a model whose forward raises) ended
+    # polytrain train with a bare Python traceback and no "polytrain train: error:" line,
+    # which a ddp run prints under its worker's traceback. Cause: single trains in the CLI's
+    # own process, outside the launcher that turns a failure into a LaunchError.
+    def boom():
+        raise RuntimeError("boom in the model's forward\nsecond line")
+    _on_second_forward(monkeypatch, boom)
+    assert main(["train", "--strategy", "single", *TINY]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("Traceback (most recent call last):\n"), err
+    assert "in boom\n" in err, err  # where it was raised
+    assert err.splitlines()[-1] == (
+        "polytrain train: error: training failed: RuntimeError: boom in the model's forward. "
+        "HINT: its traceback (printed above by polytrain train; the error's __cause__ in "
+        "Python) shows where; fix that and rerun"), err
+
+
+@pytest.mark.parametrize("signum, before, said, code", [
+    (signal.SIGINT, "recorder", "Ctrl-C", 130),
+    # SIGTERM ended the run at once, without a word (ddp's says which signal stopped it).
+    (signal.SIGTERM, "recorder", "SIGTERM", 143),
+    (signal.SIGHUP, "recorder", "SIGHUP", 129),
+    # nohup's SIGHUP, a shell's background job's SIGINT: ignored, they stay so.
+    (signal.SIGHUP, signal.SIG_IGN, None, 0),
+    (signal.SIGINT, signal.SIG_IGN, None, 0),
+], ids=["SIGINT", "SIGTERM", "SIGHUP", "ignored SIGHUP", "ignored SIGINT"])
+def test_a_single_run_stops_on_a_signal_as_a_launched_run_does(monkeypatch, capsys, tmp_path,
+                                                                 signum, before, said, code):
+    # Symptom: --strategy single, which trains in the CLI's own process, ended on SIGTERM
+    # with no message and on SIGINT with a KeyboardInterrupt traceback. Cause: only the
+    # launcher (every other strategy) installed handlers for SIGINT, SIGTERM and SIGHUP.
+    # ("recorder": the handler the process had, a stand-in for the default that ends it,
+    # and which is to be back after the run.)
+    heard = []
+    handler = (lambda *_: heard.append(1)) if before == "recorder" else before
+    previous = signal.signal(signum, handler)
+    try:
+        _on_second_forward(monkeypatch, lambda: os.kill(os.getpid(), signum))
+        out = tmp_path / "out"
+        args = ["train", "--strategy", "single", "--out", str(out), "--checkpoint-every", "1",
+                *TINY]
+        assert main(args) == code
+        assert signal.getsignal(signum) is handler and heard == []
+    finally:
+        signal.signal(signum, previous)
+    err = capsys.readouterr().err
+    if said is None:  # the run went on to its end
+        assert "error" not in err and (out / "final.pt").is_file(), err
+        return
+    assert err == (f"polytrain train: error: interrupted ({said}): "
+                   f"stopped training in this process\n")
+    # As a launched run's: the checkpoints written stay, and the results are not written.
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoints"]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-1"]

@@ -7,13 +7,14 @@ import inspect
 import json
 import re
 import sys
+import traceback
 from pathlib import Path
 from typing import Any, Sequence
 
 from .. import _env
 from ..checkpoint.manifest import newest, read_manifest, resolve, run_out
 from ..config import ON_SAVE_ERROR, SAMPLINGS, SCHEDULES, TrainConfig
-from ..errors import ConfigError, unknown
+from ..errors import ConfigError, LaunchError, unknown
 from ..plan import AUTO, Job, auto_record, chosen, plan_job
 from ..plan.cost import STRATEGIES as PLANNED
 from ..strategies.base import get_strategy, strategy_names
@@ -214,7 +215,14 @@ def run(ns: argparse.Namespace) -> int:
         summary = config.plan_summary()
         if summary:
             print(summary, file=sys.stderr)
-    metrics = run_config(config, report=lambda line: print(line, file=sys.stderr, flush=True))
+    try:
+        metrics = run_config(config, report=lambda line: print(line, file=sys.stderr, flush=True))
+    except LaunchError as e:
+        # A run in this process (single) failed: its traceback goes above main()'s one line,
+        # as a launched process prints its own (a launcher's LaunchError has no cause).
+        if e.__cause__ is not None:
+            traceback.print_exception(e.__cause__, file=sys.stderr)
+        raise
     st = metrics["step_time_s"]
     print(f"final loss {metrics['final_loss']:.4f} | {metrics['samples_per_s']:.1f} samples/s | "
           f"step {st['median'] * 1e3:.1f} ms median, {st['p90'] * 1e3:.1f} ms p90 | "

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import signal
+import threading
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -16,7 +18,7 @@ from ..checkpoint.manifest import (
     whole_past,
 )
 from ..config import TrainConfig
-from ..errors import ConfigError, LaunchError
+from ..errors import ConfigError, LaunchError, PolytrainError, first_line
 from ..launch.launcher import Launcher, refuse_at_import
 from ..strategies.base import get_strategy
 from .loop import train
@@ -112,11 +114,56 @@ def _foreign_history(config: TrainConfig, root: Path, start: int) -> list[str]:
     return foreign
 
 
+#: What stops a run: Ctrl-C, kill (a job scheduler's, docker stop's), the terminal closing.
+_INTERRUPTS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def _train_here(config: TrainConfig) -> dict[str, Any]:
+    """Train ``config`` in this process (``single``), stopped and reported as the launcher
+    stops and reports a run of several: SIGINT, SIGTERM and SIGHUP raise
+    ``LaunchError(interrupted=True)`` (SIGTERM ended the process without a word), unless
+    this process started with them ignored (``nohup`` ignores SIGHUP, a shell's background
+    job SIGINT): those stay ignored, as in any program. An error that is not
+    polytrain's becomes a LaunchError naming it, with it as the cause. Either way, as for a
+    launched run, the checkpoints written stay, and metrics.json and final.pt are not
+    written."""
+    caught: list[int] = []  # the signals that interrupted the run
+
+    def interrupt(signum: int, frame: Any) -> None:
+        caught.append(signum)
+        # KeyboardInterrupt is no Exception: no `except Exception` on the way (a checkpoint
+        # save's) takes it for a failure of its own and trains on.
+        raise KeyboardInterrupt
+    previous: dict[signal.Signals, Any] = {}
+    if threading.current_thread() is threading.main_thread():  # where Python runs handlers
+        previous = {s: signal.signal(s, interrupt) for s in _INTERRUPTS
+                    if signal.getsignal(s) is not signal.SIG_IGN}
+    try:
+        metrics = train(config)
+    except KeyboardInterrupt:
+        how = signal.Signals(caught[0]) if caught else signal.SIGINT
+        raise LaunchError(f"interrupted ({'Ctrl-C' if how == signal.SIGINT else how.name}): "
+                          f"stopped training in this process", exitcode=128 + how,
+                          interrupted=True) from None
+    except PolytrainError:
+        raise  # it says what to do already (a ConfigError: bad input, as from a worker)
+    except Exception as e:
+        raise LaunchError(f"training failed: {first_line(e)}",
+                          "its traceback (printed above by polytrain train; the error's "
+                          "__cause__ in Python) shows where; fix that and rerun") from e
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    assert metrics is not None
+    return metrics
+
+
 def run_config(config: TrainConfig, *, env: Mapping[str, str] | None = None,
                report: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Train ``config``; return worker 0's metrics.
 
-    A strategy that is not distributed (``single``) trains in this process; any
+    A strategy that is not distributed (``single``) trains in this process (an error
+    there, SIGINT, SIGTERM or SIGHUP raise LaunchError, as from a launched run); any
     other starts its layout's processes on this machine (``config.port``, or a
     free one; ``env`` added to their environment; in network namespaces with shaped
     links when ``config.bandwidth`` is set) and waits for them. With
@@ -148,9 +195,7 @@ def run_config(config: TrainConfig, *, env: Mapping[str, str] | None = None,
             f"pass --steps N above {start} to train on; its weights are in "
             f"{Path(origin) / 'model.pt'} (--init takes them)")
     if not get_strategy(config.strategy).distributed:
-        metrics = train(config)
-        assert metrics is not None
-        return metrics
+        return _train_here(config)
     restarts, restarted_from = 0, list[str | None]()
     init = config.init  # as the user asked: what metrics.json says the run started from
     while True:
