@@ -113,6 +113,30 @@ def test_a_truncated_checkpoint_named_by_resume_is_refused(capsys, saved, tmp_pa
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("edit, said", [
+    (lambda m: m.pop("workers"), "its manifest.json has no workers"),  # was KeyError
+    (lambda m: m.update(workers="x"), "manifest.json is not a save's (its workers is 'x')"),
+    (lambda m: m.update(model_options="x"),  # was TypeError: 'str' object is not a mapping
+     "manifest.json is not a save's (its model_options is 'x')"),
+    (lambda m: m.update(steps="x"), "manifest.json is not a save's (its steps is 'x')"),
+])
+def test_a_resume_of_an_edited_manifest_is_refused_as_damaged(capsys, saved, tmp_path, edit,
+                                                              said):
+    # A manifest whose fields are of the wrong kind gave a traceback (ValueError for workers
+    # "x"), or was taken as it was (steps "x", strategy_options null).
+    import shutil
+    copy = tmp_path / "step-2"
+    shutil.copytree(saved / "checkpoints" / "step-2", copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    edit(manifest)
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    line = error_of(capsys, "--strategy", "single", "--resume", str(copy), "--out",
+                    str(tmp_path / "out"), *TINY)
+    assert f"checkpoint {copy} is damaged: {said}. HINT: resume from another checkpoint" \
+        in line, line
+
+
+@pytest.mark.timeout(120)
 def test_an_unwritable_checkpoint_directory_stops_or_trains_on(capsys, caplog, tmp_path):
     # A path that cannot hold directories (root writes into read-only ones, so a file
     # stands where the checkpoints folder should be).
@@ -321,6 +345,25 @@ def test_resume_with_a_model_option_given_at_its_default_goes_on(capsys, saved, 
     run = copied(saved, tmp_path)
     assert main(["train", "--strategy", "single", "--resume", str(run), "--heads", "4",
                  *LONGER]) == 0, capsys.readouterr().err
+
+
+def test_a_gpt_moe_option_given_at_its_gates_default_is_the_same_model():
+    # --top-k 2, --capacity-factor 1.2 or --balance-loss 0.01 with the gshard gate, whose
+    # defaults they are, was "another model ... top_k (None there, 2 here)": a gate resolves
+    # None to its default, and only the signature's defaults were filled in.
+    from polytrain import TrainConfig
+    from polytrain.checkpoint import check_compatible, run_record
+
+    options = {"seq_len": 16, "d_model": 16, "layers": 1, "experts": 2, "gate": "gshard"}
+    config = TrainConfig(strategy="single", model="gpt-moe", steps=4, model_options=options)
+    saved = {**run_record(config), "step": 2, "workers": 1}
+    for given in ({"top_k": 2}, {"capacity_factor": 1.2}, {"balance_loss": 0.01}):
+        check_compatible(saved, config.replace(model_options={**options, **given}), "ckpt")
+        check_compatible({**saved, "model_options": {**options, **given}}, config, "ckpt")
+    with pytest.raises(ConfigError, match=r"checkpoint ckpt is of another model: its options "
+                                          r"differ from this run's in top_k \(2 there, 1 "
+                                          r"here\)"):
+        check_compatible(saved, config.replace(model_options={**options, "top_k": 1}), "ckpt")
 
 
 @pytest.mark.timeout(120)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 from torch import nn
 
 import polytrain
+from polytrain import ConfigError
 from polytrain.checkpoint import CheckpointError, newest, resolve, verify
 from polytrain.checkpoint.manifest import (
     commit,
@@ -75,14 +77,16 @@ def test_resume_reads_no_checkpoint_older_than_the_one_it_takes(tmp_path, monkey
     assert read == ["step-8", "step-6"]  # not every checkpoint of the run
 
 
-def test_a_manifest_without_its_fields_is_a_damaged_checkpoint(tmp_path):
-    # An edited manifest raised KeyError from deep in resume.
+@pytest.mark.parametrize("field", ["files", "workers"])
+def test_a_manifest_without_its_fields_is_a_damaged_checkpoint(tmp_path, field):
+    # An edited manifest raised KeyError from deep in resume (without workers: from the
+    # strategy's check_resume, once --resume had found the checkpoint whole).
     ckpt = make(tmp_path, 2)
     path = ckpt / "manifest.json"
     path.write_text(json.dumps({k: v for k, v in json.loads(path.read_text()).items()
-                                if k != "files"}))
-    with pytest.raises(CheckpointError, match=r"step-2 is damaged: its manifest.json has no "
-                                              r"files.*HINT: resume from another checkpoint"):
+                                if k != field}))
+    with pytest.raises(CheckpointError, match=rf"step-2 is damaged: its manifest.json has no "
+                                              rf"{field}.*HINT: resume from another checkpoint"):
         resolve(ckpt)
 
 
@@ -91,6 +95,13 @@ def test_a_manifest_without_its_fields_is_a_damaged_checkpoint(tmp_path):
     ({"files": []}, "its files are not listed"),  # was AttributeError
     ({"step": "x"}, "its step is 'x'"),  # was ValueError, from start_step
     ({"step": -2}, "its step is -2"),
+    # A resume's traceback (ValueError, TypeError, ZeroDivisionError), or taken as it was.
+    ({"workers": "x"}, "its workers is 'x'"),
+    ({"workers": 0}, "its workers is 0"),
+    ({"nodes": 1.5}, "its nodes is 1.5"),
+    ({"steps": "x"}, "its steps is 'x'"),
+    ({"model_options": "x"}, "its model_options is 'x'"),
+    ({"strategy_options": None}, "its strategy_options is None"),
 ])
 def test_a_manifest_with_fields_of_the_wrong_kind_is_a_damaged_checkpoint(tmp_path, edit, what):
     ckpt = make(tmp_path, 2)
@@ -229,6 +240,70 @@ def test_load_refuses_another_optimizer_class_or_scheduler_than_the_saved_ones(t
     assert torch.equal(model.weight, fresh)
     assert polytrain.load(tmp_path, model, opt).step == 1
     assert torch.equal(opt.state[model.weight]["exp_avg"], moment)
+
+
+def test_load_refuses_another_scheduler_class_before_loading_anything(tmp_path):
+    # A StepLR's state loaded into a LambdaLR raised a bare KeyError 'lr_lambdas' after the
+    # weights and the optimizer's state were loaded; a LambdaLR's into a StepLR was taken.
+    def made():
+        torch.manual_seed(0)
+        model = nn.Linear(4, 2)
+        return polytrain.distribute(model, torch.optim.Adam(model.parameters()), "single")
+
+    def step_lr(opt):
+        return torch.optim.lr_scheduler.StepLR(opt, step_size=2)
+
+    def lambda_lr(opt):
+        return torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0)
+
+    for saved_with, given in ((step_lr, lambda_lr), (lambda_lr, step_lr)):
+        root = tmp_path / saved_with.__name__
+        model, opt = made()
+        model(torch.ones(3, 4)).sum().backward()
+        opt.step()
+        saved = polytrain.save(root, model, opt, step=1, scheduler=saved_with(opt))
+        model, opt = made()
+        fresh = model.weight.detach().clone()
+        mine, theirs = (type(f(opt)).__name__ for f in (given, saved_with))
+        with pytest.raises(CheckpointError, match=rf"checkpoint {saved} was saved with a "
+                                                  rf"learning-rate scheduler {theirs}, and "
+                                                  rf"this load\(\) is given a {mine}: its "
+                                                  rf"state would not fit\. HINT: pass load\(\) "
+                                                  rf"a {theirs}"):
+            polytrain.load(root, model, opt, scheduler=given(opt))
+        assert torch.equal(model.weight, fresh) and not opt.state
+        assert polytrain.load(root, model, opt, scheduler=saved_with(opt)).step == 1
+    # A checkpoint from before the class was recorded: the scheduler's own refusal, still
+    # before the weights are loaded.
+    old = tmp_path / "step_lr" / "step-1"
+    run = torch.load(old / "run.pt", weights_only=False)
+    del run["scheduler_class"]
+    torch.save(run, old / "run.pt")
+    manifest = json.loads((old / "manifest.json").read_text())
+    write_manifest(old, {k: v for k, v in manifest.items() if k not in ("format", "files")})
+    model, opt = made()
+    fresh = model.weight.detach().clone()
+    with pytest.raises(CheckpointError, match=rf"checkpoint {old}: its learning-rate "
+                                              rf"scheduler's state does not load into this "
+                                              rf"LambdaLR \(KeyError: 'lr_lambdas'\)"):
+        polytrain.load(old, model, opt, scheduler=lambda_lr(opt))
+    assert torch.equal(model.weight, fresh) and not opt.state
+
+
+@pytest.mark.parametrize("step, said", [(-1, "step must be 0 or more (got -1)"),
+                                        (2.5, "step must be a whole number (got 2.5)"),
+                                        ("7", "step must be a whole number (got '7')"),
+                                        (True, "step must be a whole number (got True)")])
+def test_save_refuses_a_step_that_is_not_a_whole_number_from_0(tmp_path, step, said):
+    # step=-1 wrote step--1 and 2.5 step-2.5, which resolve() never finds (a script's
+    # load(missing_ok=True) then started from 0); "7" wrote one every load refused.
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    model, opt = polytrain.distribute(model, torch.optim.Adam(model.parameters()), "single")
+    with pytest.raises(ConfigError, match=re.escape(said) + r"\. HINT: pass save\(\) the "
+                                                            r"step count"):
+        polytrain.save(tmp_path, model, opt, step=step)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_load_refuses_a_checkpoint_of_another_strategy(tmp_path):

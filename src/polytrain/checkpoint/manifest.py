@@ -35,6 +35,10 @@ __all__ = ["FORMAT", "MANIFEST", "checkpoint_dir", "temporary_dir", "write_manif
 FORMAT = "polytrain.checkpoint/1"
 MANIFEST = "manifest.json"
 _STEP = re.compile(r"^step-(\d+)$")
+# A save's counts (each the least it can be) and tables besides ``step`` and ``files``: one
+# of another kind gave a resume's traceback (workers "x") or was taken (steps "x").
+_COUNTS = {"workers": 1, "nodes": 1, "servers": 0, "steps": 1}
+_TABLES = ("model_options", "strategy_options", "keys", "optimizer_index")
 
 
 class CheckpointError(ConfigError):
@@ -126,17 +130,31 @@ def read_manifest(directory: str | Path) -> dict[str, Any]:
         got = manifest.get("format") if isinstance(manifest, dict) else None
         raise CheckpointError(f"checkpoint {directory} has format {got!r}, not {FORMAT!r}",
                               "resume from a checkpoint this version of polytrain wrote")
-    require(manifest, ("step", "files"), directory)
+    require(manifest, ("step", "files", "workers"), directory)
     step, files = manifest["step"], manifest["files"]
     entries_ok = isinstance(files, dict) and all(
         isinstance(e, dict) and type(e.get("bytes")) is int and isinstance(e.get("sha256"), str)
         for e in files.values())
-    if type(step) is not int or step < 0 or not entries_ok:  # edited, or not a save's
-        what = (f"its step is {step!r}" if type(step) is not int or step < 0
-                else "its files are not listed as {name: {bytes, sha256}}")
+    wrong = (f"its step is {step!r}" if type(step) is not int or step < 0
+             else None if entries_ok else "its files are not listed as {name: {bytes, sha256}}")
+    wrong = wrong or _wrong_field(manifest)
+    if wrong:  # edited, or not a save's
         raise CheckpointError(f"checkpoint {directory} is damaged: {MANIFEST} is not a save's "
-                              f"({what})", "resume from another checkpoint (an older step-S)")
+                              f"({wrong})", "resume from another checkpoint (an older step-S)")
     return manifest
+
+
+def _wrong_field(manifest: dict[str, Any]) -> str | None:
+    """The first of a save's other fields (where it wrote it: a script's save has no run
+    record) that is of another kind, with its value: ``its workers is 'x'``."""
+    for name, least in _COUNTS.items():
+        value = manifest.get(name, least)
+        if type(value) is not int or value < least:
+            return f"its {name} is {value!r}"
+    for name in _TABLES:
+        if not isinstance(manifest.get(name, {}), dict):
+            return f"its {name} is {manifest[name]!r}"
+    return None
 
 
 def require(manifest: dict[str, Any], fields: Iterable[str], directory: str | Path) -> None:

@@ -11,6 +11,7 @@ from typing import Any, Mapping
 import torch
 
 from ..data import corpus_digest
+from ..errors import first_line
 from ..models import get_model
 from ..strategies.base import get_strategy, make_options
 from .manifest import CheckpointError
@@ -85,10 +86,8 @@ def check_compatible(manifest: Mapping[str, Any], config: Any, where: Any) -> No
                 f"resume with {'Python ' + str(there) if there != here else 'that Python'}, "
                 f"or start without --resume (--init CHECKPOINT/model.pt starts from its "
                 f"weights)")
-    if "model_options" in saved and (spec.full_options(saved["model_options"])
-                                     != spec.full_options(config.model_options)):
-        theirs, ours = (spec.full_options(o) for o in (saved["model_options"],
-                                                       config.model_options))
+    theirs, ours = _full_options(spec, saved, where), spec.full_options(config.model_options)
+    if theirs is not None and theirs != ours:
         differ = {k: (theirs.get(k), ours.get(k)) for k in sorted({*theirs, *ours})
                   if theirs.get(k) != ours.get(k)}
         raise CheckpointError(
@@ -101,3 +100,18 @@ def check_compatible(manifest: Mapping[str, Any], config: Any, where: Any) -> No
                               f"{config.steps}", f"pass --steps N above {step} to train on")
     cls = get_strategy(config.strategy)
     cls.check_resume(saved, config.layout(), make_options(cls, dict(config.strategy_options)))
+
+
+def _full_options(spec: Any, saved: Mapping[str, Any], where: Any) -> dict[str, Any] | None:
+    """The checkpoint's model options as ``spec.full_options`` fills them in (None: not
+    recorded), which resolves gpt-moe's gate defaults by building its gate: a record
+    whose values build none was edited."""
+    if "model_options" not in saved:
+        return None
+    try:
+        return spec.full_options(saved["model_options"])
+    except Exception as e:  # noqa: BLE001 - an edited value fails wherever torch meets it
+        raise CheckpointError(f"checkpoint {where} is damaged: its model_options "
+                              f"{saved['model_options']} make no {spec.name} model "
+                              f"({first_line(e)})",
+                              "resume from another checkpoint (an older step-S)") from None

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..errors import ConfigError
+from ..errors import ConfigError, at_least, first_line
 from ..optim import placed_state
 from ..strategies.base import Strategy, Trainer, layout_of, strategy_of
 from ..tensors import host_state
@@ -153,6 +153,8 @@ def save(root: str | Path, model: nn.Module | Trainer,
         run: what describes the run (strategy, model, layout) for the checks on load.
         extra: the caller's own records (the CLI's loop: the losses so far).
     """
+    # step--1 or step-2.5 were written, which no load finds; "7", one every load refused.
+    at_least("step", step, "pass save() the step count, a whole number from 0", 0, whole=True)
     model, optimizer, strategy = _unpack(model, optimizer)
     strategy.check_checkpoints()
     index, count, group = _workers(strategy)
@@ -179,7 +181,8 @@ def save(root: str | Path, model: nn.Module | Trainer,
                 torch.save(full, tmp / "model.pt")
                 torch.save({"step": step, "extra": dict(extra or {}),
                             "scheduler": scheduler.state_dict() if scheduler is not None
-                            else None}, tmp / "run.pt")
+                            else None, "scheduler_class": _class_name(scheduler)},
+                           tmp / "run.pt")
         except Exception as e:  # noqa: BLE001 - a full disk (RuntimeError), an unpicklable
             error = f"{type(e).__name__}: {e}"  # state: every worker raises it, none waits
         held = _gather(group, count, (error, sorted(names)))
@@ -303,14 +306,15 @@ def load(path: str | Path, model: nn.Module | Trainer,
     own = worker_file(index % saved_workers)
     _check_optimizer(optimizer, names, own["optimizer"])  # before anything is loaded
     run = torch.load(where / "run.pt", map_location="cpu", weights_only=False)
-    if (scheduler is None) != (run.get("scheduler") is None):
-        raise CheckpointError(
-            f"checkpoint {where} was saved " + (
-                "with a learning-rate scheduler, and this load() is given none: the saved "
-                "schedule would be dropped" if scheduler is None else
-                "without a learning-rate scheduler, and this load() is given one: it would "
-                "start at its first step"),
-            "pass load() the scheduler save() was given, or none if it was given none")
+    _check_scheduler(scheduler, run, where)
+    if scheduler is not None:  # first: the one load here that may fail on what it is given
+        try:
+            scheduler.load_state_dict(run["scheduler"])
+        except Exception as e:  # noqa: BLE001 - each scheduler class fails its own way
+            raise CheckpointError(f"checkpoint {where}: its learning-rate scheduler's state "
+                                  f"does not load into this {_class_name(scheduler)} "
+                                  f"({first_line(e)})",
+                                  "pass load() the scheduler save() was given") from None
     state = torch.load(where / "model.pt", map_location="cpu", weights_only=True)
     strategy.load_model_state(model, state)
     _load_optimizer(optimizer, names, own["optimizer"], manifest["optimizer_index"],
@@ -321,8 +325,6 @@ def load(path: str | Path, model: nn.Module | Trainer,
     else:  # another layout: only a whole state carries over
         strategy.load_checkpoint_state(worker_file(0)["strategy"]
                                        if strategy.whole_state_on_worker_0 else {})
-    if scheduler is not None:
-        scheduler.load_state_dict(run["scheduler"])
     if trainer is not None:  # its step count: what replan() and freeze points count from
         trainer.steps = int(run["step"])
     return Resumed(step=int(run["step"]), path=where, extra=dict(run.get("extra") or {}),
@@ -381,6 +383,32 @@ def _check_layout(manifest: Mapping[str, Any], strategy: Strategy[Any], where: P
         type(strategy).check_resume(saved, layout, options)
     except ConfigError as e:
         raise CheckpointError(f"checkpoint {where}: {e.what}", e.hint) from None
+
+
+def _class_name(scheduler: Any) -> str | None:
+    return None if scheduler is None else type(scheduler).__name__
+
+
+def _check_scheduler(scheduler: Any, run: Mapping[str, Any], where: Path) -> None:
+    """Refuse a scheduler where the checkpoint has none, none where it has one, or one of
+    another class than the saved one's (a checkpoint from before the class was recorded:
+    its state's own load decides)."""
+    saved = run.get("scheduler_class")
+    if (scheduler is None) != (run.get("scheduler") is None):
+        raise CheckpointError(
+            f"checkpoint {where} was saved " + (
+                "with a learning-rate scheduler, and this load() is given none: the saved "
+                "schedule would be dropped" if scheduler is None else
+                "without a learning-rate scheduler, and this load() is given one: it would "
+                "start at its first step"),
+            "pass load() the scheduler save() was given, or none if it was given none")
+    if saved is not None and saved != _class_name(scheduler):
+        # A StepLR's state in a LambdaLR: KeyError 'lr_lambdas'; a LambdaLR's in a StepLR
+        # was taken, and stepped on with the other's fields.
+        raise CheckpointError(f"checkpoint {where} was saved with a learning-rate scheduler "
+                              f"{saved}, and this load() is given a {_class_name(scheduler)}: "
+                              f"its state would not fit", f"pass load() a {saved}, as save() "
+                              f"was given")
 
 
 def _check_optimizer(optimizer: torch.optim.Optimizer, names: Mapping[str, nn.Parameter],

@@ -14,7 +14,7 @@ from torch import nn
 from ..data import DEFAULT_DATASET
 from ..errors import ConfigError, unknown
 from .gpt import GPT
-from .gpt_moe import GPTMoEOptions, gpt_moe
+from .gpt_moe import GPTMoEOptions, gpt_moe, resolved_options
 from .mlp import MLP
 from .wordlm import WordLM, WordLMOptions
 
@@ -63,6 +63,8 @@ class ModelSpec:
     ``build`` (the CLI makes a flag of each, as for strategy options).
     ``corpus``: the token ids the model trains on, given the model (default: the
     run's ``--data``, bytes).
+    ``resolve``: every option (as :meth:`full_options` fills them) with the values the
+    model gives those left None (gpt-moe: its gate's defaults).
     """
 
     name: str
@@ -72,6 +74,7 @@ class ModelSpec:
     description: str
     options: type | None = None
     corpus: Callable[[nn.Module], torch.Tensor] | None = None
+    resolve: Callable[[Mapping[str, Any]], dict[str, Any]] | None = None
 
     def make(self, **options: Any) -> nn.Module:
         """Build the model; options it does not take are refused by name."""
@@ -88,11 +91,13 @@ class ModelSpec:
         return self.build(**options)
 
     def full_options(self, options: Mapping[str, Any]) -> dict[str, Any]:
-        """``options`` with every option the model takes and was not given at its default:
-        two runs of the same model compare equal however their options were spelled."""
+        """``options`` with every option the model takes and was not given at its default,
+        and those left None at the value the model gives them (:attr:`resolve`): two runs
+        of the same model compare equal however their options were spelled."""
         defaults = {n: p.default for n, p in inspect.signature(self.build).parameters.items()
                     if p.default is not p.empty}
-        return {**defaults, **options}
+        full = {**defaults, **options}
+        return self.resolve(full) if self.resolve is not None else full
 
     def check_data(self, data: str) -> None:
         """Refuse a ``--data`` other than the default for a model with its own corpus."""
@@ -138,7 +143,7 @@ register_model(ModelSpec("mlp", MLP, _next_byte, cross_entropy,
                          "MLP predicting the byte after a window"))
 register_model(ModelSpec("gpt-moe", gpt_moe, _next_token, cross_entropy,
                          "GPT whose feed-forward blocks are mixtures of experts",
-                         options=GPTMoEOptions))
+                         options=GPTMoEOptions, resolve=resolved_options))
 register_model(ModelSpec("wordlm", WordLM, _whole_window, _mean,
                          "word-level LM over the standard library's words: sparse "
                          "embeddings, sampled softmax", options=WordLMOptions, corpus=_words))

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Mapping
 
+import torch
 from torch import nn
 
 from ..errors import at_least
-from ..moe import MoE, gate_names, moefy
+from ..moe import MoE, gate_names, make_gate, moefy
 from .gpt import GPT, _init_weights
 
-__all__ = ["GPTMoEOptions", "gpt_moe"]
+__all__ = ["GPTMoEOptions", "gpt_moe", "resolved_options"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,3 +64,15 @@ def gpt_moe(*, vocab: int = 256, seq_len: int = 64, d_model: int = 128, layers: 
         if isinstance(module, MoE):
             module.apply(_init_weights)  # the gate and every expert, as GPT starts a Linear
     return model
+
+
+def resolved_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    """``options`` (every option of :func:`gpt_moe`) with the values its gate gives those
+    left None: ``top_k``, ``capacity_factor`` and ``balance_loss`` are the gate's defaults
+    when not given, so a run that gives one at that default builds the same model."""
+    with torch.device("meta"):  # a gate of the run's experts, to read its values
+        gate = make_gate(options["gate"], 1, options["experts"], top_k=options["top_k"],
+                         capacity_factor=options["capacity_factor"],
+                         dropless=options["dropless"], balance_weight=options["balance_loss"])
+    return {**options, "top_k": gate.top_k, "capacity_factor": gate.capacity_factor,
+            "balance_loss": gate.balance_weight}
