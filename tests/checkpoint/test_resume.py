@@ -415,6 +415,26 @@ def test_a_resumed_runs_metrics_keep_the_held_out_evaluations_before_the_resume(
 
 
 @pytest.mark.timeout(120)
+def test_a_longer_run_resumed_from_the_last_step_drops_the_evaluation_made_for_its_end(
+        tmp_path):
+    # A run of 5 steps evaluates at 2, 4 and its last, 5; resumed from step-5 with --steps 8
+    # it kept that last one: [2, 4, 5, 6, 8], where the run of 8 evaluates at [2, 4, 6, 8].
+    config = TrainConfig(strategy="single", steps=5, batch_size=8, model_options=TINY,
+                         eval_every=2)
+    first, _ = run(config, tmp_path / "a", checkpoint_every=5)
+    assert [e["step"] for e in first["eval"]] == [2, 4, 5]
+    longer = config.replace(steps=8)
+    again, _ = run(longer, tmp_path / "b", resume=str(tmp_path / "a" / "checkpoints" / "step-5"))
+    whole, _ = run(longer, tmp_path / "c")
+    assert [e["step"] for e in again["eval"]] == [2, 4, 6, 8]
+    assert [e["loss"] for e in again["eval"]] == [e["loss"] for e in whole["eval"]]
+    # An evaluation at the resumed step on this run's schedule stays (eval every 5: at 5).
+    every5, _ = run(longer.replace(eval_every=5), tmp_path / "d",
+                    resume=str(tmp_path / "a" / "checkpoints" / "step-5"))
+    assert [e["step"] for e in every5["eval"]] == [2, 4, 5, 8]
+
+
+@pytest.mark.timeout(120)
 def test_a_resumed_runs_step_times_leave_out_the_steps_where_it_started_again(tmp_path):
     # The first step of new processes is slow (connections, caches, allocations), as a
     # fresh run's first, which the warm-up leaves out: so are those of each resume.

@@ -104,6 +104,7 @@ def train(config: TrainConfig) -> dict[str, Any] | None:
     if isinstance(batches, EpochBatches):
         strategy.epoch_steps = batches.steps_per_epoch
     evals: list[dict[str, float | None]] = []
+    end_eval: int | None = None  # the step of an evaluation made only because the run ends
     save_errors: list[str] = []
     start, before_losses, before_times = 0, [], []  # the steps a resumed run did before
     cold: list[int] = []  # the steps where this run and those it resumed from started again
@@ -115,6 +116,10 @@ def train(config: TrainConfig) -> dict[str, Any] | None:
         cold = [*resumed.extra.get("cold_steps", []), len(before_times)]  # where ours start
         # Their held-out evaluations and save errors too (older checkpoints: none kept).
         evals = list(resumed.extra.get("evals", []))
+        every = config.eval_every
+        if every is not None and resumed.extra.get("end_eval") == start and start % every:
+            # Made only because that run ended here: a longer run's schedule has none here.
+            evals = [e for e in evals if e["step"] != start]
         save_errors = list(resumed.extra.get("save_errors", []))
         if lead:
             log.warning("resumed from %s at step %d", resumed.path, start)
@@ -159,12 +164,14 @@ def train(config: TrainConfig) -> dict[str, Any] | None:
                     value, accuracy = evaluate(net, *held_out, spec.loss, device=device)
                     evals.append({"step": step + 1, "loss": value, "accuracy": accuracy,
                                   "train_time_s": sum(before_times) + sum(times)})
+                    if (step + 1) % config.eval_every:  # type: ignore[operator]
+                        end_eval = step + 1
             if config.checkpoint_every and (step + 1) % config.checkpoint_every == 0:
                 aside = True
                 _checkpoint(config, trainer, scheduler, step + 1, run_record(config, corpus),
                             {"losses": before_losses + _global_losses(ctx, losses),
                              "times": before_times + times, "cold_steps": cold,
-                             "evals": evals,
+                             "evals": evals, "end_eval": end_eval,
                              "save_errors": list(save_errors)}, save_errors)
             if aside and ctx is not None:  # Parallax's gathers of its tables, say: not a step's
                 ctx.meter.discard()
