@@ -54,15 +54,15 @@ def test_a_batch_that_does_not_split_evenly_is_refused_with_the_fix():
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("options, message", [
     ({"model_options": {"seq_len": 5_000_000}},
-     r"corpus of 4194304 tokens is shorter than a window of 5000001\. HINT: pass a smaller "
-     r"--seq-len"),
+     r"the corpus has 4194304 tokens, and windows of 5000001 need more \(at least 5000002\)\. "
+     r"HINT: pass a smaller --seq-len"),
     ({"sampling": "epoch", "batch_size": 100_000},
      r"the corpus holds 64527 samples of 65 tokens, fewer than one batch of 100000"),
     ({"data": "text-finetune", "eval_every": 1, "model_options": {"seq_len": 7000}},
      r"--eval-every holds out the last tenth of the data, 6554 tokens, fewer than one window "
      r"of --seq-len 7000 \+ 1"),
     ({"model": "wordlm", "model_options": {"seq_len": 5_000_000}},
-     r"corpus of \d+ tokens is shorter than a window of 5000001"),
+     r"the corpus has \d+ tokens, and windows of 5000001 need more"),
 ])
 def test_data_too_short_for_the_run_is_refused_before_any_process_starts(options, message):
     # Before, every worker raised it once the processes had started (with its traceback).
@@ -81,3 +81,14 @@ def test_data_a_model_would_ignore_is_refused():
     with pytest.raises(ConfigError, match=r"model 'wordlm' trains on its own corpus, and --data "
                                           r"text-finetune would be ignored"):
         TrainConfig(strategy="single", model="wordlm", data="text-finetune")
+
+
+def test_a_corpus_exactly_one_window_long_is_refused_in_words_that_are_true():
+    # "corpus of 9 tokens is shorter than a window of 9": a window's start is drawn below
+    # the corpus's length less the window's, so the corpus needs one token more.
+    with pytest.raises(ConfigError, match=r"the corpus has 9 tokens, and windows of 9 need "
+                                          r"more \(at least 10\)\. HINT: pass a smaller "
+                                          r"--seq-len"):
+        GlobalBatches(torch.arange(9), batch_size=2, window=9, seed=0)
+    assert next(iter(GlobalBatches(torch.arange(10), batch_size=2, window=9, seed=0))).shape \
+        == (2, 9)

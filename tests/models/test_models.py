@@ -65,3 +65,23 @@ def test_a_sequence_past_seq_len_and_a_hidden_width_below_1_are_refused_by_name(
     for bad in (0, -5):
         with pytest.raises(ConfigError, match=rf"--d-hidden must be at least 1 \(got {bad}\)"):
             GPT(seq_len=8, d_model=16, layers=1, heads=2, d_hidden=bad)
+
+
+@pytest.mark.parametrize("model, options, said", [
+    ("gpt", {"layers": 2.0}, r"--layers must be a whole number \(got 2\.0\)\. HINT: pass a "
+                             r"positive --layers"),  # a TypeError in range()
+    ("gpt", {"seq_len": 16.0}, r"--seq-len must be a whole number \(got 16\.0\)"),
+    ("gpt", {"heads": True}, r"--heads must be a whole number \(got True\)"),  # taken as 1
+    ("mlp", {"d_model": 64.0}, r"--d-model must be a whole number \(got 64\.0\)"),
+    ("wordlm", {"vocab": 100.0}, r"--vocab must be a whole number \(got 100\.0\)\. HINT: "
+                                 r"pass --vocab 100"),
+    ("wordlm", {"negatives": 8.5},  # taken, then torch.rand's TypeError at the first forward
+     r"--negatives must be a whole number \(got 8\.5\)\. HINT: pass --negatives as a whole "
+     r"number"),
+])
+def test_a_model_size_that_is_not_a_whole_number_is_refused_by_name(model, options, said):
+    # A JSON config's or a script's 2.0 met torch's TypeError (or was taken) where the
+    # CLI's flags, and gpt-moe's experts, were refused in one line.
+    with torch.device("meta"):
+        with pytest.raises(ConfigError, match=said):
+            get_model(model).make(**options)

@@ -26,8 +26,9 @@ class GlobalBatches:
     def __init__(self, corpus: torch.Tensor, *, batch_size: int, window: int, seed: int) -> None:
         at_least("--batch-size", batch_size, "pass --batch-size 32")
         if corpus.numel() <= window:
-            raise ConfigError(f"corpus of {corpus.numel()} tokens is shorter than a window "
-                              f"of {window}", "pass a smaller --seq-len")
+            raise ConfigError(f"the corpus has {corpus.numel()} tokens, and windows of "
+                              f"{window} need more (at least {window + 1})",
+                              "pass a smaller --seq-len")
         self.corpus = corpus
         self.batch_size = batch_size
         self.window = window

@@ -15,11 +15,13 @@ __all__ = ["GPT", "Block", "CausalSelfAttention", "FeedForward", "Embed", "Head"
 
 
 def check_sizes(*, heads: int | None = None, **sizes: int) -> None:
-    """Refuse a model size below 1 (named with its flag) and heads that do not divide
-    d_model: one line, before any layer is built."""
+    """Refuse a model size that is not a whole number from 1 (named with its flag) and heads
+    that do not divide d_model: one line, before any layer is built (a script's or a JSON
+    config's 2.0 met torch's TypeError)."""
     for name, value in {**sizes, **({} if heads is None else {"heads": heads})}.items():
         flag = "--" + name.replace("_", "-")
-        at_least(flag, value, f"pass a positive {flag}, or leave it out for the default")
+        at_least(flag, value, f"pass a positive {flag}, or leave it out for the default",
+                 whole=True)
     if heads is not None and sizes["d_model"] % heads:
         raise ConfigError(f"d_model {sizes['d_model']} is not divisible by heads {heads}",
                           f"pick heads among the divisors of {sizes['d_model']}")

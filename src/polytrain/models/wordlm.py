@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ..data.words import id_to_rank, rank_to_id
-from ..errors import ConfigError
+from ..errors import ConfigError, check_whole
 from .gpt import Block, _init_weights, check_sizes
 
 __all__ = ["WordLM", "WordLMOptions"]
@@ -66,6 +66,8 @@ class WordLM(nn.Module):
                  dense_grads: bool = False) -> None:
         super().__init__()
         check_sizes(seq_len=seq_len, d_model=d_model, layers=layers, heads=heads)
+        check_whole("--vocab", vocab)  # 100.0 met torch's TypeError; negatives 8.5, a forward's
+        check_whole("--negatives", negatives)
         if vocab < 2 or negatives < 1:
             raise ConfigError(f"wordlm needs --vocab >= 2 and --negatives >= 1 (got {vocab} "
                               f"and {negatives})", "pass --vocab 100000 --negatives 512")
