@@ -7,6 +7,7 @@ import torch.distributed as dist
 import polytrain
 from polytrain import ConfigError, LaunchError
 from polytrain.ps import Declaration, Kind, optimizer_spec, pack_round, round_settings
+from polytrain.ps.stores import unpack_counts
 from tests.harness import spawn
 
 # The slow worker's pause before each push: the fast worker's push and pull must fit in it
@@ -93,10 +94,15 @@ def optimized(staleness: int) -> dict:
         grad = torch.tensor([1.0, -2.0, 3.0, 0.5]) * (me + 1) * rnd
         client.push(server, key=3, round=rnd, tensor=grad).wait()
         client.pull(server, key=3, round=rnd, out=out).wait()
-        seen.append(out.tolist())
+        seen.append(value_and_count(out))
     dist.barrier(group=ctx.groups.workers)
     client.get(server, key=3, out=out).wait()
-    return {"seen": seen, "final": out.tolist()}
+    return {"seen": seen, "final": value_and_count(out)}
+
+
+def value_and_count(answer: torch.Tensor) -> list[float]:
+    """An optimizer store's answer as a list: the value, then the rounds applied."""
+    return answer[:-1].tolist() + unpack_counts(answer[-1:])
 
 
 def adam_on_sums(rounds: int) -> list[list[float]]:
@@ -174,7 +180,7 @@ def scheduled(disagree: bool) -> list[float]:
     ctx.ps_client.push(server, key=3, round=1, tensor=torch.cat(rounds)).wait()
     out = torch.empty(5)
     ctx.ps_client.pull(server, key=3, round=3, out=out).wait()
-    return out.tolist()
+    return value_and_count(out)
 
 
 @pytest.mark.timeout(60)
@@ -208,7 +214,7 @@ def batched() -> list[float]:
     ctx.ps_client.push(server, key=3, round=1, tensor=grads).wait()
     out = torch.empty(5)
     ctx.ps_client.pull(server, key=3, round=3, out=out).wait()
-    return out.tolist()
+    return value_and_count(out)
 
 
 @pytest.mark.timeout(60)
@@ -251,7 +257,7 @@ def two_lanes() -> list[float]:
     ctx.ps_client.push(server, key=3, round=1, tensor=2 * grad, lane=1).wait()
     out = torch.empty(5)
     ctx.ps_client.pull(server, key=3, round=1, out=out).wait()
-    return out.tolist()
+    return value_and_count(out)
 
 
 @pytest.mark.timeout(60)

@@ -21,7 +21,13 @@ from polytrain.ps import (
     store_name,
 )
 from polytrain.ps.protocol import DTYPES, Request
-from polytrain.ps.stores import WHOLE_STATE, optimizer_state_numel
+from polytrain.ps.sparse import SparseRowStore
+from polytrain.ps.stores import (
+    WHOLE_STATE,
+    optimizer_state_numel,
+    pack_counts,
+    unpack_counts,
+)
 
 
 def request(op, src, round_=0, payload=None, lane=0, key=1):
@@ -29,8 +35,8 @@ def request(op, src, round_=0, payload=None, lane=0, key=1):
     return Request(src, op, key, round_, numel, DTYPES[0], seq=1, lane=lane, payload=payload)
 
 
-def store(kind, respond, numel=3, pushers=2, **options):
-    decl = Declaration(key=1, kind=int(kind), name="w", numel=numel, dtype="torch.float32",
+def store(kind, respond, numel=3, pushers=2, dtype="torch.float32", **options):
+    decl = Declaration(key=1, kind=int(kind), name="w", numel=numel, dtype=dtype,
                        pushers=pushers, pullers=pushers, options=options)
     return STORES[kind](decl, lambda req, t: respond.append((req.src, req.round, t.clone())))
 
@@ -133,7 +139,8 @@ def test_an_optimizer_store_steps_once_per_round_on_the_sum_under_the_rounds_set
     assert out == [] and s.applied == 0
     s.handle(request(Op.PUSH, 1, round_=1, payload=grad))
     # The answer is the value, then how many rounds it holds.
-    assert torch.allclose(out[0][2], torch.tensor([0.0, -1.0, 1.0]))
+    assert torch.allclose(out[0][2][:2], torch.tensor([0.0, -1.0]))
+    assert unpack_counts(out[0][2][-1:]) == [1]
 
 
 def test_an_optimizer_store_steps_as_the_users_optimizer_does_bit_for_bit():
@@ -171,6 +178,60 @@ def test_a_push_of_another_size_than_declared_is_refused_naming_the_key(kind):
             s.handle(request(Op.PUSH, 1, round_=int(kind == Kind.PARAM), payload=wrong))
 
 
+def test_a_push_of_another_dtype_than_declared_is_refused_naming_the_key():
+    # Symptom: an int64 or float64 push to a float32 sum key was summed without a word, and
+    # a float64 push of 1e6 to a float16 parameter key made it inf. Cause: the stores
+    # checked a push's size, not its dtype.
+    for kind, dtype, wrong in ((Kind.SUM, "torch.float32", torch.tensor([1, 2, 3])),
+                               (Kind.SUM, "torch.float32", torch.ones(3, dtype=torch.float64)),
+                               (Kind.PARAM, "torch.float16", torch.full((3,), 1e6,
+                                                                        dtype=torch.float64)),
+                               (Kind.PARAM, "torch.float32", torch.ones(3, dtype=torch.bfloat16))):
+        s = store(kind, [], dtype=dtype)
+        rnd = int(kind == Kind.PARAM)
+        with pytest.raises(CommError, match=rf"server: key 1 = 'w', 3 x {dtype[6:]}.*: request "
+                                            rf"PUSH of round {rnd} from rank 0: it pushed "
+                                            rf"{wrong.dtype} values, and the key is declared "
+                                            rf"{dtype}. HINT: push the key's dtype"):
+            s.handle(request(Op.PUSH, 0, round_=rnd, payload=wrong))
+    # What asynchronous BytePS pushes with --compress fp16: float16 updates, to a float32 key.
+    out = []
+    s = store(Kind.PARAM, out, pushers=1)
+    s.handle(request(Op.PUSH, 0, round_=1, payload=torch.full((3,), 0.5, dtype=torch.float16)))
+    s.handle(request(Op.GET, 0))
+    assert out[-1][2].tolist() == [0.5] * 3 and out[-1][2].dtype == torch.float32
+
+
+def test_a_third_pusher_of_a_two_pusher_key_is_told_so_not_that_it_pushed_twice():
+    # Symptom: a rank beyond the declared pushers heard "this rank already pushed this round".
+    # Cause: the sum store checked the finished round before the pusher count.
+    s = store(Kind.SUM, [], numel=1)
+    for src in (0, 1):
+        s.handle(request(Op.PUSH, src, payload=torch.ones(1)))
+    with pytest.raises(CommError, match=r"from rank 2: more pushers than the 2 declared: round 0 "
+                                        r"had 2 of its 2 pushes \(from rank 0, rank 1\)"):
+        s.handle(request(Op.PUSH, 2, payload=torch.ones(1)))
+    with pytest.raises(CommError, match="from rank 1: this rank already pushed this round"):
+        s.handle(request(Op.PUSH, 1, payload=torch.ones(1)))
+
+
+def test_an_optimizer_store_of_no_elements_takes_its_set_push_and_pull():
+    # Symptom: a zero-element key (a model's 0-size parameter) died on its SET with a bare
+    # AssertionError. Cause: an empty tensor's request carries no payload, and the optimizer
+    # store asserted one (the sum and parameter stores take it as an empty tensor).
+    adam = optimizer_spec(torch.optim.Adam([torch.zeros(1, requires_grad=True)], lr=0.1),
+                          per_round=False)
+    sgd = optimizer_spec(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.5))
+    for spec, settings in ((adam, []), (sgd, round_settings(sgd, sgd["settings"]))):
+        out = []
+        s = store(Kind.OPTIM, out, numel=0, pushers=1, optimizer=spec, staleness=0)
+        s.handle(request(Op.SET, 0))
+        s.handle(request(Op.PUSH, 0, round_=1,
+                         payload=pack_round(torch.empty(0), settings) if settings else None))
+        s.handle(request(Op.PULL, 0, round_=1))
+        assert s.applied == 1 and out[-1][2].numel() == 1
+
+
 def test_a_store_says_why_a_held_answer_waits():
     # A server's report of answers held long (the launcher names it when a worker times out).
     out = []
@@ -206,7 +267,8 @@ def test_an_optimizer_stores_whole_state_comes_back_with_a_set_of_its_size():
     a.handle(request(Op.GET, 0, round_=WHOLE_STATE))
     whole = out[-1][2]
     # value, exp_avg, exp_avg_sq (2 each), step, rounds applied
-    assert whole.numel() == optimizer_state_numel(adam, 2) == 8 and whole[-2:].tolist() == [2, 2]
+    assert whole.numel() == optimizer_state_numel(adam, 2) == 8 and whole[-2] == 2
+    assert unpack_counts(whole[-1:]) == [2]
     b.handle(request(Op.SET, 0, payload=whole))
     assert b.applied == 2
     for s in (a, b):
@@ -214,6 +276,41 @@ def test_an_optimizer_stores_whole_state_comes_back_with_a_set_of_its_size():
             s.handle(request(Op.PUSH, src, round_=3, payload=torch.tensor([0.5, 3.0])))
         s.handle(request(Op.GET, 0, round_=WHOLE_STATE))
     assert torch.equal(out[-1][2], again[-1][2])
+
+
+def test_rounds_past_2_24_come_back_exact_in_an_answer_and_a_whole_state():
+    # Symptom: an optimizer store 16,777,217 rounds in answered 16,777,216 (HetPipe's workers
+    # re-added an update the value held), and a sparse row store's whole state SET back came
+    # out a round short (a re-keyed Parallax range waited for a round nobody pushes). Cause:
+    # the counts travelled as float32 values, whole numbers only up to 2**24.
+    many = 2 ** 24 + 1
+    adam = optimizer_spec(torch.optim.Adam([torch.zeros(1, requires_grad=True)], lr=0.1),
+                          per_round=False)
+    out, again = [], []
+    a = store(Kind.OPTIM, out, numel=2, optimizer=adam, staleness=0)
+    b = store(Kind.OPTIM, again, numel=2, optimizer=adam, staleness=0)
+    a.applied = many
+    a.handle(request(Op.GET, 0))
+    assert unpack_counts(out[-1][2][-1:]) == [many]  # what a worker reads of a PULL's answer
+    a.handle(request(Op.GET, 0, round_=WHOLE_STATE))
+    b.handle(request(Op.SET, 0, payload=out[-1][2]))
+    assert b.applied == many
+    rows = {"width": 2, "rule": {"name": "sgd", "lr": 1.0}}
+    c, d = (SparseRowStore(Declaration(key=1, kind=int(Kind.SPARSE), name="e", numel=4,
+                                       dtype="torch.float32", pushers=1, pullers=1,
+                                       options=rows), lambda req, t: out.append(t.clone()))
+            for _ in range(2))
+    c.applied, c.steps = many, many + 2
+    c.handle(request(Op.GET, 0))
+    assert unpack_counts(out[-1][-2:]) == [many, many + 2]
+    d.handle(request(Op.SET, 0, payload=out[-1]))
+    assert (d.applied, d.steps) == (many, many + 2)
+    # float64 keys count as far as int64 does; a float32 key's count stops at 2**31 - 1.
+    assert unpack_counts(pack_counts([2 ** 53 + 1], torch.float64)) == [2 ** 53 + 1]
+    with pytest.raises(CommError, match=r"counts \[2147483648\] do not fit a torch.float32 "
+                                        r"key's count \(0 .. 2147483647\). HINT: keep the key "
+                                        r"in float64"):
+        pack_counts([2 ** 31], torch.float32)
 
 
 class MaxStore(SumStore):

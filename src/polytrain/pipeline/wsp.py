@@ -34,7 +34,7 @@ from ..ps.engine import engine_for
 from ..ps.placement import Placement, balanced
 from ..ps.protocol import Kind
 from ..ps.settings import round_pieces, round_settings
-from ..ps.stores import WHOLE_STATE, optimizer_state_numel
+from ..ps.stores import WHOLE_STATE, optimizer_state_numel, unpack_counts
 from ..runtime import Context
 from ..tensors import host_copy
 
@@ -335,7 +335,7 @@ class WaveSync:
             return
         oldest = self.slots
         for (_, part), answer in zip(self.mine, self.answers):
-            applied = int(answer[-1])
+            [applied] = unpack_counts(answer[-1:])
             oldest = min(oldest, applied)
             view = self._slice(flat, part)
             view.copy_(answer[:-1].to(view.device))

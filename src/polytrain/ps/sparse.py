@@ -21,7 +21,8 @@ the server applies it itself, once per round, to the rows that round touched.
 - PULL of round r with a payload of int64 rows: their values, (rows, width),
   once r rounds are applied. Without a payload: the whole state
   (:func:`state_numel` elements: the values, the rule's state tensors, the
-  rounds applied, the rule's steps), which SET takes back, so a range can move
+  rounds applied and the rule's steps, as :func:`~polytrain.ps.stores.pack_counts`
+  carries them), which SET takes back, so a range can move
   to another key (re-partitioning) with its optimizer state and its round.
 - GET: the whole state at once.
 """
@@ -41,7 +42,9 @@ from .stores import (
     Store,
     applied_waiting,
     check_full_precision,
+    pack_counts,
     register_store,
+    unpack_counts,
 )
 
 __all__ = ["SparseRowStore", "pack_rows", "unpack_rows", "rule_settings", "with_settings",
@@ -109,7 +112,7 @@ def state_tensors(rule: str) -> int:
 
 def state_numel(numel: int, rule: str) -> int:
     """Elements of a range's whole state: :func:`state_tensors`, then the rounds applied
-    and the rule's steps."""
+    and the rule's steps (:func:`~polytrain.ps.stores.pack_counts`)."""
     return state_tensors(rule) * numel + 2
 
 
@@ -208,7 +211,7 @@ class SparseRowStore(Store):
                 raise self.fail(req, f"rows outside 0 .. {self.value.shape[0] - 1}")
             self.respond(req, self.value[rows])
             return
-        counts = torch.tensor([float(self.applied), float(self.steps)], dtype=self.value.dtype)
+        counts = pack_counts([self.applied, self.steps], self.value.dtype)
         self.respond(req, torch.cat([t.reshape(-1) for t in (self.value, *self.state)]
                                     + [counts]))
 
@@ -220,7 +223,7 @@ class SparseRowStore(Store):
                             f"{state_numel(n, self.rule['name'])}")
         for i, t in enumerate((self.value, *self.state)):
             t.copy_(payload[i * n:(i + 1) * n].view_as(t))
-        self.applied, self.steps = int(payload[-2]), int(payload[-1])
+        self.applied, self.steps = unpack_counts(payload[-2:])
 
 
 register_store(Kind.SPARSE, SparseRowStore, "sparse row")

@@ -14,7 +14,7 @@ import inspect
 import json
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar, Sequence
 
 import torch
 
@@ -25,13 +25,33 @@ from .settings import setting_values
 
 __all__ = ["Declaration", "Store", "SumStore", "ParamStore", "OptimizerStore", "STORES",
            "WHOLE_STATE", "optimizer_state_numel", "register_store", "store_name",
-           "applied_waiting", "pushes_of", "pusher_name"]
+           "applied_waiting", "pushes_of", "pusher_name", "pack_counts", "unpack_counts"]
 
 #: The round of a GET that asks a store for its whole state (see OptimizerStore, and the
 #: compressed sum store: ps/compressed.py).
 WHOLE_STATE = -1
 
 Respond = Callable[[Request, torch.Tensor], None]
+
+# The signed integers whose bits carry a count in an element of each width (bytes).
+_COUNT_BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def pack_counts(counts: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """Whole numbers (rounds applied, a rule's steps) as elements of ``dtype`` at the end of
+    an answer or a whole state: each the bits of a signed integer as wide, so that they
+    arrive exact (as float32 values, 16,777,217 rounds came back as 16,777,216)."""
+    bits = _COUNT_BITS[dtype.itemsize]
+    top = torch.iinfo(bits).max
+    if any(not 0 <= c <= top for c in counts):
+        raise CommError(f"counts {list(counts)} do not fit a {dtype} key's count (0 .. {top})",
+                        "keep the key in float64 to count further")
+    return torch.tensor(list(counts), dtype=bits).view(dtype)
+
+
+def unpack_counts(tail: torch.Tensor) -> list[int]:
+    """The counts :func:`pack_counts` put in ``tail``."""
+    return [int(c) for c in tail.view(_COUNT_BITS[tail.element_size()]).tolist()]
 
 
 @dataclass(frozen=True)
@@ -73,6 +93,10 @@ class Declaration:
 class Store(ABC):
     """One key's state on a server. ``handle`` runs on the key's engine thread only."""
 
+    #: The one narrower dtype a payload may have, by the key's: asynchronous BytePS pushes
+    #: float16 updates (``--compress fp16``) to a float32 parameter store.
+    narrower: ClassVar[dict[torch.dtype, torch.dtype]] = {}
+
     def __init__(self, decl: Declaration, respond: Respond) -> None:
         self.decl = decl
         self.respond = respond
@@ -89,17 +113,28 @@ class Store(ABC):
         (read from another thread than the store's: a glimpse, not a consistent state)."""
         return ""
 
-    def fail(self, req: Request, what: str) -> CommError:
+    def fail(self, req: Request, what: str, hint: str | None = None) -> CommError:
         return CommError(f"server: {self.decl.describe()}: request {req.op.name} of round "
-                         f"{req.round} from {pusher_name(req.pusher)}: {what}")
+                         f"{req.round} from {pusher_name(req.pusher)}: {what}", hint)
+
+    def payload(self, req: Request) -> torch.Tensor:
+        """``req``'s payload (an empty tensor's request carries none), refused unless of the
+        key's dtype or the one :attr:`narrower` allows: another was summed as it came (an
+        int64 push to a float32 key), or overflowed (float64's 1e6 made a float16 key inf)."""
+        declared = self.decl.torch_dtype
+        if req.payload is None:
+            return torch.empty(0, dtype=declared)
+        if req.payload.dtype not in (declared, self.narrower.get(declared)):
+            raise self.fail(req, f"it pushed {req.payload.dtype} values, and the key is "
+                                 f"declared {declared}",
+                            "push the key's dtype (convert the tensor with .to()), or declare "
+                            "the key with the tensor's dtype")
+        return req.payload
 
     def declared_payload(self, req: Request) -> torch.Tensor:
-        """``req``'s payload, refused unless of the declared size (one of another size was
-        broadcast into the sum, or failed in torch naming no key). Its dtype may be
-        narrower (asynchronous BytePS pushes 16-bit updates to a float32 key)."""
-        payload = req.payload
-        if payload is None:  # an empty tensor's push has no payload
-            payload = torch.empty(0, dtype=req.dtype)
+        """``req``'s :meth:`payload`, refused unless of the declared size too (one of another
+        size was broadcast into the sum, or failed in torch naming no key)."""
+        payload = self.payload(req)
         if payload.numel() != self.decl.numel:
             raise self.fail(req, f"it pushed {payload.numel()} elements, and the key is "
                                  f"declared {self.decl.numel} x {self.decl.torch_dtype}")
@@ -145,10 +180,11 @@ def _release(waiting: list[Request], ready: Callable[[Request], bool],
 
 
 class _Round:
-    __slots__ = ("pushes", "result", "waiting", "served")
+    __slots__ = ("pushes", "pushers", "result", "waiting", "served")
 
     def __init__(self) -> None:
         self.pushes: dict[tuple[int, int], torch.Tensor] = {}
+        self.pushers: set[tuple[int, int]] = set()  # who pushed: kept once pushes are summed
         self.result: torch.Tensor | None = None
         self.waiting: list[Request] = []
         self.served = 0
@@ -171,9 +207,14 @@ class SumStore(Store):
     def handle(self, req: Request) -> None:
         rnd = self.rounds.setdefault(req.round, _Round())
         if req.op in (Op.PUSH, Op.PUSHPULL):
-            if req.pusher in rnd.pushes or rnd.result is not None:
+            if req.pusher in rnd.pushers:
                 raise self.fail(req, "this rank already pushed this round")
+            if len(rnd.pushers) == self.decl.pushers:
+                pushed = pushes_of(dict.fromkeys(rnd.pushers), self.decl.pushers)
+                raise self.fail(req, f"more pushers than the {self.decl.pushers} declared: "
+                                     f"round {req.round} had {pushed}")
             rnd.pushes[req.pusher] = self.declared_payload(req)
+            rnd.pushers.add(req.pusher)
             if len(rnd.pushes) == self.decl.pushers:
                 rnd.result = self._sum(rnd.pushes)
                 rnd.pushes.clear()
@@ -227,6 +268,8 @@ class ParamStore(Store):
     BytePS (bounded staleness) and of HetPipe's Wave Synchronous Parallel (a
     clock is a wave).
     """
+
+    narrower: ClassVar[dict[torch.dtype, torch.dtype]] = {torch.float32: torch.float16}
 
     def __init__(self, decl: Declaration, respond: Respond) -> None:
         super().__init__(decl, respond)
@@ -339,14 +382,15 @@ def state_layout(spec: dict[str, Any]) -> tuple[tuple[str, bool, torch.dtype], .
 
 def optimizer_state_numel(spec: dict[str, Any], numel: int) -> int:
     """How many elements an optimizer store of ``numel`` parameters under ``spec`` answers to a
-    whole-state GET: the value, each state tensor (``numel`` or 1 element), the rounds applied."""
+    whole-state GET: the value, each state tensor (``numel`` or 1 element), the rounds applied
+    (:func:`pack_counts`)."""
     return numel + sum(numel if per else 1 for _, per, _ in state_layout(spec)) + 1
 
 
 def check_full_precision(decl: Declaration, store: str) -> None:
     """Refuse a 16-bit key on a store whose whole state (a checkpoint's, a repartition's)
-    carries its rounds applied as one value of the key's dtype: bfloat16 holds whole
-    numbers exactly only up to 256, float16 up to 2,048."""
+    carries its rounds applied in one element of the key's dtype (:func:`pack_counts`): 16
+    bits count only to 32,767 (as values, bfloat16 held whole numbers only up to 256)."""
     if decl.torch_dtype not in (torch.float32, torch.float64):
         raise CommError(f"server: {decl.describe()}: {store} holds float32 or float64 "
                         f"values, not {decl.torch_dtype}",
@@ -367,8 +411,8 @@ class OptimizerStore(Store):
       one step with their sum, summed in rank order, under the round's settings.
     - PULL of round r is answered once at least r - ``options["staleness"]``
       rounds are applied; GET at once. An answer is the value followed by the
-      number of rounds applied (``numel + 1`` elements), so a worker knows
-      which of its own pushes the value holds.
+      number of rounds applied (``numel + 1`` elements; :func:`unpack_counts`
+      reads the last), so a worker knows which of its own pushes the value holds.
     - GET of round :data:`WHOLE_STATE` answers the whole state: the value, the
       optimizer's state tensors in name order (Adam: ``exp_avg``, ``exp_avg_sq``,
       ``step``; zeros before the first step) and the rounds applied
@@ -402,25 +446,27 @@ class OptimizerStore(Store):
 
     def handle(self, req: Request) -> None:
         if req.op == Op.SET:
-            assert req.payload is not None
-            if req.payload.numel() == self.whole:
-                self._load(req.payload)
-            elif req.payload.numel() == self.decl.numel:
+            payload = self.payload(req)  # none for a key of no elements
+            if payload.numel() == self.whole:
+                self._load(payload)
+            elif payload.numel() == self.decl.numel:
                 with torch.no_grad():
-                    self.param.copy_(req.payload)
+                    self.param.copy_(payload)
             else:
                 raise self.fail(req, f"a SET takes the value ({self.decl.numel} elements) "
                                      f"or the whole state ({self.whole}), not "
-                                     f"{req.payload.numel()}")
+                                     f"{payload.numel()}")
         elif req.op == Op.PUSH:
-            assert req.payload is not None
+            payload = self.payload(req)
             if req.round <= self.applied:
                 raise self.fail(req, f"round {req.round} is already applied")
-            count, rest = divmod(req.payload.numel(), self.width)
+            # A round of no elements (no gradient, no settings) is one round per push.
+            count, rest = (divmod(payload.numel(), self.width) if self.width
+                           else (1, payload.numel()))
             if rest or not count:
-                raise self.fail(req, f"a payload of {req.payload.numel()} elements is not a "
+                raise self.fail(req, f"a payload of {payload.numel()} elements is not a "
                                      f"whole number of rounds of {self.width}")
-            for j, record in enumerate(req.payload.view(count, self.width)):
+            for j, record in enumerate(payload.view(count, self.width)):
                 rnd = req.round + j
                 pushes = self.rounds.setdefault(rnd, {})
                 if req.pusher in pushes:
@@ -456,7 +502,7 @@ class OptimizerStore(Store):
             value = state.get(name)
             parts.append(torch.zeros(n if per else 1, dtype=dtype) if value is None
                          else value.detach().reshape(-1).to(dtype))
-        parts.append(torch.tensor([float(self.applied)], dtype=dtype))
+        parts.append(pack_counts([self.applied], dtype))
         self.respond(req, torch.cat(parts))
 
     def _load(self, whole: torch.Tensor) -> None:
@@ -473,7 +519,7 @@ class OptimizerStore(Store):
         self.optimizer.state.pop(self.param, None)
         if any(bool(v.any()) for v in state.values()):  # all zero: never stepped, none
             self.optimizer.state[self.param] = state
-        self.applied = int(whole[-1])
+        [self.applied] = unpack_counts(whole[-1:])
         self.last = None  # the next round sets its settings
 
     def _apply_ready(self) -> None:
@@ -516,8 +562,8 @@ class OptimizerStore(Store):
         return self.applied >= req.round - self.staleness
 
     def _answer(self, req: Request) -> None:
-        count = torch.tensor([float(self.applied)], dtype=self.param.dtype)
-        self.respond(req, torch.cat([self.param.detach(), count]))
+        self.respond(req, torch.cat([self.param.detach(),
+                                     pack_counts([self.applied], self.param.dtype)]))
 
 
 STORES: dict[int, type[Store]] = {Kind.SUM: SumStore, Kind.PARAM: ParamStore,

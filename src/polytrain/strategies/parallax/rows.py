@@ -36,6 +36,7 @@ from ...ps.engine import engine_for
 from ...ps.placement import Placement
 from ...ps.protocol import Kind, Op
 from ...ps.sparse import pack_rows, rule_settings, state_numel, state_tensors
+from ...ps.stores import pack_counts, unpack_counts
 from ...runtime import Context
 from .plan import ParallaxPlan
 
@@ -184,7 +185,7 @@ class SparseRows:
                 extra = state_numel(rows.numel(), var.rule["name"]) - rows.numel() - 2
                 # A fresh rule state: none of its steps taken yet.
                 state = torch.cat([rows, torch.full((extra,), fill, dtype=rows.dtype),
-                                   torch.tensor([float(self.round), 0.0], dtype=rows.dtype)])
+                                   pack_counts([self.round, 0], rows.dtype)])
             pending.append((self.engine.set(self.placement, i, state), state))
         for p, _ in pending:
             p.wait()
@@ -418,7 +419,7 @@ class SparseRows:
     def rule_steps(self, states: list[torch.Tensor]) -> list[int]:
         """Per sparse parameter, the steps its rule has taken (the rounds that read it), from
         ``states``, one per range of the plan (every range of a parameter counts alike)."""
-        steps = {r.var: int(s[-1]) for r, s in zip(self.plan.ranges, states)}
+        steps = {r.var: unpack_counts(s[-1:])[0] for r, s in zip(self.plan.ranges, states)}
         return [steps[v.index] for v in self.vars]
 
     def _cut(self, merged: list[list[torch.Tensor]], plan: ParallaxPlan,
@@ -427,8 +428,7 @@ class SparseRows:
         range's whole state, with the rounds pushed as its rounds applied and its
         parameter's ``steps``."""
         return [torch.cat([t[r.lo:r.hi].reshape(-1) for t in merged[r.var]]
-                          + [torch.tensor([float(self.round), float(steps[r.var])],
-                                          dtype=merged[r.var][0].dtype)])
+                          + [pack_counts([self.round, steps[r.var]], merged[r.var][0].dtype)])
                 for r in plan.ranges]
 
     def repartition(self, plan: ParallaxPlan) -> None:
