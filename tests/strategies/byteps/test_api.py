@@ -1,5 +1,6 @@
 """The calls BytePS users know: push_pull, the broadcasts, DistributedOptimizer, staleness."""
 
+import logging
 import re
 import time
 
@@ -13,6 +14,7 @@ from polytrain import ConfigError
 from polytrain.byteps.parallel import DistributedDataParallel as DDP
 from polytrain.ps.compression import TopK
 from polytrain.ps.engine import engine_for
+from polytrain.strategies.byteps import api
 from tests.harness import refused, spawn
 
 STEPS = 3
@@ -40,6 +42,23 @@ def use_the_api():
     # Integers stay exact on the machine too (not through float32: 2^40 + 1 was 2^40).
     out["big"] = bps.push_pull(torch.tensor([2 ** 40 + w]), name="big", average=False)
     out["unnamed"] = bps.push_pull(torch.ones(3, 3))
+    # The UNNAMED_WARN-th unnamed call warns, as docs/from-byteps.md says (the one after it
+    # did): here the third.
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger(api.__name__).addHandler(handler)
+    api.UNNAMED_WARN = 3
+    for _ in range(3):  # the second, third and fourth unnamed calls
+        bps.push_pull(torch.ones(1))
+    out["unnamed_warnings"] = said
+    # A 16-bit average travels divided by the workers: the servers add in float32 but answer
+    # in the tensor's dtype, so float16's 4 x 40,000 came back inf (and bfloat16's 4 x 3e38
+    # overflowed float32 itself).
+    out["half"] = bps.push_pull(torch.full((2,), 40000.0, dtype=torch.float16), name="half")
+    out["bf16"] = bps.push_pull(torch.full((2,), 3e38, dtype=torch.bfloat16), name="bf16")
+    out["half_inplace"] = bps.push_pull_inplace(torch.full((2,), 40000.0, dtype=torch.float16),
+                                                name="half_inplace")
     # After the run's engine was closed (a byteps trainer's close() closes it), a name
     # declared before is summed again (it waited for the timeout on a new engine).
     engine_for(ctx).close()
@@ -144,6 +163,11 @@ def test_push_pull_broadcasts_and_the_distributed_optimizer():
         assert o["sum"].tolist() == [10] and o["sum"].dtype == torch.int64
         assert o["big"].tolist() == [4 * 2 ** 40 + 6]
         assert torch.equal(o["unnamed"], torch.ones(3, 3))
+        warned = [m.split(":")[0] for m in o["unnamed_warnings"]]
+        assert warned == ["3 push_pull calls without a name"]
+        for key in ("half", "half_inplace"):
+            assert torch.equal(o[key], torch.full((2,), 40000.0, dtype=torch.float16)), key
+        assert torch.equal(o["bf16"], torch.full((2,), 3e38, dtype=torch.bfloat16))
         assert [tuple(e.shape) for e in o["empty"]] == [(0, 4), (0, 4)]
         assert torch.allclose(o["after_close"], sum(xs) / 4)
         assert "name 'x' was first used for [10]" in o["reuse_error"]

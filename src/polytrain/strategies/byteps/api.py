@@ -29,6 +29,7 @@ from ...ps.compression import (
     compressor,
 )
 from ...ps.engine import Engine, SumTensor, engine_for
+from ...ps.grads import travels_divided
 from ...runtime import Context
 from ..checks import check_same_tensors, tensor_signature
 from .async_mode import AsyncOptimizer
@@ -43,7 +44,7 @@ __all__ = ["init", "shutdown", "push_pull", "push_pull_async", "push_pull_inplac
            "broadcast_parameters", "broadcast_optimizer_state", "DistributedOptimizer",
            "Compression", "size", "rank", "local_rank", "local_size"]
 
-#: Unnamed push_pull calls after which a warning says each kept keys of its own.
+#: The unnamed push_pull call that warns that each keeps keys of its own (the 100th).
 UNNAMED_WARN = 100
 # By engine: one that a closed byteps strategy closed is replaced, and its tensors with it
 # (a name declared on the old one was queued on the new one, never started: a timeout).
@@ -167,6 +168,8 @@ class PushPullHandle:
     like: torch.Tensor
     average: bool
     inplace: bool = False
+    #: The values travelled divided by the workers, so their sum is the average already.
+    divided: bool = False
 
 
 def push_pull_async(tensor: torch.Tensor, average: bool = True, name: str | None = None,
@@ -203,7 +206,7 @@ def _push_pull_async(tensor: torch.Tensor, average: bool, name: str | None, prio
     if name is None:
         n = next(_unnamed.setdefault(ctx, itertools.count()))
         name = f"push_pull.{n}"
-        if n == UNNAMED_WARN:
+        if n + 1 == UNNAMED_WARN:
             log.warning("%d push_pull calls without a name: each declares keys of its own on "
                         "the servers, kept for the run, so memory grows with every call; pass "
                         "name=... for a tensor pushed every step", n + 1)
@@ -227,8 +230,11 @@ def _push_pull_async(tensor: torch.Tensor, average: bool, name: str | None, prio
         raise ConfigError(f"push_pull name {name!r} was first used with compression "
                           f"{first_how}, now with {how}",
                           "give the tensor another name for another compression")
-    engine.submit(t, tensor, priority)
-    return PushPullHandle(engine, t, tensor, average, inplace)
+    # A 16-bit average travels divided, as GradientSync's gradients do: the servers add in
+    # float32 but answer in the tensor's dtype, so a sum past 65,504 was inf in float16.
+    divided = average and travels_divided(tensor.dtype)
+    engine.submit(t, tensor.detach().div(ctx.num_workers) if divided else tensor, priority)
+    return PushPullHandle(engine, t, tensor, average, inplace, divided)
 
 
 def poll(handle: PushPullHandle) -> bool:
@@ -244,7 +250,7 @@ def synchronize(handle: PushPullHandle) -> torch.Tensor:
     out = handle.like if handle.inplace else torch.empty_like(handle.like)
     with torch.no_grad():
         out.copy_(total)
-        if handle.average:
+        if handle.average and not handle.divided:
             out.div_(handle.engine.ctx.num_workers)
     return out
 
@@ -260,7 +266,8 @@ def push_pull(tensor: torch.Tensor, average: bool = True, name: str | None = Non
     order of first use. Every worker calls it with the same names
     in the same order (the servers check: a name declared with another shape is
     an error naming it). The result is a new tensor on ``tensor``'s device;
-    ``tensor`` is unchanged. ``compression`` compresses it on the way (float32).
+    ``tensor`` is unchanged. ``compression`` compresses it on the way (float32). A 16-bit
+    average travels divided by the workers, so that its sum cannot overflow.
 
     Example::
 

@@ -8,7 +8,8 @@ worker's pushes; a pull of step c waits until the slowest worker has pushed
 step c - staleness (bounded staleness; the reference had no bound). With
 staleness 0 every pull waits for every worker's push of that step, so the
 pulled parameters are ``w + sum_i (new_i - w) / workers``; for plain SGD that
-is exactly the synchronous step ``w - lr * mean_i g_i``.
+is the synchronous step ``w - lr * mean_i g_i`` up to float32 rounding, not
+bitwise (each update is rounded before the servers add it).
 """
 
 from __future__ import annotations
@@ -88,7 +89,8 @@ class AsyncOptimizer(WrappedOptimizer):
         # from there, so the wire carries ``clock - base``.
         self.base = 0
         self._pulled = [torch.empty(p.numel(), dtype=p.dtype) for p in self._params]
-        # Per partition: its codec (half-precision pushes with their own error feedback).
+        # Per partition: its codec (half-precision pushes, with their own error feedback
+        # where ``error_feedback`` asks for it).
         self._codecs = [Codec(c, p.numel, seed=p.key) if (c := per_tensor[p.tensor]) else None
                         for p in self.placement.partitions]
         # The servers take worker 0's parameters at the first step, not here: BytePS scripts

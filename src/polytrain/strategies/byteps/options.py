@@ -203,5 +203,6 @@ class BytePSOptions:
                 f"not a sum; {codec.name} of the weights would lose them, and its packed "
                 f"pushes would need a parameter store that decodes them (there is none). "
                 f"The compressors --async supports: {', '.join(ASYNC_COMPRESSORS)} (updates "
-                f"pushed in half precision, with error feedback; parameters pulled exact)",
+                f"pushed in half precision, with error feedback under --error-feedback; "
+                f"parameters pulled exact)",
                 "drop --async, or use --compress fp16")
