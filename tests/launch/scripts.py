@@ -131,6 +131,19 @@ def write_pid_and_hang(directory: str) -> None:
     time.sleep(60)
 
 
+def signals_reach_the_run(launcher: int, signals: list[int]) -> list[bool]:
+    """Send ``signals`` to the ``launcher``, to this process's parent (its fork server, where
+    it was forked) and to itself, as a signal to the launcher's process group reaches them;
+    once every worker has, return whether each signal is ignored here."""
+    ctx = polytrain.init()
+    for pid in {launcher, os.getppid(), os.getpid()}:
+        for sig in signals:
+            os.kill(pid, sig)
+    time.sleep(0.5)  # delivered: what they would have ended has ended
+    dist.barrier(group=ctx.groups.workers)
+    return [signal.getsignal(sig) == signal.SIG_IGN for sig in signals]
+
+
 def server_dies_mid_run(directory: str, how: str = "kill") -> None:
     """Workers push to a server; after the first round worker 0 kills the server (kill -9),
     or (``how="exit0"``) has it exit with code 0 (``os._exit(0)`` in a thread of its own)."""

@@ -538,20 +538,17 @@ def test_no_orphans_when_the_launcher_itself_is_killed(tmp_path):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("inherited", ["default", "ignored", "sigterm", "sighup"])
+@pytest.mark.parametrize("inherited", ["default", "sigterm", "sighup"])
 def test_ctrl_c_stops_every_child(tmp_path, inherited):
-    # "ignored": started as a background job of a shell, SIGINT arrives ignored (and Python
-    # then installs no handler of its own); Ctrl-C must still stop the run. "sigterm" (what
-    # timeout, docker stop and Slurm send) ended the launcher at once, leaving its work
-    # directory and shared memory behind, and saying nothing; so did "sighup" (the terminal
-    # or ssh session closed).
+    # "sigterm" (what timeout, docker stop and Slurm send) ended the launcher at once,
+    # leaving its work directory and shared memory behind, and saying nothing; so did
+    # "sighup" (the terminal or ssh session closed). A signal the launcher was started with
+    # ignored stays ignored: test_signals_the_launcher_was_started_ignoring_stay_ignored.
     code = (f"import polytrain; from tests.launch import scripts; "
             f"polytrain.launch(scripts.write_pid_and_hang, workers=2, "
             f"args=({str(tmp_path)!r},))")
-    handler = signal.SIG_IGN if inherited == "ignored" else signal.SIG_DFL
     launcher = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT,
-                                stderr=subprocess.PIPE, text=True,
-                                preexec_fn=lambda: signal.signal(signal.SIGINT, handler))
+                                stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60  # a loaded machine starts processes slowly
     while len(list(tmp_path.glob("pid-*"))) < 2:
         assert time.monotonic() < deadline, "children did not start"
@@ -565,6 +562,25 @@ def test_ctrl_c_stops_every_child(tmp_path, inherited):
     assert not any(_alive(p) for p in pids)
     assert not list(Path(tempfile.gettempdir()).glob(f"polytrain-{launcher.pid}-*"))
     assert not list(Path("/dev/shm").glob(f"polytrain-run-{launcher.pid}-*"))
+
+
+@pytest.mark.timeout(120)
+def test_signals_the_launcher_was_started_ignoring_stay_ignored():
+    # Symptom: `nohup polytrain train ... &` stopped when the terminal closed ("the fork
+    # server ... ended (code -1)", then "interrupted (SIGHUP)"), and a shell script's
+    # background job (started with SIGINT ignored) stopped on a `kill -INT` of its process
+    # group. Cause: the launcher put its own handlers in place of SIG_IGN, and started the
+    # fork server under them (exec resets a handler to the default, not to SIG_IGN); the
+    # server's children took SIGINT's default from the server, not the launcher's SIG_IGN.
+    ignored = [signal.SIGHUP, signal.SIGINT]
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in ignored}
+    try:
+        got = spawn(scripts.signals_reach_the_run, workers=2, args=(os.getpid(), ignored))
+        assert [signal.getsignal(sig) for sig in ignored] == [signal.SIG_IGN] * 2
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    assert got == [[True, True], [True, True]]  # and the run ended as it does
 
 
 def _children_of(pid):

@@ -28,7 +28,10 @@ What it keeps of a fresh process's contract:
   collectives by it shows only with ``POLYTRAIN_FORKSERVER=0`` or torchrun);
 - its CPU affinity, resource limits (open files, core size, memory...; as
   ``setrlimit`` sets them: the main thread's stack size was fixed at the
-  server's start) and umask are the launcher's of that moment.
+  server's start) and umask are the launcher's of that moment;
+- SIGINT and SIGHUP are ignored in it where the launcher ignores them (``nohup``,
+  a shell script's background job), as a fresh interpreter inherits SIG_IGN; the
+  server itself ignores both (it ends with the launcher).
 
 The server never runs a tensor operation, starts no thread of its own and
 touches no GPU, so forking it is safe. On an emulated network a child enters
@@ -44,7 +47,7 @@ server's start and failure each time.
 
 Protocol (one ``SOCK_SEQPACKET`` socket pair, a pickled message per packet):
 the launcher sends ``{"payload", "env", "cwd", "stdio", "netns", "affinity",
-"limits", "umask"}`` with its standard
+"limits", "umask", "ignored"}`` with its standard
 streams' descriptors attached (``SCM_RIGHTS``); the server answers
 ``("started", pid)`` or ``("failed", reason)``, and later ``("exited", pid,
 returncode)`` for every child it reaped.
@@ -174,7 +177,7 @@ class ForkServer:
             # The server dies with the thread that started it (PR_SET_PDEATHSIG): this one
             # lives as long as the server does, whatever thread launches.
             try:
-                signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])  # see _SERVER_CODE
+                signal.pthread_sigmask(signal.SIG_BLOCK, _LAUNCHERS_SIGNALS)  # see _SERVER_CODE
                 self._proc = subprocess.Popen(
                     [sys.executable, "-c", _SERVER_CODE, str(theirs.fileno()), str(os.getpid())],
                     pass_fds=(theirs.fileno(),), env=dict(base_env), stdin=subprocess.DEVNULL)
@@ -256,7 +259,9 @@ class ForkServer:
                                 "netns": netns,
                                 "stdio": stdio, "affinity": sorted(os.sched_getaffinity(0)),
                                 "limits": {n: resource.getrlimit(n) for n in _LIMITS},
-                                "umask": _umask()})
+                                "umask": _umask(),
+                                "ignored": [int(s) for s in _LAUNCHERS_SIGNALS
+                                            if signal.getsignal(s) == signal.SIG_IGN]})
         with self._lock:
             if not self.alive:
                 raise OSError("the fork server ended")
@@ -348,12 +353,17 @@ def _open(fd: int) -> bool:
         return False
 
 
-# Ctrl-C is the launcher's to handle: the server ignores SIGINT from its first line on, and
-# the launcher's thread starts it with SIGINT blocked, so that one pressed while the
-# server starts, or imports torch, is discarded there (a pending signal set to be ignored
-# is), not a KeyboardInterrupt traceback from the server beside the launcher's one line.
+# Ctrl-C and a closed terminal are the launcher's to handle (or to ignore, as under
+# `nohup`): the server ignores SIGINT and SIGHUP from its first line on, and the launcher's
+# thread starts it with them blocked, so that one sent while the server starts, or imports
+# torch, is discarded there (a pending signal set to be ignored is), not a KeyboardInterrupt
+# traceback from the server beside the launcher's one line; it dies with the launcher. A
+# child takes the launcher's SIG_IGN of them at its start (the request's "ignored"), and
+# Python's own handling otherwise.
+_LAUNCHERS_SIGNALS = (signal.SIGINT, signal.SIGHUP)
 _SERVER_CODE = ("import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); "
-                "signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT]); "
+                "signal.signal(signal.SIGHUP, signal.SIG_IGN); "
+                "signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT, signal.SIGHUP]); "
                 "from polytrain.launch.forkserver import main; main()")
 _Key = tuple[tuple[str, str], ...]
 # Variables that change while the launching process runs and that no import reads: a child
@@ -467,7 +477,11 @@ def _become_child(request: dict[str, Any], fds: list[int], sock: socket.socket,
             os.close(fd)
         sock.close()
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        ignored = request["ignored"]
+        signal.signal(signal.SIGINT, signal.SIG_IGN if signal.SIGINT in ignored
+                      else signal.default_int_handler)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN if signal.SIGHUP in ignored
+                      else signal.SIG_DFL)
         for target, fd in zip(request["stdio"], fds):
             if fd != target:
                 os.dup2(fd, target)
@@ -529,7 +543,7 @@ def main() -> None:
     fd, parent = int(sys.argv[1]), int(sys.argv[2])
     from .child import die_with
 
-    die_with(parent)  # SIGINT is ignored from _SERVER_CODE's first line on
+    die_with(parent)  # SIGINT and SIGHUP are ignored from _SERVER_CODE's first line on
     # What a forked child forks (a multiprocessing helper) has the server's /proc environ,
     # so the launcher cannot find it by the run's; orphaned, it comes to the server, whose
     # children the launcher can list.

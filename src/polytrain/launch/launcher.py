@@ -325,15 +325,17 @@ class Launcher:
                 interrupted.set()
             previous = {}
             if threading.current_thread() is threading.main_thread():
-                # Our own handlers, not Python's default: a shell that starts us in the
-                # background leaves SIGINT ignored, and Python then installs none (Ctrl-C
-                # would be lost); SIGTERM (timeout, docker stop, Slurm) ended the launcher
-                # at once, leaving its work directory and shared memory behind. A flag,
-                # checked between polls, also keeps the interrupt out of the middle of
-                # subprocess's own bookkeeping.
-                # SIGHUP: the terminal or ssh session closed.
+                # Our own handlers, not Python's default: SIGTERM (timeout, docker stop,
+                # Slurm) ended the launcher at once, leaving its work directory and shared
+                # memory behind; SIGHUP: the terminal or ssh session closed. A flag, checked
+                # between polls, also keeps the interrupt out of the middle of subprocess's
+                # own bookkeeping. SIGINT and SIGHUP this process was started with ignored
+                # stay ignored, in it and in its children, as in any program: `nohup`'s
+                # SIGHUP, a shell script's background job's SIGINT. (SIGTERM is how the run
+                # stops its processes: always caught.)
                 previous = {s: signal.signal(s, interrupt)
-                            for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+                            for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+                            if s == signal.SIGTERM or signal.getsignal(s) != signal.SIG_IGN}
             network: Network | None = None
             shm: Path | None = None
             oom_kills_before = oom_kills()
