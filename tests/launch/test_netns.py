@@ -27,8 +27,7 @@ from tests.launch import scripts
 
 ROOT = Path(__file__).resolve().parents[2]
 IP = shutil.which("ip")  # resolved once: some tests take ip and tc off PATH
-_MISSING = [what for what, ok in (("root", os.geteuid() == 0), ("ip", IP),
-                                  ("tc", shutil.which("tc"))) if not ok]
+_MISSING = network.missing_tools()  # root, its capabilities (a container drops them), ip, tc
 needs_netns = pytest.mark.skipif(bool(_MISSING), reason=f"needs root and iproute2; missing: "
                                                         f"{', '.join(_MISSING)}")
 _ENV = {"OMP_NUM_THREADS": "1"}
@@ -73,6 +72,7 @@ def test_rates_and_times_parse_as_tc_writes_them():
     assert parse_rate("1Gbit") == parse_rate("1GBIT") == parse_rate("1gbit") == 10**9
     assert parse_rate("5gbit") == 5 * 10**9 and parse_rate("1.5kbit") == 1500
     assert parse_rate("64 kbit") == 64_000 and parse_rate("100bit") == 100
+    assert parse_rate("34tbit") == 34 * 10**12 == parse_rate("34000gbit")
     assert parse_time("0.2ms") == pytest.approx(2e-4) and parse_time("5us") == pytest.approx(5e-6)
     assert parse_time("1s") == 1.0 and parse_time("0") == 0.0 and parse_time("0ms") == 0.0
     assert parse_time("2msec") == pytest.approx(2e-3) and parse_time("1sec") == 1.0
@@ -85,13 +85,21 @@ def test_rates_and_times_parse_as_tc_writes_them():
                    r"mbit, gbit, tbit is\. HINT: pass e\.g\. --bandwidth 1gbit"),
     ("5gb", None, r"--bandwidth '5gb' is not a rate"),
     ("1000", None, r"--bandwidth '1000' is not a rate"),
-    ("0mbit", None, r"--bandwidth must be a rate of at least 1bit and at most 1000tbit \(got "
-                    r"'0mbit'\)"),
-    ("0", None, r"--bandwidth must be a rate of at least 1bit"),
-    ("-1gbit", None, r"--bandwidth must be a rate of at least 1bit and at most 1000tbit \(got "
-                     r"'-1gbit'\)"),
+    ("0mbit", None, r"--bandwidth must be a rate of at least 100bit and at most 34tbit, tc's "
+                    r"range for a link \(got '0mbit'\)\. HINT: pass e\.g\. --bandwidth 1gbit$"),
+    ("0", None, r"--bandwidth must be a rate of at least 100bit"),
+    ("-1gbit", None, r"--bandwidth must be a rate of at least 100bit and at most 34tbit, tc's "
+                     r"range for a link \(got '-1gbit'\)"),
     # Each was an OverflowError, or a plan of nan seconds.
-    ("1e400gbit", None, r"--bandwidth must be a rate of at least 1bit and at most 1000tbit"),
+    ("1e400gbit", None, r"--bandwidth must be a rate of at least 100bit and at most 34tbit"),
+    # Each built the network, then failed in tc: 100tbit with tc's whole usage text ('Illegal
+    # "burst"': a millisecond's bucket overflows its 32 bits) and a hint to check the kernel;
+    # 4bit with '"rate" is required' (under a byte a second); 50bit silently got a bucket of
+    # 279 bytes, not 3028 (longer than 2**32 of the kernel's 64 ns ticks to fill).
+    ("100tbit", None, r"--bandwidth must be a rate of at least 100bit and at most 34tbit, tc's "
+                      r"range for a link \(got '100tbit'\)"),
+    ("4bit", None, r"--bandwidth must be a rate of at least 100bit .*\(got '4bit'\)"),
+    ("50bit", None, r"--bandwidth must be a rate of at least 100bit .*\(got '50bit'\)"),
     ("1gbit", "1e400s", r"--latency must be 0 or more, and at most 60s \(got '1e400s'\)"),
     ("1gbit", "-1ms", r"--latency must be 0 or more, and at most 60s \(got '-1ms'\)"),
     ("1gbit", "3 parsecs", r"--latency '3 parsecs' is not a time: a number and one of the units "
@@ -109,6 +117,18 @@ def test_bad_rates_and_times_are_one_line_each(bandwidth, latency, message, caps
     assert re.search(r"^polytrain train: error: " + message, err), err
     with pytest.raises(ConfigError, match=message):
         polytrain.launch(scripts.identity, workers=2, bandwidth=bandwidth, latency=latency)
+
+
+def test_the_fastest_link_fits_tc_and_the_kernels_queue_bound(monkeypatch):
+    # Above about 17 Tbit/s tcp_limit_output_bytes (an int) was refused, with a warning.
+    monkeypatch.setattr(network, "check_tools", lambda: ("ip", "tc"))
+    net = Network(["node0"], LinkShape.parse("34tbit"))
+    assert net._burst_bytes() == 4_250_000_000 < 2**32  # tc's burst is 32 bits
+    assert net._queue_bytes() == 2**31 - 1
+    assert Network(["node0"], LinkShape.parse("1gbit"))._queue_bytes() == 125_000
+    with pytest.raises(ConfigError, match=r"a link's rate must be 100 to 34000000000000 bit/s, "
+                                          r"tc's range \(got 35000000000000\)"):
+        LinkShape(rate_bit_s=35 * 10**12)
 
 
 @pytest.mark.timeout(30)
@@ -145,26 +165,62 @@ def test_a_single_process_strategy_has_no_links_to_shape():
         TrainConfig(strategy="single", model="mlp", bandwidth="1gbit")
 
 
-@pytest.mark.parametrize("uid, path, missing", [
-    (1000, True, r"missing: root \(running as uid 1000\)\."),
-    (0, False, r"missing: ip \(not on PATH\), tc \(not on PATH\)\."),
-    (1000, False, r"missing: root \(running as uid 1000\), ip \(not on PATH\), tc"),
-])
-def test_without_root_or_iproute2_one_line_says_what_is_missing(monkeypatch, uid, path, missing,
-                                                                capsys, tmp_path, clean_host):
+_ALL_CAPS = (1 << 41) - 1  # root's effective capabilities (CapEff 000001ffffffffff)
+_ROOT_HINT = r"HINT: run as root, or leave --bandwidth out"
+_TOOLS_HINT = r"HINT: install iproute2 \(apt-get install iproute2\), or leave --bandwidth out"
+
+
+@pytest.mark.parametrize("uid, path, caps, missing, hint", [
+    (1000, True, 0, r"missing: root \(running as uid 1000\)\.", _ROOT_HINT),
+    (0, False, _ALL_CAPS, r"missing: ip \(not on PATH\), tc \(not on PATH\)\.", _TOOLS_HINT),
+    (1000, False, 0, r"missing: root \(running as uid 1000\), ip \(not on PATH\), tc \(not on "
+                     r"PATH\)\.",
+     r"HINT: run as root and install iproute2 \(apt-get install iproute2\), or leave "
+     r"--bandwidth out"),
+    # Root without the capabilities (a container's default, `setpriv --bounding-set`): the run
+    # made half its network, then "mount --make-shared /run/netns failed: Operation not
+    # permitted. HINT: check that this kernel has network namespaces"; `polytrain env` said
+    # root, ip and tc were there.
+    (0, True, _ALL_CAPS & ~(1 << 21 | 1 << 12),
+     r"missing: CAP_SYS_ADMIN \(to mount the namespaces\), CAP_NET_ADMIN \(to make links and "
+     r"qdiscs\)\.",
+     r"HINT: give this process CAP_SYS_ADMIN and CAP_NET_ADMIN \(a container: docker run "
+     r"--cap-add SYS_ADMIN --cap-add NET_ADMIN, or --privileged\), or leave --bandwidth out$"),
+    (0, True, _ALL_CAPS & ~(1 << 12), r"missing: CAP_NET_ADMIN \(to make links and qdiscs\)\.",
+     r"HINT: give this process CAP_NET_ADMIN \(a container: docker run --cap-add NET_ADMIN, "
+     r"or --privileged\), or leave --bandwidth out$"),
+], ids=["uid", "path", "uid+path", "caps", "net_admin"])
+def test_without_root_or_iproute2_one_line_says_what_is_missing(monkeypatch, uid, path, caps,
+                                                                missing, hint, capsys, tmp_path,
+                                                                clean_host):
     monkeypatch.setattr(network.os, "geteuid", lambda: uid)
+    monkeypatch.setattr(network, "_capabilities", lambda: caps)
     if not path:
         monkeypatch.setenv("PATH", str(tmp_path))  # no ip, no tc
-    hint = r"HINT: install iproute2 \(apt-get install iproute2\) and run as root"
     with pytest.raises(ConfigError, match=r"--bandwidth emulates machines in network namespaces, "
-                                          r"which needs root and iproute2's ip and tc; " +
-                                          missing + ".*" + hint):
+                                          r"which needs root \(with CAP_SYS_ADMIN and "
+                                          r"CAP_NET_ADMIN\) and iproute2's ip and tc; " +
+                                          missing + " " + hint):
         polytrain.launch(scripts.identity, workers=2, nodes=2, bandwidth="1gbit")
     script = tmp_path / "job.py"
     script.write_text("raise SystemExit('must not start')\n")
     assert main(["launch", "--workers", "2", "--bandwidth", "1gbit", str(script)]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and re.search(missing, err), err
+    assert main(["env"]) == 0  # says the same
+    out = capsys.readouterr().out
+    said = missing.replace("missing: ", "missing ", 1).removesuffix(r"\.")
+    assert re.search(r"^--bandwidth \(emulated network\) +no: " + said, out, re.M), out
+
+
+def test_capabilities_come_from_linux_and_count_only_where_it_says(monkeypatch):
+    status = Path("/proc/self/status").read_text()
+    [mask] = [line.split()[1] for line in status.splitlines() if line.startswith("CapEff:")]
+    assert network._capabilities() == int(mask, 16)
+    monkeypatch.setattr(network.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(network, "_capabilities", lambda: None)  # unknown: not claimed missing
+    assert network.missing_tools() == [
+        f"{name} (not on PATH)" for name in ("ip", "tc") if shutil.which(name) is None]
 
 
 # -- links -------------------------------------------------------------------------------------

@@ -77,7 +77,13 @@ _GSO_MAX_BYTES = 65536  # the most a GSO segment can be
 #: ``net.ipv4.tcp_limit_output_bytes``, 4 MiB by default), per emulated machine.
 _QUEUE_S = 1e-3
 _MIN_QUEUE_BYTES = 1 << 16
-_MAX_RATE_BIT_S = 10**15  # beyond any NIC; also keeps nan and inf out
+_INT_MAX = 2**31 - 1  # the most a sysctl of type int (tcp_limit_output_bytes) takes
+# tc's range for a link (and it keeps nan and inf out). Below a byte a second tc refuses
+# ('"rate" is required'); below about 96 bit/s the least bucket takes longer than 2**32 of
+# the kernel's 64 ns ticks to fill, and tc silently wraps it (50bit: 279 bytes, not 3028).
+# Above about 34.4 Tbit/s a millisecond's bucket overflows tc's 32-bit burst.
+_MIN_RATE_BIT_S = 100
+_MAX_RATE_BIT_S = 34 * 10**12
 _MAX_DELAY_S = 60.0  # a delay per packet; beyond it a link is a different problem
 _TOOL_TIMEOUT_S = 30.0  # ip, tc and sysctl answer in milliseconds; a hung one must not hang us
 _KILLED_TOOL_S = 5.0  # how long a killed tool may take to end before we go on without it
@@ -127,14 +133,16 @@ def _quantity(text: str, units: Mapping[str, float], flag: str, example: str) ->
 def parse_rate(text: str, flag: str = "--bandwidth") -> int:
     """Bits per second from a rate as tc writes it: ``bit``, ``kbit``, ``mbit``, ``gbit``, ``tbit``.
 
-    Units are decimal and case-insensitive, as tc's are::
+    Units are decimal and case-insensitive, as tc's are; 100bit to 34tbit, tc's range for a
+    link (see _MIN_RATE_BIT_S)::
 
         >>> parse_rate("200mbit"), parse_rate("1Gbit"), parse_rate("1.5kbit")
         (200000000, 1000000000, 1500)
     """
     bits = _quantity(text, _RATE_UNITS, flag, "1gbit")
-    if not 1 <= bits <= _MAX_RATE_BIT_S:
-        raise ConfigError(f"{flag} must be a rate of at least 1bit and at most 1000tbit (got "
+    if not _MIN_RATE_BIT_S <= bits <= _MAX_RATE_BIT_S:
+        raise ConfigError(f"{flag} must be a rate of at least {_MIN_RATE_BIT_S}bit and at most "
+                          f"{_MAX_RATE_BIT_S // 10**12}tbit, tc's range for a link (got "
                           f"{text!r})", f"pass e.g. {flag} 1gbit")
     return int(round(bits))
 
@@ -170,8 +178,9 @@ class LinkShape:
     delay_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.rate_bit_s < 1:
-            raise ConfigError(f"a link's rate must be at least 1 bit/s (got {self.rate_bit_s})",
+        if not _MIN_RATE_BIT_S <= self.rate_bit_s <= _MAX_RATE_BIT_S:
+            raise ConfigError(f"a link's rate must be {_MIN_RATE_BIT_S} to {_MAX_RATE_BIT_S} "
+                              f"bit/s, tc's range (got {self.rate_bit_s})",
                               "pass e.g. --bandwidth 1gbit")
         if self.delay_s < 0:
             raise ConfigError(f"a link's delay must be 0 or more (got {self.delay_s} s)",
@@ -201,12 +210,34 @@ def link_shape(bandwidth: str | None, latency: str | None = None) -> LinkShape |
     return LinkShape.parse(bandwidth, latency)
 
 
+#: What root needs to make a run's network, by capability: its bit in the mask, and why.
+_CAPABILITIES = {"CAP_SYS_ADMIN": (21, "to mount the namespaces"),
+                 "CAP_NET_ADMIN": (12, "to make links and qdiscs")}
+
+
+def _capabilities() -> int | None:
+    """This process's effective capabilities, a bit mask (``CapEff`` in /proc/self/status);
+    None where Linux does not say."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return int(line.split()[1], 16)
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def missing_tools() -> list[str]:
-    """What ``--bandwidth`` needs and this host lacks: root, ``ip``, ``tc`` (empty: none)."""
+    """What ``--bandwidth`` needs and this host lacks: root, and root's CAP_SYS_ADMIN and
+    CAP_NET_ADMIN (a container drops them), ``ip``, ``tc`` (empty: none)."""
     missing = []
     uid = os.geteuid()
     if uid != 0:
         missing.append(f"root (running as uid {uid})")
+    elif (caps := _capabilities()) is not None:
+        missing += [f"{name} ({why})" for name, (bit, why) in _CAPABILITIES.items()
+                    if not caps >> bit & 1]
     return missing + [f"{name} (not on PATH)" for name in ("ip", "tc") if not shutil.which(name)]
 
 
@@ -246,13 +277,23 @@ def netem_check() -> str:
 
 
 def check_tools() -> tuple[str, str]:
-    """The paths of ``ip`` and ``tc``; one ConfigError naming all that is missing if not root."""
+    """The paths of ``ip`` and ``tc``; one ConfigError naming all that is missing (root, its
+    capabilities, the tools), with what to do about each."""
     missing = missing_tools()
     if missing:
+        fixes = []
+        if missing[0].startswith("root"):
+            fixes.append("run as root")
+        if caps := [name for name in _CAPABILITIES if any(m.startswith(name) for m in missing)]:
+            cap_add = " ".join(f"--cap-add {name.removeprefix('CAP_')}" for name in caps)
+            fixes.append(f"give this process {' and '.join(caps)} (a container: docker run "
+                         f"{cap_add}, or --privileged)")
+        if not shutil.which("ip") or not shutil.which("tc"):
+            fixes.append("install iproute2 (apt-get install iproute2)")
         raise ConfigError(f"--bandwidth emulates machines in network namespaces, which needs "
-                          f"root and iproute2's ip and tc; missing: {', '.join(missing)}",
-                          "install iproute2 (apt-get install iproute2) and run as root, or "
-                          "leave --bandwidth out")
+                          f"root (with {' and '.join(_CAPABILITIES)}) and iproute2's ip and tc; "
+                          f"missing: {', '.join(missing)}",
+                          f"{' and '.join(fixes)}, or leave --bandwidth out")
     ip, tc = shutil.which("ip"), shutil.which("tc")
     assert ip is not None and tc is not None
     return ip, tc
@@ -634,9 +675,8 @@ class Network:
         # queue here would take 4 MiB from every socket, and a small message (gloo's notice
         # that a receive is posted) would wait behind all of them: 33 ms per socket at
         # 1 Gbit/s, tens of them per step for a server's many connections.
-        limit = max(_MIN_QUEUE_BYTES, int(self.shape.rate_bit_s / 8 * _QUEUE_S))
         out = _tool([*self.exec_prefix(machine), "sysctl", "-qw",
-                     f"net.ipv4.tcp_limit_output_bytes={limit}"])
+                     f"net.ipv4.tcp_limit_output_bytes={self._queue_bytes()}"])
         if out.returncode != 0:
             log.warning("could not bound the TCP queue in %s (%s): small messages may wait "
                         "behind bulk data", self.namespace(machine), out.stderr.strip())
@@ -650,6 +690,11 @@ class Network:
     def _burst_bytes(self) -> int:
         """The shaper's bucket (see _BURST_S)."""
         return max(_MIN_BURST_BYTES, int(self.shape.rate_bit_s / 8 * _BURST_S))
+
+    def _queue_bytes(self) -> int:
+        """The most bytes a TCP socket may queue below it (see _QUEUE_S); the sysctl is an
+        int, which a millisecond above 17 Tbit/s overflows."""
+        return min(_INT_MAX, max(_MIN_QUEUE_BYTES, int(self.shape.rate_bit_s / 8 * _QUEUE_S)))
 
     def _segment_bytes(self) -> int:
         """Each machine NIC's gso_max_size: its bucket, or less (TCP's segments are whole
