@@ -227,3 +227,29 @@ def test_emulated_device_waits_out_the_layer_time():
     assert clock.emulated_s == pytest.approx(expected, rel=1e-9)
     assert expected <= took < expected + 0.5
     assert clock.hidden_fraction > 0.5  # the real compute hid inside the emulated time
+
+
+@pytest.mark.parametrize("layers, message", [
+    # Symptom: zip() stopped at the shorter, and a model of 3 layers given a profile of 2
+    # ran its third at real speed, without a word; a name that differed was a bare ValueError.
+    (3, r"the profile does not fit the model: the model's layer 2 \('2'\) has no profile \(the "
+        r"model has 3 layers, the profile 2\)"),
+    (1, r"the profile does not fit the model: the profile's layer 1 \('1'\) is not in the model "
+        r"\(the model has 1 layer, the profile 2\)"),
+    ("renamed", r"the profile does not fit the model: layer 1 is 'out' in the model, '1' in the "
+                r"profile \(the model has 2 layers, the profile 2\)"),
+])
+def test_a_profile_of_another_model_is_refused_before_any_layer_is_timed(layers, message):
+    x = torch.zeros(4, 8)
+    profiled = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    model = (torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(layers)])
+             if isinstance(layers, int) else torch.nn.Sequential())
+    if layers == "renamed":
+        model.add_module("0", torch.nn.Linear(8, 8))
+        model.add_module("out", torch.nn.Linear(8, 8))
+    with pytest.raises(ConfigError, match=message + r"\. HINT: profile the model you emulate: "
+                                          r"emulate\(model, device_type, "
+                                          r"profile_model\(model, sample\)\)$"):
+        emulate(model, BUILTIN_TYPES["slow"], profile_model(profiled, x))
+    assert clock_of(model) is None
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())

@@ -10,6 +10,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from ..errors import ConfigError
 from .devices import DeviceType
 from .profile import ModelProfile, layers_of
 
@@ -97,10 +98,10 @@ def emulate(model: nn.Module, device_type: DeviceType, profile: ModelProfile) ->
     :func:`clock_of`). An optimizer step does not wait for the device (a GPU
     queues it behind the backward).
     """
+    layers = layers_of(model)
+    _check_fits([name for name, _ in layers], [p.name for p in profile.layers])
     clock = DeviceClock(device_type)
-    for (name, layer), prof in zip(layers_of(model), profile.layers):
-        if name != prof.name:
-            raise ValueError(f"profile layer {prof.name!r} does not match model layer {name!r}")
+    for (_, layer), prof in zip(layers, profile.layers):
 
         def pre(_m: nn.Module, args: Any, fwd: float = prof.fwd_flops) -> None:
             clock.compute(fwd * _batch(args))
@@ -116,6 +117,25 @@ def emulate(model: nn.Module, device_type: DeviceType, profile: ModelProfile) ->
     setattr(model, _ATTR, clock)
     log.info("emulating %s on %d layers", device_type.describe(), len(profile.layers))
     return clock
+
+
+def _check_fits(names: list[str], profiled: list[str]) -> None:
+    """Refuse a profile whose layers are not the model's, in order (zip stopped at the
+    shorter: the rest of the model ran at real speed), naming the first difference."""
+    if names == profiled:
+        return
+    i = next((i for i, (a, b) in enumerate(zip(names, profiled)) if a != b),
+             min(len(names), len(profiled)))
+    if i < min(len(names), len(profiled)):
+        first = f"layer {i} is {names[i]!r} in the model, {profiled[i]!r} in the profile"
+    elif i < len(names):
+        first = f"the model's layer {i} ({names[i]!r}) has no profile"
+    else:
+        first = f"the profile's layer {i} ({profiled[i]!r}) is not in the model"
+    raise ConfigError(f"the profile does not fit the model: {first} (the model has "
+                      f"{len(names)} layer{'' if len(names) == 1 else 's'}, the profile "
+                      f"{len(profiled)})", "profile the model you emulate: emulate(model, "
+                      "device_type, profile_model(model, sample))")
 
 
 def clock_of(model: nn.Module) -> DeviceClock | None:
