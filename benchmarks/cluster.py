@@ -13,6 +13,9 @@ the command that made them, are in docs/cluster.md.
 
     sudo ./dev bench cluster                 # the default: about 25 minutes here
     sudo ./dev bench cluster --quick         # a smoke run: a small MLP, 3 steps, one round
+                                             # at 1gbit and one on loopback (in place of
+                                             # --bandwidths, --rounds, --steps), to
+                                             # cluster_quick.json
     ./dev bench cluster --analyse            # the tables again from cluster.json, its constants
     ./dev bench cluster --analyse --fit      # ... and the constants the data suggest
     ./dev bench cluster --analyse --fit --fit-with small.json   # ... from two model sizes
