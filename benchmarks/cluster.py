@@ -316,7 +316,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="a small MLP, 3 steps, one round at 1gbit")
+    p.add_argument("--quick", action="store_true",
+                   help="a smoke run: a small MLP, 3 steps, one round at 1gbit and one on "
+                        "loopback (in place of --bandwidths, --rounds, --steps)")
     p.add_argument("--rounds", type=int, default=2, help="alternating rounds (default 2)")
     p.add_argument("--loopback-rounds", type=int, default=1,
                    help="rounds without shaping (default 1)")
