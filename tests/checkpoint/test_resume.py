@@ -13,6 +13,7 @@ import torch
 from polytrain import TrainConfig
 from polytrain.checkpoint import verify
 from polytrain.train import run_config as run_job
+from polytrain.train.loop import train
 from tests.harness import COMM_TIMEOUT_S, max_abs_diff
 
 TINY = {"seq_len": 16, "d_model": 32, "layers": 2}
@@ -432,6 +433,13 @@ def test_a_longer_run_resumed_from_the_last_step_drops_the_evaluation_made_for_i
     every5, _ = run(longer.replace(eval_every=5), tmp_path / "d",
                     resume=str(tmp_path / "a" / "checkpoints" / "step-5"))
     assert [e["step"] for e in every5["eval"]] == [2, 4, 5, 8]
+    # A restart from the run's last checkpoint (--max-restarts, after a process died past
+    # it) trains no step and keeps that evaluation: the run does end there (it was dropped).
+    restarted = train(config.replace(out=str(tmp_path / "e"), quiet=True,
+                                     resume=str(tmp_path / "a" / "checkpoints" / "step-5")))
+    assert restarted is not None
+    assert [e["step"] for e in restarted["eval"]] == [2, 4, 5]
+    assert restarted["eval"] == first["eval"]
 
 
 @pytest.mark.timeout(120)

@@ -117,8 +117,10 @@ def train(config: TrainConfig) -> dict[str, Any] | None:
         # Their held-out evaluations and save errors too (older checkpoints: none kept).
         evals = list(resumed.extra.get("evals", []))
         every = config.eval_every
-        if every is not None and resumed.extra.get("end_eval") == start and start % every:
-            # Made only because that run ended here: a longer run's schedule has none here.
+        if (every is not None and resumed.extra.get("end_eval") == start and start % every
+                and start < config.steps):
+            # Made only because that run ended here: a longer run's schedule has none here
+            # (a restart at the run's end trains no step, and keeps it: the run ends here).
             evals = [e for e in evals if e["step"] != start]
         save_errors = list(resumed.extra.get("save_errors", []))
         if lead:
