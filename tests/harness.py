@@ -106,6 +106,14 @@ class Sleepy(torch.nn.Module):
         return torch.nn.functional.dropout(out, self.p, self.training) if self.p else out
 
 
+def as_from_a_terminal() -> None:
+    """``preexec_fn`` of a launcher a test starts and signals: SIGINT and SIGHUP at their
+    defaults, as from a terminal. The launcher keeps a signal it was started with ignored,
+    and pytest run as a shell's background job has SIGINT ignored."""
+    for sig in (signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 def torchrun(script: Path, roles: str, *argv: str,
              processes: int | None = None) -> subprocess.CompletedProcess[str]:
     """``torchrun --standalone`` of ``script`` on one machine "box", a process per role (or

@@ -17,7 +17,7 @@ from polytrain.launch import child, free_port, launcher
 from polytrain.launch.launcher import _OWNER, SHM_ROOT, mark_owner, run_shm, sweep_stale
 from polytrain.launch.layout import Layout
 from polytrain.launch.network import start_time
-from tests.harness import spawn, torchrun
+from tests.harness import as_from_a_terminal, spawn, torchrun
 from tests.launch import scripts
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -548,15 +548,22 @@ def test_ctrl_c_stops_every_child(tmp_path, inherited):
             f"polytrain.launch(scripts.write_pid_and_hang, workers=2, "
             f"args=({str(tmp_path)!r},))")
     launcher = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT,
-                                stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60  # a loaded machine starts processes slowly
-    while len(list(tmp_path.glob("pid-*"))) < 2:
-        assert time.monotonic() < deadline, "children did not start"
-        time.sleep(0.1)
-    pids = [int(p.read_text()) for p in tmp_path.glob("pid-*")]
-    sent = {"sigterm": signal.SIGTERM, "sighup": signal.SIGHUP}.get(inherited, signal.SIGINT)
-    launcher.send_signal(sent)
-    _, err = launcher.communicate(timeout=60)
+                                stderr=subprocess.PIPE, text=True,
+                                preexec_fn=as_from_a_terminal)
+    try:
+        deadline = time.monotonic() + 60  # a loaded machine starts processes slowly
+        while len(list(tmp_path.glob("pid-*"))) < 2:
+            assert time.monotonic() < deadline, "children did not start"
+            time.sleep(0.1)
+        pids = [int(p.read_text()) for p in tmp_path.glob("pid-*")]
+        sent = {"sigterm": signal.SIGTERM, "sighup": signal.SIGHUP}.get(inherited,
+                                                                        signal.SIGINT)
+        launcher.send_signal(sent)
+        _, err = launcher.communicate(timeout=60)
+    finally:  # its children die with it (PR_SET_PDEATHSIG)
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.communicate()
     how = "Ctrl-C" if sent == signal.SIGINT else sent.name
     assert f"interrupted ({how}): stopped all 2 processes" in err
     assert not any(_alive(p) for p in pids)

@@ -22,7 +22,13 @@ from polytrain import ConfigError, LaunchError, TrainConfig
 from polytrain.cli import main
 from polytrain.launch import network
 from polytrain.launch.network import LinkShape, Network, link_shape, parse_rate, parse_time
-from tests.harness import COMM_TIMEOUT_S, max_abs_diff, run_config, single_of
+from tests.harness import (
+    COMM_TIMEOUT_S,
+    as_from_a_terminal,
+    max_abs_diff,
+    run_config,
+    single_of,
+)
 from tests.launch import scripts
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -467,7 +473,8 @@ def _start_launcher(tmp_path: Path, workers: int) -> tuple[subprocess.Popen, lis
             f"polytrain.launch(scripts.write_pid_and_hang, workers={workers}, nodes={workers}, "
             f"bandwidth='1gbit', args=({str(tmp_path)!r},))")
     launcher = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stderr=subprocess.PIPE,
-                                text=True, env=dict(os.environ, **_ENV,
+                                text=True, preexec_fn=as_from_a_terminal,
+                                env=dict(os.environ, **_ENV,
                                                     PYTHONPATH=os.pathsep.join(sys.path)))
     deadline = time.monotonic() + 60  # a loaded machine starts processes slowly
     while len(list(tmp_path.glob("pid-*"))) < workers:
@@ -482,7 +489,12 @@ def _start_launcher(tmp_path: Path, workers: int) -> tuple[subprocess.Popen, lis
 def test_ctrl_c_removes_the_network(tmp_path, clean_host):
     launcher, _ = _start_launcher(tmp_path, 2)
     launcher.send_signal(signal.SIGINT)
-    _, err = launcher.communicate(timeout=60)
+    try:
+        _, err = launcher.communicate(timeout=60)
+    finally:  # its children die with it (PR_SET_PDEATHSIG)
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.communicate()
     assert "interrupted (Ctrl-C): stopped all 2 processes" in err
 
 
