@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+import numpy
 import torch
 
 from ._env import check_seconds, timeout_of
@@ -261,6 +262,9 @@ class TrainConfig:
             value, kinds = getattr(self, f.name), _kinds()[f.name]
             if f.name in _PATHS and isinstance(value, os.PathLike):
                 value = os.fspath(value)
+                object.__setattr__(self, f.name, value)
+            if bool in kinds and isinstance(value, numpy.bool_):  # a numpy comparison's
+                value = bool(value)
                 object.__setattr__(self, f.name, value)
             if value is None and type(None) in kinds:
                 continue

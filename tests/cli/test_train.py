@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy
 import pytest
 import torch
 
@@ -164,6 +165,10 @@ def test_a_config_takes_paths_as_str_and_an_int_for_a_float(tmp_path):
     # and the run failed after training, writing metrics.json (json cannot write a Path).
     config = TrainConfig(strategy="single", out=tmp_path / "out", lr=1, timeout_s=30)
     assert config.out == str(tmp_path / "out") and (config.lr, config.timeout_s) == (1, 30)
+    # numpy's numbers as Python's (a numpy bool was refused as "a bool"), its bool kept as one.
+    config = TrainConfig(strategy="single", quiet=numpy.True_, steps=numpy.int64(3),
+                         lr=numpy.float32(0.5))
+    assert config.quiet is True and (config.steps, config.lr) == (3, 0.5)
 
 
 def test_a_job_whose_weights_cannot_fit_in_memory_is_refused(monkeypatch, capsys):
