@@ -74,7 +74,7 @@ from pathlib import Path
 from typing import Any, Mapping, Protocol
 
 from .. import _env
-from .host import proc_stat
+from .host import own_status, proc_stat
 
 __all__ = ["Process", "ForkedProcess", "ForkServer", "server_for"]
 
@@ -335,14 +335,7 @@ _LIMITS = [getattr(resource, n) for n in (
 def _umask() -> int | None:
     """This process's umask, read without setting it (``os.umask`` would change it for a
     moment, for every thread); None where Linux does not say (before 4.7)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+    return own_status("Umask", 8)
 
 
 def _open(fd: int) -> bool:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["available_memory_bytes", "oom_kills", "proc_stat"]
+__all__ = ["available_memory_bytes", "oom_kills", "own_status", "proc_stat"]
 
 _UNLIMITED = 1 << 60  # cgroup v1 writes "no limit" as a number near 2**63
 
@@ -25,16 +25,22 @@ def _read(path: Path) -> str | None:
         return None
 
 
-def _field(text: str | None, name: str) -> int | None:
+def _field(text: str | None, name: str, base: int = 10) -> int | None:
     """The number after ``name`` in ``key value`` or ``key: value kB`` lines."""
     for line in (text or "").splitlines():
         key, _, value = line.partition(":") if ":" in line else line.partition(" ")
         if key.strip() == name:
             try:
-                return int(value.split()[0])
+                return int(value.split()[0], base)
             except (ValueError, IndexError):
                 return None
     return None
+
+
+def own_status(name: str, base: int = 10) -> int | None:
+    """A number of this process's ``/proc/self/status`` (``Umask``: base 8, ``CapEff``:
+    16); None where Linux does not say."""
+    return _field(_read(Path("/proc/self/status")), name, base)
 
 
 def _cgroups() -> list[tuple[int, Path]]:

@@ -44,7 +44,7 @@ from typing import Any, Mapping, Sequence
 
 from .. import _env
 from ..errors import ConfigError, LaunchError, PeerLost
-from .host import proc_stat
+from .host import own_status, proc_stat
 
 __all__ = ["LinkShape", "Network", "NicSampler", "link_shape", "parse_rate", "parse_time",
            "check_tools", "netem_check", "nic_bytes", "start_time", "sweep_stale", "STATE_DIR",
@@ -218,14 +218,7 @@ _CAPABILITIES = {"CAP_SYS_ADMIN": (21, "to mount the namespaces"),
 def _capabilities() -> int | None:
     """This process's effective capabilities, a bit mask (``CapEff`` in /proc/self/status);
     None where Linux does not say."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("CapEff:"):
-                    return int(line.split()[1], 16)
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+    return own_status("CapEff", 16)
 
 
 def missing_tools() -> list[str]:
