@@ -184,7 +184,8 @@ class GradientSync:
         """Leave ``.grad`` None where no worker had a gradient (an MoE expert no token
         chose, a branch no worker took: one process gives it none, and Adam would step on
         zeros). Off by default; on, a flag per parameter is summed each step, on a key of
-        its own beside the gradients' (4 bytes a parameter each way, measured as theirs).
+        its own beside the gradients' (4 bytes a parameter each way, measured as theirs),
+        sent as the last gradient comes in, ahead of buckets waiting for credit.
         Every worker sets it alike, at the same point: turning it on declares that key."""
         return self._keep_missing
 
@@ -217,6 +218,7 @@ class GradientSync:
     def _reset(self) -> None:
         self._passes = [0] * len(self.params)
         self._ready = [False] * len(self.params)
+        self._unready = len(self.params)
         self._missing = [len(b.members) for b in self.buckets]
         self._first_submit: float | None = None
         self._queued = False
@@ -266,6 +268,7 @@ class GradientSync:
         if self.transform is not None:
             grad = self.transform(i, grad)
         self._ready[i] = True
+        self._unready -= 1
         b = self._bucket_of[i]
         bucket, buf = self.buckets[b], self._buffers[b]
         if buf is not None:
@@ -279,6 +282,12 @@ class GradientSync:
             if self._predivided[b]:  # a 16-bit sum of W gradients can overflow: as torch's DDP
                 flat = flat.div_(self._workers) if buf is not None else flat.div(self._workers)
             self.engine.submit(self._sums()[b], flat)
+        if not self._unready and self.keep_missing and self._flags is not None:
+            # Every gradient is in: the flags leave now, ahead of the buckets still waiting
+            # for credit (priority), so that their round trip rides with those buckets'.
+            self.engine.submit(self._flags, torch.tensor(
+                [h is not None for h in self._handed], dtype=torch.float32,
+                device=self.params[0].device), priority=1)
 
     @torch.no_grad()
     def synchronize(self) -> None:
@@ -296,11 +305,7 @@ class GradientSync:
                 self._collect(i)
         self._check_unchanged()
         assert self._first_submit is not None or not self.buckets
-        flags = self._flags if self.keep_missing else None
-        if flags is not None:  # with the last buckets' sums, summed while they are waited for
-            self.engine.submit(flags, torch.tensor([h is not None for h in self._handed],
-                                                   dtype=torch.float32,
-                                                   device=self.params[0].device))
+        flags = self._flags if self.keep_missing else None  # submitted by the last _collect
         for bucket, t, divided in zip(self.buckets, self._sums(), self._predivided):
             total = self.engine.wait(t)
             for m, off in zip(bucket.members, bucket.offsets):
@@ -330,8 +335,8 @@ class GradientSync:
             how = None if handed is None else gradient_change(self.params[i], handed)
             if how is None:
                 continue
-            for t in self._sums():  # leave the engine idle: every sum is waited for
-                if t.busy:
+            for t in [*self._sums(), *([self._flags] if self._flags is not None else [])]:
+                if t.busy:  # leave the engine idle: every sum is waited for
                     self.engine.wait(t)
             self._reset()
             raise ConfigError(
