@@ -609,3 +609,175 @@ def test_a_refused_resume_names_the_stage_each_side_held():
         "the checkpoint's stage of worker rank 0 held h1.ln1.weight .. head.out.weight "
         "(2 tensors), this run's stage 0 of virtual worker 0 holds embed.tok.weight .. "
         "h1.mlp.proj.bias (2 tensors): the stages differ")
+
+
+def test_a_resume_that_renumbers_the_virtual_workers_is_refused():
+    # Symptom: a resume on --devices that kept every cut but swapped two machines' types (the
+    # virtual workers renumbered) ended 0.0102 from the uninterrupted run. Cause: only the
+    # stages of virtual worker 0 save the servers' state, and only those of virtual worker 0
+    # load it, each from its own saved lane: the new virtual worker 0 had saved none, and the
+    # servers' Adam state started afresh.
+    from types import SimpleNamespace
+
+    from polytrain.strategies.hetpipe import _Role, _stage_moved
+    model = torch.nn.Linear(2, 2)
+    names = ["h1.ln1.weight", "head.out.weight"]
+    saved = {"names": names, "optimizer": {}, "vw": 1, "index": 1}
+    now = _Role(0, 1, model, stage=SimpleNamespace(names=names))
+    assert _stage_moved(saved, now, names, rank=3, servers=True) == (
+        "the checkpoint's stage 1 of virtual worker 1 (worker rank 3) is this run's stage 1 "
+        "of virtual worker 0: the servers' optimizer state is saved and loaded by virtual "
+        "worker 0's stages, and would start afresh")
+    # The stages' own optimizers (--no-server-optimizer) stay with their workers.
+    assert _stage_moved(saved, now, names, rank=3, servers=False) is None
+    assert _stage_moved({**saved, "vw": 0}, now, names, rank=3, servers=True) is None
+
+
+def test_a_tensor_of_the_model_outside_its_layers_is_refused_before_any_process_starts():
+    # Symptom: a buffer registered on the model itself (not on one of its children) trained
+    # the whole run, then state_dict() failed with KeyError 'step_count' and final.pt was
+    # lost. Cause: the stages take the model's children (its layers) only, and the gathered
+    # weights were looked up by the model's own keys.
+    from torch import nn
+
+    from polytrain.launch.layout import Layout
+    from polytrain.strategies.base import get_strategy, make_options
+
+    class Scaled(nn.Sequential):
+        def __init__(self) -> None:
+            super().__init__(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+            self.register_buffer("step_count", torch.zeros(()))
+            self.scale = nn.Parameter(torch.ones(()))
+
+    cls = get_strategy("hetpipe")
+    layout, options = Layout(workers=4, nodes=2, servers=1), make_options(cls, {})
+    with pytest.raises(ConfigError, match=r"^'scale' is a parameter of the model itself, not of "
+                                          r"one of its layers \(children\), and strategy "
+                                          r"'hetpipe' cuts the model into stages of its "
+                                          r"layers: no stage would hold it\. HINT: move it "
+                                          r"into a layer \(a child module\)$"):
+        cls.check_model(Scaled(), layout, options)
+    model = Scaled()
+    del model.scale
+    with pytest.raises(ConfigError, match=r"^'step_count' is a buffer of the model itself"):
+        cls.check_model(model, layout, options)
+    # A model without children is one layer: it holds every tensor.
+    cls.check_model(nn.Linear(4, 2), layout, options)
+
+
+@pytest.mark.parametrize("kind", ["Adafactor", "Muon"])
+def test_an_optimizer_not_element_by_element_is_refused_on_the_servers(kind):
+    # Symptom: torch.optim.Adafactor ran on the servers and ended 0.036 from single. Cause:
+    # the servers step each key, a layer's tensors fused into one flat run (cut at partition
+    # bounds), so an optimizer over a tensor's rows and columns saw another shape.
+    from polytrain.strategies.hetpipe import HetPipe, HetPipeOptions
+    model = torch.nn.Linear(4, 4)
+    optimizer = getattr(torch.optim, kind)([model.weight], lr=0.01)
+    with pytest.raises(ConfigError, match=rf"^the servers step each key as one flat run of "
+                                          rf"elements \(a layer's tensors fused\), so they "
+                                          rf"run only element-by-element optimizers \(SGD, "
+                                          rf"Adam, .*\), not torch\.optim\.{kind}\. HINT: use "
+                                          rf"one of them, or keep the optimizer on the "
+                                          rf"workers; or keep the optimizer on the stages: "
+                                          rf"--no-server-optimizer"):
+        HetPipe.check_optimizer(optimizer, HetPipeOptions())
+    HetPipe.check_optimizer(optimizer, HetPipeOptions(server_optimizer=False))
+    for fine in (torch.optim.SGD([model.weight], lr=0.1, momentum=0.9, nesterov=True),
+                 torch.optim.Adam([model.weight], amsgrad=True), torch.optim.Rprop([model.weight])):
+        HetPipe.check_optimizer(fine, HetPipeOptions())
+
+
+def test_policy_bd_names_the_half_of_a_devices_memory_a_stage_gets():
+    # Symptom: "device type tiny with 1.5 MiB" for devices of 3 MiB. Cause: policy bd plans
+    # each stage in half of its device's memory, and the refusal printed the half.
+    with pytest.raises(ConfigError, match=r"of device type tiny with half of its 3 MiB \(policy "
+                                          r"bd runs two stages per device\)\. HINT"):
+        TrainConfig(strategy="hetpipe", servers=1, devices="tiny=4/3,m0:tiny*2,m1:tiny*2",
+                    strategy_options={"policy": "bd"})
+
+
+class WithSpare(torch.nn.Module):
+    """A linear layer with a trained parameter its forward never uses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 2)
+        self.spare = torch.nn.Parameter(torch.ones(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+
+def train_spare(steps: int, distributed: bool) -> dict:
+    """SGD with momentum and weight decay on a model with a parameter no step reaches, with
+    each virtual worker's own optimizer (policy ed, D = 0, N_m = 1); then, distributed, one
+    step with the servers' optimizer. Returns the weights and the warnings logged."""
+    import logging
+
+    def make() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), WithSpare())
+        return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9,
+                                      weight_decay=0.1)
+
+    mse = torch.nn.functional.mse_loss
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 4, generator=gen), torch.randn(8, 2, generator=gen))
+               for _ in range(steps)]
+    model, opt = make()
+    if not distributed:
+        for x, y in batches:
+            opt.zero_grad()
+            mse(model(x), y).backward()
+            opt.step()
+        return {"state": model.state_dict()}
+    polytrain.init()
+    warnings: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("polytrain").addHandler(handler)
+    out = {}
+    for server_optimizer in (False, True):
+        trainer = polytrain.distribute(model, opt, strategy="hetpipe", loss_fn=mse, policy="ed",
+                                       inflight=1, staleness=0,
+                                       server_optimizer=server_optimizer)
+        for x, y in batches if not server_optimizer else batches[:2]:
+            trainer.step(x, y)
+        out[server_optimizer] = hetpipe_final(trainer)
+        out[f"warnings {server_optimizer}"] = list(warnings)
+        model, opt = make()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_a_parameter_no_step_reaches_is_left_alone_by_the_stages_optimizer():
+    # Symptom: a trained parameter that the forward never uses ended at 0.9752 where one
+    # process keeps it at 1. Cause: the stage turned its missing gradient into zeros, which
+    # the optimizer stepped (weight decay, momentum). With each virtual worker's own
+    # optimizer it now gets None and is skipped, as in one process; the servers' optimizer
+    # steps a layer's tensors as one flat key, so there the worker warns once.
+    single = train_spare(4, False)["state"]
+    results = spawn(train_spare, workers=4, nodes=2, servers=1, args=(4, True))
+    own = results[0][False]
+    assert max_abs_diff(single, own) < 1e-6
+    assert torch.equal(own["2.spare"], torch.ones(3))
+    assert not torch.equal(own["2.lin.weight"], make_spare_untrained()["2.lin.weight"])
+    assert all(r["warnings False"] == [] for r in results)
+    # Workers 2 and 3 (machine node1) hold the last stage (the spare) of the two virtual
+    # workers: each warns once, naming it.
+    said = [r["warnings True"] for r in results]
+    assert said[0] == said[1] == []
+    for rank in (2, 3):
+        [line] = said[rank]
+        assert line == (f"virtual worker {rank - 2} stage 1 (rank {rank}, machine node1): "
+                        f"trained parameter '2.spare' got no "
+                        f"gradient in a step: the servers' optimizer steps it on a zero "
+                        f"gradient (weight decay and momentum move it; one process would "
+                        f"not). HINT: to leave it alone, keep the optimizer on the stages: "
+                        f"--no-server-optimizer (Python: server_optimizer=False)")
+    assert not torch.equal(results[0][True]["2.spare"], torch.ones(3))
+
+
+def make_spare_untrained() -> dict:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), WithSpare()).state_dict()

@@ -214,7 +214,9 @@ def plan_hetpipe(cluster: Cluster, profile: ModelProfile, *, policy: str, global
     error: ConfigError | None = None
     for nm in candidates:
         try:
-            plans = tuple(_plan_vw(cluster, vw, profile, minibatch, state_factor, nm, search)
+            plans = tuple(_plan_vw(cluster, vw, profile, minibatch, state_factor, nm, search,
+                                   "policy bd runs two stages per device"
+                                   if policy == "bd" else None)
                           for vw in vws)
         except ConfigError as e:
             error = error or e
@@ -230,10 +232,11 @@ def plan_hetpipe(cluster: Cluster, profile: ModelProfile, *, policy: str, global
 
 
 def _plan_vw(cluster: Cluster, vw: VirtualWorker, profile: ModelProfile, minibatch: int,
-             state_factor: int, inflight: int, search: object) -> PipelinePlan:
+             state_factor: int, inflight: int, search: object,
+             halved: str | None) -> PipelinePlan:
     devs: Sequence[Device] = vw.devices
     links = [cluster.bandwidth(a, b) for a, b in zip(devs, devs[1:])]
     return plan_pipeline(profile, [d.type for d in devs], links, minibatch=minibatch,
                          state_factor=state_factor, inflight=inflight,
-                         search=search,  # type: ignore[arg-type]
+                         search=search, halved=halved,  # type: ignore[arg-type]
                          who=f"virtual worker {vw.index} ({', '.join(d.describe() for d in devs)})")

@@ -99,6 +99,8 @@ class AsyncPipeline:
             1: the paper).
         lag_beta2: Adam's second-moment decay on a stage whose gradients arrive late
             (default None: the optimizer's own).
+        unused_hint: what to do about a trained parameter that gets no gradient in a step,
+            which the servers' optimizer steps on zeros (the warning's hint).
         inflight: N_m.
         update_scale: factor of each update (default 1).
         wsp: the parameter servers' side of WSP (None: a lone virtual worker).
@@ -110,8 +112,11 @@ class AsyncPipeline:
                  update_scale: float = 1.0, wsp: WaveSync | None = None,
                  predict: bool = False, source: torch.optim.Optimizer | None = None,
                  sources: Sequence[int] = (), lag_lr: float = 1.0,
-                 lag_beta2: float | None = None) -> None:
+                 lag_beta2: float | None = None,
+                 unused_hint: str = "keep the optimizer on the stages") -> None:
         self.stage = stage
+        self.unused_hint = unused_hint
+        self.warned_unused = False
         self.optimizer = optimizer
         self.source = source
         self.sources = list(sources)
@@ -245,7 +250,9 @@ class AsyncPipeline:
         return self._snapshot[1]
 
     def _backward(self, mb: int, *, background: bool = False) -> None:
-        grads = self.stage.backward(mb)
+        grads = self.stage.backward(mb, unused_zero=False)
+        if self.wsp is not None and self.wsp.optimizer is not None:
+            grads = self._zero_unused(grads)
         settings = self.settings.pop(mb, None)
         self.done += 1
         if background:  # the update runs while the device does other work (policy bd)
@@ -265,6 +272,26 @@ class AsyncPipeline:
                 self.stage.clock.wait()  # the wave's gradients leave the device when it is done
             self._end_wave()
             self.wsp.pull(ahead=1 if self.overlap else 0)
+
+    def _zero_unused(self, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """Zeros for the trained parameters the minibatch did not reach: the servers' optimizer
+        steps a layer's tensors as one flat key and cannot skip part of it (the stage's own
+        optimizer skips them, as one process would). Warns the first time."""
+        unused = [i for i, (p, g) in enumerate(zip(self.params, grads))
+                  if g is None and p.requires_grad]
+        if not unused:
+            return grads
+        if not self.warned_unused:
+            self.warned_unused = True
+            names = ", ".join(repr(self.stage.names[i]) for i in unused[:4]) + (
+                f" and {len(unused) - 4} more" if len(unused) > 4 else "")
+            log.warning("%s: trained parameter%s %s got no gradient in a step: the servers' "
+                        "optimizer steps %s on a zero gradient (weight decay and momentum "
+                        "move %s; one process would not). HINT: to leave %s alone, %s",
+                        self.stage.spec.label, "s" if len(unused) > 1 else "", names,
+                        *(["them"] * 3 if len(unused) > 1 else ["it"] * 3), self.unused_hint)
+        return [torch.zeros_like(p) if g is None and p.requires_grad else g
+                for p, g in zip(self.params, grads)]
 
     def _join(self) -> None:
         """Wait for an update running in the background; raise its error if it failed."""

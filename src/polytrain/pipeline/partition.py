@@ -176,7 +176,8 @@ def plan_pipeline(profile: ModelProfile, devices: Sequence[DeviceType], links: S
                   *, minibatch: int, state_factor: int, inflight: int | None = None,
                   max_inflight: int | None = None,
                   search: Callable[[int, int, Cost], tuple[float, tuple[int, ...]] | None]
-                  = minmax_cut, who: str = "the virtual worker") -> PipelinePlan:
+                  = minmax_cut, who: str = "the virtual worker",
+                  halved: str | None = None) -> PipelinePlan:
     """The best contiguous cut of ``profile``'s layers over ``devices``, and ``N_m``.
 
     Args:
@@ -185,6 +186,8 @@ def plan_pipeline(profile: ModelProfile, devices: Sequence[DeviceType], links: S
         minibatch: samples per minibatch. state_factor: optimizer state per weight.
         inflight: N_m, or None to choose it (1 .. ``max_inflight``, default the stage count).
         search: the exact cut search (the brute-force twin in tests).
+        halved: why each of ``devices`` is given with half of its memory (policy bd's
+            "runs two stages per device"): the refusal names the whole and says why.
 
     Raises:
         ConfigError: no cut fits memory (the message names the tightest stage), or
@@ -215,7 +218,7 @@ def plan_pipeline(profile: ModelProfile, devices: Sequence[DeviceType], links: S
         if best is None or plan.period < best.period:
             best = plan
     if best is None:
-        raise _refusal(costs, n, k, candidates[0], search, who)
+        raise _refusal(costs, n, k, candidates[0], search, who, halved)
     return best
 
 
@@ -227,7 +230,7 @@ def plan_pipeline_brute(profile: ModelProfile, devices: Sequence[DeviceType],
 
 def _refusal(costs: StageCosts, n: int, k: int, inflight: int,
              search: Callable[[int, int, Cost], tuple[float, tuple[int, ...]] | None],
-             who: str) -> ConfigError:
+             who: str, halved: str | None) -> ConfigError:
     """Why nothing fits: the cut that needs the least memory relative to the devices."""
     def ratio(j: int, a: int, e: int) -> float:
         return costs.memory(j, a, e, inflight) / costs.devices[j].memory_bytes
@@ -239,10 +242,12 @@ def _refusal(costs: StageCosts, n: int, k: int, inflight: int,
     names = costs.profile.names[bounds[j]:bounds[j + 1]]
     dev = costs.devices[j]
     need = costs.memory(j, bounds[j], bounds[j + 1], inflight)
+    memory = (f"{dev.memory_mb:g} MiB" if halved is None
+              else f"half of its {2 * dev.memory_mb:g} MiB ({halved})")
     return ConfigError(
         f"the model does not fit {who}'s memory: with N_m = {inflight} in flight and minibatch "
         f"{costs.minibatch}, the cut that needs the least memory still needs "
         f"{need / _MIB:.1f} MiB on stage {j} (layers {', '.join(names)}) of device type "
-        f"{dev.name} with {dev.memory_mb:g} MiB",
+        f"{dev.name} with {memory}",
         "use devices with more memory, more devices per virtual worker, a smaller "
         "--batch-size, or SGD instead of Adam")

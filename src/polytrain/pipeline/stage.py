@@ -178,10 +178,13 @@ class Stage:
                    f"the activations of minibatch {mb}", spec.link_next)
         return None
 
-    def backward(self, mb: int, *, scale: float = 1.0) -> list[torch.Tensor | None]:
+    def backward(self, mb: int, *, scale: float = 1.0,
+                 unused_zero: bool = True) -> list[torch.Tensor | None]:
         """Run minibatch ``mb`` backward; returns the gradients of its weights (None: frozen).
 
         ``scale`` multiplies the loss on the last stage (1 / micro-batches for a flush).
+        A trained weight the minibatch did not reach gets zeros, or with ``unused_zero``
+        False None, as autograd leaves it: an optimizer then skips it, as in one process.
         """
         self._check_sends()
         spec = self.spec
@@ -217,7 +220,7 @@ class Stage:
                 out.append(None)
                 continue
             g = next(it)
-            out.append(torch.zeros_like(w) if g is None else g)
+            out.append(torch.zeros_like(w) if g is None and unused_zero else g)
         return out
 
     @property

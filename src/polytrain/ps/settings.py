@@ -13,8 +13,17 @@ import torch
 
 from ..errors import ConfigError
 
-__all__ = ["optimizer_spec", "round_settings", "pack_round", "round_pieces",
+__all__ = ["ELEMENTWISE", "optimizer_spec", "round_settings", "pack_round", "round_pieces",
            "is_numeric_setting", "setting_values", "plain_setting"]
+
+#: ``torch.optim``'s optimizers whose step on a tensor is the same step on each of its
+#: elements (checked against torch 2.13: a tensor stepped whole and cut in two pieces end
+#: equal): a server steps a key, a flat run of elements that may join several tensors or
+#: hold part of one, as the workers' optimizer would step the tensors. Not Adafactor (its
+#: second moment is factored over a matrix's rows and columns), Muon (it orthogonalises a
+#: matrix), LBFGS (a closure over the whole model) or SparseAdam (sparse gradients).
+ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "RMSprop",
+               "Adadelta", "ASGD", "Rprop")
 
 
 def optimizer_spec(optimizer: torch.optim.Optimizer, group: int = 0, *,
@@ -26,13 +35,19 @@ def optimizer_spec(optimizer: torch.optim.Optimizer, group: int = 0, *,
     as they were for that round (``lr``, ``betas``, ``weight_decay``, ...; listed under
     ``"per_round"``, see :func:`pack_round`): the servers' optimizer follows a
     learning-rate schedule, or any change of them, round by round.
-    Raises ConfigError for an optimizer of another module.
+    Raises ConfigError for an optimizer of another module, or one not in
+    :data:`ELEMENTWISE`.
     """
     kind = type(optimizer)
     if getattr(torch.optim, kind.__name__, None) is not kind:
         raise ConfigError(f"the servers can run only torch.optim's optimizers, not "
                           f"{kind.__module__}.{kind.__qualname__}",
                           "use a torch.optim optimizer, or keep the optimizer on the workers")
+    if kind.__name__ not in ELEMENTWISE:
+        raise ConfigError(f"the servers step each key as one flat run of elements (a layer's "
+                          f"tensors fused), so they run only element-by-element optimizers "
+                          f"({', '.join(ELEMENTWISE)}), not torch.optim.{kind.__name__}",
+                          "use one of them, or keep the optimizer on the workers")
     settings = {k: plain_setting(v) for k, v in sorted(optimizer.param_groups[group].items())
                 if k in optimizer.defaults}  # not a scheduler's own keys (``initial_lr``)
     numeric = sorted(k for k, v in settings.items() if setting_values(v) is not None) \

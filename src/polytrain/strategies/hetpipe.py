@@ -180,6 +180,16 @@ class HetPipe(Strategy[HetPipeOptions]):
         # The stages per virtual worker depend on the machines' sizes, not their types.
         vws = allocate(homogeneous(layout.workers, layout.nodes), options.policy)
         check_untied(model, cls.name, max(len(vw.devices) for vw in vws))
+        _check_in_layers(model, cls.name)
+
+    @classmethod
+    def check_optimizer(cls, optimizer: torch.optim.Optimizer, options: HetPipeOptions) -> None:
+        """The servers' optimizer (the default) is built again on the servers from each
+        parameter group's spec: refuse one they cannot run before any process trains."""
+        if options.server_optimizer:
+            with _server_optimizer_hint(True):
+                for group in range(len(optimizer.param_groups)):
+                    optimizer_spec(optimizer, group)
 
     @classmethod
     def check_machines(cls, layout: Layout, options: HetPipeOptions) -> None:
@@ -325,7 +335,8 @@ class HetPipe(Strategy[HetPipeOptions]):
                                       update_scale=1.0 / count, wsp=wsp,
                                       predict=self.options.predict, source=base,
                                       sources=sources, lag_lr=self.options.lag_lr,
-                                      lag_beta2=self.options.lag_beta2)
+                                      lag_beta2=self.options.lag_beta2,
+                                      unused_hint=_KEEP_ON_STAGES)
             saved = self.resume_optimizers[lane] if self.resume_optimizers else None
             if saved is not None:
                 optimizer.load_state_dict(saved["optimizer"])
@@ -334,14 +345,17 @@ class HetPipe(Strategy[HetPipeOptions]):
     def _check_saved_stages(self, stages: list[Stage]) -> None:
         """Refuse, on every worker and before any state reaches the servers, a resume whose
         stages are cut otherwise than the checkpoint's (other --devices, --batch-size or
-        --inflight can move a cut): a stage's saved state is its layers'."""
+        --inflight can move a cut): a stage's saved state is its layers'. With the servers'
+        optimizer, also one that numbers the virtual workers otherwise (other --devices can):
+        virtual worker 0's stages save the servers' state and load it."""
         ctx = self.ctx
         assert ctx is not None
         mine = None
         for lane, (role, stage) in enumerate(zip(self.roles, stages)):
             saved = self.resume_optimizers[lane] if self.resume_optimizers else None
-            mine = (_stage_moved(saved, role, stage.names, ctx.rank) if saved is not None
-                    else None)
+            mine = (_stage_moved(saved, role, stage.names, ctx.rank,
+                                 servers=self.resume_states is not None)
+                    if saved is not None else None)
             if mine is not None:
                 break
         said: list[str | None] = [None] * ctx.num_workers
@@ -476,16 +490,39 @@ class HetPipe(Strategy[HetPipeOptions]):
                 role.stage.close()
 
 
+def _check_in_layers(model: nn.Module, owner: str) -> None:
+    """Refuse a parameter or buffer of the model itself, outside its layers (children): the
+    stages hold the layers only, so it would train nowhere and the gathered weights lack it
+    (``state_dict`` failed on its key at the end of the run)."""
+    layers = [n for n, _ in layers_of(model)]
+    if layers == [""]:  # no children: the model is its one layer
+        return
+    params = dict(model.named_parameters())
+    for key in model.state_dict():
+        if layer_of(key, layers) == "":
+            kind = "parameter" if key in params else "buffer"
+            raise ConfigError(f"{key!r} is a {kind} of the model itself, not of one of its "
+                              f"layers (children), and strategy {owner!r} cuts the model into "
+                              f"stages of its layers: no stage would hold it",
+                              "move it into a layer (a child module)")
+
+
 def _stage_moved(saved: Mapping[str, Any], role: _Role, names: Sequence[str],
-                 rank: int) -> str | None:
+                 rank: int, *, servers: bool = False) -> str | None:
     """Why a checkpoint's stage (``saved``, of :meth:`HetPipe.checkpoint_state`) cannot resume
     as ``role``'s stage holding ``names`` on worker ``rank``; None when it holds the same.
     Each side is named by its own place (a checkpoint from before it kept its place: by
-    the worker alone)."""
-    if saved["names"] == list(names):
-        return None
+    the worker alone). With ``servers`` (the checkpoint holds the servers' optimizer state)
+    the stage must also keep its virtual worker: only virtual worker 0's stages save that
+    state and load it, each its own lane's."""
     was = (f"stage {saved['index']} of virtual worker {saved['vw']} (worker rank {rank})"
            if "vw" in saved and "index" in saved else f"stage of worker rank {rank}")
+    if saved["names"] == list(names):
+        if servers and "vw" in saved and saved["vw"] != role.vw:
+            return (f"the checkpoint's {was} is this run's stage {role.index} of virtual "
+                    f"worker {role.vw}: the servers' optimizer state is saved and loaded by "
+                    f"virtual worker 0's stages, and would start afresh")
+        return None
     return (f"the checkpoint's {was} held {_span(saved['names'])}, this run's stage "
             f"{role.index} of virtual worker {role.vw} holds {_span(list(names))}: the "
             f"stages differ")
@@ -504,9 +541,13 @@ def _server_optimizer_hint(on: bool) -> Iterator[None]:
     except ConfigError as e:
         if not on:
             raise
-        raise ConfigError(e.what, f"{e.hint or 'fix the optimizer'}; or keep the optimizer on "
-                                  f"the stages: --no-server-optimizer (Python: "
-                                  f"server_optimizer=False)") from None
+        raise ConfigError(e.what, f"{e.hint or 'fix the optimizer'}; or "
+                                  f"{_KEEP_ON_STAGES}") from None
+
+
+#: HetPipe's way out of what only the servers' optimizer does.
+_KEEP_ON_STAGES = ("keep the optimizer on the stages: --no-server-optimizer (Python: "
+                   "server_optimizer=False)")
 
 
 @dataclass
