@@ -616,3 +616,32 @@ def test_held_out_evaluations_and_checkpoints_leave_the_steps_traffic_alone(tmp_
     assert all(b <= p for b, p in steps), (busy["traffic"], plain["traffic"])  # was 5x at 2
     for b, p in zip(busy["traffic"]["machines"], plain["traffic"]["machines"]):
         assert b["sent_bytes_per_step"] <= p["sent_bytes_per_step"]
+
+
+def test_a_gradient_with_rows_no_lookup_fetched_is_refused_sparse_or_dense():
+    # F.embedding(ids, weight, sparse=True) read rows the step never fetched (stale) and
+    # pushed their gradient, silently (0.065 off single): only a dense gradient was checked.
+    from polytrain.strategies.parallax.rows import check_gradient
+    var = _Var(0, "tok.weight", nn.Parameter(torch.zeros(10, 2)), {"name": "sgd"})
+    var.fresh[:] = False
+    var.fresh[[1, 2]] = True
+    fetched = torch.sparse_coo_tensor(torch.tensor([[1, 2, 1]]), torch.ones(3, 2), (10, 2))
+    check_gradient(var, fetched)
+    dense = torch.zeros(10, 2)
+    dense[2] = 1.0
+    check_gradient(var, dense)
+    stale = torch.sparse_coo_tensor(torch.tensor([[1, 7, 3, 7]]), torch.ones(4, 2), (10, 2))
+    for grad in (stale, stale.to_dense()):
+        with pytest.raises(ConfigError, match=r"tok.weight is read outside its embedding "
+                                              r"lookups: its gradient has 2 rows no lookup of "
+                                              r"this step read \(e.g. \[3, 7\]\)"):
+            check_gradient(var, grad)
+
+
+def test_a_declared_lookup_past_the_table_is_refused_naming_the_row():
+    # sparse_reads that clamped the ids let the lookup of row 9 of 8 reach var.fresh[rows]:
+    # an IndexError from inside the forward hook.
+    var = _Var(0, "tok.weight", nn.Parameter(torch.zeros(8, 2)), {"name": "sgd"})
+    with pytest.raises(ConfigError, match=r"a lookup of tok.weight reads row 9, and it has "
+                                          r"rows 0\.\.7.*HINT: pass token ids below"):
+        check_declared(var, torch.tensor([1, 2, 9]))

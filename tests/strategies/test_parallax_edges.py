@@ -293,3 +293,97 @@ def test_the_store_steps_each_round_with_the_settings_it_carries():
     push(0, 0.5)
     with pytest.raises(CommError, match="disagree on the learning rate or the rule's settings"):
         push(1, 0.6)
+
+
+# -- lookups: padding, keywords, branches, gradients kept over steps ---------------------------
+
+class _Padded(nn.Module):
+    """A padded table looked up by keyword, and a table only some workers' samples read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(8, 4, padding_idx=0, sparse=True)
+        self.side = nn.Embedding(8, 4, sparse=True)  # (lazy Adam in single too)
+        self.out = nn.Linear(4, 3)
+
+    def sparse_reads(self, ids: torch.Tensor, use_side: bool) -> dict:
+        return {"tok.weight": ids, **({"side.weight": ids} if use_side else {})}
+
+    def forward(self, ids: torch.Tensor, use_side: bool) -> torch.Tensor:
+        x = self.tok(input=ids).mean(1)
+        return self.out(x + self.side(ids).mean(1) if use_side else x)
+
+
+def padded_script(distributed: bool) -> dict:
+    """LazyAdam, 5 steps: steps 1 and 2 read only the padding row (an empty sparse gradient,
+    still a step of torch's optimizers); the first half of each batch reads ``side`` too (in
+    two workers: worker 0's half); no zero_grad() before step 4 (its gradients add to step
+    3's)."""
+    import polytrain
+    ctx = polytrain.init() if distributed else None
+    torch.manual_seed(0)
+    model: nn.Module = _Padded()
+    opt = LazyAdam(model.parameters(), lr=0.1)
+    if ctx is not None:
+        model, opt = polytrain.distribute(model, opt, strategy="parallax", partitions=1)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(5):
+        ids = torch.randint(1, 8, (4, 3), generator=gen)
+        if step in (1, 2):
+            ids = torch.zeros(4, 3, dtype=torch.int64)
+        y = torch.randn(4, 3, generator=gen)
+        if step != 4:
+            opt.zero_grad()
+        if ctx is None:
+            loss = (nn.functional.mse_loss(model(ids[:2], True), y[:2])
+                    + nn.functional.mse_loss(model(ids[2:], False), y[2:])) / 2
+        else:
+            ids, y = (polytrain.shard(t, ctx.worker_index, ctx.num_workers) for t in (ids, y))
+            loss = nn.functional.mse_loss(model(ids, ctx.worker_index == 0), y)
+        loss.backward()
+        opt.step()
+    return polytrain.full_state_dict(model) if ctx is not None else {
+        k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.timeout(120)
+def test_padding_steps_keyword_lookups_branches_and_kept_gradients_train_as_single():
+    # Four ways the tables left single's path: a step whose sparse gradient had no rows
+    # (only padding ids) was not counted as a step of LazyAdam (the count came from the
+    # rows); self.tok(input=ids) raised IndexError in the lookup hook (it read args[0]);
+    # workers of a machine whose sparse_reads named different tables hung in gloo (the
+    # fetch looped over this worker's own tables only); and a loop without zero_grad()
+    # summed the dense gradients over steps, while the tables' were cleared every step.
+    alone = padded_script(False)
+    workers = spawn(padded_script, workers=2, colocated=1, args=(True,))
+    torch.manual_seed(0)
+    untrained = _Padded().state_dict()
+    assert max_abs_diff(alone, untrained) > 1e-2  # the weights moved
+    assert max_abs_diff(alone, workers[0]) < 1e-6  # (worker 0 gathers the tables)
+
+
+def branch_script() -> None:
+    """Only worker 0's data reaches ``side``, and the model declares no sparse_reads."""
+    import polytrain
+    ctx = polytrain.init()
+    torch.manual_seed(0)
+    model = _Padded()
+    model.sparse_reads = None  # each lookup fetches its own rows, with the machine's others
+    model, opt = polytrain.distribute(model, LazyAdam(model.parameters(), lr=0.1),
+                                      strategy="parallax", partitions=1)
+    opt.zero_grad()
+    model(torch.tensor([[1, 2]]), ctx.worker_index == 0).sum().backward()
+    opt.step()
+
+
+@pytest.mark.timeout(120)
+def test_a_lookup_only_some_workers_of_a_machine_reach_is_refused_naming_it():
+    # A lookup fetches its rows together with the machine's other workers: one that only
+    # worker 0's data reached met worker 1's step in gloo and hung to the timeout.
+    with pytest.raises(LaunchError, match=r"ConfigError: the workers of a machine reached "
+                                          r"different sparse-row exchanges \(local worker 0 "
+                                          r"looked up side.weight, local worker 1 began "
+                                          r"optimizer.step\(\)\): every worker of a machine "
+                                          r"must look up the same tables in the same order "
+                                          r"each step.*HINT: give the model sparse_reads"):
+        spawn(branch_script, workers=2, colocated=1)

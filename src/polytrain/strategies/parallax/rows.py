@@ -14,6 +14,7 @@ rows a step touched, once per machine.
         the machine), summed per row and averaged over the workers
         -> one push per range of the rows in it (round t + 1; none touched: only the lr)
         -> no row is fresh any more; the servers apply the update themselves
+        -> the local optimizer steps without them; they are given back after it
 
 Nothing crosses machines but the leader's pushes and pulls: local aggregation,
 as Parallax's default.
@@ -22,7 +23,7 @@ as Parallax's default.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -45,28 +46,44 @@ __all__ = ["SparseRows"]
 log = logging.getLogger(__name__)
 
 
-def _gather_local(tensors: list[torch.Tensor], group: Any, workers: int
-                  ) -> list[list[torch.Tensor]]:
+def _gather_local(tensors: list[torch.Tensor], group: Any, workers: int, *, at: int,
+                  labels: Sequence[str], flag: bool = False
+                  ) -> tuple[list[list[torch.Tensor]], bool]:
     """Every local worker's ``tensors`` (of one length along dim 0 on a worker, of any length
-    across workers): per tensor, the workers' copies in local rank order, trimmed.
+    across workers): per tensor, the workers' copies in local rank order, trimmed; and
+    whether any worker passed ``flag``.
 
     gloo's all-gather takes equal sizes, so the lengths go first and every copy is padded
-    to the longest; when every worker has none, nothing more is sent.
+    to the longest; when every worker has none, nothing more is sent. With the lengths
+    goes ``at``, which exchange this is (``labels[at]``): workers at different ones (a
+    lookup that only some workers' data reached) are refused there, on every worker,
+    where they would hang in gloo.
     """
-    n = torch.tensor([tensors[0].shape[0]], dtype=torch.int64)
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(workers)]
-    dist.all_gather(sizes, n, group=group)
-    most = max(int(s) for s in sizes)
+    head = torch.tensor([tensors[0].shape[0], at, int(flag)], dtype=torch.int64)
+    heads = [torch.zeros(3, dtype=torch.int64) for _ in range(workers)]
+    dist.all_gather(heads, head, group=group)
+    if len({int(h[1]) for h in heads}) > 1:
+        where = ", ".join(f"local worker {i} {labels[int(h[1])]}" for i, h in enumerate(heads))
+        raise ConfigError(
+            f"the workers of a machine reached different sparse-row exchanges ({where}): "
+            f"every worker of a machine must look up the same tables in the same order each "
+            f"step, as a table's lookup fetches its rows together inside the machine",
+            "give the model sparse_reads(*inputs), the rows of each table the forward will "
+            "read (a table a worker's data does not reach left out), or look up every table "
+            "on every worker")
+    sizes = [int(h[0]) for h in heads]
+    flagged = any(int(h[2]) for h in heads)
+    most = max(sizes)
     if most == 0:
-        return [[t] * workers for t in tensors]
+        return [[t] * workers for t in tensors], flagged
     out = []
     for t in tensors:
         padded = t.new_zeros((most, *t.shape[1:]))
         padded[:t.shape[0]] = t
         every = [torch.empty_like(padded) for _ in range(workers)]
         dist.all_gather(every, padded, group=group)
-        out.append([e[:int(size)] for e, size in zip(every, sizes)])
-    return out
+        out.append([e[:size] for e, size in zip(every, sizes)])
+    return out, flagged
 
 
 class Touched:
@@ -105,18 +122,48 @@ class _Var:
         self.fresh = torch.ones(param.shape[0], dtype=torch.bool)  # rows current this step
         self.touched = Touched()  # rows this machine pushed per step (leaders)
         self.declared = False  # this step's rows came from the model's sparse_reads
+        self.held: torch.Tensor | None = None  # its gradient, out of the local step's sight
+
+
+def check_range(var: _Var, rows: torch.Tensor) -> None:
+    """Sorted ``rows`` all rows of ``var``, or ConfigError naming one that is not (an
+    IndexError from deep inside, or, negative, another variable's rows)."""
+    if rows.numel() and not 0 <= int(rows[0]) <= int(rows[-1]) < var.param.shape[0]:
+        bad = rows[(rows < 0) | (rows >= var.param.shape[0])]
+        raise ConfigError(f"a lookup of {var.name} reads row {int(bad[0])}, and it has "
+                          f"rows 0..{var.param.shape[0] - 1}",
+                          "pass token ids below the embedding's size (check the data "
+                          "against the model's vocabulary)")
 
 
 def check_declared(var: _Var, indices: torch.Tensor) -> None:
     """A lookup of rows the model's ``sparse_reads`` named (and the step fetched): all
     current, or ConfigError (the declaration missed some, which would be read stale)."""
-    rows = indices.detach().reshape(-1).cpu()
+    rows = torch.unique(indices.detach().reshape(-1).cpu())
+    check_range(var, rows)
     stale = ~var.fresh[rows]
     if bool(stale.any()):
-        missing = torch.unique(rows[stale])
+        missing = rows[stale]
         raise ConfigError(f"a lookup of {var.name} reads {missing.numel()} rows the model's "
                           f"sparse_reads did not name (e.g. {missing[:5].tolist()})",
                           "return from sparse_reads every row the forward looks up")
+
+
+def check_gradient(var: _Var, grad: torch.Tensor) -> None:
+    """A backward's gradient of ``var`` (sparse, or dense: its nonzero rows) has only rows
+    this step fetched, or ConfigError: the forward read the weight outside its lookups,
+    rows whose values were out of date."""
+    g = grad.detach().cpu()
+    rows = g._indices()[0] if g.is_sparse else g.ne(0).any(1).nonzero()[:, 0]
+    stale = torch.unique(rows[~var.fresh[rows]])
+    if stale.numel():
+        raise ConfigError(
+            f"{var.name} is read outside its embedding lookups: its gradient has "
+            f"{stale.numel()} rows no lookup of this step read (e.g. {stale[:5].tolist()}), "
+            f"whose values were out of date (a weight tied by use, as logits = h @ "
+            f"weight.t(), or read by F.embedding(ids, weight) rather than its module)",
+            "read it through its embedding module only, or train it dense: pass "
+            "--no-sparse-embeddings (sparse_embeddings=False) and keep sparse=False")
 
 
 class SparseRows:
@@ -142,15 +189,27 @@ class SparseRows:
         self.round = 0  # rounds pushed (and, once the servers apply them, applied)
         self.paused = False  # lookups read the weights as they are (gathered for evaluation)
         self.inflight: list[tuple[Pending, torch.Tensor]] = []
-        self.hooks = []
+        # What each exchange inside the machine is, for _gather_local's refusal.
+        n = len(self.vars)
+        self.labels = (["fetched the rows of the model's sparse_reads"]
+                       + [f"looked up {v.name}" for v in self.vars]
+                       + [f"pushed {v.name}'s gradient in optimizer.step()" for v in self.vars]
+                       + ["began optimizer.step()"])
+        self.at_lookup, self.at_push, self.at_step = 1, 1 + n, 1 + 2 * n
+        self.hooks: list[Any] = []
         by_weight = {id(v.param): v for v in self.vars}
         for m in model.modules():
             if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and id(m.weight) in by_weight:
                 var = by_weight[id(m.weight)]
-                self.hooks.append(m.register_forward_pre_hook(self._lookup_hook(var)))
+                self.hooks.append(m.register_forward_pre_hook(self._lookup_hook(var),
+                                                              with_kwargs=True))
+        for var in self.vars:  # every backward's rows: fetched, or read outside the lookups
+            self.hooks.append(var.param.register_hook(
+                lambda grad, var=var: check_gradient(var, grad)))
         reads = getattr(model, "sparse_reads", None)
         if callable(reads):
-            self.hooks.append(model.register_forward_pre_hook(self._reads_hook(reads)))
+            self.hooks.append(model.register_forward_pre_hook(self._reads_hook(reads),
+                                                              with_kwargs=True))
         self.plan = plan
         self.placement = self._install(plan)
 
@@ -192,24 +251,25 @@ class SparseRows:
 
     # -- pulls ---------------------------------------------------------------------------------
 
-    def _lookup_hook(self, var: _Var) -> Callable[[nn.Module, Any], None]:
-        def hook(module: nn.Module, args: Any) -> None:
+    def _lookup_hook(self, var: _Var) -> Callable[[nn.Module, Any, Any], None]:
+        def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
             if self.paused:
                 return
+            indices = args[0] if args else kwargs["input"]
             if var.declared:
-                check_declared(var, args[0])
+                check_declared(var, indices)
             else:
-                self.fetch({var: args[0]})
+                self.fetch({var: indices}, exchange=self.at_lookup + var.index)
         return hook
 
     def _reads_hook(self, reads: Callable[..., Mapping[str, torch.Tensor]]
-                    ) -> Callable[[nn.Module, Any], None]:
+                    ) -> Callable[[nn.Module, Any, Any], None]:
         by_name = {v.name: v for v in self.vars}
 
-        def hook(module: nn.Module, args: Any) -> None:
+        def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
             if self.paused:
                 return
-            declared = reads(*args)
+            declared = reads(*args, **kwargs)
             unknown = sorted(set(declared) - set(by_name))
             if unknown:
                 raise ConfigError(f"the model's sparse_reads names {unknown}, which are not "
@@ -221,19 +281,20 @@ class SparseRows:
                 by_name[n].declared = True
         return hook
 
-    def _local_union(self, rows: torch.Tensor) -> torch.Tensor:
-        """The union of ``rows`` over this machine's workers (sorted)."""
+    def _local_union(self, rows: torch.Tensor, exchange: int) -> torch.Tensor:
+        """The union of ``rows`` over this machine's workers (sorted), as ``exchange``."""
         if len(self.local) == 1:
             return rows
-        [every] = _gather_local([rows], self.ctx.groups.local, len(self.local))
+        [every], _ = _gather_local([rows], self.ctx.groups.local, len(self.local),
+                                   at=exchange, labels=self.labels)
         return torch.unique(torch.cat(every))
 
-    def fetch(self, reads: Mapping[_Var, torch.Tensor]) -> None:
+    def fetch(self, reads: Mapping[_Var, torch.Tensor], exchange: int = 0) -> None:
         """Make the rows each ``reads[var]`` names current in ``var``'s weight: this
         machine's union of them, pulled once by the leader, every range's pull in flight
-        at once (one round trip for all the variables)."""
-        if not reads:
-            return
+        at once (one round trip for all the variables). Every worker of the machine takes
+        part, ``reads`` empty or not, and writes every row of the union: another worker's
+        data may read a table this one's does not."""
         # One union inside the machine for every variable: rows offset by variable.
         offsets, at = {}, 0
         for var in self.vars:
@@ -242,19 +303,14 @@ class SparseRows:
         wanted = []
         for var in order:
             rows = torch.unique(reads[var].detach().reshape(-1).cpu())
-            if rows.numel() and not 0 <= int(rows[0]) <= int(rows[-1]) < var.param.shape[0]:
-                # An IndexError from deep inside, or (negative) another variable's rows.
-                bad = rows[(rows < 0) | (rows >= var.param.shape[0])]
-                raise ConfigError(f"a lookup of {var.name} reads row {int(bad[0])}, and it has "
-                                  f"rows 0..{var.param.shape[0] - 1}",
-                                  "pass token ids below the embedding's size (check the data "
-                                  "against the model's vocabulary)")
+            check_range(var, rows)
             wanted.append(rows[~var.fresh[rows]] + offsets[var.index])
-        union = self._local_union(torch.cat(wanted))
+        union = self._local_union(torch.cat(wanted) if wanted
+                                  else torch.empty(0, dtype=torch.int64), exchange)
         if union.numel() == 0:
             return
         needs = []
-        for var in order:
+        for var in self.vars:
             lo, hi = torch.searchsorted(union, torch.tensor(
                 [offsets[var.index], offsets[var.index] + var.param.shape[0]])).tolist()
             if hi > lo:
@@ -303,33 +359,26 @@ class SparseRows:
             return torch.empty(0, dtype=torch.int64), torch.empty(0, width, dtype=var.param.dtype)
         if g.is_sparse:
             rows, values = coalesced(g.cpu())
-        else:  # a dense gradient of a sparse parameter: its nonzero rows
-            g = g.cpu()
+        else:  # a dense gradient of a sparse parameter: its nonzero rows (check_gradient
+            g = g.cpu()  # saw each backward's were fetched)
             rows = g.ne(0).any(1).nonzero()[:, 0]
             values = g[rows]
-            stale = rows[~var.fresh[rows]]
-            if stale.numel():  # not a lookup's: the forward read the weight itself, stale rows
-                raise ConfigError(
-                    f"{var.name} is read outside its embedding lookups: its gradient has "
-                    f"{stale.numel()} rows no lookup of this step read (e.g. "
-                    f"{stale[:5].tolist()}), whose values were out of date (a weight tied by "
-                    f"use, as logits = h @ weight.t())",
-                    "read it through its embedding only, or train it dense: pass "
-                    "--no-sparse-embeddings (sparse_embeddings=False) and keep sparse=False")
         return rows, values
 
-    def _local_sum(self, rows: torch.Tensor, values: torch.Tensor
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The machine's gradient (unique rows, values summed in local rank order) on every
-        local worker."""
+    def _local_sum(self, var: _Var, rows: torch.Tensor, values: torch.Tensor, read: bool
+                   ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """The machine's gradient of ``var`` (unique rows, values summed in local rank order)
+        on every local worker, and whether some local worker had one (``read``)."""
         if len(self.local) == 1:
-            return rows, values  # already unique and sorted
-        every_r, every_v = _gather_local([rows, values], self.ctx.groups.local, len(self.local))
+            return rows, values, read  # already unique and sorted
+        (every_r, every_v), read = _gather_local(
+            [rows, values], self.ctx.groups.local, len(self.local),
+            at=self.at_push + var.index, labels=self.labels, flag=read)
         rows, values = torch.cat(every_r), torch.cat(every_v)
         unique, inverse = torch.unique(rows, return_inverse=True)
         summed = torch.zeros(unique.numel(), values.shape[1], dtype=values.dtype)
         summed.index_add_(0, inverse, values)
-        return unique, summed
+        return unique, summed, read
 
     def _rule(self, var: _Var) -> dict[str, Any]:
         """``var``'s rule as the optimizer's group has it now: a scheduler may have moved
@@ -342,15 +391,28 @@ class SparseRows:
                               f"{e.hint}, and keep it so through the run (OneCycleLR: pass "
                               f"cycle_momentum=False)") from None
 
+    def begin_step(self) -> None:
+        """Every worker of the machine is at optimizer.step() (a worker still looking up a
+        table is refused, rather than met by the dense gradients' reduce)."""
+        if len(self.local) > 1:
+            _gather_local([torch.empty(0)], self.ctx.groups.local, len(self.local),
+                          at=self.at_step, labels=self.labels)
+
     def push(self) -> None:
-        """Push this step's sparse gradients (once per machine) and clear them locally."""
+        """Push this step's sparse gradients (once per machine); the local optimizer's step
+        does not see them (:meth:`end_step` gives them back)."""
         self.drain()
         self.round += 1
         workers = self.ctx.num_workers
         for var in self.vars:
             rule = self._rule(var)  # every worker: all refuse a rule that has no sparse form
-            rows, values = self._local_sum(*self._gradient(var))
-            var.param.grad = None  # the servers update it, not the local optimizer
+            # Read: some worker has its gradient, empty or not (only padding ids): one
+            # process's optimizer counts that step.
+            rows, values, read = self._local_sum(var, *self._gradient(var),
+                                                 read=var.param.grad is not None)
+            # The servers update it, not the local optimizer; it is kept for the next step,
+            # as one process keeps a gradient that no zero_grad() clears.
+            var.held, var.param.grad = var.param.grad, None
             var.fresh.zero_()
             var.declared = False
             if not self.is_leader:
@@ -361,9 +423,16 @@ class SparseRows:
                 lo, hi = torch.searchsorted(rows, torch.tensor([r.lo, r.hi])).tolist()
                 # Whether the machine read the parameter at all: a step of its rule.
                 payload = pack_rows(rule["lr"], part - r.lo, values[lo:hi],
-                                    read=bool(rows.numel()), settings=rule_settings(rule))
+                                    read=read, settings=rule_settings(rule))
                 self.inflight.append((self.engine.push(self.placement, i, round=self.round,
                                                        tensor=payload), payload))
+
+    def end_step(self) -> None:
+        """After the local optimizer's step: every sparse gradient back where backward()
+        left it (the next backward adds to it unless zero_grad() clears it)."""
+        for var in self.vars:
+            if var.held is not None:
+                var.param.grad, var.held = var.held, None
 
     def drain(self) -> None:
         """Wait until this worker's pushes have left."""

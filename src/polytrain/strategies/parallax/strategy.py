@@ -117,6 +117,8 @@ class Parallax(ServedStrategy[ParallaxOptions]):
 
     def _step_done(self) -> None:
         self._ended = time.perf_counter()
+        if self.rows is not None:
+            self.rows.end_step()
 
     def _before_step(self, closure: Any) -> None:
         assert self.dense is not None and self.unchanged is not None
@@ -128,6 +130,8 @@ class Parallax(ServedStrategy[ParallaxOptions]):
                 "run the forward and loss.backward() before optimizer.step(), and call it "
                 "without a closure (or train under ddp, which averages inside backward)")
         self.unchanged.check()
+        if self.rows is not None:
+            self.rows.begin_step()
         # The pushes are packed and sent (and the servers apply them) while the dense
         # all-reduce runs in gloo's thread.
         finish = self.dense.start()
