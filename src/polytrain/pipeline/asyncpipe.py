@@ -100,7 +100,7 @@ class AsyncPipeline:
         lag_beta2: Adam's second-moment decay on a stage whose gradients arrive late
             (default None: the optimizer's own).
         unused_hint: what to do about a trained parameter that gets no gradient in a step,
-            which the servers' optimizer steps on zeros (the warning's hint).
+            stepped on zeros (the warning's hint; see :meth:`_zero_unused`).
         inflight: N_m.
         update_scale: factor of each update (default 1).
         wsp: the parameter servers' side of WSP (None: a lone virtual worker).
@@ -113,7 +113,8 @@ class AsyncPipeline:
                  predict: bool = False, source: torch.optim.Optimizer | None = None,
                  sources: Sequence[int] = (), lag_lr: float = 1.0,
                  lag_beta2: float | None = None,
-                 unused_hint: str = "keep the optimizer on the stages") -> None:
+                 unused_hint: str = "freeze a parameter that is not to train "
+                                    "(requires_grad_(False))") -> None:
         self.stage = stage
         self.unused_hint = unused_hint
         self.warned_unused = False
@@ -251,7 +252,8 @@ class AsyncPipeline:
 
     def _backward(self, mb: int, *, background: bool = False) -> None:
         grads = self.stage.backward(mb, unused_zero=False)
-        if self.wsp is not None and self.wsp.optimizer is not None:
+        if self.wsp is not None and (self.wsp.virtual_workers > 1
+                                     or self.wsp.optimizer is not None):
             grads = self._zero_unused(grads)
         settings = self.settings.pop(mb, None)
         self.done += 1
@@ -274,9 +276,14 @@ class AsyncPipeline:
             self.wsp.pull(ahead=1 if self.overlap else 0)
 
     def _zero_unused(self, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
-        """Zeros for the trained parameters the minibatch did not reach: the servers' optimizer
-        steps a layer's tensors as one flat key and cannot skip part of it (the stage's own
-        optimizer skips them, as one process would). Warns the first time."""
+        """Zeros for the trained parameters the minibatch did not reach, where a skip would
+        not be one process's step: with several virtual workers, another's minibatch may
+        reach them, and the zero is this one's share of the sum (of gradients on the
+        servers, of updates with the stages' optimizers); the servers' optimizer steps a
+        layer's tensors as one flat key and cannot skip part of it. So in a step that no
+        virtual worker reaches them, they are stepped where one process would leave them
+        alone (a lone virtual worker with its stages' optimizer skips them: exact). Warns
+        the first time."""
         unused = [i for i, (p, g) in enumerate(zip(self.params, grads))
                   if g is None and p.requires_grad]
         if not unused:
@@ -285,11 +292,14 @@ class AsyncPipeline:
             self.warned_unused = True
             names = ", ".join(repr(self.stage.names[i]) for i in unused[:4]) + (
                 f" and {len(unused) - 4} more" if len(unused) > 4 else "")
-            log.warning("%s: trained parameter%s %s got no gradient in a step: the servers' "
-                        "optimizer steps %s on a zero gradient (weight decay and momentum "
-                        "move %s; one process would not). HINT: to leave %s alone, %s",
-                        self.stage.spec.label, "s" if len(unused) > 1 else "", names,
-                        *(["them"] * 3 if len(unused) > 1 else ["it"] * 3), self.unused_hint)
+            them = "them" if len(unused) > 1 else "it"
+            log.warning("%s: trained parameter%s %s got no gradient in a step: %s stepped on "
+                        "a zero gradient (its share of the virtual workers' sum, where another "
+                        "reaches %s), so in a step that no virtual worker reaches %s, weight "
+                        "decay and momentum move %s where one process would leave %s alone. "
+                        "HINT: %s", self.stage.spec.label, "s" if len(unused) > 1 else "",
+                        names, "they are" if len(unused) > 1 else "it is", them, them, them,
+                        them, self.unused_hint)
         return [torch.zeros_like(p) if g is None and p.requires_grad else g
                 for p, g in zip(self.params, grads)]
 

@@ -47,7 +47,7 @@ def optimizer_spec(optimizer: torch.optim.Optimizer, group: int = 0, *,
         raise ConfigError(f"the servers step each key as one flat run of elements (a layer's "
                           f"tensors fused), so they run only element-by-element optimizers "
                           f"({', '.join(ELEMENTWISE)}), not torch.optim.{kind.__name__}",
-                          "use one of them, or keep the optimizer on the workers")
+                          "use one of them")
     settings = {k: plain_setting(v) for k, v in sorted(optimizer.param_groups[group].items())
                 if k in optimizer.defaults}  # not a scheduler's own keys (``initial_lr``)
     numeric = sorted(k for k, v in settings.items() if setting_values(v) is not None) \

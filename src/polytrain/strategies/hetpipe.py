@@ -336,7 +336,10 @@ class HetPipe(Strategy[HetPipeOptions]):
                                       predict=self.options.predict, source=base,
                                       sources=sources, lag_lr=self.options.lag_lr,
                                       lag_beta2=self.options.lag_beta2,
-                                      unused_hint=_KEEP_ON_STAGES)
+                                      unused_hint=_UNUSED_HINT + (
+                                          f"; with one virtual worker, {_KEEP_ON_STAGES} "
+                                          f"leaves it alone" if self.options.server_optimizer
+                                          else ""))
             saved = self.resume_optimizers[lane] if self.resume_optimizers else None
             if saved is not None:
                 optimizer.load_state_dict(saved["optimizer"])
@@ -504,7 +507,9 @@ def _check_in_layers(model: nn.Module, owner: str) -> None:
             raise ConfigError(f"{key!r} is a {kind} of the model itself, not of one of its "
                               f"layers (children), and strategy {owner!r} cuts the model into "
                               f"stages of its layers: no stage would hold it",
-                              "move it into a layer (a child module)")
+                              "move it into a layer (a child module); for a built-in "
+                              "--model, pick another --model, or a strategy that is not a "
+                              "pipeline")
 
 
 def _stage_moved(saved: Mapping[str, Any], role: _Role, names: Sequence[str],
@@ -518,7 +523,7 @@ def _stage_moved(saved: Mapping[str, Any], role: _Role, names: Sequence[str],
     was = (f"stage {saved['index']} of virtual worker {saved['vw']} (worker rank {rank})"
            if "vw" in saved and "index" in saved else f"stage of worker rank {rank}")
     if saved["names"] == list(names):
-        if servers and "vw" in saved and saved["vw"] != role.vw:
+        if servers and "vw" in saved and saved["vw"] != role.vw and 0 in (saved["vw"], role.vw):
             return (f"the checkpoint's {was} is this run's stage {role.index} of virtual "
                     f"worker {role.vw}: the servers' optimizer state is saved and loaded by "
                     f"virtual worker 0's stages, and would start afresh")
@@ -545,6 +550,8 @@ def _server_optimizer_hint(on: bool) -> Iterator[None]:
                                   f"{_KEEP_ON_STAGES}") from None
 
 
+#: What to do about a trained parameter that no step's minibatch reaches (asyncpipe).
+_UNUSED_HINT = "freeze a parameter that is not to train (requires_grad_(False))"
 #: HetPipe's way out of what only the servers' optimizer does.
 _KEEP_ON_STAGES = ("keep the optimizer on the stages: --no-server-optimizer (Python: "
                    "server_optimizer=False)")
