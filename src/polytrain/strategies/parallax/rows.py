@@ -22,6 +22,7 @@ as Parallax's default.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Any, Callable, Mapping, Sequence
 
@@ -265,11 +266,17 @@ class SparseRows:
     def _reads_hook(self, reads: Callable[..., Mapping[str, torch.Tensor]]
                     ) -> Callable[[nn.Module, Any, Any], None]:
         by_name = {v.name: v for v in self.vars}
+        # The forward's keyword arguments that sparse_reads takes (all, with **kwargs): one
+        # written for the forward's inputs, sparse_reads(ids), is not given the others.
+        params = inspect.signature(reads).parameters.values()
+        takes_all = any(p.kind is p.VAR_KEYWORD for p in params)
+        named = {p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
 
         def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
             if self.paused:
                 return
-            declared = reads(*args, **kwargs)
+            declared = reads(*args, **{k: v for k, v in kwargs.items()
+                                       if takes_all or k in named})
             unknown = sorted(set(declared) - set(by_name))
             if unknown:
                 raise ConfigError(f"the model's sparse_reads names {unknown}, which are not "
