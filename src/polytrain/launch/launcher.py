@@ -36,7 +36,8 @@ from .network import (
     start_time,
 )
 
-__all__ = ["launch", "launch_script", "Launcher", "free_port", "refuse_at_import"]
+__all__ = ["launch", "launch_script", "Launcher", "free_port", "refuse_at_import",
+           "take_interrupts", "interrupted_error"]
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,30 @@ _START_HINT = ("this host refused a new process: see `ulimit -u` (processes per 
 _PAUSED_S = 5.0  # a launcher whose heartbeat checks are this far apart was stopped itself
 _STACKS_S = 2.0  # how long a stalled child is given to write its stacks before it is stopped
 _STALL_SLACK_S = 1.0  # "working since before the peer's wait began", give or take a beat
+
+
+#: What stops a run: Ctrl-C, kill (timeout, docker stop, Slurm), the terminal closing.
+INTERRUPTS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def take_interrupts(handler: Callable[[int, Any], None], *,
+                    always: Collection[int] = ()) -> dict[signal.Signals, Any]:
+    """Put ``handler`` on :data:`INTERRUPTS`, in the main thread (where Python runs handlers;
+    elsewhere none); returns the handlers it replaced, to put back. One this process was
+    started with ignored stays ignored, in it and in its children, as in any program
+    (``nohup``'s SIGHUP, a shell script's background job's SIGINT), unless in ``always``."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {s: signal.signal(s, handler) for s in INTERRUPTS
+            if s in always or signal.getsignal(s) != signal.SIG_IGN}
+
+
+def interrupted_error(caught: Sequence[int], what: str) -> LaunchError:
+    """The error of a run the first of ``caught`` (none: Ctrl-C) interrupted, after ``what``
+    was done about it; its exit code is 128 + the signal, as a shell's."""
+    how = signal.Signals(caught[0]) if caught else signal.SIGINT
+    return LaunchError(f"interrupted ({'Ctrl-C' if how == signal.SIGINT else how.name}): "
+                       f"{what}", exitcode=128 + how, interrupted=True)
 
 
 def free_port(host: str = "") -> int:
@@ -323,19 +348,12 @@ class Launcher:
             def interrupt(signum: int, frame: Any) -> None:
                 caught.append(signum)
                 interrupted.set()
-            previous = {}
-            if threading.current_thread() is threading.main_thread():
-                # Our own handlers, not Python's default: SIGTERM (timeout, docker stop,
-                # Slurm) ended the launcher at once, leaving its work directory and shared
-                # memory behind; SIGHUP: the terminal or ssh session closed. A flag, checked
-                # between polls, also keeps the interrupt out of the middle of subprocess's
-                # own bookkeeping. SIGINT and SIGHUP this process was started with ignored
-                # stay ignored, in it and in its children, as in any program: `nohup`'s
-                # SIGHUP, a shell script's background job's SIGINT. (SIGTERM is how the run
-                # stops its processes: always caught.)
-                previous = {s: signal.signal(s, interrupt)
-                            for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-                            if s == signal.SIGTERM or signal.getsignal(s) != signal.SIG_IGN}
+            # Our own handlers, not Python's default: SIGTERM (timeout, docker stop, Slurm)
+            # ended the launcher at once, leaving its work directory and shared memory
+            # behind; SIGHUP: the terminal or ssh session closed. A flag, checked between
+            # polls, also keeps the interrupt out of the middle of subprocess's own
+            # bookkeeping. (SIGTERM is how the run stops its processes: always caught.)
+            previous = take_interrupts(interrupt, always=(signal.SIGTERM,))
             network: Network | None = None
             shm: Path | None = None
             oom_kills_before = oom_kills()
@@ -389,10 +407,7 @@ class Launcher:
                     for s, handler in previous.items():
                         signal.signal(s, handler)
             if interrupted.is_set():
-                how = signal.Signals(caught[0]) if caught else signal.SIGINT
-                raise LaunchError(f"interrupted ({'Ctrl-C' if how == signal.SIGINT else how.name})"
-                                  f": stopped all {len(children)} processes",
-                                  exitcode=128 + how, interrupted=True)
+                raise interrupted_error(caught, f"stopped all {len(children)} processes")
             return [_read_result(c.result_file) for c in children if c.spec.role == "worker"]
 
     def _hang_after_s(self) -> float:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import signal
-import threading
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -19,7 +18,12 @@ from ..checkpoint.manifest import (
 )
 from ..config import TrainConfig
 from ..errors import ConfigError, LaunchError, PolytrainError, first_line
-from ..launch.launcher import Launcher, refuse_at_import
+from ..launch.launcher import (
+    Launcher,
+    interrupted_error,
+    refuse_at_import,
+    take_interrupts,
+)
 from ..strategies.base import get_strategy
 from .loop import train
 from .metrics import write_metrics
@@ -114,10 +118,6 @@ def _foreign_history(config: TrainConfig, root: Path, start: int) -> list[str]:
     return foreign
 
 
-#: What stops a run: Ctrl-C, kill (a job scheduler's, docker stop's), the terminal closing.
-_INTERRUPTS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
-
 def _train_here(config: TrainConfig) -> dict[str, Any]:
     """Train ``config`` in this process (``single``), stopped and reported as the launcher
     stops and reports a run of several: SIGINT, SIGTERM and SIGHUP raise
@@ -134,17 +134,11 @@ def _train_here(config: TrainConfig) -> dict[str, Any]:
         # KeyboardInterrupt is no Exception: no `except Exception` on the way (a checkpoint
         # save's) takes it for a failure of its own and trains on.
         raise KeyboardInterrupt
-    previous: dict[signal.Signals, Any] = {}
-    if threading.current_thread() is threading.main_thread():  # where Python runs handlers
-        previous = {s: signal.signal(s, interrupt) for s in _INTERRUPTS
-                    if signal.getsignal(s) is not signal.SIG_IGN}
+    previous = take_interrupts(interrupt)
     try:
         metrics = train(config)
     except KeyboardInterrupt:
-        how = signal.Signals(caught[0]) if caught else signal.SIGINT
-        raise LaunchError(f"interrupted ({'Ctrl-C' if how == signal.SIGINT else how.name}): "
-                          f"stopped training in this process", exitcode=128 + how,
-                          interrupted=True) from None
+        raise interrupted_error(caught, "stopped training in this process") from None
     except PolytrainError:
         raise  # it says what to do already (a ConfigError: bad input, as from a worker)
     except Exception as e:
