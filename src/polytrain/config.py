@@ -2,26 +2,21 @@
 
 from __future__ import annotations
 
-import collections.abc
 import dataclasses
-import functools
 import math
-import numbers
 import os
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-import numpy
 import torch
 
 from ._env import check_seconds, timeout_of
 from .data import DEFAULT_DATASET, check_dataset, check_divisible, training_data
 from .emulation.devices import parse_cluster
-from .emulation.profile import optimizer_state_factor, profile_model
-from .errors import ConfigError, at_least, check_whole, first_line, unknown
+from .emulation.profile import ModelProfile, optimizer_state_factor, profile_model
+from .errors import ConfigError, at_least, first_line, unknown
+from .kinds import check_kinds
 from .launch.host import available_memory_bytes
 from .launch.launcher import check_port
 from .launch.layout import Layout
@@ -42,7 +37,8 @@ _WHOLE = {"workers": "--workers", "nodes": "--nodes", "servers": "--servers",
 _PATHS = ("out", "init", "resume", "devices")
 
 __all__ = ["TrainConfig", "OPTIMIZERS", "SCHEDULES", "SAMPLINGS", "ON_SAVE_ERROR",
-           "check_init"]
+           "check_init", "layout_of", "check_strategy", "model_sample", "model_profile",
+           "check_weights_fit"]
 
 SCHEDULES = ("constant", "cosine")
 SAMPLINGS = ("random", "epoch")
@@ -141,6 +137,10 @@ class TrainConfig:
             raise unknown("device", self.device, DEVICES, "pass --device cpu or cuda (a worker "
                           "takes its own GPU)", plural="devices")
         self._check_checkpoints()
+        # The layout fields left out, filled in below for this strategy and these devices:
+        # replace() leaves them out again, so that they follow another strategy or devices.
+        object.__setattr__(self, "_filled", tuple(n for n in ("workers", "nodes")
+                                                  if getattr(self, n) is None))
         cluster = parse_cluster(self.devices) if self.devices is not None else None
         if cluster is not None:
             workers, nodes = cluster.fit_layout(self.workers, self.nodes)
@@ -197,10 +197,12 @@ class TrainConfig:
         if self.init is not None:
             check_init(self.init, model)
         options = make_options(cls, dict(self.strategy_options))
+        # Kept as the options took them (a path as a str, numpy's numbers as Python's): the
+        # run record and metrics.json write them as JSON.
+        object.__setattr__(self, "strategy_options",
+                           {name: getattr(options, name) for name in self.strategy_options})
         layout = self.layout()
-        cls.check_layout(layout, options)
-        cls.check_model(model, layout, options)
-        cls.check_optimizer(make_optimizer(self.optimizer, model, self.lr), options)
+        check_strategy(cls, options, layout, model, make_optimizer(self.optimizer, model, self.lr))
         check_divisible(self.batch_size, cls.replicas(layout, options))
         batches, _ = self._check_data(spec, model)
         self._check_devices(model)
@@ -254,40 +256,14 @@ class TrainConfig:
                               "pass --out a directory you can write to (it is made if missing)")
 
     def _check_kinds(self) -> None:
-        """Refuse a field of another kind than its annotation says, given from Python (the
-        CLI parses its flags to these): ``lr="0.1"`` failed inside torch, ``quiet="no"`` was
-        taken for True. A count must be a whole number (``check_whole``, with its flag), a
-        float field takes an int too, and a path field a ``pathlib.Path`` (kept as a str)."""
-        for f in dataclasses.fields(self):
-            value, kinds = getattr(self, f.name), _kinds()[f.name]
-            if f.name in _PATHS and isinstance(value, os.PathLike):
-                value = os.fspath(value)
-                object.__setattr__(self, f.name, value)
-            if bool in kinds and isinstance(value, numpy.bool_):  # a numpy comparison's
-                value = bool(value)
-                object.__setattr__(self, f.name, value)
-            if value is None and type(None) in kinds:
-                continue
-            if int in kinds and value is not None:
-                check_whole(_WHOLE.get(f.name, f.name), value)
-                continue
-            if (isinstance(value, numbers.Real) and not isinstance(value, bool) if float in kinds
-                    else isinstance(value, kinds)):
-                continue
-            what = " or ".join(_KIND_NAMES[k] for k in kinds if k is not type(None))
-            what += " or a path" if f.name in _PATHS else ""
-            what += ", or None" if type(None) in kinds else ""
-            if bool in kinds:
-                hint = f"pass {f.name}=True or {f.name}=False"
-            elif float in kinds and isinstance(value, str) and _is_number(value):
-                hint = f"pass {f.name}={float(value)!r}"
-            elif f.default is not None and f.default is not dataclasses.MISSING:
-                hint = f"pass {f.name}={f.default!r}"
-            else:
-                hint = f"pass {f.name} as {what}"
-            kind = type(value).__name__
-            raise ConfigError(f"{f.name} must be {what} (got {value!r}, "
-                              f"{'an' if kind[0] in 'aeiou' else 'a'} {kind})", hint)
+        """Refuse a field of another kind than its annotation says, given from Python
+        (:func:`~polytrain.kinds.check_kinds`, which strategy options go through too): a
+        count by its flag, a path field's ``pathlib.Path`` kept as a str, numpy's numbers as
+        Python's."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        for name, value in check_kinds(TrainConfig, values, flags=_WHOLE, paths=_PATHS).items():
+            if value is not values[name]:
+                object.__setattr__(self, name, value)
 
     def _check_checkpoints(self) -> None:
         if self.checkpoint_every is not None:
@@ -353,22 +329,15 @@ class TrainConfig:
         pipeline's micro-batches) makes its logits, (slice, seq_len, vocab), on one worker
         at least. Gradients and other activations come on top of that, so a job that passes
         may still not fit: the launcher then names the kernel's out-of-memory kill."""
-        available = available_memory_bytes()
-        if available is None:
-            return
-        count = sum(p.numel() for p in model.parameters())
-        weights = sum(p.numel() * p.element_size() for p in model.parameters())
         states = optimizer_state_factor(self.optimizer) if self.device == "cpu" else 0
-        need = weights * (processes + states)
-        if need > available:
-            what = f"{processes} cop{'y' if processes == 1 else 'ies'} of them (one per worker)"
-            raise ConfigError(
-                f"{self.model} with these options has {count / 1e6:,.0f} M weights "
-                f"({weights / 2**30:,.1f} GiB); {what}"
-                f"{f' and {self.optimizer} state' if states else ''} need at least "
-                f"{need / 2**30:,.1f} GiB, and this machine has {available / 2**30:,.1f} GiB "
-                f"available", "pass a smaller model (--d-model, --layers)"
-                + (" or fewer --workers" if processes > 1 else ""))
+        weights = check_weights_fit(model, name=f"{self.model} with these options",
+                                    copies=processes, per="one per worker",
+                                    optimizer=self.optimizer if states else None,
+                                    hint="pass a smaller model (--d-model, --layers)"
+                                    + (" or fewer --workers" if processes > 1 else ""))
+        if weights is None:  # this machine's free memory is unknown
+            return
+        need, available = weights
         window = seq_len_of(model, self.model_options) + 1
         per_sample = processes * window * 8  # bytes of each sample of the global batch
         where = f" on each of its {processes} workers" if processes > 1 else ""
@@ -396,11 +365,9 @@ class TrainConfig:
     def _check_devices(self, model: Any) -> str | None:
         spec = get_model(self.model)
         cls = get_strategy(self.strategy)
-        seq_len = seq_len_of(model, self.model_options)
-        sample = spec.split(torch.zeros((1, seq_len + 1), dtype=torch.long))[0]
         cluster = parse_cluster(self.devices) if self.devices is not None else None
-        return cls.check_devices(cluster, lambda: profile_model(model, sample), self.layout(),
-                                 make_options(cls, dict(self.strategy_options)),
+        return cls.check_devices(cluster, lambda: model_profile(spec, model, self.model_options),
+                                 self.layout(), make_options(cls, dict(self.strategy_options)),
                                  batch_size=self.batch_size, optimizer=self.optimizer)
 
     def plan_summary(self) -> str | None:
@@ -414,38 +381,16 @@ class TrainConfig:
         return link_shape(self.bandwidth, self.latency)
 
     def layout(self) -> Layout:
-        cls = get_strategy(self.strategy)
-        options = make_options(cls, dict(self.strategy_options))
         assert self.workers is not None and self.nodes is not None
-        return Layout(workers=self.workers, nodes=self.nodes, servers=self.servers,
-                      colocated=cls.colocated_servers(options))
+        return layout_of(self.strategy, self.strategy_options, workers=self.workers,
+                         nodes=self.nodes, servers=self.servers)
 
     def replace(self, **changes: Any) -> TrainConfig:
-        return dataclasses.replace(self, **changes)
-
-
-_KIND_NAMES = {int: "a whole number", float: "a number", bool: "True or False", str: "a str",
-               collections.abc.Mapping: "a mapping"}
-
-
-@functools.cache
-def _kinds() -> dict[str, tuple[type, ...]]:
-    """Each field's classes, from its annotation: ``int | None`` is (int, NoneType),
-    ``Mapping[str, Any]`` is (Mapping,)."""
-    kinds = {}
-    for name, hint in typing.get_type_hints(TrainConfig).items():
-        union = typing.get_origin(hint) in (typing.Union, types.UnionType)
-        kinds[name] = tuple(typing.get_origin(a) or a
-                            for a in (typing.get_args(hint) if union else (hint,)))
-    return kinds
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
+        """This config with ``changes``; ``workers`` and ``nodes`` that it filled in itself (not
+        given) are filled in again, for the new strategy or devices (``single``'s 1 worker
+        made a ddp run of 1 worker)."""
+        filled = {name: None for name in getattr(self, "_filled", ())}
+        return dataclasses.replace(self, **{**filled, **changes})
 
 
 def check_init(path: str, model: Any) -> dict[str, torch.Tensor]:
@@ -485,3 +430,63 @@ def check_init(path: str, model: Any) -> dict[str, torch.Tensor]:
             raise ConfigError(f"--init {path} holds another model's weights: {a!r} is "
                               f"{list(ta.shape)} here but {list(b.shape)} there", hint)
     return state
+
+
+def layout_of(strategy: str, options: Mapping[str, Any], *, workers: int, nodes: int,
+              servers: int) -> Layout:
+    """The processes ``polytrain train`` starts for ``strategy`` with its ``options``, its
+    colocated servers too (TrainConfig's layout, and the planner's of each candidate)."""
+    cls = get_strategy(strategy)
+    return Layout(workers=workers, nodes=nodes, servers=servers,
+                  colocated=cls.colocated_servers(make_options(cls, dict(options))))
+
+
+def check_strategy(cls: type[Strategy], options: Any, layout: Layout, model: torch.nn.Module,
+                   optimizer: torch.optim.Optimizer) -> None:
+    """A strategy's checks before any process starts, on ``layout`` and ``model`` (built on the
+    meta device) with ``optimizer`` over it: TrainConfig runs them, and the planner on each
+    candidate, to leave out those ``polytrain train`` would refuse (each then runs
+    ``cls.check_devices`` too; TrainConfig its batch's and data's checks before it)."""
+    cls.check_layout(layout, options)
+    cls.check_model(model, layout, options)
+    cls.check_optimizer(optimizer, options)
+
+
+def model_sample(spec: Any, model: torch.nn.Module, model_options: Mapping[str, Any], *,
+                 batch: int = 1) -> tuple[Any, Any]:
+    """``batch`` windows of ``model``'s length (``spec``'s, a registered model's), split into
+    its inputs and targets: token ids the model has (wordlm's ``--vocab`` may be under 256,
+    the text's bytes), the same every call."""
+    gen = torch.Generator().manual_seed(0)
+    window = torch.randint(0, min(256, int(getattr(model, "vocab", 256))),
+                           (batch, seq_len_of(model, model_options) + 1), generator=gen)
+    return spec.split(window)
+
+
+def model_profile(spec: Any, model: torch.nn.Module,
+                  model_options: Mapping[str, Any]) -> ModelProfile:
+    """``model``'s layers measured on one sample (:func:`model_sample`): what a strategy's
+    ``check_devices`` places on the devices, and ``--devices``' compute rests on."""
+    return profile_model(model, model_sample(spec, model, model_options)[0])
+
+
+def check_weights_fit(model: torch.nn.Module, *, name: str, copies: int, per: str,
+                      optimizer: str | None, hint: str) -> tuple[int, int] | None:
+    """Refuse ``model`` (the meta device's will do) when ``copies`` of its weights (``per``:
+    whose they are) and, once, the state of ``optimizer`` (None: none in this memory) outgrow
+    this machine's free memory; the error names it ``name``. Returns the bytes they need and
+    those available (None: unknown, nothing refused)."""
+    available = available_memory_bytes()
+    if available is None:
+        return None
+    count = sum(p.numel() for p in model.parameters())
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    states = optimizer_state_factor(optimizer) if optimizer is not None else 0
+    need = weights * (copies + states)
+    if need > available:
+        raise ConfigError(f"{name} has {count / 1e6:,.0f} M weights ({weights / 2**30:,.1f} "
+                          f"GiB); {copies} cop{'y' if copies == 1 else 'ies'} of them ({per})"
+                          f"{f' and {optimizer} state' if states else ''} need at least "
+                          f"{need / 2**30:,.1f} GiB, and this machine has "
+                          f"{available / 2**30:,.1f} GiB available", hint)
+    return need, available

@@ -13,8 +13,10 @@ import pytest
 import torch
 
 from polytrain import ConfigError, TrainConfig
+from polytrain.checkpoint.resume import run_record
 from polytrain.cli import main
 from polytrain.models import GPT
+from polytrain.train.metrics import build_metrics
 
 TINY = ["--steps", "5", "--batch-size", "8", "--seq-len", "16", "--d-model", "32", "--quiet",
         "--timeout", "30"]
@@ -169,6 +171,48 @@ def test_a_config_takes_paths_as_str_and_an_int_for_a_float(tmp_path):
     config = TrainConfig(strategy="single", quiet=numpy.True_, steps=numpy.int64(3),
                          lr=numpy.float32(0.5))
     assert config.quiet is True and (config.steps, config.lr) == (3, 0.5)
+
+
+def test_strategy_options_are_kept_as_their_fields_take_them(tmp_path):
+    # Symptom: strategy_options={"cache_dir": Path(...)} was accepted, then a checkpoint's run
+    # record and metrics.json at the end of the run failed ("PosixPath is not JSON
+    # serializable"); numpy's numbers likewise. Cause: TrainConfig checked the options and
+    # kept the mapping it was given, not the values they were made.
+    config = TrainConfig(strategy="pipetransformer", steps=4, strategy_options={
+        "cache_dir": tmp_path, "freeze_every": numpy.int64(2)})
+    assert config.strategy_options == {"cache_dir": str(tmp_path), "freeze_every": 2}
+    assert type(config.strategy_options["freeze_every"]) is int
+    assert json.loads(json.dumps(run_record(config)))["strategy_options"] == \
+        {"cache_dir": str(tmp_path), "freeze_every": 2}
+    config = TrainConfig(strategy="byteps", model="mlp", strategy_options={
+        "partition_bytes": numpy.int64(8192), "compress": "onebit",
+        "compress_momentum": numpy.float32(0.5)})
+    metrics = build_metrics(config=config, losses=[1.0], times=[0.1], model_bytes=0,
+                            topology=None, reports=[], wall_s=1.0)
+    assert json.loads(json.dumps(metrics))["strategy_options"] == \
+        {"partition_bytes": 8192, "compress": "onebit", "compress_momentum": 0.5}
+    assert [type(v) for v in config.strategy_options.values()] == [int, str, float]
+
+
+def test_replace_fills_in_again_the_workers_and_nodes_a_config_filled_in():
+    # replace() kept the worker count filled in for the first strategy: 'single' made ddp a
+    # run of 1 worker, silently, and ddp's 2 workers made 'single' refused ("leave out
+    # --workers", never passed).
+    single = TrainConfig(strategy="single", model="mlp", steps=2)
+    assert (single.replace(strategy="ddp").workers, single.replace(strategy="ddp").nodes) == \
+        (2, 1)
+    assert TrainConfig(model="mlp", steps=2).replace(strategy="single").workers == 1
+    # What was given stays, through any number of replaces.
+    given = TrainConfig(model="mlp", steps=2, workers=4, nodes=2)
+    assert (given.replace(strategy="herring").replace(steps=3).workers,
+            given.replace(strategy="herring").nodes) == (4, 2)
+    # Those the devices set follow other devices.
+    emulated = TrainConfig(model="mlp", steps=2, devices="m0:fast*2,m1:fast*2")
+    assert (emulated.workers, emulated.nodes) == (4, 2)
+    assert (emulated.replace(devices="m0:fast*4").workers,
+            emulated.replace(devices="m0:fast*4").nodes) == (4, 1)
+    assert (emulated.replace(devices=None).workers, emulated.replace(devices=None).nodes) == \
+        (2, 1)
 
 
 def test_a_job_whose_weights_cannot_fit_in_memory_is_refused(monkeypatch, capsys):

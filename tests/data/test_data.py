@@ -51,6 +51,17 @@ def test_a_batch_that_does_not_split_evenly_is_refused_with_the_fix():
         shard(torch.zeros(10), 0, 4)
 
 
+@pytest.mark.parametrize("index, count", [(2, 2), (-1, 2), (0, 0), (0, -2)])
+def test_a_replica_outside_the_replicas_is_refused(index, count):
+    # shard(x, 2, 2) and shard(x, -1, 2) gave an empty batch, which trained on nothing (a
+    # slice past the end, or from the end); a count of 0 raised a bare ZeroDivisionError.
+    with pytest.raises(ConfigError, match=rf"^shard\(\) takes a replica index in 0\.\.count-1 "
+                                          rf"and a count of at least 1 \(got index {index}, "
+                                          rf"count {count}\)\. HINT: pass shard\(batch, "
+                                          rf"ctx\.worker_index, ctx\.num_workers\)$"):
+        shard(torch.arange(8), index, count)
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("options, message", [
     ({"model_options": {"seq_len": 5_000_000}},

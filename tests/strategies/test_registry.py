@@ -1,11 +1,14 @@
 import os
 
+import numpy
 import pytest
 import torch
 
 import polytrain
 from polytrain import ConfigError, LaunchError
+from polytrain.checkpoint.state import _options_record
 from polytrain.models import GPT
+from polytrain.strategies.base import make_options
 from tests.harness import spawn
 
 
@@ -22,6 +25,64 @@ def test_unknown_strategy_option_lists_the_valid_ones():
         polytrain.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1), "single",
                              bucket_mb=25)
 
+
+
+@pytest.mark.parametrize("strategy, options, message", [
+    # Each was accepted from Python (strategy_options, or distribute()'s keywords): herring
+    # kept its colocated servers for "no", "false" is a true value, and a partition of
+    # 4096.5 bytes reached the engine.
+    ("herring", {"colocate": "no"}, r"^strategy 'herring' option colocate must be True or "
+                                    r"False \(got 'no', a str\)\. HINT: pass colocate=True or "
+                                    r"colocate=False$"),
+    ("ddp", {"find_unused_parameters": "false"},
+     r"^strategy 'ddp' option find_unused_parameters must be True or False \(got 'false', a "
+     r"str\)\. HINT: pass find_unused_parameters=True or find_unused_parameters=False$"),
+    ("byteps", {"partition_bytes": 4096.5}, r"^strategy 'byteps' option partition_bytes must "
+                                            r"be a whole number \(got 4096\.5\)\. HINT: pass "
+                                            r"partition_bytes as a whole number$"),
+    ("byteps", {"partition_bytes": 4096.0}, r"HINT: pass partition_bytes=4096$"),
+    ("byteps", {"compress": 1}, r"^strategy 'byteps' option compress must be a str \(got 1, "
+                                r"an int\)\. HINT: pass compress='none'$"),
+    ("hetpipe", {"lag_beta2": "0.9"}, r"^strategy 'hetpipe' option lag_beta2 must be a number, "
+                                      r"or None \(got '0\.9', a str\)\. HINT: pass "
+                                      r"lag_beta2=0\.9$"),
+    ("hetpipe", {"staleness": None}, r"^strategy 'hetpipe' option staleness must be a whole "
+                                     r"number \(got None, a NoneType\)\. HINT: pass "
+                                     r"staleness=0$"),
+])
+def test_a_strategy_option_of_the_wrong_kind_is_refused_in_one_line(strategy, options, message):
+    with pytest.raises(ConfigError, match=message):
+        make_options(polytrain.get_strategy(strategy), options)  # what distribute() calls
+    if strategy == "herring":  # and TrainConfig, before any process starts
+        with pytest.raises(ConfigError, match=message):
+            polytrain.TrainConfig(strategy=strategy, model="mlp", strategy_options=options)
+
+
+def test_strategy_options_take_what_their_fields_mean(tmp_path):
+    # An int for a float, None where a field may be None, numpy's numbers and bools (a bool
+    # kept as one), and a path for a str (kept as a str, as TrainConfig's paths are).
+    herring = make_options(polytrain.get_strategy("herring"),
+                           {"bucket_cap_mb": 1, "colocate": numpy.False_})
+    assert (herring.bucket_cap_mb, herring.colocate) == (1, False)
+    assert herring.colocate is False
+    byteps = make_options(polytrain.get_strategy("byteps"),
+                          {"partition_bytes": numpy.int64(8192), "compress_momentum": 0})
+    assert (byteps.partition_bytes, byteps.compress_momentum) == (8192, 0)
+    hetpipe = make_options(polytrain.get_strategy("hetpipe"),
+                           {"inflight": None, "lag_beta2": None, "lag_lr": numpy.float32(0.5)})
+    assert (hetpipe.inflight, hetpipe.lag_beta2, hetpipe.lag_lr) == (None, None, 0.5)
+    cache = make_options(polytrain.get_strategy("pipetransformer"), {"cache_dir": tmp_path})
+    assert cache.cache_dir == str(tmp_path)
+    # numpy's numbers made Python's: a checkpoint's record of the options (JSON) left out
+    # numpy.int64(8192), and a resume read back the default partition size.
+    assert [type(v) for v in (byteps.partition_bytes, hetpipe.lag_lr)] == [int, float]
+    assert _options_record(byteps)["partition_bytes"] == 8192
+    # herring's bucket_cap_mb=None is its default, as torch's DDP reads it (refused once the
+    # option's kind was checked, as a float alone).
+    assert make_options(polytrain.get_strategy("herring"),
+                        {"bucket_cap_mb": None}).bucket_cap_mb is None
+    assert polytrain.TrainConfig(strategy="herring", model="mlp", strategy_options={
+        "bucket_cap_mb": None}).strategy_options == {"bucket_cap_mb": None}
 
 
 @pytest.mark.parametrize("strategy", ["byteps", "herring"])

@@ -97,10 +97,9 @@ def test_every_pipeline_strategy_says_so_and_data_parallel_ones_do_not():
     assert "hetpipe" in pipelines and not {"ddp", "byteps", "moe", "single"} & pipelines
 
 
-def refusals(strategy: str) -> str:
-    """What distribute() says, in a run of 2 workers, of ``strategy`` on a one-layer model."""
-    polytrain.init()
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+def refusal(strategy: str, device: str = "cpu") -> str:
+    """What distribute() says of ``strategy`` on a one-layer model on ``device``."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4, device=device))
     try:
         polytrain.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1),
                              strategy=strategy, loss_fn=mse)
@@ -109,18 +108,35 @@ def refusals(strategy: str) -> str:
     return "accepted"
 
 
+def refusals() -> list[str]:
+    """What distribute() says in a run of 2 workers: of 'single' before polytrain.init() and
+    after it, of a pipeline of more stages than layers, and of ddp given a model on another
+    device than the run's (the meta device: CI has no GPU)."""
+    before = refusal("single")
+    polytrain.init()
+    return [before, refusal("single"), refusal("pipetransformer"), refusal("ddp", "meta")]
+
+
 @pytest.mark.timeout(60)
 def test_distribute_refuses_what_the_cli_refuses_before_any_process_starts():
     # 'single' trained one copy per worker; a pipeline of more stages than layers got a hint
     # that pointed the wrong way (more --pipeline-stages): the strategy's check_model never ran.
+    # 'single' before polytrain.init() was accepted: only a context's workers were counted.
+    # A model on a GPU in a run on the CPU (no init(device="cuda")) was moved to the CPU by
+    # ddp's wrap, silently.
     from tests.harness import spawn
 
-    single, pipeline = (spawn(refusals, workers=2, args=(s,))[0]
-                        for s in ("single", "pipetransformer"))
+    before, single, pipeline, elsewhere = spawn(refusals, workers=2)[0]
+    assert before == ("strategy 'single' trains in one process, and polytrain launch started "
+                      "this process as one of 2: each would train its own copy. HINT: pick a "
+                      "distributed strategy, e.g. strategy='ddp'"), before
     assert single.startswith("strategy 'single' trains in one process, and this run has 2 "
                              "workers"), single
     assert pipeline.startswith("the model has 1 layers (children) but the pipeline has 2 "
                                "stages"), pipeline
+    assert elsewhere == ("parameter '0.weight' is on meta, and this run's workers compute on "
+                         "cpu: strategy 'ddp' would move the model there. HINT: move the model "
+                         "to cpu before distribute()"), elsewhere
 
 
 def other_optimizer(strategy: str) -> str:

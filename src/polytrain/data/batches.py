@@ -116,6 +116,10 @@ def check_divisible(batch_size: int, replicas: int) -> None:
 
 def shard(batch: torch.Tensor, index: int, count: int) -> torch.Tensor:
     """Replica ``index`` of ``count``'s contiguous, equal slice of a global batch (dim 0)."""
+    if not 0 <= index < count:  # a slice past the end, or from it, was an empty batch
+        raise ConfigError(f"shard() takes a replica index in 0..count-1 and a count of at "
+                          f"least 1 (got index {index}, count {count})",
+                          "pass shard(batch, ctx.worker_index, ctx.num_workers)")
     check_divisible(batch.shape[0], count)
     per = batch.shape[0] // count
     return batch[index * per:(index + 1) * per]

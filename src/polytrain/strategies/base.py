@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import weakref
 from abc import ABC, abstractmethod
 from typing import Any, Callable, ClassVar, Generic, Iterable, Mapping, TypeVar, overload
@@ -11,9 +12,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import runtime
+from .. import _env, runtime
 from ..emulation.profile import ModelProfile, optimizer_state_factor, whole_model_bytes
 from ..errors import ConfigError, unknown
+from ..kinds import check_kinds
 from ..launch.layout import Layout
 from ..moe.checkpoint import moe_layers
 from ..runtime import Context
@@ -362,14 +364,20 @@ def saved_option(cls: type[Strategy[Any]], saved: Mapping[str, Any], name: str) 
 
 
 def make_options(cls: type[Strategy[Any]], options: dict[str, Any]) -> Any:
-    """Build ``cls.Options`` from keyword options, naming any that it does not have."""
+    """Build ``cls.Options`` from keyword options, naming any that it does not have, or of
+    another kind than its field (:func:`~polytrain.kinds.check_kinds`, which makes numpy's
+    numbers Python's and a path a str)."""
     fields = {f.name for f in dataclasses.fields(cls.Options)}
     unknown = sorted(set(options) - fields)
     if unknown:
         valid = ", ".join(sorted(fields)) or "none"
         raise ConfigError(f"strategy {cls.name!r} has no option {', '.join(map(repr, unknown))}; "
                           f"its options are: {valid}", "leave those options out")
-    return cls.Options(**options)
+    # A field whose flag takes a DIR or FILE takes a pathlib.Path too, as TrainConfig's do.
+    paths = {f.name for f in dataclasses.fields(cls.Options)
+             if f.metadata.get("metavar") in ("DIR", "FILE")}
+    return cls.Options(**check_kinds(cls.Options, options, paths=paths,
+                                     what=f"strategy {cls.name!r} option "))
 
 
 @overload
@@ -433,16 +441,15 @@ def distribute(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str
             f"strategy={strategy!r}, loss_fn=loss_fn), then loss = trainer.step(x, y) on "
             f"each global batch")
     opts = make_options(cls, options)
-    if not cls.distributed and runtime.is_initialized() and runtime.current().num_workers > 1:
-        raise ConfigError(f"strategy {strategy!r} trains in one process, and this run has "
-                          f"{runtime.current().num_workers} workers: each would train its own "
-                          f"copy", "pick a distributed strategy, e.g. strategy='ddp'")
+    if not cls.distributed:
+        _check_one_process(strategy)
     _check_whole_experts(model, strategy)
     if cls.distributed:
         ctx = ctx or runtime.init()
         if not ctx.is_worker:
             raise ConfigError(f"rank {ctx.rank} is a server and cannot train a model",
                               "call distribute() on workers only")
+        _check_device(model, ctx.device, strategy)
         if cls.even_machines:
             check_even_machines(strategy, ctx.topology)
         layout = layout_of(ctx)
@@ -472,6 +479,44 @@ def distribute(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str
     if gate_losses:
         loss_fn = with_gate_losses(loss_fn, wrapped)
     return Trainer(instance, wrapped, opt, loss_fn, device=device)
+
+
+def _check_one_process(strategy: str) -> None:
+    """Refuse a strategy of one process in a run of several, each of which would train its
+    own copy: the run's workers once :func:`polytrain.init` has joined it, else the
+    processes of a torch.distributed group this one joined, or of its launcher."""
+    if runtime.is_initialized():
+        count = runtime.current().num_workers
+        said = f"this run has {count} workers"
+    elif dist.is_available() and dist.is_initialized():
+        count = dist.get_world_size()
+        said = f"this process joined a torch.distributed run of {count} processes"
+    else:
+        by = _env.started_by()
+        count = _env.world_size() if by is not None else 1
+        said = f"{by} started this process as one of {count}"
+    if count > 1:
+        raise ConfigError(f"strategy {strategy!r} trains in one process, and {said}: each "
+                          f"would train its own copy",
+                          "pick a distributed strategy, e.g. strategy='ddp'")
+
+
+def _check_device(model: nn.Module, device: torch.device, strategy: str) -> None:
+    """Refuse a model with a tensor on another kind of device than the run's workers compute
+    on: the strategies move the model to ``device`` (a model on the CPU goes to the worker's
+    GPU); a model on a GPU in a run on the CPU (no ``init(device="cuda")``) was moved to the
+    CPU and trained there, silently."""
+    for name, t in itertools.chain(model.named_parameters(), model.named_buffers()):
+        if t.device.type not in ("cpu", device.type):
+            kind = "parameter" if isinstance(t, nn.Parameter) else "buffer"
+            hint = (f"pass device={t.device.type!r} to the run's first polytrain.init() "
+                    f"(before distribute()) to train on the GPU, or move the model to "
+                    f"{device.type} first"
+                    if t.device.type == "cuda" else
+                    f"move the model to {device.type} before distribute()")
+            raise ConfigError(f"{kind} {name!r} is on {t.device.type}, and this run's workers "
+                              f"compute on {device.type}: strategy {strategy!r} would move the "
+                              f"model there", hint)
 
 
 def _check_whole_experts(model: nn.Module, strategy: str) -> None:

@@ -77,6 +77,8 @@ def build_metrics(*, config: Any, losses: Sequence[float], times: Sequence[float
         "lr_schedule": getattr(config, "lr_schedule", "constant"),
         "warmup_steps": getattr(config, "warmup_steps", 0),
         "seed": config.seed,
+        "sampling": getattr(config, "sampling", "random"),
+        "eval_every": getattr(config, "eval_every", None),
         "device": config.device,
         "devices": getattr(config, "devices", None),
         "bandwidth": getattr(config, "bandwidth", None),

@@ -14,12 +14,13 @@ class HerringOptions:
     """How Herring fuses and places the gradients.
 
     Args:
-        bucket_cap_mb: fusion buffer size in MiB (default 25, as torch's DDP).
+        bucket_cap_mb: fusion buffer size in MiB (default 25, as torch's DDP; None too, as
+            the drop-in and torch's DDP read it).
         colocate: a summation server on every worker machine (default True); False leaves
             only the ``--servers K`` dedicated CPU machines.
     """
 
-    bucket_cap_mb: float = field(default=DEFAULT_BUCKET_CAP_MB, metadata={
+    bucket_cap_mb: float | None = field(default=DEFAULT_BUCKET_CAP_MB, metadata={
         "help": "fusion buffer size in MiB; each buffer is cut into one shard per server "
                 f"(default {DEFAULT_BUCKET_CAP_MB:g})", "metavar": "MB"})
     colocate: bool = field(default=True, metadata={
