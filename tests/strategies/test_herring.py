@@ -1,6 +1,8 @@
 """Herring: the single run's weights, shards of M/(n+k) on every server, balance, the drop-in."""
 
 import functools
+import gc
+import weakref
 
 import pytest
 import torch
@@ -10,8 +12,10 @@ from torch import nn
 import polytrain
 from polytrain import CommTimeout, ConfigError, LaunchError, TrainConfig
 from polytrain.comm import TensorSpec
-from polytrain.herring import herring_traffic, plan_herring
+from polytrain.herring import HerringOptions, herring_traffic, plan_herring
+from polytrain.launch.layout import Layout
 from polytrain.models import GPT
+from polytrain.strategies.herring import Herring
 from polytrain.strategies.herring.ddp import bucket_cap_bytes
 from tests.harness import (
     adam_tolerance,
@@ -97,6 +101,16 @@ def test_the_plans_refusals_name_the_rule_and_the_values():
         bucket_cap_bytes("25")
     with pytest.raises(ConfigError, match="--no-colocate keeps only the dedicated servers"):
         TrainConfig(strategy="herring", workers=2, strategy_options={"colocate": False})
+
+
+def test_a_frozen_sparse_embedding_is_not_refused():
+    # It was refused as 'has sparse gradients', though it has none.
+    frozen = nn.Sequential(nn.Embedding(10, 4, sparse=True).requires_grad_(False),
+                           nn.Linear(4, 1))
+    Herring.check_model(frozen, Layout(workers=2), HerringOptions())
+    with pytest.raises(ConfigError, match=r"^parameter '0\.weight' has sparse gradients"):
+        Herring.check_model(nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 1)),
+                            Layout(workers=2), HerringOptions())
 
 
 # -- transparency and traffic ------------------------------------------------------------------
@@ -316,6 +330,18 @@ class _Marked(nn.Module):
         return self.lin(x) + self.mark
 
 
+class _Devices(nn.Module):
+    """A layer, and a forward that answers where its inputs (nested, and a keyword) are."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, pair: tuple[torch.Tensor, list[torch.Tensor]],
+                scale: torch.Tensor) -> list[str]:
+        return [pair[0].device.type, pair[1][0].device.type, scale.device.type]
+
+
 def drop_in_arguments() -> dict:
     ctx = polytrain.init()
     from polytrain.herring import DistributedDataParallel as DDP
@@ -324,8 +350,43 @@ def drop_in_arguments() -> dict:
     model = DDP(_Marked(), bucket_cap_mb=None, broadcast_buffers=None)
     model.module.mark.fill_(ctx.worker_index + 1.0)  # worker 1's buffer drifted
     model(torch.randn(2, 4))
-    return {"group": refused(lambda: DDP(nn.Linear(4, 2), process_group=dist.group.WORLD)),
-            "mark": model.module.mark.tolist()}
+    out = {"group": refused(lambda: DDP(nn.Linear(4, 2), process_group=dist.group.WORLD)),
+           "mark": model.module.mark.tolist()}
+    # Worker 0 evaluates alone, as torch's DDP lets it: its first forward under no_grad()
+    # broadcasts (the call the others' next training forward makes), the rest do not.
+    if ctx.worker_index == 0:
+        model.module.mark.fill_(7.0)
+        model.eval()
+        with torch.no_grad():
+            for _ in range(3):
+                model(torch.randn(2, 4))
+        model.train()
+    model(torch.randn(2, 4)).sum().backward()
+    out["mark after evaluating"] = model.module.mark.tolist()
+    # device_ids=[i] moves the inputs to device i, nested ones and keywords too (a fake
+    # device here: the meta one).
+    with torch.no_grad():
+        out["devices"] = DDP(_Devices(), device_ids=[torch.device("meta")])(
+            (torch.ones(1), [torch.ones(1)]), scale=torch.ones(1))
+    # static_graph accepted; init_sync=False keeps each worker's own weights.
+    torch.manual_seed(ctx.worker_index)
+    own = nn.Linear(4, 2)
+    start = own.weight.detach().clone()
+    DDP(own, init_sync=False, static_graph=True)
+    out["own weights kept"] = torch.equal(own.weight, start)
+    # broadcast_buffers=False: as torch's DDP, the wrap copies worker 0's parameters, not its
+    # buffers (each worker's own, rank-local).
+    local = _Marked()
+    local.mark.fill_(ctx.worker_index + 1.0)
+    torch.manual_seed(ctx.worker_index)
+    local.lin.reset_parameters()
+    local = DDP(local, broadcast_buffers=False)
+    out["local buffers"] = (local.module.mark.tolist(), local.module.lin.weight.detach().clone())
+
+    def differing(option: str) -> str:  # True on worker 0 alone
+        return refused(lambda: DDP(nn.Linear(4, 2), **{option: ctx.worker_index == 0}))
+    out["options"] = [differing(o) for o in ("broadcast_buffers", "find_unused_parameters")]
+    return out
 
 
 @functools.cache
@@ -346,6 +407,51 @@ def test_none_for_bucket_cap_mb_and_broadcast_buffers_means_torchs_defaults():
     # bucket_cap_mb=None raised TypeError ('<' between float and None); broadcast_buffers=None
     # turned the broadcast off, where torch's DDP reads it as True.
     assert [said["mark"] for said in drop_in_arguments_run()] == [[1.0, 1.0], [1.0, 1.0]]
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_that_evaluates_alone_under_no_grad_leaves_the_others_in_step():
+    # The drop-in broadcast the buffers at every forward, under no_grad() too, where torch's
+    # DDP does not: worker 0's evaluation made 3 broadcasts the others never matched, and
+    # the run ended in gloo's "Timed out waiting ... for send".
+    assert [said["mark after evaluating"] for said in drop_in_arguments_run()] == \
+        [[7.0, 7.0], [7.0, 7.0]]
+
+
+@pytest.mark.timeout(60)
+def test_device_ids_moves_the_inputs_there_as_torch_ddp_does():
+    # device_ids was accepted and ignored: inputs stayed where they were.
+    for said in drop_in_arguments_run():
+        assert said["devices"] == ["meta", "meta", "meta"]
+
+
+@pytest.mark.timeout(60)
+def test_static_graph_and_init_sync_are_taken_and_init_sync_false_keeps_each_workers_weights():
+    # Both raised TypeError: unexpected keyword argument.
+    for said in drop_in_arguments_run():
+        assert said["own weights kept"] is True
+
+
+@pytest.mark.timeout(60)
+def test_broadcast_buffers_false_keeps_each_workers_buffers_at_the_wrap_as_torch_ddp_does():
+    # Worker 0's buffers overwrote every worker's at the wrap, where torch's DDP copies them
+    # only with broadcast_buffers (rank-local buffers were lost).
+    said = drop_in_arguments_run()
+    for w, s in enumerate(said):
+        assert s["local buffers"][0] == [w + 1.0, w + 1.0]
+    assert torch.equal(said[0]["local buffers"][1], said[1]["local buffers"][1])  # parameters
+
+
+@pytest.mark.timeout(60)
+def test_options_that_differ_between_workers_are_refused_at_the_wrap_naming_them():
+    # find_unused_parameters on worker 0 alone declared flags worker 1 never sent: a
+    # CommTimeout about 'present[0]' after the timeout; broadcast_buffers, a gloo hang.
+    for said in drop_in_arguments_run():
+        assert said["options"] == [
+            f"worker rank 1's DistributedDataParallel option {option} differs from worker rank "
+            f"0's (machine node0: False; machine node0: True). HINT: pass the same options to "
+            f"DistributedDataParallel on every worker"
+            for option in ("broadcast_buffers", "find_unused_parameters")]
 
 
 @pytest.mark.timeout(60)
@@ -443,17 +549,39 @@ def hook_edges() -> dict:
     state = HerringHookState(ctx)
     state.engine = _Unanswered(state.engine)
     model.register_comm_hook(state, herring_hook)
-    try:
-        model(torch.randn(2, 4)).sum().backward()
-        out["timeout"] = "accepted"
-    except Exception as e:  # noqa: BLE001 - the test reads what the user would see
-        out["timeout"] = f"{type(e).__name__}: {e}"
+    out["timeout"] = _raised(lambda: model(torch.randn(2, 4)).sum().backward())
+    # A dead weakref.proxy alive in the process, as libraries leave them: the hook's search
+    # for its DDP among the live objects passes it by.
+    dead = _Mixed()
+    proxies = [weakref.proxy(dead)]
+    del dead
+    gc.collect()
+    model = nn.parallel.DistributedDataParallel(nn.Linear(4, 2), process_group=ctx.groups.workers)
+    model.register_comm_hook(HerringHookState(ctx), herring_hook)
+    out["dead proxy"] = _raised(
+        lambda: model(torch.full((2, 4), ctx.worker_index + 1.0)).sum().backward())
+    out["dead proxy grad"] = model.module.weight.grad
+    del proxies
+    # A replica group of this worker alone: the hook would average over every worker.
+    alone = dist.new_group([ctx.rank], use_local_synchronization=True)
+    model = nn.parallel.DistributedDataParallel(nn.Linear(4, 2), process_group=alone)
+    model.register_comm_hook(HerringHookState(ctx), herring_hook)
+    out["subgroup"] = _raised(lambda: model(torch.randn(2, 4)).sum().backward())
     return out
 
 
+def _raised(fn) -> str:
+    """What ``fn()`` raised, as the user reads it, or "accepted"."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test reads what the user would see
+        return f"{type(e).__name__}: {e}"
+    return "accepted"
+
+
 @functools.cache
-def hook_edges_run() -> dict:
-    return spawn(hook_edges, workers=2, colocated=1)[0]
+def hook_edges_run() -> list[dict]:
+    return spawn(hook_edges, workers=2, colocated=1)
 
 
 @pytest.mark.timeout(90)
@@ -461,7 +589,7 @@ def test_the_comm_hook_sums_buckets_that_change_dtype_when_ddp_rebuilds_them():
     # Bucket 0 turned from float64 to float32 at the rebuild, with the same 10 elements, and
     # the hook's sum for it, keyed by size alone, refused: "'ddp bucket 0' was declared [10]
     # torch.float64 but got [10] torch.float32".
-    hook = hook_edges_run()["mixed"]
+    hook = hook_edges_run()[0]["mixed"]
     gen = torch.Generator().manual_seed(1)
     x, y = torch.randn(4, 10, generator=gen), torch.randn(4, 10, generator=gen)
     single = _Mixed()
@@ -471,10 +599,33 @@ def test_the_comm_hook_sums_buckets_that_change_dtype_when_ddp_rebuilds_them():
 
 
 @pytest.mark.timeout(90)
+def test_the_comm_hook_on_a_ddp_of_some_workers_is_refused_naming_its_group():
+    # The hook averaged every bucket over all the workers, whatever the DDP's process_group
+    # (two replica groups of 2 of 4 workers: 0.212 off torch's DDP), silently.
+    for rank, said in enumerate(hook_edges_run()):
+        assert said["subgroup"] == (
+            f"ConfigError: herring_hook sums gradients over every worker (ranks [0, 1]), but "
+            f"the process_group of the DistributedDataParallel it is registered on has ranks "
+            f"[{rank}]. HINT: pass process_group=ctx.groups.workers to that "
+            f"DistributedDataParallel, or leave the hook out of it"), said
+
+
+@pytest.mark.timeout(90)
+def test_the_comm_hook_sums_beside_a_dead_weakref_proxy():
+    # Symptom: herring_hook failed at its first bucket with "ReferenceError: weakly-referenced
+    # object no longer exists". Cause: its search for the DDPs it is registered on called
+    # isinstance() on every live object, which reads a dead proxy's __class__.
+    for said in hook_edges_run():
+        assert said["dead proxy"] == "accepted", said
+        # Each worker's gradient is 2 x (its index + 1) everywhere: averaged, 3.
+        assert torch.equal(said["dead proxy grad"], torch.full((2, 4), 3.0))
+
+
+@pytest.mark.timeout(90)
 def test_a_sum_that_fails_under_the_comm_hook_reaches_the_user_as_polytrains_error():
     # The hook set the error as its future's exception, which DDP's reducer read as the
     # value: "RuntimeError: Unable to cast rank 0: ... to Tensor".
-    assert hook_edges_run()["timeout"] == ("CommTimeout: rank 0: ddp bucket 0 did not complete "
+    assert hook_edges_run()[0]["timeout"] == ("CommTimeout: rank 0: ddp bucket 0 did not complete "
                                            "within 8 s. HINT: raise the timeout")
 
 
@@ -519,23 +670,40 @@ def test_a_parameter_unfrozen_after_the_wrap_is_refused_naming_it():
         spawn(refreeze_script, workers=2, colocated=1, args=("unfreeze",))
 
 
-def frozen_on_one_worker() -> str:
+def frozen_on_one_worker() -> dict:
+    """Worker 1 freezes the first layer before the wrap, then, in a second model, after it."""
     ctx = polytrain.init()
     model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3))
     model[0].requires_grad_(ctx.worker_index != 1)
     from polytrain.herring import DistributedDataParallel as DDP
-    return refused(lambda: DDP(model))
+    out = {"before": refused(lambda: DDP(model))}
+    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3))
+    ddp = DDP(model, find_unused_parameters=True)
+
+    def steps() -> None:
+        for step in range(3):
+            if step == 1 and ctx.worker_index == 1:
+                model[0].requires_grad_(False)
+            ddp(torch.randn(4, 6)).sum().backward()
+    out["after"] = refused(steps)
+    return out
 
 
 @pytest.mark.timeout(90)
 def test_workers_that_freeze_other_parameters_are_refused_on_every_worker():
     # Their buckets differed: a declaration mismatch naming bucket keys on some workers, a
-    # timeout on the others.
+    # timeout on the others. Frozen on some workers after the wrap: the others stepped it,
+    # and the copies drifted apart (0.045 in 3 steps), silently.
     for said in spawn(frozen_on_one_worker, workers=2, colocated=1):
-        assert said.startswith("worker rank 1's trained parameters (requires_grad) differs "
-                               "from worker rank 0's"), said
-        assert said.endswith("HINT: freeze the same parameters on every worker before "
-                             "wrapping the model")
+        assert said["before"].startswith("worker rank 1's trained parameters (requires_grad) "
+                                         "differs from worker rank 0's"), said
+        assert said["before"].endswith("HINT: freeze the same parameters on every worker "
+                                       "before wrapping the model")
+        assert said["after"] == (
+            "parameter '0.weight' is frozen (requires_grad False) on 1 of the 2 workers and "
+            "trains on the others: they would step it and the rest would not, and the "
+            "workers' copies would drift apart. HINT: freeze it on every worker at the same "
+            "step, or on none"), said
 
 
 class _Fragile(nn.Module):
@@ -577,3 +745,22 @@ def test_a_worker_that_skips_a_batch_whose_backward_failed_is_named_with_the_cau
     assert said.startswith("worker rank 1 (machine node0) failed: ConfigError: the last "
                            "backward pass on this worker raised after some of its gradients "
                            "had been sent to be summed"), said
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("colocate", "no", r"^DistributedDataParallel option colocate must be True or False \(got "
+                       r"'no', a str\)\. HINT: pass colocate=True or colocate=False$"),
+    ("find_unused_parameters", "false",
+     r"^DistributedDataParallel option find_unused_parameters must be True or False \(got "
+     r"'false', a str\)\. HINT: pass find_unused_parameters=True or "
+     r"find_unused_parameters=False$"),
+    ("broadcast_buffers", 1, r"^DistributedDataParallel option broadcast_buffers must be True "
+                             r"or False, or None \(got 1, an int\)\."),
+])
+def test_the_drop_ins_options_of_the_wrong_kind_are_refused_in_one_line(option, value, message):
+    # Symptom: DDP(model, colocate="no") kept a server on every worker machine ("no" is
+    # true). Cause: the drop-in's own keywords went unchecked, where the strategy's
+    # options (colocate=) are checked by kind.
+    from polytrain.herring import DistributedDataParallel as DDP
+    with pytest.raises(ConfigError, match=message):  # before it looks for a run
+        DDP(nn.Linear(2, 2), **{option: value})

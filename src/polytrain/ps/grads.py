@@ -31,14 +31,39 @@ from .compression import CompressOptions
 from .engine import Engine, SumTensor
 from .placement import Placement
 
-__all__ = ["GradientSync", "bucket_specs", "gradient_change", "sparse_parameter"]
+__all__ = ["GradientSync", "bucket_specs", "flags_dtype", "gradient_change", "presence_flags",
+           "read_presence", "sparse_parameter"]
+
+
+def flags_dtype(workers: int) -> torch.dtype:
+    """The dtype of :attr:`GradientSync.keep_missing`'s flags, whose sums over ``workers``
+    reach W (W + 2) (:func:`presence_flags`): int32 while they fit (up to 46,339 workers;
+    float32 counted exactly to 4,095 only), else int64."""
+    return torch.int32 if workers * (workers + 2) < 2**31 else torch.int64
+
+
+def presence_flags(had: Sequence[bool], frozen: Sequence[bool], workers: int,
+                   device: torch.device | str = "cpu") -> torch.Tensor:
+    """One worker's flags, per parameter: 1 if it had a gradient, plus W + 1 if it is frozen
+    here (requires_grad False), so that their sum over the W workers holds both counts
+    (:func:`read_presence`)."""
+    return torch.tensor([int(h) + (workers + 1) * int(f) for h, f in zip(had, frozen)],
+                        dtype=flags_dtype(workers), device=device)
+
+
+def read_presence(sums: torch.Tensor, workers: int) -> list[tuple[int, int]]:
+    """Per parameter, from the sum of every worker's :func:`presence_flags`: (how many
+    workers froze it, how many had a gradient)."""
+    return [divmod(int(n), workers + 1) for n in sums.tolist()]
 
 
 def sparse_parameter(model: torch.nn.Module) -> str | None:
     """The name of ``model``'s first parameter with sparse gradients (an
-    ``nn.Embedding(sparse=True)`` or ``EmbeddingBag``), or None: the engine sums dense ones."""
+    ``nn.Embedding(sparse=True)`` or ``EmbeddingBag`` that trains: a frozen one has none), or
+    None: the engine sums dense ones."""
     for prefix, module in model.named_modules():
-        if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and module.sparse:
+        if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and module.sparse \
+                and module.weight.requires_grad:
             return f"{prefix}.weight" if prefix else "weight"
     return None
 
@@ -185,7 +210,9 @@ class GradientSync:
         chose, a branch no worker took: one process gives it none, and Adam would step on
         zeros). Off by default; on, a flag per parameter is summed each step, on a key of
         its own beside the gradients' (4 bytes a parameter each way, measured as theirs),
-        sent as the last gradient comes in, ahead of buckets waiting for credit.
+        sent as the last gradient comes in, ahead of buckets waiting for credit. The flags
+        count the workers that froze a parameter too: one frozen on some workers only is
+        refused at the synchronisation, naming it (the others would step it alone).
         Every worker sets it alike, at the same point: turning it on declares that key."""
         return self._keep_missing
 
@@ -193,7 +220,8 @@ class GradientSync:
     def keep_missing(self, on: bool) -> None:
         owner, handler = self._flags_at
         if on and self._flags is None and owner is not None:
-            spec = TensorSpec("gradients present", (len(self.params),), torch.float32)
+            spec = TensorSpec("gradients present", (len(self.params),),
+                              flags_dtype(self._workers))
             parts = partition([spec], spec.nbytes)
             self._flags = self.engine.sums(
                 [spec], Placement(parts, (owner,), None if handler is None else (handler,)),
@@ -285,9 +313,11 @@ class GradientSync:
         if not self._unready and self.keep_missing and self._flags is not None:
             # Every gradient is in: the flags leave now, ahead of the buckets still waiting
             # for credit (priority), so that their round trip rides with those buckets'.
-            self.engine.submit(self._flags, torch.tensor(
-                [h is not None for h in self._handed], dtype=torch.float32,
-                device=self.params[0].device), priority=1)
+            # Per parameter: whether it had a gradient, whether it is frozen here.
+            self.engine.submit(self._flags, presence_flags(
+                [h is not None for h in self._handed],
+                [not p.requires_grad for p in self.params], self._workers,
+                self.params[0].device), priority=1)
 
     @torch.no_grad()
     def synchronize(self) -> None:
@@ -317,17 +347,27 @@ class GradientSync:
                 p.grad.copy_(total[off:off + p.numel()].view(p.shape))
                 if not divided:
                     p.grad.div_(self._workers)
-        came = None if flags is None else self.engine.wait(flags).tolist()
+        # Per parameter, how many workers froze it and how many had a gradient (the flags).
+        came = [] if flags is None else read_presence(self.engine.wait(flags), self._workers)
         done = time.perf_counter()
         if self._first_submit is not None:
             self.comm_s.append(done - self._first_submit)
             self.exposed_s.append(done - waited)
-        for p, n in zip(self.params, came or ()):
-            if n == 0:
+        for p, (_, had) in zip(self.params, came):
+            if had == 0:
                 p.grad = None
         self.synced_compressed = self.compressing
         self.synced += 1
         self._reset()
+        split = [(name, frozen) for name, (frozen, _) in zip(self.names, came)
+                 if 0 < frozen < self._workers]
+        if split:  # every worker reads the same sums: each raises here
+            name, frozen = split[0]
+            raise ConfigError(
+                f"parameter {name!r} is frozen (requires_grad False) on {frozen} of the "
+                f"{self._workers} workers and trains on the others: they would step it and the "
+                f"rest would not, and the workers' copies would drift apart",
+                "freeze it on every worker at the same step, or on none")
         self.synchronized = True
 
     def _check_unchanged(self) -> None:

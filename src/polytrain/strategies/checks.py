@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -15,7 +15,7 @@ from ..runtime import Context
 
 __all__ = ["check_even_machines", "check_dense_gradients", "check_no_batch_scaled_gradients",
            "check_optimizer_of", "check_same_model", "check_same_optimizer", "check_same_tensors",
-           "check_same_trained", "check_same_value", "check_worker_models",
+           "check_same_trained", "check_same_value", "check_same_values", "check_worker_models",
            "broadcast_module", "model_signature", "optimizer_signature", "tensor_signature"]
 
 
@@ -178,21 +178,29 @@ def check_same_tensors(ctx: Context, signature: Signature,
 def check_same_value(ctx: Context, value: Any, what: str, fix: str) -> None:
     """Raise ConfigError on every worker if any worker's ``value`` differs from worker 0's,
     naming the first that differs, its machine and both values."""
+    check_same_values(ctx, {what: value}, fix)
+
+
+def check_same_values(ctx: Context, values: Mapping[str, Any], fix: str) -> None:
+    """:func:`check_same_value` for several values in one gather: ``values`` maps what each
+    is (its name in the message) to this worker's value; the first that differs is named."""
     everyone: list[Any] = [None] * ctx.num_workers
-    dist.all_gather_object(everyone, value, group=ctx.groups.workers)
+    dist.all_gather_object(everyone, dict(values), group=ctx.groups.workers)
     for i, other in enumerate(everyone):
-        if other != everyone[0]:
-            rank, first = ctx.topology.workers[i], ctx.topology.workers[0]
-            raise ConfigError(f"worker rank {rank}'s {what} differs from worker rank {first}'s"
-                              f" (machine {ctx.topology.machine(rank)}: {other}; machine "
-                              f"{ctx.topology.machine(first)}: {everyone[0]})", fix)
+        for what, value in everyone[0].items():
+            if other.get(what) != value:
+                rank, first = ctx.topology.workers[i], ctx.topology.workers[0]
+                raise ConfigError(f"worker rank {rank}'s {what} differs from worker rank "
+                                  f"{first}'s (machine {ctx.topology.machine(rank)}: "
+                                  f"{other.get(what)}; machine {ctx.topology.machine(first)}: "
+                                  f"{value})", fix)
 
 
 @torch.no_grad()
-def broadcast_module(ctx: Context, model: nn.Module) -> None:
-    """Copy worker 0's parameters and buffers to every worker."""
+def broadcast_module(ctx: Context, model: nn.Module, *, buffers: bool = True) -> None:
+    """Copy worker 0's parameters, and its buffers unless not ``buffers``, to every worker."""
     src = ctx.topology.workers[0]
-    for t in list(model.parameters()) + list(model.buffers()):
+    for t in list(model.parameters()) + (list(model.buffers()) if buffers else []):
         dist.broadcast(t.data, src=src, group=ctx.groups.workers)
 
 

@@ -3,25 +3,42 @@
 BytePS's and Herring's ``DistributedDataParallel`` differ only in how they
 plan their gradient sums (fusion, placement, compression); both then hold a
 :class:`~polytrain.ps.grads.GradientSync` and show torch DDP's surface:
-``forward`` (worker 0's buffers first), ``no_sync()``, a bare ``state_dict``.
+``forward`` (worker 0's buffers first, when torch's DDP would broadcast them), ``no_sync()``,
+a bare ``state_dict``.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.utils import _to_kwargs
 
 from ..errors import ConfigError
 from ..moe.checkpoint import moe_layers
 from ..ps.grads import GradientSync
 from ..runtime import Context
-from .checks import broadcast_module, check_worker_models
+from .checks import broadcast_module, check_same_values, check_worker_models
 
-__all__ = ["SyncedModule", "check_still_frozen", "keep_missing_for"]
+__all__ = ["SyncedModule", "check_still_frozen", "input_device", "keep_missing_for"]
+
+
+def input_device(device_ids: Sequence[Any] | None, module: nn.Module) -> torch.device | None:
+    """Where torch's DDP moves the forward's inputs given ``device_ids``: ``device_ids[0]``
+    (an index of the module's device type, or a device), or None: none given, or a CPU
+    device (one per machine, where a move would only copy the inputs)."""
+    if not device_ids:
+        return None
+    first = device_ids[0]
+    if isinstance(first, (str, torch.device)):
+        device = torch.device(first)
+    else:
+        param = next(module.parameters(), None)
+        device = torch.device("cuda" if param is None else param.device.type, int(first))
+    return None if device.type == "cpu" else device
 
 
 def keep_missing_for(sync: GradientSync, model: nn.Module, *, find_unused: bool = False
@@ -53,27 +70,42 @@ class SyncedModule(nn.Module):
     """A model whose gradients :attr:`sync` sums over the workers during backward.
 
     The constructor checks that every worker built the same model (a clear
-    error naming the first tensor that differs) and copies worker 0's
-    parameters and buffers to every worker; the subclass then sets
-    :attr:`sync` from :meth:`trained`'s parameters.
+    error naming the first tensor that differs) and passed the same options
+    ``same`` (name -> value), and copies worker 0's parameters, and its buffers
+    with ``broadcast_buffers``, to every worker (unless not ``init_sync``), as
+    torch's DDP; the subclass then sets
+    :attr:`sync` from :meth:`trained`'s parameters. The forward moves its
+    inputs to ``device_ids[0]`` where given (:func:`input_device`).
     """
 
     sync: GradientSync
 
     def __init__(self, module: nn.Module, ctx: Context, *, broadcast_buffers: bool | None,
-                 method: str) -> None:
+                 method: str, device_ids: Sequence[Any] | None = None, init_sync: bool = True,
+                 same: Mapping[str, Any] | None = None) -> None:
         super().__init__()
         if not ctx.is_worker:
             raise ConfigError(f"rank {ctx.rank} is a server; {method} trains on workers",
                               "wrap the model on workers only (servers serve inside init())")
         check_worker_models(ctx, module)  # as distribute(): the drop-in's way in too
+        if same:  # options whose difference would leave the workers' sums out of step
+            check_same_values(ctx, same, f"pass the same options to {type(self).__name__} "
+                                         f"on every worker")
         self.module = module
-        broadcast_module(ctx, module)
+        # torch's DDP reads None as True (its default): buffers broadcast.
+        self.broadcast_buffers = broadcast_buffers is None or bool(broadcast_buffers)
+        if init_sync:  # False: the user vouches that every worker starts from the same weights
+            # The buffers too only with broadcast_buffers, as torch's DDP: without it they
+            # are each worker's own (rank-local), at the wrap as at every forward.
+            broadcast_module(ctx, module, buffers=self.broadcast_buffers)
         #: Parameters frozen at the wrap: they have no sum (:meth:`_check_trained`).
         self._frozen = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
         self.ctx = ctx
-        # torch's DDP reads None as True (its default): buffers broadcast.
-        self.broadcast_buffers = broadcast_buffers is None or bool(broadcast_buffers)
+        #: Whether the next forward broadcasts the buffers: torch DDP's rule (its
+        #: ``require_forward_param_sync``), set by each forward (see :meth:`forward`).
+        self.require_forward_param_sync = True
+        #: Where the forward's inputs are moved (torch DDP's ``device_ids[0]``), or None.
+        self.device = input_device(device_ids, module)
 
     def trained(self) -> list[tuple[str, nn.Parameter]]:
         """The parameters whose gradients are summed: those that require one."""
@@ -88,12 +120,23 @@ class SyncedModule(nn.Module):
                 "skipped on one worker, after an out-of-memory error say, cannot be summed); "
                 "resume from a checkpoint")
         self._check_trained()
-        if self.broadcast_buffers and self.ctx.num_workers > 1:
+        if self.broadcast_buffers and self.require_forward_param_sync \
+                and self.ctx.num_workers > 1:
             src = self.ctx.topology.workers[0]
             with torch.no_grad():
                 for b in self.module.buffers():
                     dist.broadcast(b.data, src=src, group=self.ctx.groups.workers)
-        return self.module(*args, **kwargs)
+        if self.device is not None and (args or kwargs):
+            moved, moved_kwargs = _to_kwargs(args, kwargs, self.device, False)
+            args, kwargs = moved[0], moved_kwargs[0]
+        out = self.module(*args, **kwargs)
+        # As torch's DDP: only a forward after one that trains and syncs (gradients on,
+        # outside no_sync()) broadcasts. A worker that evaluates alone under no_grad() then
+        # broadcasts once, the broadcast its next training forward would have made, and the
+        # workers' broadcasts stay in step (at every forward, it made broadcasts the others
+        # never matched: a gloo timeout).
+        self.require_forward_param_sync = torch.is_grad_enabled() and self.sync.enabled
+        return out
 
     def _check_trained(self) -> None:
         """Refuse a parameter unfrozen since the wrap (:func:`check_still_frozen`). (One

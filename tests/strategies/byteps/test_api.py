@@ -4,6 +4,7 @@ import logging
 import re
 import time
 
+import numpy
 import pytest
 import torch
 from torch import nn
@@ -15,6 +16,7 @@ from polytrain.byteps.parallel import DistributedDataParallel as DDP
 from polytrain.ps.compression import TopK
 from polytrain.ps.engine import engine_for
 from polytrain.strategies.byteps import api
+from polytrain.strategies.byteps.optimizer import checked_options
 from tests.harness import refused, spawn
 
 STEPS = 3
@@ -336,6 +338,12 @@ def compressed_drop_in() -> dict:
     model.close()
     out["both"] = refused(lambda: DDP(nn.Linear(4, 2), compression=bps.Compression.onebit,
                                       compress="topk:0.1"))
+    # Options set on worker 0 alone (the other's default): refused at the wrap, on both.
+    first = bps.rank() == 0
+    out["differing"] = [
+        refused(lambda: DDP(nn.Linear(4, 2), broadcast_buffers=not first)),
+        refused(lambda: DDP(nn.Linear(4, 2), compression="onebit" if first else None)),
+        refused(lambda: DDP(nn.Linear(4, 2), partition_bytes=64 if first else 4096000))]
     return out
 
 
@@ -346,6 +354,16 @@ def test_the_drop_in_takes_compression_with_the_options_that_need_one():
     for out in spawn(compressed_drop_in, workers=2, colocated=1):
         assert out["compressed"] and out["mapped"]  # the weight's bucket is compressed
         assert out["both"].startswith("DistributedDataParallel got both compression=")
+        # Symptom: broadcast_buffers on one worker alone ended in a LaunchError after the
+        # timeouts, with a hint about timeouts. Cause: the drop-in compared no options
+        # (Herring's compares them at the wrap).
+        assert out["differing"] == [
+            f"worker rank 1's DistributedDataParallel option {option} differs from worker "
+            f"rank 0's (machine node0: {theirs}; machine node0: {ours}). HINT: pass the same "
+            f"options to DistributedDataParallel on every worker"
+            for option, theirs, ours in [("broadcast_buffers", True, False),
+                                         ("compression", "none", "onebit"),
+                                         ("partition_bytes", 4096000, 64)]]
 
 
 def broadcast_bare_tensors():
@@ -405,6 +423,26 @@ def test_unknown_keywords_are_refused_in_one_line_listing_the_options():
     assert re.fullmatch(r"unknown DistributedDataParallel keyword 'credit_byte'; .*credit_bytes"
                         r".*HINT: did you mean credit_bytes=\?", said["ddp"]), said["ddp"]
     assert all("\n" not in s for s in said.values())
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"colocate": "no"}, r"^DistributedOptimizer option colocate must be True or False \(got "
+                         r"'no', a str\)\. HINT: pass colocate=True or colocate=False$"),
+    ({"partition_bytes": 4096.5}, r"^DistributedOptimizer option partition_bytes must be a "
+                                  r"whole number \(got 4096\.5\)\. HINT: pass partition_bytes "
+                                  r"as a whole number$"),
+])
+def test_the_wrappers_keyword_options_of_the_wrong_kind_are_refused(options, message):
+    # Symptom: DistributedOptimizer(..., colocate="no") kept the colocated servers ("no" is
+    # true), and partition_bytes=4096.5 reached the engine. Cause: the wrappers built
+    # BytePSOptions from their keywords without the kind check that the strategy's options
+    # go through.
+    with pytest.raises(ConfigError, match=message):
+        checked_options("DistributedOptimizer", None, options)
+    opts, _ = checked_options("DistributedDataParallel", None, {
+        "colocate": numpy.False_, "partition_bytes": numpy.int64(8192)})
+    assert (opts.colocate, opts.partition_bytes) == (False, 8192)
+    assert [type(opts.colocate), type(opts.partition_bytes)] == [bool, int]
 
 
 def poll_while_the_other_worker_sleeps():

@@ -26,6 +26,17 @@ from .optimizer import Choice, checked_options, gradient_sync
 
 __all__ = ["DistributedDataParallel"]
 
+#: The :class:`BytePSOptions` fields every worker's drop-in must share (compared at the wrap),
+#: beside ``broadcast_buffers`` and the compression.
+_SAME_OPTIONS = ("partition_bytes", "fuse_bytes", "colocate", "credit_bytes", "error_feedback",
+                 "compress_momentum", "compress_min_bytes", "compress_warmup",
+                 "compress_warmup_with")
+
+
+def _spec(choice: Choice) -> str:
+    """A compression choice by its name (``none``, ``onebit``, ``topk:0.01``)."""
+    return "none" if choice is None else choice if isinstance(choice, str) else choice.spec()
+
 
 class DistributedDataParallel(SyncedModule):
     """BytePS (Jiang et al., OSDI 2020) as a module wrapper: when ``backward()`` returns,
@@ -34,18 +45,23 @@ class DistributedDataParallel(SyncedModule):
     Gradients are pushed from hooks as backward produces them, in BytePS's
     fusion groups and Theorem 1's placement (as :func:`DistributedOptimizer`),
     and waited for at the end of the backward pass. Every worker must build the
-    same model; worker 0's parameters and buffers are copied to every worker at
-    construction.
+    same model; worker 0's parameters, and its buffers with ``broadcast_buffers`` (as
+    torch's DDP), are copied to every worker at construction.
 
     Args:
         module: the model (on this worker's device).
-        device_ids: accepted for the signature (one device per process).
-        broadcast_buffers: copy worker 0's buffers to every worker at each forward
-            (default True).
+        device_ids: the forward's inputs are moved to ``device_ids[0]``, as BytePS's and
+            torch's DDP move them (one device per process).
+        broadcast_buffers: copy worker 0's buffers to every worker at a forward, when torch's
+            DDP does: one after a forward that trains outside ``no_sync()`` (the first too),
+            not after one under ``torch.no_grad()`` (default True).
         compression: as :func:`DistributedOptimizer`'s (default none).
         ctx: the run (default: the one ``bps.init()`` joined).
         options: :class:`BytePSOptions` fields (``partition_bytes``, ``fuse_bytes``,
             ``colocate``, ``credit_bytes``, ``error_feedback``, ...); not ``async_``.
+
+    ``broadcast_buffers``, the compression and those options must be the same on every
+    worker (compared at the wrap, naming the first that differs).
     """
 
     def __init__(self, module: nn.Module, device_ids: Sequence[Any] | None = None,
@@ -63,7 +79,16 @@ class DistributedDataParallel(SyncedModule):
                               "DistributedDataParallel does not see the optimizer",
                               "use DistributedOptimizer(torch.optim.Adam(...), "
                               "compress_adam=True, compress_warmup=N)")
-        super().__init__(module, ctx, broadcast_buffers=broadcast_buffers, method="BytePS")
+        # Differing on some workers, these declare other keys, sum other payloads or
+        # broadcast at other steps: refused at the wrap, not after the timeouts.
+        same: dict[str, Any] = {
+            "broadcast_buffers": broadcast_buffers is None or bool(broadcast_buffers),
+            "compression": ({k: _spec(v) for k, v in sorted(chosen.items())}
+                            if isinstance(chosen, Mapping) else _spec(chosen)),
+            **{name: getattr(opts, name) for name in _SAME_OPTIONS}}
+        super().__init__(module, ctx, broadcast_buffers=broadcast_buffers, method="BytePS",
+                         device_ids=device_ids,
+                         same={f"DistributedDataParallel option {k}": v for k, v in same.items()})
         self.plan, self.sync = gradient_sync(
             engine_for(ctx, credit_bytes=opts.credit_bytes), self.trained(),
             compression=chosen,

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from ...comm.bucket import Bucket, buckets_of, plan_buckets
 from ...comm.partition import DEFAULT_PARTITION_BYTES, TensorSpec
 from ...errors import ConfigError, at_least, unknown
+from ...kinds import check_kinds
 from ...ps.compression import DEFAULT_MIN_BYTES, CompressOptions, Compressor, compressor
 from ...ps.engine import Engine
 from ...ps.grads import GradientSync, bucket_specs
@@ -34,7 +35,8 @@ Choice = Union[Compressor, str, None]
 def checked_options(owner: str, compression: Choice | Mapping[str, Choice],
                     options: Mapping[str, Any]
                     ) -> tuple[BytePSOptions, Choice | Mapping[str, Choice]]:
-    """The options a wrapper (``owner``) was given, checked as the CLI's flags are, with each
+    """The options a wrapper (``owner``) was given, checked as the CLI's flags are (and by
+    kind, as the strategy's options: numpy's numbers made Python's), with each
     compressor in use as ``--compress`` (its name, the options that need one, async's
     refusal), and the compression chosen: ``compression`` (BytePS's name), else ``options``'
     ``compress``, else none; both given is refused."""
@@ -52,7 +54,9 @@ def checked_options(owner: str, compression: Choice | Mapping[str, Choice],
         raise unknown(f"{owner} keyword", strange[0], fields,
                       f"did you mean {close[0]}=?" if close else "pass one of them, or "
                       "leave it out", plural=f"{owner}'s keyword options")
-    compress = options.pop("compress", None)
+    compress = options.pop("compress", None)  # a name or a Compressor, as compression=
+    # Kinds as the strategy's options are checked: colocate="no" was kept (a true value).
+    options = check_kinds(BytePSOptions, options, what=f"{owner} option ")
     if compress is not None and compression is not None:
         raise ConfigError(f"{owner} got both compression={compression!r} and "
                           f"compress={compress!r}", "pass one of them (compression is "

@@ -24,6 +24,7 @@ from torch import nn
 from ... import runtime
 from ...comm.partition import TensorSpec
 from ...errors import ConfigError
+from ...kinds import check_kinds
 from ...ps.engine import engine_for
 from ...ps.grads import GradientSync
 from ...ps.placement import server_ranks
@@ -32,7 +33,7 @@ from ..checks import check_even_machines
 from ..synced import SyncedModule, keep_missing_for
 from .plan import HerringPlan, plan_herring
 
-__all__ = ["DistributedDataParallel", "DEFAULT_BUCKET_CAP_MB"]
+__all__ = ["DistributedDataParallel", "DEFAULT_BUCKET_CAP_MB", "check_every_worker"]
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,17 @@ def bucket_cap_bytes(mb: float | None, name: str = "bucket_cap_mb") -> int:
     return max(1, int(mb * 2**20))
 
 
+def check_every_worker(ctx: Context, process_group: Any, who: str, group: str,
+                       hint: str) -> None:
+    """Refuse a ``process_group`` (``group`` in the message) other than every worker: ``who``
+    sums over every worker, whatever the group."""
+    members = sorted(dist.get_process_group_ranks(process_group))
+    if members != sorted(ctx.topology.workers):
+        raise ConfigError(f"{who} sums gradients over every worker (ranks "
+                          f"{sorted(ctx.topology.workers)}), but {group} has ranks {members}",
+                          hint)
+
+
 def herring_servers(ctx: Context, *, colocate: bool) -> list[int]:
     """Herring's servers: one on every worker machine (unless not ``colocate``), then the
     dedicated CPU machines'."""
@@ -77,38 +89,63 @@ class DistributedDataParallel(SyncedModule):
 
     Args:
         module: the model (already on this worker's device).
-        device_ids, output_device, dim: accepted for torch DDP's signature; one device
-            per process.
+        device_ids: as torch's DDP, the forward's inputs (nested ones and keywords too) are
+            moved to ``device_ids[0]`` (an index of the model's device type, or a device);
+            one device per process.
+        output_device, dim: accepted for torch DDP's signature.
+        broadcast_buffers: copy worker 0's buffers to every worker at a forward, when torch's
+            DDP does: one after a forward that trains outside ``no_sync()`` (the first too),
+            not after one under ``torch.no_grad()`` (default True, as torch's DDP; None too).
+        init_sync: copy worker 0's parameters (and, with ``broadcast_buffers``, its buffers)
+            to every worker at the wrap (default True, as torch's DDP); False: each keeps its
+            own, and the user makes them equal.
+            Every worker's model is checked either way (its sums' keys depend on it).
         process_group: accepted if it holds every worker and nothing else (as
             ``ctx.groups.workers``); gradients are summed over all workers.
-        broadcast_buffers: copy worker 0's buffers to every worker at each forward
-            (default True, as torch's DDP; None too).
         bucket_cap_mb: fusion buffer size in MiB (default 25; None too, as torch's DDP).
         find_unused_parameters: a parameter that no worker gave a gradient in a step keeps
             ``.grad`` None, as with torch's DDP (a flag per parameter summed a step more); without
             it (the default), such a gradient is summed as zeros, so every worker sends the
             same buffers.
         gradient_as_bucket_view: accepted; gradients are copied out of the buffers.
+        static_graph: accepted; the hooks need no static graph.
         colocate: a server on every worker machine (default True).
         ctx: the run (default: :func:`polytrain.init`'s).
+
+    ``broadcast_buffers``, ``init_sync``, ``bucket_cap_mb``, ``find_unused_parameters`` and
+    ``colocate`` must be the same on every worker (compared at the wrap).
     """
 
     def __init__(self, module: nn.Module, device_ids: Sequence[Any] | None = None,
                  output_device: Any = None, dim: int = 0, broadcast_buffers: bool | None = True,
-                 process_group: Any = None, bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB,
+                 init_sync: bool = True, process_group: Any = None,
+                 bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB,
                  find_unused_parameters: bool = False, gradient_as_bucket_view: bool = False,
-                 *, colocate: bool = True, ctx: Context | None = None) -> None:
+                 *, static_graph: bool = False, colocate: bool = True,
+                 ctx: Context | None = None) -> None:
+        # Kinds as the strategy's options are checked (colocate="no" was a true value);
+        # bucket_cap_bytes checks the cap's.
+        given = check_kinds(DistributedDataParallel.__init__, {
+            "broadcast_buffers": broadcast_buffers, "init_sync": init_sync,
+            "find_unused_parameters": find_unused_parameters, "colocate": colocate},
+            what="DistributedDataParallel option ")
+        broadcast_buffers, init_sync = given["broadcast_buffers"], given["init_sync"]
+        find_unused_parameters, colocate = given["find_unused_parameters"], given["colocate"]
         ctx = ctx or runtime.current()
         cap = bucket_cap_bytes(bucket_cap_mb)
         if process_group is not None:
-            members = sorted(dist.get_process_group_ranks(process_group))
-            if members != sorted(ctx.topology.workers):
-                raise ConfigError(
-                    f"herring sums gradients over every worker (ranks "
-                    f"{sorted(ctx.topology.workers)}), but process_group has ranks {members}",
-                    "leave process_group out, or pass ctx.groups.workers")
+            check_every_worker(ctx, process_group, "herring", "process_group",
+                               "leave process_group out, or pass ctx.groups.workers")
         check_even_machines("herring", ctx.topology, EVEN_MACHINES)
-        super().__init__(module, ctx, broadcast_buffers=broadcast_buffers, method="herring")
+        # Differing on some workers, these declare other keys or broadcast at other steps.
+        same = {"bucket_cap_mb": cap / 2**20,
+                "broadcast_buffers": broadcast_buffers is None or bool(broadcast_buffers),
+                "init_sync": bool(init_sync),
+                "find_unused_parameters": bool(find_unused_parameters),
+                "colocate": bool(colocate)}
+        super().__init__(module, ctx, broadcast_buffers=broadcast_buffers, method="herring",
+                         device_ids=device_ids, init_sync=init_sync,
+                         same={f"DistributedDataParallel option {k}": v for k, v in same.items()})
         named = self.trained()
         self.plan: HerringPlan = plan_herring(
             [TensorSpec.of(n, p) for n, p in named],

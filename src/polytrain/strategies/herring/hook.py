@@ -14,12 +14,14 @@ Example::
 
 from __future__ import annotations
 
+import gc
 import queue
 import threading
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from ... import runtime
 from ...comm.partition import TensorSpec
@@ -28,7 +30,7 @@ from ...ps.engine import SumTensor, engine_for
 from ...ps.grads import travels_divided
 from ...runtime import Context
 from ..checks import check_even_machines
-from .ddp import EVEN_MACHINES, herring_servers
+from .ddp import EVEN_MACHINES, check_every_worker, herring_servers
 from .plan import plan_herring
 
 __all__ = ["HerringHookState", "herring_hook"]
@@ -48,6 +50,9 @@ class HerringHookState:
     worker makes it at the same point) and gives bucket ``i`` of layout ``g``
     the keys ``block + (g * MAX + i) * pieces``.
 
+    The DDP it is registered on must sum over every worker (``process_group=
+    ctx.groups.workers``): another group is refused at the first bucket, naming its ranks.
+
     Args:
         ctx: the run (default: :func:`polytrain.init`'s).
         colocate: a server on every worker machine (default True).
@@ -64,12 +69,29 @@ class HerringHookState:
         self.sums: dict[tuple[int, int], SumTensor] = {}
         #: bucket index -> the (numel, dtype) seen, in order
         self.layout: dict[int, list[tuple[int, torch.dtype]]] = {}
+        self.group_checked = False  # the DDP's process_group (_check_group)
         self.waiting: queue.Queue[
             tuple[SumTensor, torch.Tensor, bool, Any, list[BaseException] | None] | None] = \
             queue.Queue()
         self._thread = threading.Thread(target=self._wait, daemon=True,
                                         name="polytrain-herring-hook")
         self._thread.start()
+
+    def _check_group(self) -> None:
+        """Refuse a DDP whose process_group is not every worker (a replica group of some):
+        the hook sums over every worker. A bucket does not carry the group; torch's DDP keeps
+        ``(hook, state)`` in its ``_comm_hooks``, so the DDPs that registered this state are
+        found among the live objects, once, at the first bucket. (By their type: isinstance()
+        reads ``__class__``, which a dead ``weakref.proxy`` among them raises on.)"""
+        for ddp in gc.get_objects():
+            if issubclass(type(ddp), DistributedDataParallel) and any(
+                    s is self for _, s in getattr(ddp, "_comm_hooks", ())):
+                check_every_worker(
+                    self.ctx, ddp.process_group, "herring_hook",
+                    "the process_group of the DistributedDataParallel it is registered on",
+                    "pass process_group=ctx.groups.workers to that DistributedDataParallel, "
+                    "or leave the hook out of it")
+        self.group_checked = True
 
     def _sum_of(self, index: int, numel: int, dtype: torch.dtype) -> SumTensor:
         seen = self.layout.setdefault(index, [])
@@ -121,6 +143,8 @@ class HerringHookState:
 def herring_hook(state: HerringHookState,
                  bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average one DDP bucket over every worker through Herring's servers (a comm hook)."""
+    if not state.group_checked:
+        state._check_group()
     buffer = bucket.buffer()
     t = state._sum_of(bucket.index(), buffer.numel(), buffer.dtype)
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future(
