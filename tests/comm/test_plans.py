@@ -5,8 +5,10 @@ import torch
 
 from polytrain import ConfigError
 from polytrain.comm import TensorSpec, flatten, partition, plan_buckets, unflatten_into
+from polytrain.comm.topology import Topology
 from polytrain.models import GPT
 from polytrain.ps import balanced
+from polytrain.strategies.byteps.plan import plan_for, plan_placement
 
 F32 = torch.float32
 
@@ -53,6 +55,28 @@ def test_balanced_placement_evens_bytes_and_is_the_same_everywhere():
 def test_a_placement_needs_a_server():
     with pytest.raises(ConfigError, match="needs at least one server"):
         balanced(partition([TensorSpec("w", (4,), F32)], 64), [])
+
+
+def test_byteps_counts_cpu_machines_not_server_processes():
+    # Two server processes on one CPU machine (POLYTRAIN_ROLE=server,server) were k = 2 of
+    # Theorem 1: 0.3 of the model each, so that machine's NIC moved 2.4 M a step against
+    # all-reduce's 1.5 M (the plan said 1.2). k counts machines: 1.333 M, split over the two.
+    roles = ([("worker", f"g{i}") for i in range(4)] + [("server", f"g{i}") for i in range(4)]
+             + [("server", "cpu0"), ("server", "cpu0")])
+    topology = Topology.from_roles(roles)
+    assert topology.cpu_machines == ("cpu0",)
+    plan = plan_for(topology, [TensorSpec("w", (1_000_000,), F32)], partition_bytes=4_096_000)
+    assert plan.shares.cpu_servers == 1
+    load = plan.bytes_by_owner()
+    total = 4_000_000
+    # A CPU machine receives n = 4 pushes of its share; a worker machine 1 - g + 3g.
+    assert 4 * (load[8] + load[9]) / total == pytest.approx(4 / 3, abs=1e-3)
+    assert abs(load[8] - load[9]) <= 1024
+    assert all(1 + 2 * load[r] / total == pytest.approx(4 / 3, abs=1e-3) for r in range(4, 8))
+    with pytest.raises(ConfigError, match=r"^cpu_machines \[\[8\]\] must hold every dedicated "
+                                          r"server \[8, 9\] once, in the group of its machine"):
+        plan_placement([TensorSpec("w", (1000,), F32)], partition_bytes=4096, machines=4,
+                       colocated=[4, 5, 6, 7], dedicated=[8, 9], cpu_machines=[[8]])
 
 
 # BytePS's fusion of small tensors (moved here with the planner from strategies/byteps).

@@ -79,6 +79,10 @@ def test_spec_file(tmp_path):
     ("m0:fast*20000000000", r"'fast\*20000000000' in 'm0:fast\*20000000000' asks for "
                             r"20000000000 devices, and a machine holds 1 to 1024"),
     ("m0:fast*0", r"asks for 0 devices"),
+    # Both read as 'm0:fast*2,m1:slow*2': an empty item was skipped.
+    ("m0:fast*2,,m1:slow*2", r"^--devices: 'm0:fast\*2,,m1:slow\*2' has an empty item \(two "
+                             r"commas in a row, or one at an end\)\. HINT: join"),
+    ("m0:fast*2,", r"^--devices: 'm0:fast\*2,' has an empty item"),
     # Accepted before: a third field dropped, infinite links, 2048 devices on one machine,
     # and a type defined twice (the last won, over a built-in's too).
     ("m0:fast,link=1/2/3", r"cannot read link bandwidths 'link=1/2/3' \(two numbers"),

@@ -90,6 +90,15 @@ def test_plan_of_a_model_with_sparse_gradients_offers_only_what_can_sum_them(cap
     (["plan", "--model", "wordlm", "--data", "text-finetune"],
      "model 'wordlm' trains on its own corpus, and --data text-finetune would be ignored"),
     (["plan", "--batch-size", "0"], "--batch-size must be at least 1 (got 0)"),
+    # Blamed on the batch: "timing wordlm at one worker's batch of 1 needs more memory".
+    (["plan", "--model", "wordlm", "--vocab", "3000000000", "--batch-size", "2"],
+     "wordlm with --vocab 3000000000 has 387,000 M weights (1,441.7 GiB); 1 copy of them (to "
+     "time a step here) and adam state need at least 4,325.1 GiB, and this machine has "),
+    # train refused the planner's choice: "strategy 'byteps' keeps the whole model ...".
+    (["train", "--strategy", "auto", "--model", "mlp", "--d-model", "2048", "--devices",
+      "tiny=4/16,m0:tiny*2,m1:tiny*2", "--batch-size", "8"],
+     "every strategy the planner predicts is refused on this job (ddp, byteps k=0, herring "
+     "k=0); ddp's refusal: strategy 'ddp' keeps the whole model on every worker: 104.2 MiB"),
     # argparse said "the following arguments are required: SCRIPT, ARGS" (ARGS are not).
     (["launch"], "polytrain launch needs the SCRIPT to run. HINT: pass it and its own "
                  "arguments last"),

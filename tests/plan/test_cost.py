@@ -1,7 +1,11 @@
 """The cost model: the papers' traffic formulas, the step-time sum, the recommendation; pure."""
 
-import pytest
+import collections
 
+import pytest
+import torch
+
+from polytrain.comm import TensorSpec
 from polytrain.errors import ConfigError
 from polytrain.plan.cost import (
     WIRE_EFFICIENCY,
@@ -17,6 +21,7 @@ from polytrain.plan.cost import (
     recommend,
     summation_servers,
 )
+from polytrain.strategies.byteps.plan import plan_placement
 
 NO_COMPUTE = Compute(forward_s=0.0, backward_s=0.0, optimizer_s=0.0)
 
@@ -106,7 +111,8 @@ def test_host_bound_on_a_shared_host_and_latency():
     p = predict(Candidate(strategy="byteps", servers=4), network=net, compute=NO_COMPUTE,
                 model_bytes=1e8, constants=c)
     assert p.host_s == pytest.approx(8 * 1e8 * 1e-9 / 2)
-    assert p.latency_s == pytest.approx(2 * 4 * 1e-3)  # 25 partitions over 8 servers: 4 rounds
+    # 25 partitions over the 4 CPU servers (k >= n: the colocated ones hold none): 7 rounds.
+    assert p.latency_s == pytest.approx(2 * 7 * 1e-3)
     assert p.step_time_s == pytest.approx(p.host_s + p.latency_s)
 
 
@@ -223,3 +229,35 @@ def test_on_one_machine_the_fixed_costs_fitted_across_machines_are_not_charged()
     ddp = predict(Candidate(strategy="ddp"), network=two, compute=compute, model_bytes=1e5,
                   constants=CONSTANTS)
     assert ddp.step_time_s >= compute.step_s + CONSTANTS.overhead_s["ddp"]
+
+
+def test_latency_counts_herring_buckets_and_byteps_rounds_over_the_servers_with_bytes():
+    # Herring cuts every bucket into n+k shards (fanout_traffic's bucket / (n+k)), yet the
+    # latency term divided the buckets by n+k again: 1.21 GB (47 buckets of 25 MiB) on n = 8
+    # waited out 12 messages at k = 0 and 6 at k = 8, for 94. BytePS with k >= n divided its
+    # partitions by n+k servers, n of which hold nothing; with 0 < k < n it spread them
+    # evenly, yet a CPU server holds x/k of the model, more than a colocated one: the engine
+    # sends each server one partition at a time, so a step waits out the busiest's rounds
+    # (k = 1: 33 predicted, the busiest server holds 60; k = 4: 25 predicted, 48).
+    net = Network(machines=8, local_workers=8, servers=8, bandwidth_bit_s=100e9, latency_s=1e-3)
+    compute = Compute(forward_s=0.02, backward_s=0.04, optimizer_s=0.0)
+
+    def latency(strategy, k):
+        return predict(Candidate(strategy=strategy, servers=k), network=net, compute=compute,
+                       model_bytes=1.21e9).latency_s
+
+    assert latency("herring", 0) == pytest.approx(94e-3)
+    assert latency("herring", 8) == pytest.approx(94e-3)
+    # 296 partitions of 4,096,000 bytes; the busiest server holds 1/8 of them at k = 0 and
+    # k = 8 (37 rounds), x/k = 0.2 at k = 1 (60) and 0.159 at k = 4 (48).
+    assert latency("byteps", 0) == pytest.approx(74e-3)
+    assert latency("byteps", 8) == pytest.approx(74e-3)
+    assert latency("byteps", 1) == pytest.approx(120e-3)
+    assert latency("byteps", 4) == pytest.approx(96e-3)
+    # ... as many as the engine's placement gives the busiest server of a 1.21 GB tensor.
+    for k in (1, 4, 8):
+        plan = plan_placement([TensorSpec("w", (302_500_000,), torch.float32)],
+                              partition_bytes=4_096_000, machines=8,
+                              colocated=range(8, 16), dedicated=range(16, 16 + k))
+        busiest = max(collections.Counter(plan.placement.owners).values())
+        assert latency("byteps", k) == pytest.approx(2 * busiest * 1e-3)

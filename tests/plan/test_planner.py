@@ -8,6 +8,7 @@ from polytrain.optim import make_optimizer
 from polytrain.plan import Job, plan_job
 from polytrain.plan.cost import Compute
 
+FIXED = Compute(forward_s=0.01, backward_s=0.02, optimizer_s=0.01)
 SMALL = {"d_model": 16, "layers": 1}
 
 
@@ -83,3 +84,99 @@ def test_compute_is_timed_on_the_threads_the_launched_workers_get(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the launcher passes the user's own on
     assert plan_job(Job(model="mlp", workers=1, cores=8)).get("ddp").compute_s == \
         pytest.approx(0.3 / 3)
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("field,flag,default", [("servers", "--servers", 0),
+                                                ("batch_size", "--batch-size", 32)])
+def test_a_count_of_none_is_refused_where_none_is_no_default(field, flag, default):
+    # Job(servers=None) raised a bare TypeError from inside Layout ("'<' not supported"):
+    # check_whole lets None through, for the counts whose default it is.
+    with pytest.raises(ConfigError, match=f"^{flag} must be a whole number \\(got None\\)\\. "
+                                          f"HINT: pass {flag} {default}"):
+        Job(model="mlp", **{field: None})
+
+
+@pytest.mark.timeout(30)
+def test_a_job_no_strategy_can_run_on_its_devices_is_refused_naming_why():
+    # `polytrain plan --devices` recommended byteps k=0 for a model its 16 MiB devices could
+    # not hold, and `train --strategy auto` then refused its own choice: plan_job never ran
+    # the strategies' checks (devices, layout, model, optimizer) that TrainConfig runs.
+    job = Job(model="mlp", model_options={"d_model": 2048}, batch_size=8,
+              devices="tiny=4/16,m0:tiny*2,m1:tiny*2")
+    with pytest.raises(ConfigError, match=r"^every strategy the planner predicts is refused on "
+                                          r"this job \(ddp, byteps k=0, herring k=0\); ddp's "
+                                          r"refusal: strategy 'ddp' keeps the whole model on "
+                                          r"every worker: 104\.2 MiB .* but device m0/0 tiny "
+                                          r"has 16 MiB\. HINT: use devices with more memory"):
+        plan_job(job)
+
+
+@pytest.mark.timeout(30)
+def test_a_candidate_its_strategy_refuses_is_left_out_and_the_why_says_so(monkeypatch):
+    # (as above) A candidate that train would refuse was predicted, and could be chosen.
+    from polytrain.strategies.herring.strategy import Herring
+
+    def check_layout(cls, layout, options):
+        if layout.servers:
+            raise ConfigError(f"herring takes no servers here (got {layout.servers})",
+                              "pass --servers 0")
+
+    monkeypatch.setattr(Herring, "check_layout", classmethod(check_layout))
+    plan = plan_job(Job(model="mlp", workers=4, nodes=4, servers=2, bandwidth="1gbit"),
+                    compute=FIXED)
+    assert [p.candidate.key for p in plan.predictions] == [
+        "ddp", "byteps k=0", "byteps k=1", "byteps k=2", "herring k=0"]
+    assert plan.why().endswith("; herring k=1 left out: herring takes no servers here (got 1)"
+                               "; herring k=2 left out: herring takes no servers here (got 2)")
+    assert plan.as_dict()["refused"] == {
+        "herring k=1": "herring takes no servers here (got 1)",
+        "herring k=2": "herring takes no servers here (got 2)"}
+
+
+@pytest.mark.timeout(30)
+def test_the_why_of_a_plan_whose_ddp_is_refused_leaves_ddp_out(monkeypatch):
+    # Plan.why() named ddp's step beside the runner-up's whenever neither was ddp, from
+    # self.get("ddp"): with ddp refused (left out of the predictions) why(), describe(),
+    # as_dict() and auto_record() raised KeyError('ddp').
+    from polytrain.plan import auto_record
+    from polytrain.strategies.base import get_strategy
+
+    def check_layout(cls, layout, options):
+        raise ConfigError("ddp takes no such layout here", "pass another")
+
+    monkeypatch.setattr(get_strategy("ddp"), "check_layout", classmethod(check_layout))
+    plan = plan_job(Job(model="mlp", workers=4, nodes=4, servers=1, bandwidth="1gbit"),
+                    compute=FIXED)
+    assert [p.candidate.key for p in plan.predictions] == [
+        "byteps k=0", "byteps k=1", "herring k=0", "herring k=1"]
+    why = plan.why()
+    assert ", ddp " not in why
+    assert why.endswith("; ddp left out: ddp takes no such layout here")
+    assert plan.describe().endswith(f"({why})")
+    assert plan.as_dict()["why"] == auto_record(plan)["why"] == why
+    assert plan.as_dict()["refused"] == {"ddp": "ddp takes no such layout here"}
+
+
+@pytest.mark.timeout(30)
+def test_the_planner_refuses_weights_that_outgrow_memory_by_train_s_rule(monkeypatch):
+    # plan/compute.py had its own copy of TrainConfig's weights-and-state check, in its own
+    # words and with its own reading of the free memory: one rule now
+    # (config.check_weights_fit) that both call.
+    from polytrain.config import TrainConfig
+
+    monkeypatch.setattr("polytrain.config.available_memory_bytes", lambda: 2**30)
+    big = {"d_model": 2048, "layers": 8, "heads": 16}  # 404 M weights, 1.5 GiB
+    with pytest.raises(ConfigError, match=r"^gpt with --d-model 2048 --layers 8 --heads 16 has "
+                                          r"404 M weights \(1\.5 GiB\); 1 copy of them \(to "
+                                          r"time a step here\) and adam state need at least "
+                                          r"4\.5 GiB, and this machine has 1\.0 GiB available\. "
+                                          r"HINT: pass a smaller model \(smaller than --d-model "
+                                          r"2048 --layers 8 --heads 16\), or --devices"):
+        plan_job(Job(model="gpt", model_options=big, workers=1))
+    with pytest.raises(ConfigError, match=r"^gpt with these options has 404 M weights \(1\.5 "
+                                          r"GiB\); 1 copy of them \(one per worker\) and adam "
+                                          r"state need at least 4\.5 GiB, and this machine has "
+                                          r"1\.0 GiB available\. HINT: pass a smaller model "
+                                          r"\(--d-model, --layers\)$"):
+        TrainConfig(strategy="single", model_options=big)

@@ -32,8 +32,8 @@ class Topology:
 
         >>> t = Topology.from_roles([("worker", "a"), ("worker", "a"), ("worker", "b"),
         ...                          ("server", "s")])
-        >>> t.leaders, t.dedicated_servers, t.is_inter(0, 2)
-        ((0, 2), (3,), True)
+        >>> t.leaders, t.dedicated_servers, t.cpu_machines, t.is_inter(0, 2)
+        ((0, 2), (3,), ('s',), True)
     """
 
     peers: tuple[Peer, ...]
@@ -91,6 +91,13 @@ class Topology:
         """Servers on CPU machines of their own."""
         wm = set(self.worker_machines)
         return tuple(r for r in self.servers if self.peers[r].machine not in wm)
+
+    @cached_property
+    def cpu_machines(self) -> tuple[str, ...]:
+        """Machines of servers only, in machine order: a NIC each, whatever the servers on
+        it (``servers_on`` lists them)."""
+        wm = set(self.worker_machines)
+        return tuple(m for m in self.machines if m not in wm)
 
     def role(self, rank: int) -> str:
         return self.peers[rank].role

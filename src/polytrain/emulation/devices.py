@@ -229,10 +229,12 @@ def parse_cluster(spec: str) -> Cluster:
     types = dict(BUILTIN_TYPES)
     machines: list[Machine] = []
     links: dict[str, float] = {}
-    for raw in text.split(","):
+    for raw in text.split(",") if text else []:
         item = raw.strip()
-        if not item:
-            continue
+        if not item:  # skipped, 'm0:fast*2,,m1:slow*2' read as if its typo were not there
+            raise ConfigError(f"--devices: {text!r} has an empty item (two commas in a row, or "
+                              f"one at an end)", "join the machines, types and links with one "
+                              "',' each, e.g. 'm0:fast*2,m1:slow*2'")
         if item.startswith("link="):
             parts = item.removeprefix("link=").split("/")
             try:

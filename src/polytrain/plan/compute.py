@@ -8,29 +8,32 @@ from typing import Any, Mapping
 
 import torch
 
+from ..config import check_weights_fit, model_profile, model_sample
 from ..emulation.devices import Cluster
-from ..emulation.profile import profile_model
 from ..errors import ConfigError
-from ..models import get_model, seq_len_of
+from ..models import get_model
 from ..optim import make_optimizer
 from .cost import Compute
 
 __all__ = ["measure_compute", "device_compute"]
 
 
-def _sample(spec: Any, model: torch.nn.Module, options: Mapping[str, Any], batch: int
-            ) -> tuple[torch.Tensor, torch.Tensor]:
-    seq_len = seq_len_of(model, options)
-    gen = torch.Generator().manual_seed(0)
-    # Token ids the model has (wordlm's --vocab may be under 256, the text's bytes).
-    window = torch.randint(0, min(256, int(getattr(model, "vocab", 256))),
-                           (batch, seq_len + 1), generator=gen)
-    inputs, targets = spec.split(window)
-    return inputs, targets
-
-
 #: About how long timing a model's step may take (one warm-up step at least).
 BUDGET_S = 10.0
+
+
+def _check_fits(model: str, model_options: Mapping[str, Any], optimizer: str) -> None:
+    """Refuse a model whose weights and optimizer state alone outgrow this machine's free
+    memory, naming its options, before building it: its allocation failed inside the timing
+    and was blamed on the batch (``--vocab 3000000000``: "pass a smaller --batch-size")."""
+    with torch.device("meta"):
+        net = get_model(model).make(**model_options)
+    given = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in model_options.items())
+    smaller = f"smaller than {given}" if given else "--d-model, --layers"
+    check_weights_fit(net, name=f"{model} with {given or 'its default options'}", copies=1,
+                      per="to time a step here", optimizer=optimizer,
+                      hint=f"pass a smaller model ({smaller}), or --devices to predict from the "
+                      f"model's FLOPs without building it")
 
 
 def measure_compute(model: str, model_options: Mapping[str, Any], *, batch: int,
@@ -44,6 +47,7 @@ def measure_compute(model: str, model_options: Mapping[str, Any], *, batch: int,
     minutes with nothing printed (``polytrain plan --batch-size 4096``: 18 s a step).
     """
     spec = get_model(model)
+    _check_fits(model, model_options, optimizer)
     before = torch.get_num_threads()
     torch.set_num_threads(max(1, threads))
     # fork_rng: the caller's random numbers go on as if nothing had been timed (plan_job
@@ -54,7 +58,7 @@ def measure_compute(model: str, model_options: Mapping[str, Any], *, batch: int,
             torch.manual_seed(0)
             net = spec.make(**model_options)
             opt = make_optimizer(optimizer, net, 1e-3)
-            inputs, targets = _sample(spec, net, model_options, batch)
+            inputs, targets = model_sample(spec, net, model_options, batch=batch)
             parts: dict[str, list[float]] = {"forward": [], "backward": [], "optimizer": []}
             i = 0
             while i <= repeats:
@@ -94,8 +98,7 @@ def device_compute(model: str, model_options: Mapping[str, Any], *, batch: int,
     spec = get_model(model)
     with torch.device("meta"):
         net = spec.make(**model_options)
-    inputs, _ = _sample(spec, net, model_options, 1)
-    profile = profile_model(net, inputs)
+    profile = model_profile(spec, net, model_options)
     slowest = min(d.type.flops_per_s for d in cluster.devices)
     fwd = sum(x.fwd_flops for x in profile.layers) * batch / slowest
     bwd = sum(x.bwd_flops for x in profile.layers) * batch / slowest

@@ -27,8 +27,10 @@ not hide, plus a fixed cost per step::
   share: its threads and messages), ``overhead`` and ``combine`` (how much of
   the smaller of link and host adds to the larger: 0 when they overlap
   entirely, 1 when not at all) are fitted on ``./dev bench cluster``.
-- latency: ring all-reduce pays it 2(p-1) times per bucket, a push-pull once
-  each way per round of partitions.
+- latency: ring all-reduce pays it 2(p-1) times per bucket, Herring twice per
+  bucket (its n+k shards travel together), BytePS once each way per partition
+  of the server holding the most (the largest share, as for the fan-out: the
+  engine sends each server one at a time, to every server at once).
 - real machines (``shared_host_cores=None``): the papers' model, with the
   wire's efficiency, no host term, no fan-out term and no overhead (the fitted
   constants describe this host's emulation only).
@@ -267,12 +269,21 @@ def _messages(candidate: Candidate, network: Network, model_bytes: float,
     n, p = network.machines, network.workers
     if not _crosses_nics(candidate.strategy, n, candidate.servers):
         return 0
+    buckets = max(1, math.ceil(model_bytes / constants.bucket_bytes))
     if candidate.strategy == "ddp":
-        return 2 * (p - 1) * max(1, math.ceil(model_bytes / constants.bucket_bytes))
-    size = constants.partition_bytes if candidate.strategy == "byteps" else constants.bucket_bytes
-    servers = (n + candidate.servers)
-    # Partitions to different servers travel together: one push and one pull per round.
-    return 2 * max(1, math.ceil(model_bytes / size / servers))
+        return 2 * (p - 1) * buckets
+    if candidate.strategy == "herring":
+        # Every bucket is cut into n+k shards that travel together: a push and a pull each.
+        return 2 * buckets
+    # The engine sends each server one partition at a time (a credit per server), and
+    # partitions to different servers travel together: a push and a pull per round of the
+    # busiest server, the one with the largest share of the model's partitions (a CPU
+    # server's x/k with 0 < k < n; none for the colocated ones with k >= n). A share that
+    # ends inside a partition takes a piece of it, one round more.
+    shares = optimal_shares(n, candidate.servers)
+    largest = max(shares.per_colocated_server, shares.per_cpu_server)
+    partitions = max(1, math.ceil(model_bytes / constants.partition_bytes))
+    return 2 * max(1, math.ceil(round(partitions * largest, 9)))
 
 
 def candidates(network: Network) -> list[Candidate]:

@@ -2,20 +2,22 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
 from .. import _env
+from ..config import check_strategy, layout_of, model_profile
 from ..data import DEFAULT_DATASET, check_dataset
 from ..emulation.devices import parse_cluster
 from ..errors import ConfigError, at_least, check_whole, unknown
 from ..launch.layout import Layout
 from ..launch.network import link_shape
 from ..models import get_model
-from ..optim import check_optimizer_name
+from ..optim import check_optimizer_name, make_optimizer
 from ..ps.grads import sparse_parameter
 from ..strategies.base import get_strategy, make_options
 from .compute import BUDGET_S, device_compute, measure_compute
@@ -78,6 +80,11 @@ class Job:
                            ("servers", "--servers"), ("batch_size", "--batch-size"),
                            ("cores", "--cores")):
             check_whole(flag, getattr(self, name))
+        for name, flag, default in (("servers", "--servers", 0),
+                                    ("batch_size", "--batch-size", 32)):
+            if getattr(self, name) is None:  # check_whole passes None: a TypeError in Layout
+                raise ConfigError(f"{flag} must be a whole number (got None)",
+                                  f"pass {flag} {default}")
         check_optimizer_name(self.optimizer)
         check_dataset(self.data)  # the prediction does not depend on it, but it must exist
         if self.devices is not None:
@@ -148,14 +155,41 @@ class Job:
         cores was predicted at 174 ms and ran at 126. Real hosts (cores unknown) and
         emulated devices (a rate, not a timing) get 1.
         """
-        assert self.workers is not None and self.nodes is not None
         if self.hosts == "real" or self.devices is not None:
             return 1
-        cls = get_strategy(candidate.strategy)
-        layout = Layout(workers=self.workers, nodes=self.nodes, servers=candidate.servers,
-                        colocated=cls.colocated_servers(make_options(cls, {})))
         # (timed here: never more threads than this machine has, whatever --cores says)
-        return min(_env.process_threads(layout.world_size, self.cores), host_cores())
+        return min(_env.process_threads(self._layout(candidate).world_size, self.cores),
+                   host_cores())
+
+    def refusals(self, candidates: Sequence[Candidate]) -> dict[Candidate, ConfigError]:
+        """What ``polytrain train`` would refuse of each of ``candidates`` before starting it,
+        with each strategy's defaults: the checks TrainConfig runs too, its strategy's of the
+        layout, the model (built on the meta device) and the optimizer
+        (:func:`~polytrain.config.check_strategy`), and with ``devices`` whether every device
+        holds what a worker keeps."""
+        model = self._meta_model()
+        optimizer = make_optimizer(self.optimizer, model, 1e-3)
+        cluster = parse_cluster(self.devices) if self.devices is not None else None
+        profile = functools.cache(lambda: model_profile(get_model(self.model), model,
+                                                        self.model_options))
+        out = {}
+        for c in candidates:
+            cls = get_strategy(c.strategy)
+            options = make_options(cls, {})
+            layout = self._layout(c)
+            try:
+                check_strategy(cls, options, layout, model, optimizer)
+                cls.check_devices(cluster, profile, layout, options, batch_size=self.batch_size,
+                                  optimizer=self.optimizer)
+            except ConfigError as e:
+                out[c] = e
+        return out
+
+    def _layout(self, candidate: Candidate) -> Layout:
+        """The processes ``polytrain train`` starts for ``candidate`` (its strategy's defaults)."""
+        assert self.workers is not None and self.nodes is not None
+        return layout_of(candidate.strategy, {}, workers=self.workers, nodes=self.nodes,
+                         servers=candidate.servers)
 
 
 @dataclass(frozen=True)
@@ -173,6 +207,9 @@ class Plan:
     sparse: str | None = None
     #: The threads ``compute`` was timed on: the recommended candidate's workers'.
     threads: int = 1
+    #: ``(key, why)`` of each candidate left out because ``polytrain train`` would refuse it
+    #: (its strategy's checks: the devices' memory, say).
+    refused: tuple[tuple[str, str], ...] = ()
 
     def why(self) -> str:
         """One line: the choice, its predicted step, and the runner-up's."""
@@ -187,12 +224,16 @@ class Plan:
                 f"{best.comm_s * 1e3:.0f} ms for {best.nic_bytes_M:.3f} M on the busiest NIC)")
         if others:
             line += f"; next {others[0].candidate.key} {others[0].step_time_s * 1e3:.0f} ms"
-            if "ddp" not in (best.candidate.key, others[0].candidate.key):
-                line += f", ddp {self.get('ddp').step_time_s * 1e3:.0f} ms"
+            # ddp's too, unless it is one of these two, or refused (not predicted)
+            ddp = [p for p in others[1:] if p.candidate.key == "ddp"]
+            if ddp:
+                line += f", ddp {ddp[0].step_time_s * 1e3:.0f} ms"
         if self.sparse is not None:
             line += (f"; byteps and herring left out: parameter {self.sparse!r} has sparse "
                      f"gradients, which their push/pull engine cannot sum (parallax is built "
                      f"for them)")
+        for key, why in self.refused:
+            line += f"; {key} left out: {why}"
         return line
 
     def get(self, key: str) -> Prediction:
@@ -206,6 +247,7 @@ class Plan:
         return {"predictions": {p.candidate.key: p.as_dict() for p in self.predictions},
                 "recommended": self.recommended.candidate.key,
                 "why": self.why(),
+                "refused": dict(self.refused),
                 "job": {"model": self.job.model, "model_options": dict(self.job.model_options),
                         "model_bytes": self.model_bytes, "workers": self.job.workers,
                         "nodes": self.job.nodes, "servers": self.job.servers,
@@ -244,8 +286,15 @@ def plan_job(job: Job, *, constants: Constants = CONSTANTS,
     given = compute() if callable(compute) else compute
     model_bytes = job.model_bytes()
     sparse = job.sparse_parameter()
-    threads = {c: job.threads(c) for c in candidates(network)
-               if sparse is None or c.strategy == "ddp"}
+    offered = [c for c in candidates(network) if sparse is None or c.strategy == "ddp"]
+    # What train would refuse is left out (a choice it refused: byteps on devices too small).
+    refused = job.refusals(offered)
+    if len(refused) == len(offered):
+        first = refused[offered[0]]
+        raise ConfigError(f"every strategy the planner predicts is refused on this job "
+                          f"({', '.join(c.key for c in offered)}); {offered[0].key}'s refusal: "
+                          f"{first.what}", first.hint)
+    threads = {c: job.threads(c) for c in offered if c not in refused}
     counts = sorted(set(threads.values()))
     # One timing's budget shared by them all (each still takes a warm-up and one timed
     # step at least: a batch whose step outlasts its share takes those two).
@@ -256,7 +305,7 @@ def plan_job(job: Job, *, constants: Constants = CONSTANTS,
     best = recommend(predictions)
     profile = timed[threads[best.candidate]]
     return Plan(job, network, profile, model_bytes, predictions, best, constants, sparse,
-                threads[best.candidate])
+                threads[best.candidate], tuple((c.key, e.what) for c, e in refused.items()))
 
 
 def chosen(plan: Plan) -> Candidate:

@@ -39,9 +39,10 @@ class Shares:
     """How much of the model each kind of summation server owns.
 
     Attributes:
-        machines: n, worker machines. cpu_servers: k, dedicated CPU servers in use.
+        machines: n, worker machines. cpu_servers: k, CPU machines in use (Theorem 1
+            counts NICs: servers on one CPU machine split its share, ``per_cpu_server``).
         colocated: whether the worker machines' own servers hold a share.
-        cpu: x, the fraction of the model on all CPU servers together (``1 - cpu`` is
+        cpu: x, the fraction of the model on all CPU machines together (``1 - cpu`` is
             split equally over the n colocated servers).
     """
 
@@ -79,8 +80,8 @@ class Shares:
     def describe(self) -> str:
         kind = ("all-reduce placement" if self.cpu == 0.0 and self.colocated else
                 "parameter-server placement" if not self.colocated else "BytePS placement")
-        return (f"{kind}: n={self.machines} worker machines, k={self.cpu_servers} CPU servers; "
-                f"CPU servers hold x={self.cpu:.4f} of the model "
+        return (f"{kind}: n={self.machines} worker machines, k={self.cpu_servers} CPU machines; "
+                f"CPU machines hold x={self.cpu:.4f} of the model "
                 f"({self.per_cpu_server:.4f} each), colocated servers "
                 f"{self.per_colocated_server:.4f} each; traffic per worker machine "
                 f"{self.worker_machine_traffic():.4f} M, per CPU machine "
@@ -142,12 +143,13 @@ class Plan:
 
 
 def _targets(total: int, shares: Shares, colocated: Sequence[int],
-             dedicated: Sequence[int]) -> dict[int, float]:
+             cpu_machines: Sequence[Sequence[int]]) -> dict[int, float]:
     targets: dict[int, float] = {}
     if shares.colocated:
         targets.update({s: shares.per_colocated_server * total for s in colocated})
-    if shares.cpu_servers:
-        targets.update({s: shares.per_cpu_server * total for s in dedicated[:shares.cpu_servers]})
+    # A CPU machine's share is its NIC's: the servers on it split it evenly.
+    for servers in cpu_machines[:shares.cpu_servers]:
+        targets.update({s: shares.per_cpu_server * total / len(servers) for s in servers})
     return targets
 
 
@@ -192,7 +194,8 @@ def _fill(parts: Sequence[Partition], targets: dict[int, float]
 
 def plan_placement(specs: Sequence[TensorSpec], *, partition_bytes: int, machines: int,
                    colocated: Sequence[int], dedicated: Sequence[int], colocate: bool = True,
-                   local_workers: int = 1, first_key: int = 0) -> Plan:
+                   local_workers: int = 1, first_key: int = 0,
+                   cpu_machines: Sequence[Sequence[int]] | None = None) -> Plan:
     """The placement of ``specs``' partitions that realises Theorem 1's shares.
 
     Args:
@@ -204,15 +207,21 @@ def plan_placement(specs: Sequence[TensorSpec], *, partition_bytes: int, machine
         colocate: False for the classic PS (everything on ``dedicated``).
         local_workers: workers per machine (each machine reduces locally first).
         first_key: the first service key to number the partitions from.
+        cpu_machines: ``dedicated`` grouped by machine (None: each on a machine of its
+            own). Theorem 1's k counts CPU machines (NICs), and each machine's share is
+            split evenly over its servers.
 
     Example::
 
         >>> from polytrain.comm import TensorSpec
         >>> import torch
-        >>> p = plan_placement([TensorSpec("w", (3000,), torch.float32)], partition_bytes=4096,
-        ...                    machines=2, colocated=[2, 3], dedicated=[4])
-        >>> p.bytes_by_owner()
-        {2: 3000, 3: 3000, 4: 6000}
+        >>> specs = [TensorSpec("w", (6000,), torch.float32)]
+        >>> plan_placement(specs, partition_bytes=8192, machines=2, colocated=[2, 3],
+        ...                dedicated=[4]).bytes_by_owner()
+        {2: 6000, 3: 6000, 4: 12000}
+        >>> plan_placement(specs, partition_bytes=8192, machines=2, colocated=[2, 3],
+        ...                dedicated=[4, 5], cpu_machines=[[4, 5]]).bytes_by_owner()
+        {2: 6000, 3: 6000, 4: 6000, 5: 6000}
     """
     colocate = colocate and bool(colocated)
     if colocate and len(colocated) != machines:
@@ -222,10 +231,16 @@ def plan_placement(specs: Sequence[TensorSpec], *, partition_bytes: int, machine
     if local_workers < 1:
         raise ConfigError(f"a machine needs at least one worker (got {local_workers})",
                           "start workers on every machine")
-    shares = optimal_shares(machines, len(dedicated), colocate=colocate)
+    groups = ([[s] for s in dedicated] if cpu_machines is None
+              else [list(g) for g in cpu_machines])
+    if sorted(s for g in groups for s in g) != sorted(dedicated) or not all(groups):
+        raise ConfigError(f"cpu_machines {groups} must hold every dedicated server "
+                          f"{list(dedicated)} once, in the group of its machine",
+                          "group the dedicated server ranks by machine, none left out")
+    shares = optimal_shares(machines, len(groups), colocate=colocate)
     parts = [p for p in partition(specs, partition_bytes) if p.numel > 0]
     total = sum(p.nbytes for p in parts)
-    placed = _fill(parts, _targets(total, shares, colocated, dedicated)) if parts else []
+    placed = _fill(parts, _targets(total, shares, colocated, groups)) if parts else []
     # Number the pieces again: keys in declaration order, indices within each tensor.
     final: list[Partition] = []
     owners: list[int] = []
@@ -245,8 +260,9 @@ def plan_for(topology: Topology, specs: Sequence[TensorSpec], *, partition_bytes
     """Theorem 1's placement of ``specs`` on the servers of the run ``topology`` describes.
 
     One colocated server per worker machine (if ``colocate`` and the run has them)
-    and every dedicated server take part; keys are numbered from 0 (the engine
-    gives them fresh service keys).
+    and every dedicated server take part, k counting the CPU machines (the servers
+    of one split its share); keys are numbered from 0 (the engine gives them fresh
+    service keys).
     """
     # Every worker plans at the same point, so each refuses: none waits for the others.
     check_even_machines("byteps", topology, "reduces each machine's gradients among its "
@@ -255,4 +271,5 @@ def plan_for(topology: Topology, specs: Sequence[TensorSpec], *, partition_bytes
     local = len(topology.workers_on(topology.worker_machines[0]))
     return plan_placement(specs, partition_bytes=partition_bytes,
                           machines=len(topology.worker_machines), colocated=colocated,
-                          dedicated=dedicated, colocate=bool(colocated), local_workers=local)
+                          dedicated=dedicated, colocate=bool(colocated), local_workers=local,
+                          cpu_machines=[topology.servers_on(m) for m in topology.cpu_machines])
