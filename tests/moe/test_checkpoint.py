@@ -1,10 +1,15 @@
 """Checkpoints saved with expert-parallel size P load with P' (1 included) on other workers."""
 
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import polytrain
+from polytrain.checkpoint import CheckpointError
 from polytrain.models import GPT
 from polytrain.models.gpt import Block
 from polytrain.moe import (
@@ -15,6 +20,7 @@ from polytrain.moe import (
     moefy,
     save_sharded,
 )
+from polytrain.moe.checkpoint import moe_layers
 from tests.harness import spawn
 
 
@@ -44,17 +50,91 @@ def train_and_save(directory: str, expert_parallel: int) -> dict[str, torch.Tens
     return polytrain.full_state_dict(model)
 
 
-def load(directory: str, full: dict[str, torch.Tensor]) -> tuple[float, float]:
-    polytrain.init()
-    model = build(1)  # other weights: loading must replace all of them
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    model, _ = polytrain.distribute(model, opt, "moe")
+def tied(seed: int) -> nn.Module:
+    """A GPT whose one block is applied twice (ALBERT-style): its MoE layer has two names."""
+    torch.manual_seed(seed)
+    model = GPT(seq_len=8, d_model=16, layers=2, heads=2)
+    model.h1 = model.h0
+    return moefy(model, 4, top_k=2)
+
+
+def distributed(model: nn.Module) -> nn.Module:
+    return polytrain.distribute(model, torch.optim.SGD(model.parameters(), lr=0.5), "moe")[0]
+
+
+def largest_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max(float((a[k] - b[k]).abs().max()) for k in b)
+
+
+def load(directory: str, full: dict[str, torch.Tensor], scratch: str) -> dict[str, object]:
+    ctx = polytrain.init()
+    model = distributed(build(1))  # other weights: loading must replace all of them
     load_sharded(model.module, directory)
     after_sharded = polytrain.full_state_dict(model)
     model.module.load_state_dict(local_state_dict(full, model.module))
     after_full = full_state_dict(model.module)
-    return (max(float((after_sharded[k] - full[k]).abs().max()) for k in full),
-            max(float((after_full[k] - full[k]).abs().max()) for k in full))
+    out: dict[str, object] = {"sharded": largest_diff(after_sharded, full),
+                              "full": largest_diff(after_full, full)}
+    # A tied block: its experts under the second name were taken for dense tensors.
+    single = tied(0).state_dict()
+    model = distributed(tied(1))
+    model.module.load_state_dict(local_state_dict(single, model.module))
+    layer = model.module.h0.mlp
+    out["tied experts"] = max(float((layer.experts[i].fc.weight - single[
+        f"h0.mlp.experts.{layer.first_expert + i}.fc.weight"]).abs().max())
+        for i in range(layer.num_local))
+    gathered = full_state_dict(model)
+    out["tied keys"] = list(gathered) == list(single)
+    out["tied full"] = largest_diff(gathered, single) if out["tied keys"] else None
+    # A save cut short on rank 1 (a full disk): rank 0 renamed its new shard over the old
+    # one, and the directory loaded half of each model without a word; rank 0 met gloo's
+    # timeout, which names no one.
+    old, new = distributed(build(2)), distributed(build(3))
+    save_sharded(old, scratch)
+    real_save = torch.save
+    if ctx.rank == 1:
+        def full_disk(*args: object, **kwargs: object) -> None:
+            raise OSError(28, "No space left on device")
+        torch.save = full_disk
+    try:
+        save_sharded(new, scratch)
+        out["cut short"] = "saved"
+    except CheckpointError as e:
+        out["cut short"] = str(e)
+    finally:
+        torch.save = real_save
+    into = distributed(build(4))
+    load_sharded(into, scratch)
+    out["after the cut"] = largest_diff(full_state_dict(into), full_state_dict(old))
+    # polytrain.load of a larger model's checkpoint: ddp's is refused, moe's loaded step 1.
+    def trainer(layers: int) -> polytrain.Trainer:
+        torch.manual_seed(0)
+        model = moefy(GPT(seq_len=8, d_model=16, layers=layers, heads=2), 4)
+        return polytrain.distribute(model, torch.optim.SGD(model.parameters(), lr=0.5), "moe",
+                                    loss_fn=lambda y, t: y.square().mean())
+    larger, smaller = trainer(2), trainer(1)
+    polytrain.save(Path(scratch) / "run", larger, step=1)
+    try:
+        out["larger"] = f"loaded step {polytrain.load(Path(scratch) / 'run', smaller).step}"
+    except CheckpointError as e:
+        out["larger"] = str(e)
+    larger.close()
+    smaller.close()
+    # The group's exchange failing (a peer gone): gloo's text, which names no one.
+    real_gather = dist.all_gather_object
+
+    def timed_out(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:598] Timed out waiting 30000ms for "
+                           "recv operation to complete")
+    dist.all_gather_object = timed_out
+    try:
+        save_sharded(new, Path(scratch) / "other")
+        out["lost"] = "saved"
+    except polytrain.CommError as e:
+        out["lost"] = str(e)
+    finally:
+        dist.all_gather_object = real_gather
+    return out
 
 
 @pytest.mark.timeout(120)
@@ -65,8 +145,27 @@ def test_save_on_four_load_on_two_and_on_one(tmp_path):
     assert max(float((saved[k] - untrained[k]).abs().max()) for k in saved) > 1e-3
     assert sorted(p.name for p in tmp_path.iterdir()) == ["meta.json", "shard-0.pt",
                                                          "shard-1.pt"]
-    for diffs in spawn(load, workers=2, args=(str(tmp_path), saved)):
-        assert diffs == (0.0, 0.0)
+    scratch = tmp_path.parent / f"{tmp_path.name}-scratch"
+    for rank, out in enumerate(spawn(load, workers=2, args=(str(tmp_path), saved,
+                                                             str(scratch)))):
+        assert out["sharded"] == out["full"] == 0.0
+        # The tied block's experts under both names (rank 1's had experts 0 and 1: 0.65 off,
+        # and the gathered state lacked h1.mlp.experts.2 and 3).
+        assert out["tied experts"] == 0.0
+        assert out["tied keys"] is True
+        assert out["tied full"] == 0.0
+        assert out["cut short"] == (
+            f"could not save the sharded MoE checkpoint in {scratch}: rank 1: OSError: [Errno "
+            f"28] No space left on device. HINT: free space or make the directory writable; "
+            f"the last whole checkpoint there is untouched"), out["cut short"]
+        assert out["after the cut"] == 0.0  # the last whole save, not half of each
+        assert out["larger"] == (
+            f"checkpoint {scratch / 'run' / 'step-1'} is of another model: it has "
+            f"'h1.attn.proj.bias', which this model lacks. HINT: resume with the checkpoint's "
+            f"--model and model options, or start without --resume"), out["larger"]
+        assert out["lost"].startswith(
+            f"rank {rank}: save_sharded's exchange with the expert-parallel group (ranks 0, 1) "
+            f"did not complete within 30 s"), out["lost"]
     one = build(1)
     load_sharded(one, tmp_path)
     assert all(torch.equal(v, saved[k]) for k, v in one.state_dict().items())
@@ -79,6 +178,46 @@ def test_a_checkpoint_of_another_expert_count_is_refused(tmp_path):
     with pytest.raises(polytrain.ConfigError, match=r"MoE layer 'h0.mlp' has 8 experts but "
                                                     r"the checkpoint has 4"):
         load_sharded(other, tmp_path)
+
+
+def test_a_checkpoint_of_a_larger_model_is_refused(tmp_path):
+    # Only this model's keys were looked up: a 2-layer model's checkpoint loaded into a
+    # 1-layer model without a word, MoE layer h1 or dense h1 alike.
+    def gpt(layers: int, every: int = 1) -> nn.Module:
+        torch.manual_seed(0)
+        return moefy(GPT(seq_len=8, d_model=16, layers=layers, heads=2), 4, every=every)
+
+    save_sharded(gpt(2), tmp_path / "moe")
+    with pytest.raises(polytrain.ConfigError, match=r"the checkpoint's MoE layer 'h1.mlp' is "
+                                                    r"not in this model \(its MoE layers: "
+                                                    r"\['h0.mlp'\]\)"):
+        load_sharded(gpt(1), tmp_path / "moe")
+    save_sharded(gpt(2, every=2), tmp_path / "dense")
+    with pytest.raises(polytrain.ConfigError, match=r"the checkpoint has h1.ln1.weight, which "
+                                                    r"this model lacks: .*dense is another "
+                                                    r"model's"):
+        load_sharded(gpt(1), tmp_path / "dense")
+
+
+def test_every_name_of_a_shared_moe_layer_is_listed():
+    # named_modules() lists a shared module once: the experts under its second name were
+    # taken for dense tensors (see test_save_on_four_load_on_two_and_on_one).
+    model = tied(0)
+    assert moe_layers(model) == [("h0.mlp.", model.h0.mlp),
+                                 ("h1.mlp.", model.h0.mlp)]
+
+
+def test_a_shard_of_another_save_is_refused(tmp_path):
+    # A save cut short between two ranks' renames left one rank's new shard beside the
+    # other's old one and the old meta.json: it loaded half of each model silently.
+    save_sharded(build(0), tmp_path / "a")
+    save_sharded(build(1), tmp_path / "b")
+    shutil.copy(tmp_path / "b" / "shard-0.pt", tmp_path / "a" / "shard-0.pt")
+    with pytest.raises(polytrain.ConfigError, match=r"a[/\\]shard-0.pt is of another save "
+                                                    r"than meta.json lists: a save_sharded\(\) "
+                                                    r"was cut short there\. HINT: save the "
+                                                    r"model again"):
+        load_sharded(build(2), tmp_path / "a")
 
 
 def test_a_checkpoint_of_another_model_or_missing_a_shard_is_refused_in_one_line(tmp_path):
@@ -170,7 +309,7 @@ def test_a_save_that_fails_midway_leaves_the_last_checkpoint_whole(tmp_path, mon
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(torch, "save", cut_short)
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(CheckpointError, match=r"rank 0: OSError: \[Errno 28\] No space left"):
         save_sharded(build(1), tmp_path)
     monkeypatch.undo()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["meta.json", "shard-0.pt"]

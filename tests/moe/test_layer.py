@@ -233,3 +233,48 @@ def test_a_profile_on_the_meta_device_counts_top_k_experts_per_token(gate):
     mlp, router = 2 * 8 * (16 * 64 + 64 * 16), 2 * 8 * 16 * 4  # per sample of 8 tokens
     assert moe["h0"] - dense["h0"] == (top_k - 1) * mlp + router
     assert moe["embed"] == dense["embed"] and moe["head"] == dense["head"]
+
+
+def test_an_expert_of_another_width_is_named_with_its_factory():
+    # A bare RuntimeError from reshape: "shape '[3, 8]' is invalid for input of size 48".
+    def wide(d: int) -> nn.Module:
+        return nn.Linear(d, 2 * d)
+
+    layer = MoE(D, E, expert=wide)
+    with pytest.raises(ConfigError, match=r"an expert that expert=.*wide builds maps tokens of "
+                                          r"shape \(\d+, 8\) to \(\d+, 16\): an expert must "
+                                          r"give back \(tokens, d_model\)\. HINT: make "
+                                          r"expert=f\(d_model\) return"):
+        layer(torch.randn(3, D))
+
+
+def test_d_model_and_top_k_are_checked_as_whole_numbers():
+    # MoE(0, 4) was accepted; numpy's int64 top_k was refused as "must be between 1 and
+    # the number of experts 4 (got 2)".
+    import numpy as np
+
+    with pytest.raises(ConfigError, match=r"d_model must be at least 1 \(got 0\)"):
+        MoE(0, E)
+    with pytest.raises(ConfigError, match=r"d_model must be a whole number \(got 8\.0\)"):
+        MoE(8.0, E)
+    layer = MoE(D, E, top_k=np.int64(2))
+    assert layer.top_k == 2 and type(layer.top_k) is int
+    with pytest.raises(ConfigError, match=r"top_k \(--top-k\) must be between 1 and the number "
+                                          r"of experts 4 \(got True\)"):
+        MoE(D, E, top_k=True)
+
+
+def test_a_layer_applied_twice_in_a_forward_counts_its_last_calls_aux_loss():
+    # As documented (aux_loss, docs/moe.md): each call replaces the gate's loss, so a shared
+    # block adds its second call's balance loss alone. (A review's warning for it fired on
+    # every pipeline stage whose gates no loss reads, and was dropped.)
+    torch.manual_seed(0)
+    layer = MoE(D, E, gate="gshard", d_hidden=12)
+    x = torch.randn(T, D)
+    second_input = layer(x)
+    layer(second_input)
+    twice = aux_loss(layer)
+    layer(second_input)
+    assert torch.equal(twice, aux_loss(layer))
+    layer(x)
+    assert not torch.equal(twice, aux_loss(layer))

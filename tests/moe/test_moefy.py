@@ -118,3 +118,18 @@ def test_every_must_be_a_whole_number():
     with pytest.raises(ConfigError, match=r"every must be a whole number \(got 1\.5\)\. "
                                           r"HINT: pass every=1 or 2"):
         moefy(GPT(seq_len=8, d_model=16, layers=2, heads=2), 4, every=1.5)
+
+
+def test_a_model_moefied_twice_is_refused_naming_the_layer():
+    # AttributeError: 'MoE' object has no attribute 'fc' (GPT), 'MoEEncoderLayer' object has
+    # no attribute 'linear1' (torch's layers).
+    gpt = moefy(GPT(seq_len=8, d_model=16, layers=2, heads=2), 4)
+    with pytest.raises(ConfigError, match=r"moefy: the feed-forward block of 'h0' is an MoE "
+                                          r"layer already \(4 experts\)\. HINT: moefy a model "
+                                          r"once"):
+        moefy(gpt, 8)
+    layer = nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, batch_first=True)
+    encoder = moefy(nn.TransformerEncoder(layer, 2, enable_nested_tensor=False), 4)
+    with pytest.raises(ConfigError, match=r"moefy: the feed-forward block of 'layers.0' is an "
+                                          r"MoE layer already \(4 experts\)"):
+        moefy(encoder, 4)

@@ -49,6 +49,17 @@ def test_moe_ends_where_single_ends(workers, nodes, expert_parallel, optimizer, 
                    for m in machines)
 
 
+@pytest.mark.parametrize("value", [2.0, True])
+def test_expert_parallel_must_be_a_whole_number(value):
+    # distribute(..., "moe", expert_parallel=2.0) met a TypeError deep inside; True was 1.
+    from polytrain.strategies.moe import MoEOptions
+
+    with pytest.raises(polytrain.ConfigError, match=rf"--expert-parallel must be a whole number "
+                                                    rf"\(got {value}\)\. HINT: pass "
+                                                    rf"--expert-parallel 2"):
+        MoEOptions(expert_parallel=value)
+
+
 def test_placement_groups_consecutive_workers():
     p = place_experts((0, 1, 2, 3, 4, 5), 3)
     assert p.expert_groups == ((0, 1, 2), (3, 4, 5))

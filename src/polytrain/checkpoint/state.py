@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import ConfigError, at_least, first_line
+from ..moe.checkpoint import full_keys
 from ..optim import placed_state
 from ..strategies.base import Strategy, Trainer, layout_of, strategy_of
 from ..tensors import host_state
@@ -277,16 +278,18 @@ def load(path: str | Path, model: nn.Module | Trainer,
                                   f"{keys[n]} there and {list(p.shape)} here",
                                   "resume with the checkpoint's --model and model options, "
                                   "or start without --resume")
-    if strategy.whole_model and not strategy.pipeline:  # the local model is the whole one:
-        # torch's strict load would name other keys only after loading the matching ones
-        mine = set(getattr(model, "module", model).state_dict())
-        other = sorted(set(keys) - mine) or sorted(mine - set(keys))
-        if other:
-            said = ("it has {!r}, which this model lacks" if other[0] in keys
-                    else "it has no {!r}").format(other[0])
-            raise CheckpointError(f"checkpoint {where} is of another model: {said}",
-                                  "resume with the checkpoint's --model and "
-                                  "model options, or start without --resume")
+    # Every worker holds the whole model's keys (a pipeline's stages are cut from it, an
+    # expert-parallel model lists its experts'): torch's strict load named another key only
+    # after loading the matching ones, and a larger model's checkpoint loaded silently under
+    # moe (its experts split) and with a torch traceback under the pipelines.
+    mine = set(full_keys(getattr(model, "module", model)))
+    other = sorted(set(keys) - mine) or sorted(mine - set(keys))
+    if other:
+        said = ("it has {!r}, which this model lacks" if other[0] in keys
+                else "it has no {!r}").format(other[0])
+        raise CheckpointError(f"checkpoint {where} is of another model: {said}",
+                              "resume with the checkpoint's --model and model options, or "
+                              "start without --resume")
     saved_workers = int(manifest["workers"])
     files: dict[int, dict[str, Any]] = {}
 

@@ -15,7 +15,9 @@ def aux_loss(model: nn.Module) -> torch.Tensor:
 
     FastMoE leaves users to collect these by hand; here one call does it for
     the whole model (wrapped or not). A model whose gates have no auxiliary
-    loss gives an exact zero, so adding it changes nothing.
+    loss gives an exact zero, so adding it changes nothing. Each gate gives its
+    last call's loss: a layer applied twice in one forward (a shared block) adds
+    its second call's alone.
 
     Example::
 

@@ -15,7 +15,9 @@ is global expert ``first + i``, so:
 from __future__ import annotations
 
 import json
+import os
 import re
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +25,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..errors import ConfigError
+from .. import runtime
+from ..errors import ConfigError, first_line
 from ..tensors import host_copy
+from .exchange import ExpertGroup
 from .layer import MoE
 
 __all__ = ["moe_layers", "canonical_names", "full_keys", "full_state_dict", "local_state_dict",
@@ -35,9 +39,14 @@ _EXPERT = re.compile(r"^(\d+)\.(.*)$")
 
 
 def moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
-    """Every MoE layer of ``model`` with its state-dict prefix (``"h0.mlp."``)."""
-    return [(f"{name}." if name else "", m) for name, m in model.named_modules()
-            if isinstance(m, MoE)]
+    """Every MoE layer of ``model`` with its state-dict prefix (``"h0.mlp."``).
+
+    A layer shared under several names (a block applied twice) is listed under each, as
+    ``state_dict()`` lists its tensors under each (named_modules() alone gave its first:
+    its experts under the other names were taken for dense tensors).
+    """
+    return [(f"{name}." if name else "", m)
+            for name, m in model.named_modules(remove_duplicate=False) if isinstance(m, MoE)]
 
 
 def _split(key: str, layers: list[tuple[str, MoE]]) -> tuple[str, MoE, int, str] | None:
@@ -161,6 +170,40 @@ def _bare(model: Any) -> nn.Module:
     return model
 
 
+def _gather(group: ExpertGroup, value: Any) -> list[Any]:
+    """Every rank's ``value`` over ``group``, by rank. gloo's failure (a peer gone, a wait
+    timed out) names no one: in a run it is said as the run's other collectives say it."""
+    if not group.distributed:
+        return [value]
+    out: list[Any] = [None] * group.size
+    try:
+        dist.all_gather_object(out, value, group=group.group)
+    except RuntimeError as e:
+        if not runtime.is_initialized():
+            raise
+        ctx = runtime.current()
+        ranks = ", ".join(map(str, group.global_ranks))
+        raise ctx.transport.error(e, None, f"save_sharded's exchange with the expert-parallel "
+                                           f"group (ranks {ranks})", ctx.timeout_s) from None
+    return out
+
+
+def _refuse_failures(errors: list[str | None], group: ExpertGroup, path: Path,
+                     left: str) -> None:
+    """Raise, on every rank alike, the first rank's error of a save, if any rank had one
+    (``left``: what the directory holds then)."""
+    failed = next(((r, e) for r, e in enumerate(errors) if e), None)
+    if failed is not None:
+        # Here: polytrain.checkpoint imports the strategies, which import this module.
+        from ..checkpoint.manifest import CheckpointError
+
+        rank = group.global_ranks[failed[0]] if group.distributed else \
+            dist.get_rank() if dist.is_initialized() else 0
+        raise CheckpointError(f"could not save the sharded MoE checkpoint in {path}: rank "
+                              f"{rank}: {failed[1]}", f"free space or make the directory "
+                              f"writable; {left}")
+
+
 def save_sharded(model: nn.Module, directory: str | Path, *, write: bool = True) -> None:
     """Write this rank's experts (and, on expert-parallel rank 0, the rest) to ``directory``.
 
@@ -171,15 +214,20 @@ def save_sharded(model: nn.Module, directory: str | Path, *, write: bool = True)
     returned (a wrapper, a DDP or a step API's trainer): its model is saved, under the
     model's own names.
 
-    Each file is written under a temporary name and renamed over the old one, so a save
-    cut short leaves the last one whole. ``meta.json`` is written once every shard is
-    (a barrier over the group, which times out after the run's ``--timeout`` like every
-    collective), and on return the directory is complete on every writing rank.
+    Each rank writes its shard under a temporary name; only once every rank of the group
+    has (an exchange over the group, which times out after the run's ``--timeout`` like
+    every collective) are the shards renamed over the old ones and ``meta.json`` written,
+    listing each shard's save. A write that fails on any rank (a full disk) raises
+    :class:`~polytrain.checkpoint.CheckpointError` on every rank, naming it, and leaves
+    the last save whole; a process killed between the renames leaves shards of two saves,
+    which :func:`load_sharded` refuses. On return the directory is complete on every
+    writing rank.
     """
     model = _bare(model)
     layers = moe_layers(model)
     size = _one_group_size(layers)
-    rank = layers[0][1].group.rank if layers else 0
+    group = layers[0][1].group if layers else ExpertGroup(None)
+    rank = group.rank
     if not write:
         return
     path = Path(directory)
@@ -192,18 +240,34 @@ def save_sharded(model: nn.Module, directory: str | Path, *, write: bool = True)
     # Here: polytrain.checkpoint imports the strategies, which import this module.
     from ..checkpoint.manifest import write_atomically
 
-    write_atomically(path / f"shard-{rank}.pt", lambda tmp: torch.save(
-        {"format": FORMAT, "rank": rank, "ranks": size, "state": shard}, tmp))
-    group = layers[0][1].group if layers else None
-    if group is not None and group.distributed:
-        dist.barrier(group=group.group)  # every shard written before meta.json lists them
+    save = uuid.uuid4().hex  # this rank's shard of this save, as meta.json will list it
+    final, pending = path / f"shard-{rank}.pt", path / f".shard-{rank}.pt.pending"
+    error: str | None = None
+    try:
+        write_atomically(pending, lambda tmp: torch.save(
+            {"format": FORMAT, "rank": rank, "ranks": size, "save": save, "state": shard}, tmp))
+    except Exception as e:  # noqa: BLE001 - every rank must reach the exchange: each raises it
+        error = first_line(e)
+    done = _gather(group, (error, save))
+    if any(e for e, _ in done):
+        pending.unlink(missing_ok=True)
+        _refuse_failures([e for e, _ in done], group, path,
+                         "the last whole checkpoint there is untouched")
+    try:
+        os.replace(pending, final)
+    except OSError as e:
+        error = first_line(e)
+    half = "then save again (the directory mixes two saves, which load_sharded() refuses)"
+    _refuse_failures(_gather(group, error), group, path, half)  # all renamed before meta.json
     if rank == 0:
-        meta = {"format": FORMAT, "ranks": size,
+        meta = {"format": FORMAT, "ranks": size, "saves": [s for _, s in done],
                 "experts": {p: layer.num_experts for p, layer in layers}}
-        write_atomically(path / "meta.json",
-                         lambda tmp: tmp.write_text(json.dumps(meta, indent=1) + "\n"))
-    if group is not None and group.distributed:
-        dist.barrier(group=group.group)  # a load on any rank after this finds meta.json
+        try:
+            write_atomically(path / "meta.json",
+                             lambda tmp: tmp.write_text(json.dumps(meta, indent=1) + "\n"))
+        except Exception as e:  # noqa: BLE001 - the other ranks wait in the exchange below
+            error = first_line(e)
+    _refuse_failures(_gather(group, error), group, path, half)  # a load after this finds it
 
 
 def load_sharded(model: nn.Module, directory: str | Path) -> None:
@@ -234,6 +298,13 @@ def load_sharded(model: nn.Module, directory: str | Path) -> None:
             raise ConfigError(f"MoE layer {prefix.rstrip('.')!r} has {layer.num_experts} "
                               f"experts but the checkpoint has {saved}",
                               "build the model with the checkpoint's expert count")
+    here = dict(layers)
+    for prefix in meta["experts"]:  # (a larger model's checkpoint loaded silently)
+        if prefix not in here:
+            raise ConfigError(f"the checkpoint's MoE layer {prefix.rstrip('.')!r} is not in "
+                              f"this model (its MoE layers: "
+                              f"{sorted(p.rstrip('.') for p in here)})",
+                              "load it into the model that save_sharded() was given")
     cache: dict[int, dict[str, Any]] = {}
 
     def shard(r: int) -> dict[str, torch.Tensor]:
@@ -244,8 +315,19 @@ def load_sharded(model: nn.Module, directory: str | Path) -> None:
                                   f"its meta.json lists", "copy the whole directory that "
                                   "save_sharded() wrote")
             cache[r] = torch.load(file, map_location="cpu")
+            saves = meta.get("saves")  # (none before the saves were listed)
+            if saves is not None and cache[r].get("save") != saves[r]:
+                raise ConfigError(f"{file} is of another save than meta.json lists: a "
+                                  f"save_sharded() was cut short there", "save the model "
+                                  "again, or copy back the whole directory of an earlier save")
         return cache[r]["state"]
 
+    wanted = set(full_keys(model))
+    extra = next((k for k in shard(0) if k not in wanted), None)  # shard 0 holds the dense
+    if extra is not None:
+        raise ConfigError(f"the checkpoint has {extra}, which this model lacks: {path} is "
+                          f"another model's", "load it into the model that save_sharded() "
+                          "was given")
     state: dict[str, torch.Tensor] = {}
     for key, mine in model.state_dict().items():
         name, expert = _canonical(key, layers)

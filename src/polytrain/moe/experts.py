@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import FunctionCtx
 
+from ..errors import ConfigError
 from ..layers import FeedForward
 
 __all__ = ["FeedForwardExpert", "ExpertMLP", "ExpertList", "grouped_mm", "chunk_plan",
@@ -215,6 +216,8 @@ class ExpertList(nn.ModuleList):
     def __init__(self, num_local: int, d_model: int,
                  factory: Callable[[int], nn.Module]) -> None:
         super().__init__(factory(d_model) for _ in range(num_local))
+        #: The factory's name, for the refusal of an expert of another width.
+        self.factory_name = getattr(factory, "__qualname__", type(factory).__name__)
 
     def keep(self, first: int, count: int) -> None:
         """Keep experts ``first .. first+count-1`` only (expert parallelism shards the list)."""
@@ -229,7 +232,15 @@ class ExpertList(nn.ModuleList):
             n = int(n)
             # Every expert runs, on zero rows too: its parameters then join the graph on
             # every rank alike (their gradient is zero, not missing).
-            parts.append(expert(x[start:start + n]))
+            y = expert(x[start:start + n])
+            if y.shape != (n, x.shape[1]):  # (a bare RuntimeError of reshape() later)
+                raise ConfigError(f"an expert that expert={self.factory_name} builds maps "
+                                  f"tokens of shape {(n, x.shape[1])} to {tuple(y.shape)}: an "
+                                  f"expert must give back (tokens, d_model)",
+                                  "make expert=f(d_model) return a module whose output has "
+                                  "its input's shape, e.g. nn.Sequential(nn.Linear(d, 4 * d), "
+                                  "nn.GELU(), nn.Linear(4 * d, d))")
+            parts.append(y)
             start += n
         if not parts:
             return x.new_empty(0, x.shape[1])

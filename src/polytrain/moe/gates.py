@@ -4,7 +4,8 @@ A gate maps (tokens, d_model) to ``(indices, scores)``, both (tokens, top_k):
 the expert of every slot (-1: dropped, contributes nothing) and its weight in
 the combination. After each forward, ``gate.loss`` holds its weighted
 auxiliary loss (balance and router z-loss; None if it has none), which
-:func:`polytrain.moe.aux_loss` collects.
+:func:`polytrain.moe.aux_loss` collects: the loss of its last call, so a layer
+applied twice in one forward counts its second call's alone.
 
 Gates that draw random numbers (noise, random routing, jitter) take one seed
 per forward from torch's global generator, so ``torch.manual_seed`` before a
@@ -40,6 +41,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import numbers
 from typing import Any, ClassVar
 
 import torch
@@ -151,12 +153,14 @@ class Gate(nn.Module):
                  batch_group: Any | None = None) -> None:
         super().__init__()
         self.num_experts = num_experts
-        self.top_k = self.default_top_k if top_k is None else top_k
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or \
-                not 1 <= self.top_k <= num_experts:  # (2.5 met torch's topk() at a forward)
+        k: object = self.default_top_k if top_k is None else top_k
+        # (2.5 met torch's topk() at a forward; numpy's int64 2 was refused as "got 2")
+        if isinstance(k, bool) or not isinstance(k, numbers.Integral) or \
+                not 1 <= int(k) <= num_experts:
             raise ConfigError(f"top_k (--top-k) must be between 1 and the number of experts "
-                              f"{num_experts} (got {self.top_k})",
+                              f"{num_experts} (got {k})",
                               f"pass top_k (--top-k) in 1..{num_experts}")
+        self.top_k = int(k)
         check_factor(capacity_factor)
         check_factor(eval_capacity_factor, "eval_capacity_factor")
         if dropless and (capacity_factor is not None or eval_capacity_factor is not None):
@@ -191,6 +195,8 @@ class Gate(nn.Module):
         self.group = ExpertGroup(group)
         self.batch_group: ExpertGroup | None = None
         self.set_batch_group(batch_group)
+        #: The weighted auxiliary loss of the gate's last call (None if it has none): a layer
+        #: applied twice in one forward (a shared block) holds its second call's alone.
         self.loss: torch.Tensor | None = None
         self.last_capacity: int | None = None
 

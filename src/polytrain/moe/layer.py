@@ -65,6 +65,7 @@ class MoE(nn.Module):
                  dropless: bool = False, balance_weight: float | None = None,
                  z_loss_weight: float = 0.0, gate_options: dict[str, Any] | None = None) -> None:
         super().__init__()
+        at_least("d_model", d_model, "pass the tokens' width, e.g. MoE(512, 8)", whole=True)
         at_least("num_experts (--experts)", num_experts, "pass num_experts=8 (--experts 8)",
                  whole=True)
         clash = sorted(set(gate_options or {}) & _OWN)  # (Python's "multiple values" before)

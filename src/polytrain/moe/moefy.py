@@ -101,23 +101,28 @@ def moefy(model: nn.Module, num_experts: int, *, every: int = 1, **options: Any)
     from ..models.gpt import Block  # here: polytrain.models imports this package
 
     at_least("every", every, "pass every=1 or 2", whole=True)
-    found = 0
-    for module in list(model.modules()):
-        if isinstance(module, Block):
-            if found % every == 0:
-                fc = module.mlp.fc
-                assert isinstance(fc, nn.Linear)
-                opts = _with_width(fc.out_features, options)
-                module.mlp = _like(MoE(fc.in_features, num_experts, **opts), fc.weight)
-            found += 1
-        elif isinstance(module, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)):
-            if found % every == 0:
-                _moefy_torch_layer(module, num_experts, options)
-            found += 1
-    if not found:
+    layers = [(name, m) for name, m in model.named_modules()
+              if isinstance(m, (Block, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer))]
+    if not layers:
         raise ConfigError(f"moefy found no transformer layer in {type(model).__name__}",
                           "pass polytrain's GPT or a model of torch.nn.TransformerEncoderLayer/"
                           "TransformerDecoderLayer")
+    chosen = layers[::every]
+    for name, layer in chosen:  # all before any is replaced ('MoE' has no attribute 'fc')
+        block = layer.mlp if isinstance(layer, Block) else getattr(layer, "moe", None)
+        if isinstance(block, MoE):
+            raise ConfigError(f"moefy: the feed-forward block of {name!r} is an MoE layer "
+                              f"already ({block.num_experts} experts)",
+                              "moefy a model once (for other experts, build the model again "
+                              "and moefy that)")
+    for _, layer in chosen:
+        if isinstance(layer, Block):
+            fc = layer.mlp.fc
+            assert isinstance(fc, nn.Linear)
+            opts = _with_width(fc.out_features, options)
+            layer.mlp = _like(MoE(fc.in_features, num_experts, **opts), fc.weight)
+        else:
+            _moefy_torch_layer(layer, num_experts, options)
     for module in model.modules():
         if isinstance(module, nn.TransformerEncoder):
             module.use_nested_tensor = False  # the nested fast path reads linear1 too

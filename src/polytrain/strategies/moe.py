@@ -36,8 +36,9 @@ class MoEOptions:
                 "workers / P such groups hold replicas of the experts", "metavar": "P"})
 
     def __post_init__(self) -> None:
-        if self.expert_parallel is not None:
-            at_least("--expert-parallel", self.expert_parallel, "pass --expert-parallel 2")
+        if self.expert_parallel is not None:  # (2.0 met a TypeError inside; True was 1)
+            at_least("--expert-parallel", self.expert_parallel, "pass --expert-parallel 2",
+                     whole=True)
 
 
 @dataclass(frozen=True)
@@ -172,7 +173,8 @@ class ExpertParallel(Strategy[MoEOptions]):
                               else None)
         self.replica_ranks = replicas
         kept: list[nn.Parameter] = []
-        for _, layer in moe_layers(model):
+        # Each layer once: a shared one is listed under each of its names.
+        for layer in {id(layer): layer for _, layer in moe_layers(model)}.values():
             layer.shard_experts(expert_group)  # distribute() gives the gates the batch group
             kept += list(layer.experts.parameters())
         # After the cut: a GPU holds its experts only, never every expert at once.
