@@ -1,5 +1,6 @@
 """PipeTransformer end to end: transparency, AutoFreeze, AutoDP's hand-over, epochs, refusals."""
 
+import functools
 import os
 import re
 import shutil
@@ -353,6 +354,105 @@ def test_a_script_with_servers_of_its_own_may_run_a_pipeline():
     assert spawn(with_a_server, workers=2, servers=1) == [1, 1]
 
 
+class Sometimes(torch.nn.Module):
+    """A linear layer that adds ``rare`` to the samples flagged in their last feature only
+    (autograd reaches it only in a batch with one; the layer profile, on the meta device,
+    has no values and takes it), and holds ``spare``, which its forward never uses."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.lin = torch.nn.Linear(d, d)
+        self.rare = torch.nn.Parameter(torch.full((d,), 0.5))
+        self.spare = torch.nn.Parameter(torch.ones(3))
+
+    def forward(self, x):
+        out = self.lin(x)
+        flagged = x[:, -1] > 0
+        if x.is_meta or flagged.any():
+            out = out + flagged[:, None] * self.rare
+        return out
+
+
+def _sometimes_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(OrderedDict(a=Sometimes(8), r=torch.nn.ReLU(),
+                                           c=torch.nn.Linear(8, 4)))
+
+
+def _flagged_batches():
+    """Global batches of 8 whose flagged samples are: the first (replica 0's slice of two),
+    none, the last (replica 1's)."""
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for flagged in ([0], [], [7]):
+        x = torch.randn(8, 8, generator=gen)
+        x[:, -1] = -1.0
+        x[flagged, -1] = 1.0
+        out.append((x, torch.randint(0, 4, (8,), generator=gen)))
+    return out
+
+
+def _adamw(model):
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def train_sometimes():
+    """K = 1, R = 2, two micro-batches: the refusal of micro-batches that do not divide a
+    replica's slice, then a run of :func:`_sometimes_model`."""
+    polytrain.init()
+    model = _sometimes_model()
+    trainer = polytrain.distribute(model, _adamw(model), strategy="pipetransformer",
+                                   loss_fn=torch.nn.functional.cross_entropy, freeze=False,
+                                   pipeline_stages=1, micro_batches=3)
+    try:
+        trainer.step(*_flagged_batches()[0])
+        refusal = "accepted"
+    except ConfigError as e:
+        refusal = str(e)
+    model = _sometimes_model()
+    trainer = polytrain.distribute(model, _adamw(model), strategy="pipetransformer",
+                                   loss_fn=torch.nn.functional.cross_entropy, freeze=False,
+                                   pipeline_stages=1, micro_batches=2)
+    for x, y in _flagged_batches():
+        trainer.step(x, y)
+    state = trainer.state_dict()
+    trainer.close()
+    return refusal, state
+
+
+@functools.cache
+def _sometimes_run():
+    return spawn(train_sometimes, workers=2)[0]
+
+
+@pytest.mark.timeout(120)
+def test_a_parameter_no_replica_reaches_is_skipped_as_in_single():
+    # Symptom: a registered parameter the forward never uses moved (1.0 -> 0.997 in 3 AdamW
+    # steps; single leaves it alone). Cause: every stage stepped a trained parameter that got
+    # no gradient on zeros. Now the replicas agree on which got one somewhere: zeros where
+    # only another replica's slice reached it (step 0, step 2), None where none did (step 1).
+    _, state = _sometimes_run()
+    model = _sometimes_model()
+    opt = _adamw(model)
+    for x, y in _flagged_batches():
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    assert torch.equal(state["a.spare"], torch.ones(3))
+    assert max_abs_diff(model.state_dict(), state) < adam_tolerance(1e-2, 3)
+    assert float((model.a.rare.detach() - 0.5).abs().min()) > 1e-3  # it trained
+
+
+@pytest.mark.timeout(120)
+def test_micro_batches_that_do_not_divide_a_replicas_slice_are_refused_in_the_step_api():
+    # Symptom: distribute(..., micro_batches=5) on a global batch of 12 over 2 replicas ran
+    # 3 micro-batches, without a word (polytrain train refuses it). Cause: the first plan
+    # took the largest divisor below it; only a later plan, after a halving, may.
+    refusal, _ = _sometimes_run()
+    assert refusal == ("micro_batches=3 does not divide a replica's 4 samples (a global batch "
+                       "of 8 over 2 replicas). HINT: pass micro_batches one of [1, 2, 4]")
+
+
 @pytest.mark.timeout(300)
 def test_measured_layer_costs_cut_where_the_time_is():
     # K = 2: by FLOPs the sleepy first layer is nearly free and shares stage 0 with others;
@@ -483,26 +583,56 @@ def test_a_cache_a_worker_closes_still_counts_what_it_served():
     assert strategy._served == {"hits": 7, "shared_hits": 2, "misses": 2, "advanced": 0}
 
 
+def test_the_progress_bar_is_drawn_by_the_last_stage_of_pipeline_0_of_the_plan_in_force():
+    # Symptom: with --no-autodp the bar showed "loss -" and absurd samples/s once the
+    # pipeline halved. Cause: worker K0 - 1 drew it, idle after the halving.
+    from types import SimpleNamespace
+
+    from polytrain.pipeline.autopipe import PipePlan
+    from polytrain.strategies.pipetransformer.strategy import PipeTransformer
+
+    def drawing(plan):
+        out = []
+        for w in range(4):
+            strategy = PipeTransformer(SimpleNamespace(worker_index=w, num_workers=4,
+                                                       num_nodes=1),
+                                       PipeTransformerOptions(autodp=False))
+            strategy.plan = plan
+            out.append(strategy.shows_progress)
+        return out
+
+    halved = PipePlan(step=2, frozen=3, frozen_layers=("embed", "h0", "h1"), bounds=(3, 5, 6),
+                      stages=2, replicas=1, micro_batches=4, stage_cost=(1.0, 1.0))
+    assert drawing(None) == [False, False, False, True]  # K0 = 4: worker 3
+    assert drawing(halved) == [False, True, False, False]  # workers 2, 3 idle
+
+
 @pytest.mark.timeout(120)
-def test_polytrain_train_prints_each_new_plan(capfd):
+def test_polytrain_train_prints_each_new_plan_and_its_bar_follows_the_plan(capfd):
     # The plan at every freeze point was logged at INFO on worker 0, which the default
-    # level (WARNING) hides: polytrain train printed only the first.
+    # level (WARNING) hides: polytrain train printed only the first. And with --no-autodp
+    # the bar showed "loss -" and absurd samples/s once the pipeline halved: worker K0 - 1
+    # drew it, idle after the halving.
     from polytrain.cli import main
 
-    assert main(["train", "--strategy", "pipetransformer", "--workers", "2", "--steps", "5",
+    assert main(["train", "--strategy", "pipetransformer", "--workers", "4", "--steps", "5",
                  "--batch-size", "8", "--seq-len", "16", "--d-model", "32", "--layers", "4",
                  "--freeze-every", "2", "--freeze-threshold", "100", "--freeze-alpha",
-                 "0.5"]) == 0
+                 "0.5", "--no-autodp"]) == 0
     err = capfd.readouterr().err
-    assert re.search(r"pipetransformer: a new plan at step 2: 3 layers frozen, 1 stages x 2 "
+    assert re.search(r"pipetransformer: a new plan at step 2: 3 layers frozen, 2 stages x 1 "
                      r"replicas", err), err
+    bar = re.findall(r"^train (\d)/5 loss +(\S+) +(\S+) samples/s$", err, re.M)
+    assert [step for step, _, _ in bar] == ["1", "2", "3", "4", "5"], err
+    assert all(loss != "-" for _, loss, _ in bar), err
 
 
 @pytest.mark.timeout(120)
-def test_the_shared_cache_directory_goes_when_a_script_ends_without_close(tmp_path):
+def test_the_cache_directories_go_when_a_script_ends_without_close(tmp_path):
     # Outside polytrain launch (a script torchrun starts, as the README's step API) the
     # machine's /dev/shm directory was removed by close() alone: a script that ends without
-    # it left the cached activations in host memory.
+    # it left the cached activations in host memory. So did the disk tier's directory in
+    # /tmp (--cache-mb 0 spills every entry there), until a review.
     script = tmp_path / "job.py"
     script.write_text(
         "import torch, polytrain\n"
@@ -511,17 +641,24 @@ def test_the_shared_cache_directory_goes_when_a_script_ends_without_close(tmp_pa
         "torch.manual_seed(0)\n"
         "model = GPT(seq_len=16, d_model=32, layers=4)\n"
         "trainer = polytrain.distribute(model, torch.optim.Adam(model.parameters()),\n"
-        "    strategy='pipetransformer', loss_fn=cross_entropy, freeze_every=2)\n"
+        "    strategy='pipetransformer', loss_fn=cross_entropy, freeze_every=2,\n"
+        "    freeze_threshold=100.0, freeze_alpha=0.5, cache_mb=0)\n"
         "x = torch.randint(0, 256, (8, 17))\n"
-        "trainer.step(x[:, :-1], x[:, 1:])\n"
+        "for _ in range(4):\n"
+        "    trainer.step(x[:, :-1], x[:, 1:])\n"
+        "print(trainer.strategy.cache.stats.disk_entries, trainer.strategy.cache._dir)\n"
         "print(trainer.strategy.shared_cache)\n")
     done = torchrun(script, "worker")
     assert done.returncode == 0, done.stderr[-3000:]
+    entries, disk = done.stdout.strip().splitlines()[-2].split()
     shared = Path(done.stdout.strip().splitlines()[-1])
     try:
+        assert int(entries) > 0 and Path(disk).name.startswith("polytrain-cache-")
+        assert not Path(disk).exists()
         assert shared.name.startswith("polytrain-autocache-") and not shared.exists()
     finally:
         shutil.rmtree(shared, ignore_errors=True)
+        shutil.rmtree(disk, ignore_errors=True)
 
 
 def test_the_shared_cache_directory_stays_while_another_of_its_users_runs(tmp_path,

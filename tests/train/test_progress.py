@@ -41,3 +41,20 @@ def test_off_a_terminal_it_writes_a_line_every_tenth() -> None:
             bar.update(step, None, 50.0)
     lines = stream.getvalue().splitlines()
     assert [line.split()[1] for line in lines] == [f"{n}/20" for n in range(2, 21, 2)]
+
+
+def test_a_bar_that_stops_drawing_ends_its_line_and_writes_no_more() -> None:
+    # PipeTransformer's bar moves to another process when a new plan moves pipeline 0's
+    # last stage: the process that drew it ends its open line and stops.
+    stream = Terminal()
+    with Progress(10, stream=stream) as bar:
+        bar.update(0, 2.5, 100.0)
+        bar.show(False)
+        bar.update(1, 2.0, 100.0)
+        bar.note("a new plan")
+    assert stream.getvalue().count("\r[") == 1 and stream.getvalue().endswith("100.0 samples/s\n")
+    later = Terminal()
+    with Progress(10, stream=later, enabled=False) as bar:
+        bar.show(True)
+        bar.update(1, 2.0, 100.0)
+    assert later.getvalue().startswith("\r[") and "2/10 loss  2.000" in later.getvalue()

@@ -32,6 +32,7 @@ from ..emulation.profile import (
     with_measured_costs,
 )
 from ..errors import ConfigError, unknown
+from ..optim import placed_state
 from .stage import LossFn, Stage, StageSpec
 
 __all__ = ["make_stage", "stage_optimizer", "fused_keys", "layer_of", "layer_profile",
@@ -142,7 +143,9 @@ def stage_optimizer(base: torch.optim.Optimizer, model: nn.Module,
                     stage: Stage) -> tuple[torch.optim.Optimizer, list[int], list[int]]:
     """The user's optimizer ``base`` (over ``model``) rebuilt over ``stage``'s parameters: its
     class, and one group for each of its groups that holds some (with their settings, which
-    the stage follows every minibatch). Returns it, the user's group each of its groups
+    the stage follows every minibatch), with a copy of the state it holds for them (a
+    script's steps before ``distribute``: Adam's moments and step count, which one process
+    goes on from). Returns it, the user's group each of its groups
     follows, and each stage parameter's group (-1: frozen, ``requires_grad=False``, and not
     in ``base``). A stage with no parameter ``base`` holds (frozen or parameter-free layers)
     gets an optimizer of one empty group. Parameters are matched by name, so a stage built
@@ -178,8 +181,15 @@ def stage_optimizer(base: torch.optim.Optimizer, model: nn.Module,
         settings = {k: v for k, v in base.param_groups[0].items() if k != "params"}
         groups, sources = [{**settings, "params": []}], [0]
     kind: Any = type(base)  # the user's class, built on this stage's share of its groups
+    optimizer = kind(groups)
+    by_name = {name_of[id(p)]: p for group in base.param_groups for p in group["params"]
+               if id(p) in name_of}
+    for name, p in zip(stage.names, stage.params):
+        state = base.state.get(by_name[name]) if name in by_name else None
+        if state:
+            optimizer.state[p] = placed_state(optimizer, p, state)
     # -1: a frozen parameter the optimizer does not hold.
-    return kind(groups), sources, [group_of.get(i, -1) for i in range(len(stage.params))]
+    return optimizer, sources, [group_of.get(i, -1) for i in range(len(stage.params))]
 
 
 def check_untied(model: nn.Module, owner: str, stages: int, *,

@@ -19,8 +19,10 @@ small ``/dev/shm``) ends the publishing with a warning, not the run.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import errno
+import functools
 import hashlib
 import logging
 import os
@@ -29,7 +31,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -98,9 +100,10 @@ class ActivationCache:
         memory_bytes: the host memory budget (``--cache-mb``): the memory tier and what this
             process publishes in ``shared``; entries past it go to disk.
         directory: where the disk tier's files go, in a directory of this process's that
-            :meth:`close` removes, and the next cache there if this process is killed
-            (default: a fresh temporary directory; under ``polytrain launch`` in the
-            launcher's work directory, so that it goes with it when the process fails).
+            :meth:`close` removes, or at the latest the end of the process, and the next
+            cache there if this process is killed (default: a fresh temporary directory;
+            under ``polytrain launch`` in the launcher's work directory, so that it goes with
+            it even when the process is killed).
         shared: a directory the first stages of one machine share (``/dev/shm/...``):
             every entry is published there as a file and looked up there on a miss
             (default: none, this process's entries only). Its owner removes it.
@@ -113,6 +116,7 @@ class ActivationCache:
         self._own_dir = directory is None
         self._dir_arg = directory
         self._dir: Path | None = None
+        self._remove_at_exit: Callable[[], None] | None = None  # registered with atexit
         self.memory: dict[bytes, tuple[int, torch.Tensor]] = {}
         self.disk: dict[bytes, tuple[int, Path, int]] = {}
         self.published: dict[bytes, int] = {}  # key -> bytes this process put in ``shared``
@@ -244,6 +248,11 @@ class ActivationCache:
                 Path(self._dir_arg).mkdir(parents=True, exist_ok=True)
                 self._dir = owned_dir(Path(self._dir_arg), "polytrain-cache-",
                                       "an AutoCache disk tier")
+            # Removed by close(), and at the latest when the process ends: a script that
+            # ends without close() (the README's step API, run by torchrun) left it in /tmp.
+            self._remove_at_exit = functools.partial(shutil.rmtree, self._dir,
+                                                     ignore_errors=True)
+            atexit.register(self._remove_at_exit)
         return self._dir
 
     def close(self) -> None:
@@ -253,6 +262,9 @@ class ActivationCache:
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
+        if self._remove_at_exit is not None:
+            atexit.unregister(self._remove_at_exit)
+            self._remove_at_exit = None
 
 
 def expected_hits(start: int, steps: int, *, since: int | None, epoch_steps: int | None,

@@ -19,7 +19,9 @@ class SyncPipeline:
     A minibatch is cut into ``microbatches`` equal micro-batches that run
     through the schedule; every stage accumulates its weights' gradients of
     the mean loss into ``.grad``, so after :meth:`step` the caller's optimizer
-    step equals one step on the whole minibatch (the pipeline flush).
+    step equals one step on the whole minibatch (the pipeline flush). A trained
+    weight that no micro-batch reached keeps ``.grad`` None, as autograd leaves
+    it in one process, so the optimizer skips it.
 
     Example::
 
@@ -74,7 +76,7 @@ class SyncPipeline:
                 if loss is not None:
                     losses.append(float(loss))
             else:
-                grads = self.stage.backward(base + i, scale=1.0 / m)
+                grads = self.stage.backward(base + i, scale=1.0 / m, unused_zero=False)
                 for p, g in zip(self.stage.params, grads):
                     if g is None:
                         continue

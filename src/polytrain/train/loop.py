@@ -154,6 +154,8 @@ def train(config: TrainConfig) -> dict[str, Any] | None:
                 if step + 1 - start in settle:
                     dist.barrier(group=ctx.groups.workers)
                 ctx.meter.mark_step()
+            # PipeTransformer's bar follows pipeline 0's last stage, which a new plan moves.
+            progress.show(strategy.shows_progress and not config.quiet)
             progress.update(step, loss, config.batch_size / max(times[-1], 1e-9))
             for line in strategy.notices():  # a new plan (PipeTransformer's freeze points)
                 progress.note(line)

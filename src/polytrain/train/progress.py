@@ -28,10 +28,20 @@ class Progress:
 
     def __exit__(self, *exc: object) -> None:
         """Ends a redrawn line left open (a step that raised): the error starts on its own line."""
+        self._end_line()
+
+    def _end_line(self) -> None:
         if self._open:
             self.stream.write("\n")
             self.stream.flush()
             self._open = False
+
+    def show(self, enabled: bool) -> None:
+        """Draw from now on or not (a strategy whose bar moves to another process when its
+        plan changes); stopping ends a redrawn line left open."""
+        if not enabled:
+            self._end_line()
+        self.enabled = enabled
 
     def note(self, text: str) -> None:
         """Print ``text`` (lines) between the bar's updates, on lines of its own."""

@@ -176,11 +176,7 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
                          global_batch=batch_size, micro_batches=options.micro_batches,
                          memory=memory, state_factor=optimizer_state_factor(optimizer))
         per = batch_size // plan.replicas
-        m = options.micro_batches
-        if m is not None and per % m:  # the plan would take the largest divisor below it
-            raise ConfigError(f"--micro-batches {m} does not divide a replica's {per} samples "
-                              f"(--batch-size {batch_size} over {plan.replicas} replicas)",
-                              f"pass --micro-batches one of {divisors(per)}")
+        _check_micro_batches(options.micro_batches, batch_size, plan.replicas, python=False)
         if per % plan.micro_batches:
             raise ConfigError(f"a replica's {per} samples cannot be cut into "
                               f"{plan.micro_batches} micro-batches",
@@ -252,8 +248,12 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
 
     @property
     def shows_progress(self) -> bool:
+        """The last stage of pipeline 0 under the plan in force (before the first step, the
+        first plan's, or a resumed run's saved one): it holds a loss. Without AutoDP the
+        first plan's last stage idles once the pipeline halves."""
         assert self.ctx is not None
-        return self.ctx.worker_index == self._k0 - 1
+        plan = self.plan if self.plan is not None else (self._resume or {}).get("plan")
+        return self.ctx.worker_index == (plan.stages if plan is not None else self._k0) - 1
 
     def notices(self) -> list[str]:
         out, self._notices = self._notices, []
@@ -285,6 +285,9 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
             group=ctx.groups.workers, owner=self.name,
             seconds=(self._resume or {}).get("layer_seconds"))
         self.global_batch = inputs.shape[0] * self.replica[1]  # the plan's, or a resumed one's
+        if self._resume is None:  # (polytrain train refused it before any process started)
+            _check_micro_batches(self.options.micro_batches, self.global_batch,
+                                 self.replica[1], python=True)
         self.memory = min(d.type.memory_bytes for d in self._cluster().devices)
         self.state_factor = optimizer_state_factor(self.base_optimizer)
         if self.options.cache and self.options.cache_shared:
@@ -512,23 +515,9 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
             front = functools.partial(frozen_forward, self.layers, frozen=plan.bounds[0],
                                       cache=self.cache)
         loss = self.pipe.step(inputs, targets, prepare=front)
-        grads = [g for p in stage.params if (g := p.grad) is not None]  # the trained ones
-        if self.group_size > 1 and grads:
-            # The data leaves the device once its backward has finished there.
-            if stage.clock is not None:
-                stage.clock.wait()
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            assert self.ctx is not None
-            self.ctx.meter.record_ring_allreduce(
-                [self.ctx.topology.workers[i] for i in plan.workers_of_stage(stage.spec.index)],
-                flat.numel() * flat.element_size())
-            dist.all_reduce(flat, group=self.group)
-            flat /= self.group_size
-            offset = 0
-            for g in grads:
-                n = g.numel()
-                g.copy_(flat[offset:offset + n].view_as(g))
-                offset += n
+        trained = [p for p in stage.params if p.requires_grad]
+        if self.group_size > 1 and trained:
+            self._all_reduce(trained)
         if self.options.freeze:
             norms: dict[str, float] = {}
             for name, p in zip(stage.names, stage.params):
@@ -538,6 +527,36 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
             self.tracker.record({k: v ** 0.5 for k, v in norms.items()})
         opt.step()
         return loss
+
+    def _all_reduce(self, trained: list[nn.Parameter]) -> None:
+        """Average the stage's gradients over its data-parallel group. A parameter no
+        micro-batch of this replica reached has none (the optimizer skips it, as in one
+        process), but another replica's may have: a flag per parameter rides at the end of
+        the same all-reduce, and the parameter gets the mean (zeros from this replica) where
+        some replica's slice reached it, and stays None where none did."""
+        stage, plan, ctx = self.stage, self.plan, self.ctx
+        assert stage is not None and plan is not None and ctx is not None
+        # The data leaves the device once its backward has finished there.
+        if stage.clock is not None:
+            stage.clock.wait()
+        reached = torch.tensor([float(p.grad is not None) for p in trained],
+                               dtype=trained[0].dtype, device=trained[0].device)
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                          for p in trained] + [reached])
+        ctx.meter.record_ring_allreduce(
+            [ctx.topology.workers[i] for i in plan.workers_of_stage(stage.spec.index)],
+            flat.numel() * flat.element_size())
+        dist.all_reduce(flat, group=self.group)
+        offset = 0
+        for p, anywhere in zip(trained, flat[-len(trained):].tolist()):
+            n = p.numel()
+            if not anywhere:
+                p.grad = None
+            else:
+                if p.grad is None:
+                    p.grad = torch.empty_like(p)
+                torch.div(flat[offset:offset + n].view_as(p), self.group_size, out=p.grad)
+            offset += n
 
     def _reshard(self, inputs: torch.Tensor, targets: torch.Tensor, index: int
                  ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -653,6 +672,21 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
                 self.cache.close()
             if self.shared_cache is not None:  # the machine's last worker out removes it
                 _leave_shared(Path(self.shared_cache))
+
+
+def _check_micro_batches(m: int | None, batch: int, replicas: int, *, python: bool) -> None:
+    """Refuse a first plan's micro-batches that do not divide a replica's share of the global
+    ``batch``: the plan would take the largest divisor below them, silently (only a later
+    plan, after a halving, lowers them). ``python``: worded for the step API, else the CLI."""
+    per = batch // replicas
+    if m is None or per % m == 0:
+        return
+    option, given = ((f"micro_batches={m}", f"a global batch of {batch}") if python
+                     else (f"--micro-batches {m}", f"--batch-size {batch}"))
+    raise ConfigError(f"{option} does not divide a replica's {per} samples ({given} over "
+                      f"{replicas} replicas)",
+                      f"pass {'micro_batches' if python else '--micro-batches'} one of "
+                      f"{divisors(per)}")
 
 
 def _shared_directory(ctx: Context) -> str:
