@@ -764,3 +764,16 @@ def test_the_drop_ins_options_of_the_wrong_kind_are_refused_in_one_line(option, 
     from polytrain.herring import DistributedDataParallel as DDP
     with pytest.raises(ConfigError, match=message):  # before it looks for a run
         DDP(nn.Linear(2, 2), **{option: value})
+
+
+def test_the_drop_ins_positional_arguments_are_torch_ddps_in_its_order():
+    # A script passing torch's DDP arguments by position met gradient_as_bucket_view where
+    # torch has check_reduction (a review).
+    import inspect
+
+    from polytrain.strategies.herring.ddp import DistributedDataParallel
+
+    ours = list(inspect.signature(DistributedDataParallel).parameters)
+    theirs = list(inspect.signature(nn.parallel.DistributedDataParallel).parameters)
+    upto = theirs.index("gradient_as_bucket_view") + 1
+    assert ours[:upto] == theirs[:upto]

@@ -82,7 +82,8 @@ class SyncedModule(nn.Module):
 
     def __init__(self, module: nn.Module, ctx: Context, *, broadcast_buffers: bool | None,
                  method: str, device_ids: Sequence[Any] | None = None, init_sync: bool = True,
-                 same: Mapping[str, Any] | None = None) -> None:
+                 init_buffers: bool | None = None, same: Mapping[str, Any] | None = None
+                 ) -> None:
         super().__init__()
         if not ctx.is_worker:
             raise ConfigError(f"rank {ctx.rank} is a server; {method} trains on workers",
@@ -95,9 +96,11 @@ class SyncedModule(nn.Module):
         # torch's DDP reads None as True (its default): buffers broadcast.
         self.broadcast_buffers = broadcast_buffers is None or bool(broadcast_buffers)
         if init_sync:  # False: the user vouches that every worker starts from the same weights
-            # The buffers too only with broadcast_buffers, as torch's DDP: without it they
-            # are each worker's own (rank-local), at the wrap as at every forward.
-            broadcast_module(ctx, module, buffers=self.broadcast_buffers)
+            # The buffers too with ``init_buffers``, by default only with broadcast_buffers,
+            # as torch's DDP: without it they are each worker's own (rank-local), at the wrap
+            # as at every forward (BytePS's DDP copies its whole state_dict whatever it says).
+            broadcast_module(ctx, module, buffers=self.broadcast_buffers
+                             if init_buffers is None else init_buffers)
         #: Parameters frozen at the wrap: they have no sum (:meth:`_check_trained`).
         self._frozen = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
         self.ctx = ctx

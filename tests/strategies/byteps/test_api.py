@@ -344,6 +344,22 @@ def compressed_drop_in() -> dict:
         refused(lambda: DDP(nn.Linear(4, 2), broadcast_buffers=not first)),
         refused(lambda: DDP(nn.Linear(4, 2), compression="onebit" if first else None)),
         refused(lambda: DDP(nn.Linear(4, 2), partition_bytes=64 if first else 4096000))]
+    # The same compression written otherwise is the same (it was refused as differing).
+    alike = []
+    for mine, theirs in [(bps.Compression.named("topk:0.010"), "topk:0.01"),
+                         ({"weight": "onebit", "bias": None}, {"weight": bps.Compression.onebit})]:
+        model = DDP(nn.Linear(64, 64), compression=mine if first else theirs,
+                    compress_min_bytes=0)
+        alike.append(list(model.sync.packed))
+        model.close()
+    out["alike"] = alike
+    # As BytePS's own, the wrap copies worker 0's buffers whatever broadcast_buffers says.
+    net = nn.BatchNorm1d(2)
+    net.running_mean.fill_(bps.rank() + 1.0)
+    model = DDP(net, broadcast_buffers=False)
+    out["buffer"] = model.module.running_mean.tolist()
+    model.close()
+    out["kind"] = refused(lambda: DDP(nn.Linear(4, 2), broadcast_buffers="no"))
     return out
 
 
@@ -364,6 +380,11 @@ def test_the_drop_in_takes_compression_with_the_options_that_need_one():
             for option, theirs, ours in [("broadcast_buffers", True, False),
                                          ("compression", "none", "onebit"),
                                          ("partition_bytes", 4096000, 64)]]
+        assert out["alike"] == [[0], [0]]  # the weight's bucket compressed, on both
+        assert out["buffer"] == [1.0, 1.0]  # worker 0's, on both (BytePS copies them)
+        assert out["kind"] == ("DistributedDataParallel option broadcast_buffers must be True "
+                               "or False (got 'no', a str). HINT: pass broadcast_buffers=True "
+                               "or broadcast_buffers=False")
 
 
 def broadcast_bare_tensors():

@@ -19,10 +19,11 @@ from torch import nn
 
 from ... import runtime
 from ...errors import ConfigError
+from ...kinds import check_kinds
 from ...ps.engine import engine_for
 from ...runtime import Context
 from ..synced import SyncedModule, keep_missing_for
-from .optimizer import Choice, checked_options, gradient_sync
+from .optimizer import Choice, _resolve, checked_options, gradient_sync
 
 __all__ = ["DistributedDataParallel"]
 
@@ -33,9 +34,19 @@ _SAME_OPTIONS = ("partition_bytes", "fuse_bytes", "colocate", "credit_bytes", "e
                  "compress_warmup_with")
 
 
-def _spec(choice: Choice) -> str:
-    """A compression choice by its name (``none``, ``onebit``, ``topk:0.01``)."""
-    return "none" if choice is None else choice if isinstance(choice, str) else choice.spec()
+def _spec(choice: Choice | Mapping[str, Choice]) -> str | dict[str, str]:
+    """A compression choice by its canonical name (``none``, ``onebit``, ``topk:0.01``; a
+    name as given is parsed first: ``topk:0.010`` is ``topk:0.01``), a mapping's by tensor
+    (tensors it leaves uncompressed left out: None is as absent)."""
+    if isinstance(choice, Mapping):
+        named = {k: _name(v) for k, v in sorted(choice.items())}
+        return {k: v for k, v in named.items() if v != "none"}
+    return _name(choice)
+
+
+def _name(choice: Choice) -> str:
+    codec = _resolve(choice)
+    return "none" if codec is None else codec.spec()
 
 
 class DistributedDataParallel(SyncedModule):
@@ -45,8 +56,8 @@ class DistributedDataParallel(SyncedModule):
     Gradients are pushed from hooks as backward produces them, in BytePS's
     fusion groups and Theorem 1's placement (as :func:`DistributedOptimizer`),
     and waited for at the end of the backward pass. Every worker must build the
-    same model; worker 0's parameters, and its buffers with ``broadcast_buffers`` (as
-    torch's DDP), are copied to every worker at construction.
+    same model; worker 0's parameters and buffers are copied to every worker at
+    construction (as BytePS's, whatever ``broadcast_buffers`` says).
 
     Args:
         module: the model (on this worker's device).
@@ -81,13 +92,17 @@ class DistributedDataParallel(SyncedModule):
                               "compress_adam=True, compress_warmup=N)")
         # Differing on some workers, these declare other keys, sum other payloads or
         # broadcast at other steps: refused at the wrap, not after the timeouts.
+        broadcast_buffers = check_kinds(
+            DistributedDataParallel.__init__, {"broadcast_buffers": broadcast_buffers},
+            what="DistributedDataParallel option ")["broadcast_buffers"]
         same: dict[str, Any] = {
             "broadcast_buffers": broadcast_buffers is None or bool(broadcast_buffers),
-            "compression": ({k: _spec(v) for k, v in sorted(chosen.items())}
-                            if isinstance(chosen, Mapping) else _spec(chosen)),
+            "compression": _spec(chosen),
             **{name: getattr(opts, name) for name in _SAME_OPTIONS}}
+        # BytePS's DDP copies worker 0's whole state_dict at the wrap, buffers too, whatever
+        # broadcast_buffers says (torch's copies them only with it).
         super().__init__(module, ctx, broadcast_buffers=broadcast_buffers, method="BytePS",
-                         device_ids=device_ids,
+                         device_ids=device_ids, init_buffers=True,
                          same={f"DistributedDataParallel option {k}": v for k, v in same.items()})
         self.plan, self.sync = gradient_sync(
             engine_for(ctx, credit_bytes=opts.credit_bytes), self.trained(),

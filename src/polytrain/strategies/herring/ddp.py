@@ -107,6 +107,7 @@ class DistributedDataParallel(SyncedModule):
             ``.grad`` None, as with torch's DDP (a flag per parameter summed a step more); without
             it (the default), such a gradient is summed as zeros, so every worker sends the
             same buffers.
+        check_reduction: accepted, as torch (deprecated there; it does nothing).
         gradient_as_bucket_view: accepted; gradients are copied out of the buffers.
         static_graph: accepted; the hooks need no static graph.
         colocate: a server on every worker machine (default True).
@@ -120,8 +121,9 @@ class DistributedDataParallel(SyncedModule):
                  output_device: Any = None, dim: int = 0, broadcast_buffers: bool | None = True,
                  init_sync: bool = True, process_group: Any = None,
                  bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB,
-                 find_unused_parameters: bool = False, gradient_as_bucket_view: bool = False,
-                 *, static_graph: bool = False, colocate: bool = True,
+                 find_unused_parameters: bool = False, check_reduction: bool = False,
+                 gradient_as_bucket_view: bool = False, *, static_graph: bool = False,
+                 colocate: bool = True,
                  ctx: Context | None = None) -> None:
         # Kinds as the strategy's options are checked (colocate="no" was a true value);
         # bucket_cap_bytes checks the cap's.
