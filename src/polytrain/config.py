@@ -16,7 +16,7 @@ from .data import DEFAULT_DATASET, check_dataset, check_divisible, training_data
 from .emulation.devices import parse_cluster
 from .emulation.profile import ModelProfile, optimizer_state_factor, profile_model
 from .errors import ConfigError, at_least, first_line, unknown
-from .kinds import check_kinds
+from .kinds import check_kinds, plain
 from .launch.host import available_memory_bytes
 from .launch.launcher import check_port
 from .launch.layout import Layout
@@ -133,6 +133,10 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         self._check_kinds()
+        # The model's options go to its constructor as given, and to the run record and
+        # metrics.json: numpy's numbers as Python's (numpy.int64 failed writing them).
+        object.__setattr__(self, "model_options",
+                           {name: plain(v) for name, v in self.model_options.items()})
         if self.device not in DEVICES:
             raise unknown("device", self.device, DEVICES, "pass --device cpu or cuda (a worker "
                           "takes its own GPU)", plural="devices")

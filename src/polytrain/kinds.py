@@ -17,7 +17,7 @@ import numpy
 
 from .errors import ConfigError, check_whole
 
-__all__ = ["check_kinds"]
+__all__ = ["check_kinds", "plain"]
 
 
 def check_kinds(owner: type | Callable[..., Any], values: Mapping[str, Any], *,
@@ -43,7 +43,7 @@ def check_kinds(owner: type | Callable[..., Any], values: Mapping[str, Any], *,
     for name, value in values.items():
         kinds = _kinds(owner)[name]
         if isinstance(value, numpy.generic):  # numpy.int64(8192), a numpy comparison's bool
-            value = out[name] = value.item()
+            value = out[name] = plain(value)
         if name in paths and isinstance(value, os.PathLike):
             value = out[name] = os.fspath(value)
         if value is None and type(None) in kinds:
@@ -78,6 +78,12 @@ def check_kinds(owner: type | Callable[..., Any], values: Mapping[str, Any], *,
 
 _KIND_NAMES = {int: "a whole number", float: "a number", bool: "True or False", str: "a str",
                collections.abc.Mapping: "a mapping"}
+
+
+def plain(value: Any) -> Any:
+    """``value`` with a numpy scalar made Python's (``numpy.int64(8)`` is 8): a record of it is
+    JSON; anything else as it is."""
+    return value.item() if isinstance(value, numpy.generic) else value
 
 
 @functools.cache

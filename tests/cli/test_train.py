@@ -192,6 +192,9 @@ def test_strategy_options_are_kept_as_their_fields_take_them(tmp_path):
     assert json.loads(json.dumps(metrics))["strategy_options"] == \
         {"partition_bytes": 8192, "compress": "onebit", "compress_momentum": 0.5}
     assert [type(v) for v in config.strategy_options.values()] == [int, str, float]
+    # The model's options too (a review: numpy.int64 failed the run record likewise).
+    config = TrainConfig(model="mlp", steps=2, model_options={"d_model": numpy.int64(16)})
+    assert json.loads(json.dumps(run_record(config)))["model_options"] == {"d_model": 16}
 
 
 def test_replace_fills_in_again_the_workers_and_nodes_a_config_filled_in():

@@ -254,7 +254,8 @@ def test_latency_counts_herring_buckets_and_byteps_rounds_over_the_servers_with_
     assert latency("byteps", 8) == pytest.approx(74e-3)
     assert latency("byteps", 1) == pytest.approx(120e-3)
     assert latency("byteps", 4) == pytest.approx(96e-3)
-    # ... as many as the engine's placement gives the busiest server of a 1.21 GB tensor.
+    # ... as many as the engine's placement gives the busiest server of a 1.21 GB tensor here
+    # (an estimate: on other layouts its pieces, not contiguous, add a few; docs/cluster.md).
     for k in (1, 4, 8):
         plan = plan_placement([TensorSpec("w", (302_500_000,), torch.float32)],
                               partition_bytes=4_096_000, machines=8,

@@ -180,3 +180,10 @@ def test_the_planner_refuses_weights_that_outgrow_memory_by_train_s_rule(monkeyp
                                           r"1\.0 GiB available\. HINT: pass a smaller model "
                                           r"\(--d-model, --layers\)$"):
         TrainConfig(strategy="single", model_options=big)
+
+
+def test_a_model_the_devices_cannot_profile_is_refused_as_itself_not_as_each_candidate():
+    # The candidates' checks (a review) made it "every strategy the planner predicts is
+    # refused on this job (ddp); ddp's refusal: WordLM cannot be timed ...".
+    with pytest.raises(ConfigError, match=r"^WordLM cannot be timed layer by layer"):
+        plan_job(Job(model="wordlm", devices="big=4/4096,m0:big*2,m1:big*2"))

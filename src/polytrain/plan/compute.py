@@ -28,7 +28,9 @@ def _check_fits(model: str, model_options: Mapping[str, Any], optimizer: str) ->
     and was blamed on the batch (``--vocab 3000000000``: "pass a smaller --batch-size")."""
     with torch.device("meta"):
         net = get_model(model).make(**model_options)
-    given = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in model_options.items())
+    # Its sizes as flags (a switch such as --dropless is no size: left out).
+    given = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in model_options.items()
+                     if not isinstance(v, bool))
     smaller = f"smaller than {given}" if given else "--d-model, --layers"
     check_weights_fit(net, name=f"{model} with {given or 'its default options'}", copies=1,
                       per="to time a step here", optimizer=optimizer,

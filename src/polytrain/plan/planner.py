@@ -172,6 +172,8 @@ class Job:
         cluster = parse_cluster(self.devices) if self.devices is not None else None
         profile = functools.cache(lambda: model_profile(get_model(self.model), model,
                                                         self.model_options))
+        if cluster is not None:  # up front: a model that cannot be profiled (wordlm, layer by
+            profile()  # layer) is refused as itself, not as each candidate's refusal
         out = {}
         for c in candidates:
             cls = get_strategy(c.strategy)

@@ -16,11 +16,10 @@ import torch.distributed as dist
 
 from ..checkpoint import CheckpointError, load, run_record, save
 from ..checkpoint.manifest import write_atomically
-from ..config import TrainConfig, check_init
+from ..config import TrainConfig, check_init, model_profile
 from ..data import EpochBatches, corpus_digest, training_data
 from ..emulation.clock import clock_of, emulate
 from ..emulation.devices import parse_cluster
-from ..emulation.profile import profile_model
 from ..errors import ConfigError, first_line
 from ..models import get_model, seq_len_of
 from ..optim import make_optimizer
@@ -81,8 +80,7 @@ def train(config: TrainConfig) -> dict[str, Any] | None:
     if cluster is not None and device.type == "cpu":  # on real GPUs nothing is emulated
         # Every strategy, ddp included, runs at the speed of this worker's device.
         own = cluster.devices[ctx.worker_index if ctx is not None else 0]
-        sample = spec.split(torch.zeros((1, seq_len + 1), dtype=torch.long))[0]
-        emulate(model, own.type, profile_model(model, sample))
+        emulate(model, own.type, model_profile(spec, model, config.model_options))
     # The step API, as a user's script would use it: the trainer shards each global batch
     # with the replica the strategy has at that step, and adds MoE gates' losses.
     trainer = distribute(model, optimizer, config.strategy, ctx=ctx, loss_fn=spec.loss,
