@@ -79,6 +79,31 @@ def test_byteps_counts_cpu_machines_not_server_processes():
                        colocated=[4, 5, 6, 7], dedicated=[8, 9], cpu_machines=[[8]])
 
 
+def test_herring_gives_a_cpu_machine_one_shard_whatever_its_server_processes():
+    # Each server process got a shard: three on one CPU machine made it move 3 of n + 3
+    # shards (n = 4: 12/7 = 1.71 M a step, above ring all-reduce's 1.5 M). The machine's
+    # shard is cut over its processes: herring_traffic(4, 1)'s 4/5 M, as one process there.
+    from types import SimpleNamespace
+
+    from polytrain.herring import herring_traffic, plan_herring
+    from polytrain.strategies.herring.ddp import herring_servers
+
+    roles = ([("worker", f"g{i}") for i in range(4)] + [("server", f"g{i}") for i in range(4)]
+             + [("server", "cpu0")] * 3)
+    servers = herring_servers(SimpleNamespace(topology=Topology.from_roles(roles)),
+                              colocate=True)
+    assert servers == [(4,), (5,), (6,), (7,), (8, 9, 10)]
+    plan = plan_herring([TensorSpec("w", (1_000_000,), F32)], bucket_cap_bytes=1 << 30,
+                        servers=servers, local_workers=1)
+    load = plan.bytes_by_server()
+    total = 4_000_000
+    assert [load[r] for r in range(4, 8)] == [total // 5] * 4
+    assert sorted(load[r] for r in (8, 9, 10)) == [266_664, 266_668, 266_668]
+    # What the CPU machine receives: n pushes of its shard, the formula's.
+    assert 4 * sum(load[r] for r in (8, 9, 10)) / total == \
+        pytest.approx(herring_traffic(4, 1)["server"])
+
+
 # BytePS's fusion of small tensors (moved here with the planner from strategies/byteps).
 def gpt_specs(**options):
     return [TensorSpec.of(n, p) for n, p in GPT(**options).named_parameters()]

@@ -68,11 +68,15 @@ def check_every_worker(ctx: Context, process_group: Any, who: str, group: str,
                           hint)
 
 
-def herring_servers(ctx: Context, *, colocate: bool) -> list[int]:
-    """Herring's servers: one on every worker machine (unless not ``colocate``), then the
-    dedicated CPU machines'."""
+def herring_servers(ctx: Context, *, colocate: bool) -> list[tuple[int, ...]]:
+    """Herring's server machines, each by its server ranks: one on every worker machine
+    (unless not ``colocate``), then each dedicated CPU machine's (several where torchrun's
+    roles start several there: they share the machine's shard)."""
     colocated, dedicated = server_ranks(ctx.topology, colocate=colocate, strategy="herring")
-    return colocated + dedicated
+    by_machine: dict[str, list[int]] = {}
+    for rank in dedicated:
+        by_machine.setdefault(ctx.topology.machine(rank), []).append(rank)
+    return [(rank,) for rank in colocated] + [tuple(ranks) for ranks in by_machine.values()]
 
 
 class DistributedDataParallel(SyncedModule):

@@ -64,7 +64,7 @@ class HerringHookState:
         self.engine = engine_for(self.ctx)
         self.servers = herring_servers(self.ctx, colocate=colocate)
         self.local = len(self.ctx.local_workers)
-        self.pieces = len(self.servers) * self.local
+        self.pieces = sum(map(len, self.servers)) * self.local
         self.first_key = self.ctx.keys.take(_MAX_BUCKETS * _LAYOUTS * self.pieces)
         self.sums: dict[tuple[int, int], SumTensor] = {}
         #: bucket index -> the (numel, dtype) seen, in order
