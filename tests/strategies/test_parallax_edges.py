@@ -24,6 +24,13 @@ class _Half(nn.Module):
         return (self.w * x).sum(1).mean()
 
 
+def _weights(model, ctx) -> dict:
+    """The whole model's weights: gathered from the servers in a run, a copy alone."""
+    import polytrain
+    return polytrain.full_state_dict(model) if ctx is not None else {
+        k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
 def half_script(distributed: bool) -> torch.Tensor:
     import polytrain
     ctx = polytrain.init() if distributed else None
@@ -116,8 +123,7 @@ def tied_tables_script(distributed: bool, optimizer: str) -> dict:
         opt.zero_grad()
         nn.functional.mse_loss(model(src, tgt), y).backward()
         opt.step()
-    return polytrain.full_state_dict(model) if ctx is not None else {
-        k: v.detach().clone() for k, v in model.state_dict().items()}
+    return _weights(model, ctx)
 
 
 @pytest.mark.timeout(120)
@@ -224,8 +230,7 @@ def one_cycle_script(distributed: bool) -> dict:
         model(x).backward()
         opt.step()
         sched.step()
-    return polytrain.full_state_dict(model) if ctx is not None else {
-        k: v.detach().clone() for k, v in model.state_dict().items()}
+    return _weights(model, ctx)
 
 
 @pytest.mark.timeout(120)
@@ -343,8 +348,7 @@ def padded_script(distributed: bool) -> dict:
             loss = nn.functional.mse_loss(model(ids, ctx.worker_index == 0, scale=0.5), y)
         loss.backward()
         opt.step()
-    return polytrain.full_state_dict(model) if ctx is not None else {
-        k: v.detach().clone() for k, v in model.state_dict().items()}
+    return _weights(model, ctx)
 
 
 @pytest.mark.timeout(120)

@@ -211,9 +211,9 @@ class GradientSync:
         zeros). Off by default; on, a flag per parameter is summed each step, on a key of
         its own beside the gradients' (4 bytes a parameter each way, 8 past 46,339 workers,
         measured as theirs), sent as the last gradient comes in, ahead of buckets waiting
-        for credit. The flags
-        count the workers that froze a parameter too: one frozen on some workers only is
-        refused at the synchronisation, naming it (the others would step it alone).
+        for credit. The flags count the workers that froze a parameter too: one frozen on
+        some workers only is refused at the synchronisation, naming it (the others would
+        step it alone).
         Every worker sets it alike, at the same point: turning it on declares that key."""
         return self._keep_missing
 

@@ -70,10 +70,11 @@ class SyncedModule(nn.Module):
     """A model whose gradients :attr:`sync` sums over the workers during backward.
 
     The constructor checks that every worker built the same model (a clear
-    error naming the first tensor that differs) and passed the same options
-    ``same`` (name -> value), and copies worker 0's parameters, and its buffers
-    with ``broadcast_buffers``, to every worker (unless not ``init_sync``), as
-    torch's DDP; the subclass then sets
+    error naming the first tensor that differs) and passed the same
+    ``broadcast_buffers`` and options ``same`` (name -> value; named "<class>
+    option <name>"), and copies worker 0's parameters, and its buffers with
+    ``broadcast_buffers`` (or ``init_buffers``), to every worker (unless not
+    ``init_sync``), as torch's DDP; the subclass then sets
     :attr:`sync` from :meth:`trained`'s parameters. The forward moves its
     inputs to ``device_ids[0]`` where given (:func:`input_device`).
     """
@@ -89,12 +90,15 @@ class SyncedModule(nn.Module):
             raise ConfigError(f"rank {ctx.rank} is a server; {method} trains on workers",
                               "wrap the model on workers only (servers serve inside init())")
         check_worker_models(ctx, module)  # as distribute(): the drop-in's way in too
-        if same:  # options whose difference would leave the workers' sums out of step
-            check_same_values(ctx, same, f"pass the same options to {type(self).__name__} "
-                                         f"on every worker")
-        self.module = module
         # torch's DDP reads None as True (its default): buffers broadcast.
         self.broadcast_buffers = broadcast_buffers is None or bool(broadcast_buffers)
+        # Options whose difference would leave the workers' sums or broadcasts out of step.
+        who = type(self).__name__
+        check_same_values(ctx, {f"{who} option {name}": value for name, value in
+                                {"broadcast_buffers": self.broadcast_buffers,
+                                 **(same or {})}.items()},
+                          f"pass the same options to {who} on every worker")
+        self.module = module
         if init_sync:  # False: the user vouches that every worker starts from the same weights
             # The buffers too with ``init_buffers``, by default only with broadcast_buffers,
             # as torch's DDP: without it they are each worker's own (rank-local), at the wrap

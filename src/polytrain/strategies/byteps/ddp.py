@@ -90,20 +90,17 @@ class DistributedDataParallel(SyncedModule):
                               "DistributedDataParallel does not see the optimizer",
                               "use DistributedOptimizer(torch.optim.Adam(...), "
                               "compress_adam=True, compress_warmup=N)")
-        # Differing on some workers, these declare other keys, sum other payloads or
-        # broadcast at other steps: refused at the wrap, not after the timeouts.
         broadcast_buffers = check_kinds(
             DistributedDataParallel.__init__, {"broadcast_buffers": broadcast_buffers},
             what="DistributedDataParallel option ")["broadcast_buffers"]
-        same: dict[str, Any] = {
-            "broadcast_buffers": broadcast_buffers is None or bool(broadcast_buffers),
-            "compression": _spec(chosen),
-            **{name: getattr(opts, name) for name in _SAME_OPTIONS}}
+        # Differing on some workers, these declare other keys or sum other payloads: refused
+        # at the wrap (with broadcast_buffers), not after the timeouts.
+        same = {"compression": _spec(chosen),
+                **{name: getattr(opts, name) for name in _SAME_OPTIONS}}
         # BytePS's DDP copies worker 0's whole state_dict at the wrap, buffers too, whatever
         # broadcast_buffers says (torch's copies them only with it).
         super().__init__(module, ctx, broadcast_buffers=broadcast_buffers, method="BytePS",
-                         device_ids=device_ids, init_buffers=True,
-                         same={f"DistributedDataParallel option {k}": v for k, v in same.items()})
+                         device_ids=device_ids, init_buffers=True, same=same)
         self.plan, self.sync = gradient_sync(
             engine_for(ctx, credit_bytes=opts.credit_bytes), self.trained(),
             compression=chosen,

@@ -143,15 +143,13 @@ class DistributedDataParallel(SyncedModule):
             check_every_worker(ctx, process_group, "herring", "process_group",
                                "leave process_group out, or pass ctx.groups.workers")
         check_even_machines("herring", ctx.topology, EVEN_MACHINES)
-        # Differing on some workers, these declare other keys or broadcast at other steps.
-        same = {"bucket_cap_mb": cap / 2**20,
-                "broadcast_buffers": broadcast_buffers is None or bool(broadcast_buffers),
-                "init_sync": bool(init_sync),
+        # Differing on some workers, these declare other keys or copy other tensors: refused
+        # at the wrap (with broadcast_buffers).
+        same = {"bucket_cap_mb": cap / 2**20, "init_sync": bool(init_sync),
                 "find_unused_parameters": bool(find_unused_parameters),
                 "colocate": bool(colocate)}
         super().__init__(module, ctx, broadcast_buffers=broadcast_buffers, method="herring",
-                         device_ids=device_ids, init_sync=init_sync,
-                         same={f"DistributedDataParallel option {k}": v for k, v in same.items()})
+                         device_ids=device_ids, init_sync=init_sync, same=same)
         named = self.trained()
         self.plan: HerringPlan = plan_herring(
             [TensorSpec.of(n, p) for n, p in named],
