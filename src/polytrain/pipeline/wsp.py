@@ -34,7 +34,7 @@ from ..ps.engine import engine_for
 from ..ps.placement import Placement, balanced
 from ..ps.protocol import Kind
 from ..ps.settings import round_pieces, round_settings
-from ..ps.stores import WHOLE_STATE, optimizer_state_numel, unpack_counts
+from ..ps.stores import WHOLE_STATE, optimizer_state_numel, pack_counts, state_layout, unpack_counts
 from ..runtime import Context
 from ..tensors import host_copy
 
@@ -158,9 +158,15 @@ class WaveSync:
         flat = tensors[self._local[p.tensor]].detach().reshape(-1)
         return flat[p.offset:p.offset + p.numel]
 
-    def start(self, *, initialise: bool, states: Sequence[torch.Tensor] | None = None) -> None:
+    def start(self, *, initialise: bool, states: Sequence[torch.Tensor] | None = None,
+              optimizer_state: Sequence[dict[str, Any]] | None = None) -> None:
         """Declare this stage's keys; the first virtual worker writes the initial weights,
         or with ``states`` (:meth:`server_states` of a checkpoint) the servers' whole state.
+        With the servers' optimizer, ``optimizer_state`` (per tensor of this stage: the
+        state the user's optimizer held for it at ``distribute``, as a torch optimizer's
+        ``state[param]``; empty where none) goes to the servers with the initial weights, so
+        their optimizer goes on from a script's steps before ``distribute``, as one process
+        does.
 
         Ends with a barrier of all workers, so nobody pushes before the weights are set.
         """
@@ -188,12 +194,53 @@ class WaveSync:
                 engine.set(placement, i, state).wait()
         elif initialise:
             cpu = [t.cpu() for t in self._flat(self.params)]
+            held = self._held_state(optimizer_state)
             for i, p in self.mine:
-                engine.set(placement, i, self._slice(cpu, p)).wait()
+                engine.set(placement, i, self._slice(cpu, p) if held is None
+                           else self._whole_state(cpu, held, p)).wait()
             # A GET is answered after the SET before it (same key, same server thread).
             for (i, _), out in zip(self.mine, self._outs()):
                 engine.get(placement, i, out).wait()
         dist.barrier(group=self.ctx.groups.workers)
+
+    def _held_state(self, optimizer_state: Sequence[dict[str, Any]] | None
+                    ) -> list[dict[str, Any]] | None:
+        """``optimizer_state`` for the servers' optimizer, or None where it holds nothing."""
+        if self.optimizer is None or optimizer_state is None or not any(optimizer_state):
+            return None
+        if len(optimizer_state) != len(self.params):
+            raise ValueError(f"optimizer_state for {len(optimizer_state)} tensors, the stage "
+                             f"has {len(self.params)}")
+        return list(optimizer_state)
+
+    def _whole_state(self, cpu: Sequence[torch.Tensor], held: Sequence[dict[str, Any]],
+                     p: Partition) -> torch.Tensor:
+        """Key ``p``'s whole state (as :meth:`server_states` reads it) from the weights
+        ``cpu`` (per bucket, flat) and the state ``held`` per tensor, its rounds at 0."""
+        bucket = self.buckets[self._local[p.tensor]]
+        spec = self.optimizer[self.groups[self._local[p.tensor]]]  # type: ignore[index]
+        value = self._slice(cpu, p)
+        parts = [value]
+        for name, per, _ in state_layout(spec):
+            values = [held[m].get(name) for m in bucket.members]
+            if per:
+                flat = torch.cat([torch.zeros(self.params[m].numel(), dtype=value.dtype)
+                                  if v is None else v.detach().reshape(-1).cpu().to(value.dtype)
+                                  for m, v in zip(bucket.members, values)])
+                parts.append(flat[p.offset:p.offset + p.numel])
+                continue
+            # One number for the key (Adam's step): its tensors' must agree.
+            numbers = {float(v) if v is not None else 0.0 for v in values}
+            if len(numbers) > 1:
+                raise ConfigError(f"the optimizer's {name!r} differs between tensors the "
+                                  f"servers step as one key ({sorted(numbers)}): the "
+                                  f"servers' optimizer keeps one per layer and group",
+                                  "call polytrain.distribute before the script's own steps, "
+                                  "or keep the optimizer on the stages "
+                                  "(server_optimizer=False)")
+            parts.append(torch.tensor([numbers.pop()], dtype=value.dtype))
+        parts.append(pack_counts([0], value.dtype))  # rounds applied: none yet
+        return torch.cat(parts)
 
     def server_states(self) -> list[torch.Tensor]:
         """The whole state of this stage's optimizer stores (value, the optimizer's state,
