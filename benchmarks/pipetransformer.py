@@ -90,6 +90,9 @@ def pretrained(folder: Path, model: dict[str, Any], steps: int) -> dict[str, Any
         if {k: made.get(k) for k in want} == want:
             return made
         print(f"re-training {folder.name}: made with {made}, this run has {want}", flush=True)
+    # polytrain refuses to write over another run's results: the stale model goes first.
+    for stale in ("final.pt", "metrics.json", "provenance.json"):
+        (folder / stale).unlink(missing_ok=True)
     threads = torch.get_num_threads()
     torch.set_num_threads(PRETRAIN_THREADS)
     try:

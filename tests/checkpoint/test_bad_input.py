@@ -315,6 +315,21 @@ def test_resume_without_out_goes_on_in_the_resumed_runs_out(capsys, saved, tmp_p
            f"is given: ending there would write over that run's final.pt and metrics.json. " \
            f"HINT: pass --out DIR, or --steps 6" in line, line
     assert (run / "metrics.json").read_text() == before
+    # Following that hint with the run's own folder wrote over it all the same (metrics.json
+    # of 5 steps), and so did an older checkpoint resumed there: with --out, a resume into
+    # the run's own --out was not checked as one without.
+    line = error_of(capsys, "--strategy", "single", "--resume", str(run), "--out", str(run),
+                    *shorter)
+    assert f"--resume {run}/checkpoints/step-4 is of a run of --steps 6, this one has --steps " \
+           f"5, and --out {run} is that run's: ending there would write over its final.pt and " \
+           f"metrics.json. HINT: pass another --out, or --steps 6" in line, line
+    line = error_of(capsys, "--strategy", "single", "--resume",
+                    str(run / "checkpoints" / "step-2"), "--out", str(run), *LONGER)
+    assert f"--out {run} holds checkpoints past step 2, the one this run resumes (1 checkpoint " \
+           f"up to step-4): their run went on past it, and this run would write its final.pt " \
+           f"and metrics.json over that run's. HINT: pass another --out, or --resume {run} to " \
+           f"go on from its newest" in line, line
+    assert (run / "metrics.json").read_text() == before
     outside = tmp_path / "step-4"
     shutil.copytree(saved / "checkpoints" / "step-4", outside)
     backup = tmp_path / "backup"  # a folder of step-S, not a run's checkpoints/
@@ -367,7 +382,8 @@ def test_a_gpt_moe_option_given_at_its_gates_default_is_the_same_model():
 
 
 @pytest.mark.timeout(120)
-def test_a_run_without_checkpoints_does_not_write_over_a_checkpointed_runs_results(capsys, saved):
+def test_a_run_without_checkpoints_does_not_write_over_a_checkpointed_runs_results(capsys, saved,
+                                                                                  tmp_path):
     # It replaced that run's final.pt and metrics.json, and a later --resume of the folder went
     # on with the other run.
     before = (saved / "metrics.json").read_text()
@@ -375,6 +391,15 @@ def test_a_run_without_checkpoints_does_not_write_over_a_checkpointed_runs_resul
     assert f"--out {saved} holds another run's checkpoints (2 checkpoints up to step-4): this " \
            f"run would write its final.pt and metrics.json over that run's" in line
     assert (saved / "metrics.json").read_text() == before
+    # A finished run without checkpoints: its final.pt and metrics.json were replaced without
+    # a word (only checkpoints in --out were looked for).
+    import shutil
+    done = tmp_path / "done"
+    shutil.copytree(saved, done, ignore=shutil.ignore_patterns("checkpoints"))
+    line = error_of(capsys, "--strategy", "single", "--out", str(done), "--lr", "0.05", *TINY)
+    assert f"--out {done} holds another run's final.pt and metrics.json: this run would write " \
+           f"its own over them. HINT: pass another --out, or remove them from {done}" in line
+    assert (done / "metrics.json").read_text() == before
 
 
 def test_resume_of_a_final_pt_points_at_init(capsys, saved):

@@ -146,6 +146,21 @@ def test_no_checkpoint_in_the_resume_directory_is_one_clear_error(tmp_path):
         resolve(tmp_path / "missing")
 
 
+def test_a_first_runs_load_of_a_checkpoint_path_that_is_not_there_finds_none(tmp_path):
+    # load(".../step-1", ..., missing_ok=True) on a first run raised "is not a whole
+    # checkpoint: it has no manifest.json". Cause: a path named step-S was taken for a
+    # checkpoint and read before anything looked whether it was there.
+    model = nn.Linear(4, 2)
+    model, opt = polytrain.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                      "single")
+    assert polytrain.load(tmp_path / "step-1", model, opt, missing_ok=True) is None
+    assert resolve(tmp_path / "step-1", missing_ok=True) is None
+    (tmp_path / "step-1").mkdir()  # there, but not whole: refused, not a first run
+    with pytest.raises(CheckpointError, match=r"step-1 is not a whole checkpoint: it has no "
+                                              r"manifest\.json"):
+        polytrain.load(tmp_path / "step-1", model, opt, missing_ok=True)
+
+
 def test_a_new_checkpoint_of_the_same_step_replaces_the_old_only_when_whole(tmp_path):
     make(tmp_path, 2, b"old" * 10)
     make(tmp_path, 2, b"new" * 10)
@@ -364,26 +379,50 @@ def test_what_a_crash_left_is_tidied_before_the_next_save(tmp_path):
     verify(tmp_path / "step-4")
 
 
-def save_unpicklable(root: str) -> str:
+def save_unpicklable(root: str) -> list[str]:
+    """Worker 0's save of an unpicklable record, then one whose write fails on worker 1's
+    disk alone: what each worker raised."""
     ctx = polytrain.init()
     model = nn.Linear(2, 2)
     trainer = polytrain.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1), "ddp",
                                    loss_fn=nn.functional.mse_loss)
+    said = []
     try:  # worker 0 writes the run's records: a lambda among them cannot be pickled
         polytrain.save(root, trainer, step=1, extra={"made_by": lambda: ctx.rank})
     except CheckpointError as e:
-        return e.what
+        said.append(e.what)
+    real = torch.save
+
+    def full(obj, f, *args, **kwargs):
+        raise OSError(28, "No space left on device")
+    if ctx.worker_index == 1:
+        torch.save = full
+    try:
+        polytrain.save(root, trainer, step=2)
+    except CheckpointError as e:
+        said.append(e.what)
     finally:
+        torch.save = real
         trainer.close()
-    return "saved"
+    return said
 
 
 @pytest.mark.timeout(120)
 def test_a_save_that_fails_otherwise_than_on_disk_fails_on_every_worker(tmp_path):
     # Worker 0's pickling error escaped the save; the other workers waited in its gather.
-    said = spawn(save_unpicklable, workers=2, args=(str(tmp_path / "ckpt"),))
-    assert all("Can't pickle" in s or "PicklingError" in s for s in said), said
-    assert said[0] == said[1] and not (tmp_path / "ckpt" / "step-1").exists()
+    root = tmp_path / "ckpt"
+    (unpicklable, full), (unpicklable_too, full_too) = spawn(save_unpicklable, workers=2,
+                                                             args=(str(root),))
+    assert "Can't pickle" in unpicklable or "PicklingError" in unpicklable, unpicklable
+    assert unpicklable == unpicklable_too and not (root / "step-1").exists()
+    # Every worker raised the same "OSError: [Errno 28] No space left on device", without
+    # saying whose disk was full: the gathered errors' first was taken, not its worker.
+    assert unpicklable.startswith(f"could not save checkpoint step-1 in {root}: worker 0 "
+                                  f"(machine node0) failed: "), unpicklable
+    assert full == full_too == (f"could not save checkpoint step-2 in {root}: worker 1 "
+                                f"(machine node0) failed: OSError: [Errno 28] No space left "
+                                f"on device"), full
+    assert not (root / "step-2").exists()
 
 
 def test_load_refuses_parameter_groups_in_another_order(tmp_path):
@@ -559,6 +598,32 @@ def test_load_refuses_a_checkpoint_of_a_larger_model_before_loading_any_of_it(tm
     polytrain.save(tmp_path / "two", two, step=1)
     with pytest.raises(CheckpointError, match=r"is of another model: it has no '2.weight'"):
         polytrain.load(tmp_path / "two", trainer(3))
+
+
+def test_load_refuses_a_buffer_of_another_shape_before_loading_anything(tmp_path):
+    # A bare RuntimeError (torch's size mismatch of 'mask'), after load_state_dict had
+    # copied the weights. Cause: only the parameters' shapes were compared with the
+    # checkpoint's, not the buffers'.
+    class Masked(nn.Module):
+        def __init__(self, size: int) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 2)
+            self.register_buffer("mask", torch.ones(size))
+
+    def made(size: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(size)
+        model = Masked(size)
+        return polytrain.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                    "single")
+    saved = polytrain.save(tmp_path, *made(16), step=1)
+    model, opt = made(32)
+    weight = model.lin.weight.detach().clone()
+    with pytest.raises(CheckpointError, match=re.escape(
+            f"checkpoint {saved} is of another model: 'mask' has shape [16] there and [32] "
+            f"here. HINT: resume with the checkpoint's --model")):
+        polytrain.load(tmp_path, model, opt)
+    assert torch.equal(model.lin.weight, weight) and model.mask.shape == (32,)
+    assert polytrain.load(tmp_path, *made(16)).step == 1
 
 
 def test_a_pipelines_load_refuses_a_larger_models_checkpoint_in_one_line(tmp_path):

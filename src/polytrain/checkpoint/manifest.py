@@ -257,6 +257,8 @@ def resolve(path: str | Path, *, missing_ok: bool = False) -> tuple[Path, list[s
     it): a script's first run.
     """
     p = Path(path)
+    if missing_ok and not p.exists():  # nothing there: a first run (a path named step-S too)
+        return None
     # A run's --out may itself be named step-N: its checkpoints/ says which it is.
     if (p / MANIFEST).exists() or (_STEP.match(p.name) and not (p / "checkpoints").is_dir()):
         verify(p)
@@ -269,8 +271,6 @@ def resolve(path: str | Path, *, missing_ok: bool = False) -> tuple[Path, list[s
                               "--resume; to start a new run from a final.pt's weights, pass "
                               "it to --init")
     if not root.is_dir():
-        if missing_ok:
-            return None
         raise CheckpointError(f"checkpoint {path}: no such directory",
                               "pass (to --resume, or polytrain.load) the --out directory of "
                               "an earlier run, or one of its checkpoints/step-S; a script's "

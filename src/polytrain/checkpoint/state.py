@@ -115,6 +115,16 @@ def _gather(group: Any, count: int, value: Any) -> list[Any]:
     return out
 
 
+def _first_failure(strategy: Strategy[Any], errors: list[str | None]) -> str | None:
+    """The first of every worker's errors (None: none failed), naming its worker where
+    there are several: ``worker 1 (machine node0) failed: OSError: ...``."""
+    i, error = next(((i, e) for i, e in enumerate(errors) if e), (0, None))
+    if error is None or strategy.ctx is None or len(errors) == 1:
+        return error
+    topology = strategy.ctx.topology
+    return f"worker {i} (machine {topology.machine(topology.workers[i])}) failed: {error}"
+
+
 def _optimizer_state(optimizer: torch.optim.Optimizer,
                      names: Mapping[str, nn.Parameter]) -> dict[str, Any]:
     by_id = {id(p): n for n, p in names.items()}
@@ -164,7 +174,7 @@ def save(root: str | Path, model: nn.Module | Trainer,
     mine = {"optimizer": _optimizer_state(optimizer, names), "rng": rng_state(),
             "strategy": strategy.checkpoint_state()}
     tmp, final = temporary_dir(root, step), checkpoint_dir(root, step)
-    error: str | None = None
+    error: str | None = None  # this worker's
     if index == 0:
         try:
             for line in tidy(root):  # a crash's leftovers (this step's .tmp among them)
@@ -172,10 +182,9 @@ def save(root: str | Path, model: nn.Module | Trainer,
             tmp.mkdir(parents=True)
         except Exception as e:  # noqa: BLE001 - every worker must reach the gather: each raises it
             error = f"{type(e).__name__}: {e}"
-    errors = _gather(group, count, error)
-    error = next((e for e in errors if e), None)
+    failed = _first_failure(strategy, _gather(group, count, error))  # alike on every worker
     held: list[Any] = []
-    if error is None:
+    if failed is None:
         try:
             torch.save(mine, tmp / f"worker-{index}.pt")
             if index == 0:
@@ -187,8 +196,8 @@ def save(root: str | Path, model: nn.Module | Trainer,
         except Exception as e:  # noqa: BLE001 - a full disk (RuntimeError), an unpicklable
             error = f"{type(e).__name__}: {e}"  # state: every worker raises it, none waits
         held = _gather(group, count, (error, sorted(names)))
-        error = next((e for e, _ in held if e), None)
-    if error is None and index == 0:
+        failed = _first_failure(strategy, [e for e, _ in held])
+    if failed is None and index == 0:
         index_of: dict[str, int] = {}
         for i, (_, ns) in enumerate(held):
             for n in ns:
@@ -206,11 +215,12 @@ def save(root: str | Path, model: nn.Module | Trainer,
             prune(root, keep, protect=[final])
         except Exception as e:  # noqa: BLE001 - every worker must reach the gather
             error = f"{type(e).__name__}: {e}"
-    error = next((e for e in _gather(group, count, error) if e), None)
-    if error is not None:
+    if failed is None:
+        failed = _first_failure(strategy, _gather(group, count, error))
+    if failed is not None:
         if index == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"could not save checkpoint step-{step} in {root}: {error}",
+        raise CheckpointError(f"could not save checkpoint step-{step} in {root}: {failed}",
                               "free space or make the directory writable; older whole "
                               "checkpoints are untouched (--on-save-error continue trains on)")
     log.info("saved checkpoint %s", final)
@@ -282,7 +292,8 @@ def load(path: str | Path, model: nn.Module | Trainer,
     # expert-parallel model lists its experts'): torch's strict load named another key only
     # after loading the matching ones, and a larger model's checkpoint loaded silently under
     # moe (its experts split) and with a torch traceback under the pipelines.
-    mine = set(full_keys(getattr(model, "module", model)))
+    bare = getattr(model, "module", model)
+    mine = set(full_keys(bare))
     other = sorted(set(keys) - mine) or sorted(mine - set(keys))
     if other:
         said = ("it has {!r}, which this model lacks" if other[0] in keys
@@ -290,6 +301,15 @@ def load(path: str | Path, model: nn.Module | Trainer,
         raise CheckpointError(f"checkpoint {where} is of another model: {said}",
                               "resume with the checkpoint's --model and model options, or "
                               "start without --resume")
+    # The buffers too (a parameter's shape is compared above): one of another shape failed
+    # in torch's load_state_dict, after it had copied the parameters. (An expert-parallel
+    # worker's local expert e has expert e's key, and every expert's shapes.)
+    for n, t in bare.state_dict().items():
+        if n in keys and isinstance(t, torch.Tensor) and list(t.shape) != keys[n]:
+            raise CheckpointError(f"checkpoint {where} is of another model: {n!r} has shape "
+                                  f"{keys[n]} there and {list(t.shape)} here",
+                                  "resume with the checkpoint's --model and model options, "
+                                  "or start without --resume")
     saved_workers = int(manifest["workers"])
     files: dict[int, dict[str, Any]] = {}
 

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import json
 import re
 import sys
 import traceback
-from pathlib import Path
 from typing import Any, Sequence
 
 from .. import _env
@@ -19,6 +17,7 @@ from ..plan import AUTO, Job, auto_record, chosen, plan_job
 from ..plan.cost import STRATEGIES as PLANNED
 from ..strategies.base import get_strategy, strategy_names
 from ..train import run_config
+from ..train.run import steps_gone_on
 from .job import add_devices_flag, add_job_flags, add_model_flags, model_options
 from .options import OptionFlag, Owner, add_option_groups, flag_value, given_options
 
@@ -135,7 +134,8 @@ def _common(ns: argparse.Namespace) -> dict[str, Any]:
 def _out(ns: argparse.Namespace) -> str | None:
     """``--out``; with ``--resume`` of a run's newest checkpoint and no ``--out``, that run's
     (where it goes on). Anything else needs ``--out``: the run would write nothing, or write
-    over a longer run's results."""
+    over a longer run's results (which ``run_config`` refuses alike where ``--out`` names
+    that run's own folder)."""
     if ns.out is not None or ns.resume is None:
         return ns.out
     where, _ = resolve(ns.resume)  # a missing or damaged checkpoint says so first
@@ -144,30 +144,21 @@ def _out(ns: argparse.Namespace) -> str | None:
         raise ConfigError(f"--resume {ns.resume} is not inside a run's --out, and no --out is "
                           f"given: the run would write nothing",
                           "pass --out DIR for its metrics.json, final.pt and checkpoints")
-    manifest = read_manifest(where)
     # The run that wrote the checkpoint, or one that went on from it, may have been longer.
-    longest = max(int(manifest.get("steps", 0)), _steps_written(found / "metrics.json"))
+    longest = steps_gone_on(where, found)
     if longest > ns.steps:
         raise ConfigError(f"--resume {ns.resume} is of a run of --steps {longest}, this one "
                           f"has --steps {ns.steps}, and no --out is given: ending there would "
                           f"write over that run's final.pt and metrics.json",
                           f"pass --out DIR, or --steps {longest}")
     # Only checkpoints past the resumed one are verified (usually none).
-    last = newest(found / "checkpoints", after=int(manifest["step"]))
+    last = newest(found / "checkpoints", after=int(read_manifest(where)["step"]))
     if last is not None:
         raise ConfigError(f"--resume {ns.resume} is not the newest checkpoint of {found} "
                           f"({last.name} is), and no --out is given: going on there would "
                           f"write over that run's final.pt and metrics.json",
                           f"pass --out DIR, or --resume {found} for its newest")
     return str(found)
-
-
-def _steps_written(metrics: Path) -> int:
-    """The steps of the run whose ``metrics.json`` this is; 0 where there is none to read."""
-    try:
-        return int(json.loads(metrics.read_text()).get("steps", 0))
-    except (OSError, ValueError, TypeError, AttributeError):
-        return 0
 
 
 def auto_config(ns: argparse.Namespace) -> TrainConfig:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
 from pathlib import Path
@@ -28,7 +29,7 @@ from ..strategies.base import get_strategy
 from .loop import train
 from .metrics import write_metrics
 
-__all__ = ["run_config", "resume_point"]
+__all__ = ["run_config", "resume_point", "steps_gone_on"]
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,9 @@ def start_step(config: TrainConfig) -> int:
 def check_checkpoint_folder(config: TrainConfig) -> None:
     """Refuse to write checkpoints beside another run's newer ones in ``OUT/checkpoints/``:
     a restart, and a later ``--resume OUT``, take the newest there, which would be theirs.
-    Nor may a fresh run without checkpoints write its results over that run's."""
+    Nor may a run write its final.pt and metrics.json over another run's, or over those of
+    a run that went on past the checkpoint it resumes (a longer one, or one with newer
+    checkpoints)."""
     if config.out is None:
         return
     root = Path(config.out) / "checkpoints"
@@ -71,6 +74,7 @@ def check_checkpoint_folder(config: TrainConfig) -> None:
     # Damaged ones are passed over: nothing resumes them, and this run replaces them.
     past = [path.name for path in whole_past(root, start)]
     if not past:
+        _check_results(config, root)
         return
     what = f"{len(past)} checkpoint{'s' * (len(past) > 1)} up to {past[0]}"
     if config.checkpoint_every is None:
@@ -80,7 +84,11 @@ def check_checkpoint_folder(config: TrainConfig) -> None:
                 f"write its final.pt and metrics.json over that run's, and a later --resume "
                 f"{config.out} would go on with that run", "pass another --out (or remove "
                 f"{root}), or continue that run with --resume {config.out}")
-        return
+        raise CheckpointError(
+            f"--out {config.out} holds checkpoints past step {start}, the one this run resumes "
+            f"({what}): their run went on past it, and this run would write its final.pt and "
+            f"metrics.json over that run's", f"pass another --out, or --resume {config.out} to "
+            f"go on from its newest")
     if config.resume is None:
         raise CheckpointError(
             f"--out {config.out} already holds an earlier run's checkpoints ({what}), and "
@@ -92,6 +100,40 @@ def check_checkpoint_folder(config: TrainConfig) -> None:
         f"({what}): they are not this run's, and a restart or a later --resume would take "
         f"them", f"remove them from {root} to go on from step {start}, or pass another "
         f"--out")
+
+
+def _check_results(config: TrainConfig, root: Path) -> None:
+    """Refuse an ``--out`` (``root``: its checkpoints, none past this run's start) that holds
+    another run's final.pt or metrics.json: a finished run's without checkpoints, which a
+    fresh run, or a resume of another run, would replace. A run that resumes the run whose
+    results are there (in its --out, or a copy holding its checkpoints) may not end before
+    it did."""
+    assert config.out is not None
+    out = Path(config.out)
+    results = [name for name in ("final.pt", "metrics.json") if (out / name).is_file()]
+    own = config.resume is not None and run_out(config.resume) == out.resolve()
+    if results and not own and newest(root) is None:
+        raise CheckpointError(
+            f"--out {config.out} holds another run's {' and '.join(results)}: this run would "
+            f"write its own over them", f"pass another --out, or remove them from {config.out}")
+    if config.resume is None or not (own or results):
+        return
+    longest = steps_gone_on(config.resume, out)
+    if longest > config.steps:
+        raise CheckpointError(
+            f"--resume {config.resume} is of a run of --steps {longest}, this one has --steps "
+            f"{config.steps}, and --out {config.out} is that run's: ending there would write "
+            f"over its final.pt and metrics.json", f"pass another --out, or --steps {longest}")
+
+
+def steps_gone_on(checkpoint: str | Path, out: str | Path) -> int:
+    """The steps of the longest run through ``checkpoint``: the one that wrote it, or one that
+    went on from it in ``out`` (its metrics.json)."""
+    try:
+        written = int(json.loads((Path(out) / "metrics.json").read_text()).get("steps", 0))
+    except (OSError, ValueError, TypeError, AttributeError):
+        written = 0  # none to read
+    return max(int(read_manifest(checkpoint).get("steps", 0)), written)
 
 
 def _foreign_history(config: TrainConfig, root: Path, start: int) -> list[str]:
