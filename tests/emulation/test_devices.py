@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from polytrain import ConfigError
-from polytrain.emulation.clock import clock_of, emulate
-from polytrain.emulation.devices import BUILTIN_TYPES, parse_cluster
+from polytrain.emulation.clock import DeviceClock, clock_of, emulate
+from polytrain.emulation.devices import BUILTIN_TYPES, DeviceType, parse_cluster
 from polytrain.emulation.profile import profile_model
 from polytrain.models import GPT
 from polytrain.pipeline import make_stage
@@ -231,6 +231,39 @@ def test_emulated_device_waits_out_the_layer_time():
     assert clock.emulated_s == pytest.approx(expected, rel=1e-9)
     assert expected <= took < expected + 0.5
     assert clock.hidden_fraction > 0.5  # the real compute hid inside the emulated time
+
+
+def test_a_layers_gradients_leave_the_device_once_its_emulated_backward_ends():
+    # Symptom: DDP's reducer (and BytePS's, Herring's gradient hooks) got each layer's
+    # gradients while the emulated device was still computing them (an MLP's first layer:
+    # 0.166 s early), and communicated a whole layer's backward early. Cause: the hook on a
+    # layer's output only started its emulated backward; the real one ran at once.
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    x = torch.randn(32, 64)
+    clock = emulate(model, DeviceType(name="crawl", gflops=0.01, memory_mb=64),
+                    profile_model(model, x))
+    early: dict[str, float] = {}  # seconds the device still had to go at each gradient
+    for name, p in model.named_parameters():  # registered after emulate, as a strategy's
+        p.register_post_accumulate_grad_hook(
+            lambda _p, n=name: early.__setitem__(n, clock.due - time.monotonic()))
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0,
+                                         world_size=1)
+    try:  # torch's reducer hooks the gradients' accumulation itself, in C++
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        ddp.register_comm_hook(None, lambda _state, bucket: _reduce_early(bucket, clock, early))
+        ddp(x).sum().backward()
+    finally:
+        torch.distributed.destroy_process_group()
+    assert sorted(early) == ["0.bias", "0.weight", "2.bias", "2.weight", "ddp"]
+    assert max(early.values()) < 1e-3, early  # the first layer's were 0.05 s early
+    assert clock.waited_s > 0.05  # the device took its time
+
+
+def _reduce_early(bucket: torch.distributed.GradBucket, clock: DeviceClock,
+                  early: dict[str, float]) -> torch.futures.Future[torch.Tensor]:
+    early["ddp"] = clock.due - time.monotonic()
+    work = torch.distributed.all_reduce(bucket.buffer(), async_op=True)
+    return work.get_future().then(lambda f: f.value()[0])
 
 
 @pytest.mark.parametrize("layers, message", [

@@ -94,9 +94,11 @@ def emulate(model: nn.Module, device_type: DeviceType, profile: ModelProfile) ->
 
     A layer's forward is an operation of ``fwd_flops * batch / rate``; its
     backward (from when the gradient of its output is ready) one of
-    ``bwd_flops * batch / rate``. The clock is attached to ``model`` (see
-    :func:`clock_of`). An optimizer step does not wait for the device (a GPU
-    queues it behind the backward).
+    ``bwd_flops * batch / rate``. A parameter's gradient leaves the device (to
+    the hooks registered after this call, and DDP's reducer) once the device has
+    finished it: call this before ``distribute``. The clock is attached to
+    ``model`` (see :func:`clock_of`). An optimizer step does not wait for the
+    device (a GPU queues it behind the backward).
     """
     layers = layers_of(model)
     _check_fits([name for name, _ in layers], [p.name for p in profile.layers])
@@ -114,6 +116,12 @@ def emulate(model: nn.Module, device_type: DeviceType, profile: ModelProfile) ->
 
         layer.register_forward_pre_hook(pre)
         layer.register_forward_hook(post)
+    # The real backward of a layer runs as soon as its emulated one begins: its gradients
+    # wait here, before the hooks that communicate them (registered later; torch's reducer
+    # hooks the accumulation itself, after these), for the device to have computed them.
+    for p in model.parameters():
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(lambda _p: clock.wait())
     setattr(model, _ATTR, clock)
     log.info("emulating %s on %d layers", device_type.describe(), len(profile.layers))
     return clock
