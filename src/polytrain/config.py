@@ -44,6 +44,10 @@ SCHEDULES = ("constant", "cosine")
 SAMPLINGS = ("random", "epoch")
 ON_SAVE_ERROR = ("continue", "stop")
 
+# torch's DistributedDataParallel copies worker 0's parameters and buffers to the others
+# first of all, in messages of about this size (its broadcast_bucket_size).
+_DDP_BROADCAST_BYTES = 250 * 1024 * 1024
+
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
@@ -222,21 +226,30 @@ class TrainConfig:
 
     def _check_link(self, model: Any, layout: Layout) -> None:
         """Refuse emulated links too slow for a run's first wait: at the start every
-        strategy copies worker 0's model to the other workers a tensor at a time, and a
-        wait longer than ``--timeout`` fails the run (after the timeout, in gloo's words)."""
+        strategy copies worker 0's model to the other workers a tensor at a time (torch's
+        DDP all of it in one message of up to 250 MiB), and a wait longer than
+        ``--timeout`` fails the run (after the timeout, in gloo's words)."""
         link = self.link()
         if link is None or layout.nodes < 2:
             return
         nbytes, name = max(((t.numel() * t.element_size(), n) for n, t in model.named_parameters()),
                            key=lambda size_name: size_name[0])  # the first of the largest
+        what = f"the model's largest tensor ({name}, {nbytes:,} bytes), which every worker gets"
+        if self.strategy == "ddp":
+            total, largest = _ddp_first_messages(model)
+            if largest > nbytes:
+                nbytes = largest
+                what = (f"the model's parameters and buffers ({total:,} bytes), which torch's "
+                        f"DDP sends in one message" if nbytes == total else
+                        f"{nbytes:,} bytes of the model's parameters and buffers (of "
+                        f"{total:,}), which torch's DDP sends in one message")
         seconds = nbytes * 8 / link.rate_bit_s
         if seconds <= self.timeout_s:
             return
         need = nbytes * 8 / self.timeout_s
         rate = f"{math.ceil(need / 1e3)}kbit" if need < 1e6 else f"{math.ceil(need / 1e6)}mbit"
-        raise ConfigError(f"--bandwidth {self.bandwidth} carries the model's largest tensor "
-                          f"({name}, {nbytes:,} bytes), which every worker gets from worker 0 "
-                          f"at the start, in {seconds:,.0f} s, longer than --timeout "
+        raise ConfigError(f"--bandwidth {self.bandwidth} carries {what} from worker 0 at the "
+                          f"start, in {seconds:,.0f} s, longer than --timeout "
                           f"{self.timeout_s:g}: the run would time out there",
                           f"pass --bandwidth {rate} or more (a real network's is 1gbit or "
                           f"more), or a --timeout above {math.ceil(seconds)}")
@@ -395,6 +408,21 @@ class TrainConfig:
         made a ddp run of 1 worker)."""
         filled = {name: None for name in getattr(self, "_filled", ())}
         return dataclasses.replace(self, **{**filled, **changes})
+
+
+def _ddp_first_messages(model: Any) -> tuple[int, int]:
+    """The bytes of ``model``'s parameters and buffers, and of the largest message torch's
+    DDP copies them from worker 0 in (its ``_broadcast_coalesced``: the tensors of a dtype
+    in turn, a message ending once it holds ``_DDP_BROADCAST_BYTES`` or more)."""
+    total = largest = 0
+    held: dict[torch.dtype, int] = {}
+    for t in (*model.parameters(), *model.buffers()):
+        nbytes = t.numel() * t.element_size()
+        total += nbytes
+        size = held.get(t.dtype, 0) + nbytes
+        largest = max(largest, size)
+        held[t.dtype] = 0 if size >= _DDP_BROADCAST_BYTES else size
+    return total, largest
 
 
 def check_init(path: str, model: Any) -> dict[str, torch.Tensor]:

@@ -184,7 +184,7 @@ def test_strategy_options_are_kept_as_their_fields_take_them(tmp_path):
     assert type(config.strategy_options["freeze_every"]) is int
     assert json.loads(json.dumps(run_record(config)))["strategy_options"] == \
         {"cache_dir": str(tmp_path), "freeze_every": 2}
-    config = TrainConfig(strategy="byteps", model="mlp", strategy_options={
+    config = TrainConfig(strategy="byteps", model="mlp", optimizer="sgd", strategy_options={
         "partition_bytes": numpy.int64(8192), "compress": "onebit",
         "compress_momentum": numpy.float32(0.5)})
     metrics = build_metrics(config=config, losses=[1.0], times=[0.1], model_bytes=0,
@@ -263,6 +263,37 @@ def test_a_batch_that_cannot_fit_in_memory_is_refused(monkeypatch):
     # A pipeline's last stage makes the logits of its micro-batches, the plan's: not counted.
     assert TrainConfig(strategy="pipetransformer", workers=2, batch_size=200_000,
                        strategy_options={"freeze": False}).batch_size == 200_000
+
+
+def test_a_link_too_slow_for_ddps_first_message_is_refused(capsys):
+    # Symptom: --bandwidth 3mbit passed the check (the largest tensor, 2.1 MB, crosses in
+    # 5.6 s of --timeout 10), and the run failed after 34 s in torch's traceback, gloo's
+    # "Timed out waiting 10000ms for recv". Cause: torch's DDP copies worker 0's whole
+    # model in one message (up to 250 MiB, of a dtype): 5.8 MB, 15.4 s.
+    args = ["train", "--strategy", "ddp", "--workers", "2", "--nodes", "2", "--model", "mlp",
+            "--seq-len", "64", "--d-model", "512", "--layers", "4", "--timeout", "10",
+            "--steps", "2", "--batch-size", "4", "--optimizer", "sgd"]
+    assert main([*args, "--bandwidth", "3mbit"]) == 2
+    assert capsys.readouterr().err == (
+        "polytrain train: error: --bandwidth 3mbit carries the model's parameters and buffers "
+        "(5,792,768 bytes), which torch's DDP sends in one message from worker 0 at the "
+        "start, in 15 s, longer than --timeout 10: the run would time out there. HINT: pass "
+        "--bandwidth 5mbit or more (a real network's is 1gbit or more), or a --timeout above "
+        "16\n")
+    config = TrainConfig(strategy="ddp", workers=2, nodes=2, model="mlp", timeout_s=10,
+                         optimizer="sgd", bandwidth="5mbit",
+                         model_options={"seq_len": 64, "d_model": 512, "layers": 4})
+    config.replace(strategy="herring")  # a tensor at a time: the largest crosses in time
+    with pytest.raises(ConfigError, match=r"^--bandwidth 5mbit carries the model's largest "
+                                          r"tensor \(fc0\.weight, 2,097,152 bytes\)"):
+        config.replace(strategy="herring", timeout_s=2)
+    # A message ends with the tensor that takes it to 250 MiB or more (fc4.weight): 285 MB.
+    with pytest.raises(ConfigError, match=r"^--bandwidth 100mbit carries 285,294,592 bytes of "
+                                          r"the model's parameters and buffers \(of "
+                                          r"356,631,552\), which torch's DDP sends in one "
+                                          r"message .* HINT: pass --bandwidth 229mbit or more"):
+        config.replace(bandwidth="100mbit", model_options={"seq_len": 64, "d_model": 4096,
+                                                           "layers": 6})
 
 
 def test_a_port_in_use_is_refused(capsys):
