@@ -118,6 +118,23 @@ def test_environment_values_are_read_without_their_spaces_and_empty_is_unset(mon
     assert _env.log_level() == "WARNING"
 
 
+def test_processes_share_the_cores_this_process_may_run_on(monkeypatch):
+    # Symptom: `taskset -c 0 polytrain launch --workers 1` ran torch on 2 threads, two on
+    # one core. Cause: process_threads divided os.cpu_count() (the machine's cores), not
+    # the cores of the launcher's CPU affinity, which its processes inherit.
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    assert _env.process_threads(1) == 1
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {2, 3, 4, 5}, raising=False)
+    assert [_env.process_threads(n) for n in (1, 2, 3, 8)] == [4, 2, 1, 1]
+    assert _env.process_threads(2, cores=16) == 8  # the planner's --cores
+    monkeypatch.delattr(os, "sched_getaffinity", raising=False)  # macOS, Windows
+    assert _env.process_threads(2) == 4
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert _env.process_threads(2) == 3
+
+
 def test_a_launchers_rank_or_port_that_is_not_a_whole_number_is_refused_in_one_line():
     # LOCAL_RANK=abc (RANK, WORLD_SIZE, MASTER_PORT) was int()'s bare ValueError.
     for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT"):

@@ -231,11 +231,19 @@ def user_set(name: str) -> bool:
 def process_threads(world_size: int, cores: int | None = None) -> int:
     """The threads each process of a run of ``world_size`` launched here computes on:
     ``OMP_NUM_THREADS`` where the user set it, else torchrun's rule: processes that share
-    the host's cores (``cores``, default this machine's) do not each take all of them."""
+    the host's cores (``cores``, default :func:`usable_cores`) do not each take all of them."""
     given = os.environ.get(OMP_NUM_THREADS, "")
     if given.isdigit() and int(given) > 0:
         return int(given)
-    return max(1, (cores or os.cpu_count() or 1) // world_size)
+    return max(1, (cores or usable_cores()) // world_size)
+
+
+def usable_cores() -> int:
+    """The cores this process may run on, which the processes it starts inherit: its CPU
+    affinity (``taskset -c 0`` leaves one of the machine's), else the machine's."""
+    if hasattr(os, "sched_getaffinity"):  # not on macOS or Windows
+        return len(os.sched_getaffinity(0)) or 1
+    return os.cpu_count() or 1
 
 
 def inherited() -> dict[str, str]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -46,8 +45,8 @@ AUTO = "auto"
 
 
 def host_cores() -> int:
-    """The cores this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    """The cores this process may run on (the launcher's, :func:`polytrain._env.usable_cores`)."""
+    return _env.usable_cores()
 
 
 @dataclass(frozen=True, kw_only=True)
