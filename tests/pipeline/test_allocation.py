@@ -29,6 +29,32 @@ def test_policies_on_four_machines_of_four_types():
         assert count_virtual_workers(16, 4, policy) == len(allocate(c, policy))
 
 
+def test_hd_makes_virtual_workers_of_even_speed_of_machines_of_mixed_types():
+    # Symptom: on "m0:fast*2+slow*2,m1:fast*2+slow*2" hd made one VW of the four fast
+    # devices and one of the four slow (4.1 ms per minibatch; np's two mixed VWs 2.6 ms),
+    # and on "m0:fast+slow,m1:fast+slow" fast+fast and slow+slow. Cause: each machine's
+    # devices were cut in halves by local index, whatever their types.
+    c = parse_cluster("m0:fast*2+slow*2,m1:fast*2+slow*2")
+    vws = allocate(c, "hd")
+    assert indices(vws) == [[2, 6, 0, 4], [3, 7, 1, 5]]
+    assert [[d.type.name for d in vw.devices] for vw in vws] == [["slow", "slow", "fast",
+                                                                  "fast"]] * 2
+    model = GPT(seq_len=16, d_model=32, layers=4, heads=2)
+    profile = profile_model(model, torch.zeros(1, 16, dtype=torch.long))
+    hd, np_ = (plan_hetpipe(c, profile, policy=policy, global_batch=8, state_factor=2)
+               for policy in ("hd", "np"))
+    assert hd.pipelines[0].period == pytest.approx(hd.pipelines[1].period)
+    assert hd.period < 1.25 * np_.period  # was 1.58x: the slow VW held the fast one back
+    # One device of each type per machine: the fast half of one machine goes with the
+    # slow half of the other.
+    vws = allocate(parse_cluster("m0:fast+slow,m1:fast+slow"), "hd")
+    assert indices(vws) == [[3, 0], [1, 2]]
+    # An odd one out of each type: dealt fastest first, and the halves of the pair crossed.
+    vws = allocate(parse_cluster("m0:fast*3+slow,m1:fast*3+slow"), "hd")
+    assert [sorted(d.type.name for d in vw.devices) for vw in vws] == [
+        ["fast", "fast", "fast", "slow"]] * 2
+
+
 def test_hd_needs_machines_of_even_size_and_unknown_policies_are_refused():
     with pytest.raises(ConfigError, match="policy 'hd' splits.*hold 3 devices"):
         allocate(parse_cluster("a:fast*3,b:slow*3"), "hd")

@@ -9,7 +9,9 @@ three ways, for clusters whose machines each hold one device type:
   all VWs are identical; every stage boundary crosses machines.
 - ``hd`` (hybrid distribution): machines are paired fastest with slowest and
   each pair forms two VWs of half of each machine's devices: VWs of even
-  speed with one machine crossing per VW.
+  speed with one machine crossing per VW. A machine of several types is cut
+  into halves of its types' devices alike (fast + slow, not fast + fast), and
+  the faster half of one machine goes with the slower half of the other.
 - ``bd`` (bidirectional, beyond HetPipe; two machines): ED's VWs, each with a
   twin that runs its devices in the opposite order, so every device holds a
   stage of two VWs (Chimera's bidirectional pipelines, Li and Hoefler, SC 2021).
@@ -123,17 +125,41 @@ def _hybrid(by_machine: list[list[Device]]) -> list[list[Device]]:
     if len(by_machine) == 1:
         return [by_machine[0]]
     # Fastest machine with slowest, second with second slowest, ... (ties by machine order).
-    order = sorted(range(len(by_machine)),
-                   key=lambda m: (-sum(d.type.gflops for d in by_machine[m]), m))
+    order = sorted(range(len(by_machine)), key=lambda m: (-_rate(by_machine[m]), m))
     groups: list[list[Device]] = []
     while len(order) >= 2:
         a, b = sorted((order.pop(0), order.pop(-1)))
-        half = len(by_machine[a]) // 2
-        groups.append(by_machine[a][:half] + by_machine[b][:half])
-        groups.append(by_machine[a][half:] + by_machine[b][half:])
+        fast_a, slow_a = _halves(by_machine[a])
+        fast_b, slow_b = _halves(by_machine[b])
+        if _rate(fast_b) > _rate(slow_b):  # the faster half of one with the slower of the other
+            fast_b, slow_b = slow_b, fast_b
+        groups.append(fast_a + fast_b)
+        groups.append(slow_a + slow_b)
     if order:
         groups.append(by_machine[order[0]])
     return groups
+
+
+def _halves(devices: list[Device]) -> tuple[list[Device], list[Device]]:
+    """A machine's devices in two halves as even in speed as its types allow, the faster
+    first: each type's devices cut in halves in machine order (a machine of one type: its
+    first half and its second), each type's odd one out dealt in turn, fastest first."""
+    first: list[Device] = []
+    second: list[Device] = []
+    odd: list[Device] = []
+    for kind in dict.fromkeys(d.type for d in devices):
+        same = [d for d in devices if d.type == kind]
+        half = len(same) // 2
+        first += same[:half]
+        second += same[half:2 * half]
+        odd += same[2 * half:]
+    odd.sort(key=lambda d: -d.type.gflops)  # stable: ties keep machine order
+    return (sorted(first + odd[0::2], key=lambda d: d.index),
+            sorted(second + odd[1::2], key=lambda d: d.index))
+
+
+def _rate(devices: Sequence[Device]) -> float:
+    return sum(d.type.gflops for d in devices)
 
 
 @dataclass(frozen=True)
