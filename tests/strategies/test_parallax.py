@@ -645,3 +645,138 @@ def test_a_declared_lookup_past_the_table_is_refused_naming_the_row():
     with pytest.raises(ConfigError, match=r"a lookup of tok.weight reads row 9, and it has "
                                           r"rows 0\.\.7.*HINT: pass token ids below"):
         check_declared(var, torch.tensor([1, 2, 9]))
+
+
+# -- options and models the servers leave idle, without processes ----------------------------
+
+def test_options_that_a_model_without_sparse_parameters_leaves_idle_are_refused():
+    # A model with no embedding is pure all-reduce: --partitions, --search-steps and
+    # --no-colocate were taken and did nothing, silently.
+    from polytrain.launch.layout import Layout
+    from polytrain.strategies.parallax import Parallax
+    layout = Layout(workers=2, colocated=1)
+    mlp = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    for options, said in [({"partitions": 8}, r"partitions=8 cuts the sparse parameters"),
+                          ({"search_steps": 5}, r"search_steps=5 paces the search"),
+                          ({"colocate": False}, r"colocate=False picks the sparse parameters' "
+                                                r"servers")]:
+        with pytest.raises(ConfigError, match=rf"parallax option {said}.*, and this model has "
+                                              rf"no sparse parameter.*HINT: leave out"):
+            Parallax.check_model(mlp, layout, ParallaxOptions(**options))
+    Parallax.check_model(mlp, layout, ParallaxOptions())  # the CLI's defaults
+    # Embeddings kept on the workers (--no-sparse-embeddings on gpt) are no sparse parameter.
+    table = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 1))
+    with pytest.raises(ConfigError, match=r"partitions=2 cuts the sparse parameters"):
+        Parallax.check_model(table, layout, ParallaxOptions(partitions=2,
+                                                            sparse_embeddings=False))
+    Parallax.check_model(table, layout, ParallaxOptions(partitions=2))
+
+
+def test_search_steps_in_the_plain_loop_which_does_not_search_is_refused():
+    # distribute(..., search_steps=5) without loss_fn: the plain loop never calls replan(), so
+    # the search never ran and the option did nothing, silently.
+    from polytrain.strategies.parallax import Parallax
+    s = Parallax(None, ParallaxOptions(search_steps=5))
+    s.search, s._count = PartitionSearch(2), 2
+    with pytest.raises(ConfigError, match=r"parallax option search_steps=5 paces the partition "
+                                          r"search, which only the step API runs.*partitions "
+                                          r"stays at 2.*HINT: leave out search_steps, or pass "
+                                          r"loss_fn"):
+        s._before_step(None)
+
+
+def test_an_embedding_with_max_norm_on_two_workers_gets_parallaxs_own_refusal():
+    # The generic refusal's hint ("clip the rows' norms after the optimizer step") told
+    # parallax's users to write to a table whose rows the servers overwrite.
+    from polytrain.launch.layout import Layout
+    from polytrain.strategies.parallax import Parallax
+    model = nn.Sequential(nn.Embedding(20, 4, max_norm=1.0), nn.Linear(4, 1))
+    with pytest.raises(ConfigError, match=r"0 renormalizes the rows it reads in place during "
+                                          r"the forward \(max_norm=1\): each worker would "
+                                          r"change only its own batch's rows.*servers.*HINT: "
+                                          r"leave max_norm out; to cap the rows' norms, keep "
+                                          r"the table on the workers") as e:
+        Parallax.check_model(model, Layout(workers=2, colocated=1), ParallaxOptions())
+    assert "clip" not in e.value.hint
+    # Kept on the workers (all-reduced), a renorm after each step is the same everywhere.
+    Parallax.check_model(model, Layout(workers=2, colocated=1),
+                         ParallaxOptions(sparse_embeddings=False))
+
+
+def test_a_parameter_with_a_sparse_gradient_that_no_embedding_holds_is_refused_naming_it():
+    # F.embedding(ids, self.table, sparse=True) on a plain nn.Parameter: its sparse gradient
+    # reached the dense all-reduce, and torch failed inside optimizer.step() ("reshape is
+    # not implemented for sparse tensors").
+    from types import SimpleNamespace
+
+    from polytrain.strategies.parallax.dense import DenseSync
+    table, lin = nn.Parameter(torch.randn(12, 4)), nn.Linear(4, 1)
+    ctx = SimpleNamespace(topology=SimpleNamespace(leaders=(0,)))
+    sync = DenseSync(ctx, [("table", table), ("lin.weight", lin.weight)])
+    lin(nn.functional.embedding(torch.tensor([[1, 2]]), table, sparse=True)).sum().backward()
+    with pytest.raises(ConfigError, match=r"parameter 'table' has a sparse gradient.*no "
+                                          r"embedding module's weight.*HINT: look its rows up "
+                                          r"through an nn.Embedding"):
+        sync.start()
+
+
+def test_the_servers_refusal_names_colocate_false_where_colocated_servers_exist():
+    # Launched with --colocated 1 and distribute(..., colocate=False): the refusal said the
+    # run had no servers and told the user to launch with --colocated 1, as they had.
+    from polytrain.comm.topology import Topology
+    from polytrain.ps.placement import server_ranks
+    colocated = Topology.from_roles([("worker", "a"), ("worker", "a"), ("server", "a")])
+    with pytest.raises(ConfigError, match=r"parallax needs summation servers, and "
+                                          r"colocate=False leaves out the run's colocated ones "
+                                          r"\(rank 2\), with no dedicated one.*HINT: leave out "
+                                          r"colocate=False"):
+        server_ranks(colocated, colocate=False, strategy="parallax")
+    assert server_ranks(colocated, colocate=True) == ([2], [])
+    alone = Topology.from_roles([("worker", "a"), ("worker", "a")])
+    with pytest.raises(ConfigError, match=r"needs summation servers, but this run has none"):
+        server_ranks(alone, colocate=True, strategy="parallax")
+
+
+def test_a_resume_on_another_layout_of_as_many_workers_starts_the_search_afresh():
+    # 4 workers on 2 machines resumed as 4 on 1 kept the old layout's samples, step times
+    # and touched rows: only the worker count was compared.
+    from types import SimpleNamespace
+
+    from polytrain.strategies.parallax import Parallax
+
+    def strategy(nodes, servers):
+        s = Parallax(SimpleNamespace(num_workers=4, num_nodes=nodes, worker_index=0),
+                     ParallaxOptions(search_steps=2))
+        s.plan = plan_parallax([SparseVar("emb", 10, 4, torch.float32)], [], partitions=2,
+                               servers=servers)
+        s._count, s.search = 2, PartitionSearch(2)
+        return s
+
+    before = strategy(2, [4, 5])
+    before.search.record(2, 0.5)
+    before._since, before._times = 2, [0.5, 0.4]
+    saved = before.checkpoint_state()
+    for nodes, servers in [(1, [4]), (2, [4, 5, 6])]:  # one machine; another --servers
+        after = strategy(nodes, servers)
+        after.load_checkpoint_state(saved)
+        assert after.search.samples == [] and after._times == [] and after._since == 0
+    same = strategy(2, [4, 5])
+    same.load_checkpoint_state(saved)
+    assert same.search.samples == [(2, 0.5)] and same._times == [0.5, 0.4]
+
+
+def test_sparse_reads_that_give_no_integer_tensor_are_refused_naming_the_table():
+    # A list met AttributeError ("'list' object has no attribute 'detach'"), a float tensor
+    # an IndexError, both from inside the forward hook.
+    from types import SimpleNamespace
+
+    from polytrain.strategies.parallax.rows import SparseRows
+    var = _Var(0, "emb.weight", nn.Parameter(torch.zeros(12, 4)), {"name": "sgd"})
+    rows = SimpleNamespace(vars=[var], paused=False)
+    rows.fetch = lambda reads, exchange=0: SparseRows.fetch(rows, reads, exchange)
+    for value, kind in [([1, 2], "a list"), (torch.tensor([1.0, 2.0]), "a torch.float32 tensor")]:
+        hook = SparseRows._reads_hook(rows, lambda ids, value=value: {"emb.weight": value})
+        with pytest.raises(ConfigError, match=rf"the model's sparse_reads gives emb.weight "
+                                              rf"{kind}, not a tensor of row ids.*HINT: return "
+                                              rf"an integer tensor"):
+            hook(nn.Module(), (torch.tensor([[1, 2]]),), {})

@@ -51,8 +51,10 @@ def half_script(distributed: bool) -> torch.Tensor:
 def test_16_bit_dense_gradients_are_divided_before_they_are_summed():
     # Two workers' float16 gradients of 40,000 were summed (80,000: inf in float16) and only
     # then divided: the weights became -inf, where single moves them to -0.4.
+    # (No servers: a model without sparse parameters is pure all-reduce. It was refused:
+    # "parallax needs summation servers, but this run has none".)
     alone = half_script(False)
-    workers = spawn(half_script, workers=2, colocated=1, args=(True,))
+    workers = spawn(half_script, workers=2, args=(True,))
     assert alone.tolist() == pytest.approx([-0.4] * 4, abs=1e-3)
     for w in workers:
         assert torch.equal(w, alone), (w, alone)
@@ -73,8 +75,8 @@ def test_an_embedding_with_max_norm_is_refused_even_with_one_worker():
     # With one worker nothing refused it, and its forward's in-place renormalisation of the
     # rows it read was overwritten by the servers' rows at the next fetch: 2.52 off single.
     with pytest.raises(LaunchError, match=r"ConfigError: 0 renormalizes the rows it reads in "
-                                          r"place during the forward \(max_norm=1\), and "
-                                          r"parallax holds its rows on servers.*HINT: leave "
+                                          r"place during the forward \(max_norm=1\): .*parallax "
+                                          r"holds on servers.*with one worker too.*HINT: leave "
                                           r"max_norm out"):
         spawn(max_norm_script, workers=1, colocated=1)
 
@@ -348,7 +350,27 @@ def padded_script(distributed: bool) -> dict:
             loss = nn.functional.mse_loss(model(ids, ctx.worker_index == 0, scale=0.5), y)
         loss.backward()
         opt.step()
-    return _weights(model, ctx)
+    weights = _weights(model, ctx)
+    if ctx is not None:  # (the run's weights are taken: what follows leaves them behind)
+        written_and_closed(model, opt, ids)
+    return weights
+
+
+def written_and_closed(model: nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor) -> None:
+    """A write to a sparse table is refused at the next fetch; close() takes the hooks off."""
+    import polytrain
+    with torch.no_grad():  # a renorm of the rows after the step, or a load_state_dict
+        model.tok.weight.mul_(0.5)
+    with pytest.raises(ConfigError, match=r"tok.weight was written outside parallax since its "
+                                          r"last fetch.*the next fetch would write the "
+                                          r"servers' rows over the change.*HINT: "):
+        model(ids, True)
+    strategy = polytrain.strategy_of(model)
+    pushed = strategy.rows.round
+    strategy.close()
+    assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
+    opt.step()  # the closed model is the user's own: a step stays local
+    assert strategy.rows.round == pushed
 
 
 @pytest.mark.timeout(120)
@@ -361,6 +383,9 @@ def test_padding_steps_keyword_lookups_branches_and_kept_gradients_train_as_sing
     # summed the dense gradients over steps, while the tables' were cleared every step.
     # (And the forward's keyword scale=, which sparse_reads does not take, was passed to it
     # by the first fix of the keyword lookups: a TypeError.)
+    # Then (written_and_closed): a write to a table on the workers (a renorm after the step,
+    # a load_state_dict) was reverted by the next fetch, silently; and close() left the
+    # optimizer's step hooks, so a step after it still pushed to the servers.
     alone = padded_script(False)
     workers = spawn(padded_script, workers=2, colocated=1, args=(True,))
     torch.manual_seed(0)

@@ -162,6 +162,13 @@ def server_ranks(topology: Topology, *, colocate: bool, strategy: str = "this st
                           "launch with --colocated 1 (polytrain.launch(..., colocated=1); "
                           "polytrain train does this itself)")
     dedicated = list(topology.dedicated_servers)
+    left_out = [s[0] for s in per_machine if s] if not colocate else []
+    if not colocated and not dedicated and left_out:
+        raise ConfigError(f"{strategy} needs summation servers, and colocate=False leaves out "
+                          f"the run's colocated ones (rank{'s' if len(left_out) > 1 else ''} "
+                          f"{', '.join(map(str, left_out))}), with no dedicated one",
+                          "leave out colocate=False (--no-colocate) to use them, or launch "
+                          "with --servers K (polytrain.launch(..., servers=K))")
     if not colocated and not dedicated:
         raise ConfigError(f"{strategy} needs summation servers, but this run has none",
                           "launch with --colocated 1 and/or --servers K (polytrain.launch"

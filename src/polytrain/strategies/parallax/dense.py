@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ...errors import CommError
+from ...errors import CommError, ConfigError
 from ...ps.grads import travels_divided
 from ...runtime import Context
 
@@ -22,14 +22,15 @@ class DenseSync:
     machine, recorded on the meter as estimated), broadcast inside the machine.
 
     Args:
-        ctx: the run. params: the dense parameters, in the same order on every worker.
+        ctx: the run. named: the dense parameters by name, in the same order on every worker.
     """
 
-    def __init__(self, ctx: Context, params: list[nn.Parameter]) -> None:
+    def __init__(self, ctx: Context, named: list[tuple[str, nn.Parameter]]) -> None:
         self.ctx = ctx
-        self.params = params
+        self.named = named
+        self.params = [p for _, p in named]
         # What the all-reduce moves: the gradients and a count per parameter.
-        self.nbytes = sum((p.numel() + 1) * p.element_size() for p in params)
+        self.nbytes = sum((p.numel() + 1) * p.element_size() for p in self.params)
         self.leaders = list(ctx.topology.leaders)
 
     def start(self) -> Callable[[], None]:
@@ -37,6 +38,14 @@ class DenseSync:
         in the background in between, so the caller's own work overlaps it)."""
         if not self.params:
             return lambda: None
+        for name, p in self.named:  # before any exchange: every worker refuses alike
+            if p.grad is not None and p.grad.is_sparse:
+                raise ConfigError(
+                    f"parameter {name!r} has a sparse gradient (F.embedding(..., sparse=True) "
+                    f"on it?), and is no embedding module's weight: parallax holds only those "
+                    f"on servers, and all-reduces every other parameter's gradient dense",
+                    "look its rows up through an nn.Embedding module (its weight then goes "
+                    "to the servers), or pass sparse=False")
         ctx = self.ctx
         # After the gradients, one count per parameter of the workers that have its gradient:
         # a parameter no worker used keeps .grad None, as in one process (summed as zeros,

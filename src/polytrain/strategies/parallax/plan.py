@@ -156,13 +156,18 @@ def classify(model: nn.Module, *, sparse_embeddings: bool = True
                 continue
             if is_lookup and pname == "weight":
                 if m.max_norm is not None:
+                    # Worded as the data-parallel refusal, which Parallax.check_model runs
+                    # it before: that one's hint, a renorm after the step, is overwritten too.
                     raise ConfigError(
                         f"{module_name or type(m).__name__} renormalizes the rows it reads in "
-                        f"place during the forward (max_norm={m.max_norm:g}), and parallax "
-                        f"holds its rows on servers: the next fetch overwrites the renormalized "
-                        f"rows with the servers' (with any number of workers)",
-                        "leave max_norm out, or, with one worker, keep the table on it: "
-                        "sparse_embeddings=False (--no-sparse-embeddings) and sparse=False")
+                        f"place during the forward (max_norm={m.max_norm:g}): each worker "
+                        f"would change only its own batch's rows, in its copy of a table that "
+                        f"parallax holds on servers, and the next fetch would write the "
+                        f"servers' rows over them (with one worker too)",
+                        "leave max_norm out; to cap the rows' norms, keep the table on the "
+                        "workers (sparse_embeddings=False, --no-sparse-embeddings, and "
+                        "sparse=False) and renorm it after each optimizer step, the same on "
+                        "every worker")
             else:
                 tied.setdefault(id(p), f"{module_name or 'the model'} ({type(m).__name__})")
     dense, sparse = [], []

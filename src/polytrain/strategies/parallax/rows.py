@@ -124,6 +124,9 @@ class _Var:
         self.touched = Touched()  # rows this machine pushed per step (leaders)
         self.declared = False  # this step's rows came from the model's sparse_reads
         self.held: torch.Tensor | None = None  # its gradient, out of the local step's sight
+        # The weight's version counter as parallax left it: its own writes (fetched rows,
+        # through .data) do not move it, a user's in-place write or load_state_dict does.
+        self.version = param._version
 
 
 def check_range(var: _Var, rows: torch.Tensor) -> None:
@@ -148,6 +151,20 @@ def check_declared(var: _Var, indices: torch.Tensor) -> None:
         raise ConfigError(f"a lookup of {var.name} reads {missing.numel()} rows the model's "
                           f"sparse_reads did not name (e.g. {missing[:5].tolist()})",
                           "return from sparse_reads every row the forward looks up")
+
+
+def check_unwritten(var: _Var) -> None:
+    """``var``'s weight as parallax left it, or ConfigError: a write on the worker (in place
+    under no_grad, or by load_state_dict) would be undone by the next fetch of its rows."""
+    if var.param._version != var.version:
+        raise ConfigError(
+            f"{var.name} was written outside parallax since its last fetch or step (in place, "
+            f"as a renorm of its rows after optimizer.step(), or by load_state_dict): its rows "
+            f"live on the servers, which only the step's pushes update, and the next fetch "
+            f"would write the servers' rows over the change",
+            "set a sparse table's weights before distribute() (polytrain's checkpoints resume "
+            "the servers' rows); to change its rows during training, keep it on the workers: "
+            "sparse_embeddings=False (--no-sparse-embeddings) and sparse=False")
 
 
 def check_gradient(var: _Var, grad: torch.Tensor) -> None:
@@ -283,6 +300,15 @@ class SparseRows:
                                   f"sparse parameters (those are {sorted(by_name)})",
                                   "return the rows of the sparse parameters only, by their "
                                   "names in model.named_parameters()")
+            for n, rows in declared.items():
+                if not isinstance(rows, torch.Tensor) or rows.is_floating_point() \
+                        or rows.is_complex() or rows.dtype == torch.bool:
+                    kind = (f"a {rows.dtype} tensor" if isinstance(rows, torch.Tensor)
+                            else f"a {type(rows).__name__}")
+                    raise ConfigError(f"the model's sparse_reads gives {n} {kind}, not a "
+                                      f"tensor of row ids",
+                                      "return an integer tensor of the rows the forward looks "
+                                      "up for each table (the ids themselves, as torch.long)")
             self.fetch({by_name[n]: rows for n, rows in declared.items()})
             for n in declared:
                 by_name[n].declared = True
@@ -302,6 +328,7 @@ class SparseRows:
         at once (one round trip for all the variables). Every worker of the machine takes
         part, ``reads`` empty or not, and writes every row of the union: another worker's
         data may read a table this one's does not."""
+        self.check_unwritten()
         # One union inside the machine for every variable: rows offset by variable.
         offsets, at = {}, 0
         for var in self.vars:
@@ -398,9 +425,16 @@ class SparseRows:
                               f"{e.hint}, and keep it so through the run (OneCycleLR: pass "
                               f"cycle_momentum=False)") from None
 
+    def check_unwritten(self) -> None:
+        """Refuse a sparse weight written outside parallax (:func:`check_unwritten`), before
+        the fetch, step or gather that would write over it."""
+        for var in self.vars:
+            check_unwritten(var)
+
     def begin_step(self) -> None:
         """Every worker of the machine is at optimizer.step() (a worker still looking up a
         table is refused, rather than met by the dense gradients' reduce)."""
+        self.check_unwritten()
         if len(self.local) > 1:
             _gather_local([torch.empty(0)], self.ctx.groups.local, len(self.local),
                           at=self.at_step, labels=self.labels)
@@ -469,6 +503,7 @@ class SparseRows:
 
     def gather(self) -> None:
         """Worker 0: every sparse weight whole and current (from the servers)."""
+        self.check_unwritten()
         states = self.pull_states()
         with torch.no_grad():
             for state, r in zip(states, self.plan.ranges):
@@ -543,6 +578,7 @@ class SparseRows:
                                          steps if steps is not None else [rounds] * len(merged)))
         for var in self.vars:
             var.fresh.fill_(True)
+            var.version = var.param._version  # the checkpoint's weights, loaded before
         dist.barrier(group=self.ctx.groups.workers)
 
     def alpha(self) -> dict[str, dict[str, float]]:

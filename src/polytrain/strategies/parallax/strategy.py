@@ -19,7 +19,7 @@ from ...runtime import Context
 from ..base import register
 from ..served import ServedStrategy
 from .dense import DenseSync
-from .options import ParallaxOptions
+from .options import _SEARCH_STEPS, ParallaxOptions
 from .plan import ParallaxPlan, SparseVar, classify, plan_parallax, sparse_tables
 from .rows import SparseRows, Touched
 from .search import PartitionSearch
@@ -56,6 +56,14 @@ class Parallax(ServedStrategy[ParallaxOptions]):
     whole_state_on_worker_0 = True
 
     @classmethod
+    def check_model(cls, model: nn.Module, layout: Layout, options: ParallaxOptions) -> None:
+        """The plan's refusals (max_norm, a table tied to another kind of module) before any
+        process starts, and before the data-parallel ones, whose hints do not fit rows held
+        on servers; and options that a model without sparse parameters leaves idle."""
+        _, sparse = classify(model, sparse_embeddings=options.sparse_embeddings)
+        _check_idle_options(options, sparse)
+
+    @classmethod
     def check_resume(cls, saved: Mapping[str, Any], layout: Layout,
                      options: ParallaxOptions) -> None:
         """Which tables the servers hold is the checkpoint's: their rows' optimizer state
@@ -76,6 +84,7 @@ class Parallax(ServedStrategy[ParallaxOptions]):
         self._times: list[float] = []
         self._last: float | None = None  # when the step in progress began ...
         self._ended: float | None = None  # ... and when the last one's optimizer stepped
+        self._step_hooks: list[Any] = []  # on the user's optimizer, taken off by close()
 
     def wrap(self, model: nn.Module,
              optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -85,15 +94,18 @@ class Parallax(ServedStrategy[ParallaxOptions]):
         for m in sparse_tables(model, sparse_embeddings=self.options.sparse_embeddings):
             m.sparse = True  # its gradient: the rows a step touched
         dense, sparse = classify(model, sparse_embeddings=self.options.sparse_embeddings)
+        _check_idle_options(self.options, sparse)
         params = dict(model.named_parameters())
-        colocated, dedicated = server_ranks(ctx.topology, colocate=self.options.colocate,
-                                            strategy="parallax")
-        servers = colocated + dedicated
+        servers: list[int] = []  # none asked for without sparse parameters: pure all-reduce
+        if sparse:
+            colocated, dedicated = server_ranks(ctx.topology, colocate=self.options.colocate,
+                                                strategy="parallax")
+            servers = colocated + dedicated
         if self.options.partitions is None and sparse:
             self.search = PartitionSearch(max(len(servers), ctx.num_nodes))
             count = self.search.start
         else:
-            count = self.options.partitions or len(servers)
+            count = self.options.partitions or max(1, len(servers))
         self._count = count
         variables = [SparseVar(n, params[n].shape[0], params[n].shape[1], params[n].dtype)
                      for n in sparse]
@@ -106,13 +118,14 @@ class Parallax(ServedStrategy[ParallaxOptions]):
             # Worker 0's SETs are held (their receipts) before any worker pulls a row: a
             # first pull that overtook them read the store's zeros.
             dist.barrier(group=ctx.groups.workers)
-        self.dense = DenseSync(ctx, [params[n] for n in dense])
+        self.dense = DenseSync(ctx, [(n, params[n]) for n in dense])
         self.unchanged = _Unchanged([(n, p) for n, p in model.named_parameters()
                                      if p.requires_grad])
         # (torch hands the hook step's own arguments, the optimizer first.)
-        optimizer.register_step_pre_hook(lambda opt, args, kwargs: self._before_step(
-            args[1] if len(args) > 1 else kwargs.get("closure")))
-        optimizer.register_step_post_hook(lambda opt, args, kwargs: self._step_done())
+        self._step_hooks = [
+            optimizer.register_step_pre_hook(lambda opt, args, kwargs: self._before_step(
+                args[1] if len(args) > 1 else kwargs.get("closure"))),
+            optimizer.register_step_post_hook(lambda opt, args, kwargs: self._step_done())]
         return model, optimizer
 
     def _step_done(self) -> None:
@@ -121,6 +134,15 @@ class Parallax(ServedStrategy[ParallaxOptions]):
             self.rows.end_step()
 
     def _before_step(self, closure: Any) -> None:
+        if self.search is not None and self._since == 0 \
+                and self.options.search_steps != _SEARCH_STEPS:
+            # The step API calls replan() before every step; the plain loop never does.
+            raise ConfigError(
+                f"parallax option search_steps={self.options.search_steps} paces the "
+                f"partition search, which only the step API runs, and this step comes from "
+                f"the plain loop: partitions stays at {self._count}",
+                "leave out search_steps, or pass loss_fn to distribute() and train with "
+                "trainer.step(x, y), which searches")
         assert self.dense is not None and self.unchanged is not None
         if closure is not None:  # its backward would run after the averaging below
             raise ConfigError(
@@ -221,9 +243,8 @@ class Parallax(ServedStrategy[ParallaxOptions]):
         """The servers' sparse rows with their rule's state (worker 0's file: whole
         variables, so a resumed run may cut them into another partition count), the
         rounds pushed, the partition count and the search so far."""
-        assert self.ctx is not None
         state: dict[str, Any] = {"partitions": self._count, "since": self._since,
-                                 "times": list(self._times), "workers": self.ctx.num_workers}
+                                 "times": list(self._times), **self._layout()}
         search = self.search or getattr(self, "final_search", None)
         if search is not None:
             state["search"] = {"start": search.start, "low": search.low, "high": search.high,
@@ -253,8 +274,9 @@ class Parallax(ServedStrategy[ParallaxOptions]):
                               "resume with the checkpoint's --workers")
         assert ctx is not None and self.plan is not None
         # On another layout the rows carry over; the search's step times and the machines'
-        # touched rows were the old layout's: the search starts afresh.
-        moved = int(state.get("workers", ctx.num_workers)) != ctx.num_workers
+        # touched rows were the old layout's: the search starts afresh. (A checkpoint before
+        # the machines and servers were saved is compared by its worker count.)
+        moved = any(state.get(k, v) != v for k, v in self._layout().items())
         saved = None if moved else state.get("search")
         if saved is not None:
             search = PartitionSearch(saved["start"], low=saved["low"], high=saved["high"])
@@ -291,11 +313,43 @@ class Parallax(ServedStrategy[ParallaxOptions]):
             v.touched = Touched() if moved else Touched.from_state(
                 state.get("touched", {}).get(v.name, []))
 
+    def _layout(self) -> dict[str, Any]:
+        """What the search's samples and the touched rows were measured on: the worker
+        machines, the workers and the server ranks."""
+        assert self.ctx is not None
+        return {"workers": self.ctx.num_workers, "nodes": self.ctx.num_nodes,
+                "servers": list(self.plan.servers) if self.plan is not None else []}
+
     def close(self) -> None:
+        for h in self._step_hooks:
+            h.remove()
+        self._step_hooks = []
         if self.unchanged is not None:
             self.unchanged.close()
         if self.rows is not None:
             self.rows.close()
+
+
+def _check_idle_options(options: ParallaxOptions, sparse: list[str]) -> None:
+    """Refuse an option of the sparse parameters' servers for a model that has none (every
+    parameter is all-reduced): taken, it would do nothing."""
+    if sparse:
+        return
+    idle = [(f"partitions={options.partitions}", "cuts the sparse parameters into row ranges",
+             "--partitions", options.partitions is not None),
+            (f"search_steps={options.search_steps}", "paces the search of the sparse "
+             "parameters' partition count", "--search-steps",
+             options.search_steps != _SEARCH_STEPS),
+            ("colocate=False", "picks the sparse parameters' servers", "--no-colocate",
+             not options.colocate)]
+    for given, does, flag, taken in idle:
+        if taken:
+            which = ("trained embedding whose rows servers can hold" if options.sparse_embeddings
+                     else "trained embedding built with sparse=True, the only ones "
+                     "sparse_embeddings=False puts on servers")
+            raise ConfigError(f"parallax option {given} {does}, and this model has no sparse "
+                              f"parameter (no {which}): every parameter is all-reduced",
+                              f"leave out {given.split('=')[0]} ({flag})")
 
 
 class _Unchanged:
