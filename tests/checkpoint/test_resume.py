@@ -98,7 +98,8 @@ def test_resume_equals_the_uninterrupted_run_bit_for_bit(strategy, workers, node
     # the workers and the servers.
     ({"compress": "onebit", "error_feedback": True, "compress_adam": True,
       "compress_warmup": 2}, 4),
-    # Random draws (workers' and servers' generators) and the workers' momentum.
+    # Random draws (workers' and servers' generators) and the workers' momentum (beside SGD:
+    # Adam has a momentum of its own).
     pytest.param({"compress": "randomk:0.25", "error_feedback": True,
                   "compress_momentum": 0.9}, 3, marks=pytest.mark.long),
     # 1-bit Adam's own variances (a refresh at steps 1, 3 and 5, across the resume).
@@ -107,8 +108,10 @@ def test_resume_equals_the_uninterrupted_run_bit_for_bit(strategy, workers, node
                  marks=pytest.mark.long),
 ])
 def test_compressed_byteps_resumes_where_its_compression_was(options, at):
+    sgd = "compress_momentum" in options
     config = TrainConfig(strategy="byteps", workers=2, nodes=2, servers=1, steps=6,
-                         batch_size=8, lr=3e-3, optimizer="adam", model_options=TINY,
+                         batch_size=8, lr=0.05 if sgd else 3e-3,
+                         optimizer="sgd" if sgd else "adam", model_options=TINY,
                          strategy_options={**options, "compress_min_bytes": 0})
     whole, final, again, final_again = stop_and_resume(config, at)
     assert_equal_weights(final, final_again)

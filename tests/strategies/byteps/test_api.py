@@ -360,6 +360,13 @@ def compressed_drop_in() -> dict:
     out["buffer"] = model.module.running_mean.tolist()
     model.close()
     out["kind"] = refused(lambda: DDP(nn.Linear(4, 2), broadcast_buffers="no"))
+    # BytePS's recipe for models with branches: backward(); model.synchronize(); step().
+    model = DDP(nn.Linear(4, 2, bias=False))
+    model(torch.full((1, 4), bps.rank() + 1.0)).sum().backward()
+    model.synchronize()
+    model.synchronize()  # nothing to do: the sum is not taken again
+    out["synchronized"] = model.module.weight.grad.tolist()
+    model.close()
     return out
 
 
@@ -385,6 +392,8 @@ def test_the_drop_in_takes_compression_with_the_options_that_need_one():
         assert out["kind"] == ("DistributedDataParallel option broadcast_buffers must be True "
                                "or False (got 'no', a str). HINT: pass broadcast_buffers=True "
                                "or broadcast_buffers=False")
+        # Symptom: model.synchronize(), BytePS's DDP's, raised AttributeError.
+        assert out["synchronized"] == [[1.5] * 4] * 2  # the mean of 1 and 2
 
 
 def broadcast_bare_tensors():

@@ -8,7 +8,7 @@ from torch import nn
 import polytrain
 import polytrain.byteps as bps
 from polytrain import TrainConfig
-from tests.harness import max_abs_diff, run_config, single_of, spawn
+from tests.harness import max_abs_diff, refused, run_config, single_of, spawn
 
 TINY = {"seq_len": 16, "d_model": 32, "layers": 2}
 
@@ -98,7 +98,18 @@ def clip_local_gradients():
     clipped = {n: p.grad.clone() for n, p in model.named_parameters()}
     with opt.skip_synchronize():
         opt.step()
-    return initial, unchanged, clipped, {n: p.detach().clone() for n, p in model.named_parameters()}
+    final = {n: p.detach().clone() for n, p in model.named_parameters()}
+    said = {"passes": [refused(lambda p=p: opt.set_backward_passes_per_step(p))
+                       for p in (1, 2)]}
+    # A parameter frozen at the wrap is not pushed: unfreezing it later is refused.
+    net = nn.Linear(4, 2)
+    net.weight.requires_grad_(False)
+    opt = bps.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1),
+                                   named_parameters=net.named_parameters(), async_=True)
+    net.weight.requires_grad_(True)
+    net(torch.ones(3, 4)).sum().backward()
+    said["unfrozen"] = [refused(opt.synchronize), refused(opt.step)]
+    return initial, unchanged, clipped, final, said
 
 
 @pytest.mark.timeout(60)
@@ -108,14 +119,27 @@ def test_asynchronous_optimizer_takes_the_clipping_recipe_on_local_gradients():
     # optimizer had neither call; its gradients are local, so both have nothing to do.
     out = spawn(clip_local_gradients, workers=2, colocated=1)
     initial = out[0][0]
-    for _, unchanged, clipped, _ in out:
+    for _, unchanged, clipped, _, _ in out:
         assert unchanged
         assert float(torch.cat([g.reshape(-1) for g in clipped.values()]).norm()) == (
             pytest.approx(1.0, rel=1e-5))
     # Staleness 0: each pushes its own clipped update over 2, and pulls their sum.
-    for _, _, _, final in out:
+    for _, _, _, final, _ in out:
         for n, v in final.items():
             want = initial[n] - 0.1 * (out[0][2][n] + out[1][2][n]) / 2
             assert torch.allclose(v, want, atol=1e-6), n
         assert not torch.allclose(final["weight"], initial["weight"])
     assert not torch.equal(out[0][2]["weight"], out[1][2]["weight"])  # local: they differ
+    for *_, said in out:
+        # BytePS's set_backward_passes_per_step (an AttributeError): 1 is the only count.
+        assert said["passes"] == ["accepted", (
+            "asynchronous BytePS pushes each step's update; backward_passes_per_step 2 does "
+            "not apply. HINT: leave backward_passes_per_step at 1 with async_=True")]
+        # Symptom: a parameter frozen at the wrap and unfrozen later stepped on each worker's
+        # own gradients, never pushed, and the copies drifted apart silently. Cause: only the
+        # parameters requiring a gradient at the wrap were placed, and nothing looked again.
+        assert said["unfrozen"] == [(
+            "parameter 'weight' requires a gradient, but did not when the model was wrapped: "
+            "its gradients would not be summed, and each worker's copy would drift apart. "
+            "HINT: unfreeze it before the optimizer is wrapped (bps.DistributedOptimizer, "
+            "distribute()): a parameter may be frozen after the wrap, not unfrozen")] * 2

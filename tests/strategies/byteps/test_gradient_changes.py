@@ -89,6 +89,38 @@ def loops():
     out["both_compressions"] = refused(lambda: bps.DistributedOptimizer(
         torch.optim.SGD(make_model().parameters(), lr=0.1), compression="fp16",
         compress="onebit"))
+    # Adam's betas[0] is a momentum of its own, as SGD's momentum is.
+    out["adam_momenta"] = refused(lambda: bps.DistributedOptimizer(
+        torch.optim.Adam(make_model().parameters()), compression="onebit",
+        error_feedback=True, compress_momentum=0.9))
+
+    # A parameter frozen at the wrap has no sum: unfreezing it later is refused.
+    model = make_model()
+    model[0].weight.requires_grad_(False)
+    opt = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
+                                   named_parameters=model.named_parameters())
+    loss_of(model, w, n).backward()
+    opt.step()
+    model[0].weight.requires_grad_(True)
+    opt.zero_grad()
+    loss_of(model, w, n).backward()
+    out["unfrozen"] = refused(opt.step)
+    opt.close()
+
+    # BytePS's set_backward_passes_per_step: two passes of half the loss make one step.
+    model, opt = wrapped()
+    opt.set_backward_passes_per_step(2)
+    for _ in range(2):
+        (loss_of(model, w, n) / 2).backward()
+    opt.step()
+    out["two_passes"] = {k: v.clone() for k, v in model.state_dict().items()}
+    out["bad_passes"] = [refused(lambda p=p: opt.set_backward_passes_per_step(p))
+                         for p in (1.5, 0)]
+    loss_of(model, w, n).backward()  # one pass of two: a change now would lose it
+    out["passes_mid_step"] = refused(lambda: opt.set_backward_passes_per_step(1))
+    loss_of(model, w, n).backward()
+    opt.step()
+    opt.close()
 
     # 16-bit gradients whose sum passes float16's largest value (65504) still average.
     w16 = nn.Parameter(torch.zeros(4, dtype=torch.float16))
@@ -148,6 +180,33 @@ def test_clipping_closures_and_own_calls_beside_the_optimizer():
         assert o["two_momenta"].startswith("compress_momentum 0.9 puts a momentum on the "
                                            "gradients before compression, and SGD has "
                                            "momentum 0.9 of its own")
+        # Symptom: Adam with compress_momentum=0.9 was accepted, an update with two momenta.
+        # Cause: only an optimizer's 'momentum' key was read, not Adam's betas[0].
+        assert o["adam_momenta"] == (
+            "compress_momentum 0.9 puts a momentum on the gradients before compression, and "
+            "Adam has momentum 0.9 of its own (betas[0]): the update would have two. HINT: "
+            "give the optimizer betas=(0.0, 0.999) (compress_momentum takes the place of "
+            "betas[0]), or leave compress_momentum out")
+        # Symptom: a parameter frozen at the wrap and unfrozen later was never summed, and
+        # the workers' copies drifted apart silently. Cause: only the parameters requiring a
+        # gradient at the wrap got hooks, and nothing looked again.
+        assert o["unfrozen"] == (
+            "parameter '0.weight' requires a gradient, but did not when the model was wrapped: "
+            "its gradients would not be summed, and each worker's copy would drift apart. "
+            "HINT: unfreeze it before the optimizer is wrapped (bps.DistributedOptimizer, "
+            "distribute()): a parameter may be frozen after the wrap, not unfrozen")
+        # Symptom: opt.set_backward_passes_per_step(2), BytePS's, raised AttributeError.
+        for k, v in o["two_passes"].items():
+            assert torch.allclose(v, plain[k], atol=1e-6), k
+        assert o["bad_passes"] == [
+            "backward_passes_per_step must be a whole number (got 1.5). HINT: pass 1, or the "
+            "passes per step",
+            "backward_passes_per_step must be at least 1 (got 0). HINT: pass 1, or the passes "
+            "per step"]
+        assert o["passes_mid_step"] == (
+            "set_backward_passes_per_step(1) in the middle of a step (after 1 of its 2 "
+            "backward passes): a step's passes are counted as it began. HINT: call it between "
+            "steps (after optimizer.step(), before the next backward)")
         assert o["complex"].startswith("'c' is torch.complex64, which the summation service")
         assert o["named_sums"] == ([1.0] * 3, [3.0] * 3)
         assert o["half"].dtype == torch.float16 and o["half"].tolist() == [40000.0] * 4

@@ -59,8 +59,8 @@ def test_a_classic_parameter_server_without_servers_is_refused_before_any_proces
 
 
 def test_compression_flags_become_the_strategys_options():
-    c = parse("--compress", "topk:0.01", "--error-feedback", "--compress-momentum", "0.9",
-              "--compress-min-bytes", "1024")
+    c = parse("--optimizer", "sgd", "--compress", "topk:0.01", "--error-feedback",
+              "--compress-momentum", "0.9", "--compress-min-bytes", "1024")  # Adam's refused
     assert dict(c.strategy_options) == {"compress": "topk:0.01", "error_feedback": True,
                                         "compress_momentum": 0.9, "compress_min_bytes": 1024}
     c = parse("--compress", "onebit", "--error-feedback", "--compress-warmup", "100",
@@ -145,3 +145,15 @@ def test_a_bad_warmup_compressor_gets_one_clear_line(args, message, capsys):
     assert code == 2
     assert err.count("\n") == 1 and err.startswith("polytrain train: error: "), err
     assert re.search(message, err), err
+
+
+def test_compress_momentum_beside_adams_own_momentum_is_refused_before_a_start():
+    # Symptom: --optimizer adam --compress onebit --compress-momentum 0.9 trained with two
+    # momenta (SGD's momentum beside it is refused). Cause: only an optimizer's 'momentum'
+    # was read, and Adam's is betas[0].
+    options = {"compress": "onebit", "compress_momentum": 0.9}
+    with pytest.raises(ConfigError, match=r"^compress_momentum 0\.9 puts a momentum on the "
+                                          r"gradients before compression, and Adam has "
+                                          r"momentum 0\.9 of its own \(betas\[0\]\)"):
+        TrainConfig(strategy="byteps", optimizer="adam", strategy_options=options)
+    TrainConfig(strategy="byteps", optimizer="sgd", strategy_options=options)  # no momentum

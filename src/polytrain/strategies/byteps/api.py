@@ -18,6 +18,7 @@ import torch.distributed as dist
 from ... import runtime
 from ...comm.partition import DEFAULT_PARTITION_BYTES, TensorSpec
 from ...errors import ConfigError
+from ...kinds import check_kinds
 from ...ps.compression import (
     FP16,
     CompressOptions,
@@ -32,7 +33,7 @@ from ...ps.engine import Engine, SumTensor, engine_for
 from ...ps.grads import travels_divided
 from ...runtime import Context
 from ..checks import check_same_tensors, tensor_signature
-from .async_mode import AsyncOptimizer
+from .async_mode import AsyncOptimizer, check_async_passes
 from .optimizer import Choice, _resolve, checked_options
 from .optimizer import DistributedOptimizer as _SyncOptimizer
 from .plan import plan_for
@@ -191,6 +192,15 @@ def push_pull_async_inplace(tensor: torch.Tensor, average: bool = True,
 def _push_pull_async(tensor: torch.Tensor, average: bool, name: str | None, priority: int,
                      compression: Compressor | str | None, inplace: bool,
                      ctx: Context | None) -> PushPullHandle:
+    if not isinstance(tensor, torch.Tensor):  # a numpy array failed on is_floating_point
+        kind = type(tensor)
+        raise ConfigError(f"push_pull() takes a torch.Tensor (got a "
+                          f"{'' if kind.__module__ == 'builtins' else kind.__module__ + '.'}"
+                          f"{kind.__qualname__})", "pass torch.as_tensor(...) of it "
+                          "(torch.from_numpy for a numpy array)")
+    checked = check_kinds(push_pull, {"average": average, "name": name, "priority": priority},
+                          what="push_pull() ")
+    average, priority = checked["average"], checked["priority"]
     ctx = _worker_ctx(ctx, "push_pull")
     if average and not (tensor.is_floating_point() or tensor.is_complex()):
         raise ConfigError(f"push_pull(average=True) of a {tensor.dtype} tensor would round",
@@ -315,6 +325,8 @@ def broadcast_parameters(params: Mapping[str, torch.Tensor]
                          root_rank: int = 0, *, ctx: Context | None = None) -> None:
     """Copy worker ``root_rank``'s tensors into every worker's: a state_dict, named pairs
     (``model.named_parameters()``) or tensors (``model.parameters()``, named by position)."""
+    root_rank = check_kinds(broadcast_parameters, {"root_rank": root_rank},
+                            what="broadcast_parameters() ")["root_rank"]
     ctx = _worker_ctx(ctx)
     if not 0 <= root_rank < ctx.num_workers:
         raise ConfigError(f"root_rank {root_rank} is not a worker (there are "
@@ -348,6 +360,8 @@ def _to_cpu(obj: Any) -> Any:
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0, *,
                               ctx: Context | None = None) -> None:
     """Give every worker worker ``root_rank``'s optimizer state (moments, steps, lr)."""
+    root_rank = check_kinds(broadcast_optimizer_state, {"root_rank": root_rank},
+                            what="broadcast_optimizer_state() ")["root_rank"]
     ctx = _worker_ctx(ctx)
     if not 0 <= root_rank < ctx.num_workers:
         raise ConfigError(f"root_rank {root_rank} is not a worker (there are "
@@ -404,10 +418,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 - ByteP
                                "compress_momentum": opts.compress_momentum,
                                "compress_min_bytes": opts.compress_min_bytes}
     if opts.async_:
-        if backward_passes_per_step != 1:
-            raise ConfigError("asynchronous BytePS pushes each step's update; "
-                              "backward_passes_per_step does not apply",
-                              "leave backward_passes_per_step at 1 with async_=True")
+        check_async_passes(backward_passes_per_step)
         return AsyncOptimizer(optimizer, engine=engine, named_parameters=named_parameters,
                               staleness=opts.staleness, **placing)
     return _SyncOptimizer(optimizer, engine=engine, named_parameters=named_parameters,

@@ -28,12 +28,28 @@ from ...ps.compression import ASYNC_COMPRESSORS, DEFAULT_MIN_BYTES, Codec, codec
 from ...ps.engine import Engine
 from ...ps.protocol import Kind
 from ...tensors import host_copy
-from .optimizer import Choice, WrappedOptimizer, named_params_of, tensor_compression
+from .optimizer import (
+    Choice,
+    WrappedOptimizer,
+    _check_passes,
+    check_unfrozen,
+    named_params_of,
+    tensor_compression,
+)
 from .plan import plan_for
 
-__all__ = ["AsyncOptimizer"]
+__all__ = ["AsyncOptimizer", "check_async_passes"]
 
 log = logging.getLogger(__name__)
+
+
+def check_async_passes(passes: int) -> None:
+    """Refuse ``backward_passes_per_step`` other than 1: each step pushes its own update."""
+    _check_passes(passes)
+    if passes != 1:
+        raise ConfigError(f"asynchronous BytePS pushes each step's update; "
+                          f"backward_passes_per_step {passes} does not apply",
+                          "leave backward_passes_per_step at 1 with async_=True")
 
 
 class AsyncOptimizer(WrappedOptimizer):
@@ -65,7 +81,7 @@ class AsyncOptimizer(WrappedOptimizer):
                  colocate: bool = True, compression: Choice | Mapping[str, Choice] = None,
                  error_feedback: bool = False, compress_min_bytes: int = DEFAULT_MIN_BYTES,
                  compress_momentum: float = 0.0) -> None:
-        named = named_params_of(optimizer, named_parameters)
+        named, self._frozen = named_params_of(optimizer, named_parameters)
         specs = [TensorSpec.of(n, p) for n, p in named]
         per_tensor = tensor_compression(specs, compression, error_feedback=error_feedback,
                                         momentum=compress_momentum,
@@ -129,6 +145,11 @@ class AsyncOptimizer(WrappedOptimizer):
         """Nothing to wait for: asynchronous workers step on their own gradients (``.grad``
         stays local; the update is what travels), so BytePS's ``synchronize(); clip;
         step()`` clips this worker's gradients."""
+        check_unfrozen(self._frozen)
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """BytePS's: only 1 here (each step pushes its update)."""
+        check_async_passes(passes)
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
@@ -137,6 +158,7 @@ class AsyncOptimizer(WrappedOptimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> Any:
+        check_unfrozen(self._frozen)  # before any push: its update would stay local
         self.install_once()
         old = [host_copy(p.reshape(-1)) for p in self._params]
         loss = self.optimizer.step(closure) if closure is not None else self.optimizer.step()

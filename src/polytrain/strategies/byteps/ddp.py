@@ -110,3 +110,9 @@ class DistributedDataParallel(SyncedModule):
             compress_warmup_with=opts.compress_warmup_with,
             partition_bytes=opts.partition_bytes, colocate=opts.colocate, in_backward=True)
         keep_missing_for(self.sync, module)
+
+    def synchronize(self) -> None:
+        """BytePS's, for models with branches (``loss.backward(); model.synchronize();
+        optimizer.step()``): wait for every gradient's sum. Here the end of ``backward()``
+        waits for them already, so after a backward it has nothing to do."""
+        self.sync.synchronize()

@@ -19,6 +19,7 @@ from ...kinds import check_kinds
 from ...ps.compression import DEFAULT_MIN_BYTES, CompressOptions, Compressor, compressor
 from ...ps.engine import Engine
 from ...ps.grads import GradientSync, bucket_specs
+from ..synced import check_still_frozen
 from .options import DEFAULT_FUSE_BYTES, BytePSOptions, check_refresh
 from .plan import Plan, plan_for
 
@@ -26,7 +27,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["DistributedOptimizer", "WrappedOptimizer", "named_params_of", "Choice",
            "checked_options", "tensor_compression", "warmup_compression", "fused_buckets",
-           "gradient_sync", "FROZEN_VARIANCE"]
+           "gradient_sync", "check_compress_momentum", "check_unfrozen", "FROZEN_VARIANCE"]
 
 #: A compressor, its name (``"topk:0.01"``), or None / ``"none"``: uncompressed.
 Choice = Union[Compressor, str, None]
@@ -62,11 +63,30 @@ def checked_options(owner: str, compression: Choice | Mapping[str, Choice],
                           f"compress={compress!r}", "pass one of them (compression is "
                           "BytePS's name for it)")
     chosen = (compress or "none") if compression is None else compression
+    _check_choices(f"{owner} {'compress' if compression is None else 'compression'}", chosen)
     values = list(chosen.values()) if isinstance(chosen, Mapping) else [chosen]
     specs = sorted({v if isinstance(v, str) else v.spec() for v in values if v is not None}
                    - {"none"})  # a mapping's uncompressed tensors beside compressed ones
     opts = [BytePSOptions(**options, compress=spec) for spec in specs or ["none"]]
     return opts[0], chosen
+
+
+def _check_choices(what: str, chosen: Any) -> None:
+    """Refuse a compression (``what``: who took it, as which argument) that is no compressor,
+    name or None, nor a mapping of them: ``Compression.topk`` not called, a number."""
+    for key, value in chosen.items() if isinstance(chosen, Mapping) else [(None, chosen)]:
+        if value is None or isinstance(value, (str, Compressor)):
+            continue
+        uncalled = callable(value) and hasattr(value, "__qualname__")
+        got = (f"{value.__qualname__}, a {type(value).__name__}" if uncalled else
+               f"{value!r}, {'an' if type(value).__name__[0] in 'aeiou' else 'a'} "
+               f"{type(value).__name__}")
+        raise ConfigError(
+            f"{what}{'' if key is None else f'[{key!r}]'} must be a compressor, a "
+            f"compressor's name or None (got {got})",
+            "call it with its argument: bps.Compression.topk(0.01), say" if uncalled else
+            "pass a bps.Compression member (bps.Compression.fp16, say), a name such as "
+            "'topk:0.01', or a dict of them by parameter name")
 
 
 def _resolve(choice: Choice) -> Compressor | None:
@@ -134,14 +154,25 @@ def fused_buckets(specs: Sequence[TensorSpec], compression: Sequence[CompressOpt
 
 def named_params_of(optimizer: torch.optim.Optimizer,
                     named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None
-                    ) -> list[tuple[str, torch.nn.Parameter]]:
-    """The optimizer's trainable parameters with names, in model order (earlier layers first)."""
+                    ) -> tuple[list[tuple[str, torch.nn.Parameter]],
+                               list[tuple[str, torch.nn.Parameter]]]:
+    """The optimizer's parameters with names, in model order (earlier layers first): those
+    that require a gradient (trained), and those that do not (frozen at the wrap: see
+    :func:`check_unfrozen`)."""
     in_opt = [p for g in optimizer.param_groups for p in g["params"]]
     ids = {id(p) for p in in_opt}
     if named_parameters is None:
         named = [(f"param.{i}", p) for i, p in enumerate(in_opt)]
     else:
-        named = [(n, p) for n, p in named_parameters if id(p) in ids]
+        pairs = list(named_parameters)
+        for i, item in enumerate(pairs):
+            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
+                kind = type(item).__name__
+                raise ConfigError(f"named_parameters takes (name, parameter) pairs, and item "
+                                  f"{i} is {'an' if kind[0] in 'aeiou' else 'a'} {kind}",
+                                  "pass model.named_parameters(), or leave named_parameters "
+                                  "out (the parameters are then named by position)")
+        named = [(n, p) for n, p in pairs if id(p) in ids]
         names = [n for n, _ in named]
         if len(set(names)) != len(names):
             dup = sorted({n for n in names if names.count(n) > 1})
@@ -152,7 +183,41 @@ def named_params_of(optimizer: torch.optim.Optimizer,
             raise ConfigError(f"{len(missing)} of the optimizer's parameters are not in "
                               f"named_parameters", "pass the named_parameters of the model "
                               "whose parameters the optimizer updates")
-    return [(n, p) for n, p in named if p.requires_grad]
+    return ([(n, p) for n, p in named if p.requires_grad],
+            [(n, p) for n, p in named if not p.requires_grad])
+
+
+def check_unfrozen(frozen: Sequence[tuple[str, torch.nn.Parameter]]) -> None:
+    """Refuse a parameter frozen when the optimizer was wrapped (``frozen``) that requires a
+    gradient now: it has no keys, so each worker would step it on its own gradients."""
+    check_still_frozen(frozen, "unfreeze it before the optimizer is wrapped "
+                               "(bps.DistributedOptimizer, distribute()): a parameter may be "
+                               "frozen after the wrap, not unfrozen")
+
+
+def check_compress_momentum(optimizer: torch.optim.Optimizer, momentum: float) -> None:
+    """Refuse ``compress_momentum`` beside a momentum of the optimizer's own: SGD's (or
+    RMSprop's) ``momentum``, Adam's (and its kin's) ``betas[0]``. BytePS's momentum wrapper
+    moves the optimizer's momentum before compression; it does not add one."""
+    if not momentum:
+        return
+    name = type(optimizer).__name__
+    for group in optimizer.param_groups:
+        own = float(group.get("momentum") or 0.0)
+        if own:
+            raise ConfigError(f"compress_momentum {momentum} puts a momentum on the gradients "
+                              f"before compression, and {name} has momentum {own} of its "
+                              f"own: the update would have two",
+                              "give the optimizer momentum=0 (compress_momentum takes its "
+                              "place), or leave compress_momentum out")
+        beta1, beta2 = group.get("betas") or (0.0, 0.0)
+        if beta1:
+            raise ConfigError(f"compress_momentum {momentum} puts a momentum on the gradients "
+                              f"before compression, and {name} has momentum {float(beta1)} of "
+                              f"its own (betas[0]): the update would have two",
+                              f"give the optimizer betas=(0.0, {float(beta2)}) "
+                              f"(compress_momentum takes the place of betas[0]), or leave "
+                              f"compress_momentum out")
 
 
 def gradient_sync(engine: Engine, named: Sequence[tuple[str, torch.nn.Parameter]], *,
@@ -296,24 +361,16 @@ class DistributedOptimizer(WrappedOptimizer):
                  partition_bytes: int = DEFAULT_PARTITION_BYTES, colocate: bool = True,
                  compress_adam: bool = False, compress_adam_refresh: int = 0,
                  **compress: Any) -> None:
-        at_least("backward_passes_per_step", backward_passes_per_step,
-                 "pass 1, or the passes per step")
+        _check_passes(backward_passes_per_step)
         if _needs_closure(optimizer):
             raise ConfigError(f"{type(optimizer).__name__} evaluates its closure several times "
                               f"a step, and a BytePS step sums the gradients of one backward",
                               "use an optimizer that steps on one gradient (SGD, Adam, ...)")
-        momentum = compress.get("compress_momentum", 0.0)
-        own = max((float(g.get("momentum") or 0.0) for g in optimizer.param_groups), default=0.0)
-        if momentum and own:  # BytePS's momentum wrapper moves SGD's momentum, not adds one
-            raise ConfigError(f"compress_momentum {momentum} puts a momentum on the gradients "
-                              f"before compression, and {type(optimizer).__name__} has "
-                              f"momentum {own} of its own: the update would have two",
-                              "give the optimizer momentum=0 (compress_momentum takes its "
-                              "place), or leave compress_momentum out")
+        check_compress_momentum(optimizer, compress.get("compress_momentum", 0.0))
         super().__init__(optimizer)
         self.engine = engine
         self.backward_passes_per_step = backward_passes_per_step
-        named = named_params_of(optimizer, named_parameters)
+        named, self._frozen = named_params_of(optimizer, named_parameters)
         self.plan, self.sync = gradient_sync(
             engine, named, fuse_bytes=fuse_bytes, partition_bytes=partition_bytes,
             colocate=colocate, passes_per_step=backward_passes_per_step,
@@ -335,6 +392,20 @@ class DistributedOptimizer(WrappedOptimizer):
             opt.step()
         """
         self.sync.synchronize()
+        check_unfrozen(self._frozen)  # after the sums: the engine is left idle
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """BytePS's: from the next step on, sum the gradients of ``passes`` backward passes
+        (as ``backward_passes_per_step``); between steps only."""
+        _check_passes(passes)
+        done = max(self.sync._passes, default=0)  # this step's passes so far
+        if done:
+            raise ConfigError(f"set_backward_passes_per_step({passes}) in the middle of a step "
+                              f"(after {done} of its {self.backward_passes_per_step} backward "
+                              f"passes): a step's passes are counted as it began",
+                              "call it between steps (after optimizer.step(), before the next "
+                              "backward)")
+        self.backward_passes_per_step = self.sync.passes_per_step = passes
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
@@ -360,6 +431,8 @@ class DistributedOptimizer(WrappedOptimizer):
             raise ConfigError("step() inside skip_synchronize() with gradients not yet "
                               "synchronised: it would step on this worker's own gradients",
                               "call optimizer.synchronize() before the step")
+        else:
+            check_unfrozen(self._frozen)  # unfrozen since the user's synchronize()
         # How this step's gradients travelled (the warm-up's last went exact), read after
         # the synchronisation, which may have come before this call (synchronize(); clip).
         if self.compress_adam is not None and self.sync.synced_compressed:
@@ -416,6 +489,10 @@ class DistributedOptimizer(WrappedOptimizer):
     def close(self) -> None:
         """Remove the gradient hooks."""
         self.sync.close()
+
+
+def _check_passes(passes: int) -> None:
+    at_least("backward_passes_per_step", passes, "pass 1, or the passes per step", whole=True)
 
 
 def check_one_bit_adam(optimizer: torch.optim.Optimizer) -> None:

@@ -19,7 +19,7 @@ from ..checks import check_dense_gradients
 from ..served import ServedStrategy
 from ..synced import keep_missing_for
 from .async_mode import AsyncOptimizer
-from .optimizer import DistributedOptimizer, check_one_bit_adam
+from .optimizer import DistributedOptimizer, check_compress_momentum, check_one_bit_adam
 from .options import BytePSOptions
 
 __all__ = ["BytePS"]
@@ -62,6 +62,7 @@ class BytePS(ServedStrategy[BytePSOptions]):
     def check_optimizer(cls, optimizer: torch.optim.Optimizer, options: BytePSOptions) -> None:
         if options.compress_adam:
             check_one_bit_adam(optimizer)
+        check_compress_momentum(optimizer, options.compress_momentum)  # before a start
 
     def __init__(self, ctx: Context | None, options: BytePSOptions) -> None:
         super().__init__(ctx, options)
