@@ -25,7 +25,8 @@ def identity() -> dict:
     return {"rank": ctx.rank, "role": ctx.role, "machine": ctx.machine,
             "workers": ctx.topology.workers, "servers": ctx.topology.servers,
             "leaders": ctx.topology.leaders, "local": ctx.local_workers,
-            "sum_of_worker_ranks": float(total), "threads": os.environ["OMP_NUM_THREADS"]}
+            "sum_of_worker_ranks": float(total), "threads": os.environ["OMP_NUM_THREADS"],
+            "group": os.environ["GROUP_RANK"]}
 
 
 def worker_raises(bad_rank: int, config: bool = False) -> None:

@@ -38,6 +38,7 @@ def test_roles_machines_and_groups_reach_every_process():
     results = spawn(scripts.identity, workers=4, nodes=2, servers=1)
     assert [r["rank"] for r in results] == [0, 1, 2, 3]
     assert [r["machine"] for r in results] == ["node0", "node0", "node1", "node1"]
+    assert [r["group"] for r in results] == ["0", "0", "1", "1"]  # torchrun's GROUP_RANK
     for r in results:
         assert r["role"] == "worker"
         assert r["workers"] == (0, 1, 2, 3) and r["servers"] == (4,)
@@ -45,6 +46,28 @@ def test_roles_machines_and_groups_reach_every_process():
         assert r["sum_of_worker_ranks"] == 6.0
         assert r["threads"] == "1"
     assert results[2]["local"] == (2, 3)
+
+
+@pytest.mark.timeout(20)
+def test_every_process_gets_the_variables_torchrun_sets(tmp_path, monkeypatch):
+    # Symptom: a torchrun script reading GROUP_RANK or ROLE_RANK failed with KeyError under
+    # polytrain launch. Cause: the launcher set only RANK, WORLD_SIZE, LOCAL_RANK,
+    # LOCAL_WORLD_SIZE and MASTER_*, though it says every process gets what torchrun sets.
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    layout = Layout(workers=4, nodes=2, colocated=1, servers=1)
+    run = launcher.Launcher(layout)
+    seen = []
+    for spec in layout.processes():
+        env = run._child_env(spec, launcher._files(tmp_path, spec.rank), None, None)
+        seen.append((spec.rank, env["GROUP_RANK"], env["ROLE_NAME"], env["ROLE_RANK"],
+                     env["ROLE_WORLD_SIZE"]))
+        assert env["GROUP_WORLD_SIZE"] == "3"  # node0, node1, server0
+        assert env["TORCHELASTIC_RESTART_COUNT"] == env["TORCHELASTIC_MAX_RESTARTS"] == "0"
+        assert "TORCHELASTIC_RUN_ID" not in env  # it says torchrun started the process
+    assert seen == [(0, "0", "worker", "0", "4"), (1, "0", "worker", "1", "4"),
+                    (2, "1", "worker", "2", "4"), (3, "1", "worker", "3", "4"),
+                    (4, "0", "server", "0", "3"), (5, "1", "server", "1", "3"),
+                    (6, "2", "server", "2", "3")]
 
 
 @pytest.mark.timeout(60)
@@ -251,6 +274,76 @@ def test_a_heartbeat_is_aged_on_the_launchers_own_clock(tmp_path, monkeypatch):
     clock = time.monotonic
     monkeypatch.setattr(launcher.time, "monotonic", lambda: clock() + 100)  # stopped 100 s
     assert run._check_heartbeats([child]) == []       # given its time again
+
+
+class _Signalled(_Running):
+    def send_signal(self, sig: int) -> None:  # the test writes its stacks itself
+        pass
+
+
+def _watched(tmp_path: Path, rank: int, role: str = "worker",
+             beat: dict | None = None) -> launcher._Child:
+    """A running child of a 4-worker, 1-server run, with a heartbeat record ``beat``."""
+    from polytrain.launch.layout import ProcessSpec
+
+    files = launcher._files(tmp_path, rank)
+    child = launcher._Child(ProcessSpec(rank, role, f"node{rank // 2}", rank % 2), _Signalled(),
+                            *files, started=time.monotonic(), beat_seen=time.monotonic())
+    child.stacks_file.write_text(f"(rank {rank}'s threads)\n")
+    if beat is not None:
+        child.heartbeat_file.write_text(json.dumps(beat))
+    return child
+
+
+def _timed_out(rank: int, waited_s: float) -> launcher._Failure:
+    from polytrain.launch.layout import ProcessSpec
+
+    return launcher._Failure(ProcessSpec(rank, "worker", f"node{rank // 2}", rank % 2), 1,
+                             "CommTimeout: ...", time.time(), False, waited_s=waited_s)
+
+
+def test_a_process_working_for_half_the_timeout_is_named_though_it_began_after_the_wait(
+        tmp_path, capfd):
+    # Symptom: HetPipe, virtual worker 1's last stage asleep in the script for 40 s, --timeout
+    # 10: 4 runs in 11 named worker rank 0 ("answer to PULL of key 0 ... waiting for server
+    # rank 4"). Cause: a process was named as stalled only if it had worked since before the
+    # waiter's wait began, and rank 0 waited (on the server, for the sleeper's pushes) from
+    # before the sleep.
+    run = launcher.Launcher(Layout(workers=4, nodes=2, servers=1), timeout_s=10.0)
+    now = time.time()
+    asleep = _watched(tmp_path, 3, beat={"working_since": now - 6, "where": "job.py:27 in body"})
+    busy = _watched(tmp_path, 1, beat={"working_since": now - 2, "where": "job.py:20 in body"})
+    waiting = _watched(tmp_path, 2, beat={"working_since": None, "where": "p2p.py:58 in wait"})
+    assert run._stalled([busy, waiting, asleep], [], _timed_out(0, 10.0)) == [asleep]
+    assert asleep.hung.startswith("stopped making progress: its main thread has worked for 6.0 s "
+                                  "without waiting for any peer, now at job.py:27 in body, while "
+                                  "worker rank 0 timed out waiting 10 s"), asleep.hung
+    assert "(rank 3's threads)" in capfd.readouterr().err
+
+
+def test_pushes_a_held_answer_waits_for_name_their_processes_not_the_server(tmp_path, capfd):
+    # Symptom: a HetPipe run whose virtual worker 1 was slower than --timeout allowed ended
+    # "server rank 4 (machine server0) failed: held answers ...", with the hint to look for
+    # a push_pull only some workers run. Cause: the server's report named no process; it now
+    # names those behind the others (working, not waiting for an answer there).
+    run = launcher.Launcher(Layout(workers=4, nodes=2, servers=1), timeout_s=6.0)
+    now = time.time()
+    server = _watched(tmp_path, 4, "server")
+    held = ("PULL of 'embed[0]' (key 0) round 4 for worker rank 0 (machine node0), held 6 s: 0 "
+            "rounds applied; round 1 has 1 of its 2 pushes (from rank 0); pushes behind: worker "
+            "rank 2 (machine node1) has pushed none yet")
+    server.held_file.write_text(json.dumps({"held": held, "hint": "(the server's)",
+                                            "behind": [2, 3]}))
+    stage0 = _watched(tmp_path, 2, beat={"working_since": None, "where": "p2p.py:58 in wait"})
+    stage1 = _watched(tmp_path, 3, beat={"working_since": now - 2, "where": "clock.py:9 in wait"})
+    children = [_watched(tmp_path, 0), _watched(tmp_path, 1), stage0, stage1, server]
+    assert run._holding(children, _timed_out(0, 6.0)) == [stage1, stage0]  # working first
+    assert stage1.hung == ("fell behind the others: server rank 4 held answers that wait for its "
+                           "pushes, and worker rank 0 timed out waiting 6 s: " + held)
+    assert stage1.hint.startswith("its threads' stacks are printed above: it was working, not "
+                                  "waiting for an answer; if it is only slower than the others")
+    assert server.hung == ""
+    assert "(rank 3's threads)" in capfd.readouterr().err
 
 
 @pytest.mark.timeout(60)

@@ -215,3 +215,147 @@ def test_a_request_queued_behind_its_keys_free_is_refused_as_undeclared():
     assert str(failed[0]).startswith("server rank 2: rank 1 sent PUSH for key 0, which nobody "
                                      "declared here")
     assert acknowledged == [Op.FREE]
+
+
+def test_answers_a_server_holds_while_stuck_in_a_store_name_the_server_not_the_workers(
+        tmp_path):
+    # Symptom: a server whose sum of round 3 never returned, after every push had arrived,
+    # was named with "round 3 has 2 of its 2 pushes" and the hint to look for a push_pull
+    # only some workers run: its own stuck thread was blamed on the workers. Cause: the
+    # report said why a store waits, never that its engine thread had not come back from it.
+    import json
+    import threading
+    from types import SimpleNamespace
+
+    from polytrain.ps.protocol import Op, Request
+    from polytrain.ps.server import Server, _Held
+    from polytrain.ps.stores import Declaration, SumStore
+
+    release = threading.Event()
+
+    class StuckSum(SumStore):
+        def _sum(self, pushes):
+            release.wait(30)
+            return super()._sum(pushes)
+
+    transport = SimpleNamespace(rank=4, timeout_s=0.2, isend=lambda *args: None)
+    topology = SimpleNamespace(name=lambda r: f"worker rank {r} (machine node{r})")
+    server = Server(transport, topology, threads=1, idle_timeout_s=10.0)
+    server._held_path = str(tmp_path / "held.json")
+    decl = Declaration(key=2, kind=int(Kind.SUM), name="w[2]", numel=4, dtype="torch.float32",
+                       pushers=2, pullers=2)
+    [engine] = server.engines
+    server.stores[2], server.declarations[2], server.pinned[2] = (
+        StuckSum(decl, server.respond), (0, decl), engine)
+    for src in (0, 1):
+        server._held[(src, 9)] = _Held(Op.PUSHPULL, 2, 3, time.monotonic())
+        engine.queue.put((Request(src=src, op=Op.PUSHPULL, key=2, round=3, numel=4,
+                                  dtype=torch.float32, seq=9, lane=0, payload=torch.ones(4)),
+                          None))
+    engine.start()
+    try:
+        time.sleep(0.3)  # past half the timeout: held long, and the engine inside the store
+        server._report_held()
+        held = json.loads((tmp_path / "held.json").read_text())
+    finally:
+        release.set()
+        engine.queue.put(None)
+        engine.join(5)
+    assert held["held"].startswith(
+        "PUSHPULL of 'w[2]' (key 2) round 3 for worker rank 0 (machine node0), held 0 s: "
+        "round 3 has 2 of its 2 pushes (from rank 0, rank 1), and the server's engine thread "
+        "polytrain-engine-0 has been in the store of 'w[2]' (key 2), handling PUSHPULL round 3 "
+        "from worker rank 1 (machine node1), for 0 s: busy or stuck there"), held
+    assert held["hint"].startswith("the server is stuck or slow, not the workers"), held
+
+
+def test_a_sum_that_times_out_names_the_server_whose_answer_it_waits_for():
+    # Symptom: a worker waiting on a stuck server said only "rank 0: the sum of
+    # '0.weight..1.bias' did not arrive within 10 s", naming no server. Cause: the wait knew
+    # how many of its partitions were missing, not which, nor whose.
+    import threading
+    from types import SimpleNamespace
+
+    from polytrain.errors import CommTimeout
+    from polytrain.ps.engine import Engine, SumTensor, _Part
+
+    stuck = threading.Event()  # server rank 4 never answers (until the test ends)
+
+    class Answer:
+        def __init__(self, owner: int) -> None:
+            self.owner = owner
+
+        def wait(self, timeout_s: float | None = None) -> None:
+            if self.owner == 4:
+                stuck.wait(30)
+
+    class Context:  # what the engine reads of a run (weakly referenced: not a namespace)
+        ps_client = SimpleNamespace(request=lambda owner, op, **kw: [Answer(owner), Answer(5)])
+        local_workers, rank, timeout_s, transport = (0,), 0, 0.2, None
+        topology = SimpleNamespace(name=lambda r: f"server rank {r} (machine server{r - 4})")
+
+    engine = Engine(Context())  # type: ignore[arg-type]
+    spec = TensorSpec("w", (40,), torch.float32)
+    t = SumTensor("w", spec, result=torch.empty(40))
+    # Five partitions of 8 elements, keys 0..4, the even ones on server rank 4: the answer
+    # for key 0 holds the completer, and with it every answer after it.
+    t.parts = [_Part(p, 4 + p.index % 2, 0, t, ()) for p in partition([spec], 32)]
+    engine.tensors.append(t)
+    engine._start()
+    try:
+        engine.submit(t, torch.ones(40))
+        with pytest.raises(CommTimeout) as info:
+            engine.wait(t)
+    finally:
+        stuck.set()
+        engine.close()
+    assert str(info.value).startswith(
+        "rank 0: the sum of 'w' did not arrive within 0.2 s, waiting for server rank 4 "
+        "(machine server0): its answer for key 0 ('w[0]') has not come back, and 4 more of "
+        "this sum's partitions wait behind it. HINT: "), info.value
+
+
+def test_a_pull_held_for_a_pusher_behind_the_others_names_that_pusher(tmp_path):
+    # Symptom: a HetPipe run whose slow virtual worker had not pushed yet ended "server rank 4
+    # failed: held answers ... round 1 has 1 of its 2 pushes (from rank 1)", with the hint
+    # to look for a push_pull only some workers run: the server was blamed, and the slow
+    # process was not named. Cause: a store knows who pushed, not who has yet to.
+    import json
+    from types import SimpleNamespace
+
+    from polytrain.ps.protocol import Op, Request, encode
+    from polytrain.ps.server import Server
+    from polytrain.ps.stores import Declaration
+
+    transport = SimpleNamespace(rank=4, timeout_s=0.2, isend=lambda *args: None)
+    topology = SimpleNamespace(name=lambda r: f"worker rank {r} (machine node{r})")
+    server = Server(transport, topology, threads=1, idle_timeout_s=10.0)
+    server._held_path = str(tmp_path / "held.json")
+    decl = Declaration(key=0, kind=int(Kind.PARAM), name="w[0]", numel=4,
+                       dtype="torch.float32", pushers=2, pullers=2)
+
+    def request(src: int, op: Op, round_: int, payload: torch.Tensor | None) -> Request:
+        return Request(src=src, op=op, key=0, round=round_,
+                       numel=0 if payload is None else payload.numel(),
+                       dtype=torch.float32 if payload is None else payload.dtype, seq=src,
+                       lane=0, payload=payload)
+    for src in (0, 2):  # both declare it; rank 0 pushes round 1 and pulls it
+        server._declare(request(src, Op.DECLARE, 0, encode(decl.as_json())))
+    [engine] = server.engines
+    engine.start()
+    try:
+        server._dispatch(request(0, Op.PUSH, 1, torch.ones(4)))
+        server._dispatch(request(0, Op.PULL, 1, None))
+        time.sleep(0.3)  # past half the timeout
+        server._report_held()
+        held = json.loads((tmp_path / "held.json").read_text())
+    finally:
+        engine.queue.put(None)
+        engine.join(5)
+    assert held["held"] == (
+        "PULL of 'w[0]' (key 0) round 1 for worker rank 0 (machine node0), held 0 s: it needs "
+        "every one of its 2 pushers at clock 1 or more; pushers' clocks: rank 0 at 1; pushes "
+        "behind: worker rank 2 (machine node2) has pushed none yet"), held
+    assert held["behind"] == [2]
+    assert held["hint"].startswith("the answers wait for the pushes of processes behind the "
+                                   "others"), held

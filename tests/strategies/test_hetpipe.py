@@ -859,3 +859,56 @@ def test_a_parameter_one_virtual_workers_minibatch_reaches_is_stepped_as_in_one_
 def make_spare_untrained() -> dict:
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), WithSpare()).state_dict()
+
+
+def test_the_training_loop_finishes_the_strategys_work_before_summing_the_losses(monkeypatch,
+                                                                               tmp_path):
+    # Symptom: HetPipe, D = 1, virtual worker 1 on slow devices: "server rank 4 failed:
+    # PeerLost: rank 4: lost worker rank 1 ... the process stopped", 3 runs in 3, while rank 1
+    # was alive. Cause: the loop summed the losses (a gloo collective of the workers) before
+    # trainer.state_dict() drained the pipelines: virtual worker 0's first stage waited there
+    # for the slow one, its last stage's send of the last gradients timed out meanwhile, and
+    # gloo closed rank 1's connections, the server's among them.
+    from polytrain.strategies.trainer import Trainer
+    from polytrain.train import loop
+
+    calls: list[str] = []
+    losses, state_dict = loop._global_losses, Trainer.state_dict
+    monkeypatch.setattr(loop, "_global_losses",
+                        lambda ctx, values: calls.append("losses") or losses(ctx, values))
+    monkeypatch.setattr(Trainer, "state_dict",
+                        lambda self: calls.append("state_dict") or state_dict(self))
+    loop.train(TrainConfig(strategy="single", steps=2, batch_size=4, optimizer="sgd",
+                           model_options=TINY, quiet=True))
+    assert calls == ["state_dict", "losses"]
+    # And at a checkpoint: its save finishes the work (the strategy's state_dict) first.
+    from polytrain.strategies.base import Strategy
+
+    strategy_state = Strategy.state_dict
+    monkeypatch.setattr(Strategy, "state_dict", lambda self, model: calls.append(
+        "strategy state_dict") or strategy_state(self, model))
+    calls.clear()
+    loop.train(TrainConfig(strategy="single", steps=2, batch_size=4, optimizer="sgd",
+                           model_options=TINY, quiet=True, out=str(tmp_path),
+                           checkpoint_every=1))
+    assert calls[:4] == ["strategy state_dict", "losses"] * 2, calls
+
+
+@pytest.mark.timeout(90)
+def test_a_virtual_worker_slower_than_the_timeout_allows_is_named_not_the_others():
+    # Symptom: HetPipe, D = 1, virtual worker 1 on a device far slower than --timeout allows:
+    # the run named an innocent process (server rank 4, "lost worker rank 1", or "held
+    # answers" with the hint to look for a push_pull only some workers run). Causes: the
+    # losses' collective before the pipelines drained (see above); the server's report named
+    # nobody whose pushes its answers waited for.
+    from polytrain.train import run_config as run_job
+
+    config = TrainConfig(strategy="hetpipe", devices="f=4/1024,crawl=0.0015/1024,m0:f*2,"
+                         "m1:crawl*2", servers=1, steps=2, batch_size=8, optimizer="sgd",
+                         model_options=TINY, quiet=True, timeout_s=4,
+                         strategy_options={"policy": "np", "inflight": 2, "staleness": 1})
+    with pytest.raises(LaunchError) as info:
+        run_job(config, env={"OMP_NUM_THREADS": "1"})
+    assert re.match(r"worker rank [23] \(machine node1, virtual worker 1 stage [01]\) failed: ",
+                    str(info.value)), info.value
+    assert "raise --timeout" in info.value.hint, info.value.hint

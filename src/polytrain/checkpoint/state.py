@@ -26,7 +26,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Mapping, overload
+from typing import Any, Callable, Literal, Mapping, overload
 
 import torch
 import torch.distributed as dist
@@ -142,7 +142,8 @@ def _optimizer_state(optimizer: torch.optim.Optimizer,
 
 def save(root: str | Path, model: nn.Module | Trainer,
          optimizer: torch.optim.Optimizer | None = None, *, step: int,
-         scheduler: Any = None, extra: Mapping[str, Any] | None = None,
+         scheduler: Any = None,
+         extra: Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None = None,
          run: Mapping[str, Any] | None = None, keep: int | None = None) -> Path:
     """Write ``root/step-S``: the model, optimizer, scheduler, RNG and strategy state.
 
@@ -162,7 +163,10 @@ def save(root: str | Path, model: nn.Module | Trainer,
 
     Args:
         run: what describes the run (strategy, model, layout) for the checks on load.
-        extra: the caller's own records (the CLI's loop: the losses so far).
+        extra: the caller's own records (the CLI's loop: the losses so far), or a function
+            every worker calls for them once the strategy's work in flight is finished (the
+            loop's sum of the losses over the workers, which a pipeline's last sends and
+            pulls must not wait behind).
     """
     # step--1 or step-2.5 were written, which no load finds; "7", one every load refused.
     at_least("step", step, "pass save() the step count, a whole number from 0", 0, whole=True)
@@ -170,6 +174,7 @@ def save(root: str | Path, model: nn.Module | Trainer,
     strategy.check_checkpoints()
     index, count, group = _workers(strategy)
     full = strategy.state_dict(model)  # collective: shards and stages gathered on worker 0
+    records = dict((extra() if callable(extra) else extra) or {})
     names = strategy.parameter_names(model)
     mine = {"optimizer": _optimizer_state(optimizer, names), "rng": rng_state(),
             "strategy": strategy.checkpoint_state()}
@@ -189,7 +194,7 @@ def save(root: str | Path, model: nn.Module | Trainer,
             torch.save(mine, tmp / f"worker-{index}.pt")
             if index == 0:
                 torch.save(full, tmp / "model.pt")
-                torch.save({"step": step, "extra": dict(extra or {}),
+                torch.save({"step": step, "extra": records,
                             "scheduler": scheduler.state_dict() if scheduler is not None
                             else None, "scheduler_class": _class_name(scheduler)},
                            tmp / "run.pt")

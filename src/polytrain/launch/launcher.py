@@ -163,6 +163,9 @@ _SERVER_LEFT_HINT = ("a server ends only once every worker has finished: find wh
 _STALLED_HINT = ("its threads' stacks are printed above: find why it did not reach the "
                  "communication its peers waited in (a loop or a wait that does not end, a "
                  "slow read); if it is only slow, raise --timeout")
+_BEHIND_HINT = ("its threads' stacks are printed above: it was working, not waiting for an "
+                "answer; if it is only slower than the others (a slower device, a larger share "
+                "of the work), raise --timeout")
 
 
 @dataclass(frozen=True)
@@ -203,7 +206,8 @@ class Launcher:
     """Runs one :class:`Layout` as local processes on ``127.0.0.1``.
 
     Every process gets its rank, role and machine in its environment (the
-    variables torchrun sets, plus ``POLYTRAIN_ROLE`` and ``POLYTRAIN_NODE``). If
+    variables torchrun sets, each machine a group, but ``TORCHELASTIC_RUN_ID``;
+    plus ``POLYTRAIN_ROLE`` and ``POLYTRAIN_NODE``). If
     one fails or dies, the others are stopped and :class:`LaunchError` names the
     first one to fail: its rank, role, machine and the cause.
 
@@ -321,6 +325,7 @@ class Launcher:
             _env.CRASH_FILE: str(crash),
             _env.PARENT_PID: str(os.getpid()),
         })
+        env.update(_torchrun_env(self.layout, spec, self.env))
         if spec.role == WORKER:  # every machine here is on this host: workers are ranks 0..W-1
             env[_env.HOST_WORKER] = str(spec.rank)
         if self.timeout_s is not None:
@@ -486,8 +491,10 @@ class Launcher:
         """The servers that report answers held past half the timeout, why each waits and
         what to do (``ps/server.py`` writes them, as JSON): what ``waiter`` may have timed
         out on, when no process stalled or left early (pushes that never came: a push_pull
-        only some workers make)."""
-        found = []
+        only some workers make). Where a server says whose pushes the answers wait for
+        (processes behind the others, working), those are named instead, the one that has
+        worked longest without waiting first, and write their stacks."""
+        found, behind = [], []
         for c in children:
             # A server that ended well has removed its file; one that failed since (it lost
             # the worker that timed out, say) still says what it held.
@@ -497,21 +504,44 @@ class Launcher:
                 held = json.loads(c.held_file.read_text())
             except (OSError, ValueError):
                 continue
-            c.hung = ("held answers the workers waited for, and could not give them: "
-                      f"{held['held']}")
-            c.hint = held["hint"]
-            found.append(c)
-        return found
+            late = [b for b in children if b.spec.rank in held.get("behind", ())
+                    and b.proc.poll() is None and b not in behind]
+            for b in late:
+                b.hung = (f"fell behind the others: {c.spec.role} rank {c.spec.rank} held "
+                          f"answers that wait for its pushes, and {waiter.spec.role} rank "
+                          f"{waiter.spec.rank} timed out waiting"
+                          f"{f' {waiter.waited_s:g} s' if waiter.waited_s else ''}: "
+                          f"{held['held']}")
+                b.hint = _BEHIND_HINT
+            behind += late
+            if not late:
+                c.hung = ("held answers the workers waited for, and could not give them: "
+                          f"{held['held']}")
+                c.hint = held["hint"]
+                found.append(c)
+        if not behind:
+            return found
+
+        def working(c: _Child) -> float:  # since when it has worked (inf: it waits)
+            since = _last_beat(c).get("working_since")
+            return since if isinstance(since, (int, float)) else float("inf")
+        behind.sort(key=lambda c: (working(c), c.spec.rank))
+        _print_stacks(behind, "named as behind")
+        return behind
 
     def _stalled(self, children: list[_Child], failed: list[_Child],
                  waiter: _Failure) -> list[_Child]:
         """The running children whose main thread has worked, without being seen waiting for
-        any peer, since before ``waiter`` began the wait that timed out (oldest first): what
-        it waited for. Each writes its threads' stacks (SIGUSR2: faulthandler), printed here
-        under its name."""
+        any peer, since before ``waiter`` began the wait that timed out, or for half the
+        timeout (oldest first): what it waited for. Each writes its threads' stacks (SIGUSR2:
+        faulthandler), printed here under its name."""
         assert waiter.waited_s is not None
         began = (waiter.time - waiter.waited_s if waiter.waited_s > 0
                  else time.time() - self._hang_after_s())
+        # Or for half the timeout (what a silent process gets before it is taken for hung),
+        # if it began after the wait did: the waiter may have waited on it through a third
+        # process (a server's answer that needs its pushes) from before it stopped.
+        began = max(began, time.time() - self._hang_after_s())
         found = []
         for c in children:
             if c in failed or c.proc.poll() is not None:
@@ -525,15 +555,9 @@ class Launcher:
                           f"waiting{f' {waiter.waited_s:g} s' if waiter.waited_s else ''}")
                 c.hint = _STALLED_HINT
                 found.append((since, c))
-        for _, c in found:
-            with contextlib.suppress(OSError):
-                c.proc.send_signal(signal.SIGUSR2)
-        for _, c in found:
-            stacks = _written(c.stacks_file, _STACKS_S)
-            print(f"[polytrain rank {c.spec.rank} {c.spec.role}@{c.spec.machine}] its "
-                  f"threads when named as stalled:\n{stacks or '(not written in time)'}",
-                  file=sys.stderr, end="" if stacks.endswith("\n") else "\n", flush=True)
-        return [c for _, c in sorted(found, key=lambda sc: sc[0])]
+        stalled = [c for _, c in sorted(found, key=lambda sc: sc[0])]
+        _print_stacks(stalled, "named as stalled")
+        return stalled
 
     def _watch(self, children: list[_Child], interrupted: threading.Event,
                oom_kills_before: int | None) -> None:
@@ -615,6 +639,21 @@ class Launcher:
                     log.warning("%s rank %d (pid %d) did not end %g s after SIGKILL (%s)",
                                 c.spec.role, c.spec.rank, c.proc.pid, _GRACE_S,
                                 _proc_state(c.proc.pid) or "state unknown")
+
+
+def _torchrun_env(layout: Layout, spec: ProcessSpec, given: Mapping[str, str]) -> dict[str, str]:
+    """The rest of what torchrun's agent sets in ``spec``'s environment: its machine as the
+    group, its role's name, rank and size; restarts as ``given`` says (a run_config restart
+    may), else none. Not ``TORCHELASTIC_RUN_ID``: it says torchrun started the process."""
+    machines = layout.machines()
+    peers = [p.rank for p in layout.processes() if p.role == spec.role]
+    return {"GROUP_RANK": str(machines.index(spec.machine)),
+            "GROUP_WORLD_SIZE": str(len(machines)),
+            "ROLE_NAME": spec.role,
+            "ROLE_RANK": str(peers.index(spec.rank)),
+            "ROLE_WORLD_SIZE": str(len(peers)),
+            **{name: given.get(name, "0")
+               for name in ("TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS")}}
 
 
 def _write_processes(workdir: Path, children: list[_Child]) -> None:
@@ -781,6 +820,19 @@ def _stop_left_behind(workdir: Path, children: set[int],
             left = {p: who for p, who in _run_processes(workdir, adopters).items() if p in left}
         if not left:
             return
+
+
+def _print_stacks(children: Sequence[_Child], why: str) -> None:
+    """Have the children write their threads' stacks (SIGUSR2: faulthandler), and print each
+    under its name."""
+    for c in children:
+        with contextlib.suppress(OSError):
+            c.proc.send_signal(signal.SIGUSR2)
+    for c in children:
+        stacks = _written(c.stacks_file, _STACKS_S)
+        print(f"[polytrain rank {c.spec.rank} {c.spec.role}@{c.spec.machine}] its "
+              f"threads when {why}:\n{stacks or '(not written in time)'}",
+              file=sys.stderr, end="" if stacks.endswith("\n") else "\n", flush=True)
 
 
 def _proc_state(pid: int) -> str:

@@ -111,7 +111,9 @@ class SumTensor:
     round: int = 0
     result: torch.Tensor = field(default_factory=lambda: torch.empty(0))
     busy: bool = False
-    pending: int = 0  # this worker's handler partitions not yet summed in this round
+    # This worker's handler partitions not yet summed in this round, by key (a timeout
+    # names their owners).
+    unanswered: dict[int, _Part] = field(default_factory=dict)
     # Set when this worker's handler partitions are summed: the others' sums may still be
     # on their way from their handlers (``recvs``).
     done: threading.Event = field(default_factory=threading.Event)
@@ -156,6 +158,7 @@ class Engine:
         self.closed = False
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
+        self._awaiting: _Task | None = None  # whose answer the completer waits for now
 
     # -- placements and keys -------------------------------------------------------------------
 
@@ -361,7 +364,7 @@ class Engine:
         t.busy = True
         t.recvs, t.sends, t.keep = [], [], [flat]
         mine = [p for p in t.parts if p.handler == self.me]
-        t.pending = len(mine)
+        t.unanswered = {p.part.key: p for p in mine}
         t.done.clear()
         t.watched = False
         t.arrived.clear()
@@ -421,10 +424,37 @@ class Engine:
             self._raise()
             if time.monotonic() > deadline:
                 raise CommTimeout(f"rank {self.me}: the sum of {t.name!r} did not arrive within "
-                                  f"{self.ctx.timeout_s:g} s", "if the servers and workers are "
-                                  "alive but slow, raise the timeout (--timeout)",
+                                  f"{self.ctx.timeout_s:g} s, waiting for {self._missing(t)}",
+                                  "if that process is alive but slow, raise the timeout "
+                                  "(--timeout); a server's report (the launcher's, or its "
+                                  "log) says why it held its answers",
                                   waited_s=self.ctx.timeout_s)
         self._raise()
+
+    def _missing(self, t: SumTensor) -> str:
+        """Who ``t``'s round still waits for: the server whose answer the completer waits
+        for (it takes them in push order, so the others wait behind it), else the owners of
+        the partitions not pushed yet, else the workers of this machine that sum the rest."""
+        name = self.ctx.topology.name
+        with self._lock:
+            unanswered = list(t.unanswered.values())
+        task = self._awaiting
+        if unanswered and task is not None:
+            p = task.part.part
+            behind = len(unanswered) - (p.key in t.unanswered)
+            return (f"{name(task.part.owner)}: its answer for key {p.key} ({p.label!r}) has "
+                    f"not come back" + (f", and {behind} more of this sum's partitions wait "
+                                        f"behind it" if behind else ""))
+        if unanswered:
+            keys: dict[int, list[int]] = {}
+            for q in unanswered:
+                keys.setdefault(q.owner, []).append(q.part.key)
+            return "; ".join(f"{name(owner)}, the owner of key{'s' if len(k) > 1 else ''} "
+                             f"{', '.join(map(str, sorted(k)))} (not pushed yet)"
+                             for owner, k in sorted(keys.items()))
+        handlers = sorted({q.handler for q in t.parts if q.handler != self.me})
+        return "the sums of this machine's other partitions, from " + ", ".join(map(name,
+                                                                                  handlers))
 
     def close(self) -> None:
         """Stop the threads (the servers stay for the context's shutdown)."""
@@ -504,7 +534,9 @@ class Engine:
         transport = self.ctx.transport
         while (item := self.answers.get()) is not None:
             task, answer = item
+            self._awaiting = task
             answer.wait()
+            self._awaiting = None
             if task.packed is not None:
                 assert task.part.codec is not None
                 task.out.copy_(task.part.codec.decode(task.packed))
@@ -514,8 +546,8 @@ class Engine:
                      for peer in task.part.peers]
             with self._lock:
                 t.sends += sends
-                t.pending -= 1
-                if t.pending == 0:
+                del t.unanswered[task.part.part.key]
+                if not t.unanswered:
                     t.done.set()
 
     def _watch(self) -> None:

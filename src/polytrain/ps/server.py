@@ -49,6 +49,14 @@ _HELD_SHOWN = 6  # answers named in the report of those held long
 _HELD_HINT = ("every worker must push and pull the same tensors in the same rounds: look for a "
              "push_pull, a layer or a step that only some workers run (a branch on the rank, "
              "fewer batches on one worker, a parameter unused on some)")
+#: ... about answers that wait for the pushes of processes behind the others, and working.
+_BEHIND_HINT = ("the answers wait for the pushes of processes behind the others, which are not "
+                "waiting for an answer here: if they are only slower (a slower device, a larger "
+                "share of the work), raise --timeout; otherwise find what holds them up")
+#: ... and about answers held while an engine thread has not come back from a key's store.
+_STUCK_HINT = ("the server is stuck or slow, not the workers: its engine thread did not return "
+               "from a key's store (a store or a server-side optimizer step that loops or "
+               "waits, a server starved of CPU); if it is only slow, raise --timeout")
 
 
 @dataclass
@@ -70,6 +78,9 @@ class _Engine(threading.Thread):
         self.server = server
         self.queue: queue.Queue[tuple[Request, Handle | None] | None] = queue.Queue()
         self.load = 0  # bytes of the keys pinned here
+        # The request its store is handling, and since when (time.monotonic()): one that
+        # does not come back holds every answer of the keys pinned here (_report_held).
+        self.busy: tuple[Request, float] | None = None
 
     def run(self) -> None:
         try:
@@ -86,7 +97,9 @@ class _Engine(threading.Thread):
                 if store is None:  # a FREE queued here before it, after its dispatch
                     raise self.server.undeclared(req)
                 self.server.handling(req)
+                self.busy = (req, time.monotonic())
                 store.handle(req)
+                self.busy = None
         except BaseException as e:  # noqa: BLE001 - handed to the main loop, which raises it
             self.server.fail(e)
 
@@ -193,6 +206,9 @@ class Server:
         self.idle_timeout_s = idle_timeout_s
         self.stores: dict[int, Store] = {}
         self.declarations: dict[int, tuple[int, Declaration]] = {}  # key -> (first rank, decl)
+        # Per key, the ranks that declared it and the round each last pushed (0: none yet):
+        # whose pushes a pull held long waits for (_report_held).
+        self._pushed: dict[int, dict[int, int]] = {}
         self.pinned: dict[int, _Engine] = {}
         self.engines = [_Engine(self, i) for i in range(max(1, threads))]
         self.outbox = _Outbox(self)
@@ -336,6 +352,8 @@ class Server:
         engine = self.pinned.get(req.key)
         if engine is None:
             raise self.undeclared(req)
+        if req.op in (Op.PUSH, Op.PUSHPULL):
+            self._pushed.setdefault(req.key, {})[req.src] = req.round
         if req.op in _ANSWERED:
             with self._held_lock:
                 self._held[(req.src, req.seq)] = _Held(req.op, req.key, req.round,
@@ -364,7 +382,8 @@ class Server:
             if not self._held_path:  # logged once each (and once more when its store has it)
                 self._logged = ({k for k in self._logged if k[:2] in self._held}
                                 | {(*k, h.handled) for k, h in old[:_HELD_SHOWN]})
-        lines = []
+        lines, stuck, behind = [], False, set()
+        waiting = {src for (src, _), _ in old}
         for (src, _), h in old[:_HELD_SHOWN]:
             store, decl = self.stores.get(h.key), self.declarations.get(h.key)
             if not h.handled:
@@ -377,16 +396,36 @@ class Server:
                     log.debug("waiting_for of key %d failed: %r", h.key, e)
                     why = ""
             name = f"{decl[1].name!r} (key {h.key})" if decl else f"key {h.key}"
+            engine = self.pinned.get(h.key)
+            busy = engine.busy if engine is not None else None
+            if engine is not None and busy is not None and now - busy[1] > limit:
+                # Every answer of the keys pinned to it waits for it, whatever its store says.
+                stuck = True
+                req, key = busy[0], busy[0].key
+                in_decl = self.declarations.get(key)
+                where = f"{in_decl[1].name!r} (key {key})" if in_decl else f"key {key}"
+                why = (f"{why}, and " if why else "") + (
+                    f"the server's engine thread {engine.name} has been in the store of "
+                    f"{where}, handling {req.op.name} round {req.round} from "
+                    f"{self.topology.name(req.src)}, for {now - busy[1]:.0f} s: busy or stuck "
+                    f"there")
+            elif h.op == Op.PULL and (late := self._behind(h.key, waiting)):
+                behind |= set(late)
+                why = (f"{why}; " if why else "") + "pushes behind: " + ", ".join(
+                    f"{self.topology.name(r)} "
+                    f"{f'last pushed round {n}' if n else 'has pushed none yet'}"
+                    for r, n in late.items())
             lines.append(f"{h.op.name} of {name} round {h.round} for {self.topology.name(src)}, "
                          f"held {now - h.since:.0f} s{f': {why}' if why else ''}")
         if len(old) > _HELD_SHOWN:
             lines.append(f"and {len(old) - _HELD_SHOWN} more")
         text = "; ".join(lines)
+        hint = _STUCK_HINT if stuck else _BEHIND_HINT if behind else _HELD_HINT
         path = self._held_path
         if not path:
             if text:
                 log.warning("server rank %d holds answers the workers wait for, and cannot "
-                            "give them yet: %s. HINT: %s", self.rank, text, _HELD_HINT)
+                            "give them yet: %s. HINT: %s", self.rank, text, hint)
             return
         if text == self._reported:
             return
@@ -394,10 +433,19 @@ class Server:
         with contextlib.suppress(OSError):
             if text:
                 with open(path + ".tmp", "w") as f:
-                    json.dump({"held": text, "hint": _HELD_HINT}, f)
+                    json.dump({"held": text, "hint": hint, "behind": sorted(behind)}, f)
                 os.replace(path + ".tmp", path)
             else:
                 os.remove(path)
+
+    def _behind(self, key: int, waiting: set[int]) -> dict[int, int]:
+        """The ranks that declared ``key`` (its pushers, where a PULL waits for pushes: the
+        clocked stores) and pushed it less far than another did, with the round each last
+        pushed; but not those that wait for an answer here themselves (a push_pull only some
+        workers make holds both sides)."""
+        pushed = dict(self._pushed.get(key, {}))  # a glimpse: the listen threads update it
+        front = max(pushed.values(), default=0)
+        return {r: n for r, n in sorted(pushed.items()) if n < front and r not in waiting}
 
     def _declare(self, req: Request) -> None:
         handle = self._receive_payload(req)
@@ -433,6 +481,8 @@ class Server:
             engine.load += decl.numel * decl.torch_dtype.itemsize
             self.pinned[decl.key] = engine
             self.stores[decl.key] = store
+        if answer["ok"]:
+            self._pushed.setdefault(decl.key, {}).setdefault(req.src, 0)
         self.respond(req, encode(answer, STATUS_BYTES))
 
     def forget(self, key: int) -> None:
@@ -440,6 +490,7 @@ class Server:
         refused as undeclared."""
         with self._lock:
             _, decl = self.declarations.pop(key)
+            self._pushed.pop(key, None)
             del self.stores[key]
             self.pinned.pop(key).load -= decl.numel * decl.torch_dtype.itemsize
 

@@ -329,9 +329,9 @@ class HetPipe(Strategy[HetPipeOptions]):
                                lag=lambda values: lag_settings(values, lag_lr, lag_beta2))
                 states = self.resume_states[lane] if self.resume_states else None
                 # What the user's optimizer held at distribute (stage_optimizer copied it).
-                held = [optimizer.state.get(p, {}) for p in stage.params]
+                user_state = [optimizer.state.get(p, {}) for p in stage.params]
                 wsp.start(initialise=role.vw == 0, states=states if role.vw == 0 else None,
-                          optimizer_state=held)
+                          optimizer_state=user_state)
             role.wsp = wsp
             role.stage = stage
             role.pipe = AsyncPipeline(stage, optimizer, inflight=plan.inflight,

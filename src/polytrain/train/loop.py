@@ -9,7 +9,7 @@ import math
 import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -170,16 +170,22 @@ def train(config: TrainConfig) -> dict[str, Any] | None:
                         end_eval = step + 1
             if config.checkpoint_every and (step + 1) % config.checkpoint_every == 0:
                 aside = True
+                # The losses are summed once the save has finished the strategy's work in
+                # flight, as at the end of the run (below).
                 _checkpoint(config, trainer, scheduler, step + 1, run_record(config, corpus),
-                            {"losses": before_losses + _global_losses(ctx, losses),
-                             "times": before_times + times, "cold_steps": cold,
-                             "evals": evals, "end_eval": end_eval,
-                             "save_errors": list(save_errors)}, save_errors)
+                            functools.partial(_records, ctx, before_losses, losses, {
+                                "times": before_times + times, "cold_steps": cold,
+                                "evals": evals, "end_eval": end_eval,
+                                "save_errors": list(save_errors)}), save_errors)
             if aside and ctx is not None:  # Parallax's gathers of its tables, say: not a step's
                 ctx.meter.discard()
+    # The state first: it finishes what the strategy has in flight (a pipeline's last
+    # backwards and pulls), which waits for the slowest replica in polytrain's own waits.
+    # The losses' collective before it left a stage's sends to a peer stage sitting in that
+    # collective: they timed out, and gloo's closed connections named an innocent process.
+    state = trainer.state_dict()
     global_losses = before_losses + _global_losses(ctx, losses)
     times = before_times + times
-    state = trainer.state_dict()
     reports = _worker_reports(ctx)
     records = strategy.metrics()  # the strategy's own (worker 0's go to metrics.json)
     trainer.close()
@@ -243,10 +249,12 @@ def evaluate(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor
 
 
 def _checkpoint(config: TrainConfig, trainer: Any, scheduler: Any, step: int,
-                run: dict[str, Any], extra: dict[str, Any], errors: list[str]) -> None:
+                run: dict[str, Any], extra: Callable[[], dict[str, Any]],
+                errors: list[str]) -> None:
     """Write ``out/checkpoints/step-S`` (every worker; ``run``: :func:`run_record`'s;
     ``extra``: the run's records so far, what a resumed run's metrics.json carries on
-    from); a failure stops the run or is recorded in ``errors``, per ``--on-save-error``."""
+    from, made once the save has finished the strategy's work in flight); a failure stops
+    the run or is recorded in ``errors``, per ``--on-save-error``."""
     assert config.out is not None
     try:
         save(Path(config.out) / "checkpoints", trainer, step=step, scheduler=scheduler,
@@ -256,6 +264,13 @@ def _checkpoint(config: TrainConfig, trainer: Any, scheduler: Any, step: int,
             raise
         errors.append(e.what)
         log.warning("%s; training on (--on-save-error continue)", e.what)
+
+
+def _records(ctx: Context | None, before: list[float], losses: list[float | None],
+             others: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint's records: ``others`` and the losses so far (``before``: a resumed run's,
+    already global; then this run's, summed over the workers)."""
+    return {"losses": before + _global_losses(ctx, losses), **others}
 
 
 def _global_losses(ctx: Context | None, losses: list[float | None]) -> list[float]:
