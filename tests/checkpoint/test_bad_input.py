@@ -330,6 +330,28 @@ def test_resume_without_out_goes_on_in_the_resumed_runs_out(capsys, saved, tmp_p
            f"and metrics.json over that run's. HINT: pass another --out, or --resume {run} to " \
            f"go on from its newest" in line, line
     assert (run / "metrics.json").read_text() == before
+    # An interrupted run (step-2 only, no results): ending before its --steps loses nothing,
+    # with --out its own folder or without (the diff's review: refused, "would write over its
+    # final.pt and metrics.json", which were not there).
+    for i, own_out in enumerate((True, False)):
+        cut = tmp_path / f"cut{i}"
+        shutil.copytree(saved, cut, ignore=shutil.ignore_patterns("final.pt", "metrics.json",
+                                                                  "step-4"))
+        fewer = [("3" if a == "4" and j and TINY[j - 1] == "--steps" else a)
+                 for j, a in enumerate(TINY)]
+        assert main(["train", "--strategy", "single", "--resume", str(cut),
+                     *(["--out", str(cut)] if own_out else []), *fewer]) == 0
+        assert json.loads((cut / "metrics.json").read_text())["steps"] == 3
+    capsys.readouterr()
+    # Another run's newer checkpoints in --out: not "their run went on past it" with the hint
+    # to go on with it (the diff's review), but what the same resume with checkpoints says.
+    other = tmp_path / "other"
+    assert main(["train", "--strategy", "single", "--out", str(other), "--checkpoint-every",
+                 "4", "--seed", "7", *TINY]) == 0
+    line = error_of(capsys, "--strategy", "single", "--resume",
+                    str(saved / "checkpoints" / "step-2"), "--out", str(other), *LONGER)
+    assert f"--out {other} holds checkpoints past step 2, the one this run resumes (1 " \
+           f"checkpoint up to step-4): they are not this run's" in line, line
     outside = tmp_path / "step-4"
     shutil.copytree(saved / "checkpoints" / "step-4", outside)
     backup = tmp_path / "backup"  # a folder of step-S, not a run's checkpoints/

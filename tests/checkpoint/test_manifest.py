@@ -159,6 +159,11 @@ def test_a_first_runs_load_of_a_checkpoint_path_that_is_not_there_finds_none(tmp
     with pytest.raises(CheckpointError, match=r"step-1 is not a whole checkpoint: it has no "
                                               r"manifest\.json"):
         polytrain.load(tmp_path / "step-1", model, opt, missing_ok=True)
+    # Not there beside other checkpoints: no first run (it would start afresh and write over
+    # them), refused (the diff's review: None).
+    make(tmp_path / "others", 2)
+    with pytest.raises(CheckpointError, match=r"step-3 is not a whole checkpoint"):
+        polytrain.load(tmp_path / "others" / "step-3", model, opt, missing_ok=True)
 
 
 def test_a_new_checkpoint_of_the_same_step_replaces_the_old_only_when_whole(tmp_path):
@@ -417,10 +422,10 @@ def test_a_save_that_fails_otherwise_than_on_disk_fails_on_every_worker(tmp_path
     assert unpicklable == unpicklable_too and not (root / "step-1").exists()
     # Every worker raised the same "OSError: [Errno 28] No space left on device", without
     # saying whose disk was full: the gathered errors' first was taken, not its worker.
-    assert unpicklable.startswith(f"could not save checkpoint step-1 in {root}: worker 0 "
-                                  f"(machine node0) failed: "), unpicklable
-    assert full == full_too == (f"could not save checkpoint step-2 in {root}: worker 1 "
-                                f"(machine node0) failed: OSError: [Errno 28] No space left "
+    assert unpicklable.startswith(f"could not save checkpoint step-1 in {root}: worker rank "
+                                  f"0 (machine node0) failed: "), unpicklable
+    assert full == full_too == (f"could not save checkpoint step-2 in {root}: worker rank "
+                                f"1 (machine node0) failed: OSError: [Errno 28] No space left "
                                 f"on device"), full
     assert not (root / "step-2").exists()
 

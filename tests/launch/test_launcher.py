@@ -342,6 +342,11 @@ def test_pushes_a_held_answer_waits_for_name_their_processes_not_the_server(tmp_
                            "pushes, and worker rank 0 timed out waiting 6 s: " + held)
     assert stage1.hint.startswith("its threads' stacks are printed above: it was working, not "
                                   "waiting for an answer; if it is only slower than the others")
+    # One that waits elsewhere is not called working (the diff's review: a rank that skipped
+    # its push and waits in a collective got "it was working" and lost the server's hint).
+    assert stage0.hint.startswith("its threads' stacks are printed above: it waits elsewhere, "
+                                  "not pushing here: look for a push_pull, a layer or a step "
+                                  "that only some workers run"), stage0.hint
     assert server.hung == ""
     assert "(rank 3's threads)" in capfd.readouterr().err
 

@@ -36,9 +36,12 @@ def test_hd_makes_virtual_workers_of_even_speed_of_machines_of_mixed_types():
     # devices were cut in halves by local index, whatever their types.
     c = parse_cluster("m0:fast*2+slow*2,m1:fast*2+slow*2")
     vws = allocate(c, "hd")
-    assert indices(vws) == [[2, 6, 0, 4], [3, 7, 1, 5]]
-    assert [[d.type.name for d in vw.devices] for vw in vws] == [["slow", "slow", "fast",
+    # Each machine's half together (the diff's review: sorted as one, slow, slow, fast, fast,
+    # they crossed machines three times: 18.9 ms a minibatch against 10.8 on a slow link).
+    assert indices(vws) == [[2, 0, 6, 4], [3, 1, 7, 5]]
+    assert [[d.type.name for d in vw.devices] for vw in vws] == [["slow", "fast", "slow",
                                                                   "fast"]] * 2
+    assert [[d.machine_index for d in vw.devices] for vw in vws] == [[0, 0, 1, 1]] * 2
     model = GPT(seq_len=16, d_model=32, layers=4, heads=2)
     profile = profile_model(model, torch.zeros(1, 16, dtype=torch.long))
     hd, np_ = (plan_hetpipe(c, profile, policy=policy, global_batch=8, state_factor=2)

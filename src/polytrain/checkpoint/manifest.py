@@ -257,7 +257,9 @@ def resolve(path: str | Path, *, missing_ok: bool = False) -> tuple[Path, list[s
     it): a script's first run.
     """
     p = Path(path)
-    if missing_ok and not p.exists():  # nothing there: a first run (a path named step-S too)
+    # Nothing there: a first run (a path named step-S too, unless its folder holds others).
+    if missing_ok and not p.exists() and not (_STEP.match(p.name) and p.parent.is_dir()
+                                              and newest(p.parent) is not None):
         return None
     # A run's --out may itself be named step-N: its checkpoints/ says which it is.
     if (p / MANIFEST).exists() or (_STEP.match(p.name) and not (p / "checkpoints").is_dir()):

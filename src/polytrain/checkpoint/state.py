@@ -117,12 +117,12 @@ def _gather(group: Any, count: int, value: Any) -> list[Any]:
 
 def _first_failure(strategy: Strategy[Any], errors: list[str | None]) -> str | None:
     """The first of every worker's errors (None: none failed), naming its worker where
-    there are several: ``worker 1 (machine node0) failed: OSError: ...``."""
+    there are several: ``worker rank 1 (machine node0) failed: OSError: ...``."""
     i, error = next(((i, e) for i, e in enumerate(errors) if e), (0, None))
     if error is None or strategy.ctx is None or len(errors) == 1:
         return error
     topology = strategy.ctx.topology
-    return f"worker {i} (machine {topology.machine(topology.workers[i])}) failed: {error}"
+    return f"{topology.name(topology.workers[i])} failed: {error}"
 
 
 def _optimizer_state(optimizer: torch.optim.Optimizer,

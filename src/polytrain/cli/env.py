@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import platform
 from typing import Any
 
@@ -27,11 +26,9 @@ def report() -> list[tuple[str, str]]:
     import torch.distributed as dist
 
     import polytrain
+    from polytrain import _env
 
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:
-        cpus = os.cpu_count() or 0
+    cpus = _env.usable_cores()
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     names = ", ".join(torch.cuda.get_device_name(i) for i in range(gpus)) or "none"
     try:
@@ -39,7 +36,6 @@ def report() -> list[tuple[str, str]]:
         pipelining = "yes"
     except ImportError as e:
         pipelining = f"no ({e})"
-    from polytrain import _env
     from polytrain.launch.network import missing_tools, netem_check
 
     missing = missing_tools()

@@ -17,7 +17,7 @@ from ..plan import AUTO, Job, auto_record, chosen, plan_job
 from ..plan.cost import STRATEGIES as PLANNED
 from ..strategies.base import get_strategy, strategy_names
 from ..train import run_config
-from ..train.run import steps_gone_on
+from ..train.run import results_in, steps_gone_on
 from .job import add_devices_flag, add_job_flags, add_model_flags, model_options
 from .options import OptionFlag, Owner, add_option_groups, flag_value, given_options
 
@@ -146,7 +146,7 @@ def _out(ns: argparse.Namespace) -> str | None:
                           "pass --out DIR for its metrics.json, final.pt and checkpoints")
     # The run that wrote the checkpoint, or one that went on from it, may have been longer.
     longest = steps_gone_on(where, found)
-    if longest > ns.steps:
+    if longest > ns.steps and results_in(found):  # an interrupted run's: nothing to lose
         raise ConfigError(f"--resume {ns.resume} is of a run of --steps {longest}, this one "
                           f"has --steps {ns.steps}, and no --out is given: ending there would "
                           f"write over that run's final.pt and metrics.json",

@@ -104,24 +104,39 @@ def emulate(model: nn.Module, device_type: DeviceType, profile: ModelProfile) ->
     _check_fits([name for name, _ in layers], [p.name for p in profile.layers])
     clock = DeviceClock(device_type)
     for (_, layer), prof in zip(layers, profile.layers):
+        # The real backward of a layer runs as soon as its emulated one begins. Its last
+        # gradient waits for the device to have computed them all, before the hooks that
+        # communicate it (registered later; torch's reducer hooks the accumulation itself,
+        # after these): waiting at its first, the rest of its real backward ran after the
+        # emulated one instead of inside it. ``left``: its gradients this backward still to
+        # come (a parameter no forward reached never comes: that layer's are not held).
+        trained = [p for p in layer.parameters() if p.requires_grad]
+        left = [0]
 
         def pre(_m: nn.Module, args: Any, fwd: float = prof.fwd_flops) -> None:
             clock.compute(fwd * _batch(args))
 
-        def post(_m: nn.Module, args: Any, out: Any, bwd: float = prof.bwd_flops) -> None:
+        def post(_m: nn.Module, args: Any, out: Any, bwd: float = prof.bwd_flops,
+                 trained: list[nn.Parameter] = trained, left: list[int] = left) -> None:
             t = out[0] if isinstance(out, (tuple, list)) else out
             if isinstance(t, torch.Tensor) and t.requires_grad:
                 cost = bwd * _batch(args)
-                t.register_hook(lambda _g: clock.compute(cost))
+
+                def started(_g: torch.Tensor) -> None:
+                    clock.compute(cost)
+                    left[0] = sum(p.requires_grad for p in trained)
+
+                t.register_hook(started)
+
+        def came(_p: nn.Parameter, left: list[int] = left) -> None:
+            left[0] -= 1
+            if left[0] == 0:
+                clock.wait()
 
         layer.register_forward_pre_hook(pre)
         layer.register_forward_hook(post)
-    # The real backward of a layer runs as soon as its emulated one begins: its gradients
-    # wait here, before the hooks that communicate them (registered later; torch's reducer
-    # hooks the accumulation itself, after these), for the device to have computed them.
-    for p in model.parameters():
-        if p.requires_grad:
-            p.register_post_accumulate_grad_hook(lambda _p: clock.wait())
+        for p in trained:
+            p.register_post_accumulate_grad_hook(came)
     setattr(model, _ATTR, clock)
     log.info("emulating %s on %d layers", device_type.describe(), len(profile.layers))
     return clock

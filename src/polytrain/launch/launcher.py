@@ -166,6 +166,11 @@ _STALLED_HINT = ("its threads' stacks are printed above: find why it did not rea
 _BEHIND_HINT = ("its threads' stacks are printed above: it was working, not waiting for an "
                 "answer; if it is only slower than the others (a slower device, a larger share "
                 "of the work), raise --timeout")
+#: ... and for one that waits elsewhere (another server, a collective) while its push is due.
+_BEHIND_WAITING_HINT = ("its threads' stacks are printed above: it waits elsewhere, not pushing "
+                        "here: look for a push_pull, a layer or a step that only some workers "
+                        "run (a branch on the rank, fewer batches on one worker); if a peer it "
+                        "waits for is only slower, raise --timeout")
 
 
 @dataclass(frozen=True)
@@ -494,6 +499,10 @@ class Launcher:
         only some workers make). Where a server says whose pushes the answers wait for
         (processes behind the others, working), those are named instead, the one that has
         worked longest without waiting first, and write their stacks."""
+        def working(c: _Child) -> float:  # since when it has worked (inf: it waits)
+            since = _last_beat(c).get("working_since")
+            return since if isinstance(since, (int, float)) else float("inf")
+
         found, behind = [], []
         for c in children:
             # A server that ended well has removed its file; one that failed since (it lost
@@ -512,7 +521,8 @@ class Launcher:
                           f"{waiter.spec.rank} timed out waiting"
                           f"{f' {waiter.waited_s:g} s' if waiter.waited_s else ''}: "
                           f"{held['held']}")
-                b.hint = _BEHIND_HINT
+                # One that waits itself (a push it skipped, say) is not "working".
+                b.hint = _BEHIND_HINT if working(b) < float("inf") else _BEHIND_WAITING_HINT
             behind += late
             if not late:
                 c.hung = ("held answers the workers waited for, and could not give them: "
@@ -521,10 +531,6 @@ class Launcher:
                 found.append(c)
         if not behind:
             return found
-
-        def working(c: _Child) -> float:  # since when it has worked (inf: it waits)
-            since = _last_beat(c).get("working_since")
-            return since if isinstance(since, (int, float)) else float("inf")
         behind.sort(key=lambda c: (working(c), c.spec.rank))
         _print_stacks(behind, "named as behind")
         return behind

@@ -29,7 +29,7 @@ from ..strategies.base import get_strategy
 from .loop import train
 from .metrics import write_metrics
 
-__all__ = ["run_config", "resume_point", "steps_gone_on"]
+__all__ = ["run_config", "resume_point", "results_in", "steps_gone_on"]
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +77,7 @@ def check_checkpoint_folder(config: TrainConfig) -> None:
         _check_results(config, root)
         return
     what = f"{len(past)} checkpoint{'s' * (len(past) > 1)} up to {past[0]}"
+    own = config.resume is not None and run_out(config.resume) == Path(config.out).resolve()
     if config.checkpoint_every is None:
         if config.resume is None:
             raise CheckpointError(
@@ -84,6 +85,7 @@ def check_checkpoint_folder(config: TrainConfig) -> None:
                 f"write its final.pt and metrics.json over that run's, and a later --resume "
                 f"{config.out} would go on with that run", "pass another --out (or remove "
                 f"{root}), or continue that run with --resume {config.out}")
+    if config.checkpoint_every is None and own:
         raise CheckpointError(
             f"--out {config.out} holds checkpoints past step {start}, the one this run resumes "
             f"({what}): their run went on past it, and this run would write its final.pt and "
@@ -110,13 +112,13 @@ def _check_results(config: TrainConfig, root: Path) -> None:
     it did."""
     assert config.out is not None
     out = Path(config.out)
-    results = [name for name in ("final.pt", "metrics.json") if (out / name).is_file()]
+    results = results_in(out)
     own = config.resume is not None and run_out(config.resume) == out.resolve()
     if results and not own and newest(root) is None:
         raise CheckpointError(
             f"--out {config.out} holds another run's {' and '.join(results)}: this run would "
             f"write its own over them", f"pass another --out, or remove them from {config.out}")
-    if config.resume is None or not (own or results):
+    if config.resume is None or not results:  # an interrupted run's folder: nothing to lose
         return
     longest = steps_gone_on(config.resume, out)
     if longest > config.steps:
@@ -124,6 +126,11 @@ def _check_results(config: TrainConfig, root: Path) -> None:
             f"--resume {config.resume} is of a run of --steps {longest}, this one has --steps "
             f"{config.steps}, and --out {config.out} is that run's: ending there would write "
             f"over its final.pt and metrics.json", f"pass another --out, or --steps {longest}")
+
+
+def results_in(out: str | Path) -> list[str]:
+    """The results a finished run left in ``out`` (its final.pt, metrics.json)."""
+    return [name for name in ("final.pt", "metrics.json") if (Path(out) / name).is_file()]
 
 
 def steps_gone_on(checkpoint: str | Path, out: str | Path) -> int:

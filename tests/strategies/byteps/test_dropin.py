@@ -10,7 +10,11 @@ import polytrain
 import polytrain.byteps as bps
 from polytrain import ConfigError
 from polytrain.strategies.byteps.optimizer import DistributedOptimizer as SyncOptimizer
-from polytrain.strategies.byteps.optimizer import checked_options, named_params_of
+from polytrain.strategies.byteps.optimizer import (
+    check_compress_momentum,
+    checked_options,
+    named_params_of,
+)
 from tests.harness import refused, spawn
 
 
@@ -58,6 +62,8 @@ def test_arguments_of_the_wrong_kind_are_refused_naming_them():
     # its edge. Checked before bps.init(): no process is needed.
     model = nn.Linear(4, 2)
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    adan = torch.optim.Adam(model.parameters())  # as timm's Adan: three betas
+    adan.param_groups[0]["betas"] = (0.98, 0.92, 0.99)
     said = {
         "uncalled": refused(lambda: checked_options("DistributedOptimizer",
                                                     bps.Compression.topk, {})),
@@ -70,6 +76,11 @@ def test_arguments_of_the_wrong_kind_are_refused_naming_them():
         "root_state": refused(lambda: bps.broadcast_optimizer_state(sgd, root_rank="1")),
         "priority": refused(lambda: bps.push_pull(torch.ones(2), priority="high")),
         "numpy": refused(lambda: bps.push_pull(numpy.ones(2), name="x")),
+        # Each variant names itself (the diff's review: every one said push_pull()).
+        "inplace": refused(lambda: bps.push_pull_inplace(torch.ones(2), priority="high")),
+        "async": refused(lambda: bps.push_pull_async_inplace(numpy.ones(2))),
+        # The diff's review: "too many values to unpack" from Adan's three betas.
+        "three_betas": refused(lambda: check_compress_momentum(adan, 0.9)),
     }
     assert said == {
         "uncalled": "DistributedOptimizer compression must be a compressor, a compressor's "
@@ -96,4 +107,13 @@ def test_arguments_of_the_wrong_kind_are_refused_naming_them():
                     "priority as a whole number",
         "numpy": "push_pull() takes a torch.Tensor (got a numpy.ndarray). HINT: pass "
                  "torch.as_tensor(...) of it (torch.from_numpy for a numpy array)",
+        "inplace": "push_pull_inplace() priority must be a whole number (got 'high'). HINT: "
+                   "pass priority as a whole number",
+        "async": "push_pull_async_inplace() takes a torch.Tensor (got a numpy.ndarray). HINT: "
+                 "pass torch.as_tensor(...) of it (torch.from_numpy for a numpy array)",
+        "three_betas": "compress_momentum 0.9 puts a momentum on the gradients before "
+                       "compression, and Adam has momentum 0.98 of its own (betas[0]): the "
+                       "update would have two. HINT: give the optimizer betas=(0.0, 0.92, "
+                       "0.99) (compress_momentum takes the place of betas[0]), or leave "
+                       "compress_momentum out",
     }

@@ -178,7 +178,8 @@ def push_pull_async(tensor: torch.Tensor, average: bool = True, name: str | None
                     compression: Compressor | str | None = Compression.none, *,
                     ctx: Context | None = None) -> PushPullHandle:
     """Start summing (or averaging) ``tensor`` over every worker; see :func:`push_pull`."""
-    return _push_pull_async(tensor, average, name, priority, compression, False, ctx)
+    return _push_pull_async(tensor, average, name, priority, compression, False, ctx,
+                            "push_pull_async")
 
 
 def push_pull_async_inplace(tensor: torch.Tensor, average: bool = True,
@@ -186,20 +187,22 @@ def push_pull_async_inplace(tensor: torch.Tensor, average: bool = True,
                             compression: Compressor | str | None = Compression.none, *,
                             ctx: Context | None = None) -> PushPullHandle:
     """:func:`push_pull_async` whose :func:`synchronize` writes the result into ``tensor``."""
-    return _push_pull_async(tensor, average, name, priority, compression, True, ctx)
+    return _push_pull_async(tensor, average, name, priority, compression, True, ctx,
+                            "push_pull_async_inplace")
 
 
 def _push_pull_async(tensor: torch.Tensor, average: bool, name: str | None, priority: int,
                      compression: Compressor | str | None, inplace: bool,
-                     ctx: Context | None) -> PushPullHandle:
+                     ctx: Context | None, caller: str) -> PushPullHandle:
+    """The call behind every push_pull variant; ``caller``: the one the user made."""
     if not isinstance(tensor, torch.Tensor):  # a numpy array failed on is_floating_point
         kind = type(tensor)
-        raise ConfigError(f"push_pull() takes a torch.Tensor (got a "
+        raise ConfigError(f"{caller}() takes a torch.Tensor (got a "
                           f"{'' if kind.__module__ == 'builtins' else kind.__module__ + '.'}"
                           f"{kind.__qualname__})", "pass torch.as_tensor(...) of it "
                           "(torch.from_numpy for a numpy array)")
     checked = check_kinds(push_pull, {"average": average, "name": name, "priority": priority},
-                          what="push_pull() ")
+                          what=f"{caller}() ")
     average, priority = checked["average"], checked["priority"]
     ctx = _worker_ctx(ctx, "push_pull")
     if average and not (tensor.is_floating_point() or tensor.is_complex()):
@@ -283,8 +286,8 @@ def push_pull(tensor: torch.Tensor, average: bool = True, name: str | None = Non
 
         mean_loss = polytrain.byteps.push_pull(loss.detach(), name="loss")
     """
-    return synchronize(push_pull_async(tensor, average, name, version, priority, compression,
-                                       ctx=ctx))
+    return synchronize(_push_pull_async(tensor, average, name, priority, compression, False,
+                                        ctx, "push_pull"))
 
 
 def push_pull_inplace(tensor: torch.Tensor, average: bool = True, name: str | None = None,
@@ -292,8 +295,8 @@ def push_pull_inplace(tensor: torch.Tensor, average: bool = True, name: str | No
                       compression: Compressor | str | None = Compression.none, *,
                       ctx: Context | None = None) -> torch.Tensor:
     """:func:`push_pull` that writes the result into ``tensor`` and returns it."""
-    return synchronize(push_pull_async_inplace(tensor, average, name, version, priority,
-                                               compression, ctx=ctx))
+    return synchronize(_push_pull_async(tensor, average, name, priority, compression, True,
+                                        ctx, "push_pull_inplace"))
 
 
 def _named(params: Mapping[str, torch.Tensor]

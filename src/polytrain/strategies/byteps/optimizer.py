@@ -210,12 +210,13 @@ def check_compress_momentum(optimizer: torch.optim.Optimizer, momentum: float) -
                               f"own: the update would have two",
                               "give the optimizer momentum=0 (compress_momentum takes its "
                               "place), or leave compress_momentum out")
-        beta1, beta2 = group.get("betas") or (0.0, 0.0)
-        if beta1:
+        betas = tuple(float(b) for b in group.get("betas") or ())  # Adan's has three
+        if betas and betas[0]:
+            rest = ", ".join(str(b) for b in betas[1:])
             raise ConfigError(f"compress_momentum {momentum} puts a momentum on the gradients "
-                              f"before compression, and {name} has momentum {float(beta1)} of "
+                              f"before compression, and {name} has momentum {betas[0]} of "
                               f"its own (betas[0]): the update would have two",
-                              f"give the optimizer betas=(0.0, {float(beta2)}) "
+                              f"give the optimizer betas=(0.0, {rest}) "
                               f"(compress_momentum takes the place of betas[0]), or leave "
                               f"compress_momentum out")
 

@@ -42,10 +42,10 @@ class DenseSync:
             if p.grad is not None and p.grad.is_sparse:
                 raise ConfigError(
                     f"parameter {name!r} has a sparse gradient (F.embedding(..., sparse=True) "
-                    f"on it?), and is no embedding module's weight: parallax holds only those "
-                    f"on servers, and all-reduces every other parameter's gradient dense",
-                    "look its rows up through an nn.Embedding module (its weight then goes "
-                    "to the servers), or pass sparse=False")
+                    f"on it?), and is not one of the sparse tables parallax holds on servers "
+                    f"(embedding modules' weights, looked up through the module): every other "
+                    f"parameter's gradient is all-reduced dense",
+                    "look its rows up through its nn.Embedding module, or pass sparse=False")
         ctx = self.ctx
         # After the gradients, one count per parameter of the workers that have its gradient:
         # a parameter no worker used keeps .grad None, as in one process (summed as zeros,

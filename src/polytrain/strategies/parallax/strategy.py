@@ -85,6 +85,7 @@ class Parallax(ServedStrategy[ParallaxOptions]):
         self._last: float | None = None  # when the step in progress began ...
         self._ended: float | None = None  # ... and when the last one's optimizer stepped
         self._step_hooks: list[Any] = []  # on the user's optimizer, taken off by close()
+        self._was_sparse: list[tuple[nn.Embedding | nn.EmbeddingBag, bool]] = []  # for close()
 
     def wrap(self, model: nn.Module,
              optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -92,6 +93,7 @@ class Parallax(ServedStrategy[ParallaxOptions]):
         assert ctx is not None
         model.to(ctx.device)
         for m in sparse_tables(model, sparse_embeddings=self.options.sparse_embeddings):
+            self._was_sparse.append((m, bool(m.sparse)))
             m.sparse = True  # its gradient: the rows a step touched
         dense, sparse = classify(model, sparse_embeddings=self.options.sparse_embeddings)
         _check_idle_options(self.options, sparse)
@@ -324,6 +326,11 @@ class Parallax(ServedStrategy[ParallaxOptions]):
         for h in self._step_hooks:
             h.remove()
         self._step_hooks = []
+        # The model is the user's again: a table's gradient as its module gave it (sparse,
+        # the user's torch.optim.Adam refused the next local step).
+        for m, sparse in self._was_sparse:
+            m.sparse = sparse
+        self._was_sparse = []
         if self.unchanged is not None:
             self.unchanged.close()
         if self.rows is not None:
