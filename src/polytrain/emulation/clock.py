@@ -94,9 +94,13 @@ def emulate(model: nn.Module, device_type: DeviceType, profile: ModelProfile) ->
 
     A layer's forward is an operation of ``fwd_flops * batch / rate``; its
     backward (from when the gradient of its output is ready) one of
-    ``bwd_flops * batch / rate``. A parameter's gradient leaves the device (to
-    the hooks registered after this call, and DDP's reducer) once the device has
-    finished it: call this before ``distribute``. The clock is attached to
+    ``bwd_flops * batch / rate``. A layer's last gradient of a backward leaves
+    the device (to the hooks registered after this call, and DDP's reducer) once
+    the device has finished the layer's backward: call this before
+    ``distribute``. Its earlier gradients leave as the real backward makes them
+    (up to the layer's emulated backward early; all of them, for a layer with a
+    parameter the forward did not reach): holding each made the rest of the
+    real backward run after the emulated time, not inside it. The clock is attached to
     ``model`` (see :func:`clock_of`). An optimizer step does not wait for the
     device (a GPU queues it behind the backward).
     """
