@@ -227,23 +227,27 @@ def test_frozen_parameters_stay_as_they_are_and_the_rest_trains_as_in_one_proces
 
 
 def train_with_a_stage_of_no_parameters(steps: int, distributed: bool,
-                                        options: dict | None = None) -> dict | None:
+                                        options: dict | None = None,
+                                        before: int = 0) -> dict | None:
     """Three devices for three layers, the middle one a ReLU: a stage with no parameter
-    (hetpipe ``options`` beside the synchronous defaults)."""
+    (hetpipe ``options`` beside the synchronous defaults). With ``before``, Adam (not SGD)
+    takes that many of the ``steps`` in the script's own process before ``distribute``."""
     if distributed:
         polytrain.init()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = (torch.optim.Adam(model.parameters(), lr=0.05) if before
+           else torch.optim.SGD(model.parameters(), lr=0.1))
     mse = torch.nn.functional.mse_loss
-    if distributed:
-        trainer = polytrain.distribute(model, opt, strategy="hetpipe", loss_fn=mse,
-                                       **{"policy": "np", "inflight": 1, "staleness": 0,
-                                          **(options or {})})
     gen = torch.Generator().manual_seed(1)
-    for _ in range(steps):
-        x, y = torch.randn(6, 4, generator=gen), torch.randn(6, 2, generator=gen)
-        if distributed:
+    batches = [(torch.randn(6, 4, generator=gen), torch.randn(6, 2, generator=gen))
+               for _ in range(steps)]
+    for i, (x, y) in enumerate(batches):
+        if distributed and i == before:
+            trainer = polytrain.distribute(model, opt, strategy="hetpipe", loss_fn=mse,
+                                           **{"policy": "np", "inflight": 1, "staleness": 0,
+                                              **(options or {})})
+        if distributed and i >= before:
             trainer.step(x, y)
         else:
             opt.zero_grad()
@@ -267,41 +271,13 @@ def test_a_stage_of_parameter_free_layers_passes_its_activations_on(options):
     assert max_abs_diff(single, hetpipe) < 1e-6
 
 
-def train_after_steps_of_its_own(distributed: bool) -> dict | None:
-    """Two Adam steps in the script's own process, then two more: through hetpipe (one
-    virtual worker of three stages, the servers' optimizer, D = 0, N_m = 1) or on."""
-    if distributed:
-        polytrain.init()
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
-    opt = torch.optim.Adam(model.parameters(), lr=0.05)
-    mse = torch.nn.functional.mse_loss
-    gen = torch.Generator().manual_seed(1)
-    batches = [(torch.randn(6, 4, generator=gen), torch.randn(6, 2, generator=gen))
-               for _ in range(4)]
-    for x, y in batches[:2]:
-        opt.zero_grad()
-        mse(model(x), y).backward()
-        opt.step()
-    if distributed:
-        trainer = polytrain.distribute(model, opt, strategy="hetpipe", loss_fn=mse,
-                                       policy="np", inflight=1, staleness=0)
-    for x, y in batches[2:]:
-        if distributed:
-            trainer.step(x, y)
-        else:
-            opt.zero_grad()
-            mse(model(x), y).backward()
-            opt.step()
-    return hetpipe_final(trainer) if distributed else model.state_dict()
-
-
 @pytest.mark.timeout(120)
 def test_the_servers_optimizer_goes_on_from_the_state_the_script_gave_distribute():
     # Adam's moments and step count of the script's own steps before distribute reach the
     # servers' optimizer (it started afresh: 0.029 off the one process running on).
-    single = train_after_steps_of_its_own(False)
-    hetpipe = spawn(train_after_steps_of_its_own, workers=3, servers=1, args=(True,))[0]
+    single = train_with_a_stage_of_no_parameters(4, False, before=2)
+    hetpipe = spawn(train_with_a_stage_of_no_parameters, workers=3, servers=1,
+                    args=(4, True, None, 2))[0]
     assert max_abs_diff(single, hetpipe) < 1e-6
     torch.manual_seed(0)
     untrained = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(),

@@ -73,11 +73,12 @@ def check_checkpoint_folder(config: TrainConfig) -> None:
             f"{config.out} to continue their run")
     # Damaged ones are passed over: nothing resumes them, and this run replaces them.
     past = [path.name for path in whole_past(root, start)]
+    # Whether --out is the folder of the run this one resumes.
+    own = config.resume is not None and run_out(config.resume) == Path(config.out).resolve()
     if not past:
-        _check_results(config, root)
+        _check_results(config, root, own)
         return
     what = f"{len(past)} checkpoint{'s' * (len(past) > 1)} up to {past[0]}"
-    own = config.resume is not None and run_out(config.resume) == Path(config.out).resolve()
     if config.checkpoint_every is None:
         if config.resume is None:
             raise CheckpointError(
@@ -104,16 +105,15 @@ def check_checkpoint_folder(config: TrainConfig) -> None:
         f"--out")
 
 
-def _check_results(config: TrainConfig, root: Path) -> None:
+def _check_results(config: TrainConfig, root: Path, own: bool) -> None:
     """Refuse an ``--out`` (``root``: its checkpoints, none past this run's start) that holds
     another run's final.pt or metrics.json: a finished run's without checkpoints, which a
     fresh run, or a resume of another run, would replace. A run that resumes the run whose
     results are there (in its --out, or a copy holding its checkpoints) may not end before
-    it did."""
+    it did. ``own``: ``--out`` is the folder of the run this one resumes."""
     assert config.out is not None
     out = Path(config.out)
     results = results_in(out)
-    own = config.resume is not None and run_out(config.resume) == out.resolve()
     if results and not own and newest(root) is None:
         raise CheckpointError(
             f"--out {config.out} holds another run's {' and '.join(results)}: this run would "
