@@ -241,6 +241,11 @@ class GradientSync:
         that backward is running now, or it raised after some gradients had left."""
         return self._queued
 
+    @property
+    def passes_done(self) -> int:
+        """The backward passes of the step in progress counted so far (0 between steps)."""
+        return max(self._passes, default=0)
+
     def _sums(self) -> Sequence[SumTensor]:
         return self.tensors if self.compressing else self._warming
 

@@ -31,7 +31,7 @@ from ...tensors import host_copy
 from .optimizer import (
     Choice,
     WrappedOptimizer,
-    _check_passes,
+    check_passes,
     check_unfrozen,
     named_params_of,
     tensor_compression,
@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 
 def check_async_passes(passes: int) -> None:
     """Refuse ``backward_passes_per_step`` other than 1: each step pushes its own update."""
-    _check_passes(passes)
+    check_passes(passes)
     if passes != 1:
         raise ConfigError(f"asynchronous BytePS pushes each step's update; "
                           f"backward_passes_per_step {passes} does not apply",

@@ -27,7 +27,8 @@ log = logging.getLogger(__name__)
 
 __all__ = ["DistributedOptimizer", "WrappedOptimizer", "named_params_of", "Choice",
            "checked_options", "tensor_compression", "warmup_compression", "fused_buckets",
-           "gradient_sync", "check_compress_momentum", "check_unfrozen", "FROZEN_VARIANCE"]
+           "gradient_sync", "check_compress_momentum", "check_passes", "check_unfrozen",
+           "FROZEN_VARIANCE"]
 
 #: A compressor, its name (``"topk:0.01"``), or None / ``"none"``: uncompressed.
 Choice = Union[Compressor, str, None]
@@ -201,24 +202,19 @@ def check_compress_momentum(optimizer: torch.optim.Optimizer, momentum: float) -
     moves the optimizer's momentum before compression; it does not add one."""
     if not momentum:
         return
-    name = type(optimizer).__name__
     for group in optimizer.param_groups:
-        own = float(group.get("momentum") or 0.0)
+        own, where, fix, place = (float(group.get("momentum") or 0.0), "", "momentum=0",
+                                  "its place")
+        betas = tuple(float(b) for b in group.get("betas") or ())  # Adan's has three
+        if not own and betas and betas[0]:
+            own, where, place = betas[0], " (betas[0])", "the place of betas[0]"
+            fix = f"betas=(0.0, {', '.join(str(b) for b in betas[1:])})"
         if own:
             raise ConfigError(f"compress_momentum {momentum} puts a momentum on the gradients "
-                              f"before compression, and {name} has momentum {own} of its "
-                              f"own: the update would have two",
-                              "give the optimizer momentum=0 (compress_momentum takes its "
-                              "place), or leave compress_momentum out")
-        betas = tuple(float(b) for b in group.get("betas") or ())  # Adan's has three
-        if betas and betas[0]:
-            rest = ", ".join(str(b) for b in betas[1:])
-            raise ConfigError(f"compress_momentum {momentum} puts a momentum on the gradients "
-                              f"before compression, and {name} has momentum {betas[0]} of "
-                              f"its own (betas[0]): the update would have two",
-                              f"give the optimizer betas=(0.0, {rest}) "
-                              f"(compress_momentum takes the place of betas[0]), or leave "
-                              f"compress_momentum out")
+                              f"before compression, and {type(optimizer).__name__} has "
+                              f"momentum {own} of its own{where}: the update would have two",
+                              f"give the optimizer {fix} (compress_momentum takes {place}), "
+                              f"or leave compress_momentum out")
 
 
 def gradient_sync(engine: Engine, named: Sequence[tuple[str, torch.nn.Parameter]], *,
@@ -362,7 +358,7 @@ class DistributedOptimizer(WrappedOptimizer):
                  partition_bytes: int = DEFAULT_PARTITION_BYTES, colocate: bool = True,
                  compress_adam: bool = False, compress_adam_refresh: int = 0,
                  **compress: Any) -> None:
-        _check_passes(backward_passes_per_step)
+        check_passes(backward_passes_per_step)
         if _needs_closure(optimizer):
             raise ConfigError(f"{type(optimizer).__name__} evaluates its closure several times "
                               f"a step, and a BytePS step sums the gradients of one backward",
@@ -398,8 +394,8 @@ class DistributedOptimizer(WrappedOptimizer):
     def set_backward_passes_per_step(self, passes: int) -> None:
         """BytePS's: from the next step on, sum the gradients of ``passes`` backward passes
         (as ``backward_passes_per_step``); between steps only."""
-        _check_passes(passes)
-        done = max(self.sync._passes, default=0)  # this step's passes so far
+        check_passes(passes)
+        done = self.sync.passes_done
         if done:
             raise ConfigError(f"set_backward_passes_per_step({passes}) in the middle of a step "
                               f"(after {done} of its {self.backward_passes_per_step} backward "
@@ -492,7 +488,7 @@ class DistributedOptimizer(WrappedOptimizer):
         self.sync.close()
 
 
-def _check_passes(passes: int) -> None:
+def check_passes(passes: int) -> None:
     at_least("backward_passes_per_step", passes, "pass 1, or the passes per step", whole=True)
 
 
