@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 from ...errors import ConfigError, at_least
 
 #: Steps each sampled partition count runs in the search, by default.
-_SEARCH_STEPS = 3
+DEFAULT_SEARCH_STEPS = 3
 
-__all__ = ["ParallaxOptions"]
+__all__ = ["ParallaxOptions", "DEFAULT_SEARCH_STEPS"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,7 +35,7 @@ class ParallaxOptions:
                 "nn.Embedding and EmbeddingBag)"})
     colocate: bool = field(default=True, metadata={
         "help": "no server on the worker machines: only the --servers K CPU machines"})
-    search_steps: int = field(default=_SEARCH_STEPS, metadata={
+    search_steps: int = field(default=DEFAULT_SEARCH_STEPS, metadata={
         "help": "steps per sampled partition count in the search (default 3)",
         "metavar": "N"})
 
@@ -47,7 +47,7 @@ class ParallaxOptions:
             raise ConfigError(f"--search-steps must be at least 2 (got {self.search_steps}): "
                               f"the first step of each sample is not timed",
                               "pass --search-steps 3")
-        if self.partitions is not None and self.search_steps != _SEARCH_STEPS:
+        if self.partitions is not None and self.search_steps != DEFAULT_SEARCH_STEPS:
             raise ConfigError(f"--search-steps {self.search_steps} paces the search of the "
                               f"partition count, and --partitions {self.partitions} skips it",
                               "leave out --search-steps, or --partitions to search")

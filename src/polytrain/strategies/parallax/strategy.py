@@ -19,7 +19,7 @@ from ...runtime import Context
 from ..base import register
 from ..served import ServedStrategy
 from .dense import DenseSync
-from .options import _SEARCH_STEPS, ParallaxOptions
+from .options import DEFAULT_SEARCH_STEPS, ParallaxOptions
 from .plan import ParallaxPlan, SparseVar, classify, plan_parallax, sparse_tables
 from .rows import SparseRows, Touched
 from .search import PartitionSearch
@@ -137,7 +137,7 @@ class Parallax(ServedStrategy[ParallaxOptions]):
 
     def _before_step(self, closure: Any) -> None:
         if self.search is not None and self._since == 0 \
-                and self.options.search_steps != _SEARCH_STEPS:
+                and self.options.search_steps != DEFAULT_SEARCH_STEPS:
             # The step API calls replan() before every step; the plain loop never does.
             raise ConfigError(
                 f"parallax option search_steps={self.options.search_steps} paces the "
@@ -346,7 +346,7 @@ def _check_idle_options(options: ParallaxOptions, sparse: list[str]) -> None:
              "--partitions", options.partitions is not None),
             (f"search_steps={options.search_steps}", "paces the search of the sparse "
              "parameters' partition count", "--search-steps",
-             options.search_steps != _SEARCH_STEPS),
+             options.search_steps != DEFAULT_SEARCH_STEPS),
             ("colocate=False", "picks the sparse parameters' servers", "--no-colocate",
              not options.colocate)]
     for given, does, flag, taken in idle:
