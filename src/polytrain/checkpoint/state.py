@@ -12,8 +12,11 @@ Optimizer state is keyed by the plain model's parameter names
 (``Strategy.parameter_names``), not by position, so a worker of another layout
 (MoE with another expert-parallel size, ddp with more workers) finds the state
 of each parameter it holds in whichever worker's file holds it (the manifest
-indexes them). Files are written on a filesystem every worker sees (the local
-launcher's, or a cluster's shared storage).
+indexes them). Where the strategy's workers hold alike copies of it
+(``Strategy.resumes_on_other_layouts``: ddp's replicas), each name's state is
+written once, by the first worker that holds it: eight ddp workers of a model
+with Adam wrote eight copies of its moments. Files are written on a filesystem
+every worker sees (the local launcher's, or a cluster's shared storage).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal, Mapping, overload
+from typing import Any, Callable, Collection, Literal, Mapping, overload
 
 import torch
 import torch.distributed as dist
@@ -125,8 +128,10 @@ def _first_failure(strategy: Strategy[Any], errors: list[str | None]) -> str | N
     return f"{topology.name(topology.workers[i])} failed: {error}"
 
 
-def _optimizer_state(optimizer: torch.optim.Optimizer,
-                     names: Mapping[str, nn.Parameter]) -> dict[str, Any]:
+def _optimizer_state(optimizer: torch.optim.Optimizer, names: Mapping[str, nn.Parameter],
+                     others: Collection[str] = ()) -> dict[str, Any]:
+    """The optimizer's groups (their settings, the names they hold) and its state by
+    name, but for the names in ``others`` (another worker's file holds theirs)."""
     by_id = {id(p): n for n, p in names.items()}
     groups, state = [], {}
     for g in optimizer.param_groups:
@@ -134,7 +139,7 @@ def _optimizer_state(optimizer: torch.optim.Optimizer,
         groups.append({"settings": {k: v for k, v in g.items() if k != "params"},
                        "params": held})
         for p in g["params"]:
-            if id(p) in by_id and p in optimizer.state:
+            if id(p) in by_id and p in optimizer.state and by_id[id(p)] not in others:
                 state[by_id[id(p)]] = host_state(optimizer.state[p])
     return {"class": type(getattr(optimizer, "optimizer", optimizer)).__name__,
             "groups": groups, "state": state}
@@ -176,8 +181,6 @@ def save(root: str | Path, model: nn.Module | Trainer,
     full = strategy.state_dict(model)  # collective: shards and stages gathered on worker 0
     records = dict((extra() if callable(extra) else extra) or {})
     names = strategy.parameter_names(model)
-    mine = {"optimizer": _optimizer_state(optimizer, names), "rng": rng_state(),
-            "strategy": strategy.checkpoint_state()}
     tmp, final = temporary_dir(root, step), checkpoint_dir(root, step)
     error: str | None = None  # this worker's
     if index == 0:
@@ -187,9 +190,17 @@ def save(root: str | Path, model: nn.Module | Trainer,
             tmp.mkdir(parents=True)
         except Exception as e:  # noqa: BLE001 - every worker must reach the gather: each raises it
             error = f"{type(e).__name__}: {e}"
-    failed = _first_failure(strategy, _gather(group, count, error))  # alike on every worker
-    held: list[Any] = []
+    held = _gather(group, count, (error, sorted(names)))
+    failed = _first_failure(strategy, [e for e, _ in held])  # alike on every worker
+    index_of: dict[str, int] = {}  # each name's optimizer state: the first file holding it
+    for i, (_, ns) in enumerate(held):
+        for n in ns:
+            index_of.setdefault(n, i)
     if failed is None:
+        others = ({n for n, i in index_of.items() if i != index}
+                  if strategy.resumes_on_other_layouts else ())
+        mine = {"optimizer": _optimizer_state(optimizer, names, others), "rng": rng_state(),
+                "strategy": strategy.checkpoint_state()}
         try:
             torch.save(mine, tmp / f"worker-{index}.pt")
             if index == 0:
@@ -200,13 +211,8 @@ def save(root: str | Path, model: nn.Module | Trainer,
                            tmp / "run.pt")
         except Exception as e:  # noqa: BLE001 - a full disk (RuntimeError), an unpicklable
             error = f"{type(e).__name__}: {e}"  # state: every worker raises it, none waits
-        held = _gather(group, count, (error, sorted(names)))
-        failed = _first_failure(strategy, [e for e, _ in held])
+        failed = _first_failure(strategy, _gather(group, count, error))
     if failed is None and index == 0:
-        index_of: dict[str, int] = {}
-        for i, (_, ns) in enumerate(held):
-            for n in ns:
-                index_of.setdefault(n, i)
         layout = layout_of(strategy.ctx) if strategy.ctx is not None else None
         meta = {"strategy": strategy.name, **({"nodes": layout.nodes} if layout else {}),
                 "strategy_options": _options_record(strategy.options),

@@ -255,7 +255,9 @@ class Strategy(ABC, Generic[OptionsT]):
 
     #: Whether a checkpoint may resume on another number of workers: True where every
     #: worker's state follows from the whole model and the per-name optimizer state, or
-    #: from worker 0's strategy state (:attr:`whole_state_on_worker_0`).
+    #: from worker 0's strategy state (:attr:`whole_state_on_worker_0`). The workers that
+    #: hold a parameter then hold alike optimizer state for it, which a checkpoint stores
+    #: once.
     resumes_on_other_layouts: ClassVar[bool] = False
     #: Whether worker 0's :meth:`checkpoint_state` holds the whole strategy state, whatever
     #: the layout: a resume on another number of workers gives it to every worker (else {}).
