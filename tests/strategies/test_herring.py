@@ -103,6 +103,31 @@ def test_the_plans_refusals_name_the_rule_and_the_values():
         TrainConfig(strategy="herring", workers=2, strategy_options={"colocate": False})
 
 
+def test_a_bucket_cap_whose_bytes_overflow_an_int64_is_refused_in_one_line():
+    # Symptom: --bucket-cap-mb 1e308 (HerringOptions, the drop-in) raised OverflowError
+    # "cannot convert float infinity to integer". Cause: only the MiB were checked to be
+    # finite, and 1e308 MiB is an infinite number of bytes.
+    from polytrain.herring import DistributedDataParallel as DDP
+    said = (r"^{} must be positive and under 2\*\*43 MiB, whose bytes an int64 holds \(got "
+            r"1e\+308\)\. HINT: pass {} 25$")
+    for make, name in ((lambda: bucket_cap_bytes(1e308), "bucket_cap_mb"),
+                       (lambda: HerringOptions(bucket_cap_mb=1e308), "--bucket-cap-mb"),
+                       (lambda: DDP(nn.Linear(2, 2), bucket_cap_mb=1e308), "bucket_cap_mb")):
+        with pytest.raises(ConfigError, match=said.format(name, name)):
+            make()  # the drop-in: before it looks for a run
+    assert bucket_cap_bytes(2.0**43 - 1) == (2**43 - 1) << 20  # the largest whole one: taken
+
+
+def test_the_comm_hooks_colocate_of_the_wrong_kind_is_refused_in_one_line():
+    # Symptom: HerringHookState(ctx, colocate="no") kept a server on every worker machine
+    # ("no" is true). Cause: the hook's state checked no kinds, where the drop-in does.
+    from polytrain.herring import HerringHookState
+    with pytest.raises(ConfigError, match=r"^HerringHookState option colocate must be True or "
+                                          r"False \(got 'no', a str\)\. HINT: pass "
+                                          r"colocate=True or colocate=False$"):
+        HerringHookState(colocate="no")  # before it looks for a run
+
+
 def test_a_frozen_sparse_embedding_is_not_refused():
     # It was refused as 'has sparse gradients', though it has none.
     frozen = nn.Sequential(nn.Embedding(10, 4, sparse=True).requires_grad_(False),
@@ -352,6 +377,8 @@ def drop_in_arguments() -> dict:
     model(torch.randn(2, 4))
     out = {"group": refused(lambda: DDP(nn.Linear(4, 2), process_group=dist.group.WORLD)),
            "mark": model.module.mark.tolist()}
+    from polytrain.herring import herring_hook
+    out["comm hook"] = refused(lambda: model.register_comm_hook(None, herring_hook))
     # Worker 0 evaluates alone, as torch's DDP lets it: its first forward under no_grad()
     # broadcasts (the call the others' next training forward makes), the rest do not.
     if ctx.worker_index == 0:
@@ -400,6 +427,18 @@ def test_a_process_group_other_than_the_workers_is_refused():
         assert said["group"] == ("herring sums gradients over every worker (ranks [0, 1]), "
                                  "but process_group has ranks [0, 1, 2]. HINT: leave "
                                  "process_group out, or pass ctx.groups.workers")
+
+
+@pytest.mark.timeout(60)
+def test_a_comm_hook_on_the_drop_in_is_refused_with_the_ddp_that_takes_one():
+    # Symptom: register_comm_hook(...), as on torch's DDP, raised AttributeError. Cause: the
+    # drop-in sums through the servers itself and had no such method.
+    for said in drop_in_arguments_run():
+        assert said["comm hook"] == (
+            "herring's DistributedDataParallel sums its gradients through Herring's servers "
+            "itself, and takes no comm hook. HINT: to keep torch's DDP and its buckets, wrap "
+            "the model in torch.nn.parallel.DistributedDataParallel(model, "
+            "process_group=ctx.groups.workers) and register herring_hook on that")
 
 
 @pytest.mark.timeout(60)
@@ -534,7 +573,8 @@ class _Unanswered:
 
 
 def hook_edges() -> dict:
-    """The comm hook on _Mixed, then on a model whose sums time out."""
+    """The comm hook on _Mixed, on a model whose sums time out, and its refusals; the
+    engine's sums after re-wrapping."""
     ctx = polytrain.init()
     from polytrain.herring import HerringHookState, herring_hook
     gen = torch.Generator().manual_seed(1)
@@ -562,12 +602,69 @@ def hook_edges() -> dict:
         lambda: model(torch.full((2, 4), ctx.worker_index + 1.0)).sum().backward())
     out["dead proxy grad"] = model.module.weight.grad
     del proxies
+    out["colocate differs"] = refused(
+        lambda: HerringHookState(ctx, colocate=ctx.worker_index == 0))
+    # One state on three DDPs at once, and on three one after another (each bucket 0 of
+    # another size: a third layout), then the engine's sums after closing and re-wrapping.
+    out["shared"] = _raised(functools.partial(three_at_once, ctx))
+    out["one after another"] = _raised(functools.partial(one_after_another, ctx))
+    out["held"] = rewrapped(ctx)
     # A replica group of this worker alone: the hook would average over every worker.
     alone = dist.new_group([ctx.rank], use_local_synchronization=True)
     model = nn.parallel.DistributedDataParallel(nn.Linear(4, 2), process_group=alone)
     model.register_comm_hook(HerringHookState(ctx), herring_hook)
     out["subgroup"] = _raised(lambda: model(torch.randn(2, 4)).sum().backward())
     return out
+
+
+def three_at_once(ctx) -> None:
+    """One state on three DDPs of d inputs, d = 3, 4, 5, then a step of each."""
+    from polytrain.herring import HerringHookState, herring_hook
+    state = HerringHookState(ctx)
+    models = [nn.parallel.DistributedDataParallel(nn.Linear(d, 2),
+                                                  process_group=ctx.groups.workers)
+              for d in (3, 4, 5)]
+    for model in models:
+        model.register_comm_hook(state, herring_hook)
+    for d, model in zip((3, 4, 5), models):
+        model(torch.randn(2, d)).sum().backward()
+
+
+def one_after_another(ctx) -> None:
+    """One state on a DDP of d inputs, d = 3, 4, 5, each registered after the last's step."""
+    from polytrain.herring import HerringHookState, herring_hook
+    state = HerringHookState(ctx)
+    for d in (3, 4, 5):
+        model = nn.parallel.DistributedDataParallel(nn.Linear(d, 2),
+                                                    process_group=ctx.groups.workers)
+        model.register_comm_hook(state, herring_hook)
+        model(torch.randn(2, d)).sum().backward()
+
+
+def rewrapped(ctx) -> list[int]:
+    """The sums the engine holds, less those it held before: after each of three drop-ins
+    of one model, each closed and its ``.module`` wrapped again, then after a comm hook's
+    state is closed."""
+    from polytrain.herring import DistributedDataParallel as DDP
+    from polytrain.herring import HerringHookState, herring_hook
+    from polytrain.ps.engine import engine_for
+    engine = engine_for(ctx)
+    before = len(engine.tensors)
+    held = []
+    net = nn.Linear(4, 2)
+    for _ in range(3):
+        model = DDP(net, find_unused_parameters=True)  # its flags' sum too
+        model(torch.randn(2, 4)).sum().backward()
+        model.close()
+        net = model.module
+        held.append(len(engine.tensors) - before)
+    model = nn.parallel.DistributedDataParallel(net, process_group=ctx.groups.workers)
+    state = HerringHookState(ctx)
+    model.register_comm_hook(state, herring_hook)
+    model(torch.randn(2, 4)).sum().backward()
+    state.close()
+    held.append(len(engine.tensors) - before)
+    return held
 
 
 def _raised(fn) -> str:
@@ -619,6 +716,48 @@ def test_the_comm_hook_sums_beside_a_dead_weakref_proxy():
         assert said["dead proxy"] == "accepted", said
         # Each worker's gradient is 2 x (its index + 1) everywhere: averaged, 3.
         assert torch.equal(said["dead proxy grad"], torch.full((2, 4), 3.0))
+
+
+@pytest.mark.timeout(90)
+def test_the_comm_hooks_colocate_that_differs_between_workers_is_refused_naming_it():
+    # Symptom: colocate=(ctx.worker_index == 0) was taken on both workers, which then
+    # declared other servers; the run hung for --timeout and ended in a CommTimeout blaming
+    # a push_pull only some workers run. Cause: the drop-in compares colocate across the
+    # workers, the hook's state did not.
+    for said in hook_edges_run():
+        assert said["colocate differs"] == (
+            "worker rank 1's HerringHookState option colocate differs from worker rank 0's "
+            "(machine node0: False; machine node0: True). HINT: pass the same options to "
+            "HerringHookState on every worker"), said
+
+
+@pytest.mark.timeout(90)
+def test_one_comm_hook_state_on_several_ddps_is_refused_with_one_state_per_ddp():
+    # Symptom: three torch DDPs sharing one HerringHookState were refused as "bucket 0 of
+    # 12 torch.float32 elements is past the 4096 buckets x 2 layouts it reserved. HINT:
+    # raise bucket_cap_mb", which cannot help. Cause: the state keys its sums by bucket
+    # index, which every DDP numbers from 0, and only counted the sizes bucket 0 came in.
+    for said in hook_edges_run():
+        assert said["shared"] == (
+            "ConfigError: herring_hook's HerringHookState is registered on 3 "
+            "DistributedDataParallel models, and keys its sums by bucket index, which each "
+            "of them numbers from 0. HINT: make one HerringHookState per "
+            "DistributedDataParallel"), said
+        assert said["one after another"] == (
+            "ConfigError: herring_hook's bucket 0 came in a third layout (12 torch.float32 "
+            "elements; before: 8 torch.float32, 10 torch.float32 elements), where a "
+            "DistributedDataParallel changes its buckets once (its rebuild after the first "
+            "step): the HerringHookState serves another DistributedDataParallel's buckets "
+            "too. HINT: make one HerringHookState per DistributedDataParallel"), said
+
+
+@pytest.mark.timeout(90)
+def test_closing_and_rewrapping_leaves_the_engine_no_sums_of_the_closed_models():
+    # Symptom: each close() and wrap of .module again (the docs' way to unfreeze) kept
+    # another model-sized CPU buffer for the run. Cause: the engine listed every sum ever
+    # declared, and GradientSync.close() (HerringHookState.close()) only removed hooks.
+    for said in hook_edges_run():
+        assert said["held"] == [0, 0, 0, 0], said
 
 
 @pytest.mark.timeout(90)

@@ -273,6 +273,14 @@ class Engine:
         self.tensors += tensors
         return tensors
 
+    def forget(self, tensors: Sequence[SumTensor]) -> None:
+        """Stop listing ``tensors`` (a closed caller's: none in flight), so that their results
+        go with their last user. Their keys stay declared on the owners: :meth:`free` needs
+        every worker done with them, a point their closer does not know."""
+        gone = {id(t) for t in tensors}
+        # A new list: the threads' error path may be reading the old one.
+        self.tensors = [t for t in self.tensors if id(t) not in gone]
+
     def _declare_packed(self, placement: Placement, indices: Sequence[int],
                         compression: Sequence[CompressOptions | None], pushers: int,
                         label: Callable[[Partition], str]) -> None:

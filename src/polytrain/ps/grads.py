@@ -413,10 +413,13 @@ class GradientSync:
         return None if comm <= 0 else max(0.0, 1.0 - exposed / comm)
 
     def close(self) -> None:
-        """Remove the gradient hooks."""
+        """Remove the gradient hooks, and let the engine drop this object's sums (each with
+        a bucket-sized CPU result): a model closed and wrapped again held both."""
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        self.engine.forget([*self.tensors, *self._warming, *self._averaged,
+                            *([self._flags] if self._flags is not None else [])])
 
 
 def _subset(placement: Placement, tensors: Sequence[int]) -> Placement:

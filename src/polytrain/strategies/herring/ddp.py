@@ -14,9 +14,8 @@ Example::
 from __future__ import annotations
 
 import logging
-import math
 import numbers
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch.distributed as dist
 from torch import nn
@@ -38,6 +37,8 @@ __all__ = ["DistributedDataParallel", "DEFAULT_BUCKET_CAP_MB", "check_every_work
 log = logging.getLogger(__name__)
 
 DEFAULT_BUCKET_CAP_MB = 25.0  # torch DDP's and Herring's
+#: A cap's MiB stay under this: its bytes fit an int64, as torch's reducer counts them.
+_MAX_BUCKET_CAP_MB = 2.0**43
 #: Why herring needs as many workers on every machine: machines of other worker counts would
 #: declare other keys (a mismatch, or a hang).
 EVEN_MACHINES = "cuts every shard into one piece per worker of a machine"
@@ -46,14 +47,15 @@ EVEN_MACHINES = "cuts every shard into one piece per worker of a machine"
 def bucket_cap_bytes(mb: float | None, name: str = "bucket_cap_mb") -> int:
     """A bucket cap of ``mb`` MiB in bytes (at least 1; None: the default, as torch's DDP
     reads it); ConfigError, naming the option ``name``, for one that is not a positive
-    finite number (a string, nan, inf, 0 or less)."""
+    number under 2**43 MiB (a string, nan, inf, 0 or less, 1e308: bytes past an int64)."""
     if mb is None:
         mb = DEFAULT_BUCKET_CAP_MB
     if isinstance(mb, bool) or not isinstance(mb, numbers.Real):
         raise ConfigError(f"{name} must be a number of MiB (got {mb!r}, a "
                           f"{type(mb).__name__})", f"pass {name} 25")
-    if not 0 < mb < math.inf:
-        raise ConfigError(f"{name} must be positive (got {mb})", f"pass {name} 25")
+    if not 0 < mb < _MAX_BUCKET_CAP_MB:  # nan too
+        raise ConfigError(f"{name} must be positive and under 2**43 MiB, whose bytes an "
+                          f"int64 holds (got {mb})", f"pass {name} 25")
     return max(1, int(mb * 2**20))
 
 
@@ -137,8 +139,8 @@ class DistributedDataParallel(SyncedModule):
             what="DistributedDataParallel option ")
         broadcast_buffers, init_sync = given["broadcast_buffers"], given["init_sync"]
         find_unused_parameters, colocate = given["find_unused_parameters"], given["colocate"]
-        ctx = ctx or runtime.current()
         cap = bucket_cap_bytes(bucket_cap_mb)
+        ctx = ctx or runtime.current()
         if process_group is not None:
             check_every_worker(ctx, process_group, "herring", "process_group",
                                "leave process_group out, or pass ctx.groups.workers")
@@ -160,3 +162,11 @@ class DistributedDataParallel(SyncedModule):
                                  self.plan.placement, in_backward=True,
                                  describe=self.plan.describe())
         keep_missing_for(self.sync, module, find_unused=find_unused_parameters)
+
+    def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
+        """Refused: the drop-in sums through the servers itself (torch's DDP takes a hook)."""
+        raise ConfigError("herring's DistributedDataParallel sums its gradients through "
+                          "Herring's servers itself, and takes no comm hook",
+                          "to keep torch's DDP and its buckets, wrap the model in "
+                          "torch.nn.parallel.DistributedDataParallel(model, "
+                          "process_group=ctx.groups.workers) and register herring_hook on that")

@@ -26,10 +26,11 @@ from torch.nn.parallel import DistributedDataParallel
 from ... import runtime
 from ...comm.partition import TensorSpec
 from ...errors import ConfigError
+from ...kinds import check_kinds
 from ...ps.engine import SumTensor, engine_for
 from ...ps.grads import travels_divided
 from ...runtime import Context
-from ..checks import check_even_machines
+from ..checks import check_even_machines, check_same_values
 from .ddp import EVEN_MACHINES, check_every_worker, herring_servers
 from .plan import plan_herring
 
@@ -39,6 +40,7 @@ __all__ = ["HerringHookState", "herring_hook"]
 # iteration), so a bucket index can come with a second size or dtype.
 _MAX_BUCKETS = 4096
 _LAYOUTS = 2
+_ONE_PER_DDP = "make one HerringHookState per DistributedDataParallel"
 
 
 class HerringHookState:
@@ -52,15 +54,24 @@ class HerringHookState:
 
     The DDP it is registered on must sum over every worker (``process_group=
     ctx.groups.workers``): another group is refused at the first bucket, naming its ranks.
+    A state serves one DDP (make one per DDP): another refused there too. :meth:`close`
+    lets its sums go (before wrapping the model again, say).
 
     Args:
         ctx: the run (default: :func:`polytrain.init`'s).
-        colocate: a server on every worker machine (default True).
+        colocate: a server on every worker machine (default True; the same on every
+            worker, compared here).
     """
 
     def __init__(self, ctx: Context | None = None, *, colocate: bool = True) -> None:
+        # As the drop-in's: colocate="no" was a true value, and one that differs between
+        # workers declared other servers (a hang, then a timeout blaming a push_pull).
+        colocate = check_kinds(HerringHookState.__init__, {"colocate": colocate},
+                               what="HerringHookState option ")["colocate"]
         self.ctx = ctx or runtime.current()
         check_even_machines("herring", self.ctx.topology, EVEN_MACHINES)
+        check_same_values(self.ctx, {"HerringHookState option colocate": colocate},
+                          "pass the same options to HerringHookState on every worker")
         self.engine = engine_for(self.ctx)
         self.servers = herring_servers(self.ctx, colocate=colocate)
         self.local = len(self.ctx.local_workers)
@@ -79,18 +90,24 @@ class HerringHookState:
 
     def _check_group(self) -> None:
         """Refuse a DDP whose process_group is not every worker (a replica group of some):
-        the hook sums over every worker. A bucket does not carry the group; torch's DDP keeps
+        the hook sums over every worker; and a second DDP: the sums are keyed by bucket
+        index. A bucket carries neither its group nor its DDP; torch's DDP keeps
         ``(hook, state)`` in its ``_comm_hooks``, so the DDPs that registered this state are
         found among the live objects, once, at the first bucket. (By their type: isinstance()
         reads ``__class__``, which a dead ``weakref.proxy`` among them raises on.)"""
-        for ddp in gc.get_objects():
-            if issubclass(type(ddp), DistributedDataParallel) and any(
-                    s is self for _, s in getattr(ddp, "_comm_hooks", ())):
-                check_every_worker(
-                    self.ctx, ddp.process_group, "herring_hook",
-                    "the process_group of the DistributedDataParallel it is registered on",
-                    "pass process_group=ctx.groups.workers to that DistributedDataParallel, "
-                    "or leave the hook out of it")
+        ddps = [ddp for ddp in gc.get_objects()
+                if issubclass(type(ddp), DistributedDataParallel) and any(
+                    s is self for _, s in getattr(ddp, "_comm_hooks", ()))]
+        if len(ddps) > 1:
+            raise ConfigError(f"herring_hook's HerringHookState is registered on {len(ddps)} "
+                              f"DistributedDataParallel models, and keys its sums by bucket "
+                              f"index, which each of them numbers from 0", _ONE_PER_DDP)
+        for ddp in ddps:
+            check_every_worker(
+                self.ctx, ddp.process_group, "herring_hook",
+                "the process_group of the DistributedDataParallel it is registered on",
+                "pass process_group=ctx.groups.workers to that DistributedDataParallel, "
+                "or leave the hook out of it")
         self.group_checked = True
 
     def _sum_of(self, index: int, numel: int, dtype: torch.dtype) -> SumTensor:
@@ -98,10 +115,17 @@ class HerringHookState:
         if (numel, dtype) not in seen:
             seen.append((numel, dtype))
         generation = seen.index((numel, dtype))
-        if index >= _MAX_BUCKETS or generation >= _LAYOUTS:
+        if index >= _MAX_BUCKETS:
             raise ConfigError(f"herring_hook: bucket {index} of {numel} {dtype} elements is "
-                              f"past the {_MAX_BUCKETS} buckets x {_LAYOUTS} layouts it reserved",
+                              f"past the {_MAX_BUCKETS} buckets it reserved keys for",
                               "raise bucket_cap_mb on the DDP model (fewer buckets)")
+        if generation >= _LAYOUTS:  # a DDP registered on this state after the first bucket
+            before = ", ".join(f"{n} {d}" for n, d in seen[:_LAYOUTS])
+            raise ConfigError(f"herring_hook's bucket {index} came in a third layout ({numel} "
+                              f"{dtype} elements; before: {before} elements), where a "
+                              f"DistributedDataParallel changes its buckets once (its rebuild "
+                              f"after the first step): the HerringHookState serves another "
+                              f"DistributedDataParallel's buckets too", _ONE_PER_DDP)
         key = (index, generation)
         if key not in self.sums:
             spec = TensorSpec(f"ddp bucket {index}", (numel,), dtype)
@@ -136,8 +160,12 @@ class HerringHookState:
             raise failed[0]
 
     def close(self) -> None:
+        """Stop the waiter and let the engine drop this state's sums (a bucket-sized CPU
+        result each); the DDP it is registered on sums no more buckets."""
         self.waiting.put(None)
         self._thread.join(timeout=1.0)
+        self.engine.forget(list(self.sums.values()))
+        self.sums = {}
 
 
 def herring_hook(state: HerringHookState,
