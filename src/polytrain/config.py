@@ -37,8 +37,8 @@ _WHOLE = {"workers": "--workers", "nodes": "--nodes", "servers": "--servers",
 _PATHS = ("out", "init", "resume", "devices")
 
 __all__ = ["TrainConfig", "OPTIMIZERS", "SCHEDULES", "SAMPLINGS", "ON_SAVE_ERROR",
-           "check_init", "layout_of", "check_strategy", "model_sample", "model_profile",
-           "check_weights_fit"]
+           "check_init", "layout_of", "check_strategy", "check_link", "check_data_length",
+           "model_sample", "model_profile", "check_weights_fit"]
 
 SCHEDULES = ("constant", "cosine")
 SAMPLINGS = ("random", "epoch")
@@ -72,12 +72,14 @@ class TrainConfig:
         seed: weights and batches are a function of it (default 0).
         out: directory for ``metrics.json`` and ``final.pt`` (default: none written).
         quiet: no progress bar. timeout_s: longest wait on a peer (default
-            POLYTRAIN_TIMEOUT, else 120 s, as ``polytrain train``). port: rendezvous port.
+            POLYTRAIN_TIMEOUT, else 120 s, as ``polytrain train``). port: rendezvous port
+            (default: a free one; refused for ``single``, which has no rendezvous).
         device: ``cpu`` or ``cuda``. strategy_options: the strategy's own options.
         bandwidth, latency: emulate the cluster's network: every machine in a network
             namespace of its own, its NIC shaped to ``bandwidth`` each way (``"1gbit"``,
             tc's units) and every packet it sends delayed by ``latency`` (``"0.2ms"``);
-            needs root and iproute2. Default: none (all processes on loopback).
+            needs root and iproute2, and a link to shape: 2 machines or more, or servers.
+            Default: none (all processes on loopback).
         devices: the emulated cluster (``m0:fast*2,m1:slow*2`` or a JSON file; see
             :func:`polytrain.emulation.parse_cluster`): it sets the workers and machines,
             every worker runs at its device's speed (on CPU), and layouts that do not
@@ -167,6 +169,10 @@ class TrainConfig:
         if not 0 <= self.seed < 2**63:
             raise ConfigError(f"--seed must be in 0..2**63-1 (torch's generator takes a 64-bit "
                               f"seed; got {self.seed})", "pass --seed 0")
+        if self.port is not None and not get_strategy(self.strategy).distributed:
+            raise ConfigError(f"--port {self.port} is the rendezvous port of a run's processes, "
+                              f"and strategy {self.strategy!r} trains in this one process",
+                              "leave --port out, or pick a distributed strategy such as ddp")
         check_port(self.port)
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("--device cuda: torch sees no CUDA device on this machine",
@@ -218,41 +224,12 @@ class TrainConfig:
             cls.check_steps(options, steps=self.steps, data=self.data,
                             batch_size=self.batch_size,
                             epoch_steps=getattr(batches, "steps_per_epoch", None))
-        self._check_link(model, layout)
+        check_link(self.strategy, model, layout, bandwidth=self.bandwidth, latency=self.latency,
+                   timeout_s=self.timeout_s)
         # A strategy of its own step (a pipeline's) runs the model on micro-batches.
         whole = cls.train_step is Strategy.train_step
         self._check_memory(model, layout.workers, cls.replicas(layout, options), whole)
         self._check_out()  # last: a refused command leaves no directory behind
-
-    def _check_link(self, model: Any, layout: Layout) -> None:
-        """Refuse emulated links too slow for a run's first wait: at the start every
-        strategy copies worker 0's model to the other workers a tensor at a time (torch's
-        DDP all of it in one message of up to 250 MiB), and a wait longer than
-        ``--timeout`` fails the run (after the timeout, in gloo's words)."""
-        link = self.link()
-        if link is None or layout.nodes < 2:
-            return
-        nbytes, name = max(((t.numel() * t.element_size(), n) for n, t in model.named_parameters()),
-                           key=lambda size_name: size_name[0])  # the first of the largest
-        what = f"the model's largest tensor ({name}, {nbytes:,} bytes), which every worker gets"
-        if self.strategy == "ddp":
-            total, largest = _ddp_first_messages(model)
-            if largest > nbytes:
-                nbytes = largest
-                what = (f"the model's parameters and buffers ({total:,} bytes), which torch's "
-                        f"DDP sends in one message" if nbytes == total else
-                        f"{nbytes:,} bytes of the model's parameters and buffers (of "
-                        f"{total:,}), which torch's DDP sends in one message")
-        seconds = nbytes * 8 / link.rate_bit_s
-        if seconds <= self.timeout_s:
-            return
-        need = nbytes * 8 / self.timeout_s
-        rate = f"{math.ceil(need / 1e3)}kbit" if need < 1e6 else f"{math.ceil(need / 1e6)}mbit"
-        raise ConfigError(f"--bandwidth {self.bandwidth} carries {what} from worker 0 at the "
-                          f"start, in {seconds:,.0f} s, longer than --timeout "
-                          f"{self.timeout_s:g}: the run would time out there",
-                          f"pass --bandwidth {rate} or more (a real network's is 1gbit or "
-                          f"more), or a --timeout above {math.ceil(seconds)}")
 
     def _check_out(self) -> None:
         """Refuse an ``--out`` that cannot be made a directory now, so that it fails before
@@ -328,14 +305,10 @@ class TrainConfig:
 
     def _check_data(self, spec: Any, model: Any) -> tuple[Any, Any]:
         """Refuse data too short for the run's windows, batches or held-out part now, and not
-        in every worker once the processes have started: ``data.training_data``'s rules, on
-        a stand-in of the corpus's length (``meta``: no copy of it is made). Returns its
-        batches and held-out part (stand-ins too)."""
-        tokens = spec.tokens(model, self.data).numel()
-        return training_data(torch.empty(tokens, dtype=torch.uint8, device="meta"),
-                      window=seq_len_of(model, self.model_options) + 1,
-                      batch_size=self.batch_size, seed=self.seed, sampling=self.sampling,
-                      hold_out=self.eval_every is not None)
+        in every worker once the processes have started (:func:`check_data_length`)."""
+        return check_data_length(spec, model, self.model_options, data=self.data,
+                                 batch_size=self.batch_size, seed=self.seed,
+                                 sampling=self.sampling, hold_out=self.eval_every is not None)
 
     def _check_memory(self, model: Any, processes: int, replicas: int, whole: bool) -> None:
         """Refuse a job whose weights, or weights and batch, cannot fit in this host's free
@@ -408,6 +381,61 @@ class TrainConfig:
         made a ddp run of 1 worker)."""
         filled = {name: None for name in getattr(self, "_filled", ())}
         return dataclasses.replace(self, **{**filled, **changes})
+
+
+def check_link(strategy: str, model: torch.nn.Module, layout: Layout, *,
+               bandwidth: str | None, latency: str | None, timeout_s: float) -> None:
+    """Refuse an emulated network that ``strategy`` on ``layout`` cannot use: one machine
+    with no server machines has no link to shape, and a link too slow for a run's first
+    wait fails it. At the start every strategy copies worker 0's model (``model``, the meta
+    device's will do) to the other workers a tensor at a time (torch's DDP all of it in one
+    message of up to 250 MiB), and a wait longer than ``timeout_s`` fails the run (after
+    the timeout, in gloo's words). TrainConfig runs it, and the planner on each candidate."""
+    link = link_shape(bandwidth, latency)
+    if link is None:
+        return
+    if layout.nodes == 1 and not layout.servers:  # colocated servers share the machine
+        raise ConfigError(f"--bandwidth {bandwidth} shapes the links between machines, and "
+                          f"this run has one machine and no servers: no link would be shaped",
+                          "pass --nodes 2 or more (or --servers K), or leave --bandwidth and "
+                          "--latency out")
+    if layout.nodes < 2:  # the model crosses no link: worker 0's machine holds every worker
+        return
+    nbytes, name = max(((t.numel() * t.element_size(), n) for n, t in model.named_parameters()),
+                       key=lambda size_name: size_name[0])  # the first of the largest
+    what = f"the model's largest tensor ({name}, {nbytes:,} bytes), which every worker gets"
+    if strategy == "ddp":
+        total, largest = _ddp_first_messages(model)
+        if largest > nbytes:
+            nbytes = largest
+            what = (f"the model's parameters and buffers ({total:,} bytes), which torch's "
+                    f"DDP sends in one message" if nbytes == total else
+                    f"{nbytes:,} bytes of the model's parameters and buffers (of "
+                    f"{total:,}), which torch's DDP sends in one message")
+    seconds = nbytes * 8 / link.rate_bit_s
+    if seconds <= timeout_s:
+        return
+    need = nbytes * 8 / timeout_s
+    rate = f"{math.ceil(need / 1e3)}kbit" if need < 1e6 else f"{math.ceil(need / 1e6)}mbit"
+    raise ConfigError(f"--bandwidth {bandwidth} carries {what} from worker 0 at the start, in "
+                      f"{seconds:,.0f} s, longer than --timeout {timeout_s:g}: the run would "
+                      f"time out there",
+                      f"pass --bandwidth {rate} or more (a real network's is 1gbit or more), "
+                      f"or a --timeout above {math.ceil(seconds)}")
+
+
+def check_data_length(spec: Any, model: torch.nn.Module, model_options: Mapping[str, Any], *,
+                      data: str, batch_size: int, seed: int = 0, sampling: str = "random",
+                      hold_out: bool = False) -> tuple[Any, Any]:
+    """Refuse data set ``data`` when it is too short for ``model``'s windows (``spec``'s, a
+    registered model's; the meta device's will do), the batches or the held-out part:
+    ``data.training_data``'s rules, on a stand-in of the corpus's length (``meta``: no copy
+    of it is made). Returns its batches and held-out part (stand-ins too). TrainConfig runs
+    it, and the planner before it times the model."""
+    tokens = spec.tokens(model, data).numel()
+    return training_data(torch.empty(tokens, dtype=torch.uint8, device="meta"),
+                         window=seq_len_of(model, model_options) + 1, batch_size=batch_size,
+                         seed=seed, sampling=sampling, hold_out=hold_out)
 
 
 def _ddp_first_messages(model: Any) -> tuple[int, int]:

@@ -89,6 +89,16 @@ def test_train_writes_metrics_and_final_state_as_the_contract_says(tmp_path):
     # Half of it, 0.5 s, is one heartbeat: a busy, healthy process would be taken for hung.
     (["--timeout", "1"], r"--timeout must be a number of seconds from 2 to"),
     (["--port", "70000"], r"--port must be a TCP port, 1\.\.65535 \(got 70000\)"),
+    # Taken and unused: single trains in this process, with no rendezvous.
+    (["--strategy", "single", "--port", "29500"],
+     r"--port 29500 is the rendezvous port of a run's processes, and strategy 'single' trains "
+     r"in this one process\. HINT: leave --port out, or pick a distributed strategy such as "
+     r"ddp$"),
+    # Ran, and built a network namespace (as root) in which no link was shaped.
+    (["--bandwidth", "10mbit"],
+     r"--bandwidth 10mbit shapes the links between machines, and this run has one machine "
+     r"and no servers: no link would be shaped\. HINT: pass --nodes 2 or more \(or --servers "
+     r"K\), or leave --bandwidth and --latency out$"),
     (["--seed", str(2**64)], r"--seed must be in 0\.\.2\*\*63-1"),
     (["--batch-size", "0"], r"--batch-size must be at least 1 \(got 0\)"),
     (["--lr", "inf"], r"--lr must be a positive number \(got inf\)"),
@@ -294,6 +304,19 @@ def test_a_link_too_slow_for_ddps_first_message_is_refused(capsys):
                                           r"message .* HINT: pass --bandwidth 229mbit or more"):
         config.replace(bandwidth="100mbit", model_options={"seq_len": 64, "d_model": 4096,
                                                            "layers": 6})
+
+
+def test_a_link_of_one_machine_is_refused_unless_servers_are_machines_of_their_own():
+    # `polytrain train --bandwidth 10mbit --nodes 1` ran (as root, in a namespace) with no
+    # link shaped: a server beside the workers (byteps colocates one) is on their machine.
+    with pytest.raises(ConfigError, match=r"^--bandwidth 1gbit shapes the links between "
+                                          r"machines, and this run has one machine and no "
+                                          r"servers"):
+        TrainConfig(strategy="byteps", model="mlp", optimizer="sgd", bandwidth="1gbit")
+    # A dedicated server is a machine of its own: the workers' link to it is shaped.
+    config = TrainConfig(strategy="byteps", model="mlp", optimizer="sgd", servers=1,
+                         bandwidth="1gbit")
+    assert (config.nodes, config.layout().servers, config.link().rate_bit_s) == (1, 1, 10**9)
 
 
 def test_a_port_in_use_is_refused(capsys):

@@ -184,3 +184,53 @@ def test_an_explicit_nodes_1_that_contradicts_the_devices_is_refused(command, ca
     err = capsys.readouterr().err.strip()
     assert "--devices describes 4 devices on 2 machines but the run has 4 workers on 1 " \
            "machines" in err and "\n" not in err
+
+
+@pytest.fixture
+def no_timing(monkeypatch):
+    """A model timed fails the test: what is refused is refused before the timing."""
+    def compute(self, threads=1, budget_s=10.0):
+        raise AssertionError("the model was timed")
+    monkeypatch.setattr(PlannerJob, "compute", compute)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("args, message", [
+    (["train", "--strategy", "auto", "--steps", "0"],
+     "--steps must be at least 1 (got 0). HINT: pass --steps 300"),
+    (["train", "--strategy", "auto", "--model", "mlp", "--lr", "0"],
+     "--lr must be a positive number (got 0.0). HINT: pass --lr 0.003"),
+    *[([command, *(["--strategy", "auto"] if command == "train" else []), "--data",
+        "text-finetune", "--seq-len", "70000", "--d-model", "8", "--layers", "1", "--heads",
+        "1", "--batch-size", "2"],
+       "the corpus has 65536 tokens, and windows of 70001 need more (at least 70002). HINT: "
+       "pass a smaller --seq-len") for command in ("plan", "train")],
+])
+def test_options_are_refused_before_the_model_is_timed(args, message, capsys, no_timing):
+    # Symptom: `train --strategy auto --steps 0` timed the model for 10.9 s, then said
+    # "--steps must be at least 1"; `plan --data text-finetune --seq-len 70000` timed it for
+    # 75 s and recommended ddp, which train then refused ("the corpus has 65536 tokens").
+    # Cause: the planner's job checked the data set's name only, and auto built the run's
+    # config (TrainConfig's checks) after the plan.
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"polytrain {args[0]}: error: {message}"
+
+
+@pytest.mark.timeout(30)
+def test_auto_leaves_out_a_strategy_whose_first_message_outlasts_the_timeout(capsys,
+                                                                              fixed_compute):
+    # `plan` recommended ddp, whose whole model crosses 200kbit in 139 s, and `train
+    # --strategy auto` then refused it: longer than --timeout 120.
+    args = ["train", "--strategy", "auto", "--workers", "2", "--nodes", "2",
+            "--bandwidth", "200kbit", "--steps", "2", "--timeout", "120"]
+    config = config_from_args(build_parser(args).parse_args(args))
+    assert (config.strategy, config.servers) == ("herring", 0)
+    assert "; ddp left out: --bandwidth 200kbit carries the model's parameters and buffers " \
+           "(3,468,288 bytes)" in config.auto["why"]
+    # A --timeout the message fits in takes ddp back, in plan as in train.
+    assert main(["plan", "--workers", "2", "--nodes", "2", "--bandwidth", "200kbit",
+                 "--timeout", "140", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["recommended"] == "ddp"
+    args[-1] = "140"
+    assert config_from_args(build_parser(args).parse_args(args)).strategy == "ddp"

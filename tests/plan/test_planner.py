@@ -187,3 +187,43 @@ def test_a_model_the_devices_cannot_profile_is_refused_as_itself_not_as_each_can
     # refused on this job (ddp); ddp's refusal: WordLM cannot be timed ...".
     with pytest.raises(ConfigError, match=r"^WordLM cannot be timed layer by layer"):
         plan_job(Job(model="wordlm", devices="big=4/4096,m0:big*2,m1:big*2"))
+
+
+@pytest.mark.timeout(30)
+def test_a_link_too_slow_for_ddps_first_message_leaves_ddp_out_as_train_refuses_it():
+    # Symptom: `polytrain plan --workers 2 --nodes 2 --bandwidth 200kbit` recommended ddp, and
+    # `train --strategy auto` then refused its own choice: "--bandwidth 200kbit carries the
+    # model's parameters and buffers (3,468,288 bytes) ... in 139 s, longer than --timeout
+    # 120". Cause: Job.refusals ran the strategies' checks, not TrainConfig's link check.
+    job = Job(workers=2, nodes=2, bandwidth="200kbit", timeout_s=120)
+    plan = plan_job(job, compute=FIXED)
+    assert [p.candidate.key for p in plan.predictions] == ["byteps k=0", "herring k=0"]
+    assert plan.recommended.candidate.key == "herring k=0"
+    assert plan.as_dict()["refused"] == {"ddp": (
+        "--bandwidth 200kbit carries the model's parameters and buffers (3,468,288 bytes), "
+        "which torch's DDP sends in one message from worker 0 at the start, in 139 s, longer "
+        "than --timeout 120: the run would time out there")}
+    assert plan.as_dict()["job"]["timeout_s"] == 120
+    # A longer wait lets ddp's first message cross: it is predicted, and fastest.
+    longer = plan_job(Job(workers=2, nodes=2, bandwidth="200kbit", timeout_s=140), compute=FIXED)
+    assert longer.recommended.candidate.key == "ddp" and longer.refused == ()
+
+
+@pytest.mark.timeout(30)
+def test_a_link_of_one_machine_without_servers_is_refused_as_train_refuses_it():
+    # `polytrain train --bandwidth 10mbit --nodes 1` ran, building a network namespace (as
+    # root) around a machine whose processes all talk over loopback: no link was shaped.
+    job = Job(model="mlp", workers=2, nodes=1, servers=1, bandwidth="10mbit")
+    plan = plan_job(job, compute=FIXED)
+    assert [p.candidate.key for p in plan.predictions] == ["byteps k=1", "herring k=1"]
+    why = ("--bandwidth 10mbit shapes the links between machines, and this run has one "
+           "machine and no servers: no link would be shaped")
+    assert plan.as_dict()["refused"] == {"ddp": why, "byteps k=0": why, "herring k=0": why}
+    with pytest.raises(ConfigError, match=r"^every strategy the planner predicts is refused on "
+                                          r"this job \(ddp, byteps k=0, herring k=0\); ddp's "
+                                          r"refusal: --bandwidth 10mbit shapes the links between "
+                                          r"machines, and this run has one machine and no "
+                                          r"servers: no link would be shaped\. HINT: pass "
+                                          r"--nodes 2 or more \(or --servers K\), or leave "
+                                          r"--bandwidth and --latency out$"):
+        plan_job(Job(model="mlp", workers=2, bandwidth="10mbit"), compute=FIXED)

@@ -6,6 +6,7 @@ import argparse
 import json
 from typing import Any
 
+from .. import _env
 from ..errors import ConfigError
 from ..plan import HOSTS, Job, plan_job
 from ..strategies.base import get_strategy, strategy_names
@@ -32,6 +33,10 @@ def add_parser(sub: Any) -> None:
                         "runs them; real: each machine its own host")
     p.add_argument("--cores", type=int, default=None, metavar="C",
                    help="with --hosts emulated: the host's cores (default: this machine's)")
+    p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                   help="the run's longest wait on another process (default: "
+                        "POLYTRAIN_TIMEOUT, else 120): a strategy whose first message "
+                        "outlasts it on --bandwidth is left out, as train refuses it")
     p.add_argument("--json", action="store_true",
                    help='print {"predictions": {NAME: {...}}, "recommended": NAME, ...}')
     _model_flags.update(add_model_flags(p))
@@ -50,7 +55,7 @@ def job_from_args(ns: argparse.Namespace) -> Job:
                workers=ns.workers, nodes=ns.nodes, servers=ns.servers,
                batch_size=ns.batch_size, optimizer=ns.optimizer, bandwidth=ns.bandwidth,
                latency=ns.latency, devices=ns.devices, hosts=ns.hosts, cores=ns.cores,
-               data=ns.data)
+               data=ns.data, timeout_s=ns.timeout if ns.timeout is not None else _env.timeout_of())
 
 
 def run(ns: argparse.Namespace) -> int:

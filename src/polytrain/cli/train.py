@@ -180,10 +180,17 @@ def auto_config(ns: argparse.Namespace) -> TrainConfig:
                               f"defaults)", f"leave {opt.flag} out, or pass --strategy "
                               f"{opt.owners[0]}")
     common = _common(ns)
-    plan = plan_job(Job(model=ns.model, model_options=common["model_options"],
-                        workers=ns.workers, nodes=ns.nodes, servers=ns.servers,
-                        batch_size=ns.batch_size, optimizer=ns.optimizer,
-                        bandwidth=ns.bandwidth, latency=ns.latency, devices=ns.devices))
+    job = Job(model=ns.model, model_options=common["model_options"], workers=ns.workers,
+              nodes=ns.nodes, servers=ns.servers, batch_size=ns.batch_size,
+              optimizer=ns.optimizer, bandwidth=ns.bandwidth, latency=ns.latency,
+              devices=ns.devices, data=ns.data, timeout_s=common["timeout_s"])
+    # The run's other options, checked before the planner times the model (seconds, a
+    # minute for a long window): as ddp's, whose own checks refuse nothing the other
+    # candidates take, on the job's layout. The network and the devices are each
+    # candidate's to pass (Job.refusals).
+    TrainConfig(strategy="ddp", **{**common, "workers": job.workers, "nodes": job.nodes,
+                                   "bandwidth": None, "latency": None, "devices": None})
+    plan = plan_job(job)
     pick = chosen(plan)
     return TrainConfig(strategy=pick.strategy, servers=pick.servers, auto=auto_record(plan),
                        **common)

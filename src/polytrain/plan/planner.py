@@ -9,7 +9,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from .. import _env
-from ..config import check_strategy, layout_of, model_profile
+from ..config import check_data_length, check_link, check_strategy, layout_of, model_profile
 from ..data import DEFAULT_DATASET, check_dataset
 from ..emulation.devices import parse_cluster
 from ..errors import ConfigError, at_least, check_whole, unknown
@@ -55,7 +55,8 @@ class Job:
 
     The fields are ``polytrain train``'s (``devices`` sets ``workers`` and ``nodes``);
     ``hosts`` says whether the machines are emulated on this host (``cores`` of it) or
-    real ones.
+    real ones; ``timeout_s`` is the run's (a link too slow for its first wait refuses a
+    candidate, as ``polytrain train`` does).
     """
 
     model: str = "gpt"
@@ -71,6 +72,7 @@ class Job:
     hosts: str = "emulated"
     cores: int | None = None
     data: str = DEFAULT_DATASET
+    timeout_s: float = field(default_factory=_env.timeout_of)
 
     def __post_init__(self) -> None:
         # TrainConfig's checks: a count of 2.0 ended in a TypeError from inside torch, and
@@ -113,7 +115,12 @@ class Job:
                               f"split evenly over {self.workers} workers",
                               f"pass --batch-size a multiple of {self.workers}")
         link_shape(self.bandwidth, self.latency)  # a bad rate or time: its own ConfigError
-        get_model(self.model).check_data(self.data)
+        _env.check_seconds(self.timeout_s, "--timeout", "pass --timeout 120")
+        spec = get_model(self.model)
+        spec.check_data(self.data)
+        # Before the timing (a minute, for a long window): train refused the choice.
+        check_data_length(spec, self._meta_model(), self.model_options, data=self.data,
+                          batch_size=self.batch_size)
 
     def network(self) -> Network:
         assert self.workers is not None and self.nodes is not None
@@ -164,8 +171,9 @@ class Job:
         """What ``polytrain train`` would refuse of each of ``candidates`` before starting it,
         with each strategy's defaults: the checks TrainConfig runs too, its strategy's of the
         layout, the model (built on the meta device) and the optimizer
-        (:func:`~polytrain.config.check_strategy`), and with ``devices`` whether every device
-        holds what a worker keeps."""
+        (:func:`~polytrain.config.check_strategy`), the network's
+        (:func:`~polytrain.config.check_link`: ddp's first message is the whole model), and
+        with ``devices`` whether every device holds what a worker keeps."""
         model = self._meta_model()
         optimizer = make_optimizer(self.optimizer, model, 1e-3)
         cluster = parse_cluster(self.devices) if self.devices is not None else None
@@ -180,6 +188,8 @@ class Job:
             layout = self._layout(c)
             try:
                 check_strategy(cls, options, layout, model, optimizer)
+                check_link(c.strategy, model, layout, bandwidth=self.bandwidth,
+                           latency=self.latency, timeout_s=self.timeout_s)
                 cls.check_devices(cluster, profile, layout, options, batch_size=self.batch_size,
                                   optimizer=self.optimizer)
             except ConfigError as e:
@@ -255,6 +265,7 @@ class Plan:
                         "batch_size": self.job.batch_size, "optimizer": self.job.optimizer,
                         "bandwidth": self.job.bandwidth, "latency": self.job.latency,
                         "devices": self.job.devices, "hosts": self.job.hosts,
+                        "timeout_s": self.job.timeout_s,
                         "shared_host_cores": self.network.shared_host_cores},
                 "compute": {"forward_s": self.compute.forward_s,
                             "backward_s": self.compute.backward_s,

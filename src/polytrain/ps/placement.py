@@ -129,7 +129,8 @@ def balanced(partitions: Sequence[Partition], servers: Sequence[int]) -> Placeme
     """
     if not servers:
         raise ConfigError("a placement needs at least one server (got none)",
-                          "start servers with --servers K")
+                          "start servers: --servers K on the command line, servers=K in "
+                          "polytrain.launch()")
     load = {s: 0 for s in servers}
     owners = [0] * len(partitions)
     for i in sorted(range(len(partitions)), key=lambda i: (-partitions[i].nbytes, i)):
