@@ -37,7 +37,8 @@ def build(seed: int) -> nn.Module:
     return model
 
 
-def train_and_save(directory: str, expert_parallel: int) -> dict[str, torch.Tensor]:
+def train_and_save(directory: str, expert_parallel: int) -> tuple[dict[str, torch.Tensor],
+                                                                 dict[str, str]]:
     ctx = polytrain.init()
     model = build(0)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
@@ -45,9 +46,21 @@ def train_and_save(directory: str, expert_parallel: int) -> dict[str, torch.Tens
     x = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(ctx.rank))
     model(x).square().mean().backward()
     opt.step()
-    # One expert group writes; the other groups hold replicas of the same experts.
-    save_sharded(model.module, directory, write=ctx.worker_index < expert_parallel)
-    return polytrain.full_state_dict(model)
+    # Every expert group wrote the same .shard-R.pt.pending (they hold replicas of the same
+    # experts): the saves raised FileNotFoundError, or mixed two groups' shards silently.
+    # What distribute() returned says which group writes: the first.
+    save_sharded(model, directory)
+    refused: dict[str, str] = {}
+    for name, given, write in (("every rank", model, True), ("one of a group", model,
+                                                             ctx.rank in (0, 3)),
+                               ("plain model", model.module, None)):
+        try:
+            save_sharded(given, Path(directory).parent / f"{Path(directory).name}-{name}",
+                         write=write)
+            refused[name] = "saved"
+        except polytrain.ConfigError as e:
+            refused[name] = str(e)
+    return polytrain.full_state_dict(model), refused
 
 
 def tied(seed: int) -> nn.Module:
@@ -139,7 +152,24 @@ def load(directory: str, full: dict[str, torch.Tensor], scratch: str) -> dict[st
 
 @pytest.mark.timeout(120)
 def test_save_on_four_load_on_two_and_on_one(tmp_path):
-    saved = spawn(train_and_save, workers=4, args=(str(tmp_path), 2))[0]
+    results = spawn(train_and_save, workers=4, args=(str(tmp_path), 2))
+    saved = results[0][0]
+    groups = "expert groups (0, 1), (2, 3)"
+    hint = ("HINT: leave write unset (the first expert group writes), or pass write=True on "
+            "the ranks of one expert group and write=False on the others")
+    for _, refused in results:
+        assert refused == {
+            "every rank": f"save_sharded writes each shard once, from one expert group, but "
+                          f"ranks 0, 1, 2, 3 pass write=True ({groups}): ranks 0 and 2 hold "
+                          f"the same experts and would both write shard-0.pt. {hint}",
+            "one of a group": f"save_sharded writes each shard once, from one expert group, "
+                              f"but ranks 0, 3 pass write=True ({groups}). {hint}",
+            "plain model": "save_sharded: the MoE layers' experts are split over 2 of the 4 "
+                           "workers (other expert groups hold copies), and write is unset. "
+                           "HINT: pass what distribute() returned (its first expert "
+                           "group then writes), or write=True on the ranks of one expert "
+                           "group and write=False on the others"}, refused
+    assert not any(p.name.startswith(f"{tmp_path.name}-") for p in tmp_path.parent.iterdir())
     untrained = build(0).state_dict()
     assert list(saved) == list(untrained)  # the all-local model's keys, in its order
     assert max(float((saved[k] - untrained[k]).abs().max()) for k in saved) > 1e-3

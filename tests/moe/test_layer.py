@@ -278,3 +278,31 @@ def test_a_layer_applied_twice_in_a_forward_counts_its_last_calls_aux_loss():
     assert torch.equal(twice, aux_loss(layer))
     layer(x)
     assert not torch.equal(twice, aux_loss(layer))
+
+
+def test_an_expert_factory_that_gives_back_what_it_built_before_is_refused():
+    # expert=lambda d: shared gave 4 experts that were one module: under --strategy moe each
+    # worker's copy took gradient from its own local experts only, and the copies drifted
+    # apart silently. A tensor shared by two experts does the same.
+    shared = nn.Linear(D, D)
+    with pytest.raises(ConfigError, match=r"^expert=.*<lambda> gave expert 1 the module it "
+                                          r"gave expert 0: the experts would share its "
+                                          r"parameters\. HINT: make expert=f\(d_model\) build "
+                                          r"a new module at each call"):
+        MoE(D, E, expert=lambda d: shared)
+
+    def tied(d: int) -> nn.Module:
+        return nn.Sequential(nn.Linear(d, d), nn.Tanh(), shared)
+
+    with pytest.raises(ConfigError, match=r"^expert=.*tied gave expert 1 the parameter "
+                                          r"'2.weight' of expert 0 \('2.weight'\): the experts "
+                                          r"would share it\. HINT: "):
+        MoE(D, E, expert=tied)
+    stats = nn.BatchNorm1d(D, affine=False)
+    with pytest.raises(ConfigError, match=r"gave expert 1 the buffer '1.running_mean' of "
+                                          r"expert 0 \('1.running_mean'\)"):
+        MoE(D, E, expert=lambda d: nn.Sequential(nn.Linear(d, d), stats))
+    # A module without tensors may be shared (moefy's experts share the layer's activation).
+    tanh = nn.Tanh()
+    layer = MoE(D, E, expert=lambda d: nn.Sequential(nn.Linear(d, d), tanh))
+    assert len(list(layer.experts.parameters())) == 2 * E

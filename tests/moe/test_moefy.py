@@ -1,5 +1,8 @@
 """moefy: MoE feed-forward blocks in polytrain's GPT and torch's transformer layers."""
 
+import copy
+import pickle
+
 import pytest
 import torch
 from torch import nn
@@ -7,6 +10,7 @@ from torch import nn
 from polytrain import ConfigError
 from polytrain.models import GPT, get_model
 from polytrain.moe import MoE, aux_loss, moefy
+from polytrain.moe.moefy import MoEDecoderLayer, MoEEncoderLayer
 
 
 def test_gpt_blocks_get_moe_feed_forwards():
@@ -133,3 +137,59 @@ def test_a_model_moefied_twice_is_refused_naming_the_layer():
     with pytest.raises(ConfigError, match=r"moefy: the feed-forward block of 'layers.0' is an "
                                           r"MoE layer already \(4 experts\)"):
         moefy(encoder, 4)
+
+
+class Shifted(nn.TransformerEncoderLayer):
+    """A user's layer: torch's, its output moved by 100 (module level: pickled by name)."""
+
+    def forward(self, src: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        return 100.0 + super().forward(src, *args, **kwargs)
+
+
+class ShiftedDecoder(nn.TransformerDecoderLayer):
+    def forward(self, tgt: torch.Tensor, memory: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        return 100.0 + super().forward(tgt, memory, *args, **kwargs)
+
+
+def test_a_subclass_of_torchs_layers_keeps_its_own_methods():
+    # moefy set the layer's class to MoEEncoderLayer: a subclass's forward was dropped
+    # silently (100 + the layer's output gave a mean of 0.0, not 100.0).
+    torch.manual_seed(0)
+    encoder = moefy(nn.TransformerEncoder(Shifted(16, 2, 32, dropout=0.0, batch_first=True),
+                                          2, enable_nested_tensor=False), 4, top_k=2)
+    first, second = encoder.layers
+    assert isinstance(first, Shifted) and isinstance(first, MoEEncoderLayer)
+    assert type(first) is type(second) and type(first).__name__ == "MoEShifted"
+    x = torch.randn(2, 3, 16)
+    h = 100.0 + MoEEncoderLayer.forward(first, x)
+    want = 100.0 + MoEEncoderLayer.forward(second, h)
+    assert torch.equal(encoder(x), want)
+    assert abs(float(want.detach().mean()) - 100.0) < 1e-3
+    keys = list(encoder.state_dict())
+    assert "layers.0.moe.experts.0.fc.weight" in keys and not any("linear1" in k for k in keys)
+    # Copies and pickles rebuild the same class, weights and output.
+    for again in (copy.deepcopy(encoder), pickle.loads(pickle.dumps(encoder))):
+        assert type(again.layers[0]) is type(first)
+        assert list(again.state_dict()) == keys
+        assert torch.equal(again(x), want)
+    decoder = moefy(nn.TransformerDecoder(ShiftedDecoder(16, 2, 32, dropout=0.0,
+                                                         batch_first=True), 1), 4)
+    layer = decoder.layers[0]
+    assert isinstance(layer, ShiftedDecoder) and isinstance(layer, MoEDecoderLayer)
+    memory = torch.randn(2, 5, 16)
+    assert torch.equal(decoder(x, memory), 100.0 + MoEDecoderLayer.forward(layer, x, memory))
+
+
+def test_a_subclass_with_its_own_feed_forward_block_is_refused():
+    # Its _ff_block reads linear1 and linear2, which the MoE layer replaces.
+    class Gated(nn.TransformerEncoderLayer):
+        def _ff_block(self, x: torch.Tensor) -> torch.Tensor:
+            return self.dropout2(self.linear2(torch.sigmoid(self.linear1(x)) * x.mean()))
+
+    encoder = nn.TransformerEncoder(Gated(16, 2, 32, batch_first=True), 2,
+                                    enable_nested_tensor=False)
+    with pytest.raises(ConfigError, match=r"^moefy cannot replace the feed-forward block of "
+                                          r"'layers.0': its class Gated overrides _ff_block, "
+                                          r"which the MoE layer would replace\. HINT: "):
+        moefy(encoder, 4)
+    assert hasattr(encoder.layers[0], "linear1")  # refused before any layer was changed

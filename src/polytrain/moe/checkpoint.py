@@ -170,9 +170,10 @@ def _bare(model: Any) -> nn.Module:
     return model
 
 
-def _gather(group: ExpertGroup, value: Any) -> list[Any]:
-    """Every rank's ``value`` over ``group``, by rank. gloo's failure (a peer gone, a wait
-    timed out) names no one: in a run it is said as the run's other collectives say it."""
+def _gather(group: ExpertGroup, value: Any, what: str = "the expert-parallel group") -> list[Any]:
+    """Every rank's ``value`` over ``group`` (``what``, for errors), by rank. gloo's failure
+    (a peer gone, a wait timed out) names no one: in a run it is said as the run's other
+    collectives say it."""
     if not group.distributed:
         return [value]
     out: list[Any] = [None] * group.size
@@ -183,8 +184,8 @@ def _gather(group: ExpertGroup, value: Any) -> list[Any]:
             raise
         ctx = runtime.current()
         ranks = ", ".join(map(str, group.global_ranks))
-        raise ctx.transport.error(e, None, f"save_sharded's exchange with the expert-parallel "
-                                           f"group (ranks {ranks})", ctx.timeout_s) from None
+        raise ctx.transport.error(e, None, f"save_sharded's exchange with {what} (ranks "
+                                           f"{ranks})", ctx.timeout_s) from None
     return out
 
 
@@ -204,15 +205,67 @@ def _refuse_failures(errors: list[str | None], group: ExpertGroup, path: Path,
                               f"writable; {left}")
 
 
-def save_sharded(model: nn.Module, directory: str | Path, *, write: bool = True) -> None:
+_ONE_GROUP = ("leave write unset (the first expert group writes), or pass write=True on the "
+              "ranks of one expert group and write=False on the others")
+
+
+def _expert_groups(model: Any) -> tuple[tuple[int, ...], ...] | None:
+    """The expert groups of what ``distribute(..., strategy="moe")`` returned, else None."""
+    strategy = getattr(model, "_polytrain_strategy", None) if isinstance(model, nn.Module) \
+        else getattr(model, "strategy", None)
+    # The moe strategy's ExpertPlacement, read as plain data (the strategies import this module).
+    groups: tuple[tuple[int, ...], ...] | None = getattr(
+        getattr(strategy, "placement", None), "expert_groups", None)
+    return groups
+
+
+def _writes(model: Any, write: bool | None, group: ExpertGroup) -> bool:
+    """Whether this rank writes its shard: ``write``, else whether it is in the first expert
+    group. Where expert groups hold copies of the same experts, each shard is written once:
+    every worker tells the others what it was given, and all refuse alike another choice
+    (every group wrote the same files at once: saves failed, or mixed two groups' shards)."""
+    groups = _expert_groups(model)
+    if groups is None or len(groups) == 1:
+        workers = runtime.current().num_workers if runtime.is_initialized() else 1
+        if write is None and groups is None and group.distributed and group.size < workers:
+            raise ConfigError(f"save_sharded: the MoE layers' experts are split over "
+                              f"{group.size} of the {workers} workers (other expert groups "
+                              f"hold copies), and write is unset",
+                              "pass what distribute() returned (its first expert group then "
+                              "writes), or write=True on the ranks of one expert group and "
+                              "write=False on the others")
+        return write is not False
+    ctx = runtime.current()
+    mine = ctx.rank in groups[0] if write is None else write
+    everyone = ExpertGroup(ctx.groups.workers)
+    writers = [r for r, w in zip(everyone.global_ranks, _gather(everyone, mine, "the workers"))
+               if w]
+    if tuple(writers) not in groups:
+        listed = ", ".join(map(str, groups))
+        who = f"ranks {', '.join(map(str, writers))} pass" if writers else "no rank passes"
+        what = (f"save_sharded writes each shard once, from one expert group, but {who} "
+                f"write=True (expert groups {listed})")
+        for j in range(len(groups[0])):  # the first shard two ranks would write
+            both = [g[j] for g in groups if g[j] in writers]
+            if len(both) > 1:
+                what += (f": ranks {both[0]} and {both[1]} hold the same experts and would "
+                         f"both write shard-{j}.pt")
+                break
+        raise ConfigError(what, _ONE_GROUP)
+    return mine
+
+
+def save_sharded(model: nn.Module, directory: str | Path, *, write: bool | None = None) -> None:
     """Write this rank's experts (and, on expert-parallel rank 0, the rest) to ``directory``.
 
-    Every rank of the expert-parallel groups calls it; one group writes, and the ranks
-    of the others, which hold the same experts (data-parallel replicas), pass
-    ``write=False``. Files: ``meta.json`` and ``shard-R.pt`` per rank R of the
-    expert-parallel group, each with canonical keys. ``model`` may be what ``distribute``
-    returned (a wrapper, a DDP or a step API's trainer): its model is saved, under the
-    model's own names.
+    Every rank of the expert-parallel groups calls it; one group writes. ``model`` may
+    be what ``distribute`` returned (a wrapper, a DDP or a step API's trainer): its model
+    is saved, under the model's own names, and with ``write`` unset the first expert
+    group writes (the others hold copies of the same experts: data-parallel replicas).
+    Given the plain model of several expert groups, pass ``write=True`` on one group's
+    ranks and ``write=False`` on the others'. ``write=True`` on two ranks that hold the
+    same experts is refused. Files: ``meta.json`` and ``shard-R.pt`` per rank R of the
+    expert-parallel group, each with canonical keys.
 
     Each rank writes its shard under a temporary name; only once every rank of the group
     has (an exchange over the group, which times out after the run's ``--timeout`` like
@@ -223,12 +276,13 @@ def save_sharded(model: nn.Module, directory: str | Path, *, write: bool = True)
     which :func:`load_sharded` refuses. On return the directory is complete on every
     writing rank.
     """
+    given = model
     model = _bare(model)
     layers = moe_layers(model)
     size = _one_group_size(layers)
     group = layers[0][1].group if layers else ExpertGroup(None)
     rank = group.rank
-    if not write:
+    if not _writes(given, write, group):
         return
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)

@@ -203,6 +203,32 @@ class _GroupedMLP(torch.autograd.Function):
 FeedForwardExpert = FeedForward  # one expert: the feed-forward block of polytrain's GPT
 
 
+def _refuse_shared(experts: list[nn.Module], factory_name: str) -> None:
+    """Refuse experts that share a module or a tensor: each expert trains its own (under
+    expert parallelism a shared one took each worker's local experts' gradient only, and
+    its copies drifted apart silently)."""
+    owner: dict[int, tuple[int, str]] = {}  # id -> (first expert holding it, its name there)
+    for i, expert in enumerate(experts):
+        if id(expert) in owner:
+            raise ConfigError(f"expert={factory_name} gave expert {i} the module it gave expert "
+                              f"{owner[id(expert)][0]}: the experts would share its parameters",
+                              _NEW_EACH_CALL)
+        owner[id(expert)] = (i, "")
+        tensors = [("parameter", n, t) for n, t in expert.named_parameters()] + \
+                  [("buffer", n, t) for n, t in expert.named_buffers()]
+        for kind, n, t in tensors:
+            first, first_name = owner.setdefault(id(t), (i, n))
+            if first != i:
+                raise ConfigError(f"expert={factory_name} gave expert {i} the {kind} {n!r} of "
+                                  f"expert {first} ({first_name!r}): the experts would share "
+                                  f"it", _NEW_EACH_CALL)
+
+
+_NEW_EACH_CALL = ("make expert=f(d_model) build a new module at each call, with its own "
+                  "parameters, e.g. lambda d: nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), "
+                  "nn.Linear(4 * d, d))")
+
+
 class ExpertList(nn.ModuleList):
     """Local experts built by any factory ``f(d_model) -> nn.Module``, one call per slice.
 
@@ -215,9 +241,12 @@ class ExpertList(nn.ModuleList):
 
     def __init__(self, num_local: int, d_model: int,
                  factory: Callable[[int], nn.Module]) -> None:
-        super().__init__(factory(d_model) for _ in range(num_local))
+        name = getattr(factory, "__qualname__", type(factory).__name__)
+        experts = [factory(d_model) for _ in range(num_local)]
+        _refuse_shared(experts, name)
+        super().__init__(experts)
         #: The factory's name, for the refusal of an expert of another width.
-        self.factory_name = getattr(factory, "__qualname__", type(factory).__name__)
+        self.factory_name = name
 
     def keep(self, first: int, count: int) -> None:
         """Keep experts ``first .. first+count-1`` only (expert parallelism shards the list)."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, SupportsIndex
 
 import torch
 import torch.nn.functional as F
@@ -19,7 +19,8 @@ class MoEEncoderLayer(nn.TransformerEncoderLayer):
     """A :class:`torch.nn.TransformerEncoderLayer` whose feed-forward block is ``self.moe``.
 
     Made by :func:`moefy` (which swaps the class of an existing layer); the
-    feed-forward block becomes ``dropout2(moe(x))``.
+    feed-forward block becomes ``dropout2(moe(x))``. A layer of a subclass ``Mine``
+    becomes a ``MoEMine``, both this and ``Mine``: its own methods stay.
     """
 
     moe: MoE
@@ -35,6 +36,45 @@ class MoEDecoderLayer(nn.TransformerDecoderLayer):
 
     def _ff_block(self, x: torch.Tensor) -> torch.Tensor:
         return self.dropout3(self.moe(x))
+
+
+_TORCH = {nn.TransformerEncoderLayer: MoEEncoderLayer, nn.TransformerDecoderLayer: MoEDecoderLayer}
+_CLASSES: dict[type[nn.Module], type[nn.Module]] = {}  # a user's subclass -> its MoE class
+
+
+def _moe_class(cls: type[nn.Module]) -> type[nn.Module]:
+    """The class a moefied layer of class ``cls`` takes: ``cls``'s methods, the MoE
+    feed-forward block (before, every layer became an MoEEncoderLayer, and a subclass's
+    own forward was dropped silently)."""
+    base: type[nn.Module] = next(moe for torch_class, moe in _TORCH.items()
+                                 if issubclass(cls, torch_class))
+    if cls in _TORCH:
+        return base
+    if cls not in _CLASSES:
+        # Not importable by name: pickle and copy rebuild it from ``cls``.
+        def __reduce_ex__(self: nn.Module, protocol: SupportsIndex) -> Any:
+            return (_new_layer, (cls,), *super(_CLASSES[cls], self).__reduce_ex__(protocol)[2:])
+
+        _CLASSES[cls] = type(f"MoE{cls.__name__}", (base, cls),
+                             {"__module__": cls.__module__, "__reduce_ex__": __reduce_ex__})
+    return _CLASSES[cls]
+
+
+def _new_layer(user: type[nn.Module]) -> nn.Module:
+    """An empty layer of the MoE class of ``user`` (a subclass of torch's layers), for
+    pickle and copy to fill."""
+    cls = _moe_class(user)
+    return cls.__new__(cls)
+
+
+def _check_own_block(name: str, layer: nn.Module) -> None:
+    """Refuse a subclass whose own feed-forward block the MoE layer would replace."""
+    torch_class = next(c for c in _TORCH if isinstance(layer, c))
+    if type(layer)._ff_block is not torch_class._ff_block:  # type: ignore[attr-defined]
+        raise ConfigError(f"moefy cannot replace the feed-forward block of {name!r}: its class "
+                          f"{type(layer).__name__} overrides _ff_block, which the MoE layer "
+                          f"would replace", "moefy layers that keep torch's _ff_block, or "
+                          "call an MoE layer in your _ff_block yourself (self.moe = MoE(...))")
 
 
 def _like(layer: MoE, reference: torch.Tensor) -> MoE:
@@ -73,8 +113,7 @@ def _moefy_torch_layer(layer: nn.Module, num_experts: int, options: dict[str, An
     # The fused inference path reads linear1/linear2 directly; turning it off routes
     # every call through _ff_block.
     layer.activation_relu_or_gelu = 0  # type: ignore[assignment]
-    layer.__class__ = (MoEEncoderLayer if isinstance(layer, nn.TransformerEncoderLayer)
-                       else MoEDecoderLayer)
+    layer.__class__ = _moe_class(type(layer))
     layer.moe = moe
 
 
@@ -115,6 +154,8 @@ def moefy(model: nn.Module, num_experts: int, *, every: int = 1, **options: Any)
                               f"already ({block.num_experts} experts)",
                               "moefy a model once (for other experts, build the model again "
                               "and moefy that)")
+        if not isinstance(layer, Block):
+            _check_own_block(name, layer)
     for _, layer in chosen:
         if isinstance(layer, Block):
             fc = layer.mlp.fc
