@@ -151,7 +151,10 @@ class LazyAdam(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None  # type: ignore[override]
              ) -> float | None:
-        loss = closure() if closure is not None else None
+        loss = None
+        if closure is not None:  # its backward needs the graph that no_grad would not build
+            with torch.enable_grad():
+                loss = closure()
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:

@@ -129,13 +129,31 @@ def build_and_distribute(strategy: str) -> None:
     polytrain.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1), strategy)
 
 
-def agree_on_weights(strategy: str) -> list[torch.Tensor]:
+def agree_on_weights(strategy: str) -> tuple[list[torch.Tensor], dict]:
     ctx = polytrain.init()
     torch.manual_seed(ctx.rank)
     model = GPT(seq_len=8, d_model=16, layers=1, heads=2)
     wrapped, _ = polytrain.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1),
                                       strategy)
-    return [p.detach().clone() for p in wrapped.parameters()]
+    weights = [p.detach().clone() for p in wrapped.parameters()]
+    return weights, nested_then_closed(wrapped) if strategy == "herring" else {}
+
+
+def nested_then_closed(wrapped: torch.nn.Module) -> dict:
+    """A herring DDP's state inside another module, changed and loaded back (its keys bare
+    at every level), and what its forward says after close()."""
+    from tests.harness import refused
+    outer = torch.nn.ModuleDict({"net": wrapped})
+    state = {k: v + 1 for k, v in outer.state_dict().items()}
+    outer.load_state_dict(state)
+    inner = wrapped.module.state_dict()
+    top = wrapped.state_dict()
+    wrapped.load_state_dict(top)  # the bare keys at the top too
+    loaded = all(torch.equal(inner[k.removeprefix("net.")], v) for k, v in state.items())
+    polytrain.strategy_of(wrapped).close()
+    wrapped.close()  # twice is fine
+    return {"keys": sorted(state), "top": sorted(top), "inner": sorted(inner), "loaded": loaded,
+            "closed": refused(lambda: wrapped(torch.zeros(1, 8, dtype=torch.long)))}
 
 
 # herring's drop-in DDP copies the weights itself; distribute checks the model for both.
@@ -183,9 +201,22 @@ def test_workers_whose_optimizers_differ_get_one_clear_error(strategy, case, mes
 @pytest.mark.parametrize("strategy", ["ddp", "herring"])
 @pytest.mark.timeout(60)
 def test_parameters_start_identical_on_every_worker(strategy):
-    a, b = spawn(agree_on_weights, workers=2, colocated=int(strategy == "herring"),
-                 args=(strategy,))
+    (a, nested), (b, _) = spawn(agree_on_weights, workers=2,
+                                colocated=int(strategy == "herring"), args=(strategy,))
     assert len(a) == len(b) > 0 and all(torch.equal(x, y) for x, y in zip(a, b))
+    if strategy != "herring":
+        return
+    # herring's DDP nested in another module (a ModuleDict, AveragedModel) could not load
+    # its own state_dict: "Missing key(s) net.module.a.weight" (its state_dict and
+    # load_state_dict dropped "module." at the top only, and nesting never calls them).
+    assert nested["keys"] == ["net." + k for k in nested["inner"]] == \
+        ["net." + k for k in nested["top"]] and nested["loaded"], nested
+    # After close() (its gradient hooks removed) a step was accepted, summing nothing: the
+    # workers' weights drifted apart.
+    assert nested["closed"] == (
+        "this DistributedDataParallel was closed (close() removed its gradient hooks): a "
+        "forward now would train this worker's copy alone. HINT: close() it after the last "
+        "step; evaluate or train its .module (this worker's copy), or wrap that again"), nested
 
 
 def freeze_on_one_worker(strategy: str) -> str:

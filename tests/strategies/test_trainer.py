@@ -2,6 +2,7 @@
 whose data-parallel width changes during the run (as PipeTransformer's will)."""
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -108,13 +109,43 @@ def refusal(strategy: str, device: str = "cpu") -> str:
     return "accepted"
 
 
+def unlike(change: str) -> str:
+    """What distribute() says where worker 1 passes another strategy, or another option, or
+    where worker 0's Adam holds state (as after its own optimizer.load_state_dict) and
+    worker 1's none."""
+    other = polytrain.runtime.current().worker_index == 1
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    strategy = "moe" if change == "strategy" and other else "ddp"
+    options = {"find_unused_parameters": True} if change == "option" and other else {}
+    if change == "state" and not other:
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.ones(2, 4)).sum().backward()
+            opt.step()
+    try:
+        polytrain.distribute(model, opt, strategy, **options)
+    except ConfigError as e:
+        return str(e)
+    return "accepted"
+
+
 def refusals() -> list[str]:
     """What distribute() says in a run of 2 workers: of 'single' before polytrain.init() and
     after it, of a pipeline of more stages than layers, and of ddp given a model on another
-    device than the run's (the meta device: CI has no GPU)."""
+    device than the run's (the meta device: CI has no GPU); then of workers that differ
+    (:func:`unlike`)."""
     before = refusal("single")
     polytrain.init()
-    return [before, refusal("single"), refusal("pipetransformer"), refusal("ddp", "meta")]
+    return [before, refusal("single"), refusal("pipetransformer"), refusal("ddp", "meta"),
+            *(unlike(change) for change in ("strategy", "option", "state"))]
+
+
+@functools.cache
+def refusals_run() -> list[str]:
+    """Worker 0's :func:`refusals`, spawned once for the tests that read them."""
+    from tests.harness import spawn
+    return spawn(refusals, workers=2)[0]
 
 
 @pytest.mark.timeout(60)
@@ -124,9 +155,7 @@ def test_distribute_refuses_what_the_cli_refuses_before_any_process_starts():
     # 'single' before polytrain.init() was accepted: only a context's workers were counted.
     # A model on a GPU in a run on the CPU (no init(device="cuda")) was moved to the CPU by
     # ddp's wrap, silently.
-    from tests.harness import spawn
-
-    before, single, pipeline, elsewhere = spawn(refusals, workers=2)[0]
+    before, single, pipeline, elsewhere = refusals_run()[:4]
     assert before == ("strategy 'single' trains in one process, and polytrain launch started "
                       "this process as one of 2: each would train its own copy. HINT: pick a "
                       "distributed strategy, e.g. strategy='ddp'"), before
@@ -137,6 +166,26 @@ def test_distribute_refuses_what_the_cli_refuses_before_any_process_starts():
     assert elsewhere == ("parameter '0.weight' is on meta, and this run's workers compute on "
                          "cpu: strategy 'ddp' would move the model there. HINT: move the model "
                          "to cpu before distribute()"), elsewhere
+
+
+@pytest.mark.timeout(60)
+def test_workers_that_pass_other_strategies_options_or_optimizer_state_are_refused():
+    # ddp on worker 0 and herring on worker 1 waited for gloo's timeout, which blamed rank 0;
+    # byteps's partition_bytes 4096 against 8 was called another model. Adam's state on
+    # worker 0 alone (loaded from a checkpoint there) was accepted: the workers' weights
+    # differed by 0.17 after one identical step. The check compared the optimizers' classes
+    # and settings only, and no check compared the strategies.
+    strategy, option, state = refusals_run()[4:]
+    same = "HINT: pass the same strategy and options to distribute() on every worker"
+    assert strategy == ("worker rank 1's strategy differs from worker rank 0's (machine node0: "
+                        "moe; machine node0: ddp). " + same), strategy
+    assert option == ("worker rank 1's strategy 'ddp' option find_unused_parameters differs "
+                      "from worker rank 0's (machine node0: True; machine node0: False). "
+                      + same), option
+    assert state == ("worker rank 1's optimizer differs from worker rank 0's: it holds no "
+                     "state for '0.weight' in parameter group 0, not state at step 3. HINT: "
+                     "load the same optimizer state on every worker before distribute() "
+                     "(optimizer.load_state_dict on each), or on none"), state
 
 
 def other_optimizer(strategy: str) -> str:
@@ -192,3 +241,45 @@ def test_a_step_of_inputs_and_targets_of_different_batches_is_refused():
     with pytest.raises(ConfigError, match=r"trainer.step got 4 inputs but 3 targets"):
         trainer.step(torch.zeros(4, 2), torch.zeros(3, 2))
     assert trainer.steps == 0
+
+
+def test_a_closed_trainer_refuses_to_step():
+    # herring, 2 workers: step, close, step was accepted, without gradient sums (close()
+    # had removed the hooks), and the workers' weights differed by 0.056.
+    model = torch.nn.Linear(2, 2)
+    trainer = polytrain.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                   strategy="single", loss_fn=mse)
+    x = torch.ones(4, 2)
+    trainer.step(x, x)
+    trainer.close()
+    trainer.close()  # twice is fine
+    before = model.weight.detach().clone()
+    with pytest.raises(ConfigError, match=r"^this trainer \(strategy 'single'\) was closed, "
+                                          r"releasing what its strategy trains with .*\. HINT: "
+                                          r"close\(\) the trainer after its last step"):
+        trainer.step(x, x)
+    assert trainer.steps == 1 and torch.equal(model.weight, before)
+
+
+def test_gate_losses_of_another_kind_than_a_bool_is_refused():
+    # gate_losses="false" was a true value: the gates' losses were added.
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ConfigError, match=r"^distribute\(\) option gate_losses must be True or "
+                                          r"False \(got 'false', a str\)\. HINT: pass "
+                                          r"gate_losses=True or gate_losses=False$"):
+        polytrain.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                             strategy="single", loss_fn=mse, gate_losses="false")
+
+
+def test_single_with_a_context_moves_the_batches_to_the_models_device():
+    # ctx = polytrain.init() (on the CPU), then model.cuda() and 'single' with ctx=ctx: the
+    # trainer moved each batch to ctx.device, not the model's, and every step failed in torch
+    # ("Expected all tensors to be on the same device"). 'single' never moves the model. (CI
+    # has no GPU: a model on the meta device stands for one on another device than ctx's.)
+    import types
+
+    ctx = types.SimpleNamespace(device=torch.device("cpu"), num_workers=1)
+    model = torch.nn.Linear(2, 2, device="meta")
+    trainer = polytrain.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                   strategy="single", ctx=ctx, loss_fn=mse)
+    assert trainer.device == torch.device("meta")

@@ -25,6 +25,7 @@ from .checks import (
     check_even_machines,
     check_optimizer_of,
     check_same_optimizer,
+    check_same_values,
     check_worker_models,
 )
 from .trainer import Trainer, with_gate_losses
@@ -400,7 +401,8 @@ def distribute(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str
                **options: Any) -> tuple[nn.Module, torch.optim.Optimizer] | Trainer:
     """Wrap ``model`` and ``optimizer`` to train with ``strategy``.
 
-    Checks that every worker built the same model (names, shapes, dtypes), makes
+    Checks that every worker passed the same strategy and options and built the same
+    model (names, shapes, dtypes) and optimizer (settings, state's steps), makes
     the parameters identical everywhere (broadcast from worker 0), and hands
     the model to the strategy. Without ``loss_fn`` it returns the model and
     optimizer for the plain loop (data-parallel strategies only); with it, a
@@ -443,6 +445,8 @@ def distribute(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str
             f"strategy={strategy!r}, loss_fn=loss_fn), then loss = trainer.step(x, y) on "
             f"each global batch")
     opts = make_options(cls, options)
+    gate_losses = check_kinds(distribute, {"gate_losses": gate_losses},
+                              what="distribute() option ")["gate_losses"]
     if not cls.distributed:
         _check_one_process(strategy)
     _check_whole_experts(model, strategy)
@@ -451,6 +455,13 @@ def distribute(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str
         if not ctx.is_worker:
             raise ConfigError(f"rank {ctx.rank} is a server and cannot train a model",
                               "call distribute() on workers only")
+        # Before anything a strategy does alone (its checks, its wrap's collectives): a worker
+        # on another strategy would wait in another collective until the timeout. A path
+        # (a DIR or FILE) names a place on each worker's machine, which may differ.
+        check_same_values(ctx, {"strategy": strategy, **{
+            f"strategy {strategy!r} option {f.name}": getattr(opts, f.name)
+            for f in dataclasses.fields(opts) if f.metadata.get("metavar") not in ("DIR", "FILE")}},
+            "pass the same strategy and options to distribute() on every worker")
         _check_device(model, ctx.device, strategy)
         if cls.even_machines:
             check_even_machines(strategy, ctx.topology)
@@ -476,8 +487,11 @@ def distribute(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str
             layer.set_batch_group(ctx.groups.workers)
     if loss_fn is None:
         return wrapped, opt
+    # 'single' trains the model where it is (a ctx given to it is not where it computes);
+    # the others moved it to the worker's device.
     first = next(iter(wrapped.parameters()), None)
-    device = ctx.device if ctx is not None else first.device if first is not None else None
+    device = (ctx.device if cls.distributed and ctx is not None
+              else first.device if first is not None else None)
     if gate_losses:
         loss_fn = with_gate_losses(loss_fn, wrapped)
     return Trainer(instance, wrapped, opt, loss_fn, device=device)

@@ -101,29 +101,47 @@ def _plain(value: Any) -> Any:
     return type(value).__qualname__ if " at 0x" in text else text
 
 
+def _state_said(state: Mapping[str, Any] | None) -> str:
+    # A parameter's optimizer state, cheaply (no tensor's contents): any, and at which step.
+    if not state:
+        return "no state"
+    step = _plain(state.get("step"))
+    return f"state at step {step:g}" if isinstance(step, (int, float)) else "state"
+
+
 def optimizer_signature(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[Any]:
-    """The optimizer's class, then each parameter group's settings and parameter names."""
+    """The optimizer's class, then each parameter group's settings, parameter names and
+    the parameters' state in words (whether they have any, at which step)."""
     names = {id(p): n for n, p in model.named_parameters()}
     groups = []
     for group in optimizer.param_groups:
         settings = {k: _plain(v) for k, v in sorted(group.items()) if k != "params"}
         groups.append((settings, [names.get(id(p), "(not in the model)")
-                                  for p in group["params"]]))
+                                  for p in group["params"]],
+                       [_state_said(optimizer.state.get(p)) for p in group["params"]]))
     return [type(optimizer).__qualname__, groups]
 
 
-def _optimizer_difference(a: list[Any], b: list[Any]) -> str:
+def _optimizer_difference(a: list[Any], b: list[Any]) -> tuple[str, str]:
+    """How optimizer signature ``b`` differs from ``a``, and what to do."""
+    same = "build the same optimizer with the same settings on every worker"
     if a[0] != b[0]:
-        return f"is {b[0]}, not {a[0]}"
+        return f"is {b[0]}, not {a[0]}", same
     if len(a[1]) != len(b[1]):
-        return f"has {len(b[1])} parameter groups, not {len(a[1])}"
-    for i, ((sa, pa), (sb, pb)) in enumerate(zip(a[1], b[1])):
+        return f"has {len(b[1])} parameter groups, not {len(a[1])}", same
+    for i, ((sa, pa, ta), (sb, pb, tb)) in enumerate(zip(a[1], b[1])):
         for key in sorted(set(sa) | set(sb)):
             if sa.get(key) != sb.get(key):
-                return f"sets {key} {sb.get(key)!r} in parameter group {i}, not {sa.get(key)!r}"
+                return (f"sets {key} {sb.get(key)!r} in parameter group {i}, not "
+                        f"{sa.get(key)!r}", same)
         if pa != pb:
-            return f"holds other parameters in parameter group {i}"
-    return "differs"
+            return f"holds other parameters in parameter group {i}", same
+        for name, x, y in zip(pa, ta, tb):
+            if x != y:
+                return (f"holds {y} for {name!r} in parameter group {i}, not {x}",
+                        "load the same optimizer state on every worker before distribute() "
+                        "(optimizer.load_state_dict on each), or on none")
+    return "differs", same
 
 
 def check_optimizer_of(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -143,7 +161,8 @@ def check_optimizer_of(model: nn.Module, optimizer: torch.optim.Optimizer) -> No
 def check_same_optimizer(ctx: Context, model: nn.Module,
                          optimizer: torch.optim.Optimizer) -> None:
     """Raise ConfigError on every worker if any worker's optimizer differs from worker 0's
-    (class, parameter groups, their settings): each would update its copy another way."""
+    (class, parameter groups, their settings, which parameters have state and at which
+    step): each would update its copy another way."""
     everyone: list[Any] = [None] * ctx.num_workers
     dist.all_gather_object(everyone, optimizer_signature(model, optimizer),
                            group=ctx.groups.workers)
@@ -151,10 +170,9 @@ def check_same_optimizer(ctx: Context, model: nn.Module,
     for i, other in enumerate(everyone):
         if other != everyone[0]:
             rank = ctx.topology.workers[i]
-            raise ConfigError(
-                f"worker rank {rank}'s optimizer differs from worker rank {ref_rank}'s: it "
-                f"{_optimizer_difference(everyone[0], other)}",
-                "build the same optimizer with the same settings on every worker")
+            how, fix = _optimizer_difference(everyone[0], other)
+            raise ConfigError(f"worker rank {rank}'s optimizer differs from worker rank "
+                              f"{ref_rank}'s: it {how}", fix)
 
 
 def check_same_tensors(ctx: Context, signature: Signature,

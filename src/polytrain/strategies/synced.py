@@ -4,7 +4,7 @@ BytePS's and Herring's ``DistributedDataParallel`` differ only in how they
 plan their gradient sums (fusion, placement, compression); both then hold a
 :class:`~polytrain.ps.grads.GradientSync` and show torch DDP's surface:
 ``forward`` (worker 0's buffers first, when torch's DDP would broadcast them), ``no_sync()``,
-a bare ``state_dict``.
+a bare ``state_dict`` (without ``module.``, at whatever depth the wrapper is nested).
 """
 
 from __future__ import annotations
@@ -66,6 +66,26 @@ def check_still_frozen(frozen: Sequence[tuple[str, nn.Parameter]],
                 f"would drift apart", hint)
 
 
+def _bare_keys(module: nn.Module, state: dict[str, Any], prefix: str,
+               local_metadata: dict[str, Any]) -> None:
+    # state_dict's post-hook: the wrapped model's keys without "module.". Its metadata (the
+    # modules' versions, which a load reads) under both names: a load back here reads
+    # "module."'s, into a bare model the bare ones.
+    inner = prefix + "module."
+    for key in [k for k in state if k.startswith(inner)]:
+        state[prefix + key[len(inner):]] = state.pop(key)
+    metadata = getattr(state, "_metadata", {})  # keyed by module path: "net.module.a"
+    for key in [k for k in metadata if (k + ".").startswith(inner)]:
+        metadata[(prefix + key[len(inner):]).removesuffix(".")] = metadata[key]
+
+
+def _wrapped_keys(state: dict[str, Any], prefix: str, *args: Any) -> None:
+    # load_state_dict's pre-hook: the bare keys the post-hook made, "module." again. (torch
+    # calls it at every depth; an override of load_state_dict only at the top.)
+    for key in [k for k in state if k.startswith(prefix)]:
+        state[prefix + "module." + key[len(prefix):]] = state.pop(key)
+
+
 class SyncedModule(nn.Module):
     """A model whose gradients :attr:`sync` sums over the workers during backward.
 
@@ -113,12 +133,21 @@ class SyncedModule(nn.Module):
         self.require_forward_param_sync = True
         #: Where the forward's inputs are moved (torch DDP's ``device_ids[0]``), or None.
         self.device = input_device(device_ids, module)
+        #: Whether :meth:`close` removed the gradient hooks (a forward is then refused).
+        self.closed = False
+        self._register_state_dict_hook(_bare_keys)
+        self._register_load_state_dict_pre_hook(_wrapped_keys)
 
     def trained(self) -> list[tuple[str, nn.Parameter]]:
         """The parameters whose gradients are summed: those that require one."""
         return [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.closed:
+            raise ConfigError(f"this {type(self).__name__} was closed (close() removed its "
+                              f"gradient hooks): a forward now would train this worker's copy "
+                              f"alone", "close() it after the last step; evaluate or train "
+                              "its .module (this worker's copy), or wrap that again")
         if self.sync.backward_unfinished:
             raise ConfigError(
                 "the last backward pass on this worker raised after some of its gradients had "
@@ -160,17 +189,11 @@ class SyncedModule(nn.Module):
         finally:
             self.sync.enabled = before
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        """The bare model's (keys without ``module.``), as a checkpoint should hold."""
-        return self.module.state_dict(*args, **kwargs)
-
-    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
-        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
-
     def hidden_fraction(self) -> float | None:
         """The share of communication time backward hid (steps after the first)."""
         return self.sync.hidden_fraction()
 
     def close(self) -> None:
-        """Remove the gradient hooks."""
+        """Remove the gradient hooks; the forward is refused from then on."""
+        self.closed = True
         self.sync.close()

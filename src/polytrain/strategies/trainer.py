@@ -62,7 +62,8 @@ class Trainer:
 
     Attributes:
         model, optimizer: what the strategy trains (a learning-rate scheduler goes on
-            ``optimizer``); strategy: the strategy instance; steps: steps taken.
+            ``optimizer``); strategy: the strategy instance; steps: steps taken;
+            closed: whether :meth:`close` was called.
     """
 
     def __init__(self, strategy: Strategy, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -73,6 +74,7 @@ class Trainer:
         self.loss_fn = loss_fn
         self.device = device
         self.steps = 0
+        self.closed = False
 
     @property
     def replica(self) -> tuple[int, int]:
@@ -85,6 +87,11 @@ class Trainer:
         Returns the mean loss over this worker's replica's slice, or None where this
         process holds no loss (a pipeline's earlier stages).
         """
+        if self.closed:
+            raise ConfigError(f"this trainer (strategy {self.strategy.name!r}) was closed, "
+                              f"releasing what its strategy trains with (gradient sums, "
+                              f"stages, threads): a step now would train without them",
+                              "close() the trainer after its last step")
         if inputs.shape[:1] != targets.shape[:1]:
             raise ConfigError(f"trainer.step got {inputs.shape[0] if inputs.dim() else 0} "
                               f"inputs but {targets.shape[0] if targets.dim() else 0} targets "
@@ -105,8 +112,11 @@ class Trainer:
         return self.strategy.state_dict(self.model)
 
     def close(self) -> None:
-        """Release what the strategy holds (threads, stages); the run stays open."""
-        self.strategy.close()
+        """Release what the strategy holds (threads, stages); the run stays open. The
+        trainer steps no more; a second call does nothing."""
+        if not self.closed:
+            self.closed = True
+            self.strategy.close()
 
     def __repr__(self) -> str:
         return f"polytrain.Trainer(strategy={self.strategy.name!r}, steps={self.steps})"
