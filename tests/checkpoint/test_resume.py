@@ -219,28 +219,35 @@ def test_parallax_resumes_on_another_number_of_workers_and_machines(before, afte
 
 
 PIPE = {"seq_len": 16, "d_model": 32, "layers": 4}  # embed h0 h1 h2 h3 head: 6 layers
-# Every layer counts as stopped: the freeze points (every 2 steps) freeze 3 layers at step 2,
-# AutoPipe halves the pipelines, AutoDP doubles the replicas, then more may freeze.
+# Every layer counts as stopped: the freeze points (every 2 steps) freeze the front through
+# the smallest change, up to half the layers left; AutoPipe halves the pipelines at step 2,
+# AutoDP doubles the replicas, then more may freeze.
 FREEZING = {"freeze_every": 2, "freeze_threshold": 100.0, "freeze_alpha": 0.5}
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("at, options", [
-    pytest.param(3, {"freeze": False}, marks=pytest.mark.long),  # no freezing: the plain pipeline
-    (3, {**FREEZING, "cache": False}),  # after the first re-plan, before the next
-    pytest.param(4, {**FREEZING, "cache": False},  # a freeze point comes first after resuming
+@pytest.mark.parametrize("at, steps, options", [
+    pytest.param(3, 6, {"freeze": False}, marks=pytest.mark.long),  # the plain pipeline
+    (3, 6, {**FREEZING, "cache": False}),  # after the first re-plan, before the next
+    pytest.param(4, 6, {**FREEZING, "cache": False},  # a freeze point first after resuming
                  marks=pytest.mark.long),
     # Regression: resumed at a freeze point that doubles the replicas (2 -> 4), the run
     # ended 7e-6 from the uninterrupted one (the fault benchmark's restart at step 20).
     # Cause: the trainer sliced the first batch by the saved plan's replicas before the
     # re-plan, which needs that step's inputs; the slices are now gathered and re-cut.
-    (2, {**FREEZING, "cache": False}),
+    (2, 6, {**FREEZING, "cache": False}),
+    # Regression: resumed at a freeze point that halves K without AutoDP (2 x 2 -> 1 x 2 at
+    # step 6: workers 2, 3 idle), the run hung until the timeout. Cause: each worker
+    # re-cut the batch (a collective) only if its own slice changed, and worker 0's had
+    # not; they now decide from every worker's slice. And the cache's counts in
+    # metrics.json were the resumed steps' alone (misses 16 of 48): a checkpoint keeps them.
+    (6, 8, {**FREEZING, "autodp": False}),
 ])
-def test_pipetransformer_resumes_its_plan_and_freeze_timeline_bit_for_bit(at, options):
+def test_pipetransformer_resumes_its_plan_and_freeze_timeline_bit_for_bit(at, steps, options):
     # The plan (frozen layers, K, R, cuts, micro-batches), the timeline, the gradient-norm
     # tracker and each stage optimizer's Adam moments come back; the weights are replica 0's.
-    config = TrainConfig(strategy="pipetransformer", workers=4, nodes=2, steps=6, batch_size=8,
-                         optimizer="adam", lr=3e-3, model_options=PIPE,
+    config = TrainConfig(strategy="pipetransformer", workers=4, nodes=2, steps=steps,
+                         batch_size=8, optimizer="adam", lr=3e-3, model_options=PIPE,
                          strategy_options=options)
     whole, final, again, final_again = stop_and_resume(config, at)
     assert_equal_weights(final, final_again)
@@ -248,6 +255,14 @@ def test_pipetransformer_resumes_its_plan_and_freeze_timeline_bit_for_bit(at, op
     assert again["freeze_timeline"] == whole["freeze_timeline"]
     if options.get("freeze", True):
         assert whole["freeze_timeline"][-1]["frozen"] > 0  # something froze
+    # What the cache served, before the checkpoint and after (no sample of these runs comes
+    # back after it, so the resumed run's cold cache serves what the warm one did).
+    served = ("hits", "shared_hits", "misses", "advanced")
+    assert [again["cache"][k] for k in served] == [whole["cache"][k] for k in served]
+    if not options.get("autodp", True):  # K halved at step 6; 2 layers frozen from step 2
+        assert [(e["step"], e["stages"], e["replicas"]) for e in whole["freeze_timeline"]] == \
+            [(0, 2, 2), (2, 2, 2), (4, 2, 2), (6, 1, 2)]
+        assert whole["cache"]["misses"] == 48  # steps 2-7 cached, 8 samples each
 
 
 @pytest.mark.timeout(240)

@@ -100,6 +100,26 @@ def test_cached_activations_advance_through_newly_frozen_layers():
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 
 
+def test_an_entry_advanced_into_memory_leaves_no_file_on_disk(tmp_path):
+    # Symptom: advanced to a depth whose smaller entries fit in memory, every entry was held
+    # in memory and 2 of 4 still on disk (disk_bytes 512, their files there until close()).
+    # Cause: keeping an entry in memory dropped its older memory and published copies, not
+    # its disk one (only a new file replaced an old one).
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(4, 64), torch.nn.Linear(64, 2), torch.nn.Linear(2, 2)]
+    cache = ActivationCache(memory_bytes=512, directory=str(tmp_path))
+    x = torch.randn(4, 4)
+    frozen_forward(layers, x, frozen=1, cache=cache)  # 256 bytes a sample: 2 fit in memory
+    assert (len(cache.memory), cache.stats.disk_entries, cache.stats.disk_bytes) == (2, 2, 512)
+    advanced = frozen_forward(layers, x, frozen=2, cache=cache)  # 8 bytes a sample
+    assert cache.stats.advanced == 4 and len(cache.memory) == 4
+    assert (cache.stats.memory_bytes, cache.stats.disk_entries, cache.stats.disk_bytes) == \
+        (32, 0, 0)
+    assert cache.disk == {} and list(cache._directory().glob("*.pt")) == []
+    assert torch.equal(frozen_forward(layers, x, frozen=2, cache=cache), advanced)
+    cache.close()
+
+
 def test_a_cache_directory_that_is_not_writable_is_refused(tmp_path):
     # A path under a file, not a directory without write permission: root writes anywhere.
     blocker = tmp_path / "file"

@@ -11,6 +11,7 @@ from polytrain.pipeline.freeze import (
     freezable_layers,
     freeze_cap,
     next_frozen,
+    reference_length,
 )
 from polytrain.strategies.pipetransformer import PipeTransformerOptions
 
@@ -101,6 +102,28 @@ def test_the_first_change_is_against_the_first_steps():
     other = GradNormTracker(previous={"h1": 1.5})
     t.merge([other])
     assert t.previous["h1"] == 1.5
+
+
+def test_the_first_freeze_point_never_compares_its_interval_with_itself():
+    # Symptom: with --freeze-every 2 every layer's change at step 2 was 0.0 (its level 1.0),
+    # so every layer counted as stopped and the cap decided, whatever the gradients did.
+    # Cause: the reference was a layer's first 5 steps, which were the whole first interval
+    # up to 5 steps (and most of it up to 9). It is now at most half the first interval.
+    t = GradNormTracker(reference_steps=reference_length(2))
+    for v in (4.0, 2.0):
+        t.record({"h0": v, "h1": 1.0})
+    assert t.reference == {"h0": [4.0], "h1": [1.0]}
+    assert t.changes(["h0", "h1"]) == pytest.approx([0.25, 0.0])  # (3 - 4) / 4; settled
+    assert t.ratios(["h0", "h1"]) == pytest.approx([0.75, 1.0])
+    assert next_frozen(0, 2, t.changes(["h0", "h1"]), alpha=0.5, threshold=0.1) == 1  # the cap
+    # Freeze points every 10 steps or more read the first 5, as before.
+    assert reference_length(40) == reference_length(10) == GradNormTracker().reference_steps == 5
+    with pytest.raises(ConfigError) as caught:
+        PipeTransformerOptions(freeze_every=1)
+    assert str(caught.value) == (
+        "--freeze-every must be at least 2 steps (got 1): a freeze point compares each "
+        "layer's gradient norms over the interval with its first steps'. HINT: pass "
+        "--freeze-every 100, or leave it out for one epoch of the data")
 
 
 def test_the_relative_signal_divides_out_the_freeze_points_common_level():

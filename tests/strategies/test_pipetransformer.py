@@ -88,8 +88,8 @@ def _model(kind):
         head=head)), torch.nn.functional.cross_entropy
 
 
-# Every layer counts as stopped; at step 2 every ratio is 1 (the interval is the reference's
-# steps), so the cap decides: ceil(5 / 2) = 3 layers. Later the smallest ratio does.
+# Every layer counts as stopped, so the smallest change decides, up to the cap (half the
+# layers left): at step 2 the GPT's embed (1 layer), the user's model's b1 (3 layers).
 FREEZING = dict(freeze_every=2, freeze_threshold=100.0, freeze_alpha=0.5)
 
 
@@ -131,7 +131,12 @@ def test_frozen_layers_never_change_and_the_run_equals_a_reference_freezing_the_
     states, timeline, cache = spawn(train_freezing, workers=4, nodes=2,
                                     args=(steps, FREEZING, kind))[0]
     frozen_at = [(e["step"], e["frozen"]) for e in timeline]
-    assert [s for s, _ in frozen_at] == [0, 2, 4, 6, 8] and frozen_at[1] == (2, 3)
+    assert [s for s, _ in frozen_at] == [0, 2, 4, 6, 8]
+    assert frozen_at[1] == (2, {"gpt": 1, "user": 3}[kind])
+    # Regression: with a freeze point every 2 steps (up to 5) every change at the first was
+    # 0.0, and the cap froze 3 layers whatever the gradients did. Cause: the reference steps
+    # were the whole interval; they are now at most half of it.
+    assert min(timeline[1]["grad_norm_signal"].values()) > 0.01
     assert all(a[1] <= b[1] for a, b in zip(frozen_at, frozen_at[1:]))
     # The pipeline shortened and widened on the way: 2 x 2, then 1 x 4 (no memory limit).
     assert [(e["stages"], e["replicas"]) for e in timeline][:2] == [(2, 2), (1, 4)]
@@ -151,8 +156,8 @@ def test_frozen_layers_never_change_and_the_run_equals_a_reference_freezing_the_
 
 
 def train_trailing_activation(steps):
-    """An nn.Sequential whose last layer has no parameters (a LogSoftmax), freezing every step;
-    each step's largest change of the last Linear's weights."""
+    """An nn.Sequential whose last layer has no parameters (a LogSoftmax), freezing every
+    2 steps; each step's largest change of the last Linear's weights."""
     polytrain.init()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16),
@@ -160,7 +165,7 @@ def train_trailing_activation(steps):
     trainer = polytrain.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1),
                                    strategy="pipetransformer",
                                    loss_fn=torch.nn.functional.nll_loss, cache=False,
-                                   freeze_every=1, freeze_threshold=100.0, freeze_alpha=0.5)
+                                   freeze_every=2, freeze_threshold=100.0, freeze_alpha=0.5)
     gen = torch.Generator().manual_seed(0)
     x, y = torch.randn(8, 8, generator=gen), torch.randint(0, 4, (8,), generator=gen)
     moved = []
@@ -178,10 +183,11 @@ def test_the_last_layer_with_parameters_trains_when_parameter_free_layers_follow
     # Symptom: with a LogSoftmax last, every layer froze (0, 3, 4, 5 of 6) and from the 4th
     # step no weight changed, silently. Cause: "the last layer always trains" counted the
     # LogSoftmax; the last Linear froze in its place.
-    moved, frozen = spawn(train_trailing_activation, workers=1, args=(6,))[0]
-    # At steps 1 and 2 the cap (2 of 4, then 3); then the ReLU before the last Linear, with
-    # no gradient norm, never counts as stopped, and the Linear and LogSoftmax never freeze.
-    assert frozen == [0, 2, 3, 3, 3, 3]
+    moved, frozen = spawn(train_trailing_activation, workers=1, args=(8,))[0]
+    # At step 2 the first Linear (the smallest change), at 4 up to the cap (3 of 4); then the
+    # ReLU before the last Linear, with no gradient norm, never counts as stopped, and the
+    # Linear and LogSoftmax never freeze.
+    assert frozen == [0, 1, 3, 3]
     assert min(moved) > 1e-4, moved
 
 
@@ -551,6 +557,29 @@ def test_weights_tied_across_layers_are_refused_with_freezing_even_in_one_stage(
     PipeTransformer.check_model(model, Layout(workers=1), PipeTransformerOptions(freeze=False))
 
 
+def test_a_cache_from_past_the_layers_that_may_freeze_is_refused():
+    # Symptom: --cache-from 6 on a GPT of 4 blocks (5 layers that may freeze: embed, h0-h3)
+    # was accepted, and AutoCache never cached, without a word. Cause: the options checked
+    # at least 1 only; the model's layers are known at check_model.
+    from polytrain.launch.layout import Layout
+    from polytrain.strategies.pipetransformer.strategy import PipeTransformer
+
+    model = GPT(**TINY)
+    with pytest.raises(ConfigError) as caught:
+        PipeTransformer.check_model(model, Layout(workers=1), PipeTransformerOptions(cache_from=6))
+    assert str(caught.value) == (
+        "--cache-from 6 is more layers than the model's 5 that may freeze (those before its "
+        "last layer with parameters): AutoCache would never cache. HINT: pass --cache-from 5 "
+        "or less, or --no-cache")
+    PipeTransformer.check_model(model, Layout(workers=1), PipeTransformerOptions(cache_from=5))
+    # The default --cache-from 2 is not asked about: a model of one layer that may freeze
+    # trains as before.
+    two = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))  # 1 may freeze
+    PipeTransformer.check_model(two, Layout(workers=1), PipeTransformerOptions())
+    with pytest.raises(ConfigError, match=r"--cache-from 3 is more layers than the model's 1 "):
+        PipeTransformer.check_model(two, Layout(workers=1), PipeTransformerOptions(cache_from=3))
+
+
 def test_handed_optimizer_state_is_placed_as_torchs_load_state_dict_places_it():
     from polytrain.optim import placed_state
     p = torch.nn.Parameter(torch.zeros(3))
@@ -620,7 +649,10 @@ def test_polytrain_train_prints_each_new_plan_and_its_bar_follows_the_plan(capfd
                  "--freeze-every", "2", "--freeze-threshold", "100", "--freeze-alpha",
                  "0.5", "--no-autodp"]) == 0
     err = capfd.readouterr().err
-    assert re.search(r"pipetransformer: a new plan at step 2: 3 layers frozen, 2 stages x 1 "
+    # Two new plans: 2 layers frozen at step 2, then 3 at step 4, where K halves (4 -> 2).
+    assert re.search(r"pipetransformer: a new plan at step 2: 2 layers frozen, 4 stages x 1 "
+                     r"replicas", err), err
+    assert re.search(r"pipetransformer: a new plan at step 4: 3 layers frozen, 2 stages x 1 "
                      r"replicas", err), err
     bar = re.findall(r"^train (\d)/5 loss +(\S+) +(\S+) samples/s$", err, re.M)
     assert [step for step, _, _ in bar] == ["1", "2", "3", "4", "5"], err

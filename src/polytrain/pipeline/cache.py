@@ -192,8 +192,8 @@ class ActivationCache:
         self.stats.shared_bytes += nbytes
 
     def _forget(self, key: bytes) -> None:
-        """Drop ``key`` from the memory tier and the bytes published (not from disk: a
-        new entry's file replaces its file)."""
+        """Drop ``key`` from the memory tier and the bytes published (not from disk:
+        :meth:`_keep` replaces its file, or drops it)."""
         old = self.memory.pop(key, None)
         if old is not None:
             self.stats.memory_bytes -= old[1].numel() * old[1].element_size()
@@ -201,9 +201,11 @@ class ActivationCache:
 
     def _keep(self, key: bytes, depth: int, value: torch.Tensor) -> None:
         """Hold an entry (not in the memory tier: ``put`` forgot it, ``get`` found it
-        elsewhere) in this process's tiers: memory within the budget, then disk."""
+        elsewhere) in this process's tiers: memory within the budget, then disk; an older
+        depth's file goes (an entry advanced into memory left it there until close())."""
         nbytes = value.numel() * value.element_size()
         if self._in_budget(nbytes):
+            self._drop_disk(key)
             self.memory[key] = (depth, value)
             self.stats.memory_bytes += nbytes
             return

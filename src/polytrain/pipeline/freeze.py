@@ -30,6 +30,10 @@ norm over the interval that just ended:
   ratio is 1.0, so under a threshold below 1 the last freezable layer never
   freezes by this signal.
 
+A layer's first steps are at most half the first interval
+(:func:`reference_length`), so the first freeze point never compares an
+interval with itself.
+
     >>> next_frozen(0, 5, [0.9, 0.3, 0.2, 0.6, 0.8], alpha=1 / 3, threshold=0.5)
     2
     >>> next_frozen(0, 5, [0.1, 0.1, 0.05, 0.01, 0.01], alpha=1 / 3, threshold=0.5)
@@ -47,10 +51,11 @@ from typing import Mapping, Sequence
 
 from ..errors import ConfigError, unknown
 
-__all__ = ["freezable_layers", "freeze_cap", "next_frozen", "GradNormTracker",
-           "REFERENCE_STEPS", "SIGNALS", "DEFAULT_THRESHOLDS"]
+__all__ = ["freezable_layers", "freeze_cap", "next_frozen", "reference_length",
+           "GradNormTracker", "REFERENCE_STEPS", "SIGNALS", "DEFAULT_THRESHOLDS"]
 
-#: A layer's reference norm is its mean over its first steps of training.
+#: A layer's reference norm is its mean over its first steps of training: this many, or
+#: fewer where freeze points come sooner (:func:`reference_length`).
 REFERENCE_STEPS = 5
 
 #: The gradient-norm signals a freeze point can read (``--freeze-signal``).
@@ -87,6 +92,20 @@ def freeze_cap(frozen: int, freezable: int, alpha: float) -> int:
     return min(freezable, math.ceil(frozen + alpha * (freezable - frozen) - 1e-9))
 
 
+def reference_length(freeze_every: int) -> int:
+    """The steps a layer's reference norm is the mean of, with a freeze point every
+    ``freeze_every`` steps: the first :data:`REFERENCE_STEPS`, at most half the first
+    interval. The first freeze point compares the interval's mean with them: where they were
+    the whole interval (``freeze_every`` up to 5), every layer's change was 0.0 and its
+    level 1.0, so every layer counted as stopped and the cap alone decided. One step has
+    nothing to compare (``--freeze-every 1`` is refused).
+
+    >>> [reference_length(n) for n in (2, 3, 8, 9, 10, 40)]
+    [1, 1, 4, 4, 5, 5]
+    """
+    return min(REFERENCE_STEPS, freeze_every // 2)
+
+
 def next_frozen(frozen: int, freezable: int, ratios: Sequence[float | None], *,
                 alpha: float, threshold: float) -> int:
     """How many front layers are frozen after this freeze point (never fewer than ``frozen``).
@@ -114,18 +133,20 @@ def next_frozen(frozen: int, freezable: int, ratios: Sequence[float | None], *,
 
 @dataclass
 class GradNormTracker:
-    """Per layer: its reference gradient norm (the mean over its first steps) and the norms of
-    the current interval. Plain data; every worker merges the others' at a freeze point."""
+    """Per layer: its reference gradient norm (the mean over its first ``reference_steps``
+    steps: :func:`reference_length` of the freeze points' interval) and the norms of the
+    current interval. Plain data; every worker merges the others' at a freeze point."""
 
-    reference: dict[str, list[float]] = field(default_factory=dict)  # first REFERENCE_STEPS
+    reference: dict[str, list[float]] = field(default_factory=dict)  # first reference_steps
     interval: dict[str, list[float]] = field(default_factory=dict)
     previous: dict[str, float] = field(default_factory=dict)  # the last interval's mean
+    reference_steps: int = REFERENCE_STEPS
 
     def record(self, norms: Mapping[str, float]) -> None:
         """One step's gradient norm of each layer this worker trains."""
         for name, value in norms.items():
             ref = self.reference.setdefault(name, [])
-            if len(ref) < REFERENCE_STEPS:
+            if len(ref) < self.reference_steps:
                 ref.append(value)
             self.interval.setdefault(name, []).append(value)
 

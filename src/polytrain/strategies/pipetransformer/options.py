@@ -35,8 +35,8 @@ class PipeTransformerOptions:
             devices charge) or ``measured`` (each layer timed on the workers' devices at the
             first step: :func:`polytrain.pipeline.assembly.layer_profile`).
         freeze: AutoFreeze (default True; ``--no-freeze`` trains every layer throughout).
-        freeze_every: steps between freeze points (default: one epoch of the data; a
-            ``polytrain train`` without epochs, ``--sampling random``, must give it).
+        freeze_every: steps between freeze points, at least 2 (default: one epoch of the
+            data; a ``polytrain train`` without epochs, ``--sampling random``, must give it).
         freeze_alpha: the cap's fraction of the remaining layers, in (0, 1) (default 1/3).
         freeze_signal: what says a layer has stopped learning, from its mean gradient norm
             over the last interval (:mod:`polytrain.pipeline.freeze`): ``change`` (default),
@@ -125,10 +125,14 @@ class PipeTransformerOptions:
         if not 0 < self.freeze_alpha < 1:
             raise ConfigError(f"--freeze-alpha must be in (0, 1) (got {self.freeze_alpha})",
                               "pass --freeze-alpha 0.333 (the paper's 1/3)")
-        if self.freeze_every is not None and self.freeze_every < 1:
-            raise ConfigError(f"--freeze-every must be at least 1 step (got "
-                              f"{self.freeze_every})", "pass --freeze-every 100, or leave it "
-                              "out for one epoch of the data")
+        if self.freeze_every is not None and self.freeze_every < 2:
+            # (the signal compares the interval with the layers' first steps: at least one
+            # step that is not one of them)
+            raise ConfigError(f"--freeze-every must be at least 2 steps (got "
+                              f"{self.freeze_every}): a freeze point compares each layer's "
+                              f"gradient norms over the interval with its first steps'",
+                              "pass --freeze-every 100, or leave it out for one epoch of "
+                              "the data")
         if self.freeze_signal not in SIGNALS:
             raise unknown("freeze signal", self.freeze_signal, SIGNALS,
                           "pass --freeze-signal change", plural="signals")

@@ -40,7 +40,12 @@ from ...pipeline.assembly import (
 from ...pipeline.asyncpipe import numeric_settings
 from ...pipeline.autopipe import PipePlan, plan_pipe
 from ...pipeline.cache import ActivationCache, expected_hits, frozen_forward
-from ...pipeline.freeze import GradNormTracker, freezable_layers, next_frozen
+from ...pipeline.freeze import (
+    GradNormTracker,
+    freezable_layers,
+    next_frozen,
+    reference_length,
+)
 from ...pipeline.stage import Stage
 from ...pipeline.sync import SyncPipeline
 from ...runtime import Context
@@ -138,6 +143,16 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
             raise ConfigError(f"the model has {n} layers (children) but the pipeline has {k} "
                               f"stages: every stage needs at least one",
                               "pass a smaller --pipeline-stages, or a model with more blocks")
+        freezable = freezable_layers([any(True for _ in m.parameters())
+                                      for _, m in layers_of(model)])
+        # The default is left alone: a model of one layer that may freeze trains as it is.
+        given = options.cache_from != PipeTransformerOptions.cache_from
+        if options.freeze and options.cache and given and options.cache_from > freezable:
+            raise ConfigError(f"--cache-from {options.cache_from} is more layers than the "
+                              f"model's {freezable} that may freeze (those before its last "
+                              f"layer with parameters): AutoCache would never cache",
+                              f"pass --cache-from {freezable} or less, or --no-cache"
+                              if freezable else "pass --no-freeze: no layer would freeze")
 
     @classmethod
     def check_steps(cls, options: PipeTransformerOptions, *, steps: int,
@@ -147,9 +162,10 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
         only with ``--no-freeze``."""
         if not options.freeze:
             return
-        hint = (f"pass --freeze-every N (for instance --freeze-every {max(1, steps // 5)}, "
+        hint = (f"pass --freeze-every N (for instance --freeze-every {max(2, steps // 5)}, "
                 f"a fifth of the run), or --no-freeze to train every layer throughout"
-                if steps >= 2 else "pass --no-freeze: a run of one step has no freeze point")
+                if steps >= 3 else "pass --no-freeze: the first freeze point comes at step 2 "
+                                   "at the earliest")
         if options.freeze_every is not None:
             if options.freeze_every >= steps:  # (it trained to the end, freezing nothing)
                 raise ConfigError(f"--freeze-every {options.freeze_every} puts the first "
@@ -164,6 +180,11 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
             raise ConfigError(f"pipetransformer's freeze points default to one epoch of the "
                               f"data, and one epoch of {data} is {epoch_steps} steps of "
                               f"{batch_size}, the run {steps}: no layer would freeze", hint)
+        if epoch_steps < 2:  # (as --freeze-every 1 is refused)
+            raise ConfigError(f"pipetransformer's freeze points default to one epoch of the "
+                              f"data, and one epoch of {data} is 1 step of {batch_size}: a "
+                              f"freeze point every step has no interval to compare with the "
+                              f"layers' first steps", hint)
 
     @classmethod
     def check_devices(cls, cluster: Any, profile: Callable[[], ModelProfile], layout: Layout,
@@ -238,13 +259,11 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
     def replica(self) -> tuple[int, int]:
         assert self.ctx is not None
         if self.plan is None and self._resume is not None:
-            where = self._resume["plan"].pipeline_of(self.ctx.worker_index)
-            return (where[0] if where is not None else 0), self._resume["plan"].replicas
+            return _slice(self._resume["plan"], self.ctx.worker_index)
         if self.plan is None:
             k = self._k0
             return self.ctx.worker_index // k, self.ctx.num_workers // k
-        where = self.plan.pipeline_of(self.ctx.worker_index)
-        return (where[0] if where is not None else 0), self.plan.replicas
+        return _slice(self.plan, self.ctx.worker_index)
 
     @property
     def shows_progress(self) -> bool:
@@ -296,6 +315,9 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
             self._restore(self._resume)
             self._resume = None
         else:
+            if self.freeze_every is not None:  # (a resumed run's tracker has its own)
+                self.tracker = GradNormTracker(
+                    reference_steps=reference_length(self.freeze_every))
             plan = plan_pipe(self.profile, step=0, frozen=0, stages=k,
                              replicas=ctx.num_workers // k, global_batch=self.global_batch,
                              micro_batches=self.options.micro_batches, memory=self.memory,
@@ -498,8 +520,12 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
             self._setup(inputs, loss_fn)
             if self._resume_replan is not None:
                 step, self._resume_replan = self._resume_replan, None
+                saved = self._slices()
                 self.replan(step)
-                if self.replica != before:  # the freeze point changed the replicas
+                # From every worker's slice, not its own: resharding is a collective, and a
+                # worker whose slice stayed (pipeline 0's first stage) skipped it while the
+                # others waited in it (--no-autodp halving K at the first step: a timeout).
+                if self._slices() != saved:  # the freeze point changed the replicas
                     inputs, targets = self._reshard(inputs, targets, before[0])
         plan = self.plan
         assert plan is not None
@@ -558,6 +584,11 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
                 torch.div(flat[offset:offset + n].view_as(p), self.group_size, out=p.grad)
             offset += n
 
+    def _slices(self) -> list[tuple[int, int]]:
+        """Every worker's slice of the global batch (index, count) under the plan in force."""
+        assert self.ctx is not None and self.plan is not None
+        return [_slice(self.plan, w) for w in range(self.ctx.num_workers)]
+
     def _reshard(self, inputs: torch.Tensor, targets: torch.Tensor, index: int
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """This worker's slice under the current plan, from every worker's slice under the
@@ -607,14 +638,18 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
         timeline and gradient-norm tracker, the minibatch count, the measured layer times
         (``--layer-costs measured``: a resumed run plans with them), and its stage
         optimizer's state by name; the weights are the checkpoint's model (replica 0's,
-        which every replica equals). The activation cache is not kept: a resumed run refills it."""
+        which every replica equals). The activation cache is not kept: a resumed run refills
+        it, and counts on from what it served (``served``)."""
         if self.plan is None:
             return {}
+        served = {key: self._served.get(key, 0) +
+                  (getattr(self.cache.stats, key) if self.cache is not None else 0)
+                  for key in _SERVED}
         return {"plan": self.plan, "timeline": copy.deepcopy(self.timeline),
                 "tracker": copy.deepcopy(self.tracker), "planned": self._planned,
                 "next_mb": self._next_mb, "stage_optimizer": self._stage_optimizer_state(),
                 "source": getattr(self, "source_replica", None),
-                "layer_seconds": self.layer_seconds}
+                "layer_seconds": self.layer_seconds, "served": served}
 
     def load_checkpoint_state(self, state: Mapping[str, Any]) -> None:
         """Keep the saved state until the first step, which installs its plan (planning
@@ -623,8 +658,10 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
 
     def _restore(self, saved: Mapping[str, Any]) -> None:
         """Install the saved plan: its frozen layers, stage and groups, with the stage
-        optimizer's state; the timeline and tracker as they were."""
+        optimizer's state; the timeline, tracker and cache counts as they were (a resumed
+        run's ``metrics.json`` counted only what its own cache served)."""
         self._next_mb = int(saved["next_mb"])
+        self._served = dict(saved.get("served", {}))  # (older checkpoints: none kept)
         self._handed = dict(saved["stage_optimizer"])
         self._install(saved["plan"], None)
         self._handed = None
@@ -672,6 +709,13 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
                 self.cache.close()
             if self.shared_cache is not None:  # the machine's last worker out removes it
                 _leave_shared(Path(self.shared_cache))
+
+
+def _slice(plan: PipePlan, worker: int) -> tuple[int, int]:
+    """(index, count) of worker ``worker``'s slice of the global batch under ``plan``: its
+    pipeline's (an idle worker's is pipeline 0's, which it does not train on)."""
+    where = plan.pipeline_of(worker)
+    return (where[0] if where is not None else 0), plan.replicas
 
 
 def _check_micro_batches(m: int | None, batch: int, replicas: int, *, python: bool) -> None:
