@@ -224,8 +224,8 @@ class TrainConfig:
             cls.check_steps(options, steps=self.steps, data=self.data,
                             batch_size=self.batch_size,
                             epoch_steps=getattr(batches, "steps_per_epoch", None))
-        check_link(self.strategy, model, layout, bandwidth=self.bandwidth, latency=self.latency,
-                   timeout_s=self.timeout_s)
+        check_link(self.strategy, options, model, layout, bandwidth=self.bandwidth,
+                   latency=self.latency, timeout_s=self.timeout_s)
         # A strategy of its own step (a pipeline's) runs the model on micro-batches.
         whole = cls.train_step is Strategy.train_step
         self._check_memory(model, layout.workers, cls.replicas(layout, options), whole)
@@ -383,10 +383,12 @@ class TrainConfig:
         return dataclasses.replace(self, **{**filled, **changes})
 
 
-def check_link(strategy: str, model: torch.nn.Module, layout: Layout, *,
-               bandwidth: str | None, latency: str | None, timeout_s: float) -> None:
+def check_link(strategy: str, options: Any, model: torch.nn.Module, layout: Layout, *,
+               bandwidth: str | None, latency: str | None, timeout_s: float,
+               emulated: bool = True) -> None:
     """Refuse an emulated network that ``strategy`` on ``layout`` cannot use: one machine
-    with no server machines has no link to shape, and a link too slow for a run's first
+    with no server machines has no link to shape (``emulated``; a real machine's network,
+    which the planner may be told of, is not shaped), and a link too slow for a run's first
     wait fails it. At the start every strategy copies worker 0's model (``model``, the meta
     device's will do) to the other workers a tensor at a time (torch's DDP all of it in one
     message of up to 250 MiB), and a wait longer than ``timeout_s`` fails the run (after
@@ -394,11 +396,15 @@ def check_link(strategy: str, model: torch.nn.Module, layout: Layout, *,
     link = link_shape(bandwidth, latency)
     if link is None:
         return
-    if layout.nodes == 1 and not layout.servers:  # colocated servers share the machine
+    if emulated and layout.nodes == 1 and not layout.servers:  # colocated: the same machine
+        served = get_strategy(strategy).uses_servers(options)
+        where = ("this run has one machine of workers and no server machines" if served else
+                 f"strategy {strategy!r} uses no servers, and this run's workers share one "
+                 f"machine")
         raise ConfigError(f"--bandwidth {bandwidth} shapes the links between machines, and "
-                          f"this run has one machine and no servers: no link would be shaped",
-                          "pass --nodes 2 or more (or --servers K), or leave --bandwidth and "
-                          "--latency out")
+                          f"{where}: no link would be shaped", "pass --nodes 2 or more" +
+                          (" (or --servers K)" if served else "") +
+                          ", or leave --bandwidth and --latency out")
     if layout.nodes < 2:  # the model crosses no link: worker 0's machine holds every worker
         return
     nbytes, name = max(((t.numel() * t.element_size(), n) for n, t in model.named_parameters()),

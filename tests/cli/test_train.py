@@ -96,9 +96,9 @@ def test_train_writes_metrics_and_final_state_as_the_contract_says(tmp_path):
      r"ddp$"),
     # Ran, and built a network namespace (as root) in which no link was shaped.
     (["--bandwidth", "10mbit"],
-     r"--bandwidth 10mbit shapes the links between machines, and this run has one machine "
-     r"and no servers: no link would be shaped\. HINT: pass --nodes 2 or more \(or --servers "
-     r"K\), or leave --bandwidth and --latency out$"),
+     r"--bandwidth 10mbit shapes the links between machines, and strategy 'ddp' uses no "
+     r"servers, and this run's workers share one machine: no link would be shaped\. HINT: "
+     r"pass --nodes 2 or more, or leave --bandwidth and --latency out$"),
     (["--seed", str(2**64)], r"--seed must be in 0\.\.2\*\*63-1"),
     (["--batch-size", "0"], r"--batch-size must be at least 1 \(got 0\)"),
     (["--lr", "inf"], r"--lr must be a positive number \(got inf\)"),
@@ -310,8 +310,10 @@ def test_a_link_of_one_machine_is_refused_unless_servers_are_machines_of_their_o
     # `polytrain train --bandwidth 10mbit --nodes 1` ran (as root, in a namespace) with no
     # link shaped: a server beside the workers (byteps colocates one) is on their machine.
     with pytest.raises(ConfigError, match=r"^--bandwidth 1gbit shapes the links between "
-                                          r"machines, and this run has one machine and no "
-                                          r"servers"):
+                                          r"machines, and this run has one machine of "
+                                          r"workers and no server machines: no link would be "
+                                          r"shaped\. HINT: pass --nodes 2 or more \(or "
+                                          r"--servers K\)"):
         TrainConfig(strategy="byteps", model="mlp", optimizer="sgd", bandwidth="1gbit")
     # A dedicated server is a machine of its own: the workers' link to it is shaped.
     config = TrainConfig(strategy="byteps", model="mlp", optimizer="sgd", servers=1,

@@ -216,14 +216,28 @@ def test_a_link_of_one_machine_without_servers_is_refused_as_train_refuses_it():
     job = Job(model="mlp", workers=2, nodes=1, servers=1, bandwidth="10mbit")
     plan = plan_job(job, compute=FIXED)
     assert [p.candidate.key for p in plan.predictions] == ["byteps k=1", "herring k=1"]
+    # Each reason is true of its candidate (ddp's said "no servers" of a job with one).
     why = ("--bandwidth 10mbit shapes the links between machines, and this run has one "
-           "machine and no servers: no link would be shaped")
-    assert plan.as_dict()["refused"] == {"ddp": why, "byteps k=0": why, "herring k=0": why}
+           "machine of workers and no server machines: no link would be shaped")
+    assert plan.as_dict()["refused"] == {
+        "ddp": "--bandwidth 10mbit shapes the links between machines, and strategy 'ddp' "
+               "uses no servers, and this run's workers share one machine: no link would be "
+               "shaped", "byteps k=0": why, "herring k=0": why}
     with pytest.raises(ConfigError, match=r"^every strategy the planner predicts is refused on "
                                           r"this job \(ddp, byteps k=0, herring k=0\); ddp's "
                                           r"refusal: --bandwidth 10mbit shapes the links between "
-                                          r"machines, and this run has one machine and no "
-                                          r"servers: no link would be shaped\. HINT: pass "
-                                          r"--nodes 2 or more \(or --servers K\), or leave "
+                                          r"machines, and strategy 'ddp' uses no servers, and "
+                                          r"this run's workers share one machine: no link would "
+                                          r"be shaped\. HINT: pass --nodes 2 or more, or leave "
                                           r"--bandwidth and --latency out$"):
         plan_job(Job(model="mlp", workers=2, bandwidth="10mbit"), compute=FIXED)
+    # Real machines are not shaped: --bandwidth is their network's rate, and one machine is a
+    # sweep's first point (it was refused, in words about emulation).
+    real = plan_job(Job(model="mlp", workers=2, hosts="real", bandwidth="10mbit"),
+                    compute=FIXED)
+    assert real.recommended.candidate.key == "ddp" and real.refused == ()
+    # A timeout of another kind gets a line, not a TypeError from the comparison.
+    for timeout in (None, "120"):
+        with pytest.raises(ConfigError, match=r"^--timeout must be a number of seconds from 2 "
+                                              r"to \d+ \(got (None|'120')\)"):
+            Job(model="mlp", timeout_s=timeout)

@@ -188,8 +188,9 @@ class Job:
             layout = self._layout(c)
             try:
                 check_strategy(cls, options, layout, model, optimizer)
-                check_link(c.strategy, model, layout, bandwidth=self.bandwidth,
-                           latency=self.latency, timeout_s=self.timeout_s)
+                check_link(c.strategy, options, model, layout, bandwidth=self.bandwidth,
+                           latency=self.latency, timeout_s=self.timeout_s,
+                           emulated=self.hosts == "emulated")
                 cls.check_devices(cluster, profile, layout, options, batch_size=self.batch_size,
                                   optimizer=self.optimizer)
             except ConfigError as e:
