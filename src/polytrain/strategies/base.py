@@ -377,10 +377,15 @@ def make_options(cls: type[Strategy[Any]], options: dict[str, Any]) -> Any:
         raise ConfigError(f"strategy {cls.name!r} has no option {', '.join(map(repr, unknown))}; "
                           f"its options are: {valid}", "leave those options out")
     # A field whose flag takes a DIR or FILE takes a pathlib.Path too, as TrainConfig's do.
-    paths = {f.name for f in dataclasses.fields(cls.Options)
-             if f.metadata.get("metavar") in ("DIR", "FILE")}
-    return cls.Options(**check_kinds(cls.Options, options, paths=paths,
+    return cls.Options(**check_kinds(cls.Options, options, paths=path_options(cls),
                                      what=f"strategy {cls.name!r} option "))
+
+
+def path_options(cls: type[Strategy[Any]]) -> set[str]:
+    """The options of ``cls`` that name a place on a machine (their flag takes a DIR or
+    FILE): a pathlib.Path is taken, and each machine's may differ."""
+    return {f.name for f in dataclasses.fields(cls.Options)
+            if f.metadata.get("metavar") in ("DIR", "FILE")}
 
 
 @overload
@@ -458,9 +463,10 @@ def distribute(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str
         # Before anything a strategy does alone (its checks, its wrap's collectives): a worker
         # on another strategy would wait in another collective until the timeout. A path
         # (a DIR or FILE) names a place on each worker's machine, which may differ.
+        here = path_options(cls)
         check_same_values(ctx, {"strategy": strategy, **{
             f"strategy {strategy!r} option {f.name}": getattr(opts, f.name)
-            for f in dataclasses.fields(opts) if f.metadata.get("metavar") not in ("DIR", "FILE")}},
+            for f in dataclasses.fields(opts) if f.name not in here}},
             "pass the same strategy and options to distribute() on every worker")
         _check_device(model, ctx.device, strategy)
         if cls.even_machines:

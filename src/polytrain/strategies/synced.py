@@ -79,11 +79,24 @@ def _bare_keys(module: nn.Module, state: dict[str, Any], prefix: str,
         metadata[(prefix + key[len(inner):]).removesuffix(".")] = metadata[key]
 
 
-def _wrapped_keys(state: dict[str, Any], prefix: str, *args: Any) -> None:
+def _wrapped_keys(module: nn.Module, state: dict[str, Any], prefix: str, local_metadata: Any,
+                  strict: bool, missing: list[str], unexpected: list[str],
+                  errors: list[str]) -> None:
     # load_state_dict's pre-hook: the bare keys the post-hook made, "module." again. (torch
     # calls it at every depth; an override of load_state_dict only at the top.)
     for key in [k for k in state if k.startswith(prefix)]:
         state[prefix + "module." + key[len(prefix):]] = state.pop(key)
+    module.__dict__["_loading"] = (prefix, errors)  # for _bare_names, after the load
+
+
+def _bare_names(module: nn.Module, incompatible: Any) -> None:
+    # load_state_dict's post-hook: the keys its lists and messages name, bare again (a
+    # strict=False load returned "module.1.bias" for a state whose key is "1.bias").
+    prefix, errors = module.__dict__.pop("_loading", ("", []))
+    inner = prefix + "module."
+    for names in (incompatible.missing_keys, incompatible.unexpected_keys):
+        names[:] = [prefix + n[len(inner):] if n.startswith(inner) else n for n in names]
+    errors[:] = [e.replace(f"for {inner}", f"for {prefix}") for e in errors]
 
 
 class SyncedModule(nn.Module):
@@ -133,21 +146,24 @@ class SyncedModule(nn.Module):
         self.require_forward_param_sync = True
         #: Where the forward's inputs are moved (torch DDP's ``device_ids[0]``), or None.
         self.device = input_device(device_ids, module)
-        #: Whether :meth:`close` removed the gradient hooks (a forward is then refused).
+        #: Whether :meth:`close` removed the gradient hooks (a forward that could train is
+        #: then refused).
         self.closed = False
         self._register_state_dict_hook(_bare_keys)
-        self._register_load_state_dict_pre_hook(_wrapped_keys)
+        self._register_load_state_dict_pre_hook(_wrapped_keys, with_module=True)
+        self.register_load_state_dict_post_hook(_bare_names)
 
     def trained(self) -> list[tuple[str, nn.Parameter]]:
         """The parameters whose gradients are summed: those that require one."""
         return [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.closed:
+        if self.closed and self.training and torch.is_grad_enabled():  # evaluating is fine
             raise ConfigError(f"this {type(self).__name__} was closed (close() removed its "
-                              f"gradient hooks): a forward now would train this worker's copy "
-                              f"alone", "close() it after the last step; evaluate or train "
-                              "its .module (this worker's copy), or wrap that again")
+                              f"gradient hooks): a training forward now (train mode, gradients "
+                              f"on) would train this worker's copy alone", "close() it after "
+                              "the last step; evaluate it in eval() mode or under "
+                              "torch.no_grad(), or train its .module, or wrap that again")
         if self.sync.backward_unfinished:
             raise ConfigError(
                 "the last backward pass on this worker raised after some of its gradients had "
@@ -194,6 +210,6 @@ class SyncedModule(nn.Module):
         return self.sync.hidden_fraction()
 
     def close(self) -> None:
-        """Remove the gradient hooks; the forward is refused from then on."""
+        """Remove the gradient hooks; a training forward is refused from then on."""
         self.closed = True
         self.sync.close()
