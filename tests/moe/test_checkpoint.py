@@ -118,6 +118,13 @@ def load(directory: str, full: dict[str, torch.Tensor], scratch: str) -> dict[st
         torch.save = real_save
     into = distributed(build(4))
     load_sharded(into, scratch)
+    # Under ddp (every worker holds every expert) each worker wrote shard-0.pt at once: one
+    # failed in a rename, or both returned and the files mixed. Worker 0 writes.
+    under = Path(scratch) / "under-ddp"
+    dense = build(5)
+    save_sharded(polytrain.distribute(dense, torch.optim.SGD(dense.parameters(), lr=0.5),
+                                      "ddp")[0], under)
+    out["under ddp"] = sorted(p.name for p in under.iterdir()) if ctx.rank == 0 else None
     out["after the cut"] = largest_diff(full_state_dict(into), full_state_dict(old))
     # polytrain.load of a larger model's checkpoint: ddp's is refused, moe's loaded step 1.
     def trainer(layers: int) -> polytrain.Trainer:
@@ -189,6 +196,7 @@ def test_save_on_four_load_on_two_and_on_one(tmp_path):
             f"28] No space left on device. HINT: free space or make the directory writable; "
             f"the last whole checkpoint there is untouched"), out["cut short"]
         assert out["after the cut"] == 0.0  # the last whole save, not half of each
+        assert out["under ddp"] == (["meta.json", "shard-0.pt"] if rank == 0 else None)
         assert out["larger"] == (
             f"checkpoint {scratch / 'run' / 'step-1'} is of another model: it has "
             f"'h1.attn.proj.bias', which this model lacks. HINT: resume with the checkpoint's "

@@ -227,6 +227,10 @@ def _writes(model: Any, write: bool | None, group: ExpertGroup) -> bool:
     groups = _expert_groups(model)
     if groups is None or len(groups) == 1:
         workers = runtime.current().num_workers if runtime.is_initialized() else 1
+        if write is None and groups is None and not group.distributed and workers > 1:
+            # Every worker holds every expert (a ddp or herring wrapper, expert_parallel=1):
+            # worker 0 writes (each wrote shard-0.pt at once).
+            return runtime.current().worker_index == 0
         if write is None and groups is None and group.distributed and group.size < workers:
             raise ConfigError(f"save_sharded: the MoE layers' experts are split over "
                               f"{group.size} of the {workers} workers (other expert groups "
@@ -240,9 +244,9 @@ def _writes(model: Any, write: bool | None, group: ExpertGroup) -> bool:
     everyone = ExpertGroup(ctx.groups.workers)
     writers = [r for r, w in zip(everyone.global_ranks, _gather(everyone, mine, "the workers"))
                if w]
-    if tuple(writers) not in groups:
+    if writers and tuple(writers) not in groups:  # none: nothing is written, as asked
         listed = ", ".join(map(str, groups))
-        who = f"ranks {', '.join(map(str, writers))} pass" if writers else "no rank passes"
+        who = f"ranks {', '.join(map(str, writers))} pass"
         what = (f"save_sharded writes each shard once, from one expert group, but {who} "
                 f"write=True (expert groups {listed})")
         for j in range(len(groups[0])):  # the first shard two ranks would write

@@ -204,24 +204,18 @@ FeedForwardExpert = FeedForward  # one expert: the feed-forward block of polytra
 
 
 def _refuse_shared(experts: list[nn.Module], factory_name: str) -> None:
-    """Refuse experts that share a module or a tensor: each expert trains its own (under
-    expert parallelism a shared one took each worker's local experts' gradient only, and
-    its copies drifted apart silently)."""
+    """Refuse experts that share a parameter: each expert trains its own (under expert
+    parallelism a shared one took each worker's local experts' gradient only, and its
+    copies drifted apart silently). A shared buffer (an activation's constant) is not
+    trained, and passes."""
     owner: dict[int, tuple[int, str]] = {}  # id -> (first expert holding it, its name there)
     for i, expert in enumerate(experts):
-        if id(expert) in owner:
-            raise ConfigError(f"expert={factory_name} gave expert {i} the module it gave expert "
-                              f"{owner[id(expert)][0]}: the experts would share its parameters",
-                              _NEW_EACH_CALL)
-        owner[id(expert)] = (i, "")
-        tensors = [("parameter", n, t) for n, t in expert.named_parameters()] + \
-                  [("buffer", n, t) for n, t in expert.named_buffers()]
-        for kind, n, t in tensors:
+        for n, t in expert.named_parameters():
             first, first_name = owner.setdefault(id(t), (i, n))
             if first != i:
-                raise ConfigError(f"expert={factory_name} gave expert {i} the {kind} {n!r} of "
-                                  f"expert {first} ({first_name!r}): the experts would share "
-                                  f"it", _NEW_EACH_CALL)
+                raise ConfigError(f"expert={factory_name} gave expert {i} the parameter {n!r} "
+                                  f"of expert {first} ({first_name!r}): the experts would "
+                                  f"share it", _NEW_EACH_CALL)
 
 
 _NEW_EACH_CALL = ("make expert=f(d_model) build a new module at each call, with its own "
