@@ -154,6 +154,7 @@ class Engine:
         self.answers: queue.Queue[tuple[_Task, Handle] | None] = queue.Queue()
         self.watching: queue.Queue[SumTensor | None] = queue.Queue()
         self.tensors: list[SumTensor] = []
+        self._closed: set[int] = set()  # ids of tensors forgotten, listed until the next sums()
         self.error: BaseException | None = None
         self.closed = False
         self._lock = threading.Lock()
@@ -270,16 +271,18 @@ class Engine:
         if describe and self.ctx.worker_index == 0:
             log.info("%s of %d tensors:\n%s", describe, len(specs), placement.describe())
         self._start()
-        self.tensors += tensors
+        # The sums closed before (a model closed and wrapped again) go now, and their results
+        # with their last user; not at their close, which a save of their codecs may follow.
+        # A new list: the threads' error path may be reading the old one.
+        self.tensors = [t for t in self.tensors if id(t) not in self._closed] + tensors
+        self._closed = set()
         return tensors
 
     def forget(self, tensors: Sequence[SumTensor]) -> None:
-        """Stop listing ``tensors`` (a closed caller's: none in flight), so that their results
-        go with their last user. Their keys stay declared on the owners: :meth:`free` needs
-        every worker done with them, a point their closer does not know."""
-        gone = {id(t) for t in tensors}
-        # A new list: the threads' error path may be reading the old one.
-        self.tensors = [t for t in self.tensors if id(t) not in gone]
+        """Stop listing ``tensors`` (a closed caller's: none in flight) at the next
+        :meth:`sums`. Their keys stay declared on the owners: :meth:`free` needs every
+        worker done with them, a point their closer does not know."""
+        self._closed |= {id(t) for t in tensors}
 
     def _declare_packed(self, placement: Placement, indices: Sequence[int],
                         compression: Sequence[CompressOptions | None], pushers: int,

@@ -414,7 +414,8 @@ class GradientSync:
 
     def close(self) -> None:
         """Remove the gradient hooks, and let the engine drop this object's sums (each with
-        a bucket-sized CPU result): a model closed and wrapped again held both."""
+        a bucket-sized CPU result) at the next wrap: a model closed and wrapped again held
+        both."""
         for h in self._hooks:
             h.remove()
         self._hooks = []

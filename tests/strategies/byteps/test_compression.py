@@ -378,8 +378,12 @@ def renew_after_a_resume_without_the_codecs():
     for _ in range(3):                             # renewed at steps 0 and 2
         backward_on_a_batch(model, opt, g)
         opt.step()
-    state = {**opt.carried(), "codecs": {}}
+    carried = opt.carried()
+    state = {**carried, "codecs": {}}
     opt.close()
+    # A save after close() (a script's last checkpoint) keeps the codecs: close() had
+    # dropped them from the engine, and such a save held none.
+    kept = [len(carried["codecs"]), len(opt.carried()["codecs"])]
     model, opt = one_bit_adam(model, opt.optimizer, compress_adam_refresh=2)
     restored = opt.carry_on(state)
     for _ in range(2):                             # steps 3 and 4, renewed at 4
@@ -388,7 +392,7 @@ def renew_after_a_resume_without_the_codecs():
     onebit = opt.compress_adam
     frozen = {i: opt.optimizer.state[p][FROZEN_VARIANCE].clone()
               for i, p in enumerate(onebit.packed) if p is not None}
-    return restored, [v.clone() for v in onebit.local_v], dict(onebit.slot), frozen
+    return restored, [v.clone() for v in onebit.local_v], dict(onebit.slot), frozen, kept
 
 
 @pytest.mark.timeout(120)
@@ -397,8 +401,9 @@ def test_a_renewal_after_a_resume_that_lost_the_variances_corrects_for_the_steps
     # the renewal corrected their bias for every step of the run (5), not the 2 they saw:
     # a variance sqrt(5/2) too small, every update that much too large.
     out = spawn(renew_after_a_resume_without_the_codecs, workers=2, nodes=2, colocated=1)
-    (restored, local_v, slot, frozen), (_, other_v, _, _) = out
+    (restored, local_v, slot, frozen, kept), (_, other_v, _, _, _) = out
     assert restored is False
+    assert kept[0] == kept[1] > 0, kept
     for i, got in frozen.items():
         j, off = slot[i]
         mean = (local_v[j] + other_v[j])[off:off + got.numel()].view(got.shape) / 2

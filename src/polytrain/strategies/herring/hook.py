@@ -54,8 +54,9 @@ class HerringHookState:
 
     The DDP it is registered on must sum over every worker (``process_group=
     ctx.groups.workers``): another group is refused at the first bucket, naming its ranks.
-    A state serves one DDP (make one per DDP): another refused there too. :meth:`close`
-    lets its sums go (before wrapping the model again, say).
+    A state serves one DDP (make one per DDP): several registered before the first bucket
+    are refused there, a later one when a third bucket layout appears. :meth:`close`
+    lets its sums go when the next model is wrapped.
 
     Args:
         ctx: the run (default: :func:`polytrain.init`'s).
@@ -161,7 +162,7 @@ class HerringHookState:
 
     def close(self) -> None:
         """Stop the waiter and let the engine drop this state's sums (a bucket-sized CPU
-        result each); the DDP it is registered on sums no more buckets."""
+        result each) at the next wrap; the DDP it is registered on sums no more buckets."""
         self.waiting.put(None)
         self._thread.join(timeout=1.0)
         self.engine.forget(list(self.sums.values()))
