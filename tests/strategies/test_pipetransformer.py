@@ -572,6 +572,15 @@ def test_a_cache_from_past_the_layers_that_may_freeze_is_refused():
         "last layer with parameters): AutoCache would never cache. HINT: pass --cache-from 5 "
         "or less, or --no-cache")
     PipeTransformer.check_model(model, Layout(workers=1), PipeTransformerOptions(cache_from=5))
+    # An odd K halves to no fewer stages, each keeping a trained layer: 3 of 6 layers freeze.
+    three = Layout(workers=3)
+    with pytest.raises(ConfigError, match=r"^--cache-from 4 is more layers than the 3 of the "
+                                          r"model's 5 that may freeze on 3 stages \(AutoPipe "
+                                          r"keeps a trained layer on each of the 3 stages the "
+                                          r"pipeline halves to\): AutoCache would never cache\. "
+                                          r"HINT: pass --cache-from 3 or less, or --no-cache$"):
+        PipeTransformer.check_model(model, three, PipeTransformerOptions(cache_from=4))
+    PipeTransformer.check_model(model, three, PipeTransformerOptions(cache_from=3))
     # The default --cache-from 2 is not asked about: a model of one layer that may freeze
     # trains as before.
     two = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))  # 1 may freeze
@@ -721,3 +730,18 @@ def test_the_shared_cache_directory_stays_while_another_of_its_users_runs(tmp_pa
         raise FileNotFoundError(2, "No such file or directory", str(self))
     monkeypatch.setattr(type(shared), "glob", removed_meanwhile)
     module._leave_shared(shared)
+
+
+def test_a_resume_that_trains_no_step_keeps_the_runs_timeline_and_cache_counts():
+    # A restart from a checkpoint at the run's last step (--max-restarts, a worker lost in
+    # the final gather) trains no step, and the records came back only with the first step's
+    # plan: its metrics.json had no freeze timeline and no cache counts.
+    import types
+
+    from polytrain.strategies.pipetransformer.strategy import PipeTransformer
+    ctx = types.SimpleNamespace(num_workers=1, worker_index=0)
+    strategy = PipeTransformer(ctx, PipeTransformerOptions(freeze_every=2))
+    served = {"hits": 3, "shared_hits": 1, "misses": 48, "advanced": 2}
+    timeline = [{"step": 0, "frozen": 0}, {"step": 2, "frozen": 1}]
+    strategy.load_checkpoint_state({"served": served, "timeline": timeline, "plan": None})
+    assert (strategy.timeline, strategy._served) == (timeline, served)

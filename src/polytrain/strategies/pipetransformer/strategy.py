@@ -145,14 +145,24 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
                               "pass a smaller --pipeline-stages, or a model with more blocks")
         freezable = freezable_layers([any(True for _ in m.parameters())
                                       for _, m in layers_of(model)])
+        # AutoPipe keeps a trained layer on each of the fewest stages K halves to (an odd K:
+        # all of them), so no more than n - fewest layers freeze.
+        fewest = k
+        while options.autopipe and fewest % 2 == 0:
+            fewest //= 2
+        reach = min(freezable, n - fewest) if options.autopipe else freezable
         # The default is left alone: a model of one layer that may freeze trains as it is.
         given = options.cache_from != PipeTransformerOptions.cache_from
-        if options.freeze and options.cache and given and options.cache_from > freezable:
-            raise ConfigError(f"--cache-from {options.cache_from} is more layers than the "
-                              f"model's {freezable} that may freeze (those before its last "
-                              f"layer with parameters): AutoCache would never cache",
-                              f"pass --cache-from {freezable} or less, or --no-cache"
-                              if freezable else "pass --no-freeze: no layer would freeze")
+        if options.freeze and options.cache and given and options.cache_from > reach:
+            why = (f"the model's {freezable} that may freeze (those before its last layer "
+                   f"with parameters)" if reach == freezable else
+                   f"the {reach} of the model's {freezable} that may freeze on {k} stages "
+                   f"(AutoPipe keeps a trained layer on each of the {fewest} stages the "
+                   f"pipeline halves to)")
+            raise ConfigError(f"--cache-from {options.cache_from} is more layers than {why}: "
+                              f"AutoCache would never cache",
+                              f"pass --cache-from {reach} or less, or --no-cache"
+                              if reach else "pass --no-freeze: no layer would freeze")
 
     @classmethod
     def check_steps(cls, options: PipeTransformerOptions, *, steps: int,
@@ -653,8 +663,12 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
 
     def load_checkpoint_state(self, state: Mapping[str, Any]) -> None:
         """Keep the saved state until the first step, which installs its plan (planning
-        needs that step's inputs)."""
+        needs that step's inputs). Its records are the run's at once: a restart at the run's
+        last step trains none, and its ``metrics.json`` had no timeline and no cache counts."""
         self._resume = dict(state) if state else None
+        if state:
+            self.timeline = list(state["timeline"])
+            self._served = dict(state.get("served", {}))
 
     def _restore(self, saved: Mapping[str, Any]) -> None:
         """Install the saved plan: its frozen layers, stage and groups, with the stage
