@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 import os
 import socket
 from dataclasses import dataclass
@@ -115,9 +116,9 @@ MIN_TIMEOUT_S = 2.0
 def check_seconds(value: float, what: str, hint: str) -> None:
     """Refuse a timeout that is not a number of seconds gloo can take, or is too short for
     the launcher to tell a hung process from a busy one."""
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    number = isinstance(value, numbers.Real) and not isinstance(value, bool)  # numpy's too
     if not number or not MIN_TIMEOUT_S <= value <= MAX_TIMEOUT_S:  # None, "120": a TypeError
-        got = f"{value:g}" if number else repr(value)
+        got = f"{float(value):g}" if number else repr(value)
         raise ConfigError(f"{what} must be a number of seconds from {MIN_TIMEOUT_S:g} to "
                           f"{MAX_TIMEOUT_S:.0f} (got {got})", hint)
 

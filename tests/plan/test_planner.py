@@ -241,3 +241,5 @@ def test_a_link_of_one_machine_without_servers_is_refused_as_train_refuses_it():
         with pytest.raises(ConfigError, match=r"^--timeout must be a number of seconds from 2 "
                                               r"to \d+ \(got (None|'120')\)"):
             Job(model="mlp", timeout_s=timeout)
+    import numpy as np  # numpy's numbers are numbers (launch(timeout_s=np.int64(60)) ran)
+    assert Job(model="mlp", timeout_s=np.int64(60)).timeout_s == 60

@@ -154,20 +154,23 @@ def nested_then_closed(wrapped: torch.nn.Module) -> dict:
     first = next(iter(top))
     lacking = outer.load_state_dict({**{k: v for k, v in state.items() if k != "net." + first},
                                      "net.extra": torch.zeros(1)}, strict=False)
-    try:
-        wrapped.load_state_dict({**top, first: torch.zeros(3, 1, 2)})
-        wrong = "loaded"
-    except RuntimeError as e:  # torch's own error, as for the bare model
-        wrong = str(e)
+    wrong = []
+    for value in (torch.zeros(3, 1, 2), 1.0):  # another shape; not a tensor
+        try:
+            wrapped.load_state_dict({**top, first: value})
+            wrong.append("loaded")
+        except RuntimeError as e:  # torch's own error, as for the bare model
+            wrong.append(str(e))
     polytrain.strategy_of(wrapped).close()
     wrapped.close()  # twice is fine
     x = torch.zeros(1, 8, dtype=torch.long)
     with torch.no_grad():
         evaluated = [wrapped(x).shape, wrapped.eval()(x).shape]  # evaluating after close
+    wrapped.train()
     return {"keys": sorted(state), "top": sorted(top), "inner": sorted(inner), "loaded": loaded,
             "first": first, "lacking": (lacking.missing_keys, lacking.unexpected_keys),
             "wrong": wrong, "evaluated": evaluated,
-            "closed": refused(lambda: wrapped.train()(x))}
+            "closed": refused(lambda: wrapped.eval()(x))}  # eval mode trains too
 
 
 # herring's drop-in DDP copies the weights itself; distribute checks the model for both.
@@ -229,17 +232,19 @@ def test_parameters_start_identical_on_every_worker(strategy):
     # workers' weights drifted apart.
     first = nested["first"]
     assert nested["lacking"] == (["net." + first], ["net.extra"]), nested
+    shape, kind = nested["wrong"]
     assert f"size mismatch for {first}: copying a param with shape torch.Size([3, 1, 2])" in \
-        nested["wrong"] and "module." not in nested["wrong"], nested["wrong"]
+        shape and f'While copying the parameter named "{first}"' in kind and \
+        "module." not in shape + kind, nested["wrong"]
     # After close() (its gradient hooks removed) a step was accepted, summing nothing: the
     # workers' weights drifted apart. Evaluating (no_grad, or eval mode) is not training.
     shape = nested["evaluated"][0]
     assert nested["evaluated"] == [shape, shape] and shape[:2] == (1, 8), nested["evaluated"]
     assert nested["closed"] == (
         "this DistributedDataParallel was closed (close() removed its gradient hooks): a "
-        "training forward now (train mode, gradients on) would train this worker's copy "
-        "alone. HINT: close() it after the last step; evaluate it in eval() mode or under "
-        "torch.no_grad(), or train its .module, or wrap that again"), nested
+        "forward with gradients on now would train this worker's copy alone. HINT: close() "
+        "it after the last step; evaluate it under torch.no_grad(), or train its .module, or "
+        "wrap that again"), nested
 
 
 def freeze_on_one_worker(strategy: str) -> str:

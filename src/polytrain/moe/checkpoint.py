@@ -227,10 +227,6 @@ def _writes(model: Any, write: bool | None, group: ExpertGroup) -> bool:
     groups = _expert_groups(model)
     if groups is None or len(groups) == 1:
         workers = runtime.current().num_workers if runtime.is_initialized() else 1
-        if write is None and groups is None and not group.distributed and workers > 1:
-            # Every worker holds every expert (a ddp or herring wrapper, expert_parallel=1):
-            # worker 0 writes (each wrote shard-0.pt at once).
-            return runtime.current().worker_index == 0
         if write is None and groups is None and group.distributed and group.size < workers:
             raise ConfigError(f"save_sharded: the MoE layers' experts are split over "
                               f"{group.size} of the {workers} workers (other expert groups "
@@ -283,12 +279,45 @@ def save_sharded(model: nn.Module, directory: str | Path, *, write: bool | None 
     given = model
     model = _bare(model)
     layers = moe_layers(model)
-    size = _one_group_size(layers)
     group = layers[0][1].group if layers else ExpertGroup(None)
-    rank = group.rank
-    if not _writes(given, write, group):
+    workers = runtime.current().num_workers if runtime.is_initialized() else 1
+    if given is model or group.distributed or workers == 1 or _expert_groups(given):
+        if _writes(given, write, group):
+            _write_shards(model, layers, group, Path(directory))
         return
-    path = Path(directory)
+    # What distribute() returned where every worker holds every expert (a ddp or herring
+    # wrapper of an MoE model): one writes, worker 0 unless write says, and the others wait
+    # for its word (each wrote shard-0.pt at once: a rename failed, or the files mixed).
+    everyone = ExpertGroup(runtime.current().groups.workers)
+    mine = runtime.current().worker_index == 0 if write is None else write
+    writers = [r for r, w in zip(everyone.global_ranks, _gather(everyone, mine, "the workers"))
+               if w]
+    if len(writers) > 1:
+        raise ConfigError(f"save_sharded writes each shard once, but ranks "
+                          f"{', '.join(map(str, writers))} pass write=True, and every worker "
+                          f"holds every expert", "leave write unset (worker 0 writes), or pass "
+                          "write=True on one worker and write=False on the others")
+    failure: ConfigError | None = None
+    if mine:
+        try:
+            _write_shards(model, layers, group, Path(directory))
+        except ConfigError as e:  # the others wait for its word below
+            failure = e
+    said = [e for e in _gather(everyone, None if failure is None else str(failure),
+                               "the workers") if e]
+    if failure is not None:
+        raise failure
+    if said:
+        from ..checkpoint.manifest import CheckpointError  # (the import cycle, as above)
+        raise CheckpointError(f"save_sharded on rank {writers[0]}, which writes: {said[0]}")
+
+
+def _write_shards(model: nn.Module, layers: list[tuple[str, MoE]], group: ExpertGroup,
+                  path: Path) -> None:
+    """Write this rank's shard, and on rank 0 of ``group`` meta.json, in step with the
+    group's other ranks (see :func:`save_sharded`)."""
+    size = _one_group_size(layers)
+    rank = group.rank
     path.mkdir(parents=True, exist_ok=True)
     shard: dict[str, torch.Tensor] = {}
     for key, value in model.state_dict().items():

@@ -96,7 +96,8 @@ def _bare_names(module: nn.Module, incompatible: Any) -> None:
     inner = prefix + "module."
     for names in (incompatible.missing_keys, incompatible.unexpected_keys):
         names[:] = [prefix + n[len(inner):] if n.startswith(inner) else n for n in names]
-    errors[:] = [e.replace(f"for {inner}", f"for {prefix}") for e in errors]
+    errors[:] = [e.replace(f"for {inner}", f"for {prefix}")
+                 .replace(f'named "{inner}', f'named "{prefix}') for e in errors]
 
 
 class SyncedModule(nn.Module):
@@ -146,7 +147,7 @@ class SyncedModule(nn.Module):
         self.require_forward_param_sync = True
         #: Where the forward's inputs are moved (torch DDP's ``device_ids[0]``), or None.
         self.device = input_device(device_ids, module)
-        #: Whether :meth:`close` removed the gradient hooks (a forward that could train is
+        #: Whether :meth:`close` removed the gradient hooks (a forward with gradients on is
         #: then refused).
         self.closed = False
         self._register_state_dict_hook(_bare_keys)
@@ -158,12 +159,13 @@ class SyncedModule(nn.Module):
         return [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.closed and self.training and torch.is_grad_enabled():  # evaluating is fine
+        # Evaluating (no gradients) is fine; a forward whose backward could train is not.
+        if self.closed and torch.is_grad_enabled() and self.trained():
             raise ConfigError(f"this {type(self).__name__} was closed (close() removed its "
-                              f"gradient hooks): a training forward now (train mode, gradients "
-                              f"on) would train this worker's copy alone", "close() it after "
-                              "the last step; evaluate it in eval() mode or under "
-                              "torch.no_grad(), or train its .module, or wrap that again")
+                              f"gradient hooks): a forward with gradients on now would train "
+                              f"this worker's copy alone", "close() it after the last step; "
+                              "evaluate it under torch.no_grad(), or train its .module, or "
+                              "wrap that again")
         if self.sync.backward_unfinished:
             raise ConfigError(
                 "the last backward pass on this worker raised after some of its gradients had "
@@ -210,6 +212,6 @@ class SyncedModule(nn.Module):
         return self.sync.hidden_fraction()
 
     def close(self) -> None:
-        """Remove the gradient hooks; a training forward is refused from then on."""
+        """Remove the gradient hooks; a forward with gradients on is refused from then on."""
         self.closed = True
         self.sync.close()

@@ -56,7 +56,7 @@ class HerringHookState:
     ctx.groups.workers``): another group is refused at the first bucket, naming its ranks.
     A state serves one DDP (make one per DDP): several registered before the first bucket
     are refused there, a later one when a third bucket layout appears. :meth:`close`
-    lets its sums go when the next model is wrapped.
+    lets its sums go at the first wrap after it.
 
     Args:
         ctx: the run (default: :func:`polytrain.init`'s).
