@@ -286,30 +286,12 @@ def save_sharded(model: nn.Module, directory: str | Path, *, write: bool | None 
             _write_shards(model, layers, group, Path(directory))
         return
     # What distribute() returned where every worker holds every expert (a ddp or herring
-    # wrapper of an MoE model): one writes, worker 0 unless write says, and the others wait
-    # for its word (each wrote shard-0.pt at once: a rename failed, or the files mixed).
-    everyone = ExpertGroup(runtime.current().groups.workers)
-    mine = runtime.current().worker_index == 0 if write is None else write
-    writers = [r for r, w in zip(everyone.global_ranks, _gather(everyone, mine, "the workers"))
-               if w]
-    if len(writers) > 1:
-        raise ConfigError(f"save_sharded writes each shard once, but ranks "
-                          f"{', '.join(map(str, writers))} pass write=True, and every worker "
-                          f"holds every expert", "leave write unset (worker 0 writes), or pass "
-                          "write=True on one worker and write=False on the others")
-    failure: ConfigError | None = None
-    if mine:
-        try:
-            _write_shards(model, layers, group, Path(directory))
-        except ConfigError as e:  # the others wait for its word below
-            failure = e
-    said = [e for e in _gather(everyone, None if failure is None else str(failure),
-                               "the workers") if e]
-    if failure is not None:
-        raise failure
-    if said:
-        from ..checkpoint.manifest import CheckpointError  # (the import cycle, as above)
-        raise CheckpointError(f"save_sharded on rank {writers[0]}, which writes: {said[0]}")
+    # wrapper of an MoE model): worker 0 writes unless write says, with no exchange, so that
+    # `if rank == 0: save_sharded(...)` works as with torch.save (each worker wrote
+    # shard-0.pt at once: a rename failed, or the files mixed).
+    if write is False or (write is None and runtime.current().worker_index != 0):
+        return  # (a load on every worker follows a barrier of the workers)
+    _write_shards(model, layers, group, Path(directory))
 
 
 def _write_shards(model: nn.Module, layers: list[tuple[str, MoE]], group: ExpertGroup,
