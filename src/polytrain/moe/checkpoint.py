@@ -219,14 +219,21 @@ def _expert_groups(model: Any) -> tuple[tuple[int, ...], ...] | None:
     return groups
 
 
-def _writes(model: Any, write: bool | None, group: ExpertGroup) -> bool:
+def _writes(model: Any, wrapped: bool, write: bool | None, group: ExpertGroup) -> bool:
     """Whether this rank writes its shard: ``write``, else whether it is in the first expert
     group. Where expert groups hold copies of the same experts, each shard is written once:
     every worker tells the others what it was given, and all refuse alike another choice
-    (every group wrote the same files at once: saves failed, or mixed two groups' shards)."""
+    (every group wrote the same files at once: saves failed, or mixed two groups' shards).
+    Where what distribute() returned (``wrapped``) holds every expert on every worker (a
+    ddp or herring wrapper of an MoE model), worker 0 writes unless ``write`` says, with no
+    exchange, so that ``if rank == 0: save_sharded(...)`` works as with torch.save (each
+    worker wrote shard-0.pt at once: a rename failed, or the files mixed)."""
     groups = _expert_groups(model)
     if groups is None or len(groups) == 1:
         workers = runtime.current().num_workers if runtime.is_initialized() else 1
+        if write is None and wrapped and groups is None and not group.distributed \
+                and workers > 1:  # (a load on every worker follows a barrier of the workers)
+            return runtime.current().worker_index == 0
         if write is None and groups is None and group.distributed and group.size < workers:
             raise ConfigError(f"save_sharded: the MoE layers' experts are split over "
                               f"{group.size} of the {workers} workers (other expert groups "
@@ -279,27 +286,12 @@ def save_sharded(model: nn.Module, directory: str | Path, *, write: bool | None 
     given = model
     model = _bare(model)
     layers = moe_layers(model)
-    group = layers[0][1].group if layers else ExpertGroup(None)
-    workers = runtime.current().num_workers if runtime.is_initialized() else 1
-    if given is model or group.distributed or workers == 1 or _expert_groups(given):
-        if _writes(given, write, group):
-            _write_shards(model, layers, group, Path(directory))
-        return
-    # What distribute() returned where every worker holds every expert (a ddp or herring
-    # wrapper of an MoE model): worker 0 writes unless write says, with no exchange, so that
-    # `if rank == 0: save_sharded(...)` works as with torch.save (each worker wrote
-    # shard-0.pt at once: a rename failed, or the files mixed).
-    if write is False or (write is None and runtime.current().worker_index != 0):
-        return  # (a load on every worker follows a barrier of the workers)
-    _write_shards(model, layers, group, Path(directory))
-
-
-def _write_shards(model: nn.Module, layers: list[tuple[str, MoE]], group: ExpertGroup,
-                  path: Path) -> None:
-    """Write this rank's shard, and on rank 0 of ``group`` meta.json, in step with the
-    group's other ranks (see :func:`save_sharded`)."""
     size = _one_group_size(layers)
+    group = layers[0][1].group if layers else ExpertGroup(None)
     rank = group.rank
+    if not _writes(given, given is not model, write, group):
+        return
+    path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
     shard: dict[str, torch.Tensor] = {}
     for key, value in model.state_dict().items():
