@@ -25,7 +25,7 @@ from ..emulation.profile import ModelProfile
 from ..errors import ConfigError
 from .partition import minmax_cut
 
-__all__ = ["PipePlan", "plan_pipe", "choose_microbatches", "CacheShare"]
+__all__ = ["PipePlan", "plan_pipe", "fewest_stages", "choose_microbatches", "CacheShare"]
 
 #: The share of the frozen front's samples AutoCache serves: a number, or a function of a
 #: candidate plan's (frozen layers, stages, replicas), as a re-plan changes which stages
@@ -173,6 +173,30 @@ class _Job:
         return value, tuple(b + f for b in bounds)
 
 
+def _halvable(k: int, r: int, *, autodp: bool, global_batch: int | None) -> bool:
+    # K halves while it is even and, with AutoDP, the global batch splits over twice the
+    # replicas (None: a batch not known yet, taken to split).
+    return k > 1 and k % 2 == 0 and (not autodp or global_batch is None
+                                     or global_batch % (2 * r) == 0)
+
+
+def fewest_stages(stages: int, replicas: int, *, autodp: bool,
+                  global_batch: int | None = None) -> int:
+    """The fewest stages a pipeline of ``stages`` x ``replicas`` can halve to (AutoPipe keeps
+    a trained layer on each): K halves while it is even and, with ``autodp``, while the
+    ``global_batch`` splits over twice the replicas (None: not known yet, taken to split).
+
+    >>> [fewest_stages(k, 1, autodp=True) for k in (1, 3, 4, 6, 8)]
+    [1, 3, 1, 3, 1]
+    >>> fewest_stages(4, 1, autodp=True, global_batch=6)
+    2
+    """
+    k, r = stages, replicas
+    while _halvable(k, r, autodp=autodp, global_batch=global_batch):
+        k, r = k // 2, r * 2 if autodp else r
+    return k
+
+
 def plan_pipe(profile: ModelProfile, *, step: int, frozen: int, stages: int, replicas: int,
               global_batch: int, previous: PipePlan | None = None, autopipe: bool = True,
               autodp: bool = True, micro_batches: int | None = None,
@@ -208,15 +232,13 @@ def plan_pipe(profile: ModelProfile, *, step: int, frozen: int, stages: int, rep
     k, r = stages, replicas
 
     def halvable(k: int, r: int) -> bool:
-        return k > 1 and k % 2 == 0 and (not autodp or global_batch % (2 * r) == 0)
+        return _halvable(k, r, autodp=autodp, global_batch=global_batch)
 
     if previous is not None and autopipe:
         # Every stage trains a layer at least: with fewer trained layers than the fewest
         # stages the pipeline can halve to (an odd K, or a batch that does not split over
         # twice the replicas), freeze fewer (never fewer than before).
-        fewest, rr = k, r
-        while halvable(fewest, rr):
-            fewest, rr = fewest // 2, rr * 2 if autodp else rr
+        fewest = fewest_stages(k, r, autodp=autodp, global_batch=global_batch)
         frozen = max(previous.frozen, min(frozen, len(names) - fewest))
     job = _Job(profile, frozen, global_batch, memory, state_factor, cached, micro_batches)
     if previous is None:  # the first plan: the cut of the stages asked for

@@ -38,7 +38,7 @@ from ...pipeline.assembly import (
     stage_optimizer,
 )
 from ...pipeline.asyncpipe import numeric_settings
-from ...pipeline.autopipe import PipePlan, plan_pipe
+from ...pipeline.autopipe import PipePlan, fewest_stages, plan_pipe
 from ...pipeline.cache import ActivationCache, expected_hits, frozen_forward
 from ...pipeline.freeze import (
     GradNormTracker,
@@ -146,10 +146,9 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
         freezable = freezable_layers([any(True for _ in m.parameters())
                                       for _, m in layers_of(model)])
         # AutoPipe keeps a trained layer on each of the fewest stages K halves to (an odd K:
-        # all of them), so no more than n - fewest layers freeze.
-        fewest = k
-        while options.autopipe and fewest % 2 == 0:
-            fewest //= 2
+        # all of them), so no more than n - fewest layers freeze. (The batch is not known
+        # here: taken to split.)
+        fewest = fewest_stages(k, layout.workers // k, autodp=options.autodp)
         reach = min(freezable, n - fewest) if options.autopipe else freezable
         # The default is left alone: a model of one layer that may freeze trains as it is.
         given = options.cache_from != PipeTransformerOptions.cache_from
@@ -668,14 +667,13 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
         self._resume = dict(state) if state else None
         if state:
             self.timeline = list(state["timeline"])
-            self._served = dict(state.get("served", {}))
+            self._served = dict(state.get("served", {}))  # (older checkpoints: none kept)
 
     def _restore(self, saved: Mapping[str, Any]) -> None:
         """Install the saved plan: its frozen layers, stage and groups, with the stage
-        optimizer's state; the timeline, tracker and cache counts as they were (a resumed
-        run's ``metrics.json`` counted only what its own cache served)."""
+        optimizer's state; the timeline (which the install added to) and tracker as they
+        were. (The cache counts came back with :meth:`load_checkpoint_state`.)"""
         self._next_mb = int(saved["next_mb"])
-        self._served = dict(saved.get("served", {}))  # (older checkpoints: none kept)
         self._handed = dict(saved["stage_optimizer"])
         self._install(saved["plan"], None)
         self._handed = None
