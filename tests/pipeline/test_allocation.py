@@ -58,6 +58,20 @@ def test_hd_makes_virtual_workers_of_even_speed_of_machines_of_mixed_types():
         ["fast", "fast", "fast", "slow"]] * 2
 
 
+def test_hd_on_one_machine_of_mixed_types_runs_its_devices_slowest_first():
+    # Symptom: "m0:fast*2+slow*2" under the default hd ran fast -> fast -> slow -> slow (np:
+    # slow first), the stale first stages on the fast devices. Cause: hd orders its own VWs,
+    # and its one machine's VW was the machine's devices in machine order.
+    c = parse_cluster("m0:fast*2+slow*2")
+    vws = allocate(c, "hd")
+    assert indices(vws) == [[2, 3, 0, 1]] == indices(allocate(c, "np"))
+    model = GPT(seq_len=16, d_model=32, layers=4, heads=2)
+    profile = profile_model(model, torch.zeros(1, 16, dtype=torch.long))
+    hd = plan_hetpipe(c, profile, policy="hd", global_batch=8, state_factor=2, inflight=4)
+    assert hd.pipelines[0].devices == ("slow", "slow", "fast", "fast")
+    assert "m0/2 slow -> m0/3 slow -> m0/0 fast -> m0/1 fast" in hd.describe()
+
+
 def test_hd_needs_machines_of_even_size_and_unknown_policies_are_refused():
     with pytest.raises(ConfigError, match="policy 'hd' splits.*hold 3 devices"):
         allocate(parse_cluster("a:fast*3,b:slow*3"), "hd")
@@ -65,10 +79,13 @@ def test_hd_needs_machines_of_even_size_and_unknown_policies_are_refused():
                                           "np, ed, hd"):
         count_virtual_workers(4, 2, "xy")
     # Machines of different sizes (a library cluster; the CLI makes even ones): IndexError.
+    # Its hint then said "or pass --policy np", which every training run refuses too (the
+    # launcher, and HetPipe under torchrun, take machines of as many workers only).
     with pytest.raises(ConfigError, match=r"--policy ed takes one device of every machine "
                                           r"for each virtual worker, and the machines hold "
                                           r"\[4, 2\] devices. HINT: give every machine "
-                                          r"as many devices, or pass --policy np"):
+                                          r"as many devices \(training starts as many "
+                                          r"workers on each, whatever the policy\)$"):
         allocate(parse_cluster("a:fast*4,b:slow*2"), "ed")
     # hd: ValueError: min() arg is an empty sequence (its halves came from one machine's
     # count); and ed's hint named hd, which needs even machines too.

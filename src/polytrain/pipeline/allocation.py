@@ -111,8 +111,8 @@ def allocate(cluster: Cluster, policy: str) -> tuple[VirtualWorker, ...]:
             how = ("splits the machines' devices in halves, pairing machines," if policy == "hd"
                    else "takes one device of every machine for each virtual worker,")
             raise ConfigError(f"--policy {policy} {how} and the machines hold {counts} devices",
-                              "give every machine as many devices, or pass --policy np "
-                              "(a virtual worker per machine)")
+                              "give every machine as many devices (training starts as "
+                              "many workers on each, whatever the policy)")
         groups = ([[m[i] for m in by_machine] for i in range(counts[0])]
                   if policy in ("ed", "bd") else _hybrid(by_machine))
     if policy != "hd":  # hd orders its own: a machine's half stays together
@@ -125,7 +125,7 @@ def allocate(cluster: Cluster, policy: str) -> tuple[VirtualWorker, ...]:
 
 def _hybrid(by_machine: list[list[Device]]) -> list[list[Device]]:
     if len(by_machine) == 1:
-        return [by_machine[0]]
+        return [_slowest_first(by_machine[0])]
     # Fastest machine with slowest, second with second slowest, ... (ties by machine order).
     order = sorted(range(len(by_machine)), key=lambda m: (-_rate(by_machine[m]), m))
     groups: list[list[Device]] = []
