@@ -326,6 +326,43 @@ def test_save_refuses_a_step_that_is_not_a_whole_number_from_0(tmp_path, step, s
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("keep, said", [(-2, "keep must be at least 1 (got -2)"),
+                                        (0, "keep must be at least 1 (got 0)"),
+                                        (1.5, "keep must be a whole number (got 1.5)")])
+def test_save_refuses_a_keep_that_is_not_a_whole_number_from_1(tmp_path, keep, said):
+    # keep=-2 removed all but the newest two and keep=0 all but the new one, silently;
+    # keep=1.5 wrote step-4 whole, then said "could not save checkpoint step-4" (the
+    # prune's TypeError, inside the save's try). Cause: keep was never checked.
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    model, opt = polytrain.distribute(model, torch.optim.Adam(model.parameters()), "single")
+    for s in (1, 2, 3):
+        polytrain.save(tmp_path, model, opt, step=s)
+    with pytest.raises(ConfigError, match=re.escape(said) + r"\. HINT: pass save\(\) keep="):
+        polytrain.save(tmp_path, model, opt, step=4, keep=keep)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-1", "step-2", "step-3"]
+
+
+def test_a_prune_that_fails_after_the_save_does_not_fail_the_save(tmp_path, monkeypatch,
+                                                                    caplog):
+    # A prune's error after the commit raised "could not save checkpoint step-2 ... HINT:
+    # free space", though step-2 was whole on disk. Cause: the prune ran in the save's try.
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    model, opt = polytrain.distribute(model, torch.optim.Adam(model.parameters()), "single")
+    polytrain.save(tmp_path, model, opt, step=1)
+
+    def failing(*args, **kwargs):
+        raise OSError("read-only file system")
+    monkeypatch.setattr("polytrain.checkpoint.state.prune", failing)
+    with caplog.at_level("WARNING", logger="polytrain.checkpoint.state"):
+        saved = polytrain.save(tmp_path, model, opt, step=2, keep=1)
+    assert saved == tmp_path / "step-2" and verify(saved)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-1", "step-2"]
+    assert (f"saved {saved}, and could not remove the checkpoints older than the newest 1: "
+            f"OSError: read-only file system") in caplog.text
+
+
 def test_load_refuses_a_checkpoint_of_another_strategy(tmp_path):
     # Its optimizer and strategy state are that strategy's: a ddp checkpoint loaded into
     # parallax was refused for a worker count it had; parallax's into ddp lost the
@@ -448,6 +485,28 @@ def test_load_refuses_parameter_groups_in_another_order(tmp_path):
         polytrain.load(tmp_path, model, opt)
     assert [g["weight_decay"] for g in opt.param_groups] == [0.0, 0.1]  # nothing loaded
     model, opt = made(["weights", "biases"])
+    assert polytrain.load(tmp_path, model, opt).step == 1
+
+
+def test_load_refuses_a_parameter_moved_to_another_group(tmp_path):
+    # Only a whole group swapped was refused: 0.bias moved to the weights' group took its
+    # weight decay 0.5, and 1.weight, moved to the biases', lost it, silently.
+    def made(split):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+        p = dict(model.named_parameters())
+        opt = torch.optim.AdamW([{"params": [p[n] for n in names], "weight_decay": wd}
+                                 for names, wd in zip(split, (0.5, 0.0))])
+        return polytrain.distribute(model, opt, "single")
+    model, opt = made([["0.weight", "1.weight"], ["0.bias", "1.bias"]])
+    polytrain.save(tmp_path, model, opt, step=1)
+    model, opt = made([["0.weight", "0.bias"], ["1.weight", "1.bias"]])
+    with pytest.raises(CheckpointError, match=r"this optimizer's parameter group 0 holds "
+                                              r"'0.bias', which the checkpoint's group 1 "
+                                              r"held: that group's settings would go to it"):
+        polytrain.load(tmp_path, model, opt)
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.5, 0.0] and not opt.state
+    model, opt = made([["0.weight", "1.weight"], ["0.bias", "1.bias"]])
     assert polytrain.load(tmp_path, model, opt).step == 1
 
 

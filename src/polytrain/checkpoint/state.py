@@ -167,6 +167,8 @@ def save(root: str | Path, model: nn.Module | Trainer,
                 polytrain.save("out/checkpoints", trainer, step=step)
 
     Args:
+        keep: how many of the newest whole checkpoints stay, a whole number from 1 (None:
+            every one); older ones are removed after this one is whole.
         run: what describes the run (strategy, model, layout) for the checks on load.
         extra: the caller's own records (the CLI's loop: the losses so far), or a function
             every worker calls for them once the strategy's work in flight is finished (the
@@ -175,6 +177,9 @@ def save(root: str | Path, model: nn.Module | Trainer,
     """
     # step--1 or step-2.5 were written, which no load finds; "7", one every load refused.
     at_least("step", step, "pass save() the step count, a whole number from 0", 0, whole=True)
+    if keep is not None:  # -2 and 0 pruned silently; 1.5 failed the prune after the commit
+        at_least("keep", keep, "pass save() keep=2 (how many of the newest whole checkpoints "
+                 "stay), or None to keep every one", whole=True)
     model, optimizer, strategy = _unpack(model, optimizer)
     strategy.check_checkpoints()
     index, count, group = _workers(strategy)
@@ -223,9 +228,14 @@ def save(root: str | Path, model: nn.Module | Trainer,
         try:
             write_manifest(tmp, meta)
             commit(tmp, final)
-            prune(root, keep, protect=[final])
         except Exception as e:  # noqa: BLE001 - every worker must reach the gather
             error = f"{type(e).__name__}: {e}"
+        else:  # this one is whole: a failed prune leaves older ones, it does not fail the save
+            try:
+                prune(root, keep, protect=[final])
+            except Exception as e:  # noqa: BLE001 - any failure to remove them alike
+                log.warning("saved %s, and could not remove the checkpoints older than the "
+                            "newest %d: %s", final, keep, first_line(e))
     if failed is None:
         failed = _first_failure(strategy, _gather(group, count, error))
     if failed is not None:
@@ -338,7 +348,8 @@ def load(path: str | Path, model: nn.Module | Trainer,
         return files[i]
 
     own = worker_file(index % saved_workers)
-    _check_optimizer(optimizer, names, own["optimizer"])  # before anything is loaded
+    _check_optimizer(optimizer, names, own["optimizer"],  # before anything is loaded
+                     manifest["optimizer_index"], worker_file)
     run = torch.load(where / "run.pt", map_location="cpu", weights_only=False)
     _check_scheduler(scheduler, run, where)
     if scheduler is not None:  # first: the one load here that may fail on what it is given
@@ -446,8 +457,10 @@ def _check_scheduler(scheduler: Any, run: Mapping[str, Any], where: Path) -> Non
 
 
 def _check_optimizer(optimizer: torch.optim.Optimizer, names: Mapping[str, nn.Parameter],
-                     own: Mapping[str, Any]) -> None:
-    """Refuse an optimizer state that would not fit: another class, other groups."""
+                     own: Mapping[str, Any], index_of: Mapping[str, int],
+                     worker_file: Callable[[int], Mapping[str, Any]]) -> None:
+    """Refuse an optimizer state that would not fit: another class, other groups, a
+    parameter in another group than the one that held it."""
     by_id = {id(p): n for n, p in names.items()}
     saved_groups = own["groups"]
     mine = type(getattr(optimizer, "optimizer", optimizer)).__name__
@@ -473,6 +486,32 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, names: Mapping[str, nn.Pa
                 f"order): its settings would go to other parameters",
                 "build the optimizer's parameter groups in the order of the run that saved "
                 "the checkpoint")
+    # A parameter moved to another group took that group's settings (a bias moved to the
+    # weights' group, its weight decay). Each name's saved group is in the file whose state
+    # load takes for it: this worker's own, else (another layout: MoE's experts resharded)
+    # the first worker's that held it.
+    saved_group = _group_of(saved_groups)
+    others: dict[int, dict[str, int]] = {}
+    for i, g in enumerate(optimizer.param_groups):
+        for n in (by_id[id(p)] for p in g["params"] if id(p) in by_id):
+            where = saved_group
+            if n not in where and n in index_of:
+                f = index_of[n]
+                if f not in others:
+                    others[f] = _group_of(worker_file(f)["optimizer"]["groups"])
+                where = others[f]
+            was = where.get(n, i)  # not in the checkpoint's groups: nothing to compare
+            if was != i:
+                raise CheckpointError(
+                    f"this optimizer's parameter group {i} holds {n!r}, which the "
+                    f"checkpoint's group {was} held: that group's settings would go to it",
+                    "build the optimizer's parameter groups with the parameters of the run "
+                    "that saved the checkpoint, in its order")
+
+
+def _group_of(groups: list[Mapping[str, Any]]) -> dict[str, int]:
+    """The index of the saved group that held each name."""
+    return {n: j for j, g in enumerate(groups) for n in g.get("params", ())}
 
 
 def _load_optimizer(optimizer: torch.optim.Optimizer, names: Mapping[str, nn.Parameter],
