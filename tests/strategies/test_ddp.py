@@ -53,6 +53,13 @@ class Chain(nn.Module):
 def freeze_after_wrapping() -> None:
     polytrain.init()
     torch.manual_seed(0)
+    # Nothing to train: torch's DDP raised its RuntimeError with a traceback at the wrap.
+    frozen = Chain().requires_grad_(False)
+    with pytest.raises(polytrain.ConfigError, match=r"^ddp has no gradient to all-reduce: "
+                                                    r"no parameter of the model requires one "
+                                                    r"\(it has 8, none with requires_grad="
+                                                    r"True\)\. HINT: set requires_grad=True "):
+        polytrain.distribute(frozen, torch.optim.SGD(frozen.parameters(), lr=0.1), "ddp")
     model = Chain()
     wrapped, opt = polytrain.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1),
                                         "ddp")
@@ -62,7 +69,8 @@ def freeze_after_wrapping() -> None:
 
 
 @pytest.mark.timeout(60)
-def test_the_names_are_ddps_parameters_even_when_requires_grad_changed_after_wrapping():
+def test_ddp_refuses_a_model_with_nothing_to_train_and_names_what_it_waits_for():
+    # The names are ddp's parameters even when requires_grad changed after wrapping.
     with pytest.raises(LaunchError, match=r"parameters 'a.weight', 'a.bias', 'd.weight', "
                                           r"'d.bias' got no gradient"):
         spawn(freeze_after_wrapping, workers=2)

@@ -243,6 +243,23 @@ def test_a_step_of_inputs_and_targets_of_different_batches_is_refused():
     assert trainer.steps == 0
 
 
+@pytest.mark.parametrize("inputs, targets, said", [
+    ((torch.zeros(4, 2), torch.ones(4, 2)), torch.zeros(4, 2), "inputs a tuple"),
+    ({"x": torch.zeros(4, 2)}, torch.zeros(4, 2), "inputs a dict"),
+    (torch.zeros(4, 2), [[0.0, 0.0]] * 4, "targets a list")])
+def test_a_step_of_inputs_or_targets_that_are_not_one_tensor_is_refused(inputs, targets, said):
+    # trainer.step((x, mask), y) failed in the trainer: "AttributeError: 'tuple' object has no
+    # attribute 'shape'". The step slices one tensor of each by its dim 0.
+    model = torch.nn.Linear(2, 2)
+    trainer = polytrain.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                   strategy="single", loss_fn=mse)
+    with pytest.raises(ConfigError, match=rf"^trainer.step takes one tensor of inputs and one "
+                                          rf"of targets \(dim 0: the samples\), but got "
+                                          rf"{said}\. HINT: pack the inputs into one tensor"):
+        trainer.step(inputs, targets)
+    assert trainer.steps == 0
+
+
 def test_a_closed_trainer_refuses_to_step():
     # herring, 2 workers: step, close, step was accepted, without gradient sums (close()
     # had removed the hooks), and the workers' weights differed by 0.056.

@@ -94,6 +94,15 @@ class DDP(Strategy[DDPOptions]):
         if ctx.device.type == "cuda" and any(p.device.type != "cuda" for p in model.parameters()):
             raise ConfigError("ddp on CUDA needs every parameter on the GPU",
                               "move the model with model.to('cuda') before distribute()")
+        if not any(p.requires_grad for p in model.parameters()):
+            # torch's DDP cannot be built without one (a RuntimeError and its traceback).
+            # herring's and byteps' wrappers can, and refuse a parameter unfrozen later;
+            # ddp would have to leave the model unwrapped, and such a parameter unsynced.
+            count = sum(1 for _ in model.parameters())
+            raise ConfigError(f"ddp has no gradient to all-reduce: no parameter of the model "
+                              f"requires one (it has {count}, none with requires_grad=True)",
+                              "set requires_grad=True on the parameters to train before "
+                              "distribute() (a model that trains nothing needs no ddp)")
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
         # An MoE expert that no token chose has no gradient (None) in one process; DDP without
         # find_unused_parameters writes zeros there, which Adam then steps on. With it, a

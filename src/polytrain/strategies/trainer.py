@@ -62,8 +62,11 @@ class Trainer:
 
     Attributes:
         model, optimizer: what the strategy trains (a learning-rate scheduler goes on
-            ``optimizer``); strategy: the strategy instance; steps: steps taken;
-            closed: whether :meth:`close` was called.
+            ``optimizer``). Under a pipeline strategy ``model`` holds current weights
+            only in this worker's own stages (its other layers are not kept
+            current): the whole model is :meth:`state_dict`, not ``model``'s.
+        strategy: the strategy instance; steps: steps taken; closed: whether
+            :meth:`close` was called.
     """
 
     def __init__(self, strategy: Strategy, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -82,7 +85,8 @@ class Trainer:
         return self.strategy.replica
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
-        """Train on one global batch (dim 0: samples, the same on every worker).
+        """Train on one global batch: a tensor of inputs and one of targets (dim 0: the
+        samples, the same on every worker).
 
         Returns the mean loss over this worker's replica's slice, or None where this
         process holds no loss (a pipeline's earlier stages).
@@ -92,6 +96,15 @@ class Trainer:
                               f"releasing what its strategy trains with (gradient sums, "
                               f"stages, threads): a step now would train without them",
                               "close() the trainer after its last step")
+        for what, given in (("inputs", inputs), ("targets", targets)):
+            if not isinstance(given, torch.Tensor):
+                kind = type(given).__name__
+                raise ConfigError(f"trainer.step takes one tensor of inputs and one of targets "
+                                  f"(dim 0: the samples), but got {what} "
+                                  f"{'an' if kind[0] in 'aeiou' else 'a'} {kind}",
+                                  "pack the inputs into one tensor (a model of several takes "
+                                  "them as one and splits it in its forward), or train a "
+                                  "data-parallel strategy with the plain loop")
         if inputs.shape[:1] != targets.shape[:1]:
             raise ConfigError(f"trainer.step got {inputs.shape[0] if inputs.dim() else 0} "
                               f"inputs but {targets.shape[0] if targets.dim() else 0} targets "
