@@ -1,5 +1,7 @@
 """Parallax: the plan, the sparse row store, the row rules, the single run's weights, traffic."""
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -602,13 +604,23 @@ def test_a_lookup_past_the_table_is_refused_naming_the_row():
         spawn(out_of_range_script, workers=1, colocated=1)
 
 
-def closed_then_local_script() -> tuple[bool, bool]:
+def closed_then_local_script() -> tuple[bool, bool, bool]:
     """An embedding of dense gradients and torch's Adam (which takes no sparse ones) through
-    parallax, then the model the user's again after close(): a local step."""
+    parallax, then the model the user's again after close(): a local step. Before it, a
+    distribute() refused (AdamW's weight decay on the table) leaves the table as it was;
+    and a parameter frozen at distribute() and unfrozen later is refused at the step."""
     import polytrain
     polytrain.init()
     torch.manual_seed(0)
+    refused = nn.Sequential(nn.Embedding(10, 4), nn.Flatten(), nn.Linear(12, 1))
+    adamw = torch.optim.AdamW(refused.parameters(), lr=0.1)
+    with pytest.raises(ConfigError, match=r"AdamW with weight decay 0.01 has no sparse form"):
+        polytrain.distribute(refused, adamw, strategy="parallax", partitions=1)
+    untouched = not refused[0].sparse
+    refused(torch.tensor([[1, 2, 3]])).sum().backward()
+    adamw.step()  # "Adam does not support sparse gradients" while the refusal left it sparse
     model = nn.Sequential(nn.Embedding(10, 4), nn.Flatten(), nn.Linear(12, 1))
+    model[2].bias.requires_grad_(False)
     opt = torch.optim.Adam(model.parameters(), lr=0.1)
     model, opt = polytrain.distribute(model, opt, strategy="parallax", partitions=1)
     ids = torch.tensor([[1, 2, 3]])
@@ -618,13 +630,26 @@ def closed_then_local_script() -> tuple[bool, bool]:
         opt.step()  # the second: "Adam does not support sparse gradients" (the diff's review)
         if not closed:
             wrapped = model[0].sparse
+            model[2].bias.requires_grad_(True)  # neither all-reduced nor on the servers
+            opt.zero_grad()
+            model(ids).sum().backward()
+            with pytest.raises(ConfigError, match=r"parameter '2.bias' requires a gradient, "
+                                                  r"but did not when the model was wrapped.*"
+                                                  r"HINT: set requires_grad before "
+                                                  r"distribute\(\)"):
+                opt.step()
+            model[2].bias.requires_grad_(False)
             polytrain.strategy_of(model).close()
-    return wrapped, model[0].sparse
+    return untouched, wrapped, model[0].sparse
 
 
 def test_close_gives_the_tables_their_own_gradients_back():
+    # And a distribute() that parallax refused left the table's gradients sparse (set before
+    # the optimizer's rule was checked): torch's AdamW then failed the plain step ("Adam does
+    # not support sparse gradients"). A parameter frozen at distribute() and unfrozen later
+    # was stepped on each worker's own gradient, never averaged (copies 0.21 apart).
     from tests.harness import spawn
-    assert spawn(closed_then_local_script, workers=1, colocated=1) == [(True, False)]
+    assert spawn(closed_then_local_script, workers=1, colocated=1) == [(True, True, False)]
 
 
 @pytest.mark.timeout(240)
@@ -689,6 +714,15 @@ def test_options_that_a_model_without_sparse_parameters_leaves_idle_are_refused(
                                               rf"no sparse parameter.*HINT: leave out"):
             Parallax.check_model(mlp, layout, ParallaxOptions(**options))
     Parallax.check_model(mlp, layout, ParallaxOptions())  # the CLI's defaults
+    # --servers 1 was taken too, and its machine sat idle through the run.
+    for servers, said in [(1, "1 dedicated server (--servers 1)"),
+                          (2, "2 dedicated servers (--servers 2)")]:
+        with pytest.raises(ConfigError, match=rf"parallax's {re.escape(said)} would hold the "
+                                              rf"sparse parameters' rows, and this model has "
+                                              rf"no sparse parameter.*every parameter is "
+                                              rf"all-reduced\. HINT: leave out --servers"):
+            Parallax.check_model(mlp, Layout(workers=2, nodes=2, servers=servers),
+                                 ParallaxOptions())
     # Embeddings kept on the workers (--no-sparse-embeddings on gpt) are no sparse parameter.
     table = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 1))
     with pytest.raises(ConfigError, match=r"partitions=2 cuts the sparse parameters"):
@@ -788,6 +822,31 @@ def test_a_resume_on_another_layout_of_as_many_workers_starts_the_search_afresh(
     same = strategy(2, [4, 5])
     same.load_checkpoint_state(saved)
     assert same.search.samples == [(2, 0.5)] and same._times == [0.5, 0.4]
+
+
+def test_a_fixed_partition_count_resumed_without_partitions_starts_the_search_at_its_start():
+    # A --partitions 4 run resumed without --partitions took its count, 4, as the new
+    # search's first sample (then 8, then 1): the docs' start, max(servers, machines) = 2,
+    # was never sampled.
+    from types import SimpleNamespace
+
+    from polytrain.strategies.parallax import Parallax
+
+    ctx = SimpleNamespace(num_workers=4, num_nodes=2, worker_index=0)
+    emb = [SparseVar("emb", 10, 4, torch.float32)]
+    fixed = Parallax(ctx, ParallaxOptions(partitions=4))
+    fixed.plan = plan_parallax(emb, [], partitions=4, servers=[4, 5])
+    fixed._count = 4
+    saved = {**fixed.checkpoint_state(), "rows": {}, "rounds": 0}  # rows: no servers here
+    assert "search" not in saved and saved["partitions"] == 4
+    cuts = []
+    rows = SimpleNamespace(vars=[], repartition=lambda plan: cuts.append(plan.partitions),
+                           restore=lambda *args: None)
+    searching = Parallax(ctx, ParallaxOptions(search_steps=2))
+    searching.plan = plan_parallax(emb, [], partitions=2, servers=[4, 5])
+    searching._count, searching.search, searching.rows = 2, PartitionSearch(2), rows
+    searching.load_checkpoint_state(saved)
+    assert searching._count == 2 and cuts == [] and searching.search.samples == []
 
 
 def test_sparse_reads_that_give_no_integer_tensor_are_refused_naming_the_table():

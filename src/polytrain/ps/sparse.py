@@ -48,7 +48,11 @@ from .stores import (
 )
 
 __all__ = ["SparseRowStore", "pack_rows", "unpack_rows", "rule_settings", "with_settings",
-           "state_numel", "state_tensors"]
+           "state_numel", "state_tensors", "STATE_NAMES"]
+
+#: Each rule's state tensors, in the store's order, by the names torch's optimizers give them
+#: in ``optimizer.state[param]`` (Adagrad's, Adam's and SparseAdam's; LazyAdam's alike).
+STATE_NAMES = {"sgd": (), "adagrad": ("sum",), "adam": ("exp_avg", "exp_avg_sq")}
 
 # Two float64 ahead of the rule's settings: the learning rate, whether it was read.
 _HEAD_BYTES = 16

@@ -37,7 +37,7 @@ from ...ps.client import Pending
 from ...ps.engine import engine_for
 from ...ps.placement import Placement
 from ...ps.protocol import Kind, Op
-from ...ps.sparse import pack_rows, rule_settings, state_numel, state_tensors
+from ...ps.sparse import STATE_NAMES, pack_rows, rule_settings, state_numel, state_tensors
 from ...ps.stores import pack_counts, unpack_counts
 from ...runtime import Context
 from .plan import ParallaxPlan
@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 
 
 def _gather_local(tensors: list[torch.Tensor], group: Any, workers: int, *, at: int,
-                  labels: Sequence[str], flag: bool = False
+                  labels: Sequence[str], flag: bool = False, training: bool = True
                   ) -> tuple[list[list[torch.Tensor]], bool]:
     """Every local worker's ``tensors`` (of one length along dim 0 on a worker, of any length
     across workers): per tensor, the workers' copies in local rank order, trimmed; and
@@ -56,15 +56,26 @@ def _gather_local(tensors: list[torch.Tensor], group: Any, workers: int, *, at: 
 
     gloo's all-gather takes equal sizes, so the lengths go first and every copy is padded
     to the longest; when every worker has none, nothing more is sent. With the lengths
-    goes ``at``, which exchange this is (``labels[at]``): workers at different ones (a
-    lookup that only some workers' data reached) are refused there, on every worker,
-    where they would hang in gloo.
+    goes ``at``, which exchange this is (``labels[at]``), and whether it is ``training``'s
+    (a fetch of an evaluation is not): workers at different ones (a lookup that only some
+    workers' data reached, an evaluation on some workers only) are refused there, on
+    every worker, where they would hang in gloo.
     """
-    head = torch.tensor([tensors[0].shape[0], at, int(flag)], dtype=torch.int64)
-    heads = [torch.zeros(3, dtype=torch.int64) for _ in range(workers)]
+    head = torch.tensor([tensors[0].shape[0], at, int(flag), int(training)], dtype=torch.int64)
+    heads = [torch.zeros(4, dtype=torch.int64) for _ in range(workers)]
     dist.all_gather(heads, head, group=group)
-    if len({int(h[1]) for h in heads}) > 1:
-        where = ", ".join(f"local worker {i} {labels[int(h[1])]}" for i, h in enumerate(heads))
+    if len({(int(h[1]), int(h[3])) for h in heads}) > 1:
+        where = ", ".join(f"local worker {i} {labels[int(h[1])]}"
+                          + ("" if h[3] else " to evaluate (under no_grad or in eval mode)")
+                          for i, h in enumerate(heads))
+        if not all(h[3] for h in heads):
+            raise ConfigError(
+                f"the workers of a machine reached different sparse-row exchanges ({where}): "
+                f"an evaluation fetches its rows together with the machine's other workers, "
+                f"so it must run on every worker of the machine",
+                "evaluate on every worker (each on its part of the held-out batch), or "
+                "through polytrain train's held-out evaluation (--eval-every), whose model "
+                "fetches nothing")
         raise ConfigError(
             f"the workers of a machine reached different sparse-row exchanges ({where}): "
             f"every worker of a machine must look up the same tables in the same order each "
@@ -85,6 +96,11 @@ def _gather_local(tensors: list[torch.Tensor], group: Any, workers: int, *, at: 
         dist.all_gather(every, padded, group=group)
         out.append([e[:size] for e, size in zip(every, sizes)])
     return out, flagged
+
+
+def _training(module: nn.Module) -> bool:
+    """Whether a forward of ``module`` now is training's: with gradients, in train mode."""
+    return torch.is_grad_enabled() and module.training
 
 
 class Touched:
@@ -248,24 +264,31 @@ class SparseRows:
 
     def initial_state(self, states: list[torch.Tensor] | None = None) -> None:
         """Worker 0 sets every range's state: ``states[i]`` (a range's whole state), or
-        the current weights with a fresh rule state."""
+        the current weights with the rule's state that the user's optimizer holds (a
+        script's steps before :func:`distribute`), else a fresh one."""
         if self.ctx.worker_index != 0:
             return
         pending = []
         for i, r in enumerate(self.plan.ranges):
             var = self.vars[r.var]
-            if states is not None:
-                state = states[i]
-            else:
-                rows = var.param.detach()[r.lo:r.hi].reshape(-1).cpu()
-                fill = float(var.rule.get("initial_accumulator_value", 0.0))
-                extra = state_numel(rows.numel(), var.rule["name"]) - rows.numel() - 2
-                # A fresh rule state: none of its steps taken yet.
-                state = torch.cat([rows, torch.full((extra,), fill, dtype=rows.dtype),
-                                   pack_counts([self.round, 0], rows.dtype)])
+            state = states[i] if states is not None else self._held_state(var, r.lo, r.hi)
             pending.append((self.engine.set(self.placement, i, state), state))
         for p, _ in pending:
             p.wait()
+
+    def _held_state(self, var: _Var, lo: int, hi: int) -> torch.Tensor:
+        """Rows ``lo:hi`` of ``var``'s whole state from its weight and the state the user's
+        optimizer holds for it (Adagrad's sum, Adam's moments, the step count: the servers
+        go on from a script's own steps, as one process does), or a fresh rule state where
+        it holds none."""
+        rows = var.param.detach()[lo:hi].reshape(-1).cpu()
+        held = self.optimizer.state.get(var.param, {})
+        fill = float(var.rule.get("initial_accumulator_value", 0.0))
+        tensors = [held[k].detach()[lo:hi].reshape(-1).cpu().to(rows.dtype)
+                   if isinstance(held.get(k), torch.Tensor) else torch.full_like(rows, fill)
+                   for k in STATE_NAMES[var.rule["name"]]]
+        step = int(held.get("step", 0))  # a tensor in torch's optimizers, an int in LazyAdam
+        return torch.cat([rows, *tensors, pack_counts([self.round, step], rows.dtype)])
 
     # -- pulls ---------------------------------------------------------------------------------
 
@@ -277,7 +300,8 @@ class SparseRows:
             if var.declared:
                 check_declared(var, indices)
             else:
-                self.fetch({var: indices}, exchange=self.at_lookup + var.index)
+                self.fetch({var: indices}, exchange=self.at_lookup + var.index,
+                           training=_training(module))
         return hook
 
     def _reads_hook(self, reads: Callable[..., Mapping[str, torch.Tensor]]
@@ -309,25 +333,30 @@ class SparseRows:
                                       f"tensor of row ids",
                                       "return an integer tensor of the rows the forward looks "
                                       "up for each table (the ids themselves, as torch.long)")
-            self.fetch({by_name[n]: rows for n, rows in declared.items()})
+            self.fetch({by_name[n]: rows for n, rows in declared.items()},
+                       training=_training(module))
             for n in declared:
                 by_name[n].declared = True
         return hook
 
-    def _local_union(self, rows: torch.Tensor, exchange: int) -> torch.Tensor:
-        """The union of ``rows`` over this machine's workers (sorted), as ``exchange``."""
+    def _local_union(self, rows: torch.Tensor, exchange: int, training: bool) -> torch.Tensor:
+        """The union of ``rows`` over this machine's workers (sorted), as ``exchange``, of
+        ``training`` or of an evaluation."""
         if len(self.local) == 1:
             return rows
         [every], _ = _gather_local([rows], self.ctx.groups.local, len(self.local),
-                                   at=exchange, labels=self.labels)
+                                   at=exchange, labels=self.labels, training=training)
         return torch.unique(torch.cat(every))
 
-    def fetch(self, reads: Mapping[_Var, torch.Tensor], exchange: int = 0) -> None:
+    def fetch(self, reads: Mapping[_Var, torch.Tensor], exchange: int = 0,
+              training: bool = True) -> None:
         """Make the rows each ``reads[var]`` names current in ``var``'s weight: this
         machine's union of them, pulled once by the leader, every range's pull in flight
         at once (one round trip for all the variables). Every worker of the machine takes
         part, ``reads`` empty or not, and writes every row of the union: another worker's
-        data may read a table this one's does not."""
+        data may read a table this one's does not. ``training``: whether the forward is
+        training's (with gradients, in train mode) or an evaluation's, which every worker
+        of the machine must run alike."""
         self.check_unwritten()
         # One union inside the machine for every variable: rows offset by variable.
         offsets, at = {}, 0
@@ -340,7 +369,7 @@ class SparseRows:
             check_range(var, rows)
             wanted.append(rows[~var.fresh[rows]] + offsets[var.index])
         union = self._local_union(torch.cat(wanted) if wanted
-                                  else torch.empty(0, dtype=torch.int64), exchange)
+                                  else torch.empty(0, dtype=torch.int64), exchange, training)
         if union.numel() == 0:
             return
         needs = []

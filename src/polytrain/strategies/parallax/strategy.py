@@ -18,6 +18,7 @@ from ...ps.placement import server_ranks
 from ...runtime import Context
 from ..base import register
 from ..served import ServedStrategy
+from ..synced import check_still_frozen
 from .dense import DenseSync
 from .options import DEFAULT_SEARCH_STEPS, ParallaxOptions
 from .plan import ParallaxPlan, SparseVar, classify, plan_parallax, sparse_tables
@@ -61,7 +62,7 @@ class Parallax(ServedStrategy[ParallaxOptions]):
         process starts, and before the data-parallel ones, whose hints do not fit rows held
         on servers; and options that a model without sparse parameters leaves idle."""
         _, sparse = classify(model, sparse_embeddings=options.sparse_embeddings)
-        _check_idle_options(options, sparse)
+        _check_idle_options(options, sparse, layout.servers)
 
     @classmethod
     def check_resume(cls, saved: Mapping[str, Any], layout: Layout,
@@ -86,6 +87,7 @@ class Parallax(ServedStrategy[ParallaxOptions]):
         self._ended: float | None = None  # ... and when the last one's optimizer stepped
         self._step_hooks: list[Any] = []  # on the user's optimizer, taken off by close()
         self._was_sparse: list[tuple[nn.Embedding | nn.EmbeddingBag, bool]] = []  # for close()
+        self._frozen: list[tuple[str, nn.Parameter]] = []  # at the wrap: neither kind
 
     def wrap(self, model: nn.Module,
              optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -95,8 +97,20 @@ class Parallax(ServedStrategy[ParallaxOptions]):
         for m in sparse_tables(model, sparse_embeddings=self.options.sparse_embeddings):
             self._was_sparse.append((m, bool(m.sparse)))
             m.sparse = True  # its gradient: the rows a step touched
+        try:
+            return self._wrap(model, optimizer)
+        except BaseException:
+            # A refused wrap leaves the model the user's (tables of sparse gradients failed
+            # the plain step of torch's Adam after the refusal of AdamW's weight decay).
+            self.close()
+            raise
+
+    def _wrap(self, model: nn.Module,
+              optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
+        ctx = self.ctx
+        assert ctx is not None
         dense, sparse = classify(model, sparse_embeddings=self.options.sparse_embeddings)
-        _check_idle_options(self.options, sparse)
+        _check_idle_options(self.options, sparse, len(ctx.topology.dedicated_servers))
         params = dict(model.named_parameters())
         servers: list[int] = []  # none asked for without sparse parameters: pure all-reduce
         if sparse:
@@ -121,6 +135,9 @@ class Parallax(ServedStrategy[ParallaxOptions]):
             # first pull that overtook them read the store's zeros.
             dist.barrier(group=ctx.groups.workers)
         self.dense = DenseSync(ctx, [(n, params[n]) for n in dense])
+        # Frozen at the wrap: neither all-reduced nor on the servers (check_still_frozen).
+        planned = {*dense, *sparse}
+        self._frozen = [(n, p) for n, p in params.items() if n not in planned]
         self.unchanged = _Unchanged([(n, p) for n, p in model.named_parameters()
                                      if p.requires_grad])
         # (torch hands the hook step's own arguments, the optimizer first.)
@@ -153,6 +170,10 @@ class Parallax(ServedStrategy[ParallaxOptions]):
                 "backward would be applied unaveraged on each worker",
                 "run the forward and loss.backward() before optimizer.step(), and call it "
                 "without a closure (or train under ddp, which averages inside backward)")
+        # One unfrozen since the wrap, with a gradient: each worker would step it on its own.
+        check_still_frozen([(n, p) for n, p in self._frozen if p.grad is not None],
+                           "set requires_grad before distribute(), which takes a model once: "
+                           "a parameter may be frozen after it, not unfrozen")
         self.unchanged.check()
         if self.rows is not None:
             self.rows.begin_step()
@@ -288,7 +309,11 @@ class Parallax(ServedStrategy[ParallaxOptions]):
                 self.final_search, self.search = search, None
             elif self.options.partitions is None:
                 self.search = search
-        count = int(state["partitions"]) if self.options.partitions is None and not moved \
+        # The saved count goes on where its search does (or a finished one's choice); a run
+        # of a fixed --partitions resumed without it starts a new search at its start.
+        goes_on = saved is not None or self.search is None
+        count = int(state["partitions"]) if (self.options.partitions is None and not moved
+                                             and goes_on) \
             else self.options.partitions or self._count
         if not moved:
             self._since, self._times = int(state["since"]), list(state["times"])
@@ -337,26 +362,30 @@ class Parallax(ServedStrategy[ParallaxOptions]):
             self.rows.close()
 
 
-def _check_idle_options(options: ParallaxOptions, sparse: list[str]) -> None:
-    """Refuse an option of the sparse parameters' servers for a model that has none (every
-    parameter is all-reduced): taken, it would do nothing."""
+def _check_idle_options(options: ParallaxOptions, sparse: list[str], servers: int) -> None:
+    """Refuse an option of the sparse parameters' servers, or ``servers`` dedicated ones, for
+    a model that has no sparse parameter (every parameter is all-reduced): taken, it would
+    do nothing, and the servers' machines would sit idle."""
     if sparse:
         return
-    idle = [(f"partitions={options.partitions}", "cuts the sparse parameters into row ranges",
-             "--partitions", options.partitions is not None),
-            (f"search_steps={options.search_steps}", "paces the search of the sparse "
-             "parameters' partition count", "--search-steps",
+    idle = [(f"parallax option partitions={options.partitions}", "cuts the sparse parameters "
+             "into row ranges", "leave out partitions (--partitions)",
+             options.partitions is not None),
+            (f"parallax option search_steps={options.search_steps}", "paces the search of the "
+             "sparse parameters' partition count", "leave out search_steps (--search-steps)",
              options.search_steps != DEFAULT_SEARCH_STEPS),
-            ("colocate=False", "picks the sparse parameters' servers", "--no-colocate",
-             not options.colocate)]
-    for given, does, flag, taken in idle:
+            ("parallax option colocate=False", "picks the sparse parameters' servers",
+             "leave out colocate=False (--no-colocate)", not options.colocate),
+            (f"parallax's {servers} dedicated server{'s' if servers > 1 else ''} (--servers "
+             f"{servers})", "would hold the sparse parameters' rows", "leave out --servers "
+             "(servers= in polytrain.launch)", servers > 0)]
+    for given, does, hint, taken in idle:
         if taken:
             which = ("trained embedding whose rows servers can hold" if options.sparse_embeddings
                      else "trained embedding built with sparse=True, the only ones "
                      "sparse_embeddings=False puts on servers")
-            raise ConfigError(f"parallax option {given} {does}, and this model has no sparse "
-                              f"parameter (no {which}): every parameter is all-reduced",
-                              f"leave out {given.split('=')[0]} ({flag})")
+            raise ConfigError(f"{given} {does}, and this model has no sparse parameter (no "
+                              f"{which}): every parameter is all-reduced", hint)
 
 
 class _Unchanged:
