@@ -352,15 +352,22 @@ def test_a_prune_that_fails_after_the_save_does_not_fail_the_save(tmp_path, monk
     model, opt = polytrain.distribute(model, torch.optim.Adam(model.parameters()), "single")
     polytrain.save(tmp_path, model, opt, step=1)
 
-    def failing(*args, **kwargs):
-        raise OSError("read-only file system")
-    monkeypatch.setattr("polytrain.checkpoint.state.prune", failing)
+    # The prune's own removal errors were ignored (rmtree's ignore_errors): nothing said so.
+    real = shutil.rmtree
+
+    def failing(path, *args, ignore_errors=False, **kwargs):  # as rmtree fails in step-1
+        if os.path.basename(path) != "step-1":
+            return real(path, *args, ignore_errors=ignore_errors, **kwargs)
+        if not ignore_errors:
+            raise PermissionError(13, "Permission denied", str(path))
+    monkeypatch.setattr("polytrain.checkpoint.manifest.shutil.rmtree", failing)
     with caplog.at_level("WARNING", logger="polytrain.checkpoint.state"):
         saved = polytrain.save(tmp_path, model, opt, step=2, keep=1)
     assert saved == tmp_path / "step-2" and verify(saved)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-1", "step-2"]
     assert (f"saved {saved}, and could not remove the checkpoints older than the newest 1: "
-            f"OSError: read-only file system") in caplog.text
+            f"PermissionError: [Errno 13] Permission denied: '{tmp_path / 'step-1'}'"
+            ) in caplog.text
 
 
 def test_load_refuses_a_checkpoint_of_another_strategy(tmp_path):

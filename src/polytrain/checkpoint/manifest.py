@@ -325,15 +325,23 @@ def commit(tmp: Path, final: Path) -> None:
 
 
 def prune(root: str | Path, keep: int | None, *, protect: Iterable[Path] = ()) -> list[Path]:
-    """Remove all but the newest ``keep`` whole checkpoints (None: keep all); returns removed."""
+    """Remove all but the newest ``keep`` whole checkpoints (None: keep all); returns removed.
+
+    Every one is tried; an OSError after them names the first that could not be removed."""
     if keep is None:
         return []
     kept = {Path(p).resolve() for p in protect}
-    removed = []
+    removed, failed = [], list[OSError]()
     whole = [p for _, p, broken in whole_checkpoints(root) if broken is None]
     for path in whole[keep:]:
         if path.resolve() in kept:
             continue
-        shutil.rmtree(path, ignore_errors=True)
-        removed.append(path)
+        try:
+            shutil.rmtree(path)
+        except OSError as e:
+            failed.append(e)
+        else:
+            removed.append(path)
+    if failed:
+        raise failed[0]
     return removed
