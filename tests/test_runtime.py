@@ -267,3 +267,18 @@ def test_a_bad_log_level_does_not_stop_import_polytrain():
                           env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout == "imported\n", done.stderr
     assert "POLYTRAIN_LOG_LEVEL='LOUD' is not a level" in done.stderr
+
+
+def test_server_threads_that_are_not_a_count_of_at_least_one_are_refused_before_joining():
+    # Symptom: init(server_threads=1.5) or "2" killed each server with a raw TypeError, and
+    # 0 or -1 ran one thread, silently. Cause: server_threads was passed on unchecked.
+    for value, said in [(1.5, r"must be a whole number \(got 1\.5\)\. HINT: pass "
+                              r"server_threads as a whole number"),
+                        ("2", r"must be a whole number \(got '2'\)\. HINT: pass "
+                              r"server_threads as a whole number"),
+                        (0, r"must be at least 1 \(got 0\)\. HINT: pass, say, server_threads=4"),
+                        (-1, r"must be at least 1 \(got -1\)\. HINT: pass, say, "
+                             r"server_threads=4")]:
+        with pytest.raises(ConfigError, match=r"^polytrain\.init\(\) server_threads " + said):
+            polytrain.init(server_threads=value)
+    assert not polytrain.is_initialized()

@@ -21,7 +21,8 @@ from . import _env
 from .comm.meter import MeterReport, TrafficMeter
 from .comm.p2p import Transport
 from .comm.topology import Topology
-from .errors import CommError, CommTimeout, ConfigError
+from .errors import CommError, CommTimeout, ConfigError, at_least
+from .kinds import check_kinds
 from .launch.launcher import free_port
 from .launch.network import NicSampler
 from .log import set_identity
@@ -88,6 +89,11 @@ class Context:
         self.label = ""
         self._closed = False
         self._lock = threading.Lock()
+
+    @property
+    def closed(self) -> bool:
+        """Whether this process left the run (:meth:`shutdown`): its groups are gone."""
+        return self._closed
 
     @property
     def world_size(self) -> int:
@@ -263,6 +269,10 @@ def init(*, device: str | torch.device | None = None, timeout_s: float | None = 
         if value is not None:
             _env.check_seconds(value, f"polytrain.init({name}=...)",
                                f"pass, say, {name}={usual:g}")
+    # Unchecked, 1.5 or "2" killed every server with a TypeError, and 0 ran one thread.
+    server_threads = check_kinds(init, {"server_threads": server_threads},
+                                 what="polytrain.init() ")["server_threads"]
+    at_least("polytrain.init() server_threads", server_threads, "pass, say, server_threads=4")
     _join(env, timeout)
     _joined = True
     rank = dist.get_rank()

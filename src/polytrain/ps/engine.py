@@ -361,6 +361,11 @@ class Engine:
 
         Its partitions queue by ``priority`` (BytePS's: a larger one goes first; it must be
         the same on every worker), then by key (earlier layers first)."""
+        if self.ctx.closed:  # its groups are gone: a send failed as a lost peer
+            raise ConfigError(f"{t.name!r} was submitted after this process left the run (its "
+                              f"context's shutdown(), which bps.shutdown() calls)",
+                              "sum before the shutdown: it leaves the run for good, and a "
+                              "process joins one run")
         self._raise()
         if t.busy:
             raise ConfigError(f"{t.name!r} was submitted again before its last sum was waited "

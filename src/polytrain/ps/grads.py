@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import weakref
 from typing import Callable, Sequence
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from ..comm.bucket import Bucket
 from ..comm.partition import TensorSpec, partition
@@ -96,6 +98,10 @@ def gradient_change(param: torch.Tensor, left: tuple[torch.Tensor | None, int]) 
     return None
 
 
+#: By parameter id: the parameter and the sync whose hooks push its gradient (while open).
+_holders: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[GradientSync]]] = {}
+
+
 class GradientSync:
     """Sums the gradients of ``params`` over every worker, bucket by bucket, during backward.
 
@@ -126,6 +132,8 @@ class GradientSync:
             warm-up (as ``compression``; None: uncompressed, the default).
         averaging: declare uncompressed keys of their own for the compressed buckets, for
             :meth:`average` (1-bit Adam's variance refresh; default False).
+        owner: what made it (``"DistributedOptimizer"``), named where a second sync over
+            the same parameters is refused until this one is closed (default "wrapper").
     """
 
     def __init__(self, engine: Engine, named: Sequence[tuple[str, torch.nn.Parameter]],
@@ -135,7 +143,19 @@ class GradientSync:
                  compression: Sequence[CompressOptions | None] | None = None,
                  warmup: int = 0,
                  warmup_compression: Sequence[CompressOptions | None] | None = None,
-                 averaging: bool = False) -> None:
+                 averaging: bool = False, owner: str = "wrapper") -> None:
+        other: GradientSync | None
+        # A second sync over a parameter would push its gradient from hooks of its own too:
+        # refused here, not at the first backward ("a gradient from 2 backward passes").
+        for name, p in named:
+            ref, held = _holders.get(id(p), (None, None))
+            other = held() if held is not None and ref is not None and ref() is p else None
+            if other is not None and other._hooks:
+                raise ConfigError(f"parameter {name!r} is summed already by a {other.owner} "
+                                  f"that was not closed: both would push its gradient at "
+                                  f"every backward", f"close() the first {other.owner} before "
+                                  f"wrapping its parameters again")
+        self.owner: str = owner
         self.engine = engine
         self.in_backward = in_backward
         self._queued = False
@@ -193,8 +213,10 @@ class GradientSync:
         #: sums once).
         self.synchronized = False
         self._reset()
-        self._hooks = [p.register_post_accumulate_grad_hook(self._hook(i))
-                       for i, p in enumerate(self.params)]
+        self._hooks: list[RemovableHandle] = [
+            p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(self.params)]
+        for p in self.params:
+            _holders[id(p)] = (weakref.ref(p), weakref.ref(self))
         #: Per synchronised step: seconds from the first bucket's submit to the last sum's
         #: arrival (comm), and of that the part spent waiting in synchronize() (exposed).
         self.comm_s: list[float] = []
@@ -419,6 +441,10 @@ class GradientSync:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        for p in self.params:
+            ref, held = _holders.get(id(p), (None, None))
+            if held is not None and held() is self:
+                del _holders[id(p)]
         self.engine.forget([*self.tensors, *self._warming, *self._averaged,
                             *([self._flags] if self._flags is not None else [])])
 

@@ -367,7 +367,40 @@ def compressed_drop_in() -> dict:
     model.synchronize()  # nothing to do: the sum is not taken again
     out["synchronized"] = model.module.weight.grad.tolist()
     model.close()
+    out["optimizer"] = optimizer_misuse(first)
     return out
+
+
+def optimizer_misuse(first: bool) -> dict:
+    """DistributedOptimizer's options set on worker 0 alone, a second one over the same
+    parameters, push_pull's handles misused, and calls after bps.shutdown() (last)."""
+    said = {}
+    net = nn.Linear(64, 64)
+
+    def wrap(**options):
+        bps.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1),
+                                 named_parameters=net.named_parameters(), compression="onebit",
+                                 compress_min_bytes=0, **options).close()
+
+    said["differing"] = [refused(lambda: wrap(compress_momentum=0.9 if first else 0.0)),
+                         refused(lambda: wrap(compress_warmup=2 if first else 0))]
+    opt = bps.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1),
+                                   named_parameters=net.named_parameters())
+    said["second"] = refused(lambda: bps.DistributedOptimizer(
+        torch.optim.SGD(net.parameters(), lr=0.01), named_parameters=net.named_parameters()))
+    handle = bps.push_pull_async(torch.ones(2), name="a")
+    said["in flight"] = refused(lambda: bps.push_pull_async(torch.ones(2), name="a"))
+    bps.synchronize(handle)
+    said["twice"] = refused(lambda: bps.synchronize(handle))
+    bps.shutdown()
+    said["size"] = refused(bps.size)
+
+    def step():
+        net(torch.ones(1, 64)).sum().backward()
+        opt.step()
+
+    said["step"] = refused(step)
+    return said
 
 
 @pytest.mark.timeout(60)
@@ -394,6 +427,38 @@ def test_the_drop_in_takes_compression_with_the_options_that_need_one():
                                "or broadcast_buffers=False")
         # Symptom: model.synchronize(), BytePS's DDP's, raised AttributeError.
         assert out["synchronized"] == [[1.5] * 4] * 2  # the mean of 1 and 2
+        said = out["optimizer"]
+        # Symptom: compress_momentum on one worker alone was taken (mixed sums), and
+        # compress_warmup ended in a timeout blaming a push_pull. Cause: DistributedOptimizer
+        # compared no options (the drop-in did).
+        assert said["differing"] == [
+            f"worker rank 1's DistributedOptimizer option {option} differs from worker "
+            f"rank 0's (machine node0: {theirs}; machine node0: {ours}). HINT: pass the same "
+            f"options to DistributedOptimizer on every worker"
+            for option, theirs, ours in [("compress_momentum", 0.0, 0.9),
+                                         ("compress_warmup", 0, 2)]]
+        # Symptom: a second optimizer over the same parameters failed at its first backward
+        # ("had a gradient from 2 backward passes"): the first one's hooks were still there.
+        assert said["second"] == (
+            "parameter 'weight' is summed already by a DistributedOptimizer that was not "
+            "closed: both would push its gradient at every backward. HINT: close() the first "
+            "DistributedOptimizer before wrapping its parameters again")
+        # Symptom: the hints named the engine's internals (submit(), wait()).
+        assert said["in flight"] == (
+            "push_pull name 'a' has a push_pull in flight already. HINT: synchronize the "
+            "earlier handle for name 'a' first (bps.synchronize(handle)), or give this "
+            "tensor another name")
+        assert said["twice"] == (
+            "this handle (push_pull name 'a') was already synchronized. HINT: synchronize "
+            "each handle once, and keep the tensor that call returned")
+        # Symptom: "called before bps.init()", and a step blaming a lost peer.
+        assert said["size"] == (
+            "bps.size() was called after this process left the run (bps.shutdown()). HINT: "
+            "make every BytePS call before bps.shutdown(): a process joins one run")
+        assert said["step"] == (
+            "'weight..bias' was submitted after this process left the run (its context's "
+            "shutdown(), which bps.shutdown() calls). HINT: sum before the shutdown: it "
+            "leaves the run for good, and a process joins one run")
 
 
 def broadcast_bare_tensors():

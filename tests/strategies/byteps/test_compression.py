@@ -352,7 +352,17 @@ def one_bit_adam_synchronized_first(first: bool, warmup: int) -> dict[str, torch
         if first:
             opt.synchronize()
         opt.step()
-    return {k: v.clone() for k, v in model.state_dict().items()}
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    refused = ""
+    if first:  # past the warm-up, .grad holds the averaged momentum: unscaling it is refused
+        backward_on_a_batch(model, opt, g)
+        opt.synchronize()
+        model[0].weight.grad.div_(1024.0)  # what a GradScaler's unscale_ does
+        try:
+            opt.step()
+        except ConfigError as e:
+            refused = str(e)
+    return weights, refused
 
 
 @pytest.mark.timeout(120)
@@ -361,12 +371,22 @@ def test_one_bit_adam_steps_alike_whether_synchronize_came_before_the_step(warmu
     # The phase was read in step(), after synchronize() had counted the step: the warm-up's
     # last step (pushed exact) was taken for a compressed one, its Adam update skipped and
     # its momentum overwritten (and with a warm-up of 1, a KeyError).
-    by_step = spawn(one_bit_adam_synchronized_first, workers=2, nodes=2, colocated=1,
-                    args=(False, warmup))[0]
-    first = spawn(one_bit_adam_synchronized_first, workers=2, nodes=2, colocated=1,
-                  args=(True, warmup))[0]
+    # Past the warm-up, .grad after synchronize() is Adam's averaged momentum, which the step
+    # copied into exp_avg: unscaling or clipping it there gave other weights (1.455 apart at
+    # a scale of 1024), so a change to it is refused.
+    by_step, _ = spawn(one_bit_adam_synchronized_first, workers=2, nodes=2, colocated=1,
+                       args=(False, warmup))[0]
+    first, refused = spawn(one_bit_adam_synchronized_first, workers=2, nodes=2, colocated=1,
+                           args=(True, warmup))[0]
     for k, v in by_step.items():
         assert torch.equal(first[k], v), (k, max_abs_diff(first, by_step))
+    assert refused == (
+        "the gradient of '0.weight' was changed in place between synchronize() and step() "
+        "past compress_adam's warm-up: there .grad holds 1-bit Adam's averaged momentum "
+        "(it becomes Adam's exp_avg), not a gradient, so unscaling or clipping it would "
+        "change the momentum. HINT: leave .grad as synchronize() left it once the warm-up "
+        "is over (clip or unscale during the warm-up only), or leave compress_adam out to "
+        "clip or use a GradScaler")
 
 
 def renew_after_a_resume_without_the_codecs():

@@ -32,9 +32,9 @@ from ...ps.compression import (
 from ...ps.engine import Engine, SumTensor, engine_for
 from ...ps.grads import travels_divided
 from ...runtime import Context
-from ..checks import check_same_tensors, tensor_signature
+from ..checks import check_same_tensors, check_same_values, tensor_signature
 from .async_mode import AsyncOptimizer, check_async_passes
-from .optimizer import Choice, _resolve, checked_options
+from .optimizer import Choice, _resolve, checked_options, same_options
 from .optimizer import DistributedOptimizer as _SyncOptimizer
 from .plan import plan_for
 
@@ -116,6 +116,10 @@ def shutdown() -> None:
 
 def _worker_ctx(ctx: Context | None, call: str = "this call") -> Context:
     if ctx is None:
+        if not runtime.is_initialized() and runtime.has_joined():
+            raise ConfigError(f"bps.{call}() was called after this process left the run "
+                              f"(bps.shutdown())", "make every BytePS call before "
+                              "bps.shutdown(): a process joins one run")
         if not runtime.is_initialized():
             raise ConfigError(f"bps.{call}() was called before bps.init()",
                               "call bps.init() (or polytrain.init()) first")
@@ -171,6 +175,8 @@ class PushPullHandle:
     inplace: bool = False
     #: The values travelled divided by the workers, so their sum is the average already.
     divided: bool = False
+    #: :func:`synchronize` returned its result (a handle is synchronised once).
+    done: bool = False
 
 
 def push_pull_async(tensor: torch.Tensor, average: bool = True, name: str | None = None,
@@ -246,6 +252,10 @@ def _push_pull_async(tensor: torch.Tensor, average: bool, name: str | None, prio
     # A 16-bit average travels divided, as GradientSync's gradients do: the servers add in
     # float32 but answer in the tensor's dtype, so a sum past 65,504 was inf in float16.
     divided = average and travels_divided(tensor.dtype)
+    if t.busy:
+        raise ConfigError(f"push_pull name {name!r} has a push_pull in flight already",
+                          f"synchronize the earlier handle for name {name!r} first "
+                          f"(bps.synchronize(handle)), or give this tensor another name")
     engine.submit(t, tensor.detach().div(ctx.num_workers) if divided else tensor, priority)
     return PushPullHandle(engine, t, tensor, average, inplace, divided)
 
@@ -259,7 +269,12 @@ def poll(handle: PushPullHandle) -> bool:
 def synchronize(handle: PushPullHandle) -> torch.Tensor:
     """Wait for a push_pull in flight and return the result (shaped like its input; for an
     in-place one, the input itself, now holding the result)."""
+    if handle.done:
+        raise ConfigError(f"this handle (push_pull name {handle.tensor.spec.name!r}) was "
+                          f"already synchronized", "synchronize each handle once, and keep "
+                          "the tensor that call returned")
     total = handle.engine.wait(handle.tensor).view(handle.like.shape)
+    handle.done = True
     out = handle.like if handle.inplace else torch.empty_like(handle.like)
     with torch.no_grad():
         out.copy_(total)
@@ -402,7 +417,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 - ByteP
     ``compress_warmup_with``, ``compress_adam``, ``compress_adam_refresh``
     (1-bit Adam: see :class:`polytrain.strategies.byteps.optimizer.DistributedOptimizer`),
     ``compress``: the default
-    compression when ``compression`` is none). Launch with colocated servers
+    compression when ``compression`` is none; these and the compression must be the same
+    on every worker: compared here). Launch with colocated servers
     (``polytrain launch --colocated 1``) and/or ``--servers K``.
 
     Example::
@@ -414,6 +430,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 - ByteP
     """
     ctx = _worker_ctx(ctx, "DistributedOptimizer")
     opts, chosen = checked_options("DistributedOptimizer", compression, options)
+    # Differing on some workers, these declare other keys or sum other payloads: refused
+    # here, as the drop-in's are, not after a timeout (or, a momentum, as mixed sums).
+    check_same_values(ctx, {f"DistributedOptimizer option {name}": value
+                            for name, value in same_options(opts, chosen).items()},
+                      "pass the same options to DistributedOptimizer on every worker")
     engine = engine_for(ctx, credit_bytes=opts.credit_bytes)
     placing: dict[str, Any] = {"partition_bytes": opts.partition_bytes,
                                "colocate": opts.colocate, "compression": chosen,

@@ -23,31 +23,9 @@ from ...kinds import check_kinds
 from ...ps.engine import engine_for
 from ...runtime import Context
 from ..synced import SyncedModule, keep_missing_for
-from .optimizer import Choice, _resolve, checked_options, gradient_sync
+from .optimizer import Choice, checked_options, gradient_sync, same_options
 
 __all__ = ["DistributedDataParallel"]
-
-#: The :class:`BytePSOptions` fields every worker's drop-in must share (compared at the wrap),
-#: beside ``broadcast_buffers`` and the compression.
-_SAME_OPTIONS = ("partition_bytes", "fuse_bytes", "colocate", "credit_bytes", "error_feedback",
-                 "compress_momentum", "compress_min_bytes", "compress_warmup",
-                 "compress_warmup_with")
-
-
-def _spec(choice: Choice | Mapping[str, Choice]) -> str | dict[str, str]:
-    """A compression choice by its canonical name (``none``, ``onebit``, ``topk:0.01``; a
-    name as given is parsed first: ``topk:0.010`` is ``topk:0.01``), a mapping's by tensor
-    (tensors it leaves uncompressed left out: None is as absent)."""
-    if isinstance(choice, Mapping):
-        named = {k: _name(v) for k, v in sorted(choice.items())}
-        return {k: v for k, v in named.items() if v != "none"}
-    return _name(choice)
-
-
-def _name(choice: Choice) -> str:
-    codec = _resolve(choice)
-    return "none" if codec is None else codec.spec()
-
 
 class DistributedDataParallel(SyncedModule):
     """BytePS (Jiang et al., OSDI 2020) as a module wrapper: when ``backward()`` returns,
@@ -95,8 +73,7 @@ class DistributedDataParallel(SyncedModule):
             what="DistributedDataParallel option ")["broadcast_buffers"]
         # Differing on some workers, these declare other keys or sum other payloads: refused
         # at the wrap (with broadcast_buffers), not after the timeouts.
-        same = {"compression": _spec(chosen),
-                **{name: getattr(opts, name) for name in _SAME_OPTIONS}}
+        same = same_options(opts, chosen)
         # BytePS's DDP copies worker 0's whole state_dict at the wrap, buffers too, whatever
         # broadcast_buffers says (torch's copies them only with it).
         super().__init__(module, ctx, broadcast_buffers=broadcast_buffers, method="BytePS",
@@ -108,7 +85,8 @@ class DistributedDataParallel(SyncedModule):
             compress_min_bytes=opts.compress_min_bytes, fuse_bytes=opts.fuse_bytes,
             compress_warmup=opts.compress_warmup,
             compress_warmup_with=opts.compress_warmup_with,
-            partition_bytes=opts.partition_bytes, colocate=opts.colocate, in_backward=True)
+            partition_bytes=opts.partition_bytes, colocate=opts.colocate, in_backward=True,
+            owner="DistributedDataParallel")
         keep_missing_for(self.sync, module)
 
     def synchronize(self) -> None:

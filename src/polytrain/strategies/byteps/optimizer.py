@@ -18,7 +18,7 @@ from ...errors import ConfigError, at_least, unknown
 from ...kinds import check_kinds
 from ...ps.compression import DEFAULT_MIN_BYTES, CompressOptions, Compressor, compressor
 from ...ps.engine import Engine
-from ...ps.grads import GradientSync, bucket_specs
+from ...ps.grads import GradientSync, bucket_specs, gradient_change
 from ..synced import check_still_frozen
 from .options import DEFAULT_FUSE_BYTES, BytePSOptions, check_refresh
 from .plan import Plan, plan_for
@@ -26,9 +26,9 @@ from .plan import Plan, plan_for
 log = logging.getLogger(__name__)
 
 __all__ = ["DistributedOptimizer", "WrappedOptimizer", "named_params_of", "Choice",
-           "checked_options", "tensor_compression", "warmup_compression", "fused_buckets",
-           "gradient_sync", "check_compress_momentum", "check_passes", "check_unfrozen",
-           "FROZEN_VARIANCE"]
+           "checked_options", "same_options", "SAME_OPTIONS", "tensor_compression",
+           "warmup_compression", "fused_buckets", "gradient_sync", "check_compress_momentum",
+           "check_passes", "check_unfrozen", "FROZEN_VARIANCE"]
 
 #: A compressor, its name (``"topk:0.01"``), or None / ``"none"``: uncompressed.
 Choice = Union[Compressor, str, None]
@@ -70,6 +70,36 @@ def checked_options(owner: str, compression: Choice | Mapping[str, Choice],
                    - {"none"})  # a mapping's uncompressed tensors beside compressed ones
     opts = [BytePSOptions(**options, compress=spec) for spec in specs or ["none"]]
     return opts[0], chosen
+
+
+#: The :class:`BytePSOptions` fields every worker's wrapper must share (compared at the wrap,
+#: with the compression): differing, they declare other keys or sum other payloads.
+SAME_OPTIONS = ("partition_bytes", "fuse_bytes", "colocate", "credit_bytes", "async_",
+                "error_feedback", "compress_momentum", "compress_min_bytes", "compress_warmup",
+                "compress_warmup_with", "compress_adam", "compress_adam_refresh")
+
+
+def same_options(opts: BytePSOptions, chosen: Choice | Mapping[str, Choice]
+                 ) -> dict[str, Any]:
+    """What every worker's wrapper must be given alike, by name: the compression ``chosen``
+    by its canonical name (:func:`_spec`) and the :data:`SAME_OPTIONS`."""
+    return {"compression": _spec(chosen), **{name: getattr(opts, name)
+                                             for name in SAME_OPTIONS}}
+
+
+def _spec(choice: Choice | Mapping[str, Choice]) -> str | dict[str, str]:
+    """A compression choice by its canonical name (``none``, ``onebit``, ``topk:0.01``; a
+    name as given is parsed first: ``topk:0.010`` is ``topk:0.01``), a mapping's by tensor
+    (tensors it leaves uncompressed left out: None is as absent)."""
+    if isinstance(choice, Mapping):
+        named = {k: _name(v) for k, v in sorted(choice.items())}
+        return {k: v for k, v in named.items() if v != "none"}
+    return _name(choice)
+
+
+def _name(choice: Choice) -> str:
+    codec = _resolve(choice)
+    return "none" if codec is None else codec.spec()
 
 
 def _check_choices(what: str, chosen: Any) -> None:
@@ -224,11 +254,11 @@ def gradient_sync(engine: Engine, named: Sequence[tuple[str, torch.nn.Parameter]
                   compress_warmup_with: Choice = None, fuse_bytes: int = DEFAULT_FUSE_BYTES,
                   partition_bytes: int = DEFAULT_PARTITION_BYTES, colocate: bool = True,
                   passes_per_step: int = 1, in_backward: bool = False,
-                  averaging: bool = False) -> tuple[Plan, GradientSync]:
+                  averaging: bool = False, owner: str = "wrapper") -> tuple[Plan, GradientSync]:
     """BytePS's gradient sums for ``named``: fusion groups (never across tensors compressed
     differently), Theorem 1's placement of their partitions, and the hooks that push them
     (the first ``compress_warmup`` steps uncompressed, or compressed by
-    ``compress_warmup_with``); ``averaging``: see :class:`GradientSync`."""
+    ``compress_warmup_with``); ``averaging``, ``owner``: see :class:`GradientSync`."""
     specs = [TensorSpec.of(n, p) for n, p in named]
     per_tensor = tensor_compression(specs, compression, error_feedback=error_feedback,
                                     momentum=compress_momentum, min_bytes=compress_min_bytes)
@@ -244,7 +274,7 @@ def gradient_sync(engine: Engine, named: Sequence[tuple[str, torch.nn.Parameter]
                               warmup=compress_warmup,
                               warmup_compression=warmup_compression(compressed,
                                                                     compress_warmup_with),
-                              averaging=averaging)
+                              averaging=averaging, owner=owner)
 
 
 class WrappedOptimizer(torch.optim.Optimizer):
@@ -371,8 +401,12 @@ class DistributedOptimizer(WrappedOptimizer):
         self.plan, self.sync = gradient_sync(
             engine, named, fuse_bytes=fuse_bytes, partition_bytes=partition_bytes,
             colocate=colocate, passes_per_step=backward_passes_per_step,
-            averaging=compress_adam and compress_adam_refresh > 0, **compress)
+            averaging=compress_adam and compress_adam_refresh > 0,
+            owner="DistributedOptimizer", **compress)
         self._skip = False  # inside skip_synchronize()
+        #: 1-bit Adam's: per parameter, its .grad and that tensor's version when synchronize()
+        #: left the sum there (None: not compressed).
+        self._pulled: list[tuple[torch.Tensor | None, int] | None] = []
         self.compress_adam: _OneBitAdam | None = None
         if compress_adam:
             self.compress_adam = _OneBitAdam(optimizer, self.sync, compress_adam_refresh)
@@ -387,8 +421,16 @@ class DistributedOptimizer(WrappedOptimizer):
             opt.synchronize()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
+
+        With ``compress_adam``, past the warm-up a compressed tensor's ``.grad`` holds the
+        averaged momentum instead: a change to it before ``step()`` is refused.
         """
+        fresh = not self.sync.synchronized
         self.sync.synchronize()
+        if fresh and self.compress_adam is not None:  # see _check_momentum_unchanged
+            self._pulled = [None if p is None else
+                            (p.grad, 0 if p.grad is None else p.grad._version)
+                            for p in self.compress_adam.packed]
         check_unfrozen(self._frozen)  # after the sums: the engine is left idle
 
     def set_backward_passes_per_step(self, passes: int) -> None:
@@ -433,13 +475,30 @@ class DistributedOptimizer(WrappedOptimizer):
         # How this step's gradients travelled (the warm-up's last went exact), read after
         # the synchronisation, which may have come before this call (synchronize(); clip).
         if self.compress_adam is not None and self.sync.synced_compressed:
-            assert self.compress_adam is not None
+            self._check_momentum_unchanged()
             self.compress_adam.step()
             return loss
         if self.compress_adam is not None:
             self.compress_adam.thaw()
         self.optimizer.step()
         return loss
+
+    def _check_momentum_unchanged(self) -> None:
+        """Refuse a compressed tensor's .grad changed since synchronize() past 1-bit Adam's
+        warm-up: it holds the averaged momentum there, which the step makes Adam's
+        ``exp_avg``, so a GradScaler's unscale_ or clipping changed the momentum (S=1024 and
+        S=1 ended 1.455 apart)."""
+        for name, p, left in zip(self.sync.names, self.sync.params, self._pulled):
+            how = None if left is None else gradient_change(p, left)
+            if how is not None:
+                raise ConfigError(
+                    f"the gradient of {name!r} {how} between synchronize() and step() past "
+                    f"compress_adam's warm-up: there .grad holds 1-bit Adam's averaged "
+                    f"momentum (it becomes Adam's exp_avg), not a gradient, so unscaling or "
+                    f"clipping it would change the momentum",
+                    "leave .grad as synchronize() left it once the warm-up is over (clip or "
+                    "unscale during the warm-up only), or leave compress_adam out to clip or "
+                    "use a GradScaler")
 
     def carried(self) -> dict[str, Any]:
         """What the compression carries from one step to the next, for a checkpoint (between
