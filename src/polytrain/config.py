@@ -515,6 +515,7 @@ def check_strategy(cls: type[Strategy], options: Any, layout: Layout, model: tor
     ``cls.check_devices`` too; TrainConfig its batch's and data's checks before it)."""
     cls.check_layout(layout, options)
     cls.check_model(model, layout, options)
+    cls.check_run_model(model, layout, options)
     cls.check_optimizer(optimizer, options)
 
 

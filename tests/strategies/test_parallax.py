@@ -721,8 +721,11 @@ def test_options_that_a_model_without_sparse_parameters_leaves_idle_are_refused(
                                               rf"sparse parameters' rows, and this model has "
                                               rf"no sparse parameter.*every parameter is "
                                               rf"all-reduced\. HINT: leave out --servers"):
-            Parallax.check_model(mlp, Layout(workers=2, nodes=2, servers=servers),
-                                 ParallaxOptions())
+            Parallax.check_run_model(mlp, Layout(workers=2, nodes=2, servers=servers),
+                                     ParallaxOptions())
+        # distribute() takes them: a script's own bps.push_pull may use them.
+        Parallax.check_model(mlp, Layout(workers=2, nodes=2, servers=servers),
+                             ParallaxOptions())
     # Embeddings kept on the workers (--no-sparse-embeddings on gpt) are no sparse parameter.
     table = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 1))
     with pytest.raises(ConfigError, match=r"partitions=2 cuts the sparse parameters"):
@@ -836,7 +839,7 @@ def test_a_fixed_partition_count_resumed_without_partitions_starts_the_search_at
     emb = [SparseVar("emb", 10, 4, torch.float32)]
     fixed = Parallax(ctx, ParallaxOptions(partitions=4))
     fixed.plan = plan_parallax(emb, [], partitions=4, servers=[4, 5])
-    fixed._count = 4
+    fixed._count, fixed._since, fixed._times = 4, 3, [9.0, 9.0, 9.0]  # an earlier search's
     saved = {**fixed.checkpoint_state(), "rows": {}, "rounds": 0}  # rows: no servers here
     assert "search" not in saved and saved["partitions"] == 4
     cuts = []
@@ -847,6 +850,7 @@ def test_a_fixed_partition_count_resumed_without_partitions_starts_the_search_at
     searching._count, searching.search, searching.rows = 2, PartitionSearch(2), rows
     searching.load_checkpoint_state(saved)
     assert searching._count == 2 and cuts == [] and searching.search.samples == []
+    assert searching._since == 0 and searching._times == []  # its own steps' times only
 
 
 def test_sparse_reads_that_give_no_integer_tensor_are_refused_naming_the_table():

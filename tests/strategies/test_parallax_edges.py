@@ -401,9 +401,9 @@ def test_padding_steps_keyword_lookups_branches_and_kept_gradients_train_as_sing
 
 
 def branch_script() -> list[str]:
-    """Two refusals, each on every worker: an evaluation on worker 0 alone between training
+    """Three refusals, each on every worker: an evaluation on worker 0 alone between training
     steps (the model declares sparse_reads); then, without sparse_reads, a lookup that only
-    worker 0's data reaches."""
+    worker 0's data reaches, in training and in an evaluation on every worker."""
     import polytrain
     ctx = polytrain.init()
     said = []
@@ -434,6 +434,13 @@ def branch_script() -> list[str]:
         opt.step()
     except ConfigError as e:
         said.append(str(e))
+    model.eval()  # every worker evaluates; only worker 0's data reach side
+    try:
+        with torch.no_grad():
+            for _ in range(2):
+                model(torch.tensor([[1, 2]]), ctx.worker_index == 0)
+    except ConfigError as e:
+        said.append(str(e))
     return said
 
 
@@ -445,7 +452,8 @@ def test_a_lookup_or_an_evaluation_only_some_workers_of_a_machine_reach_is_refus
     # a lookup only some workers reach, with the hint to give the model the sparse_reads it
     # had: its fetch had met worker 1's next training fetch, and worker 0's next one met
     # worker 1's step.
-    for evaluated, branched in spawn(branch_script, workers=2, colocated=1):
+    # An evaluation on every worker whose lookups differ got the evaluation's message.
+    for evaluated, branched, both in spawn(branch_script, workers=2, colocated=1):
         assert re.fullmatch(
             r"the workers of a machine reached different sparse-row exchanges \(local worker 0 "
             r"fetched the rows of the model's sparse_reads to evaluate \(under no_grad or in "
@@ -458,3 +466,9 @@ def test_a_lookup_or_an_evaluation_only_some_workers_of_a_machine_reach_is_refus
             r"looked up side.weight, local worker 1 began optimizer.step\(\)\): every worker "
             r"of a machine must look up the same tables in the same order each step.*HINT: "
             r"give the model sparse_reads.*", branched), branched
+        assert re.fullmatch(
+            r"the workers of a machine reached different sparse-row exchanges \(local worker 0 "
+            r"looked up side.weight to evaluate \(under no_grad or in eval mode\), local "
+            r"worker 1 looked up tok.weight to evaluate \(under no_grad or in eval mode\)\): "
+            r"every worker of a machine must look up the same tables.*HINT: give the model "
+            r"sparse_reads.*", both), both

@@ -107,6 +107,13 @@ class Strategy(ABC, Generic[OptionsT]):
         return None
 
     @classmethod
+    def check_run_model(cls, model: nn.Module, layout: Layout, options: OptionsT) -> None:
+        """Refuse what ``polytrain train`` would start for ``model`` on ``layout`` and leave
+        idle (ConfigError): the part of :meth:`check_model` that :func:`distribute` does not
+        check, as :meth:`check_layout`'s is to :meth:`check_machines` (a script may use the
+        run's servers itself). Nothing unless a strategy says otherwise."""
+
+    @classmethod
     def check_optimizer(cls, optimizer: torch.optim.Optimizer, options: OptionsT) -> None:
         """Refuse an optimizer the strategy cannot run with ``options`` (raise ConfigError).
 

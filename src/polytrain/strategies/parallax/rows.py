@@ -68,7 +68,7 @@ def _gather_local(tensors: list[torch.Tensor], group: Any, workers: int, *, at: 
         where = ", ".join(f"local worker {i} {labels[int(h[1])]}"
                           + ("" if h[3] else " to evaluate (under no_grad or in eval mode)")
                           for i, h in enumerate(heads))
-        if not all(h[3] for h in heads):
+        if len({int(h[3]) for h in heads}) > 1:  # some evaluate, others train
             raise ConfigError(
                 f"the workers of a machine reached different sparse-row exchanges ({where}): "
                 f"an evaluation fetches its rows together with the machine's other workers, "

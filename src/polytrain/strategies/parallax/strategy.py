@@ -62,6 +62,14 @@ class Parallax(ServedStrategy[ParallaxOptions]):
         process starts, and before the data-parallel ones, whose hints do not fit rows held
         on servers; and options that a model without sparse parameters leaves idle."""
         _, sparse = classify(model, sparse_embeddings=options.sparse_embeddings)
+        _check_idle_options(options, sparse, servers=0)
+
+    @classmethod
+    def check_run_model(cls, model: nn.Module, layout: Layout,
+                        options: ParallaxOptions) -> None:
+        """Dedicated servers that a model without sparse parameters leaves idle (a script's
+        own ``bps.push_pull`` may use them: :func:`distribute` takes them)."""
+        _, sparse = classify(model, sparse_embeddings=options.sparse_embeddings)
         _check_idle_options(options, sparse, layout.servers)
 
     @classmethod
@@ -110,7 +118,7 @@ class Parallax(ServedStrategy[ParallaxOptions]):
         ctx = self.ctx
         assert ctx is not None
         dense, sparse = classify(model, sparse_embeddings=self.options.sparse_embeddings)
-        _check_idle_options(self.options, sparse, len(ctx.topology.dedicated_servers))
+        _check_idle_options(self.options, sparse, servers=0)  # a script may use servers
         params = dict(model.named_parameters())
         servers: list[int] = []  # none asked for without sparse parameters: pure all-reduce
         if sparse:
@@ -315,7 +323,7 @@ class Parallax(ServedStrategy[ParallaxOptions]):
         count = int(state["partitions"]) if (self.options.partitions is None and not moved
                                              and goes_on) \
             else self.options.partitions or self._count
-        if not moved:
+        if not moved and goes_on:  # a new search times its own steps
             self._since, self._times = int(state["since"]), list(state["times"])
         self._last = None
         if self.rows is None:
