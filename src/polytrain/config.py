@@ -20,7 +20,7 @@ from .kinds import check_kinds, plain
 from .launch.host import available_memory_bytes
 from .launch.launcher import check_port
 from .launch.layout import Layout
-from .launch.network import LinkShape, link_shape
+from .launch.network import LinkShape, check_links, link_shape
 from .models import GPT, get_model, seq_len_of
 from .optim import OPTIMIZERS, check_optimizer_name, make_optimizer
 from .strategies.base import Strategy, get_strategy, make_options
@@ -396,15 +396,9 @@ def check_link(strategy: str, options: Any, model: torch.nn.Module, layout: Layo
     link = link_shape(bandwidth, latency)
     if link is None:
         return
-    if emulated and layout.nodes == 1 and not layout.servers:  # colocated: the same machine
-        served = get_strategy(strategy).uses_servers(options)
-        where = ("this run has one machine of workers and no server machines" if served else
-                 f"strategy {strategy!r} uses no servers, and this run's workers share one "
-                 f"machine")
-        raise ConfigError(f"--bandwidth {bandwidth} shapes the links between machines, and "
-                          f"{where}: no link would be shaped", "pass --nodes 2 or more" +
-                          (" (or --servers K)" if served else "") +
-                          ", or leave --bandwidth and --latency out")
+    if emulated:
+        check_links(layout, str(bandwidth), serverless=None if get_strategy(strategy)
+                    .uses_servers(options) else strategy)
     if layout.nodes < 2:  # the model crosses no link: worker 0's machine holds every worker
         return
     nbytes, name = max(((t.numel() * t.element_size(), n) for n, t in model.named_parameters()),

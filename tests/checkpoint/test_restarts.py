@@ -155,3 +155,36 @@ def test_results_that_cannot_be_written_stop_the_run_in_one_line_without_a_resta
     assert str(e.value).endswith("HINT: free space there, or pass another --out; the run's "
                                  "checkpoints, if any, hold it up to the last")
     assert said == []  # no restart
+
+
+@pytest.mark.timeout(30)
+def test_each_restart_tells_the_processes_its_count_as_torchrun_does(tmp_path, monkeypatch):
+    # Symptom: every attempt's processes read TORCHELASTIC_RESTART_COUNT=0 and
+    # TORCHELASTIC_MAX_RESTARTS=0, though the launcher sets torchrun's variables. Cause:
+    # run_config built every attempt's Launcher with the same env.
+    from polytrain.launch import launcher
+    from polytrain.train import run as run_module
+    envs: list[dict[str, str]] = []
+
+    class DiesTwice:  # the launcher, whose first two runs lose a worker
+        def __init__(self, *args: object, env: dict[str, str], **kwargs: object) -> None:
+            envs.append(dict(env))
+
+        def run_fn(self, fn: object, args: tuple) -> list[dict]:
+            if len(envs) < 3:
+                raise LaunchError("worker rank 1 (machine node1) failed: killed by SIGKILL (9)",
+                                  rank=1, exitcode=-9)
+            return [{"losses": []}]
+
+    monkeypatch.setattr(run_module, "Launcher", DiesTwice)
+    config = TrainConfig(strategy="ddp", workers=2, nodes=2, steps=4, batch_size=8,
+                         model_options=TINY, quiet=True, out=str(tmp_path), checkpoint_every=2,
+                         max_restarts=3)
+    assert run_job(config, env=ENV, report=lambda said: None)["restarts"] == 2
+    assert envs == [{**ENV, "TORCHELASTIC_RESTART_COUNT": str(count),
+                     "TORCHELASTIC_MAX_RESTARTS": "3"} for count in range(3)]
+    # ... which the launcher passes on as they are.
+    run = launcher.Launcher(config.layout(), env=envs[1])
+    spec = config.layout().processes()[0]
+    seen = run._child_env(spec, launcher._files(tmp_path, spec.rank), None, None)
+    assert (seen["TORCHELASTIC_RESTART_COUNT"], seen["TORCHELASTIC_MAX_RESTARTS"]) == ("1", "3")

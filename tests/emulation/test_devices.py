@@ -97,6 +97,21 @@ def test_bad_specs_are_refused_with_a_hint(spec, message):
         parse_cluster(spec)
 
 
+def test_links_in_any_case_set_the_links_and_a_type_no_machine_uses_is_refused():
+    # Symptom: 'm0:fast*2,LINK=2000/10' ran with the default links (1000/100 MB/s), without a
+    # word. Cause: only a lower-case 'link=' was a link; 'LINK=' read as a new device type,
+    # which no machine used.
+    c = parse_cluster("m0:fast*2,LINK=2000/10")
+    assert (c.intra_mb_s, c.inter_mb_s) == (2000.0, 10.0)
+    assert sorted(c.types) == ["fast", "mid", "slow"]
+    assert parse_cluster("Link=3/4,m0:fast").inter_mb_s == 4.0
+    with pytest.raises(ConfigError, match=r"^--devices defines device types 'big', 'huge' that "
+                                          r"no machine uses \(the machines use fast\)\. HINT: "
+                                          r"list them on a machine \(e\.g\. m0:big\*2\), or "
+                                          r"leave their definitions out$"):
+        parse_cluster("big=8/4096,huge=16/8192,m0:fast")
+
+
 def test_layout_must_match_the_cluster():
     c = parse_cluster("m0:fast*2,m1:slow*2")
     c.check_layout(4, 2)

@@ -125,7 +125,15 @@ def killed_by_signal(victim: int, how: str = "kill") -> None:
     time.sleep(60)
 
 
-def write_pid_and_hang(directory: str) -> None:
+def write_pid_and_hang(directory: str, fork: bool = False) -> None:
+    """Write this process's pid (``fork``: and that of a child it forked, which sleeps), then
+    wait for the launcher's end."""
+    if fork:  # as multiprocessing's fork does: no exec, so the fork server's /proc environ
+        import multiprocessing
+        child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(120,))
+        child.start()
+        with open(os.path.join(directory, f"forked-{os.environ['RANK']}"), "w") as f:
+            f.write(str(child.pid))
     with open(os.path.join(directory, f"pid-{os.environ['RANK']}"), "w") as f:
         f.write(str(os.getpid()))
     polytrain.init()

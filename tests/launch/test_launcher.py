@@ -1,3 +1,4 @@
+import contextlib
 import json
 import os
 import re
@@ -611,28 +612,43 @@ def test_a_server_that_never_joins_is_named_not_the_workers_that_waited():
 
 
 @pytest.mark.timeout(120)
-def test_no_orphans_when_the_launcher_itself_is_killed(tmp_path):
-    # The launcher's children die with it (PR_SET_PDEATHSIG), even on kill -9.
+def test_no_orphans_when_the_launcher_itself_is_killed(tmp_path, caplog):
+    # The launcher's children die with it (PR_SET_PDEATHSIG), even on kill -9; what they
+    # forked, handed to init, is stopped by the next launcher. Symptom: a worker's forked
+    # child ran on for good. Cause: its /proc environ, the fork server's, names no run.
     code = (f"import polytrain; from tests.launch import scripts; "
             f"polytrain.launch(scripts.write_pid_and_hang, workers=2, servers=1, "
-            f"args=({str(tmp_path)!r},))")
+            f"args=({str(tmp_path)!r}, True))")
     launcher = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT)
-    deadline = time.monotonic() + 60  # a loaded machine starts processes slowly
-    while len(list(tmp_path.glob("pid-*"))) < 3:
-        assert time.monotonic() < deadline, "children did not start"
-        time.sleep(0.1)
-    pids = [int(p.read_text()) for p in tmp_path.glob("pid-*")]
-    launcher.kill()
-    launcher.wait()
-    deadline = time.monotonic() + 10
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not any(_alive(p) for p in pids)
-    # Its work directory outlived it (kill -9: no cleanup); the next launcher's start removes it.
-    left = list(Path(tempfile.gettempdir()).glob(f"polytrain-{launcher.pid}-*"))
-    assert len(left) == 1 and (left[0] / "processes.json").exists()
-    assert spawn(scripts.identity, workers=1)[0]["sum_of_worker_ranks"] == 0.0
-    assert not left[0].exists()
+    forked: list[int] = []
+    try:
+        deadline = time.monotonic() + 60  # a loaded machine starts processes slowly
+        while len(list(tmp_path.glob("pid-*"))) < 3:
+            assert time.monotonic() < deadline, "children did not start"
+            time.sleep(0.1)
+        pids = [int(p.read_text()) for p in tmp_path.glob("pid-*")]
+        forked = [int(p.read_text()) for p in tmp_path.glob("forked-*")]
+        launcher.kill()
+        launcher.wait()
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(p) for p in pids)
+        assert len(forked) == 3 and all(_alive(p) for p in forked)
+        # Its work directory outlived it (kill -9: no cleanup); the next launcher's start
+        # removes it, and stops what its processes forked.
+        left = list(Path(tempfile.gettempdir()).glob(f"polytrain-{launcher.pid}-*"))
+        assert len(left) == 1 and (left[0] / "processes.json").exists()
+        assert spawn(scripts.identity, workers=1)[0]["sum_of_worker_ranks"] == 0.0
+        assert not left[0].exists()
+        assert not any(_alive(p) for p in forked)
+        for who in ("worker rank 0", "worker rank 1", "server rank 2"):
+            assert f"{who} left 1 process running" in caplog.text, caplog.text
+    finally:
+        launcher.kill()
+        for pid in forked:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
 
 
 @pytest.mark.timeout(120)

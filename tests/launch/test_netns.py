@@ -169,6 +169,25 @@ def test_a_link_too_slow_for_the_first_wait_is_refused_before_any_process_starts
     TrainConfig(strategy="herring", workers=2, nodes=2, bandwidth="105kbit", timeout_s=20)
 
 
+def test_a_launch_on_one_machine_has_no_links_to_shape(tmp_path, capsys, clean_host):
+    # Symptom: `polytrain launch --workers 2 --bandwidth 1gbit` (and launch(bandwidth=) on
+    # one machine) built namespaces and qdiscs, and nothing crossed a shaped link; `polytrain
+    # train` refuses the same (config.check_link).
+    message = (r"--bandwidth 1gbit shapes the links between machines, and this run has one "
+               r"machine of workers and no server machines: no link would be shaped\. HINT: "
+               r"pass --nodes 2 or more \(or --servers K\), or leave --bandwidth and "
+               r"--latency out$")
+    for colocated in (0, 1):
+        with pytest.raises(ConfigError, match="^" + message):
+            polytrain.launch(scripts.identity, workers=2, colocated=colocated,
+                             bandwidth="1gbit")
+    script = tmp_path / "job.py"
+    script.write_text("raise SystemExit('must not start')\n")
+    assert main(["launch", "--workers", "2", "--bandwidth", "1gbit", str(script)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and re.search(message, err), err
+
+
 def test_a_single_process_strategy_has_no_links_to_shape():
     with pytest.raises(ConfigError, match=r"strategy 'single' trains in one process"):
         TrainConfig(strategy="single", model="mlp", bandwidth="1gbit")
@@ -213,7 +232,8 @@ def test_without_root_or_iproute2_one_line_says_what_is_missing(monkeypatch, uid
         polytrain.launch(scripts.identity, workers=2, nodes=2, bandwidth="1gbit")
     script = tmp_path / "job.py"
     script.write_text("raise SystemExit('must not start')\n")
-    assert main(["launch", "--workers", "2", "--bandwidth", "1gbit", str(script)]) == 2
+    assert main(["launch", "--workers", "2", "--nodes", "2", "--bandwidth", "1gbit",
+                 str(script)]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and re.search(missing, err), err
     assert main(["env"]) == 0  # says the same

@@ -235,8 +235,8 @@ def parse_cluster(spec: str) -> Cluster:
             raise ConfigError(f"--devices: {text!r} has an empty item (two commas in a row, or "
                               f"one at an end)", "join the machines, types and links with one "
                               "',' each, e.g. 'm0:fast*2,m1:slow*2'")
-        if item.startswith("link="):
-            parts = item.removeprefix("link=").split("/")
+        if item[:5].lower() == "link=":  # 'LINK=' was read as a device type no machine used
+            parts = item[5:].split("/")
             try:
                 if links or len(parts) != 2:
                     raise ValueError(item)
@@ -271,6 +271,16 @@ def parse_cluster(spec: str) -> Cluster:
             machines.append(Machine(m[1], tuple(names)))
         else:
             raise ConfigError(f"--devices: cannot read {item!r}", _SPEC_HINT)
+    # A type defined for no machine is a typo's (a misspelt name, on a machine or here).
+    used = sorted({t for m in machines for t in m.types})
+    unused = [t for t in types if t not in BUILTIN_TYPES and t not in used]
+    if unused and machines:  # none at all: Cluster says so
+        several = len(unused) > 1
+        raise ConfigError(
+            f"--devices defines device type{'s' * several} {', '.join(map(repr, unused))} "
+            f"that no machine uses (the machines use {', '.join(used)})",
+            f"list {'them' if several else 'it'} on a machine (e.g. {machines[0].name}:"
+            f"{unused[0]}*2), or leave {'their definitions' if several else 'it'} out")
     return Cluster(machines=tuple(machines), types=types, **links)
 
 

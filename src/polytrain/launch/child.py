@@ -31,12 +31,34 @@ from typing import Any, Iterator
 from .. import _env
 from ..errors import is_timeout
 
-__all__ = ["main", "die_with"]
+__all__ = ["main", "die_with", "MEMBER_PREFIX"]
 
 _BEAT_S = 0.5  # how often a child rewrites its heartbeat file (the launcher watches it)
 # Errors that mean "a peer went away first": the launcher prefers other causes.
 _SECONDARY_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
                       "peer_lost")
+
+
+#: In the run's work directory, ``member-ROLE-RANK``: a file each launched process holds open
+#: for good, and so everything it forks, which the launcher finds by it (see
+#: :func:`_hold_membership`).
+MEMBER_PREFIX = "member-"
+
+
+def _hold_membership() -> None:
+    """Open this process's member file in the run's work directory and never close it: what
+    it forks without an exec (a multiprocessing helper) keeps the descriptor, so that the
+    launcher, or the next one after a kill -9 of this one, finds and stops it where its
+    /proc environ (the fork server's, for a forked child) does not name the run; inheritable,
+    for an exec that keeps its descriptors."""
+    run_dir = _env.run_dir()
+    if not run_dir:
+        return
+    rank, role, _ = _env.identity()
+    with contextlib.suppress(OSError):  # the launcher then finds its orphans less well
+        fd = os.open(os.path.join(run_dir, f"{MEMBER_PREFIX}{role}-{rank}"),
+                     os.O_RDONLY | os.O_CREAT, 0o600)
+        os.set_inheritable(fd, True)
 
 
 def die_with(parent: int | None) -> None:
@@ -429,6 +451,7 @@ def main() -> None:
     faulthandler.register(signal.SIGUSR2, all_threads=True,
                           file=open(stacks, "w") if stacks else sys.stderr)
     die_with(_env.parent_pid())
+    _hold_membership()
     _start_heartbeat()
     signal.signal(signal.SIGTERM, lambda *_: _exit_flushed(143))
     signal.signal(signal.SIGUSR1, _raise_injected)

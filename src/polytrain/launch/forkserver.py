@@ -362,8 +362,10 @@ _Key = tuple[tuple[str, str], ...]
 # Variables that change while the launching process runs and that no import reads: a child
 # gets them as they are (its whole environment comes with each request), and a server is
 # not started for each value. pytest names the test it runs in one: a server per test
-# (torch imported again: some 3 s of CPU) had been most of the test suite's time.
-_NOT_READ_AT_IMPORT = frozenset({"PYTEST_CURRENT_TEST"})
+# (torch imported again: some 3 s of CPU) had been most of the test suite's time. So would
+# each attempt of a run_config, which sets torchrun's restart variables.
+_NOT_READ_AT_IMPORT = frozenset({"PYTEST_CURRENT_TEST", "TORCHELASTIC_RESTART_COUNT",
+                                 "TORCHELASTIC_MAX_RESTARTS"})
 _servers: dict[_Key, ForkServer] = {}
 _unusable: dict[_Key, str] = {}  # environments whose server failed: why
 _servers_lock = threading.Lock()

@@ -23,12 +23,14 @@ from typing import Any, Callable, Collection, Mapping, Sequence
 
 from .. import _env
 from ..errors import ConfigError, LaunchError
+from .child import MEMBER_PREFIX
 from .forkserver import ForkedProcess, ForkServer, Process, server_for
 from .host import oom_kills
 from .layout import WORKER, Layout, ProcessSpec
 from .network import (
     LinkShape,
     Network,
+    check_links,
     check_tools,
     link_shape,
     owner_alive,
@@ -249,6 +251,7 @@ class Launcher:
         self.shape = shape
         self.host = "127.0.0.1"
         if shape is not None:
+            check_links(layout, shape.bandwidth())
             check_tools()  # before anything starts: one line on what is missing
             port = _NETWORK_PORT if port is None else port
         elif port is None:
@@ -733,8 +736,9 @@ def sweep_stale(root: Path, kind: str, what: str) -> None:
     ``kind`` and a random suffix, and marked by :func:`mark_owner`) and that process no
     longer runs (killed before it could remove them itself): the pid is gone or reused.
 
-    The processes still running with such a directory in their environment (what the
-    dead run's processes started) are stopped first.
+    The processes still running with such a directory in their environment, or holding a
+    member file there open (what the dead run's processes started or forked), are stopped
+    first.
 
     Anything else is left alone: a user's folder named ``polytrain-2024-06-01``; a directory
     of a process in another PID namespace (a container sharing /tmp or /dev/shm) or on
@@ -772,10 +776,14 @@ def _last_beat(child: _Child) -> dict[str, Any]:
 def _run_processes(workdir: Path, adopters: Collection[ForkServer] = ()) -> dict[int, str]:
     """The live processes whose environment names this run's work directory, with their
     role and rank: what the run's processes started (a forked child's own /proc environ is
-    its fork server's, so the children themselves mostly do not show); and those the fork
+    its fork server's, so the children themselves mostly do not show); those the fork
     servers ``adopters`` adopted, not their own children: what a forked child forked (a
-    multiprocessing helper: its environ is the server's too) and left when it ended."""
+    multiprocessing helper: its environ is the server's too) and left when it ended; and
+    those that hold a run's process's member file open (launch/child.py), which what it
+    forked inherits: found so once no fork server is left to adopt them (its launcher was
+    killed, and init adopted them)."""
     entry = f"{_env.RUN_DIR}={workdir}".encode()
+    member = os.path.join(os.path.realpath(workdir), MEMBER_PREFIX)
     adopted = set().union(*(s.adopted() for s in adopters))
     found = {}
     for environ in Path("/proc").glob("[0-9]*/environ"):
@@ -792,7 +800,28 @@ def _run_processes(workdir: Path, adopters: Collection[ForkServer] = ()) -> dict
                           f"{named.get(_env.RANK.encode(), b'?').decode()}")
         elif pid in adopted:
             found[pid] = "a worker or server that ended"
+        elif (held := _member_held(pid, member)) is not None:
+            role, _, rank = held.partition("-")
+            found[pid] = f"{role} rank {rank}"
     return found
+
+
+def _member_held(pid: int, member: str) -> str | None:
+    """The ``ROLE-RANK`` of the run's member file that ``pid`` holds open (``member``: the
+    files' path up to it), or None."""
+    fds = f"/proc/{pid}/fd"
+    try:
+        names = os.listdir(fds)
+    except OSError:  # gone, or another user's
+        return None
+    for name in names:
+        try:
+            target = os.readlink(f"{fds}/{name}")
+        except OSError:  # closed meanwhile
+            continue
+        if target.startswith(member):
+            return target[len(member):]
+    return None
 
 
 def _stop_left_behind(workdir: Path, children: set[int],

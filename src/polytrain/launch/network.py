@@ -45,8 +45,10 @@ from typing import Any, Mapping, Sequence
 from .. import _env
 from ..errors import ConfigError, LaunchError, PeerLost
 from .host import own_status, proc_stat
+from .layout import Layout
 
-__all__ = ["LinkShape", "Network", "NicSampler", "link_shape", "parse_rate", "parse_time",
+__all__ = ["LinkShape", "Network", "NicSampler", "link_shape", "check_links", "parse_rate",
+           "parse_time",
            "check_tools", "netem_check", "nic_bytes", "start_time", "sweep_stale", "STATE_DIR",
            "owner_record", "owner_alive", "pid_namespace"]
 
@@ -192,6 +194,12 @@ class LinkShape:
         return cls(rate_bit_s=parse_rate(bandwidth),
                    delay_s=parse_time(latency) if latency is not None else 0.0)
 
+    def bandwidth(self) -> str:
+        """The rate as ``--bandwidth`` takes it, in its largest whole unit (``1gbit``)."""
+        unit, size = next((u, n) for u, n in sorted(_RATE_UNITS.items(), key=lambda un: -un[1])
+                          if self.rate_bit_s % n == 0)
+        return f"{self.rate_bit_s // size}{unit}"
+
     def describe(self) -> str:
         delay = f", {self.delay_s * 1e3:g} ms one-way delay" if self.delay_s else ""
         return f"{self.rate_bit_s / 1e6:g} Mbit/s each way{delay}"
@@ -208,6 +216,22 @@ def link_shape(bandwidth: str | None, latency: str | None = None) -> LinkShape |
                               f"has links to delay", "pass --bandwidth too, e.g. 1gbit")
         return None
     return LinkShape.parse(bandwidth, latency)
+
+
+def check_links(layout: Layout, bandwidth: str, *, serverless: str | None = None) -> None:
+    """Refuse ``--bandwidth`` where ``layout`` has no link between machines to shape: one
+    machine of workers and no server machines (colocated servers share it).
+    ``serverless``: the strategy's name where it uses no servers (the hint leaves out
+    --servers); the launcher, which knows no strategy, names none."""
+    if layout.nodes > 1 or layout.servers:
+        return
+    where = (f"strategy {serverless!r} uses no servers, and this run's workers share one "
+             f"machine" if serverless else
+             "this run has one machine of workers and no server machines")
+    raise ConfigError(f"--bandwidth {bandwidth} shapes the links between machines, and "
+                      f"{where}: no link would be shaped", "pass --nodes 2 or more" +
+                      ("" if serverless else " (or --servers K)") +
+                      ", or leave --bandwidth and --latency out")
 
 
 #: What root needs to make a run's network, by capability: its bit in the mask, and why.

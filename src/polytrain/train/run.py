@@ -244,7 +244,10 @@ def run_config(config: TrainConfig, *, env: Mapping[str, str] | None = None,
     while True:
         # What polytrain train prints names its process already (worker 0's bar and
         # records; every process's log lines).
-        launcher = Launcher(config.layout(), port=config.port, env=env,
+        # torchrun's restart variables, as its agent sets them for each attempt.
+        attempt = {**(env or {}), "TORCHELASTIC_RESTART_COUNT": str(restarts),
+                   "TORCHELASTIC_MAX_RESTARTS": str(config.max_restarts)}
+        launcher = Launcher(config.layout(), port=config.port, env=attempt,
                             timeout_s=config.timeout_s, shape=config.link(), rank_prefix=False)
         try:
             metrics = launcher.run_fn(train, (config,))[0]
