@@ -58,7 +58,7 @@ from .stores import WHOLE_STATE, Declaration
 if TYPE_CHECKING:
     from ..runtime import Context
 
-__all__ = ["Engine", "SumTensor", "engine_for", "DEFAULT_CREDIT_BYTES"]
+__all__ = ["Engine", "SumTensor", "engine_for", "left_run", "DEFAULT_CREDIT_BYTES"]
 
 log = logging.getLogger(__name__)
 
@@ -362,10 +362,7 @@ class Engine:
         Its partitions queue by ``priority`` (BytePS's: a larger one goes first; it must be
         the same on every worker), then by key (earlier layers first)."""
         if self.ctx.closed:  # its groups are gone: a send failed as a lost peer
-            raise ConfigError(f"{t.name!r} was submitted after this process left the run (its "
-                              f"context's shutdown(), which bps.shutdown() calls)",
-                              "sum before the shutdown: it leaves the run for good, and a "
-                              "process joins one run")
+            raise left_run(f"{t.name!r} was submitted")
         self._raise()
         if t.busy:
             raise ConfigError(f"{t.name!r} was submitted again before its last sum was waited "
@@ -580,6 +577,15 @@ class Engine:
             for h in sends:
                 h.wait()
             t.arrived.set()
+
+
+def left_run(what: str, hint: str = "finish every sum before the shutdown: a launched "
+                                    "process joins its run once") -> ConfigError:
+    """The refusal of ``what`` ("'x' was submitted") after this process left the run: its
+    groups are gone, so a send or a wait would fail as a lost peer. In a plain ``python
+    script.py`` (a run of one worker) :func:`polytrain.init` may join a new run after it."""
+    return ConfigError(f"{what} after this process left the run (the shutdown() of its "
+                       f"context, polytrain.init()'s, which bps.shutdown() calls)", hint)
 
 
 def engine_for(ctx: Context, *, credit_bytes: int = DEFAULT_CREDIT_BYTES) -> Engine:

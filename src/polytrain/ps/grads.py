@@ -215,6 +215,8 @@ class GradientSync:
         self._reset()
         self._hooks: list[RemovableHandle] = [
             p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(self.params)]
+        # A sync dropped without close() (its wrapper deleted) takes its hooks with it.
+        weakref.finalize(self, _remove, self._hooks)
         for p in self.params:
             _holders[id(p)] = (weakref.ref(p), weakref.ref(self))
         #: Per synchronised step: seconds from the first bucket's submit to the last sum's
@@ -286,28 +288,39 @@ class GradientSync:
         self.unsynced = False
 
     def _hook(self, i: int) -> Callable[[torch.Tensor], None]:
+        # By weak reference: the parameter holds its hooks, and a hook that held this object
+        # kept a wrapper dropped without close() alive: its parameters were refused to a new wrap.
+        ref = weakref.ref(self)
+
         def hook(param: torch.Tensor) -> None:
-            self.synchronized = False
-            if not self.enabled:
-                self.unsynced = True
-                return
-            if self.in_backward and not self._queued:
-                self._queued = True
-                torch.autograd.Variable._execution_engine.queue_callback(self.synchronize)
-            self._passes[i] += 1
-            if self._passes[i] > self.passes_per_step:  # its sum left with the first ones
-                raise ConfigError(
-                    f"{self.names[i]!r} had a gradient from {self._passes[i]} backward passes "
-                    f"before the step synchronised it, and {self.passes_per_step} "
-                    f"{'is' if self.passes_per_step == 1 else 'are'} summed: the sum left "
-                    f"with the first, and the others would be lost",
-                    "to accumulate over N backward passes, pass backward_passes_per_step=N "
-                    "(byteps.DistributedOptimizer); under distribute(), call "
-                    "optimizer.step() after each backward, or accumulate with strategy "
-                    "'ddp' or 'herring' (their no_sync())")
-            if self._passes[i] == self.passes_per_step and not self._ready[i]:
-                self._collect(i)
+            sync = ref()
+            if sync is not None:
+                sync._on_gradient(i)
         return hook
+
+    def _on_gradient(self, i: int) -> None:
+        """Parameter i's gradient accumulated (its hook): count the pass, and collect it
+        once its passes for this step are in."""
+        self.synchronized = False
+        if not self.enabled:
+            self.unsynced = True
+            return
+        if self.in_backward and not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.synchronize)
+        self._passes[i] += 1
+        if self._passes[i] > self.passes_per_step:  # its sum left with the first ones
+            raise ConfigError(
+                f"{self.names[i]!r} had a gradient from {self._passes[i]} backward passes "
+                f"before the step synchronised it, and {self.passes_per_step} "
+                f"{'is' if self.passes_per_step == 1 else 'are'} summed: the sum left "
+                f"with the first, and the others would be lost",
+                "to accumulate over N backward passes, pass backward_passes_per_step=N "
+                "(byteps.DistributedOptimizer); under distribute(), call "
+                "optimizer.step() after each backward, or accumulate with strategy "
+                "'ddp' or 'herring' (their no_sync())")
+        if self._passes[i] == self.passes_per_step and not self._ready[i]:
+            self._collect(i)
 
     @torch.no_grad()
     def _collect(self, i: int) -> None:
@@ -447,6 +460,12 @@ class GradientSync:
                 del _holders[id(p)]
         self.engine.forget([*self.tensors, *self._warming, *self._averaged,
                             *([self._flags] if self._flags is not None else [])])
+
+
+def _remove(hooks: Sequence[RemovableHandle]) -> None:
+    """Remove ``hooks`` (those of a sync dropped without close(): a no-op after it)."""
+    for h in hooks:
+        h.remove()
 
 
 def _subset(placement: Placement, tensors: Sequence[int]) -> Placement:

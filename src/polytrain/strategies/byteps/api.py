@@ -29,7 +29,7 @@ from ...ps.compression import (
     TopK,
     compressor,
 )
-from ...ps.engine import Engine, SumTensor, engine_for
+from ...ps.engine import Engine, SumTensor, engine_for, left_run
 from ...ps.grads import travels_divided
 from ...runtime import Context
 from ..checks import check_same_tensors, check_same_values, tensor_signature
@@ -117,9 +117,8 @@ def shutdown() -> None:
 def _worker_ctx(ctx: Context | None, call: str = "this call") -> Context:
     if ctx is None:
         if not runtime.is_initialized() and runtime.has_joined():
-            raise ConfigError(f"bps.{call}() was called after this process left the run "
-                              f"(bps.shutdown())", "make every BytePS call before "
-                              "bps.shutdown(): a process joins one run")
+            raise left_run(f"bps.{call}() was called", "make every BytePS call before the "
+                           "shutdown: a launched process joins its run once")
         if not runtime.is_initialized():
             raise ConfigError(f"bps.{call}() was called before bps.init()",
                               "call bps.init() (or polytrain.init()) first")
@@ -263,12 +262,22 @@ def _push_pull_async(tensor: torch.Tensor, average: bool, name: str | None, prio
 def poll(handle: PushPullHandle) -> bool:
     """Whether the push_pull has finished, so that :func:`synchronize` returns at once
     (the sum of every partition is on this worker); never blocks."""
+    _check_open(handle, "poll")
     return handle.engine.ready(handle.tensor)
+
+
+def _check_open(handle: PushPullHandle, call: str) -> None:
+    """Refuse a handle whose run this process left (a wait would blame a lost server)."""
+    if handle.engine.ctx.closed:
+        raise left_run(f"bps.{call}() of push_pull name {handle.tensor.spec.name!r} was "
+                       f"called", "synchronize every handle before the shutdown: a launched "
+                       "process joins its run once")
 
 
 def synchronize(handle: PushPullHandle) -> torch.Tensor:
     """Wait for a push_pull in flight and return the result (shaped like its input; for an
     in-place one, the input itself, now holding the result)."""
+    _check_open(handle, "synchronize")
     if handle.done:
         raise ConfigError(f"this handle (push_pull name {handle.tensor.spec.name!r}) was "
                           f"already synchronized", "synchronize each handle once, and keep "
@@ -418,8 +427,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 - ByteP
     (1-bit Adam: see :class:`polytrain.strategies.byteps.optimizer.DistributedOptimizer`),
     ``compress``: the default
     compression when ``compression`` is none; these and the compression must be the same
-    on every worker: compared here). Launch with colocated servers
-    (``polytrain launch --colocated 1``) and/or ``--servers K``.
+    on every worker, but ``credit_bytes``, each worker's own send window: compared here).
+    Launch with colocated servers (``polytrain launch --colocated 1``) and/or
+    ``--servers K``.
 
     Example::
 

@@ -50,7 +50,8 @@ class DistributedDataParallel(SyncedModule):
             ``colocate``, ``credit_bytes``, ``error_feedback``, ...); not ``async_``.
 
     ``broadcast_buffers``, the compression and those options must be the same on every
-    worker (compared at the wrap, naming the first that differs).
+    worker (compared at the wrap, naming the first that differs), but ``credit_bytes``:
+    each worker's own send window.
     """
 
     def __init__(self, module: nn.Module, device_ids: Sequence[Any] | None = None,

@@ -73,8 +73,9 @@ def checked_options(owner: str, compression: Choice | Mapping[str, Choice],
 
 
 #: The :class:`BytePSOptions` fields every worker's wrapper must share (compared at the wrap,
-#: with the compression): differing, they declare other keys or sum other payloads.
-SAME_OPTIONS = ("partition_bytes", "fuse_bytes", "colocate", "credit_bytes", "async_",
+#: with the compression): differing, they declare other keys or sum other payloads. Not
+#: ``credit_bytes``: each worker's own send window, it changes neither.
+SAME_OPTIONS = ("partition_bytes", "fuse_bytes", "colocate", "async_",
                 "error_feedback", "compress_momentum", "compress_min_bytes", "compress_warmup",
                 "compress_warmup_with", "compress_adam", "compress_adam_refresh")
 
@@ -409,7 +410,11 @@ class DistributedOptimizer(WrappedOptimizer):
         self._pulled: list[tuple[torch.Tensor | None, int] | None] = []
         self.compress_adam: _OneBitAdam | None = None
         if compress_adam:
-            self.compress_adam = _OneBitAdam(optimizer, self.sync, compress_adam_refresh)
+            try:
+                self.compress_adam = _OneBitAdam(optimizer, self.sync, compress_adam_refresh)
+            except BaseException:  # refused: the sync's hooks would refuse a corrected retry
+                self.sync.close()
+                raise
             self.sync.transform = self.compress_adam.local_momentum
 
     def synchronize(self) -> None:
