@@ -110,6 +110,9 @@ def test_links_in_any_case_set_the_links_and_a_type_no_machine_uses_is_refused()
                                           r"list them on a machine \(e\.g\. m0:big\*2\), or "
                                           r"leave their definitions out$"):
         parse_cluster("big=8/4096,huge=16/8192,m0:fast")
+    # A machine's misspelt type is named as unknown, not listed among the types in use.
+    with pytest.raises(ConfigError, match=r"machine 'm0' uses unknown device type 'bgi'"):
+        parse_cluster("big=8/4096,m0:bgi*2")
 
 
 def test_layout_must_match_the_cluster():

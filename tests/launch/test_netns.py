@@ -181,6 +181,8 @@ def test_a_launch_on_one_machine_has_no_links_to_shape(tmp_path, capsys, clean_h
         with pytest.raises(ConfigError, match="^" + message):
             polytrain.launch(scripts.identity, workers=2, colocated=colocated,
                              bandwidth="1gbit")
+    with pytest.raises(ConfigError, match="^--bandwidth 1000mbit shapes"):  # as given
+        polytrain.launch(scripts.identity, workers=2, bandwidth="1000mbit")
     script = tmp_path / "job.py"
     script.write_text("raise SystemExit('must not start')\n")
     assert main(["launch", "--workers", "2", "--bandwidth", "1gbit", str(script)]) == 2

@@ -291,7 +291,7 @@ def test_a_sum_that_times_out_names_the_server_whose_answer_it_waits_for():
 
     class Context:  # what the engine reads of a run (weakly referenced: not a namespace)
         ps_client = SimpleNamespace(request=lambda owner, op, **kw: [Answer(owner), Answer(5)])
-        local_workers, rank, timeout_s, transport = (0,), 0, 0.2, None
+        local_workers, rank, timeout_s, transport, closed = (0,), 0, 0.2, None, False
         topology = SimpleNamespace(name=lambda r: f"server rank {r} (machine server{r - 4})")
 
     engine = Engine(Context())  # type: ignore[arg-type]

@@ -274,7 +274,8 @@ def parse_cluster(spec: str) -> Cluster:
     # A type defined for no machine is a typo's (a misspelt name, on a machine or here).
     used = sorted({t for m in machines for t in m.types})
     unused = [t for t in types if t not in BUILTIN_TYPES and t not in used]
-    if unused and machines:  # none at all: Cluster says so
+    # None at all, or a machine's type that is defined nowhere: Cluster names what is wrong.
+    if unused and machines and all(t in types for t in used):
         several = len(unused) > 1
         raise ConfigError(
             f"--devices defines device type{'s' * several} {', '.join(map(repr, unused))} "

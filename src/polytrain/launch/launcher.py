@@ -30,11 +30,13 @@ from .layout import WORKER, Layout, ProcessSpec
 from .network import (
     LinkShape,
     Network,
+    boot_id,
     check_links,
     check_tools,
     link_shape,
     owner_alive,
     owner_record,
+    pid_namespace,
     start_time,
 )
 
@@ -251,7 +253,6 @@ class Launcher:
         self.shape = shape
         self.host = "127.0.0.1"
         if shape is not None:
-            check_links(layout, shape.bandwidth())
             check_tools()  # before anything starts: one line on what is missing
             port = _NETWORK_PORT if port is None else port
         elif port is None:
@@ -784,6 +785,7 @@ def _run_processes(workdir: Path, adopters: Collection[ForkServer] = ()) -> dict
     killed, and init adopted them)."""
     entry = f"{_env.RUN_DIR}={workdir}".encode()
     member = os.path.join(os.path.realpath(workdir), MEMBER_PREFIX)
+    since = _made_at(workdir)  # nothing that started before the run's launcher is of the run
     adopted = set().union(*(s.adopted() for s in adopters))
     found = {}
     for environ in Path("/proc").glob("[0-9]*/environ"):
@@ -800,10 +802,24 @@ def _run_processes(workdir: Path, adopters: Collection[ForkServer] = ()) -> dict
                           f"{named.get(_env.RANK.encode(), b'?').decode()}")
         elif pid in adopted:
             found[pid] = "a worker or server that ended"
-        elif (held := _member_held(pid, member)) is not None:
+        elif (since is None or (start_time(pid) or 0) >= since) and \
+                (held := _member_held(pid, member)) is not None:
             role, _, rank = held.partition("-")
             found[pid] = f"{role} rank {rank}"
     return found
+
+
+def _made_at(workdir: Path) -> int | None:
+    """When the launcher that made ``workdir`` started (clock ticks since boot, its mark's),
+    or None where the mark does not say or is of another boot or PID namespace."""
+    try:
+        record = json.loads((workdir / _OWNER).read_text())
+        if record.get("boot", boot_id()) == boot_id() and \
+                record.get("pid_ns", pid_namespace()) == pid_namespace():
+            return int(record["start"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+    return None
 
 
 def _member_held(pid: int, member: str) -> str | None:
@@ -1037,7 +1053,7 @@ def launch(fn: Callable[..., Any], *, workers: int = 1, nodes: int = 1, servers:
                 f"servers={servers}, colocated={colocated}), or the same to launch()")
         return [fn(*args, **dict(kwargs or {}))]
     return Launcher(layout, port=port, env=env, timeout_s=timeout_s,
-                    shape=link_shape(bandwidth, latency),
+                    shape=_link(layout, bandwidth, latency),
                     rank_prefix=rank_prefix).run_fn(fn, args, kwargs)
 
 
@@ -1047,5 +1063,14 @@ def launch_script(script: str, argv: Sequence[str] = (), *, layout: Layout,
                   latency: str | None = None, rank_prefix: bool = True) -> None:
     """Run a Python script in every process of ``layout`` (what ``polytrain launch`` does)."""
     Launcher(layout, port=port, env=env, timeout_s=timeout_s,
-             shape=link_shape(bandwidth, latency),
+             shape=_link(layout, bandwidth, latency),
              rank_prefix=rank_prefix).run_script(script, argv)
+
+
+def _link(layout: Layout, bandwidth: str | None, latency: str | None) -> LinkShape | None:
+    """``--bandwidth`` and ``--latency``'s shape for ``layout``, refused where it has no link
+    between machines (as ``polytrain train`` refuses it: TrainConfig's check_link)."""
+    shape = link_shape(bandwidth, latency)
+    if shape is not None:
+        check_links(layout, str(bandwidth))
+    return shape

@@ -194,12 +194,6 @@ class LinkShape:
         return cls(rate_bit_s=parse_rate(bandwidth),
                    delay_s=parse_time(latency) if latency is not None else 0.0)
 
-    def bandwidth(self) -> str:
-        """The rate as ``--bandwidth`` takes it, in its largest whole unit (``1gbit``)."""
-        unit, size = next((u, n) for u, n in sorted(_RATE_UNITS.items(), key=lambda un: -un[1])
-                          if self.rate_bit_s % n == 0)
-        return f"{self.rate_bit_s // size}{unit}"
-
     def describe(self) -> str:
         delay = f", {self.delay_s * 1e3:g} ms one-way delay" if self.delay_s else ""
         return f"{self.rate_bit_s / 1e6:g} Mbit/s each way{delay}"

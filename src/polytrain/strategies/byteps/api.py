@@ -15,7 +15,7 @@ from typing import Any, Iterable, Mapping
 import torch
 import torch.distributed as dist
 
-from ... import runtime
+from ... import _env, runtime
 from ...comm.partition import DEFAULT_PARTITION_BYTES, TensorSpec
 from ...errors import ConfigError
 from ...kinds import check_kinds
@@ -116,7 +116,8 @@ def shutdown() -> None:
 
 def _worker_ctx(ctx: Context | None, call: str = "this call") -> Context:
     if ctx is None:
-        if not runtime.is_initialized() and runtime.has_joined():
+        # A launched process joins its run once; a plain one may init again after it.
+        if not runtime.is_initialized() and runtime.has_joined() and _env.started_by():
             raise left_run(f"bps.{call}() was called", "make every BytePS call before the "
                            "shutdown: a launched process joins its run once")
         if not runtime.is_initialized():

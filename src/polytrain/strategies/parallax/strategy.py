@@ -385,8 +385,8 @@ def _check_idle_options(options: ParallaxOptions, sparse: list[str], servers: in
             ("parallax option colocate=False", "picks the sparse parameters' servers",
              "leave out colocate=False (--no-colocate)", not options.colocate),
             (f"parallax's {servers} dedicated server{'s' if servers > 1 else ''} (--servers "
-             f"{servers})", "would hold the sparse parameters' rows", "leave out --servers "
-             "(servers= in polytrain.launch)", servers > 0)]
+             f"{servers})", "would hold the sparse parameters' rows", "leave out --servers",
+             servers > 0)]
     for given, does, hint, taken in idle:
         if taken:
             which = ("trained embedding whose rows servers can hold" if options.sparse_embeddings
