@@ -36,6 +36,15 @@ def unknown(what: str, value: object, choices: Iterable[str], hint: str, *,
                        f"{', '.join(choices)}", hint)
 
 
+def left_run(what: str, hint: str = "finish every sum before the shutdown: a launched "
+                                    "process joins its run once") -> ConfigError:
+    """The refusal of ``what`` ("'x' was submitted") after this process left the run: its
+    groups are gone, so a send or a wait would fail as a lost peer. In a plain ``python
+    script.py`` (a run of one worker) :func:`polytrain.init` may join a new run after it."""
+    return ConfigError(f"{what} after this process left the run (the shutdown() of its "
+                       f"context, polytrain.init()'s, which bps.shutdown() calls)", hint)
+
+
 def check_whole(flag: str, value: object, hint: str | None = None) -> None:
     """Refuse a count (``flag``'s value; None passes) that is not a whole number: one given
     as 10.5, "32" or True (a JSON config's 1e3 is a float) failed inside every worker, or (a

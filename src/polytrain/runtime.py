@@ -21,7 +21,7 @@ from . import _env
 from .comm.meter import MeterReport, TrafficMeter
 from .comm.p2p import Transport
 from .comm.topology import Topology
-from .errors import CommError, CommTimeout, ConfigError, at_least
+from .errors import CommError, CommTimeout, ConfigError, at_least, left_run
 from .kinds import check_kinds
 from .launch.launcher import free_port
 from .launch.network import NicSampler
@@ -262,6 +262,11 @@ def init(*, device: str | torch.device | None = None, timeout_s: float | None = 
     if _context is not None:
         _check_again(_context, device, timeout_s)
         return _context
+    # Left (its process group gone) by a launched process: its run's rendezvous is gone.
+    if _joined and not dist.is_initialized() and _env.started_by() is not None:
+        raise left_run("polytrain.init() (bps.init()) was called again",
+                       "join once, and make every call before the shutdown: a launched "
+                       "process joins its run once")
     env = _env.read()
     timeout = float(timeout_s if timeout_s is not None else env.timeout_s)
     for name, value, usual in (("timeout_s", timeout, _env.DEFAULT_TIMEOUT_S),

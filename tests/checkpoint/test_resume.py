@@ -382,7 +382,8 @@ def test_a_hetpipe_resume_whose_devices_cut_other_stages_is_refused_on_every_wor
     assert re.search(r"the checkpoint's stage \d of virtual worker \d \(worker rank \d\) "
                      r"held .* the stages differ( \(\d other process|\. HINT)", said), said
     assert said.endswith("HINT: resume with the checkpoint's --policy, --nodes, --devices, "
-                         "--batch-size and --inflight"), said
+                         "--batch-size and --inflight, or start from its model.pt with "
+                         "--init"), said
     assert "lost" not in said and "timed out" not in said, said
 
 

@@ -1053,7 +1053,7 @@ def launch(fn: Callable[..., Any], *, workers: int = 1, nodes: int = 1, servers:
                 f"servers={servers}, colocated={colocated}), or the same to launch()")
         return [fn(*args, **dict(kwargs or {}))]
     return Launcher(layout, port=port, env=env, timeout_s=timeout_s,
-                    shape=_link(layout, bandwidth, latency),
+                    shape=_link(layout, bandwidth, latency, python=True),
                     rank_prefix=rank_prefix).run_fn(fn, args, kwargs)
 
 
@@ -1067,10 +1067,11 @@ def launch_script(script: str, argv: Sequence[str] = (), *, layout: Layout,
              rank_prefix=rank_prefix).run_script(script, argv)
 
 
-def _link(layout: Layout, bandwidth: str | None, latency: str | None) -> LinkShape | None:
+def _link(layout: Layout, bandwidth: str | None, latency: str | None, *,
+          python: bool = False) -> LinkShape | None:
     """``--bandwidth`` and ``--latency``'s shape for ``layout``, refused where it has no link
     between machines (as ``polytrain train`` refuses it: TrainConfig's check_link)."""
     shape = link_shape(bandwidth, latency)
     if shape is not None:
-        check_links(layout, str(bandwidth))
+        check_links(layout, str(bandwidth), python=python)
     return shape

@@ -212,11 +212,13 @@ def link_shape(bandwidth: str | None, latency: str | None = None) -> LinkShape |
     return LinkShape.parse(bandwidth, latency)
 
 
-def check_links(layout: Layout, bandwidth: str, *, serverless: str | None = None) -> None:
+def check_links(layout: Layout, bandwidth: str, *, serverless: str | None = None,
+                python: bool = False) -> None:
     """Refuse ``--bandwidth`` where ``layout`` has no link between machines to shape: one
     machine of workers and no server machines (colocated servers share it).
     ``serverless``: the strategy's name where it uses no servers (the hint leaves out
-    --servers); the launcher, which knows no strategy, names none."""
+    --servers); the launcher, which knows no strategy, names none. ``python``: the caller
+    is ``polytrain.launch()``, whose keywords the hint names too."""
     if layout.nodes > 1 or layout.servers:
         return
     where = (f"strategy {serverless!r} uses no servers, and this run's workers share one "
@@ -225,6 +227,7 @@ def check_links(layout: Layout, bandwidth: str, *, serverless: str | None = None
     raise ConfigError(f"--bandwidth {bandwidth} shapes the links between machines, and "
                       f"{where}: no link would be shaped", "pass --nodes 2 or more" +
                       ("" if serverless else " (or --servers K)") +
+                      (" (polytrain.launch(..., nodes=2))" if python else "") +
                       ", or leave --bandwidth and --latency out")
 
 

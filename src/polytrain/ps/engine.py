@@ -46,7 +46,7 @@ import torch
 from ..comm import tags
 from ..comm.p2p import Handle
 from ..comm.partition import Partition, TensorSpec
-from ..errors import CommError, CommTimeout, ConfigError, kept_error
+from ..errors import CommError, CommTimeout, ConfigError, kept_error, left_run
 from ..tensors import sum_dtype
 from .client import Pending
 from .compression import Codec, CompressOptions, codec_states_fit
@@ -58,7 +58,7 @@ from .stores import WHOLE_STATE, Declaration
 if TYPE_CHECKING:
     from ..runtime import Context
 
-__all__ = ["Engine", "SumTensor", "engine_for", "left_run", "DEFAULT_CREDIT_BYTES"]
+__all__ = ["Engine", "SumTensor", "engine_for", "DEFAULT_CREDIT_BYTES"]
 
 log = logging.getLogger(__name__)
 
@@ -403,6 +403,12 @@ class Engine:
         if not mine:
             t.done.set()
 
+    def arrived(self, t: SumTensor) -> bool:
+        """Whether the last round's sum is here and none of its messages is left to move
+        (what :meth:`ready` says once the watcher has waited for them); starts nothing."""
+        return not t.busy or t.arrived.is_set() or (
+            t.done.is_set() and not t.recvs and not t.sends)
+
     def ready(self, t: SumTensor) -> bool:
         """Whether :meth:`wait` would return at once: every partition's sum is here, and
         every message of the round has moved. Never blocks.
@@ -410,10 +416,8 @@ class Engine:
         gloo cannot tell whether a message has arrived without waiting for it, so the first
         call of a round hands the round's messages to the watcher thread, which waits for
         them (a round never asked about is waited for by :meth:`wait` itself)."""
-        if not t.busy or self.error is not None:
+        if self.error is not None or self.arrived(t):
             return True  # wait() returns the sum, or raises the error, at once
-        if t.done.is_set() and not t.recvs and not t.sends:  # (the completer's are in)
-            return True  # no peer on this machine: nothing left to move
         if not t.watched:
             t.watched = True
             self.watching.put(t)
@@ -577,15 +581,6 @@ class Engine:
             for h in sends:
                 h.wait()
             t.arrived.set()
-
-
-def left_run(what: str, hint: str = "finish every sum before the shutdown: a launched "
-                                    "process joins its run once") -> ConfigError:
-    """The refusal of ``what`` ("'x' was submitted") after this process left the run: its
-    groups are gone, so a send or a wait would fail as a lost peer. In a plain ``python
-    script.py`` (a run of one worker) :func:`polytrain.init` may join a new run after it."""
-    return ConfigError(f"{what} after this process left the run (the shutdown() of its "
-                       f"context, polytrain.init()'s, which bps.shutdown() calls)", hint)
 
 
 def engine_for(ctx: Context, *, credit_bytes: int = DEFAULT_CREDIT_BYTES) -> Engine:

@@ -19,6 +19,7 @@ parameter travels in a sum of its own, on the servers with the gradients.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import time
 import weakref
 from typing import Callable, Sequence
@@ -144,13 +145,13 @@ class GradientSync:
                  warmup: int = 0,
                  warmup_compression: Sequence[CompressOptions | None] | None = None,
                  averaging: bool = False, owner: str = "wrapper") -> None:
-        other: GradientSync | None
         # A second sync over a parameter would push its gradient from hooks of its own too:
         # refused here, not at the first backward ("a gradient from 2 backward passes").
         for name, p in named:
-            ref, held = _holders.get(id(p), (None, None))
-            other = held() if held is not None and ref is not None and ref() is p else None
-            if other is not None and other._hooks:
+            if _open_holder(p) is not None:
+                gc.collect()  # one dropped in a reference cycle (1-bit Adam's) lets go now
+            other = _open_holder(p)
+            if other is not None:
                 raise ConfigError(f"parameter {name!r} is summed already by a {other.owner} "
                                   f"that was not closed: both would push its gradient at "
                                   f"every backward", f"close() the first {other.owner} before "
@@ -460,6 +461,13 @@ class GradientSync:
                 del _holders[id(p)]
         self.engine.forget([*self.tensors, *self._warming, *self._averaged,
                             *([self._flags] if self._flags is not None else [])])
+
+
+def _open_holder(param: torch.Tensor) -> GradientSync | None:
+    """The open sync whose hooks push ``param``'s gradient, if one does."""
+    ref, held = _holders.get(id(param), (None, None))
+    other = held() if held is not None and ref is not None and ref() is param else None
+    return other if other is not None and other._hooks else None
 
 
 def _remove(hooks: Sequence[RemovableHandle]) -> None:

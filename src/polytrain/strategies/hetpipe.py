@@ -369,7 +369,8 @@ class HetPipe(Strategy[HetPipeOptions]):
         first = next((m for m in said if m is not None), None)
         if first is not None:
             raise ConfigError(first, "resume with the checkpoint's --policy, --nodes, "
-                                     "--devices, --batch-size and --inflight")
+                                     "--devices, --batch-size and --inflight, or start from "
+                                     "its model.pt with --init")
 
     def _late_keys(self, plan: HetPipePlan, fused: list[tuple[Any, list[str]]]) -> set[int]:
         """The servers' keys of layers on a late stage (lag >= 1) of any virtual worker:

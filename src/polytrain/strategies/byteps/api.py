@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from ... import _env, runtime
 from ...comm.partition import DEFAULT_PARTITION_BYTES, TensorSpec
-from ...errors import ConfigError
+from ...errors import ConfigError, left_run
 from ...kinds import check_kinds
 from ...ps.compression import (
     FP16,
@@ -29,7 +29,7 @@ from ...ps.compression import (
     TopK,
     compressor,
 )
-from ...ps.engine import Engine, SumTensor, engine_for, left_run
+from ...ps.engine import Engine, SumTensor, engine_for
 from ...ps.grads import travels_divided
 from ...runtime import Context
 from ..checks import check_same_tensors, check_same_values, tensor_signature
@@ -268,8 +268,9 @@ def poll(handle: PushPullHandle) -> bool:
 
 
 def _check_open(handle: PushPullHandle, call: str) -> None:
-    """Refuse a handle whose run this process left (a wait would blame a lost server)."""
-    if handle.engine.ctx.closed:
+    """Refuse a handle whose run this process left while its sum is still on the way (a
+    wait would blame a lost server); one that arrived before gives its sum."""
+    if handle.engine.ctx.closed and not handle.engine.arrived(handle.tensor):
         raise left_run(f"bps.{call}() of push_pull name {handle.tensor.spec.name!r} was "
                        f"called", "synchronize every handle before the shutdown: a launched "
                        "process joins its run once")
