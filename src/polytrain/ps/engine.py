@@ -403,12 +403,6 @@ class Engine:
         if not mine:
             t.done.set()
 
-    def arrived(self, t: SumTensor) -> bool:
-        """Whether the last round's sum is here and none of its messages is left to move
-        (what :meth:`ready` says once the watcher has waited for them); starts nothing."""
-        return not t.busy or t.arrived.is_set() or (
-            t.done.is_set() and not t.recvs and not t.sends)
-
     def ready(self, t: SumTensor) -> bool:
         """Whether :meth:`wait` would return at once: every partition's sum is here, and
         every message of the round has moved. Never blocks.
@@ -416,8 +410,10 @@ class Engine:
         gloo cannot tell whether a message has arrived without waiting for it, so the first
         call of a round hands the round's messages to the watcher thread, which waits for
         them (a round never asked about is waited for by :meth:`wait` itself)."""
-        if self.error is not None or self.arrived(t):
+        if not t.busy or self.error is not None:
             return True  # wait() returns the sum, or raises the error, at once
+        if t.done.is_set() and not t.recvs and not t.sends:  # (the completer's are in)
+            return True  # no peer on this machine: nothing left to move
         if not t.watched:
             t.watched = True
             self.watching.put(t)

@@ -268,9 +268,9 @@ def poll(handle: PushPullHandle) -> bool:
 
 
 def _check_open(handle: PushPullHandle, call: str) -> None:
-    """Refuse a handle whose run this process left while its sum is still on the way (a
-    wait would blame a lost server); one that arrived before gives its sum."""
-    if handle.engine.ctx.closed and not handle.engine.arrived(handle.tensor):
+    """Refuse a handle whose run this process left (a wait would blame a lost server, or
+    a peer that is alive: the shutdown closed the groups its messages move in)."""
+    if handle.engine.ctx.closed:
         raise left_run(f"bps.{call}() of push_pull name {handle.tensor.spec.name!r} was "
                        f"called", "synchronize every handle before the shutdown: a launched "
                        "process joins its run once")
