@@ -173,8 +173,7 @@ class Context:
             if self._closed:
                 return self.final_reports
             self._closed = True
-        global _context, _left_servers
-        _left_servers = bool(self.topology.servers)  # they exit: none joins it again
+        global _context
         try:
             if self.is_worker:
                 self.ps_client.finish()
@@ -194,7 +193,6 @@ class Context:
 
 _context: Context | None = None
 _joined = False  # whether init() ever joined a run in this process (shutdown leaves it set)
-_left_servers = False  # whether the run this process left had servers
 
 
 def current() -> Context:
@@ -264,13 +262,13 @@ def init(*, device: str | torch.device | None = None, timeout_s: float | None = 
     if _context is not None:
         _check_again(_context, device, timeout_s)
         return _context
-    # A launched process that left a run with servers cannot join it again: they exited
-    # after serving, and its rendezvous waited for them (a run of workers alone may, every
-    # worker joining again).
-    if _joined and _left_servers and not dist.is_initialized() and _env.started_by():
-        raise left_run("this process joined its run again (polytrain.init(), bps.init() or "
-                       "distribute())", "join once, and make every call before the "
-                       "shutdown: the run's servers exited after serving")
+    # A launched process that left its run cannot join it again: its servers exited after
+    # serving, and a run of workers alone met the old rendezvous (gloo's connect timed out
+    # in 2 of 3 tries).
+    if _joined and not dist.is_initialized() and _env.started_by():
+        raise left_run("polytrain.init() (or bps.init(), or distribute()'s) was called again",
+                       "join once, and make every call before the shutdown: a launched "
+                       "process joins its run once")
     env = _env.read()
     timeout = float(timeout_s if timeout_s is not None else env.timeout_s)
     for name, value, usual in (("timeout_s", timeout, _env.DEFAULT_TIMEOUT_S),

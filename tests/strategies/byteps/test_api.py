@@ -438,7 +438,6 @@ def optimizer_misuse(first: bool) -> dict:
         time.sleep(0.01)
     late = bps.push_pull_async(torch.ones(3), name="late")
     bps.shutdown()
-    time.sleep(0.5)  # the engine's threads meet the closed groups meanwhile
     said["size"] = refused(bps.size)
     said["init again"] = refused(bps.init)
     said["handles"] = [outcome(lambda: call(h)) for h in (arrived, late)  # noqa: B023
@@ -510,11 +509,11 @@ def test_the_drop_in_takes_compression_with_the_options_that_need_one():
             f"handle before the shutdown: a launched process joins its run once"
             for name in ("arrived", "late") for call in ("poll", "synchronize")], said
         # Symptom: bps.init() after the shutdown waited in the gone run's rendezvous (its
-        # server had exited).
+        # server had exited; a run of workers alone mostly timed out in gloo's connect).
         assert said["init again"] == (
-            f"this process joined its run again (polytrain.init(), bps.init() or "
-            f"distribute()) {left}join once, and make every call before the shutdown: the "
-            f"run's servers exited after serving")
+            f"polytrain.init() (or bps.init(), or distribute()'s) was called again {left}join "
+            f"once, and make every call before the shutdown: a launched process joins its run "
+            f"once")
         assert {k: said.get(k) for k in ("credit", "retried", "dropped 1-bit", "after drop",
                                          "moved")} == {
             # Symptom: refused as differing. Cause: credit_bytes was among the options every
