@@ -1,4 +1,5 @@
 import os
+import signal
 
 import pytest
 import torch
@@ -6,6 +7,11 @@ import torch
 # The test process itself stays on one thread: spawned processes share the 2 cores.
 torch.set_num_threads(1)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Started as a shell's background job (`./dev test &`), the suite inherits SIGINT ignored,
+# as do the launchers its tests start: the Ctrl-C tests then saw no Ctrl-C. Python's own
+# handler again (a child it starts gets SIGINT's default).
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
