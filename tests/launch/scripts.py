@@ -7,9 +7,11 @@ import concurrent.futures
 import os
 import resource
 import signal
+import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -138,6 +140,20 @@ def write_pid_and_hang(directory: str, fork: bool = False) -> None:
         f.write(str(os.getpid()))
     polytrain.init()
     time.sleep(60)
+
+
+def started_pids(directory: str | os.PathLike[str], count: int,
+                 launcher: subprocess.Popen[str] | None = None) -> list[int]:
+    """The pids :func:`write_pid_and_hang` wrote in ``directory``, once ``count`` processes
+    have (within 60 s: a loaded machine starts processes slowly); ``launcher``: still running
+    meanwhile."""
+    deadline = time.monotonic() + 60
+    while len(pids := [int(p.read_text()) for p in Path(directory).glob("pid-*")]) < count:
+        if launcher is not None:
+            assert launcher.poll() is None, launcher.communicate()[1]
+        assert time.monotonic() < deadline, "children did not start"
+        time.sleep(0.1)
+    return pids
 
 
 def signals_reach_the_run(launcher: int, signals: list[int]) -> list[bool]:

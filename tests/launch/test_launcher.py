@@ -642,11 +642,7 @@ def test_no_orphans_when_the_launcher_itself_is_killed(tmp_path, caplog):
     launcher = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT)
     forked: list[int] = []
     try:
-        deadline = time.monotonic() + 60  # a loaded machine starts processes slowly
-        while len(list(tmp_path.glob("pid-*"))) < 3:
-            assert time.monotonic() < deadline, "children did not start"
-            time.sleep(0.1)
-        pids = [int(p.read_text()) for p in tmp_path.glob("pid-*")]
+        pids = scripts.started_pids(tmp_path, 3)
         forked = [int(p.read_text()) for p in tmp_path.glob("forked-*")]
         launcher.kill()
         launcher.wait()
@@ -685,11 +681,7 @@ def test_ctrl_c_stops_every_child(tmp_path, inherited):
                                 stderr=subprocess.PIPE, text=True,
                                 preexec_fn=as_from_a_terminal)
     try:
-        deadline = time.monotonic() + 60  # a loaded machine starts processes slowly
-        while len(list(tmp_path.glob("pid-*"))) < 2:
-            assert time.monotonic() < deadline, "children did not start"
-            time.sleep(0.1)
-        pids = [int(p.read_text()) for p in tmp_path.glob("pid-*")]
+        pids = scripts.started_pids(tmp_path, 2)
         sent = {"sigterm": signal.SIGTERM, "sighup": signal.SIGHUP}.get(inherited,
                                                                         signal.SIGINT)
         launcher.send_signal(sent)
@@ -772,10 +764,7 @@ def test_a_worker_ended_by_a_signal_from_outside_is_named_not_taken_for_an_inter
             "file=sys.stderr)\n")
     launcher = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT,
                                 stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while len(list(tmp_path.glob("pid-*"))) < 2:
-        assert time.monotonic() < deadline, "children did not start"
-        time.sleep(0.1)
+    scripts.started_pids(tmp_path, 2)
     os.kill(int((tmp_path / "pid-1").read_text()), signal.SIGTERM)
     _, err = launcher.communicate(timeout=60)
     # As a signal, as docs/architecture.md says (polytrain train exits 1), not with 143: the

@@ -503,12 +503,7 @@ def _start_launcher(tmp_path: Path, workers: int) -> tuple[subprocess.Popen, lis
                                 text=True, preexec_fn=as_from_a_terminal,
                                 env=dict(os.environ, **_ENV,
                                                     PYTHONPATH=os.pathsep.join(sys.path)))
-    deadline = time.monotonic() + 60  # a loaded machine starts processes slowly
-    while len(list(tmp_path.glob("pid-*"))) < workers:
-        assert launcher.poll() is None, launcher.communicate()[1]
-        assert time.monotonic() < deadline, "children did not start"
-        time.sleep(0.1)
-    return launcher, [int(p.read_text()) for p in tmp_path.glob("pid-*")]
+    return launcher, scripts.started_pids(tmp_path, workers, launcher)
 
 
 @needs_netns
