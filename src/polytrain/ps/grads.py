@@ -34,8 +34,8 @@ from .compression import CompressOptions
 from .engine import Engine, SumTensor
 from .placement import Placement
 
-__all__ = ["GradientSync", "bucket_specs", "flags_dtype", "gradient_change", "presence_flags",
-           "read_presence", "sparse_parameter"]
+__all__ = ["GradientSync", "bucket_specs", "flags_dtype", "gradient_change", "gradient_left",
+           "presence_flags", "read_presence", "sparse_parameter"]
 
 
 def flags_dtype(workers: int) -> torch.dtype:
@@ -86,6 +86,11 @@ def travels_divided(dtype: torch.dtype) -> bool:
     torch's DDP does: a 16-bit sum of W gradients can overflow (the servers add in float32
     but answer in the bucket's dtype)."""
     return dtype in (torch.float16, torch.bfloat16)
+
+
+def gradient_left(param: torch.Tensor) -> tuple[torch.Tensor | None, int]:
+    """``param``'s gradient tensor as it is now and its version, for :func:`gradient_change`."""
+    return param.grad, 0 if param.grad is None else param.grad._version
 
 
 def gradient_change(param: torch.Tensor, left: tuple[torch.Tensor | None, int]) -> str | None:

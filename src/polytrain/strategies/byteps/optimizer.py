@@ -18,7 +18,7 @@ from ...errors import ConfigError, at_least, unknown
 from ...kinds import check_kinds
 from ...ps.compression import DEFAULT_MIN_BYTES, CompressOptions, Compressor, compressor
 from ...ps.engine import Engine
-from ...ps.grads import GradientSync, bucket_specs, gradient_change
+from ...ps.grads import GradientSync, bucket_specs, gradient_change, gradient_left
 from ..synced import check_still_frozen
 from .options import DEFAULT_FUSE_BYTES, BytePSOptions, check_refresh
 from .plan import Plan, plan_for
@@ -433,8 +433,7 @@ class DistributedOptimizer(WrappedOptimizer):
         fresh = not self.sync.synchronized
         self.sync.synchronize()
         if fresh and self.compress_adam is not None:  # see _check_momentum_unchanged
-            self._pulled = [None if p is None else
-                            (p.grad, 0 if p.grad is None else p.grad._version)
+            self._pulled = [None if p is None else gradient_left(p)
                             for p in self.compress_adam.packed]
         check_unfrozen(self._frozen)  # after the sums: the engine is left idle
 

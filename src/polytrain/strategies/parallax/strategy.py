@@ -13,7 +13,7 @@ from torch import nn
 
 from ...errors import ConfigError
 from ...launch.layout import Layout
-from ...ps.grads import gradient_change
+from ...ps.grads import gradient_change, gradient_left
 from ...ps.placement import server_ranks
 from ...runtime import Context
 from ..base import register
@@ -415,7 +415,7 @@ class _Unchanged:
 
     def _record(self) -> None:
         self._queued = False
-        self.left = [(p.grad, 0 if p.grad is None else p.grad._version) for _, p in self.named]
+        self.left = [gradient_left(p) for _, p in self.named]
 
     def check(self) -> None:
         """Refuse a gradient replaced or changed in place since the last backward()."""
