@@ -30,13 +30,12 @@ from .layout import WORKER, Layout, ProcessSpec
 from .network import (
     LinkShape,
     Network,
-    boot_id,
     check_links,
     check_tools,
     link_shape,
     owner_alive,
     owner_record,
-    pid_namespace,
+    recorded_here,
     start_time,
 )
 
@@ -814,8 +813,7 @@ def _made_at(workdir: Path) -> int | None:
     or None where the mark does not say or is of another boot or PID namespace."""
     try:
         record = json.loads((workdir / _OWNER).read_text())
-        if record.get("boot", boot_id()) == boot_id() and \
-                record.get("pid_ns", pid_namespace()) == pid_namespace():
+        if recorded_here(record):
             return int(record["start"])
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         pass

@@ -50,7 +50,7 @@ from .layout import Layout
 __all__ = ["LinkShape", "Network", "NicSampler", "link_shape", "check_links", "parse_rate",
            "parse_time",
            "check_tools", "netem_check", "nic_bytes", "start_time", "sweep_stale", "STATE_DIR",
-           "owner_record", "owner_alive", "pid_namespace"]
+           "owner_record", "owner_alive", "recorded_here", "pid_namespace"]
 
 log = logging.getLogger(__name__)
 
@@ -352,15 +352,19 @@ def owner_alive(record: Any) -> tuple[int, bool] | None:
     every host's first PID namespace has the same name, as on a shared file system); None
     if the record is not one."""
     try:
-        # A record without its namespace (written before stop 43) or boot (stop 47) is of
-        # this one.
         pid, start = int(record["pid"]), int(record["start"])
-        ns = str(record.get("pid_ns", pid_namespace()))
-        boot = str(record.get("boot", boot_id()))
+        here = recorded_here(record)
     except (ValueError, KeyError, TypeError, AttributeError):
         return None
-    elsewhere = ns != pid_namespace() or boot != boot_id()
-    return pid, elsewhere or start_time(pid) == start
+    return pid, not here or start_time(pid) == start
+
+
+def recorded_here(record: Mapping[str, Any]) -> bool:
+    """Whether an :func:`owner_record` is of this PID namespace and kernel boot, where its
+    pid and start time name a process of this machine (a record without its namespace,
+    written before stop 43, or boot, stop 47, is of this one)."""
+    return (str(record.get("pid_ns", pid_namespace())) == pid_namespace()
+            and str(record.get("boot", boot_id())) == boot_id())
 
 
 def _owner(claim: Path) -> tuple[int, bool] | None:
