@@ -13,6 +13,7 @@ import torch
 
 from ._env import check_seconds, timeout_of
 from .data import DEFAULT_DATASET, check_dataset, check_divisible, training_data
+from .data.batches import check_seed
 from .emulation.devices import parse_cluster
 from .emulation.profile import ModelProfile, optimizer_state_factor, profile_model
 from .errors import ConfigError, at_least, first_line, unknown
@@ -166,9 +167,7 @@ class TrainConfig:
             raise ConfigError(f"--lr must be a positive number (got {self.lr})",
                               "pass --lr 0.003")
         at_least("--batch-size", self.batch_size, "pass --batch-size 32")
-        if not 0 <= self.seed < 2**63:
-            raise ConfigError(f"--seed must be in 0..2**63-1 (torch's generator takes a 64-bit "
-                              f"seed; got {self.seed})", "pass --seed 0")
+        check_seed(self.seed, "--seed", "pass --seed 0")
         if self.port is not None and not get_strategy(self.strategy).distributed:
             raise ConfigError(f"--port {self.port} is the rendezvous port of a run's processes, "
                               f"and strategy {self.strategy!r} trains in this one process",

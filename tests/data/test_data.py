@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from polytrain import ConfigError
-from polytrain.data import GlobalBatches, get_dataset, shard, stdlib_corpus
+from polytrain.data import EpochBatches, GlobalBatches, get_dataset, shard, stdlib_corpus, windows
 
 
 def test_corpus_is_real_text_read_offline():
@@ -60,6 +60,45 @@ def test_a_replica_outside_the_replicas_is_refused(index, count):
                                           rf"count {count}\)\. HINT: pass shard\(batch, "
                                           rf"ctx\.worker_index, ctx\.num_workers\)$"):
         shard(torch.arange(8), index, count)
+
+
+def test_a_0_dim_tensor_is_refused_as_a_batch():
+    # shard(torch.tensor(3.), 0, 1) raised a bare "IndexError: tuple index out of range": a
+    # 0-dim tensor has no dim 0 to slice.
+    with pytest.raises(ConfigError, match=r"^shard\(\) takes a global batch whose dim 0 is the "
+                                          r"samples, but got a tensor of 0 dims \(one number\)\. "
+                                          r"HINT: pass a batch along dim 0 \(one sample x is "
+                                          r"x\.unsqueeze\(0\)\)$"):
+        shard(torch.tensor(3.0), 0, 1)
+    assert shard(torch.tensor([3.0]), 0, 1).tolist() == [3.0]
+
+
+@pytest.mark.parametrize("batches", [GlobalBatches, EpochBatches])
+@pytest.mark.parametrize("options, message", [
+    ({"window": 0}, r"window must be at least 1 \(got 0\)\. HINT: pass window=65"),
+    ({"window": -3}, r"window must be at least 1 \(got -3\)\. HINT: pass window=65"),
+    ({"window": 1.5}, r"window must be a whole number \(got 1\.5\)\. HINT: pass window=65"),
+    ({"seed": -1}, r"seed must be in 0\.\.2\*\*63-1 \(torch's generator takes a 64-bit seed; "
+                   r"got -1\)\. HINT: pass seed=0$"),
+    ({"seed": 2**64}, r"seed must be in 0\.\.2\*\*63-1 \(torch's generator takes a 64-bit "
+                      r"seed; got 18446744073709551616\)"),
+    ({"seed": 1.5}, r"^seed must be a whole number \(got 1\.5\)\. HINT: pass seed=0$")])
+def test_batches_of_a_window_or_seed_torch_cannot_take_are_refused(batches, options, message):
+    # window=0 gave empty (4, 0) batches (GlobalBatches) or a ZeroDivisionError (EpochBatches),
+    # window=-3 and 1.5 torch's RuntimeError or TypeError; seed=-1 was taken (TrainConfig
+    # refuses --seed -1), and seed=2**64 failed at the first batch ("Overflow when unpacking").
+    with pytest.raises(ConfigError, match=message):
+        batches(torch.arange(100), batch_size=4, **{"window": 9, "seed": 0, **options})
+    assert next(iter(batches(torch.arange(100), batch_size=4, window=9, seed=2**63 - 1))).shape \
+        == (4, 9)
+
+
+def test_windows_of_no_tokens_are_refused():
+    # windows(corpus, 0) raised a bare ZeroDivisionError.
+    with pytest.raises(ConfigError, match=r"^window must be at least 1 \(got 0\)\. HINT: pass "
+                                          r"window=65"):
+        windows(torch.arange(10), 0)
+    assert windows(torch.arange(10), 3).tolist() == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
 
 
 @pytest.mark.timeout(60)

@@ -260,6 +260,24 @@ def test_a_step_of_inputs_or_targets_that_are_not_one_tensor_is_refused(inputs, 
     assert trainer.steps == 0
 
 
+@pytest.mark.parametrize("inputs, targets, said", [
+    (torch.tensor(1.0), torch.tensor(2.0), "inputs"),
+    (torch.zeros(4, 2), torch.tensor(2.0), "targets")])
+def test_a_step_of_a_0_dim_tensor_is_refused(inputs, targets, said):
+    # trainer.step(torch.tensor(1.), torch.tensor(2.)) raised a bare "IndexError: tuple index
+    # out of range" in shard(): two 0-dim tensors passed the check of equal lengths (both
+    # shapes' dim 0 is ()), and a 0-dim tensor has no samples to slice.
+    model = torch.nn.Linear(1, 1)
+    trainer = polytrain.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                   strategy="single", loss_fn=mse)
+    with pytest.raises(ConfigError, match=rf"^trainer.step takes tensors whose dim 0 is the "
+                                          rf"samples of the global batch, but got {said} of 0 "
+                                          rf"dims \(one number\)\. HINT: pass a batch along dim "
+                                          rf"0 \(one sample x is x\.unsqueeze\(0\)\)$"):
+        trainer.step(inputs, targets)
+    assert trainer.steps == 0
+
+
 def test_a_closed_trainer_refuses_to_step():
     # herring, 2 workers: step, close, step was accepted, without gradient sums (close()
     # had removed the hooks), and the workers' weights differed by 0.056.

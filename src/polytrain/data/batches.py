@@ -6,9 +6,24 @@ from typing import Iterator
 
 import torch
 
-from ..errors import ConfigError, at_least
+from ..errors import ConfigError, at_least, check_whole
 
-__all__ = ["GlobalBatches", "EpochBatches", "windows", "shard", "check_divisible"]
+__all__ = ["GlobalBatches", "EpochBatches", "windows", "shard", "check_divisible", "check_seed"]
+
+
+def check_seed(seed: int, name: str = "seed", hint: str = "pass seed=0") -> None:
+    """Refuse a seed torch's generator cannot take: one that is not a whole number in
+    0..2**63-1 (-1 was taken as another seed, 2**64 failed at the first batch)."""
+    check_whole(name, seed, hint)
+    if not 0 <= seed < 2**63:
+        raise ConfigError(f"{name} must be in 0..2**63-1 (torch's generator takes a 64-bit "
+                          f"seed; got {seed})", hint)
+
+
+def _check_window(window: int) -> None:
+    # 0 gave empty batches or a ZeroDivisionError, -3 and 1.5 torch's errors.
+    at_least("window", window, "pass window=65 (a model's seq_len + 1, for seq_len 64)",
+             whole=True)
 
 
 class GlobalBatches:
@@ -25,6 +40,8 @@ class GlobalBatches:
 
     def __init__(self, corpus: torch.Tensor, *, batch_size: int, window: int, seed: int) -> None:
         at_least("--batch-size", batch_size, "pass --batch-size 32")
+        _check_window(window)
+        check_seed(seed)
         if corpus.numel() <= window:
             raise ConfigError(f"the corpus has {corpus.numel()} tokens, and windows of "
                               f"{window} need more (at least {window + 1})",
@@ -52,6 +69,7 @@ class GlobalBatches:
 
 def windows(corpus: torch.Tensor, window: int, *, limit: int | None = None) -> torch.Tensor:
     """The corpus cut into consecutive non-overlapping windows: (samples, window) int64."""
+    _check_window(window)
     count = corpus.numel() // window
     if limit is not None:
         count = min(count, limit)
@@ -75,6 +93,7 @@ class EpochBatches:
 
     def __init__(self, corpus: torch.Tensor, *, batch_size: int, window: int, seed: int) -> None:
         at_least("--batch-size", batch_size, "pass --batch-size 32")
+        check_seed(seed)
         self.samples = windows(corpus, window)
         if self.samples.shape[0] < batch_size:
             raise ConfigError(f"the corpus holds {self.samples.shape[0]} samples of {window} "
@@ -116,6 +135,10 @@ def check_divisible(batch_size: int, replicas: int) -> None:
 
 def shard(batch: torch.Tensor, index: int, count: int) -> torch.Tensor:
     """Replica ``index`` of ``count``'s contiguous, equal slice of a global batch (dim 0)."""
+    if batch.dim() == 0:  # a bare IndexError from batch.shape[0]
+        raise ConfigError("shard() takes a global batch whose dim 0 is the samples, but got a "
+                          "tensor of 0 dims (one number)",
+                          "pass a batch along dim 0 (one sample x is x.unsqueeze(0))")
     if not 0 <= index < count:  # a slice past the end, or from it, was an empty batch
         raise ConfigError(f"shard() takes a replica index in 0..count-1 and a count of at "
                           f"least 1 (got index {index}, count {count})",

@@ -105,10 +105,13 @@ class Trainer:
                                   "pack the inputs into one tensor (a model of several takes "
                                   "them as one and splits it in its forward), or train a "
                                   "data-parallel strategy with the plain loop")
-        if inputs.shape[:1] != targets.shape[:1]:
-            raise ConfigError(f"trainer.step got {inputs.shape[0] if inputs.dim() else 0} "
-                              f"inputs but {targets.shape[0] if targets.dim() else 0} targets "
-                              f"(dim 0 is the samples of the global batch)",
+            if given.dim() == 0:  # no samples to slice (two had passed the check of lengths)
+                raise ConfigError(f"trainer.step takes tensors whose dim 0 is the samples of "
+                                  f"the global batch, but got {what} of 0 dims (one number)",
+                                  "pass a batch along dim 0 (one sample x is x.unsqueeze(0))")
+        if inputs.shape[0] != targets.shape[0]:
+            raise ConfigError(f"trainer.step got {inputs.shape[0]} inputs but {targets.shape[0]} "
+                              f"targets (dim 0 is the samples of the global batch)",
                               "pass inputs and targets of the same global batch")
         self.strategy.replan(self.steps)
         index, count = self.strategy.replica
