@@ -12,8 +12,7 @@ from polytrain.cli import main
 from polytrain.launch.layout import Layout
 from polytrain.strategies.base import Strategy, get_strategy, make_options
 
-TINY = ["--steps", "4", "--batch-size", "8", "--seq-len", "16", "--d-model", "32", "--quiet",
-        "--timeout", "30"]
+TINY = ["--steps", "4", "--batch-size", "8", "--seq-len", "16", "--d-model", "32", "--quiet"]
 LONGER = [("6" if a == "4" and i and TINY[i - 1] == "--steps" else a)
           for i, a in enumerate(TINY)]  # TINY's run with --steps 6: it trains on past step-4
 

@@ -18,8 +18,7 @@ from polytrain.cli import main
 from polytrain.models import GPT
 from polytrain.train.metrics import build_metrics
 
-TINY = ["--steps", "5", "--batch-size", "8", "--seq-len", "16", "--d-model", "32", "--quiet",
-        "--timeout", "30"]
+TINY = ["--steps", "5", "--batch-size", "8", "--seq-len", "16", "--d-model", "32", "--quiet"]
 
 
 def cli(*args: str, timeout: float = 100) -> subprocess.CompletedProcess:
@@ -33,7 +32,7 @@ def cli(*args: str, timeout: float = 100) -> subprocess.CompletedProcess:
 def test_train_writes_metrics_and_final_state_as_the_contract_says(tmp_path):
     out = tmp_path / "ddp"
     run = cli("train", "--strategy", "ddp", "--workers", "4", "--nodes", "2", "--out", str(out),
-              *TINY)
+              "--timeout", "30", *TINY)
     assert run.returncode == 0, run.stderr
     assert "final loss" in run.stdout and f"wrote {out}/metrics.json" in run.stdout
     m = json.loads((out / "metrics.json").read_text())
@@ -94,6 +93,11 @@ def test_train_writes_metrics_and_final_state_as_the_contract_says(tmp_path):
      r"--port 29500 is the rendezvous port of a run's processes, and strategy 'single' trains "
      r"in this one process\. HINT: leave --port out, or pick a distributed strategy such as "
      r"ddp$"),
+    # Taken and unused: only a launched run's processes wait on each other.
+    (["--strategy", "single", "--timeout", "30"],
+     r"--timeout 30 is the longest wait on another of a run's processes, and strategy 'single' "
+     r"trains in this one process\. HINT: leave --timeout out, or pick a distributed strategy "
+     r"such as ddp$"),
     # Ran, and built a network namespace (as root) in which no link was shaped.
     (["--bandwidth", "10mbit"],
      r"--bandwidth 10mbit shapes the links between machines, and strategy 'ddp' uses no "
@@ -359,7 +363,7 @@ def test_polytrain_timeout_is_trains_default_timeout(monkeypatch):
     from polytrain.cli.train import config_from_args
 
     monkeypatch.setenv("POLYTRAIN_TIMEOUT", "77")
-    args = ["train", "--strategy", "single", "--steps", "1"]
+    args = ["train", "--strategy", "ddp", "--steps", "1"]
     assert config_from_args(build_parser(args).parse_args(args)).timeout_s == 77
     args += ["--timeout", "30"]
     assert config_from_args(build_parser(args).parse_args(args)).timeout_s == 30

@@ -112,6 +112,11 @@ def config_from_args(ns: argparse.Namespace) -> TrainConfig:
     if ns.strategy == AUTO:
         return auto_config(ns)
     cls = get_strategy(ns.strategy)
+    # Here, not in TrainConfig: its timeout_s cannot tell a given --timeout from the default.
+    if ns.timeout is not None and not cls.distributed:
+        raise ConfigError(f"--timeout {ns.timeout:g} is the longest wait on another of a run's "
+                          f"processes, and strategy {ns.strategy!r} trains in this one process",
+                          "leave --timeout out, or pick a distributed strategy such as ddp")
     return TrainConfig(
         strategy=ns.strategy, servers=ns.servers,
         strategy_options=given_options(ns, ns.strategy, cls.Options, _flags), **_common(ns))
