@@ -145,6 +145,17 @@ class LazyAdam(torch.optim.Optimizer):
     def __init__(self, params: Iterable[Any], lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0) -> None:
+        # torch.optim.Adam's checks: a negative lr steps uphill; a beta of 1 divides by zero
+        # in the bias correction, one past it takes the root of a negative number.
+        for name, value, usual in (("lr", lr, 1e-3), ("eps", eps, 1e-8),
+                                   ("weight_decay", weight_decay, 0.0)):
+            if not 0.0 <= value:  # (NaN too)
+                raise ConfigError(f"LazyAdam {name} must be 0 or more (got {value})",
+                                  f"pass, say, {name}={usual}")
+        if not all(0.0 <= b < 1.0 for b in betas):
+            raise ConfigError(f"LazyAdam betas must each be at least 0 and under 1 (got "
+                              f"{tuple(betas)}): the bias correction divides by 1 - beta1^t "
+                              f"and takes the root of 1 - beta2^t", "pass, say, betas=(0.9, 0.999)")
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps,
                                   "weight_decay": weight_decay})
 

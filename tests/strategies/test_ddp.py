@@ -60,6 +60,18 @@ def freeze_after_wrapping() -> None:
                                                     r"\(it has 8, none with requires_grad="
                                                     r"True\)\. HINT: set requires_grad=True "):
         polytrain.distribute(frozen, torch.optim.SGD(frozen.parameters(), lr=0.1), "ddp")
+    # Frozen at the wrap and trained later: ddp reduced no gradient of it, so each worker
+    # stepped on its own and the copies drifted apart (3.7e-2 in 4 steps), silently.
+    late = Chain()
+    late.a.requires_grad_(False)
+    wrapped, opt = polytrain.distribute(late, torch.optim.SGD(late.parameters(), lr=0.1),
+                                        "ddp", find_unused_parameters=True)
+    late.a.requires_grad_(True)
+    with pytest.raises(polytrain.ConfigError, match=r"^parameter 'a\.weight' requires a "
+                                                    r"gradient, but did not when the model "
+                                                    r"was wrapped: .* HINT: set "
+                                                    r"requires_grad=True before distribute\(\)"):
+        wrapped(torch.randn(2, 4))
     model = Chain()
     wrapped, opt = polytrain.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1),
                                         "ddp")

@@ -14,10 +14,11 @@ from torch import nn
 
 from .. import _env, runtime
 from ..emulation.profile import ModelProfile, optimizer_state_factor, whole_model_bytes
-from ..errors import ConfigError, unknown
+from ..errors import ConfigError, left_run, unknown
 from ..kinds import check_kinds
 from ..launch.layout import Layout
 from ..moe.checkpoint import moe_layers
+from ..optim import placed_state
 from ..runtime import Context
 from ..tensors import host_state
 from .checks import (
@@ -317,6 +318,10 @@ class Strategy(ABC, Generic[OptionsT]):
         inner = getattr(model, "module", model)
         return dict(inner.named_parameters())
 
+    def check_load(self) -> None:  # noqa: B027
+        """Refuse a load this trainer cannot take now, before :func:`polytrain.load` changes
+        anything (scheduler, model, optimizer, RNG); default: any time."""
+
     def load_model_state(self, model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
         """Load the whole model's state (the plain model's keys, as :meth:`state_dict` gives)
         into this worker's part of it; called after :meth:`wrap`, before the first step."""
@@ -333,6 +338,16 @@ class Strategy(ABC, Generic[OptionsT]):
 
     def load_checkpoint_state(self, state: Mapping[str, Any]) -> None:  # noqa: B027
         """Restore what :meth:`checkpoint_state` saved (empty: another layout, or none saved)."""
+
+
+def trained_already(strategy: str, kept: str) -> ConfigError:
+    """A load refused by :meth:`Strategy.check_load` of a trainer whose state installs at
+    its first step (the stages, the plan) and that has taken it: ``kept``, what would stay
+    the trained run's."""
+    return ConfigError(f"{strategy} loads a checkpoint only before the trainer's first step, "
+                       f"and this trainer has trained: {kept} would stay as they are",
+                       "distribute a fresh model and load into that, or resume the run "
+                       "with --resume")
 
 
 _REGISTRY: dict[str, type[Strategy[Any]]] = {}
@@ -464,6 +479,9 @@ def distribute(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str
     _check_whole_experts(model, strategy)
     if cls.distributed:
         ctx = ctx or runtime.init()
+        if ctx.closed:  # its groups are gone: torch's "Group ... is not registered"
+            raise left_run("distribute() was called", "distribute the model before the "
+                           "shutdown: a launched process joins its run once")
         if not ctx.is_worker:
             raise ConfigError(f"rank {ctx.rank} is a server and cannot train a model",
                               "call distribute() on workers only")
@@ -481,7 +499,7 @@ def distribute(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str
         layout = layout_of(ctx)
         if layout is not None:  # what the CLI checks before any process starts
             cls.check_machines(layout, opts)
-            cls.check_model(model, layout, opts)
+        cls.check_model(model, layout or _workers_layout(ctx), opts)
         cls.check_optimizer(optimizer, opts)
         check_optimizer_of(model, optimizer)
         check_worker_models(ctx, model)
@@ -490,7 +508,15 @@ def distribute(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str
             broadcast_module(ctx, model)
     instance = cls(ctx, opts)
     wrapped, opt = instance.wrap(model, optimizer)
-    object.__setattr__(wrapped, "_polytrain_strategy", instance)
+    _place_state(optimizer)
+    if wrapped is model:
+        # The user's own model (byteps, parallax): its strategy, which holds process groups,
+        # kept beside it, so that a copy or a torch.save of it does not pickle them.
+        _OWN_MODELS[wrapped] = instance
+    else:
+        # A wrapper of the strategy's holds it (polytrain.moe.checkpoint reads it there):
+        # in _OWN_MODELS, a strategy that holds its wrapper (herring's) would keep both alive.
+        object.__setattr__(wrapped, "_polytrain_strategy", instance)
     for given_model in (model, wrapped):
         _DISTRIBUTED[given_model] = strategy
     if ctx is not None and not cls.pipeline and instance.replica[1] == ctx.num_workers > 1:
@@ -548,6 +574,19 @@ def _check_device(model: nn.Module, device: torch.device, strategy: str) -> None
                               f"model there", hint)
 
 
+def _place_state(optimizer: torch.optim.Optimizer) -> None:
+    """Move the optimizer's state to its parameter's device where the wrap moved the model
+    (to the worker's GPU) and left the state behind: ``Module.to`` moves none, and state
+    loaded on the CPU before :func:`distribute` met torch's device mismatch at the first
+    step. Placed as torch's ``load_state_dict`` places it (:func:`placed_state`)."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state.get(p)
+            if state and any(isinstance(v, torch.Tensor) and v.device != p.device
+                             for k, v in state.items() if k != "step"):  # step: torch's rule
+                optimizer.state[p] = placed_state(optimizer, p, state)
+
+
 def _check_whole_experts(model: nn.Module, strategy: str) -> None:
     """Refuse an MoE layer built already split over ranks (``group=``): every strategy
     makes the workers' models agree from worker 0's (its experts over the others'), and
@@ -564,6 +603,8 @@ def _check_whole_experts(model: nn.Module, strategy: str) -> None:
 # The models distribute() was given and returned, by strategy (weakly: a copy, or a model
 # saved whole and loaded again, is another model).
 _DISTRIBUTED: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
+# The users' own models that distribute() returned unwrapped, to their strategy instance.
+_OWN_MODELS: weakref.WeakKeyDictionary[nn.Module, Strategy[Any]] = weakref.WeakKeyDictionary()
 
 
 def layout_of(ctx: Context) -> Layout | None:
@@ -581,11 +622,21 @@ def layout_of(ctx: Context) -> Layout | None:
         return None
 
 
+def _workers_layout(ctx: Context) -> Layout:
+    """What the model's checks see of a run without a layout of the CLI's (machines of
+    unlike sizes or servers, as torchrun may start them): its workers, over its machines
+    where each holds as many (a strategy that lays itself out by machine needs that, and
+    :func:`distribute` refused it otherwise), else as on one."""
+    top = ctx.topology
+    even = len({len(top.workers_on(m)) for m in top.worker_machines}) == 1
+    return Layout(workers=len(top.workers), nodes=len(top.worker_machines) if even else 1)
+
+
 def strategy_of(model: nn.Module | Trainer) -> Strategy[Any]:
-    """The strategy instance that :func:`distribute` attached to ``model`` (or a trainer's)."""
+    """The strategy instance of the model :func:`distribute` returned (or of a trainer)."""
     if isinstance(model, Trainer):
         return model.strategy
-    strategy = getattr(model, "_polytrain_strategy", None)
+    strategy = _OWN_MODELS.get(model) or getattr(model, "_polytrain_strategy", None)
     if not isinstance(strategy, Strategy):
         raise ConfigError("this model did not come from polytrain.distribute()",
                           "pass the model that distribute() returned")

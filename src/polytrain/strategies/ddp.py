@@ -13,6 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..errors import ConfigError
 from ..moe.checkpoint import moe_layers
 from .base import Strategy, register
+from .synced import check_still_frozen
 
 __all__ = ["DDP", "DDPOptions"]
 
@@ -32,7 +33,8 @@ class DDPOptions:
 
 
 class _DDP(DistributedDataParallel):
-    """torch's DDP whose error for parameters left without gradients names them."""
+    """torch's DDP whose error for parameters left without gradients names them, and that
+    refuses a parameter frozen when it was built and unfrozen since."""
 
     def __init__(self, module: nn.Module, **kwargs: Any) -> None:
         super().__init__(module, **kwargs)
@@ -41,14 +43,22 @@ class _DDP(DistributedDataParallel):
         ignored = set(getattr(self, "parameters_to_ignore", ()))
         seen: set[int] = set()
         self._reduced_names: list[str] = []
+        #: Frozen at the wrap: DDP reduces none of their gradients (check_still_frozen).
+        self._frozen: list[tuple[str, nn.Parameter]] = []
         for prefix, sub in module.named_modules():
             for name, p in sub.named_parameters(recurse=False):
                 full = f"{prefix}.{name}" if prefix else name
-                if p.requires_grad and full not in ignored and id(p) not in seen:
+                if full not in ignored and id(p) not in seen:
                     seen.add(id(p))
-                    self._reduced_names.append(full)
+                    if p.requires_grad:
+                        self._reduced_names.append(full)
+                    else:
+                        self._frozen.append((full, p))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        check_still_frozen(self._frozen, "set requires_grad=True before distribute() on every "
+                                         "parameter that will train, and pass find_unused_"
+                                         "parameters=True to freeze some for a while after it")
         try:
             return super().forward(*args, **kwargs)
         except RuntimeError as e:
