@@ -888,3 +888,24 @@ def test_a_virtual_worker_slower_than_the_timeout_allows_is_named_not_the_others
     assert re.match(r"worker rank [23] \(machine node1, virtual worker 1 stage [01]\) failed: ",
                     str(info.value)), info.value
     assert "raise --timeout" in info.value.hint, info.value.hint
+
+
+def test_a_save_before_the_first_step_keeps_what_load_gave_and_a_load_after_it_is_refused():
+    # Symptoms: a save between polytrain.load() and the first step wrote none of the
+    # stages' optimizer state or the servers' (the stages are built at the first step);
+    # a load after steps was taken and only its weights reached the model, not the stages.
+    from polytrain.strategies.hetpipe import HetPipe, HetPipeOptions
+
+    strategy = HetPipe(None, HetPipeOptions())
+    assert strategy.checkpoint_state() == {}
+    saved = {"stages": [{"names": ["0.weight"], "optimizer": {"state": {}}, "vw": 0,
+                         "index": 0}], "layer_seconds": None, "servers": [None]}
+    strategy.check_load()
+    strategy.load_checkpoint_state(saved)
+    assert strategy.checkpoint_state() == saved
+    strategy.started = True
+    with pytest.raises(ConfigError, match=r"^hetpipe loads a checkpoint only before the "
+                       r"trainer's first step, and this trainer has trained: its stages' "
+                       r"weights and optimizers would stay as they are\. HINT: distribute a "
+                       r"fresh model and load into that"):
+        strategy.check_load()

@@ -1,9 +1,11 @@
 """PipeTransformer end to end: transparency, AutoFreeze, AutoDP's hand-over, epochs, refusals."""
 
 import functools
+import logging
 import os
 import re
 import shutil
+import tempfile
 from collections import OrderedDict
 from pathlib import Path
 
@@ -342,22 +344,41 @@ def train_costed(steps, costs):
     return records, state
 
 
-def with_a_server() -> int:
+def with_a_server() -> list[str]:
+    """A script's defaults (AutoFreeze on, no freeze_every) for a step; the warnings."""
     polytrain.init()
+    warnings = _Warnings()
+    logging.getLogger("polytrain.strategies.pipetransformer.strategy").addHandler(warnings)
     model, loss = _model("user")
     trainer = polytrain.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                                   strategy="pipetransformer", loss_fn=loss, freeze=False)
+                                   strategy="pipetransformer", loss_fn=loss)
     for x, y in _batches(1, kind="user"):
         trainer.step(x, y)
     trainer.close()
-    return 1
+    return warnings.lines
+
+
+class _Warnings(logging.Handler):
+    """The warnings a logger gave, as text."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
 
 
 @pytest.mark.timeout(120)
 def test_a_script_with_servers_of_its_own_may_run_a_pipeline():
     # distribute() ran the CLI's whole layout check, which refuses servers pipetransformer
     # does not use; a script may have them for its own push_pull.
-    assert spawn(with_a_server, workers=2, servers=1) == [1, 1]
+    # Its warning that no layer will freeze named only CLI flags, and said the data had no
+    # epochs, which the strategy cannot know of a script's data.
+    assert spawn(with_a_server, workers=2, servers=1) == [
+        ["pipetransformer: no freeze points (freeze_every is not set, and no training loop "
+         "gave an epoch length), so no layer will freeze; pass --freeze-every N "
+         "(freeze_every=N to distribute()) or --sampling epoch"], []]
 
 
 class Sometimes(torch.nn.Module):
@@ -402,9 +423,10 @@ def _adamw(model):
     return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
 
-def train_sometimes():
+def train_sometimes(root):
     """K = 1, R = 2, two micro-batches: the refusal of micro-batches that do not divide a
-    replica's slice, then a run of :func:`_sometimes_model`."""
+    replica's slice, then a run of :func:`_sometimes_model`, saved at step 1 (to ``root``)
+    and loaded again at its end."""
     polytrain.init()
     model = _sometimes_model()
     trainer = polytrain.distribute(model, _adamw(model), strategy="pipetransformer",
@@ -419,16 +441,28 @@ def train_sometimes():
     trainer = polytrain.distribute(model, _adamw(model), strategy="pipetransformer",
                                    loss_fn=torch.nn.functional.cross_entropy, freeze=False,
                                    pipeline_stages=1, micro_batches=2)
-    for x, y in _flagged_batches():
+    for step, (x, y) in enumerate(_flagged_batches()):
+        if step == 1:
+            polytrain.save(root, trainer, step=1)
         trainer.step(x, y)
     state = trainer.state_dict()
+    try:  # a roll back to step 1
+        polytrain.load(root, trainer)
+        loaded = "accepted"
+    except ConfigError as e:
+        loaded = str(e)
+    kept = max_abs_diff(state, trainer.state_dict())
     trainer.close()
-    return refusal, state
+    return refusal, state, loaded, kept
 
 
 @functools.cache
 def _sometimes_run():
-    return spawn(train_sometimes, workers=2)[0]
+    root = tempfile.mkdtemp()
+    try:
+        return spawn(train_sometimes, workers=2, args=(root,))[0]
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.mark.timeout(120)
@@ -437,7 +471,7 @@ def test_a_parameter_no_replica_reaches_is_skipped_as_in_single():
     # steps; single leaves it alone). Cause: every stage stepped a trained parameter that got
     # no gradient on zeros. Now the replicas agree on which got one somewhere: zeros where
     # only another replica's slice reached it (step 0, step 2), None where none did (step 1).
-    _, state = _sometimes_run()
+    _, state, _, _ = _sometimes_run()
     model = _sometimes_model()
     opt = _adamw(model)
     for x, y in _flagged_batches():
@@ -454,9 +488,25 @@ def test_micro_batches_that_do_not_divide_a_replicas_slice_are_refused_in_the_st
     # Symptom: distribute(..., micro_batches=5) on a global batch of 12 over 2 replicas ran
     # 3 micro-batches, without a word (polytrain train refuses it). Cause: the first plan
     # took the largest divisor below it; only a later plan, after a halving, may.
-    refusal, _ = _sometimes_run()
+    refusal, _, _, _ = _sometimes_run()
     assert refusal == ("micro_batches=3 does not divide a replica's 4 samples (a global batch "
                        "of 8 over 2 replicas). HINT: pass micro_batches one of [1, 2, 4]")
+
+
+@pytest.mark.timeout(120)
+def test_a_load_after_the_first_step_is_refused_and_loads_nothing():
+    # Symptom: polytrain.load() to roll a trained trainer back was accepted and half applied:
+    # the weights came back, but the frozen layers, the stage optimizers' state and the
+    # freeze points stayed the trained run's (0.0071 off a run that never went past the
+    # checkpoint). Cause: the loaded state waits for the first step to install its plan,
+    # and a trainer that has trained has its plan.
+    _, _, loaded, kept = _sometimes_run()
+    assert loaded == ("pipetransformer loads a checkpoint only before the trainer's first "
+                      "step, and this trainer has trained: its plan (0 layers frozen, 1 "
+                      "stages x 2 replicas), frozen layers and stage optimizers would stay "
+                      "as they are. HINT: distribute a fresh model and load into that, or "
+                      "resume the run with --resume")
+    assert kept == 0
 
 
 @pytest.mark.timeout(300)
@@ -745,3 +795,23 @@ def test_a_resume_that_trains_no_step_keeps_the_runs_timeline_and_cache_counts()
     timeline = [{"step": 0, "frozen": 0}, {"step": 2, "frozen": 1}]
     strategy.load_checkpoint_state({"served": served, "timeline": timeline, "plan": None})
     assert (strategy.timeline, strategy._served) == (timeline, served)
+
+
+def test_a_save_before_the_first_step_keeps_the_state_load_gave():
+    # Symptom: a save made after polytrain.load() but before the first step kept no plan,
+    # timeline, tracker, stage optimizer state or cache counts: a run resumed from it ended
+    # 0.0155 off the uninterrupted run (0.0 from the checkpoint loaded). Cause:
+    # checkpoint_state() gave {} until the first step installed the plan, and passed over
+    # the loaded state waiting for that step.
+    import types
+
+    from polytrain.strategies.pipetransformer.strategy import PipeTransformer
+    ctx = types.SimpleNamespace(num_workers=1, worker_index=0)
+    strategy = PipeTransformer(ctx, PipeTransformerOptions(freeze_every=2))
+    saved = {"plan": "the plan", "timeline": [{"step": 0, "frozen": 0}, {"step": 2, "frozen": 1}],
+             "tracker": "the tracker", "planned": 2, "next_mb": 12,
+             "stage_optimizer": {"h1.weight": {"step": 3.0}}, "source": None,
+             "layer_seconds": [(1e-3, 2e-3)] * 6,
+             "served": {"hits": 3, "shared_hits": 1, "misses": 48, "advanced": 2}}
+    strategy.load_checkpoint_state(saved)
+    assert strategy.checkpoint_state() == saved

@@ -281,6 +281,7 @@ def load(path: str | Path, model: nn.Module | Trainer,
     trainer = model if isinstance(model, Trainer) else None
     model, optimizer, strategy = _unpack(model, optimizer)
     strategy.check_checkpoints()
+    strategy.check_load()  # (every worker has taken as many steps: all refuse alike)
     found = _resolve_alike(path, strategy, missing_ok)
     if found is None:
         return None

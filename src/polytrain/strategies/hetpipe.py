@@ -44,7 +44,7 @@ from ..pipeline.wsp import WaveSync, model_placement
 from ..ps.settings import optimizer_spec
 from ..runtime import Context
 from ..tensors import host_state
-from .base import LossFn, Strategy, register, saved_option
+from .base import LossFn, Strategy, register, saved_option, trained_already
 
 __all__ = ["HetPipe", "HetPipeOptions"]
 
@@ -243,6 +243,7 @@ class HetPipe(Strategy[HetPipeOptions]):
         #: this run planned with, and those of the run it resumes
         self.layer_seconds: list[tuple[float, float]] | None = None
         self.resume_seconds: list[tuple[float, float]] | None = None
+        self.loaded: dict[str, Any] = {}  # what a load gave, for a save before the first step
 
     # -- set-up -----------------------------------------------------------------------------
 
@@ -457,6 +458,12 @@ class HetPipe(Strategy[HetPipeOptions]):
             return own or {}
         return {k: merged[k] for k in model.state_dict()}
 
+    def check_load(self) -> None:
+        """Refuse a load into a trainer that has trained: its stages hold their own weights
+        and optimizers, and the saved state waits for a first step that has been."""
+        if self.started:
+            raise trained_already("hetpipe", "its stages' weights and optimizers")
+
     def load_model_state(self, model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
         """Into the model and, with policy bd, the twin's copy (made by :meth:`wrap` from the
         weights then): a twin's stage takes its layers from it at the first step."""
@@ -469,8 +476,8 @@ class HetPipe(Strategy[HetPipeOptions]):
         the servers' optimizer, the whole state of the keys VW 0's stages hold (values,
         optimizer state such as Adam's moments and step; None: not VW 0). Called after
         :meth:`state_dict` drained, so every push is applied."""
-        if not self.started:
-            return {}
+        if not self.started:  # the stages are not built: what a load gave, if any
+            return dict(self.loaded)
         state: dict[str, Any] = {"stages": [
             {"names": list(role.stage.names), "optimizer": role.pipe.optimizer.state_dict(),
              "vw": role.vw, "index": role.index}
@@ -484,6 +491,7 @@ class HetPipe(Strategy[HetPipeOptions]):
     def load_checkpoint_state(self, state: Mapping[str, Any]) -> None:
         """Keep the servers' and the stages' saved state for the first step, which declares
         the keys and builds the stages."""
+        self.loaded = dict(state)
         self.resume_optimizers = state.get("stages")
         self.resume_seconds = state.get("layer_seconds")
         servers = state.get("servers")

@@ -50,7 +50,7 @@ from ...pipeline.stage import Stage
 from ...pipeline.sync import SyncPipeline
 from ...runtime import Context
 from ...tensors import host_copy, host_state
-from ..base import LossFn, Strategy, register
+from ..base import LossFn, Strategy, register, trained_already
 from .options import PipeTransformerOptions
 
 __all__ = ["PipeTransformer"]
@@ -333,8 +333,11 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
                              state_factor=self.state_factor)
             self._install(plan, None)
         if self.options.freeze and self.freeze_every is None and ctx.worker_index == 0:
-            log.warning("pipetransformer: no freeze points (the data has no epochs), so no "
-                        "layer will freeze; pass --freeze-every N or --sampling epoch")
+            # (polytrain train refuses such a run before any process starts: this is a
+            # script's, whose data the strategy knows nothing of)
+            log.warning("pipetransformer: no freeze points (freeze_every is not set, and no "
+                        "training loop gave an epoch length), so no layer will freeze; pass "
+                        "--freeze-every N (freeze_every=N to distribute()) or --sampling epoch")
 
     def replan(self, step: int) -> None:
         """At a freeze point: AutoFreeze decides, AutoPipe/AutoDP re-plan, state moves."""
@@ -648,9 +651,10 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
         (``--layer-costs measured``: a resumed run plans with them), and its stage
         optimizer's state by name; the weights are the checkpoint's model (replica 0's,
         which every replica equals). The activation cache is not kept: a resumed run refills
-        it, and counts on from what it served (``served``)."""
+        it, and counts on from what it served (``served``). Before the first step, the state
+        a load gave, which that step installs (none where nothing was loaded)."""
         if self.plan is None:
-            return {}
+            return dict(self._resume or {})
         served = {key: self._served.get(key, 0) +
                   (getattr(self.cache.stats, key) if self.cache is not None else 0)
                   for key in _SERVED}
@@ -668,6 +672,15 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
         if state:
             self.timeline = list(state["timeline"])
             self._served = dict(state.get("served", {}))  # (older checkpoints: none kept)
+
+    def check_load(self) -> None:
+        """Refuse a load into a trainer that has trained: its plan, frozen layers and stage
+        optimizers stayed, and the loaded state waited for a first step that had been."""
+        plan = self.plan
+        if plan is not None:
+            raise trained_already("pipetransformer", f"its plan ({plan.frozen} layers "
+                                  f"frozen, {plan.stages} stages x {plan.replicas} replicas), "
+                                  f"frozen layers and stage optimizers")
 
     def _restore(self, saved: Mapping[str, Any]) -> None:
         """Install the saved plan: its frozen layers, stage and groups, with the stage
