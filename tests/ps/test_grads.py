@@ -1,10 +1,13 @@
-"""GradientSync's pieces that need no processes: the flags of keep_missing."""
+"""GradientSync: the flags of keep_missing (no processes); no_sync() read at the forward."""
 
 import pytest
 import torch
+from torch import nn
 
+import polytrain
 from polytrain.ps.grads import flags_dtype, presence_flags, read_presence
 from polytrain.tensors import sum_dtype
+from tests.harness import spawn
 
 
 def summed(flags: list[torch.Tensor], per_machine: int) -> torch.Tensor:
@@ -41,3 +44,34 @@ def test_the_flags_stay_four_bytes_while_their_sums_fit_in_32_bits():
     assert flags_dtype(46339) == torch.int32  # 46339 x 46341 < 2**31
     assert flags_dtype(46340) == torch.int64
     assert presence_flags([True], [False], 2).dtype == torch.int32
+
+
+def byteps_no_sync() -> dict:
+    """BytePS's drop-in: worker w's input is w + 1 everywhere (its gradient 2 (w + 1), the
+    average 3); a forward outside no_sync() with its backward inside, then the other way."""
+    ctx = polytrain.init()
+    from polytrain.byteps.parallel import DistributedDataParallel as DDP
+    net = nn.Linear(4, 2)
+    model = DDP(net)
+    x = torch.full((2, 4), ctx.worker_index + 1.0)
+    loss = model(x).sum()
+    with model.no_sync():
+        loss.backward()
+    out = {"forward outside": net.weight.grad.clone()}
+    net.zero_grad()
+    with model.no_sync():
+        loss = model(x).sum()
+    loss.backward()
+    out["forward inside"] = net.weight.grad.clone()
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_no_sync_applies_to_the_backward_of_a_forward_inside_it_as_torch_ddp():
+    # Symptom: a forward outside no_sync() and its backward inside left each worker its own
+    # gradients (torch's DDP sums them), and the other way round summed them (torch's DDP
+    # does not). Cause: GradientSync read no_sync() at the backward, torch's DDP at the
+    # forward. (Herring's drop-in: test_herring.py, on the same SyncedModule.)
+    for w, said in enumerate(spawn(byteps_no_sync, workers=2, colocated=1)):
+        assert torch.equal(said["forward outside"], torch.full((2, 4), 3.0))
+        assert torch.equal(said["forward inside"], torch.full((2, 4), 2.0 * (w + 1)))

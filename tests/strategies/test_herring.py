@@ -413,6 +413,22 @@ def drop_in_arguments() -> dict:
     def differing(option: str) -> str:  # True on worker 0 alone
         return refused(lambda: DDP(nn.Linear(4, 2), **{option: ctx.worker_index == 0}))
     out["options"] = [differing(o) for o in ("broadcast_buffers", "find_unused_parameters")]
+    out["group name"] = refused(lambda: DDP(nn.Linear(4, 2), process_group="workers"))
+    out["two devices"] = refused(lambda: DDP(nn.Linear(4, 2), device_ids=[0, 1]))
+    # no_sync() around the forward decides, not around the backward, as torch's DDP.
+    # Worker w's input is w + 1 everywhere: its gradient 2 (w + 1), the average 3.
+    net = nn.Linear(4, 2)
+    model = DDP(net)
+    x = torch.full((2, 4), ctx.worker_index + 1.0)
+    loss = model(x).sum()
+    with model.no_sync():
+        loss.backward()
+    out["forward outside no_sync"] = net.weight.grad.clone()
+    net.zero_grad()
+    with model.no_sync():
+        loss = model(x).sum()
+    loss.backward()
+    out["forward inside no_sync"] = net.weight.grad.clone()
     return out
 
 
@@ -439,6 +455,39 @@ def test_a_comm_hook_on_the_drop_in_is_refused_with_the_ddp_that_takes_one():
             "itself, and takes no comm hook. HINT: to keep torch's DDP and its buckets, wrap "
             "the model in torch.nn.parallel.DistributedDataParallel(model, "
             "process_group=ctx.groups.workers) and register herring_hook on that")
+
+
+@pytest.mark.timeout(60)
+def test_a_process_group_that_is_not_a_group_is_refused_in_one_line():
+    # Symptom: DDP(model, process_group="workers") raised a bare KeyError: 'workers'. Cause:
+    # the group's ranks were read from torch without a check that it is a group.
+    for said in drop_in_arguments_run():
+        assert said["group name"] == (
+            "herring sums gradients over every worker (ranks [0, 1]), but process_group is "
+            "'workers', a str, not a process group. HINT: leave process_group out, or pass "
+            "ctx.groups.workers")
+
+
+@pytest.mark.timeout(60)
+def test_device_ids_of_more_than_one_device_is_refused_as_torch_ddp_refuses_it():
+    # Symptom: device_ids=[0, 1] was taken, and only device 0 used. Cause: only
+    # device_ids[0] was read; torch's DDP refuses more than one.
+    for said in drop_in_arguments_run():
+        assert said["two devices"] == (
+            "device_ids holds one device, this process's, as torch's DDP takes it (got "
+            "[0, 1]). HINT: pass device_ids=[local_rank], or leave it out")
+
+
+@pytest.mark.timeout(60)
+def test_no_sync_applies_to_the_backward_of_a_forward_inside_it_as_torch_ddp():
+    # Symptom: a forward outside no_sync() and its backward inside left each worker its own
+    # gradients (torch's DDP sums them), and a forward inside with its backward outside was
+    # summed (torch's DDP does not). Cause: no_sync() was read at the backward, where torch's
+    # DDP reads it at the forward.
+    said = drop_in_arguments_run()
+    for w, s in enumerate(said):
+        assert torch.equal(s["forward outside no_sync"], torch.full((2, 4), 3.0))
+        assert torch.equal(s["forward inside no_sync"], torch.full((2, 4), 2.0 * (w + 1)))
 
 
 @pytest.mark.timeout(60)
@@ -495,8 +544,8 @@ def test_options_that_differ_between_workers_are_refused_at_the_wrap_naming_them
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("leave, summed_first, where", [
-    (False, False, "inside"), (True, False, "after a backward inside"),
-    (True, True, "after a backward inside")])
+    (False, False, "inside"), (True, False, "after a backward of a forward inside"),
+    (True, True, "after a backward of a forward inside")])
 def test_a_step_after_a_backward_inside_no_sync_and_none_outside_it_is_refused(
         leave, summed_first, where):
     # A step after leaving no_sync(), with every backward of the step inside it, was let
@@ -614,6 +663,14 @@ def hook_edges() -> dict:
     model = nn.parallel.DistributedDataParallel(nn.Linear(4, 2), process_group=alone)
     model.register_comm_hook(HerringHookState(ctx), herring_hook)
     out["subgroup"] = _raised(lambda: model(torch.randn(2, 4)).sum().backward())
+    out["dropped"] = dropped(ctx)
+    # A backward after the state's close() (last: it leaves this DDP's reducer midway).
+    model = nn.parallel.DistributedDataParallel(nn.Linear(4, 2), process_group=ctx.groups.workers)
+    state = HerringHookState(ctx)
+    model.register_comm_hook(state, herring_hook)
+    model(torch.randn(2, 4)).sum().backward()
+    state.close()
+    out["after close"] = _raised(lambda: model(torch.randn(2, 4)).sum().backward())
     return out
 
 
@@ -641,31 +698,76 @@ def one_after_another(ctx) -> None:
         model(torch.randn(2, d)).sum().backward()
 
 
+def _listed(engine, sums) -> int:
+    """How many of ``sums`` the engine lists."""
+    ids = {id(t) for t in engine.tensors}
+    return sum(id(t) in ids for t in sums)
+
+
 def rewrapped(ctx) -> list[int]:
-    """The sums the engine holds, less those it held before: after a step of each of three
-    drop-ins of one model, each closed and its ``.module`` wrapped again, then after a step
-    of a comm hook's state (a closed model's sums stay listed, for a save of their codecs,
-    until the next model declares its own)."""
+    """The sums of this function's models that the engine holds: after a step of each of
+    three drop-ins of one model, each closed and its ``.module`` wrapped again, then after a
+    step of a comm hook's state (a closed model's sums stay listed, for a save of their
+    codecs, until the next model declares its own)."""
     from polytrain.herring import DistributedDataParallel as DDP
     from polytrain.herring import HerringHookState, herring_hook
     from polytrain.ps.engine import engine_for
     engine = engine_for(ctx)
-    before = len(engine.tensors)
-    held = []
+    held, sums = [], []
     net = nn.Linear(4, 2)
     for _ in range(3):
         model = DDP(net, find_unused_parameters=True)  # its flags' sum too
         model(torch.randn(2, 4)).sum().backward()
-        held.append(len(engine.tensors) - before)
+        sums += [*model.sync.tensors, model.sync._flags]
+        held.append(_listed(engine, sums))
         model.close()
         net = model.module
     model = nn.parallel.DistributedDataParallel(net, process_group=ctx.groups.workers)
     state = HerringHookState(ctx)
     model.register_comm_hook(state, herring_hook)
     model(torch.randn(2, 4)).sum().backward()
-    held.append(len(engine.tensors) - before)
+    sums += state.sums.values()
+    held.append(_listed(engine, sums))
     state.close()
     return held
+
+
+def dropped(ctx) -> dict:
+    """Three drop-ins, then three torch DDPs with a comm hook's state, each dropped after a
+    step without close(): the sums of theirs the engine lists after each step, and how many
+    states and waiter threads are left."""
+    from polytrain.herring import DistributedDataParallel as DDP
+    from polytrain.herring import HerringHookState, herring_hook
+    from polytrain.ps.engine import engine_for
+    engine = engine_for(ctx)
+    out: dict = {"drop-in": [], "hook": []}
+    sums: list = []
+    net = nn.Linear(4, 2)
+    for _ in range(3):
+        model = DDP(net)
+        model(torch.randn(2, 4)).sum().backward()
+        sums += model.sync.tensors
+        out["drop-in"].append(_listed(engine, sums))
+        del model
+        gc.collect()
+    states, waiters = [], []
+    for _ in range(3):
+        model = nn.parallel.DistributedDataParallel(nn.Linear(4, 2),
+                                                    process_group=ctx.groups.workers)
+        state = HerringHookState(ctx)
+        model.register_comm_hook(state, herring_hook)
+        model(torch.randn(2, 4)).sum().backward()
+        sums += state.sums.values()
+        out["hook"].append(_listed(engine, sums))
+        states.append(weakref.ref(state))
+        waiters.append(state._thread)
+        del model, state
+        gc.collect()
+    for waiter in waiters:
+        waiter.join(timeout=5.0)
+    out["states left"] = sum(ref() is not None for ref in states)
+    out["waiters left"] = sum(waiter.is_alive() for waiter in waiters)
+    return out
 
 
 def _raised(fn) -> str:
@@ -760,6 +862,29 @@ def test_closing_and_rewrapping_leaves_the_engine_no_sums_of_the_closed_models()
     for said in hook_edges_run():
         # One model's sums at a time (its bucket, its flags): 2, 4, 6 before.
         assert said["held"] == [2, 2, 2, 1], said
+
+
+@pytest.mark.timeout(90)
+def test_models_dropped_without_close_leave_the_engine_no_sums_and_no_waiters():
+    # Symptom: each drop-in or comm hook's state dropped without close() (torch's DDP has
+    # none: a drop-in user re-wrapping per fold) kept a model-sized CPU buffer for the run,
+    # and each state its waiter thread. Cause: a dropped sync's finalizer only removed its
+    # hooks, and the waiter thread held its state, which was never collected.
+    for said in hook_edges_run():
+        assert said["dropped"] == {"drop-in": [1, 1, 1], "hook": [1, 1, 1],
+                                   "states left": 0, "waiters left": 0}, said
+
+
+@pytest.mark.timeout(90)
+def test_a_backward_after_the_comm_hooks_state_closed_is_refused():
+    # Symptom: the backward hung forever, past --timeout. Cause: close() stopped the
+    # waiter, but the hook still sent the bucket and queued its future for the waiter.
+    for said in hook_edges_run():
+        assert said["after close"] == (
+            "ConfigError: herring_hook's HerringHookState was closed (close() stopped its "
+            "waiter and let its sums go), and sums no more buckets. HINT: close() it after "
+            "the last backward; to train on, wrap the model in a new "
+            "DistributedDataParallel and register a new HerringHookState on it"), said
 
 
 @pytest.mark.timeout(90)

@@ -221,8 +221,13 @@ class GradientSync:
         self._reset()
         self._hooks: list[RemovableHandle] = [
             p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(self.params)]
-        # A sync dropped without close() (its wrapper deleted) takes its hooks with it.
-        weakref.finalize(self, _remove, self._hooks)
+        #: Every sum declared for this object (the flags' too, once declared): what close()
+        #: and the finalizer let the engine forget.
+        self._declared: list[SumTensor] = [*self.tensors, *self._warming, *self._averaged]
+        # A sync dropped without close() (its wrapper deleted, torch's DDP having no close())
+        # takes its hooks and its sums with it: each held a model-sized buffer for the run.
+        self._let_go = weakref.finalize(self, _let_go, self._hooks, weakref.ref(engine),
+                                        self._declared)
         for p in self.params:
             _holders[id(p)] = (weakref.ref(p), weakref.ref(self))
         #: Per synchronised step: seconds from the first bucket's submit to the last sum's
@@ -257,6 +262,7 @@ class GradientSync:
             self._flags = self.engine.sums(
                 [spec], Placement(parts, (owner,), None if handler is None else (handler,)),
                 local_reduce=self._local_reduce)[0]
+            self._declared.append(self._flags)
         self._keep_missing = on
 
     @property
@@ -290,8 +296,14 @@ class GradientSync:
         #: (None: it had none, and zeros went): a change before synchronize() (clipping,
         #: unscaling) would be lost, and is refused.
         self._handed: list[tuple[torch.Tensor, int] | None] = [None] * len(self.params)
-        #: Whether a backward inside no_sync() accumulated gradients since the last sum.
+        #: Whether a backward that no_sync() kept local accumulated gradients since the last
+        #: sum (see :attr:`forward_sums`).
         self.unsynced = False
+        #: Whether the next backward sums, as a drop-in's forward decided it (torch DDP's
+        #: rule): True after a forward with gradients on outside no_sync() since the last
+        #: sum, False after only ones inside; None (no forward since the last sum, or no
+        #: forward at all: DistributedOptimizer): :attr:`enabled` decides at the backward.
+        self.forward_sums: bool | None = None
 
     def _hook(self, i: int) -> Callable[[torch.Tensor], None]:
         # By weak reference: the parameter holds its hooks, and a hook that held this object
@@ -308,7 +320,7 @@ class GradientSync:
         """Parameter i's gradient accumulated (its hook): count the pass, and collect it
         once its passes for this step are in."""
         self.synchronized = False
-        if not self.enabled:
+        if not (self.enabled if self.forward_sums is None else self.forward_sums):
             self.unsynced = True
             return
         if self.in_backward and not self._queued:
@@ -457,15 +469,12 @@ class GradientSync:
         """Remove the gradient hooks, and let the engine drop this object's sums (each with
         a bucket-sized CPU result) at the next wrap: a model closed and wrapped again held
         both."""
-        for h in self._hooks:
-            h.remove()
+        self._let_go()
         self._hooks = []
         for p in self.params:
             ref, held = _holders.get(id(p), (None, None))
             if held is not None and held() is self:
                 del _holders[id(p)]
-        self.engine.forget([*self.tensors, *self._warming, *self._averaged,
-                            *([self._flags] if self._flags is not None else [])])
 
 
 def _open_holder(param: torch.Tensor) -> GradientSync | None:
@@ -475,10 +484,15 @@ def _open_holder(param: torch.Tensor) -> GradientSync | None:
     return other if other is not None and other._hooks else None
 
 
-def _remove(hooks: Sequence[RemovableHandle]) -> None:
-    """Remove ``hooks`` (those of a sync dropped without close(): a no-op after it)."""
+def _let_go(hooks: Sequence[RemovableHandle], engine: weakref.ref[Engine],
+            declared: Sequence[SumTensor]) -> None:
+    """Remove a sync's ``hooks`` and let ``engine`` (if alive) forget its sums ``declared``:
+    at its close(), or when it is dropped without one (once: a finalizer)."""
     for h in hooks:
         h.remove()
+    alive = engine()
+    if alive is not None:
+        alive.forget(declared)
 
 
 def _subset(placement: Placement, tensors: Sequence[int]) -> Placement:

@@ -29,9 +29,14 @@ __all__ = ["SyncedModule", "check_still_frozen", "input_device", "keep_missing_f
 def input_device(device_ids: Sequence[Any] | None, module: nn.Module) -> torch.device | None:
     """Where torch's DDP moves the forward's inputs given ``device_ids``: ``device_ids[0]``
     (an index of the module's device type, or a device), or None: none given, or a CPU
-    device (one per machine, where a move would only copy the inputs)."""
+    device (one per machine, where a move would only copy the inputs). More than one device
+    is refused, as torch's DDP refuses it."""
     if not device_ids:
         return None
+    if len(device_ids) > 1:
+        raise ConfigError(f"device_ids holds one device, this process's, as torch's DDP takes "
+                          f"it (got {list(device_ids)})",
+                          "pass device_ids=[local_rank], or leave it out")
     first = device_ids[0]
     if isinstance(first, (str, torch.device)):
         device = torch.device(first)
@@ -120,6 +125,7 @@ class SyncedModule(nn.Module):
                  init_buffers: bool | None = None, same: Mapping[str, Any] | None = None
                  ) -> None:
         super().__init__()
+        device = input_device(device_ids, module)  # refused before the wrap's collectives
         if not ctx.is_worker:
             raise ConfigError(f"rank {ctx.rank} is a server; {method} trains on workers",
                               "wrap the model on workers only (servers serve inside init())")
@@ -146,7 +152,7 @@ class SyncedModule(nn.Module):
         #: ``require_forward_param_sync``), set by each forward (see :meth:`forward`).
         self.require_forward_param_sync = True
         #: Where the forward's inputs are moved (torch DDP's ``device_ids[0]``), or None.
-        self.device = input_device(device_ids, module)
+        self.device = device
         #: Whether :meth:`close` removed the gradient hooks (a forward with gradients on is
         #: then refused).
         self.closed = False
@@ -184,6 +190,11 @@ class SyncedModule(nn.Module):
             moved, moved_kwargs = _to_kwargs(args, kwargs, self.device, False)
             args, kwargs = moved[0], moved_kwargs[0]
         out = self.module(*args, **kwargs)
+        if torch.is_grad_enabled():
+            # As torch's DDP (its require_backward_grad_sync): no_sync() around the forward
+            # decides whether its backward sums, wherever that backward runs; one forward
+            # outside since the last sum makes the next backward sum.
+            self.sync.forward_sums = self.sync.enabled or bool(self.sync.forward_sums)
         # As torch's DDP: only a forward after one that trains and syncs (gradients on,
         # outside no_sync()) broadcasts. A worker that evaluates alone under no_grad() then
         # broadcasts once, the broadcast its next training forward would have made, and the
@@ -199,7 +210,8 @@ class SyncedModule(nn.Module):
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Backward passes inside only accumulate gradients; the first one after syncs them."""
+        """The backward passes of forwards inside only accumulate gradients (wherever they
+        run, as torch's DDP); the first backward of a forward after it syncs them."""
         before = self.sync.enabled
         self.sync.enabled = False
         try:

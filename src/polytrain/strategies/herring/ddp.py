@@ -63,11 +63,15 @@ def check_every_worker(ctx: Context, process_group: Any, who: str, group: str,
                        hint: str) -> None:
     """Refuse a ``process_group`` (``group`` in the message) other than every worker: ``who``
     sums over every worker, whatever the group."""
+    workers = sorted(ctx.topology.workers)
+    if not isinstance(process_group, dist.ProcessGroup):  # torch's lookup: a bare KeyError
+        raise ConfigError(f"{who} sums gradients over every worker (ranks {workers}), but "
+                          f"{group} is {process_group!r}, a {type(process_group).__name__}, "
+                          f"not a process group", hint)
     members = sorted(dist.get_process_group_ranks(process_group))
-    if members != sorted(ctx.topology.workers):
-        raise ConfigError(f"{who} sums gradients over every worker (ranks "
-                          f"{sorted(ctx.topology.workers)}), but {group} has ranks {members}",
-                          hint)
+    if members != workers:
+        raise ConfigError(f"{who} sums gradients over every worker (ranks {workers}), but "
+                          f"{group} has ranks {members}", hint)
 
 
 def herring_servers(ctx: Context, *, colocate: bool) -> list[tuple[int, ...]]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import gc
 import queue
 import threading
+import weakref
 from typing import Any
 
 import torch
@@ -27,7 +28,7 @@ from ... import runtime
 from ...comm.partition import TensorSpec
 from ...errors import ConfigError
 from ...kinds import check_kinds
-from ...ps.engine import SumTensor, engine_for
+from ...ps.engine import Engine, SumTensor, engine_for
 from ...ps.grads import travels_divided
 from ...runtime import Context
 from ..checks import check_even_machines, check_same_values
@@ -41,6 +42,10 @@ __all__ = ["HerringHookState", "herring_hook"]
 _MAX_BUCKETS = 4096
 _LAYOUTS = 2
 _ONE_PER_DDP = "make one HerringHookState per DistributedDataParallel"
+#: What the waiter waits for: the engine, a bucket's sum, its buffer, what to divide the sum
+#: by (1: it travelled divided), its future, and where a failure goes (None: the future).
+_Waited = tuple[Engine, SumTensor, torch.Tensor, int, Any, list[BaseException] | None]
+
 
 
 class HerringHookState:
@@ -82,12 +87,16 @@ class HerringHookState:
         #: bucket index -> the (numel, dtype) seen, in order
         self.layout: dict[int, list[tuple[int, torch.dtype]]] = {}
         self.group_checked = False  # the DDP's process_group (_check_group)
-        self.waiting: queue.Queue[
-            tuple[SumTensor, torch.Tensor, bool, Any, list[BaseException] | None] | None] = \
-            queue.Queue()
-        self._thread = threading.Thread(target=self._wait, daemon=True,
+        self.closed = False  # close() called: herring_hook refuses the buckets after it
+        self.waiting: queue.Queue[_Waited | None] = queue.Queue()
+        # The waiter does not hold this state, so that one dropped without close() (with
+        # the DDP it is registered on: torch's DDP has no close()) is collected, and this
+        # finalizer stops the waiter and lets the sums go; close() calls it.
+        self._thread = threading.Thread(target=_wait, args=(self.waiting,), daemon=True,
                                         name="polytrain-herring-hook")
         self._thread.start()
+        self._let_go = weakref.finalize(self, _let_go, self.waiting,
+                                        weakref.ref(self.engine), self.sums)
 
     def _check_group(self) -> None:
         """Refuse a DDP whose process_group is not every worker (a replica group of some):
@@ -137,21 +146,6 @@ class HerringHookState:
                                                 first_key=first)
         return self.sums[key]
 
-    def _wait(self) -> None:
-        while (item := self.waiting.get()) is not None:
-            t, buffer, divided, fut, failed = item
-            try:
-                total = self.engine.wait(t)
-                buffer.copy_(total.view_as(buffer).to(buffer.device))
-                if not divided:
-                    buffer.div_(self.ctx.num_workers)
-            except BaseException as e:  # noqa: BLE001 - raised to the user (herring_hook)
-                if failed is None:
-                    fut.set_exception(e)
-                    continue
-                failed.append(e)
-            fut.set_result(buffer)
-
     @staticmethod
     def _raise_failed(fut: torch.futures.Future[torch.Tensor],
                       failed: list[BaseException]) -> None:
@@ -162,16 +156,51 @@ class HerringHookState:
 
     def close(self) -> None:
         """Stop the waiter and let the engine drop this state's sums (a bucket-sized CPU
-        result each) at the next wrap; the DDP it is registered on sums no more buckets."""
-        self.waiting.put(None)
+        result each) at the next wrap; the DDP it is registered on sums no more buckets (a
+        backward there is refused)."""
+        self.closed = True
+        self._let_go()
         self._thread.join(timeout=1.0)
-        self.engine.forget(list(self.sums.values()))
         self.sums = {}
+
+
+def _wait(waiting: queue.Queue[_Waited | None]) -> None:
+    """The waiter: each bucket's sum into its buffer, then its future set. Its items carry
+    what it needs, so that it holds no state (one dropped is collected)."""
+    while (item := waiting.get()) is not None:
+        engine, t, buffer, divide, fut, failed = item
+        try:
+            total = engine.wait(t)
+            buffer.copy_(total.view_as(buffer).to(buffer.device))
+            if divide != 1:
+                buffer.div_(divide)
+        except BaseException as e:  # noqa: BLE001 - raised to the user (herring_hook)
+            if failed is None:
+                fut.set_exception(e)
+                continue
+            failed.append(e)
+        fut.set_result(buffer)
+
+
+def _let_go(waiting: queue.Queue[_Waited | None], engine: weakref.ref[Engine],
+            sums: dict[tuple[int, int], SumTensor]) -> None:
+    """Stop a state's waiter and let ``engine`` (if alive) forget its ``sums``: at its
+    close(), or when it is dropped without one (once: a finalizer)."""
+    waiting.put(None)
+    alive = engine()
+    if alive is not None:
+        alive.forget(list(sums.values()))
 
 
 def herring_hook(state: HerringHookState,
                  bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average one DDP bucket over every worker through Herring's servers (a comm hook)."""
+    if state.closed:  # its waiter is gone: the bucket's future would never be set (a hang)
+        raise ConfigError("herring_hook's HerringHookState was closed (close() stopped its "
+                          "waiter and let its sums go), and sums no more buckets",
+                          "close() it after the last backward; to train on, wrap the model "
+                          "in a new DistributedDataParallel and register a new "
+                          "HerringHookState on it")
     if not state.group_checked:
         state._check_group()
     buffer = bucket.buffer()
@@ -187,7 +216,8 @@ def herring_hook(state: HerringHookState,
     # Tensor"); outside backward (DDP's Join), set on the future, which Python waits on.
     failed: list[BaseException] | None = \
         [] if torch._C._current_graph_task_id() != -1 else None
-    state.waiting.put((t, buffer, divided, fut, failed))
+    state.waiting.put((state.engine, t, buffer, 1 if divided else state.ctx.num_workers, fut,
+                       failed))
     if failed is not None:
         torch.autograd.Variable._execution_engine.queue_callback(
             lambda: state._raise_failed(fut, failed))
