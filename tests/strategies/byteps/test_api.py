@@ -297,10 +297,15 @@ def test_a_sparse_gradient_is_refused_naming_the_parameter_and_what_takes_it(str
                          rf"train with --strategy parallax", said), said
 
 
-def two_backwards() -> str:
-    """Two backward passes, then one step, under distribute(..., strategy="byteps")."""
+def two_backwards() -> tuple[str, str]:
+    """A model partly outside its optimizer refused by distribute(..., strategy="byteps");
+    then two backward passes and one step there."""
     ctx = polytrain.init()
     torch.manual_seed(0)
+    partial = nn.Sequential(nn.Linear(8, 4), nn.Tanh(), nn.Linear(4, 2), nn.Linear(2, 2))
+    partial[3].requires_grad_(False)  # frozen: not summed, and not refused
+    outside = refused(lambda: polytrain.distribute(
+        partial, torch.optim.SGD(partial[0].parameters(), lr=0.1), strategy="byteps"))
     model = nn.Linear(8, 4)
     model, opt = polytrain.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1),
                                       strategy="byteps")
@@ -310,15 +315,24 @@ def two_backwards() -> str:
             model(x).pow(2).mean().backward()
         opt.step()
     except ConfigError as e:
-        return str(e)
-    return "accepted"
+        return outside, str(e)
+    return outside, "accepted"
 
 
 @pytest.mark.timeout(120)
 def test_more_backward_passes_than_a_step_sums_are_refused_not_lost():
     # The second backward's gradients were dropped: the sum had left with the first, and
     # the step trained on it alone (a new user's accumulation loop ended elsewhere than ddp).
-    said = spawn(two_backwards, workers=2, colocated=1)[0]
+    outside, said = spawn(two_backwards, workers=2, colocated=1)[0]
+    # And parameters that train outside the optimizer given to distribute() (stepped by a
+    # second optimizer) were never summed: the workers ended 0.31 apart. Cause: the sums
+    # are of the optimizer's parameters only (named_params_of).
+    assert outside == (
+        "strategy 'byteps' sums the gradients of the parameters its optimizer holds, and the "
+        "optimizer does not hold 2 of the model's parameters that require a gradient (the "
+        "first: '2.weight'): each worker would step them on its own gradients (by another "
+        "optimizer, say). HINT: give the optimizer every parameter that trains "
+        "(model.parameters()), or set requires_grad=False on the others before distribute()")
     assert re.match(r"'(weight|bias)' had a gradient from 2 backward passes before the step "
                     r"synchronised it, and 1 is summed", said), said
     assert "pass backward_passes_per_step=N" in said
@@ -368,8 +382,25 @@ def compressed_drop_in() -> dict:
     model.synchronize()  # nothing to do: the sum is not taken again
     out["synchronized"] = model.module.weight.grad.tolist()
     model.close()
+    out["closed"] = closed_optimizer()
     out["optimizer"] = optimizer_misuse(first)
     return out
+
+
+def closed_optimizer() -> tuple[str, bool]:
+    """A DistributedOptimizer's step after its close(): the refusal, and whether the weights
+    stayed as they were."""
+    net = nn.Linear(4, 2)
+    opt = bps.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1),
+                                   named_parameters=net.named_parameters())
+    net(torch.ones(1, 4)).sum().backward()
+    opt.step()
+    opt.close()
+    before = net.weight.detach().clone()
+    opt.zero_grad()
+    net(torch.full((1, 4), bps.rank() + 1.0)).sum().backward()
+    said = refused(opt.step)
+    return said, torch.equal(net.weight, before)
 
 
 def outcome(fn) -> str:
@@ -475,6 +506,13 @@ def test_the_drop_in_takes_compression_with_the_options_that_need_one():
                                "or broadcast_buffers=False")
         # Symptom: model.synchronize(), BytePS's DDP's, raised AttributeError.
         assert out["synchronized"] == [[1.5] * 4] * 2  # the mean of 1 and 2
+        # Symptom: a step after opt.close() (or the byteps strategy's close()) went on, each
+        # worker on its own gradients (workers 4.75e-2 apart). Cause: close() removed the
+        # gradient hooks, and step() found nothing to wait for.
+        assert out["closed"] == (
+            "this byteps DistributedOptimizer was closed, releasing what it trains with (its "
+            "gradient hooks and sums): a step now would step this worker's copy on its own "
+            "gradients. HINT: close() the optimizer after its last step", True)
         said = out["optimizer"]
         # Symptom: compress_momentum on one worker alone was taken (mixed sums), and
         # compress_warmup ended in a timeout blaming a push_pull. Cause: DistributedOptimizer

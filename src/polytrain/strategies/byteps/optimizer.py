@@ -405,6 +405,8 @@ class DistributedOptimizer(WrappedOptimizer):
             averaging=compress_adam and compress_adam_refresh > 0,
             owner="DistributedOptimizer", **compress)
         self._skip = False  # inside skip_synchronize()
+        #: Whether :meth:`close` removed the gradient hooks (a step is refused from then on).
+        self.closed = False
         #: 1-bit Adam's: per parameter, its .grad and that tensor's version when synchronize()
         #: left the sum there (None: not compressed).
         self._pulled: list[tuple[torch.Tensor | None, int] | None] = []
@@ -464,6 +466,11 @@ class DistributedOptimizer(WrappedOptimizer):
     def step(self, closure: Callable[[], float] | None = None) -> Any:
         """Run ``closure`` (once: its backward's gradients are the ones summed), wait for
         the sums and step the wrapped optimizer; returns the closure's loss."""
+        if self.closed:
+            raise ConfigError("this byteps DistributedOptimizer was closed, releasing what it "
+                              "trains with (its gradient hooks and sums): a step now would step "
+                              "this worker's copy on its own gradients",
+                              "close() the optimizer after its last step")
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -547,7 +554,8 @@ class DistributedOptimizer(WrappedOptimizer):
         return fits
 
     def close(self) -> None:
-        """Remove the gradient hooks."""
+        """Remove the gradient hooks; :meth:`step` is refused from then on."""
+        self.closed = True
         self.sync.close()
 
 

@@ -73,6 +73,7 @@ class BytePS(ServedStrategy[BytePSOptions]):
              optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
         ctx = self.ctx
         assert ctx is not None
+        _check_optimizer_holds_trained(model, optimizer)
         opts: BytePSOptions = self.options
         model.to(ctx.device)
         self.engine = engine_for(ctx, credit_bytes=opts.credit_bytes)
@@ -181,3 +182,19 @@ class BytePS(ServedStrategy[BytePSOptions]):
             self.optimizer.close()
         if self.engine is not None:
             self.engine.close()
+
+
+def _check_optimizer_holds_trained(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Refuse a parameter that requires a gradient and that the optimizer does not hold: the
+    sums are of the optimizer's parameters (:func:`.optimizer.named_params_of`), so each
+    worker would step it on its own gradients (by a second optimizer of the script's, say)."""
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    outside = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in held]
+    if outside:
+        raise ConfigError(f"strategy 'byteps' sums the gradients of the parameters its "
+                          f"optimizer holds, and the optimizer does not hold {len(outside)} of "
+                          f"the model's parameters that require a gradient (the first: "
+                          f"{outside[0]!r}): each worker would step them on its own gradients "
+                          f"(by another optimizer, say)",
+                          "give the optimizer every parameter that trains (model.parameters()), "
+                          "or set requires_grad=False on the others before distribute()")

@@ -12,7 +12,7 @@ Example::
 
     >>> s = PartitionSearch(2, high=16)
     >>> s.record(2, 1.0); s.record(4, 0.8); s.record(8, 0.9); s.record(1, 1.5)
-    >>> s.next_count() is None, s.best()
+    >>> s.next_count() is None, s.choose()
     (True, 5)
 """
 
@@ -49,6 +49,8 @@ class PartitionSearch:
         self.low, self.high = low, high
         self.samples: list[tuple[int, float]] = []
         self.going_up = True
+        #: The count kept, once :meth:`choose` ended the search (None until then).
+        self.chosen: int | None = None
 
     def record(self, count: int, step_s: float) -> None:
         self.samples.append((count, step_s))
@@ -82,12 +84,17 @@ class PartitionSearch:
         candidates = {max(lo, min(hi, math.floor(p))), max(lo, min(hi, math.ceil(p)))}
         return min(candidates, key=lambda q: (b / q + a * (q - 1) + c, q))
 
+    def choose(self) -> int:
+        """End the search (after :meth:`next_count` said it is over): the count kept,
+        :meth:`best`, from now on ``chosen``."""
+        self.chosen = self.best()
+        return self.chosen
+
     def as_json(self) -> dict[str, Any]:
-        """The samples, the fit and the choice; ``chosen`` is None while the search is not
-        over (a run that ended first: its plan holds the count it used)."""
+        """The samples, the fit and the choice; ``chosen`` is None until :meth:`choose`
+        ended the search (a run that ended first: its plan holds the count it used)."""
         fit = fit_cost(self.samples)
-        over = bool(self.samples) and self.next_count() is None
         return {"samples": [{"partitions": p, "step_s": t} for p, t in self.samples],
                 "fit": None if fit is None else dict(zip(("a", "b", "c"), fit)),
                 "model": "t(P) = b / P + a (P - 1) + c",
-                "chosen": self.best() if over else None}
+                "chosen": self.chosen}
