@@ -367,6 +367,9 @@ def test_polytrain_timeout_is_trains_default_timeout(monkeypatch):
     assert config_from_args(build_parser(args).parse_args(args)).timeout_s == 77
     args += ["--timeout", "30"]
     assert config_from_args(build_parser(args).parse_args(args)).timeout_s == 30
+    # single refuses --timeout (nothing waits), and still takes the variable set for others
+    args = ["train", "--strategy", "single", "--steps", "1"]
+    assert config_from_args(build_parser(args).parse_args(args)).timeout_s == 77
 
 
 def _on_second_forward(monkeypatch, act):

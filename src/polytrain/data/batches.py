@@ -11,19 +11,22 @@ from ..errors import ConfigError, at_least, check_whole
 __all__ = ["GlobalBatches", "EpochBatches", "windows", "shard", "check_divisible", "check_seed"]
 
 
-def check_seed(seed: int, name: str = "seed", hint: str = "pass seed=0") -> None:
-    """Refuse a seed torch's generator cannot take: one that is not a whole number in
-    0..2**63-1 (-1 was taken as another seed, 2**64 failed at the first batch)."""
-    check_whole(name, seed, hint)
+def check_seed(seed: int, name: str = "seed", hint: str = "pass seed=0") -> int:
+    """``seed`` as an int, refused unless a whole number in 0..2**63-1 (-1 was taken as
+    another seed, 2**64 failed at the first batch, and :class:`EpochBatches` takes it modulo
+    2**63: a larger one repeats a smaller one's batches)."""
+    check_whole(name, "None" if seed is None else seed, hint)
     if not 0 <= seed < 2**63:
-        raise ConfigError(f"{name} must be in 0..2**63-1 (torch's generator takes a 64-bit "
-                          f"seed; got {seed})", hint)
+        raise ConfigError(f"{name} must be in 0..2**63-1 (got {seed})", hint)
+    return int(seed)  # (torch's generator does not take numpy's)
 
 
-def _check_window(window: int) -> None:
+def _check_window(window: int) -> int:
     # 0 gave empty batches or a ZeroDivisionError, -3 and 1.5 torch's errors.
-    at_least("window", window, "pass window=65 (a model's seq_len + 1, for seq_len 64)",
-             whole=True)
+    hint = "pass window=65 (a model's seq_len + 1, for seq_len 64)"
+    check_whole("window", "None" if window is None else window, hint)
+    at_least("window", window, hint)
+    return int(window)
 
 
 class GlobalBatches:
@@ -40,8 +43,7 @@ class GlobalBatches:
 
     def __init__(self, corpus: torch.Tensor, *, batch_size: int, window: int, seed: int) -> None:
         at_least("--batch-size", batch_size, "pass --batch-size 32")
-        _check_window(window)
-        check_seed(seed)
+        window, seed = _check_window(window), check_seed(seed)
         if corpus.numel() <= window:
             raise ConfigError(f"the corpus has {corpus.numel()} tokens, and windows of "
                               f"{window} need more (at least {window + 1})",
@@ -69,7 +71,7 @@ class GlobalBatches:
 
 def windows(corpus: torch.Tensor, window: int, *, limit: int | None = None) -> torch.Tensor:
     """The corpus cut into consecutive non-overlapping windows: (samples, window) int64."""
-    _check_window(window)
+    window = _check_window(window)
     count = corpus.numel() // window
     if limit is not None:
         count = min(count, limit)
@@ -93,7 +95,7 @@ class EpochBatches:
 
     def __init__(self, corpus: torch.Tensor, *, batch_size: int, window: int, seed: int) -> None:
         at_least("--batch-size", batch_size, "pass --batch-size 32")
-        check_seed(seed)
+        seed = check_seed(seed)
         self.samples = windows(corpus, window)
         if self.samples.shape[0] < batch_size:
             raise ConfigError(f"the corpus holds {self.samples.shape[0]} samples of {window} "
