@@ -10,7 +10,7 @@ from torch import nn
 from polytrain import CommError, ConfigError, LaunchError
 from polytrain.optim import LazyAdam
 from polytrain.strategies.parallax import classify
-from tests.harness import max_abs_diff, refused, spawn
+from tests.harness import max_abs_diff, spawn
 
 # -- 16-bit dense gradients --------------------------------------------------------------------
 
@@ -372,10 +372,9 @@ def written_and_closed(model: nn.Module, opt: torch.optim.Optimizer, ids: torch.
     strategy = polytrain.strategy_of(model)
     pushed = strategy.rows.round
     strategy.close()
-    assert not opt._optimizer_step_post_hooks
-    before = model.out.weight.detach().clone()
-    assert refused(opt.step).startswith("strategy 'parallax' was closed")  # not a local step
-    assert strategy.rows.round == pushed and torch.equal(model.out.weight, before)
+    assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
+    opt.step()  # the closed model is the user's own: a step stays local
+    assert strategy.rows.round == pushed
 
 
 @pytest.mark.timeout(120)
@@ -390,8 +389,7 @@ def test_padding_steps_keyword_lookups_branches_and_kept_gradients_train_as_sing
     # by the first fix of the keyword lookups: a TypeError.)
     # Then (written_and_closed): a write to a table on the workers (a renorm after the step,
     # a load_state_dict) was reverted by the next fetch, silently; and close() left the
-    # optimizer's step hooks, so a step after it still pushed to the servers (now refused:
-    # a step after close() stepped each worker on its own gradients).
+    # optimizer's step hooks, so a step after it still pushed to the servers.
     # And the servers started the rows' moments and step count afresh, dropping those of
     # the script's step before distribute() (0.22 off one process).
     alone = padded_script(False)

@@ -297,15 +297,28 @@ def test_a_sparse_gradient_is_refused_naming_the_parameter_and_what_takes_it(str
                          rf"train with --strategy parallax", said), said
 
 
-def two_backwards() -> tuple[str, str]:
-    """A model partly outside its optimizer refused by distribute(..., strategy="byteps");
-    then two backward passes and one step there."""
+def two_backwards() -> tuple[list[float], str, str]:
+    """Under distribute(..., strategy="byteps"): a model partly outside its optimizer (the
+    head's weight after two steps; a second optimizer's step refused); then two backward
+    passes and one step."""
     ctx = polytrain.init()
     torch.manual_seed(0)
     partial = nn.Sequential(nn.Linear(8, 4), nn.Tanh(), nn.Linear(4, 2), nn.Linear(2, 2))
-    partial[3].requires_grad_(False)  # frozen: not summed, and not refused
-    outside = refused(lambda: polytrain.distribute(
-        partial, torch.optim.SGD(partial[0].parameters(), lr=0.1), strategy="byteps"))
+    partial[3].requires_grad_(False)  # frozen: not summed
+    partial, head = polytrain.distribute(  # the backbone trains, and no optimizer steps it
+        partial, torch.optim.SGD(partial[2].parameters(), lr=0.1), strategy="byteps")
+    x = torch.full((2, 8), ctx.worker_index + 1.0)
+
+    def step() -> None:
+        head.zero_grad()
+        partial(x).sum().backward()
+        head.step()
+    step()
+    step()
+    trained = partial[2].weight.detach().flatten().tolist()
+    torch.optim.SGD(partial[0].parameters(), lr=0.1).step()  # each worker's own gradients
+    outside = refused(step)
+    polytrain.strategy_of(partial).close()
     model = nn.Linear(8, 4)
     model, opt = polytrain.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1),
                                       strategy="byteps")
@@ -315,24 +328,28 @@ def two_backwards() -> tuple[str, str]:
             model(x).pow(2).mean().backward()
         opt.step()
     except ConfigError as e:
-        return outside, str(e)
-    return outside, "accepted"
+        return trained, outside, str(e)
+    return trained, outside, "accepted"
 
 
 @pytest.mark.timeout(120)
 def test_more_backward_passes_than_a_step_sums_are_refused_not_lost():
     # The second backward's gradients were dropped: the sum had left with the first, and
     # the step trained on it alone (a new user's accumulation loop ended elsewhere than ddp).
-    outside, said = spawn(two_backwards, workers=2, colocated=1)[0]
+    runs = spawn(two_backwards, workers=2, colocated=1)
+    trained, outside, said = runs[0]
     # And parameters that train outside the optimizer given to distribute() (stepped by a
     # second optimizer) were never summed: the workers ended 0.31 apart. Cause: the sums
-    # are of the optimizer's parameters only (named_params_of).
+    # are of the optimizer's parameters only (named_params_of). Left alone (a backbone that
+    # fine-tuning does not train), they stay alike, and the head trains as one.
+    assert trained == runs[1][0]
     assert outside == (
-        "strategy 'byteps' sums the gradients of the parameters its optimizer holds, and the "
-        "optimizer does not hold 2 of the model's parameters that require a gradient (the "
-        "first: '2.weight'): each worker would step them on its own gradients (by another "
-        "optimizer, say). HINT: give the optimizer every parameter that trains "
-        "(model.parameters()), or set requires_grad=False on the others before distribute()")
+        "'0.weight' changed since the last step, and the optimizer given to distribute() does "
+        "not hold it: strategy 'byteps' sums the gradients of that optimizer's parameters, so "
+        "each worker stepped it on its own gradients (by another optimizer, say), and the "
+        "copies drift apart. HINT: give distribute()'s optimizer every parameter that trains "
+        "(a parameter group for other settings), or set requires_grad=False on those that do "
+        "not")
     assert re.match(r"'(weight|bias)' had a gradient from 2 backward passes before the step "
                     r"synchronised it, and 1 is summed", said), said
     assert "pass backward_passes_per_step=N" in said

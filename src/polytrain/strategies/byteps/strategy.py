@@ -68,12 +68,12 @@ class BytePS(ServedStrategy[BytePSOptions]):
         super().__init__(ctx, options)
         self.engine: Engine | None = None
         self.optimizer: DistributedOptimizer | AsyncOptimizer | None = None
+        self._outside: _Outside | None = None
 
     def wrap(self, model: nn.Module,
              optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
         ctx = self.ctx
         assert ctx is not None
-        _check_optimizer_holds_trained(model, optimizer)
         opts: BytePSOptions = self.options
         model.to(ctx.device)
         self.engine = engine_for(ctx, credit_bytes=opts.credit_bytes)
@@ -100,6 +100,7 @@ class BytePS(ServedStrategy[BytePSOptions]):
             # (summed as zeros, Adam would step on it with its momentum): a flag per
             # parameter summed a step, beside the gradients (GradientSync.keep_missing).
             keep_missing_for(self.optimizer.sync, model, find_unused=True)
+        self._outside = _Outside(model, optimizer)
         return model, self.optimizer
 
     def evaluation_model(self, model: nn.Module) -> nn.Module | None:
@@ -144,6 +145,8 @@ class BytePS(ServedStrategy[BytePSOptions]):
 
     def load_model_state(self, model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
         super().load_model_state(model, state)
+        if self._outside is not None:  # loaded alike on every worker
+            self._outside.mark()
         if isinstance(self.optimizer, AsyncOptimizer):
             self.optimizer.install()  # the servers hold the parameters
 
@@ -180,21 +183,44 @@ class BytePS(ServedStrategy[BytePSOptions]):
     def close(self) -> None:
         if self.optimizer is not None:
             self.optimizer.close()
+        if self._outside is not None:
+            self._outside.close()
         if self.engine is not None:
             self.engine.close()
 
 
-def _check_optimizer_holds_trained(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Refuse a parameter that requires a gradient and that the optimizer does not hold: the
-    sums are of the optimizer's parameters (:func:`.optimizer.named_params_of`), so each
-    worker would step it on its own gradients (by a second optimizer of the script's, say)."""
-    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    outside = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in held]
-    if outside:
-        raise ConfigError(f"strategy 'byteps' sums the gradients of the parameters its "
-                          f"optimizer holds, and the optimizer does not hold {len(outside)} of "
-                          f"the model's parameters that require a gradient (the first: "
-                          f"{outside[0]!r}): each worker would step them on its own gradients "
-                          f"(by another optimizer, say)",
-                          "give the optimizer every parameter that trains (model.parameters()), "
-                          "or set requires_grad=False on the others before distribute()")
+
+class _Outside:
+    """The model's parameters that require a gradient and that the optimizer given to
+    :func:`distribute` does not hold: nothing sums their gradients. Left alone (a backbone
+    that fine-tuning leaves as it is) they stay alike; stepped (by a second optimizer of the
+    script's) each worker's copy took its own gradients, and they drifted apart (0.31 in two
+    steps). So the wrapped optimizer's step refuses one that changed since the last."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        self.params = [(n, p) for n, p in model.named_parameters()
+                       if p.requires_grad and id(p) not in held]
+        self.mark()
+        self._hook = optimizer.register_step_pre_hook(self._check) if self.params else None
+
+    def mark(self) -> None:
+        """Take the parameters as they are now as unchanged (a load writes them)."""
+        self.versions = [p._version for _, p in self.params]
+
+    def _check(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        for (name, p), version in zip(self.params, self.versions):
+            if p._version != version:
+                raise ConfigError(f"{name!r} changed since the last step, and the optimizer "
+                                  f"given to distribute() does not hold it: strategy 'byteps' "
+                                  f"sums the gradients of that optimizer's parameters, so each "
+                                  f"worker stepped it on its own gradients (by another "
+                                  f"optimizer, say), and the copies drift apart",
+                                  "give distribute()'s optimizer every parameter that trains "
+                                  "(a parameter group for other settings), or set "
+                                  "requires_grad=False on those that do not")
+        self.mark()
+
+    def close(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
