@@ -93,10 +93,7 @@ class Parallax(ServedStrategy[ParallaxOptions]):
         self._times: list[float] = []
         self._last: float | None = None  # when the step in progress began ...
         self._ended: float | None = None  # ... and when the last one's optimizer stepped
-        # On the user's optimizer: the pre-step hook, then the post-step one (close() takes
-        # that off, and the pre-step hook refuses every step from then on).
-        self._step_hooks: list[Any] = []
-        self.closed = False
+        self._step_hooks: list[Any] = []  # on the user's optimizer, taken off by close()
         self._was_sparse: list[tuple[nn.Embedding | nn.EmbeddingBag, bool]] = []  # for close()
         self._frozen: list[tuple[str, nn.Parameter]] = []  # at the wrap: neither kind
 
@@ -164,11 +161,6 @@ class Parallax(ServedStrategy[ParallaxOptions]):
             self.rows.end_step()
 
     def _before_step(self, closure: Any) -> None:
-        if self.closed:
-            raise ConfigError("strategy 'parallax' was closed, releasing what it trains with "
-                              "(the gradients' averaging, the servers' rows): a step now would "
-                              "step this worker's copy on its own gradients",
-                              "close() the strategy after its last step")
         if self.search is not None and self._since == 0 \
                 and self.options.search_steps != DEFAULT_SEARCH_STEPS:
             # The step API calls replan() before every step; the plain loop never does.
@@ -365,12 +357,9 @@ class Parallax(ServedStrategy[ParallaxOptions]):
                 "servers": list(self.plan.servers) if self.plan is not None else []}
 
     def close(self) -> None:
-        # A wrapped optimizer keeps its pre-step hook, which refuses the steps after this:
-        # without the averaging, each worker would step on its own gradients.
-        self.closed = True
-        for h in self._step_hooks[1:]:
+        for h in self._step_hooks:
             h.remove()
-        del self._step_hooks[1:]
+        self._step_hooks = []
         # The model is the user's again: a table's gradient as its module gave it (sparse,
         # the user's torch.optim.Adam refused the next local step).
         for m, sparse in self._was_sparse:
