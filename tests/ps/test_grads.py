@@ -48,7 +48,8 @@ def test_the_flags_stay_four_bytes_while_their_sums_fit_in_32_bits():
 
 def byteps_no_sync() -> dict:
     """BytePS's drop-in: worker w's input is w + 1 everywhere (its gradient 2 (w + 1), the
-    average 3); a forward outside no_sync() with its backward inside, then the other way."""
+    average 3); a forward outside no_sync() with its backward inside, then the other way,
+    then a forward inside whose backward comes after another forward's summed one."""
     ctx = polytrain.init()
     from polytrain.byteps.parallel import DistributedDataParallel as DDP
     net = nn.Linear(4, 2)
@@ -63,6 +64,12 @@ def byteps_no_sync() -> dict:
         loss = model(x).sum()
     loss.backward()
     out["forward inside"] = net.weight.grad.clone()
+    with model.no_sync():  # its backward comes after another forward's summed one
+        inside = model(x).sum()
+    model(x).sum().backward()
+    net.zero_grad()
+    inside.backward()
+    out["inside, after a sum"] = net.weight.grad.clone()
     return out
 
 
@@ -75,3 +82,6 @@ def test_no_sync_applies_to_the_backward_of_a_forward_inside_it_as_torch_ddp():
     for w, said in enumerate(spawn(byteps_no_sync, workers=2, colocated=1)):
         assert torch.equal(said["forward outside"], torch.full((2, 4), 3.0))
         assert torch.equal(said["forward inside"], torch.full((2, 4), 2.0 * (w + 1)))
+        # (It was summed: the summed backward between left the next one to no_sync()'s
+        # state at that backward.)
+        assert torch.equal(said["inside, after a sum"], torch.full((2, 4), 2.0 * (w + 1)))

@@ -301,9 +301,11 @@ class GradientSync:
         self.unsynced = False
         #: Whether the next backward sums, as a drop-in's forward decided it (torch DDP's
         #: rule): True after a forward with gradients on outside no_sync() since the last
-        #: sum, False after only ones inside; None (no forward since the last sum, or no
-        #: forward at all: DistributedOptimizer): :attr:`enabled` decides at the backward.
-        self.forward_sums: bool | None = None
+        #: sum, False after only ones inside, or none (a backward of a forward made inside
+        #: no_sync() before the sum stays local, wherever it runs); None, where no forward
+        #: decides (DistributedOptimizer, not ``in_backward``): :attr:`enabled` decides at
+        #: the backward.
+        self.forward_sums: bool | None = False if self.in_backward else None
 
     def _hook(self, i: int) -> Callable[[torch.Tensor], None]:
         # By weak reference: the parameter holds its hooks, and a hook that held this object
