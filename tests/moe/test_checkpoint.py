@@ -1,5 +1,6 @@
 """Checkpoints saved with expert-parallel size P load with P' (1 included) on other workers."""
 
+import re
 import shutil
 from pathlib import Path
 
@@ -50,16 +51,34 @@ def train_and_save(directory: str, expert_parallel: int) -> tuple[dict[str, torc
     # experts): the saves raised FileNotFoundError, or mixed two groups' shards silently.
     # What distribute() returned says which group writes: the first.
     save_sharded(model, directory)
+    # The plain model's write= was trusted with no exchange: write=True on ranks 0 and 3
+    # left each waiting for its group's other rank until the timeout; on every rank, the
+    # groups raced to the same files (FileNotFoundError, with a 'free space' hint).
+    plain = model.module
+    # expert_parallel=1: each worker holds every expert; its plain model with write unset
+    # had every worker write shard-0.pt at once (ranks 1-3: the same FileNotFoundError).
+    every_expert = build(0)
+    whole = polytrain.distribute(every_expert, torch.optim.SGD(every_expert.parameters(),
+                                                               lr=0.5), "moe",
+                                 expert_parallel=1)[0]
     refused: dict[str, str] = {}
     for name, given, write in (("every rank", model, True), ("one of a group", model,
                                                              ctx.rank in (0, 3)),
-                               ("plain model", model.module, None)):
+                               ("plain model", plain, None),
+                               ("plain, every rank", plain, True),
+                               ("plain, one of a group", plain, ctx.rank in (0, 3)),
+                               ("plain, every expert on each", whole.module, None)):
         try:
             save_sharded(given, Path(directory).parent / f"{Path(directory).name}-{name}",
                          write=write)
             refused[name] = "saved"
         except polytrain.ConfigError as e:
             refused[name] = str(e)
+    # The second group of the plain model writes; the first does not; a directory per
+    # worker for the model of every expert.
+    save_sharded(plain, Path(directory).parent / f"{Path(directory).name}.second",
+                 write=ctx.rank in (2, 3))
+    save_sharded(whole.module, Path(directory).parent / f"{Path(directory).name}.{ctx.rank}")
     return polytrain.full_state_dict(model), refused
 
 
@@ -116,6 +135,27 @@ def load(directory: str, full: dict[str, torch.Tensor], scratch: str) -> dict[st
         out["cut short"] = str(e)
     finally:
         torch.save = real_save
+    # One expert group (every worker): write=True on rank 0 alone was trusted; rank 1
+    # returned, and rank 0 waited for it until the timeout, leaving .shard-0.pt.pending.
+    try:
+        save_sharded(new, scratch, write=ctx.rank == 0)
+        out["one group, rank 0"] = "saved"
+    except polytrain.ConfigError as e:
+        out["one group, rank 0"] = str(e)
+    # mkdir failing on rank 1 alone (a path below a file there) raised a bare
+    # NotADirectoryError before the exchange: rank 0 waited in it until the timeout.
+    real_mkdir = Path.mkdir
+    if ctx.rank == 1:
+        def below_a_file(self: Path, *args: object, **kwargs: object) -> None:
+            raise NotADirectoryError(20, "Not a directory", str(self))
+        Path.mkdir = below_a_file  # type: ignore[method-assign]
+    try:
+        save_sharded(new, Path(scratch) / "sub")
+        out["no mkdir"] = "saved"
+    except CheckpointError as e:
+        out["no mkdir"] = str(e)
+    finally:
+        Path.mkdir = real_mkdir  # type: ignore[method-assign]
     into = distributed(build(4))
     load_sharded(into, scratch)
     # Under ddp (every worker holds every expert) each worker wrote shard-0.pt at once: one
@@ -151,10 +191,15 @@ def load(directory: str, full: dict[str, torch.Tensor], scratch: str) -> dict[st
         out["larger"] = str(e)
     larger.close()
     smaller.close()
-    # The group's exchange failing (a peer gone): gloo's text, which names no one.
+    # The group's exchange failing (a peer gone): gloo's text, which names no one. (The
+    # workers' exchange of who writes comes first, and passes.)
     real_gather = dist.all_gather_object
+    calls = []
 
     def timed_out(*args: object, **kwargs: object) -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            return real_gather(*args, **kwargs)
         raise RuntimeError("[gloo/transport/tcp/pair.cc:598] Timed out waiting 30000ms for "
                            "recv operation to complete")
     dist.all_gather_object = timed_out
@@ -175,19 +220,30 @@ def test_save_on_four_load_on_two_and_on_one(tmp_path):
     groups = "expert groups (0, 1), (2, 3)"
     hint = ("HINT: leave write unset (the first expert group writes), or pass write=True on "
             "the ranks of one expert group and write=False on the others")
+    every = (f"save_sharded writes each shard once, from one expert group, but ranks 0, 1, 2, "
+             f"3 pass write=True ({groups}): ranks 0 and 2 hold the same experts and would "
+             f"both write shard-0.pt. {hint}")
+    one_of = (f"save_sharded writes each shard once, from one expert group, but ranks 0, 3 "
+              f"pass write=True ({groups}). {hint}")
+    unset = ("HINT: pass what distribute() returned (its first expert group then writes), or "
+             "write=True on the ranks of one expert group and write=False on the others")
     for _, refused in results:
         assert refused == {
-            "every rank": f"save_sharded writes each shard once, from one expert group, but "
-                          f"ranks 0, 1, 2, 3 pass write=True ({groups}): ranks 0 and 2 hold "
-                          f"the same experts and would both write shard-0.pt. {hint}",
-            "one of a group": f"save_sharded writes each shard once, from one expert group, "
-                              f"but ranks 0, 3 pass write=True ({groups}). {hint}",
-            "plain model": "save_sharded: the MoE layers' experts are split over 2 of the 4 "
-                           "workers (other expert groups hold copies), and write is unset. "
-                           "HINT: pass what distribute() returned (its first expert "
-                           "group then writes), or write=True on the ranks of one expert "
-                           "group and write=False on the others"}, refused
+            "every rank": every, "one of a group": one_of,
+            "plain model": f"save_sharded: the MoE layers' experts are split over 2 of the 4 "
+                           f"workers (other expert groups hold copies), and write is unset. "
+                           f"{unset}",
+            "plain, every rank": every, "plain, one of a group": one_of,
+            "plain, every expert on each":
+                f"save_sharded: each of the 4 workers holds every expert, and write is unset: "
+                f"ranks 0, 1, 2, 3 would each write shard-0.pt in "
+                f"{tmp_path.parent / tmp_path.name}-plain, every expert on each. HINT: pass "
+                f"what distribute() returned (worker 0 then writes), write=True on one worker "
+                f"and write=False on the others, or each worker its own directory"}, refused
     assert not any(p.name.startswith(f"{tmp_path.name}-") for p in tmp_path.parent.iterdir())
+    for name in ("second", "0", "1", "2", "3"):
+        assert sorted(p.name for p in (tmp_path.parent / f"{tmp_path.name}.{name}").iterdir()
+                      ) == ["meta.json", "shard-0.pt"] + ["shard-1.pt"] * (name == "second")
     untrained = build(0).state_dict()
     assert list(saved) == list(untrained)  # the all-local model's keys, in its order
     assert max(float((saved[k] - untrained[k]).abs().max()) for k in saved) > 1e-3
@@ -204,9 +260,19 @@ def test_save_on_four_load_on_two_and_on_one(tmp_path):
         assert out["tied full"] == 0.0
         assert out["cut short"] == (
             f"could not save the sharded MoE checkpoint in {scratch}: rank 1: OSError: [Errno "
-            f"28] No space left on device. HINT: free space or make the directory writable; "
-            f"the last whole checkpoint there is untouched"), out["cut short"]
+            f"28] No space left on device. HINT: pass a directory this rank can write, with "
+            f"free space; the last whole checkpoint there is untouched"), out["cut short"]
         assert out["after the cut"] == 0.0  # the last whole save, not half of each
+        assert out["one group, rank 0"] == (
+            "save_sharded writes each shard once, from one expert group, but rank 0 passes "
+            "write=True (expert groups (0, 1)). HINT: leave write unset (the first expert "
+            "group writes), or pass write=True on the ranks of one expert group and "
+            "write=False on the others"), out["one group, rank 0"]
+        assert out["no mkdir"] == (
+            f"could not save the sharded MoE checkpoint in {scratch / 'sub'}: rank 1: "
+            f"NotADirectoryError: [Errno 20] Not a directory: '{scratch / 'sub'}'. HINT: pass "
+            f"a directory this rank can write, with free space; the last whole checkpoint "
+            f"there is untouched"), out["no mkdir"]
         assert out["under ddp"] == ["meta.json", "shard-0.pt"] and out["own"] is True
         assert out["rank 0 alone"] == (["meta.json", "shard-0.pt"] if rank == 0 else None)
         assert out["larger"] == (
@@ -366,3 +432,41 @@ def test_a_save_that_fails_midway_leaves_the_last_checkpoint_whole(tmp_path, mon
     loaded = build(2)
     load_sharded(loaded, tmp_path)
     assert all(torch.equal(v, build(0).state_dict()[k]) for k, v in loaded.state_dict().items())
+
+
+def test_a_directory_that_cannot_be_made_is_refused_as_a_failed_save(tmp_path):
+    # mkdir's bare FileExistsError / NotADirectoryError, raised before the exchange every
+    # rank meets: a peer whose mkdir worked waited there until the timeout.
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    for where, error in ((afile, r"FileExistsError: \[Errno 17\] File exists"),
+                         (afile / "sub", r"NotADirectoryError: \[Errno 20\] Not a directory")):
+        at = re.escape(str(where))
+        with pytest.raises(CheckpointError, match=rf"^could not save the sharded MoE checkpoint "
+                                                  rf"in {at}: rank 0: {error}: .*\. HINT: pass "
+                                                  rf"a directory this rank can write"):
+            save_sharded(build(0), where)
+    assert afile.read_text() == ""
+
+
+def test_a_damaged_checkpoint_is_refused_naming_the_file(tmp_path):
+    # json's JSONDecodeError and torch's "PytorchStreamReader failed reading zip archive".
+    save_sharded(build(0), tmp_path)
+    meta = tmp_path / "meta.json"
+    whole = meta.read_text()
+    again = (r"\. HINT: save the model again, or copy back the whole directory "
+             r"save_sharded\(\) wrote$")
+    for text, what in (("{trunc", r"JSONDecodeError: Expecting property name.*"),
+                       ("[1, 2]", r"not a JSON object")):
+        meta.write_text(text)
+        with pytest.raises(CheckpointError, match=rf"^{re.escape(str(meta))} is damaged: "
+                                                  rf"{what}{again}"):
+            load_sharded(build(1), tmp_path)
+    meta.write_text(whole)
+    shard = tmp_path / "shard-0.pt"
+    with open(shard, "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(CheckpointError, match=rf"^{re.escape(str(shard))} is damaged: "
+                                              rf"RuntimeError: PytorchStreamReader failed "
+                                              rf".*{again}"):
+        load_sharded(build(1), tmp_path)

@@ -13,7 +13,7 @@ from tests.harness import spawn
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("gate, options", [("naive", {"dropless": True}),
+@pytest.mark.parametrize("gate, options", [("naive", {}),
                                            ("gshard", {"capacity_factor": 0.75})])
 def test_layer_on_cuda_equals_layer_on_cpu(gate, options):
     torch.manual_seed(0)
@@ -42,7 +42,7 @@ def test_inference_on_cuda_never_waits_for_the_gpu(dtype):
     # would wait for every kernel queued before it. Not fp32: torch 2.11's grouped matmul
     # has a kernel for bf16 only; for fp32 it loops over the groups, reading them on the host.
     torch.manual_seed(0)
-    layer = MoE(64, 8, gate="naive", dropless=True).to("cuda", dtype).eval()
+    layer = MoE(64, 8, gate="naive").to("cuda", dtype).eval()
     x = torch.randn(96, 64, device="cuda", dtype=dtype)
     with torch.no_grad():
         want = layer(x)  # also the grouped matmul's one-time probe

@@ -26,7 +26,9 @@ def brute_force(layer: MoE, x: torch.Tensor, indices: torch.Tensor,
 
 def layer_of(gate: str, top_k: int, drops: bool, **kw) -> MoE:
     torch.manual_seed(0)
-    options = {"capacity_factor": 0.5} if drops else {"dropless": True}
+    # (naive and noisy have no capacity to lift: dropless is refused for them)
+    options = {"capacity_factor": 0.5} if drops else \
+        {} if gate in ("naive", "noisy") else {"dropless": True}
     return MoE(D, E, top_k=top_k, gate=gate, d_hidden=12, **options, **kw)
 
 
@@ -164,6 +166,23 @@ def test_no_tokens_at_all():
     ({"capacity_factor": "1.2"},
      r"capacity_factor \(--capacity-factor\) must be a number \(got '1\.2'\)"),
     ({"eval_capacity_factor": "2"}, r"eval_capacity_factor must be a number \(got '2'\)"),
+    # From a review: "'<=' not supported between instances of 'int' and 'str'" (and of
+    # 'NoneType') from the weights' and the jitter's checks; True taken as a weight of 1.
+    ({"gate": "gshard", "balance_weight": "0.01"},
+     r"balance_weight \(--balance-loss\) must be a number \(got '0\.01'\)\. HINT: pass a "
+     r"small weight, e\.g\. --balance-loss 0\.01"),
+    ({"gate": "gshard", "balance_weight": True},
+     r"balance_weight \(--balance-loss\) must be a number \(got True\)"),
+    ({"z_loss_weight": None}, r"z_loss_weight \(--z-loss\) must be a number \(got None\)"),
+    ({"gate": "switch", "gate_options": {"jitter": "0.1"}},
+     r"jitter must be a number \(got '0\.1'\)\. HINT: pass jitter=0\.01"),
+    # dropless="no" was taken as true; with naive or noisy, which have no capacity, it did
+    # nothing (as a balance loss for naive would, which is refused).
+    ({"gate": "gshard", "dropless": "no"},
+     r"dropless \(--dropless\) must be True or False \(got 'no'\)"),
+    ({"dropless": True}, r"the naive gate has no capacity, so dropless \(--dropless\) would "
+                         r"do nothing\. HINT: use gate gshard or switch"),
+    ({"gate": "noisy", "dropless": True}, r"the noisy gate has no capacity"),
 ])
 def test_bad_options_are_named(kwargs, message):
     with pytest.raises(ConfigError, match=message):

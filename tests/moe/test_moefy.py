@@ -124,6 +124,18 @@ def test_every_must_be_a_whole_number():
         moefy(GPT(seq_len=8, d_model=16, layers=2, heads=2), 4, every=1.5)
 
 
+def test_an_option_moe_lacks_is_named():
+    # Python's TypeError "MoE.__init__() got an unexpected keyword argument 'topk'", from
+    # the first layer's build (a wrong key in gate_options was named already).
+    gpt = GPT(seq_len=8, d_model=16, layers=2, heads=2)
+    with pytest.raises(ConfigError, match=r"^moefy: MoE takes no option topk, trunk \(its "
+                                          r"options: top_k, gate, expert, d_hidden, "
+                                          r"capacity_factor, .*gate_options\)\. HINT: pass top_k "
+                                          r"for topk; a gate's own options go in gate_options$"):
+        moefy(gpt, 4, topk=2, trunk=1)
+    assert not any(isinstance(m, MoE) for m in gpt.modules())  # refused before any change
+
+
 def test_a_model_moefied_twice_is_refused_naming_the_layer():
     # AttributeError: 'MoE' object has no attribute 'fc' (GPT), 'MoEEncoderLayer' object has
     # no attribute 'linear1' (torch's layers).

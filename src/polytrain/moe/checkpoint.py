@@ -14,12 +14,13 @@ is global expert ``first + i``, so:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -201,8 +202,16 @@ def _refuse_failures(errors: list[str | None], group: ExpertGroup, path: Path,
         rank = group.global_ranks[failed[0]] if group.distributed else \
             dist.get_rank() if dist.is_initialized() else 0
         raise CheckpointError(f"could not save the sharded MoE checkpoint in {path}: rank "
-                              f"{rank}: {failed[1]}", f"free space or make the directory "
-                              f"writable; {left}")
+                              f"{rank}: {failed[1]}", f"pass a directory this rank can write, "
+                              f"with free space; {left}")
+
+
+def _damaged(file: Path, why: str) -> ConfigError:
+    """The refusal of a file of a sharded checkpoint that cannot be read (truncated, edited)."""
+    from ..checkpoint.manifest import CheckpointError  # (see _refuse_failures)
+
+    return CheckpointError(f"{file} is damaged: {why}", "save the model again, or copy back "
+                           "the whole directory save_sharded() wrote")
 
 
 _ONE_GROUP = ("leave write unset (the first expert group writes), or pass write=True on the "
@@ -219,41 +228,70 @@ def _expert_groups(model: Any) -> tuple[tuple[int, ...], ...] | None:
     return groups
 
 
-def _writes(model: Any, wrapped: bool, write: bool | None, group: ExpertGroup) -> bool:
-    """Whether this rank writes its shard: ``write``, else whether it is in the first expert
-    group. Where expert groups hold copies of the same experts, each shard is written once:
-    every worker tells the others what it was given, and all refuse alike another choice
-    (every group wrote the same files at once: saves failed, or mixed two groups' shards).
-    Where what distribute() returned (``wrapped``) holds every expert on every worker (a
-    ddp or herring wrapper of an MoE model), worker 0 writes unless ``write`` says, with no
-    exchange, so that ``if rank == 0: save_sharded(...)`` works as with torch.save (each
-    worker wrote shard-0.pt at once: a rename failed, or the files mixed)."""
+def _ranks(ranks: Sequence[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+
+
+def _writes(model: Any, wrapped: bool, write: bool | None, group: ExpertGroup,
+            path: Path) -> bool:
+    """Whether this rank writes its shard in ``path``: ``write``, else (what distribute()
+    returned) whether it is in the first expert group, else (a plain model) True.
+
+    In a run of several workers every worker tells the others its choice, the ranks of its
+    layers' expert group and the directory, and all refuse alike, naming the ranks, unless
+    the writers of each directory make up one whole expert group (every group wrote the
+    same files at once: saves failed, or mixed two groups' shards; write=True on part of a
+    group left it waiting for the rest until the timeout). Where what distribute() returned
+    (``wrapped``) holds every expert on every worker (a ddp or herring wrapper of an MoE
+    model), worker 0 writes unless ``write`` says, with no exchange, so that ``if rank == 0:
+    save_sharded(...)`` works as with torch.save (each worker wrote shard-0.pt at once: a
+    rename failed, or the files mixed)."""
+    workers = runtime.current().num_workers if runtime.is_initialized() else 1
+    if workers == 1:
+        return write is not False
+    ctx = runtime.current()
     groups = _expert_groups(model)
-    if groups is None or len(groups) == 1:
-        workers = runtime.current().num_workers if runtime.is_initialized() else 1
-        if write is None and wrapped and groups is None and not group.distributed \
-                and workers > 1:  # (a load on every worker follows a barrier of the workers)
-            return runtime.current().worker_index == 0
-        if write is None and groups is None and group.distributed and group.size < workers:
-            raise ConfigError(f"save_sharded: the MoE layers' experts are split over "
-                              f"{group.size} of the {workers} workers (other expert groups "
-                              f"hold copies), and write is unset",
+    if wrapped and groups is None and not group.distributed:
+        return ctx.worker_index == 0 if write is None else write
+    everyone = ExpertGroup(ctx.groups.workers)
+    me = everyone.global_ranks[everyone.rank]
+    mine = write if write is not None else (groups is None or me in groups[0])
+    own = group.global_ranks if group.distributed else (me,)
+    # (this rank's choice, whether it was write unset on a plain model, its group, directory;
+    # abspath, not resolve(): nothing here may fail on one rank before the exchange)
+    told = _gather(everyone, (mine, write is None and groups is None, own,
+                              os.path.abspath(path)), "the workers")
+    every_group = sorted({t[2] for t in told})
+    by_dir: dict[str, list[int]] = {}
+    for r, t in zip(everyone.global_ranks, told):
+        if t[0]:  # none: nothing is written, as asked
+            by_dir.setdefault(t[3], []).append(r)
+    for where, writers in by_dir.items():
+        if tuple(writers) in every_group:
+            continue
+        listed = ", ".join(f"({', '.join(map(str, g))})" for g in every_group)
+        size = group.size
+        unset = [r for r, t in zip(everyone.global_ranks, told) if r in writers and t[1]]
+        if unset and size > 1:
+            raise ConfigError(f"save_sharded: the MoE layers' experts are split over {size} "
+                              f"of the {workers} workers (other expert groups hold copies), "
+                              f"and write is unset",
                               "pass what distribute() returned (its first expert group then "
                               "writes), or write=True on the ranks of one expert group and "
                               "write=False on the others")
-        return write is not False
-    ctx = runtime.current()
-    mine = ctx.rank in groups[0] if write is None else write
-    everyone = ExpertGroup(ctx.groups.workers)
-    writers = [r for r, w in zip(everyone.global_ranks, _gather(everyone, mine, "the workers"))
-               if w]
-    if writers and tuple(writers) not in groups:  # none: nothing is written, as asked
-        listed = ", ".join(map(str, groups))
-        who = f"ranks {', '.join(map(str, writers))} pass"
+        if unset:
+            raise ConfigError(f"save_sharded: each of the {workers} workers holds every "
+                              f"expert, and write is unset: {_ranks(writers)} would each "
+                              f"write shard-0.pt in {where}",
+                              "pass what distribute() returned (worker 0 then writes), "
+                              "write=True on one worker and write=False on the others, or "
+                              "each worker its own directory")
+        who = f"{_ranks(writers)} pass{'es' if len(writers) == 1 else ''}"
+        at = f" for {where}" if len(by_dir) > 1 else ""
         what = (f"save_sharded writes each shard once, from one expert group, but {who} "
-                f"write=True (expert groups {listed})")
-        for j in range(len(groups[0])):  # the first shard two ranks would write
-            both = [g[j] for g in groups if g[j] in writers]
+                f"write=True{at} (expert groups {listed})")
+        for j in range(size):  # the first shard two ranks would write
+            both = [g[j] for g in every_group if len(g) > j and g[j] in writers]
             if len(both) > 1:
                 what += (f": ranks {both[0]} and {both[1]} hold the same experts and would "
                          f"both write shard-{j}.pt")
@@ -265,23 +303,26 @@ def _writes(model: Any, wrapped: bool, write: bool | None, group: ExpertGroup) -
 def save_sharded(model: nn.Module, directory: str | Path, *, write: bool | None = None) -> None:
     """Write this rank's experts (and, on expert-parallel rank 0, the rest) to ``directory``.
 
-    Every rank of the expert-parallel groups calls it; one group writes. ``model`` may
-    be what ``distribute`` returned (a wrapper, a DDP or a step API's trainer): its model
-    is saved, under the model's own names, and with ``write`` unset the first expert
-    group writes (the others hold copies of the same experts: data-parallel replicas).
-    Given the plain model of several expert groups, pass ``write=True`` on one group's
-    ranks and ``write=False`` on the others'. ``write=True`` on two ranks that hold the
-    same experts is refused. Files: ``meta.json`` and ``shard-R.pt`` per rank R of the
-    expert-parallel group, each with canonical keys.
+    Every worker calls it; one expert group writes each directory. ``model`` may be what
+    ``distribute`` returned (a wrapper, a DDP or a step API's trainer): its model is saved,
+    under the model's own names, and with ``write`` unset the first expert group writes
+    (the others hold copies of the same experts: data-parallel replicas). Given the plain
+    model of several expert groups, pass ``write=True`` on one group's ranks and
+    ``write=False`` on the others' (or a directory of its own to each group). The workers
+    agree first, in one exchange: writers of one directory that are not one whole expert
+    group are refused on every rank, naming them. Only what ddp or herring returned (every
+    expert on every worker) skips the exchange: worker 0 writes, so ``if rank == 0:`` works.
+    Files: ``meta.json`` and ``shard-R.pt`` per rank R of the expert-parallel group, each
+    with canonical keys.
 
     Each rank writes its shard under a temporary name; only once every rank of the group
     has (an exchange over the group, which times out after the run's ``--timeout`` like
     every collective) are the shards renamed over the old ones and ``meta.json`` written,
     listing each shard's save. A write that fails on any rank (a full disk) raises
-    :class:`~polytrain.checkpoint.CheckpointError` on every rank, naming it, and leaves
-    the last save whole; a process killed between the renames leaves shards of two saves,
-    which :func:`load_sharded` refuses. On return the directory is complete on every
-    writing rank.
+    :class:`~polytrain.checkpoint.CheckpointError` on every rank, naming it (a directory
+    that cannot be made too), and leaves the last save whole; a process killed between
+    the renames leaves shards of two saves, which :func:`load_sharded` refuses. On return
+    the directory is complete on every writing rank.
     """
     given = model
     model = _bare(model)
@@ -289,10 +330,9 @@ def save_sharded(model: nn.Module, directory: str | Path, *, write: bool | None 
     size = _one_group_size(layers)
     group = layers[0][1].group if layers else ExpertGroup(None)
     rank = group.rank
-    if not _writes(given, given is not model, write, group):
-        return
     path = Path(directory)
-    path.mkdir(parents=True, exist_ok=True)
+    if not _writes(given, given is not model, write, group, path):
+        return
     shard: dict[str, torch.Tensor] = {}
     for key, value in model.state_dict().items():
         name, expert = _canonical(key, layers)
@@ -304,14 +344,16 @@ def save_sharded(model: nn.Module, directory: str | Path, *, write: bool | None 
     save = uuid.uuid4().hex  # this rank's shard of this save, as meta.json will list it
     final, pending = path / f"shard-{rank}.pt", path / f".shard-{rank}.pt.pending"
     error: str | None = None
-    try:
+    try:  # (mkdir here too: a path below a file on one rank left the others waiting)
+        path.mkdir(parents=True, exist_ok=True)
         write_atomically(pending, lambda tmp: torch.save(
             {"format": FORMAT, "rank": rank, "ranks": size, "save": save, "state": shard}, tmp))
     except Exception as e:  # noqa: BLE001 - every rank must reach the exchange: each raises it
         error = first_line(e)
     done = _gather(group, (error, save))
     if any(e for e, _ in done):
-        pending.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # (no directory there: nothing to remove)
+            pending.unlink(missing_ok=True)
         _refuse_failures([e for e, _ in done], group, path,
                          "the last whole checkpoint there is untouched")
     try:
@@ -336,6 +378,8 @@ def load_sharded(model: nn.Module, directory: str | Path) -> None:
 
     Each rank opens only the shard files that hold its experts (and shard 0
     for the rest). ``model`` may be what ``distribute`` returned, as in :func:`save_sharded`.
+    A file that cannot be read (truncated, edited) raises
+    :class:`~polytrain.checkpoint.CheckpointError` naming it.
     """
     model = _bare(model)
     path = Path(directory)
@@ -343,7 +387,12 @@ def load_sharded(model: nn.Module, directory: str | Path) -> None:
     if not meta_file.exists():
         raise ConfigError(f"{path} holds no sharded MoE checkpoint (no meta.json)",
                           "pass the directory save_sharded() wrote")
-    meta = json.loads(meta_file.read_text())
+    try:
+        meta = json.loads(meta_file.read_text())
+    except (OSError, ValueError) as e:  # (a truncated file: JSONDecodeError)
+        raise _damaged(meta_file, first_line(e)) from None
+    if not isinstance(meta, dict):
+        raise _damaged(meta_file, "not a JSON object")
     if meta.get("format") != FORMAT:
         raise ConfigError(f"{meta_file} is format {meta.get('format')!r}, not {FORMAT!r}",
                           "save it again with this version of polytrain")
@@ -375,7 +424,12 @@ def load_sharded(model: nn.Module, directory: str | Path) -> None:
                 raise ConfigError(f"{path} lacks {file.name}, one of the {saved_ranks} shards "
                                   f"its meta.json lists", "copy the whole directory that "
                                   "save_sharded() wrote")
-            cache[r] = torch.load(file, map_location="cpu")
+            try:
+                cache[r] = torch.load(file, map_location="cpu")
+            except Exception as e:  # noqa: BLE001 - torch's many (zip, pickle, EOF): one line
+                raise _damaged(file, first_line(e)) from None
+            if not isinstance(cache[r], dict) or not isinstance(cache[r].get("state"), dict):
+                raise _damaged(file, "not a shard save_sharded() wrote")
             saves = meta.get("saves")  # (none before the saves were listed)
             if saves is not None and cache[r].get("save") != saves[r]:
                 raise ConfigError(f"{file} is of another save than meta.json lists: a "

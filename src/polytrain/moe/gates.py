@@ -110,6 +110,13 @@ def _global_sums(local: dict[str, torch.Tensor], group: ExpertGroup) -> dict[str
     return out
 
 
+def _require_number(name: str, value: object, hint: str) -> None:
+    """Refuse ``value`` unless it is a real number, as capacity.check_factor does ("0.01" and
+    None met a ``<=`` check's TypeError; True was taken as 1)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ConfigError(f"{name} must be a number (got {value!r})", hint)
+
+
 def _cv_squared(x: torch.Tensor) -> torch.Tensor:
     # Shazeer et al.'s squared coefficient of variation; 0 for a single expert.
     if x.numel() < 2:
@@ -132,7 +139,8 @@ class Gate(nn.Module):
         capacity_factor: training capacity factor (None: the gate's default; naive
             and noisy have none); eval_capacity_factor: in eval mode (default: the
             gate's eval default, else capacity_factor).
-        dropless: never drop a slot for capacity (no capacity factor may be given).
+        dropless: never drop a slot for capacity (no capacity factor may be given; a
+            gate without a capacity, naive or noisy, refuses it).
         balance_weight: weight of the balance loss (default: the gate's, 0.01; naive none).
         z_loss_weight: weight of the router z-loss (default 0: off).
         group: the expert-parallel process group (default None: no expert parallelism).
@@ -163,12 +171,19 @@ class Gate(nn.Module):
         self.top_k = int(k)
         check_factor(capacity_factor)
         check_factor(eval_capacity_factor, "eval_capacity_factor")
+        if not isinstance(dropless, bool):  # ("no" was taken as true)
+            raise ConfigError(f"dropless (--dropless) must be True or False (got {dropless!r})",
+                              "pass dropless=True for no capacity limit, or leave it out")
         if dropless and (capacity_factor is not None or eval_capacity_factor is not None):
             raise ConfigError(f"a dropless gate (--dropless) has no capacity (got "
                               f"capacity_factor {capacity_factor}, eval_capacity_factor "
                               f"{eval_capacity_factor})",
                               "leave out --capacity-factor (and eval_capacity_factor in a "
                               "script), or --dropless")
+        if dropless and self.default_capacity == (None, None):
+            raise ConfigError(f"the {self.name} gate has no capacity, so dropless (--dropless) "
+                              f"would do nothing", "use gate gshard or switch for a capacity "
+                              "that dropless lifts, or leave dropless out")
         train_cf, eval_cf = (None, None) if dropless else self.default_capacity
         self.capacity_factor = capacity_factor if capacity_factor is not None else train_cf
         # As documented: the gate's own eval factor (GShard's 2.4, Switch's 2.0) before
@@ -182,10 +197,10 @@ class Gate(nn.Module):
         self.z_loss_weight = z_loss_weight
         for name, flag, weight in (("balance_weight", "--balance-loss", self.balance_weight),
                                    ("z_loss_weight", "--z-loss", z_loss_weight)):
+            hint = f"pass a small weight, e.g. {flag} 0.01 ({name}=0.01 in a script), or 0 for none"
+            _require_number(f"{name} ({flag})", weight, hint)
             if not 0 <= weight < math.inf:
-                raise ConfigError(f"{name} ({flag}) must be 0 or more (got {weight})",
-                                  f"pass a small weight, e.g. {flag} 0.01 ({name}=0.01 in a "
-                                  f"script), or 0 for none")
+                raise ConfigError(f"{name} ({flag}) must be 0 or more (got {weight})", hint)
         if self.balance_weight and not self.has_balance_loss:
             raise ConfigError(f"the {self.name} gate has no balance loss, so balance_weight "
                               f"(--balance-loss) {self.balance_weight:g} would do nothing",
@@ -426,6 +441,7 @@ class SwitchGate(Gate):
     def __init__(self, d_model: int, num_experts: int, *, jitter: float = 0.01,
                  **kwargs: Any) -> None:
         super().__init__(d_model, num_experts, **kwargs)
+        _require_number("jitter", jitter, "pass jitter=0.01")
         if not 0 <= jitter < 1:
             raise ConfigError(f"jitter must be in [0, 1) (got {jitter})", "pass jitter=0.01")
         self.jitter = jitter

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import difflib
+import inspect
 from typing import Any, Callable, SupportsIndex
 
 import torch
@@ -77,6 +79,21 @@ def _check_own_block(name: str, layer: nn.Module) -> None:
                           "call an MoE layer in your _ff_block yourself (self.moe = MoE(...))")
 
 
+def _check_options(options: dict[str, Any]) -> None:
+    """Refuse an option MoE lacks, naming it and MoE's options (Python's TypeError "got an
+    unexpected keyword argument" came from the first layer's build)."""
+    known = [n for n in inspect.signature(MoE.__init__).parameters
+             if n not in ("self", "d_model", "num_experts")]
+    other = [o for o in options if o not in known]
+    if other:
+        near = {o: difflib.get_close_matches(o, known, n=1) for o in other}
+        fixes = "; ".join(f"pass {m[0]} for {o}" for o, m in near.items() if m) or \
+            "pass one of MoE's options"
+        raise ConfigError(f"moefy: MoE takes no option {', '.join(other)} (its options: "
+                          f"{', '.join(known)})", f"{fixes}; a gate's own options go in "
+                          f"gate_options")
+
+
 def _like(layer: MoE, reference: torch.Tensor) -> MoE:
     return layer.to(device=reference.device, dtype=reference.dtype)
 
@@ -140,6 +157,7 @@ def moefy(model: nn.Module, num_experts: int, *, every: int = 1, **options: Any)
     from ..models.gpt import Block  # here: polytrain.models imports this package
 
     at_least("every", every, "pass every=1 or 2", whole=True)
+    _check_options(options)
     layers = [(name, m) for name, m in model.named_modules()
               if isinstance(m, (Block, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer))]
     if not layers:
