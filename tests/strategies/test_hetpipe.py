@@ -906,6 +906,6 @@ def test_a_save_before_the_first_step_keeps_what_load_gave_and_a_load_after_it_i
     strategy.started = True
     with pytest.raises(ConfigError, match=r"^hetpipe loads a checkpoint only before the "
                        r"trainer's first step, and this trainer has trained: its stages' "
-                       r"weights and optimizers would stay as they are\. HINT: distribute a "
-                       r"fresh model and load into that"):
+                       r"weights and optimizers would stay as they are\. HINT: load before "
+                       r"the first trainer\.step\(\)"):
         strategy.check_load()

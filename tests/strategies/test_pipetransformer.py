@@ -504,8 +504,8 @@ def test_a_load_after_the_first_step_is_refused_and_loads_nothing():
     assert loaded == ("pipetransformer loads a checkpoint only before the trainer's first "
                       "step, and this trainer has trained: its plan (0 layers frozen, 1 "
                       "stages x 2 replicas), frozen layers and stage optimizers would stay "
-                      "as they are. HINT: distribute a fresh model and load into that, or "
-                      "resume the run with --resume")
+                      "as they are. HINT: load before the first trainer.step(), into a "
+                      "model distributed afresh")
     assert kept == 0
 
 

@@ -74,6 +74,12 @@ class Strategy(ABC, Generic[OptionsT]):
     #: True where every machine must run as many workers (a pipeline, or the devices, of a
     #: machine): a run torchrun started otherwise is refused at :func:`distribute`.
     even_machines: ClassVar[bool] = False
+    #: True where :meth:`wrap` hands back the user's own model and a copy or pickle of it
+    #: is safe (byteps's and single's hooks are on parameters, which a copy lacks): its
+    #: strategy, which holds process groups, is then kept beside it, not on it. Elsewhere a
+    #: copy is refused (:meth:`__deepcopy__`): Parallax's lookup hooks are on modules, and
+    #: a copy ran them against the original's tables; a pipeline's strategy holds the model.
+    copyable_model: ClassVar[bool] = False
     #: Steps in one epoch of the training data, set by the training loop before the first
     #: step (None: the data has no epochs).
     epoch_steps: int | None = None
@@ -81,6 +87,15 @@ class Strategy(ABC, Generic[OptionsT]):
     def __init__(self, ctx: Context | None, options: OptionsT) -> None:
         self.ctx = ctx
         self.options = options
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        raise ConfigError(f"a model distributed with strategy {self.name!r} cannot be copied "
+                          f"or pickled: its strategy holds the run's process groups",
+                          "copy its weights: polytrain.full_state_dict(model) (or "
+                          "trainer.state_dict()) into a model of your own")
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        self.__deepcopy__({})
 
     # -- what the launcher and CLI ask before starting processes -------------------------------
 
@@ -343,11 +358,11 @@ class Strategy(ABC, Generic[OptionsT]):
 def trained_already(strategy: str, kept: str) -> ConfigError:
     """A load refused by :meth:`Strategy.check_load` of a trainer whose state installs at
     its first step (the stages, the plan) and that has taken it: ``kept``, what would stay
-    the trained run's."""
+    the trained run's. (Only a script can: the CLI loads before any step.)"""
     return ConfigError(f"{strategy} loads a checkpoint only before the trainer's first step, "
                        f"and this trainer has trained: {kept} would stay as they are",
-                       "distribute a fresh model and load into that, or resume the run "
-                       "with --resume")
+                       "load before the first trainer.step(), into a model distributed "
+                       "afresh")
 
 
 _REGISTRY: dict[str, type[Strategy[Any]]] = {}
@@ -481,7 +496,9 @@ def distribute(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str
         ctx = ctx or runtime.init()
         if ctx.closed:  # its groups are gone: torch's "Group ... is not registered"
             raise left_run("distribute() was called", "distribute the model before the "
-                           "shutdown: a launched process joins its run once")
+                           "shutdown: a launched process joins its run once"
+                           if _env.started_by() else "call polytrain.init() again and pass "
+                           "its context (a plain script may join a new run)")
         if not ctx.is_worker:
             raise ConfigError(f"rank {ctx.rank} is a server and cannot train a model",
                               "call distribute() on workers only")
@@ -509,13 +526,13 @@ def distribute(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str
     instance = cls(ctx, opts)
     wrapped, opt = instance.wrap(model, optimizer)
     _place_state(optimizer)
-    if wrapped is model:
-        # The user's own model (byteps, parallax): its strategy, which holds process groups,
-        # kept beside it, so that a copy or a torch.save of it does not pickle them.
+    if wrapped is model and cls.copyable_model:
+        # The user's own model (byteps): its strategy, which holds process groups, kept
+        # beside it, so that a copy or a torch.save of it does not pickle them.
         _OWN_MODELS[wrapped] = instance
     else:
-        # A wrapper of the strategy's holds it (polytrain.moe.checkpoint reads it there):
-        # in _OWN_MODELS, a strategy that holds its wrapper (herring's) would keep both alive.
+        # On the model (polytrain.moe.checkpoint reads it there): in _OWN_MODELS, a strategy
+        # that holds the model (a pipeline's) or its wrapper (herring's) kept both alive.
         object.__setattr__(wrapped, "_polytrain_strategy", instance)
     for given_model in (model, wrapped):
         _DISTRIBUTED[given_model] = strategy
@@ -636,7 +653,8 @@ def strategy_of(model: nn.Module | Trainer) -> Strategy[Any]:
     """The strategy instance of the model :func:`distribute` returned (or of a trainer)."""
     if isinstance(model, Trainer):
         return model.strategy
-    strategy = _OWN_MODELS.get(model) or getattr(model, "_polytrain_strategy", None)
+    strategy = (_OWN_MODELS.get(model) if isinstance(model, nn.Module) else None) or \
+        getattr(model, "_polytrain_strategy", None)
     if not isinstance(strategy, Strategy):
         raise ConfigError("this model did not come from polytrain.distribute()",
                           "pass the model that distribute() returned")

@@ -19,6 +19,7 @@ class Single(Strategy[NoOptions]):
     name = "single"
     resumes_on_other_layouts = True  # every worker holds the whole model and optimizer
     distributed = False
+    copyable_model = True  # (no hooks at all)
 
     @classmethod
     def check_layout(cls, layout: Layout, options: NoOptions) -> None:

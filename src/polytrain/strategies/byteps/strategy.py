@@ -51,6 +51,7 @@ class BytePS(ServedStrategy[BytePSOptions]):
 
     name = "byteps"
     Options = BytePSOptions
+    copyable_model = True  # its hooks are on the parameters: a copy has none
 
     @classmethod
     def check_model(cls, model: nn.Module, layout: Layout, options: BytePSOptions) -> None:
