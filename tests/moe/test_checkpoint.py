@@ -408,7 +408,7 @@ def test_full_and_local_state_dicts_of_what_distribute_returned_use_the_models_n
     marked = Wrapper(own)
     for model in (own, marked):
         assert list(full_state_dict(model)) == list(own.state_dict())
-    own._polytrain_strategy = "single"  # single's wrap marks the model itself
+    own._polytrain_strategy = "single"  # a strategy that hands the model back marks it (parallax)
     assert list(full_state_dict(own)) == list(own.state_dict())
 
 
