@@ -85,6 +85,42 @@ def refused(fn: Callable[[], Any]) -> str:
     return "accepted"
 
 
+def no_sync_gradients(ddp: Callable[[torch.nn.Module], Any], worker_index: int
+                      ) -> dict[str, torch.Tensor]:
+    """A drop-in DDP (``ddp(module)``) under three uses of no_sync(), each a weight's
+    gradient: a forward outside it with its backward inside, then the other way, then a
+    forward inside whose backward comes after another forward's summed one. Worker w's input
+    is w + 1 everywhere: its gradient 2 (w + 1), the average 3. As torch's DDP: 3, 2 (w + 1),
+    2 (w + 1)."""
+    net = torch.nn.Linear(4, 2)
+    model = ddp(net)
+    x = torch.full((2, 4), worker_index + 1.0)
+    loss = model(x).sum()
+    with model.no_sync():
+        loss.backward()
+    out = {"forward outside": net.weight.grad.clone()}
+    net.zero_grad()
+    with model.no_sync():
+        loss = model(x).sum()
+    loss.backward()
+    out["forward inside"] = net.weight.grad.clone()
+    with model.no_sync():
+        inside = model(x).sum()
+    model(x).sum().backward()
+    net.zero_grad()
+    inside.backward()
+    out["inside, after a sum"] = net.weight.grad.clone()
+    return out
+
+
+def check_no_sync_gradients(said: dict[str, torch.Tensor], worker_index: int) -> None:
+    """Assert :func:`no_sync_gradients`'s answer is torch's DDP's."""
+    own = torch.full((2, 4), 2.0 * (worker_index + 1))
+    assert torch.equal(said["forward outside"], torch.full((2, 4), 3.0))
+    assert torch.equal(said["forward inside"], own)
+    assert torch.equal(said["inside, after a sum"], own)
+
+
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     """Largest elementwise difference of two state dicts with the same keys."""
     assert a.keys() == b.keys(), (sorted(a), sorted(b))

@@ -2,12 +2,11 @@
 
 import pytest
 import torch
-from torch import nn
 
 import polytrain
 from polytrain.ps.grads import flags_dtype, presence_flags, read_presence
 from polytrain.tensors import sum_dtype
-from tests.harness import spawn
+from tests.harness import check_no_sync_gradients, no_sync_gradients, spawn
 
 
 def summed(flags: list[torch.Tensor], per_machine: int) -> torch.Tensor:
@@ -46,31 +45,11 @@ def test_the_flags_stay_four_bytes_while_their_sums_fit_in_32_bits():
     assert presence_flags([True], [False], 2).dtype == torch.int32
 
 
-def byteps_no_sync() -> dict:
-    """BytePS's drop-in: worker w's input is w + 1 everywhere (its gradient 2 (w + 1), the
-    average 3); a forward outside no_sync() with its backward inside, then the other way,
-    then a forward inside whose backward comes after another forward's summed one."""
+def byteps_no_sync() -> dict[str, torch.Tensor]:
+    """BytePS's drop-in under no_sync() (:func:`tests.harness.no_sync_gradients`)."""
     ctx = polytrain.init()
     from polytrain.byteps.parallel import DistributedDataParallel as DDP
-    net = nn.Linear(4, 2)
-    model = DDP(net)
-    x = torch.full((2, 4), ctx.worker_index + 1.0)
-    loss = model(x).sum()
-    with model.no_sync():
-        loss.backward()
-    out = {"forward outside": net.weight.grad.clone()}
-    net.zero_grad()
-    with model.no_sync():
-        loss = model(x).sum()
-    loss.backward()
-    out["forward inside"] = net.weight.grad.clone()
-    with model.no_sync():  # its backward comes after another forward's summed one
-        inside = model(x).sum()
-    model(x).sum().backward()
-    net.zero_grad()
-    inside.backward()
-    out["inside, after a sum"] = net.weight.grad.clone()
-    return out
+    return no_sync_gradients(DDP, ctx.worker_index)
 
 
 @pytest.mark.timeout(60)
@@ -79,9 +58,6 @@ def test_no_sync_applies_to_the_backward_of_a_forward_inside_it_as_torch_ddp():
     # gradients (torch's DDP sums them), and the other way round summed them (torch's DDP
     # does not). Cause: GradientSync read no_sync() at the backward, torch's DDP at the
     # forward. (Herring's drop-in: test_herring.py, on the same SyncedModule.)
+    # And a forward inside whose backward came after another's summed backward was summed.
     for w, said in enumerate(spawn(byteps_no_sync, workers=2, colocated=1)):
-        assert torch.equal(said["forward outside"], torch.full((2, 4), 3.0))
-        assert torch.equal(said["forward inside"], torch.full((2, 4), 2.0 * (w + 1)))
-        # (It was summed: the summed backward between left the next one to no_sync()'s
-        # state at that backward.)
-        assert torch.equal(said["inside, after a sum"], torch.full((2, 4), 2.0 * (w + 1)))
+        check_no_sync_gradients(said, w)
