@@ -89,9 +89,11 @@ def no_sync_gradients(ddp: Callable[[torch.nn.Module], Any], worker_index: int
                       ) -> dict[str, torch.Tensor]:
     """A drop-in DDP (``ddp(module)``) under three uses of no_sync(), each a weight's
     gradient: a forward outside it with its backward inside, then the other way, then a
-    forward inside whose backward comes after another forward's summed one. Worker w's input
+    forward inside whose backward comes after another forward's summed one; last, a second
+    backward of one forward (retain_graph's: a regulariser's own backward). Worker w's input
     is w + 1 everywhere: its gradient 2 (w + 1), the average 3. As torch's DDP: 3, 2 (w + 1),
-    2 (w + 1)."""
+    2 (w + 1); and 6 for the second backward of twice the output, which torch's DDP leaves
+    local (one process gets the sum of both backwards' gradients, as here)."""
     net = torch.nn.Linear(4, 2)
     model = ddp(net)
     x = torch.full((2, 4), worker_index + 1.0)
@@ -110,6 +112,12 @@ def no_sync_gradients(ddp: Callable[[torch.nn.Module], Any], worker_index: int
     net.zero_grad()
     inside.backward()
     out["inside, after a sum"] = net.weight.grad.clone()
+    net.zero_grad()
+    twice = model(x)
+    twice.sum().backward(retain_graph=True)
+    net.zero_grad()
+    (2 * twice).sum().backward()
+    out["second backward"] = net.weight.grad.clone()
     return out
 
 
@@ -119,6 +127,7 @@ def check_no_sync_gradients(said: dict[str, torch.Tensor], worker_index: int) ->
     assert torch.equal(said["forward outside"], torch.full((2, 4), 3.0))
     assert torch.equal(said["forward inside"], own)
     assert torch.equal(said["inside, after a sum"], own)
+    assert torch.equal(said["second backward"], torch.full((2, 4), 6.0))
 
 
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

@@ -164,6 +164,7 @@ class GradientSync:
         self.owner: str = owner
         self.engine = engine
         self.in_backward = in_backward
+        self.inside_forward = False
         self._queued = False
         self.params = [p for _, p in named]
         self.names = [n for n, _ in named]
@@ -301,11 +302,13 @@ class GradientSync:
         self.unsynced = False
         #: Whether the next backward sums, as a drop-in's forward decided it (torch DDP's
         #: rule): True after a forward with gradients on outside no_sync() since the last
-        #: sum, False after only ones inside, or none (a backward of a forward made inside
-        #: no_sync() before the sum stays local, wherever it runs); None, where no forward
-        #: decides (DistributedOptimizer, not ``in_backward``): :attr:`enabled` decides at
-        #: the backward.
-        self.forward_sums: bool | None = False if self.in_backward else None
+        #: sum, False after only ones inside, or none where one inside came before the last
+        #: sum (its backward stays local, wherever it runs); None (no forward since, or no
+        #: forward at all: DistributedOptimizer): :attr:`enabled` decides at the backward
+        #: (a second backward of a forward, retain_graph's, sums).
+        self.forward_sums: bool | None = False if self.inside_forward else None
+        #: A drop-in's forward inside no_sync() came since the last sum (its forward sets it).
+        self.inside_forward = False
 
     def _hook(self, i: int) -> Callable[[torch.Tensor], None]:
         # By weak reference: the parameter holds its hooks, and a hook that held this object

@@ -195,6 +195,7 @@ class SyncedModule(nn.Module):
             # decides whether its backward sums, wherever that backward runs; one forward
             # outside since the last sum makes the next backward sum.
             self.sync.forward_sums = self.sync.enabled or bool(self.sync.forward_sums)
+            self.sync.inside_forward = self.sync.inside_forward or not self.sync.enabled
         # As torch's DDP: only a forward after one that trains and syncs (gradients on,
         # outside no_sync()) broadcasts. A worker that evaluates alone under no_grad() then
         # broadcasts once, the broadcast its next training forward would have made, and the
