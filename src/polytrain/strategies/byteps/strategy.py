@@ -15,7 +15,7 @@ from ...ps.compression import compressor
 from ...ps.engine import Engine, engine_for
 from ...runtime import Context
 from ..base import register, saved_option
-from ..checks import check_dense_gradients
+from ..checks import check_dense_gradients, check_same_values
 from ..served import ServedStrategy
 from ..synced import keep_missing_for
 from .async_mode import AsyncOptimizer
@@ -101,7 +101,7 @@ class BytePS(ServedStrategy[BytePSOptions]):
             # (summed as zeros, Adam would step on it with its momentum): a flag per
             # parameter summed a step, beside the gradients (GradientSync.keep_missing).
             keep_missing_for(self.optimizer.sync, model, find_unused=True)
-        self._outside = _Outside(model, optimizer)
+        self._outside = _Outside(ctx, model, optimizer)
         return model, self.optimizer
 
     def evaluation_model(self, model: nn.Module) -> nn.Module | None:
@@ -192,34 +192,40 @@ class BytePS(ServedStrategy[BytePSOptions]):
 
 
 class _Outside:
-    """The model's parameters that require a gradient and that the optimizer given to
-    :func:`distribute` does not hold: nothing sums their gradients. Left alone (a backbone
-    that fine-tuning leaves as it is) they stay alike; stepped (by a second optimizer of the
-    script's) each worker's copy took its own gradients, and they drifted apart (0.31 in two
-    steps). So the wrapped optimizer's step refuses one that changed since the last."""
+    """The model's parameters that the optimizer given to :func:`distribute` does not hold:
+    nothing sums their gradients. Left alone (a backbone that fine-tuning leaves as it is)
+    they stay alike; stepped by a second optimizer of the script's on each worker's own
+    gradients, they drifted apart (0.31 in two steps). So at every step of the wrapped
+    optimizer, the workers compare those that changed since the last (a load, an optimizer
+    that sums them too, or a renorm alike on every worker change them alike), and a copy
+    that differs is refused, naming it and the worker. One gather a step, only while one of
+    them requires a gradient. (A write to ``.data`` changes no version: it is not seen.)"""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, ctx: Context, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.ctx = ctx
         held = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        self.params = [(n, p) for n, p in model.named_parameters()
-                       if p.requires_grad and id(p) not in held]
+        self.params = [(n, p) for n, p in model.named_parameters() if id(p) not in held]
         self.mark()
         self._hook = optimizer.register_step_pre_hook(self._check) if self.params else None
 
     def mark(self) -> None:
-        """Take the parameters as they are now as unchanged (a load writes them)."""
+        """Take the parameters as they are now as compared."""
         self.versions = [p._version for _, p in self.params]
 
+    @torch.no_grad()
     def _check(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        for (name, p), version in zip(self.params, self.versions):
-            if p._version != version:
-                raise ConfigError(f"{name!r} changed since the last step, and the optimizer "
-                                  f"given to distribute() does not hold it: strategy 'byteps' "
-                                  f"sums the gradients of that optimizer's parameters, so each "
-                                  f"worker stepped it on its own gradients (by another "
-                                  f"optimizer, say), and the copies drift apart",
-                                  "give distribute()'s optimizer every parameter that trains "
-                                  "(a parameter group for other settings), or set "
-                                  "requires_grad=False on those that do not")
+        if not any(p.requires_grad for _, p in self.params):  # all frozen: nothing trains
+            self.mark()  # them (and no gather: alike on every worker, which all skip it)
+            return
+        changed = {
+            f"copy of {name!r} (not in distribute()'s optimizer; changed since the last step)":
+            (float(p.double().sum()), float(p.double().square().sum()))
+            for (name, p), version in zip(self.params, self.versions) if p._version != version}
+        check_same_values(self.ctx, changed,
+                          "strategy 'byteps' sums the gradients of the optimizer given to "
+                          "distribute(), so another optimizer stepped it on each worker's own "
+                          "gradients: give distribute()'s optimizer every parameter that "
+                          "trains, or set requires_grad=False on those nothing trains")
         self.mark()
 
     def close(self) -> None:
