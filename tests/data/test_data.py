@@ -80,22 +80,25 @@ def test_a_0_dim_tensor_is_refused_as_a_batch():
     ({"window": 1.5}, r"window must be a whole number \(got 1\.5\)\. HINT: pass window=65"),
     ({"seed": -1}, r"^seed must be in 0\.\.2\*\*63-1 \(got -1\)\. HINT: pass seed=0$"),
     ({"seed": 2**64}, r"^seed must be in 0\.\.2\*\*63-1 \(got 18446744073709551616\)"),
-    ({"seed": None}, r"^seed must be a whole number \(got 'None'\)"),
-    ({"window": None}, r"^window must be a whole number \(got 'None'\)"),
+    ({"seed": None}, r"^seed must be a whole number \(got None\)"),
+    ({"window": None}, r"^window must be a whole number \(got None\)"),
+    ({"batch_size": None}, r"^--batch-size must be a whole number \(got None\)"),
+    ({"batch_size": 2.5}, r"^--batch-size must be a whole number \(got 2\.5\)"),
     ({"seed": 1.5}, r"^seed must be a whole number \(got 1\.5\)\. HINT: pass seed=0$")])
 def test_batches_of_a_window_or_seed_torch_cannot_take_are_refused(batches, options, message):
     # window=0 gave empty (4, 0) batches (GlobalBatches) or a ZeroDivisionError (EpochBatches),
     # window=-3 and 1.5 torch's RuntimeError or TypeError; seed=-1 was taken (TrainConfig
     # refuses --seed -1), and seed=2**64 failed at the first batch ("Overflow when unpacking").
     with pytest.raises(ConfigError, match=message):
-        batches(torch.arange(100), batch_size=4, **{"window": 9, "seed": 0, **options})
+        batches(torch.arange(100), **{"batch_size": 4, "window": 9, "seed": 0, **options})
     assert next(iter(batches(torch.arange(100), batch_size=4, window=9, seed=2**63 - 1))).shape \
         == (4, 9)
     # numpy's integers pass the check, and torch's generator does not take them: TypeError or
     # OverflowError at the first batch.
     import numpy as np
     assert torch.equal(
-        next(iter(batches(torch.arange(100), batch_size=4, window=np.int64(9), seed=np.int64(5)))),
+        next(iter(batches(torch.arange(100), batch_size=np.int64(4), window=np.int64(9),
+                          seed=np.int64(5)))),
         next(iter(batches(torch.arange(100), batch_size=4, window=9, seed=5))))
 
 

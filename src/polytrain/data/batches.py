@@ -11,22 +11,38 @@ from ..errors import ConfigError, at_least, check_whole
 __all__ = ["GlobalBatches", "EpochBatches", "windows", "shard", "check_divisible", "check_seed"]
 
 
+def _whole(name: str, value: int, hint: str) -> int:
+    """``value`` as an int (torch's generator and randint do not take numpy's: TypeError
+    or OverflowError at the first batch), refused unless a whole number (None too)."""
+    if value is None:
+        raise ConfigError(f"{name} must be a whole number (got None)", hint)
+    check_whole(name, value, hint)
+    return int(value)
+
+
 def check_seed(seed: int, name: str = "seed", hint: str = "pass seed=0") -> int:
     """``seed`` as an int, refused unless a whole number in 0..2**63-1 (-1 was taken as
     another seed, 2**64 failed at the first batch, and :class:`EpochBatches` takes it modulo
     2**63: a larger one repeats a smaller one's batches)."""
-    check_whole(name, "None" if seed is None else seed, hint)
+    seed = _whole(name, seed, hint)
     if not 0 <= seed < 2**63:
         raise ConfigError(f"{name} must be in 0..2**63-1 (got {seed})", hint)
-    return int(seed)  # (torch's generator does not take numpy's)
+    return seed
 
 
 def _check_window(window: int) -> int:
     # 0 gave empty batches or a ZeroDivisionError, -3 and 1.5 torch's errors.
     hint = "pass window=65 (a model's seq_len + 1, for seq_len 64)"
-    check_whole("window", "None" if window is None else window, hint)
+    window = _whole("window", window, hint)
     at_least("window", window, hint)
-    return int(window)
+    return window
+
+
+def _check_batch_size(batch_size: int) -> int:
+    hint = "pass --batch-size 32"
+    batch_size = _whole("--batch-size", batch_size, hint)
+    at_least("--batch-size", batch_size, hint)
+    return batch_size
 
 
 class GlobalBatches:
@@ -42,7 +58,7 @@ class GlobalBatches:
     """
 
     def __init__(self, corpus: torch.Tensor, *, batch_size: int, window: int, seed: int) -> None:
-        at_least("--batch-size", batch_size, "pass --batch-size 32")
+        batch_size = _check_batch_size(batch_size)
         window, seed = _check_window(window), check_seed(seed)
         if corpus.numel() <= window:
             raise ConfigError(f"the corpus has {corpus.numel()} tokens, and windows of "
@@ -94,7 +110,7 @@ class EpochBatches:
     """
 
     def __init__(self, corpus: torch.Tensor, *, batch_size: int, window: int, seed: int) -> None:
-        at_least("--batch-size", batch_size, "pass --batch-size 32")
+        batch_size = _check_batch_size(batch_size)
         seed = check_seed(seed)
         self.samples = windows(corpus, window)
         if self.samples.shape[0] < batch_size:
