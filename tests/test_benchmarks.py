@@ -34,3 +34,16 @@ def test_onebit_replay_runs_take_their_defaults_by_position(monkeypatch):
     assert parse("onebit/dithering:4") == ("onebit", "dithering:4", "0", "sums")
     assert parse("onebit:1024/dithering:4/30") == ("onebit:1024", "dithering:4", "30", "sums")
     assert parse("onebit/none/1/refresh4") == ("onebit", "none", "1", "refresh4")
+
+
+@pytest.mark.timeout(180)
+def test_the_pipetransformer_benchmark_runs_its_quick_settings(monkeypatch, tmp_path):
+    # --quick was refused before any run: its base config (12 steps) kept the default freeze
+    # points, one epoch of 108 steps ("no layer would freeze"), though no run uses it as is.
+    out = tmp_path / "quick.json"
+    main = _load("pipetransformer", monkeypatch).main
+    assert main(["--quick", "--only", "no freeze", "--out", str(out)]) == 0
+    import json
+    said = json.loads(out.read_text())
+    assert said["summary"]["no freeze"]["speedup_rounds"] == [1.0]
+    assert (tmp_path / "quick.png").exists()
