@@ -114,7 +114,7 @@ def test_train_writes_metrics_and_final_state_as_the_contract_says(tmp_path):
     (["--model", "mlp", "--heads", "4"], r"model 'mlp' takes no option --heads\. HINT: its "
                                          r"options are: --seq-len, --d-model, --layers$"),
     # The hints spoke Python (capacity_factor=1.25, or None) to a command line.
-    (["--strategy", "moe", "--model", "gpt-moe", "--capacity-factor", "0"],
+    (["--strategy", "moe", "--model", "gpt-moe", "--gate", "gshard", "--capacity-factor", "0"],
      r"HINT: pass --capacity-factor 1\.25 \(capacity_factor=1\.25 in a script\), or "
      r"--dropless for no capacity limit"),
     (["--strategy", "moe", "--model", "gpt-moe", "--z-loss", "-1"],

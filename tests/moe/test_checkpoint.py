@@ -1,5 +1,7 @@
 """Checkpoints saved with expert-parallel size P load with P' (1 included) on other workers."""
 
+import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -57,6 +59,7 @@ def train_and_save(directory: str, expert_parallel: int) -> tuple[dict[str, torc
     plain = model.module
     # expert_parallel=1: each worker holds every expert; its plain model with write unset
     # had every worker write shard-0.pt at once (ranks 1-3: the same FileNotFoundError).
+    # Each worker writes, with no exchange, as the replicas they are: four at once.
     every_expert = build(0)
     whole = polytrain.distribute(every_expert, torch.optim.SGD(every_expert.parameters(),
                                                                lr=0.5), "moe",
@@ -67,10 +70,18 @@ def train_and_save(directory: str, expert_parallel: int) -> tuple[dict[str, torc
                                ("plain model", plain, None),
                                ("plain, every rank", plain, True),
                                ("plain, one of a group", plain, ctx.rank in (0, 3)),
-                               ("plain, every expert on each", whole.module, None)):
+                               ("plain, every expert on each", whole.module, None),
+                               # A rank that passes write=True and others that write with
+                               # it unset were all said to pass write=True.
+                               ("mixed", model, True if ctx.rank == 3 else None),
+                               # Two groups writing one directory, one by a link to it, were
+                               # taken for two directories: both wrote the same files.
+                               ("alias", plain, True)):
+        into = Path(directory).parent / f"{Path(directory).name}-{name}"
+        if name == "alias":
+            into = into.with_name(f"{Path(directory).name}.{'alias' if ctx.rank > 1 else 'real'}")
         try:
-            save_sharded(given, Path(directory).parent / f"{Path(directory).name}-{name}",
-                         write=write)
+            save_sharded(given, into, write=write)
             refused[name] = "saved"
         except polytrain.ConfigError as e:
             refused[name] = str(e)
@@ -142,6 +153,14 @@ def load(directory: str, full: dict[str, torch.Tensor], scratch: str) -> dict[st
         out["one group, rank 0"] = "saved"
     except polytrain.ConfigError as e:
         out["one group, rank 0"] = str(e)
+    # One expert group, a directory per rank: "other expert groups hold copies" (there are
+    # none) of the plain model, "rank 0 passes write=True" (none did) of the wrapped one.
+    for name, given in (("plain", new.module), ("wrapped", new)):
+        try:
+            save_sharded(given, Path(scratch) / f"{name}-{ctx.rank}")
+            out[f"a directory per rank, {name}"] = "saved"
+        except polytrain.ConfigError as e:
+            out[f"a directory per rank, {name}"] = str(e)
     # mkdir failing on rank 1 alone (a path below a file there) raised a bare
     # NotADirectoryError before the exchange: rank 0 waited in it until the timeout.
     real_mkdir = Path.mkdir
@@ -173,9 +192,14 @@ def load(directory: str, full: dict[str, torch.Tensor], scratch: str) -> dict[st
         save_sharded(wrapped, Path(scratch) / "rank-0-only")
     out["rank 0 alone"] = sorted(p.name for p in (Path(scratch) / "rank-0-only").iterdir()) \
         if ctx.rank == 0 else None
-    # The plain model is each worker's own to save, as before.
+    # The plain model is each worker's own to save, as before; torch's `if rank == 0:` with
+    # it waited in an exchange of the workers until the timeout (PeerLost).
     save_sharded(dense, Path(scratch) / f"own-{ctx.rank}")
     out["own"] = (Path(scratch) / f"own-{ctx.rank}" / "meta.json").exists()
+    if ctx.rank == 0:
+        save_sharded(dense, Path(scratch) / "plain-rank-0-only")
+    out["plain, rank 0 alone"] = sorted(p.name for p in (Path(scratch) / "plain-rank-0-only"
+                                                         ).iterdir()) if ctx.rank == 0 else None
     out["after the cut"] = largest_diff(full_state_dict(into), full_state_dict(old))
     # polytrain.load of a larger model's checkpoint: ddp's is refused, moe's loaded step 1.
     def trainer(layers: int) -> polytrain.Trainer:
@@ -215,6 +239,9 @@ def load(directory: str, full: dict[str, torch.Tensor], scratch: str) -> dict[st
 
 @pytest.mark.timeout(120)
 def test_save_on_four_load_on_two_and_on_one(tmp_path):
+    real = tmp_path.parent / f"{tmp_path.name}.real"
+    real.mkdir()
+    (tmp_path.parent / f"{tmp_path.name}.alias").symlink_to(real, target_is_directory=True)
     results = spawn(train_and_save, workers=4, args=(str(tmp_path), 2))
     saved = results[0][0]
     groups = "expert groups (0, 1), (2, 3)"
@@ -234,13 +261,20 @@ def test_save_on_four_load_on_two_and_on_one(tmp_path):
                            f"workers (other expert groups hold copies), and write is unset. "
                            f"{unset}",
             "plain, every rank": every, "plain, one of a group": one_of,
-            "plain, every expert on each":
-                f"save_sharded: each of the 4 workers holds every expert, and write is unset: "
-                f"ranks 0, 1, 2, 3 would each write shard-0.pt in "
-                f"{tmp_path.parent / tmp_path.name}-plain, every expert on each. HINT: pass "
-                f"what distribute() returned (worker 0 then writes), write=True on one worker "
-                f"and write=False on the others, or each worker its own directory"}, refused
-    assert not any(p.name.startswith(f"{tmp_path.name}-") for p in tmp_path.parent.iterdir())
+            "plain, every expert on each": "saved",
+            "mixed": f"save_sharded writes each shard once, from one expert group, but rank 3 "
+                     f"passes write=True and ranks 0, 1 write with write unset ({groups}): "
+                     f"ranks 1 and 3 hold the same experts and would both write shard-1.pt. "
+                     f"{hint}",
+            "alias": every}, refused
+    four = tmp_path.parent / f"{tmp_path.name}-plain, every expert on each"
+    assert [p for p in tmp_path.parent.iterdir() if p.name.startswith(f"{tmp_path.name}-")] \
+        == [four]
+    assert sorted(p.name for p in four.iterdir()) == ["meta.json", "shard-0.pt"]
+    loaded = build(1)
+    load_sharded(loaded, four)
+    assert all(torch.equal(v, build(0).state_dict()[k]) for k, v in loaded.state_dict().items())
+    assert list(real.iterdir()) == []
     for name in ("second", "0", "1", "2", "3"):
         assert sorted(p.name for p in (tmp_path.parent / f"{tmp_path.name}.{name}").iterdir()
                       ) == ["meta.json", "shard-0.pt"] + ["shard-1.pt"] * (name == "second")
@@ -274,7 +308,14 @@ def test_save_on_four_load_on_two_and_on_one(tmp_path):
             f"a directory this rank can write, with free space; the last whole checkpoint "
             f"there is untouched"), out["no mkdir"]
         assert out["under ddp"] == ["meta.json", "shard-0.pt"] and out["own"] is True
-        assert out["rank 0 alone"] == (["meta.json", "shard-0.pt"] if rank == 0 else None)
+        assert out["rank 0 alone"] == out["plain, rank 0 alone"] == (
+            ["meta.json", "shard-0.pt"] if rank == 0 else None)
+        for name in ("plain", "wrapped"):
+            assert out[f"a directory per rank, {name}"] == (
+                f"save_sharded: the ranks of expert group (0, 1) gave different directories: "
+                f"{scratch / name}-0 (rank 0), {scratch / name}-1 (rank 1). HINT: pass every "
+                f"rank of an expert group the same directory (it writes its shards side by "
+                f"side)"), out[f"a directory per rank, {name}"]
         assert out["larger"] == (
             f"checkpoint {scratch / 'run' / 'step-1'} is of another model: it has "
             f"'h1.attn.proj.bias', which this model lacks. HINT: resume with the checkpoint's "
@@ -434,6 +475,45 @@ def test_a_save_that_fails_midway_leaves_the_last_checkpoint_whole(tmp_path, mon
     assert all(torch.equal(v, build(0).state_dict()[k]) for k, v in loaded.state_dict().items())
 
 
+def test_replicas_that_save_one_directory_at_once_all_succeed_and_it_loads(tmp_path,
+                                                                           monkeypatch):
+    # From a review: workers that each hold every expert (ddp, herring) saving their plain
+    # models to one directory shared one temporary file name: a save that came in between
+    # another's write and its rename took its file (FileNotFoundError, "free space" hinted),
+    # and one that came in before another's meta.json left that meta.json listing another
+    # save than the shard there, which load_sharded() refused. Here a second save comes in
+    # at each of those points.
+    model = build(0)
+    real_save, real_replace = torch.save, os.replace
+    state = {"at": "", "armed": True, "into": tmp_path}
+
+    def another_save(here: str) -> None:
+        if state["armed"] and here == state["at"]:
+            state["armed"] = False
+            save_sharded(model, state["into"])
+
+    def save(obj, f, *args, **kwargs):
+        real_save(obj, f, *args, **kwargs)
+        another_save("after its shard's write")
+
+    def replace(src, dst):
+        if Path(dst).name == "meta.json":
+            another_save("before its meta.json")
+        real_replace(src, dst)
+
+    for at in ("after its shard's write", "before its meta.json"):
+        state.update(at=at, armed=True, into=tmp_path / at)
+        monkeypatch.setattr(torch, "save", save)
+        monkeypatch.setattr(os, "replace", replace)
+        save_sharded(model, tmp_path / at)
+        monkeypatch.undo()
+        assert not state["armed"]
+        assert sorted(p.name for p in (tmp_path / at).iterdir()) == ["meta.json", "shard-0.pt"]
+        loaded = build(1)
+        load_sharded(loaded, tmp_path / at)
+        assert all(torch.equal(v, model.state_dict()[k]) for k, v in loaded.state_dict().items())
+
+
 def test_a_directory_that_cannot_be_made_is_refused_as_a_failed_save(tmp_path):
     # mkdir's bare FileExistsError / NotADirectoryError, raised before the exchange every
     # rank meets: a peer whose mkdir worked waited there until the timeout.
@@ -459,6 +539,29 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file(tmp_path):
     for text, what in (("{trunc", r"JSONDecodeError: Expecting property name.*"),
                        ("[1, 2]", r"not a JSON object")):
         meta.write_text(text)
+        with pytest.raises(CheckpointError, match=rf"^{re.escape(str(meta))} is damaged: "
+                                                  rf"{what}{again}"):
+            load_sharded(build(1), tmp_path)
+    # From a review: a meta.json edited into valid JSON of other kinds met KeyError,
+    # ValueError, ZeroDivisionError or IndexError.
+    fields = json.loads(whole)
+    for edit, what in (({"ranks": None}, r"it has no ranks"),
+                       ({"experts": None}, r"it has no experts"),
+                       ({"ranks": "x"}, r"its ranks is 'x', not a count of shards"),
+                       ({"ranks": 0}, r"its ranks is 0, not a count of shards"),
+                       ({"ranks": True}, r"its ranks is True, not a count of shards"),
+                       ({"experts": []}, r"its experts is \[\], not a mapping of MoE layers to "
+                                         r"expert counts"),
+                       ({"experts": {"h0.mlp.": "4"}}, r"its experts is \{'h0\.mlp\.': '4'\}, "
+                                                      r"not a mapping of MoE layers to expert "
+                                                      r"counts"),
+                       ({"saves": []}, r"it lists 0 saves for its 1 shards"),
+                       ({"saves": "ab"}, r"its saves is 'ab', not a list of saves"),
+                       ({"ranks": 8, "saves": ["a"] * 8}, r"its 4 experts of MoE layer "
+                                                          r"'h0\.mlp' cannot be split over its 8 "
+                                                          r"shards")):
+        meta.write_text(json.dumps({k: v for k, v in {**fields, **edit}.items()
+                                    if v is not None}))
         with pytest.raises(CheckpointError, match=rf"^{re.escape(str(meta))} is damaged: "
                                                   rf"{what}{again}"):
             load_sharded(build(1), tmp_path)

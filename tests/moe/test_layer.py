@@ -26,7 +26,7 @@ def brute_force(layer: MoE, x: torch.Tensor, indices: torch.Tensor,
 
 def layer_of(gate: str, top_k: int, drops: bool, **kw) -> MoE:
     torch.manual_seed(0)
-    # (naive and noisy have no capacity to lift: dropless is refused for them)
+    # (naive and noisy drop only with a capacity factor: dropless is refused for them)
     options = {"capacity_factor": 0.5} if drops else \
         {} if gate in ("naive", "noisy") else {"dropless": True}
     return MoE(D, E, top_k=top_k, gate=gate, d_hidden=12, **options, **kw)
@@ -144,6 +144,12 @@ def test_no_tokens_at_all():
     ({"gate": "hash"}, r"unknown gate 'hash'; the gates are: gshard, naive, noisy, switch"),
     ({"capacity_factor": 0.0},
      r"capacity_factor \(--capacity-factor\) must be positive and finite \(got 0.0\)"),
+    # From a review: the naive gate's hint offered --dropless, which naive then refuses.
+    ({"capacity_factor": 0}, r"HINT: pass --capacity-factor 1\.25 \(capacity_factor=1\.25 in a "
+                             r"script\), or leave --capacity-factor out for no capacity limit$"),
+    ({"gate": "gshard", "capacity_factor": -1.0},
+     r"HINT: pass --capacity-factor 1\.25 \(capacity_factor=1\.25 in a script\), or --dropless "
+     r"for no capacity limit$"),
     ({"capacity_factor": 1.0, "dropless": True},
      r"a dropless gate \(--dropless\) has no capacity"),
     # TypeError: __init__() got an unexpected keyword argument 'jitter'
@@ -176,17 +182,47 @@ def test_no_tokens_at_all():
     ({"z_loss_weight": None}, r"z_loss_weight \(--z-loss\) must be a number \(got None\)"),
     ({"gate": "switch", "gate_options": {"jitter": "0.1"}},
      r"jitter must be a number \(got '0\.1'\)\. HINT: pass jitter=0\.01"),
-    # dropless="no" was taken as true; with naive or noisy, which have no capacity, it did
-    # nothing (as a balance loss for naive would, which is refused).
+    # dropless="no" was taken as true; with naive or noisy, which drop only with a capacity
+    # factor (which dropless refuses), it did nothing (as a balance loss for naive would,
+    # which is refused).
     ({"gate": "gshard", "dropless": "no"},
      r"dropless \(--dropless\) must be True or False \(got 'no'\)"),
-    ({"dropless": True}, r"the naive gate has no capacity, so dropless \(--dropless\) would "
-                         r"do nothing\. HINT: use gate gshard or switch"),
-    ({"gate": "noisy", "dropless": True}, r"the noisy gate has no capacity"),
+    ({"gate": "gshard", "dropless": 2}, r"dropless \(--dropless\) must be True or False "
+                                        r"\(got 2\)"),
+    ({"dropless": True}, r"^the naive gate drops slots only with a capacity factor, which "
+                         r"dropless \(--dropless\) refuses, so dropless would do nothing\. "
+                         r"HINT: leave dropless out \(without --capacity-factor the naive gate "
+                         r"never drops\), or use gate gshard or switch, whose default capacity "
+                         r"dropless lifts$"),
+    ({"gate": "noisy", "dropless": True}, r"^the noisy gate drops slots only with a capacity "
+                                          r"factor"),
 ])
 def test_bad_options_are_named(kwargs, message):
     with pytest.raises(ConfigError, match=message):
         MoE(D, E, **kwargs)
+
+
+def test_numbers_of_numpy_and_torch_and_flags_as_0_or_1_are_taken():
+    # From a review: the type checks added for "0.01" and "no" refused what had worked:
+    # numpy's True and 0/1 for dropless, a 0-dim tensor or numpy float for a weight.
+    import numpy as np
+    for dropless in (np.True_, 1, np.int64(1), True):
+        gate = MoE(D, E, gate="gshard", dropless=dropless).gate
+        assert gate.dropless is True and gate.capacity_factor is None
+    for dropless in (np.False_, 0, False):
+        gate = MoE(D, E, gate="gshard", dropless=dropless).gate
+        assert gate.dropless is False and gate.capacity_factor == 1.2
+    gate = MoE(D, E, gate="switch", balance_weight=torch.tensor(0.5), z_loss_weight=np.float32(
+        0.25), capacity_factor=np.float64(1.5), gate_options={"jitter": torch.tensor(0.125)}).gate
+    assert (gate.balance_weight, gate.z_loss_weight, gate.capacity_factor, gate.jitter) == \
+        (0.5, 0.25, 1.5, 0.125)
+    assert all(type(v) is float for v in (gate.balance_weight, gate.z_loss_weight,
+                                          gate.capacity_factor, gate.jitter))
+    for bad, said in ((torch.tensor([0.5]), r"tensor\(\[0\.5000\]\)"),
+                      (torch.tensor(True), r"tensor\(True\)"), (np.True_, r"True")):
+        with pytest.raises(ConfigError, match=rf"^balance_weight \(--balance-loss\) must be a "
+                                              rf"number \(got {said}\)"):
+            MoE(D, E, gate="gshard", balance_weight=bad)
 
 
 def test_a_fractional_expert_count_is_named():

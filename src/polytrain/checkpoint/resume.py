@@ -3,6 +3,8 @@ strategy can carry its state to. Checked before any process starts."""
 
 from __future__ import annotations
 
+import inspect
+import logging
 import platform
 import sysconfig
 from pathlib import Path
@@ -11,12 +13,15 @@ from typing import Any, Mapping
 import torch
 
 from ..data import corpus_digest
-from ..errors import first_line
+from ..errors import ConfigError, first_line
 from ..models import get_model
+from ..moe.gates import has_default_capacity
 from ..strategies.base import get_strategy, make_options
 from .manifest import CheckpointError
 
 __all__ = ["run_record", "check_compatible"]
+
+log = logging.getLogger(__name__)
 
 # Fields that must match: they decide the weights' shapes, the batches seen, or the steps
 # taken (a checkpoint restores its optimizer's settings and schedule, so another --lr would
@@ -108,8 +113,23 @@ def _full_options(spec: Any, saved: Mapping[str, Any], where: Any) -> dict[str, 
     whose values build none was edited."""
     if "model_options" not in saved:
         return None
+    options = dict(saved["model_options"])
+    build = inspect.signature(spec.build).parameters
+    gate = options.get("gate", build["gate"].default if "gate" in build else None)
+    if options.get("dropless") and isinstance(gate, str) and not has_default_capacity(gate):
+        # Taken, and doing nothing, before it was refused: such a run's checkpoint resumes.
+        log.warning("checkpoint %s was saved with --dropless on the %s gate, which did nothing "
+                    "there (it drops slots only with a capacity factor): resuming it without",
+                    where, gate)
+        options["dropless"] = False
     try:
-        return spec.full_options(saved["model_options"])
+        return spec.full_options(options)
+    except ConfigError as e:  # a check this version makes: the record may be whole
+        raise CheckpointError(f"checkpoint {where}'s model_options {saved['model_options']} "
+                              f"are refused now: {e.what}",
+                              f"resume it with the polytrain that wrote it, or start without "
+                              f"--resume (--init {Path(str(where)) / 'model.pt'} starts from "
+                              f"its weights)") from None
     except Exception as e:  # noqa: BLE001 - an edited value fails wherever torch meets it
         raise CheckpointError(f"checkpoint {where} is damaged: its model_options "
                               f"{saved['model_options']} make no {spec.name} model "

@@ -20,28 +20,49 @@ from __future__ import annotations
 
 import math
 import numbers
+from typing import Any
 
 import torch
 
 from ..errors import ConfigError
+from ..kinds import plain
 
-__all__ = ["expert_capacity", "allowance", "keep_mask", "check_factor"]
+__all__ = ["expert_capacity", "allowance", "keep_mask", "check_factor", "check_number"]
 
 
-def check_factor(factor: float | None, name: str = "capacity_factor") -> None:
-    if factor is not None and (isinstance(factor, bool) or
-                               not isinstance(factor, numbers.Real)):  # ("1.2": TypeError)
-        flag = " (--capacity-factor)" if name == "capacity_factor" else ""
-        raise ConfigError(f"{name}{flag} must be a number (got {factor!r})",
-                          f"pass {name}=1.25, or leave it out for the gate's")
-    if factor is not None and not 0 < factor < math.inf:
+def check_number(name: str, value: Any, hint: str) -> float:
+    """``value`` as a Python number, refused unless it is a real one (``"0.01"`` and None
+    met a comparison's TypeError; True was taken as 1). A numpy scalar and a 0-dim tensor
+    of a real dtype count as their number."""
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and \
+            not value.is_complex() and value.dtype != torch.bool:
+        value = value.item()
+    value = plain(value)  # (numpy's True becomes True, and is refused)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ConfigError(f"{name} must be a number (got {value!r})", hint)
+    # (a Real: an int, a float, a Fraction; all that is asked of a float here)
+    return value  # type: ignore[return-value]
+
+
+def check_factor(factor: Any, name: str = "capacity_factor", *,
+                 no_limit: str = "--dropless") -> float | None:
+    """``factor`` as a Python number (None: none given), refused unless it is positive and
+    finite. ``no_limit``: the hint's way to no capacity limit (a gate with no capacity of
+    its own has none without a factor: "leave --capacity-factor out")."""
+    if factor is None:
+        return None
+    flag = " (--capacity-factor)" if name == "capacity_factor" else ""
+    factor = check_number(f"{name}{flag}", factor, f"pass {name}=1.25, or leave it out for "
+                                                   f"the gate's")
+    if not 0 < factor < math.inf:
         if name == "capacity_factor":  # a flag too
             raise ConfigError(f"{name} (--capacity-factor) must be positive and finite (got "
-                              f"{factor})", "pass --capacity-factor 1.25 (capacity_factor=1.25 "
-                              "in a script), or --dropless for no capacity limit")
+                              f"{factor})", f"pass --capacity-factor 1.25 (capacity_factor=1.25 "
+                              f"in a script), or {no_limit} for no capacity limit")
         raise ConfigError(f"{name} must be positive and finite (got {factor})",
                           f"pass {name}=1.25, or None for the gate's eval factor (gshard "
                           f"2.4, switch 2.0; else the training one)")
+    return factor
 
 
 def expert_capacity(tokens: int, num_experts: int, top_k: int, factor: float) -> int:

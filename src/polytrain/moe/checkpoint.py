@@ -15,6 +15,7 @@ is global expert ``first + i``, so:
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -237,60 +238,73 @@ def _writes(model: Any, wrapped: bool, write: bool | None, group: ExpertGroup,
     """Whether this rank writes its shard in ``path``: ``write``, else (what distribute()
     returned) whether it is in the first expert group, else (a plain model) True.
 
-    In a run of several workers every worker tells the others its choice, the ranks of its
+    A model whose MoE layers are all local (a plain model under ddp or herring, or of
+    ``expert_parallel=1``) needs no other rank: its workers hold replicas, which write one
+    directory at once safely (save_sharded), so ``if rank == 0: save_sharded(model, ...)``
+    works as with torch.save (an exchange left it waiting until the timeout). So does what
+    ddp or herring returned, whose worker 0 writes unless ``write`` says.
+
+    Else, in a run of several workers, every worker tells the others its choice, its
     layers' expert group and the directory, and all refuse alike, naming the ranks, unless
     the writers of each directory make up one whole expert group (every group wrote the
     same files at once: saves failed, or mixed two groups' shards; write=True on part of a
-    group left it waiting for the rest until the timeout). Where what distribute() returned
-    (``wrapped``) holds every expert on every worker (a ddp or herring wrapper of an MoE
-    model), worker 0 writes unless ``write`` says, with no exchange, so that ``if rank == 0:
-    save_sharded(...)`` works as with torch.save (each worker wrote shard-0.pt at once: a
-    rename failed, or the files mixed)."""
+    group left it waiting for the rest until the timeout)."""
     workers = runtime.current().num_workers if runtime.is_initialized() else 1
     if workers == 1:
         return write is not False
     ctx = runtime.current()
     groups = _expert_groups(model)
-    if wrapped and groups is None and not group.distributed:
-        return ctx.worker_index == 0 if write is None else write
+    if groups is None and not group.distributed:
+        return ctx.worker_index == 0 if write is None and wrapped else write is not False
     everyone = ExpertGroup(ctx.groups.workers)
     me = everyone.global_ranks[everyone.rank]
     mine = write if write is not None else (groups is None or me in groups[0])
     own = group.global_ranks if group.distributed else (me,)
-    # (this rank's choice, whether it was write unset on a plain model, its group, directory;
-    # abspath, not resolve(): nothing here may fail on one rank before the exchange)
-    told = _gather(everyone, (mine, write is None and groups is None, own,
-                              os.path.abspath(path)), "the workers")
-    every_group = sorted({t[2] for t in told})
+    # (this rank's choice, write as given, whether the model is plain, its group, the
+    # directory as given and resolved: realpath, which fails on no rank, and sees a link)
+    told = _gather(everyone, (mine, write, groups is None, own, str(path),
+                              os.path.realpath(path)), "the workers")
+    every_group = sorted({t[3] for t in told})
     by_dir: dict[str, list[int]] = {}
     for r, t in zip(everyone.global_ranks, told):
         if t[0]:  # none: nothing is written, as asked
-            by_dir.setdefault(t[3], []).append(r)
+            by_dir.setdefault(t[5], []).append(r)
+    of = dict(zip(everyone.global_ranks, told))
     for where, writers in by_dir.items():
         if tuple(writers) in every_group:
             continue
         listed = ", ".join(f"({', '.join(map(str, g))})" for g in every_group)
-        size = group.size
-        unset = [r for r, t in zip(everyone.global_ranks, told) if r in writers and t[1]]
-        if unset and size > 1:
-            raise ConfigError(f"save_sharded: the MoE layers' experts are split over {size} "
-                              f"of the {workers} workers (other expert groups hold copies), "
-                              f"and write is unset",
+        split = next((of[w][3] for w in writers if any(
+            r in of and of[r][0] and of[r][5] != where for r in of[w][3])), None)
+        if split is not None:  # (one group's shards in two places: no directory whole)
+            given: dict[str, list[int]] = {}
+            for r in split:
+                if r in of and of[r][0]:
+                    given.setdefault(of[r][4], []).append(r)
+            raise ConfigError(f"save_sharded: the ranks of expert group "
+                              f"({', '.join(map(str, split))}) gave different directories: "
+                              + ", ".join(f"{d} ({_ranks(rs)})" for d, rs in given.items()),
+                              "pass every rank of an expert group the same directory (it "
+                              "writes its shards side by side)")
+        unset = [r for r in writers if of[r][1] is None and of[r][2]]
+        if len({of[r][3] for r in unset}) > 1:
+            raise ConfigError(f"save_sharded: the MoE layers' experts are split over "
+                              f"{group.size} of the {workers} workers (other expert groups "
+                              f"hold copies), and write is unset",
                               "pass what distribute() returned (its first expert group then "
                               "writes), or write=True on the ranks of one expert group and "
                               "write=False on the others")
-        if unset:
-            raise ConfigError(f"save_sharded: each of the {workers} workers holds every "
-                              f"expert, and write is unset: {_ranks(writers)} would each "
-                              f"write shard-0.pt in {where}",
-                              "pass what distribute() returned (worker 0 then writes), "
-                              "write=True on one worker and write=False on the others, or "
-                              "each worker its own directory")
-        who = f"{_ranks(writers)} pass{'es' if len(writers) == 1 else ''}"
-        at = f" for {where}" if len(by_dir) > 1 else ""
-        what = (f"save_sharded writes each shard once, from one expert group, but {who} "
-                f"write=True{at} (expert groups {listed})")
-        for j in range(size):  # the first shard two ranks would write
+        passed = [r for r in writers if of[r][1]]
+        chose = [r for r in writers if of[r][1] is None]
+        who = " and ".join(
+            ([f"{_ranks(passed)} pass{'es' if len(passed) == 1 else ''} write=True"]
+             if passed else []) +
+            ([f"{_ranks(chose)} write{'s' if len(chose) == 1 else ''} with write unset"]
+             if chose else []))
+        at = f" for {of[writers[0]][4]}" if len(by_dir) > 1 else ""
+        what = (f"save_sharded writes each shard once, from one expert group, but {who}{at} "
+                f"(expert groups {listed})")
+        for j in range(group.size):  # the first shard two ranks would write
             both = [g[j] for g in every_group if len(g) > j and g[j] in writers]
             if len(both) > 1:
                 what += (f": ranks {both[0]} and {both[1]} hold the same experts and would "
@@ -300,25 +314,37 @@ def _writes(model: Any, wrapped: bool, write: bool | None, group: ExpertGroup,
     return mine
 
 
+def _digest(shard: dict[str, torch.Tensor]) -> str:
+    """A name of ``shard``'s content: its tensors' names, kinds and bytes."""
+    digest = hashlib.blake2b(digest_size=16)
+    for name, tensor in shard.items():
+        digest.update(f"{name} {tensor.dtype} {tuple(tensor.shape)}\n".encode())
+        digest.update(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+    return digest.hexdigest()
+
+
 def save_sharded(model: nn.Module, directory: str | Path, *, write: bool | None = None) -> None:
     """Write this rank's experts (and, on expert-parallel rank 0, the rest) to ``directory``.
 
-    Every worker calls it; one expert group writes each directory. ``model`` may be what
-    ``distribute`` returned (a wrapper, a DDP or a step API's trainer): its model is saved,
-    under the model's own names, and with ``write`` unset the first expert group writes
-    (the others hold copies of the same experts: data-parallel replicas). Given the plain
-    model of several expert groups, pass ``write=True`` on one group's ranks and
-    ``write=False`` on the others' (or a directory of its own to each group). The workers
-    agree first, in one exchange: writers of one directory that are not one whole expert
-    group are refused on every rank, naming them. Only what ddp or herring returned (every
-    expert on every worker) skips the exchange: worker 0 writes, so ``if rank == 0:`` works.
-    Files: ``meta.json`` and ``shard-R.pt`` per rank R of the expert-parallel group, each
-    with canonical keys.
+    Every worker calls it (but for a model whose MoE layers are all local: below); one
+    expert group writes each directory. ``model`` may be what ``distribute`` returned (a
+    wrapper, a DDP or a step API's trainer): its model is saved, under the model's own
+    names, and with ``write`` unset the first expert group writes (the others hold copies
+    of the same experts: data-parallel replicas). Given the plain model of several expert
+    groups, pass ``write=True`` on one group's ranks and ``write=False`` on the others'
+    (or a directory of its own to each group). The workers agree first, in one exchange:
+    writers of one directory (compared by real path) that are not one whole expert group
+    are refused on every rank, naming them. A model whose MoE layers are all local
+    skips the exchange, so ``if rank == 0:`` works: what ddp or herring returned (worker 0
+    writes), or a plain model (each worker writes; replicas may write one directory at
+    once). Files: ``meta.json`` and ``shard-R.pt`` per rank R of the expert-parallel group,
+    each with canonical keys.
 
-    Each rank writes its shard under a temporary name; only once every rank of the group
-    has (an exchange over the group, which times out after the run's ``--timeout`` like
-    every collective) are the shards renamed over the old ones and ``meta.json`` written,
-    listing each shard's save. A write that fails on any rank (a full disk) raises
+    Each rank writes its shard under a temporary name of its own process; only once every
+    rank of the group has (an exchange over the group, which times out after the run's
+    ``--timeout`` like every collective) are the shards renamed over the old ones and
+    ``meta.json`` written, listing each shard's save (a digest of its content). A write
+    that fails on any rank (a full disk) raises
     :class:`~polytrain.checkpoint.CheckpointError` on every rank, naming it (a directory
     that cannot be made too), and leaves the last save whole; a process killed between
     the renames leaves shards of two saves, which :func:`load_sharded` refuses. On return
@@ -341,10 +367,15 @@ def save_sharded(model: nn.Module, directory: str | Path, *, write: bool | None 
     # Here: polytrain.checkpoint imports the strategies, which import this module.
     from ..checkpoint.manifest import write_atomically
 
-    save = uuid.uuid4().hex  # this rank's shard of this save, as meta.json will list it
-    final, pending = path / f"shard-{rank}.pt", path / f".shard-{rank}.pt.pending"
+    # This rank's shard of this save, as meta.json will list it: its content's digest, so
+    # that replicas that write one directory at once (a plain model under ddp) agree.
+    save = ""
+    # A name of this process's own: another writing the same shard renames its own.
+    mine = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    final, pending = path / f"shard-{rank}.pt", path / f".shard-{rank}.pt.{mine}.pending"
     error: str | None = None
     try:  # (mkdir here too: a path below a file on one rank left the others waiting)
+        save = _digest(shard)
         path.mkdir(parents=True, exist_ok=True)
         write_atomically(pending, lambda tmp: torch.save(
             {"format": FORMAT, "rank": rank, "ranks": size, "save": save, "state": shard}, tmp))
@@ -365,12 +396,39 @@ def save_sharded(model: nn.Module, directory: str | Path, *, write: bool | None 
     if rank == 0:
         meta = {"format": FORMAT, "ranks": size, "saves": [s for _, s in done],
                 "experts": {p: layer.num_experts for p, layer in layers}}
+        written = path / f".meta.json.{mine}.pending"
         try:
-            write_atomically(path / "meta.json",
+            write_atomically(written,
                              lambda tmp: tmp.write_text(json.dumps(meta, indent=1) + "\n"))
+            os.replace(written, path / "meta.json")
         except Exception as e:  # noqa: BLE001 - the other ranks wait in the exchange below
             error = first_line(e)
+            with contextlib.suppress(OSError):
+                written.unlink(missing_ok=True)
     _refuse_failures(_gather(group, error), group, path, half)  # a load after this finds it
+
+
+def _check_meta(meta: dict[str, Any], file: Path) -> None:
+    """Refuse a ``meta.json`` edited into other kinds of values (KeyError, ValueError,
+    ZeroDivisionError or IndexError met them), naming ``file``."""
+    for key in ("ranks", "experts"):
+        if key not in meta:
+            raise _damaged(file, f"it has no {key}")
+    ranks, experts, saves = meta["ranks"], meta["experts"], meta.get("saves")
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+        raise _damaged(file, f"its ranks is {ranks!r}, not a count of shards")
+    if not isinstance(experts, dict) or not all(
+            isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in experts.values()):
+        raise _damaged(file, f"its experts is {experts!r}, not a mapping of MoE layers to "
+                             f"expert counts")
+    for prefix, n in experts.items():
+        if n % ranks:
+            raise _damaged(file, f"its {n} experts of MoE layer {prefix.rstrip('.')!r} cannot "
+                                 f"be split over its {ranks} shards")
+    if saves is not None and not isinstance(saves, list):  # (none before saves were listed)
+        raise _damaged(file, f"its saves is {saves!r}, not a list of saves")
+    if saves is not None and len(saves) != ranks:
+        raise _damaged(file, f"it lists {len(saves)} saves for its {ranks} shards")
 
 
 def load_sharded(model: nn.Module, directory: str | Path) -> None:
@@ -396,7 +454,8 @@ def load_sharded(model: nn.Module, directory: str | Path) -> None:
     if meta.get("format") != FORMAT:
         raise ConfigError(f"{meta_file} is format {meta.get('format')!r}, not {FORMAT!r}",
                           "save it again with this version of polytrain")
-    saved_ranks = int(meta["ranks"])
+    _check_meta(meta, meta_file)
+    saved_ranks = meta["ranks"]
     layers = moe_layers(model)
     for prefix, layer in layers:
         if prefix not in meta["experts"]:

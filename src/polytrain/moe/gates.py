@@ -42,6 +42,7 @@ from __future__ import annotations
 import inspect
 import math
 import numbers
+import operator
 from typing import Any, ClassVar
 
 import torch
@@ -50,13 +51,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ConfigError, unknown
+from ..kinds import plain
 from ..tensors import sum_dtype
-from .capacity import allowance, check_factor, expert_capacity, keep_mask
+from .capacity import allowance, check_factor, check_number, expert_capacity, keep_mask
 from .draws import new_seed, normal, uniform
 from .exchange import ExpertGroup, all_gather_counts
 
 __all__ = ["Gate", "NaiveGate", "NoisyGate", "GShardGate", "SwitchGate", "make_gate",
-           "gate_names", "balance_loss", "z_loss"]
+           "gate_names", "has_default_capacity", "balance_loss", "z_loss"]
 
 
 def _balance_sums(probs: torch.Tensor, top1: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -110,13 +112,6 @@ def _global_sums(local: dict[str, torch.Tensor], group: ExpertGroup) -> dict[str
     return out
 
 
-def _require_number(name: str, value: object, hint: str) -> None:
-    """Refuse ``value`` unless it is a real number, as capacity.check_factor does ("0.01" and
-    None met a ``<=`` check's TypeError; True was taken as 1)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ConfigError(f"{name} must be a number (got {value!r})", hint)
-
-
 def _cv_squared(x: torch.Tensor) -> torch.Tensor:
     # Shazeer et al.'s squared coefficient of variation; 0 for a single expert.
     if x.numel() < 2:
@@ -140,7 +135,8 @@ class Gate(nn.Module):
             and noisy have none); eval_capacity_factor: in eval mode (default: the
             gate's eval default, else capacity_factor).
         dropless: never drop a slot for capacity (no capacity factor may be given; a
-            gate without a capacity, naive or noisy, refuses it).
+            gate that drops only with a factor given, naive or noisy, refuses it). True,
+            False, numpy's, or 1 or 0.
         balance_weight: weight of the balance loss (default: the gate's, 0.01; naive none).
         z_loss_weight: weight of the router z-loss (default 0: off).
         group: the expert-parallel process group (default None: no expert parallelism).
@@ -169,21 +165,27 @@ class Gate(nn.Module):
                               f"{num_experts} (got {k})",
                               f"pass top_k (--top-k) in 1..{num_experts}")
         self.top_k = int(k)
-        check_factor(capacity_factor)
-        check_factor(eval_capacity_factor, "eval_capacity_factor")
-        if not isinstance(dropless, bool):  # ("no" was taken as true)
+        capped = self.default_capacity != (None, None)  # (naive, noisy: only a factor given)
+        capacity_factor = check_factor(capacity_factor, no_limit="--dropless" if capped else
+                                       "leave --capacity-factor out")
+        eval_capacity_factor = check_factor(eval_capacity_factor, "eval_capacity_factor")
+        flag = _flag(dropless)
+        if flag is None:  # ("no" was taken as true)
             raise ConfigError(f"dropless (--dropless) must be True or False (got {dropless!r})",
                               "pass dropless=True for no capacity limit, or leave it out")
+        dropless = flag
         if dropless and (capacity_factor is not None or eval_capacity_factor is not None):
             raise ConfigError(f"a dropless gate (--dropless) has no capacity (got "
                               f"capacity_factor {capacity_factor}, eval_capacity_factor "
                               f"{eval_capacity_factor})",
                               "leave out --capacity-factor (and eval_capacity_factor in a "
                               "script), or --dropless")
-        if dropless and self.default_capacity == (None, None):
-            raise ConfigError(f"the {self.name} gate has no capacity, so dropless (--dropless) "
-                              f"would do nothing", "use gate gshard or switch for a capacity "
-                              "that dropless lifts, or leave dropless out")
+        if dropless and not capped:  # (it did nothing: refused as a balance loss for naive)
+            raise ConfigError(f"the {self.name} gate drops slots only with a capacity factor, "
+                              f"which dropless (--dropless) refuses, so dropless would do "
+                              f"nothing", f"leave dropless out (without --capacity-factor the "
+                              f"{self.name} gate never drops), or use gate gshard or switch, "
+                              f"whose default capacity dropless lifts")
         train_cf, eval_cf = (None, None) if dropless else self.default_capacity
         self.capacity_factor = capacity_factor if capacity_factor is not None else train_cf
         # As documented: the gate's own eval factor (GShard's 2.4, Switch's 2.0) before
@@ -192,15 +194,10 @@ class Gate(nn.Module):
                                      else eval_cf if eval_cf is not None
                                      else self.capacity_factor)
         self.dropless = dropless
-        self.balance_weight = (self.default_balance_weight if balance_weight is None
-                               else balance_weight)
-        self.z_loss_weight = z_loss_weight
-        for name, flag, weight in (("balance_weight", "--balance-loss", self.balance_weight),
-                                   ("z_loss_weight", "--z-loss", z_loss_weight)):
-            hint = f"pass a small weight, e.g. {flag} 0.01 ({name}=0.01 in a script), or 0 for none"
-            _require_number(f"{name} ({flag})", weight, hint)
-            if not 0 <= weight < math.inf:
-                raise ConfigError(f"{name} ({flag}) must be 0 or more (got {weight})", hint)
+        self.balance_weight = self._weight("balance_weight", "--balance-loss",
+                                           self.default_balance_weight if balance_weight is None
+                                           else balance_weight)
+        self.z_loss_weight = self._weight("z_loss_weight", "--z-loss", z_loss_weight)
         if self.balance_weight and not self.has_balance_loss:
             raise ConfigError(f"the {self.name} gate has no balance loss, so balance_weight "
                               f"(--balance-loss) {self.balance_weight:g} would do nothing",
@@ -214,6 +211,15 @@ class Gate(nn.Module):
         #: applied twice in one forward (a shared block) holds its second call's alone.
         self.loss: torch.Tensor | None = None
         self.last_capacity: int | None = None
+
+    @staticmethod
+    def _weight(name: str, flag: str, weight: Any) -> float:
+        """``weight`` of a loss as a Python number, refused unless it is 0 or more."""
+        hint = f"pass a small weight, e.g. {flag} 0.01 ({name}=0.01 in a script), or 0 for none"
+        weight = check_number(f"{name} ({flag})", weight, hint)
+        if not 0 <= weight < math.inf:
+            raise ConfigError(f"{name} ({flag}) must be 0 or more (got {weight})", hint)
+        return weight
 
     def set_batch_group(self, group: Any | None) -> None:
         """Route over the global batch of ``group``'s ranks while training (None: the
@@ -441,7 +447,7 @@ class SwitchGate(Gate):
     def __init__(self, d_model: int, num_experts: int, *, jitter: float = 0.01,
                  **kwargs: Any) -> None:
         super().__init__(d_model, num_experts, **kwargs)
-        _require_number("jitter", jitter, "pass jitter=0.01")
+        jitter = check_number("jitter", jitter, "pass jitter=0.01")
         if not 0 <= jitter < 1:
             raise ConfigError(f"jitter must be in [0, 1) (got {jitter})", "pass jitter=0.01")
         self.jitter = jitter
@@ -465,6 +471,23 @@ _GATES: dict[str, type[Gate]] = {g.name: g for g in (NaiveGate, NoisyGate, GShar
 
 def gate_names() -> list[str]:
     return sorted(_GATES)
+
+
+def has_default_capacity(name: str) -> bool:
+    """Whether gate ``name`` drops slots for capacity unless dropless (gshard, switch): naive
+    and noisy drop only with a capacity factor given. An unknown name: True."""
+    cls = _GATES.get(name)
+    return cls is None or cls.default_capacity != (None, None)
+
+
+def _flag(value: Any) -> bool | None:
+    """``value`` as True or False: a bool, numpy's, or 0 or 1 (as ``operator.index`` takes
+    them); None for anything else ("no" was taken as true)."""
+    try:
+        index = operator.index(plain(value))
+    except TypeError:
+        return None
+    return bool(index) if index in (0, 1) else None
 
 
 def _options_of(cls: type[Gate]) -> set[str]:

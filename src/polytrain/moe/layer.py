@@ -47,7 +47,7 @@ class MoE(nn.Module):
             two-layer GELU MLP of width ``d_hidden``, all local experts computed at once).
         d_hidden: the default expert's hidden width (default 4 * d_model).
         capacity_factor: capacity factor while training (default None: the gate's own,
-            gshard 1.2 and switch 1.25; naive and noisy have none; ``dropless`` for none).
+            gshard 1.2 and switch 1.25, which ``dropless`` lifts; naive and noisy have none).
         group: the expert-parallel process group (default None).
         batch_group: the data-parallel group whose ranks' tokens make the global batch
             (default: ``group``): the gate draws, counts capacity and computes its
