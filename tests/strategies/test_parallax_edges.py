@@ -146,6 +146,41 @@ def test_two_embeddings_sharing_a_weight_are_served_as_single_trains_them(optimi
     assert max_abs_diff(alone, workers[0]) < 1e-6
 
 
+def stalled_leader_script() -> None:
+    """Two machines' leaders; at the second step worker 1 sleeps instead of joining the
+    dense gradients' all-reduce."""
+    import time
+
+    import polytrain
+    ctx = polytrain.init()
+    torch.manual_seed(0)
+    model = _TiedTables()
+    model, opt = polytrain.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                      strategy="parallax")
+    for step in range(2):
+        if step == 1 and ctx.worker_index == 1:
+            time.sleep(60)
+        opt.zero_grad()
+        src = torch.randint(0, 4, (2, 3))
+        nn.functional.mse_loss(model(src, src + 2), torch.zeros(2, 2)).backward()
+        opt.step()
+
+
+@pytest.mark.timeout(90)
+def test_a_leader_that_never_joins_the_dense_all_reduce_is_named_not_the_one_waiting():
+    # "worker rank 0 (machine node0) failed: CommError: ... the dense gradients' all-reduce
+    # among the machines' leaders [0, 1] failed: Operation timed out!": the leader that
+    # waited. Cause: its timeout became a plain CommError, which the launcher takes for the
+    # cause; as a CommTimeout, it looks for the process that stalled.
+    import polytrain
+    with pytest.raises(LaunchError) as info:
+        polytrain.launch(stalled_leader_script, workers=2, nodes=2, colocated=1, timeout_s=6,
+                         env={"OMP_NUM_THREADS": "1"})
+    assert info.value.rank == 1, str(info.value)
+    assert re.search(r"worker rank 1 \(machine node1\) failed: stopped making progress",
+                     str(info.value)), str(info.value)
+
+
 def _seeded_tied() -> nn.Module:
     torch.manual_seed(0)
     return _TiedTables()

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ...errors import CommError, ConfigError
+from ...errors import ConfigError
 from ...ps.grads import travels_divided
 from ...runtime import Context
 
@@ -74,9 +74,11 @@ class DenseSync:
                 try:
                     work.wait(timeout=timedelta(seconds=ctx.timeout_s))
                 except RuntimeError as e:
-                    raise CommError(f"rank {ctx.rank}: the dense gradients' all-reduce among "
-                                    f"the machines' leaders {self.leaders} failed: {e}",
-                                    "look at the other leaders' logs") from None
+                    # As a timeout (CommTimeout, with the wait): the launcher then looks for
+                    # a leader that stalled and names it, not this one that waited for it.
+                    raise ctx.transport.error(
+                        e, None, f"the dense gradients' all-reduce among the machines' leaders "
+                        f"{self.leaders}", ctx.timeout_s) from None
             if local:
                 dist.broadcast(flat, src=leader, group=ctx.groups.local)
             if not divided:
