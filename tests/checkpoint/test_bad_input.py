@@ -476,7 +476,7 @@ def test_a_gpt_moe_checkpoint_of_dropless_on_a_gate_without_capacity_resumes(cap
     import logging
 
     from polytrain import TrainConfig
-    from polytrain.checkpoint import CheckpointError, check_compatible
+    from polytrain.checkpoint import check_compatible
     tiny = {"seq_len": 16, "d_model": 32, "layers": 1, "experts": 4}
     for gate in ({}, {"gate": "noisy"}):
         saved = {"strategy": "single", "model": "gpt-moe", "workers": 1, "step": 4,
@@ -490,16 +490,4 @@ def test_a_gpt_moe_checkpoint_of_dropless_on_a_gate_without_capacity_resumes(cap
             f"checkpoint run/step-4 was saved with --dropless on the {gate.get('gate', 'naive')} "
             f"gate, which did nothing there (it drops slots only with a capacity factor): "
             f"resuming it without"]
-    # Options a check refuses since the checkpoint was written are not a damaged checkpoint.
-    saved = {"strategy": "single", "model": "gpt-moe", "workers": 1, "step": 4,
-             "model_options": {**tiny, "gate": "gshard", "capacity_factor": 1.0,
-                               "dropless": True}}
-    config = TrainConfig(strategy="single", model="gpt-moe", steps=6, model_options=tiny)
-    with pytest.raises(CheckpointError, match=r"^checkpoint run/step-4's model_options \{.*\} "
-                                              r"are refused now: a dropless gate \(--dropless\) "
-                                              r"has no capacity \(got capacity_factor 1\.0, "
-                                              r"eval_capacity_factor None\)\. HINT: resume it "
-                                              r"with the polytrain that wrote it, or start "
-                                              r"without --resume \(--init run/step-4/model\.pt "
-                                              r"starts from its weights\)$"):
-        check_compatible(saved, config, "run/step-4")
+

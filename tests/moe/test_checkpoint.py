@@ -475,22 +475,28 @@ def test_a_save_that_fails_midway_leaves_the_last_checkpoint_whole(tmp_path, mon
     assert all(torch.equal(v, build(0).state_dict()[k]) for k, v in loaded.state_dict().items())
 
 
-def test_replicas_that_save_one_directory_at_once_all_succeed_and_it_loads(tmp_path,
-                                                                           monkeypatch):
+def test_replicas_that_save_one_directory_at_once_take_turns_and_it_loads(tmp_path,
+                                                                          monkeypatch):
     # From a review: workers that each hold every expert (ddp, herring) saving their plain
     # models to one directory shared one temporary file name: a save that came in between
     # another's write and its rename took its file (FileNotFoundError, "free space" hinted),
     # and one that came in before another's meta.json left that meta.json listing another
-    # save than the shard there, which load_sharded() refused. Here a second save comes in
-    # at each of those points.
+    # save than the shard there, which load_sharded() refused. Here a second save (another
+    # thread: the directory's lock is held per open descriptor) comes in at each of those
+    # points, and waits for the first to end.
+    import threading
+
     model = build(0)
     real_save, real_replace = torch.save, os.replace
-    state = {"at": "", "armed": True, "into": tmp_path}
+    state: dict = {"at": "", "armed": True, "into": tmp_path, "thread": None}
 
     def another_save(here: str) -> None:
         if state["armed"] and here == state["at"]:
             state["armed"] = False
-            save_sharded(model, state["into"])
+            state["thread"] = threading.Thread(target=save_sharded, args=(model, state["into"]))
+            state["thread"].start()
+            state["thread"].join(0.3)
+            assert state["thread"].is_alive()  # it waits its turn
 
     def save(obj, f, *args, **kwargs):
         real_save(obj, f, *args, **kwargs)
@@ -506,8 +512,9 @@ def test_replicas_that_save_one_directory_at_once_all_succeed_and_it_loads(tmp_p
         monkeypatch.setattr(torch, "save", save)
         monkeypatch.setattr(os, "replace", replace)
         save_sharded(model, tmp_path / at)
+        state["thread"].join(30)
         monkeypatch.undo()
-        assert not state["armed"]
+        assert not state["armed"] and not state["thread"].is_alive()
         assert sorted(p.name for p in (tmp_path / at).iterdir()) == ["meta.json", "shard-0.pt"]
         loaded = build(1)
         load_sharded(loaded, tmp_path / at)

@@ -13,7 +13,7 @@ from typing import Any, Mapping
 import torch
 
 from ..data import corpus_digest
-from ..errors import ConfigError, first_line
+from ..errors import first_line
 from ..models import get_model
 from ..moe.gates import has_default_capacity
 from ..strategies.base import get_strategy, make_options
@@ -124,12 +124,6 @@ def _full_options(spec: Any, saved: Mapping[str, Any], where: Any) -> dict[str, 
         options["dropless"] = False
     try:
         return spec.full_options(options)
-    except ConfigError as e:  # a check this version makes: the record may be whole
-        raise CheckpointError(f"checkpoint {where}'s model_options {saved['model_options']} "
-                              f"are refused now: {e.what}",
-                              f"resume it with the polytrain that wrote it, or start without "
-                              f"--resume (--init {Path(str(where)) / 'model.pt'} starts from "
-                              f"its weights)") from None
     except Exception as e:  # noqa: BLE001 - an edited value fails wherever torch meets it
         raise CheckpointError(f"checkpoint {where} is damaged: its model_options "
                               f"{saved['model_options']} make no {spec.name} model "

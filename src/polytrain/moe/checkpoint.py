@@ -15,13 +15,13 @@ is global expert ``first + i``, so:
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import re
+import time
 import uuid
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -238,11 +238,12 @@ def _writes(model: Any, wrapped: bool, write: bool | None, group: ExpertGroup,
     """Whether this rank writes its shard in ``path``: ``write``, else (what distribute()
     returned) whether it is in the first expert group, else (a plain model) True.
 
-    A model whose MoE layers are all local (a plain model under ddp or herring, or of
-    ``expert_parallel=1``) needs no other rank: its workers hold replicas, which write one
-    directory at once safely (save_sharded), so ``if rank == 0: save_sharded(model, ...)``
-    works as with torch.save (an exchange left it waiting until the timeout). So does what
-    ddp or herring returned, whose worker 0 writes unless ``write`` says.
+    A model whose MoE layers are all local (a plain model under ddp or herring, or any of
+    ``expert_parallel=1``) needs no other rank: its workers hold replicas, which save one
+    directory in turn (save_sharded's lock), so ``if rank == 0: save_sharded(model, ...)``
+    works as with torch.save (an exchange left it waiting until the timeout). Of what a
+    strategy returned, worker 0 writes unless ``write`` says; of a plain model, each
+    worker.
 
     Else, in a run of several workers, every worker tells the others its choice, its
     layers' expert group and the directory, and all refuse alike, naming the ranks, unless
@@ -254,7 +255,7 @@ def _writes(model: Any, wrapped: bool, write: bool | None, group: ExpertGroup,
         return write is not False
     ctx = runtime.current()
     groups = _expert_groups(model)
-    if groups is None and not group.distributed:
+    if not group.distributed and (groups is None or all(len(g) == 1 for g in groups)):
         return ctx.worker_index == 0 if write is None and wrapped else write is not False
     everyone = ExpertGroup(ctx.groups.workers)
     me = everyone.global_ranks[everyone.rank]
@@ -314,15 +315,6 @@ def _writes(model: Any, wrapped: bool, write: bool | None, group: ExpertGroup,
     return mine
 
 
-def _digest(shard: dict[str, torch.Tensor]) -> str:
-    """A name of ``shard``'s content: its tensors' names, kinds and bytes."""
-    digest = hashlib.blake2b(digest_size=16)
-    for name, tensor in shard.items():
-        digest.update(f"{name} {tensor.dtype} {tuple(tensor.shape)}\n".encode())
-        digest.update(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data)
-    return digest.hexdigest()
-
-
 def save_sharded(model: nn.Module, directory: str | Path, *, write: bool | None = None) -> None:
     """Write this rank's experts (and, on expert-parallel rank 0, the rest) to ``directory``.
 
@@ -335,16 +327,15 @@ def save_sharded(model: nn.Module, directory: str | Path, *, write: bool | None 
     (or a directory of its own to each group). The workers agree first, in one exchange:
     writers of one directory (compared by real path) that are not one whole expert group
     are refused on every rank, naming them. A model whose MoE layers are all local
-    skips the exchange, so ``if rank == 0:`` works: what ddp or herring returned (worker 0
-    writes), or a plain model (each worker writes; replicas may write one directory at
-    once). Files: ``meta.json`` and ``shard-R.pt`` per rank R of the expert-parallel group,
-    each with canonical keys.
+    skips the exchange, so ``if rank == 0:`` works: what a strategy returned (worker 0
+    writes), or a plain model (each worker writes; replicas that save one directory take
+    turns, under a lock of it). Files: ``meta.json`` and ``shard-R.pt`` per
+    rank R of the expert-parallel group, each with canonical keys.
 
-    Each rank writes its shard under a temporary name of its own process; only once every
-    rank of the group has (an exchange over the group, which times out after the run's
-    ``--timeout`` like every collective) are the shards renamed over the old ones and
-    ``meta.json`` written, listing each shard's save (a digest of its content). A write
-    that fails on any rank (a full disk) raises
+    Each rank writes its shard under a temporary name; only once every rank of the group
+    has (an exchange over the group, which times out after the run's ``--timeout`` like
+    every collective) are the shards renamed over the old ones and ``meta.json`` written,
+    listing each shard's save. A write that fails on any rank (a full disk) raises
     :class:`~polytrain.checkpoint.CheckpointError` on every rank, naming it (a directory
     that cannot be made too), and leaves the last save whole; a process killed between
     the renames leaves shards of two saves, which :func:`load_sharded` refuses. On return
@@ -367,45 +358,67 @@ def save_sharded(model: nn.Module, directory: str | Path, *, write: bool | None 
     # Here: polytrain.checkpoint imports the strategies, which import this module.
     from ..checkpoint.manifest import write_atomically
 
-    # This rank's shard of this save, as meta.json will list it: its content's digest, so
-    # that replicas that write one directory at once (a plain model under ddp) agree.
-    save = ""
-    # A name of this process's own: another writing the same shard renames its own.
-    mine = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    final, pending = path / f"shard-{rank}.pt", path / f".shard-{rank}.pt.{mine}.pending"
+    save = uuid.uuid4().hex  # this rank's shard of this save, as meta.json will list it
+    final, pending = path / f"shard-{rank}.pt", path / f".shard-{rank}.pt.pending"
     error: str | None = None
-    try:  # (mkdir here too: a path below a file on one rank left the others waiting)
-        save = _digest(shard)
-        path.mkdir(parents=True, exist_ok=True)
-        write_atomically(pending, lambda tmp: torch.save(
-            {"format": FORMAT, "rank": rank, "ranks": size, "save": save, "state": shard}, tmp))
-    except Exception as e:  # noqa: BLE001 - every rank must reach the exchange: each raises it
-        error = first_line(e)
-    done = _gather(group, (error, save))
-    if any(e for e, _ in done):
-        with contextlib.suppress(OSError):  # (no directory there: nothing to remove)
-            pending.unlink(missing_ok=True)
-        _refuse_failures([e for e, _ in done], group, path,
-                         "the last whole checkpoint there is untouched")
-    try:
-        os.replace(pending, final)
-    except OSError as e:
-        error = first_line(e)
-    half = "then save again (the directory mixes two saves, which load_sharded() refuses)"
-    _refuse_failures(_gather(group, error), group, path, half)  # all renamed before meta.json
-    if rank == 0:
-        meta = {"format": FORMAT, "ranks": size, "saves": [s for _, s in done],
-                "experts": {p: layer.num_experts for p, layer in layers}}
-        written = path / f".meta.json.{mine}.pending"
-        try:
-            write_atomically(written,
-                             lambda tmp: tmp.write_text(json.dumps(meta, indent=1) + "\n"))
-            os.replace(written, path / "meta.json")
-        except Exception as e:  # noqa: BLE001 - the other ranks wait in the exchange below
+    with contextlib.ExitStack() as held:
+        try:  # (mkdir here too: a path below a file on one rank left the others waiting)
+            path.mkdir(parents=True, exist_ok=True)
+            if not group.distributed:  # replicas may save one directory at once: in turn
+                held.enter_context(_directory_lock(path))
+            write_atomically(pending, lambda tmp: torch.save(
+                {"format": FORMAT, "rank": rank, "ranks": size, "save": save, "state": shard},
+                tmp))
+        except Exception as e:  # noqa: BLE001 - every rank must reach the exchange: each raises
             error = first_line(e)
-            with contextlib.suppress(OSError):
-                written.unlink(missing_ok=True)
-    _refuse_failures(_gather(group, error), group, path, half)  # a load after this finds it
+        done = _gather(group, (error, save))
+        if any(e for e, _ in done):
+            with contextlib.suppress(OSError):  # (no directory there: nothing to remove)
+                pending.unlink(missing_ok=True)
+            _refuse_failures([e for e, _ in done], group, path,
+                             "the last whole checkpoint there is untouched")
+        try:
+            os.replace(pending, final)
+        except OSError as e:
+            error = first_line(e)
+        half = "then save again (the directory mixes two saves, which load_sharded() refuses)"
+        _refuse_failures(_gather(group, error), group, path, half)  # all renamed before meta
+        if rank == 0:
+            meta = {"format": FORMAT, "ranks": size, "saves": [s for _, s in done],
+                    "experts": {p: layer.num_experts for p, layer in layers}}
+            try:
+                write_atomically(path / "meta.json",
+                                 lambda tmp: tmp.write_text(json.dumps(meta, indent=1) + "\n"))
+            except Exception as e:  # noqa: BLE001 - the other ranks wait in the exchange below
+                error = first_line(e)
+        _refuse_failures(_gather(group, error), group, path, half)  # a load after this finds it
+
+
+@contextlib.contextmanager
+def _directory_lock(path: Path) -> Iterator[None]:
+    """Hold a lock of the directory ``path`` itself (flock of its descriptor: no file left
+    in it): replicas of a model whose MoE layers are all local save the same directory with
+    no exchange, one after the other, each whole (at once, their temporary files and renames
+    mixed: a FileNotFoundError, or a meta.json of another save than the shard). A save that
+    holds it past the run's timeout fails this one, saying so."""
+    import fcntl
+
+    timeout = runtime.current().timeout_s if runtime.is_initialized() else 120.0
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise OSError(f"another save of {path} has held it for {timeout:g} "
+                                  f"s") from None
+                time.sleep(0.02)
+        yield
+    finally:
+        os.close(fd)  # (releases the lock)
 
 
 def _check_meta(meta: dict[str, Any], file: Path) -> None:
