@@ -87,13 +87,11 @@ def refused(fn: Callable[[], Any]) -> str:
 
 def no_sync_gradients(ddp: Callable[[torch.nn.Module], Any], worker_index: int
                       ) -> dict[str, torch.Tensor]:
-    """A drop-in DDP (``ddp(module)``) under three uses of no_sync(), each a weight's
+    """A drop-in DDP (``ddp(module)``) under four uses of no_sync(), each a weight's
     gradient: a forward outside it with its backward inside, then the other way, then a
-    forward inside whose backward comes after another forward's summed one; last, a second
-    backward of one forward (retain_graph's: a regulariser's own backward). Worker w's input
-    is w + 1 everywhere: its gradient 2 (w + 1), the average 3. As torch's DDP: 3, 2 (w + 1),
-    2 (w + 1); and 6 for the second backward of twice the output, which torch's DDP leaves
-    local (one process gets the sum of both backwards' gradients, as here)."""
+    forward inside whose backward comes after another forward's summed one (outside), last
+    a second backward of one forward (retain_graph's: a regulariser's own backward). Worker
+    w's input is w + 1 everywhere: its gradient 2 (w + 1), the average 3."""
     net = torch.nn.Linear(4, 2)
     model = ddp(net)
     x = torch.full((2, 4), worker_index + 1.0)
@@ -122,11 +120,12 @@ def no_sync_gradients(ddp: Callable[[torch.nn.Module], Any], worker_index: int
 
 
 def check_no_sync_gradients(said: dict[str, torch.Tensor], worker_index: int) -> None:
-    """Assert :func:`no_sync_gradients`'s answer is torch's DDP's."""
-    own = torch.full((2, 4), 2.0 * (worker_index + 1))
-    assert torch.equal(said["forward outside"], torch.full((2, 4), 3.0))
-    assert torch.equal(said["forward inside"], own)
-    assert torch.equal(said["inside, after a sum"], own)
+    """Assert :func:`no_sync_gradients`'s answer: no_sync() read at the backward, as BytePS's
+    DDP reads it (torch's DDP reads it at the forward: it sums the first and leaves the
+    second and third local; and the fourth, a backward with no forward since the sum)."""
+    assert torch.equal(said["forward outside"], torch.full((2, 4), 2.0 * (worker_index + 1)))
+    assert torch.equal(said["forward inside"], torch.full((2, 4), 3.0))
+    assert torch.equal(said["inside, after a sum"], torch.full((2, 4), 3.0))
     assert torch.equal(said["second backward"], torch.full((2, 4), 6.0))
 
 

@@ -1,12 +1,10 @@
-"""GradientSync: the flags of keep_missing (no processes); no_sync() read at the forward."""
+"""GradientSync's pieces that need no processes: the flags of keep_missing."""
 
 import pytest
 import torch
 
-import polytrain
 from polytrain.ps.grads import flags_dtype, presence_flags, read_presence
 from polytrain.tensors import sum_dtype
-from tests.harness import check_no_sync_gradients, no_sync_gradients, spawn
 
 
 def summed(flags: list[torch.Tensor], per_machine: int) -> torch.Tensor:
@@ -43,21 +41,3 @@ def test_the_flags_stay_four_bytes_while_their_sums_fit_in_32_bits():
     assert flags_dtype(46339) == torch.int32  # 46339 x 46341 < 2**31
     assert flags_dtype(46340) == torch.int64
     assert presence_flags([True], [False], 2).dtype == torch.int32
-
-
-def byteps_no_sync() -> dict[str, torch.Tensor]:
-    """BytePS's drop-in under no_sync() (:func:`tests.harness.no_sync_gradients`)."""
-    ctx = polytrain.init()
-    from polytrain.byteps.parallel import DistributedDataParallel as DDP
-    return no_sync_gradients(DDP, ctx.worker_index)
-
-
-@pytest.mark.timeout(60)
-def test_no_sync_applies_to_the_backward_of_a_forward_inside_it_as_torch_ddp():
-    # Symptom: a forward outside no_sync() and its backward inside left each worker its own
-    # gradients (torch's DDP sums them), and the other way round summed them (torch's DDP
-    # does not). Cause: GradientSync read no_sync() at the backward, torch's DDP at the
-    # forward. (Herring's drop-in: test_herring.py, on the same SyncedModule.)
-    # And a forward inside whose backward came after another's summed backward was summed.
-    for w, said in enumerate(spawn(byteps_no_sync, workers=2, colocated=1)):
-        check_no_sync_gradients(said, w)

@@ -417,7 +417,6 @@ def drop_in_arguments() -> dict:
     out["options"] = [differing(o) for o in ("broadcast_buffers", "find_unused_parameters")]
     out["group name"] = refused(lambda: DDP(nn.Linear(4, 2), process_group="workers"))
     out["two devices"] = refused(lambda: DDP(nn.Linear(4, 2), device_ids=[0, 1]))
-    # no_sync() around the forward decides, not around the backward, as torch's DDP.
     out["no_sync"] = no_sync_gradients(DDP, ctx.worker_index)
     return out
 
@@ -469,12 +468,11 @@ def test_device_ids_of_more_than_one_device_is_refused_as_torch_ddp_refuses_it()
 
 
 @pytest.mark.timeout(60)
-def test_no_sync_applies_to_the_backward_of_a_forward_inside_it_as_torch_ddp():
-    # Symptom: a forward outside no_sync() and its backward inside left each worker its own
-    # gradients (torch's DDP sums them), and a forward inside with its backward outside was
-    # summed (torch's DDP does not). Cause: no_sync() was read at the backward, where torch's
-    # DDP reads it at the forward. And a forward inside whose backward came after another's
-    # summed backward was summed. (BytePS's drop-in, on the same SyncedModule: test_grads.py.)
+def test_no_sync_is_read_at_the_backward_as_bytepss_ddp_reads_it():
+    # The rule the drop-ins keep (herring's and BytePS's share SyncedModule): a backward
+    # inside no_sync() stays local, one outside sums, whichever side its forward ran on, and
+    # so does a second backward of one forward. torch's DDP reads no_sync() at the forward
+    # (docs/herring.md says so); a change to its rule left these local, with no word.
     for w, said in enumerate(drop_in_arguments_run()):
         check_no_sync_gradients(said["no_sync"], w)
 
@@ -533,8 +531,8 @@ def test_options_that_differ_between_workers_are_refused_at_the_wrap_naming_them
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("leave, summed_first, where", [
-    (False, False, "inside"), (True, False, "after a backward of a forward inside"),
-    (True, True, "after a backward of a forward inside")])
+    (False, False, "inside"), (True, False, "after a backward inside"),
+    (True, True, "after a backward inside")])
 def test_a_step_after_a_backward_inside_no_sync_and_none_outside_it_is_refused(
         leave, summed_first, where):
     # A step after leaving no_sync(), with every backward of the step inside it, was let

@@ -164,7 +164,6 @@ class GradientSync:
         self.owner: str = owner
         self.engine = engine
         self.in_backward = in_backward
-        self.inside_forward = False
         self._queued = False
         self.params = [p for _, p in named]
         self.names = [n for n, _ in named]
@@ -297,18 +296,8 @@ class GradientSync:
         #: (None: it had none, and zeros went): a change before synchronize() (clipping,
         #: unscaling) would be lost, and is refused.
         self._handed: list[tuple[torch.Tensor, int] | None] = [None] * len(self.params)
-        #: Whether a backward that no_sync() kept local accumulated gradients since the last
-        #: sum (see :attr:`forward_sums`).
+        #: Whether a backward inside no_sync() accumulated gradients since the last sum.
         self.unsynced = False
-        #: Whether the next backward sums, as a drop-in's forward decided it (torch DDP's
-        #: rule): True after a forward with gradients on outside no_sync() since the last
-        #: sum, False after only ones inside, or none where one inside came before the last
-        #: sum (its backward stays local, wherever it runs); None (no forward since, or no
-        #: forward at all: DistributedOptimizer): :attr:`enabled` decides at the backward
-        #: (a second backward of a forward, retain_graph's, sums).
-        self.forward_sums: bool | None = False if self.inside_forward else None
-        #: A drop-in's forward inside no_sync() came since the last sum (its forward sets it).
-        self.inside_forward = False
 
     def _hook(self, i: int) -> Callable[[torch.Tensor], None]:
         # By weak reference: the parameter holds its hooks, and a hook that held this object
@@ -325,7 +314,7 @@ class GradientSync:
         """Parameter i's gradient accumulated (its hook): count the pass, and collect it
         once its passes for this step are in."""
         self.synchronized = False
-        if not (self.enabled if self.forward_sums is None else self.forward_sums):
+        if not self.enabled:
             self.unsynced = True
             return
         if self.in_backward and not self._queued:

@@ -190,12 +190,6 @@ class SyncedModule(nn.Module):
             moved, moved_kwargs = _to_kwargs(args, kwargs, self.device, False)
             args, kwargs = moved[0], moved_kwargs[0]
         out = self.module(*args, **kwargs)
-        if torch.is_grad_enabled():
-            # As torch's DDP (its require_backward_grad_sync): no_sync() around the forward
-            # decides whether its backward sums, wherever that backward runs; one forward
-            # outside since the last sum makes the next backward sum.
-            self.sync.forward_sums = self.sync.enabled or bool(self.sync.forward_sums)
-            self.sync.inside_forward = self.sync.inside_forward or not self.sync.enabled
         # As torch's DDP: only a forward after one that trains and syncs (gradients on,
         # outside no_sync()) broadcasts. A worker that evaluates alone under no_grad() then
         # broadcasts once, the broadcast its next training forward would have made, and the
@@ -211,8 +205,9 @@ class SyncedModule(nn.Module):
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """The backward passes of forwards inside only accumulate gradients (wherever they
-        run, as torch's DDP); the first backward of a forward after it syncs them."""
+        """Backward passes inside only accumulate gradients; the first one after syncs them.
+        (Read at the backward, as BytePS's DDP reads it: torch's DDP reads it at the forward,
+        so keep a forward and its backward on the same side.)"""
         before = self.sync.enabled
         self.sync.enabled = False
         try:

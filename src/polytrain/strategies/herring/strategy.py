@@ -65,17 +65,17 @@ class Herring(ServedStrategy[HerringOptions]):
         synced = [0]
 
         def check(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-            # A backward of a forward inside no_sync() with none summed since (even after a
-            # summed one): .grad holds this worker's own gradients of it. A step inside
-            # no_sync() with nothing summed since the last step: none at all.
+            # A backward inside no_sync() with none outside it since (even after a summed
+            # one): .grad holds this worker's own gradients of it. A step inside no_sync()
+            # with nothing summed since the last step: none at all.
             sync = ddp.sync
             if sync.unsynced or (not sync.enabled and sync.synced == synced[0]):
-                where = "inside" if not sync.enabled else "after a backward of a forward inside"
+                where = "inside" if not sync.enabled else "after a backward inside"
                 raise ConfigError(f"optimizer.step() {where} herring's no_sync() with no "
                                   f"gradient synchronised since: each worker would apply "
                                   f"its own gradients, and the copies would drift apart",
-                                  "run the last forward and backward of the step outside "
-                                  "no_sync(), then step")
+                                  "run the last backward of the step outside no_sync(), "
+                                  "then step")
             synced[0] = sync.synced
 
         self._check_hook = optimizer.register_step_pre_hook(check)
