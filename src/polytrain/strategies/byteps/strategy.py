@@ -15,7 +15,7 @@ from ...ps.compression import compressor
 from ...ps.engine import Engine, engine_for
 from ...runtime import Context
 from ..base import register, saved_option
-from ..checks import check_dense_gradients, check_same_values
+from ..checks import check_dense_gradients
 from ..served import ServedStrategy
 from ..synced import keep_missing_for
 from .async_mode import AsyncOptimizer
@@ -69,7 +69,6 @@ class BytePS(ServedStrategy[BytePSOptions]):
         super().__init__(ctx, options)
         self.engine: Engine | None = None
         self.optimizer: DistributedOptimizer | AsyncOptimizer | None = None
-        self._outside: _Outside | None = None
 
     def wrap(self, model: nn.Module,
              optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -101,7 +100,7 @@ class BytePS(ServedStrategy[BytePSOptions]):
             # (summed as zeros, Adam would step on it with its momentum): a flag per
             # parameter summed a step, beside the gradients (GradientSync.keep_missing).
             keep_missing_for(self.optimizer.sync, model, find_unused=True)
-        self._outside = _Outside(ctx, model, optimizer)
+        _warn_outside(ctx, model, optimizer)
         return model, self.optimizer
 
     def evaluation_model(self, model: nn.Module) -> nn.Module | None:
@@ -146,8 +145,6 @@ class BytePS(ServedStrategy[BytePSOptions]):
 
     def load_model_state(self, model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
         super().load_model_state(model, state)
-        if self._outside is not None:  # loaded alike on every worker
-            self._outside.mark()
         if isinstance(self.optimizer, AsyncOptimizer):
             self.optimizer.install()  # the servers hold the parameters
 
@@ -184,50 +181,22 @@ class BytePS(ServedStrategy[BytePSOptions]):
     def close(self) -> None:
         if self.optimizer is not None:
             self.optimizer.close()
-        if self._outside is not None:
-            self._outside.close()
         if self.engine is not None:
             self.engine.close()
 
 
-
-class _Outside:
-    """The model's parameters that the optimizer given to :func:`distribute` does not hold:
-    nothing sums their gradients. Left alone (a backbone that fine-tuning leaves as it is)
-    they stay alike; stepped by a second optimizer of the script's on each worker's own
-    gradients, they drifted apart (0.31 in two steps). So at every step of the wrapped
-    optimizer, the workers compare those that changed since the last (a load, an optimizer
-    that sums them too, or a renorm alike on every worker change them alike), and a copy
-    that differs is refused, naming it and the worker. One gather a step, only while one of
-    them requires a gradient. (A write to ``.data`` changes no version: it is not seen.)"""
-
-    def __init__(self, ctx: Context, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        self.ctx = ctx
-        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        self.params = [(n, p) for n, p in model.named_parameters() if id(p) not in held]
-        self.mark()
-        self._hook = optimizer.register_step_pre_hook(self._check) if self.params else None
-
-    def mark(self) -> None:
-        """Take the parameters as they are now as compared."""
-        self.versions = [p._version for _, p in self.params]
-
-    @torch.no_grad()
-    def _check(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if not any(p.requires_grad for _, p in self.params):  # all frozen: nothing trains
-            self.mark()  # them (and no gather: alike on every worker, which all skip it)
-            return
-        changed = {
-            f"copy of {name!r} (not in distribute()'s optimizer; changed since the last step)":
-            (float(p.double().sum()), float(p.double().square().sum()))
-            for (name, p), version in zip(self.params, self.versions) if p._version != version}
-        check_same_values(self.ctx, changed,
-                          "strategy 'byteps' sums the gradients of the optimizer given to "
-                          "distribute(), so another optimizer stepped it on each worker's own "
-                          "gradients: give distribute()'s optimizer every parameter that "
-                          "trains, or set requires_grad=False on those nothing trains")
-        self.mark()
-
-    def close(self) -> None:
-        if self._hook is not None:
-            self._hook.remove()
+def _warn_outside(ctx: Context, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Warn (worker 0) of parameters that require a gradient and that the optimizer does not
+    hold: nothing sums their gradients. Left alone (a backbone that fine-tuning does not
+    step) they stay alike; stepped by a second optimizer of the script's, each worker's copy
+    takes its own gradients, and they drift apart (0.31 in two steps). (A check at every
+    step cost a gather of every worker a step, and could hang where workers differed.)"""
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    outside = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in held]
+    if outside and ctx.worker_index == 0:
+        log.warning("byteps sums the gradients of the optimizer given to distribute(), and it "
+                    "does not hold %d parameter(s) that require a gradient (the first: %r): "
+                    "if another optimizer steps them, each worker's copy takes its own "
+                    "gradients and they drift apart; give that optimizer every parameter that "
+                    "trains, or set requires_grad=False on those nothing trains (which also "
+                    "saves their backward)", len(outside), outside[0])
