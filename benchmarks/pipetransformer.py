@@ -23,6 +23,7 @@ import hashlib
 import json
 import platform
 import statistics
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -176,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
                              f"again without --merge")
         earlier = kept["runs"]
         runs = {n: list(earlier.get(n, [])) for n in VARIANTS if n in earlier or n in names}
+    invocation = uuid.uuid4().hex[:8]  # (--merge adds runs of others: paired by both)
     for r in range(args.rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:  # who goes first rotates
             freezing = {"freeze_every": args.freeze_every, "freeze_signal": args.freeze_signal,
@@ -188,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
                 "eval": m["eval"], "final_eval_loss": m["final_eval_loss"],
                 "wall_time_s": m["wall_time_s"], "train_time_s": m["eval"][-1]["train_time_s"],
                 "step_time_s": m["step_time_s"], "freeze_timeline": m.get("freeze_timeline"),
-                "cache": m.get("cache")})
+                "cache": m.get("cache"), "invocation": invocation, "round": r})
             print(f"round {r} {name:12s} final held-out {m['final_eval_loss']:.4f} "
                   f"train time {runs[name][-1]['train_time_s']:.1f} s", flush=True)
     summary: dict[str, Any] = {}
@@ -211,21 +213,31 @@ def main(argv: list[str] | None = None) -> int:
             "time_to_target_s": median_time(rs, target),
             "time_to_best_s": median_time(rs, best)}
     def paired_speedups(rs: list[dict[str, Any]], loss: float | None) -> list[float] | None:
-        """Round r's no-freeze time to ``loss`` over this variant's round r (the runs of a
-        round ran side by side, in a rotating order); None unless every run reached it."""
+        """Each round's no-freeze time to ``loss`` over this variant's in the same round of
+        the same invocation (the runs of a round ran side by side, in a rotating order);
+        None unless every such pair reached it, or none pairs (runs --merge added alone)."""
         assert ref is not None
-        if loss is None or len(rs) != len(ref):
+        if loss is None:
             return None
-        pairs = [(time_to(a["eval"], loss), time_to(x["eval"], loss)) for a, x in zip(ref, rs)]
-        return [a / t for a, t in pairs if a and t] if all(a and t for a, t in pairs) else None
+        mine = {(x.get("invocation"), x.get("round")): x for x in rs}
+        pairs = [(time_to(a["eval"], loss), time_to(mine[k]["eval"], loss)) for a in ref
+                 if (k := (a.get("invocation"), a.get("round"))) in mine and k[0] is not None]
+        ok = pairs and all(a and t for a, t in pairs)
+        return [a / t for a, t in pairs] if ok else None  # type: ignore[operator]
 
     if ref and summary["no freeze"]["time_to_target_s"]:
+        base_t = summary["no freeze"]["time_to_target_s"]
+        base_b = summary["no freeze"]["time_to_best_s"]
         for name, s in summary.items():
-            # The median of the rounds' own ratios (a ratio of medians pairs no rounds).
-            for key, loss in (("speedup", target), ("speedup_to_best", best)):
+            # The median of the rounds' own ratios (a ratio of medians pairs no rounds);
+            # where no round pairs, the ratio of the medians, marked as such.
+            for key, loss, of_medians in (("speedup", target, base_t),
+                                          ("speedup_to_best", best, base_b)):
                 ratios = paired_speedups(runs[name], loss)
-                s[key] = statistics.median(ratios) if ratios else None
-                s[key + "_rounds"] = ratios
+                t = s["time_to_target_s" if key == "speedup" else "time_to_best_s"]
+                s[key] = statistics.median(ratios) if ratios else (
+                    of_medians / t if t and of_medians else None)
+                s[key + "_rounds"] = ratios  # None: the ratio of medians
             s["final_within_1pct"] = abs(s["final_eval_loss"] / summary["no freeze"][
                 "final_eval_loss"] - 1) <= 0.01 or s["final_eval_loss"] < summary[
                 "no freeze"]["final_eval_loss"]

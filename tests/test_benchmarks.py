@@ -41,6 +41,7 @@ def test_the_pipetransformer_benchmark_runs_its_quick_settings(monkeypatch, tmp_
     # --quick was refused before any run: its base config (12 steps) kept the default freeze
     # points, one epoch of 108 steps ("no layer would freeze"), though no run uses it as is.
     out = tmp_path / "quick.json"
+    pytest.importorskip("matplotlib")  # (the plot: ./dev installs it, .[test] does not)
     main = _load("pipetransformer", monkeypatch).main
     assert main(["--quick", "--only", "no freeze", "--out", str(out)]) == 0
     import json
