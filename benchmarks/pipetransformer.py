@@ -215,14 +215,14 @@ def main(argv: list[str] | None = None) -> int:
     def paired_speedups(rs: list[dict[str, Any]], loss: float | None) -> list[float] | None:
         """Each round's no-freeze time to ``loss`` over this variant's in the same round of
         the same invocation (the runs of a round ran side by side, in a rotating order);
-        None unless every such pair reached it, or none pairs (runs --merge added alone)."""
+        None unless every run of both pairs (--merge adds runs alone) and reached it."""
         assert ref is not None
         if loss is None:
             return None
         mine = {(x.get("invocation"), x.get("round")): x for x in rs}
         pairs = [(time_to(a["eval"], loss), time_to(mine[k]["eval"], loss)) for a in ref
                  if (k := (a.get("invocation"), a.get("round"))) in mine and k[0] is not None]
-        ok = pairs and all(a and t for a, t in pairs)
+        ok = len(pairs) == len(rs) == len(ref) and all(a and t for a, t in pairs)
         return [a / t for a, t in pairs] if ok else None  # type: ignore[operator]
 
     if ref and summary["no freeze"]["time_to_target_s"]:
@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         base_b = summary["no freeze"]["time_to_best_s"]
         for name, s in summary.items():
             # The median of the rounds' own ratios (a ratio of medians pairs no rounds);
-            # where no round pairs, the ratio of the medians, marked as such.
+            # where a run pairs with none, the ratio of the medians, marked as such.
             for key, loss, of_medians in (("speedup", target, base_t),
                                           ("speedup_to_best", best, base_b)):
                 ratios = paired_speedups(runs[name], loss)

@@ -486,14 +486,20 @@ def test_replicas_that_save_one_directory_at_once_take_turns_and_it_loads(tmp_pa
     # points, and waits for the first to end.
     import threading
 
-    model = build(0)
+    model, other = build(0), build(1)  # (copies that differ: BatchNorm's, say)
     real_save, real_replace = torch.save, os.replace
-    state: dict = {"at": "", "armed": True, "into": tmp_path, "thread": None}
+    state: dict = {"at": "", "armed": True, "into": tmp_path, "thread": None, "raised": []}
+
+    def second() -> None:
+        try:
+            save_sharded(other, state["into"])
+        except Exception as e:  # noqa: BLE001 - a thread's error is otherwise lost
+            state["raised"].append(e)
 
     def another_save(here: str) -> None:
         if state["armed"] and here == state["at"]:
             state["armed"] = False
-            state["thread"] = threading.Thread(target=save_sharded, args=(model, state["into"]))
+            state["thread"] = threading.Thread(target=second)
             state["thread"].start()
             state["thread"].join(0.3)
             assert state["thread"].is_alive()  # it waits its turn
@@ -514,11 +520,11 @@ def test_replicas_that_save_one_directory_at_once_take_turns_and_it_loads(tmp_pa
         save_sharded(model, tmp_path / at)
         state["thread"].join(30)
         monkeypatch.undo()
-        assert not state["armed"] and not state["thread"].is_alive()
+        assert not state["armed"] and not state["thread"].is_alive() and not state["raised"]
         assert sorted(p.name for p in (tmp_path / at).iterdir()) == ["meta.json", "shard-0.pt"]
-        loaded = build(1)
-        load_sharded(loaded, tmp_path / at)
-        assert all(torch.equal(v, model.state_dict()[k]) for k, v in loaded.state_dict().items())
+        loaded = build(2)
+        load_sharded(loaded, tmp_path / at)  # the second save's, whole
+        assert all(torch.equal(v, other.state_dict()[k]) for k, v in loaded.state_dict().items())
 
 
 def test_a_directory_that_cannot_be_made_is_refused_as_a_failed_save(tmp_path):

@@ -369,6 +369,12 @@ def save_sharded(model: nn.Module, directory: str | Path, *, write: bool | None 
             write_atomically(pending, lambda tmp: torch.save(
                 {"format": FORMAT, "rank": rank, "ranks": size, "save": save, "state": shard},
                 tmp))
+        except _Busy as e:  # (no exchange here: the group is this rank alone)
+            from ..checkpoint.manifest import CheckpointError  # (see _refuse_failures)
+            raise CheckpointError(f"could not save the sharded MoE checkpoint in {path}: {e}",
+                                  "wait for that save, or save to another directory (on a "
+                                  "shared file system, one per machine: the lock is of "
+                                  "this machine's processes)") from None
         except Exception as e:  # noqa: BLE001 - every rank must reach the exchange: each raises
             error = first_line(e)
         done = _gather(group, (error, save))
@@ -394,17 +400,27 @@ def save_sharded(model: nn.Module, directory: str | Path, *, write: bool | None 
         _refuse_failures(_gather(group, error), group, path, half)  # a load after this finds it
 
 
+class _Busy(Exception):
+    """Another save held the directory's lock past the timeout."""
+
+
 @contextlib.contextmanager
 def _directory_lock(path: Path) -> Iterator[None]:
     """Hold a lock of the directory ``path`` itself (flock of its descriptor: no file left
     in it): replicas of a model whose MoE layers are all local save the same directory with
     no exchange, one after the other, each whole (at once, their temporary files and renames
-    mixed: a FileNotFoundError, or a meta.json of another save than the shard). A save that
-    holds it past the run's timeout fails this one, saying so."""
+    mixed: a FileNotFoundError, or a meta.json of another save than the shard). The lock
+    is of this machine's processes (a shared file system's other clients do not see it),
+    and none where the directory cannot be opened (no read permission). A save that holds
+    it past the run's timeout (120 s outside a run) fails this one (:class:`_Busy`)."""
     import fcntl
 
     timeout = runtime.current().timeout_s if runtime.is_initialized() else 120.0
-    fd = os.open(path, os.O_RDONLY)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # (a directory of write and search permission only: saved as before)
+        yield
+        return
     try:
         deadline = time.monotonic() + timeout
         while True:
@@ -413,8 +429,8 @@ def _directory_lock(path: Path) -> Iterator[None]:
                 break
             except BlockingIOError:
                 if time.monotonic() > deadline:
-                    raise OSError(f"another save of {path} has held it for {timeout:g} "
-                                  f"s") from None
+                    raise _Busy(f"another save there has held the directory for "
+                                f"{timeout:g} s") from None
                 time.sleep(0.02)
         yield
     finally:
