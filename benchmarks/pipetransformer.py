@@ -38,8 +38,9 @@ from polytrain.train import run_config
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ENV = {"OMP_NUM_THREADS": "1"}
-#: torch threads of the pre-training (in this process): 2, with AVX512 kernels, made the model
-#: behind every figure in docs/pipetransformer.md but stop 41's (first held-out loss 1.6408).
+#: torch threads of the pre-training (in this process). On 2, an AVX512 machine made the model
+#: of stop 42's figures and earlier (first held-out loss 1.6408), an AVX2 one stop 41's and
+#: stop 56's (1.6717): docs/pipetransformer.md.
 PRETRAIN_THREADS = 2
 
 VARIANTS: dict[str, dict[str, Any]] = {

@@ -417,8 +417,10 @@ def _directory_lock(path: Path) -> Iterator[None]:
 
     timeout = runtime.current().timeout_s if runtime.is_initialized() else 120.0
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd: int | None = os.open(path, os.O_RDONLY)
     except OSError:  # (a directory of write and search permission only: saved as before)
+        fd = None
+    if fd is None:  # (here, not in the handler: a later error would chain to this one)
         yield
         return
     try:
