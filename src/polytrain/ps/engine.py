@@ -58,7 +58,7 @@ from .stores import WHOLE_STATE, Declaration
 if TYPE_CHECKING:
     from ..runtime import Context
 
-__all__ = ["Engine", "SumTensor", "engine_for", "DEFAULT_CREDIT_BYTES"]
+__all__ = ["Engine", "SumTensor", "engine_for", "forget_if_alive", "DEFAULT_CREDIT_BYTES"]
 
 log = logging.getLogger(__name__)
 
@@ -591,3 +591,11 @@ def engine_for(ctx: Context, *, credit_bytes: int = DEFAULT_CREDIT_BYTES) -> Eng
     if engine is None or engine.closed:
         engine = mine[credit_bytes] = Engine(ctx, credit_bytes=credit_bytes)
     return engine
+
+
+def forget_if_alive(engine: weakref.ref[Engine], tensors: Sequence[SumTensor]) -> None:
+    """:meth:`Engine.forget` ``tensors`` if the engine still lives: a finalizer's call, for
+    an owner dropped without close() (which must not hold its engine alive for it)."""
+    alive = engine()
+    if alive is not None:
+        alive.forget(tensors)

@@ -31,7 +31,7 @@ from ..comm.bucket import Bucket
 from ..comm.partition import TensorSpec, partition
 from ..errors import ConfigError
 from .compression import CompressOptions
-from .engine import Engine, SumTensor
+from .engine import Engine, SumTensor, forget_if_alive
 from .placement import Placement
 
 __all__ = ["GradientSync", "bucket_specs", "flags_dtype", "gradient_change", "gradient_left",
@@ -484,9 +484,7 @@ def _let_go(hooks: Sequence[RemovableHandle], engine: weakref.ref[Engine],
     at its close(), or when it is dropped without one (once: a finalizer)."""
     for h in hooks:
         h.remove()
-    alive = engine()
-    if alive is not None:
-        alive.forget(declared)
+    forget_if_alive(engine, declared)
 
 
 def _subset(placement: Placement, tensors: Sequence[int]) -> Placement:

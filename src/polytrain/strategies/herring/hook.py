@@ -28,7 +28,7 @@ from ... import runtime
 from ...comm.partition import TensorSpec
 from ...errors import ConfigError
 from ...kinds import check_kinds
-from ...ps.engine import Engine, SumTensor, engine_for
+from ...ps.engine import Engine, SumTensor, engine_for, forget_if_alive
 from ...ps.grads import travels_divided
 from ...runtime import Context
 from ..checks import check_even_machines, check_same_values
@@ -187,9 +187,7 @@ def _let_go(waiting: queue.Queue[_Waited | None], engine: weakref.ref[Engine],
     """Stop a state's waiter and let ``engine`` (if alive) forget its ``sums``: at its
     close(), or when it is dropped without one (once: a finalizer)."""
     waiting.put(None)
-    alive = engine()
-    if alive is not None:
-        alive.forget(list(sums.values()))
+    forget_if_alive(engine, list(sums.values()))
 
 
 def herring_hook(state: HerringHookState,
