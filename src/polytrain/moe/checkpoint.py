@@ -21,7 +21,7 @@ import re
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
@@ -233,6 +233,17 @@ def _ranks(ranks: Sequence[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
 
 
+class _Told(NamedTuple):
+    """What each worker tells the others before a save (:func:`_writes`)."""
+
+    writes: bool  # this rank's choice
+    write: bool | None  # write as given
+    plain: bool  # whether the model is plain (not what distribute() returned)
+    group: tuple[int, ...]  # its layers' expert group
+    given: str  # the directory as given
+    where: str  # and resolved
+
+
 def _writes(model: Any, wrapped: bool, write: bool | None, group: ExpertGroup,
             path: Path) -> bool:
     """Whether this rank writes its shard in ``path``: ``write``, else (what distribute()
@@ -261,48 +272,47 @@ def _writes(model: Any, wrapped: bool, write: bool | None, group: ExpertGroup,
     me = everyone.global_ranks[everyone.rank]
     mine = write if write is not None else (groups is None or me in groups[0])
     own = group.global_ranks if group.distributed else (me,)
-    # (this rank's choice, write as given, whether the model is plain, its group, the
-    # directory as given and resolved: realpath, which fails on no rank, and sees a link)
-    told = _gather(everyone, (mine, write, groups is None, own, str(path),
-                              os.path.realpath(path)), "the workers")
-    every_group = sorted({t[3] for t in told})
+    # (realpath: it fails on no rank, and sees a link)
+    told = _gather(everyone, _Told(mine, write, groups is None, own, str(path),
+                                   os.path.realpath(path)), "the workers")
+    every_group = sorted({t.group for t in told})
     by_dir: dict[str, list[int]] = {}
     for r, t in zip(everyone.global_ranks, told):
-        if t[0]:  # none: nothing is written, as asked
-            by_dir.setdefault(t[5], []).append(r)
+        if t.writes:  # none: nothing is written, as asked
+            by_dir.setdefault(t.where, []).append(r)
     of = dict(zip(everyone.global_ranks, told))
     for where, writers in by_dir.items():
         if tuple(writers) in every_group:
             continue
         listed = ", ".join(f"({', '.join(map(str, g))})" for g in every_group)
-        split = next((of[w][3] for w in writers if any(
-            r in of and of[r][0] and of[r][5] != where for r in of[w][3])), None)
+        split = next((of[w].group for w in writers if any(
+            r in of and of[r].writes and of[r].where != where for r in of[w].group)), None)
         if split is not None:  # (one group's shards in two places: no directory whole)
             given: dict[str, list[int]] = {}
             for r in split:
-                if r in of and of[r][0]:
-                    given.setdefault(of[r][4], []).append(r)
+                if r in of and of[r].writes:
+                    given.setdefault(of[r].given, []).append(r)
             raise ConfigError(f"save_sharded: the ranks of expert group "
                               f"({', '.join(map(str, split))}) gave different directories: "
                               + ", ".join(f"{d} ({_ranks(rs)})" for d, rs in given.items()),
                               "pass every rank of an expert group the same directory (it "
                               "writes its shards side by side)")
-        unset = [r for r in writers if of[r][1] is None and of[r][2]]
-        if len({of[r][3] for r in unset}) > 1:
+        unset = [r for r in writers if of[r].write is None and of[r].plain]
+        if len({of[r].group for r in unset}) > 1:
             raise ConfigError(f"save_sharded: the MoE layers' experts are split over "
                               f"{group.size} of the {workers} workers (other expert groups "
                               f"hold copies), and write is unset",
                               "pass what distribute() returned (its first expert group then "
                               "writes), or write=True on the ranks of one expert group and "
                               "write=False on the others")
-        passed = [r for r in writers if of[r][1]]
-        chose = [r for r in writers if of[r][1] is None]
+        passed = [r for r in writers if of[r].write]
+        chose = [r for r in writers if of[r].write is None]
         who = " and ".join(
             ([f"{_ranks(passed)} pass{'es' if len(passed) == 1 else ''} write=True"]
              if passed else []) +
             ([f"{_ranks(chose)} write{'s' if len(chose) == 1 else ''} with write unset"]
              if chose else []))
-        at = f" for {of[writers[0]][4]}" if len(by_dir) > 1 else ""
+        at = f" for {of[writers[0]].given}" if len(by_dir) > 1 else ""
         what = (f"save_sharded writes each shard once, from one expert group, but {who}{at} "
                 f"(expert groups {listed})")
         for j in range(group.size):  # the first shard two ranks would write
