@@ -34,6 +34,11 @@ HELD_FILE = "POLYTRAIN_HELD_FILE"  # where a server says which answers it has he
 NIC = "POLYTRAIN_NIC"  # the emulated machine's interface, under --bandwidth
 SHM_DIR = "POLYTRAIN_SHM_DIR"  # the run's directory in host shared memory (the launcher's)
 RUN_DIR = "POLYTRAIN_RUN_DIR"  # the launcher's work directory: the processes' scratch files
+#: In the run's work directory, ``member-ROLE-RANK``: a file each launched process holds open
+#: for good, and so everything it forks, which the launcher finds by it (launch/child.py's
+#: ``_hold_membership``). Here, not in the child's module: the launcher importing that made
+#: ``python -m polytrain.launch.child`` load it twice (runpy's RuntimeWarning).
+MEMBER_PREFIX = "member-"
 FORKSERVER = "POLYTRAIN_FORKSERVER"  # 0: every launched process is a fresh interpreter
 # A worker's index among all workers on this host: polytrain launch runs every emulated
 # machine on one host, where LOCAL_RANK (per emulated machine) would give two machines'

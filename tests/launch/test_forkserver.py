@@ -77,13 +77,18 @@ def test_forked_processes_get_the_launchers_umask_and_limits_of_the_moment(tmp_p
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("where", ["environment", "launch"])
 def test_without_the_fork_server_every_process_is_a_fresh_interpreter(tmp_path, monkeypatch,
-                                                                       where):
+                                                                       where, capfd):
     if where == "environment":
         monkeypatch.setenv("POLYTRAIN_FORKSERVER", "0")
     got = _start(tmp_path, monkeypatch, "c",
                  **({"POLYTRAIN_FORKSERVER": "0"} if where == "launch" else {}))
     assert {g["parent"] for g in got} == {os.getpid()}
     assert {g["var"] for g in got} == {"c"} and {g["threads"] for g in got} == {1}
+    # Each printed runpy's RuntimeWarning ('polytrain.launch.child' found in sys.modules
+    # after import of package 'polytrain.launch') and ran a second copy of the module: the
+    # launcher, which the package imports, imported it for a constant.
+    err = capfd.readouterr().err
+    assert "RuntimeWarning" not in err and "found in sys.modules" not in err, err
 
 
 class _FailsToStart:

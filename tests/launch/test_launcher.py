@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import polytrain
-from polytrain import ConfigError, LaunchError, TrainConfig
+from polytrain import ConfigError, LaunchError, TrainConfig, _env
 from polytrain.launch import child, free_port, launcher
 from polytrain.launch.launcher import _OWNER, SHM_ROOT, mark_owner, run_shm, sweep_stale
 from polytrain.launch.layout import Layout
@@ -617,7 +617,7 @@ def test_a_member_file_finds_only_processes_started_since_the_run(tmp_path):
     # can be the run's.
     workdir = tmp_path / "run"
     workdir.mkdir()
-    fd = os.open(workdir / f"{child.MEMBER_PREFIX}worker-3", os.O_RDONLY | os.O_CREAT)
+    fd = os.open(workdir / f"{_env.MEMBER_PREFIX}worker-3", os.O_RDONLY | os.O_CREAT)
     holder = subprocess.Popen(["sleep", "60"], pass_fds=(fd,))
     os.close(fd)
     try:

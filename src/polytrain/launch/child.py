@@ -31,18 +31,12 @@ from typing import Any, Iterator
 from .. import _env
 from ..errors import is_timeout
 
-__all__ = ["main", "die_with", "MEMBER_PREFIX"]
+__all__ = ["main", "die_with"]
 
 _BEAT_S = 0.5  # how often a child rewrites its heartbeat file (the launcher watches it)
 # Errors that mean "a peer went away first": the launcher prefers other causes.
 _SECONDARY_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
                       "peer_lost")
-
-
-#: In the run's work directory, ``member-ROLE-RANK``: a file each launched process holds open
-#: for good, and so everything it forks, which the launcher finds by it (see
-#: :func:`_hold_membership`).
-MEMBER_PREFIX = "member-"
 
 
 def _hold_membership() -> None:
@@ -56,7 +50,7 @@ def _hold_membership() -> None:
         return
     rank, role, _ = _env.identity()
     with contextlib.suppress(OSError):  # the launcher then finds its orphans less well
-        fd = os.open(os.path.join(run_dir, f"{MEMBER_PREFIX}{role}-{rank}"),
+        fd = os.open(os.path.join(run_dir, f"{_env.MEMBER_PREFIX}{role}-{rank}"),
                      os.O_RDONLY | os.O_CREAT, 0o600)
         os.set_inheritable(fd, True)
 

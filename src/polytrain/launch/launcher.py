@@ -23,7 +23,6 @@ from typing import Any, Callable, Collection, Mapping, Sequence
 
 from .. import _env
 from ..errors import ConfigError, LaunchError
-from .child import MEMBER_PREFIX
 from .forkserver import ForkedProcess, ForkServer, Process, server_for
 from .host import oom_kills
 from .layout import WORKER, Layout, ProcessSpec
@@ -783,7 +782,7 @@ def _run_processes(workdir: Path, adopters: Collection[ForkServer] = ()) -> dict
     forked inherits: found so once no fork server is left to adopt them (its launcher was
     killed, and init adopted them)."""
     entry = f"{_env.RUN_DIR}={workdir}".encode()
-    member = os.path.join(os.path.realpath(workdir), MEMBER_PREFIX)
+    member = os.path.join(os.path.realpath(workdir), _env.MEMBER_PREFIX)
     since = _made_at(workdir)  # nothing that started before the run's launcher is of the run
     adopted = set().union(*(s.adopted() for s in adopters))
     found = {}
