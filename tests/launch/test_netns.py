@@ -137,6 +137,20 @@ def test_the_fastest_link_fits_tc_and_the_kernels_queue_bound(monkeypatch):
         LinkShape(rate_bit_s=35 * 10**12)
 
 
+def test_a_delay_under_a_microsecond_reaches_netem_as_given(monkeypatch):
+    # --latency 0.4us was accepted, described as 0.0004 ms, and given to netem as "delay 0us":
+    # no delay at all (whole microseconds). tc's netem reads a fraction of one (and, in
+    # iproute2 6.1, no "ns").
+    monkeypatch.setattr(network, "check_tools", lambda: ("ip", "tc"))
+    for latency, delay in [("0.4us", "0.400us"), ("1.5us", "1.500us"), ("0.2ms", "200.000us"),
+                           ("60s", "60000000.000us")]:
+        net = Network(["node0", "node1"], LinkShape.parse("1gbit", latency))
+        assert net._qdiscs("pt-0abcde-n0", net.shape.delay_s)[-1] == (
+            f"qdisc add dev pt-0abcde-n0 parent 1:1 handle 10: netem delay {delay} limit 100000")
+    assert LinkShape.parse("1gbit", "0.4us").describe() == ("1000 Mbit/s each way, 0.0004 ms "
+                                                            "one-way delay")
+
+
 @pytest.mark.timeout(30)
 def test_a_hung_tool_is_named_and_left_within_its_bound(monkeypatch):
     monkeypatch.setattr(network, "_TOOL_TIMEOUT_S", 0.5)
@@ -438,6 +452,40 @@ def test_a_claim_is_never_seen_half_written(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=r"belongs to another live run \(0abcdf, launcher pid"):
         network.take_claim("0abcdf", {})
     assert [p.name for p in tmp_path.iterdir()] == ["0abcdf.json"]
+
+
+@needs_netns
+@pytest.mark.timeout(30)
+def test_a_claim_that_cannot_be_written_is_one_line_naming_where(tmp_path, monkeypatch, capfd):
+    # A read-only /run (docker --read-only), or one where the claims' directory cannot be
+    # made: take_claim's OSError came out of `polytrain launch --bandwidth` as a traceback.
+    (tmp_path / "run").write_text("")  # a file: no directory can be made under it
+    monkeypatch.setattr(network, "STATE_DIR", tmp_path / "run" / "polytrain" / "netns")
+    message = (rf"--bandwidth needs a writable {tmp_path}/run/polytrain/netns, where each run "
+               rf"claims its emulated network \(NotADirectoryError: \[Errno 20\] Not a "
+               rf"directory: '{tmp_path}/run/polytrain/netns'\)\. HINT: make it writable \(a "
+               rf"read-only /run: mount a tmpfs there\), or leave --bandwidth out$")
+    with pytest.raises(ConfigError, match="^" + message):
+        network.take_claim("0abcdf", {})
+    script = tmp_path / "job.py"
+    script.write_text("raise SystemExit('must not start')\n")
+    assert main(["launch", "--workers", "2", "--nodes", "2", "--bandwidth", "1gbit",
+                 str(script)]) == 2
+    err = capfd.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and re.search(message, err), err
+    said = network.netem_check()
+    assert said == (f"unknown: --bandwidth needs a writable {tmp_path}/run/polytrain/netns, "
+                    f"where each run claims its emulated network (NotADirectoryError: [Errno 20] "
+                    f"Not a directory: '{tmp_path}/run/polytrain/netns')"), said
+    # A directory there that refuses the claim's file (read-only): the same line.
+    monkeypatch.setattr(network, "STATE_DIR", tmp_path)
+    monkeypatch.setattr(network.os, "link", lambda *a: (_ for _ in ()).throw(
+        OSError(30, "Read-only file system")))
+    with pytest.raises(ConfigError, match=rf"^--bandwidth needs a writable {tmp_path}, where "
+                                          rf"each run claims its emulated network \(OSError: "
+                                          rf"\[Errno 30\] Read-only file system\)\. HINT"):
+        network.take_claim("0abcdf", {})
+    assert list(tmp_path.glob(".*.tmp")) == []
 
 
 @needs_netns

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from .. import _env
-from ..errors import ConfigError, LaunchError, PeerLost
+from ..errors import ConfigError, LaunchError, PeerLost, first_line
 from .host import own_status, proc_stat
 from .layout import Layout
 
@@ -267,8 +267,8 @@ def netem_check() -> str:
     run_id = secrets.token_hex(3)
     try:
         claim = take_claim(run_id, {})
-    except OSError as e:  # a read-only /run, say: a run could not claim its network either
-        return f"unknown: could not claim a namespace to try it in {STATE_DIR} ({e})"
+    except ConfigError as e:  # a read-only /run, say: a run could not claim its network either
+        return f"unknown: {e.what}"
     name = f"{_PREFIX}{run_id}-probe"
     try:
         made = _tool([ip, "netns", "add", name])
@@ -403,8 +403,12 @@ def _delete_namespaces(ip: str, names: Sequence[str]) -> None:
 
 def take_claim(run_id: str, record: dict[str, Any]) -> Path:
     """Claim ``run_id`` for this process in :data:`STATE_DIR` (``record`` added to its owner
-    record); the claim's path. ConfigError where a live run holds it."""
-    STATE_DIR.mkdir(parents=True, exist_ok=True)
+    record); the claim's path. ConfigError where a live run holds it, or where
+    :data:`STATE_DIR` cannot be written (a read-only /run)."""
+    try:
+        STATE_DIR.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise _unwritable(e) from None
     claim = STATE_DIR / f"{run_id}.json"
     # Written whole under another name, then linked into place (which fails where the claim
     # exists): another launcher's sweep never reads a claim half written, which it would
@@ -420,9 +424,19 @@ def take_claim(run_id: str, record: dict[str, Any]) -> Path:
         raise ConfigError(f"network namespace {_PREFIX}{run_id}-hub belongs to another live "
                           f"run ({run_id}, {pid})",
                           "let that run end, or start this one with another run id") from None
+    except OSError as e:
+        raise _unwritable(e) from None
     finally:
         tmp.unlink(missing_ok=True)
     return claim
+
+
+def _unwritable(e: OSError) -> ConfigError:
+    """The refusal of a run whose claim :data:`STATE_DIR` cannot hold (``e``: the OS's error)."""
+    return ConfigError(f"--bandwidth needs a writable {STATE_DIR}, where each run claims its "
+                       f"emulated network ({first_line(e)})",
+                       "make it writable (a read-only /run: mount a tmpfs there), or leave "
+                       "--bandwidth out")
 
 
 def sweep_stale() -> list[str]:
@@ -727,6 +741,8 @@ class Network:
                     f"class add dev {nic} parent 1: classid 1:1 htb rate {rate}bit "
                     f"ceil {rate}bit burst {burst}b cburst {burst}b quantum 65536"]
         if delay_s:
+            # To the nanosecond (parse_time's grain) in microseconds: whole ones made 0.4us no
+            # delay at all, and iproute2's tc (6.1) reads no "ns".
             commands.append(f"qdisc add dev {nic} parent 1:1 handle 10: netem delay "
-                            f"{round(delay_s * 1e6)}us limit 100000")
+                            f"{delay_s * 1e6:.3f}us limit 100000")
         return commands
