@@ -214,6 +214,13 @@ class TrainConfig:
         # run record and metrics.json write them as JSON.
         object.__setattr__(self, "strategy_options",
                            {name: getattr(options, name) for name in self.strategy_options})
+        if self.model_options.get("dense_grads") and getattr(options, "sparse_embeddings", False):
+            # parallax's default makes every embedding sparse, whatever the model built.
+            raise ConfigError(f"--dense-grads builds model {self.model!r}'s embeddings dense, "
+                              f"and strategy {self.strategy!r} makes every embedding sparse "
+                              f"(sparse_embeddings=True): the run would train sparse gradients",
+                              f"pass --no-sparse-embeddings too ({self.strategy} then sums the "
+                              f"dense tables on the workers), or leave out --dense-grads")
         layout = self.layout()
         check_strategy(cls, options, layout, model, make_optimizer(self.optimizer, model, self.lr))
         check_divisible(self.batch_size, cls.replicas(layout, options))
@@ -390,8 +397,9 @@ def check_link(strategy: str, options: Any, model: torch.nn.Module, layout: Layo
     which the planner may be told of, is not shaped), and a link too slow for a run's first
     wait fails it. At the start every strategy copies worker 0's model (``model``, the meta
     device's will do) to the other workers a tensor at a time (torch's DDP all of it in one
-    message of up to 250 MiB), and a wait longer than ``timeout_s`` fails the run (after
-    the timeout, in gloo's words). TrainConfig runs it, and the planner on each candidate."""
+    message of up to 250 MiB), down gloo's broadcast tree (:func:`_broadcast_copies`), and
+    a wait longer than ``timeout_s`` fails the run. TrainConfig runs it, and the planner on
+    each candidate."""
     link = link_shape(bandwidth, latency)
     if link is None:
         return
@@ -411,14 +419,19 @@ def check_link(strategy: str, options: Any, model: torch.nn.Module, layout: Layo
                     f"DDP sends in one message" if nbytes == total else
                     f"{nbytes:,} bytes of the model's parameters and buffers (of "
                     f"{total:,}), which torch's DDP sends in one message")
-    seconds = nbytes * 8 / link.rate_bit_s
+    one = nbytes * 8 / link.rate_bit_s
+    copies = round(_broadcast_copies(layout.workers, layout.nodes), 6)
+    seconds = one * copies
     if seconds <= timeout_s:
         return
-    need = nbytes * 8 / timeout_s
+    need = nbytes * 8 * copies / timeout_s
     rate = f"{math.ceil(need / 1e3)}kbit" if need < 1e6 else f"{math.ceil(need / 1e6)}mbit"
-    raise ConfigError(f"--bandwidth {bandwidth} carries {what} from worker 0 at the start, in "
-                      f"{seconds:,.0f} s, longer than --timeout {timeout_s:g}: the run would "
-                      f"time out there",
+    took = (f"in {seconds:,.0f} s" if copies == 1 else
+            f"to the last worker in {seconds:,.0f} s (gloo's broadcast passes it down a tree "
+            f"whose senders share their links: {copies:g} times one copy's {one:,.1f} s)")
+    raise ConfigError(f"--bandwidth {bandwidth} carries {what} from worker 0 at the start, "
+                      f"{took}, longer than --timeout {timeout_s:g}: the run would time out "
+                      f"there",
                       f"pass --bandwidth {rate} or more (a real network's is 1gbit or more), "
                       f"or a --timeout above {math.ceil(seconds)}")
 
@@ -435,6 +448,66 @@ def check_data_length(spec: Any, model: torch.nn.Module, model_options: Mapping[
     return training_data(torch.empty(tokens, dtype=torch.uint8, device="meta"),
                          window=seq_len_of(model, model_options) + 1, batch_size=batch_size,
                          seed=seed, sampling=sampling, hold_out=hold_out)
+
+
+def _broadcast_copies(workers: int, nodes: int) -> float:
+    """How long gloo's broadcast from worker 0 takes to reach the last of ``workers`` on
+    ``nodes`` machines (Layout's order: ``workers // nodes`` a machine), in times one copy's
+    time over a link.
+
+    gloo's broadcast is a binomial tree: worker v, once it holds the tensor, sends it at
+    once to each worker v + 2**i with 2**i > v. Copies between machines share each sender's
+    upload and each receiver's download fairly (max-min, as TCP flows through one shaper);
+    copies inside a machine take no time. Four machines of one worker: 0 sends to 1 and 2
+    at once (2 copies' time), then 1 to 3 (3)::
+
+        >>> [_broadcast_copies(n, n) for n in (2, 4, 8)]
+        [1.0, 3.0, 6.0]
+    """
+    per_node = workers // nodes
+    flows: list[list[Any]] = []  # [sender, receiver, what is left of the copy]
+    now = last = 0.0
+
+    def holds(v: int) -> None:  # worker v holds the tensor now: it sends to its children
+        for child in (v + 2 ** i for i in range(v.bit_length(), workers.bit_length())):
+            if child >= workers:
+                break
+            if child // per_node == v // per_node:
+                holds(child)  # over its machine's loopback
+            else:
+                flows.append([v, child, 1.0])
+
+    holds(0)
+    while flows:
+        links = [(("up", s // per_node), ("down", r // per_node)) for s, r, _ in flows]
+        rates = _fair_shares(links)
+        step = min(left / rate for (_, _, left), rate in zip(flows, rates))
+        now += step
+        for f, rate in zip(flows, rates):
+            f[2] -= rate * step
+        arrived = [r for _, r, left in flows if left <= 1e-9]
+        flows = [f for f in flows if f[2] > 1e-9]
+        for r in arrived:
+            last = now
+            holds(r)
+    return round(last, 9)
+
+
+def _fair_shares(links: list[tuple[Any, ...]]) -> list[float]:
+    """Max-min fair rates of flows over links of rate 1, each flow crossing ``links[i]``:
+    the link whose equal share among its unfixed flows is least fixes theirs, in turn."""
+    rates = [0.0] * len(links)
+    left = {link: 1.0 for path in links for link in path}
+    unfixed = set(range(len(links)))
+    while unfixed:
+        share, link = min((left[link] / sum(link in links[i] for i in unfixed), link)
+                          for link in left if any(link in links[i] for i in unfixed))
+        for i in [i for i in unfixed if link in links[i]]:
+            rates[i] = share
+            unfixed.discard(i)
+            for other in links[i]:
+                left[other] -= share
+    return rates
 
 
 def _ddp_first_messages(model: Any) -> tuple[int, int]:

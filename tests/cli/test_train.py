@@ -441,3 +441,47 @@ def test_a_single_run_stops_on_a_signal_as_a_launched_run_does(monkeypatch, caps
     # As a launched run's: the checkpoints written stay, and the results are not written.
     assert sorted(p.name for p in out.iterdir()) == ["checkpoints"]
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-1"]
+
+
+def test_the_first_copy_is_timed_to_the_last_worker_down_gloos_broadcast_tree():
+    # Symptom: --workers 4 --nodes 4 --bandwidth 134kbit --timeout 10 passed the check (ddp's
+    # first message, 100,480 bytes, in 6.0 s), and the run timed out 10 s into the start on
+    # node3. Cause: gloo's broadcast is a binomial tree: worker 0 sends to workers 1 and 2 at
+    # once (two copies share its link), then worker 1 to worker 3: three copies' time.
+    args = dict(strategy="ddp", workers=4, nodes=4, model="mlp", optimizer="sgd",
+                model_options={"d_model": 16}, timeout_s=10)
+    with pytest.raises(ConfigError) as e:
+        TrainConfig(**args, bandwidth="134kbit")
+    assert str(e.value) == (
+        "--bandwidth 134kbit carries the model's parameters and buffers (100,480 bytes), which "
+        "torch's DDP sends in one message from worker 0 at the start, to the last worker in "
+        "18 s (gloo's broadcast passes it down a tree whose senders share their links: 3 "
+        "times one copy's 6.0 s), longer than --timeout 10: the run would time out there. "
+        "HINT: pass --bandwidth 242kbit or more (a real network's is 1gbit or more), or a "
+        "--timeout above 18")
+    TrainConfig(**args, bandwidth="242kbit")
+    from polytrain.config import _broadcast_copies
+    # Copies' time to the last worker: n machines of one worker each; two workers a machine
+    # (node0's workers 0 and 1 send to node1 at once); one machine sends nothing over a link.
+    assert [_broadcast_copies(n, n) for n in (1, 2, 3, 4, 8)] == pytest.approx([0, 1, 2, 3, 6])
+    assert [_broadcast_copies(w, n) for w, n in ((4, 2), (8, 4), (4, 1))] == \
+        pytest.approx([2, 6, 0])
+
+
+def test_dense_grads_under_parallax_needs_no_sparse_embeddings(capsys):
+    # Symptom: `--strategy parallax --model wordlm --dense-grads` trained sparse gradients
+    # (its metrics.json listed both tables as sparse): parallax makes every embedding sparse
+    # by default, whatever the model built.
+    small = ["--model", "wordlm", "--seq-len", "8", "--d-model", "8", "--layers", "1",
+             "--vocab", "300", "--negatives", "16", "--steps", "2"]
+    assert main(["train", "--strategy", "parallax", *small, "--dense-grads"]) == 2
+    assert capsys.readouterr().err == (
+        "polytrain train: error: --dense-grads builds model 'wordlm''s embeddings dense, and "
+        "strategy 'parallax' makes every embedding sparse (sparse_embeddings=True): the run "
+        "would train sparse gradients. HINT: pass --no-sparse-embeddings too (parallax then "
+        "sums the dense tables on the workers), or leave out --dense-grads\n")
+    options = {"seq_len": 8, "d_model": 8, "layers": 1, "vocab": 300, "negatives": 16,
+               "dense_grads": True}
+    TrainConfig(strategy="parallax", model="wordlm", model_options=options,
+                strategy_options={"sparse_embeddings": False})
+    TrainConfig(strategy="ddp", model="wordlm", model_options=options)

@@ -133,6 +133,18 @@ def test_candidates_and_recommendation():
     assert [c.key for c in candidates(Network(machines=1, servers=2))] == ["ddp"]
 
 
+def test_byteps_on_one_worker_machine_is_a_candidate_without_servers_only():
+    # Symptom: `polytrain plan --model mlp --d-model 64 --workers 2 --servers 1 --bandwidth
+    # 1gbit` refused byteps k=0 ("no link would be shaped") and recommended byteps k=1, "0.000
+    # M on the busiest NIC". Cause: Theorem 1 gives one machine's servers nothing, so byteps
+    # k >= 1 there runs k=0's sums, over no link; only k=0 was refused.
+    net = Network(machines=1, local_workers=2, servers=2, bandwidth_bit_s=1e9)
+    assert [c.key for c in candidates(net)] == ["ddp", "byteps k=0", "herring k=0",
+                                                "herring k=1", "herring k=2"]
+    # Herring gives its servers shares: they cross a link.
+    assert nic_traffic("herring", machines=1, local_workers=2, servers=2) > 0
+
+
 def test_fanout_and_summation_servers():
     # BytePS n = 4, k = 0: each colocated server holds 25 MB, cut into 4,096,000-byte partitions.
     c = Constants()

@@ -288,12 +288,15 @@ def _messages(candidate: Candidate, network: Network, model_bytes: float,
 
 def candidates(network: Network) -> list[Candidate]:
     """Every strategy the job can run with: ddp, and BytePS and Herring on 0..k servers; ddp
-    alone for one worker, which has nothing to sum (servers would only add their cost)."""
+    alone for one worker, which has nothing to sum (servers would only add their cost);
+    BytePS on one worker machine without servers only (Theorem 1 gives them nothing: k >= 1
+    runs k = 0's sums, and no byte crosses their links)."""
     out = [Candidate(strategy="ddp")]
     if network.workers < 2:
         return out
     for strategy in ("byteps", "herring"):
-        out += [Candidate(strategy=strategy, servers=k) for k in range(network.servers + 1)]
+        most = 0 if strategy == "byteps" and network.machines == 1 else network.servers
+        out += [Candidate(strategy=strategy, servers=k) for k in range(most + 1)]
     return out
 
 

@@ -25,7 +25,7 @@ from .cost import Candidate, Compute, Constants, Network, Prediction, candidates
 __all__ = ["Job", "Plan", "CONSTANTS", "HOSTS", "AUTO", "plan_job", "chosen", "auto_record",
            "host_cores"]
 
-#: Fitted on ``./dev bench cluster`` runs of two model sizes, 27.3 MB and 0.43 MB of gradients
+#: Fitted on ``./dev bench cluster`` runs of two model sizes, 27.3 MB and 1.59 MB of gradients
 #: (benchmarks/results/cluster_stop36.json, cluster_small_stop36.json); docs/cluster.md says how.
 CONSTANTS = Constants(
     efficiency={"ddp": 0.976, "byteps": 0.654, "herring": 0.969},

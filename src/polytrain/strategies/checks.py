@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..comm.topology import Topology
-from ..errors import ConfigError
+from ..errors import CommTimeout, ConfigError, is_timeout
 from ..ps.grads import sparse_parameter
 from ..runtime import Context
 
@@ -216,10 +216,26 @@ def check_same_values(ctx: Context, values: Mapping[str, Any], fix: str) -> None
 
 @torch.no_grad()
 def broadcast_module(ctx: Context, model: nn.Module, *, buffers: bool = True) -> None:
-    """Copy worker 0's parameters, and its buffers unless not ``buffers``, to every worker."""
+    """Copy worker 0's parameters, and its buffers unless not ``buffers``, to every worker.
+    A copy that outlasts the timeout (a slow link: gloo's tree takes several copies' time to
+    the last worker) is a :class:`~polytrain.errors.CommTimeout` naming the tensor."""
     src = ctx.topology.workers[0]
-    for t in list(model.parameters()) + (list(model.buffers()) if buffers else []):
-        dist.broadcast(t.data, src=src, group=ctx.groups.workers)
+    for name, t in [*model.named_parameters(), *(model.named_buffers() if buffers else ())]:
+        try:
+            dist.broadcast(t.data, src=src, group=ctx.groups.workers)
+        except RuntimeError as e:
+            if not is_timeout(e):
+                raise
+            raise CommTimeout(
+                f"rank {ctx.rank} (machine {ctx.machine}): worker 0's copy of {name} "
+                f"({t.numel() * t.element_size():,} bytes) to every worker at the start did "
+                f"not arrive within --timeout {ctx.timeout_s:g} s (gloo passes it down a tree "
+                f"of the workers: the last waits for several copies over the links)",
+                "on a slow link (--bandwidth), raise --timeout (POLYTRAIN_TIMEOUT) or the "
+                "bandwidth; otherwise look at the other workers' logs" if ctx.emulated_network
+                else "if the other workers are alive but slow, raise --timeout "
+                     "(POLYTRAIN_TIMEOUT); otherwise look at their logs",
+                waited_s=ctx.timeout_s) from None
 
 
 def check_dense_gradients(model: nn.Module, strategy: str) -> None:
