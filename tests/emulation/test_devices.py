@@ -226,6 +226,46 @@ def test_the_profile_says_where_a_forward_is_not_a_chain_of_its_children():
                    profile=profile_model(_Skip(), x), transport=None, loss_fn=None)
 
 
+class _Pair(torch.nn.Module):
+    """Returns its output and a sum as a tuple; takes a tensor or such a tuple."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, h: torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        h = h[0] if isinstance(h, tuple) else h
+        return self.lin(h), h.sum()
+
+
+class _First(torch.nn.Module):
+    def forward(self, h: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return h[0]
+
+
+def test_a_child_that_passes_a_tuple_on_is_refused_by_a_pipeline_stage():
+    # Symptom: a child passing (output, sum) to the next child passed every check of
+    # hetpipe and pipetransformer; every step then failed on the worker with "'tuple' object
+    # has no attribute 'detach'" and a traceback. Cause: the profile measured the tuple's
+    # first tensor only, and a stage sends one tensor to the next. The last child may
+    # return a tuple (the loss function gets it); emulation runs a tuple through as it is.
+    x = torch.zeros(2, 4)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), _Pair(), _Pair(), _First(),
+                                torch.nn.Linear(4, 2))
+    profile = profile_model(model, x)
+    assert profile.not_one_tensor == "child '1' returns a tuple"
+    assert profile_model(torch.nn.Sequential(torch.nn.Linear(4, 4), _Pair()),
+                         x).not_one_tensor is None
+    with pytest.raises(ConfigError) as refused:
+        make_stage(model, [0, 2, 5], 0, ranks=[0, 1], labels=["s0", "s1"], links=[0.0],
+                   profile=profile, transport=None, loss_fn=None)
+    assert str(refused.value) == (
+        "Sequential's child '1' returns a tuple to the next child, but pipeline stages send "
+        "one tensor between layers. HINT: return one tensor from every child but the last "
+        "(pack several into one), or wrap the children that pass several in one child module")
+
+
 def test_emulated_device_waits_out_the_layer_time():
     model = GPT(seq_len=16, d_model=32, layers=2, heads=2)
     x = torch.zeros(4, 16, dtype=torch.long)

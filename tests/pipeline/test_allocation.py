@@ -125,6 +125,29 @@ def test_a_model_too_big_for_the_devices_is_refused():
         plan_hetpipe(c, profile, policy="ed", global_batch=8, state_factor=2)
 
 
+def test_an_inflight_too_many_for_memory_is_refused_with_the_largest_that_fits():
+    # Symptom: --inflight 4 on devices of 1.5 MiB was refused with a hint of devices, batch
+    # and optimizer only, though N_m = 2 fits (the partitioner's own choice without it).
+    # Cause: the refusal was the first virtual worker's at the N_m given, whatever fits.
+    c = parse_cluster("tiny=4/1.5,m0:tiny*2,m1:tiny*2")
+    profile = profile_model(GPT(seq_len=16, d_model=32), torch.zeros(1, 16, dtype=torch.long))
+    assert plan_hetpipe(c, profile, policy="hd", global_batch=8, state_factor=2,
+                        inflight=2).inflight == 2
+    with pytest.raises(ConfigError) as refused:
+        plan_hetpipe(c, profile, policy="hd", global_batch=8, state_factor=2, inflight=4)
+    assert str(refused.value) == (
+        "the model does not fit virtual worker 0 (m0/0 tiny, m1/0 tiny)'s memory: with N_m = 4 "
+        "in flight and minibatch 4, the cut that needs the least memory still needs 2.3 MiB "
+        "on stage 1 (layers h2, h3, head) of device type tiny with 1.5 MiB. HINT: pass a "
+        "smaller --inflight (the largest N_m that fits is 2), or use devices with more "
+        "memory, more devices per virtual worker, a smaller --batch-size, or SGD instead of "
+        "Adam")
+    # Where N_m = 1 does not fit either, there is no smaller one to offer.
+    with pytest.raises(ConfigError, match=r"HINT: use devices with more memory"):
+        plan_hetpipe(parse_cluster("tiny=4/0.5,m0:tiny*2,m1:tiny*2"), profile, policy="hd",
+                     global_batch=8, state_factor=2, inflight=4)
+
+
 def test_bd_pairs_each_virtual_worker_with_a_twin_running_the_other_way():
     c = parse_cluster("m0:fast*2,m1:slow*2")
     vws = allocate(c, "bd")

@@ -3,6 +3,7 @@ whose data-parallel width changes during the run (as PipeTransformer's will)."""
 
 import dataclasses
 import functools
+import warnings
 
 import pytest
 import torch
@@ -318,3 +319,40 @@ def test_single_with_a_context_moves_the_batches_to_the_models_device():
     trainer = polytrain.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1),
                                    strategy="single", ctx=ctx, loss_fn=mse)
     assert trainer.device == torch.device("meta")
+
+
+class Staged(Widening):
+    """A pipeline of one process whose stage steps an optimizer of its own that follows the
+    given one's settings, as HetPipe's and PipeTransformer's stages do."""
+
+    name = "test-staged"
+    pipeline = True
+
+    def train_step(self, model, optimizer, inputs, targets, loss_fn):
+        stage = torch.optim.SGD(model.parameters(), lr=optimizer.param_groups[0]["lr"])
+        stage.zero_grad()
+        loss = loss_fn(model(inputs), targets)
+        loss.backward()
+        stage.step()
+        return float(loss.detach())
+
+
+def test_a_scripts_scheduler_after_a_pipeline_step_is_not_warned_of_the_wrong_order():
+    # Symptom: a script's StepLR stepped after trainer.step under hetpipe or pipetransformer
+    # got torch's "Detected call of `lr_scheduler.step()` before `optimizer.step()`" on
+    # every worker, though the order was right (the CLI hid it with a filter). Cause: the
+    # stages step optimizers of their own, never the one the scheduler watches.
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    trainer = polytrain.Trainer(Staged(None, WideningOptions()), model, opt, mse)
+    schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    before = model.weight.detach().clone()
+    x = torch.ones(4, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(2):
+            trainer.step(x, x)
+            schedule.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.025)
+    assert not torch.equal(model.weight, before)

@@ -63,6 +63,9 @@ class ModelProfile:
     #: Why the model's forward is not its layers run one after another (None: it is), at the
     #: first place it is not. A pipeline cut between layers would compute another function.
     chain_break: str | None = None
+    #: The first child but the last whose output is not one tensor ("child '3' returns a
+    #: tuple"; None: none). Emulation runs it as it is; a pipeline stage sends one tensor.
+    not_one_tensor: str | None = None
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -110,13 +113,17 @@ def profile_model(model: nn.Module, sample: torch.Tensor) -> ModelProfile:
     one, chain_break = _measure(meta, sample.shape[1:], sample.dtype, 2)
     two, _ = _measure(meta, sample.shape[1:], sample.dtype, 3)
     layers = []
-    for name, module in layers_of(meta):
+    not_one_tensor = None
+    children = layers_of(meta)
+    for i, (name, module) in enumerate(children):
         a, b = one.get(name), two.get(name)
         params = sum(p.numel() * p.element_size() for p in module.parameters())
         if a is None or b is None:
             raise ConfigError(f"layer {name!r} of {type(model).__name__} did not run in its "
                               f"forward", "give the pipeline a model whose children all run, "
                               "in order (an nn.Sequential)")
+        if a["not_tensor"] and not_one_tensor is None and i < len(children) - 1:
+            not_one_tensor = f"child {name!r} returns a {a['not_tensor']}"
         out_numel = b["out_numel"] - a["out_numel"]
         fwd = max(b["flops"] - a["flops"], float(out_numel))
         layers.append(LayerProfile(
@@ -125,7 +132,7 @@ def profile_model(model: nn.Module, sample: torch.Tensor) -> ModelProfile:
             out_bytes=float(out_numel * b["itemsize"]), out_shape=b["out_shape"],
             out_dtype=b["out_dtype"]))
     return ModelProfile(tuple(layers), tuple(sample.shape[1:]), sample.dtype,
-                        chain_break=chain_break)
+                        chain_break=chain_break, not_one_tensor=not_one_tensor)
 
 
 def hookless_copy(model: nn.Module) -> nn.Module:
@@ -251,7 +258,10 @@ def _measure(model: nn.Module, shape: Sequence[int], dtype: torch.dtype,
             found[name] = {"flops": float(state["counter"].get_total_flops()),
                            "saved": float(state["saved"]), "out_numel": t.numel(),
                            "out_shape": tuple(t.shape[1:]), "out_dtype": t.dtype,
-                           "itemsize": t.element_size()}
+                           "itemsize": t.element_size(),
+                           # (a tuple or a list: its first tensor measured)
+                           "not_tensor": None if isinstance(out, torch.Tensor)
+                           else type(out).__name__}
 
         handles.append(module.register_forward_pre_hook(pre))
         handles.append(module.register_forward_hook(post))

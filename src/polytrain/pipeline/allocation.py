@@ -233,7 +233,8 @@ def plan_hetpipe(cluster: Cluster, profile: ModelProfile, *, policy: str, global
     Every VW must use the same N_m (a clock is one wave of N_m minibatches in
     every VW), so when ``inflight`` is None the N_m chosen is the smallest that
     minimises the slowest VW's period. Policy ``bd`` runs N_m = 1 (a VW's twin fills
-    its bubble), and each of a device's two stages must fit half its memory.
+    its bubble), and each of a device's two stages must fit half its memory. Where the
+    ``inflight`` given does not fit, the refusal names the largest N_m that does.
     """
     vws = allocate(cluster, policy)
     if policy == "bd":
@@ -252,12 +253,14 @@ def plan_hetpipe(cluster: Cluster, profile: ModelProfile, *, policy: str, global
     candidates = [inflight] if inflight is not None else list(range(1, stages + 1))
     best: tuple[float, int, tuple[PipelinePlan, ...]] | None = None
     error: ConfigError | None = None
+    halved = "policy bd runs two stages per device" if policy == "bd" else None
+
+    def plan_all(nm: int) -> tuple[PipelinePlan, ...]:
+        return tuple(_plan_vw(cluster, vw, profile, minibatch, state_factor, nm, search,
+                              halved) for vw in vws)
     for nm in candidates:
         try:
-            plans = tuple(_plan_vw(cluster, vw, profile, minibatch, state_factor, nm, search,
-                                   "policy bd runs two stages per device"
-                                   if policy == "bd" else None)
-                          for vw in vws)
+            plans = plan_all(nm)
         except ConfigError as e:
             error = error or e
             continue
@@ -266,6 +269,18 @@ def plan_hetpipe(cluster: Cluster, profile: ModelProfile, *, policy: str, global
             best = (period, nm, plans)
     if best is None:
         assert error is not None
+        if inflight is not None and inflight > 1:
+            # Memory grows with N_m: the largest that fits is the last from 1 up that does.
+            fits = 0
+            for nm in range(1, inflight):
+                try:
+                    plan_all(nm)
+                except ConfigError:
+                    break
+                fits = nm
+            if fits:
+                raise ConfigError(error.what, f"pass a smaller --inflight (the largest N_m "
+                                              f"that fits is {fits}), or {error.hint}") from None
         raise error
     return HetPipePlan(policy=policy, staleness=staleness, minibatch=minibatch,
                        inflight=best[1], virtual_workers=vws, pipelines=best[2])

@@ -118,6 +118,12 @@ def make_stage(model: nn.Module, bounds: Sequence[int], index: int, *, ranks: Se
             f"another function",
             "give pipeline strategies a model whose forward only chains its children (an "
             "nn.Sequential); wrap a skip connection or other glue in one child module")
+    if profile.not_one_tensor is not None:  # (any cut may fall after it: cuts change)
+        raise ConfigError(
+            f"{type(model).__name__}'s {profile.not_one_tensor} to the next child, but "
+            f"pipeline stages send one tensor between layers",
+            "return one tensor from every child but the last (pack several into one), or "
+            "wrap the children that pass several in one child module")
     j, count = index, len(ranks)
     a, e = bounds[j], bounds[j + 1]
     module = nn.Sequential(OrderedDict(layers_of(model)[a:e]))

@@ -275,6 +275,9 @@ class HetPipe(Strategy[HetPipeOptions]):
         self.transport = ctx.transport
         self.model = model
         self.base_optimizer = optimizer
+        #: Whether each parameter trained at the wrap: the stages, their optimizers and the
+        #: servers' keys (:func:`fused_keys`) are fixed by it (:func:`_check_still_trained`).
+        self.trained_at_wrap = [(n, p, p.requires_grad) for n, p in model.named_parameters()]
         return model, optimizer
 
     @property
@@ -401,6 +404,8 @@ class HetPipe(Strategy[HetPipeOptions]):
 
     def train_step(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                    inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn) -> float | None:
+        # On every worker before any stage runs, so every stage refuses the step alike.
+        _check_still_trained(self.trained_at_wrap)
         if not self.started:
             self._setup(inputs, loss_fn)  # (the plan refuses the first step's batch)
         if inputs.shape[0] % len(self.roles):  # policy bd's twins: every step's too
@@ -522,6 +527,23 @@ def _check_in_layers(model: nn.Module, owner: str) -> None:
                               "move it into a layer (a child module); for a built-in "
                               "--model, pick another --model, or a strategy that is not a "
                               "pipeline")
+
+
+def _check_still_trained(trained: Sequence[tuple[str, nn.Parameter, bool]]) -> None:
+    """Refuse a parameter frozen or unfrozen (``requires_grad``) since the wrap, given as
+    (name, parameter, whether it trained then): the servers' keys, each stage's trained
+    parameters and its waves' sums are fixed then, so an unfrozen one never trained on the
+    servers and a frozen one went on training (pushed zeros, stepped on momentum)."""
+    for name, p, was in trained:
+        if p.requires_grad == was:
+            continue
+        change, then = (("unfrozen (requires_grad=True)", "not train it") if p.requires_grad
+                        else ("frozen (requires_grad=False)", "go on training it"))
+        raise ConfigError(f"parameter {name!r} was {change} after distribute(): hetpipe's "
+                          f"stages and servers train the parameters that were trained then, "
+                          f"and would {then}", "set requires_grad before distribute(); to "
+                          "change it during training, save trainer.state_dict() and "
+                          "distribute a new model that loads it")
 
 
 def _stage_moved(saved: Mapping[str, Any], role: _Role, names: Sequence[str],

@@ -119,6 +119,11 @@ class Trainer:
         if self.device is not None:
             x, y = x.to(self.device), y.to(self.device)
         loss = self.strategy.train_step(self.model, self.optimizer, x, y, self.loss_fn)
+        if self.strategy.pipeline:
+            # The stages step optimizers of their own that follow this one's settings, never
+            # this one: torch's learning-rate schedulers read this flag (set by the step they
+            # wrap) to warn of a scheduler stepped before the optimizer, falsely here.
+            self.optimizer._opt_called = True  # type: ignore[attr-defined]
         self.steps += 1
         return loss
 

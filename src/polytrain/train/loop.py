@@ -7,7 +7,6 @@ import functools
 import logging
 import math
 import time
-import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -143,11 +142,7 @@ def train(config: TrainConfig) -> dict[str, Any] | None:
             times.append(time.perf_counter() - t0)
             losses.append(loss)
             if scheduler is not None:
-                with warnings.catch_warnings():
-                    # A strategy may step its own optimizers (hetpipe's stages) that follow this
-                    # one's settings: torch's check that this one stepped first does not apply.
-                    warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler")
-                    scheduler.step()
+                scheduler.step()
             if ctx is not None:
                 if step + 1 - start in settle:
                     dist.barrier(group=ctx.groups.workers)
