@@ -65,6 +65,34 @@ def test_an_embedding_bag_of_mode_max_or_scaled_by_frequency_stays_dense_or_is_r
     # worker: more are refused by every strategy).
     model = nn.Sequential(nn.Embedding(10, 4, scale_grad_by_freq=True), nn.Embedding(10, 4))
     assert classify(model) == (["0.weight"], ["1.weight"])
+    # An EmbeddingBag, which is no nn.Embedding, was made sparse and met it too.
+    model = nn.Sequential(nn.EmbeddingBag(10, 4, scale_grad_by_freq=True), nn.EmbeddingBag(10, 4))
+    assert classify(model) == (["0.weight"], ["1.weight"])
+    with pytest.raises(ConfigError, match=r"0 is built with sparse=True, but parallax cannot "
+                                          r"hold its rows on servers: scale_grad_by_freq has "
+                                          r"no sparse gradient"):
+        classify(nn.Sequential(nn.EmbeddingBag(10, 4, scale_grad_by_freq=True, sparse=True)))
+
+
+class _Doubled(nn.Module):
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight * 2.0
+
+
+def test_an_embedding_of_a_parametrized_weight_stays_dense_or_is_refused():
+    # Made sparse, its parametrization's original got the sparse gradient, which the dense
+    # all-reduce refused at the first step with the hint to look it up through its
+    # nn.Embedding module, as it was.
+    from torch.nn.utils import parametrize
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Embedding(10, 4))
+    parametrize.register_parametrization(model[0], "weight", _Doubled())
+    assert classify(model) == (["0.parametrizations.weight.original"], ["1.weight"])
+    built = nn.Sequential(nn.Embedding(10, 4, sparse=True))
+    parametrize.register_parametrization(built[0], "weight", _Doubled())
+    with pytest.raises(ConfigError, match=r"0 is built with sparse=True, but parallax cannot "
+                                          r"hold its rows on servers: its weight is "
+                                          r"parametrized .*HINT: build it with sparse=False"):
+        classify(built)
 
 
 def test_row_ranges_are_spread_greedily_by_bytes_over_the_servers():
@@ -146,6 +174,42 @@ def test_the_search_times_a_step_without_what_the_loop_does_after_it(monkeypatch
     s._step_done()   # 11.5
     s.replan(2)      # 12.0
     assert s._times == [1.0, 1.5]
+
+
+def test_a_resumed_sample_leaves_its_first_step_out_of_its_time(monkeypatch):
+    # The first step after a resume has no start to be timed from, and was still counted
+    # one of the sample's: the sample's time then took in its first step's, from before the
+    # checkpoint (a warm-up: the median of 5.0 and 1.0, where its other steps took 1.0).
+    from types import SimpleNamespace
+
+    from polytrain.strategies.parallax import Parallax
+    from polytrain.strategies.parallax import strategy as module
+    clock = iter([0.0, 5.0, 5.0, 6.0, 100.0, 101.0, 101.0, 102.0, 102.0, 102.0, 102.0])
+    monkeypatch.setattr(module.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(module.dist, "all_reduce", lambda *args, **kwargs: None)
+    ctx = SimpleNamespace(num_workers=1, num_nodes=1, worker_index=0,
+                          groups=SimpleNamespace(workers=None))
+    emb = [SparseVar("emb", 10, 4, torch.float32)]
+
+    def strategy():
+        s = Parallax(ctx, ParallaxOptions(search_steps=3))
+        s.plan = plan_parallax(emb, [], partitions=2, servers=[1])
+        s._count, s.search = 2, PartitionSearch(2, low=2, high=2)  # one sample
+        s.rows = SimpleNamespace(vars=[], round=0, pull_states=lambda: [],
+                                 restore=lambda *args: None, end_step=lambda: None)
+        return s
+
+    before = strategy()
+    for step in range(2):  # the sample's first step takes 5.0, its second 1.0; then a save
+        before.replan(step)
+        before._step_done()
+    saved = {**before.checkpoint_state(), "rows": {}}  # (no tables: no servers here)
+    after = strategy()
+    after.load_checkpoint_state(saved)
+    for step in range(2, 5):  # 1.0 each; the first is not timed
+        after.replan(step)
+        after._step_done()
+    assert after.final_search.samples == [(2, 1.0)]
 
 
 def test_adamw_with_weight_decay_on_a_sparse_parameter_is_refused_with_what_to_pass():
@@ -499,7 +563,9 @@ class _TwoTables(nn.Module):
 
 
 def two_tables_script(distributed: bool) -> dict:
-    """Adam; table ``side`` is read at steps 1 and 3 only, by every sample."""
+    """Adam; table ``side`` is read at steps 1 and 3 only, by every sample. A run then
+    closes the strategy and takes a fifth step on its own (the whole batch on every worker,
+    as the single run's fifth): the weights and the optimizer's state, by name."""
     import polytrain
     ctx = polytrain.init() if distributed else None
     torch.manual_seed(0)
@@ -509,30 +575,36 @@ def two_tables_script(distributed: bool) -> dict:
         model, opt = polytrain.distribute(model, opt, strategy="parallax")
     gen = torch.Generator().manual_seed(1)
     every = torch.arange(4).repeat(4, 1)  # every sample reads every row: lazy Adam is Adam
-    for step in range(4):
+    for step in range(5):
         y = torch.randn(4, 3, generator=gen)
         ids = every
-        if ctx is not None:
+        if ctx is not None and step == 4:
+            polytrain.strategy_of(model).close()  # the model and optimizer are the user's
+        elif ctx is not None:
             ids = polytrain.shard(ids, ctx.worker_index, ctx.num_workers)
             y = polytrain.shard(y, ctx.worker_index, ctx.num_workers)
         opt.zero_grad()
         nn.functional.mse_loss(model(ids, step in (1, 3)), y).backward()
         opt.step()
-    with torch.no_grad():  # reads every row of both tables: the servers' current rows
-        model(every, True)
-    inner = getattr(model, "module", model)
-    return {k: v.detach().clone() for k, v in inner.state_dict().items()}
+    out = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    for name, p in model.named_parameters():
+        out.update({f"{name}.{k}": torch.as_tensor(v).clone() for k, v in opt.state[p].items()})
+    return out
 
 
 @pytest.mark.timeout(120)
 def test_a_table_a_step_does_not_read_keeps_its_adam_step_count_as_in_one_process():
     # The servers counted every round as a step of every table: the side table's first
     # update was bias-corrected as Adam's second step (0.75 of one process's).
+    # And close() left every worker's tables as their last fetch had them and the user's
+    # Adam without the tables' moments and steps: a step after it was 2e-2 off single.
     from tests.harness import spawn
     alone = two_tables_script(False)
     workers = spawn(two_tables_script, workers=2, colocated=1, args=(True,))
-    # Summation order only (it was 4e-3 off).
-    assert max_abs_diff(alone, workers[0]) < 2e-5
+    assert alone["side.weight.step"] == 2 and alone["tok.weight.step"] == 5
+    for w in workers:
+        # Summation order only (it was 4e-3 off).
+        assert max_abs_diff(alone, w) < 2e-5
 
 
 class _TiedByUse(nn.Module):
@@ -753,6 +825,15 @@ def test_options_that_a_model_without_sparse_parameters_leaves_idle_are_refused(
     Parallax.check_model(table, layout, ParallaxOptions(partitions=2))
 
 
+def test_a_model_without_sparse_parameters_is_evaluated_as_it_is():
+    # --eval-every did nothing under parallax on a model without sparse parameters
+    # (--no-sparse-embeddings on mlp): no model to evaluate was given without the tables'
+    # rows, and metrics.json had no evaluation and a null final_eval_loss.
+    from polytrain.strategies.parallax import Parallax
+    mlp = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    assert Parallax(None, ParallaxOptions()).evaluation_model(mlp) is mlp
+
+
 def test_search_steps_in_the_plain_loop_which_does_not_search_is_refused():
     # distribute(..., search_steps=5) without loss_fn: the plain loop never calls replan(), so
     # the search never ran and the option did nothing, silently.
@@ -887,3 +968,16 @@ def test_sparse_reads_that_give_no_integer_tensor_are_refused_naming_the_table()
                                               rf"{kind}, not a tensor of row ids.*HINT: return "
                                               rf"an integer tensor"):
             hook(nn.Module(), (torch.tensor([[1, 2]]),), {})
+    # One that returned nothing met "TypeError: 'NoneType' object is not iterable"; one
+    # that takes fewer inputs than the forward was given them all (a TypeError).
+    hook = SparseRows._reads_hook(rows, lambda ids: None)
+    with pytest.raises(ConfigError, match=r"the model's sparse_reads returned a NoneType, not "
+                                          r"a dict of each sparse parameter's rows by name.*"
+                                          r"HINT: return \{'emb.weight': ids\}"):
+        hook(nn.Module(), (torch.tensor([[1, 2]]),), {})
+    fetched = []
+    rows.fetch = lambda reads, training: fetched.append(reads)
+    ids = torch.tensor([[1, 2]])
+    hook = SparseRows._reads_hook(rows, lambda ids: {"emb.weight": ids})
+    hook(nn.Module(), (ids, torch.ones(1, 2)), {})  # forward(ids, mask)
+    assert fetched == [{var: ids}] and var.declared

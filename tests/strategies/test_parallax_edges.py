@@ -405,11 +405,14 @@ def written_and_closed(model: nn.Module, opt: torch.optim.Optimizer, ids: torch.
                                           r"servers' rows over the change.*HINT: "):
         model(ids, True)
     strategy = polytrain.strategy_of(model)
-    pushed = strategy.rows.round
+    rows = strategy.rows
+    pushed = rows.round
     strategy.close()
     assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
     opt.step()  # the closed model is the user's own: a step stays local
-    assert strategy.rows.round == pushed
+    assert rows.round == pushed
+    # Its tables are every worker's own, whole: nothing is gathered from the servers.
+    assert torch.equal(polytrain.full_state_dict(model)["tok.weight"], model.tok.weight)
 
 
 @pytest.mark.timeout(120)

@@ -24,6 +24,7 @@ from typing import Any, Sequence
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from ...comm.partition import Partition, even_cuts
 from ...errors import ConfigError, at_least
@@ -111,8 +112,13 @@ def unservable(m: nn.Module) -> str | None:
     """Why an embedding's rows cannot live on servers (None: they can)."""
     if isinstance(m, nn.EmbeddingBag) and m.mode == "max":
         return "mode='max' has no sparse gradient"
-    if isinstance(m, nn.Embedding) and m.scale_grad_by_freq:
+    if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.scale_grad_by_freq:
         return "scale_grad_by_freq has no sparse gradient"  # torch: not supported
+    if parametrize.is_parametrized(m, "weight"):
+        # Its lookups read a weight computed from the parametrization's original, whose
+        # gradient (sparse, made so) is no table's.
+        return ("its weight is parametrized (torch.nn.utils.parametrize): a lookup reads "
+                "rows computed from another tensor, not rows the servers could hold")
     return None
 
 

@@ -110,7 +110,7 @@ class Parallax(ServedStrategy[ParallaxOptions]):
         except BaseException:
             # A refused wrap leaves the model the user's (tables of sparse gradients failed
             # the plain step of torch's Adam after the refusal of AdamW's weight decay).
-            self.close()
+            self._release()
             raise
 
     def _wrap(self, model: nn.Module,
@@ -266,7 +266,7 @@ class Parallax(ServedStrategy[ParallaxOptions]):
         if self.rows is not None:
             self.rows.gather()  # worker 0 pulls; every worker's pushes have left first
         net = super().evaluation_model(model)
-        return None if net is None or self.rows is None else _Gathered(net, self.rows)
+        return net if net is None or self.rows is None else _Gathered(net, self.rows)
 
     # -- checkpoints ---------------------------------------------------------------------------
 
@@ -325,7 +325,10 @@ class Parallax(ServedStrategy[ParallaxOptions]):
                                              and goes_on) \
             else self.options.partitions or self._count
         if not moved and goes_on:  # a new search times its own steps
-            self._since, self._times = int(state["since"]), list(state["times"])
+            # The first step from here is not timed (nothing marks its start): counted one
+            # step less, the sample runs a step longer, so that the times it takes leave out
+            # its first step's, which _times holds from before the save.
+            self._since, self._times = max(0, int(state["since"]) - 1), list(state["times"])
         self._last = None
         if self.rows is None:
             return
@@ -357,6 +360,18 @@ class Parallax(ServedStrategy[ParallaxOptions]):
                 "servers": list(self.plan.servers) if self.plan is not None else []}
 
     def close(self) -> None:
+        """Give the model and optimizer back to the user: every worker's tables with the
+        servers' rows, and the optimizer's state for them with the servers' (Adagrad's
+        sum, Adam's moments and step); the servers forget the rows. Every worker calls
+        it, between steps; a second call does nothing."""
+        if self.rows is not None:
+            self.rows.give_back()
+        self._release()
+        self.rows = None  # the tables are the user's: state_dict() takes them as they are
+
+    def _release(self) -> None:
+        """Take parallax's hooks off the model and optimizer; the tables' gradients as their
+        modules gave them."""
         for h in self._step_hooks:
             h.remove()
         self._step_hooks = []
