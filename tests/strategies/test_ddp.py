@@ -72,6 +72,19 @@ def freeze_after_wrapping() -> None:
                                                     r"was wrapped: .* HINT: set "
                                                     r"requires_grad=True before distribute\(\)"):
         wrapped(torch.randn(2, 4))
+    # Converted after the wrap (model.double()): torch's DDP all-reduced in the buckets it
+    # had laid out for float32, and the workers ended 4.5e-2 apart, silently.
+    converted = Chain()
+    wrapped, opt = polytrain.distribute(converted,
+                                        torch.optim.SGD(converted.parameters(), lr=0.1), "ddp",
+                                        find_unused_parameters=True)
+    converted.double()
+    with pytest.raises(polytrain.ConfigError, match=r"^parameter 'a\.weight' is float64 on cpu "
+                                                    r"now, and was float32 on cpu at the wrap, "
+                                                    r".* HINT: convert the model \(model\."
+                                                    r"double\(\), \.to\(device\)\) before "
+                                                    r"distribute\(\)"):
+        wrapped(torch.randn(2, 4, dtype=torch.float64))
     model = Chain()
     wrapped, opt = polytrain.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1),
                                         "ddp")
@@ -86,6 +99,20 @@ def test_ddp_refuses_a_model_with_nothing_to_train_and_names_what_it_waits_for()
     with pytest.raises(LaunchError, match=r"parameters 'a.weight', 'a.bias', 'd.weight', "
                                           r"'d.bias' got no gradient"):
         spawn(freeze_after_wrapping, workers=2)
+
+
+def test_a_parameter_moved_since_the_wrap_is_named_with_both_devices():
+    # The device half of the check (CPU-only here: the wrap's device stands in for a GPU).
+    from polytrain.ps.grads import as_wrapped, check_as_wrapped
+
+    net = nn.Linear(4, 2)
+    check_as_wrapped(as_wrapped(net.named_parameters()))  # unchanged: accepted
+    on_gpu = [(name, p, dtype, torch.device("cuda", 1))
+              for name, p, dtype, _ in as_wrapped(net.named_parameters())]
+    with pytest.raises(polytrain.ConfigError, match=r"^parameter 'weight' is float32 on cpu "
+                                                    r"now, and was float32 on cuda:1 at the "
+                                                    r"wrap, "):
+        check_as_wrapped(on_gpu)
 
 
 @pytest.mark.timeout(60)

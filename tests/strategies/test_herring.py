@@ -418,6 +418,10 @@ def drop_in_arguments() -> dict:
     out["group name"] = refused(lambda: DDP(nn.Linear(4, 2), process_group="workers"))
     out["two devices"] = refused(lambda: DDP(nn.Linear(4, 2), device_ids=[0, 1]))
     out["no_sync"] = no_sync_gradients(DDP, ctx.worker_index)
+    converted = DDP(nn.Linear(4, 2))
+    converted.module.double()
+    out["converted"] = refused(lambda: converted(torch.ones(1, 4, dtype=torch.float64)))
+    converted.close()
     return out
 
 
@@ -455,6 +459,19 @@ def test_a_process_group_that_is_not_a_group_is_refused_in_one_line():
             "herring sums gradients over every worker (ranks [0, 1]), but process_group is "
             "'workers', a str, not a process group. HINT: leave process_group out, or pass "
             "ctx.groups.workers")
+
+
+@pytest.mark.timeout(60)
+def test_a_model_converted_after_the_wrap_is_refused_at_the_next_forward():
+    # Symptom: model.double() after the wrap trained on, its float64 gradients summed in the
+    # float32 buffers laid out at the wrap (6.6e-10 off one process), silently. Cause:
+    # nothing compared the parameters' dtype with the wrap's.
+    for said in drop_in_arguments_run():
+        assert said["converted"] == (
+            "parameter 'weight' is float64 on cpu now, and was float32 on cpu at the wrap, "
+            "which laid out its sums for that: the workers would step on sums of another "
+            "dtype, or drift apart. HINT: convert the model (model.double(), .to(device)) "
+            "before distribute() (or before wrapping it)")
 
 
 @pytest.mark.timeout(60)

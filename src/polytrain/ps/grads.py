@@ -22,7 +22,7 @@ import dataclasses
 import gc
 import time
 import weakref
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Protocol, Sequence
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -34,8 +34,9 @@ from .compression import CompressOptions
 from .engine import Engine, SumTensor, forget_if_alive
 from .placement import Placement
 
-__all__ = ["GradientSync", "bucket_specs", "flags_dtype", "gradient_change", "gradient_left",
-           "presence_flags", "read_presence", "sparse_parameter"]
+__all__ = ["GradientSync", "AsWrapped", "Holder", "as_wrapped", "bucket_specs",
+           "check_as_wrapped", "flags_dtype", "gradient_change", "gradient_left", "hold",
+           "let_go_of", "presence_flags", "read_presence", "refuse_held", "sparse_parameter"]
 
 
 def flags_dtype(workers: int) -> torch.dtype:
@@ -104,8 +105,79 @@ def gradient_change(param: torch.Tensor, left: tuple[torch.Tensor | None, int]) 
     return None
 
 
-#: By parameter id: the parameter and the sync whose hooks push its gradient (while open).
-_holders: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[GradientSync]]] = {}
+#: A trained parameter's name, the parameter, and its dtype and device at the wrap.
+AsWrapped = tuple[str, torch.Tensor, torch.dtype, torch.device]
+
+
+def as_wrapped(named: Iterable[tuple[str, torch.Tensor]]) -> list[AsWrapped]:
+    """``named`` with each parameter's dtype and device now, for :func:`check_as_wrapped`."""
+    return [(n, p, p.dtype, p.device) for n, p in named]
+
+
+def check_as_wrapped(wrapped: Sequence[AsWrapped]) -> None:
+    """Refuse a parameter of ``wrapped`` whose dtype or device changed since the wrap
+    (``model.double()``, ``model.to(device)`` after it): its sums were laid out for the
+    wrap's, so its gradients were summed in the wrap's dtype (herring, byteps) or the
+    workers drifted apart (torch's DDP). Cheap enough for every step: a dtype compared by
+    identity, a device by value, nothing else made."""
+    for name, p, dtype, device in wrapped:
+        if p.dtype is not dtype or p.device != device:
+            raise ConfigError(
+                f"parameter {name!r} is {_placed(p.dtype, p.device)} now, and was "
+                f"{_placed(dtype, device)} at the wrap, which laid out its sums for that: the "
+                f"workers would step on sums of another dtype, or drift apart",
+                "convert the model (model.double(), .to(device)) before distribute() (or "
+                "before wrapping it)")
+
+
+def _placed(dtype: torch.dtype, device: torch.device) -> str:
+    return f"{str(dtype).removeprefix('torch.')} on {device}"
+
+
+class Holder(Protocol):
+    """What pushes parameters to the servers every step: a :class:`GradientSync`'s hooks,
+    an asynchronous optimizer's steps. One at a time per parameter (:func:`hold`)."""
+
+    #: What made it (``"DistributedOptimizer"``), named where a second wrap is refused.
+    owner: str
+
+    @property
+    def holding(self) -> bool:
+        """Whether it still pushes its parameters (not closed)."""
+
+
+#: By parameter id: the parameter and the holder that pushes it (while it holds it).
+_holders: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[Holder]]] = {}
+
+
+def refuse_held(named: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Refuse a parameter of ``named`` that an open holder pushes already: both would push
+    it, refused at the wrap rather than at the first backward ("a gradient from 2 backward
+    passes") or never (an asynchronous optimizer's)."""
+    for name, p in named:
+        if _open_holder(p) is not None:
+            gc.collect()  # one dropped in a reference cycle (1-bit Adam's) lets go now
+        other = _open_holder(p)
+        if other is not None:
+            raise ConfigError(f"parameter {name!r} is held already by a {other.owner} that "
+                              f"was not closed: both would push it to the servers every step",
+                              f"close() the first {other.owner} before wrapping its "
+                              f"parameters again")
+
+
+def hold(params: Iterable[torch.Tensor], holder: Holder) -> None:
+    """Record ``holder`` as the one that pushes ``params`` (:func:`refuse_held` first), by
+    weak reference: one dropped without close() lets go of them."""
+    for p in params:
+        _holders[id(p)] = (weakref.ref(p), weakref.ref(holder))
+
+
+def let_go_of(params: Iterable[torch.Tensor], holder: Holder) -> None:
+    """``holder`` no longer pushes ``params`` (its close()): another may wrap them."""
+    for p in params:
+        ref, held = _holders.get(id(p), (None, None))
+        if held is not None and held() is holder:
+            del _holders[id(p)]
 
 
 class GradientSync:
@@ -150,23 +222,17 @@ class GradientSync:
                  warmup: int = 0,
                  warmup_compression: Sequence[CompressOptions | None] | None = None,
                  averaging: bool = False, owner: str = "wrapper") -> None:
-        # A second sync over a parameter would push its gradient from hooks of its own too:
-        # refused here, not at the first backward ("a gradient from 2 backward passes").
-        for name, p in named:
-            if _open_holder(p) is not None:
-                gc.collect()  # one dropped in a reference cycle (1-bit Adam's) lets go now
-            other = _open_holder(p)
-            if other is not None:
-                raise ConfigError(f"parameter {name!r} is summed already by a {other.owner} "
-                                  f"that was not closed: both would push its gradient at "
-                                  f"every backward", f"close() the first {other.owner} before "
-                                  f"wrapping its parameters again")
+        # A second sync over a parameter would push its gradient from hooks of its own too.
+        refuse_held(named)
         self.owner: str = owner
         self.engine = engine
         self.in_backward = in_backward
         self._queued = False
         self.params = [p for _, p in named]
         self.names = [n for n, _ in named]
+        #: With the dtype and device their buckets are laid out for: a change is refused at
+        #: the first gradient of a step, before anything leaves (:func:`check_as_wrapped`).
+        self.as_wrapped = as_wrapped(named)
         self.buckets = list(buckets)
         self._local_reduce = local_reduce
         #: Where the flags of :attr:`keep_missing` are summed: with the last partition.
@@ -228,8 +294,7 @@ class GradientSync:
         # takes its hooks and its sums with it: each held a model-sized buffer for the run.
         self._let_go = weakref.finalize(self, _let_go, self._hooks, weakref.ref(engine),
                                         self._declared)
-        for p in self.params:
-            _holders[id(p)] = (weakref.ref(p), weakref.ref(self))
+        hold(self.params, self)
         #: Per synchronised step: seconds from the first bucket's submit to the last sum's
         #: arrival (comm), and of that the part spent waiting in synchronize() (exposed).
         self.comm_s: list[float] = []
@@ -266,6 +331,11 @@ class GradientSync:
         self._keep_missing = on
 
     @property
+    def holding(self) -> bool:
+        """Whether its hooks push its parameters' gradients (:meth:`close` removes them)."""
+        return bool(self._hooks)
+
+    @property
     def compressing(self) -> bool:
         """Whether this step's compressed buckets travel as ``compression`` says (the warm-up
         is over)."""
@@ -292,6 +362,7 @@ class GradientSync:
         self._missing = [len(b.members) for b in self.buckets]
         self._first_submit: float | None = None
         self._queued = False
+        self._checked = False  # check_as_wrapped at the step's first gradient
         #: Per parameter, the gradient handed to the engine and its version counter then
         #: (None: it had none, and zeros went): a change before synchronize() (clipping,
         #: unscaling) would be lost, and is refused.
@@ -317,6 +388,9 @@ class GradientSync:
         if not self.enabled:
             self.unsynced = True
             return
+        if not self._checked:  # a float64 gradient pushed to a float32 key failed the engine
+            check_as_wrapped(self.as_wrapped)
+            self._checked = True
         if self.in_backward and not self._queued:
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self.synchronize)
@@ -465,17 +539,14 @@ class GradientSync:
         both."""
         self._let_go()
         self._hooks = []
-        for p in self.params:
-            ref, held = _holders.get(id(p), (None, None))
-            if held is not None and held() is self:
-                del _holders[id(p)]
+        let_go_of(self.params, self)
 
 
-def _open_holder(param: torch.Tensor) -> GradientSync | None:
-    """The open sync whose hooks push ``param``'s gradient, if one does."""
+def _open_holder(param: torch.Tensor) -> Holder | None:
+    """The open holder that pushes ``param``, if one does."""
     ref, held = _holders.get(id(param), (None, None))
     other = held() if held is not None and ref is not None and ref() is param else None
-    return other if other is not None and other._hooks else None
+    return other if other is not None and other.holding else None
 
 
 def _let_go(hooks: Sequence[RemovableHandle], engine: weakref.ref[Engine],

@@ -12,6 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..errors import ConfigError
 from ..moe.checkpoint import moe_layers
+from ..ps.grads import as_wrapped, check_as_wrapped
 from .base import Strategy, register
 from .synced import check_still_frozen
 
@@ -34,7 +35,8 @@ class DDPOptions:
 
 class _DDP(DistributedDataParallel):
     """torch's DDP whose error for parameters left without gradients names them, and that
-    refuses a parameter frozen when it was built and unfrozen since."""
+    refuses a parameter frozen when it was built and unfrozen since, or one converted or
+    moved since (its buckets were laid out for the dtype and device of the wrap)."""
 
     def __init__(self, module: nn.Module, **kwargs: Any) -> None:
         super().__init__(module, **kwargs)
@@ -45,6 +47,7 @@ class _DDP(DistributedDataParallel):
         self._reduced_names: list[str] = []
         #: Frozen at the wrap: DDP reduces none of their gradients (check_still_frozen).
         self._frozen: list[tuple[str, nn.Parameter]] = []
+        reduced: list[tuple[str, nn.Parameter]] = []
         for prefix, sub in module.named_modules():
             for name, p in sub.named_parameters(recurse=False):
                 full = f"{prefix}.{name}" if prefix else name
@@ -52,13 +55,17 @@ class _DDP(DistributedDataParallel):
                     seen.add(id(p))
                     if p.requires_grad:
                         self._reduced_names.append(full)
+                        reduced.append((full, p))
                     else:
                         self._frozen.append((full, p))
+        #: The reduced parameters, with the dtype and device of their buckets (check_as_wrapped).
+        self._as_wrapped = as_wrapped(reduced)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         check_still_frozen(self._frozen, "set requires_grad=True before distribute() on every "
                                          "parameter that will train, and pass find_unused_"
                                          "parameters=True to freeze some for a while after it")
+        check_as_wrapped(self._as_wrapped)
         try:
             return super().forward(*args, **kwargs)
         except RuntimeError as e:

@@ -19,7 +19,7 @@ from torch.distributed.utils import _to_kwargs
 
 from ..errors import ConfigError
 from ..moe.checkpoint import moe_layers
-from ..ps.grads import GradientSync
+from ..ps.grads import GradientSync, check_as_wrapped
 from ..runtime import Context
 from .checks import broadcast_module, check_same_values, check_worker_models
 
@@ -199,9 +199,11 @@ class SyncedModule(nn.Module):
         return out
 
     def _check_trained(self) -> None:
-        """Refuse a parameter unfrozen since the wrap (:func:`check_still_frozen`). (One
-        frozen since keeps ``.grad`` None, as in one process: :meth:`GradientSync.synchronize`.)"""
+        """Refuse a parameter unfrozen since the wrap (:func:`check_still_frozen`), or
+        converted or moved since (:func:`check_as_wrapped`). (One frozen since keeps
+        ``.grad`` None, as in one process: :meth:`GradientSync.synchronize`.)"""
         check_still_frozen(self._frozen)
+        check_as_wrapped(self.sync.as_wrapped)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -402,8 +402,80 @@ def compressed_drop_in() -> dict:
     out["synchronized"] = model.module.weight.grad.tolist()
     model.close()
     out["closed"] = closed_optimizer()
+    out["momentum"] = drop_in_momentum()
+    out["converted"] = converted_after_wrapping()
+    out["async"] = async_misuse()
     out["optimizer"] = optimizer_misuse(first)
     return out
+
+
+def drop_in_momentum() -> list[str]:
+    """Worker 0's warnings at a drop-in wrap with compress_momentum (it cannot see the
+    optimizer, whose momentum of its own would make two)."""
+    said: list[str] = []
+    catch = logging.Handler()
+    catch.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("polytrain.strategies.byteps").addHandler(catch)
+    try:
+        DDP(nn.Linear(64, 64), compression="onebit", compress_momentum=0.9,
+            compress_min_bytes=0).close()
+        DDP(nn.Linear(64, 64), compression="onebit", compress_min_bytes=0).close()  # none
+    finally:
+        logging.getLogger("polytrain.strategies.byteps").removeHandler(catch)
+    return said
+
+
+def converted_after_wrapping() -> dict[str, str]:
+    """A model converted to float64 after its wrap: the drop-in's next forward; the
+    synchronous optimizer's next backward (before any push) or, converted after it, its
+    step; the asynchronous one's next step."""
+    out = {}
+    model = DDP(nn.Linear(4, 2))
+    model.module.double()
+    out["drop-in"] = refused(lambda: model(torch.ones(1, 4, dtype=torch.float64)))
+    model.close()
+    for mode in ("sync", "sync after backward", "async"):
+        net = nn.Linear(4, 2)
+        opt = bps.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1),
+                                       named_parameters=net.named_parameters(),
+                                       async_=mode == "async")
+        if mode == "sync after backward":
+            net(torch.ones(1, 4)).sum().backward()
+        net.double()
+
+        def train(net=net, opt=opt, mode=mode):
+            if mode != "sync after backward":
+                net(torch.ones(1, 4, dtype=torch.float64)).sum().backward()
+            opt.step()
+        out[mode] = refused(train)
+        opt.close()
+    return out
+
+
+def async_misuse() -> dict:
+    """An asynchronous DistributedOptimizer wrapped twice, stepped after its close(), and its
+    parameters wrapped again once it is closed."""
+    said = {}
+    net = nn.Linear(4, 2, bias=False)
+
+    def wrap(**options):
+        return bps.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1),
+                                        named_parameters=net.named_parameters(), **options)
+
+    opt = wrap(async_=True)
+    said["second"] = [refused(lambda: wrap(async_=True)), refused(wrap)]
+    net(torch.ones(1, 4)).sum().backward()
+    opt.step()
+    opt.close()
+    before = net.weight.detach().clone()
+    opt.zero_grad()
+    net(torch.full((1, 4), bps.rank() + 1.0)).sum().backward()
+    said["closed"] = (refused(opt.step), torch.equal(net.weight, before))
+    again = []
+    said["again"] = refused(lambda: again.append(wrap(async_=True)))
+    for o in again:
+        o.close()
+    return said
 
 
 def closed_optimizer() -> tuple[str, bool]:
@@ -505,7 +577,7 @@ def optimizer_misuse(first: bool) -> dict:
 def test_the_drop_in_takes_compression_with_the_options_that_need_one():
     # Its options were checked before compression= was seen: error_feedback=True was refused
     # as '--compress is none'; and compress= beside compression= was dropped silently.
-    for out in spawn(compressed_drop_in, workers=2, colocated=1):
+    for rank, out in enumerate(spawn(compressed_drop_in, workers=2, colocated=1)):
         assert out["compressed"] and out["mapped"]  # the weight's bucket is compressed
         assert out["both"].startswith("DistributedDataParallel got both compression=")
         # Symptom: broadcast_buffers on one worker alone ended in a LaunchError after the
@@ -532,6 +604,41 @@ def test_the_drop_in_takes_compression_with_the_options_that_need_one():
             "this byteps DistributedOptimizer was closed, releasing what it trains with (its "
             "gradient hooks and sums): a step now would step this worker's copy on its own "
             "gradients. HINT: close() the optimizer after its last step", True)
+        # Symptom: compress_momentum beside SGD's momentum=0.9 trained with two momenta,
+        # silently. Cause: the drop-in cannot see the optimizer that DistributedOptimizer's
+        # check reads; it warns, worker 0 once a wrap.
+        assert out["momentum"] == ([
+            "compress_momentum 0.9 puts a momentum on the gradients before compression, and "
+            "DistributedDataParallel cannot see the optimizer: give it no momentum of its own "
+            "(SGD's momentum=0, Adam's betas=(0.0, b2)), or the update has two; "
+            "bps.DistributedOptimizer(..., compress_momentum=0.9) checks it"]
+            if rank == 0 else [])
+        # Symptom: model.double() after the wrap was summed in the wrap's float32 buffers
+        # (6.6e-10 off one process), silently; a tensor in a bucket of its own failed the
+        # engine ("declared float32 but got float64"), and with async_=True the server.
+        # Cause: nothing compared the parameters' dtype with the one the sums were laid
+        # out for.
+        converted = ("parameter 'weight' is float64 on cpu now, and was float32 on cpu at the "
+                     "wrap, which laid out its sums for that: the workers would step on sums "
+                     "of another dtype, or drift apart. HINT: convert the model "
+                     "(model.double(), .to(device)) before distribute() (or before wrapping "
+                     "it)")
+        assert out["converted"] == {"drop-in": converted, "sync": converted,
+                                    "sync after backward": converted, "async": converted}
+        # Symptom: with async_=True a second optimizer over the same parameters was taken, and
+        # a step after close() still pushed and pulled. Cause: the asynchronous optimizer had
+        # neither the synchronous one's registry of held parameters nor its close().
+        said = out["async"]
+        assert said["second"] == [
+            "parameter 'weight' is held already by a DistributedOptimizer (async_=True) that "
+            "was not closed: both would push it to the servers every step. HINT: close() the "
+            "first DistributedOptimizer (async_=True) before wrapping its parameters again"] * 2
+        assert said["closed"] == (
+            "this byteps DistributedOptimizer (async_=True) was closed, releasing its "
+            "parameters (another optimizer may hold them now): a step now would push this "
+            "worker's update beside that one's. HINT: close() the optimizer after its last "
+            "step", True)
+        assert said["again"] == "accepted"
         said = out["optimizer"]
         # Symptom: compress_momentum on one worker alone was taken (mixed sums), and
         # compress_warmup ended in a timeout blaming a push_pull. Cause: DistributedOptimizer
@@ -545,8 +652,8 @@ def test_the_drop_in_takes_compression_with_the_options_that_need_one():
         # Symptom: a second optimizer over the same parameters failed at its first backward
         # ("had a gradient from 2 backward passes"): the first one's hooks were still there.
         assert said["second"] == (
-            "parameter 'weight' is summed already by a DistributedOptimizer that was not "
-            "closed: both would push its gradient at every backward. HINT: close() the first "
+            "parameter 'weight' is held already by a DistributedOptimizer that was not "
+            "closed: both would push it to the servers every step. HINT: close() the first "
             "DistributedOptimizer before wrapping its parameters again")
         # Symptom: the hints named the engine's internals (submit(), wait()).
         assert said["in flight"] == (
@@ -576,7 +683,7 @@ def test_the_drop_in_takes_compression_with_the_options_that_need_one():
             # Symptom: refused as differing. Cause: credit_bytes was among the options every
             # worker must share, but it is each worker's own send window (no keys, no payload).
             "credit": "accepted",
-            # Symptom: the corrected retry was refused as "summed already by a
+            # Symptom: the corrected retry was refused as "held already by a
             # DistributedOptimizer that was not closed". Cause: the refused wrap had built its
             # gradient sync (hooks, holders) before 1-bit Adam's checks, and closed nothing.
             "retried": ["compress_adam (1-bit Adam) supports plain Adam only (got "

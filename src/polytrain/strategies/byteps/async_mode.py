@@ -26,6 +26,7 @@ from ...errors import ConfigError, at_least
 from ...ps.client import Pending
 from ...ps.compression import ASYNC_COMPRESSORS, DEFAULT_MIN_BYTES, Codec, codec_states_fit
 from ...ps.engine import Engine
+from ...ps.grads import as_wrapped, check_as_wrapped, hold, let_go_of, refuse_held
 from ...ps.protocol import Kind
 from ...tensors import host_copy
 from .optimizer import (
@@ -82,6 +83,7 @@ class AsyncOptimizer(WrappedOptimizer):
                  error_feedback: bool = False, compress_min_bytes: int = DEFAULT_MIN_BYTES,
                  compress_momentum: float = 0.0) -> None:
         named, self._frozen = named_params_of(optimizer, named_parameters)
+        refuse_held(named)  # another optimizer's pushes of them would mix with these
         specs = [TensorSpec.of(n, p) for n, p in named]
         per_tensor = tensor_compression(specs, compression, error_feedback=error_feedback,
                                         momentum=compress_momentum,
@@ -97,6 +99,8 @@ class AsyncOptimizer(WrappedOptimizer):
         self.engine = engine
         self.staleness = staleness
         self._params = [p for _, p in named]
+        #: With the dtype and device that their keys and pulls are laid out for.
+        self._as_wrapped = as_wrapped(named)
         self.plan = plan_for(self.ctx.topology, specs, partition_bytes=partition_bytes,
                              colocate=colocate)
         self.placement = engine.keyed(specs, self.plan.placement)
@@ -114,6 +118,10 @@ class AsyncOptimizer(WrappedOptimizer):
         self.installed = False
         self.engine.declare(self.placement, kind=Kind.PARAM, pushers=self.ctx.num_workers,
                             pullers=self.ctx.num_workers, options={"staleness": staleness})
+        #: Whether :meth:`close` let go of the parameters (a step is refused from then on).
+        self.closed = False
+        self.owner = "DistributedOptimizer (async_=True)"
+        hold(self._params, self)
         log.info("asynchronous byteps, staleness %d:\n%s", staleness, self.plan.describe())
 
     def install(self) -> None:
@@ -146,6 +154,7 @@ class AsyncOptimizer(WrappedOptimizer):
         stays local; the update is what travels), so BytePS's ``synchronize(); clip;
         step()`` clips this worker's gradients."""
         check_unfrozen(self._frozen)
+        check_as_wrapped(self._as_wrapped)
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         """BytePS's: only 1 here (each step pushes its update)."""
@@ -156,9 +165,26 @@ class AsyncOptimizer(WrappedOptimizer):
         """BytePS's: ``step()`` inside it runs as outside it (no gradient is summed)."""
         yield
 
+    @property
+    def holding(self) -> bool:
+        """Whether its steps push its parameters (until :meth:`close`)."""
+        return not self.closed
+
+    def close(self) -> None:
+        """Let go of the parameters (another optimizer may wrap them); :meth:`step` is
+        refused from then on."""
+        self.closed = True
+        let_go_of(self._params, self)
+
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> Any:
+        if self.closed:
+            raise ConfigError("this byteps DistributedOptimizer (async_=True) was closed, "
+                              "releasing its parameters (another optimizer may hold them "
+                              "now): a step now would push this worker's update beside that "
+                              "one's", "close() the optimizer after its last step")
         check_unfrozen(self._frozen)  # before any push: its update would stay local
+        check_as_wrapped(self._as_wrapped)  # before any push: the keys hold the wrap's dtype
         self.install_once()
         old = [host_copy(p.reshape(-1)) for p in self._params]
         loss = self.optimizer.step(closure) if closure is not None else self.optimizer.step()

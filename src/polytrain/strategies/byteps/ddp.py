@@ -13,6 +13,7 @@ Example::
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Mapping, Sequence
 
 from torch import nn
@@ -26,6 +27,9 @@ from ..synced import SyncedModule, keep_missing_for
 from .optimizer import Choice, checked_options, gradient_sync, same_options
 
 __all__ = ["DistributedDataParallel"]
+
+log = logging.getLogger(__name__)
+
 
 class DistributedDataParallel(SyncedModule):
     """BytePS (Jiang et al., OSDI 2020) as a module wrapper: when ``backward()`` returns,
@@ -48,6 +52,8 @@ class DistributedDataParallel(SyncedModule):
         ctx: the run (default: the one ``bps.init()`` joined).
         options: :class:`BytePSOptions` fields (``partition_bytes``, ``fuse_bytes``,
             ``colocate``, ``credit_bytes``, ``error_feedback``, ...); not ``async_``.
+            ``compress_momentum`` takes the place of the optimizer's momentum, which this
+            wrapper cannot see: worker 0 warns that the optimizer must have none.
 
     ``broadcast_buffers``, the compression and those options must be the same on every
     worker (compared at the wrap, naming the first that differs), but ``credit_bytes``:
@@ -79,6 +85,15 @@ class DistributedDataParallel(SyncedModule):
         # broadcast_buffers says (torch's copies them only with it).
         super().__init__(module, ctx, broadcast_buffers=broadcast_buffers, method="BytePS",
                          device_ids=device_ids, init_buffers=True, same=same)
+        if opts.compress_momentum and ctx.worker_index == 0:
+            # DistributedOptimizer refuses it beside the optimizer's own momentum
+            # (check_compress_momentum); this wrapper never sees the optimizer.
+            log.warning("compress_momentum %s puts a momentum on the gradients before "
+                        "compression, and DistributedDataParallel cannot see the optimizer: "
+                        "give it no momentum of its own (SGD's momentum=0, Adam's betas=(0.0, "
+                        "b2)), or the update has two; bps.DistributedOptimizer(..., "
+                        "compress_momentum=%s) checks it", opts.compress_momentum,
+                        opts.compress_momentum)
         self.plan, self.sync = gradient_sync(
             engine_for(ctx, credit_bytes=opts.credit_bytes), self.trained(),
             compression=chosen,

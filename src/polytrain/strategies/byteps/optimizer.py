@@ -18,7 +18,13 @@ from ...errors import ConfigError, at_least, unknown
 from ...kinds import check_kinds
 from ...ps.compression import DEFAULT_MIN_BYTES, CompressOptions, Compressor, compressor
 from ...ps.engine import Engine
-from ...ps.grads import GradientSync, bucket_specs, gradient_change, gradient_left
+from ...ps.grads import (
+    GradientSync,
+    bucket_specs,
+    check_as_wrapped,
+    gradient_change,
+    gradient_left,
+)
 from ..synced import check_still_frozen
 from .options import DEFAULT_FUSE_BYTES, BytePSOptions, check_refresh
 from .plan import Plan, plan_for
@@ -438,6 +444,7 @@ class DistributedOptimizer(WrappedOptimizer):
             self._pulled = [None if p is None else gradient_left(p)
                             for p in self.compress_adam.packed]
         check_unfrozen(self._frozen)  # after the sums: the engine is left idle
+        check_as_wrapped(self.sync.as_wrapped)
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         """BytePS's: from the next step on, sum the gradients of ``passes`` backward passes
@@ -481,8 +488,9 @@ class DistributedOptimizer(WrappedOptimizer):
             raise ConfigError("step() inside skip_synchronize() with gradients not yet "
                               "synchronised: it would step on this worker's own gradients",
                               "call optimizer.synchronize() before the step")
-        else:
-            check_unfrozen(self._frozen)  # unfrozen since the user's synchronize()
+        else:  # unfrozen, converted or moved since the user's synchronize()
+            check_unfrozen(self._frozen)
+            check_as_wrapped(self.sync.as_wrapped)
         # How this step's gradients travelled (the warm-up's last went exact), read after
         # the synchronisation, which may have come before this call (synchronize(); clip).
         if self.compress_adam is not None and self.sync.synced_compressed:
