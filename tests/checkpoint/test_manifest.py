@@ -7,6 +7,7 @@ import os
 import re
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -17,6 +18,7 @@ from polytrain.checkpoint import CheckpointError, newest, resolve, verify
 from polytrain.checkpoint.manifest import (
     commit,
     prune,
+    run_out,
     temporary_dir,
     tidy,
     write_atomically,
@@ -164,6 +166,52 @@ def test_a_first_runs_load_of_a_checkpoint_path_that_is_not_there_finds_none(tmp
     make(tmp_path / "others", 2)
     with pytest.raises(CheckpointError, match=r"step-3 is not a whole checkpoint"):
         polytrain.load(tmp_path / "others" / "step-3", model, opt, missing_ok=True)
+
+
+def test_a_scripts_load_of_a_folder_without_checkpoints_names_loads_own_arguments(tmp_path):
+    # load() said "--resume DIR: no whole checkpoint ... HINT: ... (train with
+    # --checkpoint-every N), or start without --resume": the CLI's flags, in a script.
+    model = nn.Linear(4, 2)
+    model, opt = polytrain.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                      "single")
+    with pytest.raises(CheckpointError) as e:
+        polytrain.load(tmp_path, model, opt)
+    assert str(e.value) == (f"polytrain.load({str(tmp_path)!r}): no whole checkpoint in "
+                            f"{tmp_path}. HINT: pass load() the folder polytrain.save() wrote "
+                            f"to, or a run's --out; a script's first run, with nothing saved "
+                            f"yet, passes missing_ok=True")
+    (tmp_path / "final.pt").write_bytes(b"weights")
+    with pytest.raises(CheckpointError, match=r"is a file, and a checkpoint is a directory .*"
+                                              r"HINT: pass load\(\) the folder polytrain\."
+                                              r"save\(\) wrote to"):
+        polytrain.load(tmp_path / "final.pt", model, opt)
+
+
+def test_a_whole_checkpoint_a_crash_left_moved_aside_is_loaded(tmp_path):
+    # A re-save of step 5 killed between commit()'s two renames left the only whole step-5
+    # as .step-5.old: load(missing_ok=True) returned None, and the script trained from step 0.
+    # Cause: only tidy(), at the next save, looked for it.
+    root = tmp_path / "checkpoints"
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    model, opt = polytrain.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                      "single")
+    polytrain.save(root, model, opt, step=5)
+    saved = model.weight.detach().clone()
+    (root / "step-5").rename(root / ".step-5.old")  # moved aside, then the crash
+    with torch.no_grad():
+        model.weight.zero_()
+    resumed = polytrain.load(root, model, opt, missing_ok=True)
+    assert resumed is not None and resumed.step == 5 and resumed.path == root / ".step-5.old"
+    assert torch.equal(model.weight, saved)
+    assert newest(root) == root / ".step-5.old"  # what a restart resumes
+    assert resolve(root / "step-5") == (root / ".step-5.old", [])
+    assert run_out(root / ".step-5.old") == tmp_path.resolve()
+    make(root, 3)
+    (root / ".step-3.old").mkdir()  # beside its step-3: a replaced one, not read
+    assert resolve(root / "step-3") == (root / "step-3", [])
+    polytrain.save(root, model, opt, step=6)  # the next save gives it its name back
+    assert sorted(p.name for p in root.iterdir()) == ["step-3", "step-5", "step-6"]
 
 
 def test_a_new_checkpoint_of_the_same_step_replaces_the_old_only_when_whole(tmp_path):
@@ -324,6 +372,33 @@ def test_save_refuses_a_step_that_is_not_a_whole_number_from_0(tmp_path, step, s
                                                             r"step count"):
         polytrain.save(tmp_path, model, opt, step=step)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_save_takes_numpys_whole_numbers_for_its_step_keep_and_run_record(tmp_path):
+    # save(step=np.int64(3)) wrote the whole checkpoint, then threw it away: "TypeError:
+    # Object of type int64 is not JSON serializable. HINT: free space or make the directory
+    # writable". Cause: numpy's numbers passed the checks and went on to the manifest's json.
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    model, opt = polytrain.distribute(model, torch.optim.Adam(model.parameters()), "single")
+    polytrain.save(tmp_path, model, opt, step=np.int64(1))
+    path = polytrain.save(tmp_path, model, opt, step=np.int32(3), keep=np.int64(1),
+                          run={"seed": np.int64(7), "model_options": {
+                              "layers": np.int32(2), "dropout": np.float32(0.5),
+                              "sizes": (np.int64(4), 8)}})
+    assert path == tmp_path / "step-3"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-3"]  # keep=1 removed step-1
+    manifest = verify(path)
+    assert manifest["step"] == 3 and manifest["seed"] == 7
+    assert manifest["model_options"] == {"layers": 2, "dropout": 0.5, "sizes": [4, 8]}
+    assert polytrain.load(tmp_path, model, opt).step == 3
+    # What JSON cannot keep is refused before anything is written.
+    with pytest.raises(ConfigError, match=r"save\(\)'s run record cannot be written in the "
+                                          r"manifest, which is JSON \(TypeError: Object of type "
+                                          r"PosixPath is not JSON serializable\)\. HINT: pass "
+                                          r"save\(\) a run record of numbers"):
+        polytrain.save(tmp_path, model, opt, step=4, run={"data": tmp_path})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-3"]
 
 
 @pytest.mark.parametrize("keep, said", [(-2, "keep must be at least 1 (got -2)"),

@@ -9,6 +9,9 @@ A run's checkpoints live under ``OUT/checkpoints/``::
         run.pt            step, scheduler, losses and times so far (worker 0)
         worker-0.pt ...   per worker: optimizer state by parameter name, RNG, strategy state
       .step-60.tmp/       being written: never read; a crash leaves it, the next save sweeps it
+      .step-20.old/       a whole step-20 that a save of step 20 moved aside (see commit()): a
+                          crash between its renames leaves it, read as step-20 until the next
+                          save gives it its name back
 
 A checkpoint is written under a temporary name and renamed once every file and
 the manifest are on disk, so a directory named ``step-S`` is whole unless its
@@ -35,6 +38,7 @@ __all__ = ["FORMAT", "MANIFEST", "checkpoint_dir", "temporary_dir", "write_manif
 FORMAT = "polytrain.checkpoint/1"
 MANIFEST = "manifest.json"
 _STEP = re.compile(r"^step-(\d+)$")
+_ASIDE = re.compile(r"^\.step-(\d+)\.old$")
 # A save's counts (each the least it can be) and tables besides ``step`` and ``files``: one
 # of another kind gave a resume's traceback (workers "x") or was taken (steps "x").
 _COUNTS = {"workers": 1, "nodes": 1, "servers": 0, "steps": 1}
@@ -51,6 +55,11 @@ def checkpoint_dir(root: str | Path, step: int) -> Path:
 
 def temporary_dir(root: str | Path, step: int) -> Path:
     return Path(root) / f".step-{step}.tmp"
+
+
+def _aside(final: Path) -> Path:
+    """Where :func:`commit` keeps the whole ``step-S`` it replaces until the new one is in."""
+    return final.with_name(f".{final.name}.old")
 
 
 # The checksums this process computed, by file (device, inode), with the size and times they
@@ -190,13 +199,18 @@ def verify(directory: str | Path) -> dict[str, Any]:
 
 
 def step_dirs(root: str | Path) -> list[tuple[int, Path]]:
-    """Every ``step-S`` directory under ``root`` (whole or not), newest first."""
+    """Every ``step-S`` directory under ``root`` (whole or not), newest first; where there is
+    no ``step-S`` but a ``.step-S.old``, that one: a crash between :func:`commit`'s two
+    renames left the whole checkpoint there until the next save's :func:`tidy` renames it
+    (before, nothing read it there: a script's load with ``missing_ok`` started afresh)."""
     root = Path(root)
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir()
-             if p.is_dir() and (m := _STEP.match(p.name))]
-    return sorted(found, reverse=True)
+    found: dict[int, Path] = {}
+    for p in sorted(root.iterdir(), key=lambda p: p.name.startswith(".")):  # step-S first
+        if p.is_dir() and (m := _STEP.match(p.name) or _ASIDE.match(p.name)):
+            found.setdefault(int(m.group(1)), p)
+    return sorted(found.items(), reverse=True)
 
 
 def checked(root: str | Path, step: int = -1) -> Iterator[tuple[int, Path, str | None]]:
@@ -235,28 +249,37 @@ def run_out(path: str | Path) -> Path | None:
     p = Path(path).resolve()
     if (p / "checkpoints").is_dir():
         return p
-    if _STEP.match(p.name):
+    if _STEP.match(p.name) or _ASIDE.match(p.name):
         p = p.parent
     return p.parent if p.name == "checkpoints" else None
 
 
-@overload
-def resolve(path: str | Path, *, missing_ok: Literal[False] = ...) -> tuple[Path, list[str]]: ...
+_Caller = Literal["--resume", "load()"]
 
 
 @overload
-def resolve(path: str | Path, *, missing_ok: bool) -> tuple[Path, list[str]] | None: ...
+def resolve(path: str | Path, *, missing_ok: Literal[False] = ...,
+            caller: _Caller = ...) -> tuple[Path, list[str]]: ...
 
 
-def resolve(path: str | Path, *, missing_ok: bool = False) -> tuple[Path, list[str]] | None:
+@overload
+def resolve(path: str | Path, *, missing_ok: bool,
+            caller: _Caller = ...) -> tuple[Path, list[str]] | None: ...
+
+
+def resolve(path: str | Path, *, missing_ok: bool = False,
+            caller: _Caller = "--resume") -> tuple[Path, list[str]] | None:
     """The checkpoint a ``--resume PATH`` means, and the damaged ones skipped on the way.
 
     PATH is a checkpoint (``.../step-S``: it must be whole), a checkpoints folder, or a
     run's ``--out`` directory (its ``checkpoints/``): the newest whole one there. With
     ``missing_ok``, None where there is no checkpoint at all (no such folder, or none in
-    it): a script's first run.
+    it): a script's first run. ``caller`` words the refusals: the CLI's flags, or
+    :func:`polytrain.load`'s arguments.
     """
     p = Path(path)
+    if _STEP.match(p.name) and not p.exists() and _aside(p).is_dir():
+        p = _aside(p)  # moved aside by a save that crashed (see step_dirs)
     # Nothing there: a first run (a path named step-S too, unless its folder holds others).
     if missing_ok and not p.exists() and not (_STEP.match(p.name) and p.parent.is_dir()
                                               and newest(p.parent) is not None):
@@ -271,7 +294,9 @@ def resolve(path: str | Path, *, missing_ok: bool = False) -> tuple[Path, list[s
                               f"(model, optimizer, data position, RNG)",
                               "pass a run's --out or one of its checkpoints/step-S to "
                               "--resume; to start a new run from a final.pt's weights, pass "
-                              "it to --init")
+                              "it to --init" if caller == "--resume" else
+                              "pass load() the folder polytrain.save() wrote to, or one of its "
+                              "step-S (a final.pt holds the weights alone)")
     if not root.is_dir():
         raise CheckpointError(f"checkpoint {path}: no such directory",
                               "pass (to --resume, or polytrain.load) the --out directory of "
@@ -285,9 +310,16 @@ def resolve(path: str | Path, *, missing_ok: bool = False) -> tuple[Path, list[s
     if missing_ok and not skipped:  # (damaged ones only: refused, not a first run)
         return None
     detail = f" ({len(skipped)} damaged: {skipped[0]})" if skipped else ""
-    raise CheckpointError(f"--resume {path}: no whole checkpoint in {root}{detail}",
-                          "pass a run's --out directory that holds checkpoints/step-S (train "
-                          "with --checkpoint-every N), or start without --resume")
+    if caller == "--resume":
+        raise CheckpointError(f"--resume {path}: no whole checkpoint in {root}{detail}",
+                              "pass a run's --out directory that holds checkpoints/step-S "
+                              "(train with --checkpoint-every N), or start without --resume")
+    # The CLI's words, in a script's load, sent it to flags it has none of.
+    raise CheckpointError(f"polytrain.load({str(path)!r}): no whole checkpoint in {root}"
+                          f"{detail}", "pass load() the folder polytrain.save() wrote to, or a "
+                          "run's --out" + ("; remove the damaged ones to start afresh" if skipped
+                                           else "; a script's first run, with nothing saved "
+                                           "yet, passes missing_ok=True"))
 
 
 def tidy(root: str | Path) -> list[str]:
@@ -313,7 +345,7 @@ def tidy(root: str | Path) -> list[str]:
 def commit(tmp: Path, final: Path) -> None:
     """Rename the finished ``tmp`` to ``final``; a whole checkpoint already there is replaced
     only after the new one is complete (it is moved aside, then removed)."""
-    aside = final.with_name(f".{final.name}.old")
+    aside = _aside(final)
     if aside.exists():
         shutil.rmtree(aside)
     if final.exists():

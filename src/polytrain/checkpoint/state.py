@@ -23,19 +23,22 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import logging
+import os
 import random
 import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Collection, Literal, Mapping, overload
+from typing import Any, Callable, Collection, Literal, Mapping, Sequence, overload
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from ..errors import ConfigError, at_least, first_line
+from ..kinds import plain
 from ..moe.checkpoint import full_keys
 from ..optim import placed_state
 from ..strategies.base import Strategy, Trainer, layout_of, strategy_of
@@ -53,7 +56,7 @@ from .manifest import (
     write_manifest,
 )
 
-__all__ = ["save", "load", "Resumed", "rng_state", "set_rng_state"]
+__all__ = ["save", "load", "Resumed", "rng_state", "set_rng_state", "cuda_rng_states"]
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +72,8 @@ class Resumed:
 
 
 def rng_state() -> dict[str, Any]:
-    """Every random generator this process draws from: torch (CPU, CUDA), Python, numpy."""
+    """Every random generator this process draws from: torch (CPU, CUDA), Python, numpy;
+    with CUDA, which device this process computes on (``cuda_device``)."""
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
     try:
         import numpy as np
@@ -78,17 +82,42 @@ def rng_state() -> dict[str, Any]:
         pass
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda_device"] = torch.cuda.current_device()
     return state
 
 
 def set_rng_state(state: Mapping[str, Any]) -> None:
+    """Set the generators :func:`rng_state` saved (CUDA's: see :func:`cuda_rng_states`)."""
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     if "numpy" in state:
         import numpy as np
         np.random.set_state(state["numpy"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        here = torch.cuda.current_device() if torch.cuda.is_initialized() else 0
+        for device, saved in cuda_rng_states(state["cuda"], state.get("cuda_device"), here,
+                                             torch.cuda.device_count()).items():
+            torch.cuda.set_rng_state(saved, device)
+
+
+def cuda_rng_states(saved: Sequence[torch.Tensor], saved_device: int | None, device: int,
+                    count: int) -> dict[int, torch.Tensor]:
+    """The CUDA generator states to set, by device index, from a checkpoint's ``saved`` (one
+    per device the saving process saw): this process's ``device`` (of the ``count`` it
+    sees) takes the state of the one the saving process computed on (``saved_device``).
+    A checkpoint from before that was recorded (None) sets each device both saw: every saved
+    one was set, and a resume that saw fewer GPUs failed after loading the weights
+    (IndexError), or set another device's generator than its own.
+
+    >>> states = [torch.tensor([i], dtype=torch.uint8) for i in range(4)]
+    >>> cuda_rng_states(states, 2, 0, 1)  # saved on cuda:2 of 4, resumed on cuda:0 of 1
+    {0: tensor([2], dtype=torch.uint8)}
+    >>> list(cuda_rng_states(states, None, 0, 2))
+    [0, 1]
+    """
+    if saved_device is not None and saved_device < len(saved):
+        return {device: saved[saved_device]}
+    return dict(enumerate(saved[:count]))
 
 
 def _unpack(model: nn.Module | Trainer,
@@ -126,6 +155,89 @@ def _first_failure(strategy: Strategy[Any], errors: list[str | None]) -> str | N
         return error
     topology = strategy.ctx.topology
     return f"{topology.name(topology.workers[i])} failed: {error}"
+
+
+_POLL_S = 0.01  # how often a worker looks whether the others have called save() or load()
+_calls: dict[str, int] = {}  # this process's calls of save() and load() so far, by name
+
+
+def _check_called(strategy: Strategy[Any], call: str) -> None:
+    """Refuse ``call`` (``"save"`` or ``"load"``), collective over the workers, on every worker
+    that makes it, where another worker has not made it within half the timeout: before,
+    ``if ctx.worker_index == 0: polytrain.save(...)`` failed after the timeout as a raw gloo
+    timeout, and the launcher named whichever worker timed out first (for a load, the one
+    that had not called it). Within half the timeout (as the launcher's hang detection), the
+    refusal comes before the other workers' own waits time out, and the launcher names it."""
+    ctx = strategy.ctx
+    if ctx is None or ctx.num_workers == 1:
+        return
+    number = _calls[call] = _calls.get(call, 0) + 1
+    wait_s = 0.5 * ctx.timeout_s
+    # The run's rendezvous store: any worker may wait there, and see who has not come (gloo's
+    # monitored_barrier names them on the group's first rank alone, and NCCL has none).
+    store = dist.distributed_c10d._get_default_store()
+    # By attempt too: torchrun's store outlives a restart, whose processes count from 1 again.
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    missing = _arrivals(store, f"polytrain/{attempt}/{call}/{number}", ctx.worker_index,
+                        ctx.num_workers, wait_s)
+    if missing is None:
+        return
+    topology = ctx.topology
+    here, waited = topology.name(ctx.rank), f"{wait_s:g} s, half the timeout"
+    if ctx.worker_index in missing:
+        what = (f"polytrain.{call}() is collective, and this worker ({here}) called it after "
+                f"the others had stopped waiting for it ({waited})")
+    else:
+        what = (f"polytrain.{call}() is collective, and "
+                f"{', '.join(topology.name(topology.workers[i]) for i in missing)} did not "
+                f"call it: {here} waited {waited}")
+    raise CheckpointError(what, f"call polytrain.{call}() on every worker at the same point, "
+                                f"not under `if ctx.worker_index == 0` (each worker {call}s its "
+                                f"own part); if a worker is only slower to get there, raise the "
+                                f"timeout (--timeout or POLYTRAIN_TIMEOUT)")
+
+
+def _arrivals(store: Any, key: str, index: int, count: int, wait_s: float) -> list[int] | None:
+    """Check worker ``index`` of ``count`` in to the call ``key`` in ``store`` (a
+    ``torch.distributed.Store``) and wait up to ``wait_s`` for the others: None where all
+    came, else the workers that had not come when one stopped waiting (this one among them
+    if it came later). The last to come, or the first to stop waiting, settles which it is
+    (``compare_set``, once) and every worker reads that: all go on, or all refuse, one that
+    comes later too (going on, it would wait in a collective the others never join)."""
+    store.set(f"{key}/{index}", "")
+    if store.add(f"{key}/count", 1) == count:
+        store.compare_set(f"{key}/state", "", "all")
+    deadline = time.monotonic() + wait_s
+    while not store.check([f"{key}/state"]):
+        if time.monotonic() > deadline:
+            missing = [i for i in range(count) if not store.check([f"{key}/{i}"])]
+            if missing:  # (none: every one has come, and the last one says "all" now)
+                store.compare_set(f"{key}/state", "", " ".join(map(str, ["late", *missing])))
+        time.sleep(_POLL_S)
+    said = store.get(f"{key}/state").decode().split()
+    return None if said == ["all"] else [int(i) for i in said[1:]]
+
+
+def _run_record(run: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The caller's ``run`` record as the manifest keeps it, numpy's numbers made Python's (in
+    its tables and lists too), refused before anything is written if JSON cannot keep it:
+    before, json failed after the whole checkpoint was written, and the save said to free
+    space."""
+    def made(value: Any) -> Any:
+        if isinstance(value, Mapping):
+            return {k: made(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [made(v) for v in value]
+        return plain(value)
+
+    record = made(dict(run or {}))
+    try:
+        json.dumps(record)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"save()'s run record cannot be written in the manifest, which is "
+                          f"JSON ({first_line(e)})", "pass save() a run record of numbers, "
+                          "strings, True, False, None, and lists and dicts of them") from None
+    return record
 
 
 def _optimizer_state(optimizer: torch.optim.Optimizer, names: Mapping[str, nn.Parameter],
@@ -177,11 +289,15 @@ def save(root: str | Path, model: nn.Module | Trainer,
     """
     # step--1 or step-2.5 were written, which no load finds; "7", one every load refused.
     at_least("step", step, "pass save() the step count, a whole number from 0", 0, whole=True)
+    step = int(step)  # numpy's int64 went on, and failed the manifest's json after the writes
     if keep is not None:  # -2 and 0 pruned silently; 1.5 failed the prune after the commit
         at_least("keep", keep, "pass save() keep=2 (how many of the newest whole checkpoints "
                  "stay), or None to keep every one", whole=True)
+        keep = int(keep)
+    run = _run_record(run)
     model, optimizer, strategy = _unpack(model, optimizer)
     strategy.check_checkpoints()
+    _check_called(strategy, "save")
     index, count, group = _workers(strategy)
     full = strategy.state_dict(model)  # collective: shards and stages gathered on worker 0
     records = dict((extra() if callable(extra) else extra) or {})
@@ -221,7 +337,7 @@ def save(root: str | Path, model: nn.Module | Trainer,
         layout = layout_of(strategy.ctx) if strategy.ctx is not None else None
         meta = {"strategy": strategy.name, **({"nodes": layout.nodes} if layout else {}),
                 "strategy_options": _options_record(strategy.options),
-                **dict(run or {}), "step": step, "workers": count,
+                **run, "step": step, "workers": count,
                 "time": time.time(),
                 "keys": {k: list(v.shape) for k, v in full.items()},
                 "optimizer_index": index_of}
@@ -282,6 +398,7 @@ def load(path: str | Path, model: nn.Module | Trainer,
     model, optimizer, strategy = _unpack(model, optimizer)
     strategy.check_checkpoints()
     strategy.check_load()  # (every worker has taken as many steps: all refuse alike)
+    _check_called(strategy, "load")
     found = _resolve_alike(path, strategy, missing_ok)
     if found is None:
         return None
@@ -386,7 +503,7 @@ def _resolve_alike(path: str | Path, strategy: Strategy[Any],
     _, count, group = _workers(strategy)
     found: tuple[Path, list[str]] | None | CheckpointError
     try:
-        found = resolve(path, missing_ok=missing_ok)
+        found = resolve(path, missing_ok=missing_ok, caller="load()")
     except CheckpointError as e:  # raised on every worker: the others must not wait for it
         found = e
     said = _gather(group, count, str(found) if isinstance(found, CheckpointError)
