@@ -486,6 +486,15 @@ def test_a_claim_that_cannot_be_written_is_one_line_naming_where(tmp_path, monke
                                           rf"\[Errno 30\] Read-only file system\)\. HINT"):
         network.take_claim("0abcdf", {})
     assert list(tmp_path.glob(".*.tmp")) == []
+    # A read-only /run where the directory exists: the claim's file cannot be opened, and
+    # its cleanup's unlink fails too (EROFS before the file is found missing).
+    monkeypatch.setattr(network, "open", lambda *a, **k: (_ for _ in ()).throw(
+        OSError(30, "Read-only file system")), raising=False)
+    monkeypatch.setattr(network.Path, "unlink", lambda *a, **k: (_ for _ in ()).throw(
+        OSError(30, "Read-only file system")))
+    with pytest.raises(ConfigError, match=r"Read-only file system\)\. HINT"):
+        network.take_claim("0abcdf", {})
+    assert network.netem_check().startswith(f"unknown: --bandwidth needs a writable {tmp_path}")
 
 
 @needs_netns

@@ -427,7 +427,8 @@ def take_claim(run_id: str, record: dict[str, Any]) -> Path:
     except OSError as e:
         raise _unwritable(e) from None
     finally:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # a read-only /run refuses even this (EROFS)
+            tmp.unlink(missing_ok=True)
     return claim
 
 
