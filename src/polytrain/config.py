@@ -231,7 +231,7 @@ class TrainConfig:
                             batch_size=self.batch_size,
                             epoch_steps=getattr(batches, "steps_per_epoch", None))
         check_link(self.strategy, options, model, layout, bandwidth=self.bandwidth,
-                   latency=self.latency, timeout_s=self.timeout_s)
+                   latency=self.latency, timeout_s=self.timeout_s, gloo=self.device != "cuda")
         # A strategy of its own step (a pipeline's) runs the model on micro-batches.
         whole = cls.train_step is Strategy.train_step
         self._check_memory(model, layout.workers, cls.replicas(layout, options), whole)
@@ -391,14 +391,15 @@ class TrainConfig:
 
 def check_link(strategy: str, options: Any, model: torch.nn.Module, layout: Layout, *,
                bandwidth: str | None, latency: str | None, timeout_s: float,
-               emulated: bool = True) -> None:
+               emulated: bool = True, gloo: bool = True) -> None:
     """Refuse an emulated network that ``strategy`` on ``layout`` cannot use: one machine
     with no server machines has no link to shape (``emulated``; a real machine's network,
     which the planner may be told of, is not shaped), and a link too slow for a run's first
     wait fails it. At the start every strategy copies worker 0's model (``model``, the meta
     device's will do) to the other workers a tensor at a time (torch's DDP all of it in one
-    message of up to 250 MiB), down gloo's broadcast tree (:func:`_broadcast_copies`), and
-    a wait longer than ``timeout_s`` fails the run. TrainConfig runs it, and the planner on
+    message of up to 250 MiB), down gloo's broadcast tree (:func:`_broadcast_copies`;
+    ``gloo``: CPU workers, not GPUs, whose NCCL broadcast pipelines one copy down a chain),
+    and a wait longer than ``timeout_s`` fails the run. TrainConfig runs it, and the planner on
     each candidate."""
     link = link_shape(bandwidth, latency)
     if link is None:
@@ -420,7 +421,7 @@ def check_link(strategy: str, options: Any, model: torch.nn.Module, layout: Layo
                     f"{nbytes:,} bytes of the model's parameters and buffers (of "
                     f"{total:,}), which torch's DDP sends in one message")
     one = nbytes * 8 / link.rate_bit_s
-    copies = round(_broadcast_copies(layout.workers, layout.nodes), 6)
+    copies = round(_broadcast_copies(layout.workers, layout.nodes), 6) if gloo else 1.0
     seconds = one * copies
     if seconds <= timeout_s:
         return

@@ -466,6 +466,14 @@ def test_the_first_copy_is_timed_to_the_last_worker_down_gloos_broadcast_tree():
     assert [_broadcast_copies(n, n) for n in (1, 2, 3, 4, 8)] == pytest.approx([0, 1, 2, 3, 6])
     assert [_broadcast_copies(w, n) for w, n in ((4, 2), (8, 4), (4, 1))] == \
         pytest.approx([2, 6, 0])
+    # GPU workers broadcast over NCCL, which pipelines one copy down a chain: one copy's time
+    # (the tree refused the planner's GPU clusters, 48 copies' time for 8 machines of 8).
+    from polytrain.config import check_link
+    from polytrain.launch.layout import Layout
+    from polytrain.models import get_model
+    model = get_model("mlp").make(d_model=16)
+    check_link("ddp", None, model, Layout(workers=4, nodes=4), bandwidth="134kbit",
+               latency=None, timeout_s=10, gloo=False)
 
 
 def test_dense_grads_under_parallax_needs_no_sparse_embeddings(capsys):

@@ -58,3 +58,22 @@ def test_a_first_copy_that_times_out_names_the_tensor_its_size_and_the_timeout(m
         RuntimeError("Connection closed by peer")))
     with pytest.raises(RuntimeError, match="^Connection closed by peer$"):
         checks.broadcast_module(_context(emulated_network=True), model)
+
+
+def test_ddps_own_first_copy_that_times_out_is_named_as_broadcast_modules_is(monkeypatch):
+    # torch's DDP copies worker 0's whole model in one message as it is built, the copy
+    # config.check_link times for ddp: its gloo timeout came out as torch's traceback.
+    from polytrain.strategies import ddp
+
+    def build(*args, **kwargs):
+        raise RuntimeError(GLOO_TIMEOUT)
+
+    monkeypatch.setattr(ddp, "_DDP", build)
+    ctx = _context(emulated_network=True)
+    ctx.device = torch.device("cpu")
+    strategy = ddp.DDP(ctx, ddp.DDPOptions())
+    model = torch.nn.Linear(2, 3)
+    with pytest.raises(CommTimeout, match=r"^rank 3 \(machine node3\): torch's DDP's copy of "
+                                          r"worker 0's model to every worker at the start did "
+                                          r"not arrive within --timeout 10 s"):
+        strategy.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1))

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping
+import contextlib
+from typing import Any, Iterable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -16,7 +17,8 @@ from ..runtime import Context
 __all__ = ["check_even_machines", "check_dense_gradients", "check_no_batch_scaled_gradients",
            "check_optimizer_of", "check_same_model", "check_same_optimizer", "check_same_tensors",
            "check_same_trained", "check_same_value", "check_same_values", "check_worker_models",
-           "broadcast_module", "model_signature", "optimizer_signature", "tensor_signature"]
+           "broadcast_module", "first_copy", "model_signature", "optimizer_signature",
+           "tensor_signature"]
 
 
 Signature = list[tuple[str, tuple[int, ...], str]]
@@ -221,21 +223,30 @@ def broadcast_module(ctx: Context, model: nn.Module, *, buffers: bool = True) ->
     the last worker) is a :class:`~polytrain.errors.CommTimeout` naming the tensor."""
     src = ctx.topology.workers[0]
     for name, t in [*model.named_parameters(), *(model.named_buffers() if buffers else ())]:
-        try:
+        with first_copy(ctx, f"worker 0's copy of {name} "
+                             f"({t.numel() * t.element_size():,} bytes)"):
             dist.broadcast(t.data, src=src, group=ctx.groups.workers)
-        except RuntimeError as e:
-            if not is_timeout(e):
-                raise
-            raise CommTimeout(
-                f"rank {ctx.rank} (machine {ctx.machine}): worker 0's copy of {name} "
-                f"({t.numel() * t.element_size():,} bytes) to every worker at the start did "
-                f"not arrive within --timeout {ctx.timeout_s:g} s (gloo passes it down a tree "
-                f"of the workers: the last waits for several copies over the links)",
-                "on a slow link (--bandwidth), raise --timeout (POLYTRAIN_TIMEOUT) or the "
-                "bandwidth; otherwise look at the other workers' logs" if ctx.emulated_network
-                else "if the other workers are alive but slow, raise --timeout "
-                     "(POLYTRAIN_TIMEOUT); otherwise look at their logs",
-                waited_s=ctx.timeout_s) from None
+
+
+@contextlib.contextmanager
+def first_copy(ctx: Context, what: str) -> Iterator[None]:
+    """Turn a timeout of the start's copy of worker 0's model (``what``: which part, and its
+    bytes) into a :class:`~polytrain.errors.CommTimeout` naming it: on a slow link the last
+    worker waits several copies' time (gloo's tree), and gloo's own error named none."""
+    try:
+        yield
+    except RuntimeError as e:
+        if not is_timeout(e):
+            raise
+        raise CommTimeout(
+            f"rank {ctx.rank} (machine {ctx.machine}): {what} to every worker at the start "
+            f"did not arrive within --timeout {ctx.timeout_s:g} s (gloo passes it down a "
+            f"tree of the workers: the last waits for several copies over the links)",
+            "on a slow link (--bandwidth), raise --timeout (POLYTRAIN_TIMEOUT) or the "
+            "bandwidth; otherwise look at the other workers' logs" if ctx.emulated_network
+            else "if the other workers are alive but slow, raise --timeout "
+                 "(POLYTRAIN_TIMEOUT); otherwise look at their logs",
+            waited_s=ctx.timeout_s) from None
 
 
 def check_dense_gradients(model: nn.Module, strategy: str) -> None:

@@ -14,6 +14,7 @@ from ..errors import ConfigError
 from ..moe.checkpoint import moe_layers
 from ..ps.grads import as_wrapped, check_as_wrapped
 from .base import Strategy, register
+from .checks import first_copy
 from .synced import check_still_frozen
 
 __all__ = ["DDP", "DDPOptions"]
@@ -65,7 +66,8 @@ class _DDP(DistributedDataParallel):
         check_still_frozen(self._frozen, "set requires_grad=True before distribute() on every "
                                          "parameter that will train, and pass find_unused_"
                                          "parameters=True to freeze some for a while after it")
-        check_as_wrapped(self._as_wrapped)
+        if torch.is_grad_enabled():  # an evaluation under torch.no_grad() sums nothing
+            check_as_wrapped(self._as_wrapped)
         try:
             return super().forward(*args, **kwargs)
         except RuntimeError as e:
@@ -125,8 +127,11 @@ class DDP(Strategy[DDPOptions]):
         # find_unused_parameters writes zeros there, which Adam then steps on. With it, a
         # parameter no worker used keeps None, as in one process (torch's reducer).
         find_unused = self.options.find_unused_parameters or bool(moe_layers(model))
-        wrapped = _DDP(model, device_ids=device_ids, process_group=ctx.groups.workers,
-                       find_unused_parameters=find_unused)
+        # Its construction copies worker 0's parameters and buffers in messages of up to
+        # 250 MiB (config.check_link times them).
+        with first_copy(ctx, "torch's DDP's copy of worker 0's model"):
+            wrapped = _DDP(model, device_ids=device_ids, process_group=ctx.groups.workers,
+                           find_unused_parameters=find_unused)
         sparse = {id(m.weight) for m in model.modules()
                   if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse}
         grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters()
