@@ -421,7 +421,23 @@ def drop_in_arguments() -> dict:
     converted = DDP(nn.Linear(4, 2))
     converted.module.double()
     out["converted"] = refused(lambda: converted(torch.ones(1, 4, dtype=torch.float64)))
+    with torch.no_grad():  # an evaluation sums nothing: converted for it, it runs
+        out["converted, evaluated"] = converted(torch.ones(1, 4, dtype=torch.float64)).dtype
     converted.close()
+    with torch.no_grad():  # and so after close(), as its refusal of a training forward says
+        out["converted, closed, evaluated"] = converted(
+            torch.ones(1, 4, dtype=torch.float64)).dtype
+    # Frozen, then cast down to save memory (fine-tuning's backbone): it sums nothing, and the
+    # rest trains, summed.
+    torch.manual_seed(ctx.worker_index)
+    backbone = DDP(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)))
+    backbone.module[0].requires_grad_(False)
+    backbone.module[0].double()
+    head = backbone.module[1]
+    backbone.module[0].register_forward_hook(lambda m, a, o: o.float())
+    backbone(torch.ones(1, 4, dtype=torch.float64)).sum().backward()
+    out["frozen, then converted"] = head.weight.grad.clone()
+    backbone.close()
     return out
 
 
@@ -472,6 +488,13 @@ def test_a_model_converted_after_the_wrap_is_refused_at_the_next_forward():
             "which laid out its sums for that: the workers would step on sums of another "
             "dtype, or drift apart. HINT: convert the model (model.double(), .to(device)) "
             "before distribute() (or before wrapping it)")
+    # Not refused: an evaluation under torch.no_grad() (open or closed), and a parameter
+    # frozen before it was converted, whose gradients are not summed (the rest's are).
+    first, second = drop_in_arguments_run()
+    for said in first, second:
+        assert said["converted, evaluated"] == said["converted, closed, evaluated"] == \
+            torch.float64
+    assert torch.equal(first["frozen, then converted"], second["frozen, then converted"])
 
 
 @pytest.mark.timeout(60)

@@ -118,9 +118,13 @@ def check_as_wrapped(wrapped: Sequence[AsWrapped]) -> None:
     """Refuse a parameter of ``wrapped`` whose dtype or device changed since the wrap
     (``model.double()``, ``model.to(device)`` after it): its sums were laid out for the
     wrap's, so its gradients were summed in the wrap's dtype (herring, byteps) or the
-    workers drifted apart (torch's DDP). Cheap enough for every step: a dtype compared by
-    identity, a device by value, nothing else made."""
+    workers drifted apart (torch's DDP); one frozen since is not summed, and passes. Cheap
+    enough for every step: a dtype compared by identity, a device by value, nothing else
+    made. Parameters replaced by new objects (``load_state_dict(..., assign=True)`` after
+    the wrap) are not seen: their hooks are gone with them, as under torch's DDP."""
     for name, p, dtype, device in wrapped:
+        if not p.requires_grad:  # frozen since (then cast down, say): it has nothing to sum
+            continue
         if p.dtype is not dtype or p.device != device:
             raise ConfigError(
                 f"parameter {name!r} is {_placed(p.dtype, p.device)} now, and was "

@@ -200,10 +200,12 @@ class SyncedModule(nn.Module):
 
     def _check_trained(self) -> None:
         """Refuse a parameter unfrozen since the wrap (:func:`check_still_frozen`), or
-        converted or moved since (:func:`check_as_wrapped`). (One frozen since keeps
+        converted or moved since (:func:`check_as_wrapped`; in a forward that may train: an
+        evaluation under ``torch.no_grad()`` sums nothing). (One frozen since keeps
         ``.grad`` None, as in one process: :meth:`GradientSync.synchronize`.)"""
         check_still_frozen(self._frozen)
-        check_as_wrapped(self.sync.as_wrapped)
+        if torch.is_grad_enabled() and not self.closed:  # else no gradient is summed
+            check_as_wrapped(self.sync.as_wrapped)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
