@@ -405,14 +405,11 @@ def written_and_closed(model: nn.Module, opt: torch.optim.Optimizer, ids: torch.
                                           r"servers' rows over the change.*HINT: "):
         model(ids, True)
     strategy = polytrain.strategy_of(model)
-    rows = strategy.rows
-    pushed = rows.round
+    pushed = strategy.rows.round
     strategy.close()
     assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
     opt.step()  # the closed model is the user's own: a step stays local
-    assert rows.round == pushed
-    # Its tables are every worker's own, whole: nothing is gathered from the servers.
-    assert torch.equal(polytrain.full_state_dict(model)["tok.weight"], model.tok.weight)
+    assert strategy.rows.round == pushed
 
 
 @pytest.mark.timeout(120)

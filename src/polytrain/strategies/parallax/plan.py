@@ -119,6 +119,9 @@ def unservable(m: nn.Module) -> str | None:
         # gradient (sparse, made so) is no table's.
         return ("its weight is parametrized (torch.nn.utils.parametrize): a lookup reads "
                 "rows computed from another tensor, not rows the servers could hold")
+    if not isinstance(m._parameters.get("weight"), nn.Parameter):  # torch's old weight_norm
+        return ("its weight is computed from other parameters (weight_norm, say), not a "
+                "table the servers could hold")
     return None
 
 

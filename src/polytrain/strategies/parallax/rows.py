@@ -32,7 +32,7 @@ from torch import nn
 
 from ...comm.partition import TensorSpec
 from ...errors import ConfigError
-from ...optim import coalesced, placed_state, sparse_rule
+from ...optim import coalesced, sparse_rule
 from ...ps.client import Pending
 from ...ps.engine import engine_for
 from ...ps.placement import Placement
@@ -45,9 +45,6 @@ from .plan import ParallaxPlan
 __all__ = ["SparseRows"]
 
 log = logging.getLogger(__name__)
-
-#: The optimizers whose ``state[param]["step"]`` is an int (torch's others: a tensor).
-_INT_STEPS = ("SparseAdam", "LazyAdam")
 
 
 def _gather_local(tensors: list[torch.Tensor], group: Any, workers: int, *, at: int,
@@ -525,20 +522,17 @@ class SparseRows:
 
     # -- whole state ---------------------------------------------------------------------------
 
-    def _state_buffers(self) -> list[torch.Tensor]:
-        """An empty tensor per range of the plan, of the range's whole state's size."""
-        return [torch.empty(state_numel((r.hi - r.lo) * self.vars[r.var].param.shape[1],
-                                        self.vars[r.var].rule["name"]),
-                            dtype=self.vars[r.var].param.dtype) for r in self.plan.ranges]
-
     def pull_states(self) -> list[torch.Tensor]:
         """Every range's whole state after the last round (worker 0 only; others: [])."""
         self.drain()
         if self.ctx.worker_index != 0:
             return []
-        outs, pending = self._state_buffers(), []
-        for i, (r, out) in enumerate(zip(self.plan.ranges, outs)):
+        outs, pending = [], []
+        for i, r in enumerate(self.plan.ranges):
             var = self.vars[r.var]
+            out = torch.empty(state_numel((r.hi - r.lo) * var.param.shape[1], var.rule["name"]),
+                              dtype=var.param.dtype)
+            outs.append(out)
             pending.append(Pending(self.client.request(
                 self.placement.owners[i], Op.PULL, key=self.placement.partitions[i].key,
                 round=self.round, answer=out, what=f"state of {var.name}[{r.index}]")))
@@ -636,39 +630,6 @@ class SparseRows:
                              "row_bytes": var.param.shape[1] * var.param.element_size(),
                              "alpha": mean}
         return out
-
-    def give_back(self) -> None:
-        """Every worker's sparse weights, and the user's optimizer state for them (the rule's
-        state tensors and step count, by torch's names), as the servers hold them after the
-        last round; then the servers forget the ranges. Every worker calls it, between
-        steps, once: the model and optimizer are the user's again."""
-        states = self.pull_states()  # worker 0's; the others receive them
-        if self.ctx.num_workers > 1:
-            if self.ctx.worker_index != 0:
-                states = self._state_buffers()
-            for state in states:
-                dist.broadcast(state, src=self.ctx.topology.workers[0],
-                               group=self.ctx.groups.workers)
-        for var, merged, steps in zip(self.vars, self.whole_variables(states),
-                                      self.rule_steps(states)):
-            with torch.no_grad():
-                var.param.copy_(merged[0].to(var.param.device))
-            held = self.optimizer.state.get(var.param, {})
-            names = STATE_NAMES[var.rule["name"]]
-            if not names or not (held or steps):  # SGD's rows; an Adam never stepped, as one
-                continue                          # process leaves it
-            old = held.get("step")
-            step: Any = steps
-            if isinstance(old, torch.Tensor):
-                step = torch.tensor(float(steps), dtype=old.dtype)
-            elif old is None and type(self.optimizer).__name__ not in _INT_STEPS:
-                step = torch.tensor(float(steps))  # torch's Adam before its first step
-            self.optimizer.state[var.param] = placed_state(
-                self.optimizer, var.param, {**held, **dict(zip(names, merged[1:])),
-                                            "step": step})
-        dist.barrier(group=self.ctx.groups.workers)
-        if self.ctx.worker_index == 0:  # nobody pulls or pushes them now: their memory goes
-            self.engine.free(self.placement)
 
     def close(self) -> None:
         self.drain()

@@ -110,7 +110,7 @@ class Parallax(ServedStrategy[ParallaxOptions]):
         except BaseException:
             # A refused wrap leaves the model the user's (tables of sparse gradients failed
             # the plain step of torch's Adam after the refusal of AdamW's weight decay).
-            self._release()
+            self.close()
             raise
 
     def _wrap(self, model: nn.Module,
@@ -360,18 +360,6 @@ class Parallax(ServedStrategy[ParallaxOptions]):
                 "servers": list(self.plan.servers) if self.plan is not None else []}
 
     def close(self) -> None:
-        """Give the model and optimizer back to the user: every worker's tables with the
-        servers' rows, and the optimizer's state for them with the servers' (Adagrad's
-        sum, Adam's moments and step); the servers forget the rows. Every worker calls
-        it, between steps; a second call does nothing."""
-        if self.rows is not None:
-            self.rows.give_back()
-        self._release()
-        self.rows = None  # the tables are the user's: state_dict() takes them as they are
-
-    def _release(self) -> None:
-        """Take parallax's hooks off the model and optimizer; the tables' gradients as their
-        modules gave them."""
         for h in self._step_hooks:
             h.remove()
         self._step_hooks = []
