@@ -11,7 +11,8 @@ from polytrain.emulation.clock import DeviceClock, clock_of, emulate
 from polytrain.emulation.devices import BUILTIN_TYPES, DeviceType, parse_cluster
 from polytrain.emulation.profile import profile_model
 from polytrain.models import GPT
-from polytrain.pipeline import make_stage
+from polytrain.pipeline import Stage, make_stage
+from polytrain.pipeline.assembly import check_cuts
 
 
 def test_spec_string_with_builtin_and_user_types_and_links():
@@ -244,26 +245,61 @@ class _First(torch.nn.Module):
         return h[0]
 
 
-def test_a_child_that_passes_a_tuple_on_is_refused_by_a_pipeline_stage():
+def test_a_child_that_passes_a_tuple_on_is_refused_where_a_pipeline_is_cut_after_it():
     # Symptom: a child passing (output, sum) to the next child passed every check of
     # hetpipe and pipetransformer; every step then failed on the worker with "'tuple' object
     # has no attribute 'detach'" and a traceback. Cause: the profile measured the tuple's
     # first tensor only, and a stage sends one tensor to the next. The last child may
     # return a tuple (the loss function gets it); emulation runs a tuple through as it is.
-    x = torch.zeros(2, 4)
+    # Then every such model was refused, whatever its cuts: hetpipe's plan (0, 4, 5) with the
+    # tuple inside stage 0, and pipelines of one stage (hetpipe's policy np, pipetransformer
+    # with K = 1), which trained before. Cause: the profile kept the first such child only,
+    # and the refusal did not look at the cuts.
+    x, y = torch.randn(2, 4), torch.randn(2, 2)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), _Pair(), _Pair(), _First(),
                                 torch.nn.Linear(4, 2))
     profile = profile_model(model, x)
-    assert profile.not_one_tensor == "child '1' returns a tuple"
+    assert profile.not_one_tensor == ((1, "tuple"), (2, "tuple"))
     assert profile_model(torch.nn.Sequential(torch.nn.Linear(4, 4), _Pair()),
-                         x).not_one_tensor is None
+                         x).not_one_tensor == ()
+
+    def stage(bounds: list[int], **kw: bool) -> Stage:
+        ranks = list(range(len(bounds) - 1))
+        built = make_stage(model, bounds, 0, ranks=ranks, labels=[f"s{r}" for r in ranks],
+                           links=[0.0] * (len(ranks) - 1), profile=profile, transport=None,
+                           loss_fn=torch.nn.functional.mse_loss, **kw)
+        built.close(wait=False)
+        return built
+
+    # Cuts planned once (hetpipe's) that keep the tuples inside a stage, and one stage: built,
+    # and the tuples pass from child to child as in one process.
+    assert stage([0, 4, 5], cuts_move=False).names == [
+        "0.weight", "0.bias", "1.lin.weight", "1.lin.bias", "2.lin.weight", "2.lin.bias"]
+    alone = stage([0, 5])
+    loss = alone.forward(0, batch=2, inputs=x, targets=y)
+    assert loss is not None and torch.equal(loss, torch.nn.functional.mse_loss(model(x), y))
+    hint = ("HINT: return one tensor from every child but the last (pack several into one), "
+            "or wrap the children that pass several in one child module")
+    # A cut right after one (a frozen front of 2 layers too), each named.
+    for bounds, child in (([0, 2, 5], 1), ([0, 3, 5], 2), ([3, 5], 2)):
+        with pytest.raises(ConfigError) as refused:
+            stage(bounds, cuts_move=False)
+        assert str(refused.value) == (
+            f"Sequential's child '{child}' returns a tuple to the next child, but the pipeline "
+            f"is cut right after it (stage bounds {tuple(bounds)}), and pipeline stages send "
+            f"one tensor between layers. {hint}")
     with pytest.raises(ConfigError) as refused:
-        make_stage(model, [0, 2, 5], 0, ranks=[0, 1], labels=["s0", "s1"], links=[0.0],
-                   profile=profile, transport=None, loss_fn=None)
+        check_cuts(model, profile, (0, 2, 5), label="virtual worker 1's pipeline")
+    assert str(refused.value).startswith("Sequential's child '1' returns a tuple to the next "
+                                         "child, but virtual worker 1's pipeline is cut ")
+    # Cuts a later plan moves (pipetransformer's AutoPipe; the default), with more than one
+    # stage: refused wherever they are now.
+    with pytest.raises(ConfigError) as refused:
+        stage([0, 4, 5])
     assert str(refused.value) == (
-        "Sequential's child '1' returns a tuple to the next child, but pipeline stages send "
-        "one tensor between layers. HINT: return one tensor from every child but the last "
-        "(pack several into one), or wrap the children that pass several in one child module")
+        "Sequential's child '1' returns a tuple to the next child, but the pipeline has 2 "
+        "stages whose cuts move as it trains (one may fall right after it), and pipeline "
+        f"stages send one tensor between layers. {hint}")
 
 
 def test_emulated_device_waits_out_the_layer_time():

@@ -129,16 +129,20 @@ def hetpipe_final(trainer: polytrain.Trainer) -> dict:
 
 def train_script(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int,
                  distributed: bool, schedule: bool = False,
-                 last: Callable[[polytrain.Trainer], None] | None = None) -> dict:
+                 last: Callable[[polytrain.Trainer], None] | None = None,
+                 first: Callable[[], None] | None = None) -> dict:
     """A script's loop on ``script_batches``: through hetpipe's step API (policy ed, D = 0,
     N_m = 1) on the global batches, or in one process; with ``schedule``, a LambdaLR on the
     optimizer it steps (torch's warning that it stepped before the optimizer is an error:
-    it was false under hetpipe, whose stages step optimizers of their own). ``last`` is
-    given the trainer after the loop. Returns the final weights."""
+    it was false under hetpipe, whose stages step optimizers of their own). ``first`` runs
+    after distribute() and before the first step; ``last`` is given the trainer after the
+    loop. Returns the final weights."""
     if distributed:  # the step API, on global batches
         trainer = polytrain.distribute(model, opt, strategy="hetpipe", loss_fn=loss_fn,
                                        policy="ed", inflight=1, staleness=0)
         opt = trainer.optimizer
+    if first is not None:
+        first()
     lr = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s)) if schedule else None
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=r"Detected call of `lr_scheduler")
@@ -205,20 +209,26 @@ def test_the_servers_optimizer_keeps_each_parameter_groups_settings_and_schedule
 
 def train_frozen(steps: int, distributed: bool, everything: bool) -> dict | tuple[dict, list[str]]:
     """AdamW with weight decay on a GPT whose embedding and first block are frozen; the
-    optimizer gets the trained parameters only, or (``everything``) model.parameters().
+    optimizer gets the trained parameters only, frozen before it, or (``everything``)
+    model.parameters(), frozen after distribute() and before the first step.
     Distributed, also the refusals of :func:`change_requires_grad` after the loop."""
     if distributed:
         polytrain.init()
     torch.manual_seed(0)
     model = GPT(**TINY)
-    for name, p in model.named_parameters():
-        if name.split(".")[0] in ("embed", "h0"):
+    front = [p for name, p in model.named_parameters() if name.split(".")[0] in ("embed", "h0")]
+
+    def freeze() -> None:
+        for p in front:
             p.requires_grad_(False)
+
+    if not everything:
+        freeze()
     params = model.parameters() if everything else [p for p in model.parameters()
                                                      if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=3e-3, weight_decay=0.1)
     refused: list[str] = []
-    state = train_script(model, opt, steps, distributed,
+    state = train_script(model, opt, steps, distributed, first=freeze if everything else None,
                          last=functools.partial(change_requires_grad, model, refused))
     return (state, refused) if distributed else state
 
@@ -244,22 +254,24 @@ def test_frozen_parameters_stay_as_they_are_and_the_rest_trains_as_in_one_proces
     # Fine-tuning with a frozen front: an optimizer of the trained parameters only was
     # refused ("give the optimizer every parameter ..., or set requires_grad=False on the
     # others", which they were); one of every parameter had the servers step the frozen ones
-    # with zero gradients, and AdamW's weight decay moved them.
+    # with zero gradients, and AdamW's weight decay moved them. Frozen after distribute() and
+    # before the first step (with every parameter), it was refused as a change after the
+    # wrap, though the stages and servers are built at the first step and follow it.
     single = train_frozen(4, False, everything)
     results = spawn(train_frozen, workers=4, nodes=2, servers=1, args=(4, True, everything))
     hetpipe = results[0][0]
     assert max_abs_diff(single, hetpipe) < 1e-5
-    # A parameter frozen or unfrozen after distribute() was not followed: the stages and the
+    # A parameter frozen or unfrozen after the first step was not followed: the stages and the
     # servers fix what trains at the first step (unfrozen, it never trained on the servers,
     # 0.0218 off one process; frozen, Adam's momentum moved it on). Every stage refuses the
     # step, naming it; the refused steps trained nothing (the weights above are single's).
-    hint = ("HINT: set requires_grad before distribute(); to change it during training, save "
+    hint = ("HINT: set requires_grad before the first trainer.step(); to change it later, save "
             "trainer.state_dict() and distribute a new model that loads it")
     assert all(r[1] == [
-        f"parameter 'head.out.weight' was frozen (requires_grad=False) after distribute(): "
+        f"parameter 'head.out.weight' was frozen (requires_grad=False) after the first step: "
         f"hetpipe's stages and servers train the parameters that were trained then, and would "
         f"go on training it. {hint}",
-        f"parameter 'embed.tok.weight' was unfrozen (requires_grad=True) after distribute(): "
+        f"parameter 'embed.tok.weight' was unfrozen (requires_grad=True) after the first step: "
         f"hetpipe's stages and servers train the parameters that were trained then, and would "
         f"not train it. {hint}"] for r in results)
     torch.manual_seed(0)
@@ -495,23 +507,29 @@ def test_refusals_before_any_process_starts():
         TrainConfig(strategy="hetpipe", servers=1, strategy_options={"lag_beta2": 1.0})
 
 
-def bd_batches(sizes: tuple[int, ...]) -> list[str]:
-    """Policy bd on 2 machines x 2 devices (4 virtual workers), a global batch of each size
-    in turn; returns the refusals."""
+def bd_batches(sizes: tuple[int, ...]) -> tuple[list[str], list[bool], dict]:
+    """Policy bd on 2 machines x 2 devices (4 virtual workers) with the stages' optimizers
+    (each steps what its copy of the weights trains), the first layer frozen after
+    distribute() and before the first step, a global batch of each size in turn. Returns the
+    refusals, whether each of this process's copies of the weights (its twin's too) kept the
+    first layer as it was, and the final weights."""
     polytrain.init()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
     trainer = polytrain.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1),
                                    strategy="hetpipe", loss_fn=torch.nn.functional.mse_loss,
-                                   policy="bd", staleness=0)
+                                   policy="bd", staleness=0, server_optimizer=False)
+    untrained = {k: v.clone() for k, v in model.state_dict().items()}
+    model[0].requires_grad_(False)
     refusals = []
     for size in sizes:
         try:
             trainer.step(torch.randn(size, 4), torch.randn(size, 2))
         except ConfigError as e:
             refusals.append(str(e))
-    hetpipe_final(trainer)
-    return refusals
+    kept = [torch.equal(role.model[0].weight, untrained["0.weight"])
+            for role in trainer.strategy.roles]
+    return refusals, kept, hetpipe_final(trainer)
 
 
 @pytest.mark.timeout(60)
@@ -519,10 +537,22 @@ def test_bd_refuses_every_global_batch_its_virtual_workers_do_not_divide():
     # A DataLoader's last batch of 6 after batches of 8, on 4 virtual workers: each twin
     # trained on 1 of its device's 3 samples, 2 of 6 dropped silently. The split into
     # twins took shape[0] // 2, and only the first step's plan checked the divisibility.
-    for refusals in spawn(bd_batches, workers=4, nodes=2, servers=1, args=((8, 6, 8),)):
+    # Also: a layer frozen after distribute() and before the first step stays as it was on
+    # every copy of the weights, the twin's (made at distribute()) too, and the rest trains.
+    # It was refused as a change after distribute(), though the stages are built at the
+    # first step; the twin's copy kept requires_grad=True, and its stage's optimizer moved it.
+    results = spawn(bd_batches, workers=4, nodes=2, servers=1, args=((8, 6, 8),))
+    for refusals, kept, _ in results:
+        assert kept == [True, True]
         assert refusals == ["global batch 6 is not divisible by the 4 virtual workers of "
                             "policy 'bd': each trains an equal slice. HINT: pass --batch-size "
                             "a multiple of 4 (a DataLoader: drop_last=True)"]
+    torch.manual_seed(0)
+    untrained = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(),
+                                    torch.nn.Linear(8, 2)).state_dict()
+    final = results[0][2]
+    assert torch.equal(final["0.weight"], untrained["0.weight"])
+    assert float((final["2.weight"] - untrained["2.weight"]).abs().max()) > 1e-3
 
 
 def test_a_model_too_big_for_one_device_fits_split_into_stages():

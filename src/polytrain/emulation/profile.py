@@ -63,9 +63,10 @@ class ModelProfile:
     #: Why the model's forward is not its layers run one after another (None: it is), at the
     #: first place it is not. A pipeline cut between layers would compute another function.
     chain_break: str | None = None
-    #: The first child but the last whose output is not one tensor ("child '3' returns a
-    #: tuple"; None: none). Emulation runs it as it is; a pipeline stage sends one tensor.
-    not_one_tensor: str | None = None
+    #: Every child but the last whose output is not one tensor, as (its index, what it
+    #: returns: "tuple" or "list"). Emulation and a stage run it as it is, but a stage sends
+    #: one tensor to the next, so a pipeline is not cut right after one (``check_cuts``).
+    not_one_tensor: tuple[tuple[int, str], ...] = ()
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -113,7 +114,7 @@ def profile_model(model: nn.Module, sample: torch.Tensor) -> ModelProfile:
     one, chain_break = _measure(meta, sample.shape[1:], sample.dtype, 2)
     two, _ = _measure(meta, sample.shape[1:], sample.dtype, 3)
     layers = []
-    not_one_tensor = None
+    not_one_tensor = []
     children = layers_of(meta)
     for i, (name, module) in enumerate(children):
         a, b = one.get(name), two.get(name)
@@ -122,8 +123,8 @@ def profile_model(model: nn.Module, sample: torch.Tensor) -> ModelProfile:
             raise ConfigError(f"layer {name!r} of {type(model).__name__} did not run in its "
                               f"forward", "give the pipeline a model whose children all run, "
                               "in order (an nn.Sequential)")
-        if a["not_tensor"] and not_one_tensor is None and i < len(children) - 1:
-            not_one_tensor = f"child {name!r} returns a {a['not_tensor']}"
+        if a["not_tensor"] and i < len(children) - 1:
+            not_one_tensor.append((i, a["not_tensor"]))
         out_numel = b["out_numel"] - a["out_numel"]
         fwd = max(b["flops"] - a["flops"], float(out_numel))
         layers.append(LayerProfile(
@@ -132,7 +133,7 @@ def profile_model(model: nn.Module, sample: torch.Tensor) -> ModelProfile:
             out_bytes=float(out_numel * b["itemsize"]), out_shape=b["out_shape"],
             out_dtype=b["out_dtype"]))
     return ModelProfile(tuple(layers), tuple(sample.shape[1:]), sample.dtype,
-                        chain_break=chain_break, not_one_tensor=not_one_tensor)
+                        chain_break=chain_break, not_one_tensor=tuple(not_one_tensor))
 
 
 def hookless_copy(model: nn.Module) -> nn.Module:

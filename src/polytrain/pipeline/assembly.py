@@ -2,7 +2,8 @@
 
 A pipeline strategy decides where the cuts go and which ranks run which
 stage; these functions build the pieces from that plan: the stage module and
-its neighbours (:func:`make_stage`), the user's optimizer over the stage's
+its neighbours (:func:`make_stage`; :func:`check_cuts` refuses a cut after a
+child that passes a tuple on), the user's optimizer over the stage's
 parameters (:func:`stage_optimizer`), the servers' keys for a model held
 in stages (:func:`fused_keys`), and what each layer costs where the cuts go
 (:func:`layer_profile`, ``--layer-costs``). HetPipe and PipeTransformer use
@@ -35,8 +36,9 @@ from ..errors import ConfigError, unknown
 from ..optim import placed_state
 from .stage import LossFn, Stage, StageSpec
 
-__all__ = ["make_stage", "stage_optimizer", "fused_keys", "layer_of", "layer_profile",
-           "layer_costs_field", "check_layer_costs", "costs_record", "LAYER_COSTS"]
+__all__ = ["make_stage", "check_cuts", "stage_optimizer", "fused_keys", "layer_of",
+           "layer_profile", "layer_costs_field", "check_layer_costs", "costs_record",
+           "LAYER_COSTS"]
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +102,7 @@ def costs_record(names: Sequence[str], seconds: Sequence[tuple[float, float]]
 def make_stage(model: nn.Module, bounds: Sequence[int], index: int, *, ranks: Sequence[int],
                labels: Sequence[str], links: Sequence[float], profile: ModelProfile,
                transport: Transport, loss_fn: LossFn,
-               clock: DeviceClock | None = None) -> Stage:
+               clock: DeviceClock | None = None, cuts_move: bool = True) -> Stage:
     """Stage ``index`` of a pipeline cut at ``bounds`` (layer indices, first 0, last L).
 
     Args:
@@ -110,6 +112,10 @@ def make_stage(model: nn.Module, bounds: Sequence[int], index: int, *, ranks: Se
         profile: the model's layer profile (the shapes a stage receives).
         transport, loss_fn, clock: the stage's messages, the last stage's loss, its
             emulated device (None: the real one).
+        cuts_move: whether a later plan may cut the model elsewhere (PipeTransformer's
+            AutoPipe; HetPipe plans its cuts once, False): a child that passes a tuple on
+            is then refused with more than one stage, wherever the cuts are now
+            (:func:`check_cuts`).
     """
     if profile.chain_break is not None:
         raise ConfigError(
@@ -118,12 +124,7 @@ def make_stage(model: nn.Module, bounds: Sequence[int], index: int, *, ranks: Se
             f"another function",
             "give pipeline strategies a model whose forward only chains its children (an "
             "nn.Sequential); wrap a skip connection or other glue in one child module")
-    if profile.not_one_tensor is not None:  # (any cut may fall after it: cuts change)
-        raise ConfigError(
-            f"{type(model).__name__}'s {profile.not_one_tensor} to the next child, but "
-            f"pipeline stages send one tensor between layers",
-            "return one tensor from every child but the last (pack several into one), or "
-            "wrap the children that pass several in one child module")
+    check_cuts(model, profile, bounds, moving=cuts_move and len(ranks) > 1)
     j, count = index, len(ranks)
     a, e = bounds[j], bounds[j + 1]
     module = nn.Sequential(OrderedDict(layers_of(model)[a:e]))
@@ -143,6 +144,29 @@ def make_stage(model: nn.Module, bounds: Sequence[int], index: int, *, ranks: Se
     # The whole model's device: a stage of parameter-free layers computes there too.
     device = next((p.device for p in model.parameters()), None)
     return Stage(spec, module, transport, loss_fn=loss_fn, clock=clock, device=device)
+
+
+def check_cuts(model: nn.Module, profile: ModelProfile, bounds: Sequence[int], *,
+               label: str = "the pipeline", moving: bool = False) -> None:
+    """Refuse a pipeline (``label`` in the message) cut at ``bounds`` right after a child but
+    the last that returns a tuple or a list (:attr:`ModelProfile.not_one_tensor`): a stage
+    sends one tensor to the next. Inside a stage such a child passes it on as in one process.
+    ``bounds[0]`` counts too (PipeTransformer's frozen front ends there). With ``moving`` (a
+    later plan may cut elsewhere), such a child is refused wherever the cuts are now."""
+    after = {i + 1: (i, kind) for i, kind in profile.not_one_tensor}
+    cut = next((b for b in bounds[:-1] if b in after), None)
+    if cut is None and not (moving and after):
+        return
+    i, kind = after[cut] if cut is not None else profile.not_one_tensor[0]
+    where = (f"{label} is cut right after it (stage bounds {tuple(int(b) for b in bounds)})"
+             if cut is not None else
+             f"{label} has {len(bounds) - 1} stages whose cuts move as it trains (one may "
+             f"fall right after it)")
+    raise ConfigError(
+        f"{type(model).__name__}'s child {profile.layers[i].name!r} returns a {kind} to the "
+        f"next child, but {where}, and pipeline stages send one tensor between layers",
+        "return one tensor from every child but the last (pack several into one), or wrap "
+        "the children that pass several in one child module")
 
 
 def stage_optimizer(base: torch.optim.Optimizer, model: nn.Module,

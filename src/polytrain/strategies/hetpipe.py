@@ -29,6 +29,7 @@ from ..pipeline.allocation import (
     roles_of,
 )
 from ..pipeline.assembly import (
+    check_cuts,
     check_layer_costs,
     check_untied,
     fused_keys,
@@ -275,9 +276,10 @@ class HetPipe(Strategy[HetPipeOptions]):
         self.transport = ctx.transport
         self.model = model
         self.base_optimizer = optimizer
-        #: Whether each parameter trained at the wrap: the stages, their optimizers and the
-        #: servers' keys (:func:`fused_keys`) are fixed by it (:func:`_check_still_trained`).
-        self.trained_at_wrap = [(n, p, p.requires_grad) for n, p in model.named_parameters()]
+        #: Whether each parameter trained at the first step: the stages, their optimizers and
+        #: the servers' keys (:func:`fused_keys`) are built by it then
+        #: (:func:`_check_still_trained`).
+        self.trained_at_setup: list[tuple[str, nn.Parameter, bool]] = []
         return model, optimizer
 
     @property
@@ -297,6 +299,14 @@ class HetPipe(Strategy[HetPipeOptions]):
         ctx = self.ctx
         assert ctx is not None
         count = len(self.virtual_workers)
+        # What trains is fixed now, not at the wrap: a twin's copy (policy bd, made then)
+        # follows the model's freezing since.
+        self.trained_at_setup = [(n, p, p.requires_grad)
+                                 for n, p in self.model.named_parameters()]
+        for role in self.roles:
+            if role.model is not self.model:
+                for name, p in role.model.named_parameters():
+                    p.requires_grad_(self.model.get_parameter(name).requires_grad)
         # Measured, or as the run this one resumes measured them (its cuts are the saved
         # stages'): a new measurement could cut them otherwise.
         profile, self.layer_seconds = layer_profile(
@@ -309,6 +319,8 @@ class HetPipe(Strategy[HetPipeOptions]):
         self.plan = plan
         if ctx.worker_index == 0:
             log.info("%s", plan.describe())
+        for i, pipe in enumerate(plan.pipelines):  # every worker alike, before any stage
+            check_cuts(self.model, profile, pipe.bounds, label=f"virtual worker {i}'s pipeline")
         fused = fused_keys(self.model, self.base_optimizer)
         placement = model_placement(ctx, [spec for spec, _ in fused])  # one for both lanes
         late = self._late_keys(plan, fused)
@@ -398,16 +410,17 @@ class HetPipe(Strategy[HetPipeOptions]):
         labels = [self._label(role.vw, j, r) for j, r in enumerate(ranks)]
         return make_stage(role.model, plan.pipelines[role.vw].bounds, role.index, ranks=ranks,
                           labels=labels, links=links, profile=profile,
-                          transport=self.transport, loss_fn=loss_fn, clock=clock)
+                          transport=self.transport, loss_fn=loss_fn, clock=clock,
+                          cuts_move=False)  # (planned once: a resume keeps them)
 
     # -- training ---------------------------------------------------------------------------
 
     def train_step(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                    inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn) -> float | None:
-        # On every worker before any stage runs, so every stage refuses the step alike.
-        _check_still_trained(self.trained_at_wrap)
         if not self.started:
             self._setup(inputs, loss_fn)  # (the plan refuses the first step's batch)
+        # On every worker before any stage runs, so every stage refuses the step alike.
+        _check_still_trained(self.trained_at_setup)
         if inputs.shape[0] % len(self.roles):  # policy bd's twins: every step's too
             count = len(self.virtual_workers)
             check_batch(inputs.shape[0] * count // len(self.roles), count, self.options.policy)
@@ -530,8 +543,8 @@ def _check_in_layers(model: nn.Module, owner: str) -> None:
 
 
 def _check_still_trained(trained: Sequence[tuple[str, nn.Parameter, bool]]) -> None:
-    """Refuse a parameter frozen or unfrozen (``requires_grad``) since the wrap, given as
-    (name, parameter, whether it trained then): the servers' keys, each stage's trained
+    """Refuse a parameter frozen or unfrozen (``requires_grad``) since the first step, given
+    as (name, parameter, whether it trained then): the servers' keys, each stage's trained
     parameters and its waves' sums are fixed then, so an unfrozen one never trained on the
     servers and a frozen one went on training (pushed zeros, stepped on momentum)."""
     for name, p, was in trained:
@@ -539,10 +552,10 @@ def _check_still_trained(trained: Sequence[tuple[str, nn.Parameter, bool]]) -> N
             continue
         change, then = (("unfrozen (requires_grad=True)", "not train it") if p.requires_grad
                         else ("frozen (requires_grad=False)", "go on training it"))
-        raise ConfigError(f"parameter {name!r} was {change} after distribute(): hetpipe's "
+        raise ConfigError(f"parameter {name!r} was {change} after the first step: hetpipe's "
                           f"stages and servers train the parameters that were trained then, "
-                          f"and would {then}", "set requires_grad before distribute(); to "
-                          "change it during training, save trainer.state_dict() and "
+                          f"and would {then}", "set requires_grad before the first "
+                          "trainer.step(); to change it later, save trainer.state_dict() and "
                           "distribute a new model that loads it")
 
 
