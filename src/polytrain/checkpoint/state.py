@@ -25,7 +25,6 @@ import dataclasses
 import functools
 import json
 import logging
-import os
 import random
 import shutil
 import time
@@ -157,67 +156,6 @@ def _first_failure(strategy: Strategy[Any], errors: list[str | None]) -> str | N
     return f"{topology.name(topology.workers[i])} failed: {error}"
 
 
-_POLL_S = 0.01  # how often a worker looks whether the others have called save() or load()
-_calls: dict[str, int] = {}  # this process's calls of save() and load() so far, by name
-
-
-def _check_called(strategy: Strategy[Any], call: str) -> None:
-    """Refuse ``call`` (``"save"`` or ``"load"``), collective over the workers, on every worker
-    that makes it, where another worker has not made it within half the timeout: before,
-    ``if ctx.worker_index == 0: polytrain.save(...)`` failed after the timeout as a raw gloo
-    timeout, and the launcher named whichever worker timed out first (for a load, the one
-    that had not called it). Within half the timeout (as the launcher's hang detection), the
-    refusal comes before the other workers' own waits time out, and the launcher names it."""
-    ctx = strategy.ctx
-    if ctx is None or ctx.num_workers == 1:
-        return
-    number = _calls[call] = _calls.get(call, 0) + 1
-    wait_s = 0.5 * ctx.timeout_s
-    # The run's rendezvous store: any worker may wait there, and see who has not come (gloo's
-    # monitored_barrier names them on the group's first rank alone, and NCCL has none).
-    store = dist.distributed_c10d._get_default_store()
-    # By attempt too: torchrun's store outlives a restart, whose processes count from 1 again.
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    missing = _arrivals(store, f"polytrain/{attempt}/{call}/{number}", ctx.worker_index,
-                        ctx.num_workers, wait_s)
-    if missing is None:
-        return
-    topology = ctx.topology
-    here, waited = topology.name(ctx.rank), f"{wait_s:g} s, half the timeout"
-    if ctx.worker_index in missing:
-        what = (f"polytrain.{call}() is collective, and this worker ({here}) called it after "
-                f"the others had stopped waiting for it ({waited})")
-    else:
-        what = (f"polytrain.{call}() is collective, and "
-                f"{', '.join(topology.name(topology.workers[i]) for i in missing)} did not "
-                f"call it: {here} waited {waited}")
-    raise CheckpointError(what, f"call polytrain.{call}() on every worker at the same point, "
-                                f"not under `if ctx.worker_index == 0` (each worker {call}s its "
-                                f"own part); if a worker is only slower to get there, raise the "
-                                f"timeout (--timeout or POLYTRAIN_TIMEOUT)")
-
-
-def _arrivals(store: Any, key: str, index: int, count: int, wait_s: float) -> list[int] | None:
-    """Check worker ``index`` of ``count`` in to the call ``key`` in ``store`` (a
-    ``torch.distributed.Store``) and wait up to ``wait_s`` for the others: None where all
-    came, else the workers that had not come when one stopped waiting (this one among them
-    if it came later). The last to come, or the first to stop waiting, settles which it is
-    (``compare_set``, once) and every worker reads that: all go on, or all refuse, one that
-    comes later too (going on, it would wait in a collective the others never join)."""
-    store.set(f"{key}/{index}", "")
-    if store.add(f"{key}/count", 1) == count:
-        store.compare_set(f"{key}/state", "", "all")
-    deadline = time.monotonic() + wait_s
-    while not store.check([f"{key}/state"]):
-        if time.monotonic() > deadline:
-            missing = [i for i in range(count) if not store.check([f"{key}/{i}"])]
-            if missing:  # (none: every one has come, and the last one says "all" now)
-                store.compare_set(f"{key}/state", "", " ".join(map(str, ["late", *missing])))
-        time.sleep(_POLL_S)
-    said = store.get(f"{key}/state").decode().split()
-    return None if said == ["all"] else [int(i) for i in said[1:]]
-
-
 def _run_record(run: Mapping[str, Any] | None) -> dict[str, Any]:
     """The caller's ``run`` record as the manifest keeps it, numpy's numbers made Python's (in
     its tables and lists too), refused before anything is written if JSON cannot keep it:
@@ -297,7 +235,6 @@ def save(root: str | Path, model: nn.Module | Trainer,
     run = _run_record(run)
     model, optimizer, strategy = _unpack(model, optimizer)
     strategy.check_checkpoints()
-    _check_called(strategy, "save")
     index, count, group = _workers(strategy)
     full = strategy.state_dict(model)  # collective: shards and stages gathered on worker 0
     records = dict((extra() if callable(extra) else extra) or {})
@@ -398,7 +335,6 @@ def load(path: str | Path, model: nn.Module | Trainer,
     model, optimizer, strategy = _unpack(model, optimizer)
     strategy.check_checkpoints()
     strategy.check_load()  # (every worker has taken as many steps: all refuse alike)
-    _check_called(strategy, "load")
     found = _resolve_alike(path, strategy, missing_ok)
     if found is None:
         return None
