@@ -231,7 +231,9 @@ class TrainConfig:
                             batch_size=self.batch_size,
                             epoch_steps=getattr(batches, "steps_per_epoch", None))
         check_link(self.strategy, options, model, layout, bandwidth=self.bandwidth,
-                   latency=self.latency, timeout_s=self.timeout_s, gloo=self.device != "cuda")
+                   latency=self.latency, timeout_s=self.timeout_s,
+                   # CUDA workers that share this host's GPUs go over gloo (runtime.cuda_backend)
+                   gloo=self.device != "cuda" or torch.cuda.device_count() < layout.workers)
         # A strategy of its own step (a pipeline's) runs the model on micro-batches.
         whole = cls.train_step is Strategy.train_step
         self._check_memory(model, layout.workers, cls.replicas(layout, options), whole)

@@ -1,5 +1,7 @@
 """The planner's job: what it refuses, and what planning leaves of the caller's state."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -263,3 +265,7 @@ def test_a_first_message_timed_down_gloos_broadcast_tree_leaves_ddp_out():
         "times one copy's 4.0 s), longer than --timeout 10: the run would time out there")}
     # A tensor at a time, the largest (fc0.weight, 65,536 bytes) reaches worker 3 in 7.9 s.
     assert plan.recommended.candidate.strategy in ("byteps", "herring")
+    # Real hosts without --devices are CPU machines (gloo's tree too); with GPUs, NCCL
+    # pipelines the message down a chain: one copy's time, 4.0 s.
+    real = plan_job(dataclasses.replace(job, hosts="real"), compute=FIXED)
+    assert list(real.as_dict()["refused"]) == ["ddp"]
