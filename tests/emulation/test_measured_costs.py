@@ -76,3 +76,28 @@ def test_layer_profile_in_one_process_and_its_refusal():
     assert slowest == 3 and max(range(5), key=lambda i: flops.layers[i].fwd_flops) != 3
     with pytest.raises(ConfigError, match="unknown layer cost 'timed'.*flops, measured"):
         check_layer_costs("timed")
+
+
+class _Pair(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, h):
+        h = h[0] if isinstance(h, tuple) else h
+        return self.lin(h), h.sum()
+
+
+class _First(torch.nn.Module):
+    def forward(self, h):
+        return h[0]
+
+
+def test_layers_that_hand_the_next_a_tuple_are_measured():
+    # A pipeline keeps such a pair inside one stage (only a cut after it is refused), but
+    # --layer-costs measured failed on it: "'tuple' object has no attribute 'detach'".
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), _Pair(), _Pair(), _First(),
+                                torch.nn.Linear(4, 2))
+    times = measure_layers(model, torch.randn(8, 4), repeats=1)
+    assert len(times) == 5 and all(f > 0 for f, _ in times)
+    assert times[1][1] > 0 and times[2][1] > 0  # the pairs' backward, from both outputs

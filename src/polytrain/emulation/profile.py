@@ -149,6 +149,26 @@ def hookless_copy(model: nn.Module) -> nn.Module:
     return twin
 
 
+def _leaf(x: Any) -> Any:
+    """``x`` detached, its floating-point tensors requiring a gradient (in a tuple or list
+    too: a layer may hand the next a tuple inside a stage)."""
+    if isinstance(x, torch.Tensor):
+        x = x.detach()
+        return x.requires_grad_(True) if x.is_floating_point() else x
+    if isinstance(x, (tuple, list)):
+        return type(x)(_leaf(v) for v in x)
+    return x
+
+
+def _flowing(out: Any) -> list[torch.Tensor]:
+    """The tensors of a layer's output (one, or in a tuple or list) a backward flows from."""
+    if isinstance(out, torch.Tensor):
+        return [out] if out.requires_grad else []
+    if isinstance(out, (tuple, list)):
+        return [t for v in out for t in _flowing(v)]
+    return []
+
+
 def measure_layers(model: nn.Module, sample: torch.Tensor, *, repeats: int = 5,
                    budget_s: float = 5.0) -> list[tuple[float, float]]:
     """Each layer's forward and backward, in seconds per sample, timed on this device.
@@ -158,7 +178,8 @@ def measure_layers(model: nn.Module, sample: torch.Tensor, *, repeats: int = 5,
     ``sample`` (a real batch: small batches cost more per sample) and what the layers
     before them made of it. Each time is the median of ``repeats`` after one warm-up,
     or of as many as the warm-up says fit in ``budget_s`` (one at least). A layer whose
-    output is not floating point (nothing flows back) has a backward of 0.
+    output is not floating point (nothing flows back) has a backward of 0; one that hands
+    the next a tuple has its tensors' backward timed.
     """
     twin = hookless_copy(model)
     device = sample.device
@@ -175,16 +196,15 @@ def measure_layers(model: nn.Module, sample: torch.Tensor, *, repeats: int = 5,
         while done <= repeats:
             start = time.perf_counter()
             for i, layer in enumerate(layers):
-                x = inputs[i].detach()
-                if x.is_floating_point():
-                    x.requires_grad_(True)
+                x = _leaf(inputs[i])
                 sync()
                 t0 = time.perf_counter()
                 out = layer(x)
                 sync()
                 t1 = time.perf_counter()
-                if isinstance(out, torch.Tensor) and out.requires_grad:
-                    out.backward(torch.ones_like(out))
+                outs = _flowing(out)
+                if outs:
+                    torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
                     sync()
                 t2 = time.perf_counter()
                 for p in layer.parameters():
