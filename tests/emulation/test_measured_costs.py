@@ -1,5 +1,7 @@
 """Measured layer costs (``--layer-costs measured``): each layer's times on this device."""
 
+import collections
+
 import pytest
 import torch
 
@@ -88,6 +90,15 @@ class _Pair(torch.nn.Module):
         return self.lin(h), h.sum()
 
 
+_Out = collections.namedtuple("_Out", "h s")
+
+
+class _NamedPair(_Pair):
+    def forward(self, h):
+        h = h[0] if isinstance(h, tuple) else h
+        return _Out(self.lin(h), h.sum())
+
+
 class _First(torch.nn.Module):
     def forward(self, h):
         return h[0]
@@ -101,3 +112,7 @@ def test_layers_that_hand_the_next_a_tuple_are_measured():
     times = measure_layers(model, torch.randn(8, 4), repeats=1)
     assert len(times) == 5 and all(f > 0 for f, _ in times)
     assert times[1][1] > 0 and times[2][1] > 0  # the pairs' backward, from both outputs
+    # A namedtuple is rebuilt field by field (its type takes no single iterable).
+    named = torch.nn.Sequential(torch.nn.Linear(4, 4), _NamedPair(), _NamedPair(), _First(),
+                                torch.nn.Linear(4, 2))
+    assert all(f > 0 for f, _ in measure_layers(named, torch.randn(8, 4), repeats=1))

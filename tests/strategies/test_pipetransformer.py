@@ -526,6 +526,14 @@ def test_measured_layer_costs_cut_where_the_time_is():
     assert max_abs_diff(by_flops, by_time) == 0
 
 
+def test_only_autopipe_moves_the_cuts_which_a_tuple_between_layers_must_not_fall_after():
+    # A child that hands the next a tuple is refused wherever the cuts are only where they
+    # move: --no-freeze and --no-autopipe keep the first plan's (both were refused).
+    assert PipeTransformerOptions().cuts_move
+    assert not PipeTransformerOptions(freeze=False).cuts_move
+    assert not PipeTransformerOptions(autopipe=False).cuts_move
+
+
 def test_refusals():
     # It was silently lowered to the largest divisor of the replica's batch (7 ran as 4).
     with pytest.raises(ConfigError, match=r"--micro-batches 7 does not divide a replica's 16 "

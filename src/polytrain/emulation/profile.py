@@ -156,7 +156,8 @@ def _leaf(x: Any) -> Any:
         x = x.detach()
         return x.requires_grad_(True) if x.is_floating_point() else x
     if isinstance(x, (tuple, list)):
-        return type(x)(_leaf(v) for v in x)
+        items = [_leaf(v) for v in x]
+        return type(x)(*items) if hasattr(x, "_fields") else type(x)(items)  # a namedtuple
     return x
 
 

@@ -190,7 +190,7 @@ class Job:
                 check_strategy(cls, options, layout, model, optimizer)
                 check_link(c.strategy, options, model, layout, bandwidth=self.bandwidth,
                            latency=self.latency, timeout_s=self.timeout_s,
-                           # real hosts of GPUs (--devices): NCCL's broadcast, one copy's
+                           # real hosts of GPUs (--devices): NCCL's broadcast, one copy
                            emulated=self.hosts == "emulated",
                            gloo=self.hosts == "emulated" or self.devices is None)
                 cls.check_devices(cluster, profile, layout, options, batch_size=self.batch_size,

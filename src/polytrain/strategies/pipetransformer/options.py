@@ -163,6 +163,12 @@ class PipeTransformerOptions:
                                   f"nothing", f"leave out {switch}, or {', '.join(given)}")
 
     @property
+    def cuts_move(self) -> bool:
+        """Whether the pipeline's cuts may move as it trains (AutoPipe re-cuts at freeze
+        points); without freezing, or freezing without AutoPipe, they stay the first plan's."""
+        return self.freeze and self.autopipe
+
+    @property
     def threshold(self) -> float:
         """``freeze_threshold``, or the signal's default."""
         if self.freeze_threshold is not None:

@@ -447,7 +447,7 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
         self.stage = make_stage(self.model, plan.bounds, j, ranks=ranks, labels=labels,
                                 links=links, profile=self.profile, transport=self.transport,
                                 loss_fn=self.loss_fn, clock=clock_of(self.model),
-                                cuts_move=self.options.freeze)  # --no-freeze: they stay
+                                cuts_move=self.options.cuts_move)
         self.pipe = SyncPipeline(self.stage, schedule=self.options.schedule,
                                  microbatches=plan.micro_batches)
         self.pipe._next = self._next_mb  # minibatch numbers (tags) never repeat across plans
