@@ -466,11 +466,7 @@ def async_misuse() -> dict:
     said["second"] = [refused(lambda: wrap(async_=True)), refused(wrap)]
     net(torch.ones(1, 4)).sum().backward()
     opt.step()
-    opt.close()
-    before = net.weight.detach().clone()
-    opt.zero_grad()
-    net(torch.full((1, 4), bps.rank() + 1.0)).sum().backward()
-    said["closed"] = (refused(opt.step), torch.equal(net.weight, before))
+    said["closed"] = step_after_close(net, opt)
     again = []
     said["again"] = refused(lambda: again.append(wrap(async_=True)))
     for o in again:
@@ -486,12 +482,17 @@ def closed_optimizer() -> tuple[str, bool]:
                                    named_parameters=net.named_parameters())
     net(torch.ones(1, 4)).sum().backward()
     opt.step()
+    return step_after_close(net, opt)
+
+
+def step_after_close(net: nn.Linear, opt: torch.optim.Optimizer) -> tuple[str, bool]:
+    """close() ``opt``, then a backward and its step: the refusal, and whether the weights
+    stayed as they were."""
     opt.close()
     before = net.weight.detach().clone()
     opt.zero_grad()
     net(torch.full((1, 4), bps.rank() + 1.0)).sum().backward()
-    said = refused(opt.step)
-    return said, torch.equal(net.weight, before)
+    return refused(opt.step), torch.equal(net.weight, before)
 
 
 def outcome(fn) -> str:
