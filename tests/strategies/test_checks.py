@@ -74,6 +74,7 @@ def test_ddps_own_first_copy_that_times_out_is_named_as_broadcast_modules_is(mon
     strategy = ddp.DDP(ctx, ddp.DDPOptions())
     model = torch.nn.Linear(2, 3)
     with pytest.raises(CommTimeout, match=r"^rank 3 \(machine node3\): torch's DDP's copy of "
-                                          r"worker 0's model to every worker at the start did "
-                                          r"not arrive within --timeout 10 s"):
+                                          r"worker 0's model \(36 bytes of parameters and "
+                                          r"buffers\) to every worker at the start did not "
+                                          r"arrive within --timeout 10 s"):
         strategy.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1))

@@ -435,8 +435,12 @@ def drop_in_arguments() -> dict:
     backbone.module[0].double()
     head = backbone.module[1]
     backbone.module[0].register_forward_hook(lambda m, a, o: o.float())
-    backbone(torch.ones(1, 4, dtype=torch.float64)).sum().backward()
+    # Each worker's own input: its head's gradient alone would differ from the other's.
+    x = torch.full((1, 4), ctx.worker_index + 1.0, dtype=torch.float64)
+    backbone(x).sum().backward()
     out["frozen, then converted"] = head.weight.grad.clone()
+    with torch.no_grad():
+        out["frozen, local gradient"] = backbone.module[0](x).expand(2, 4).clone()
     backbone.close()
     return out
 
@@ -495,6 +499,9 @@ def test_a_model_converted_after_the_wrap_is_refused_at_the_next_forward():
         assert said["converted, evaluated"] == said["converted, closed, evaluated"] == \
             torch.float64
     assert torch.equal(first["frozen, then converted"], second["frozen, then converted"])
+    # The head's gradient is the mean of the workers' own (its input, per output row).
+    mean = (first["frozen, local gradient"] + second["frozen, local gradient"]) / 2
+    assert torch.allclose(first["frozen, then converted"], mean.float())
 
 
 @pytest.mark.timeout(60)

@@ -887,9 +887,9 @@ def test_a_parameter_no_step_reaches_is_left_alone_by_a_lone_virtual_workers_opt
         "gradient in a step: it is stepped on a zero gradient (its share of the virtual "
         "workers' sum, where another reaches it), so in a step that no virtual worker "
         "reaches it, weight decay and momentum move it where one process would leave it "
-        "alone. HINT: freeze a parameter that is not to train (requires_grad_(False)); with "
-        "one virtual worker, keep the optimizer on the stages: --no-server-optimizer (Python: "
-        "server_optimizer=False) leaves it alone"]
+        "alone. HINT: freeze a parameter that is not to train (requires_grad_(False)) before "
+        "the first trainer.step(); with one virtual worker, keep the optimizer on the "
+        "stages: --no-server-optimizer (Python: server_optimizer=False) leaves it alone"]
     assert not torch.equal(results[0][True]["2.spare"], torch.ones(3))
 
 

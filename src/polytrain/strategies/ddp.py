@@ -129,7 +129,10 @@ class DDP(Strategy[DDPOptions]):
         find_unused = self.options.find_unused_parameters or bool(moe_layers(model))
         # Its construction copies worker 0's parameters and buffers in messages of up to
         # 250 MiB (config.check_link times them).
-        with first_copy(ctx, "torch's DDP's copy of worker 0's model"):
+        nbytes = sum(t.numel() * t.element_size() for t in (*model.parameters(),
+                                                            *model.buffers()))
+        with first_copy(ctx, f"torch's DDP's copy of worker 0's model ({nbytes:,} bytes of "
+                             f"parameters and buffers)"):
             wrapped = _DDP(model, device_ids=device_ids, process_group=ctx.groups.workers,
                            find_unused_parameters=find_unused)
         sparse = {id(m.weight) for m in model.modules()

@@ -598,7 +598,8 @@ def _server_optimizer_hint(on: bool) -> Iterator[None]:
 
 
 #: What to do about a trained parameter that no step's minibatch reaches (asyncpipe).
-_UNUSED_HINT = "freeze a parameter that is not to train (requires_grad_(False))"
+_UNUSED_HINT = ("freeze a parameter that is not to train (requires_grad_(False)) before the "
+                "first trainer.step()")
 #: HetPipe's way out of what only the servers' optimizer does.
 _KEEP_ON_STAGES = ("keep the optimizer on the stages: --no-server-optimizer (Python: "
                    "server_optimizer=False)")
