@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -59,6 +60,16 @@ def clean_host():
     before = _leftovers()
     yield
     assert _leftovers() - before == set()
+
+
+def refused_launch(tmp_path: Path, captured: Any, pattern: str, *flags: str) -> None:
+    """``polytrain launch FLAGS job.py`` of a job that must not start: exit status 2 and one
+    line on stderr that ``pattern`` finds (``captured``: pytest's capsys or capfd)."""
+    script = tmp_path / "job.py"
+    script.write_text("raise SystemExit('must not start')\n")
+    assert main(["launch", *flags, str(script)]) == 2
+    err = captured.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and re.search(pattern, err), err
 
 
 # -- input -------------------------------------------------------------------------------------
@@ -199,11 +210,7 @@ def test_a_launch_on_one_machine_has_no_links_to_shape(tmp_path, capsys, clean_h
                              bandwidth="1gbit")
     with pytest.raises(ConfigError, match="^--bandwidth 1000mbit shapes"):  # as given
         polytrain.launch(scripts.identity, workers=2, bandwidth="1000mbit")
-    script = tmp_path / "job.py"
-    script.write_text("raise SystemExit('must not start')\n")
-    assert main(["launch", "--workers", "2", "--bandwidth", "1gbit", str(script)]) == 2
-    err = capsys.readouterr().err
-    assert len(err.strip().splitlines()) == 1 and re.search(message, err), err
+    refused_launch(tmp_path, capsys, message, "--workers", "2", "--bandwidth", "1gbit")
 
 
 def test_a_single_process_strategy_has_no_links_to_shape():
@@ -248,12 +255,8 @@ def test_without_root_or_iproute2_one_line_says_what_is_missing(monkeypatch, uid
                                           r"CAP_NET_ADMIN\) and iproute2's ip and tc; " +
                                           missing + " " + hint):
         polytrain.launch(scripts.identity, workers=2, nodes=2, bandwidth="1gbit")
-    script = tmp_path / "job.py"
-    script.write_text("raise SystemExit('must not start')\n")
-    assert main(["launch", "--workers", "2", "--nodes", "2", "--bandwidth", "1gbit",
-                 str(script)]) == 2
-    err = capsys.readouterr().err
-    assert len(err.strip().splitlines()) == 1 and re.search(missing, err), err
+    refused_launch(tmp_path, capsys, missing, "--workers", "2", "--nodes", "2", "--bandwidth",
+                   "1gbit")
     assert main(["env"]) == 0  # says the same
     out = capsys.readouterr().out
     said = missing.replace("missing: ", "missing ", 1).removesuffix(r"\.")
@@ -467,12 +470,8 @@ def test_a_claim_that_cannot_be_written_is_one_line_naming_where(tmp_path, monke
                rf"read-only /run: mount a tmpfs there\), or leave --bandwidth out$")
     with pytest.raises(ConfigError, match="^" + message):
         network.take_claim("0abcdf", {})
-    script = tmp_path / "job.py"
-    script.write_text("raise SystemExit('must not start')\n")
-    assert main(["launch", "--workers", "2", "--nodes", "2", "--bandwidth", "1gbit",
-                 str(script)]) == 2
-    err = capfd.readouterr().err
-    assert len(err.strip().splitlines()) == 1 and re.search(message, err), err
+    refused_launch(tmp_path, capfd, message, "--workers", "2", "--nodes", "2", "--bandwidth",
+                   "1gbit")
     said = network.netem_check()
     assert said == (f"unknown: --bandwidth needs a writable {tmp_path}/run/polytrain/netns, "
                     f"where each run claims its emulated network (NotADirectoryError: [Errno 20] "
