@@ -265,8 +265,13 @@ def hand_over(steps, options):
                 same_w = all(torch.equal(t, old["w"][n]) for n, t in after["weights"].items())
                 same_s = all(torch.equal(v, old["s"][n][k]) for n, st in after["state"].items()
                              for k, v in st.items() if isinstance(v, torch.Tensor))
-                # Adam's state came along: some of it, and only for weights the stage holds.
-                has_state = bool(after["state"]) and set(after["state"]) <= set(after["weights"])
+                # Adam's state came along for every weight the new stage trains, all of
+                # them trained (so with state) in the source pipeline before the freeze
+                # point. (Checking only the state a replica has passed with half of it
+                # missing: a hand-over that kept each worker's old stage's state.)
+                trained = {n for n, p in zip(strategy.stage.names, strategy.stage.params)
+                           if p.requires_grad}
+                has_state = bool(trained) and set(after["state"]) == trained <= set(old["s"])
                 checks.append((step, after["where"], source, same_w, same_s, has_state))
         trainer.step(x, y)
     trainer.close()
