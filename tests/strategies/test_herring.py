@@ -1077,3 +1077,22 @@ def test_the_drop_ins_positional_arguments_are_torch_ddps_in_its_order():
     theirs = list(inspect.signature(nn.parallel.DistributedDataParallel).parameters)
     upto = theirs.index("gradient_as_bucket_view") + 1
     assert ours[:upto] == theirs[:upto]
+
+
+def test_several_servers_on_a_worker_machine_split_its_shard_as_on_a_cpu_machine():
+    # Symptom: under torchrun with POLYTRAIN_ROLE=worker,worker,server,server on each of two
+    # machines, the second server of each got no bytes, and nothing said so. Cause:
+    # herring_servers kept only the first server of each worker machine (server_ranks').
+    from types import SimpleNamespace
+
+    from polytrain.comm.topology import Topology
+    from polytrain.strategies.herring.ddp import herring_servers
+    roles = ([("worker", "g0")] * 2 + [("server", "g0")] * 2 + [("worker", "g1")] * 2
+             + [("server", "g1")] * 2 + [("server", "cpu0")])
+    servers = herring_servers(SimpleNamespace(topology=Topology.from_roles(roles)),
+                              colocate=True)
+    assert servers == [(2, 3), (6, 7), (8,)]
+    plan = plan_herring([TensorSpec("w", (6000,), torch.float32)], bucket_cap_bytes=1 << 20,
+                        servers=servers, local_workers=2)
+    # A machine's shard (a third of 24000 bytes), over its servers as a CPU machine's.
+    assert plan.bytes_by_server() == {2: 4000, 3: 4000, 6: 4000, 7: 4000, 8: 8000}

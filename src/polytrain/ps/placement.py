@@ -12,7 +12,7 @@ from ..comm.partition import Partition, TensorSpec
 from ..comm.topology import Topology
 from ..errors import ConfigError
 
-__all__ = ["Placement", "balanced", "server_ranks", "spread_handlers"]
+__all__ = ["Placement", "balanced", "server_machines", "server_ranks", "spread_handlers"]
 
 
 @dataclass(frozen=True)
@@ -151,19 +151,22 @@ def spread_handlers(parts: Sequence[Partition], local_workers: int) -> tuple[int
     return tuple(handlers)
 
 
-def server_ranks(topology: Topology, *, colocate: bool, strategy: str = "this strategy"
-                 ) -> tuple[list[int], list[int]]:
-    """(one colocated server per worker machine, or none; the dedicated CPU servers)."""
+def server_machines(topology: Topology, *, colocate: bool, strategy: str = "this strategy"
+                    ) -> list[tuple[int, ...]]:
+    """Every server machine by its server ranks: each worker machine's (unless not
+    ``colocate``), in machine order, then each CPU machine's. A machine that runs several
+    servers (torchrun's ``POLYTRAIN_ROLE=...,server,server``) lists them all, for a strategy
+    that splits the machine's share over them."""
     per_machine = [topology.servers_on(m) for m in topology.worker_machines]
-    colocated = [s[0] for s in per_machine if s] if colocate else []
+    colocated = [s for s in per_machine if s] if colocate else []
     if colocated and len(colocated) != len(per_machine):
         missing = [m for m, s in zip(topology.worker_machines, per_machine) if not s]
         raise ConfigError(f"{strategy} needs a colocated server on every worker machine or "
                           f"on none; machines {missing} have none",
                           "launch with --colocated 1 (polytrain.launch(..., colocated=1); "
                           "polytrain train does this itself)")
-    dedicated = list(topology.dedicated_servers)
-    left_out = [s[0] for s in per_machine if s] if not colocate else []
+    dedicated = [topology.servers_on(m) for m in topology.cpu_machines]
+    left_out = [r for s in per_machine for r in s] if not colocate else []
     if not colocated and not dedicated and left_out:
         raise ConfigError(f"{strategy} needs summation servers, and colocate=False leaves out "
                           f"the run's colocated ones (rank{'s' if len(left_out) > 1 else ''} "
@@ -175,4 +178,25 @@ def server_ranks(topology: Topology, *, colocate: bool, strategy: str = "this st
                           "launch with --colocated 1 and/or --servers K (polytrain.launch"
                           "(..., colocated=1, servers=K); polytrain train starts colocated "
                           "servers itself)")
-    return colocated, dedicated
+    return colocated + dedicated
+
+
+def server_ranks(topology: Topology, *, colocate: bool, strategy: str = "this strategy"
+                 ) -> tuple[list[int], list[int]]:
+    """(one colocated server per worker machine, or none; the dedicated CPU servers), for a
+    strategy that sums on one server per worker machine: a worker machine of several is
+    refused (all but one would sum nothing)."""
+    machines = server_machines(topology, colocate=colocate, strategy=strategy)
+    colocated = [s for s in machines if topology.machine(s[0]) in topology.worker_machines]
+    several = [(topology.machine(s[0]), s) for s in colocated if len(s) > 1]
+    if several:
+        (first, ranks), *rest = several
+        named = f"machine {first!r} runs server ranks {', '.join(map(str, ranks))}" + "".join(
+            f" and machine {m!r} {', '.join(map(str, r))}" for m, r in rest)
+        raise ConfigError(f"{strategy} sums on one server per worker machine, but {named}: "
+                          f"all but the first of each would sum nothing",
+                          "start one server on each worker machine (--colocated 1; one "
+                          "'server' in POLYTRAIN_ROLE there under torchrun) and any more on "
+                          "CPU machines of their own (--servers K), or train with herring, "
+                          "which splits a machine's share over its servers")
+    return [s[0] for s in colocated], list(topology.dedicated_servers)

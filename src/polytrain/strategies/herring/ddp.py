@@ -26,7 +26,7 @@ from ...errors import ConfigError
 from ...kinds import check_kinds
 from ...ps.engine import engine_for
 from ...ps.grads import GradientSync
-from ...ps.placement import server_ranks
+from ...ps.placement import server_machines
 from ...runtime import Context
 from ..checks import check_even_machines
 from ..synced import SyncedModule, keep_missing_for
@@ -75,14 +75,11 @@ def check_every_worker(ctx: Context, process_group: Any, who: str, group: str,
 
 
 def herring_servers(ctx: Context, *, colocate: bool) -> list[tuple[int, ...]]:
-    """Herring's server machines, each by its server ranks: one on every worker machine
-    (unless not ``colocate``), then each dedicated CPU machine's (several where torchrun's
-    roles start several there: they share the machine's shard)."""
-    colocated, dedicated = server_ranks(ctx.topology, colocate=colocate, strategy="herring")
-    by_machine: dict[str, list[int]] = {}
-    for rank in dedicated:
-        by_machine.setdefault(ctx.topology.machine(rank), []).append(rank)
-    return [(rank,) for rank in colocated] + [tuple(ranks) for ranks in by_machine.values()]
+    """Herring's server machines, each by its server ranks: every worker machine's (unless
+    not ``colocate``), then each dedicated CPU machine's. Several on a machine (where
+    torchrun's roles start them) share the machine's shard, on a worker machine as on a CPU
+    one."""
+    return server_machines(ctx.topology, colocate=colocate, strategy="herring")
 
 
 class DistributedDataParallel(SyncedModule):
