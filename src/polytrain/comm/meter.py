@@ -140,6 +140,20 @@ class TrafficMeter:
         self.record(ranks[(i + 1) % p], (p - 1) * nbytes, SENT, estimated=True)
         self.record(ranks[(i - 1) % p], (p - 1) * nbytes, RECV, estimated=True)
 
+    def record_broadcast(self, ranks: Sequence[int], src: int, nbytes: int) -> None:
+        """Record a broadcast of ``nbytes`` from ``src`` over ``ranks`` (estimated: torch
+        moved it), as a chain from ``src`` through the others in order: every rank but
+        ``src`` receives the buffer once, from the one before it, and passes it to the next,
+        so each machine of ranks taken in machine order receives it once (a tree's least)."""
+        chain = [src, *(r for r in ranks if r != src)]
+        if len(chain) < 2 or self.rank not in chain:
+            return
+        i = chain.index(self.rank)
+        if i > 0:
+            self.record(chain[i - 1], nbytes, RECV, estimated=True)
+        if i + 1 < len(chain):
+            self.record(chain[i + 1], nbytes, SENT, estimated=True)
+
 
 @dataclass(frozen=True)
 class MachineTraffic:

@@ -182,10 +182,12 @@ class SyncedModule(nn.Module):
         self._check_trained()
         if self.broadcast_buffers and self.require_forward_param_sync \
                 and self.ctx.num_workers > 1:
-            src = self.ctx.topology.workers[0]
+            workers = self.ctx.topology.workers
             with torch.no_grad():
                 for b in self.module.buffers():
-                    dist.broadcast(b.data, src=src, group=self.ctx.groups.workers)
+                    dist.broadcast(b.data, src=workers[0], group=self.ctx.groups.workers)
+                    self.ctx.meter.record_broadcast(workers, workers[0],
+                                                    b.numel() * b.element_size())
         if self.device is not None and (args or kwargs):
             moved, moved_kwargs = _to_kwargs(args, kwargs, self.device, False)
             args, kwargs = moved[0], moved_kwargs[0]
