@@ -144,7 +144,8 @@ class TrafficMeter:
         """Record a broadcast of ``nbytes`` from ``src`` over ``ranks`` (estimated: torch
         moved it), as a chain from ``src`` through the others in order: every rank but
         ``src`` receives the buffer once, from the one before it, and passes it to the next,
-        so each machine of ranks taken in machine order receives it once (a tree's least)."""
+        so each machine of ranks taken in machine order receives it once (a tree's least;
+        gloo's binomial tree sends from fewer machines, more copies each)."""
         chain = [src, *(r for r in ranks if r != src)]
         if len(chain) < 2 or self.rank not in chain:
             return

@@ -146,6 +146,11 @@ class DDP(Strategy[DDPOptions]):
             # DDP all-reduces every dense gradient once per backward of a forward that syncs.
             if torch.is_grad_enabled() and getattr(module, "require_backward_grad_sync", True):
                 meter.record_ring_allreduce(workers, grad_bytes)
+            # And before such a forward it broadcasts worker 0's buffers (broadcast_buffers,
+            # as the drop-ins' SyncedModule does): a BatchNorm's statistics cross machines.
+            if wrapped.will_sync_module_buffers():
+                meter.record_broadcast(workers, workers[0], sum(
+                    b.numel() * b.element_size() for b in wrapped.modules_buffers))
 
         def record_rows(p: torch.Tensor) -> None:
             # gloo gathers every worker's sparse gradient (its rows and their indices) once
