@@ -4,9 +4,11 @@ import copy
 
 import pytest
 import torch
+from torch import nn
 
 import polytrain
 from polytrain.moe import MoE, aux_loss
+from polytrain.moe.dispatch import moe_apply
 from polytrain.moe.experts import grouped_mm
 from tests.harness import spawn
 
@@ -65,6 +67,31 @@ def test_grouped_mm_on_cuda(dtype):
     assert torch.allclose(grouped_mm(x, w, [16, 0, 24], bias=list(b)).float(),
                           with_bias.float(), atol=0.1)
 
+
+
+def test_default_experts_under_cuda_autocast_compute_in_its_dtype():
+    # Under torch.autocast a Linear -> MoE model failed: "mat1 and mat2 must have the same
+    # dtype" (torch._grouped_mm and addmm(out=) are none that autocast casts). Training runs
+    # the grouped matmul, inference dispatch._streamed_on_device, both in bf16 now.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), MoE(64, 8, gate="naive")).cuda()
+    layer = model[1]
+    x = torch.randn(96, 64, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y = model(x)
+        h = model[0](x)
+        indices, scores = layer.gate(h)
+        with torch.no_grad():
+            assert layer.experts.grouped_here(h)  # the on-device path below
+            streamed = model(x)
+    assert y.dtype == streamed.dtype == torch.bfloat16
+    y.float().square().sum().backward()
+    assert all(p.grad.dtype == torch.float32 for p in model.parameters())
+    with torch.no_grad():  # float32 experts on the same routing: bf16 rounding apart
+        reference, _ = moe_apply(h.float(), indices, scores.float(), layer.experts, 8)
+    assert torch.allclose(y.float(), reference, atol=0.03, rtol=0.03), \
+        (y.float() - reference).abs().max()
+    assert torch.allclose(streamed.float(), y.float(), atol=0.03, rtol=0.03)
 
 
 def nccl_expert_parallel() -> float:

@@ -361,3 +361,53 @@ def test_an_expert_factory_that_gives_back_what_it_built_before_is_refused():
     quick.forward = lambda x: x * torch.sigmoid(quick.k * x)
     layer = MoE(D, E, expert=lambda d: nn.Sequential(nn.Linear(d, d), quick))
     assert len(list(layer.experts.parameters())) == 2 * E
+
+
+@pytest.mark.parametrize("front", ["linear", "layernorm"])
+@pytest.mark.parametrize("gate", ["naive", "noisy", "gshard", "switch"])
+def test_default_experts_under_autocast_compute_in_its_dtype_as_a_linear_ffn_does(gate, front):
+    # Under torch.autocast a Linear -> MoE model failed: "mat1 and mat2 must have the same
+    # dtype, but got BFloat16 and Float"; a float32 input (a LayerNorm's) ran the experts in
+    # float32. The default experts' matmuls (addmm(out=), torch._grouped_mm) are none that
+    # autocast casts: the experts now cast tokens, weights and biases to its dtype themselves.
+    torch.manual_seed(0)
+    layer = layer_of(gate, 2, drops=False)
+    model = nn.Sequential(nn.Linear(D, D) if front == "linear" else nn.LayerNorm(D), layer)
+    ffn = nn.Sequential(model[0], nn.Linear(D, 12), nn.GELU(), nn.Linear(12, D))
+    x = torch.randn(T, D)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.manual_seed(1)
+        y = model(x)
+        want_dtype = ffn(x).dtype
+        torch.manual_seed(1)  # the gate draws the same noise: the same decisions
+        h = model[0](x)
+        indices, scores = layer.gate(h)
+        with torch.no_grad():
+            torch.manual_seed(1)
+            streamed = model(x)  # inference streams the experts a chunk at a time
+    assert y.dtype == streamed.dtype == want_dtype == torch.bfloat16
+    (y.float().square().sum() + aux_loss(layer)).backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert any(n.startswith("1.experts.") for n in grads) and "0.weight" in grads
+    assert all(g.dtype == torch.float32 for g in grads.values())
+    # The float32 layer on the same routing: bf16 rounding apart, the same.
+    reference = brute_force(layer, h.detach().float(), indices, scores.detach().float())
+    assert torch.allclose(y.float(), reference, atol=0.01, rtol=0.02), \
+        (y.float() - reference).abs().max()
+    assert torch.allclose(streamed.float(), y.float(), atol=0.01, rtol=0.01)
+
+
+def test_inference_on_device_offsets_under_autocast_computes_in_its_dtype():
+    # The GPU inference path (run here on the CPU's grouped matmul) under autocast: the
+    # float32 experts' weights are stacked in autocast's dtype, as the training path casts
+    # them; before, the grouped matmul met bf16 tokens and float32 weights.
+    from polytrain.moe.dispatch import _streamed_on_device, moe_apply
+    torch.manual_seed(0)
+    layer = MoE(D, E, d_hidden=16)  # widths of 16-byte bf16 rows, as the grouped matmul wants
+    x = torch.randn(T, D)
+    indices, scores = torch.randint(0, E, (T, 2)), torch.rand(T, 2)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        got, _ = _streamed_on_device(x.bfloat16(), indices, scores, layer.experts)
+        want, _ = moe_apply(x, indices, scores, layer.experts, E)
+    assert got.dtype == want.dtype == torch.bfloat16
+    assert torch.allclose(got.float(), want.float(), atol=0.01, rtol=0.01)

@@ -27,7 +27,7 @@ import torch
 from torch.autograd.function import FunctionCtx
 
 from .exchange import ExpertGroup, all_to_all, exchange_counts
-from .experts import ExpertMLP, chunk_plan
+from .experts import ExpertMLP, autocast_dtype, chunk_plan
 
 __all__ = ["Routing", "route", "expert_major", "combine", "moe_apply", "ExpertsFn"]
 
@@ -179,7 +179,7 @@ def _streamed_on_device(x: torch.Tensor, indices: torch.Tensor, scores: torch.Te
                                         rounding_mode="floor"), tokens).index_select(0, order)
     source = token.clamp(max=max(tokens - 1, 0))            # a dropped slot computes a row too
     weight = scores.reshape(-1).index_select(0, order).to(x.dtype)
-    biases = experts.proj_biases()
+    biases = experts.proj_biases(x)
     xs = experts.with_ones(x)
     out = x.new_zeros(tokens + 1, x.shape[1])               # row ``tokens``: dropped slots
     step, size = experts.chunk_rows(x.device), experts.group_size(x)
@@ -215,11 +215,15 @@ def moe_apply(x: torch.Tensor, indices: torch.Tensor, scores: torch.Tensor,
         group: the expert-parallel group (None: every expert is local).
 
     Returns:
-        (tokens, d) output, and (local experts,) rows each local expert processed: int64
+        (tokens, d) output (with the default experts under autocast, in its dtype, as an
+        ``nn.Linear``'s), and (local experts,) rows each local expert processed: int64
         on the CPU, except in inference on a GPU, where they stay on x's device (reading
         them there would wait for the GPU).
     """
     group = group or ExpertGroup(None)
+    dtype = autocast_dtype(x) if isinstance(experts, ExpertMLP) else None
+    if dtype is not None:  # the tokens travel and are combined in the dtype they compute in
+        x = x.to(dtype)
     streams = not group.distributed and not torch.is_grad_enabled()
     if streams and isinstance(experts, ExpertMLP) and experts.grouped_here(x):
         return _streamed_on_device(x, indices, scores, experts)

@@ -15,6 +15,11 @@ autograd function:
   gradient tensors. So the memory it holds, and how it allocates it, are those
   of a plain per-expert loop, without one autograd graph per expert.
 
+Under ``torch.autocast`` the default experts compute as the ``nn.Linear`` feed-forward
+block they replace does: in autocast's dtype (:func:`autocast_dtype`), their float32
+weights cast differentiably. Their matmuls (``addmm(out=)``, ``torch._grouped_mm``) are
+none that autocast casts itself.
+
 Any other expert is a module factory ``f(d_model) -> nn.Module``; those
 (:class:`ExpertList`) run one call per local expert on its slice.
 """
@@ -33,7 +38,7 @@ from ..errors import ConfigError
 from ..layers import FeedForward
 
 __all__ = ["FeedForwardExpert", "ExpertMLP", "ExpertList", "grouped_mm", "chunk_plan",
-           "CHUNK_BYTES", "GPU_CHUNK_BYTES"]
+           "autocast_dtype", "CHUNK_BYTES", "GPU_CHUNK_BYTES"]
 
 #: Largest (rows x d_hidden) temporary the MLP experts hold at once, in bytes, on the CPU
 #: (where a chunk that stays in cache is faster) ...
@@ -43,6 +48,21 @@ CHUNK_BYTES = 8 << 20
 #: speed); 128 MiB gave 0.91-3.30x with at most 1.39x its memory, 256 MiB 1.01-3.88x with
 #: 1.87x (docs/moe.md, "On a GPU").
 GPU_CHUNK_BYTES = 128 << 20
+
+
+def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The dtype ``torch.autocast`` runs an ``nn.Linear`` on ``x`` in: where it is on for
+    x's device, and x a float it casts (not float64); else None.
+
+    >>> with torch.autocast("cpu", dtype=torch.bfloat16):
+    ...     autocast_dtype(torch.ones(2))
+    torch.bfloat16
+    """
+    kind = x.device.type
+    if (not x.is_floating_point() or x.dtype == torch.float64
+            or not torch.amp.is_autocast_available(kind) or not torch.is_autocast_enabled(kind)):
+        return None
+    return torch.get_autocast_dtype(kind)
 
 
 @functools.lru_cache(maxsize=None)
@@ -315,10 +335,12 @@ class ExpertMLP(ExpertList):
 
     def grouped_here(self, x: torch.Tensor) -> bool:
         """Whether :meth:`on_offsets` runs for tokens like ``x``: the grouped matmul runs on
-        their device and dtype, off the CPU, on aligned widths."""
+        their device and dtype, off the CPU, on aligned widths; the experts compute in x's
+        dtype (their weights' or, under autocast, autocast's: :meth:`stacked` casts)."""
         fc = self._mlps(0, 1)[0].fc.weight
         size = x.element_size()
-        return (x.device.type != "cpu" and (fc.device, fc.dtype) == (x.device, x.dtype)
+        return (x.device.type != "cpu" and fc.device == x.device
+                and (autocast_dtype(x) or fc.dtype) == x.dtype
                 and self.d_model * size % 16 == 0 and self.d_hidden * size % 16 == 0
                 and _grouped_mm_works(x.device.type, x.dtype))
 
@@ -340,19 +362,21 @@ class ExpertMLP(ExpertList):
 
     def stacked(self, first: int, end: int,
                 like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Experts ``first .. end-1``'s matrices, stacked (copies): (E, d + pad, h), fc's
-        weight^T with its bias as the row the ones of :meth:`with_ones` meet, and
-        (E, h, d), proj's weight^T."""
+        """Experts ``first .. end-1``'s matrices, stacked (copies, in ``like``'s dtype):
+        (E, d + pad, h), fc's weight^T with its bias as the row the ones of
+        :meth:`with_ones` meet, and (E, h, d), proj's weight^T."""
         experts = self._mlps(first, end)
         d, pad = self.d_model, self._pad(like)
         w1 = like.new_zeros(len(experts), d + pad, self.d_hidden)
         torch.stack([e.fc.weight.t() for e in experts], out=w1[:, :d])
         torch.stack([e.fc.bias for e in experts], out=w1[:, d])
-        return w1, torch.stack([e.proj.weight.t() for e in experts])
+        w2 = like.new_empty(len(experts), self.d_hidden, d)
+        torch.stack([e.proj.weight.t() for e in experts], out=w2)
+        return w1, w2
 
-    def proj_biases(self) -> torch.Tensor:
-        """(E, d_model): every expert's proj.bias."""
-        return torch.stack([e.proj.bias for e in self._mlps(0, len(self))])
+    def proj_biases(self, like: torch.Tensor) -> torch.Tensor:
+        """(E, d_model): every expert's proj.bias, in ``like``'s dtype."""
+        return torch.stack([e.proj.bias for e in self._mlps(0, len(self))]).to(like.dtype)
 
     @staticmethod
     def on_offsets(x: torch.Tensor, stacked: tuple[torch.Tensor, torch.Tensor],
@@ -373,10 +397,15 @@ class ExpertMLP(ExpertList):
         """(rows, d_model) sorted by local expert, ``counts[i]`` rows each -> (rows, d_model).
 
         ``first``: the rows belong to local experts ``first .. first+len(counts)-1``.
+        Under autocast the rows and the weights are cast to its dtype (:func:`autocast_dtype`)
+        and so is the result, as ``nn.Linear``'s; the weights' gradients keep their dtype.
         """
         experts = self._mlps(first, first + len(counts))
         params = [t for e in experts for t in (e.fc.weight, e.fc.bias, e.proj.weight,
                                                 e.proj.bias)]
+        dtype = autocast_dtype(x)
+        if dtype is not None:  # (differentiable casts: float32 weights get float32 gradients)
+            x, params = x.to(dtype), [p.to(dtype) for p in params]
         save = torch.is_grad_enabled() and (x.requires_grad or
                                             any(p.requires_grad for p in params))
         y: torch.Tensor = _GroupedMLP.apply(x, [int(c) for c in counts],
