@@ -503,6 +503,27 @@ def test_every_machine_moves_parallaxs_bytes_with_the_measured_alpha():
         assert total == pytest.approx(want["total"], rel=0.05)
 
 
+@pytest.mark.timeout(120)
+def test_the_step_that_re_partitions_is_left_out_of_the_steady_traffic_and_step_times():
+    # The search's step that changes the partition count re-partitions the tables inside
+    # the step (worker 0 pulls every range's state and sets it again), and the steady
+    # averages took it in: 6 steps, P 3 -> 6 at step 3 (1,174,042 bytes against ~78,000),
+    # traffic.machines 3.8x a step's, the step times' p90 raised.
+    c = TrainConfig(strategy="parallax", model="wordlm", workers=4, nodes=2, servers=1,
+                    steps=6, batch_size=16, model_options={"vocab": 2000, "d_model": 16,
+                                                           "negatives": 64, "seq_len": 8})
+    metrics, _ = run_config(c)
+    assert metrics["plan"]["partitions"] != 3  # the search moved from its start, 3
+    by_step = metrics["traffic"]["sent_bytes_by_step"]
+    moved = max(range(len(by_step)), key=by_step.__getitem__)
+    assert moved > 0 and by_step[moved] > 5 * by_step[-1]  # recorded where it happened
+    steady = [b for i, b in enumerate(by_step) if i not in (0, moved)]
+    total = sum(m["sent_bytes_per_step"] for m in metrics["traffic"]["machines"])
+    assert total == pytest.approx(sum(steady) / len(steady))  # was 3.8x it
+    assert metrics["step_time_s"]["p90"] <= max(t for i, t in enumerate(metrics["step_times"])
+                                                if i not in (0, moved))
+
+
 # -- a dense parameter no worker used ----------------------------------------------------------
 
 class _Branchy(nn.Module):

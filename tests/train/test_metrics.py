@@ -2,8 +2,14 @@
 
 import json
 
+import pytest
+
 from polytrain import TrainConfig
+from polytrain.comm import Topology
+from polytrain.comm.meter import SENT, MeterReport
 from polytrain.train.metrics import build_metrics, write_metrics
+
+pytestmark = pytest.mark.timeout(10)
 
 
 def test_a_loss_that_is_not_finite_is_written_as_null(tmp_path):
@@ -29,3 +35,28 @@ def test_metrics_record_the_sampling_and_the_evaluations_interval():
                           losses=[1.0] * 4, times=[0.1] * 4, model_bytes=8, topology=None,
                           reports=[], wall_s=1.0)
     assert (plain["sampling"], plain["eval_every"]) == ("random", None)
+
+
+def test_a_step_that_re_planned_is_left_out_of_the_steady_traffic_and_times():
+    # Parallax's search re-partitions its tables inside the step that changes the count
+    # (worker 0 pulls every range's state and sets it again): that step's bytes and time
+    # went into the steady averages, 3.8x a step's traffic on a 6-step run. Such a step is
+    # cold, as a resumed run's first: out of the averages, still in the per-step lists.
+    topology = Topology.from_roles([("worker", "a"), ("worker", "b")])
+    sent = [500, 100, 100, 9000, 100, 100]  # step 3 re-planned
+    nics = [{"a": (0, 0), "b": (0, 0)}]
+    for n in sent:  # the NICs' counters after each step: 10% of headers on top
+        before = nics[-1]["a"][0]
+        nics.append({"a": (before + n * 11 // 10, 0), "b": (0, before + n * 11 // 10)})
+    reports = [MeterReport(0, {}, [{(1, SENT, False): n} for n in sent], nics),
+               MeterReport(1, {}, [{} for _ in sent])]
+    times = [0.5, 0.1, 0.1, 0.9, 0.1, 0.1]
+    config = TrainConfig(strategy="parallax", model="wordlm", workers=2, nodes=2, steps=6)
+    metrics = build_metrics(config=config, losses=[1.0] * 6, times=times, model_bytes=8,
+                            topology=topology, reports=reports, wall_s=1.0, cold=[3])
+    a = next(m for m in metrics["traffic"]["machines"] if m["name"] == "a")
+    assert a["sent_bytes_per_step"] == 100  # was 1880: (100 + 100 + 9000 + 100 + 100) / 5
+    assert a["nic_sent_bytes_per_step"] == 110
+    assert metrics["step_time_s"]["p90"] == pytest.approx(0.1)
+    assert metrics["traffic"]["sent_bytes_by_step"] == sent and metrics["step_times"] == times
+    assert "re-planned" in metrics["traffic"]["note"]

@@ -202,9 +202,15 @@ class Strategy(ABC, Generic[OptionsT]):
         assert self.ctx is not None
         return self.ctx.worker_index, self.ctx.num_workers
 
-    def replan(self, step: int) -> None:  # noqa: B027 - optional hook, empty by default
+    def replan(self, step: int) -> bool:
         """Called before step ``step`` (from 0): the place to change the plan between steps
-        (stages, replicas, groups). Every worker calls it at the same step."""
+        (stages, replicas, groups). Every worker calls it at the same step.
+
+        Returns whether the plan changed, moving state between processes: that step is not
+        steady state, and the training loop leaves it out of the steady averages of traffic
+        and step time (as a resumed run's first). Every worker returns the same.
+        """
+        return False
 
     @property
     def shows_progress(self) -> bool:

@@ -8,7 +8,8 @@ target=y)``), and every strategy can be: the CLI's loop uses this API too.
 
 Each step the trainer asks the strategy, in this order:
 
-    strategy.replan(step)      # may change the plan between steps (default: nothing)
+    strategy.replan(step)      # may change the plan between steps (default: nothing);
+                               # True where it did, moving state (trainer.replanned)
     strategy.replica           # (index, count) NOW: this process's slice of the batch
     strategy.train_step(...)   # the step itself, on that slice
 
@@ -67,6 +68,8 @@ class Trainer:
             current): the whole model is :meth:`state_dict`, not ``model``'s.
         strategy: the strategy instance; steps: steps taken; closed: whether
             :meth:`close` was called.
+        replanned: whether the last step began with a new plan that moved state
+            (:meth:`~polytrain.strategies.base.Strategy.replan`): not a steady step.
     """
 
     def __init__(self, strategy: Strategy, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -78,6 +81,7 @@ class Trainer:
         self.device = device
         self.steps = 0
         self.closed = False
+        self.replanned = False
 
     @property
     def replica(self) -> tuple[int, int]:
@@ -113,7 +117,7 @@ class Trainer:
             raise ConfigError(f"trainer.step got {inputs.shape[0]} inputs but {targets.shape[0]} "
                               f"targets (dim 0 is the samples of the global batch)",
                               "pass inputs and targets of the same global batch")
-        self.strategy.replan(self.steps)
+        self.replanned = self.strategy.replan(self.steps)
         index, count = self.strategy.replica
         x, y = shard(inputs, index, count), shard(targets, index, count)
         if self.device is not None:

@@ -104,7 +104,9 @@ def train(config: TrainConfig) -> dict[str, Any] | None:
     end_eval: int | None = None  # the step of an evaluation made only because the run ends
     save_errors: list[str] = []
     start, before_losses, before_times = 0, [], []  # the steps a resumed run did before
-    cold: list[int] = []  # the steps where this run and those it resumed from started again
+    # The steps that are not steady state (:func:`~.metrics.steady`): where this run and those
+    # it resumed from started again, and where the strategy re-planned, moving state.
+    cold: list[int] = []
     if config.resume is not None:
         resumed = load(config.resume, trainer, scheduler=scheduler)
         start = resumed.step  # load() set the trainer's step count
@@ -141,10 +143,13 @@ def train(config: TrainConfig) -> dict[str, Any] | None:
                 torch.cuda.synchronize(device)
             times.append(time.perf_counter() - t0)
             losses.append(loss)
+            if trainer.replanned:  # Parallax's re-partition, PipeTransformer's new plan
+                cold.append(len(before_times) + len(times) - 1)
             if scheduler is not None:
                 scheduler.step()
             if ctx is not None:
-                if step + 1 - start in settle:
+                if step + 1 - start in settle or (settle and trainer.replanned):
+                    # (a re-planned step, left out of the window, bounds it too)
                     dist.barrier(group=ctx.groups.workers)
                 ctx.meter.mark_step()
             # PipeTransformer's bar follows pipeline 0's last stage, which a new plan moves.

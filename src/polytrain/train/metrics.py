@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import statistics
@@ -24,7 +25,9 @@ def warmup_steps(count: int) -> int:
 
 def steady(values: Sequence[float], cold: Collection[int] = ()) -> list[float]:
     """Drop the warm-up (:func:`warmup_steps`) and the ``cold`` steps (by index: a resumed
-    run's first, which its new processes take cold, as a fresh run its first)."""
+    run's first, which its new processes take cold, as a fresh run its first; a step whose
+    strategy re-planned, moving state: Parallax's new partition count, PipeTransformer's
+    new plan)."""
     first = warmup_steps(len(values))
     return [v for i, v in enumerate(values) if i >= first and i not in cold]
 
@@ -43,8 +46,10 @@ def build_metrics(*, config: Any, losses: Sequence[float], times: Sequence[float
                   cold: Collection[int] = ()) -> dict[str, Any]:
     """The metrics of one run; traffic is per machine, cross-machine bytes per steady step.
 
-    ``cold``: the steps (indices into ``times``) where a resumed run started; the step times
-    leave them out. (The traffic of a resumed run is its own steps' after its warm-up.)
+    ``cold``: the steps (indices into ``times``) that are not steady state (:func:`steady`);
+    the step times and the traffic leave them out, ``step_times`` and
+    ``sent_bytes_by_step`` keep them. (The traffic of a resumed run is its own steps' after
+    its warm-up.)
     """
     import polytrain
 
@@ -59,8 +64,12 @@ def build_metrics(*, config: Any, losses: Sequence[float], times: Sequence[float
         # list lines up with the losses.
         by_step = [None] * max(0, len(times) - len(measured)) + list(measured)
         skip = warmup_steps(len(times))
-        machines = [m.as_dict() for m in machine_traffic(reports, topology, warmup=skip)]
-        servers = server_traffic(reports, topology, warmup=skip)
+        # Cold steps after the warm-up (those in it are left out already), by this run's index.
+        first = len(times) - len(measured)
+        out = {i - first for i in cold if i - first >= skip}
+        steps = [_without(r, out) for r in reports]
+        machines = [m.as_dict() for m in machine_traffic(steps, topology, warmup=skip)]
+        servers = server_traffic(steps, topology, warmup=skip)
     auto = getattr(config, "auto", None)
     return {
         **({"auto": dict(auto)} if auto else {}),
@@ -97,15 +106,38 @@ def build_metrics(*, config: Any, losses: Sequence[float], times: Sequence[float
             "servers": servers,
             "sent_bytes_by_step": by_step,
             "estimated": any(m["estimated"] for m in machines),
-            "note": "bytes crossing machines per steady-state step; 'estimated' marks bytes "
+            "note": "bytes crossing machines per steady-state step (not the warm-up, a "
+                    "resumed run's first step, nor a step where the strategy re-planned, "
+                    "moving state: Parallax's new partition count, PipeTransformer's new "
+                    "plan; step_time_s leaves out the same steps); 'estimated' marks bytes "
                     "moved inside torch collectives, counted from their algorithm's cost; "
                     "nic_* (with --bandwidth): the kernel's counters of each machine's NIC, "
                     "headers included; sent_bytes_by_step: every step's, all machines together "
-                    "(None: a step before the resume this run started from); what held-out "
-                    "evaluations and checkpoints move between steps is in no step",
+                    "(None: a step before the resume this run started from), those left out "
+                    "too; what held-out evaluations and checkpoints move between steps is in "
+                    "no step",
         },
         "versions": {"polytrain": polytrain.__version__, "torch": torch.__version__},
     }
+
+
+def _without(report: MeterReport, steps: Collection[int]) -> MeterReport:
+    """``report`` less the given steps (indices into its steps): their bytes and their NICs'
+    (the counters after each later step go down by what the counters grew in them)."""
+    if not steps:
+        return report
+    nics = report.nics[:1]
+    off: dict[str, tuple[int, int]] = {}
+    for i, (before, after) in enumerate(zip(report.nics, report.nics[1:])):
+        if i in steps:
+            off = {m: (off.get(m, (0, 0))[0] + after[m][0] - before[m][0],
+                       off.get(m, (0, 0))[1] + after[m][1] - before[m][1])
+                   for m in after if m in before}
+        else:
+            nics.append({m: (sent - off.get(m, (0, 0))[0], recv - off.get(m, (0, 0))[1])
+                         for m, (sent, recv) in after.items()})
+    return dataclasses.replace(report, nics=nics,
+                               steps=[s for i, s in enumerate(report.steps) if i not in steps])
 
 
 def write_metrics(out: Path, metrics: dict[str, Any]) -> None:

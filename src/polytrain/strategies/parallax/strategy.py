@@ -194,10 +194,10 @@ class Parallax(ServedStrategy[ParallaxOptions]):
 
     # -- the partition search ------------------------------------------------------------------
 
-    def replan(self, step: int) -> None:
+    def replan(self, step: int) -> bool:
         now = time.perf_counter()
         if self.search is None:
-            return
+            return False
         if self._last is not None and self._ended is not None and self._ended > self._last:
             # The step's own time: what the loop did after it (a held-out evaluation, a
             # checkpoint's gathers of the tables) is not the partition count's.
@@ -205,7 +205,7 @@ class Parallax(ServedStrategy[ParallaxOptions]):
         self._since += 1
         self._last = now
         if self._since <= self.options.search_steps:
-            return
+            return False
         # One sample is done: its steps after the first, the slowest worker's median.
         ctx = self.ctx
         assert ctx is not None and self.rows is not None and self.plan is not None
@@ -219,7 +219,8 @@ class Parallax(ServedStrategy[ParallaxOptions]):
             done = True
         else:
             done = False
-        if nxt != self._count:
+        moved = nxt != self._count  # the tables' state moves to the new ranges
+        if moved:
             plan = plan_parallax(self.plan.sparse, self.plan.dense, partitions=nxt,
                                  servers=self.plan.servers)
             self.rows.repartition(plan)
@@ -231,6 +232,7 @@ class Parallax(ServedStrategy[ParallaxOptions]):
             self.final_search, self.search = self.search, None
         self._since = 1
         self._last = time.perf_counter()
+        return moved
 
     # -- results -------------------------------------------------------------------------------
 

@@ -339,15 +339,17 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
                         "training loop gave an epoch length), so no layer will freeze; pass "
                         "--freeze-every N (freeze_every=N to distribute()) or --sampling epoch")
 
-    def replan(self, step: int) -> None:
+    def replan(self, step: int) -> bool:
         """At a freeze point: AutoFreeze decides, AutoPipe/AutoDP re-plan, state moves."""
         every = self.freeze_every
         if self.plan is None and self._resume is not None:
-            self._resume_replan = step  # the plan comes back with the first step's inputs
-            return
+            # The plan comes back with the first step's inputs: a resumed run's first step,
+            # cold already.
+            self._resume_replan = step
+            return False
         if (self.plan is None or not self.options.freeze or every is None or step == 0
                 or step % every or step == self._planned):
-            return
+            return False
         self._planned = step
         ctx = self.ctx
         assert ctx is not None and self.profile is not None
@@ -376,8 +378,9 @@ class PipeTransformer(Strategy[PipeTransformerOptions]):
                 (plan.frozen, plan.bounds, plan.stages, plan.replicas, plan.micro_batches):
             self.timeline.append({**plan.record(), "step": step, "grad_norm_signal": signal,
                                   "changed": False})
-            return
+            return False
         self._install(new, plan, signal)
+        return True
 
     def _cache_share(self, step: int) -> Callable[[int, int, int], float]:
         """The share of the frozen front's samples AutoCache should serve until the next
