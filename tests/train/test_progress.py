@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 import io
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -58,3 +64,32 @@ def test_a_bar_that_stops_drawing_ends_its_line_and_writes_no_more() -> None:
         bar.show(True)
         bar.update(1, 2.0, 100.0)
     assert later.getvalue().startswith("\r[") and "2/10 loss  2.000" in later.getvalue()
+
+
+def test_a_bar_over_several_replicas_names_whose_loss_it_shows() -> None:
+    stream = io.StringIO()
+    with Progress(2, stream=stream) as bar:
+        bar.update(0, 2.5, 100.0, replica=(0, 2))
+        bar.update(1, 2.0, 100.0, replica=(0, 1))  # one replica: the batch's loss
+    assert stream.getvalue().splitlines() == [
+        "train 1/2 loss  2.500 (replica 0 of 2)    100.0 samples/s",
+        "train 2/2 loss  2.000    100.0 samples/s"]
+
+
+@pytest.mark.timeout(120)
+def test_the_bar_of_a_data_parallel_run_says_its_loss_is_replica_0s(tmp_path) -> None:
+    # The bar showed worker 0's slice's loss as 'loss' (ddp, 2 workers: 'loss 5.321', then
+    # 'final loss 5.3340', the mean over the replicas that metrics.json has): only worker 0
+    # draws it, with its own loss. The global loss would cost a collective where the bar
+    # redraws, one that a pipeline's stages or an asynchronous strategy cannot take mid-run.
+    exe = Path(sys.executable).with_name("polytrain")
+    run = subprocess.run(
+        [str(exe), "train", "--strategy", "ddp", "--workers", "2", "--model", "gpt",
+         "--d-model", "32", "--layers", "2", "--seq-len", "16", "--batch-size", "16",
+         "--steps", "3", "--timeout", "60", "--out", str(tmp_path)],
+        env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=100)
+    assert run.returncode == 0, run.stderr
+    bars = [line for line in run.stderr.splitlines() if line.startswith("train ")]
+    final = json.loads((tmp_path / "metrics.json").read_text())["final_loss"]
+    assert re.fullmatch(r"train 3/3 loss +\d+\.\d{3} \(replica 0 of 2\) .*", bars[-1]), bars
+    assert f"final loss {final:.4f}" in run.stdout

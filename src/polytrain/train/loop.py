@@ -154,7 +154,8 @@ def train(config: TrainConfig) -> dict[str, Any] | None:
                 ctx.meter.mark_step()
             # PipeTransformer's bar follows pipeline 0's last stage, which a new plan moves.
             progress.show(strategy.shows_progress and not config.quiet)
-            progress.update(step, loss, config.batch_size / max(times[-1], 1e-9))
+            progress.update(step, loss, config.batch_size / max(times[-1], 1e-9),
+                            replica=trainer.replica)  # its slice's loss: it says whose
             for line in strategy.notices():  # a new plan (PipeTransformer's freeze points)
                 progress.note(line)
             aside = False  # bytes between steps that are not training's

@@ -53,13 +53,18 @@ class Progress:
         self.stream.write(text + "\n")
         self.stream.flush()
 
-    def update(self, step: int, loss: float | None, samples_per_s: float) -> None:
+    def update(self, step: int, loss: float | None, samples_per_s: float, *,
+               replica: tuple[int, int] = (0, 1)) -> None:
+        """Show step ``step`` (from 0) with ``loss``, the mean over ``replica`` (index, count)'s
+        slice of the batch: with more than one replica the bar says whose it is (the mean over
+        all of them, what metrics.json has, would cost a collective where the bar redraws)."""
         if not self.enabled:
             return
         done = step + 1
         loss_txt = "   -  " if loss is None else f"{loss:6.3f}"
-        text = (f"{self.label} {done:>{len(str(self.total))}}/{self.total} loss {loss_txt} "
-                f"{samples_per_s:8.1f} samples/s")
+        whose = f" (replica {replica[0]} of {replica[1]})" if replica[1] > 1 else ""
+        text = (f"{self.label} {done:>{len(str(self.total))}}/{self.total} loss {loss_txt}"
+                f"{whose} {samples_per_s:8.1f} samples/s")
         if self.tty:
             now = time.monotonic()
             if now - self._last < 0.1 and done < self.total:
