@@ -63,6 +63,25 @@ def worker_stalls(stuck_rank: int, busy: bool) -> None:
     dist.all_reduce(x, group=ctx.groups.workers)  # times out: the stuck rank never joins
 
 
+def byteps_steps_then_os_exit(leave: bool) -> None:
+    """Two BytePS steps, then a barrier of the workers (``leave``: polytrain's shutdown
+    instead) and ``os._exit(0)``, as a script that skips the interpreter's exit does."""
+    ctx = polytrain.init()  # the server serves in here
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = polytrain.distribute(model, opt, strategy="byteps")
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.ones(3, 4)).sum().backward()
+        opt.step()
+    if leave:
+        polytrain.current().shutdown()
+    else:
+        dist.barrier(group=ctx.groups.workers)
+    os._exit(0)
+
+
 def late_to_leave(late_rank: int, delay_s: float) -> int:
     """Rank ``late_rank`` ends its script ``delay_s`` after the others: their leaving times out."""
     ctx = polytrain.init()

@@ -598,6 +598,21 @@ def test_a_worker_that_exits_0_from_a_thread_is_named_not_the_peers_that_lost_it
                          timeout_s=6, env={"OMP_NUM_THREADS": "1"})
 
 
+@pytest.mark.timeout(90)
+def test_a_worker_that_ends_with_os_exit_is_told_to_leave_the_run_first():
+    # The hint said "must first wait for its peers (a barrier)": a script that did so still
+    # failed, as the servers need every worker's finish, which only polytrain's shutdown
+    # sends (os._exit skips the one at exit).
+    with pytest.raises(LaunchError) as info:
+        polytrain.launch(scripts.byteps_steps_then_os_exit, workers=2, servers=1, args=(False,),
+                         timeout_s=8, env={"OMP_NUM_THREADS": "1"})
+    assert "call polytrain.current().shutdown() before os._exit" in info.value.hint, \
+        str(info.value)
+    assert polytrain.launch(scripts.byteps_steps_then_os_exit, workers=2, servers=1,
+                            args=(True,), timeout_s=8, env={"OMP_NUM_THREADS": "1"}) \
+        == [None, None]
+
+
 @pytest.mark.timeout(60)
 def test_a_server_that_never_joins_is_named_not_the_workers_that_waited():
     # It was "worker rank 1 failed: CommTimeout: ... could not join the run of 3 processes".

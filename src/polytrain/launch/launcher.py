@@ -158,7 +158,9 @@ _UNJOINED_HINT = ("every process of a run, servers too, must call polytrain.init
                   "worker's point of view), so call it before any branch on the role")
 _EXITED_HINT = ("find what ended it (os._exit or sys.exit in one of its threads or signal "
                 "handlers, a library that exits; its output above may say); a script that "
-                "ends with os._exit(0) on purpose must first wait for its peers (a barrier)")
+                "ends with os._exit(0) on purpose must first leave the run: call "
+                "polytrain.current().shutdown() before os._exit (it waits for every peer, and "
+                "tells the servers this worker has finished; a barrier does not)")
 _SERVER_LEFT_HINT = ("a server ends only once every worker has finished: find what ended it "
                      "early (os._exit or sys.exit in one of its threads or signal handlers, a "
                      "library that exits); its output above may say")
