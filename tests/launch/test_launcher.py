@@ -992,6 +992,30 @@ def test_launched_functions_see_the_launching_scripts_argv(tmp_path):
     assert "result [['--lr', '0.1'], ['--lr', '0.1']]" in run.stdout, run.stdout
 
 
+@pytest.mark.timeout(60)
+def test_a_script_run_as_a_module_with_relative_imports_launches(tmp_path):
+    # `python -m pkg.train` of a module with `from .helper import f` failed in every process
+    # ("ImportError: attempted relative import with no known parent package"): each child
+    # ran the launching script's file by its path, as a module of no package, where
+    # multiprocessing's spawn imports it by its module name (__main__.__spec__).
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "helper.py").write_text("def f(rank):\n    return rank + 10\n")
+    (package / "train.py").write_text(
+        "import polytrain\n"
+        "from .helper import f\n"
+        "def main():\n"
+        "    return f(polytrain.init().rank)\n"
+        "if __name__ == '__main__':\n"
+        "    print('result', polytrain.launch(main, workers=2, timeout_s=20))\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
+    run = subprocess.run([sys.executable, "-m", "pkg.train"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=50)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "result [10, 11]" in run.stdout, run.stdout
+
+
 def _run_calling_launch(tmp_path, launch_args: str, cli_args: list[str] | None,
                         extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     script = tmp_path / "job.py"

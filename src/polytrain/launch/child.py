@@ -279,21 +279,26 @@ def _waited_s(exc: BaseException) -> float | None:
     return float(waited or 0.0)
 
 
-def _load_main(path: str | None) -> None:
-    """Make the launching script's functions importable as ``__main__`` (as multiprocessing)."""
-    if not path or not os.path.isfile(path):
+def _load_main(path: str | None, name: str | None) -> None:
+    """Make the launching script's functions importable as ``__main__``, as multiprocessing's
+    spawn does: by its module ``name`` where it was run as ``python -m NAME`` (its relative
+    imports need its package), else by its ``path``."""
+    if not name and not (path and os.path.isfile(path)):
         return
     module = types.ModuleType("__mp_main__")
-    module.__file__ = path
-    sys.modules["__mp_main__"] = module
-    sys.modules["__main__"] = module
-    with open(path, "rb") as f:
-        code = compile(f.read(), path, "exec")
     os.environ[_env.LOADING_MAIN] = "1"  # a launch() at import would start a run in each child
     try:
-        exec(code, module.__dict__)
+        if name:  # runpy holds a module of its own as __mp_main__ while the import runs
+            module.__dict__.update(runpy.run_module(name, run_name="__mp_main__",
+                                                    alter_sys=True))
+        elif path:
+            module.__file__ = path
+            sys.modules["__mp_main__"] = sys.modules["__main__"] = module
+            with open(path, "rb") as f:
+                exec(compile(f.read(), path, "exec"), module.__dict__)
     finally:
         del os.environ[_env.LOADING_MAIN]
+    sys.modules["__mp_main__"] = sys.modules["__main__"] = module
 
 
 class RankPrefixed:
@@ -407,7 +412,7 @@ def _run_payload(payload: dict[str, Any]) -> Any:
         runpy.run_path(script, run_name="__main__")
         return None
     sys.argv = list(payload["argv"])  # the launching script's, as multiprocessing's spawn keeps
-    _load_main(payload["main_file"])
+    _load_main(payload["main_file"], payload["main_module"])
     fn, args, kwargs = pickle.loads(payload["target"])
     return fn(*args, **kwargs)
 

@@ -286,9 +286,13 @@ class Launcher:
                 f"an interactive session, `python -c` or stdin, which the processes cannot "
                 f"import", "define the function in a module or script file, and launch it "
                 "from there (or run the script with `polytrain launch`)")
+        # A script run as `python -m pkg.job` is imported by that name, as multiprocessing's
+        # spawn does (its relative imports need its package); `python job.py` by its path.
+        name = getattr(getattr(main, "__spec__", None), "name", None)
         payload = {"kind": "fn", "target": target, "sys_path": list(sys.path),
-                   "main_file": getattr(main, "__file__", None), "argv": list(sys.argv),
-                   "rank_prefix": self.rank_prefix}
+                   "main_file": getattr(main, "__file__", None),
+                   "main_module": name if name != "__main__" else None,
+                   "argv": list(sys.argv), "rank_prefix": self.rank_prefix}
         return self._run(payload)
 
     def run_script(self, script: str, argv: Sequence[str] = ()) -> None:
