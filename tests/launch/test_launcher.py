@@ -1143,6 +1143,22 @@ def test_a_bad_polytrain_timeout_is_refused_before_any_process_starts():
             polytrain.launch(scripts.identity, workers=2, env=env)
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(workers=2.0), r"--workers must be a whole number \(got 2\.0\)"),
+    (dict(servers=1.5), r"--servers must be a whole number \(got 1\.5\)"),
+    (dict(workers="2"), r"--workers must be a whole number \(got '2'\)"),
+    (dict(workers=True), r"--workers must be a whole number \(got True\)"),
+    (dict(port="29500"), r"--port must be a whole number \(got '29500'\)\. HINT: pass "
+                         r"--port 29500"),
+])
+def test_a_layout_count_or_port_of_the_wrong_type_is_refused_in_one_line(kwargs, message):
+    # Layout's counts were checked for their size alone, and check_port not at all: 2.0 and
+    # 1.5 met range()'s TypeError, "2" and "29500" a TypeError of '<', and True ran 1 worker.
+    with pytest.raises(ConfigError, match=message):
+        polytrain.launch(scripts.identity, **{"workers": 2, **kwargs}, timeout_s=30)
+
+
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("machine, options, message", [
     # torchrun may start 3 workers on one machine and 1 on another: pipetransformer then

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, Collection, Mapping, Sequence
 
 from .. import _env
-from ..errors import ConfigError, LaunchError
+from ..errors import ConfigError, LaunchError, check_whole
 from .forkserver import ForkedProcess, ForkServer, Process, server_for
 from .host import oom_kills
 from .layout import WORKER, Layout, ProcessSpec
@@ -89,9 +89,10 @@ def free_port(host: str = "") -> int:
 
 def check_port(port: int | None) -> None:
     """Refuse a rendezvous port that is not a TCP port (None: a free one is taken)."""
+    hint = "pass --port 29500, or leave it out to take a free one"
+    check_whole("--port", port, hint)
     if port is not None and not 0 < port < 65536:
-        raise ConfigError(f"--port must be a TCP port, 1..65535 (got {port})",
-                          "pass --port 29500, or leave it out to take a free one")
+        raise ConfigError(f"--port must be a TCP port, 1..65535 (got {port})", hint)
 
 
 def _check_port(port: int) -> None:

@@ -50,9 +50,10 @@ class Layout:
 
     def __post_init__(self) -> None:
         for name in ("workers", "nodes"):
-            at_least(f"--{name}", getattr(self, name), f"pass --{name} 1 or more")
+            at_least(f"--{name}", getattr(self, name), f"pass --{name} 1 or more", whole=True)
         for name in ("servers", "colocated"):
-            at_least(f"--{name}", getattr(self, name), f"pass --{name} 0 or more", minimum=0)
+            at_least(f"--{name}", getattr(self, name), f"pass --{name} 0 or more", minimum=0,
+                     whole=True)
         if self.workers % self.nodes:
             raise ConfigError(
                 f"--workers {self.workers} is not divisible by --nodes {self.nodes}: every "
