@@ -1270,3 +1270,28 @@ def test_polytrain_launch_prefixes_each_processs_lines_unless_told_not_to(tmp_pa
     capfd.readouterr()
     launcher.launch_script(str(script), layout=Layout(workers=1), env=env)
     assert capfd.readouterr().out == "out 0\n"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("forkserver", ["1", "0"])
+def test_polytrain_launch_gives_a_script_the_sys_path_python_gives_it(tmp_path, forkserver):
+    # `python sub/job.py` cannot import a module of the working directory, but under
+    # `polytrain launch sub/job.py` it could: the child put the script's folder before what
+    # its own interpreter's start had put first ('' of the fork server's `-c`, the working
+    # directory of `-m`), so the working directory stayed importable ahead of site-packages.
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "mymod.py").write_text("X = 1\n")
+    script = tmp_path / "sub" / "job.py"
+    script.write_text("import importlib.util, json, sys\n"
+                      "print('found', importlib.util.find_spec('mymod') is not None)\n"
+                      "print('path', json.dumps(sys.path))\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
+               OMP_NUM_THREADS="1", POLYTRAIN_FORKSERVER=forkserver)
+    cli = Path(sys.executable).with_name("polytrain")
+    python, launched = (subprocess.run(command, cwd=tmp_path, env=env, capture_output=True,
+                                       text=True, timeout=80)
+                        for command in ([sys.executable, "sub/job.py"],
+                                        [str(cli), "launch", "--timeout", "20", "sub/job.py"]))
+    assert python.returncode == 0 and launched.returncode == 0, launched.stderr[-2000:]
+    assert "found False" in python.stdout, python.stdout
+    assert launched.stdout == python.stdout

@@ -81,6 +81,10 @@ _WAITING_IN = tuple(os.sep + os.path.join(*p) for p in (
 _STDLIB = sysconfig.get_paths()["stdlib"]
 _POLYTRAIN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _SAMPLE_S = 0.05  # how often the heartbeat thread looks at the main thread
+# What this interpreter's start put first on sys.path: '' for the fork server's `python -c`
+# (which imports this module before it forks), the working directory for `python -m` (none
+# under -P or PYTHONSAFEPATH, Python 3.11's).
+_START_PATH = None if getattr(sys.flags, "safe_path", False) or not sys.path else sys.path[0]
 
 
 def _frames(thread: threading.Thread) -> Iterator[types.FrameType]:
@@ -408,6 +412,11 @@ def _run_payload(payload: dict[str, Any]) -> Any:
     if payload["kind"] == "script":
         script = payload["script"]
         sys.argv = [script, *payload["argv"]]
+        # As `python SCRIPT` has it: the script's folder first, in place of what this
+        # interpreter's start put there (the working directory, importable ahead of
+        # site-packages); polytrain stays importable from where it was found.
+        if sys.path[:1] == [_START_PATH]:
+            del sys.path[0]
         sys.path.insert(0, os.path.dirname(script))
         runpy.run_path(script, run_name="__main__")
         return None
