@@ -1295,3 +1295,28 @@ def test_polytrain_launch_gives_a_script_the_sys_path_python_gives_it(tmp_path, 
     assert python.returncode == 0 and launched.returncode == 0, launched.stderr[-2000:]
     assert "found False" in python.stdout, python.stdout
     assert launched.stdout == python.stdout
+
+
+@pytest.mark.timeout(90)
+def test_what_a_script_prints_after_it_ends_keeps_its_rank_prefix(tmp_path, capfd):
+    # The child put the original streams back when the script returned, before it joined
+    # the script's threads and ran its exit handlers: their lines came without
+    # "[rank R role@machine]", which every line a script prints starts with.
+    script = tmp_path / "job.py"
+    script.write_text("import atexit, sys, threading, time, polytrain\n"
+                      "ctx = polytrain.init()\n"
+                      "atexit.register(print, 'at exit', ctx.rank)\n"
+                      "def late():\n"
+                      "    time.sleep(0.5)\n"
+                      "    print('thread', ctx.rank)\n"
+                      "    print('thread err', ctx.rank, file=sys.stderr)\n"
+                      "threading.Thread(target=late).start()\n")
+    capfd.readouterr()
+    launcher.launch_script(str(script), layout=Layout(workers=2, nodes=2),
+                           env={"OMP_NUM_THREADS": "1"}, timeout_s=20)
+    out, err = capfd.readouterr()
+    assert sorted(out.splitlines()) == [
+        "[rank 0 worker@node0] at exit 0", "[rank 0 worker@node0] thread 0",
+        "[rank 1 worker@node1] at exit 1", "[rank 1 worker@node1] thread 1"], out
+    assert {"[rank 0 worker@node0] thread err 0", "[rank 1 worker@node1] thread err 1"} <= set(
+        err.splitlines()), err

@@ -382,8 +382,11 @@ _LINE_ENDS = re.compile(r"([\n\r])")
 @contextlib.contextmanager
 def _rank_prefixed(payload: dict[str, Any]) -> Iterator[None]:
     """Start the lines the script prints on this process's ``sys.stdout`` and
-    ``sys.stderr`` with its rank, role and machine while it runs, where the launcher asks
-    (a run of several processes, not ``--no-rank-prefix``)."""
+    ``sys.stderr`` with its rank, role and machine, where the launcher asks (a run of
+    several processes, not ``--no-rank-prefix``): while it runs, and after, until the
+    process ends (its threads and exit handlers print then; every way out flushes the
+    streams), but where it raised an error that ``main`` reports (its traceback goes out
+    as printed)."""
     if not payload.get("rank_prefix"):
         yield
         return
@@ -393,11 +396,14 @@ def _rank_prefixed(payload: dict[str, Any]) -> Iterator[None]:
     sys.stderr = RankPrefixed(err, f"[rank {rank} {role}@{node}] ")
     try:
         yield
-    finally:
+    except SystemExit:
+        raise  # it ends as a return does
+    except BaseException:
         for stream in (sys.stdout, sys.stderr):  # a last line without its newline
             with contextlib.suppress(OSError, ValueError):
                 stream.flush()
         sys.stdout, sys.stderr = out, err
+        raise
 
 
 def _run(payload: dict[str, Any]) -> Any:
