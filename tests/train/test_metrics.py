@@ -60,3 +60,13 @@ def test_a_step_that_re_planned_is_left_out_of_the_steady_traffic_and_times():
     assert metrics["step_time_s"]["p90"] == pytest.approx(0.1)
     assert metrics["traffic"]["sent_bytes_by_step"] == sent and metrics["step_times"] == times
     assert "re-planned" in metrics["traffic"]["note"]
+    # Where every step after the warm-up re-planned, no step is steady: the traffic is 0,
+    # as the step times are, not the cold first step's (the window's fallback: 100).
+    short = build_metrics(config=config.replace(steps=2), losses=[1.0] * 2, times=times[2:4],
+                          model_bytes=8, topology=topology, cold=[1], wall_s=1.0,
+                          reports=[MeterReport(0, {}, [{(1, SENT, False): n} for n in sent[2:4]],
+                                               nics[2:5]),
+                                   MeterReport(1, {}, [{}, {}])])
+    b = next(m for m in short["traffic"]["machines"] if m["name"] == "b")
+    assert b["recv_bytes_per_step"] == 0 and b.get("nic_recv_bytes_per_step") is None
+    assert short["step_time_s"]["median"] == short["samples_per_s"] == 0

@@ -70,6 +70,8 @@ class Trainer:
             :meth:`close` was called.
         replanned: whether the last step began with a new plan that moved state
             (:meth:`~polytrain.strategies.base.Strategy.replan`): not a steady step.
+            False on a resumed run's first step, whose plan the strategy installs
+            inside it (a cold step already).
     """
 
     def __init__(self, strategy: Strategy, model: nn.Module, optimizer: torch.optim.Optimizer,

@@ -67,6 +67,10 @@ def build_metrics(*, config: Any, losses: Sequence[float], times: Sequence[float
         # Cold steps after the warm-up (those in it are left out already), by this run's index.
         first = len(times) - len(measured)
         out = {i - first for i in cold if i - first >= skip}
+        if out and len(measured) - skip <= len(out):
+            # No steady step is left: no figure (0, as step_time_s's), not the cold first
+            # step's that the window falls back on for a run resumed near its end.
+            out = set(range(len(measured)))
         steps = [_without(r, out) for r in reports]
         machines = [m.as_dict() for m in machine_traffic(steps, topology, warmup=skip)]
         servers = server_traffic(steps, topology, warmup=skip)
