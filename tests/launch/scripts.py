@@ -63,16 +63,6 @@ def worker_stalls(stuck_rank: int, busy: bool) -> None:
     dist.all_reduce(x, group=ctx.groups.workers)  # times out: the stuck rank never joins
 
 
-def worker_stalls_after_the_last_collective(stuck_rank: int) -> None:
-    """Rank ``stuck_rank`` loops for ever after the run's last all-reduce: its peers' leaving
-    the run at exit waits for it."""
-    ctx = polytrain.init()
-    x = torch.zeros(1)
-    dist.all_reduce(x, group=ctx.groups.workers)
-    while ctx.rank == stuck_rank:
-        time.sleep(0.1)
-
-
 def byteps_steps_then_os_exit(leave: bool) -> None:
     """Two BytePS steps, then a barrier of the workers (``leave``: polytrain's shutdown
     instead) and ``os._exit(0)``, as a script that skips the interpreter's exit does."""

@@ -429,12 +429,9 @@ class Launcher:
                 raise interrupted_error(caught, f"stopped all {len(children)} processes")
             return [_read_result(c.result_file) for c in children if c.spec.role == "worker"]
 
-    def _timeout(self) -> float:
-        return self.timeout_s if self.timeout_s is not None else _env.DEFAULT_TIMEOUT_S
-
     def _hang_after_s(self) -> float:
         # Half the timeout: a hang is found (and named) before its peers' waits time out.
-        return 0.5 * self._timeout()
+        return 0.5 * (self.timeout_s if self.timeout_s is not None else _env.DEFAULT_TIMEOUT_S)
 
     def _check_heartbeats(self, children: list[_Child]) -> list[_Child]:
         """The running children whose heartbeat has not changed for half the timeout (hung),
@@ -547,20 +544,6 @@ class Launcher:
         _print_stacks(behind, "named as behind")
         return behind
 
-    def _left_waiting(self, children: list[_Child], looked: set[int]) -> _Failure | None:
-        """A process that exited with code 0 after its wait in leaving the run timed out (a
-        warning; its error record says how long it waited), among those not ``looked`` at
-        yet (ranks): a peer may be stuck after the last collective, which no failure names."""
-        for c in children:
-            if c.proc.returncode != 0 or c.spec.rank in looked:
-                continue
-            looked.add(c.spec.rank)
-            if c.error_file.exists():
-                left = _failure(c, None)
-                if left.waited_s is not None:
-                    return left
-        return None
-
     def _stalled(self, children: list[_Child], failed: list[_Child],
                  waiter: _Failure) -> list[_Child]:
         """The running children whose main thread has worked, without being seen waiting for
@@ -597,21 +580,12 @@ class Launcher:
         (``oom_kills_before``: the kernel's OOM kill count when the run started)."""
         beat_check = 0.0
         self._last_check = time.monotonic()
-        # A process whose leaving the run at exit timed out, and when (monotonic) the processes
-        # still running are looked at for one that stalled: a timeout later, so that a peer
-        # merely late ends well.
-        left: _Failure | None = None
-        look_at, looked = 0.0, set[int]()
         while not interrupted.is_set():
             codes = [c.proc.poll() for c in children]
             failed = [c for c, code in zip(children, codes) if code not in (None, 0)]
             if not failed and time.monotonic() - beat_check > 0.5:
                 beat_check = time.monotonic()
                 failed = self._check_heartbeats(children)
-                if left is None and (left := self._left_waiting(children, looked)):
-                    look_at = time.monotonic() + self._timeout()
-                if not failed and left is not None and time.monotonic() >= look_at:
-                    failed = self._stalled(children, [], left)
             if failed:
                 # A stopped process (SIGSTOP) is the root cause of its peers' timeouts.
                 for c in children:
