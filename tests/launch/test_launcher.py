@@ -992,6 +992,29 @@ def test_a_script_run_as_a_module_with_relative_imports_launches(tmp_path):
     assert "result [10, 11]" in run.stdout, run.stdout
 
 
+@pytest.mark.timeout(60)
+def test_a_package_run_as_python_m_launches_from_its_unguarded_main(tmp_path):
+    # `python -m app` of a package whose __main__.py calls launch() unguarded (the usual
+    # idiom there) failed in every process: each imported app.__main__ by name, which
+    # called launch() again ("ran in a launched process"). multiprocessing's spawn skips a
+    # package's __main__ (the function comes from its own module), and so does launch().
+    package = tmp_path / "app"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "job.py").write_text("import polytrain\n"
+                                    "def main():\n"
+                                    "    return polytrain.init().rank + 20\n")
+    (package / "__main__.py").write_text(
+        "import polytrain\n"
+        "from .job import main\n"
+        "print('result', polytrain.launch(main, workers=2, timeout_s=20))\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
+    run = subprocess.run([sys.executable, "-m", "app"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=50)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "result [20, 21]" in run.stdout, run.stdout
+
+
 def _run_calling_launch(tmp_path, launch_args: str, cli_args: list[str] | None,
                         extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     script = tmp_path / "job.py"

@@ -278,7 +278,8 @@ class Launcher:
                 f"the processes ({e})",
                 "pass a function defined at module level, with picklable arguments") from None
         main = sys.modules.get("__main__")
-        if getattr(fn, "__module__", None) == "__main__" and not getattr(main, "__file__", None):
+        fn_module = getattr(fn, "__module__", None)
+        if fn_module == "__main__" and not getattr(main, "__file__", None):
             # A process finds the function by importing the launching script, and `python -c`,
             # stdin, a REPL or a notebook have none (it ran polytrain's own main, or failed
             # to find the function, in every process).
@@ -289,10 +290,15 @@ class Launcher:
                 "from there (or run the script with `polytrain launch`)")
         # A script run as `python -m pkg.job` is imported by that name, as multiprocessing's
         # spawn does (its relative imports need its package); `python job.py` by its path.
+        # A package's __main__.py (`python -m pkg`, `python -m pytest`) is not imported by
+        # name, as spawn skips it too: it usually calls launch() unguarded. Its path is
+        # run only where the function is defined in it (else its own module holds it).
         name = getattr(getattr(main, "__spec__", None), "name", None)
+        main_file = getattr(main, "__file__", None)
+        if name is not None and (name == "__main__" or name.endswith(".__main__")):
+            name, main_file = None, (main_file if fn_module == "__main__" else None)
         payload = {"kind": "fn", "target": target, "sys_path": list(sys.path),
-                   "main_file": getattr(main, "__file__", None),
-                   "main_module": name if name != "__main__" else None,
+                   "main_file": main_file, "main_module": name,
                    "argv": list(sys.argv), "rank_prefix": self.rank_prefix}
         return self._run(payload)
 

@@ -17,6 +17,7 @@ from polytrain.launch.launcher import launch_script
 from tests.harness import COMM_TIMEOUT_S
 
 EXAMPLES = Path(__file__).parent / "examples"
+ROOT = Path(__file__).parents[3]  # the checkout, which holds tests/
 IMPORT = "import polytrain.byteps as bps"
 ENV = {"OMP_NUM_THREADS": "1"}
 
@@ -24,7 +25,10 @@ ENV = {"OMP_NUM_THREADS": "1"}
 def run(script, tmp_path, *args, layout, reference=False):
     path = EXAMPLES / script
     if reference:  # the same script text, the import swapped for the all-reduce reference
-        text = path.read_text().replace(IMPORT, "import tests.strategies.byteps.allreduce_bps "
+        # (from this checkout, put on the path as `python SCRIPT` needs: a launched script's
+        # path is its own folder's, not the working directory's)
+        text = path.read_text().replace(IMPORT, f"import sys; sys.path.insert(0, {str(ROOT)!r}); "
+                                                "import tests.strategies.byteps.allreduce_bps "
                                                 "as bps")
         path = tmp_path / f"reference_{script}"
         path.write_text(text)
