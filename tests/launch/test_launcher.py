@@ -968,28 +968,35 @@ def test_launched_functions_see_the_launching_scripts_argv(tmp_path):
     assert "result [['--lr', '0.1'], ['--lr', '0.1']]" in run.stdout, run.stdout
 
 
+def _run_as_module(tmp_path, module: str, files: dict[str, str]) -> str:
+    """``python -m module`` in ``tmp_path``, after writing package ``files`` (relative path:
+    text) there; its stdout, once it ended well."""
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
+    run = subprocess.run([sys.executable, "-m", module], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=50)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return run.stdout
+
+
 @pytest.mark.timeout(60)
 def test_a_script_run_as_a_module_with_relative_imports_launches(tmp_path):
     # `python -m pkg.train` of a module with `from .helper import f` failed in every process
     # ("ImportError: attempted relative import with no known parent package"): each child
     # ran the launching script's file by its path, as a module of no package, where
     # multiprocessing's spawn imports it by its module name (__main__.__spec__).
-    package = tmp_path / "pkg"
-    package.mkdir()
-    (package / "__init__.py").write_text("")
-    (package / "helper.py").write_text("def f(rank):\n    return rank + 10\n")
-    (package / "train.py").write_text(
-        "import polytrain\n"
-        "from .helper import f\n"
-        "def main():\n"
-        "    return f(polytrain.init().rank)\n"
-        "if __name__ == '__main__':\n"
-        "    print('result', polytrain.launch(main, workers=2, timeout_s=20))\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
-    run = subprocess.run([sys.executable, "-m", "pkg.train"], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=50)
-    assert run.returncode == 0, run.stderr[-2000:]
-    assert "result [10, 11]" in run.stdout, run.stdout
+    out = _run_as_module(tmp_path, "pkg.train", {
+        "pkg/__init__.py": "",
+        "pkg/helper.py": "def f(rank):\n    return rank + 10\n",
+        "pkg/train.py": "import polytrain\n"
+                        "from .helper import f\n"
+                        "def main():\n"
+                        "    return f(polytrain.init().rank)\n"
+                        "if __name__ == '__main__':\n"
+                        "    print('result', polytrain.launch(main, workers=2, timeout_s=20))\n"})
+    assert "result [10, 11]" in out, out
 
 
 @pytest.mark.timeout(60)
@@ -998,21 +1005,15 @@ def test_a_package_run_as_python_m_launches_from_its_unguarded_main(tmp_path):
     # idiom there) failed in every process: each imported app.__main__ by name, which
     # called launch() again ("ran in a launched process"). multiprocessing's spawn skips a
     # package's __main__ (the function comes from its own module), and so does launch().
-    package = tmp_path / "app"
-    package.mkdir()
-    (package / "__init__.py").write_text("")
-    (package / "job.py").write_text("import polytrain\n"
-                                    "def main():\n"
-                                    "    return polytrain.init().rank + 20\n")
-    (package / "__main__.py").write_text(
-        "import polytrain\n"
-        "from .job import main\n"
-        "print('result', polytrain.launch(main, workers=2, timeout_s=20))\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
-    run = subprocess.run([sys.executable, "-m", "app"], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=50)
-    assert run.returncode == 0, run.stderr[-2000:]
-    assert "result [20, 21]" in run.stdout, run.stdout
+    out = _run_as_module(tmp_path, "app", {
+        "app/__init__.py": "",
+        "app/job.py": "import polytrain\n"
+                      "def main():\n"
+                      "    return polytrain.init().rank + 20\n",
+        "app/__main__.py": "import polytrain\n"
+                           "from .job import main\n"
+                           "print('result', polytrain.launch(main, workers=2, timeout_s=20))\n"})
+    assert "result [20, 21]" in out, out
 
 
 def _run_calling_launch(tmp_path, launch_args: str, cli_args: list[str] | None,
