@@ -509,13 +509,26 @@ def _even_group_counts(held: int, rank: int, timeout: datetime.timedelta) -> Non
         dist.new_group([rank], backend="gloo", timeout=timeout, use_local_synchronization=True)
 
 
+_left_with: CommError | None = None  # why leaving the run at exit failed, if it did
+
+
+def left_with() -> CommError | None:
+    """Why this process's leaving the run at exit failed (a peer it waited for did not come
+    within the timeout, or was lost), if it did: the process still exits with code 0, and
+    the launcher's child records the error, so that the launcher looks, a timeout later,
+    for a peer still working alone since, and names it in a warning."""
+    return _left_with
+
+
 def _shutdown_at_exit() -> None:
     # After an unhandled error the peers are stopped by the launcher (ours or torchrun);
     # waiting on them here would only delay the exit. Python leaves the error that ended
     # the script in sys.last_value before it runs the exit hooks.
+    global _left_with
     if _context is None or getattr(sys, "last_value", None) is not None:
         return
     try:
         _context.shutdown()
     except CommError as e:
         log.warning("shutdown at exit failed: %s", e)
+        _left_with = e

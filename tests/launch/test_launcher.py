@@ -374,6 +374,15 @@ def test_leaving_the_run_at_exit_that_times_out_says_so_in_one_line(capfd):
                      r"process's meter report\) did not complete within 5 s, waiting for any "
                      r"peer", err), err
     assert "Traceback" not in err and "atexit" not in err, err
+    # A timeout after rank 0's leaving timed out, rank 1, still working alone, is named in a
+    # warning, not stopped (a process stuck after the last collective hung the run with no
+    # word of it: no process fails on it; one finishing work of its own must not be cut).
+    assert re.search(r"polytrain: warning: worker rank 1 \(machine node0\) is still running: "
+                     r"its main thread has worked for \d+\.\d s without waiting for any peer, "
+                     r"now at scripts\.py:\d+ in late_to_leave, while worker rank 0 timed out "
+                     r"waiting 5 s; the run ends when it does\. HINT: if it is stuck, stop the "
+                     r"run", err), err
+    assert "[polytrain rank 1 worker@node0] its threads when named as still running alone:" in err
 
 
 @pytest.mark.timeout(60)

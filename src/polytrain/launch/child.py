@@ -226,6 +226,18 @@ def _write_error(cause: str, secondary: bool, hint: str | None = None,
                            "bad_input": bad_input})
 
 
+def _record_leaving() -> None:
+    """Record a leaving of the run at exit that failed (polytrain's shutdown, which logged
+    it): the process still exits with code 0, a peer merely late is no failure, but the
+    launcher reads a timed-out wait here and names a peer still working alone since."""
+    runtime = sys.modules.get("polytrain.runtime")  # only if the script imported it
+    error = None if runtime is None else runtime.left_with()
+    if error is not None:
+        with contextlib.suppress(OSError):  # advice for the launcher: the exit goes on
+            _write_error(f"{type(error).__name__}: {error.what}", _is_secondary(error),
+                         waited_s=_waited_s(error), lost=getattr(error, "peer", None))
+
+
 def _write_json(path: str, record: dict[str, Any], tmp: str = ".tmp") -> None:
     """Write ``record`` to ``path`` whole, through ``path + tmp``: the launcher, reading at
     any time, sees the old record or the new one, never half of one."""
@@ -573,6 +585,7 @@ def _exit_cleanly(who: str) -> None:
         atexit._run_exitfuncs()
     finally:
         done.set()
+    _record_leaving()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import pickle
 import re
@@ -437,7 +438,7 @@ class Launcher:
 
     def _hang_after_s(self) -> float:
         # Half the timeout: a hang is found (and named) before its peers' waits time out.
-        return 0.5 * (self.timeout_s if self.timeout_s is not None else _env.DEFAULT_TIMEOUT_S)
+        return 0.5 * self._timeout()
 
     def _check_heartbeats(self, children: list[_Child]) -> list[_Child]:
         """The running children whose heartbeat has not changed for half the timeout (hung),
@@ -550,8 +551,41 @@ class Launcher:
         _print_stacks(behind, "named as behind")
         return behind
 
-    def _stalled(self, children: list[_Child], failed: list[_Child],
-                 waiter: _Failure) -> list[_Child]:
+    def _left_waiting(self, children: list[_Child], looked: set[int]) -> _Failure | None:
+        """A process that exited with code 0 after its wait in leaving the run at exit timed
+        out (a warning; its error record says how long it waited), among those not
+        ``looked`` at yet (ranks)."""
+        for c in children:
+            if c.proc.returncode != 0 or c.spec.rank in looked:
+                continue
+            looked.add(c.spec.rank)
+            if c.error_file.exists():
+                left = _failure(c, None)
+                if left.waited_s is not None:
+                    return left
+        return None
+
+    def _warn_alone(self, children: list[_Child], left: _Failure) -> None:
+        """Name, without stopping them, the processes still working without waiting for any
+        peer since ``left`` timed out leaving the run at exit: one stuck after the last
+        collective hangs the run, as no process fails on it; one finishing work of its own
+        (a save on rank 0) must not be cut short, so the run ends when it does."""
+        for c in self._stalled(children, [], left, "named as still running alone"):
+            # Printed, as its stacks are: a warning the launching script's logging may hide.
+            print(f"polytrain: warning: {c.spec.role} rank {c.spec.rank} (machine "
+                  f"{c.spec.machine}) is still running: "
+                  f"{c.hung.replace('stopped making progress: ', '')}; the run ends when it "
+                  f"does. HINT: if it is stuck, stop the run (Ctrl-C: its stacks are printed "
+                  f"above); if it is finishing work of its own, its peers left without it: do "
+                  f"that work before the script's last collective, or raise --timeout",
+                  file=sys.stderr, flush=True)
+            c.hung, c.hint = "", ""  # named only: it fails the run no more than before
+
+    def _timeout(self) -> float:
+        return self.timeout_s if self.timeout_s is not None else _env.DEFAULT_TIMEOUT_S
+
+    def _stalled(self, children: list[_Child], failed: list[_Child], waiter: _Failure,
+                 why: str = "named as stalled") -> list[_Child]:
         """The running children whose main thread has worked, without being seen waiting for
         any peer, since before ``waiter`` began the wait that timed out, or for half the
         timeout (oldest first): what it waited for. Each writes its threads' stacks (SIGUSR2:
@@ -577,7 +611,7 @@ class Launcher:
                 c.hint = _STALLED_HINT
                 found.append((since, c))
         stalled = [c for _, c in sorted(found, key=lambda sc: sc[0])]
-        _print_stacks(stalled, "named as stalled")
+        _print_stacks(stalled, why)
         return stalled
 
     def _watch(self, children: list[_Child], interrupted: threading.Event,
@@ -586,12 +620,21 @@ class Launcher:
         (``oom_kills_before``: the kernel's OOM kill count when the run started)."""
         beat_check = 0.0
         self._last_check = time.monotonic()
+        # A process that left the run at exit after its wait there timed out, and when
+        # (monotonic) those still running are looked at once for one working alone since.
+        left: _Failure | None = None
+        look_at, looked = math.inf, set[int]()
         while not interrupted.is_set():
             codes = [c.proc.poll() for c in children]
             failed = [c for c, code in zip(children, codes) if code not in (None, 0)]
             if not failed and time.monotonic() - beat_check > 0.5:
                 beat_check = time.monotonic()
                 failed = self._check_heartbeats(children)
+                if left is None and (left := self._left_waiting(children, looked)):
+                    look_at = time.monotonic() + self._timeout()
+                if not failed and left is not None and time.monotonic() >= look_at:
+                    look_at = math.inf
+                    self._warn_alone(children, left)
             if failed:
                 # A stopped process (SIGSTOP) is the root cause of its peers' timeouts.
                 for c in children:
