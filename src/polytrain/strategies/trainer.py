@@ -60,6 +60,8 @@ class Trainer:
         for x, y in batches:              # the same GLOBAL batches on every worker
             loss = trainer.step(x, y)     # this worker's replica's mean loss, or None
         state = trainer.state_dict()      # the whole model, as the plain model's keys
+        trainer.close()                   # before the script ends (a pipeline's last
+                                          # minibatches are in flight)
 
     Attributes:
         model, optimizer: what the strategy trains (a learning-rate scheduler goes on
