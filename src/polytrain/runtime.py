@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import gc
 import logging
@@ -12,7 +13,7 @@ import sys
 import threading
 import traceback
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -89,6 +90,7 @@ class Context:
         self.label = ""
         self._closed = False
         self._lock = threading.Lock()
+        self._open: list[_Closeable] = []  # what close_open() closes: trainers left open
 
     @property
     def closed(self) -> bool:
@@ -164,8 +166,26 @@ class Context:
                               timeout=datetime.timedelta(seconds=self.timeout_s),
                               use_local_synchronization=True)
 
+    def keep_open(self, closeable: _Closeable) -> None:
+        """Have :meth:`close_open` close ``closeable`` (a trainer) unless :meth:`closed_one`
+        says it was closed: a pipeline's trainer left open holds minibatches in flight that
+        the servers wait for before they let the workers leave the run."""
+        self._open.append(closeable)
+
+    def closed_one(self, closeable: _Closeable) -> None:
+        """``closeable`` was closed: :meth:`close_open` leaves it (and it may be freed)."""
+        with contextlib.suppress(ValueError):
+            self._open.remove(closeable)
+
+    def close_open(self) -> None:
+        """Close what :meth:`keep_open` was given and is still open, the newest first: at
+        the script's end, before its threads are stopped, and in :meth:`shutdown`."""
+        while self._open:
+            self._open.pop().close()  # once, even if it fails
+
     def shutdown(self) -> list[MeterReport]:
-        """Leave the run: tell the servers, gather every rank's meter report, close the groups.
+        """Leave the run: close what the script left open (:meth:`close_open`), tell the
+        servers, gather every rank's meter report, close the groups.
 
         Idempotent; called at exit if the script does not. Returns the reports by rank.
         """
@@ -175,6 +195,7 @@ class Context:
             self._closed = True
         global _context
         try:
+            self.close_open()
             if self.is_worker:
                 self.ps_client.finish()
             reports: list[Any] = [None] * self.world_size
@@ -189,6 +210,10 @@ class Context:
             dist.destroy_process_group()
             _context = None
         return self.final_reports
+
+
+class _Closeable(Protocol):
+    def close(self) -> None: ...
 
 
 _context: Context | None = None
@@ -312,6 +337,11 @@ def init(*, device: str | torch.device | None = None, timeout_s: float | None = 
         ctx.shutdown()
         sys.exit(0)
     atexit.register(_shutdown_at_exit)
+    # Before Python's shutdown stops the executors' threads, which a pipeline's close needs
+    # (from the exit hooks, a trainer's close failed a run that ended well without it): as
+    # concurrent.futures registers its own stop, here, where hooks run newest first.
+    register_early = getattr(threading, "_register_atexit", atexit.register)
+    register_early(_close_open_at_exit)
     if _env.error_file() is None:  # not polytrain's launcher, which reports hints itself
         _hint_uncaught()
     return ctx
@@ -518,6 +548,16 @@ def left_with() -> CommError | None:
     the launcher's child records the error, so that the launcher looks, a timeout later,
     for a peer still working alone since, and names it in a warning."""
     return _left_with
+
+
+def _close_open_at_exit() -> None:
+    # As _shutdown_at_exit: not after an unhandled error, whose peers the launcher stops.
+    if _context is None or getattr(sys, "last_value", None) is not None:
+        return
+    try:
+        _context.close_open()
+    except CommError as e:
+        log.warning("closing what the script left open at exit failed: %s", e)
 
 
 def _shutdown_at_exit() -> None:

@@ -60,8 +60,8 @@ class Trainer:
         for x, y in batches:              # the same GLOBAL batches on every worker
             loss = trainer.step(x, y)     # this worker's replica's mean loss, or None
         state = trainer.state_dict()      # the whole model, as the plain model's keys
-        trainer.close()                   # before the script ends (a pipeline's last
-                                          # minibatches are in flight)
+        trainer.close()                   # drains a pipeline's last minibatches (done
+                                          # as the script ends, if it does not)
 
     Attributes:
         model, optimizer: what the strategy trains (a learning-rate scheduler goes on
@@ -86,6 +86,10 @@ class Trainer:
         self.steps = 0
         self.closed = False
         self.replanned = False
+        # Closed as the script ends if the script does not (a pipeline's minibatches in flight).
+        self._kept_by = strategy.ctx if strategy.distributed else None
+        if self._kept_by is not None:
+            self._kept_by.keep_open(self)
 
     @property
     def replica(self) -> tuple[int, int]:
@@ -145,6 +149,8 @@ class Trainer:
         trainer steps no more; a second call does nothing."""
         if not self.closed:
             self.closed = True
+            if self._kept_by is not None:
+                self._kept_by.closed_one(self)
             self.strategy.close()
 
     def __repr__(self) -> str:
