@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import polytrain
-from polytrain import CommError, CommTimeout, ConfigError, _env
+from polytrain import CommError, CommTimeout, ConfigError, PeerLost, _env
 from tests.harness import refused, spawn
 
 
@@ -228,6 +228,25 @@ def test_a_rendezvous_port_taken_before_rank_0_listens_is_named_at_once():
                                             r"rerun") as caught:
             runtime._join(env, timeout=20)
     assert not isinstance(caught.value, CommTimeout) and time.monotonic() - started < 10
+
+
+def test_a_join_whose_peer_closed_the_connection_says_it_lost_a_peer(monkeypatch):
+    # A worker 0 killed at setup: every other process reported "CommTimeout: ... could not
+    # join ... within 8 s: Failed to recv, got 0 bytes. Connection was likely closed", at
+    # once, with its traceback, as a cause of its own (the launcher still named worker 0).
+    from polytrain import runtime
+
+    def closed(*args, **kwargs):
+        raise RuntimeError("Failed to recv, got 0 bytes. Connection was likely closed. Did "
+                           "the remote server shutdown or crash?")
+    monkeypatch.setattr(runtime.dist, "init_process_group", closed)
+    env = _env.read({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                     "MASTER_PORT": "29500", "POLYTRAIN_ROLE": "server",
+                     "POLYTRAIN_NODE": "node0"})
+    with pytest.raises(PeerLost, match=r"rank 1 \(server, machine node0\) lost a peer while "
+                                       r"joining the run of 2 processes .*: Failed to recv") as e:
+        runtime._join(env, timeout=8)
+    assert e.value.peer_lost and not isinstance(e.value, CommTimeout)
 
 
 def test_workers_that_share_a_gpu_take_gloo_for_cuda_tensors():

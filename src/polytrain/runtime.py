@@ -22,7 +22,7 @@ from . import _env
 from .comm.meter import MeterReport, TrafficMeter
 from .comm.p2p import Transport
 from .comm.topology import Topology
-from .errors import CommError, CommTimeout, ConfigError, at_least, left_run
+from .errors import CommError, CommTimeout, ConfigError, PeerLost, at_least, left_run
 from .kinds import check_kinds
 from .launch.launcher import free_port
 from .launch.network import NicSampler
@@ -404,6 +404,11 @@ def _interface_hint(env: _env.ProcessEnv) -> str:
             f"loopback address: set GLOO_SOCKET_IFNAME to the interface they reach (e.g. eth0)")
 
 
+#: What gloo's and the TCP store's errors say of a connection a peer closed.
+_CLOSED = ("Connection was likely closed", "Connection reset by peer",
+           "Connection closed by peer", "Broken pipe")
+
+
 def _join(env: _env.ProcessEnv, timeout: float) -> None:
     if dist.is_initialized():
         return
@@ -427,6 +432,14 @@ def _join(env: _env.ProcessEnv, timeout: float) -> None:
                             f"the run's rendezvous at {init_method}: the port is in use",
                             "rerun (a free port is taken again), or pass another --port "
                             "(torchrun: --master-port)") from None
+        if any(m in str(e) for m in _CLOSED):
+            # At once, not after the timeout: a peer (the rendezvous' host, rank 0) stopped.
+            # Said as a timeout, each process printed its traceback as a cause of its own.
+            raise PeerLost(
+                f"rank {rank} ({env.role}, machine {env.node}) lost a peer while joining the "
+                f"run of {world} processes at {init_method}: {first}",
+                "look at the other processes' reports: the launcher names the one that "
+                "stopped (it lost a peer)") from None
         raise CommTimeout(
             f"rank {rank} ({env.role}, machine {env.node}) could not join the run of {world} "
             f"processes at {init_method} within {timeout:g} s: {first}",
