@@ -3,6 +3,7 @@ timeouts init takes."""
 
 import os
 import re
+import sys
 import time
 from pathlib import Path
 
@@ -228,6 +229,38 @@ def test_a_rendezvous_port_taken_before_rank_0_listens_is_named_at_once():
                                             r"rerun") as caught:
             runtime._join(env, timeout=20)
     assert not isinstance(caught.value, CommTimeout) and time.monotonic() - started < 10
+
+
+def test_what_fails_to_close_does_not_keep_the_rest_open(monkeypatch):
+    # A close that raised at exit escaped Python's thread shutdown (which then stopped:
+    # the executors' stop and the joins of the script's threads were skipped), and left
+    # whatever was registered before it open.
+    from polytrain import runtime
+
+    closed = []
+
+    class Closeable:
+        def __init__(self, name, fails=False):
+            self.name, self.fails = name, fails
+
+        def close(self):
+            closed.append(self.name)
+            if self.fails:
+                raise RuntimeError(f"{self.name} failed")
+
+    ctx = runtime.Context.__new__(runtime.Context)  # only what close_open needs
+    ctx._open = [Closeable("first"), Closeable("second", fails=True), Closeable("third")]
+    with pytest.raises(RuntimeError, match="second failed"):
+        ctx.close_open()
+    assert closed == ["third", "second", "first"] and ctx._open == []
+    ctx._open = [Closeable("again", fails=True)]
+    monkeypatch.delattr(sys, "last_value", raising=False)  # pytest's, of a test that failed
+    runtime._context, before = ctx, runtime._context
+    try:
+        runtime._close_open_at_exit()  # logs, raises nothing
+    finally:
+        runtime._context = before
+    assert closed[-1] == "again"
 
 
 def test_a_join_whose_peer_closed_the_connection_says_it_lost_a_peer(monkeypatch):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import concurrent.futures.thread  # noqa: F401 - registers its exit hook before init()'s
 import contextlib
 import datetime
 import gc
@@ -180,8 +181,14 @@ class Context:
     def close_open(self) -> None:
         """Close what :meth:`keep_open` was given and is still open, the newest first: at
         the script's end, before its threads are stopped, and in :meth:`shutdown`."""
+        first: BaseException | None = None
         while self._open:
-            self._open.pop().close()  # once, even if it fails
+            try:
+                self._open.pop().close()  # once, even if it fails; then the others
+            except Exception as e:
+                first = first or e
+        if first is not None:
+            raise first
 
     def shutdown(self) -> list[MeterReport]:
         """Leave the run: close what the script left open (:meth:`close_open`), tell the
@@ -339,7 +346,8 @@ def init(*, device: str | torch.device | None = None, timeout_s: float | None = 
     atexit.register(_shutdown_at_exit)
     # Before Python's shutdown stops the executors' threads, which a pipeline's close needs
     # (from the exit hooks, a trainer's close failed a run that ended well without it): as
-    # concurrent.futures registers its own stop, here, where hooks run newest first.
+    # concurrent.futures registers its own stop, here, where hooks run newest first (it is
+    # imported above, so its hook is older than this one whatever imports it later).
     register_early = getattr(threading, "_register_atexit", atexit.register)
     register_early(_close_open_at_exit)
     if _env.error_file() is None:  # not polytrain's launcher, which reports hints itself
@@ -569,8 +577,9 @@ def _close_open_at_exit() -> None:
         return
     try:
         _context.close_open()
-    except CommError as e:
-        log.warning("closing what the script left open at exit failed: %s", e)
+    except Exception as e:  # nothing may escape Python's thread shutdown: it stops there
+        log.warning("closing what the script left open at exit failed: %s", e,
+                    exc_info=not isinstance(e, CommError))
 
 
 def _shutdown_at_exit() -> None:

@@ -86,8 +86,9 @@ class Trainer:
         self.steps = 0
         self.closed = False
         self.replanned = False
-        # Closed as the script ends if the script does not (a pipeline's minibatches in flight).
-        self._kept_by = strategy.ctx if strategy.distributed else None
+        # A pipeline's, closed as the script ends if the script does not (its minibatches in
+        # flight): kept until then (the others are freed when the script drops them).
+        self._kept_by = strategy.ctx if strategy.pipeline and strategy.distributed else None
         if self._kept_by is not None:
             self._kept_by.keep_open(self)
 
