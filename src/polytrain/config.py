@@ -36,6 +36,10 @@ _WHOLE = {"workers": "--workers", "nodes": "--nodes", "servers": "--servers",
           "max_restarts": "--max-restarts", "port": "--port"}
 #: The fields that name a file or directory: a str, or a path (``pathlib.Path``) kept as one.
 _PATHS = ("out", "init", "resume", "devices")
+#: What each of them takes, for the refusal of a blank one.
+_BLANK_HINTS = {"out": "DIR", "init": "a final.pt of an earlier run",
+                "resume": "a run's --out or one of its checkpoints/step-S",
+                "devices": "a cluster ('m0:fast*2,m1:slow*2') or a JSON file"}
 
 __all__ = ["TrainConfig", "OPTIMIZERS", "SCHEDULES", "SAMPLINGS", "ON_SAVE_ERROR",
            "check_init", "layout_of", "check_strategy", "check_link", "check_data_length",
@@ -140,6 +144,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         self._check_kinds()
+        self._check_blank()
         # The model's options go to its constructor as given, and to the run record and
         # metrics.json: numpy's numbers as Python's (numpy.int64 failed writing them).
         object.__setattr__(self, "model_options",
@@ -245,8 +250,6 @@ class TrainConfig:
         (a damaged --resume, say) leaves no directory behind."""
         if self.out is None:
             return
-        if not str(self.out).strip():
-            raise ConfigError("--out is empty", "pass --out DIR, or leave it out")
         out = Path(self.out).absolute()
         first = next(p for p in (out, *out.parents) if p.exists())  # "/" exists
         why = ("File exists" if first.is_file() and first == out else
@@ -256,6 +259,15 @@ class TrainConfig:
         if why is not None:
             raise ConfigError(f"--out {self.out} cannot be made a directory: {why}",
                               "pass --out a directory you can write to (it is made if missing)")
+
+    def _check_blank(self) -> None:
+        """Refuse a path field given blank: ``Path("")`` is the working directory, which an
+        empty ``--resume ''`` resumed from (and ``--out ''`` wrote to) without a word."""
+        for name in _PATHS:
+            value = getattr(self, name)
+            if value is not None and not str(value).strip():
+                raise ConfigError(f"--{name} is empty (got {value!r})",
+                                  f"pass --{name} {_BLANK_HINTS[name]}, or leave it out")
 
     def _check_kinds(self) -> None:
         """Refuse a field of another kind than its annotation says, given from Python

@@ -225,6 +225,7 @@ def save(root: str | Path, model: nn.Module | Trainer,
             loop's sum of the losses over the workers, which a pipeline's last sends and
             pulls must not wait behind).
     """
+    _check_path("save() root", root, "pass save() the folder to write its step-S to")
     # step--1 or step-2.5 were written, which no load finds; "7", one every load refused.
     at_least("step", step, "pass save() the step count, a whole number from 0", 0, whole=True)
     step = int(step)  # numpy's int64 went on, and failed the manifest's json after the writes
@@ -331,6 +332,8 @@ def load(path: str | Path, model: nn.Module | Trainer,
         resumed = polytrain.load("out/checkpoints", trainer, missing_ok=True)
         start = resumed.step if resumed else 0
     """
+    _check_path("load() path", path, "pass load() the folder polytrain.save() wrote to, or a "
+                "run's --out")
     trainer = model if isinstance(model, Trainer) else None
     model, optimizer, strategy = _unpack(model, optimizer)
     strategy.check_checkpoints()
@@ -428,6 +431,13 @@ def load(path: str | Path, model: nn.Module | Trainer,
         trainer.steps = int(run["step"])
     return Resumed(step=int(run["step"]), path=where, extra=dict(run.get("extra") or {}),
                    skipped=tuple(skipped))
+
+
+def _check_path(what: str, value: Any, hint: str) -> None:
+    """Refuse a blank folder for save() or load(): ``Path("")`` is the working directory,
+    which they wrote to and read from without a word."""
+    if not str(value).strip():
+        raise ConfigError(f"{what} is empty (got {value!r})", hint)
 
 
 def _resolve_alike(path: str | Path, strategy: Strategy[Any],

@@ -1,0 +1,38 @@
+"""Bad arguments to the Python API (TrainConfig, save/load, init, shard, distribute, launch):
+each refused in one line, a ConfigError naming the argument, the value and what to pass."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import polytrain
+from polytrain import ConfigError, TrainConfig
+
+
+def trained():
+    """A one-process trainer (``single``) and its optimizer, on a tiny model."""
+    model = nn.Linear(4, 2)
+    return polytrain.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1), "single")
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("call, said", [
+    (lambda tmp: TrainConfig(resume=""), "--resume is empty"),
+    (lambda tmp: TrainConfig(init=" "), "--init is empty"),
+    (lambda tmp: TrainConfig(devices=""), "--devices is empty"),
+    (lambda tmp: polytrain.save("", *trained(), step=1), "save() root is empty"),
+    (lambda tmp: polytrain.load("", *trained()), "load() path is empty"),
+    (lambda tmp: polytrain.load("", *trained(), missing_ok=True), "load() path is empty"),
+])
+def test_a_blank_path_is_refused_not_taken_for_the_current_directory(call, said, tmp_path,
+                                                                    monkeypatch):
+    # An empty --resume '' (or save("", ...), load("", ...)) meant the current directory:
+    # Path("") is "." (resolve(), checkpoint_dir()); only an empty --out was refused.
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as e:
+        call(tmp_path)
+    assert said in str(e.value) and "HINT: pass" in str(e.value)
+    assert "\n" not in str(e.value)
+    assert list(tmp_path.iterdir()) == []  # nothing written in the working directory
