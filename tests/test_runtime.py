@@ -343,3 +343,44 @@ def test_server_threads_that_are_not_a_count_of_at_least_one_are_refused_before_
         with pytest.raises(ConfigError, match=r"^polytrain\.init\(\) server_threads " + said):
             polytrain.init(server_threads=value)
     assert not polytrain.is_initialized()
+
+
+def init_again_with(calls: list[dict]) -> list[str]:
+    polytrain.init(timeout_s=30)
+    said = []
+    for kwargs in calls:
+        try:
+            polytrain.init(**kwargs)
+        except Exception as e:  # noqa: BLE001 - a raw error is what the test looks for
+            said.append(f"{type(e).__name__}: {e}")
+        else:
+            said.append("accepted")
+    return said
+
+
+AGAIN = [({"timeout_s": "120"}, r"polytrain\.init\(timeout_s=\.\.\.\) must be a number of "
+                                r"seconds from 2 to 2147483 \(got '120'\)\. HINT: pass, say, "
+                                r"timeout_s=120"),
+         ({"device": "tpu"}, r"device 'tpu': polytrain runs on cpu or cuda\. HINT: pass "
+                             r"device='cpu'"),
+         ({"server_threads": 0}, r"polytrain\.init\(\) server_threads must be at least 1 "
+                                 r"\(got 0\)\. HINT: pass, say, server_threads=4"),
+         ({"server_idle_s": -1}, r"polytrain\.init\(server_idle_s=\.\.\.\) must be a number of "
+                                 r"seconds from 2 to 2147483 \(got -1\)")]
+
+
+@pytest.mark.timeout(60)
+def test_a_second_init_checks_its_arguments_as_the_first_does():
+    # After init(), init(timeout_s="120") was "ValueError: Unknown format code 'g'",
+    # init(device="tpu") torch's RuntimeError, and server_threads=0 or server_idle_s=-1 were
+    # accepted silently; a first init(timeout_s="abc") was float()'s ValueError. Cause: the
+    # second call returned before init()'s checks, and the first float()ed the timeout before
+    # check_seconds looked at it.
+    said = spawn(init_again_with, workers=1, args=([kwargs for kwargs, _ in AGAIN],))[0]
+    for (kwargs, pattern), text in zip(AGAIN, said):
+        assert re.match("ConfigError: " + pattern, text), (kwargs, text)
+        assert "\n" not in text
+    with pytest.raises(ConfigError, match=r"^polytrain\.init\(timeout_s=\.\.\.\) must be a "
+                                          r"number of seconds from 2 to 2147483 \(got 'abc'\)"):
+        polytrain.init(timeout_s="abc")
+    assert not polytrain.is_initialized()

@@ -251,7 +251,10 @@ def _check_again(ctx: Context, device: str | torch.device | None,
     silently). The first call may be another's: ``distribute()``'s, ``bps.init()``'s."""
     differs = []
     if device is not None:
-        wanted = torch.device(device)
+        try:
+            wanted = torch.device(device)
+        except (RuntimeError, TypeError):  # "tpu": refused as by the first call
+            wanted = _device_of(device)
         if wanted.type != ctx.device.type or wanted.index not in (None, ctx.device.index):
             differs.append(f"device={str(device)!r} (it has {ctx.device})")
     if timeout_s is not None and timeout_s != ctx.timeout_s:
@@ -291,6 +294,17 @@ def init(*, device: str | torch.device | None = None, timeout_s: float | None = 
             between steps). A run may last longer: only the gaps between requests count.
     """
     global _context, _joined
+    # Checked on every call: a second one (which returns the run joined) failed on its
+    # timeout_s="120" with format()'s ValueError, and took server_threads=0 silently.
+    for name, value, usual in (("timeout_s", timeout_s, _env.DEFAULT_TIMEOUT_S),
+                               ("server_idle_s", server_idle_s, _SERVER_IDLE_S)):
+        if value is not None:  # before float(): "abc" was its ValueError
+            _env.check_seconds(value, f"polytrain.init({name}=...)",
+                               f"pass, say, {name}={usual:g}")
+    # Unchecked, 1.5 or "2" killed every server with a TypeError, and 0 ran one thread.
+    server_threads = check_kinds(init, {"server_threads": server_threads},
+                                 what="polytrain.init() ")["server_threads"]
+    at_least("polytrain.init() server_threads", server_threads, "pass, say, server_threads=4")
     if _context is not None:
         _check_again(_context, device, timeout_s)
         return _context
@@ -303,15 +317,6 @@ def init(*, device: str | torch.device | None = None, timeout_s: float | None = 
                        "process joins its run once")
     env = _env.read()
     timeout = float(timeout_s if timeout_s is not None else env.timeout_s)
-    for name, value, usual in (("timeout_s", timeout, _env.DEFAULT_TIMEOUT_S),
-                               ("server_idle_s", server_idle_s, _SERVER_IDLE_S)):
-        if value is not None:
-            _env.check_seconds(value, f"polytrain.init({name}=...)",
-                               f"pass, say, {name}={usual:g}")
-    # Unchecked, 1.5 or "2" killed every server with a TypeError, and 0 ran one thread.
-    server_threads = check_kinds(init, {"server_threads": server_threads},
-                                 what="polytrain.init() ")["server_threads"]
-    at_least("polytrain.init() server_threads", server_threads, "pass, say, server_threads=4")
     _join(env, timeout)
     _joined = True
     rank = dist.get_rank()
@@ -455,9 +460,8 @@ def _join(env: _env.ProcessEnv, timeout: float) -> None:
             + _interface_hint(env), waited_s=timeout) from None
 
 
-def _pick_device(device: str | torch.device | None, local_rank: int) -> torch.device:
-    if device is None or str(device) == "cpu":
-        return torch.device("cpu")
+def _device_of(device: str | torch.device) -> torch.device:
+    """``device`` as torch's, refused unless cpu or cuda (init()'s first call and again)."""
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError):
@@ -465,6 +469,13 @@ def _pick_device(device: str | torch.device | None, local_rank: int) -> torch.de
     if dev is None or dev.type not in ("cpu", "cuda"):  # meta or mps trained nothing here
         raise ConfigError(f"device {str(device)!r}: polytrain runs on cpu or cuda",
                           "pass device='cpu' or device='cuda' (or 'cuda:N')")
+    return dev
+
+
+def _pick_device(device: str | torch.device | None, local_rank: int) -> torch.device:
+    if device is None or str(device) == "cpu":
+        return torch.device("cpu")
+    dev = _device_of(device)
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise ConfigError("device 'cuda' was asked for but torch sees no CUDA device",
