@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 import torch
 
@@ -47,7 +48,8 @@ def test_shards_are_equal_contiguous_slices_that_rebuild_the_batch():
 
 def test_a_batch_that_does_not_split_evenly_is_refused_with_the_fix():
     with pytest.raises(ConfigError, match=r"global batch 10 is not divisible by 4 .* "
-                                          r"HINT: pass --batch-size 12"):
+                                          r"HINT: pass a global batch of a multiple of 4 "
+                                          r"samples \(--batch-size 12\)"):
         shard(torch.zeros(10), 0, 4)
 
 
@@ -151,3 +153,29 @@ def test_a_corpus_exactly_one_window_long_is_refused_in_words_that_are_true():
         GlobalBatches(torch.arange(9), batch_size=2, window=9, seed=0)
     assert next(iter(GlobalBatches(torch.arange(10), batch_size=2, window=9, seed=0))).shape \
         == (2, 9)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("args, said", [
+    ((torch.arange(8), 1.0, 2), r"^shard\(\) index must be a whole number \(got 1\.0\)\. HINT: "
+                                r"pass shard\(batch, ctx\.worker_index, ctx\.num_workers\)$"),
+    ((torch.arange(8), "1", 2), r"^shard\(\) index must be a whole number \(got '1'\)"),
+    ((torch.arange(8), 0, 2.5), r"^shard\(\) count must be a whole number \(got 2\.5\)"),
+    ((torch.arange(8), 0, True), r"^shard\(\) count must be a whole number \(got True\)"),
+    ((torch.arange(8), False, 2), r"^shard\(\) index must be a whole number \(got False\)"),
+    (([1, 2, 3, 4], 0, 2), r"^shard\(\) takes a global batch as a torch\.Tensor \(got type "
+                           r"list\)\. HINT: pass torch\.as_tensor\(batch\)"),
+    ((np.arange(4), 0, 2), r"^shard\(\) takes a global batch as a torch\.Tensor "
+                           r"\(got type ndarray\)"),
+    ((torch.zeros(10), 0, 4), r"HINT: pass a global batch of a multiple of 4 samples "
+                              r"\(--batch-size 12\)$"),
+])
+def test_shards_arguments_of_another_kind_are_refused_by_name(args, said):
+    # shard(b, 1.0, 2) and shard(b, "1", 2) were TypeErrors, a list or a numpy array
+    # AttributeError 'dim', shard(b, 0, 2.5) hinted "--batch-size 10.0", and shard(b, 0, True)
+    # was the whole batch, silently. Cause: shard() checked no argument's kind. And a
+    # script's batch of 10 over 4 was hinted "pass --batch-size 12", a flag it has none of.
+    with pytest.raises(ConfigError, match=said) as e:
+        shard(*args)
+    assert "\n" not in str(e.value)
+

@@ -142,17 +142,27 @@ class EpochBatches:
             epoch, first = epoch + 1, 0
 
 
-def check_divisible(batch_size: int, replicas: int) -> None:
+def check_divisible(batch_size: int, replicas: int, hint: str | None = None) -> None:
+    """Refuse a global batch that does not split equally over ``replicas``; ``hint`` (with
+    ``{up}``, the next multiple) words the fix, by default the CLI's ``--batch-size``."""
     if batch_size % replicas:
         up = -(-batch_size // replicas) * replicas
         raise ConfigError(
             f"global batch {batch_size} is not divisible by {replicas} data-parallel replicas: "
             f"each replica takes an equal slice",
-            f"pass --batch-size {up} (or another multiple of {replicas})")
+            (hint or "pass --batch-size {up} (or another multiple of {replicas})").format(
+                up=up, replicas=replicas))
 
 
 def shard(batch: torch.Tensor, index: int, count: int) -> torch.Tensor:
     """Replica ``index`` of ``count``'s contiguous, equal slice of a global batch (dim 0)."""
+    if not isinstance(batch, torch.Tensor):  # a list or numpy's array: AttributeError 'dim'
+        raise ConfigError(f"shard() takes a global batch as a torch.Tensor (got type "
+                          f"{type(batch).__name__})",
+                          "pass torch.as_tensor(batch), whose dim 0 is the samples")
+    for name, value in (("index", index), ("count", count)):  # True was a count of 1
+        check_whole(f"shard() {name}", value,
+                    "pass shard(batch, ctx.worker_index, ctx.num_workers)")
     if batch.dim() == 0:  # a bare IndexError from batch.shape[0]
         raise ConfigError("shard() takes a global batch whose dim 0 is the samples, but got a "
                           "tensor of 0 dims (one number)",
@@ -161,6 +171,7 @@ def shard(batch: torch.Tensor, index: int, count: int) -> torch.Tensor:
         raise ConfigError(f"shard() takes a replica index in 0..count-1 and a count of at "
                           f"least 1 (got index {index}, count {count})",
                           "pass shard(batch, ctx.worker_index, ctx.num_workers)")
-    check_divisible(batch.shape[0], count)
+    check_divisible(batch.shape[0], count, "pass a global batch of a multiple of {replicas} "
+                    "samples (--batch-size {up})")
     per = batch.shape[0] // count
     return batch[index * per:(index + 1) * per]
