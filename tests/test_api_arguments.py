@@ -36,3 +36,30 @@ def test_a_blank_path_is_refused_not_taken_for_the_current_directory(call, said,
     assert said in str(e.value) and "HINT: pass" in str(e.value)
     assert "\n" not in str(e.value)
     assert list(tmp_path.iterdir()) == []  # nothing written in the working directory
+
+
+def distributed(**change):
+    """distribute()'s arguments, a tiny model's, with ``change`` made."""
+    model = nn.Linear(4, 2)
+    args = {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1),
+            "strategy": "single", **change}
+    return polytrain.distribute(**args)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("change, said", [
+    ({"model": None}, r"^distribute\(\) model must be a torch\.nn\.Module \(got None\)\. HINT: "),
+    ({"optimizer": None}, r"^distribute\(\) optimizer must be a torch\.optim\.Optimizer \(got "
+                          r"None\)\. HINT: "),
+    ({"ctx": "x"}, r"^distribute\(\) ctx must be polytrain\.init\(\)'s Context, or None \(got "
+                   r"'x'\)\. HINT: "),
+    ({"loss_fn": 3}, r"^distribute\(\) loss_fn must be a function loss_fn\(outputs, targets\), "
+                     r"or None \(got 3\)\. HINT: "),
+])
+def test_distributes_arguments_of_another_kind_are_refused_by_name(change, said):
+    # model=None was a TypeError of weakref, optimizer=None an AttributeError 'param_groups',
+    # ctx="x" an AttributeError 'closed', and loss_fn=3 was accepted (the first step failed).
+    # Cause: distribute() checked only its strategy's options.
+    with pytest.raises(ConfigError, match=said) as e:
+        distributed(**change)
+    assert "\n" not in str(e.value)

@@ -478,6 +478,7 @@ def distribute(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str
             when ``loss_fn`` adds them itself). The plain loop adds them by hand.
         options: the strategy's own options (its ``Options`` fields).
     """
+    _check_arguments(model, optimizer, ctx, loss_fn)
     cls = get_strategy(strategy)
     given = model.strategy.name if isinstance(model, Trainer) else _DISTRIBUTED.get(model)
     if given is not None:
@@ -628,6 +629,26 @@ def _check_whole_experts(model: nn.Module, strategy: str) -> None:
 _DISTRIBUTED: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
 # The users' own models that distribute() returned unwrapped, to their strategy instance.
 _OWN_MODELS: weakref.WeakKeyDictionary[nn.Module, Strategy[Any]] = weakref.WeakKeyDictionary()
+
+
+def _check_arguments(model: Any, optimizer: Any, ctx: Any, loss_fn: Any) -> None:
+    """Refuse distribute()'s model, optimizer, ctx or loss_fn of another kind by name: None
+    for a model was weakref's TypeError, for an optimizer an AttributeError, and a loss_fn
+    of 3 was taken (a Trainer as the model is refused below, as given twice)."""
+    for name, value, ok, said, hint in (
+            ("model", model, isinstance(model, (nn.Module, Trainer)), "a torch.nn.Module",
+             "pass the model to train"),
+            ("optimizer", optimizer, isinstance(optimizer, torch.optim.Optimizer),
+             "a torch.optim.Optimizer", "pass, say, torch.optim.Adam(model.parameters())"),
+            # (a stand-in with a device, as a test's for 'single', passes)
+            ("ctx", ctx, ctx is None or isinstance(ctx, Context) or hasattr(ctx, "device"),
+             "polytrain.init()'s Context, or None", "pass ctx=polytrain.init(), or leave it "
+             "out"),
+            ("loss_fn", loss_fn, loss_fn is None or callable(loss_fn),
+             "a function loss_fn(outputs, targets), or None", "pass, say, "
+             "loss_fn=torch.nn.functional.cross_entropy, or leave it out for the plain loop")):
+        if not ok:
+            raise ConfigError(f"distribute() {name} must be {said} (got {value!r:.60})", hint)
 
 
 def layout_of(ctx: Context) -> Layout | None:
