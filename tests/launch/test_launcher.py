@@ -1329,3 +1329,26 @@ def test_what_a_script_prints_after_it_ends_keeps_its_rank_prefix(tmp_path, capf
         "[rank 1 worker@node1] at exit 1", "[rank 1 worker@node1] thread 1"], out
     assert {"[rank 0 worker@node0] thread err 0", "[rank 1 worker@node1] thread err 1"} <= set(
         err.splitlines()), err
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("change, said", [
+    ({"fn": 42}, r"^launch\(\) fn must be a Callable \(got 42, an int\)"),
+    ({"env": ["A"]}, r"^launch\(\) env must be a mapping, or None \(got \['A'\], a list\)"),
+    ({"kwargs": [1]}, r"^launch\(\) kwargs must be a mapping, or None \(got \[1\], a list\)"),
+    ({"args": "abc"}, r"^launch\(\) args must be a sequence of fn's arguments, not a str \(got "
+                      r"'abc'\)\. HINT: pass args=\('abc',\)"),
+    ({"args": 3}, r"^launch\(\) args must be a Sequence \(got 3, an int\)"),
+    ({"rank_prefix": "no"}, r"^launch\(\) rank_prefix must be True or False \(got 'no', a "
+                            r"str\)\. HINT: pass rank_prefix=True or rank_prefix=False$"),
+])
+def test_launchs_arguments_of_another_kind_are_refused_before_any_process_starts(change, said,
+                                                                                 monkeypatch):
+    # env=["A"] was an AttributeError, launch(42) started processes that died, rank_prefix="no"
+    # was taken for True, args="abc" was splatted into fn('a', 'b', 'c'), and kwargs=[1] met a
+    # misleading pickling message. Cause: launch() checked none of them.
+    started = []
+    monkeypatch.setattr(launcher.Launcher, "run_fn", lambda self, *a: started.append(a))
+    with pytest.raises(ConfigError, match=said) as e:
+        polytrain.launch(**{"fn": print, **change})
+    assert "\n" not in str(e.value) and started == []

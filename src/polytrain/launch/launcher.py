@@ -24,6 +24,7 @@ from typing import Any, Callable, Collection, Mapping, Sequence
 
 from .. import _env
 from ..errors import ConfigError, LaunchError, check_whole
+from ..kinds import check_kinds
 from .forkserver import ForkedProcess, ForkServer, Process, server_for
 from .host import oom_kills
 from .layout import WORKER, Layout, ProcessSpec
@@ -1095,6 +1096,13 @@ def launch(fn: Callable[..., Any], *, workers: int = 1, nodes: int = 1, servers:
         LaunchError: a process failed or died (the others are stopped); the
             message names its rank, role, machine and the cause.
     """
+    # Before any process starts: launch(42) started processes that died, env=["A"] was an
+    # AttributeError, rank_prefix="no" was taken for True, and args="abc" was fn('a', 'b', 'c').
+    check_kinds(launch, {"fn": fn, "args": args, "kwargs": kwargs, "env": env,
+                         "rank_prefix": rank_prefix}, what="launch() ")
+    if isinstance(args, (str, bytes)):
+        raise ConfigError(f"launch() args must be a sequence of fn's arguments, not a "
+                          f"{type(args).__name__} (got {args!r:.60})", f"pass args=({args!r:.60},)")
     layout = Layout(workers=workers, nodes=nodes, servers=servers, colocated=colocated)
     by = None if _env.loading_main() else _env.started_by()
     if by is not None:
