@@ -63,3 +63,27 @@ def test_distributes_arguments_of_another_kind_are_refused_by_name(change, said)
     with pytest.raises(ConfigError, match=said) as e:
         distributed(**change)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("call, said", [
+    (lambda tmp, tr: polytrain.save(3, *tr, step=1),
+     r"^save\(\) root must be a str or a Path \(got 3, an int\)\. HINT: pass root as "),
+    (lambda tmp, tr: polytrain.save(tmp, *tr, step=1, extra=3),
+     r"^save\(\) extra must be a mapping or a Callable, or None \(got 3, an int\)"),
+    (lambda tmp, tr: polytrain.save(tmp, *tr, step=1, run=3),
+     r"^save\(\) run must be a mapping, or None \(got 3, an int\)"),
+    (lambda tmp, tr: polytrain.load(3, *tr),
+     r"^load\(\) path must be a str or a Path \(got 3, an int\)"),
+    (lambda tmp, tr: polytrain.load(tmp, *tr, missing_ok="no"),
+     r"^load\(\) missing_ok must be True or False \(got 'no', a str\)\. HINT: pass "
+     r"missing_ok=True or missing_ok=False$"),
+])
+def test_saves_and_loads_arguments_of_another_kind_are_refused_by_name(call, said, tmp_path):
+    # save(3, ...) was pathlib's TypeError, extra=3 or run=3 "TypeError: 'int' object is not
+    # iterable", and load(..., missing_ok="no") was taken for True. Cause: save() and load()
+    # checked only step and keep.
+    with pytest.raises(ConfigError, match=said) as e:
+        call(tmp_path, trained())
+    assert "\n" not in str(e.value)
+    assert list(tmp_path.iterdir()) == []

@@ -59,7 +59,8 @@ def check_kinds(owner: type | Callable[..., Any], values: Mapping[str, Any], *,
             continue
         said = " or ".join(_KIND_NAMES.get(k, f"a {k.__name__}") for k in kinds
                            if k is not type(None))
-        said += " or a path" if name in paths else ""
+        said += " or a path" if name in paths and not any(  # a Path's said already
+            isinstance(k, type) and issubclass(k, os.PathLike) for k in kinds) else ""
         said += ", or None" if type(None) in kinds else ""
         default = defaults.get(name, dataclasses.MISSING)
         if bool in kinds:

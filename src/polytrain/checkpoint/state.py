@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import ConfigError, at_least, first_line
-from ..kinds import plain
+from ..kinds import check_kinds, plain
 from ..moe.checkpoint import full_keys
 from ..optim import placed_state
 from ..strategies.base import Strategy, Trainer, layout_of, strategy_of
@@ -225,6 +225,9 @@ def save(root: str | Path, model: nn.Module | Trainer,
             loop's sum of the losses over the workers, which a pipeline's last sends and
             pulls must not wait behind).
     """
+    # save(3, ...) was pathlib's TypeError, and extra=3 or run=3 "not iterable".
+    check_kinds(save, {"root": root, "extra": extra, "run": run}, paths=("root",),
+                what="save() ")
     _check_path("save() root", root, "pass save() the folder to write its step-S to")
     # step--1 or step-2.5 were written, which no load finds; "7", one every load refused.
     at_least("step", step, "pass save() the step count, a whole number from 0", 0, whole=True)
@@ -332,6 +335,9 @@ def load(path: str | Path, model: nn.Module | Trainer,
         resumed = polytrain.load("out/checkpoints", trainer, missing_ok=True)
         start = resumed.step if resumed else 0
     """
+    # load(3, ...) was pathlib's TypeError, and missing_ok="no" was taken for True.
+    check_kinds(load, {"path": path, "missing_ok": missing_ok}, paths=("path",),
+                what="load() ")
     _check_path("load() path", path, "pass load() the folder polytrain.save() wrote to, or a "
                 "run's --out")
     trainer = model if isinstance(model, Trainer) else None
