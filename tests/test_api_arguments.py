@@ -49,8 +49,8 @@ def distributed(**change):
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("change, said", [
     ({"model": None}, r"^distribute\(\) model must be a torch\.nn\.Module \(got None\)\. HINT: "),
-    ({"optimizer": None}, r"^distribute\(\) optimizer must be a torch\.optim\.Optimizer \(got "
-                          r"None\)\. HINT: "),
+    ({"optimizer": None}, r"^distribute\(\) optimizer must be an optimizer \(param_groups and "
+                          r"step\(\), as torch\.optim\.Optimizer's\) \(got None\)\. HINT: "),
     ({"ctx": "x"}, r"^distribute\(\) ctx must be polytrain\.init\(\)'s Context, or None \(got "
                    r"'x'\)\. HINT: "),
     ({"loss_fn": 3}, r"^distribute\(\) loss_fn must be a function loss_fn\(outputs, targets\), "
@@ -63,6 +63,36 @@ def test_distributes_arguments_of_another_kind_are_refused_by_name(change, said)
     with pytest.raises(ConfigError, match=said) as e:
         distributed(**change)
     assert "\n" not in str(e.value)
+
+
+class Wrapping:
+    """An optimizer wrapper that is no torch.optim.Optimizer (as apex's FP16_Optimizer,
+    DeepSpeed's): what distribute() uses of an optimizer, passed through."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.param_groups, self.state = inner.param_groups, inner.state
+
+    def step(self, closure=None):
+        return self.inner.step(closure)
+
+    def zero_grad(self, set_to_none=True):
+        self.inner.zero_grad(set_to_none)
+
+    def state_dict(self):
+        return self.inner.state_dict()
+
+
+@pytest.mark.timeout(30)
+def test_distribute_takes_an_optimizer_wrapper_that_is_no_optimizer_subclass():
+    # The argument check refused it (isinstance torch.optim.Optimizer), where it had worked.
+    model = nn.Linear(4, 2)
+    _, opt = distributed(model=model,
+                         optimizer=Wrapping(torch.optim.SGD(model.parameters(), lr=0.1)))
+    before = model.weight.detach().clone()
+    model(torch.ones(1, 4)).sum().backward()
+    opt.step()
+    assert not torch.equal(model.weight, before)
 
 
 @pytest.mark.timeout(30)

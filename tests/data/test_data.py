@@ -179,3 +179,13 @@ def test_shards_arguments_of_another_kind_are_refused_by_name(args, said):
         shard(*args)
     assert "\n" not in str(e.value)
 
+
+
+def test_shard_takes_whole_numbers_of_numpy_and_one_element_int_tensors():
+    # The argument check refused torch.tensor(1) (an index a broadcast carried), which had
+    # worked: 0-d int tensors index and divide as ints do.
+    batch = torch.arange(8)
+    assert shard(batch, torch.tensor(1), torch.tensor(2)).tolist() == [4, 5, 6, 7]
+    assert shard(batch, np.int64(0), np.int32(4)).tolist() == [0, 1]
+    with pytest.raises(ConfigError, match=r"index must be a whole number"):
+        shard(batch, torch.tensor(True), 2)

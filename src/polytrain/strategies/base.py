@@ -638,8 +638,12 @@ def _check_arguments(model: Any, optimizer: Any, ctx: Any, loss_fn: Any) -> None
     for name, value, ok, said, hint in (
             ("model", model, isinstance(model, (nn.Module, Trainer)), "a torch.nn.Module",
              "pass the model to train"),
-            ("optimizer", optimizer, isinstance(optimizer, torch.optim.Optimizer),
-             "a torch.optim.Optimizer", "pass, say, torch.optim.Adam(model.parameters())"),
+            # What polytrain uses of it: a wrapper that is no subclass (apex's, DeepSpeed's)
+            # passes, as it worked before.
+            ("optimizer", optimizer, hasattr(optimizer, "param_groups")
+             and callable(getattr(optimizer, "step", None)),
+             "an optimizer (param_groups and step(), as torch.optim.Optimizer's)",
+             "pass, say, torch.optim.Adam(model.parameters())"),
             # (a stand-in with a device, as a test's for 'single', passes)
             ("ctx", ctx, ctx is None or isinstance(ctx, Context) or hasattr(ctx, "device"),
              "polytrain.init()'s Context, or None", "pass ctx=polytrain.init(), or leave it "
