@@ -384,7 +384,12 @@ def set_then_get(times: int) -> list[float]:
 def heartbeat_unwritable(seconds: float) -> int:
     """Its heartbeat's record cannot be written (as on a full disk: here a directory takes
     the temporary file's name), and it works on for ``seconds``."""
-    os.mkdir(os.environ["POLYTRAIN_HEARTBEAT_FILE"] + ".tmp")
+    while True:
+        try:
+            os.mkdir(os.environ["POLYTRAIN_HEARTBEAT_FILE"] + ".tmp")
+            break
+        except FileExistsError:  # the heartbeat thread's own write, renamed in a moment
+            time.sleep(0.01)
     time.sleep(seconds)
     return 7
 
