@@ -1352,3 +1352,17 @@ def test_launchs_arguments_of_another_kind_are_refused_before_any_process_starts
     with pytest.raises(ConfigError, match=said) as e:
         polytrain.launch(**{"fn": print, **change})
     assert "\n" not in str(e.value) and started == []
+
+
+@pytest.mark.timeout(30)
+def test_launch_unpacks_args_of_any_iterable_as_it_did(monkeypatch):
+    # The argument check refused a numpy array or a generator as args (not a Sequence),
+    # which launch() had unpacked as fn(*args).
+    import numpy as np
+
+    started = []
+    monkeypatch.setattr(launcher.Launcher, "run_fn",
+                        lambda self, fn, args, kw: started.append(args))
+    polytrain.launch(print, args=np.arange(2))
+    polytrain.launch(print, args=(i for i in "ab"))
+    assert [list(a) for a in started] == [[0, 1], ["a", "b"]]

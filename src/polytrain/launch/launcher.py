@@ -20,7 +20,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Collection, Mapping, Sequence
+from typing import Any, Callable, Collection, Iterable, Mapping, Sequence
 
 from .. import _env
 from ..errors import ConfigError, LaunchError, check_whole
@@ -1098,6 +1098,9 @@ def launch(fn: Callable[..., Any], *, workers: int = 1, nodes: int = 1, servers:
     """
     # Before any process starts: launch(42) started processes that died, env=["A"] was an
     # AttributeError, rank_prefix="no" was taken for True, and args="abc" was fn('a', 'b', 'c').
+    # Other iterables (a numpy array, a generator) were unpacked, as fn(*args): still so.
+    if not isinstance(args, (str, bytes, Sequence)) and isinstance(args, Iterable):
+        args = tuple(args)
     check_kinds(launch, {"fn": fn, "args": args, "kwargs": kwargs, "env": env,
                          "rank_prefix": rank_prefix}, what="launch() ")
     if isinstance(args, (str, bytes)):
