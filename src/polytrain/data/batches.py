@@ -160,12 +160,10 @@ def shard(batch: torch.Tensor, index: int, count: int) -> torch.Tensor:
         raise ConfigError(f"shard() takes a global batch as a torch.Tensor (got type "
                           f"{type(batch).__name__})",
                           "pass torch.as_tensor(batch), whose dim 0 is the samples")
-    if isinstance(index, torch.Tensor) and index.dim() == 0 and not index.is_floating_point() \
-            and index.dtype != torch.bool:  # one a broadcast carried, as it worked before
-        index = int(index)
-    if isinstance(count, torch.Tensor) and count.dim() == 0 and not count.is_floating_point() \
-            and count.dtype != torch.bool:
-        count = int(count)
+    # A 0-d int tensor (one a broadcast carried) as an int, as it worked before.
+    index, count = (int(v) if isinstance(v, torch.Tensor) and v.dim() == 0
+                    and not v.is_floating_point() and v.dtype != torch.bool else v
+                    for v in (index, count))
     for name, value in (("index", index), ("count", count)):  # True was a count of 1
         check_whole(f"shard() {name}", value,
                     "pass shard(batch, ctx.worker_index, ctx.num_workers)")
