@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
-from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Callable, Collection, Iterable, Mapping, Sequence
 
 from .topology import Topology
 
 __all__ = ["TrafficMeter", "MeterReport", "MachineTraffic", "NicCounters", "machine_traffic",
-           "server_traffic", "sent_bytes_by_step", "SENT", "RECV"]
+           "server_traffic", "sent_bytes_by_step", "without_steps", "SENT", "RECV"]
 
 SENT = "sent"
 RECV = "recv"
@@ -218,6 +218,25 @@ def machine_traffic(reports: Sequence[MeterReport], topology: Topology, *,
                            sent[m], recv[m], m in estimated,
                            *(nics[m] if m in nics else (None, None)))
             for m in topology.machines]
+
+
+def without_steps(report: MeterReport, steps: Collection[int]) -> MeterReport:
+    """``report`` less the given steps (indices into its steps): their bytes and their NICs'
+    (the counters after each later step go down by what the counters grew in them)."""
+    if not steps:
+        return report
+    nics = report.nics[:1]
+    off: dict[str, tuple[int, int]] = {}
+    for i, (before, after) in enumerate(zip(report.nics, report.nics[1:])):
+        if i in steps:
+            off = {m: (off.get(m, (0, 0))[0] + after[m][0] - before[m][0],
+                       off.get(m, (0, 0))[1] + after[m][1] - before[m][1])
+                   for m in after if m in before}
+        else:
+            nics.append({m: (sent - off.get(m, (0, 0))[0], recv - off.get(m, (0, 0))[1])
+                         for m, (sent, recv) in after.items()})
+    return replace(report, nics=nics,
+                   steps=[s for i, s in enumerate(report.steps) if i not in steps])
 
 
 def sent_bytes_by_step(reports: Sequence[MeterReport], topology: Topology) -> list[float]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import statistics
@@ -12,7 +11,13 @@ from typing import Any, Collection, Sequence
 import torch
 
 from ..checkpoint.manifest import write_atomically
-from ..comm.meter import MeterReport, machine_traffic, sent_bytes_by_step, server_traffic
+from ..comm.meter import (
+    MeterReport,
+    machine_traffic,
+    sent_bytes_by_step,
+    server_traffic,
+    without_steps,
+)
 from ..comm.topology import Topology
 
 __all__ = ["warmup_steps", "steady", "step_times", "build_metrics", "write_metrics"]
@@ -71,7 +76,7 @@ def build_metrics(*, config: Any, losses: Sequence[float], times: Sequence[float
             # No steady step is left: no figure (0, as step_time_s's), not the cold first
             # step's that the window falls back on for a run resumed near its end.
             out = set(range(len(measured)))
-        steps = [_without(r, out) for r in reports]
+        steps = [without_steps(r, out) for r in reports]
         machines = [m.as_dict() for m in machine_traffic(steps, topology, warmup=skip)]
         servers = server_traffic(steps, topology, warmup=skip)
     auto = getattr(config, "auto", None)
@@ -123,25 +128,6 @@ def build_metrics(*, config: Any, losses: Sequence[float], times: Sequence[float
         },
         "versions": {"polytrain": polytrain.__version__, "torch": torch.__version__},
     }
-
-
-def _without(report: MeterReport, steps: Collection[int]) -> MeterReport:
-    """``report`` less the given steps (indices into its steps): their bytes and their NICs'
-    (the counters after each later step go down by what the counters grew in them)."""
-    if not steps:
-        return report
-    nics = report.nics[:1]
-    off: dict[str, tuple[int, int]] = {}
-    for i, (before, after) in enumerate(zip(report.nics, report.nics[1:])):
-        if i in steps:
-            off = {m: (off.get(m, (0, 0))[0] + after[m][0] - before[m][0],
-                       off.get(m, (0, 0))[1] + after[m][1] - before[m][1])
-                   for m in after if m in before}
-        else:
-            nics.append({m: (sent - off.get(m, (0, 0))[0], recv - off.get(m, (0, 0))[1])
-                         for m, (sent, recv) in after.items()})
-    return dataclasses.replace(report, nics=nics,
-                               steps=[s for i, s in enumerate(report.steps) if i not in steps])
 
 
 def write_metrics(out: Path, metrics: dict[str, Any]) -> None:
