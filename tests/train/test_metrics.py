@@ -70,3 +70,21 @@ def test_a_step_that_re_planned_is_left_out_of_the_steady_traffic_and_times():
     b = next(m for m in short["traffic"]["machines"] if m["name"] == "b")
     assert b["recv_bytes_per_step"] == 0 and b.get("nic_recv_bytes_per_step") is None
     assert short["step_time_s"]["median"] == short["samples_per_s"] == 0
+
+
+def test_a_resumed_runs_traffic_counts_the_steps_its_step_times_count():
+    # The traffic and the step times each had a rule for a resumed run's steady steps: the
+    # times left out the whole run's warm-up and the resumed run's first step, the traffic
+    # the first warm-up-many steps of the resumed run's own (6 of a 60-step run: steps 51
+    # to 55 here, steady ones, were left out of the traffic only). One rule now.
+    topology = Topology.from_roles([("worker", "a"), ("worker", "b")])
+    own = [9000, 200, 200, 200, 200, 200, 100, 100, 100, 100]  # resumed at step 50 of 60
+    times = [0.1] * 50 + [0.9, 0.2, 0.2, 0.2, 0.2, 0.2, 0.1, 0.1, 0.1, 0.1]
+    config = TrainConfig(strategy="ddp", workers=2, nodes=2, steps=60)
+    metrics = build_metrics(config=config, losses=[1.0] * 60, times=times, model_bytes=8,
+                            topology=topology, wall_s=1.0, cold=[50],
+                            reports=[MeterReport(0, {}, [{(1, SENT, False): n} for n in own]),
+                                     MeterReport(1, {}, [{} for _ in own])])
+    a = next(m for m in metrics["traffic"]["machines"] if m["name"] == "a")
+    assert a["sent_bytes_per_step"] == pytest.approx((5 * 200 + 4 * 100) / 9)  # was 100
+    assert metrics["step_time_s"]["mean"] == pytest.approx((44 * 0.1 + 5 * 0.2 + 4 * 0.1) / 53)

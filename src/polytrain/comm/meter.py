@@ -265,7 +265,7 @@ def _stepped(reports: Sequence[MeterReport]) -> list[MeterReport]:
 def _steady_window(reports: Sequence[MeterReport], warmup: int) -> tuple[int, int]:
     """The steps every report has, less the first ``warmup`` ones: ``(first, end)``."""
     nsteps = min((len(r.steps) for r in reports), default=0)
-    # Fewer steps than the warm-up (a run resumed near its end): still not the cold first.
+    # Fewer steps than the warm-up (a short run's reports): still not the cold first.
     return (warmup if nsteps > warmup else min(1, nsteps - 1) if nsteps else 0), nsteps
 
 

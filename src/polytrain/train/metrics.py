@@ -28,13 +28,17 @@ def warmup_steps(count: int) -> int:
     return max(1, count // 10) if count > 1 else 0
 
 
+def steady_steps(count: int, cold: Collection[int] = ()) -> list[int]:
+    """The steady steps of ``count`` (indices): not the warm-up (:func:`warmup_steps`) nor
+    the ``cold`` steps (a resumed run's first, which its new processes take cold, as a
+    fresh run its first; a step whose strategy re-planned, moving state: Parallax's new
+    partition count, PipeTransformer's new plan)."""
+    return [i for i in range(warmup_steps(count), count) if i not in cold]
+
+
 def steady(values: Sequence[float], cold: Collection[int] = ()) -> list[float]:
-    """Drop the warm-up (:func:`warmup_steps`) and the ``cold`` steps (by index: a resumed
-    run's first, which its new processes take cold, as a fresh run its first; a step whose
-    strategy re-planned, moving state: Parallax's new partition count, PipeTransformer's
-    new plan)."""
-    first = warmup_steps(len(values))
-    return [v for i, v in enumerate(values) if i >= first and i not in cold]
+    """``values`` at the steady steps (:func:`steady_steps`)."""
+    return [values[i] for i in steady_steps(len(values), cold)]
 
 
 def step_times(times: Sequence[float], cold: Collection[int] = ()) -> dict[str, float]:
@@ -53,8 +57,9 @@ def build_metrics(*, config: Any, losses: Sequence[float], times: Sequence[float
 
     ``cold``: the steps (indices into ``times``) that are not steady state (:func:`steady`);
     the step times and the traffic leave them out, ``step_times`` and
-    ``sent_bytes_by_step`` keep them. (The traffic of a resumed run is its own steps' after
-    its warm-up.)
+    ``sent_bytes_by_step`` keep them. The traffic averages the steady steps that this run
+    measured (a resumed run measured its own only); where it measured none, it is 0, as the
+    step times are.
     """
     import polytrain
 
@@ -68,17 +73,12 @@ def build_metrics(*, config: Any, losses: Sequence[float], times: Sequence[float
         # A resumed run measured its own steps only: None for those before, so that the
         # list lines up with the losses.
         by_step = [None] * max(0, len(times) - len(measured)) + list(measured)
-        skip = warmup_steps(len(times))
-        # Cold steps after the warm-up (those in it are left out already), by this run's index.
+        # The steps the step times count, by this run's index: the others are taken out.
         first = len(times) - len(measured)
-        out = {i - first for i in cold if i - first >= skip}
-        if out and len(measured) - skip <= len(out):
-            # No steady step is left: no figure (0, as step_time_s's), not the cold first
-            # step's that the window falls back on for a run resumed near its end.
-            out = set(range(len(measured)))
-        steps = [without_steps(r, out) for r in reports]
-        machines = [m.as_dict() for m in machine_traffic(steps, topology, warmup=skip)]
-        servers = server_traffic(steps, topology, warmup=skip)
+        kept = {i - first for i in steady_steps(len(times), cold)}
+        steps = [without_steps(r, set(range(len(measured))) - kept) for r in reports]
+        machines = [m.as_dict() for m in machine_traffic(steps, topology, warmup=0)]
+        servers = server_traffic(steps, topology, warmup=0)
     auto = getattr(config, "auto", None)
     return {
         **({"auto": dict(auto)} if auto else {}),
