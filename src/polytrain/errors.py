@@ -12,7 +12,7 @@ __all__ = ["PolytrainError", "ConfigError", "LaunchError", "CommError", "CommTim
 # gloo's text for a receive cut off because another wait on the same group timed out.
 CLOSED_BY_TIMEOUT = "Application timeout caused pair closure"
 # torch's texts for a wait that ran out of time: gloo's, the store's, NCCL's watchdog.
-_TIMEOUT_MARKERS = ("Timed out", "timed out", "Timeout", "operation timeout")
+_TIMEOUT_MARKERS = ("Timed out", "timed out", "Timeout", "operation timeout", "wait timeout")
 
 
 class PolytrainError(Exception):

@@ -78,3 +78,13 @@ def test_ddps_own_first_copy_that_times_out_is_named_as_broadcast_modules_is(mon
                                           r"buffers\) to every worker at the start did not "
                                           r"arrive within --timeout 10 s"):
         strategy.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_a_store_wait_that_timed_out_is_read_as_a_wait_for_a_peer():
+    # A worker spinning at PipeTransformer's freeze point (new groups: their set-up waits
+    # on the store) was not named: the waiting worker's DistStoreError ("wait timeout
+    # after 10000ms") did not read as a timeout, so the launcher took it for that worker's
+    # own failure and named it, not the spinning one (benchmarks/faults.py busy-hang).
+    waited = torch.distributed.DistStoreError("wait timeout after 10000ms, keys: /group/2")
+    assert _waited_s(waited) == 10.0
+    assert _waited_s(RuntimeError("the model's weights differ")) is None

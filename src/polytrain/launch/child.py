@@ -278,8 +278,9 @@ def _waited_s(exc: BaseException) -> float | None:
     if not is_timeout(exc):
         return None
     waited = getattr(exc, "waited_s", None)
-    if waited is None and (m := re.search(r"Timed out waiting (\d+)ms", str(exc))):
-        waited = int(m.group(1)) / 1e3  # gloo's text
+    if waited is None and (m := re.search(r"(?:Timed out waiting|wait timeout after) (\d+)ms",
+                                          str(exc))):
+        waited = int(m.group(1)) / 1e3  # gloo's text, the store's
     return float(waited or 0.0)
 
 
