@@ -8,9 +8,25 @@ with the uninterrupted run's weights (``final.pt`` bit for bit; asynchronous
 BytePS: the loss fell instead), and how many trained steps were lost beyond
 the last checkpoint (must be none: a restart redoes only steps after it).
 
-    ./dev bench faults                                # everything (about 15 minutes here)
+After every row it also looks for what the run left behind besides processes: its
+shared-memory folders (``/dev/shm/polytrain-run-PID-*``), network namespaces (``ip netns
+list``, claimed by this process) and work directories (``/tmp/polytrain-PID-*``), new since
+the row began and of this process or the launcher it started (``leftovers``).
+
+Faults (``--faults``): worker 1 killed (``kill-worker``), worker 0 killed (``kill-worker0``:
+the rendezvous host, the process that writes checkpoints), the last server killed, worker 1
+stopped (``sigstop``), raising (``raise``, SIGUSR1) or spinning in a Python busy loop
+(``busy-hang``: its heartbeat thread runs on; SIGRTMIN+2 through ``tests/faults.py``'s
+``spin_env``, a ``sitecustomize`` of the benchmark's, no hook in polytrain), all shortly after
+step 20 is saved; worker 1 killed as soon as it exists (``kill-setup``: before any
+checkpoint or step); worker 0 killed while it writes step 20 (``kill-in-save``: once the
+save's temporary directory appears, before its rename; the restart must come back from step
+10); the launcher killed; the newest checkpoint cut short on disk (``truncated``).
+
+    ./dev bench faults                                # everything (about 25 minutes here)
     ./dev bench faults --strategies ddp,moe --faults kill-worker,sigstop
     ./dev bench faults --strategies herring,parallax --faults kill-worker,kill-server
+    ./dev bench faults --strategies ddp --faults kill-worker0,kill-setup,kill-in-save,busy-hang
 
 Results merge into benchmarks/results/faults.json (one entry per strategy and fault).
 """
@@ -24,17 +40,20 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
-from tests.faults import Injector, alive, children  # noqa: E402
+from tests.faults import SPIN, Injector, alive, children, spin_env  # noqa: E402
 
 from polytrain import LaunchError, TrainConfig  # noqa: E402
+from polytrain.checkpoint.manifest import temporary_dir  # noqa: E402
 from polytrain.train import run_config  # noqa: E402
 
 TINY = {"seq_len": 16, "d_model": 32, "layers": 2}
@@ -62,7 +81,39 @@ STRATEGIES: dict[str, dict[str, Any]] = {
                             strategy_options={"freeze_every": 20, "freeze_threshold": 100.0,
                                               "freeze_alpha": 0.5}),
 }
-FAULTS = ["kill-worker", "kill-server", "sigstop", "raise", "kill-launcher", "truncated"]
+
+
+@dataclass(frozen=True)
+class Injection:
+    """A fault made by signalling one process of a running run (``--max-restarts 1``)."""
+
+    role: str
+    rank: int  # -1: the role's highest rank (the last server)
+    sig: int
+    # When: "checkpoint", shortly after step FAULT_AT is saved; "saving", as soon as step
+    # FAULT_AT's temporary directory appears (the save under way, before its rename);
+    # "start", as soon as the process is listed (before any step or checkpoint).
+    trigger: str
+    hang: bool = False  # found as a hang: the run gets --timeout HANG_TIMEOUT_S
+    spin: bool = False  # the run's processes start with spin_env() (SPIN makes them spin)
+
+
+FAULT_AT = 2 * EVERY  # between the second and third checkpoints
+INJECTIONS: dict[str, Injection] = {
+    "kill-worker": Injection("worker", 1, signal.SIGKILL, "checkpoint"),
+    "kill-server": Injection("server", -1, signal.SIGKILL, "checkpoint"),
+    "sigstop": Injection("worker", 1, signal.SIGSTOP, "checkpoint", hang=True),
+    "raise": Injection("worker", 1, signal.SIGUSR1, "checkpoint"),
+    "kill-worker0": Injection("worker", 0, signal.SIGKILL, "checkpoint"),
+    "kill-setup": Injection("worker", 1, signal.SIGKILL, "start"),
+    "kill-in-save": Injection("worker", 0, signal.SIGKILL, "saving"),
+    "busy-hang": Injection("worker", 1, SPIN, "checkpoint", hang=True, spin=True),
+}
+FAULTS = ["kill-worker", "kill-server", "sigstop", "raise", "kill-launcher", "truncated",
+          "kill-worker0", "kill-setup", "kill-in-save", "busy-hang"]
+# After the fault, the longest wait for the launcher's report before the benchmark interrupts
+# the run (SIGINT to itself) and records a miss; and for the whole run.
+REPORT_LIMIT_S, RUN_LIMIT_S = 150.0, 900.0
 SYNC = {"ddp", "byteps", "moe", "hetpipe", "herring", "parallax", "pipetransformer"}
 
 
@@ -80,6 +131,40 @@ def same(a: Path, b: Path) -> tuple[bool, float]:
     return all(torch.equal(x[k], y[k]) for k in x), diff
 
 
+def injector(fault: str, out: Path) -> Injector:
+    """The (not yet started) Injector of ``fault`` for the run writing to ``out``."""
+    kind = INJECTIONS[fault]
+    checkpoints = out / "checkpoints"
+    if kind.trigger == "checkpoint":
+        return Injector(kind.role, kind.rank, sig=kind.sig,
+                        trigger=checkpoints / f"step-{FAULT_AT}", delay_s=0.05)
+    if kind.trigger == "saving":  # the save's own temporary name (checkpoint/manifest.py)
+        return Injector(kind.role, kind.rank, sig=kind.sig,
+                        trigger=temporary_dir(checkpoints, FAULT_AT), poll_s=0.001)
+    if kind.trigger == "start":
+        return Injector(kind.role, kind.rank, sig=kind.sig, trigger=None, poll_s=0.005,
+                        folder=checkpoints)
+    raise ValueError(f"unknown trigger {kind.trigger!r} of fault {fault!r}")
+
+
+def _watch(inj: Injector, heard: list[tuple[float, str]], done: threading.Event,
+           why: list[str]) -> None:
+    """Interrupt this process's run (SIGINT, as Ctrl-C) where no report came within
+    REPORT_LIMIT_S of the fault or the run took RUN_LIMIT_S: a miss measured, not a hang of
+    the benchmark."""
+    began = time.monotonic()
+    while not done.wait(0.5):
+        now = time.monotonic()
+        if inj.sent_at is not None and not heard and now - inj.sent_at > REPORT_LIMIT_S:
+            why.append(f"no report {REPORT_LIMIT_S:.0f} s after the fault: interrupted")
+        elif now - began > RUN_LIMIT_S:
+            why.append(f"the run took over {RUN_LIMIT_S:.0f} s: interrupted")
+        else:
+            continue
+        os.kill(os.getpid(), signal.SIGINT)
+        return
+
+
 def one(name: str, fault: str, reference: Path, tmp: Path) -> dict[str, Any]:
     out = tmp / f"{name}-{fault}"
     row: dict[str, Any] = {"strategy": name, "fault": fault}
@@ -90,43 +175,92 @@ def one(name: str, fault: str, reference: Path, tmp: Path) -> dict[str, Any]:
         return {**row, **truncated(name, reference, out)}
     if fault == "kill-launcher":
         return {**row, **kill_launcher(name, reference, out)}
-    role, rank, sig = {"kill-worker": ("worker", 1, signal.SIGKILL),
-                       "kill-server": ("server", -1, signal.SIGKILL),
-                       "sigstop": ("worker", 1, signal.SIGSTOP),
-                       "raise": ("worker", 1, signal.SIGUSR1)}[fault]
-    timeout = HANG_TIMEOUT_S if fault == "sigstop" else 30.0
-    fault_at = 2 * EVERY  # between the second and third checkpoints
-    inj = Injector(role, rank, sig=sig, trigger=out / "checkpoints" / f"step-{fault_at}",
-                   delay_s=0.05).start()
-    heard: list[tuple[float, str]] = []
+    kind = INJECTIONS[fault]
+    timeout = HANG_TIMEOUT_S if kind.hang else 30.0
+    env = {**ENV, **spin_env(tmp / "spin")} if kind.spin else ENV
     started = time.monotonic()
+    inj = injector(fault, out).start()
+    heard: list[tuple[float, str]] = []
+    done, why = threading.Event(), list[str]()
+    threading.Thread(target=_watch, args=(inj, heard, done, why), daemon=True).start()
+    metrics: dict[str, Any] | None = None
+    error: str | None = None
     try:
-        metrics = run_config(config_of(name, out, timeout_s=timeout, max_restarts=1), env=ENV,
+        metrics = run_config(config_of(name, out, timeout_s=timeout, max_restarts=1), env=env,
                              report=lambda line: heard.append((time.monotonic(), line)))
-    except LaunchError as e:
-        return {**row, "error": str(e), "restarted": False}
+    except (LaunchError, KeyboardInterrupt) as e:
+        error = "; ".join(why + [f"{type(e).__name__}: {e}"])
+    finally:
+        done.set()
     inj.join()
-    if inj.sent_at is None or not heard:
-        return {**row, "error": "the fault was not injected before the run ended",
-                "wall_s": time.monotonic() - started}
+    row["wall_s"] = round(time.monotonic() - started, 1)
+    if inj.sent_at is None:
+        return {**row, "restarted": False,
+                "error": error or "the fault was not injected before the run ended"}
+    row["left_running"] = sorted(p for p in inj.pids.values() if alive(p))
+    for pid in row["left_running"]:  # measured above; this run's, not to spin on for minutes
+        os.kill(pid, signal.SIGKILL)
+    if kind.trigger == "saving":  # cut short: its temporary directory there and no step-S
+        row["save_cut_short"] = (temporary_dir(out, FAULT_AT).name in inj.listing
+                                 and f"step-{FAULT_AT}" not in inj.listing)
+        row["save_files_at_fault"] = inj.trigger_listing
+    if kind.trigger == "start":  # before any checkpoint: seconds into the run, what was saved
+        row["fired_after_s"] = round(inj.sent_at - started, 2)
+        row["checkpoints_at_fault"] = [n for n in inj.listing if n.startswith("step-")]
+    if not heard:  # the run stopped without a restart (its error) or never stopped
+        return {**row, "restarted": False, "named": None,
+                "error": error or "the run ended without a report of the fault"}
     when, line = heard[0]
-    machine = inj.machine
     row.update({
         "stopped_s": round(when - inj.sent_at, 2),
+        "timeout_s": timeout,
         "report": line,
-        "named": f"{role} rank {inj.rank} (machine {machine}" in line,
-        "left_running": sorted(p for p in inj.pids.values() if alive(p)),
-        "restarted": metrics.get("restarts") == 1,
+        "named": f"{kind.role} rank {inj.rank} (machine {inj.machine}" in line,
         "resumed_at": int(line.rsplit("step-", 1)[1]) if "step-" in line else 0,
-        "losses_equal": None, "wall_s": round(time.monotonic() - started, 1),
+        "losses_equal": None,
     })
     # Checkpointed work lost: the newest checkpoint on disk at the fault, minus where the
     # restart resumed (0: nothing that was checkpointed was lost).
     row["newest_checkpoint_at_fault"] = inj.newest_step
     row["lost_checkpointed_steps"] = max(0, inj.newest_step - row["resumed_at"])
+    if metrics is None:  # reported, and then the restart failed too
+        return {**row, "restarted": False, "error": error}
+    row["restarted"] = metrics.get("restarts") == 1
+    row["temporary_left"] = sorted(p.name for p in (out / "checkpoints").glob(".step-*"))
     ref = json.loads((reference / "metrics.json").read_text())
     row.update(outcome(name, reference, out, ref, metrics))
     return row
+
+
+def leftovers_now() -> dict[str, list[str]]:
+    """polytrain's shared-memory folders, network namespaces and work directories now."""
+    try:
+        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True,
+                                timeout=10).stdout.split("\n")
+    except (OSError, subprocess.SubprocessError):
+        listed = []
+    return {"shm": sorted(p.name for p in Path("/dev/shm").glob("polytrain-*")),
+            "netns": sorted(line.split()[0] for line in listed if line.startswith("pt-")),
+            "tmp": sorted(p.name for p in Path(tempfile.gettempdir()).glob("polytrain-*"))}
+
+
+def leftovers(before: dict[str, list[str]], owners: set[int]) -> dict[str, list[str]]:
+    """What of :func:`leftovers_now` is new since ``before`` and made by a launcher in
+    ``owners`` (its pid in the name; a namespace: in its run's claim): other jobs' runs on
+    this machine are left out."""
+    after = leftovers_now()
+
+    def mine(kind: str, name: str) -> bool:
+        if kind == "netns":
+            claim = Path("/run/polytrain/netns") / f"{name[3:].split('-')[0]}.json"
+            try:
+                return int(json.loads(claim.read_text())["pid"]) in owners
+            except (OSError, ValueError, KeyError, TypeError):
+                return False
+        rest = name.split("-run-", 1)[1] if kind == "shm" else name.split("-", 1)[1]
+        return rest.split("-", 1)[0] in {str(p) for p in owners}
+
+    return {k: [n for n in after[k] if n not in before[k] and mine(k, n)] for k in after}
 
 
 def outcome(name: str, reference: Path, out: Path, ref: dict[str, Any],
@@ -194,6 +328,7 @@ def kill_launcher(name: str, reference: Path, out: Path) -> dict[str, Any]:
     ref = json.loads((reference / "metrics.json").read_text())
     resumed = metrics["checkpoints"]["resumed_at"]
     return {"stopped_s": round(gone_s, 2), "named": None, "processes": len(pids),
+            "launcher_pid": launcher.pid,
             "left_running": left, "restarted": True, "resumed_at": resumed,
             "newest_checkpoint_at_fault": newest,
             "lost_checkpointed_steps": max(0, newest - resumed),
@@ -202,7 +337,7 @@ def kill_launcher(name: str, reference: Path, out: Path) -> dict[str, Any]:
             **outcome(name, reference, out, ref, metrics)}
 
 
-def _flags(options: dict[str, Any]) -> list[str]:
+def _flags(options: Mapping[str, Any]) -> list[str]:
     """The CLI flags of a config's model or strategy options (``async_`` is ``--async``)."""
     flags: list[str] = []
     for key, value in options.items():
@@ -214,32 +349,76 @@ def _flags(options: dict[str, Any]) -> list[str]:
     return flags
 
 
+def misses(r: dict[str, Any]) -> list[str]:
+    """What of row ``r`` missed the contract: the fault not stopped (within --timeout for a
+    hang), not named, a process or file left behind, no restart, checkpointed steps lost,
+    other weights; as measured (a row saved before a check existed is not held to it)."""
+    out: list[str] = []
+    if "error" in r:
+        out.append("stopped with an error, no restart")
+    if r.get("named") is False:
+        out.append("not named")
+    if r.get("left_running"):
+        out.append(f"{len(r['left_running'])} left running")
+    hang_limit = r.get("timeout_s")
+    hang = r["fault"] in INJECTIONS and INJECTIONS[r["fault"]].hang
+    if hang and hang_limit is not None and r.get("stopped_s") is not None \
+            and r["stopped_s"] > hang_limit:
+        out.append(f"stopped after --timeout {hang_limit:g}")
+    if r.get("save_cut_short") is False:
+        out.append("the kill came after the save was whole (not cut short)")
+    if r.get("lost_checkpointed_steps"):
+        out.append(f"lost {r['lost_checkpointed_steps']} checkpointed steps")
+    if r.get("same_weights") is False:
+        out.append("other weights")
+    if r.get("loss_fell") is False:
+        out.append("the loss did not fall")
+    if r.get("restarted") is False and "error" not in r:
+        out.append("did not come back")
+    if r.get("temporary_left"):
+        out.append(f"left {', '.join(r['temporary_left'])}")
+    for kind, names in (r.get("leftovers") or {}).items():
+        if names:
+            out.append(f"left {len(names)} {kind}")
+    return out
+
+
 def table(rows: list[dict[str, Any]]) -> str:
-    """The docs' table: one line per strategy and fault, every miss shown as measured."""
+    """The docs' table: one line per strategy and fault, every miss shown as measured.
+    "left behind": new shared-memory folders / network namespaces / work directories of the
+    run after it ("-": a row measured before they were looked for)."""
     def yes(v: Any) -> str:
         return "n/a" if v is None else "yes" if v is True else "no" if v is False else str(v)
 
-    lines = ["| strategy | fault | stopped (s) | named | left running | came back | resumed at "
-             "| same weights | lost |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| strategy | fault | stopped (s) | named | left running | left behind (shm/netns/"
+             "tmp) | came back | resumed at | same weights | lost | misses |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         if not r.get("applies", True):
-            lines.append(f"| {r['strategy']} | {r['fault']} | - | - | - | - | - | - | "
+            lines.append(f"| {r['strategy']} | {r['fault']} | - | - | - | - | - | - | - | - | "
                          f"n/a: {r['note']} |")
             continue
+        left = r.get("leftovers")
+        behind = "-" if left is None else "/".join(str(len(left.get(k, [])))
+                                                  for k in ("shm", "netns", "tmp"))
+        stopped = "-" if r.get("stopped_s") is None else f"{r['stopped_s']:.2f}"
+        running = "-" if "left_running" not in r else str(len(r["left_running"]))
+        missed = "; ".join(f"**{m}**" for m in misses(r)) or "none"
         if "error" in r:
-            lines.append(f"| {r['strategy']} | {r['fault']} | **failed**: {r['error'][:120]} "
-                         f"| | | | | | |")
+            error = r["error"].replace("|", "/").replace("\n", " ")[:160]
+            lines.append(f"| {r['strategy']} | {r['fault']} | {stopped} | "
+                         f"{yes(r.get('named'))} | {running} | {behind} | **no**: {error} | "
+                         f"- | - | - | {missed} |")
             continue
         same = yes(r.get("same_weights"))
         if r.get("same_weights") is None and "loss_fell" in r:
             same = f"n/a (async; loss fell: {yes(r['loss_fell'])})"
         elif r.get("same_weights") is False:
             same = f"**no** (max diff {r['max_abs_diff']:.3g})"
-        stopped = "-" if r.get("stopped_s") is None else f"{r['stopped_s']:.2f}"
         lines.append(f"| {r['strategy']} | {r['fault']} | {stopped} | {yes(r.get('named'))} | "
-                     f"{len(r.get('left_running', []))} | {yes(r.get('restarted'))} | "
+                     f"{running} | {behind} | {yes(r.get('restarted'))} | "
                      f"{r.get('resumed_at', '-')} | {same} | "
-                     f"{r.get('lost_checkpointed_steps', '-')} |")
+                     f"{r.get('lost_checkpointed_steps', '-')} | {missed} |")
     return "\n".join(lines)
 
 
@@ -250,6 +429,11 @@ def main() -> None:
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "faults.json"))
     p.add_argument("--table", action="store_true", help="print the saved results' table only")
     a = p.parse_args()
+    unknown = [f for f in a.faults.split(",") if f not in FAULTS] + \
+        [s for s in a.strategies.split(",") if s not in STRATEGIES]
+    if unknown:
+        p.error(f"unknown {', '.join(unknown)}: the faults are {', '.join(FAULTS)}; the "
+                f"strategies {', '.join(STRATEGIES)}")
     torch.set_num_threads(1)
     path = Path(a.out)
     results = json.loads(path.read_text()) if path.exists() else {"rows": []}
@@ -267,11 +451,15 @@ def main() -> None:
             run_config(config_of(name, reference), env=ENV)
             for fault in a.faults.split(","):
                 t0 = time.monotonic()
+                before = leftovers_now()
                 try:
                     row = one(name, fault, reference, tmp)
                 except Exception as e:  # noqa: BLE001 - a benchmark records every outcome
                     row = {"strategy": name, "fault": fault, "applies": True,
                            "error": f"{type(e).__name__}: {e}"}
+                if row.get("applies", True):
+                    row["leftovers"] = leftovers(before, {os.getpid(),
+                                                          row.get("launcher_pid", 0)})
                 row["bench_s"] = round(time.monotonic() - t0, 1)
                 rows[(name, fault)] = row
                 print(json.dumps(row), flush=True)
