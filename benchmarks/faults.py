@@ -364,7 +364,7 @@ def misses(r: dict[str, Any]) -> list[str]:
     hang = r["fault"] in INJECTIONS and INJECTIONS[r["fault"]].hang
     if hang and hang_limit is not None and r.get("stopped_s") is not None \
             and r["stopped_s"] > hang_limit:
-        out.append(f"stopped after --timeout {hang_limit:g}")
+        out.append(f"stopped {r['stopped_s'] - hang_limit:.2f} s past --timeout {hang_limit:g}")
     if r.get("save_cut_short") is False:
         out.append("the kill came after the save was whole (not cut short)")
     if r.get("lost_checkpointed_steps"):
@@ -449,7 +449,7 @@ def main() -> None:
         for name in a.strategies.split(","):
             reference = tmp / f"{name}-reference"
             run_config(config_of(name, reference), env=ENV)
-            for fault in a.faults.split(","):
+            for fault in dict.fromkeys(a.faults.split(",")):  # once each: one --out a row
                 t0 = time.monotonic()
                 before = leftovers_now()
                 try:

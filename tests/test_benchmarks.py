@@ -135,7 +135,7 @@ def test_the_fault_table_shows_what_was_left_behind_and_every_miss(monkeypatch):
     assert len({line.count("|") for line in lines}) == 1, lines  # every row, every column
     assert "left behind (shm/netns/tmp)" in lines[0] and "misses" in lines[0]
     assert lines[2].endswith("| 0/0/0 | yes | 20 | yes | 0 | none |"), lines[2]
-    for miss in ("not named", "1 left running", "stopped after --timeout 10",
+    for miss in ("not named", "1 left running", "stopped 2.50 s past --timeout 10",
                  "lost 10 checkpointed steps", "left 1 shm"):
         assert f"**{miss}**" in lines[3], (miss, lines[3])
     assert "| - | yes |" in lines[4] and lines[4].endswith("| none |"), lines[4]
