@@ -144,6 +144,12 @@ class Context:
     def is_leader(self) -> bool:
         return self.rank in self.topology.leaders
 
+    @property
+    def store(self) -> Any:
+        """The run's key-value store (torch's c10d store of its rendezvous, on rank 0): small
+        records any rank writes and reads without waiting for its peers."""
+        return dist.distributed_c10d._get_default_store()
+
     def set_label(self, label: str) -> None:
         """Say what this process is (``virtual worker 1 stage 0``) in logs and failure reports.
 

@@ -21,6 +21,7 @@ every worker sees (the local launcher's, or a cluster's shared storage).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -28,15 +29,16 @@ import logging
 import random
 import shutil
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Collection, Literal, Mapping, Sequence, overload
+from typing import Any, Callable, Collection, Iterator, Literal, Mapping, Sequence, overload
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..errors import ConfigError, at_least, first_line
+from ..errors import CommError, ConfigError, at_least, first_line, is_timeout
 from ..kinds import check_kinds, plain
 from ..moe.checkpoint import full_keys
 from ..optim import placed_state
@@ -146,6 +148,87 @@ def _gather(group: Any, count: int, value: Any) -> list[Any]:
     return out
 
 
+#: This process's count of its save() and load() calls in each run (by its context): the n
+#: of "save #n", alike on every worker that makes every call.
+_calls: weakref.WeakKeyDictionary[Any, dict[str, int]] = weakref.WeakKeyDictionary()
+
+
+@contextlib.contextmanager
+def _collective(call: str, strategy: Strategy[Any], where: str) -> Iterator[None]:
+    """Around the collective work of ``call`` (``"save"``, ``"load"``; ``where``: ``"at step
+    40, into DIR"``): this worker records in the run's store, without waiting, that it
+    reached its call #n; where a wait inside fails (a timeout, a peer gone) and some
+    workers never reached call #n, it raises that rule broken, naming them. Before, one
+    called on worker 0 alone failed as gloo's timeout, naming whichever worker's wait ran
+    out first. (A check-in that waited for every worker before each call refused good
+    saves: workers reach them at other times, worker 0 evaluating first.)"""
+    ctx = strategy.ctx
+    if ctx is None or ctx.num_workers == 1:
+        yield
+        return
+    calls = _calls.setdefault(ctx, {})
+    n = calls[call] = calls.get(call, 0) + 1
+    try:
+        ctx.store.set(_reached_key(call, n, ctx.worker_index), where)
+    except (RuntimeError, ValueError) as e:  # it only explains a failure: never one itself
+        log.debug("could not record %s #%d in the run's store: %s", call, n, first_line(e))
+    try:
+        yield
+    except RuntimeError as e:
+        if not isinstance(e, (CommError, dist.DistError)) and not is_timeout(e) \
+                and "gloo" not in str(e):
+            raise  # not a wait on peers
+        reached = _reached(ctx.store, call, n, ctx.num_workers)
+        if reached is None or len(reached) == ctx.num_workers:
+            raise  # every worker made the call (or the store is gone): not this rule
+        never = [i for i in range(ctx.num_workers) if i not in reached]
+        did = "; ".join(f"{_named(ws)} did, {w}" for w, ws in _by_value(reached).items())
+        # Not the peer's error's text: the launcher takes "Connection closed by peer" for a
+        # failure caused by another's, and would name a worker that ended its script instead.
+        within = (f"within --timeout {ctx.timeout_s:g} s" if is_timeout(e)
+                  else f"before its wait for them failed ({type(e).__name__})")
+        # A CommError, not a CheckpointError: --on-save-error continue must not train on
+        # with peers that disagree, and a worker hung before the call may be restarted.
+        raise CommError(
+            f"{call}() is collective: every worker must call it; {_named(never)} of "
+            f"{ctx.num_workers} never called {call} #{n} ({did}) {within}",
+            f"call polytrain.{call}() on every worker ("
+            + ("worker 0 alone writes the model" if call == "save" else
+               "each loads its own state") + "), not under `if ctx.worker_index == 0`; if "
+            "one reaches it later than the others by more than --timeout, raise --timeout"
+        ) from None
+
+
+def _reached_key(call: str, n: int, worker: int) -> str:
+    return f"polytrain/checkpoint/{call}/{n}/worker-{worker}"
+
+
+def _reached(store: Any, call: str, n: int, count: int) -> dict[int, str] | None:
+    """What each worker that reached ``call`` #n recorded (by worker); None where the store
+    cannot be read (its host, rank 0, gone)."""
+    reached = {}
+    try:
+        for i in range(count):
+            key = _reached_key(call, n, i)
+            if store.check([key]):  # at once; get() would wait for the key
+                reached[i] = store.get(key).decode()
+    except (RuntimeError, ValueError):
+        return None
+    return reached
+
+
+def _by_value(records: Mapping[int, str]) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for i, value in sorted(records.items()):
+        out.setdefault(value, []).append(i)
+    return out
+
+
+def _named(workers: Sequence[int]) -> str:
+    """``worker 1``, ``workers 1, 2``."""
+    return f"worker{'s' if len(workers) > 1 else ''} {', '.join(map(str, workers))}"
+
+
 def _first_failure(strategy: Strategy[Any], errors: list[str | None]) -> str | None:
     """The first of every worker's errors (None: none failed), naming its worker where
     there are several: ``worker rank 1 (machine node0) failed: OSError: ...``."""
@@ -206,7 +289,9 @@ def save(root: str | Path, model: nn.Module | Trainer,
     temporary name and renamed when whole; with ``keep`` only the newest
     ``keep`` whole checkpoints stay. A failure (a full or read-only disk) on any
     worker raises :class:`CheckpointError` on every worker, and no whole
-    checkpoint is replaced by the broken one.
+    checkpoint is replaced by the broken one. Called by some workers only, it raises
+    :class:`~polytrain.CommError` on those after the timeout, naming the workers that
+    never called it.
 
     Example::
 
@@ -239,70 +324,71 @@ def save(root: str | Path, model: nn.Module | Trainer,
     run = _run_record(run)
     model, optimizer, strategy = _unpack(model, optimizer)
     strategy.check_checkpoints()
-    index, count, group = _workers(strategy)
-    full = strategy.state_dict(model)  # collective: shards and stages gathered on worker 0
-    records = dict((extra() if callable(extra) else extra) or {})
-    names = strategy.parameter_names(model)
-    tmp, final = temporary_dir(root, step), checkpoint_dir(root, step)
-    error: str | None = None  # this worker's
-    if index == 0:
-        try:
-            for line in tidy(root):  # a crash's leftovers (this step's .tmp among them)
-                log.warning("checkpoints in %s: %s", root, line)
-            tmp.mkdir(parents=True)
-        except Exception as e:  # noqa: BLE001 - every worker must reach the gather: each raises it
-            error = f"{type(e).__name__}: {e}"
-    held = _gather(group, count, (error, sorted(names)))
-    failed = _first_failure(strategy, [e for e, _ in held])  # alike on every worker
-    index_of: dict[str, int] = {}  # each name's optimizer state: the first file holding it
-    for i, (_, ns) in enumerate(held):
-        for n in ns:
-            index_of.setdefault(n, i)
-    if failed is None:
-        others = ({n for n, i in index_of.items() if i != index}
-                  if strategy.resumes_on_other_layouts else ())
-        mine = {"optimizer": _optimizer_state(optimizer, names, others), "rng": rng_state(),
-                "strategy": strategy.checkpoint_state()}
-        try:
-            torch.save(mine, tmp / f"worker-{index}.pt")
-            if index == 0:
-                torch.save(full, tmp / "model.pt")
-                torch.save({"step": step, "extra": records,
-                            "scheduler": scheduler.state_dict() if scheduler is not None
-                            else None, "scheduler_class": _class_name(scheduler)},
-                           tmp / "run.pt")
-        except Exception as e:  # noqa: BLE001 - a full disk (RuntimeError), an unpicklable
-            error = f"{type(e).__name__}: {e}"  # state: every worker raises it, none waits
-        failed = _first_failure(strategy, _gather(group, count, error))
-    if failed is None and index == 0:
-        layout = layout_of(strategy.ctx) if strategy.ctx is not None else None
-        meta = {"strategy": strategy.name, **({"nodes": layout.nodes} if layout else {}),
-                "strategy_options": _options_record(strategy.options),
-                **run, "step": step, "workers": count,
-                "time": time.time(),
-                "keys": {k: list(v.shape) for k, v in full.items()},
-                "optimizer_index": index_of}
-        try:
-            write_manifest(tmp, meta)
-            commit(tmp, final)
-        except Exception as e:  # noqa: BLE001 - every worker must reach the gather
-            error = f"{type(e).__name__}: {e}"
-        else:  # this one is whole: a failed prune leaves older ones, it does not fail the save
-            try:
-                prune(root, keep, protect=[final])
-            except Exception as e:  # noqa: BLE001 - any failure to remove them alike
-                log.warning("saved %s, and could not remove the checkpoints older than the "
-                            "newest %d: %s", final, keep, first_line(e))
-    if failed is None:
-        failed = _first_failure(strategy, _gather(group, count, error))
-    if failed is not None:
+    with _collective("save", strategy, f"at step {step}, into {root}"):
+        index, count, group = _workers(strategy)
+        full = strategy.state_dict(model)  # collective: shards and stages gathered on worker 0
+        records = dict((extra() if callable(extra) else extra) or {})
+        names = strategy.parameter_names(model)
+        tmp, final = temporary_dir(root, step), checkpoint_dir(root, step)
+        error: str | None = None  # this worker's
         if index == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"could not save checkpoint step-{step} in {root}: {failed}",
-                              "free space or make the directory writable; older whole "
-                              "checkpoints are untouched (--on-save-error continue trains on)")
-    log.info("saved checkpoint %s", final)
-    return final
+            try:
+                for line in tidy(root):  # a crash's leftovers (this step's .tmp among them)
+                    log.warning("checkpoints in %s: %s", root, line)
+                tmp.mkdir(parents=True)
+            except Exception as e:  # noqa: BLE001 - every worker must reach the gather: each
+                error = f"{type(e).__name__}: {e}"  # raises it
+        held = _gather(group, count, (error, sorted(names)))
+        failed = _first_failure(strategy, [e for e, _ in held])  # alike on every worker
+        index_of: dict[str, int] = {}  # each name's optimizer state: the first file holding it
+        for i, (_, ns) in enumerate(held):
+            for n in ns:
+                index_of.setdefault(n, i)
+        if failed is None:
+            others = ({n for n, i in index_of.items() if i != index}
+                      if strategy.resumes_on_other_layouts else ())
+            mine = {"optimizer": _optimizer_state(optimizer, names, others), "rng": rng_state(),
+                    "strategy": strategy.checkpoint_state()}
+            try:
+                torch.save(mine, tmp / f"worker-{index}.pt")
+                if index == 0:
+                    torch.save(full, tmp / "model.pt")
+                    torch.save({"step": step, "extra": records,
+                                "scheduler": scheduler.state_dict() if scheduler is not None
+                                else None, "scheduler_class": _class_name(scheduler)},
+                               tmp / "run.pt")
+            except Exception as e:  # noqa: BLE001 - a full disk (RuntimeError), an unpicklable
+                error = f"{type(e).__name__}: {e}"  # state: every worker raises it, none waits
+            failed = _first_failure(strategy, _gather(group, count, error))
+        if failed is None and index == 0:
+            layout = layout_of(strategy.ctx) if strategy.ctx is not None else None
+            meta = {"strategy": strategy.name, **({"nodes": layout.nodes} if layout else {}),
+                    "strategy_options": _options_record(strategy.options),
+                    **run, "step": step, "workers": count,
+                    "time": time.time(),
+                    "keys": {k: list(v.shape) for k, v in full.items()},
+                    "optimizer_index": index_of}
+            try:
+                write_manifest(tmp, meta)
+                commit(tmp, final)
+            except Exception as e:  # noqa: BLE001 - every worker must reach the gather
+                error = f"{type(e).__name__}: {e}"
+            else:  # this one is whole: a failed prune leaves older ones, it does not fail the save
+                try:
+                    prune(root, keep, protect=[final])
+                except Exception as e:  # noqa: BLE001 - any failure to remove them alike
+                    log.warning("saved %s, and could not remove the checkpoints older than the "
+                                "newest %d: %s", final, keep, first_line(e))
+        if failed is None:
+            failed = _first_failure(strategy, _gather(group, count, error))
+        if failed is not None:
+            if index == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointError(f"could not save checkpoint step-{step} in {root}: {failed}",
+                                  "free space or make the directory writable; older whole "
+                                  "checkpoints are untouched (--on-save-error continue trains on)")
+        log.info("saved checkpoint %s", final)
+        return final
 
 
 @overload
@@ -327,7 +413,9 @@ def load(path: str | Path, model: nn.Module | Trainer,
     ``path`` is a checkpoint (``.../step-S``), a checkpoints folder or a run's
     ``--out``. Sizes and checksums are checked first; a checkpoint of another
     model is refused naming the first tensor that differs. With ``missing_ok``,
-    None where no worker finds a checkpoint there (a script's first run).
+    None where no worker finds a checkpoint there (a script's first run). Called by
+    some workers only, it raises :class:`~polytrain.CommError` on those after the
+    timeout, naming the workers that never called it.
 
     Example::
 
@@ -344,99 +432,100 @@ def load(path: str | Path, model: nn.Module | Trainer,
     model, optimizer, strategy = _unpack(model, optimizer)
     strategy.check_checkpoints()
     strategy.check_load()  # (every worker has taken as many steps: all refuse alike)
-    found = _resolve_alike(path, strategy, missing_ok)
-    if found is None:
-        return None
-    where, skipped = found
-    manifest = read_manifest(where)  # resolve() has checked its files
-    require(manifest, ("keys", "workers", "optimizer_index"), where)
-    if manifest.get("strategy", strategy.name) != strategy.name:
-        # Its optimizer and strategy state are that strategy's (Parallax's tables' state
-        # is on its servers): loaded into another they were dropped or misread.
-        raise CheckpointError(f"checkpoint {where} was written by strategy "
-                              f"{manifest['strategy']!r}, and this trainer's is "
-                              f"{strategy.name!r}", f"load it with strategy "
-                              f"{manifest['strategy']!r}, or start from its weights alone "
-                              f"({where / 'model.pt'}; --init takes them)")
-    _check_layout(manifest, strategy, where)
-    index, _, _ = _workers(strategy)
-    names = strategy.parameter_names(model)
-    keys = manifest["keys"]
-    for n, p in names.items():
-        if n not in keys:
-            raise CheckpointError(f"checkpoint {where} is of another model: it has no {n!r}",
-                                  "resume with the checkpoint's --model and model options, "
-                                  "or start without --resume")
-        if list(p.shape) != keys[n]:
-            raise CheckpointError(f"checkpoint {where} is of another model: {n!r} has shape "
-                                  f"{keys[n]} there and {list(p.shape)} here",
-                                  "resume with the checkpoint's --model and model options, "
-                                  "or start without --resume")
-    # Every worker holds the whole model's keys (a pipeline's stages are cut from it, an
-    # expert-parallel model lists its experts'): torch's strict load named another key only
-    # after loading the matching ones, and a larger model's checkpoint loaded silently under
-    # moe (its experts split) and with a torch traceback under the pipelines.
-    bare = getattr(model, "module", model)
-    mine = set(full_keys(bare))
-    other = sorted(set(keys) - mine) or sorted(mine - set(keys))
-    if other:
-        said = ("it has {!r}, which this model lacks" if other[0] in keys
-                else "it has no {!r}").format(other[0])
-        raise CheckpointError(f"checkpoint {where} is of another model: {said}",
-                              "resume with the checkpoint's --model and model options, or "
-                              "start without --resume")
-    # The buffers too (a parameter's shape is compared above): one of another shape failed
-    # in torch's load_state_dict, after it had copied the parameters. (An expert-parallel
-    # worker's local expert e has expert e's key, and every expert's shapes.)
-    for n, t in bare.state_dict().items():
-        if n in keys and isinstance(t, torch.Tensor) and list(t.shape) != keys[n]:
-            raise CheckpointError(f"checkpoint {where} is of another model: {n!r} has shape "
-                                  f"{keys[n]} there and {list(t.shape)} here",
-                                  "resume with the checkpoint's --model and model options, "
-                                  "or start without --resume")
-    saved_workers = int(manifest["workers"])
-    files: dict[int, dict[str, Any]] = {}
+    with _collective("load", strategy, f"from {path}"):
+        found = _resolve_alike(path, strategy, missing_ok)
+        if found is None:
+            return None
+        where, skipped = found
+        manifest = read_manifest(where)  # resolve() has checked its files
+        require(manifest, ("keys", "workers", "optimizer_index"), where)
+        if manifest.get("strategy", strategy.name) != strategy.name:
+            # Its optimizer and strategy state are that strategy's (Parallax's tables' state
+            # is on its servers): loaded into another they were dropped or misread.
+            raise CheckpointError(f"checkpoint {where} was written by strategy "
+                                  f"{manifest['strategy']!r}, and this trainer's is "
+                                  f"{strategy.name!r}", f"load it with strategy "
+                                  f"{manifest['strategy']!r}, or start from its weights alone "
+                                  f"({where / 'model.pt'}; --init takes them)")
+        _check_layout(manifest, strategy, where)
+        index, _, _ = _workers(strategy)
+        names = strategy.parameter_names(model)
+        keys = manifest["keys"]
+        for n, p in names.items():
+            if n not in keys:
+                raise CheckpointError(f"checkpoint {where} is of another model: it has no {n!r}",
+                                      "resume with the checkpoint's --model and model options, "
+                                      "or start without --resume")
+            if list(p.shape) != keys[n]:
+                raise CheckpointError(f"checkpoint {where} is of another model: {n!r} has shape "
+                                      f"{keys[n]} there and {list(p.shape)} here",
+                                      "resume with the checkpoint's --model and model options, "
+                                      "or start without --resume")
+        # Every worker holds the whole model's keys (a pipeline's stages are cut from it, an
+        # expert-parallel model lists its experts'): torch's strict load named another key only
+        # after loading the matching ones, and a larger model's checkpoint loaded silently under
+        # moe (its experts split) and with a torch traceback under the pipelines.
+        bare = getattr(model, "module", model)
+        mine = set(full_keys(bare))
+        other = sorted(set(keys) - mine) or sorted(mine - set(keys))
+        if other:
+            said = ("it has {!r}, which this model lacks" if other[0] in keys
+                    else "it has no {!r}").format(other[0])
+            raise CheckpointError(f"checkpoint {where} is of another model: {said}",
+                                  "resume with the checkpoint's --model and model options, or "
+                                  "start without --resume")
+        # The buffers too (a parameter's shape is compared above): one of another shape failed
+        # in torch's load_state_dict, after it had copied the parameters. (An expert-parallel
+        # worker's local expert e has expert e's key, and every expert's shapes.)
+        for n, t in bare.state_dict().items():
+            if n in keys and isinstance(t, torch.Tensor) and list(t.shape) != keys[n]:
+                raise CheckpointError(f"checkpoint {where} is of another model: {n!r} has shape "
+                                      f"{keys[n]} there and {list(t.shape)} here",
+                                      "resume with the checkpoint's --model and model options, "
+                                      "or start without --resume")
+        saved_workers = int(manifest["workers"])
+        files: dict[int, dict[str, Any]] = {}
 
-    def worker_file(i: int) -> dict[str, Any]:
-        if i not in files:
-            # Our own files (RNG states are not tensors): trusted as the run's own output.
-            # Mapped, not read: on another layout every worker opens worker 0's file, which
-            # holds Parallax's whole sparse tables (read where the file system cannot map).
-            load = functools.partial(torch.load, where / f"worker-{i}.pt", map_location="cpu",
-                                     weights_only=False)
+        def worker_file(i: int) -> dict[str, Any]:
+            if i not in files:
+                # Our own files (RNG states are not tensors): trusted as the run's own output.
+                # Mapped, not read: on another layout every worker opens worker 0's file, which
+                # holds Parallax's whole sparse tables (read where the file system cannot map).
+                load = functools.partial(torch.load, where / f"worker-{i}.pt", map_location="cpu",
+                                         weights_only=False)
+                try:
+                    files[i] = load(mmap=True)
+                except (OSError, RuntimeError):
+                    files[i] = load()
+            return files[i]
+
+        own = worker_file(index % saved_workers)
+        _check_optimizer(optimizer, names, own["optimizer"],  # before anything is loaded
+                         manifest["optimizer_index"], worker_file)
+        run = torch.load(where / "run.pt", map_location="cpu", weights_only=False)
+        _check_scheduler(scheduler, run, where)
+        if scheduler is not None:  # first: the one load here that may fail on what it is given
             try:
-                files[i] = load(mmap=True)
-            except (OSError, RuntimeError):
-                files[i] = load()
-        return files[i]
-
-    own = worker_file(index % saved_workers)
-    _check_optimizer(optimizer, names, own["optimizer"],  # before anything is loaded
-                     manifest["optimizer_index"], worker_file)
-    run = torch.load(where / "run.pt", map_location="cpu", weights_only=False)
-    _check_scheduler(scheduler, run, where)
-    if scheduler is not None:  # first: the one load here that may fail on what it is given
-        try:
-            scheduler.load_state_dict(run["scheduler"])
-        except Exception as e:  # noqa: BLE001 - each scheduler class fails its own way
-            raise CheckpointError(f"checkpoint {where}: its learning-rate scheduler's state "
-                                  f"does not load into this {_class_name(scheduler)} "
-                                  f"({first_line(e)})",
-                                  "pass load() the scheduler save() was given") from None
-    state = torch.load(where / "model.pt", map_location="cpu", weights_only=True)
-    strategy.load_model_state(model, state)
-    _load_optimizer(optimizer, names, own["optimizer"], manifest["optimizer_index"],
-                    worker_file)
-    set_rng_state(own["rng"])
-    if saved_workers == _workers(strategy)[1]:
-        strategy.load_checkpoint_state(own["strategy"])
-    else:  # another layout: only a whole state carries over
-        strategy.load_checkpoint_state(worker_file(0)["strategy"]
-                                       if strategy.whole_state_on_worker_0 else {})
-    if trainer is not None:  # its step count: what replan() and freeze points count from
-        trainer.steps = int(run["step"])
-    return Resumed(step=int(run["step"]), path=where, extra=dict(run.get("extra") or {}),
-                   skipped=tuple(skipped))
+                scheduler.load_state_dict(run["scheduler"])
+            except Exception as e:  # noqa: BLE001 - each scheduler class fails its own way
+                raise CheckpointError(f"checkpoint {where}: its learning-rate scheduler's state "
+                                      f"does not load into this {_class_name(scheduler)} "
+                                      f"({first_line(e)})",
+                                      "pass load() the scheduler save() was given") from None
+        state = torch.load(where / "model.pt", map_location="cpu", weights_only=True)
+        strategy.load_model_state(model, state)
+        _load_optimizer(optimizer, names, own["optimizer"], manifest["optimizer_index"],
+                        worker_file)
+        set_rng_state(own["rng"])
+        if saved_workers == _workers(strategy)[1]:
+            strategy.load_checkpoint_state(own["strategy"])
+        else:  # another layout: only a whole state carries over
+            strategy.load_checkpoint_state(worker_file(0)["strategy"]
+                                           if strategy.whole_state_on_worker_0 else {})
+        if trainer is not None:  # its step count: what replan() and freeze points count from
+            trainer.steps = int(run["step"])
+        return Resumed(step=int(run["step"]), path=where, extra=dict(run.get("extra") or {}),
+                       skipped=tuple(skipped))
 
 
 def _check_path(what: str, value: Any, hint: str) -> None:
