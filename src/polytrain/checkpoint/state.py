@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..errors import CommError, ConfigError, at_least, first_line, is_timeout
+from ..errors import CommError, CommTimeout, ConfigError, at_least, first_line, is_timeout
 from ..kinds import check_kinds, plain
 from ..moe.checkpoint import full_keys
 from ..optim import placed_state
@@ -187,16 +187,20 @@ def _collective(call: str, strategy: Strategy[Any], where: str) -> Iterator[None
         # failure caused by another's, and would name a worker that ended its script instead.
         within = (f"within --timeout {ctx.timeout_s:g} s" if is_timeout(e)
                   else f"before its wait for them failed ({type(e).__name__})")
+        what = (f"{call}() is collective: every worker must call it; {_named(never)} of "
+                f"{ctx.num_workers} never called {call} #{n} ({did}) {within}")
+        hint = (f"call polytrain.{call}() on every worker ("
+                + ("worker 0 alone writes the model" if call == "save" else
+                   "each loads its own state") + "), not under `if ctx.worker_index == 0`; if "
+                "one reaches it later than the others by more than --timeout, raise --timeout")
         # A CommError, not a CheckpointError: --on-save-error continue must not train on
-        # with peers that disagree, and a worker hung before the call may be restarted.
-        raise CommError(
-            f"{call}() is collective: every worker must call it; {_named(never)} of "
-            f"{ctx.num_workers} never called {call} #{n} ({did}) {within}",
-            f"call polytrain.{call}() on every worker ("
-            + ("worker 0 alone writes the model" if call == "save" else
-               "each loads its own state") + "), not under `if ctx.worker_index == 0`; if "
-            "one reaches it later than the others by more than --timeout, raise --timeout"
-        ) from None
+        # with peers that disagree, and a worker hung before the call may be restarted. A
+        # timeout still: the launcher names a worker that is still working before the call
+        # in this one's stead (with its stacks), as for any wait that timed out.
+        if is_timeout(e):
+            raise CommTimeout(what, hint, waited_s=getattr(e, "waited_s", None) or
+                              ctx.timeout_s, names_waited_for=True) from None
+        raise CommError(what, hint) from None
 
 
 def _reached_key(call: str, n: int, worker: int) -> str:

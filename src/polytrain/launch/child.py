@@ -218,12 +218,12 @@ def _raise_injected(signum: int, frame: Any) -> None:
 
 def _write_error(cause: str, secondary: bool, hint: str | None = None,
                  waited_s: float | None = None, lost: int | None = None,
-                 bad_input: bool = False) -> None:
+                 bad_input: bool = False, names_waited_for: bool = False) -> None:
     path = _env.error_file()
     if path:
         _write_json(path, {"cause": cause, "time": time.time(), "secondary": secondary,
                            "hint": hint, "waited_s": waited_s, "lost": lost,
-                           "bad_input": bad_input})
+                           "bad_input": bad_input, "names_waited_for": names_waited_for})
 
 
 def _record_leaving() -> None:
@@ -447,8 +447,8 @@ def fail_to_start(cause: str, hint: str) -> None:
 
 def _fail(cause: str, secondary: bool, code: int = 1, hint: str | None = None,
           waited_s: float | None = None, lost: int | None = None,
-          bad_input: bool = False) -> None:
-    _write_error(cause, secondary, hint, waited_s, lost, bad_input)
+          bad_input: bool = False, names_waited_for: bool = False) -> None:
+    _write_error(cause, secondary, hint, waited_s, lost, bad_input, names_waited_for)
     with contextlib.suppress(OSError):  # a closed pipe
         sys.stdout.flush()
     with contextlib.suppress(OSError):
@@ -522,7 +522,7 @@ def main() -> None:
         _fail(f"{type(e).__name__}: {e_text}", _is_secondary(e),
               hint=f"{hint} (its traceback is printed above)" if hint and not refused
               else hint, waited_s=_waited_s(e), lost=getattr(e, "peer", None),
-              bad_input=refused)
+              bad_input=refused, names_waited_for=getattr(e, "names_waited_for", False) is True)
     _end_script()
     # Free cycles that hold process groups now: torch aborts if it frees them during exit.
     gc.collect()

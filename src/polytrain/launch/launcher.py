@@ -192,6 +192,7 @@ class _Failure:
     waited_s: float | None = None  # it timed out waiting for peers, after so long (0: unknown)
     lost: int | None = None  # the rank of the peer it lost, where it knows
     bad_input: bool = False  # it raised ConfigError
+    names_waited_for: bool = False  # its cause names whom it waited for (CommTimeout's)
 
     def order(self) -> tuple[int, float]:
         return (1 if self.secondary else 0, self.time)
@@ -659,8 +660,11 @@ class Launcher:
                 waiter = min(failures, key=_Failure.order)
                 if waiter.waited_s is not None or waiter.secondary:
                     timed_out = waiter.waited_s is not None
+                    # One still working, then (unless the waiter's cause names them and says
+                    # why) one whose script ended before.
                     stalled = ((self._stalled(children, failed, waiter) if timed_out else [])
-                               or self._left_early(children, waiter)
+                               or ([] if waiter.names_waited_for else
+                                   self._left_early(children, waiter))
                                or (self._holding(children, waiter) if timed_out else []))
                     # A failed server the held answers name (_holding) is failed already:
                     # its report replaces its own failure.
@@ -965,7 +969,7 @@ def _failure(child: _Child, oom_kills_before: int | None) -> _Failure:
             hint = info.get("hint")
             return _Failure(child.spec, code, info["cause"], info["time"], info["secondary"],
                             label, hint or _SEE_TRACEBACK, info.get("waited_s"), info.get("lost"),
-                            bool(info.get("bad_input")))
+                            bool(info.get("bad_input")), bool(info.get("names_waited_for")))
         except (ValueError, KeyError, OSError):
             pass
     def oom(code: int) -> bool:
