@@ -257,8 +257,8 @@ def leftovers(before: dict[str, list[str]], owners: set[int]) -> dict[str, list[
                 return int(json.loads(claim.read_text())["pid"]) in owners
             except (OSError, ValueError, KeyError, TypeError):
                 return False
-        rest = name.split("-run-", 1)[1] if kind == "shm" else name.split("-", 1)[1]
-        return rest.split("-", 1)[0] in {str(p) for p in owners}
+        rest = name.partition("-run-")[2] if kind == "shm" else name.partition("-")[2]
+        return rest.split("-", 1)[0] in {str(p) for p in owners}  # "": none of ours
 
     return {k: [n for n in after[k] if n not in before[k] and mine(k, n)] for k in after}
 
@@ -365,8 +365,22 @@ def misses(r: dict[str, Any]) -> list[str]:
     if hang and hang_limit is not None and r.get("stopped_s") is not None \
             and r["stopped_s"] > hang_limit:
         out.append(f"stopped {r['stopped_s'] - hang_limit:.2f} s past --timeout {hang_limit:g}")
+    # A hang that was no hang: the victim died of the signal (a spinner without its handler)
+    # and was reported at once, which reads as a kill well handled.
+    if hang and hang_limit is not None and (
+            "killed by" in r.get("report", "") or
+            (r.get("stopped_s") is not None and r["stopped_s"] < hang_limit / 2 - 1)):
+        out.append("no hang: the victim died of the signal or was reported before a hang "
+                   "could be found")
     if r.get("save_cut_short") is False:
         out.append("the kill came after the save was whole (not cut short)")
+    elif r.get("save_cut_short") and r.get("resumed_at") not in (None, FAULT_AT - EVERY):
+        out.append(f"resumed at {r['resumed_at']}, not at {FAULT_AT - EVERY} (the save cut "
+                   f"short must not count)")
+    if r.get("checkpoints_at_fault") or (r.get("fired_after_s") is not None
+                                         and r.get("resumed_at")):
+        out.append("not at setup: a checkpoint was there at the fault, or the run resumed "
+                   "from one")
     if r.get("lost_checkpointed_steps"):
         out.append(f"lost {r['lost_checkpointed_steps']} checkpointed steps")
     if r.get("same_weights") is False:

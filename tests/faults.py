@@ -107,6 +107,7 @@ class Injector:
     listing: list[str] = field(default_factory=list)
     trigger_listing: list[str] = field(default_factory=list)
     _thread: threading.Thread | None = None
+    _stop: threading.Event = field(default_factory=threading.Event)
 
     def start(self) -> Injector:
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -116,7 +117,7 @@ class Injector:
     def _run(self) -> None:
         deadline = time.monotonic() + self.timeout_s
         begin = time.monotonic()
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not self._stop.is_set():
             ready = (self.trigger is None or self.trigger.exists()) and \
                 time.monotonic() - begin >= self.after_s
             if not ready:  # a stat only: children() reads /tmp, too slow for a short trigger
@@ -150,5 +151,8 @@ class Injector:
             time.sleep(0.02)
 
     def join(self) -> None:
+        """Stop looking (one that has not fired never fires later, into the next run of this
+        process: a trigger of None matches any) and wait for the thread."""
+        self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=1)

@@ -140,3 +140,38 @@ def test_the_fault_table_shows_what_was_left_behind_and_every_miss(monkeypatch):
         assert f"**{miss}**" in lines[3], (miss, lines[3])
     assert "| - | yes |" in lines[4] and lines[4].endswith("| none |"), lines[4]
     assert "**stopped with an error, no restart**" in lines[5], lines[5]
+
+
+def test_a_fault_row_that_did_not_test_its_fault_is_a_miss(monkeypatch):
+    # Rows that read as passes though their fault never happened as named: a busy hang whose
+    # victim died of the signal (no spin handler) and was reported at once; a save "cut
+    # short" whose restart came back from that very step; a setup kill that came after a
+    # checkpoint. And a /dev/shm entry of another kind (no "-run-") crashed the leftovers.
+    faults = _load("faults", monkeypatch)
+    base = {"strategy": "ddp", "applies": True, "named": True, "left_running": [],
+            "restarted": True, "same_weights": True, "lost_checkpointed_steps": 0}
+    died = {**base, "fault": "busy-hang", "timeout_s": 10.0, "stopped_s": 0.05,
+            "report": "worker rank 1 (machine node0) failed: killed by signal 36"}
+    assert any("no hang" in m for m in faults.misses(died))
+    spun = {**died, "stopped_s": 10.3, "report": "worker rank 1 stopped making progress"}
+    assert not any("no hang" in m for m in faults.misses(spun))
+    late = {**base, "fault": "kill-in-save", "save_cut_short": True, "resumed_at": 20}
+    assert any("resumed at 20" in m for m in faults.misses(late))
+    assert faults.misses({**late, "resumed_at": 10}) == []
+    setup = {**base, "fault": "kill-setup", "fired_after_s": 2.0, "resumed_at": 10,
+             "checkpoints_at_fault": ["step-10"]}
+    assert any("not at setup" in m for m in faults.misses(setup))
+    assert faults.misses({**setup, "resumed_at": 0, "checkpoints_at_fault": []}) == []
+    monkeypatch.setattr(faults, "leftovers_now", lambda: {
+        "shm": ["polytrain-cache-abc"], "netns": [], "tmp": []})
+    assert faults.leftovers({"shm": [], "netns": [], "tmp": []}, {os.getpid()})["shm"] == []
+
+
+def test_an_injector_that_never_fired_does_not_fire_after_join(tmp_path):
+    # One with no trigger (kill-setup's) watches this process's runs: left looking after its
+    # run ended, it would have killed worker 1 of the benchmark's next run.
+    from tests.faults import Injector
+    inj = Injector("worker", 1, trigger=tmp_path / "never", poll_s=0.01).start()
+    inj.join()
+    (tmp_path / "never").mkdir()
+    assert inj._thread is not None and not inj._thread.is_alive() and inj.sent_at is None
