@@ -25,7 +25,7 @@ from ..optim import make_optimizer
 from ..runtime import Context, init
 from ..strategies.base import distribute, get_strategy
 from ..strategies.checks import check_same_value
-from .metrics import build_metrics, warmup_steps, write_metrics
+from .metrics import build_metrics, steady_steps, write_metrics
 from .progress import Progress
 
 __all__ = ["train", "make_optimizer", "evaluate"]
@@ -129,8 +129,11 @@ def train(config: TrainConfig) -> dict[str, Any] | None:
     # the steady window's (after the warm-up, after the last step). At those two marks every
     # worker settles first: a peer still receiving its step's bytes there counted them in
     # the NIC's window but not in the meter's (BytePS: up to 2% more on a 15-step run).
-    # (Marks count this run's steps; the metrics skip the warm-up of all steps, resumed too.)
-    settle = ({warmup_steps(config.steps), config.steps - start}
+    # (Marks count this run's steps; the window begins at its first steady step
+    # (metrics.steady_steps): past the warm-up of all steps, and a resumed run's first is cold.)
+    first_steady = next((i - len(before_times) for i in steady_steps(config.steps, cold)
+                         if i >= len(before_times)), config.steps - start)
+    settle = ({first_steady, config.steps - start}
               if ctx is not None and ctx.emulated_network else set())
     losses: list[float | None] = []
     times: list[float] = []

@@ -20,7 +20,8 @@ from ..comm.meter import (
 )
 from ..comm.topology import Topology
 
-__all__ = ["warmup_steps", "steady", "step_times", "build_metrics", "write_metrics"]
+__all__ = ["warmup_steps", "steady_steps", "steady", "step_times", "build_metrics",
+           "write_metrics"]
 
 
 def warmup_steps(count: int) -> int:
@@ -58,8 +59,8 @@ def build_metrics(*, config: Any, losses: Sequence[float], times: Sequence[float
     ``cold``: the steps (indices into ``times``) that are not steady state (:func:`steady`);
     the step times and the traffic leave them out, ``step_times`` and
     ``sent_bytes_by_step`` keep them. The traffic averages the steady steps that this run
-    measured (a resumed run measured its own only); where it measured none, it is 0, as the
-    step times are.
+    measured (a resumed run measured its own only); where it measured none, it is 0 (the
+    step times still average those of the runs it resumed from, where there are any).
     """
     import polytrain
 
