@@ -105,8 +105,9 @@ class CommError(PolytrainError, RuntimeError):
 class CommTimeout(CommError, TimeoutError):
     """A peer did not answer within the timeout (``waited_s``, where known).
     ``names_waited_for``: the text names the peers it waited for already (workers that
-    never called a collective ``save()``): a launcher names one of them still working in its
-    stead, but not one whose script had ended (the text says why)."""
+    never called a collective ``save()``; :class:`PeerLost` may carry it too): a launcher
+    names one of them still working in its stead, but not one whose script had ended (the
+    text says why)."""
 
     def __init__(self, what: str, hint: str | None = None, *,
                  waited_s: float | None = None, names_waited_for: bool = False) -> None:

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..errors import CommError, CommTimeout, ConfigError, at_least, first_line, is_timeout
+from ..errors import CommError, CommTimeout, ConfigError, PeerLost, at_least, first_line, is_timeout
 from ..kinds import check_kinds, plain
 from ..moe.checkpoint import full_keys
 from ..optim import placed_state
@@ -200,7 +200,11 @@ def _collective(call: str, strategy: Strategy[Any], where: str) -> Iterator[None
         if is_timeout(e):
             raise CommTimeout(what, hint, waited_s=getattr(e, "waited_s", None) or
                               ctx.timeout_s, names_waited_for=True) from None
-        raise CommError(what, hint) from None
+        # A peer gone: maybe one that failed (os._exit(3) mid-run), whose own cause the
+        # launcher reports first; this one's only if none is found.
+        lost = PeerLost(what, hint)
+        lost.names_waited_for = True  # type: ignore[attr-defined]
+        raise lost from None
 
 
 def _reached_key(call: str, n: int, worker: int) -> str:
@@ -294,7 +298,7 @@ def save(root: str | Path, model: nn.Module | Trainer,
     ``keep`` whole checkpoints stay. A failure (a full or read-only disk) on any
     worker raises :class:`CheckpointError` on every worker, and no whole
     checkpoint is replaced by the broken one. Called by some workers only, it raises
-    :class:`~polytrain.CommError` on those after the timeout, naming the workers that
+    :class:`~polytrain.CommError` on those (a timeout or a peer lost), naming the workers that
     never called it.
 
     Example::

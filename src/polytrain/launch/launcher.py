@@ -475,7 +475,8 @@ class Launcher:
         have waited for, when nobody stalled: the workers whose script had ended (well) before
         it failed; the servers that ended without joining the run; the peer it lost, if that
         one exited with code 0 (a server ends only after every worker has finished); any
-        process that exited with code 0 before its script ended (``os._exit(0)``)."""
+        process that exited with code 0 before its script ended (``os._exit(0)``). Not the
+        workers whose script ended where ``waiter``'s cause names whom it waited for."""
         found = []
         for c in children:
             if c.spec == waiter.spec or c.proc.returncode not in (None, 0):
@@ -485,6 +486,8 @@ class Launcher:
             if not isinstance(ended, (int, float)) or ended > waiter.time:
                 ended = None
             if c.spec.role == "worker" and ended is not None:
+                if waiter.names_waited_for:  # its cause names them already, and says why
+                    continue
                 how = (f"'s wait timed out (after {waiter.waited_s:g} s)" if waiter.waited_s
                        else " lost a peer")
                 c.hung = (f"ended its script {waiter.time - ended:.1f} s before "
@@ -660,11 +663,8 @@ class Launcher:
                 waiter = min(failures, key=_Failure.order)
                 if waiter.waited_s is not None or waiter.secondary:
                     timed_out = waiter.waited_s is not None
-                    # One still working, then (unless the waiter's cause names them and says
-                    # why) one whose script ended before.
                     stalled = ((self._stalled(children, failed, waiter) if timed_out else [])
-                               or ([] if waiter.names_waited_for else
-                                   self._left_early(children, waiter))
+                               or self._left_early(children, waiter)
                                or (self._holding(children, waiter) if timed_out else []))
                     # A failed server the held answers name (_holding) is failed already:
                     # its report replaces its own failure.
