@@ -99,15 +99,16 @@ class LaunchError(PolytrainError, RuntimeError):
 
 
 class CommError(PolytrainError, RuntimeError):
-    """Communication with a peer failed: it stopped, or the peers disagree."""
+    """Communication with a peer failed: it stopped, or the peers disagree.
+    ``names_waited_for``: the text names the peers it waited for already (workers that
+    never called a collective ``save()``): a launcher names one of them still working in its
+    stead, but not one whose script had ended (the text says why)."""
+
+    names_waited_for = False
 
 
 class CommTimeout(CommError, TimeoutError):
-    """A peer did not answer within the timeout (``waited_s``, where known).
-    ``names_waited_for``: the text names the peers it waited for already (workers that
-    never called a collective ``save()``; :class:`PeerLost` may carry it too): a launcher
-    names one of them still working in its stead, but not one whose script had ended (the
-    text says why)."""
+    """A peer did not answer within the timeout (``waited_s``, where known)."""
 
     def __init__(self, what: str, hint: str | None = None, *,
                  waited_s: float | None = None, names_waited_for: bool = False) -> None:

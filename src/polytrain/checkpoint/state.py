@@ -203,7 +203,7 @@ def _collective(call: str, strategy: Strategy[Any], where: str) -> Iterator[None
         # A peer gone: maybe one that failed (os._exit(3) mid-run), whose own cause the
         # launcher reports first; this one's only if none is found.
         lost = PeerLost(what, hint)
-        lost.names_waited_for = True  # type: ignore[attr-defined]
+        lost.names_waited_for = True
         raise lost from None
 
 
