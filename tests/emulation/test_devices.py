@@ -13,6 +13,7 @@ from polytrain.emulation.profile import profile_model
 from polytrain.models import GPT
 from polytrain.pipeline import Stage, make_stage
 from polytrain.pipeline.assembly import check_cuts
+from polytrain.wrapper import Wrapper
 
 
 def test_spec_string_with_builtin_and_user_types_and_links():
@@ -312,8 +313,8 @@ def test_emulated_device_waits_out_the_layer_time():
     assert clock_of(model) is clock
     # Through wrappers of wrappers (Parallax's evaluation model holds DDP's): its held-out
     # evaluation ran at the emulated device's speed, the clock never paused.
-    wrapper = torch.nn.Module()
-    wrapper.module = torch.nn.Module()
+    wrapper = Wrapper()
+    wrapper.module = Wrapper()
     wrapper.module.module = model
     assert clock_of(wrapper) is clock and clock_of(torch.nn.Linear(2, 2)) is None
     expected = 4 * profile.flops / 0.2e9

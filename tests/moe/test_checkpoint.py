@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 import polytrain
+import polytrain.wrapper
 from polytrain.checkpoint import CheckpointError
 from polytrain.models import GPT
 from polytrain.models.gpt import Block
@@ -399,11 +400,10 @@ def test_the_model_distribute_returns_saves_under_the_models_own_names(tmp_path)
     # distribute(..., strategy="moe") returns a wrapper holding the model as .module: its
     # shards were keyed "module.h0.mlp." and a plain model could not load them ("has 4
     # experts but the checkpoint has None").
-    class Wrapper(nn.Module):  # as distribute()'s (and torch's DDP): marked by distribute()
+    class Wrapper(polytrain.wrapper.Wrapper):  # as distribute()'s (and torch's DDP)
         def __init__(self, module: nn.Module) -> None:
             super().__init__()
             self.module = module
-            self._polytrain_strategy = "moe"
 
     model = build(0)
     save_sharded(Wrapper(model), tmp_path)
@@ -423,11 +423,10 @@ def test_full_and_local_state_dicts_of_what_distribute_returned_use_the_models_n
     # full_state_dict(wrapped) keyed the state "module.embed.tok.weight", and
     # local_state_dict(polytrain.full_state_dict(wrapped), wrapped) refused it ("the state has
     # no 'module.embed.tok.weight'"): they did not unwrap the model as save_sharded does.
-    class Wrapper(nn.Module):  # as distribute()'s (and torch's DDP): marked by distribute()
+    class Wrapper(polytrain.wrapper.Wrapper):  # as distribute()'s (and torch's DDP)
         def __init__(self, module: nn.Module) -> None:
             super().__init__()
             self.module = module
-            self._polytrain_strategy = "moe"
 
     class Trainer:  # as the step API's: not a module, its .model is the wrapper
         def __init__(self, model: nn.Module) -> None:
@@ -451,6 +450,11 @@ def test_full_and_local_state_dicts_of_what_distribute_returned_use_the_models_n
         assert list(full_state_dict(model)) == list(own.state_dict())
     own._polytrain_strategy = "single"  # a strategy that hands the model back marks it (parallax)
     assert list(full_state_dict(own)) == list(own.state_dict())
+    # Nor when it is the model's one child (an EMA's shape), marked so: it had been unwrapped.
+    alone = nn.Sequential()
+    alone.add_module("module", build(0))
+    alone._polytrain_strategy = "parallax"
+    assert list(full_state_dict(alone)) == list(alone.state_dict())
 
 
 def test_a_save_that_fails_midway_leaves_the_last_checkpoint_whole(tmp_path, monkeypatch):

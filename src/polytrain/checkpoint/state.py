@@ -44,6 +44,7 @@ from ..moe.checkpoint import full_keys
 from ..optim import placed_state
 from ..strategies.base import Strategy, Trainer, layout_of, strategy_of
 from ..tensors import host_state
+from ..wrapper import unwrap
 from .manifest import (
     CheckpointError,
     checkpoint_dir,
@@ -473,7 +474,7 @@ def load(path: str | Path, model: nn.Module | Trainer,
         # expert-parallel model lists its experts'): torch's strict load named another key only
         # after loading the matching ones, and a larger model's checkpoint loaded silently under
         # moe (its experts split) and with a torch traceback under the pipelines.
-        bare = getattr(model, "module", model)
+        bare = unwrap(model)
         mine = set(full_keys(bare))
         other = sorted(set(keys) - mine) or sorted(mine - set(keys))
         if other:

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
+from ..wrapper import unwrap
 from .devices import DeviceType
 from .profile import ModelProfile, layers_of
 
@@ -166,14 +167,14 @@ def _check_fits(names: list[str], profiled: list[str]) -> None:
 
 
 def clock_of(model: nn.Module) -> DeviceClock | None:
-    """The emulated device ``model`` runs on (None: real speed), through wrappers that hold
-    the model they run as ``module`` (DDP's, Parallax's evaluation model's)."""
+    """The emulated device ``model`` runs on (None: real speed), through the wrappers around
+    it (:func:`~polytrain.wrapper.unwrap`: DDP's, Parallax's evaluation model's)."""
     while True:
         clock = getattr(model, _ATTR, None)
         if isinstance(clock, DeviceClock):
             return clock
-        inner = getattr(model, "module", None)
-        if not isinstance(inner, nn.Module) or inner is model:
+        inner = unwrap(model)
+        if inner is model:
             return None
         model = inner
 

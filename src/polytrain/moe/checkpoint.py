@@ -30,6 +30,7 @@ from torch import nn
 from .. import runtime
 from ..errors import ConfigError, first_line
 from ..tensors import host_copy
+from ..wrapper import unwrap
 from .exchange import ExpertGroup
 from .layer import MoE
 
@@ -157,19 +158,10 @@ def _one_group_size(layers: list[tuple[str, MoE]]) -> int:
 
 
 def _bare(model: Any) -> nn.Module:
-    """The model inside what ``distribute`` returned: a wrapper's (or a DDP's) ``.module``,
-    a step API trainer's ``.model`` (not a module: its ``.model`` is what it trains). Only
-    a wrapper is unwrapped: a module whose one child is ``.module`` and that ``distribute``
-    marked (or torch's DDP); a model's own child named ``module`` stays (unwrapping it
-    dropped the model's other layers from the state, silently)."""
-    if not isinstance(model, nn.Module):
-        model = model.model
-    inner = getattr(model, "module", None)
-    marked = getattr(model, "_polytrain_strategy", None) is not None or \
-        isinstance(model, nn.parallel.DistributedDataParallel)
-    if marked and isinstance(inner, nn.Module) and list(model.children()) == [inner]:
-        return inner
-    return model
+    """The model inside what ``distribute`` returned: a wrapper's (or a DDP's) ``.module``
+    (:func:`~polytrain.wrapper.unwrap`), a step API trainer's ``.model``'s (not a module:
+    its ``.model`` is what it trains)."""
+    return unwrap(model if isinstance(model, nn.Module) else model.model)
 
 
 def _gather(group: ExpertGroup, value: Any, what: str = "the expert-parallel group") -> list[Any]:

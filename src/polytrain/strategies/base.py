@@ -21,6 +21,7 @@ from ..moe.checkpoint import moe_layers
 from ..optim import placed_state
 from ..runtime import Context
 from ..tensors import host_state
+from ..wrapper import unwrap
 from .checks import (
     broadcast_module,
     check_even_machines,
@@ -249,7 +250,7 @@ class Strategy(ABC, Generic[OptionsT]):
                               f"and cannot evaluate it on held-out data",
                               "leave out --eval-every, or evaluate the run's final.pt")
         if self.ctx is None or self.ctx.worker_index == 0:
-            return getattr(model, "module", model)
+            return unwrap(model)
         return None
 
     def metrics(self) -> dict[str, Any]:
@@ -261,7 +262,7 @@ class Strategy(ABC, Generic[OptionsT]):
 
         Every worker calls it (it may gather shards or stages); worker 0's result is whole.
         """
-        inner = getattr(model, "module", model)
+        inner = unwrap(model)
         return host_state(inner.state_dict())
 
     def gather_parts(self, own: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
@@ -336,7 +337,7 @@ class Strategy(ABC, Generic[OptionsT]):
     def parameter_names(self, model: nn.Module) -> dict[str, nn.Parameter]:
         """The parameters this worker holds, by their names in the plain model's
         ``state_dict`` (a checkpoint keys optimizer state by them)."""
-        inner = getattr(model, "module", model)
+        inner = unwrap(model)
         return dict(inner.named_parameters())
 
     def check_load(self) -> None:  # noqa: B027
@@ -346,7 +347,7 @@ class Strategy(ABC, Generic[OptionsT]):
     def load_model_state(self, model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
         """Load the whole model's state (the plain model's keys, as :meth:`state_dict` gives)
         into this worker's part of it; called after :meth:`wrap`, before the first step."""
-        inner = getattr(model, "module", model)
+        inner = unwrap(model)
         inner.load_state_dict(dict(state))
 
     def checkpoint_state(self) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from ..errors import ConfigError, at_least, divisors
 from ..launch.layout import Layout
 from ..moe.checkpoint import canonical_names, full_state_dict, local_state_dict, moe_layers
 from ..ps.grads import travels_divided
+from ..wrapper import Wrapper, unwrap
 from .base import Strategy, register
 from .synced import check_still_frozen
 
@@ -74,7 +75,7 @@ def place_experts(workers: Sequence[int], expert_parallel: int) -> ExpertPlaceme
     return ExpertPlacement(groups, replicas)
 
 
-class _SyncAfterBackward(nn.Module):
+class _SyncAfterBackward(Wrapper):
     """The model, plus one gradient synchronisation at the end of every backward pass.
 
     Every trainable parameter has a hook on the gradient coming into it. The first hook
@@ -260,13 +261,13 @@ class ExpertParallel(Strategy[MoEOptions]):
                 q.grad = g
 
     def state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        return full_state_dict(getattr(model, "module", model))
+        return full_state_dict(unwrap(model))
 
     def parameter_names(self, model: nn.Module) -> dict[str, nn.Parameter]:
-        inner = getattr(model, "module", model)
+        inner = unwrap(model)
         names = canonical_names(inner)
         return {names[k]: p for k, p in inner.named_parameters()}
 
     def load_model_state(self, model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
-        inner = getattr(model, "module", model)
+        inner = unwrap(model)
         inner.load_state_dict(local_state_dict(dict(state), inner))

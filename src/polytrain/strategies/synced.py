@@ -21,6 +21,7 @@ from ..errors import ConfigError
 from ..moe.checkpoint import moe_layers
 from ..ps.grads import GradientSync, check_as_wrapped
 from ..runtime import Context
+from ..wrapper import Wrapper
 from .checks import broadcast_module, check_same_values, check_worker_models
 
 __all__ = ["SyncedModule", "check_still_frozen", "input_device", "keep_missing_for"]
@@ -105,7 +106,7 @@ def _bare_names(module: nn.Module, incompatible: Any) -> None:
                  .replace(f'named "{inner}', f'named "{prefix}') for e in errors]
 
 
-class SyncedModule(nn.Module):
+class SyncedModule(Wrapper):
     """A model whose gradients :attr:`sync` sums over the workers during backward.
 
     The constructor checks that every worker built the same model (a clear

@@ -16,6 +16,7 @@ from ...launch.layout import Layout
 from ...ps.grads import gradient_change, gradient_left
 from ...ps.placement import server_ranks
 from ...runtime import Context
+from ...wrapper import Wrapper
 from ..base import register
 from ..served import ServedStrategy
 from ..synced import check_still_frozen
@@ -446,7 +447,7 @@ class _Unchanged:
         self._hooks = []
 
 
-class _Gathered(nn.Module):
+class _Gathered(Wrapper):
     """A model whose sparse rows are all current: its lookups fetch nothing while it runs."""
 
     def __init__(self, model: nn.Module, rows: SparseRows) -> None:
