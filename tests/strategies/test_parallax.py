@@ -187,11 +187,15 @@ def test_a_resumed_sample_leaves_its_first_step_out_of_its_time(monkeypatch):
     # The first step after a resume has no start to be timed from, and was still counted
     # one of the sample's: the sample's time then took in its first step's, from before the
     # checkpoint (a warm-up: the median of 5.0 and 1.0, where its other steps took 1.0).
+    # Then the fresh process's first step (a warm-up too) was timed, and the step before the
+    # save was not: the median of 5.0 and 1.0 again.
     from types import SimpleNamespace
 
     from polytrain.strategies.parallax import Parallax
     from polytrain.strategies.parallax import strategy as module
-    clock = iter([0.0, 5.0, 5.0, 6.0, 100.0, 101.0, 101.0, 102.0, 102.0, 102.0, 102.0])
+    # Before the save: the sample's first step 5.0, its second 1.0; after the resume the
+    # first (the fresh process's warm-up) 5.0, the next 1.0.
+    clock = iter([0.0, 5.0, 5.0, 6.0, 100.0, 105.0, 105.0, 106.0, 106.0, 106.0, 106.0])
     monkeypatch.setattr(module.time, "perf_counter", lambda: next(clock))
     monkeypatch.setattr(module.dist, "all_reduce", lambda *args, **kwargs: None)
     ctx = SimpleNamespace(num_workers=1, num_nodes=1, worker_index=0,
@@ -213,7 +217,7 @@ def test_a_resumed_sample_leaves_its_first_step_out_of_its_time(monkeypatch):
     saved = {**before.checkpoint_state(), "rows": {}}  # (no tables: no servers here)
     after = strategy()
     after.load_checkpoint_state(saved)
-    for step in range(2, 5):  # 1.0 each; the first is not timed
+    for step in range(2, 5):  # the first is not timed
         after.replan(step)
         after._step_done()
     assert after.final_search.samples == [(2, 1.0)]

@@ -94,6 +94,7 @@ class Parallax(ServedStrategy[ParallaxOptions]):
         self._times: list[float] = []
         self._last: float | None = None  # when the step in progress began ...
         self._ended: float | None = None  # ... and when the last one's optimizer stepped
+        self._warming = False  # the step in progress is a resumed process's first: untimed
         self._step_hooks: list[Any] = []  # on the user's optimizer, taken off by close()
         self._was_sparse: list[tuple[nn.Embedding | nn.EmbeddingBag, bool]] = []  # for close()
         self._frozen: list[tuple[str, nn.Parameter]] = []  # at the wrap: neither kind
@@ -199,12 +200,11 @@ class Parallax(ServedStrategy[ParallaxOptions]):
         now = time.perf_counter()
         if self.search is None:
             return False
-        if self._last is not None and self._ended is not None and self._ended > self._last:
-            # The step's own time: what the loop did after it (a held-out evaluation, a
-            # checkpoint's gathers of the tables) is not the partition count's.
-            self._times.append(self._ended - self._last)
+        self._times.extend(self._step_time())
         self._since += 1
-        self._last = now
+        # A resumed process's first step (a warm-up) has its start left unmarked: untimed.
+        self._last = None if self._warming else now
+        self._warming = False
         if self._since <= self.options.search_steps:
             return False
         # One sample is done: its steps after the first, the slowest worker's median.
@@ -234,6 +234,14 @@ class Parallax(ServedStrategy[ParallaxOptions]):
         self._since = 1
         self._last = time.perf_counter()
         return moved
+
+    def _step_time(self) -> list[float]:
+        """The last step's own time, if it was timed and has ended: what the loop did after
+        it (a held-out evaluation, a checkpoint's gathers of the tables) is not the
+        partition count's."""
+        if self._last is not None and self._ended is not None and self._ended > self._last:
+            return [self._ended - self._last]
+        return []
 
     # -- results -------------------------------------------------------------------------------
 
@@ -277,8 +285,9 @@ class Parallax(ServedStrategy[ParallaxOptions]):
         """The servers' sparse rows with their rule's state (worker 0's file: whole
         variables, so a resumed run may cut them into another partition count), the
         rounds pushed, the partition count and the search so far."""
+        # The times with the step just ended (the next replan() would have taken it in).
         state: dict[str, Any] = {"partitions": self._count, "since": self._since,
-                                 "times": list(self._times), **self._layout()}
+                                 "times": self._times + self._step_time(), **self._layout()}
         search = self.search or getattr(self, "final_search", None)
         if search is not None:
             state["search"] = {"start": search.start, "low": search.low, "high": search.high,
@@ -328,10 +337,11 @@ class Parallax(ServedStrategy[ParallaxOptions]):
                                              and goes_on) \
             else self.options.partitions or self._count
         if not moved and goes_on:  # a new search times its own steps
-            # The first step from here is not timed (nothing marks its start): counted one
-            # step less, the sample runs a step longer, so that the times it takes leave out
-            # its first step's, which _times holds from before the save.
+            # The first step from here is not timed (a fresh process's warm-up): counted one
+            # step less, the sample runs a step longer, so that the times it takes are its
+            # steps' after its first, as without a resume (times holds those before the save).
             self._since, self._times = max(0, int(state["since"]) - 1), list(state["times"])
+            self._warming = True
         self._last = None
         if self.rows is None:
             return
