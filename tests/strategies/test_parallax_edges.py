@@ -62,6 +62,25 @@ def test_16_bit_dense_gradients_are_divided_before_they_are_summed():
         assert torch.equal(w, alone), (w, alone)
 
 
+def test_a_16_bit_table_is_refused_before_any_process_starts_in_one_line():
+    # nn.Embedding(...).to(torch.bfloat16) reached the server, which refused its key with its
+    # prefix said twice and two HINTs, the second to fix "the declaration's options": no
+    # check before the servers knew that their row stores hold float32 or float64 only.
+    for dtype in (torch.bfloat16, torch.float16):
+        model = nn.Sequential(nn.Embedding(10, 4).to(dtype), nn.Linear(4, 1))
+        with pytest.raises(ConfigError) as e:
+            classify(model)
+        assert str(e.value) == (
+            f"sparse parameter 0.weight is {dtype}: parallax's servers hold the rows of a "
+            f"sparse parameter in float32 or float64. HINT: keep the table in float32, or "
+            f"keep it on the workers (sparse_embeddings=False, --no-sparse-embeddings, and "
+            f"sparse=False)")
+        assert classify(model, sparse_embeddings=False) == (["0.weight", "1.weight", "1.bias"],
+                                                            [])
+    for dtype in (torch.float32, torch.float64):
+        assert classify(nn.Sequential(nn.Embedding(10, 4).to(dtype))) == ([], ["0.weight"])
+
+
 # -- max_norm ----------------------------------------------------------------------------------
 
 def max_norm_script() -> None:

@@ -151,9 +151,10 @@ def classify(model: nn.Module, *, sparse_embeddings: bool = True
     Sparse: the weights of :func:`sparse_tables`. Embeddings that share one weight (an
     encoder's and a decoder's table) are one sparse parameter: every use of it is a
     lookup. Refused: a sparse weight another kind of module also uses (an output layer
-    tied to the table: its gradient there is dense), and an embedding of a sparse weight
+    tied to the table: its gradient there is dense), an embedding of a sparse weight
     with ``max_norm`` (its forward renormalizes the rows it reads in place, on the
-    worker's copy, which the servers' rows overwrite at the next fetch; one worker too).
+    worker's copy, which the servers' rows overwrite at the next fetch; one worker too),
+    and a 16-bit sparse weight (the servers' row stores hold float32 or float64).
     """
     sparse_ids = {id(m.weight) for m in sparse_tables(model,
                                                       sparse_embeddings=sparse_embeddings)}
@@ -193,6 +194,13 @@ def classify(model: nn.Module, *, sparse_embeddings: bool = True
             if p.dim() != 2:
                 raise ConfigError(f"sparse parameter {name} has shape {list(p.shape)}",
                                   "keep embeddings 2-D (rows, width)")
+            if p.dtype not in (torch.float32, torch.float64):
+                # Else the server refused the key's declaration, in two lines and two hints.
+                raise ConfigError(f"sparse parameter {name} is {p.dtype}: parallax's servers "
+                                  f"hold the rows of a sparse parameter in float32 or float64",
+                                  "keep the table in float32, or keep it on the workers "
+                                  "(sparse_embeddings=False, --no-sparse-embeddings, and "
+                                  "sparse=False)")
             sparse.append(name)
         else:
             dense.append(name)

@@ -59,9 +59,10 @@ class Parallax(ServedStrategy[ParallaxOptions]):
 
     @classmethod
     def check_model(cls, model: nn.Module, layout: Layout, options: ParallaxOptions) -> None:
-        """The plan's refusals (max_norm, a table tied to another kind of module) before any
-        process starts, and before the data-parallel ones, whose hints do not fit rows held
-        on servers; and options that a model without sparse parameters leaves idle."""
+        """The plan's refusals (max_norm, a table tied to another kind of module, a 16-bit
+        table) before any process starts, and before the data-parallel ones, whose hints do
+        not fit rows held on servers; and options that a model without sparse parameters
+        leaves idle."""
         _, sparse = classify(model, sparse_embeddings=options.sparse_embeddings)
         _check_idle_options(options, sparse, servers=0)
 
