@@ -75,8 +75,11 @@ def sparse_rule(optimizer: torch.optim.Optimizer, param: torch.Tensor,
     group = next((g for g in optimizer.param_groups if any(p is param for p in g["params"])),
                  None)
     if group is None:
-        raise ConfigError(f"{name} is in no group of the optimizer",
-                          "pass every parameter of the model to the optimizer")
+        # Left out is how single and ddp leave a table untrained: passing it would train it.
+        raise ConfigError(f"{name} is in no group of the optimizer, which steps a sparse "
+                          f"parameter's rows on the servers",
+                          "to leave it untrained, freeze it before distribute() "
+                          "(requires_grad_(False)); to train it, pass it to the optimizer")
     kind = type(optimizer).__name__
     decay = float(group.get("weight_decay", 0.0) or 0.0)
     hint = ("put the sparse parameters in a group with weight_decay=0, or pass "

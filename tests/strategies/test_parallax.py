@@ -223,6 +223,20 @@ def test_a_resumed_sample_leaves_its_first_step_out_of_its_time(monkeypatch):
     assert after.final_search.samples == [(2, 1.0)]
 
 
+def test_a_table_left_out_of_the_optimizer_is_told_to_freeze_it_or_pass_it():
+    # SGD(model.lin.parameters()) leaves a table untrained under single and ddp; parallax
+    # said "pass every parameter of the model to the optimizer", which would train it.
+    emb, lin = nn.Embedding(10, 4, sparse=True), nn.Linear(4, 1)
+    with pytest.raises(ConfigError) as e:
+        sparse_rule(torch.optim.SGD(lin.parameters(), lr=1), emb.weight, "emb.weight")
+    assert str(e.value) == (
+        "emb.weight is in no group of the optimizer, which steps a sparse parameter's rows "
+        "on the servers. HINT: to leave it untrained, freeze it before distribute() "
+        "(requires_grad_(False)); to train it, pass it to the optimizer")
+    emb.weight.requires_grad_(False)  # a frozen table is neither sparse nor dense: no rule
+    assert classify(nn.Sequential(emb, lin)) == (["1.weight", "1.bias"], [])
+
+
 def test_adamw_with_weight_decay_on_a_sparse_parameter_is_refused_with_what_to_pass():
     emb = nn.Embedding(10, 4, sparse=True)
     with pytest.raises(ConfigError, match="AdamW with weight decay 0.01 has no sparse form") as e:
