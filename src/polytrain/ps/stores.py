@@ -248,7 +248,11 @@ class SumStore(Store):
 class ParamStore(Store):
     """Parameters held on the server, updated by pushes, read with bounded staleness.
 
-    - SET replaces the value (a worker initialises it once after declaring).
+    - SET replaces the value and restarts the rounds: every pusher's next push
+      is its round 1 again. A worker initialises the value after declaring, and
+      sets it again when a checkpoint is loaded mid-run, with no push or pull
+      in flight (a load is collective); the workers count their rounds from
+      there (asynchronous BytePS's ``base``).
     - PUSH adds the payload (an update: new minus old weights, already scaled
       by the worker) and advances the pusher's clock by one: its round must
       be the pusher's new clock (its pushes counted from 1).
@@ -290,6 +294,7 @@ class ParamStore(Store):
         if req.op == Op.SET:
             self.value.copy_(self.declared_payload(req))
             self.ahead.clear()
+            self.clocks.clear()
         elif req.op == Op.PUSH:
             payload = self.declared_payload(req)
             if req.pusher not in self.clocks and len(self.clocks) == self.decl.pushers:

@@ -143,3 +143,38 @@ def test_asynchronous_optimizer_takes_the_clipping_recipe_on_local_gradients():
             "its gradients would not be summed, and each worker's copy would drift apart. "
             "HINT: unfreeze it before the optimizer is wrapped (bps.DistributedOptimizer, "
             "distribute()): a parameter may be frozen after the wrap, not unfrozen")] * 2
+
+
+def load_mid_run(folder):
+    """Asynchronous byteps: 3 steps, save, a step (kept), a step, load, the same step."""
+    polytrain.init()
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = polytrain.distribute(model, opt, strategy="byteps", async_=True)
+
+    def step():
+        opt.zero_grad()
+        model(torch.ones(3, 4)).sum().backward()
+        opt.step()
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    for _ in range(3):
+        saved = step()
+    polytrain.save(folder, model, opt, step=3)
+    after_save = step()
+    step()
+    polytrain.load(folder, model, opt)
+    return saved, after_save, step()
+
+
+@pytest.mark.timeout(90)
+def test_a_load_after_asynchronous_steps_goes_on_from_the_checkpoint(tmp_path):
+    # Symptom: polytrain.load() after asynchronous steps crashed the servers ("request PUSH
+    # of round 1 from rank 1: it is this pusher's push number 6"). Cause: the load restarts
+    # the workers' rounds at 1 (the clock saved is their base), and the servers' SET of the
+    # loaded weights kept each pusher's count of pushes.
+    for saved, after_save, after_load in spawn(load_mid_run, workers=2, nodes=2, colocated=1,
+                                               args=(tmp_path,)):
+        assert max_abs_diff(after_save, after_load) < 1e-6  # staleness 0: the same step
+        assert max_abs_diff(saved, after_save) > 1e-3  # the step moved the weights

@@ -105,8 +105,8 @@ class AsyncOptimizer(WrappedOptimizer):
                              colocate=colocate)
         self.placement = engine.keyed(specs, self.plan.placement)
         self.clock = 0
-        # The clock a resumed run started at: the servers (fresh processes) count rounds
-        # from there, so the wire carries ``clock - base``.
+        # The clock at the servers' last SET (install), from which they count rounds afresh,
+        # or a resumed run's saved clock: the wire carries ``clock - base``.
         self.base = 0
         self._pulled = [torch.empty(p.numel(), dtype=p.dtype) for p in self._params]
         # Per partition: its codec (half-precision pushes, with their own error feedback
@@ -127,7 +127,8 @@ class AsyncOptimizer(WrappedOptimizer):
     def install(self) -> None:
         """Worker 0 sets the servers' parameters to its own (collective over the workers):
         before the first step (or pull), so that the weights trained are the ones the
-        workers hold then, and when :func:`polytrain.load` loads a checkpoint."""
+        workers hold then, and when :func:`polytrain.load` loads a checkpoint (mid-run too:
+        the SET restarts every pusher's rounds at 1, so the rounds count from here)."""
         ctx, engine, placement = self.ctx, self.engine, self.placement
         if ctx.worker_index == 0:
             flats = [p.detach().reshape(-1).cpu() for p in self._params]
@@ -142,6 +143,7 @@ class AsyncOptimizer(WrappedOptimizer):
                 pending.wait()
         dist.barrier(group=ctx.groups.workers)
         self.installed = True
+        self.base = self.clock
 
     def install_once(self) -> None:
         """:meth:`install`, unless the servers hold the parameters already (collective the
@@ -229,7 +231,8 @@ class AsyncOptimizer(WrappedOptimizer):
         self._pull(self.clock - self.base + self.staleness, [])
 
     def resume_at(self, clock: int) -> None:
-        """Continue from a checkpoint's clock (before the first step; the servers are fresh)."""
+        """Continue from a checkpoint's clock, once its weights are installed (the servers
+        count rounds afresh from their SET)."""
         self.clock = self.base = clock
 
     def carried(self) -> dict[str, Any]:
