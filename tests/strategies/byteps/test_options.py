@@ -157,3 +157,27 @@ def test_compress_momentum_beside_adams_own_momentum_is_refused_before_a_start()
                                           r"momentum 0\.9 of its own \(betas\[0\]\)"):
         TrainConfig(strategy="byteps", optimizer="adam", strategy_options=options)
     TrainConfig(strategy="byteps", optimizer="sgd", strategy_options=options)  # no momentum
+
+
+def test_cpu_servers_on_one_worker_machine_are_warned_of(caplog):
+    # Symptom: `--servers 2` with one worker machine (the default --nodes 1) started two CPU
+    # servers that summed nothing (0 bytes each in traffic.servers), without a word. Cause:
+    # Theorem 1 gives CPU servers no share when nothing crosses between worker machines.
+    # (A warning, not a refusal: the run is right, only its CPU servers idle.)
+    parse("--workers", "2", "--servers", "2")
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+        "byteps --servers 2 with one worker machine (--nodes 1): Theorem 1 gives the CPU "
+        "servers no share of the model, so they sum nothing and the worker machine's own "
+        "server sums every gradient; spread the workers over machines (--nodes N), or leave "
+        "out --servers"]
+    caplog.clear()
+    parse("--workers", "2", "--servers", "2", "--no-colocate")  # the classic PS: they sum
+    parse("--workers", "4", "--nodes", "2", "--servers", "1")
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+    # k >= n: the CPU servers hold the whole model, and the colocated ones idle (noted only).
+    with caplog.at_level("INFO", logger="polytrain"):
+        parse("--workers", "2", "--nodes", "2", "--servers", "2")
+    assert [r.getMessage() for r in caplog.records] == [
+        "byteps --servers 2 on 2 worker machines: Theorem 1 gives the CPU servers the whole "
+        "model when they are as many as the worker machines or more, so the colocated servers "
+        "sum nothing (--no-colocate runs without them)"]

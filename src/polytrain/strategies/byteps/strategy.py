@@ -21,6 +21,7 @@ from ..synced import keep_missing_for
 from .async_mode import AsyncOptimizer
 from .optimizer import DistributedOptimizer, check_compress_momentum, check_one_bit_adam
 from .options import BytePSOptions
+from .plan import optimal_shares
 
 __all__ = ["BytePS"]
 
@@ -58,6 +59,25 @@ class BytePS(ServedStrategy[BytePSOptions]):
         check_dense_gradients(model, cls.name)
     no_colocate_means = ("is the classic parameter server: every gradient goes to "
                          "dedicated servers")
+
+    @classmethod
+    def check_layout(cls, layout: Layout, options: BytePSOptions) -> None:
+        super().check_layout(layout, options)
+        # Servers Theorem 1 gives no share: a right run, with processes that sum nothing.
+        n, k = layout.nodes, layout.servers
+        if not options.colocate or k == 0:
+            return
+        shares = optimal_shares(n, k)
+        if shares.cpu_servers == 0:  # one worker machine: nothing crosses between machines
+            log.warning("byteps --servers %d with one worker machine (--nodes 1): Theorem 1 "
+                        "gives the CPU servers no share of the model, so they sum nothing and "
+                        "the worker machine's own server sums every gradient; spread the "
+                        "workers over machines (--nodes N), or leave out --servers", k)
+        elif shares.per_colocated_server == 0:
+            log.info("byteps --servers %d on %d worker machines: Theorem 1 gives the CPU "
+                     "servers the whole model when they are as many as the worker machines or "
+                     "more, so the colocated servers sum nothing (--no-colocate runs without "
+                     "them)", k, n)
 
     @classmethod
     def check_optimizer(cls, optimizer: torch.optim.Optimizer, options: BytePSOptions) -> None:
