@@ -273,6 +273,33 @@ def test_workers_with_different_models_are_refused_before_any_tensor_is_overwrit
         assert unchanged and exp_avg == torch.Size([2 + rank, 4])  # each its own, untouched
 
 
+def same_size_other_models():
+    """Two models of the same size and the same first and last names, one per worker."""
+    polytrain.init()
+    h1, h2 = (8, 4) if bps.rank() == 0 else (4, 8)
+    model = nn.Sequential(nn.Linear(4, h1), nn.Linear(h1, h2), nn.Linear(h2, 4))
+    said = {}
+    for mode in (False, True):
+        said[mode] = refused(lambda mode=mode: bps.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            named_parameters=model.named_parameters(), async_=mode))
+    return said
+
+
+@pytest.mark.timeout(60)
+def test_distributed_optimizer_refuses_workers_with_other_models_of_the_same_size():
+    # Symptom: workers whose models differed but had the same number of elements and the
+    # same first and last parameter names trained on mixed sums, silently. Cause: a fused
+    # key is declared by its first and last names and its size only, and the drop-in
+    # compared the workers' options, not their parameters.
+    for said in spawn(same_size_other_models, workers=2, nodes=2, colocated=1):
+        assert said[False] == said[True] == (
+            "worker rank 1's list of parameters to DistributedOptimizer differs from worker "
+            "rank 0's: '0.weight' is [8, 4] torch.float32 on worker rank 0 but [4, 4] "
+            "torch.float32 on worker rank 1. HINT: build the same model on every worker, and "
+            "freeze the same parameters before wrapping the optimizer")
+
+
 def sparse_embedding(strategy):
     polytrain.init()
     torch.manual_seed(0)

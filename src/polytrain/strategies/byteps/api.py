@@ -34,7 +34,7 @@ from ...ps.grads import travels_divided
 from ...runtime import Context
 from ..checks import check_same_tensors, check_same_values, tensor_signature
 from .async_mode import AsyncOptimizer, check_async_passes
-from .optimizer import Choice, _resolve, checked_options, same_options
+from .optimizer import Choice, _resolve, checked_options, named_params_of, same_options
 from .optimizer import DistributedOptimizer as _SyncOptimizer
 from .plan import plan_for
 
@@ -447,6 +447,14 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 - ByteP
     check_same_values(ctx, {f"DistributedOptimizer option {name}": value
                             for name, value in same_options(opts, chosen).items()},
                       "pass the same options to DistributedOptimizer on every worker")
+    # A fused key is declared by its first and last names and its size: other models of
+    # the same size summed into each other, silently (polytrain.distribute compares models).
+    if named_parameters is not None:
+        named_parameters = list(named_parameters)  # a generator is read again by the wrap
+    trained, _ = named_params_of(optimizer, named_parameters)
+    check_same_tensors(ctx, tensor_signature(trained), "list of parameters to "
+                       "DistributedOptimizer", "build the same model on every worker, and "
+                       "freeze the same parameters before wrapping the optimizer")
     engine = engine_for(ctx, credit_bytes=opts.credit_bytes)
     placing: dict[str, Any] = {"partition_bytes": opts.partition_bytes,
                                "colocate": opts.colocate, "compression": chosen,
