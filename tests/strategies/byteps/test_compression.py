@@ -449,3 +449,21 @@ def test_compression_of_tensors_that_are_not_float32_is_refused_or_told(caplog):
     assert "compression applies to float32 tensors: 1 of float16 ('b') travel uncompressed" \
         in caplog.text
     assert tensor_compression([spec("b", torch.float16)], "none") == [None]  # nothing asked
+
+
+def test_compression_of_tensors_all_under_the_minimum_size_is_refused():
+    # Symptom: --compress onebit on a model whose every tensor is under --compress-min-bytes
+    # compressed nothing and moved every byte, without a word. Cause: only the tensors of
+    # another dtype than float32 were counted as asked for and not compressed.
+    specs = [TensorSpec("a", (16, 16), torch.float32), TensorSpec("b", (64, 16), torch.float32)]
+    for choice in ("onebit", {"b": "topk:0.01"}):
+        with pytest.raises(ConfigError) as e:
+            tensor_compression(specs, choice, min_bytes=65536)
+        assert str(e.value) == (
+            "compression applies to tensors of --compress-min-bytes (compress_min_bytes) "
+            "65,536 bytes or more, and the largest it would compress here is 'b' of 4,096 "
+            "bytes: none would be. HINT: pass --compress-min-bytes 4096 (or less), or leave "
+            "compression out")
+    out = tensor_compression(specs, "onebit", min_bytes=4096)  # one is: the rest travel as is
+    assert out[0] is None and out[1] is not None
+    assert tensor_compression(specs, {"a": "onebit"}, min_bytes=1024)[0] is not None

@@ -136,7 +136,8 @@ def tensor_compression(specs: Sequence[TensorSpec], choice: Choice | Mapping[str
                        min_bytes: int = DEFAULT_MIN_BYTES) -> list[CompressOptions | None]:
     """Per tensor, how it is compressed: ``choice`` for all, or per name (a mapping; names
     it lacks travel uncompressed). Tensors under ``min_bytes`` bytes, and tensors that are
-    not float32, travel uncompressed."""
+    not float32, travel uncompressed; where that leaves none of those asked for compressed,
+    refused (ConfigError)."""
     if isinstance(choice, Mapping):
         not_params = sorted(set(choice) - {s.name for s in specs})
         if not_params:
@@ -144,14 +145,28 @@ def tensor_compression(specs: Sequence[TensorSpec], choice: Choice | Mapping[str
                               f"{not_params}",
                               "key the mapping by the names of named_parameters")
     out: list[CompressOptions | None] = []
+    asked: list[TensorSpec] = []  # asked to be compressed
     other_dtype: list[TensorSpec] = []  # asked to be compressed, and not float32
     for s in specs:
         codec = _resolve(choice.get(s.name) if isinstance(choice, Mapping) else choice)
+        if codec is not None:
+            asked.append(s)
         if codec is not None and s.nbytes >= min_bytes and s.dtype != torch.float32:
             other_dtype.append(s)
         small = s.nbytes < min_bytes or s.dtype != torch.float32
         out.append(None if codec is None or small else
                    CompressOptions(codec, error_feedback=error_feedback, momentum=momentum))
+    floats = [s for s in asked if s.dtype == torch.float32]
+    if floats and not other_dtype and not any(out):  # a tiny model moved every byte, silently
+        largest = max(floats, key=lambda s: s.nbytes)
+        raise ConfigError(f"compression applies to tensors of --compress-min-bytes "
+                          f"(compress_min_bytes) {min_bytes:,} bytes or more, and the largest "
+                          f"it would compress here is {largest.name!r} of {largest.nbytes:,} "
+                          f"bytes: none would be",
+                          f"pass --compress-min-bytes {largest.nbytes} (or less), or leave "
+                          f"compression out")
+    if asked and not floats and not any(out):  # all of another dtype, and small
+        other_dtype = asked
     if other_dtype:  # it moved every byte of a bfloat16 model, saying nothing
         names = ", ".join(repr(s.name) for s in other_dtype[:3]) + (
             " and more" if len(other_dtype) > 3 else "")
