@@ -1,4 +1,4 @@
-"""Wrappers: modules that run the model they hold as ``.module`` (torch's DDP, polytrain's),
+"""Wrappers: modules that run the model they hold as ``.module`` (torch's, polytrain's),
 and the model inside one; shared by every layer (imports torch only)."""
 
 from __future__ import annotations
@@ -16,12 +16,13 @@ class Wrapper(nn.Module):
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The model a wrapper holds (:class:`Wrapper`, torch's DDP), else ``model`` itself.
+    """The model a wrapper holds (:class:`Wrapper`, torch's DDP or DataParallel), else
+    ``model`` itself.
 
     A wrapper is known by its class, never by an attribute's name: a model's own child
     named ``module`` (an EMA's, a loss wrapper's) is part of it (unwrapping it left the
     model's other layers out of its state, silently).
     """
-    if isinstance(model, (Wrapper, nn.parallel.DistributedDataParallel)):
+    if isinstance(model, (Wrapper, nn.parallel.DistributedDataParallel, nn.DataParallel)):
         return model.module
     return model

@@ -91,3 +91,14 @@ def test_parallax_resumes_a_model_with_a_child_named_module_as_the_run_went_on(t
     resumed, _ = spawn(resume_script, workers=2, colocated=1, args=("resume", where))[0]
     assert keys == ["emb.weight", "module.weight", "module.bias"]
     assert resumed == whole[2:]
+
+
+def test_torchs_data_parallel_is_unwrapped_as_before_and_a_child_named_module_is_not():
+    # The unwrap by class (not by an attribute's name) first left torch's nn.DataParallel
+    # wrapped: final.pt of a model a user wrapped in it got "module." keys, which it had not.
+    from polytrain.wrapper import unwrap
+    inner = nn.Linear(2, 2)
+    assert unwrap(nn.DataParallel(inner)) is inner
+    own = nn.Module()
+    own.module = inner
+    assert unwrap(own) is own

@@ -22,6 +22,7 @@ from polytrain.strategies.parallax import (
     plan_parallax,
 )
 from polytrain.strategies.parallax.rows import _Var, check_declared
+from polytrain.wrapper import unwrap
 from tests.harness import max_abs_diff, run_cached, run_config, single_of
 
 STEPS = 4
@@ -630,7 +631,7 @@ def two_tables_script(distributed: bool) -> dict:
         opt.step()
     with torch.no_grad():  # reads every row of both tables: the servers' current rows
         model(every, True)
-    inner = getattr(model, "module", model)
+    inner = unwrap(model)
     return {k: v.detach().clone() for k, v in inner.state_dict().items()}
 
 
