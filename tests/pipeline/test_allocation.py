@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from polytrain import ConfigError
-from polytrain.emulation.devices import parse_cluster
+from polytrain.emulation.devices import homogeneous, parse_cluster
 from polytrain.emulation.profile import profile_model
 from polytrain.models import GPT
 from polytrain.pipeline.allocation import allocate, count_virtual_workers, plan_hetpipe
@@ -115,6 +115,33 @@ def test_plan_on_two_fast_and_two_slow_devices():
     brute = plan_hetpipe(c, profile, policy="ed", global_batch=16, state_factor=2,
                          search=minmax_cut_brute)
     assert brute == ed
+
+
+def test_one_in_flight_cuts_for_the_least_round_trip():
+    # Regression: with --inflight 1 each virtual worker took the cut of the least slowest
+    # stage, though with one minibatch in flight a minibatch takes the round trip (the
+    # stages' sum): the benchmark's GPT ran embed..h3 | h4..head, 334.8 ms a minibatch by
+    # the cost model, where embed | h0..head fits and takes 253.0 ms.
+    c = parse_cluster("m0:fast*2,m1:slow*2")
+    model = GPT(seq_len=16, d_model=32, layers=8, heads=2)
+    profile = profile_model(model, torch.zeros(1, 16, dtype=torch.long))
+    one = plan_hetpipe(c, profile, policy="ed", global_batch=16, state_factor=2, inflight=1)
+    two = plan_hetpipe(c, profile, policy="ed", global_batch=16, state_factor=2, inflight=2)
+    for a, b in zip(one.pipelines, two.pipelines):
+        assert a.stage_layers(0) == ("embed",)  # the fast device's time is worth less
+        assert a.period == a.round_trip < b.round_trip  # the min-max cut's
+        assert b.bottleneck < a.bottleneck  # with 2 in flight the slowest stage binds
+
+
+def test_one_in_flight_on_even_devices_keeps_the_min_max_cut():
+    # On equal devices every cut has the same round trip, summed in another order: a cut
+    # a rounding error faster must not replace the balanced one (the plan of a run
+    # without --devices, and its figures, would move for nothing).
+    profile = profile_model(GPT(), torch.zeros(1, 64, dtype=torch.long))
+    c = homogeneous(4, 2)
+    one = plan_hetpipe(c, profile, policy="ed", global_batch=32, state_factor=2, inflight=1)
+    two = plan_hetpipe(c, profile, policy="ed", global_batch=32, state_factor=2, inflight=2)
+    assert [p.bounds for p in one.pipelines] == [p.bounds for p in two.pipelines]
 
 
 def test_a_model_too_big_for_the_devices_is_refused():

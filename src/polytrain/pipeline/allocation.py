@@ -38,7 +38,7 @@ from typing import Sequence
 from ..emulation.devices import Cluster, Device
 from ..emulation.profile import ModelProfile
 from ..errors import ConfigError, unknown
-from .partition import PipelinePlan, minmax_cut, plan_pipeline
+from .partition import PipelinePlan, minmax_cut, period_cut, plan_pipeline
 
 __all__ = ["POLICIES", "VirtualWorker", "allocate", "check_batch", "check_policy",
            "count_virtual_workers",
@@ -233,7 +233,8 @@ def plan_hetpipe(cluster: Cluster, profile: ModelProfile, *, policy: str, global
     Every VW must use the same N_m (a clock is one wave of N_m minibatches in
     every VW), so when ``inflight`` is None the N_m chosen is the smallest that
     minimises the slowest VW's period. Policy ``bd`` runs N_m = 1 (a VW's twin fills
-    its bubble), and each of a device's two stages must fit half its memory. Where the
+    its bubble, so its cut minimises the slowest stage, not the round trip), and each of
+    a device's two stages must fit half its memory. Where the
     ``inflight`` given does not fit, the refusal names the largest N_m that does.
     """
     vws = allocate(cluster, policy)
@@ -255,9 +256,13 @@ def plan_hetpipe(cluster: Cluster, profile: ModelProfile, *, policy: str, global
     error: ConfigError | None = None
     halved = "policy bd runs two stages per device" if policy == "bd" else None
 
+    # At N_m = 1 a VW's round trip is its time per minibatch, but with bd its twin's
+    # stages fill it: a device runs a stage of each, so the cut balances the stages.
+    period_search = None if policy == "bd" else period_cut
+
     def plan_all(nm: int) -> tuple[PipelinePlan, ...]:
         return tuple(_plan_vw(cluster, vw, profile, minibatch, state_factor, nm, search,
-                              halved) for vw in vws)
+                              period_search, halved) for vw in vws)
     for nm in candidates:
         try:
             plans = plan_all(nm)
@@ -287,11 +292,12 @@ def plan_hetpipe(cluster: Cluster, profile: ModelProfile, *, policy: str, global
 
 
 def _plan_vw(cluster: Cluster, vw: VirtualWorker, profile: ModelProfile, minibatch: int,
-             state_factor: int, inflight: int, search: object,
+             state_factor: int, inflight: int, search: object, period_search: object,
              halved: str | None) -> PipelinePlan:
     devs: Sequence[Device] = vw.devices
     links = [cluster.bandwidth(a, b) for a, b in zip(devs, devs[1:])]
     return plan_pipeline(profile, [d.type for d in devs], links, minibatch=minibatch,
                          state_factor=state_factor, inflight=inflight,
-                         search=search, halved=halved,  # type: ignore[arg-type]
+                         search=search, period_search=period_search,  # type: ignore[arg-type]
+                         halved=halved,
                          who=f"virtual worker {vw.index} ({', '.join(d.describe() for d in devs)})")

@@ -5,13 +5,17 @@ time to send what it sends: its output activation forward and its input
 gradient backward, at the bandwidth of the link to the neighbour. A stage's
 memory at ``N_m`` minibatches in flight is its weights (the live copy plus up
 to ``N_m`` stashed versions), one gradient, the optimizer's state, and the
-activations of ``N_m`` minibatches. The plan minimises the slowest stage over
-all cuts that fit; ``N_m`` is the smallest that reaches the best period
-``max(slowest stage, round trip / N_m)``.
+activations of ``N_m`` minibatches. For each ``N_m`` the plan minimises the
+period ``max(slowest stage, round trip / N_m)`` over all cuts that fit: from
+``N_m`` = the stage count on that is the slowest stage (:func:`minmax_cut`),
+below it the round trip may bind (:func:`period_cut`; at ``N_m = 1`` a
+minibatch takes the whole round trip). ``N_m`` is the smallest that reaches
+the best period.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from dataclasses import dataclass
@@ -22,12 +26,16 @@ from ..emulation.profile import ModelProfile
 from ..errors import ConfigError
 
 __all__ = ["PipelinePlan", "plan_pipeline", "plan_pipeline_brute", "minmax_cut",
-           "minmax_cut_brute", "StageCosts"]
+           "minmax_cut_brute", "period_cut", "period_cut_brute", "StageCosts"]
 
 _MIB = 1 << 20
 
 # stage j holds layers [a, e): cost, or None where it does not fit
 Cost = Callable[[int, int, int], "float | None"]
+# (n, k, cost, N_m) -> (period, bounds) of the cut of the least period, or None
+PeriodSearch = Callable[[int, int, Cost, int], "tuple[float, tuple[int, ...]] | None"]
+# runs j..k-1 of a cut over items [a, n): (largest cost, sum of costs, bounds a..n)
+_Suffix = tuple[float, float, tuple[int, ...]]
 
 
 @dataclass(frozen=True)
@@ -139,6 +147,65 @@ def minmax_cut_brute(n: int, k: int, cost: Cost) -> tuple[float, tuple[int, ...]
     return found
 
 
+def period_cut(n: int, k: int, cost: Cost, inflight: int) -> tuple[float, tuple[int, ...]] | None:
+    """Cut ``n`` items into ``k`` runs minimising ``max(largest cost, sum of costs / inflight)``.
+
+    The period of a pipeline with ``inflight`` minibatches in flight: below ``k``
+    the round trip may bind, and a cut with a higher slowest stage but a lower
+    sum can be faster. Exact dynamic programming over suffixes keeping, per
+    suffix, the Pareto front of (largest cost, sum) pairs: the period grows with
+    both, so a dominated suffix never completes a better cut. Among equally good
+    cuts it returns one of the least largest cost, then of the least sum. None if
+    no cut has every run feasible.
+    """
+    if k < 1 or n < k:
+        return None
+    # front[j][a]: the suffixes of runs j..k-1 over items [a, n) that no other one
+    # dominates (of equal pairs, the first bounds).
+    front: list[dict[int, list[_Suffix]]] = [{} for _ in range(k + 1)]
+    front[k][n] = [(-math.inf, 0.0, (n,))]
+    for j in range(k - 1, -1, -1):
+        for a in (range(j, n - (k - 1 - j)) if j else (0,)):
+            found: list[_Suffix] = []
+            for e in range(a + 1, n - (k - 1 - j) + 1):
+                rest = front[j + 1].get(e)
+                if not rest:
+                    continue
+                c = cost(j, a, e)
+                if c is not None:
+                    found.extend((max(c, m), c + s, (a, *bounds)) for m, s, bounds in rest)
+            found.sort()
+            kept: list[_Suffix] = []
+            for m, s, bounds in found:
+                if not kept or s < kept[-1][1]:
+                    kept.append((m, s, bounds))
+            front[j][a] = kept
+    if not front[0].get(0):
+        return None
+    m, s, bounds = min(front[0][0], key=lambda x: (max(x[0], x[1] / inflight), x[0], x[1], x[2]))
+    return max(m, s / inflight), bounds
+
+
+def period_cut_brute(n: int, k: int, cost: Cost,
+                     inflight: int) -> tuple[float, tuple[int, ...]] | None:
+    """:func:`period_cut` by trying every cut in lexicographic order (tests only)."""
+    found: tuple[tuple[float, float, float], tuple[int, ...]] | None = None
+    if k < 1 or n < k:
+        return None
+    for cuts in itertools.combinations(range(1, n), k - 1):
+        bounds = (0, *cuts, n)
+        costs = [cost(j, bounds[j], bounds[j + 1]) for j in range(k)]
+        if any(c is None for c in costs):
+            continue
+        times = [c for c in costs if c is not None]
+        top = max(times)
+        period = max(top, sum(times) / inflight)
+        key = (period, top, sum(times))
+        if found is None or key < found[0]:
+            found = (key, bounds)
+    return None if found is None else (found[0][0], found[1])
+
+
 class StageCosts:
     """Time and memory of any stage [a, e) on device j of a virtual worker (the cost model)."""
 
@@ -176,7 +243,8 @@ def plan_pipeline(profile: ModelProfile, devices: Sequence[DeviceType], links: S
                   *, minibatch: int, state_factor: int, inflight: int | None = None,
                   max_inflight: int | None = None,
                   search: Callable[[int, int, Cost], tuple[float, tuple[int, ...]] | None]
-                  = minmax_cut, who: str = "the virtual worker",
+                  = minmax_cut, period_search: PeriodSearch | None = period_cut,
+                  who: str = "the virtual worker",
                   halved: str | None = None) -> PipelinePlan:
     """The best contiguous cut of ``profile``'s layers over ``devices``, and ``N_m``.
 
@@ -186,6 +254,9 @@ def plan_pipeline(profile: ModelProfile, devices: Sequence[DeviceType], links: S
         minibatch: samples per minibatch. state_factor: optimizer state per weight.
         inflight: N_m, or None to choose it (1 .. ``max_inflight``, default the stage count).
         search: the exact cut search (the brute-force twin in tests).
+        period_search: the exact search of the least period, for ``N_m`` below the stage
+            count (the brute-force twin in tests); None: the cut of the least slowest stage
+            whatever ``N_m`` (policy bd, whose twin's stages fill the round trip).
         halved: why each of ``devices`` is given with half of its memory (policy bd's
             "runs two stages per device"): the refusal names the whole and says why.
 
@@ -201,20 +272,33 @@ def plan_pipeline(profile: ModelProfile, devices: Sequence[DeviceType], links: S
     costs = StageCosts(profile, devices, links, minibatch=minibatch, state_factor=state_factor)
     candidates = [inflight] if inflight is not None else list(range(1, (max_inflight or k) + 1))
     best: PipelinePlan | None = None
+
+    def plan_of(bounds: tuple[int, ...], nm: int) -> PipelinePlan:
+        return PipelinePlan(
+            devices=tuple(d.name for d in devices), layers=profile.names, bounds=bounds,
+            minibatch=minibatch, inflight=nm,
+            stage_times=tuple(costs.time(j, bounds[j], bounds[j + 1]) for j in range(k)),
+            stage_memory=tuple(costs.memory(j, bounds[j], bounds[j + 1], nm) for j in range(k)),
+            memory_limits=tuple(float(d.memory_bytes) for d in devices))
+
     for nm in candidates:
+        @functools.cache  # both searches ask for the same stages
         def cost(j: int, a: int, e: int, nm: int = nm) -> float | None:
             return costs.time(j, a, e) if costs.fits(j, a, e, nm) else None
 
         found = search(n, k, cost)
         if found is None:
             continue
-        bounds = found[1]
-        plan = PipelinePlan(
-            devices=tuple(d.name for d in devices), layers=profile.names, bounds=bounds,
-            minibatch=minibatch, inflight=nm,
-            stage_times=tuple(costs.time(j, bounds[j], bounds[j + 1]) for j in range(k)),
-            stage_memory=tuple(costs.memory(j, bounds[j], bounds[j + 1], nm) for j in range(k)),
-            memory_limits=tuple(float(d.memory_bytes) for d in devices))
+        plan = plan_of(found[1], nm)
+        if nm < k and period_search is not None and plan.period > plan.bottleneck:
+            # Below k in flight the round trip / N_m may exceed the slowest stage: the cut
+            # of the least slowest stage is kept unless another's period is less, by more
+            # than rounding (on even devices many cuts have the same sum, in other orders).
+            least = period_search(n, k, cost, nm)
+            assert least is not None  # the cut above fits
+            other = plan_of(least[1], nm)
+            if other.period < plan.period * (1 - 1e-9):
+                plan = other
         if best is None or plan.period < best.period:
             best = plan
     if best is None:
@@ -224,8 +308,9 @@ def plan_pipeline(profile: ModelProfile, devices: Sequence[DeviceType], links: S
 
 def plan_pipeline_brute(profile: ModelProfile, devices: Sequence[DeviceType],
                         links: Sequence[float], **kwargs: object) -> PipelinePlan:
-    """:func:`plan_pipeline` with the brute-force search (tests only)."""
-    return plan_pipeline(profile, devices, links, search=minmax_cut_brute, **kwargs)  # type: ignore[arg-type]
+    """:func:`plan_pipeline` with the brute-force searches (tests only)."""
+    return plan_pipeline(profile, devices, links, search=minmax_cut_brute,
+                         period_search=period_cut_brute, **kwargs)  # type: ignore[arg-type]
 
 
 def _refusal(costs: StageCosts, n: int, k: int, inflight: int,
