@@ -210,6 +210,40 @@ def test_measured_layer_costs_cut_where_the_time_is():
     assert by_time == (0, 2, 5) != by_flops
 
 
+@pytest.mark.timeout(150)
+def test_polytrain_train_prints_and_records_the_plan_of_measured_layer_costs(capfd, tmp_path):
+    # With --layer-costs measured the plan printed before training was the FLOPs one, not
+    # the run's: the stages re-planned from the measured times at the first step and only
+    # logged it at INFO (hidden at the default WARNING), and metrics.json kept no cuts, no
+    # N_m and no measured costs.
+    from polytrain.cli import main
+
+    out = tmp_path / "run"
+    assert main(["train", "--strategy", "hetpipe", "--devices", "m0:fast*2,m1:slow*2",
+                 "--servers", "1", "--policy", "ed", "--steps", "2", "--batch-size", "8",
+                 "--seq-len", "16", "--d-model", "32", "--layers", "2", "--heads", "2",
+                 "--layer-costs", "measured", "--timeout", "60", "--out", str(out)]) == 0
+    err = capfd.readouterr().err
+    before, _, after = err.partition("hetpipe: the plan from the layers' measured times")
+    assert after, err  # printed once the first step has measured them
+    assert "the run re-plans the cuts and N_m from the layers' times measured at its first " \
+           "step" in before, err
+    m = json.loads((out / "metrics.json").read_text())
+    plan = m["hetpipe_plan"]
+    assert plan["policy"] == "ed" and plan["minibatch"] == 4
+    assert f"N_m = {plan['inflight']} (local staleness" in after
+    assert len(plan["virtual_workers"]) == 2
+    for vw in plan["virtual_workers"]:
+        assert vw["devices"] == [f"m1/{vw['index']} slow", f"m0/{vw['index']} fast"]
+        assert vw["bounds"][0] == 0 and vw["bounds"][-1] == 4 and len(vw["bounds"]) == 3
+        assert len(vw["layers"]) == len(vw["stage_times_ms"]) == 2
+        for span, ms in zip(vw["layers"], vw["stage_times_ms"]):
+            assert re.search(rf"layers {re.escape(span)} +{ms:.1f} ms", after), after
+    assert list(m["layer_costs_ms"]) == ["embed", "h0", "h1", "head"]
+    assert all(t["forward_ms"] > 0 and t["backward_ms"] > 0
+               for t in m["layer_costs_ms"].values())
+
+
 def train_grouped(steps: int, distributed: bool) -> dict | None:
     if distributed:
         polytrain.init()

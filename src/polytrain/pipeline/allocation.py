@@ -33,7 +33,7 @@ the loss gap to ddp after 300 steps from 9% to 1% (docs/hetpipe.md).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import Any, Sequence
 
 from ..emulation.devices import Cluster, Device
 from ..emulation.profile import ModelProfile
@@ -204,6 +204,19 @@ class HetPipePlan:
             lines.append(vw.describe())
             lines.append(plan.describe())
         return "\n".join(lines)
+
+    def record(self) -> dict[str, Any]:
+        """The ``hetpipe_plan`` of ``metrics.json``: N_m, D, and per VW its stages' devices,
+        layer bounds (and spans) and times per minibatch (ms, by the cost model)."""
+        return {"policy": self.policy, "inflight": self.inflight, "staleness": self.staleness,
+                "minibatch": self.minibatch, "period_ms": round(self.period * 1e3, 6),
+                "virtual_workers": [
+                    {"index": vw.index, "devices": [d.describe() for d in vw.devices],
+                     "bounds": list(plan.bounds),
+                     "layers": [plan.span(j) for j in range(plan.stages)],
+                     "stage_times_ms": [round(t * 1e3, 6) for t in plan.stage_times],
+                     "period_ms": round(plan.period * 1e3, 6)}
+                    for vw, plan in zip(self.virtual_workers, self.pipelines)]}
 
 
 def roles_of(vws: Sequence[VirtualWorker], worker: int) -> list[tuple[int, int]]:

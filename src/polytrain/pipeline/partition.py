@@ -75,12 +75,16 @@ class PipelinePlan:
     def stage_layers(self, j: int) -> tuple[str, ...]:
         return self.layers[self.bounds[j]:self.bounds[j + 1]]
 
+    def span(self, j: int) -> str:
+        """Stage ``j``'s layers as printed: ``first..last``, or the one."""
+        names = self.stage_layers(j)
+        return names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"
+
     def describe(self) -> str:
         """One line per stage: device, layers, time per minibatch, memory against its limit."""
         lines = []
         for j, dev in enumerate(self.devices):
-            names = self.stage_layers(j)
-            span = names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"
+            span = self.span(j)
             limit = self.memory_limits[j] / _MIB
             # Without --devices the nominal devices' memory is unlimited (2^30 MiB, halved by bd).
             memory = f"{self.stage_memory[j] / _MIB:8.1f} MiB" + \

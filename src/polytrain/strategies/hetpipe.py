@@ -32,6 +32,7 @@ from ..pipeline.assembly import (
     check_cuts,
     check_layer_costs,
     check_untied,
+    costs_record,
     fused_keys,
     layer_costs_field,
     layer_of,
@@ -230,6 +231,13 @@ class HetPipe(Strategy[HetPipeOptions]):
         plan = plan_hetpipe(cluster, profile(), policy=options.policy, global_batch=batch_size,
                             state_factor=optimizer_state_factor(optimizer),
                             inflight=options.inflight, staleness=options.staleness)
+        if options.layer_costs == "measured":
+            # The stages re-plan at the first step (_setup), which prints that plan.
+            return (plan.describe() + "\n  This plan is by FLOPs: with --layer-costs measured "
+                    "the run re-plans the cuts" + ("" if options.inflight is not None
+                                                   else " and N_m")
+                    + " from the layers' times measured at its first step (a resumed run: "
+                    "its checkpoint's) and prints that plan then.")
         return plan.describe()
 
     def __init__(self, ctx: Context | None, options: HetPipeOptions) -> None:
@@ -245,6 +253,7 @@ class HetPipe(Strategy[HetPipeOptions]):
         self.layer_seconds: list[tuple[float, float]] | None = None
         self.resume_seconds: list[tuple[float, float]] | None = None
         self.loaded: dict[str, Any] = {}  # what a load gave, for a save before the first step
+        self._notices: list[str] = []  # the measured costs' plan, for the run's output
 
     # -- set-up -----------------------------------------------------------------------------
 
@@ -294,6 +303,20 @@ class HetPipe(Strategy[HetPipeOptions]):
         last = len(self.virtual_workers[0].devices) - 1
         return any(r.vw == 0 and r.index == last for r in self.roles)
 
+    def notices(self) -> list[str]:
+        out, self._notices = self._notices, []
+        return out
+
+    def metrics(self) -> dict[str, Any]:
+        """The plan the run used (``hetpipe_plan``) and, measured, the layers' costs."""
+        if self.plan is None:  # no step ran
+            return {}
+        out: dict[str, Any] = {"hetpipe_plan": self.plan.record()}
+        if self.layer_seconds is not None:
+            out["layer_costs_ms"] = costs_record(self.plan.pipelines[0].layers,
+                                                 self.layer_seconds)
+        return out
+
     def _setup(self, inputs: torch.Tensor, loss_fn: LossFn) -> None:
         """Plan and build this process's stages at the first step (when the minibatch is known)."""
         ctx = self.ctx
@@ -319,6 +342,9 @@ class HetPipe(Strategy[HetPipeOptions]):
         self.plan = plan
         if ctx.worker_index == 0:
             log.info("%s", plan.describe())
+        if self.layer_seconds is not None:  # polytrain train printed the FLOPs' plan
+            self._notices.append("hetpipe: the plan from the layers' measured times "
+                                 "(--layer-costs measured):\n" + plan.describe())
         for i, pipe in enumerate(plan.pipelines):  # every worker alike, before any stage
             check_cuts(self.model, profile, pipe.bounds, label=f"virtual worker {i}'s pipeline")
         fused = fused_keys(self.model, self.base_optimizer)
