@@ -467,3 +467,16 @@ def test_compression_of_tensors_all_under_the_minimum_size_is_refused():
     out = tensor_compression(specs, "onebit", min_bytes=4096)  # one is: the rest travel as is
     assert out[0] is None and out[1] is not None
     assert tensor_compression(specs, {"a": "onebit"}, min_bytes=1024)[0] is not None
+
+
+def test_compression_that_would_compress_nothing_is_refused_before_any_process_starts():
+    # The refusal above came only at each worker's wrap: the run's banner, one "refused"
+    # line per worker and the launcher's report, 26 s in. The model is known before the
+    # launch (on the meta device): the configuration refuses it there.
+    with pytest.raises(ConfigError, match=r"none would be\. HINT: pass --compress-min-bytes"):
+        TrainConfig(strategy="byteps", workers=2, nodes=2, model="gpt",
+                    model_options={"d_model": 16, "seq_len": 8, "layers": 1},
+                    strategy_options={"compress": "onebit"})
+    TrainConfig(strategy="byteps", workers=2, nodes=2, model="gpt",  # one tensor is compressed
+                model_options={"d_model": 16, "seq_len": 8, "layers": 1},
+                strategy_options={"compress": "onebit", "compress_min_bytes": 4096})

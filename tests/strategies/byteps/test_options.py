@@ -159,11 +159,13 @@ def test_compress_momentum_beside_adams_own_momentum_is_refused_before_a_start()
     TrainConfig(strategy="byteps", optimizer="sgd", strategy_options=options)  # no momentum
 
 
-def test_cpu_servers_on_one_worker_machine_are_warned_of(caplog):
+def test_cpu_servers_on_one_worker_machine_are_warned_of(caplog, monkeypatch):
     # Symptom: `--servers 2` with one worker machine (the default --nodes 1) started two CPU
     # servers that summed nothing (0 bytes each in traffic.servers), without a word. Cause:
     # Theorem 1 gives CPU servers no share when nothing crosses between worker machines.
     # (A warning, not a refusal: the run is right, only its CPU servers idle.)
+    from polytrain.strategies.byteps import strategy
+    monkeypatch.setattr(strategy, "_warned", set())  # said once a process: not said yet
     parse("--workers", "2", "--servers", "2")
     assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
         "byteps --servers 2 with one worker machine (--nodes 1): Theorem 1 gives the CPU "
@@ -181,3 +183,14 @@ def test_cpu_servers_on_one_worker_machine_are_warned_of(caplog):
         "byteps --servers 2 on 2 worker machines: Theorem 1 gives the CPU servers the whole "
         "model when they are as many as the worker machines or more, so the colocated servers "
         "sum nothing (--no-colocate runs without them)"]
+
+
+def test_idle_cpu_servers_are_warned_of_once_though_a_resume_checks_the_layout_again(
+        caplog, monkeypatch):
+    # A resumed run (its config rebuilt with --resume) and every --max-restarts restart
+    # checked the layout again, and printed the warning again each time.
+    from polytrain.strategies.byteps import strategy
+    monkeypatch.setattr(strategy, "_warned", set())
+    config = parse("--workers", "2", "--servers", "2")
+    config.replace(resume="somewhere")
+    assert len([r for r in caplog.records if r.levelname == "WARNING"]) == 1

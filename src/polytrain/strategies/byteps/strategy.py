@@ -8,6 +8,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
+from ...comm.partition import TensorSpec
 from ...emulation.profile import hookless_copy
 from ...errors import ConfigError
 from ...launch.layout import Layout
@@ -19,13 +20,20 @@ from ..checks import check_dense_gradients
 from ..served import ServedStrategy
 from ..synced import keep_missing_for
 from .async_mode import AsyncOptimizer
-from .optimizer import DistributedOptimizer, check_compress_momentum, check_one_bit_adam
+from .optimizer import (
+    DistributedOptimizer,
+    check_compress_momentum,
+    check_one_bit_adam,
+    tensor_compression,
+)
 from .options import BytePSOptions
 from .plan import optimal_shares
 
 __all__ = ["BytePS"]
 
 log = logging.getLogger(__name__)
+# The layouts whose idle servers this process has said (check_layout runs again on a resume).
+_warned: set[tuple[int, int]] = set()
 
 
 @register
@@ -57,6 +65,13 @@ class BytePS(ServedStrategy[BytePSOptions]):
     @classmethod
     def check_model(cls, model: nn.Module, layout: Layout, options: BytePSOptions) -> None:
         check_dense_gradients(model, cls.name)
+        # What the wrap would refuse in every worker (compression that compresses nothing),
+        # refused before any process starts: the trained parameters' specs are the model's.
+        tensor_compression([TensorSpec.of(n, p) for n, p in model.named_parameters()
+                            if p.requires_grad], options.compress,
+                           error_feedback=options.error_feedback,
+                           momentum=options.compress_momentum,
+                           min_bytes=options.compress_min_bytes)
     no_colocate_means = ("is the classic parameter server: every gradient goes to "
                          "dedicated servers")
 
@@ -68,6 +83,9 @@ class BytePS(ServedStrategy[BytePSOptions]):
         if not options.colocate or k == 0:
             return
         shares = optimal_shares(n, k)
+        if (n, k) in _warned:  # once a process (a resume and a restart check the layout again)
+            return
+        _warned.add((n, k))
         if shares.cpu_servers == 0:  # one worker machine: nothing crosses between machines
             log.warning("byteps --servers %d with one worker machine (--nodes 1): Theorem 1 "
                         "gives the CPU servers no share of the model, so they sum nothing and "
