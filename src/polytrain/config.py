@@ -12,6 +12,8 @@ from typing import Any, Mapping
 import torch
 
 from ._env import check_seconds, timeout_of
+from .comm.bucket import plan_buckets
+from .comm.partition import TensorSpec
 from .data import DEFAULT_DATASET, check_dataset, check_divisible, training_data
 from .data.batches import check_seed
 from .emulation.devices import parse_cluster
@@ -25,6 +27,9 @@ from .launch.network import LinkShape, check_links, link_shape
 from .models import GPT, get_model, seq_len_of
 from .optim import OPTIMIZERS, check_optimizer_name, make_optimizer
 from .strategies.base import Strategy, get_strategy, make_options
+from .strategies.byteps.plan import optimal_shares
+from .strategies.herring.ddp import bucket_cap_bytes
+from .strategies.herring.plan import herring_traffic
 
 #: What ``device`` takes: each worker's GPU is chosen for it (``polytrain.init``).
 DEVICES = ("cpu", "cuda")
@@ -413,16 +418,31 @@ def check_link(strategy: str, options: Any, model: torch.nn.Module, layout: Layo
     device's will do) to the other workers a tensor at a time (torch's DDP all of it in one
     message of up to 250 MiB), down gloo's broadcast tree (:func:`_broadcast_copies`;
     ``gloo``: CPU workers, not GPUs, whose NCCL broadcast pipelines one copy down a chain),
-    and a wait longer than ``timeout_s`` fails the run. TrainConfig runs it, and the planner on
-    each candidate."""
+    and a wait longer than ``timeout_s`` fails the run. byteps and herring then wait for each
+    sum at once, its pushes to the servers and their answers (:func:`_sum_wait`), which a
+    wait longer than ``timeout_s`` fails too. TrainConfig runs it, and the planner on each
+    candidate."""
     link = link_shape(bandwidth, latency)
     if link is None:
         return
     if emulated:
         check_links(layout, str(bandwidth), serverless=None if get_strategy(strategy)
                     .uses_servers(options) else strategy)
-    if layout.nodes < 2:  # the model crosses no link: worker 0's machine holds every worker
-        return
+    if layout.nodes > 1:  # (on one machine the model crosses no link: it holds every worker)
+        _check_first_copy(strategy, model, layout, link, bandwidth=bandwidth,
+                          timeout_s=timeout_s, gloo=gloo)
+    wait = _sum_wait(strategy, options, model, layout)
+    if wait is not None:
+        busiest, what = wait
+        seconds = busiest * 8 / link.rate_bit_s
+        if seconds > timeout_s:
+            _too_slow(bandwidth, what, f"in {seconds:,.0f} s", seconds, busiest * 8 / timeout_s,
+                      timeout_s)
+
+
+def _check_first_copy(strategy: str, model: torch.nn.Module, layout: Layout, link: LinkShape, *,
+                      bandwidth: str | None, timeout_s: float, gloo: bool) -> None:
+    """check_link's refusal of a ``link`` too slow for worker 0's first copy of ``model``."""
     nbytes, name = max(((t.numel() * t.element_size(), n) for n, t in model.named_parameters()),
                        key=lambda size_name: size_name[0])  # the first of the largest
     what = f"the model's largest tensor ({name}, {nbytes:,} bytes), which every worker gets"
@@ -439,16 +459,65 @@ def check_link(strategy: str, options: Any, model: torch.nn.Module, layout: Layo
     seconds = one * copies
     if seconds <= timeout_s:
         return
-    need = nbytes * 8 * copies / timeout_s
-    rate = f"{math.ceil(need / 1e3)}kbit" if need < 1e6 else f"{math.ceil(need / 1e6)}mbit"
     took = (f"in {seconds:,.0f} s" if copies == 1 else
             f"to the last worker in {seconds:,.0f} s (gloo's broadcast passes it down a tree "
             f"whose senders share their links: {copies:g} times one copy's {one:,.1f} s)")
-    raise ConfigError(f"--bandwidth {bandwidth} carries {what} from worker 0 at the start, "
-                      f"{took}, longer than --timeout {timeout_s:g}: the run would time out "
-                      f"there",
+    _too_slow(bandwidth, f"{what} from worker 0 at the start", took, seconds,
+              nbytes * 8 * copies / timeout_s, timeout_s)
+
+
+def _too_slow(bandwidth: str | None, what: str, took: str, seconds: float, need_bit_s: float,
+              timeout_s: float) -> None:
+    """check_link's refusal: ``bandwidth`` carries ``what`` (``took``: how long, ``seconds``)
+    past ``timeout_s``; ``need_bit_s`` would carry it in time."""
+    rate = (f"{math.ceil(need_bit_s / 1e3)}kbit" if need_bit_s < 1e6 else
+            f"{math.ceil(need_bit_s / 1e6)}mbit")
+    raise ConfigError(f"--bandwidth {bandwidth} carries {what}, {took}, longer than --timeout "
+                      f"{timeout_s:g}: the run would time out there",
                       f"pass --bandwidth {rate} or more (a real network's is 1gbit or more), "
                       f"or a --timeout above {math.ceil(seconds)}")
+
+
+def _sum_wait(strategy: str, options: Any, model: torch.nn.Module, layout: Layout
+              ) -> tuple[float, str] | None:
+    """The bytes the busiest machine's link carries one way while a byteps or herring worker
+    waits for one sum, and what they are (None: another strategy, or compressed or
+    asynchronous byteps, whose sums this does not size).
+
+    A worker waits for a sum at once: byteps's fused group of gradients (``fuse_bytes``,
+    cut into partitions over the servers by Theorem 1's shares), herring's fusion buffer
+    (``bucket_cap_mb``, a shard a server machine). Every machine pushes the shards it does
+    not own and answers the others' pulls of its own, and a server answers a shard only when
+    every machine's push of it is in: the busiest link carries its traffic per step
+    (:func:`~polytrain.strategies.byteps.plan.optimal_shares`,
+    :func:`~polytrain.strategies.herring.plan.herring_traffic`, in units of the model) times
+    the largest group, one way, before the last worker's wait ends (at least: pushes and
+    answers of one partition do not overlap).
+    """
+    if strategy not in ("byteps", "herring"):
+        return None
+    specs = [TensorSpec.of(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    colocated = layout.colocated > 0
+    if not specs or not (layout.nodes > 1 or layout.servers):
+        return None  # nothing to sum, or nothing crosses a link
+    if strategy == "byteps":
+        if options.async_ or options.compress != "none" or options.compress_adam:
+            return None
+        groups = plan_buckets(specs, fill_bytes=options.fuse_bytes, reverse=False)
+        share = optimal_shares(layout.nodes, layout.servers,
+                               colocate=colocated).traffic_per_machine()
+        unit = "fused group of gradients"
+    else:
+        groups = plan_buckets(specs, cap_bytes=bucket_cap_bytes(options.bucket_cap_mb),
+                              reverse=True)
+        traffic = herring_traffic(layout.nodes, layout.servers, colocated=colocated)
+        share = max(traffic.values())
+        unit = "fusion buffer"
+    largest = max(g.nbytes for g in groups)
+    busiest = share * largest
+    return busiest, (f"{strategy}'s largest sum, which a worker waits for at once (a {unit} "
+                     f"of {largest:,} bytes: {busiest:,.0f} bytes over the busiest machine's "
+                     f"link, the pushes to the servers and their answers)")
 
 
 def check_data_length(spec: Any, model: torch.nn.Module, model_options: Mapping[str, Any], *,

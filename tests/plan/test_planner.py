@@ -197,17 +197,19 @@ def test_a_link_too_slow_for_ddps_first_message_leaves_ddp_out_as_train_refuses_
     # `train --strategy auto` then refused its own choice: "--bandwidth 200kbit carries the
     # model's parameters and buffers (3,468,288 bytes) ... in 139 s, longer than --timeout
     # 120". Cause: Job.refusals ran the strategies' checks, not TrainConfig's link check.
-    job = Job(workers=2, nodes=2, bandwidth="200kbit", timeout_s=120)
+    # (On 4 machines: on 2, byteps's and herring's sums wait for the whole model too.)
+    job = Job(workers=4, nodes=4, bandwidth="200kbit", timeout_s=300)
     plan = plan_job(job, compute=FIXED)
     assert [p.candidate.key for p in plan.predictions] == ["byteps k=0", "herring k=0"]
     assert plan.recommended.candidate.key == "herring k=0"
     assert plan.as_dict()["refused"] == {"ddp": (
         "--bandwidth 200kbit carries the model's parameters and buffers (3,468,288 bytes), "
-        "which torch's DDP sends in one message from worker 0 at the start, in 139 s, longer "
-        "than --timeout 120: the run would time out there")}
-    assert plan.as_dict()["job"]["timeout_s"] == 120
+        "which torch's DDP sends in one message from worker 0 at the start, to the last worker "
+        "in 416 s (gloo's broadcast passes it down a tree whose senders share their links: 3 "
+        "times one copy's 138.7 s), longer than --timeout 300: the run would time out there")}
+    assert plan.as_dict()["job"]["timeout_s"] == 300
     # A longer wait lets ddp's first message cross: it is predicted, and fastest.
-    longer = plan_job(Job(workers=2, nodes=2, bandwidth="200kbit", timeout_s=140), compute=FIXED)
+    longer = plan_job(Job(workers=4, nodes=4, bandwidth="200kbit", timeout_s=420), compute=FIXED)
     assert longer.recommended.candidate.key == "ddp" and longer.refused == ()
 
 
@@ -269,3 +271,20 @@ def test_a_first_message_timed_down_gloos_broadcast_tree_leaves_ddp_out():
     # pipelines the message down a chain: one copy's time, 4.0 s.
     real = plan_job(dataclasses.replace(job, hosts="real"), compute=FIXED)
     assert list(real.as_dict()["refused"]) == ["ddp"]
+
+
+@pytest.mark.timeout(30)
+def test_a_link_too_slow_for_a_sums_wait_leaves_byteps_and_herring_out_as_train_refuses_them():
+    # Symptom: `polytrain plan --model mlp --d-model 256 --nodes 2 --workers 2 --bandwidth
+    # 2mbit --timeout 5` left ddp out (its first message, 6 s) but recommended herring k=0 at
+    # 7983 ms per step, and `train --strategy auto` failed its first step with CommTimeout.
+    # Cause: check_link, which the planner runs on each candidate, timed only the first copy
+    # of the model, not the sum byteps and herring wait for at once (6.4 s on this link).
+    job = Job(model="mlp", model_options={"d_model": 256}, workers=2, nodes=2, batch_size=8,
+              bandwidth="2mbit", timeout_s=5)
+    with pytest.raises(ConfigError, match=r"^every strategy the planner predicts is refused on "
+                                          r"this job \(ddp, byteps k=0, herring k=0\)"):
+        plan_job(job, compute=FIXED)
+    # With time for the model to cross, every candidate is predicted.
+    plan = plan_job(dataclasses.replace(job, timeout_s=7), compute=FIXED)
+    assert plan.refused == () and len(plan.predictions) == 3
