@@ -134,9 +134,9 @@ def test_one_in_flight_cuts_for_the_least_round_trip():
 
 
 def test_one_in_flight_on_even_devices_keeps_the_min_max_cut():
-    # On equal devices every cut has the same round trip, summed in another order: a cut
-    # a rounding error faster must not replace the balanced one (the plan of a run
-    # without --devices, and its figures, would move for nothing).
+    # On equal devices, with equal activations between layers (GPT's), every cut has the
+    # same round trip, summed in another order: a cut a rounding error faster must not
+    # replace the balanced one (the plan of a run without --devices would move for nothing).
     profile = profile_model(GPT(), torch.zeros(1, 64, dtype=torch.long))
     c = homogeneous(4, 2)
     one = plan_hetpipe(c, profile, policy="ed", global_batch=32, state_factor=2, inflight=1)
