@@ -50,7 +50,7 @@ _HELD_HINT = ("every worker must push and pull the same tensors in the same roun
              "push_pull, a layer or a step that only some workers run (a branch on the rank, "
              "fewer batches on one worker, a parameter unused on some)")
 #: ... about answers short of a push that may still be crossing a slow link: a process that
-#: asked for the same answer, or an emulated network's shaped links (before the script's fault).
+#: asked for the same answer and whose push is still arriving (before the script's fault).
 _IN_FLIGHT_HINT = ("a push may still be crossing a slow link (an emulated --bandwidth, a busy "
                    "network): if so, raise --timeout or the bandwidth; otherwise " + _HELD_HINT)
 #: ... about answers that wait for the pushes of processes behind the others, and working.
@@ -222,9 +222,6 @@ class Server:
         self._finished = threading.Event()
         self._last_request = 0.0  # time.monotonic() of the newest request
         # The answers not given yet, by (src, seq) (_report_held).
-        # Whether the links are shaped (--bandwidth: this machine has its emulated NIC), where
-        # a push short of a sum may only be slow (_report_held).
-        self._shaped = _env.nic() is not None
         self._held_path = _env.held_file()  # None: no launcher reads it (torchrun): logged
         self._logged: set[tuple[int, int, bool]] = set()  # (src, seq, handled) logged
         self._held: dict[tuple[int, int], _Held] = {}
@@ -389,9 +386,11 @@ class Server:
             if not self._held_path:  # logged once each (and once more when its store has it)
                 self._logged = ({k for k in self._logged if k[:2] in self._held}
                                 | {(*k, h.handled) for k, h in old[:_HELD_SHOWN]})
-            asking: dict[tuple[int, int], set[int]] = {}  # (key, round): who asked, held or not
+            # (key, round): who asked for it with a push not in yet (its payload arriving)
+            asking: dict[tuple[int, int], set[int]] = {}
             for (src, _), h in self._held.items():
-                asking.setdefault((h.key, h.round), set()).add(src)
+                if not h.handled:
+                    asking.setdefault((h.key, h.round), set()).add(src)
         lines, stuck, behind, in_flight = [], False, set(), False
         waiting = {src for (src, _), _ in old}
         for (src, _), h in old[:_HELD_SHOWN]:
@@ -432,10 +431,6 @@ class Server:
                     f"{', '.join(self.topology.name(r) for r in others)} asked for this answer "
                     f"too: {'its push' if len(others) == 1 else 'their pushes'} may still be "
                     f"in flight")
-            elif self._shaped:
-                in_flight = True
-                why = (f"{why}; " if why else "") + ("on this emulated network a push may "
-                                                     "still be crossing a slow link")
             lines.append(f"{h.op.name} of {name} round {h.round} for {self.topology.name(src)}, "
                          f"held {now - h.since:.0f} s{f': {why}' if why else ''}")
         if len(old) > _HELD_SHOWN:
