@@ -491,8 +491,12 @@ def _sum_wait(strategy: str, options: Any, model: torch.nn.Module, layout: Layou
     every machine's push of it is in: the busiest link carries its traffic per step
     (:func:`~polytrain.strategies.byteps.plan.optimal_shares`,
     :func:`~polytrain.strategies.herring.plan.herring_traffic`, in units of the model) times
-    the largest group, one way, before the last worker's wait ends (at least: pushes and
-    answers of one partition do not overlap).
+    the group, one way, before the last worker's wait ends (at least: pushes and answers of
+    one partition do not overlap). The group is the first a worker waits for: its bytes
+    cannot cross before its wait begins (byteps waits in model order after the backward pass,
+    which makes the first layers' gradients last; herring waits from its first bucket's
+    push), where a later, larger group's may have crossed in part during the waits before
+    its own (each wait has a timeout of its own), so that a run it would refuse may finish.
     """
     if strategy not in ("byteps", "herring"):
         return None
@@ -513,10 +517,10 @@ def _sum_wait(strategy: str, options: Any, model: torch.nn.Module, layout: Layou
         traffic = herring_traffic(layout.nodes, layout.servers, colocated=colocated)
         share = max(traffic.values())
         unit = "fusion buffer"
-    largest = max(g.nbytes for g in groups)
-    busiest = share * largest
-    return busiest, (f"{strategy}'s largest sum, which a worker waits for at once (a {unit} "
-                     f"of {largest:,} bytes: {busiest:,.0f} bytes over the busiest machine's "
+    first = groups[0].nbytes  # byteps's in model order, herring's backward's first
+    busiest = share * first
+    return busiest, (f"{strategy}'s first sum, which a worker waits for at once (a {unit} "
+                     f"of {first:,} bytes: {busiest:,.0f} bytes over the busiest machine's "
                      f"link, the pushes to the servers and their answers)")
 
 

@@ -190,7 +190,7 @@ def test_a_link_too_slow_for_the_first_wait_is_refused_before_any_process_starts
     # One machine of workers (and a server's machine): the first copy crosses no link, but
     # each sum crosses to the server and back (tests/test_config_link.py); a fast enough link
     # passes both.
-    with pytest.raises(ConfigError, match=r"^--bandwidth 1kbit carries herring's largest sum"):
+    with pytest.raises(ConfigError, match=r"^--bandwidth 1kbit carries herring's first sum"):
         TrainConfig(strategy="herring", workers=2, nodes=1, servers=1, bandwidth="1kbit",
                     timeout_s=20)
     TrainConfig(strategy="herring", workers=2, nodes=2, bandwidth="2mbit", timeout_s=20)
