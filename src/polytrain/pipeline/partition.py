@@ -19,7 +19,7 @@ import functools
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 from ..emulation.devices import DeviceType
 from ..emulation.profile import ModelProfile
@@ -135,17 +135,24 @@ def minmax_cut(n: int, k: int, cost: Cost) -> tuple[float, tuple[int, ...]] | No
     return value, tuple(bounds)
 
 
-def minmax_cut_brute(n: int, k: int, cost: Cost) -> tuple[float, tuple[int, ...]] | None:
-    """:func:`minmax_cut` by trying every cut in lexicographic order (tests only)."""
-    found: tuple[float, tuple[int, ...]] | None = None
+def _every_cut(n: int, k: int, cost: Cost) -> Iterator[tuple[tuple[int, ...], list[float]]]:
+    """Every cut of ``n`` layers into ``k`` stages that ``cost`` takes (no stage None), in
+    lexicographic order, with its stages' times: the brute-force twins' search."""
     if k < 1 or n < k:
-        return None
+        return
     for cuts in itertools.combinations(range(1, n), k - 1):
         bounds = (0, *cuts, n)
         costs = [cost(j, bounds[j], bounds[j + 1]) for j in range(k)]
-        if any(c is None for c in costs):
-            continue
-        value = max(c for c in costs if c is not None)
+        times = [c for c in costs if c is not None]
+        if len(times) == k:
+            yield bounds, times
+
+
+def minmax_cut_brute(n: int, k: int, cost: Cost) -> tuple[float, tuple[int, ...]] | None:
+    """:func:`minmax_cut` by trying every cut in lexicographic order (tests only)."""
+    found: tuple[float, tuple[int, ...]] | None = None
+    for bounds, times in _every_cut(n, k, cost):
+        value = max(times)
         if found is None or value < found[0]:
             found = (value, bounds)
     return found
@@ -194,14 +201,7 @@ def period_cut_brute(n: int, k: int, cost: Cost,
                      inflight: int) -> tuple[float, tuple[int, ...]] | None:
     """:func:`period_cut` by trying every cut in lexicographic order (tests only)."""
     found: tuple[tuple[float, float, float], tuple[int, ...]] | None = None
-    if k < 1 or n < k:
-        return None
-    for cuts in itertools.combinations(range(1, n), k - 1):
-        bounds = (0, *cuts, n)
-        costs = [cost(j, bounds[j], bounds[j + 1]) for j in range(k)]
-        if any(c is None for c in costs):
-            continue
-        times = [c for c in costs if c is not None]
+    for bounds, times in _every_cut(n, k, cost):
         top = max(times)
         period = max(top, sum(times) / inflight)
         key = (period, top, sum(times))
